@@ -1,0 +1,123 @@
+/* backend.h: the one interface every device implements.
+ *
+ * Memory: "device" buffers (on the CPU backend, plain host memory inside a
+ * capped arena) and host buffers (pinned on CUDA).
+ * Streams and events: every op is enqueued on a stream; ordering between
+ * streams goes through events (record on one, wait on the other) - never
+ * through the host. The CPU backend executes each op synchronously on the
+ * calling thread (with its worker pool), so its streams/events are trivially
+ * complete, but callers must use them exactly as on CUDA.
+ * Ops: activations are fp32, row-major; weights are any st_dtype and are
+ * dequantized inside the op. All pointers are device pointers of this backend.
+ */
+#pragma once
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include "core/core.h"
+#include "core/dtype.h"
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct st_backend st_backend;
+typedef struct st_stream st_stream;
+typedef struct st_event st_event;
+
+/* A weight matrix in device memory: rows x cols, row-major, each row
+ * st_dtype_row_bytes(dtype, cols) bytes, rows contiguous. A vector is rows=1. */
+typedef struct {
+    const void *data;
+    st_dtype dtype;
+    int64_t rows;
+    int64_t cols;
+} st_weight;
+
+typedef enum { ST_BACKEND_CPU = 0, ST_BACKEND_CUDA } st_backend_kind;
+
+typedef struct {
+    st_backend_kind kind;
+    int n_threads;        /* CPU: worker threads (<= 0: all cores) */
+    size_t device_mem;    /* cap on device allocations (0: unlimited) */
+    int device_index;     /* CUDA */
+} st_backend_params;
+
+typedef struct {
+    const char *name;
+    void (*destroy)(st_backend *be);
+
+    /* memory */
+    strata_status (*alloc)(st_backend *be, size_t n, void **out);
+    void (*dealloc)(st_backend *be, void *p);
+    strata_status (*host_alloc)(st_backend *be, size_t n, void **out); /* pinned */
+    void (*host_dealloc)(st_backend *be, void *p);
+    /* Makes `n` bytes of host memory usable as device memory: on CPU the same
+     * pointer (zero copy, *owned=false); elsewhere an allocation plus a copy
+     * (*owned=true: release with dealloc). */
+    strata_status (*upload)(st_backend *be, const void *host, size_t n, void **dev, bool *owned);
+    strata_status (*copy_h2d)(st_backend *be, st_stream *s, void *dst, const void *src, size_t n);
+    strata_status (*copy_d2h)(st_backend *be, st_stream *s, void *dst, const void *src, size_t n);
+    strata_status (*copy_d2d)(st_backend *be, st_stream *s, void *dst, const void *src, size_t n);
+
+    /* streams and events */
+    strata_status (*stream_create)(st_backend *be, bool high_priority, st_stream **out);
+    void (*stream_destroy)(st_backend *be, st_stream *s);
+    strata_status (*stream_sync)(st_backend *be, st_stream *s);
+    strata_status (*event_create)(st_backend *be, st_event **out);
+    void (*event_destroy)(st_backend *be, st_event *e);
+    strata_status (*event_record)(st_backend *be, st_event *e, st_stream *s);
+    strata_status (*stream_wait_event)(st_backend *be, st_stream *s, st_event *e);
+    strata_status (*event_sync)(st_backend *be, st_event *e);
+
+    /* ops */
+    /* out[i,:] = dequant(w[ids[i], :]) for i < n.   ids: [n] int32, out: [n, w.cols] */
+    strata_status (*get_rows)(st_backend *be, st_stream *s, const st_weight *w,
+                              const int32_t *ids, int64_t n, float *out);
+    /* If residual != NULL: x += residual (in place, x: [n, d]).
+     * Then out[i,:] = x[i,:] / sqrt(mean(x[i,:]^2) + eps) * w   (w: 1 x d) */
+    strata_status (*rmsnorm)(st_backend *be, st_stream *s, float *x, const float *residual,
+                             const st_weight *w, float eps, int64_t n, int64_t d, float *out);
+    /* y[n, w.rows] = x[n, w.cols] @ w^T, fp32 accumulation. */
+    strata_status (*matmul)(st_backend *be, st_stream *s, const float *x, const st_weight *w,
+                            int64_t n, float *y);
+    /* Rotates x: [n, n_heads, head_dim] in place. Token i sits at position pos[i];
+     * pair j (< head_dim/2) turns by angle pos*inv_freq[j] (computed in double so
+     * that positions far past 2^24 stay exact). interleaved: pairs (2j, 2j+1);
+     * else rotate-half pairs (j, j + head_dim/2). */
+    strata_status (*rope)(st_backend *be, st_stream *s, float *x, const int32_t *pos, int64_t n,
+                          int64_t n_heads, int64_t head_dim, const float *inv_freq, bool interleaved);
+    /* Causal grouped-query attention of one sequence.
+     * q: [n, n_heads, hd]; k, v: [n_kv, n_kv_heads, hd] (the cache, keys at
+     * positions 0..n_kv-1); query i sits at position pos[i] and sees keys
+     * 0..pos[i]; head h reads kv head h / (n_heads / n_kv_heads).
+     * out: [n, n_heads, hd] = softmax(q k^T * scale) v. */
+    strata_status (*attention)(st_backend *be, st_stream *s, const float *q, const float *k,
+                               const float *v, const int32_t *pos, int64_t n, int64_t n_kv,
+                               int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, float scale,
+                               float *out);
+    /* out[i] = silu(gate[i]) * up[i] for i < n. */
+    strata_status (*swiglu)(st_backend *be, st_stream *s, const float *gate, const float *up,
+                            int64_t n, float *out);
+    /* x[i] += y[i] for i < n. */
+    strata_status (*add)(st_backend *be, st_stream *s, float *x, const float *y, int64_t n);
+} st_backend_ops;
+
+struct st_backend {
+    const st_backend_ops *ops;
+    st_backend_kind kind;
+    st_budget device_budget; /* device allocations counted against device_mem */
+    void *impl;
+};
+
+/* Creates the backend named in params. The caller owns *out (st_backend_free). */
+strata_status st_backend_init(const st_backend_params *params, st_backend **out);
+void st_backend_free(st_backend *be); /* NULL is a no-op */
+bool st_backend_available(st_backend_kind kind);
+
+/* Implementations (each in its own directory). */
+strata_status st_backend_cpu_init(const st_backend_params *params, st_backend **out);
+strata_status st_backend_cuda_init(const st_backend_params *params, st_backend **out);
+
+#ifdef __cplusplus
+}
+#endif

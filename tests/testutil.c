@@ -1,0 +1,74 @@
+#include "testutil.h"
+
+#include <stdarg.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+int g_test_failures;
+int g_test_checks;
+
+void test_check_err(strata_status st, strata_status want, const char *file, int line, ...) {
+    g_test_checks++;
+    const char *msg = st_last_error();
+    if (st != want) {
+        g_test_failures++;
+        fprintf(stderr, "%s:%d: status %d (%s), wanted %d (%s); message: %s\n", file, line, st,
+                strata_status_str(st), want, strata_status_str(want), msg);
+        return;
+    }
+    va_list ap;
+    va_start(ap, line);
+    const char *sub;
+    while ((sub = va_arg(ap, const char *)) != NULL) {
+        if (!strstr(msg, sub)) {
+            g_test_failures++;
+            fprintf(stderr, "%s:%d: error message lacks \"%s\": %s\n", file, line, sub, msg);
+        }
+    }
+    va_end(ap);
+}
+
+static void mkdir_p(const char *path) {
+    char buf[1024];
+    snprintf(buf, sizeof buf, "%s", path);
+    for (char *p = buf + 1; *p; p++) {
+        if (*p == '/') { *p = 0; mkdir(buf, 0755); *p = '/'; }
+    }
+    mkdir(buf, 0755);
+}
+
+const char *test_tmpdir(const char *tag) {
+    static char buf[1024];
+    const char *base = getenv("STRATA_TMP");
+    if (!base || !*base) base = "/tmp/strata-test";
+    snprintf(buf, sizeof buf, "%s/%s-%d", base, tag, (int)getpid());
+    mkdir_p(buf);
+    return buf;
+}
+
+const char *test_src_path(const char *rel) {
+    static char bufs[4][1024];
+    static int i;
+    const char *base = getenv("STRATA_SRC");
+    if (!base || !*base) base = ".";
+    char *b = bufs[i++ & 3];
+    snprintf(b, 1024, "%s/%s", base, rel);
+    return b;
+}
+
+bool test_write_file(const char *path, const void *data, size_t n) {
+    FILE *f = fopen(path, "wb");
+    if (!f) return false;
+    bool ok = fwrite(data, 1, n, f) == n;
+    return fclose(f) == 0 && ok;
+}
+
+int test_finish(const char *name) {
+    if (g_test_failures) {
+        fprintf(stderr, "%s: %d of %d checks FAILED\n", name, g_test_failures, g_test_checks);
+        return 1;
+    }
+    printf("%s: all %d checks passed\n", name, g_test_checks);
+    return 0;
+}

@@ -1,0 +1,26 @@
+/* Minimal test helpers: CHECK macros that count failures, temp paths, error
+ * message assertions. A test main returns test_finish(). */
+#pragma once
+#include <stdbool.h>
+#include <stdio.h>
+#include <string.h>
+#include "core/core.h"
+
+extern int g_test_failures;
+extern int g_test_checks;
+
+#define CHECK(cond) do { g_test_checks++; if (!(cond)) { g_test_failures++; \
+    fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); } } while (0)
+#define CHECK_MSG(cond, ...) do { g_test_checks++; if (!(cond)) { g_test_failures++; \
+    fprintf(stderr, "%s:%d: CHECK failed: %s: ", __FILE__, __LINE__, #cond); \
+    fprintf(stderr, __VA_ARGS__); fputc('\n', stderr); } } while (0)
+/* Status equals `want` and st_last_error() contains every non-NULL substring. */
+#define CHECK_ERR(st, want, ...) test_check_err((st), (want), __FILE__, __LINE__, __VA_ARGS__, (const char *)NULL)
+
+void test_check_err(strata_status st, strata_status want, const char *file, int line, ...);
+/* A fresh directory under $STRATA_TMP (or /tmp) named after `tag`; static buffer. */
+const char *test_tmpdir(const char *tag);
+/* Path under the source tree ($STRATA_SRC or "."); static rotating buffers. */
+const char *test_src_path(const char *rel);
+bool test_write_file(const char *path, const void *data, size_t n);
+int test_finish(const char *name);
