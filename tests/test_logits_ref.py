@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""End-to-end: `strata logits` against reference logits from HF transformers
+(tests/data/refs, made by tools/ref/make_refs.py), from the safetensors form
+and from GGUF conversions (f32, f16, q8_0) made by `strata convert`.
+
+Error measure: rel = max|ours - ref| / max|ref| over the whole [n, vocab] array.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+SRC = os.environ.get("STRATA_SRC", ".")
+BIN = os.environ.get("STRATA_BIN", "build/strata")
+TMP = os.path.join(os.environ.get("STRATA_TMP", "/tmp/strata-test"), "logits_ref")
+os.makedirs(TMP, exist_ok=True)
+DATA = os.path.join(SRC, "tests", "data")
+
+# Tolerances (rel as above) against the HF float32 reference.
+TOL = {"float32": 1e-4, "bfloat16": 2e-2}
+# GGUF conversions of the same weights: expected error of each storage type.
+GGUF_TOL = {"f32": 1e-4, "f16": 5e-3, "q8_0": 3e-2}
+
+failures = []
+rows = []
+
+
+def check(cond, what):
+    if not cond:
+        failures.append(what)
+        print("FAIL:", what, flush=True)
+
+
+def run(args, expect_ok=True):
+    p = subprocess.run([BIN] + args, capture_output=True, text=True)
+    if expect_ok and p.returncode != 0:
+        failures.append("strata %s failed: %s" % (" ".join(args), p.stderr.strip()))
+        print("FAIL:", failures[-1], flush=True)
+    return p
+
+
+def logits(model, tokens_file, vocab, n, extra=()):
+    out = os.path.join(TMP, "out.f32")
+    if os.path.exists(out):
+        os.remove(out)
+    p = run(["logits", model, "--tokens-file", tokens_file, "--out", out, *extra])
+    if p.returncode != 0:
+        return None
+    a = np.fromfile(out, dtype="<f4")
+    if a.size != n * vocab:
+        failures.append("%s: %d floats written, expected %d" % (model, a.size, n * vocab))
+        return None
+    return a.reshape(n, vocab)
+
+
+def rel(a, ref):
+    return float(np.abs(a - ref).max() / np.abs(ref).max())
+
+
+def main():
+    man = json.load(open(os.path.join(DATA, "refs", "manifest.json")))
+    for name, e in sorted(man["models"].items()):
+        mdir = os.path.join(DATA, "models", name)
+        tok = os.path.join(DATA, "refs", name + ".tokens")
+        n, vocab = e["n_tokens"], e["vocab"]
+        ref = np.fromfile(os.path.join(DATA, "refs", name + ".logits.f32"), dtype="<f4").reshape(n, vocab)
+        ours = logits(mdir, tok, vocab, n)
+        if ours is None:
+            continue
+        r = rel(ours, ref)
+        same_argmax = bool((ours.argmax(1) == ref.argmax(1)).all())
+        rows.append((name, "safetensors", e["dtype"], r, TOL[e["dtype"]], same_argmax))
+        check(r < TOL[e["dtype"]], "%s: rel error %.3g >= %.3g" % (name, r, TOL[e["dtype"]]))
+        check(same_argmax, "%s: argmax differs at positions %s" %
+              (name, np.nonzero(ours.argmax(1) != ref.argmax(1))[0].tolist()))
+        if e["dtype"] == "bfloat16":
+            hb = np.fromfile(os.path.join(DATA, "refs", name + ".hfbf16.logits.f32"), dtype="<f4").reshape(n, vocab)
+            rb = rel(ours, hb)
+            rows.append((name, "vs HF bf16 compute", e["dtype"], rb, 0.1, True))
+            check(rb < 0.1, "%s: rel error vs HF's bf16 run %.3g" % (name, rb))
+
+        # chunked prefill and token-by-token decode through the KV cache
+        for chunk in ("1", "7"):
+            c = logits(mdir, tok, vocab, n, ("--chunk", chunk))
+            if c is None:
+                continue
+            rc = rel(c, ours)
+            rows.append((name, "chunk " + chunk + " vs whole", e["dtype"], rc, 1e-5, True))
+            check(rc < 1e-5, "%s: --chunk %s differs from one pass by %.3g" % (name, chunk, rc))
+            check(bool((c.argmax(1) == ours.argmax(1)).all()), "%s: --chunk %s argmax differs" % (name, chunk))
+
+        # GGUF forms of the same weights
+        for gt, tol in GGUF_TOL.items():
+            g = os.path.join(TMP, "%s.%s.gguf" % (name, gt))
+            if run(["convert", mdir, g, "--type", gt]).returncode != 0:
+                continue
+            og = logits(g, tok, vocab, n)
+            if og is None:
+                continue
+            rg = rel(og, ref)
+            # argmax must agree wherever the reference's top-2 margin exceeds the error bound
+            srt = np.sort(ref, axis=1)
+            margin = srt[:, -1] - srt[:, -2]
+            clear = margin > 2 * tol * np.abs(ref).max()
+            agree = bool((og.argmax(1) == ref.argmax(1))[clear].all())
+            rows.append((name, "gguf " + gt, e["dtype"], rg, tol, agree))
+            check(rg < tol, "%s gguf %s: rel error %.3g >= %.3g" % (name, gt, rg, tol))
+            check(agree, "%s gguf %s: argmax differs where the margin is clear" % (name, gt))
+
+    # bad input on the command line: clear message, non-zero status
+    m0 = os.path.join(DATA, "models", "gqa_f32")
+    out = os.path.join(TMP, "bad.f32")
+    p = run(["logits", m0, "--tokens", "1 2 abc", "--out", out], expect_ok=False)
+    check(p.returncode == 2 and "'abc'" in p.stderr, "bad token text: rc %d, %r" % (p.returncode, p.stderr))
+    p = run(["logits", m0, "--tokens", "1 2 256", "--out", out], expect_ok=False)
+    check(p.returncode == 1 and "outside the vocabulary" in p.stderr and "256" in p.stderr,
+          "token past vocab: rc %d, %r" % (p.returncode, p.stderr))
+    p = run(["logits", os.path.join(TMP, "no_such_model"), "--tokens", "1", "--out", out], expect_ok=False)
+    check(p.returncode == 1 and "no_such_model" in p.stderr, "missing model: rc %d, %r" % (p.returncode, p.stderr))
+    p = run(["logits", m0, "--tokens", "1 2", "--out", "/nonexistent-dir/x.f32"], expect_ok=False)
+    check(p.returncode == 1 and "/nonexistent-dir/x.f32" in p.stderr, "unwritable out: %r" % p.stderr)
+
+    print("%-16s %-22s %-9s %10s %9s %s" % ("model", "form", "weights", "rel err", "bound", "argmax"))
+    for r in rows:
+        print("%-16s %-22s %-9s %10.3g %9.3g %s" % (r[0], r[1], r[2], r[3], r[4], "same" if r[5] else "DIFF"))
+    n_checks = len(rows) + 4
+    print("%d passed, %d failed" % (n_checks - len(failures), len(failures)))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,6 @@
+#pragma once
+/* Each subcommand: argv[0] is its name; returns the process exit status
+ * (0 ok, 1 runtime error, 2 usage error). */
+int cmd_logits(int argc, char **argv);
+int cmd_inspect(int argc, char **argv);
+int cmd_convert(int argc, char **argv);
