@@ -1,5 +1,5 @@
 /* core: errors, logging, assertions, allocation, file mapping, time. */
-#define _GNU_SOURCE
+
 #include "core/core.h"
 
 #include <errno.h>
