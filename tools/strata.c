@@ -20,6 +20,7 @@ static const struct {
     {"logits", cmd_logits, "write float32 logits of every position for given token ids"},
     {"inspect", cmd_inspect, "print a model's configuration and tensor table"},
     {"convert", cmd_convert, "convert a model (HF dir or GGUF) to a GGUF file"},
+    {"tokenize", cmd_tokenize, "print the token ids of a text"},
 };
 
 static void usage(FILE *f) {
