@@ -1,0 +1,60 @@
+#!/usr/bin/env python3
+"""The default model against HF transformers loading the same GGUF file
+(tests/data/smollm2, made by tools/ref/make_smollm2_refs.py on the GPU machine):
+logits of a 64-token English prompt. HF dequantizes the Q4_1/Q8_0 weights to
+float32; strata dequantizes inside its matmul, so the two should agree to float
+rounding, far inside the quantization error."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import default_model  # noqa: E402
+
+SRC = os.environ.get("STRATA_SRC", ".")
+BIN = os.environ.get("STRATA_BIN", "build/strata")
+TMP = os.path.join(os.environ.get("STRATA_TMP", "/tmp/strata-test"), "smollm2_ref")
+REL_TOL = 1e-4
+
+
+def main():
+    os.makedirs(TMP, exist_ok=True)
+    gguf = default_model.path()
+    ref = json.load(open(os.path.join(SRC, "tests", "data", "smollm2", "smollm2_refs.json")))
+    pos = ref["logits_pos"]
+    ids = ref["prompt_ids"]
+    rows = np.fromfile(os.path.join(SRC, "tests", "data", "smollm2", "smollm2_logits.f32"), dtype="<f4")
+    rows = rows.reshape(len(pos), -1)
+    vocab = rows.shape[1]
+    out = os.path.join(TMP, "logits.f32")
+    fails = 0
+    checks = 0
+    for extra in ((), ("--chunk", "16")):
+        p = subprocess.run([BIN, "logits", gguf, "--tokens", " ".join(map(str, ids)), "--out", out, *extra],
+                           capture_output=True, text=True)
+        checks += 1
+        if p.returncode != 0:
+            print("FAIL: strata logits %s: %s" % (" ".join(extra), p.stderr))
+            fails += 1
+            continue
+        a = np.fromfile(out, dtype="<f4").reshape(len(ids), vocab)
+        rel = float(np.abs(a[pos] - rows).max() / np.abs(rows).max())
+        diff = np.nonzero(a.argmax(1) != np.array(ref["argmax"]))[0].tolist()
+        print("smollm2 Q4_1 %-12s rel error %.3g (bound %.0e), argmax differs at %d of %d positions"
+              % (" ".join(extra) or "one pass", rel, REL_TOL, len(diff), len(ids)))
+        checks += 2
+        if not rel < REL_TOL:
+            print("FAIL: rel error %.3g" % rel)
+            fails += 1
+        if diff:
+            print("FAIL: argmax differs at", diff)
+            fails += 1
+    print("%d passed, %d failed" % (checks - fails, fails))
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
