@@ -1,0 +1,87 @@
+/* CPU causal grouped-query attention of one sequence.
+ *
+ * Work item = (token i, head h), numbered i * n_heads + h so that the heads
+ * sharing a KV head are neighbours (their keys stay in cache). Two-pass
+ * softmax in fp32 per item, in the thread's scratch:
+ *   s[j] = scale * dot(q_i,h, k_j)            j = 0..pos[i]
+ *   p[j] = exp(s[j] - max s);  Z = sum p      (lane order of cpu_simd.h)
+ *   out  = (sum_j p[j] v_j) / Z               (accumulated in increasing j)
+ * Each item runs on one thread in this fixed order: results do not depend
+ * on the thread count. */
+#include <math.h>
+
+#include "backend/cpu/cpu_internal.h"
+#include "backend/cpu/cpu_simd.h"
+
+typedef struct {
+    const float *q, *k, *v;
+    const int32_t *pos;
+    int64_t n_heads, n_kv_heads, group, hd;
+    float scale;
+    float *out;
+    float *const *scratch;
+    int64_t acc_off; /* offset of the hd accumulator in a scratch buffer */
+} attn_ctx;
+
+ST_AI void attn_items(const attn_ctx *a, int64_t begin, int64_t end, int ti) {
+    const int64_t hd = a->hd, kv_stride = a->n_kv_heads * hd;
+    float *s = a->scratch[ti];
+    float *acc = s + a->acc_off;
+    for (int64_t it = begin; it < end; it++) {
+        const int64_t i = it / a->n_heads, h = it % a->n_heads, kvh = h / a->group;
+        const float *qv = a->q + it * hd;
+        const float *kb = a->k + kvh * hd, *vb = a->v + kvh * hd;
+        const int64_t nk = (int64_t)a->pos[i] + 1;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < nk; j++) {
+            s[j] = st_dot_f32(qv, kb + j * kv_stride, hd) * a->scale;
+            mx = s[j] > mx ? s[j] : mx;
+        }
+        st_v8f zs = st_v8f_splat(0.0f);
+        int64_t j = 0;
+        for (; j + 8 <= nk; j += 8) {
+            st_v8f p;
+            for (int l = 0; l < 8; l++) p[l] = expf(s[j + l] - mx);
+            ST_V8F_STORE(s + j, p);
+            zs += p;
+        }
+        for (int l = 0; j + l < nk; l++) {
+            s[j + l] = expf(s[j + l] - mx);
+            zs[l] += s[j + l];
+        }
+        const float inv_z = 1.0f / st_v8f_hsum(&zs);
+        for (int64_t d = 0; d < hd; d++) acc[d] = 0.0f;
+        for (j = 0; j < nk; j++) st_axpy_f32(acc, s[j], vb + j * kv_stride, hd);
+        float *o = a->out + it * hd;
+        for (int64_t d = 0; d < hd; d++) o[d] = acc[d] * inv_z;
+    }
+}
+
+static void attn_fn_generic(void *ctx, int64_t b, int64_t e, int ti) { attn_items(ctx, b, e, ti); }
+#if ST_CPU_HAVE_AVX2_PATH
+ST_TARGET_AVX2 static void attn_fn_avx2(void *ctx, int64_t b, int64_t e, int ti) {
+    attn_items(ctx, b, e, ti);
+}
+#endif
+
+strata_status st_cpu_attention(st_cpu *c, const float *q, const float *k, const float *v,
+                               const int32_t *pos, int64_t n, int64_t n_kv, int64_t n_heads,
+                               int64_t n_kv_heads, int64_t head_dim, float scale, float *out) {
+    const int64_t acc_off = (n_kv + 15) & ~(int64_t)15;
+    strata_status st = st_cpu_scratch_reserve(c, (size_t)(acc_off + head_dim));
+    if (st != STRATA_OK) return st;
+    attn_ctx a = {q, k, v, pos, n_heads, n_kv_heads, n_heads / n_kv_heads, head_dim, scale, out,
+                  c->scratch, acc_off};
+    /* Average keys per item ~ n_kv (decode) or n_kv / 2 (prefill). */
+    int64_t work = (n_kv / 2 + 1) * head_dim * 4;
+    int64_t grain = 65536 / work;
+    if (grain < 1) grain = 1;
+#if ST_CPU_HAVE_AVX2_PATH
+    if (c->simd) {
+        st_pool_parallel_for(c->pool, n * n_heads, grain, attn_fn_avx2, &a);
+        return STRATA_OK;
+    }
+#endif
+    st_pool_parallel_for(c->pool, n * n_heads, grain, attn_fn_generic, &a);
+    return STRATA_OK;
+}

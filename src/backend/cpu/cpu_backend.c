@@ -1,0 +1,406 @@
+/* CPU backend: creation, memory, streams/events, and the op table (argument
+ * checks here, kernels in cpu_matmul.c, cpu_attention.c, cpu_ops.c).
+ *
+ * "Device" memory is host memory counted against params.device_mem through
+ * be->device_budget. Each device block carries a 64-byte header in front of
+ * the returned (64-byte aligned) pointer:
+ *   [0, 8)   size_t  requested size (given back to the budget on dealloc)
+ *   [8, 16)  uint64  magic, cleared on dealloc (catches double frees)
+ * Streams and events are small real objects; ops execute synchronously, so
+ * every recorded event is complete and every sync returns at once. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/cpu/cpu_internal.h"
+
+#define DEV_HDR 64
+#define DEV_MAGIC 0x5354524154414456ull /* "STRATADV" */
+#define STREAM_MAGIC 0x5354524d
+#define EVENT_MAGIC 0x45564e54
+
+typedef struct {
+    uint32_t magic;
+    bool high_priority;
+} cpu_stream;
+
+typedef struct {
+    uint32_t magic;
+    bool recorded;
+} cpu_event;
+
+/* ---- scratch ---- */
+
+strata_status st_cpu_scratch_reserve(st_cpu *c, size_t floats) {
+    if (floats <= c->scratch_floats) return STRATA_OK;
+    floats = (floats + 15) & ~(size_t)15;
+    if (floats > SIZE_MAX / sizeof(float))
+        return st_err(STRATA_ERR_NOMEM, "cpu backend: scratch of %zu floats is too large", floats);
+    for (int i = 0; i < c->n_threads; i++) {
+        void *p = NULL;
+        if (posix_memalign(&p, 64, floats * sizeof(float)) != 0)
+            return st_err(STRATA_ERR_NOMEM, "cpu backend: cannot allocate %zu bytes of scratch",
+                          floats * sizeof(float));
+        free(c->scratch[i]);
+        c->scratch[i] = p;
+    }
+    c->scratch_floats = floats;
+    return STRATA_OK;
+}
+
+/* ---- memory ---- */
+
+static strata_status cpu_alloc(st_backend *be, size_t n, void **out) {
+    if (!out) return st_err(STRATA_ERR_INVALID_ARG, "cpu alloc: out is NULL");
+    *out = NULL;
+    if (n > SIZE_MAX - DEV_HDR)
+        return st_err(STRATA_ERR_NOMEM, "cpu alloc: %zu bytes is too large", n);
+    st_cpu *c = st_cpu_of(be);
+    pthread_mutex_lock(&c->mem_mu);
+    strata_status st = st_budget_take(&be->device_budget, n, "cpu backend device allocation");
+    pthread_mutex_unlock(&c->mem_mu);
+    if (st != STRATA_OK) return st;
+    void *base = NULL;
+    if (posix_memalign(&base, 64, DEV_HDR + n) != 0) {
+        pthread_mutex_lock(&c->mem_mu);
+        st_budget_give(&be->device_budget, n);
+        pthread_mutex_unlock(&c->mem_mu);
+        return st_err(STRATA_ERR_NOMEM, "cpu alloc: the system refused %zu bytes", n);
+    }
+    uint64_t magic = DEV_MAGIC;
+    memcpy(base, &n, sizeof n);
+    memcpy((char *)base + 8, &magic, sizeof magic);
+    *out = (char *)base + DEV_HDR;
+    return STRATA_OK;
+}
+
+static void cpu_dealloc(st_backend *be, void *p) {
+    if (!p) return;
+    char *base = (char *)p - DEV_HDR;
+    size_t n;
+    uint64_t magic;
+    memcpy(&n, base, sizeof n);
+    memcpy(&magic, base + 8, sizeof magic);
+    ST_ASSERT(magic == DEV_MAGIC); /* not a device pointer of this backend, or freed twice */
+    magic = 0;
+    memcpy(base + 8, &magic, sizeof magic);
+    st_cpu *c = st_cpu_of(be);
+    pthread_mutex_lock(&c->mem_mu);
+    st_budget_give(&be->device_budget, n);
+    pthread_mutex_unlock(&c->mem_mu);
+    free(base);
+}
+
+static strata_status cpu_host_alloc(st_backend *be, size_t n, void **out) {
+    if (!out) return st_err(STRATA_ERR_INVALID_ARG, "cpu host_alloc: out is NULL");
+    *out = NULL;
+    void *p = NULL;
+    if (posix_memalign(&p, 64, n ? n : 1) != 0)
+        return st_err(STRATA_ERR_NOMEM, "cpu host_alloc: the system refused %zu bytes", n);
+    *out = p;
+    return STRATA_OK;
+}
+
+static void cpu_host_dealloc(st_backend *be, void *p) { free(p); }
+
+static strata_status cpu_upload(st_backend *be, const void *host, size_t n, void **dev, bool *owned) {
+    if (!dev || !owned) return st_err(STRATA_ERR_INVALID_ARG, "cpu upload: NULL out parameter");
+    *dev = (void *)host; /* zero copy: the caller keeps owning `host` */
+    *owned = false;
+    return STRATA_OK;
+}
+
+static strata_status cpu_copy(st_backend *be, st_stream *s, void *dst, const void *src, size_t n) {
+    if (n == 0) return STRATA_OK;
+    if (!dst || !src) return st_err(STRATA_ERR_INVALID_ARG, "cpu copy: NULL pointer");
+    memmove(dst, src, n);
+    return STRATA_OK;
+}
+
+/* ---- streams and events ---- */
+
+static strata_status cpu_stream_create(st_backend *be, bool high_priority, st_stream **out) {
+    if (!out) return st_err(STRATA_ERR_INVALID_ARG, "cpu stream_create: out is NULL");
+    cpu_stream *s = st_calloc(1, sizeof *s);
+    if (!s) return st_err(STRATA_ERR_NOMEM, "cpu stream_create: out of memory");
+    s->magic = STREAM_MAGIC;
+    s->high_priority = high_priority;
+    *out = (st_stream *)s;
+    return STRATA_OK;
+}
+
+static void cpu_stream_destroy(st_backend *be, st_stream *s) {
+    if (!s) return;
+    cpu_stream *cs = (cpu_stream *)s;
+    ST_ASSERT(cs->magic == STREAM_MAGIC);
+    cs->magic = 0;
+    st_free(cs);
+}
+
+static strata_status cpu_stream_sync(st_backend *be, st_stream *s) { return STRATA_OK; }
+
+static strata_status cpu_event_create(st_backend *be, st_event **out) {
+    if (!out) return st_err(STRATA_ERR_INVALID_ARG, "cpu event_create: out is NULL");
+    cpu_event *e = st_calloc(1, sizeof *e);
+    if (!e) return st_err(STRATA_ERR_NOMEM, "cpu event_create: out of memory");
+    e->magic = EVENT_MAGIC;
+    *out = (st_event *)e;
+    return STRATA_OK;
+}
+
+static void cpu_event_destroy(st_backend *be, st_event *e) {
+    if (!e) return;
+    cpu_event *ce = (cpu_event *)e;
+    ST_ASSERT(ce->magic == EVENT_MAGIC);
+    ce->magic = 0;
+    st_free(ce);
+}
+
+static strata_status cpu_event_record(st_backend *be, st_event *e, st_stream *s) {
+    if (!e) return st_err(STRATA_ERR_INVALID_ARG, "cpu event_record: event is NULL");
+    ((cpu_event *)e)->recorded = true; /* everything before it already ran */
+    return STRATA_OK;
+}
+
+static strata_status cpu_stream_wait_event(st_backend *be, st_stream *s, st_event *e) {
+    if (!e) return st_err(STRATA_ERR_INVALID_ARG, "cpu stream_wait_event: event is NULL");
+    return STRATA_OK;
+}
+
+static strata_status cpu_event_sync(st_backend *be, st_event *e) {
+    if (!e) return st_err(STRATA_ERR_INVALID_ARG, "cpu event_sync: event is NULL");
+    return STRATA_OK;
+}
+
+/* ---- ops: argument checks, then the kernel under op_mu ---- */
+
+static strata_status check_weight(const st_weight *w, const char *op) {
+    if (!w) return st_err(STRATA_ERR_INVALID_ARG, "%s: weight is NULL", op);
+    const st_dtype_info *info = st_dtype_get(w->dtype);
+    if (!info) return st_err(STRATA_ERR_INVALID_ARG, "%s: invalid weight dtype %d", op, (int)w->dtype);
+    if (w->rows <= 0 || w->cols <= 0)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: weight shape [%lld, %lld] is empty", op,
+                      (long long)w->rows, (long long)w->cols);
+    if (w->cols % info->block_elems)
+        return st_err(STRATA_ERR_INVALID_ARG,
+                      "%s: weight cols %lld is not a multiple of the %s block (%lld)", op,
+                      (long long)w->cols, info->name, (long long)info->block_elems);
+    if (!w->data) return st_err(STRATA_ERR_INVALID_ARG, "%s: weight data is NULL", op);
+    return STRATA_OK;
+}
+
+#define CHECK_PTR(p, op)                                                                     \
+    do {                                                                                     \
+        if (!(p)) return st_err(STRATA_ERR_INVALID_ARG, "%s: %s is NULL", op, #p);           \
+    } while (0)
+
+#define RUN_LOCKED(be, call)                                                                 \
+    do {                                                                                     \
+        st_cpu *c_ = st_cpu_of(be);                                                          \
+        pthread_mutex_lock(&c_->op_mu);                                                      \
+        strata_status st_ = call;                                                            \
+        pthread_mutex_unlock(&c_->op_mu);                                                    \
+        return st_;                                                                          \
+    } while (0)
+
+static strata_status cpu_get_rows(st_backend *be, st_stream *s, const st_weight *w,
+                                  const int32_t *ids, int64_t n, float *out) {
+    const char *op = "cpu get_rows";
+    strata_status st = check_weight(w, op);
+    if (st) return st;
+    if (n < 0) return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld", op, (long long)n);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(ids, op);
+    CHECK_PTR(out, op);
+    RUN_LOCKED(be, st_cpu_get_rows(c_, w, ids, n, out));
+}
+
+static strata_status cpu_rmsnorm(st_backend *be, st_stream *s, float *x, const float *residual,
+                                 const st_weight *w, float eps, int64_t n, int64_t d, float *out) {
+    const char *op = "cpu rmsnorm";
+    strata_status st = check_weight(w, op);
+    if (st) return st;
+    if (n < 0 || d <= 0)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld, d = %lld", op, (long long)n, (long long)d);
+    if (w->rows != 1 || w->cols != d)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: weight is [%lld, %lld], expected [1, %lld]", op,
+                      (long long)w->rows, (long long)w->cols, (long long)d);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(x, op);
+    CHECK_PTR(out, op);
+    RUN_LOCKED(be, st_cpu_rmsnorm(c_, x, residual, w, eps, n, d, out));
+}
+
+static strata_status cpu_matmul(st_backend *be, st_stream *s, const float *x, const st_weight *w,
+                                int64_t n, float *y) {
+    const char *op = "cpu matmul";
+    strata_status st = check_weight(w, op);
+    if (st) return st;
+    if (n < 0) return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld", op, (long long)n);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(x, op);
+    CHECK_PTR(y, op);
+    const char *xb = (const char *)x, *yb = (const char *)y;
+    if (xb < yb + (size_t)(n * w->rows) * sizeof(float) && yb < xb + (size_t)(n * w->cols) * sizeof(float))
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: y overlaps x (matmul is not in place)", op);
+    RUN_LOCKED(be, st_cpu_matmul(c_, x, w, n, y));
+}
+
+static strata_status cpu_rope(st_backend *be, st_stream *s, float *x, const int32_t *pos, int64_t n,
+                              int64_t n_heads, int64_t head_dim, const float *inv_freq,
+                              bool interleaved) {
+    const char *op = "cpu rope";
+    if (n < 0 || n_heads <= 0 || head_dim <= 0 || head_dim % 2)
+        return st_err(STRATA_ERR_INVALID_ARG,
+                      "%s: n = %lld, n_heads = %lld, head_dim = %lld (must be even)", op,
+                      (long long)n, (long long)n_heads, (long long)head_dim);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(x, op);
+    CHECK_PTR(pos, op);
+    CHECK_PTR(inv_freq, op);
+    RUN_LOCKED(be, st_cpu_rope(c_, x, pos, n, n_heads, head_dim, inv_freq, interleaved));
+}
+
+static strata_status cpu_attention(st_backend *be, st_stream *s, const float *q, const float *k,
+                                   const float *v, const int32_t *pos, int64_t n, int64_t n_kv,
+                                   int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
+                                   float scale, float *out) {
+    const char *op = "cpu attention";
+    if (n < 0 || n_kv < 0 || n_heads <= 0 || n_kv_heads <= 0 || head_dim <= 0 ||
+        n_heads % n_kv_heads)
+        return st_err(STRATA_ERR_INVALID_ARG,
+                      "%s: n = %lld, n_kv = %lld, n_heads = %lld, n_kv_heads = %lld, head_dim = %lld"
+                      " (n_heads must be a multiple of n_kv_heads)",
+                      op, (long long)n, (long long)n_kv, (long long)n_heads, (long long)n_kv_heads,
+                      (long long)head_dim);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(q, op);
+    CHECK_PTR(k, op);
+    CHECK_PTR(v, op);
+    CHECK_PTR(pos, op);
+    CHECK_PTR(out, op);
+    for (int64_t i = 0; i < n; i++)
+        if (pos[i] < 0 || pos[i] >= n_kv)
+            return st_err(STRATA_ERR_INVALID_ARG, "%s: pos[%lld] = %d is outside the %lld cached keys",
+                          op, (long long)i, pos[i], (long long)n_kv);
+    RUN_LOCKED(be, st_cpu_attention(c_, q, k, v, pos, n, n_kv, n_heads, n_kv_heads, head_dim, scale,
+                                    out));
+}
+
+static strata_status cpu_swiglu(st_backend *be, st_stream *s, const float *gate, const float *up,
+                                int64_t n, float *out) {
+    const char *op = "cpu swiglu";
+    if (n < 0) return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld", op, (long long)n);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(gate, op);
+    CHECK_PTR(up, op);
+    CHECK_PTR(out, op);
+    RUN_LOCKED(be, st_cpu_swiglu(c_, gate, up, n, out));
+}
+
+static strata_status cpu_add(st_backend *be, st_stream *s, float *x, const float *y, int64_t n) {
+    const char *op = "cpu add";
+    if (n < 0) return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld", op, (long long)n);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(x, op);
+    CHECK_PTR(y, op);
+    RUN_LOCKED(be, st_cpu_add(c_, x, y, n));
+}
+
+/* ---- lifetime ---- */
+
+static void cpu_destroy(st_backend *be) {
+    if (!be) return;
+    st_cpu *c = st_cpu_of(be);
+    if (be->device_budget.used)
+        st_log(STRATA_LOG_WARN, "cpu backend destroyed with %zu device bytes still allocated",
+               be->device_budget.used);
+    if (c) {
+        st_pool_free(c->pool);
+        if (c->scratch)
+            for (int i = 0; i < c->n_threads; i++) free(c->scratch[i]);
+        st_free(c->scratch);
+        pthread_mutex_destroy(&c->op_mu);
+        pthread_mutex_destroy(&c->mem_mu);
+        st_free(c);
+    }
+    st_free(be);
+}
+
+static const st_backend_ops g_cpu_ops = {
+    .name = "cpu",
+    .destroy = cpu_destroy,
+    .alloc = cpu_alloc,
+    .dealloc = cpu_dealloc,
+    .host_alloc = cpu_host_alloc,
+    .host_dealloc = cpu_host_dealloc,
+    .upload = cpu_upload,
+    .copy_h2d = cpu_copy,
+    .copy_d2h = cpu_copy,
+    .copy_d2d = cpu_copy,
+    .stream_create = cpu_stream_create,
+    .stream_destroy = cpu_stream_destroy,
+    .stream_sync = cpu_stream_sync,
+    .event_create = cpu_event_create,
+    .event_destroy = cpu_event_destroy,
+    .event_record = cpu_event_record,
+    .stream_wait_event = cpu_stream_wait_event,
+    .event_sync = cpu_event_sync,
+    .get_rows = cpu_get_rows,
+    .rmsnorm = cpu_rmsnorm,
+    .matmul = cpu_matmul,
+    .rope = cpu_rope,
+    .attention = cpu_attention,
+    .swiglu = cpu_swiglu,
+    .add = cpu_add,
+};
+
+bool st_cpu_simd_supported(void) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2");
+#else
+    return false;
+#endif
+}
+
+bool st_backend_cpu_set_simd(st_backend *be, bool on) {
+    st_cpu *c = st_cpu_of(be);
+    pthread_mutex_lock(&c->op_mu);
+    c->simd = on && st_cpu_simd_supported();
+    bool r = c->simd;
+    pthread_mutex_unlock(&c->op_mu);
+    return r;
+}
+
+strata_status st_backend_cpu_init(const st_backend_params *params, st_backend **out) {
+    if (!out) return st_err(STRATA_ERR_INVALID_ARG, "cpu backend init: out is NULL");
+    *out = NULL;
+    if (!params) return st_err(STRATA_ERR_INVALID_ARG, "cpu backend init: params is NULL");
+    st_backend *be = st_calloc(1, sizeof *be);
+    st_cpu *c = st_calloc(1, sizeof *c);
+    if (!be || !c) {
+        st_free(be);
+        st_free(c);
+        return st_err(STRATA_ERR_NOMEM, "cpu backend init: out of memory");
+    }
+    be->ops = &g_cpu_ops;
+    be->kind = ST_BACKEND_CPU;
+    be->device_budget.cap = params->device_mem;
+    be->impl = c;
+    pthread_mutex_init(&c->op_mu, NULL);
+    pthread_mutex_init(&c->mem_mu, NULL);
+    strata_status st = st_pool_init(params->n_threads, &c->pool);
+    if (st != STRATA_OK) {
+        cpu_destroy(be);
+        return st;
+    }
+    c->n_threads = st_pool_threads(c->pool);
+    c->scratch = st_calloc((size_t)c->n_threads, sizeof *c->scratch);
+    if (!c->scratch) {
+        cpu_destroy(be);
+        return st_err(STRATA_ERR_NOMEM, "cpu backend init: out of memory");
+    }
+    c->simd = st_cpu_simd_supported();
+    *out = be;
+    return STRATA_OK;
+}

@@ -1,0 +1,59 @@
+/* Private to the CPU backend: its state and the ops' entry points.
+ * Every op runs synchronously on the calling thread plus the worker pool;
+ * ops on one backend are serialised by `op_mu` (the pool and the per-thread
+ * scratch buffers are shared), so several host threads may share a backend. */
+#pragma once
+#include <pthread.h>
+#include <stdbool.h>
+
+#include "backend/backend.h"
+#include "core/pool.h"
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct {
+    st_pool *pool;
+    int n_threads;
+    pthread_mutex_t op_mu;   /* held for the whole of an op */
+    pthread_mutex_t mem_mu;  /* guards st_backend.device_budget */
+    float **scratch;         /* [n_threads] buffers of scratch_floats each, 64-B aligned */
+    size_t scratch_floats;
+    bool simd;               /* run the AVX2 builds of the kernels (same results, faster) */
+} st_cpu;
+
+static inline st_cpu *st_cpu_of(st_backend *be) { return (st_cpu *)be->impl; }
+
+/* Makes every thread's scratch hold at least `floats` floats. Call with op_mu
+ * held, before the parallel loop. STRATA_ERR_NOMEM on failure. */
+strata_status st_cpu_scratch_reserve(st_cpu *c, size_t floats);
+
+/* True when this CPU can run the AVX2 builds of the kernels. */
+bool st_cpu_simd_supported(void);
+/* Test hook: selects the AVX2 builds of the kernels (when supported) or the
+ * portable ones for later ops on `be` (a CPU backend); returns the setting in
+ * effect. Both give bit-identical results. */
+bool st_backend_cpu_set_simd(st_backend *be, bool on);
+
+/* Dequantizes one row of `cols` elements into out: the backend's own fast
+ * routine, bit-identical to st_dequantize_row. */
+void st_cpu_dequant_row(st_dtype t, const void *row, float *out, int64_t cols, bool simd);
+
+/* Op implementations (argument checks done by the callers in cpu_backend.c,
+ * op_mu held). */
+strata_status st_cpu_matmul(st_cpu *c, const float *x, const st_weight *w, int64_t n, float *y);
+strata_status st_cpu_attention(st_cpu *c, const float *q, const float *k, const float *v,
+                               const int32_t *pos, int64_t n, int64_t n_kv, int64_t n_heads,
+                               int64_t n_kv_heads, int64_t head_dim, float scale, float *out);
+strata_status st_cpu_get_rows(st_cpu *c, const st_weight *w, const int32_t *ids, int64_t n,
+                              float *out);
+strata_status st_cpu_rmsnorm(st_cpu *c, float *x, const float *residual, const st_weight *w,
+                             float eps, int64_t n, int64_t d, float *out);
+strata_status st_cpu_rope(st_cpu *c, float *x, const int32_t *pos, int64_t n, int64_t n_heads,
+                          int64_t head_dim, const float *inv_freq, bool interleaved);
+strata_status st_cpu_swiglu(st_cpu *c, const float *gate, const float *up, int64_t n, float *out);
+strata_status st_cpu_add(st_cpu *c, float *x, const float *y, int64_t n);
+
+#ifdef __cplusplus
+}
+#endif

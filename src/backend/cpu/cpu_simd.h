@@ -1,0 +1,84 @@
+/* Private to the CPU backend: 8-lane float vectors (GCC/Clang vector
+ * extensions, lowered to SSE pairs, AVX or NEON by the compiler) and the
+ * reduction helpers every kernel shares.
+ *
+ * Reduction order (what makes results independent of the thread count, of
+ * the token batching and of the instruction set): a dot product of length K
+ * accumulates w[k]*x[k] (rounded product, then rounded sum: multiply-adds
+ * are never fused) into lane k % 8, in increasing k, the last partial vector
+ * zero-padded; the lanes are then summed as ((l0+l4)+(l2+l6)) +
+ * ((l1+l5)+(l3+l7)). Every kernel that produces one output element follows
+ * exactly this order, so the portable and the AVX2 builds of a kernel give
+ * the same bits.
+ *
+ * The functions are always_inline so that a caller compiled for another
+ * target (AVX2) gets them compiled for that target. */
+#pragma once
+#include <stdbool.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__GNUC__) /* GCC and Clang */
+/* 32-byte vectors returned from always-inline helpers: no ABI is involved. */
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF /* GCC's -std=c11 already implies -ffp-contract=off */
+#endif
+
+#define ST_AI static inline __attribute__((always_inline))
+
+typedef float st_v8f __attribute__((vector_size(32)));
+typedef int32_t st_v8i __attribute__((vector_size(32)));
+typedef uint32_t st_v8u __attribute__((vector_size(32)));
+typedef uint16_t st_v8u16 __attribute__((vector_size(16)));
+typedef uint8_t st_v8u8 __attribute__((vector_size(8)));
+
+ST_AI st_v8f st_v8f_splat(float f) { return (st_v8f){f, f, f, f, f, f, f, f}; }
+ST_AI st_v8f st_v8f_load(const float *p) {
+    st_v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+/* Loads m (< 8) floats, zero in the other lanes. */
+ST_AI st_v8f st_v8f_load_part(const float *p, int64_t m) {
+    st_v8f v = st_v8f_splat(0.0f);
+    memcpy(&v, p, (size_t)m * sizeof(float));
+    return v;
+}
+/* Vectors go into helpers by pointer or through macros: 32-byte vector
+ * parameters draw GCC's ABI note on non-AVX builds. */
+#define ST_V8F_STORE(p, expr)                                                      \
+    do {                                                                           \
+        const st_v8f v_ = (expr);                                                  \
+        memcpy((p), &v_, sizeof v_);                                               \
+    } while (0)
+
+ST_AI float st_v8f_hsum(const st_v8f *v) {
+    const st_v8f a = *v;
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
+/* dot(a, b) of length K in the documented order. */
+ST_AI float st_dot_f32(const float *a, const float *b, int64_t K) {
+    st_v8f acc = st_v8f_splat(0.0f);
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) acc += st_v8f_load(a + k) * st_v8f_load(b + k);
+    if (k < K) acc += st_v8f_load_part(a + k, K - k) * st_v8f_load_part(b + k, K - k);
+    return st_v8f_hsum(&acc);
+}
+
+/* y[0..K) += s * x[0..K) (element-wise, no reduction). */
+ST_AI void st_axpy_f32(float *y, float s, const float *x, int64_t K) {
+    const st_v8f sv = st_v8f_splat(s);
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) ST_V8F_STORE(y + k, st_v8f_load(y + k) + sv * st_v8f_load(x + k));
+    for (; k < K; k++) y[k] += s * x[k];
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define ST_CPU_HAVE_AVX2_PATH 1
+#define ST_TARGET_AVX2 __attribute__((target("avx2")))
+#else
+#define ST_CPU_HAVE_AVX2_PATH 0
+#endif
