@@ -11,7 +11,7 @@ llama.cpp's authors), through the tool mode of the test_quant executable:
            Q4_0 and Q4_1.
 
 Finds test_quant in $STRATA_BUILD, else in the directory of $STRATA_BIN.
-Exits 77 (skip) when numpy or gguf-py is missing."""
+Fails when numpy or gguf-py is missing (scripts/install-deps.sh installs them)."""
 import os
 import subprocess
 import sys
@@ -22,8 +22,8 @@ try:
     from gguf import GGMLQuantizationType as QT
     from gguf import quants
 except ImportError as e:  # pragma: no cover
-    print(f"test_quant_pyref: SKIPPED, needs numpy and gguf-py ({e})")
-    sys.exit(77)
+    print(f"test_quant_pyref: FAILED, needs numpy and gguf-py ({e}); run scripts/install-deps.sh")
+    sys.exit(1)
 
 FAILURES = []
 
