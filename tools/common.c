@@ -27,6 +27,22 @@ bool tool_parse_i64(const char *s, int64_t lo, int64_t hi, const char *what, int
     return true;
 }
 
+bool tool_parse_f64(const char *s, double lo, double hi, const char *what, double *out) {
+    if (!s) {
+        fprintf(stderr, "strata: %s needs a value\n", what);
+        return false;
+    }
+    errno = 0;
+    char *end = NULL;
+    double v = strtod(s, &end);
+    if (errno || end == s || *end != '\0' || !(v >= lo && v <= hi)) {
+        fprintf(stderr, "strata: %s: '%s' is not a number in [%g, %g]\n", what, s, lo, hi);
+        return false;
+    }
+    *out = v;
+    return true;
+}
+
 int tool_parse_model_opt(int argc, char **argv, int *i, tool_model_opts *o) {
     const char *a = argv[*i];
     const char *val = *i + 1 < argc ? argv[*i + 1] : NULL;

@@ -29,6 +29,10 @@ int tool_parse_model_opt(int argc, char **argv, int *i, tool_model_opts *o);
  * `what`) otherwise. */
 bool tool_parse_i64(const char *s, int64_t lo, int64_t hi, const char *what, int64_t *out);
 
+/* Parses a whole finite decimal number in [lo, hi]; false (message printed,
+ * naming `what`) otherwise. */
+bool tool_parse_f64(const char *s, double lo, double hi, const char *what, double *out);
+
 typedef struct {
     st_model_files *files;
     st_backend *be;

@@ -21,6 +21,8 @@ static const struct {
     {"inspect", cmd_inspect, "print a model's configuration and tensor table"},
     {"convert", cmd_convert, "convert a model (HF dir or GGUF) to a GGUF file"},
     {"tokenize", cmd_tokenize, "print the token ids of a text"},
+    {"run", cmd_run, "generate text from a prompt, or chat (streams to stdout)"},
+    {"bench", cmd_bench, "time prefill and decode beside their measured rooflines"},
 };
 
 static void usage(FILE *f) {

@@ -28,12 +28,7 @@ bool st_backend_available(st_backend_kind kind) {
     case ST_BACKEND_CPU: return true;
     case ST_BACKEND_CUDA: {
 #ifdef STRATA_HAVE_CUDA
-        /* Built in: available when a device can actually be opened. */
-        st_backend_params p = {.kind = ST_BACKEND_CUDA, .device_index = 0};
-        st_backend *be = NULL;
-        if (st_backend_cuda_init(&p, &be) != STRATA_OK) return false;
-        st_backend_free(be);
-        return true;
+        return st_backend_cuda_present();
 #else
         return false;
 #endif

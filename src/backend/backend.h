@@ -9,6 +9,9 @@
  * complete, but callers must use them exactly as on CUDA.
  * Ops: activations are fp32, row-major; weights are any st_dtype and are
  * dequantized inside the op. All pointers are device pointers of this backend.
+ * CUDA specifics: token ids and positions live on the device, so the kernels
+ * clamp them instead of the host checking them (callers validate first);
+ * weight data must be 16-byte aligned; dealloc waits for the device.
  */
 #pragma once
 #include <stdbool.h>
@@ -117,6 +120,8 @@ bool st_backend_available(st_backend_kind kind);
 /* Implementations (each in its own directory). */
 strata_status st_backend_cpu_init(const st_backend_params *params, st_backend **out);
 strata_status st_backend_cuda_init(const st_backend_params *params, st_backend **out);
+/* True when the CUDA runtime sees at least one device (no abort without a driver). */
+bool st_backend_cuda_present(void);
 
 #ifdef __cplusplus
 }

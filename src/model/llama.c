@@ -239,6 +239,7 @@ void st_llama_free(st_llama *m) {
 
 void st_llama_reset(st_llama *m) { m->n_past = 0; }
 int64_t st_llama_n_past(const st_llama *m) { return m->n_past; }
+int64_t st_llama_max_ctx(const st_llama *m) { return m->max_ctx; }
 const st_config *st_llama_config(const st_llama *m) { return &m->cfg; }
 
 /* ---- forward ------------------------------------------------------------------ */

@@ -35,6 +35,7 @@ strata_status st_llama_forward(st_llama *m, const int32_t *tokens, int64_t n, in
                                bool all_logits, float *logits);
 void st_llama_reset(st_llama *m);
 int64_t st_llama_n_past(const st_llama *m);
+int64_t st_llama_max_ctx(const st_llama *m); /* KV capacity in tokens */
 const st_config *st_llama_config(const st_llama *m);
 
 /* RoPE inverse frequencies [head_dim/2] as HF transformers computes them in

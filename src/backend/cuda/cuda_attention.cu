@@ -1,0 +1,625 @@
+/* attention: causal grouped-query attention of one sequence (backend.h):
+ * q [n, H, hd], k/v [n_kv, Hkv, hd] fp32; query i sees keys 0..pos[i];
+ * head h reads kv head h / (H / Hkv); out [n, H, hd] = softmax(q k^T scale) v.
+ *
+ * A block works on rows of one kv head: row r of kv head g is the pair
+ * (token r / G, head g G + r % G) with G = H / Hkv, so the K/V tiles it loads
+ * serve the G query heads that share them. Every kernel keeps an online
+ * softmax per row (running max m, sum l, unnormalized accumulator; scores are
+ * pre-scaled by scale * log2(e) and exponentiated with exp2): no n x n_kv
+ * matrix exists anywhere. The KV range can be split over blocks (grid.z or
+ * grid.x); each split then writes (acc, m, l) per row to scratch and a second
+ * kernel merges the splits: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
+ *
+ * Kernels, chosen per call:
+ *   decode (n * G <= 16 rows, hd 64 or 128): fp32 SIMT, exact to fp32
+ *     rounding. 128 threads; tiles of 32 keys double-buffered in shared
+ *     memory by cp.async; lane j scores key j against the rows of its warp,
+ *     the warp does the softmax update of its rows, then thread d accumulates
+ *     column d of every row.
+ *     The KV length is split so that ~3 blocks per SM exist (memory bound:
+ *     the whole K/V of the kv head is read once per split).
+ *   prefill (more rows, hd 64 or 128): tensor cores, mma.sync m16n8k16 bf16
+ *     with fp32 accumulation (flash-attention style). 64 rows per block (4
+ *     warps x 16), tiles of 64 keys; Q, K, V and the probabilities are
+ *     rounded to bf16 (relative error ~1e-3 on the output), softmax statistics
+ *     and the accumulator stay fp32 in registers. Split over the KV length
+ *     when the grid would not fill the GPU.
+ *   generic (any other head_dim or unaligned pointers): fp32, one block per
+ *     (token, head) row, keys 128 at a time. Slow; for odd shapes only.
+ * Keys a row must not see (beyond its position, or beyond n_kv) get -inf;
+ * K/V rows beyond the block's range are zero-filled in shared memory, so
+ * garbage never reaches the accumulators (0 * NaN). */
+#include <math.h>
+
+#include "backend/cuda/cuda_common.cuh"
+#include "backend/cuda/cuda_internal.h"
+
+#define LOG2E 1.4426950408889634f
+
+/* ---- split merge --------------------------------------------------------------------- */
+
+/* part_acc [nsplit][rows][hd], part_m/part_l [nsplit][rows]; one block per row. */
+static __global__ void __launch_bounds__(128) attn_merge_kernel(const float *__restrict__ part_acc,
+                                                               const float *__restrict__ part_m,
+                                                               const float *__restrict__ part_l, int nsplit,
+                                                               int64_t rows, int hd, float *__restrict__ out) {
+    const int64_t row = blockIdx.x;
+    float M = -INFINITY;
+    for (int sp = 0; sp < nsplit; sp++) M = fmaxf(M, part_m[sp * rows + row]);
+    float L = 0.0f;
+    for (int sp = 0; sp < nsplit; sp++) {
+        const float m = part_m[sp * rows + row];
+        if (m != -INFINITY) L += exp2f(m - M) * part_l[sp * rows + row];
+    }
+    const float inv = 1.0f / L;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float o = 0.0f;
+        for (int sp = 0; sp < nsplit; sp++) {
+            const float m = part_m[sp * rows + row];
+            if (m != -INFINITY) o += exp2f(m - M) * part_acc[((size_t)sp * rows + row) * hd + d];
+        }
+        out[row * hd + d] = o * inv;
+    }
+}
+
+/* Where a block puts its rows' results: final output (nsplit == 1) or partials. */
+struct attn_out {
+    float *out;      /* [n, H, hd] */
+    float *part_acc; /* [nsplit][n H][hd] */
+    float *part_m;   /* [nsplit][n H] */
+    float *part_l;
+    int nsplit;
+};
+
+/* ---- decode: fp32 SIMT --------------------------------------------------------------- */
+
+#define AD_THREADS 128
+#define AD_TK 32
+
+ST_DEV void cp_async16(void *smem, const void *gmem, bool valid) {
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
+    const int n = valid ? 16 : 0; /* 0: nothing read, 16 bytes of zeros written */
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(gmem), "r"(n));
+}
+ST_DEV void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+ST_DEV void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+template <int HD, int RMAX>
+static size_t decode_smem_bytes() {
+    return sizeof(float) * ((size_t)RMAX * HD + 2 * ((size_t)AD_TK * (HD + 4) + (size_t)AD_TK * HD) +
+                            (size_t)RMAX * AD_TK + 3 * (size_t)RMAX) +
+           sizeof(int) * RMAX;
+}
+
+/* grid (nsplit, Hkv); rows R = n G <= RMAX. K/V tiles are double-buffered:
+ * cp.async brings tile t+1 while tile t is computed. */
+template <int HD, int RMAX>
+static __global__ void __launch_bounds__(AD_THREADS)
+    attn_decode_kernel(const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
+                       const int32_t *__restrict__ pos, int n, int64_t n_kv, int H, int Hkv, float qscale,
+                       int64_t split_len, attn_out o) {
+    constexpr int KP = HD + 4; /* padded K row: conflict-free float4 reads by key */
+    constexpr int RPW = RMAX / 4;          /* rows per warp in the score phase */
+    constexpr int CG = 128 / HD;           /* thread groups per column (1 or 2) */
+    constexpr int RPT = RMAX / CG;         /* rows per thread in the PV phase */
+    constexpr int TILE = AD_TK * KP + AD_TK * HD; /* floats of one K+V buffer */
+    extern __shared__ float4 smem4[];
+    float *q_s = (float *)smem4;           /* [RMAX][HD] */
+    float *kv_s = q_s + RMAX * HD;         /* 2 x ([TK][KP] K, [TK][HD] V) */
+    float *p_s = kv_s + 2 * TILE;          /* [RMAX][TK] */
+    float *alpha_s = p_s + RMAX * AD_TK;   /* [RMAX] */
+    float *m_s = alpha_s + RMAX;
+    float *l_s = m_s + RMAX;
+    int *pos_s = (int *)(l_s + RMAX);
+
+    const int G = H / Hkv, R = n * G;
+    const int kvh = blockIdx.y, split = blockIdx.x;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+    for (int i = tid; i < RMAX * HD / 4; i += AD_THREADS) {
+        const int r = i / (HD / 4), d4 = i % (HD / 4);
+        float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (r < R) {
+            x = __ldg((const float4 *)(q + ((size_t)(r / G) * H + kvh * G + r % G) * HD) + d4);
+            x.x *= qscale, x.y *= qscale, x.z *= qscale, x.w *= qscale;
+        }
+        ((float4 *)q_s)[i] = x;
+    }
+    if (tid < RMAX) pos_s[tid] = tid < R ? __ldg(pos + tid / G) : -1;
+    __syncthreads();
+    int maxpos = -1;
+    for (int r = 0; r < R; r++) maxpos = max(maxpos, pos_s[r]);
+    const int64_t kv_begin = (int64_t)split * split_len;
+    int64_t kv_end = min(n_kv, (int64_t)maxpos + 1);
+    kv_end = min(kv_end, kv_begin + split_len);
+    const int ntiles = kv_end > kv_begin ? (int)((kv_end - kv_begin + AD_TK - 1) / AD_TK) : 0;
+
+    /* tile t -> buffer t & 1; keys past kv_end are zero-filled */
+    auto stage = [&](int t) {
+        float *ks = kv_s + (t & 1) * TILE, *vs = ks + AD_TK * KP;
+        const int64_t kb = kv_begin + (int64_t)t * AD_TK;
+        for (int i = tid; i < AD_TK * HD / 4; i += AD_THREADS) {
+            const int j = i / (HD / 4), d4 = i % (HD / 4);
+            const int64_t key = kb + j;
+            const bool ok = key < kv_end;
+            const size_t off = ok ? ((size_t)key * Hkv + kvh) * HD + 4 * d4 : 0;
+            cp_async16(ks + j * KP + 4 * d4, k + off, ok);
+            cp_async16(vs + j * HD + 4 * d4, v + off, ok);
+        }
+        cp_async_commit();
+    };
+
+    float m_r[RPW], l_r[RPW];
+#pragma unroll
+    for (int i = 0; i < RPW; i++) m_r[i] = -INFINITY, l_r[i] = 0.0f;
+    const int dcol = tid % HD, rg = tid / HD;
+    float acc[RPT];
+#pragma unroll
+    for (int i = 0; i < RPT; i++) acc[i] = 0.0f;
+
+    if (ntiles > 0) stage(0);
+    for (int t = 0; t < ntiles; t++) {
+        if (t + 1 < ntiles) {
+            stage(t + 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const float *k_s = kv_s + (t & 1) * TILE, *v_s = k_s + AD_TK * KP;
+        const int64_t kb = kv_begin + (int64_t)t * AD_TK;
+        /* scores: lane = key, rows warp, warp + 4, ... */
+        float s[RPW];
+#pragma unroll
+        for (int i = 0; i < RPW; i++) s[i] = 0.0f;
+#pragma unroll 4
+        for (int d4 = 0; d4 < HD / 4; d4++) {
+            const float4 kx = *(const float4 *)(k_s + lane * KP + 4 * d4);
+#pragma unroll
+            for (int i = 0; i < RPW; i++) {
+                const int r = warp + 4 * i;
+                if (r < R) {
+                    const float4 qx = *(const float4 *)(q_s + r * HD + 4 * d4);
+                    s[i] = fmaf(qx.x, kx.x, fmaf(qx.y, kx.y, fmaf(qx.z, kx.z, fmaf(qx.w, kx.w, s[i]))));
+                }
+            }
+        }
+        const int64_t key = kb + lane;
+#pragma unroll
+        for (int i = 0; i < RPW; i++) {
+            const int r = warp + 4 * i;
+            if (r < R) { /* warp-uniform */
+                const bool ok = key < kv_end && key <= pos_s[r];
+                const float sv = ok ? s[i] : -INFINITY;
+                const float mnew = fmaxf(m_r[i], st_warp_max(sv));
+                const float base = mnew == -INFINITY ? 0.0f : mnew;
+                const float p = exp2f(sv - base);
+                const float alpha = exp2f(m_r[i] - base);
+                l_r[i] = l_r[i] * alpha + st_warp_sum(p);
+                m_r[i] = mnew;
+                p_s[r * AD_TK + lane] = p;
+                if (lane == 0) alpha_s[r] = alpha;
+            }
+        }
+        __syncthreads();
+        /* PV: thread owns column dcol of rows rg, rg + CG, ... */
+#pragma unroll
+        for (int i = 0; i < RPT; i++) {
+            const int r = rg + CG * i;
+            if (r < R) acc[i] *= alpha_s[r];
+        }
+#pragma unroll 2
+        for (int j4 = 0; j4 < AD_TK / 4; j4++) {
+            const float v0 = v_s[(4 * j4 + 0) * HD + dcol], v1 = v_s[(4 * j4 + 1) * HD + dcol];
+            const float v2 = v_s[(4 * j4 + 2) * HD + dcol], v3 = v_s[(4 * j4 + 3) * HD + dcol];
+#pragma unroll
+            for (int i = 0; i < RPT; i++) {
+                const int r = rg + CG * i;
+                if (r < R) {
+                    const float4 p = *(const float4 *)(p_s + r * AD_TK + 4 * j4);
+                    acc[i] = fmaf(p.x, v0, fmaf(p.y, v1, fmaf(p.z, v2, fmaf(p.w, v3, acc[i]))));
+                }
+            }
+        }
+        __syncthreads(); /* buffer t & 1 and p_s are free again */
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int i = 0; i < RPW; i++) {
+            const int r = warp + 4 * i;
+            if (r < R) m_s[r] = m_r[i], l_s[r] = l_r[i];
+        }
+    }
+    __syncthreads();
+    const int64_t rows = (int64_t)n * H;
+#pragma unroll
+    for (int i = 0; i < RPT; i++) {
+        const int r = rg + CG * i;
+        if (r < R) {
+            const int64_t orow = (int64_t)(r / G) * H + kvh * G + r % G;
+            if (o.nsplit == 1) {
+                o.out[orow * HD + dcol] = acc[i] / l_s[r];
+            } else {
+                o.part_acc[((size_t)split * rows + orow) * HD + dcol] = acc[i];
+                if (dcol == 0) {
+                    o.part_m[split * rows + orow] = m_s[r];
+                    o.part_l[split * rows + orow] = l_s[r];
+                }
+            }
+        }
+    }
+}
+
+/* ---- prefill: bf16 tensor cores ---------------------------------------------------------- */
+
+#define AP_BQ 64 /* rows per block: 4 warps x 16 (128 rows: 1 block per SM, measured 25% slower) */
+#define AP_THREADS (AP_BQ * 2)
+#define AP_TK 64
+
+ST_DEV uint32_t pack_bf16x2(float a, float b) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b); /* a in the low half */
+    return *(const uint32_t *)&h;
+}
+
+ST_DEV void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+ST_DEV void ldmatrix_x4_trans(uint32_t r[4], const void *p) {
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+/* fp32 [4] -> bf16 [4] at dst (8-byte aligned). */
+ST_DEV void st_bf16x4(__nv_bfloat16 *dst, float4 x) {
+    *(uint2 *)dst = make_uint2(pack_bf16x2(x.x, x.y), pack_bf16x2(x.z, x.w));
+}
+
+/* grid (ceil(n G / AP_BQ), Hkv, nsplit); warp w owns rows 16w .. 16w+15. */
+template <int HD>
+static __global__ void __launch_bounds__(AP_THREADS)
+    attn_prefill_kernel(const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
+                        const int32_t *__restrict__ pos, int n, int64_t n_kv, int H, int Hkv, float qscale,
+                        int64_t split_len, attn_out o) {
+    constexpr int LD = HD + 8; /* bf16 per shared row: 16-byte rows, conflict-free fragments */
+    __shared__ __align__(16) __nv_bfloat16 kvs[2 * AP_TK * LD]; /* K tile, V tile; stages Q first */
+    __nv_bfloat16 *ks = kvs, *vs = kvs + AP_TK * LD;
+    static_assert(AP_BQ <= 2 * AP_TK, "Q staging must fit in the K/V tiles");
+    __shared__ int pos_s[AP_BQ];
+
+    const int G = H / Hkv;
+    const int64_t RT = (int64_t)n * G;
+    const int kvh = blockIdx.y, split = blockIdx.z;
+    const int64_t rbase = (int64_t)blockIdx.x * AP_BQ;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+
+    for (int i = tid; i < AP_BQ * HD / 4; i += AP_THREADS) {
+        const int r = i / (HD / 4), d4 = i % (HD / 4);
+        const int64_t P = rbase + r;
+        float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (P < RT) {
+            x = __ldg((const float4 *)(q + ((size_t)(P / G) * H + kvh * G + P % G) * HD) + d4);
+            x.x *= qscale, x.y *= qscale, x.z *= qscale, x.w *= qscale;
+        }
+        st_bf16x4(ks + r * LD + 4 * d4, x);
+    }
+    if (tid < AP_BQ) {
+        const int64_t P = rbase + tid;
+        pos_s[tid] = P < RT ? __ldg(pos + P / G) : -1;
+    }
+    __syncthreads();
+    const int r_lo = warp * 16 + g, r_hi = r_lo + 8;
+    uint32_t qf[HD / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++) {
+        qf[kk][0] = *(const uint32_t *)(ks + r_lo * LD + kk * 16 + 2 * t4);
+        qf[kk][1] = *(const uint32_t *)(ks + r_hi * LD + kk * 16 + 2 * t4);
+        qf[kk][2] = *(const uint32_t *)(ks + r_lo * LD + kk * 16 + 8 + 2 * t4);
+        qf[kk][3] = *(const uint32_t *)(ks + r_hi * LD + kk * 16 + 8 + 2 * t4);
+    }
+    const int pos_lo = pos_s[r_lo], pos_hi = pos_s[r_hi];
+    int maxpos = -1;
+    for (int r = 0; r < AP_BQ; r++) maxpos = max(maxpos, pos_s[r]);
+    const int64_t kv_begin = (int64_t)split * split_len;
+    int64_t kv_end = min(n_kv, (int64_t)maxpos + 1);
+    kv_end = min(kv_end, kv_begin + split_len);
+    /* the last key each row may see, within this block's range */
+    const int64_t lim_lo = min((int64_t)pos_lo, kv_end - 1), lim_hi = min((int64_t)pos_hi, kv_end - 1);
+
+    float acc[HD / 8][4];
+#pragma unroll
+    for (int dt = 0; dt < HD / 8; dt++) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.0f;
+    float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.0f, l_hi = 0.0f;
+
+    for (int64_t kb = kv_begin; kb < kv_end; kb += AP_TK) {
+        __syncthreads(); /* the previous tile (or Q) is no longer read */
+        for (int i = tid; i < AP_TK * HD / 4; i += AP_THREADS) {
+            const int j = i / (HD / 4), d4 = i % (HD / 4);
+            const int64_t key = kb + j;
+            float4 kx = make_float4(0.f, 0.f, 0.f, 0.f), vx = kx;
+            if (key < kv_end) {
+                const size_t off = ((size_t)key * Hkv + kvh) * HD;
+                kx = __ldg((const float4 *)(k + off) + d4);
+                vx = __ldg((const float4 *)(v + off) + d4);
+            }
+            st_bf16x4(ks + j * LD + 4 * d4, kx);
+            st_bf16x4(vs + j * LD + 4 * d4, vx);
+        }
+        __syncthreads();
+
+        float s[AP_TK / 8][4];
+#pragma unroll
+        for (int j = 0; j < AP_TK / 8; j++) {
+            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+            const __nv_bfloat16 *kr = ks + (j * 8 + g) * LD + 2 * t4;
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; kk++)
+                mma_bf16(s[j], qf[kk], *(const uint32_t *)(kr + kk * 16), *(const uint32_t *)(kr + kk * 16 + 8));
+        }
+        float mx_lo = -INFINITY, mx_hi = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < AP_TK / 8; j++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int64_t key = kb + j * 8 + 2 * t4 + e;
+                if (key > lim_lo) s[j][e] = -INFINITY;
+                if (key > lim_hi) s[j][2 + e] = -INFINITY;
+                mx_lo = fmaxf(mx_lo, s[j][e]);
+                mx_hi = fmaxf(mx_hi, s[j][2 + e]);
+            }
+        }
+        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
+        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
+        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
+        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
+        const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
+        const float b_lo = mn_lo == -INFINITY ? 0.0f : mn_lo, b_hi = mn_hi == -INFINITY ? 0.0f : mn_hi;
+        const float a_lo = exp2f(m_lo - b_lo), a_hi = exp2f(m_hi - b_hi);
+        m_lo = mn_lo, m_hi = mn_hi;
+        float sum_lo = 0.0f, sum_hi = 0.0f;
+#pragma unroll
+        for (int j = 0; j < AP_TK / 8; j++) {
+            s[j][0] = exp2f(s[j][0] - b_lo);
+            s[j][1] = exp2f(s[j][1] - b_lo);
+            s[j][2] = exp2f(s[j][2] - b_hi);
+            s[j][3] = exp2f(s[j][3] - b_hi);
+            sum_lo += s[j][0] + s[j][1];
+            sum_hi += s[j][2] + s[j][3];
+        }
+        l_lo = l_lo * a_lo + sum_lo; /* per-thread partial sums; the quad adds them at the end */
+        l_hi = l_hi * a_hi + sum_hi;
+#pragma unroll
+        for (int dt = 0; dt < HD / 8; dt++) {
+            acc[dt][0] *= a_lo, acc[dt][1] *= a_lo;
+            acc[dt][2] *= a_hi, acc[dt][3] *= a_hi;
+        }
+#pragma unroll
+        for (int kc = 0; kc < AP_TK / 16; kc++) {
+            uint32_t a[4];
+            a[0] = pack_bf16x2(s[2 * kc][0], s[2 * kc][1]);
+            a[1] = pack_bf16x2(s[2 * kc][2], s[2 * kc][3]);
+            a[2] = pack_bf16x2(s[2 * kc + 1][0], s[2 * kc + 1][1]);
+            a[3] = pack_bf16x2(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+            const int mat = lane >> 3, rr = lane & 7;
+            const __nv_bfloat16 *vrow = vs + (kc * 16 + (mat & 1) * 8 + rr) * LD + (mat >> 1) * 8;
+#pragma unroll
+            for (int d2 = 0; d2 < HD / 16; d2++) {
+                uint32_t b[4];
+                ldmatrix_x4_trans(b, vrow + d2 * 16);
+                mma_bf16(acc[2 * d2], a, b[0], b[1]);
+                mma_bf16(acc[2 * d2 + 1], a, b[2], b[3]);
+            }
+        }
+    }
+    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
+    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
+
+    const int64_t rows = (int64_t)n * H;
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const int64_t P = rbase + (half ? r_hi : r_lo);
+        if (P >= RT) continue;
+        const int64_t orow = (P / G) * H + kvh * G + P % G;
+        const float m = half ? m_hi : m_lo, l = half ? l_hi : l_lo;
+        if (o.nsplit == 1) {
+            const float inv = 1.0f / l;
+            float *dst = o.out + orow * HD + 2 * t4;
+#pragma unroll
+            for (int dt = 0; dt < HD / 8; dt++)
+                *(float2 *)(dst + dt * 8) = make_float2(acc[dt][2 * half] * inv, acc[dt][2 * half + 1] * inv);
+        } else {
+            float *dst = o.part_acc + ((size_t)split * rows + orow) * HD + 2 * t4;
+#pragma unroll
+            for (int dt = 0; dt < HD / 8; dt++)
+                *(float2 *)(dst + dt * 8) = make_float2(acc[dt][2 * half], acc[dt][2 * half + 1]);
+            if (t4 == 0) {
+                o.part_m[split * rows + orow] = m;
+                o.part_l[split * rows + orow] = l;
+            }
+        }
+    }
+}
+
+/* ---- generic: any head_dim, fp32 ------------------------------------------------------ */
+
+#define AG_THREADS 128
+
+/* grid (n H): one block per (token, head) row; smem: q [hd], acc [hd], p [128]. */
+static __global__ void __launch_bounds__(AG_THREADS)
+    attn_generic_kernel(const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
+                        const int32_t *__restrict__ pos, int64_t n_kv, int H, int Hkv, int hd, float qscale,
+                        float *__restrict__ out) {
+    extern __shared__ float sm[];
+    float *q_s = sm, *acc_s = sm + hd, *p_s = acc_s + hd;
+    __shared__ float red[32];
+    const int64_t row = blockIdx.x;
+    const int64_t t = row / H;
+    const int h = (int)(row % H), kvh = h / (H / Hkv);
+    for (int d = threadIdx.x; d < hd; d += AG_THREADS) {
+        q_s[d] = q[row * hd + d] * qscale;
+        acc_s[d] = 0.0f;
+    }
+    const int64_t end = min(n_kv, (int64_t)__ldg(pos + t) + 1);
+    float m = -INFINITY, l = 0.0f;
+    __syncthreads();
+    for (int64_t kb = 0; kb < end; kb += AG_THREADS) {
+        const int64_t key = kb + threadIdx.x;
+        float sv = -INFINITY;
+        if (key < end) {
+            const float *kr = k + ((size_t)key * Hkv + kvh) * hd;
+            float s = 0.0f;
+            for (int d = 0; d < hd; d++) s = fmaf(q_s[d], __ldg(kr + d), s);
+            sv = s;
+        }
+        const float bm = st_block_max(sv, red);
+        const float mn = fmaxf(m, bm);
+        const float base = mn == -INFINITY ? 0.0f : mn;
+        const float p = exp2f(sv - base);
+        const float alpha = exp2f(m - base);
+        const float ps = st_block_sum(p, red);
+        l = l * alpha + ps;
+        m = mn;
+        p_s[threadIdx.x] = p;
+        __syncthreads();
+        const int nk = (int)min((int64_t)AG_THREADS, end - kb);
+        for (int d = threadIdx.x; d < hd; d += AG_THREADS) {
+            float a = acc_s[d] * alpha;
+            for (int j = 0; j < nk; j++) a = fmaf(p_s[j], __ldg(v + ((size_t)(kb + j) * Hkv + kvh) * hd + d), a);
+            acc_s[d] = a;
+        }
+        __syncthreads();
+    }
+    for (int d = threadIdx.x; d < hd; d += AG_THREADS) out[row * hd + d] = acc_s[d] / l;
+}
+
+/* ---- dispatch ----------------------------------------------------------------------- */
+
+template <int HD, int RMAX>
+static strata_status set_decode_attr() {
+    ST_CUDA_TRY(cudaFuncSetAttribute(attn_decode_kernel<HD, RMAX>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     (int)decode_smem_bytes<HD, RMAX>()));
+    return STRATA_OK;
+}
+
+strata_status st_cuda_attention_setup(st_cuda *c) {
+    strata_status st;
+#define SET(HD, RM)                                                                          \
+    if ((st = set_decode_attr<HD, RM>()) != STRATA_OK) return st;
+    SET(64, 4) SET(64, 8) SET(64, 16) SET(128, 4) SET(128, 8) SET(128, 16)
+#undef SET
+    return STRATA_OK;
+}
+
+/* Splits of the KV length: about `want` of them, each at least `min_len` keys,
+ * a multiple of `tile`. Returns the split length; *nsplit the count. */
+static int64_t pick_splits(int64_t n_kv, int64_t want, int64_t min_len, int64_t tile, int *nsplit) {
+    int64_t by_len = (n_kv + min_len - 1) / min_len;
+    int64_t ns = want < by_len ? want : by_len;
+    if (ns < 1) ns = 1;
+    if (ns > 1024) ns = 1024;
+    int64_t len = (n_kv + ns - 1) / ns;
+    len = (len + tile - 1) / tile * tile;
+    *nsplit = (int)((n_kv + len - 1) / len);
+    return len;
+}
+
+static strata_status alloc_parts(st_backend *be, st_cuda_stream *s, int nsplit, int64_t rows, int64_t hd,
+                                 attn_out *o) {
+    if (nsplit == 1) return STRATA_OK;
+    const size_t acc_b = (size_t)nsplit * rows * hd * sizeof(float);
+    const size_t ml_b = (size_t)nsplit * rows * sizeof(float);
+    const size_t ml_off = (acc_b + 255) / 256 * 256;
+    const size_t l_off = ml_off + (ml_b + 255) / 256 * 256;
+    void *p = NULL;
+    strata_status st = st_cuda_scratch(be, s, ST_CUDA_SCRATCH_ATTN, l_off + ml_b, &p);
+    if (st != STRATA_OK) return st;
+    o->part_acc = (float *)p;
+    o->part_m = (float *)((char *)p + ml_off);
+    o->part_l = (float *)((char *)p + l_off);
+    return STRATA_OK;
+}
+
+static strata_status merge(cudaStream_t s, const attn_out *o, int64_t rows, int hd) {
+    attn_merge_kernel<<<(unsigned)rows, 128, 0, s>>>(o->part_acc, o->part_m, o->part_l, o->nsplit, rows, hd, o->out);
+    ST_CUDA_LAUNCHED("attn_merge_kernel");
+    return STRATA_OK;
+}
+
+template <int HD, int RMAX>
+static strata_status run_decode(st_backend *be, st_cuda_stream *s, const float *q, const float *k, const float *v,
+                                const int32_t *pos, int64_t n, int64_t n_kv, int64_t H, int64_t Hkv, float qscale,
+                                float *out) {
+    st_cuda *c = st_cuda_of(be);
+    attn_out o = {out, NULL, NULL, NULL, 1};
+    const int64_t want = (3 * (int64_t)c->sm_count + Hkv - 1) / Hkv;
+    const int64_t len = pick_splits(n_kv, want, 128, AD_TK, &o.nsplit);
+    strata_status st = alloc_parts(be, s, o.nsplit, n * H, HD, &o);
+    if (st != STRATA_OK) return st;
+    attn_decode_kernel<HD, RMAX><<<dim3((unsigned)o.nsplit, (unsigned)Hkv), AD_THREADS, decode_smem_bytes<HD, RMAX>(),
+                                   s->s>>>(q, k, v, pos, (int)n, n_kv, (int)H, (int)Hkv, qscale, len, o);
+    ST_CUDA_LAUNCHED("attn_decode_kernel");
+    return o.nsplit > 1 ? merge(s->s, &o, n * H, HD) : STRATA_OK;
+}
+
+template <int HD>
+static strata_status run_prefill(st_backend *be, st_cuda_stream *s, const float *q, const float *k, const float *v,
+                                 const int32_t *pos, int64_t n, int64_t n_kv, int64_t H, int64_t Hkv, float qscale,
+                                 float *out) {
+    st_cuda *c = st_cuda_of(be);
+    attn_out o = {out, NULL, NULL, NULL, 1};
+    const int64_t G = H / Hkv;
+    const int64_t bx = (n * G + AP_BQ - 1) / AP_BQ;
+    if (bx > INT32_MAX) return st_err(STRATA_ERR_INVALID_ARG, "cuda attention: n = %lld is too large", (long long)n);
+    const int64_t blocks = bx * Hkv;
+    const int64_t want = blocks >= 2 * c->sm_count ? 1 : (2 * c->sm_count + blocks - 1) / blocks;
+    const int64_t len = pick_splits(n_kv, want, 256, AP_TK, &o.nsplit);
+    strata_status st = alloc_parts(be, s, o.nsplit, n * H, HD, &o);
+    if (st != STRATA_OK) return st;
+    attn_prefill_kernel<HD><<<dim3((unsigned)bx, (unsigned)Hkv, (unsigned)o.nsplit), AP_THREADS, 0, s->s>>>(
+        q, k, v, pos, (int)n, n_kv, (int)H, (int)Hkv, qscale, len, o);
+    ST_CUDA_LAUNCHED("attn_prefill_kernel");
+    return o.nsplit > 1 ? merge(s->s, &o, n * H, HD) : STRATA_OK;
+}
+
+strata_status st_cuda_op_attention(st_backend *be, st_cuda_stream *s, const float *q, const float *k,
+                                   const float *v, const int32_t *pos, int64_t n, int64_t n_kv,
+                                   int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, float scale,
+                                   float *out) {
+    if (n > INT32_MAX / n_heads || n_heads > 65535 || n_kv_heads > 65535 || head_dim > 4096)
+        return st_err(STRATA_ERR_INVALID_ARG, "cuda attention: n = %lld, n_heads = %lld, head_dim = %lld: too large",
+                      (long long)n, (long long)n_heads, (long long)head_dim);
+    const float qscale = scale * LOG2E;
+    const int64_t R = n * (n_heads / n_kv_heads);
+    const bool aligned = st_cuda_aligned(q, 16) && st_cuda_aligned(k, 16) && st_cuda_aligned(v, 16) &&
+                         st_cuda_aligned(out, 16);
+    if (aligned && (head_dim == 64 || head_dim == 128)) {
+        if (R <= 16) {
+#define DEC(HD)                                                                                        \
+    if (R <= 4) return run_decode<HD, 4>(be, s, q, k, v, pos, n, n_kv, n_heads, n_kv_heads, qscale, out); \
+    if (R <= 8) return run_decode<HD, 8>(be, s, q, k, v, pos, n, n_kv, n_heads, n_kv_heads, qscale, out); \
+    return run_decode<HD, 16>(be, s, q, k, v, pos, n, n_kv, n_heads, n_kv_heads, qscale, out);
+            if (head_dim == 64) { DEC(64) }
+            DEC(128)
+#undef DEC
+        }
+        if (head_dim == 64) return run_prefill<64>(be, s, q, k, v, pos, n, n_kv, n_heads, n_kv_heads, qscale, out);
+        return run_prefill<128>(be, s, q, k, v, pos, n, n_kv, n_heads, n_kv_heads, qscale, out);
+    }
+    const size_t smem = (size_t)(2 * head_dim + AG_THREADS) * sizeof(float);
+    if (smem > 48 * 1024)
+        return st_err(STRATA_ERR_UNSUPPORTED, "cuda attention: head_dim %lld is too large", (long long)head_dim);
+    attn_generic_kernel<<<(unsigned)(n * n_heads), AG_THREADS, smem, s->s>>>(
+        q, k, v, pos, n_kv, (int)n_heads, (int)n_kv_heads, (int)head_dim, qscale, out);
+    ST_CUDA_LAUNCHED("attn_generic_kernel");
+    return STRATA_OK;
+}

@@ -1,0 +1,564 @@
+/* CUDA backend: creation, device memory (a pool, see cuda_pool.c), pinned host
+ * memory, copies, streams and events, and the op table (argument checks here,
+ * kernels in one .cu file per op).
+ *
+ * Device memory: params.device_mem > 0 carves one cudaMalloc of exactly that
+ * many bytes at init (fails early when the GPU lacks it); 0 carves chunks of
+ * 1 GiB (or the request) lazily, while the device keeps 1 GiB free. Every
+ * block is counted in be->device_budget (cap = device_mem), scratch included,
+ * so the peak is measurable. No cudaMalloc happens per step.
+ *
+ * Streams are non-blocking CUDA streams (ordering between them only through
+ * events); a NULL st_stream means the legacy default stream. st_stream and
+ * st_event point at small host structs. Events are created with
+ * cudaEventDisableTiming. */
+#include <string.h>
+
+#include "backend/cuda/cuda_internal.h"
+
+#define STREAM_MAGIC 0x43535452u /* "CSTR" */
+#define EVENT_MAGIC 0x43455654u  /* "CEVT" */
+#define LAZY_CHUNK ((size_t)1 << 30)
+#define LAZY_MARGIN ((size_t)1 << 30)
+
+typedef struct {
+    uint32_t magic;
+    cudaEvent_t e;
+} cuda_event;
+
+bool st_backend_cuda_present(void) {
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;
+    }
+    return n > 0;
+}
+
+/* ---- memory ---- */
+
+static size_t round_align(size_t n) { return (n + ST_CUDA_ALIGN - 1) / ST_CUDA_ALIGN * ST_CUDA_ALIGN; }
+
+/* alloc without the device selection (callers hold nothing). */
+static strata_status pool_alloc(st_backend *be, size_t n, const char *what, void **out) {
+    st_cuda *c = st_cuda_of(be);
+    *out = NULL;
+    if (n > SIZE_MAX - ST_CUDA_ALIGN)
+        return st_err(STRATA_ERR_NOMEM, "cuda alloc: %zu bytes is too large", n);
+    const size_t want = round_align(n ? n : 1);
+    pthread_mutex_lock(&c->mem_mu);
+    strata_status st = st_budget_take(&be->device_budget, want, what);
+    if (st == STRATA_OK) {
+        size_t got = 0;
+        st = st_cuda_pool_alloc(c->pool, want, out, &got);
+        if (st != STRATA_OK) st_budget_give(&be->device_budget, want);
+        else ST_ASSERT(got == want);
+    }
+    pthread_mutex_unlock(&c->mem_mu);
+    return st;
+}
+
+static void pool_release(st_backend *be, void *p) {
+    st_cuda *c = st_cuda_of(be);
+    size_t got = 0;
+    pthread_mutex_lock(&c->mem_mu);
+    bool ok = st_cuda_pool_release(c->pool, p, &got);
+    if (ok) st_budget_give(&be->device_budget, got);
+    pthread_mutex_unlock(&c->mem_mu);
+    ST_ASSERT(ok); /* not a device pointer of this backend, or freed twice */
+}
+
+static strata_status cuda_alloc(st_backend *be, size_t n, void **out) {
+    if (!out) return st_err(STRATA_ERR_INVALID_ARG, "cuda alloc: out is NULL");
+    *out = NULL;
+    ST_CUDA_TRY(cudaSetDevice(st_cuda_of(be)->device));
+    return pool_alloc(be, n, "cuda device allocation", out);
+}
+
+/* Waits for the device to be idle first, so a block never goes back to the
+ * pool while queued work may still use it (as cudaFree does). */
+static void cuda_dealloc(st_backend *be, void *p) {
+    if (!p) return;
+    ST_CUDA_LOG(cudaSetDevice(st_cuda_of(be)->device));
+    ST_CUDA_LOG(cudaDeviceSynchronize());
+    pool_release(be, p);
+}
+
+static strata_status cuda_host_alloc(st_backend *be, size_t n, void **out) {
+    if (!out) return st_err(STRATA_ERR_INVALID_ARG, "cuda host_alloc: out is NULL");
+    *out = NULL;
+    ST_CUDA_TRY(cudaSetDevice(st_cuda_of(be)->device));
+    void *p = NULL;
+    cudaError_t e = cudaMallocHost(&p, n ? n : 1);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return st_err(STRATA_ERR_NOMEM, "cudaMallocHost(&p, %zu) failed: %s at %s:%d in %s", n,
+                      cudaGetErrorString(e), __FILE__, __LINE__, __func__);
+    }
+    *out = p;
+    return STRATA_OK;
+}
+
+static void cuda_host_dealloc(st_backend *be, void *p) {
+    if (!p) return;
+    ST_CUDA_LOG(cudaFreeHost(p));
+}
+
+static strata_status cuda_upload(st_backend *be, const void *host, size_t n, void **dev, bool *owned) {
+    if (!dev || !owned) return st_err(STRATA_ERR_INVALID_ARG, "cuda upload: NULL out parameter");
+    *dev = NULL;
+    *owned = false;
+    if (!host && n) return st_err(STRATA_ERR_INVALID_ARG, "cuda upload: host is NULL");
+    void *d = NULL;
+    strata_status st = cuda_alloc(be, n, &d);
+    if (st != STRATA_OK) return st;
+    if (n) {
+        cudaError_t e = cudaMemcpy(d, host, n, cudaMemcpyHostToDevice);
+        if (e != cudaSuccess) {
+            pool_release(be, d);
+            return st_err(STRATA_ERR_BACKEND, "cudaMemcpy(d, host, %zu, cudaMemcpyHostToDevice) failed: %s at %s:%d in %s",
+                          n, cudaGetErrorString(e), __FILE__, __LINE__, __func__);
+        }
+    }
+    *dev = d;
+    *owned = true;
+    return STRATA_OK;
+}
+
+/* ---- streams ---- */
+
+st_cuda_stream *st_cuda_stream_get(st_backend *be, st_stream *s) {
+    if (!s) return &st_cuda_of(be)->def;
+    st_cuda_stream *cs = (st_cuda_stream *)s;
+    ST_ASSERT(cs->magic == STREAM_MAGIC);
+    return cs;
+}
+
+strata_status st_cuda_scratch(st_backend *be, st_cuda_stream *s, st_cuda_scratch_slot slot,
+                              size_t bytes, void **out) {
+    st_cuda_buf *b = &s->scratch[slot];
+    if (bytes <= b->n && b->p) {
+        *out = b->p;
+        return STRATA_OK;
+    }
+    size_t want = b->n + b->n / 2;
+    if (want < bytes) want = bytes;
+    if (want < ((size_t)1 << 20)) want = (size_t)1 << 20;
+    if (b->p) { /* queued work may still read the old buffer */
+        ST_CUDA_TRY(cudaStreamSynchronize(s->s));
+        pool_release(be, b->p);
+        b->p = NULL;
+        b->n = 0;
+    }
+    void *p = NULL;
+    strata_status st = pool_alloc(be, want, "cuda scratch", &p);
+    if (st != STRATA_OK) return st;
+    b->p = p;
+    b->n = want;
+    *out = p;
+    return STRATA_OK;
+}
+
+static void scratch_release(st_backend *be, st_cuda_stream *s) {
+    for (int i = 0; i < ST_CUDA_SCRATCH_COUNT; i++) {
+        if (s->scratch[i].p) pool_release(be, s->scratch[i].p);
+        s->scratch[i].p = NULL;
+        s->scratch[i].n = 0;
+    }
+}
+
+static strata_status cuda_stream_create(st_backend *be, bool high_priority, st_stream **out) {
+    if (!out) return st_err(STRATA_ERR_INVALID_ARG, "cuda stream_create: out is NULL");
+    *out = NULL;
+    ST_CUDA_TRY(cudaSetDevice(st_cuda_of(be)->device));
+    int least = 0, greatest = 0;
+    ST_CUDA_TRY(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    st_cuda_stream *cs = st_calloc(1, sizeof *cs);
+    if (!cs) return st_err(STRATA_ERR_NOMEM, "cuda stream_create: out of memory");
+    cudaError_t e = cudaStreamCreateWithPriority(&cs->s, cudaStreamNonBlocking,
+                                                 high_priority ? greatest : least);
+    if (e != cudaSuccess) {
+        st_free(cs);
+        return st_err(STRATA_ERR_BACKEND, "cudaStreamCreateWithPriority(&cs->s, cudaStreamNonBlocking, %d) failed: %s at %s:%d in %s",
+                      high_priority ? greatest : least, cudaGetErrorString(e), __FILE__, __LINE__, __func__);
+    }
+    cs->magic = STREAM_MAGIC;
+    cs->owned = true;
+    *out = (st_stream *)cs;
+    return STRATA_OK;
+}
+
+static void cuda_stream_destroy(st_backend *be, st_stream *s) {
+    if (!s) return;
+    st_cuda_stream *cs = st_cuda_stream_get(be, s);
+    ST_CUDA_LOG(cudaSetDevice(st_cuda_of(be)->device));
+    ST_CUDA_LOG(cudaStreamSynchronize(cs->s));
+    scratch_release(be, cs);
+    ST_CUDA_LOG(cudaStreamDestroy(cs->s));
+    cs->magic = 0;
+    st_free(cs);
+}
+
+static strata_status cuda_stream_sync(st_backend *be, st_stream *s) {
+    st_cuda_stream *cs = st_cuda_stream_get(be, s);
+    ST_CUDA_TRY(cudaStreamSynchronize(cs->s));
+    return STRATA_OK;
+}
+
+/* ---- copies (asynchronous on the stream; pageable host memory works, pinned
+ * memory overlaps) ---- */
+
+static strata_status cuda_copy(st_backend *be, st_stream *s, void *dst, const void *src, size_t n,
+                               enum cudaMemcpyKind kind, const char *op) {
+    if (n == 0) return STRATA_OK;
+    if (!dst || !src) return st_err(STRATA_ERR_INVALID_ARG, "%s: NULL pointer", op);
+    st_cuda_stream *cs = st_cuda_stream_get(be, s);
+    ST_CUDA_TRY(cudaSetDevice(st_cuda_of(be)->device));
+    ST_CUDA_TRY(cudaMemcpyAsync(dst, src, n, kind, cs->s));
+    return STRATA_OK;
+}
+
+static strata_status cuda_copy_h2d(st_backend *be, st_stream *s, void *dst, const void *src, size_t n) {
+    return cuda_copy(be, s, dst, src, n, cudaMemcpyHostToDevice, "cuda copy_h2d");
+}
+static strata_status cuda_copy_d2h(st_backend *be, st_stream *s, void *dst, const void *src, size_t n) {
+    return cuda_copy(be, s, dst, src, n, cudaMemcpyDeviceToHost, "cuda copy_d2h");
+}
+static strata_status cuda_copy_d2d(st_backend *be, st_stream *s, void *dst, const void *src, size_t n) {
+    return cuda_copy(be, s, dst, src, n, cudaMemcpyDeviceToDevice, "cuda copy_d2d");
+}
+
+/* ---- events ---- */
+
+static cuda_event *event_get(st_event *e) {
+    cuda_event *ce = (cuda_event *)e;
+    ST_ASSERT(ce->magic == EVENT_MAGIC);
+    return ce;
+}
+
+static strata_status cuda_event_create(st_backend *be, st_event **out) {
+    if (!out) return st_err(STRATA_ERR_INVALID_ARG, "cuda event_create: out is NULL");
+    *out = NULL;
+    ST_CUDA_TRY(cudaSetDevice(st_cuda_of(be)->device));
+    cuda_event *ce = st_calloc(1, sizeof *ce);
+    if (!ce) return st_err(STRATA_ERR_NOMEM, "cuda event_create: out of memory");
+    cudaError_t e = cudaEventCreateWithFlags(&ce->e, cudaEventDisableTiming);
+    if (e != cudaSuccess) {
+        st_free(ce);
+        return st_err(STRATA_ERR_BACKEND, "cudaEventCreateWithFlags(&ce->e, cudaEventDisableTiming) failed: %s at %s:%d in %s",
+                      cudaGetErrorString(e), __FILE__, __LINE__, __func__);
+    }
+    ce->magic = EVENT_MAGIC;
+    *out = (st_event *)ce;
+    return STRATA_OK;
+}
+
+static void cuda_event_destroy(st_backend *be, st_event *e) {
+    if (!e) return;
+    cuda_event *ce = event_get(e);
+    ST_CUDA_LOG(cudaEventDestroy(ce->e));
+    ce->magic = 0;
+    st_free(ce);
+}
+
+static strata_status cuda_event_record(st_backend *be, st_event *e, st_stream *s) {
+    if (!e) return st_err(STRATA_ERR_INVALID_ARG, "cuda event_record: event is NULL");
+    ST_CUDA_TRY(cudaEventRecord(event_get(e)->e, st_cuda_stream_get(be, s)->s));
+    return STRATA_OK;
+}
+
+static strata_status cuda_stream_wait_event(st_backend *be, st_stream *s, st_event *e) {
+    if (!e) return st_err(STRATA_ERR_INVALID_ARG, "cuda stream_wait_event: event is NULL");
+    ST_CUDA_TRY(cudaStreamWaitEvent(st_cuda_stream_get(be, s)->s, event_get(e)->e, 0));
+    return STRATA_OK;
+}
+
+static strata_status cuda_event_sync(st_backend *be, st_event *e) {
+    if (!e) return st_err(STRATA_ERR_INVALID_ARG, "cuda event_sync: event is NULL");
+    ST_CUDA_TRY(cudaEventSynchronize(event_get(e)->e));
+    return STRATA_OK;
+}
+
+/* ---- ops: argument checks, then the op's .cu file ---- */
+
+static strata_status check_weight(const st_weight *w, const char *op) {
+    if (!w) return st_err(STRATA_ERR_INVALID_ARG, "%s: weight is NULL", op);
+    const st_dtype_info *info = st_dtype_get(w->dtype);
+    if (!info) return st_err(STRATA_ERR_INVALID_ARG, "%s: invalid weight dtype %d", op, (int)w->dtype);
+    if (w->rows <= 0 || w->cols <= 0)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: weight shape [%lld, %lld] is empty", op,
+                      (long long)w->rows, (long long)w->cols);
+    if (w->cols % info->block_elems)
+        return st_err(STRATA_ERR_INVALID_ARG,
+                      "%s: weight cols %lld is not a multiple of the %s block (%lld)", op,
+                      (long long)w->cols, info->name, (long long)info->block_elems);
+    if (!w->data) return st_err(STRATA_ERR_INVALID_ARG, "%s: weight data is NULL", op);
+    if (!st_cuda_aligned(w->data, 16))
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: weight data %p is not 16-byte aligned", op, w->data);
+    return STRATA_OK;
+}
+
+#define CHECK_PTR(p, op)                                                                     \
+    do {                                                                                     \
+        if (!(p)) return st_err(STRATA_ERR_INVALID_ARG, "%s: %s is NULL", op, #p);           \
+    } while (0)
+
+/* The float pointers of ops must at least be 4-byte aligned. */
+#define CHECK_F32(p, op)                                                                     \
+    do {                                                                                     \
+        if (!st_cuda_aligned((p), 4))                                                        \
+            return st_err(STRATA_ERR_INVALID_ARG, "%s: %s = %p is not 4-byte aligned", op, #p, \
+                          (const void *)(p));                                                \
+    } while (0)
+
+#define RUN(be, s, call)                                                                     \
+    do {                                                                                     \
+        ST_CUDA_TRY(cudaSetDevice(st_cuda_of(be)->device));                                  \
+        st_cuda_stream *cs_ = st_cuda_stream_get(be, s);                                     \
+        return call;                                                                         \
+    } while (0)
+
+static strata_status cuda_get_rows(st_backend *be, st_stream *s, const st_weight *w,
+                                   const int32_t *ids, int64_t n, float *out) {
+    const char *op = "cuda get_rows";
+    strata_status st = check_weight(w, op);
+    if (st) return st;
+    if (n < 0) return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld", op, (long long)n);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(ids, op);
+    CHECK_PTR(out, op);
+    CHECK_F32(out, op);
+    RUN(be, s, st_cuda_op_get_rows(be, cs_, w, ids, n, out));
+}
+
+static strata_status cuda_rmsnorm(st_backend *be, st_stream *s, float *x, const float *residual,
+                                  const st_weight *w, float eps, int64_t n, int64_t d, float *out) {
+    const char *op = "cuda rmsnorm";
+    strata_status st = check_weight(w, op);
+    if (st) return st;
+    if (n < 0 || d <= 0)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld, d = %lld", op, (long long)n, (long long)d);
+    if (w->rows != 1 || w->cols != d)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: weight is [%lld, %lld], expected [1, %lld]", op,
+                      (long long)w->rows, (long long)w->cols, (long long)d);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(x, op);
+    CHECK_PTR(out, op);
+    CHECK_F32(x, op);
+    CHECK_F32(out, op);
+    if (residual) CHECK_F32(residual, op);
+    RUN(be, s, st_cuda_op_rmsnorm(be, cs_, x, residual, w, eps, n, d, out));
+}
+
+static strata_status cuda_matmul(st_backend *be, st_stream *s, const float *x, const st_weight *w,
+                                 int64_t n, float *y) {
+    const char *op = "cuda matmul";
+    strata_status st = check_weight(w, op);
+    if (st) return st;
+    if (n < 0) return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld", op, (long long)n);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(x, op);
+    CHECK_PTR(y, op);
+    CHECK_F32(x, op);
+    CHECK_F32(y, op);
+    RUN(be, s, st_cuda_op_matmul(be, cs_, x, w, n, y));
+}
+
+static strata_status cuda_rope(st_backend *be, st_stream *s, float *x, const int32_t *pos, int64_t n,
+                               int64_t n_heads, int64_t head_dim, const float *inv_freq,
+                               bool interleaved) {
+    const char *op = "cuda rope";
+    if (n < 0 || n_heads <= 0 || head_dim <= 0 || head_dim % 2)
+        return st_err(STRATA_ERR_INVALID_ARG,
+                      "%s: n = %lld, n_heads = %lld, head_dim = %lld (must be even)", op,
+                      (long long)n, (long long)n_heads, (long long)head_dim);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(x, op);
+    CHECK_PTR(pos, op);
+    CHECK_PTR(inv_freq, op);
+    CHECK_F32(x, op);
+    CHECK_F32(inv_freq, op);
+    RUN(be, s, st_cuda_op_rope(be, cs_, x, pos, n, n_heads, head_dim, inv_freq, interleaved));
+}
+
+/* pos lives in device memory, so unlike the CPU backend its values are not
+ * checked here: the kernels clamp each query's keys to [0, min(pos, n_kv-1)]. */
+static strata_status cuda_attention(st_backend *be, st_stream *s, const float *q, const float *k,
+                                    const float *v, const int32_t *pos, int64_t n, int64_t n_kv,
+                                    int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
+                                    float scale, float *out) {
+    const char *op = "cuda attention";
+    if (n < 0 || n_kv < 0 || n_heads <= 0 || n_kv_heads <= 0 || head_dim <= 0 ||
+        n_heads % n_kv_heads)
+        return st_err(STRATA_ERR_INVALID_ARG,
+                      "%s: n = %lld, n_kv = %lld, n_heads = %lld, n_kv_heads = %lld, head_dim = %lld"
+                      " (n_heads must be a multiple of n_kv_heads)",
+                      op, (long long)n, (long long)n_kv, (long long)n_heads, (long long)n_kv_heads,
+                      (long long)head_dim);
+    if (n == 0) return STRATA_OK;
+    if (n_kv == 0) return st_err(STRATA_ERR_INVALID_ARG, "%s: no cached keys (n_kv = 0)", op);
+    CHECK_PTR(q, op);
+    CHECK_PTR(k, op);
+    CHECK_PTR(v, op);
+    CHECK_PTR(pos, op);
+    CHECK_PTR(out, op);
+    CHECK_F32(q, op);
+    CHECK_F32(k, op);
+    CHECK_F32(v, op);
+    CHECK_F32(out, op);
+    RUN(be, s, st_cuda_op_attention(be, cs_, q, k, v, pos, n, n_kv, n_heads, n_kv_heads, head_dim,
+                                    scale, out));
+}
+
+static strata_status cuda_swiglu(st_backend *be, st_stream *s, const float *gate, const float *up,
+                                 int64_t n, float *out) {
+    const char *op = "cuda swiglu";
+    if (n < 0) return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld", op, (long long)n);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(gate, op);
+    CHECK_PTR(up, op);
+    CHECK_PTR(out, op);
+    CHECK_F32(gate, op);
+    CHECK_F32(up, op);
+    CHECK_F32(out, op);
+    RUN(be, s, st_cuda_op_swiglu(be, cs_, gate, up, n, out));
+}
+
+static strata_status cuda_add(st_backend *be, st_stream *s, float *x, const float *y, int64_t n) {
+    const char *op = "cuda add";
+    if (n < 0) return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld", op, (long long)n);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(x, op);
+    CHECK_PTR(y, op);
+    CHECK_F32(x, op);
+    CHECK_F32(y, op);
+    RUN(be, s, st_cuda_op_add(be, cs_, x, y, n));
+}
+
+/* ---- lifetime ---- */
+
+static void cuda_destroy(st_backend *be) {
+    if (!be) return;
+    st_cuda *c = st_cuda_of(be);
+    if (c) {
+        ST_CUDA_LOG(cudaSetDevice(c->device));
+        ST_CUDA_LOG(cudaDeviceSynchronize());
+        if (c->pool) scratch_release(be, &c->def);
+        st_cuda_matmul_teardown(c);
+        if (c->lt) {
+            cublasStatus_t e = cublasLtDestroy(c->lt);
+            if (e != CUBLAS_STATUS_SUCCESS)
+                st_log(STRATA_LOG_ERROR, "cublasLtDestroy(c->lt) failed: %s", cublasLtGetStatusString(e));
+        }
+        if (be->device_budget.used)
+            st_log(STRATA_LOG_WARN, "cuda backend destroyed with %zu device bytes still allocated",
+                   be->device_budget.used);
+        st_cuda_pool_free(c->pool);
+        pthread_mutex_destroy(&c->mem_mu);
+        pthread_mutex_destroy(&c->lt_mu);
+        st_free(c);
+    }
+    st_free(be);
+}
+
+static const st_backend_ops g_cuda_ops = {
+    .name = "cuda",
+    .destroy = cuda_destroy,
+    .alloc = cuda_alloc,
+    .dealloc = cuda_dealloc,
+    .host_alloc = cuda_host_alloc,
+    .host_dealloc = cuda_host_dealloc,
+    .upload = cuda_upload,
+    .copy_h2d = cuda_copy_h2d,
+    .copy_d2h = cuda_copy_d2h,
+    .copy_d2d = cuda_copy_d2d,
+    .stream_create = cuda_stream_create,
+    .stream_destroy = cuda_stream_destroy,
+    .stream_sync = cuda_stream_sync,
+    .event_create = cuda_event_create,
+    .event_destroy = cuda_event_destroy,
+    .event_record = cuda_event_record,
+    .stream_wait_event = cuda_stream_wait_event,
+    .event_sync = cuda_event_sync,
+    .get_rows = cuda_get_rows,
+    .rmsnorm = cuda_rmsnorm,
+    .matmul = cuda_matmul,
+    .rope = cuda_rope,
+    .attention = cuda_attention,
+    .swiglu = cuda_swiglu,
+    .add = cuda_add,
+};
+
+/* Creates the backend on device params->device_index. The caller owns *out
+ * (st_backend_free). On error nothing is left allocated. */
+strata_status st_backend_cuda_init(const st_backend_params *params, st_backend **out) {
+    if (!out) return st_err(STRATA_ERR_INVALID_ARG, "cuda backend init: out is NULL");
+    *out = NULL;
+    if (!params) return st_err(STRATA_ERR_INVALID_ARG, "cuda backend init: params is NULL");
+    int n_dev = 0;
+    cudaError_t e = cudaGetDeviceCount(&n_dev);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return st_err(STRATA_ERR_BACKEND, "cudaGetDeviceCount(&n_dev) failed: %s at %s:%d in %s (no usable GPU or driver)",
+                      cudaGetErrorString(e), __FILE__, __LINE__, __func__);
+    }
+    if (params->device_index < 0 || params->device_index >= n_dev)
+        return st_err(STRATA_ERR_INVALID_ARG, "cuda backend init: device %d requested, %d present",
+                      params->device_index, n_dev);
+    st_backend *be = st_calloc(1, sizeof *be);
+    st_cuda *c = st_calloc(1, sizeof *c);
+    if (!be || !c) {
+        st_free(be);
+        st_free(c);
+        return st_err(STRATA_ERR_NOMEM, "cuda backend init: out of memory");
+    }
+    be->ops = &g_cuda_ops;
+    be->kind = ST_BACKEND_CUDA;
+    be->device_budget.cap = params->device_mem;
+    be->impl = c;
+    c->device = params->device_index;
+    pthread_mutex_init(&c->mem_mu, NULL);
+    pthread_mutex_init(&c->lt_mu, NULL);
+    c->def.magic = STREAM_MAGIC;
+    c->def.s = 0;
+
+    strata_status st = STRATA_OK;
+#define INIT_TRY(call)                                                                       \
+    do {                                                                                     \
+        cudaError_t e_ = (call);                                                             \
+        if (e_ != cudaSuccess) {                                                             \
+            st = st_err(STRATA_ERR_BACKEND, "%s failed: %s at %s:%d in %s", #call,           \
+                        cudaGetErrorString(e_), __FILE__, __LINE__, __func__);               \
+            goto fail;                                                                       \
+        }                                                                                    \
+    } while (0)
+    INIT_TRY(cudaSetDevice(c->device));
+    INIT_TRY(cudaFree(0)); /* creates the context now, so failures surface here */
+    INIT_TRY(cudaDeviceGetAttribute(&c->sm_count, cudaDevAttrMultiProcessorCount, c->device));
+    int optin = 0;
+    INIT_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, c->device));
+    c->smem_optin = (size_t)optin;
+#undef INIT_TRY
+    {
+        cublasStatus_t ce = cublasLtCreate(&c->lt);
+        if (ce != CUBLAS_STATUS_SUCCESS) {
+            c->lt = NULL;
+            st = st_err(STRATA_ERR_BACKEND, "cublasLtCreate(&c->lt) failed: %s at %s:%d in %s",
+                        cublasLtGetStatusString(ce), __FILE__, __LINE__, __func__);
+            goto fail;
+        }
+    }
+    if (params->device_mem)
+        st = st_cuda_pool_init(params->device_mem, params->device_mem, 0, true, &c->pool);
+    else
+        st = st_cuda_pool_init(0, LAZY_CHUNK, LAZY_MARGIN, false, &c->pool);
+    if (st != STRATA_OK) goto fail;
+    if ((st = st_cuda_matmul_setup(c)) != STRATA_OK) goto fail;
+    if ((st = st_cuda_attention_setup(c)) != STRATA_OK) goto fail;
+    *out = be;
+    return STRATA_OK;
+fail:
+    cuda_destroy(be);
+    return st;
+}

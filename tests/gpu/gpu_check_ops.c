@@ -1,0 +1,623 @@
+/* gpu_check_ops: every op of the CUDA backend against the CPU backend, on
+ * random inputs of awkward sizes, plus the backend's memory, copies, streams
+ * and events. Needs a GPU, so it is built with the CUDA backend but not
+ * registered with CTest; tests/gpu/run_gpu_checks.sh runs it.
+ *
+ * Error measure: max|gpu - cpu| / max|cpu| over the output (a NaN anywhere
+ * fails). CUDA outputs are poisoned with 0xFF bytes (NaN) before each op, so
+ * an element the op forgot to write fails the check. Thresholds per path:
+ *   exact ops (get_rows, add):                    1e-6 (get_rows), 0 (add)
+ *   fp32 ops (rmsnorm, rope, swiglu):             1e-5
+ *   fp32 accumulation (GEMV path of matmul, f32
+ *   GEMM, decode and generic attention):          1e-5
+ *   bf16 tensor-core paths (matmul GEMM on bf16
+ *   x for f16/bf16/quantized weights, n > 8 or
+ *   n > 32 quantized; attention prefill kernel):  1e-2
+ * RoPE at positions near 2^24, 2^26 and 2^31 is checked against a
+ * double-precision reference computed here. Last, the Llama forward pass
+ * (src/model/llama.c) runs on both backends over the models of
+ * tests/data/models: logits of token-by-token decoding (fp32 paths) within
+ * 1e-4, of a 12-token prefill (bf16 GEMM and tensor-core attention) within 5e-2.
+ * Prints one line per check, then "N passed, M failed"; exits 1 on any
+ * failure, 2 when a backend cannot be created. */
+#include <math.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/backend.h"
+#include "core/quant.h"
+#include "loader/loader.h"
+#include "model/llama.h"
+
+static st_backend *g_cpu, *g_gpu;
+static st_stream *g_s; /* a created GPU stream; some checks use NULL (the default) */
+static int g_pass, g_fail;
+static double g_t0;
+
+/* ---- helpers ---- */
+
+static uint64_t g_rng = 0x243f6a8885a308d3ull;
+static uint32_t rnd_u32(void) {
+    g_rng ^= g_rng << 13;
+    g_rng ^= g_rng >> 7;
+    g_rng ^= g_rng << 17;
+    return (uint32_t)(g_rng >> 32);
+}
+static float rnd_f(void) { return (float)((double)rnd_u32() / 4294967296.0 * 2.0 - 1.0); } /* [-1, 1) */
+
+static void die(const char *what) {
+    fprintf(stderr, "gpu_check_ops: %s: %s\n", what, st_last_error());
+    exit(2);
+}
+#define TRY(x) do { if ((x) != STRATA_OK) die(#x); } while (0)
+
+static void *xmalloc(size_t n) {
+    void *p = malloc(n ? n : 1);
+    if (!p) {
+        fprintf(stderr, "gpu_check_ops: out of host memory\n");
+        exit(2);
+    }
+    return p;
+}
+static float *rand_f(int64_t n, float scale) {
+    float *p = xmalloc((size_t)n * sizeof(float));
+    for (int64_t i = 0; i < n; i++) p[i] = rnd_f() * scale;
+    return p;
+}
+
+static void check(bool ok, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void check(bool ok, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    printf("%s  ", ok ? "PASS" : "FAIL");
+    vprintf(fmt, ap);
+    printf("\n");
+    va_end(ap);
+    fflush(stdout);
+    if (ok) g_pass++;
+    else g_fail++;
+}
+
+/* max|a - ref| / max|ref|; INFINITY when a or ref holds a NaN or inf. */
+static double nerr(const float *a, const float *ref, int64_t n) {
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (!isfinite(a[i]) || !isfinite(ref[i])) return INFINITY;
+        double e = fabs((double)a[i] - (double)ref[i]);
+        if (e > num) num = e;
+        if (fabs((double)ref[i]) > den) den = fabs((double)ref[i]);
+    }
+    return den > 0 ? num / den : num;
+}
+
+/* GPU memory helpers (abort on failure: the harness, not the checks). */
+static void *g_alloc(size_t n) {
+    void *p = NULL;
+    TRY(g_gpu->ops->alloc(g_gpu, n, &p));
+    return p;
+}
+static void g_sync(void) { TRY(g_gpu->ops->stream_sync(g_gpu, g_s)); }
+static void *g_up(const void *h, size_t n) {
+    void *p = g_alloc(n);
+    TRY(g_gpu->ops->copy_h2d(g_gpu, g_s, p, h, n));
+    g_sync();
+    return p;
+}
+static void g_poison(void *d, size_t n) {
+    void *h = xmalloc(n);
+    memset(h, 0xff, n);
+    TRY(g_gpu->ops->copy_h2d(g_gpu, g_s, d, h, n));
+    g_sync();
+    free(h);
+}
+static void *g_poisoned(size_t n) {
+    void *p = g_alloc(n);
+    g_poison(p, n);
+    return p;
+}
+static void g_down(void *h, const void *d, size_t n) {
+    TRY(g_gpu->ops->copy_d2h(g_gpu, g_s, h, d, n));
+    g_sync();
+}
+static void g_free(void *d) { g_gpu->ops->dealloc(g_gpu, d); }
+
+/* ---- weights ---- */
+
+static uint16_t f16_bits(float f) { return st_f32_to_f16(f); }
+
+/* Random rows x cols weight in dtype t (host bytes, caller frees). */
+static uint8_t *make_weight(st_dtype t, int64_t rows, int64_t cols, float scale) {
+    const size_t rb = st_dtype_row_bytes(t, cols);
+    uint8_t *w = xmalloc(rb * (size_t)rows);
+    if (t == ST_DTYPE_Q4_K || t == ST_DTYPE_Q6_K) { /* random blocks with sane scales */
+        const st_dtype_info *info = st_dtype_get(t);
+        const int64_t nb = rows * cols / info->block_elems;
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *p = w + (size_t)b * info->block_bytes;
+            for (size_t i = 0; i < info->block_bytes; i++) p[i] = (uint8_t)rnd_u32();
+            if (t == ST_DTYPE_Q4_K) {
+                uint16_t d = f16_bits(scale * (0.0005f + 0.001f * (rnd_f() + 1.0f))),
+                         dm = f16_bits(scale * (0.0005f + 0.0005f * (rnd_f() + 1.0f)));
+                memcpy(p, &d, 2);
+                memcpy(p + 2, &dm, 2);
+            } else {
+                uint16_t d = f16_bits(scale * (0.0002f + 0.0003f * (rnd_f() + 1.0f)));
+                memcpy(p + 208, &d, 2);
+            }
+        }
+        return w;
+    }
+    float *f = rand_f(cols, scale);
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t c = 0; c < cols; c++) f[c] = rnd_f() * scale;
+        if (!st_quantize_row(t, f, w + (size_t)r * rb, cols)) {
+            fprintf(stderr, "gpu_check_ops: cannot quantize to %s\n", st_dtype_name(t));
+            exit(2);
+        }
+    }
+    free(f);
+    return w;
+}
+
+static const st_dtype k_all[] = {ST_DTYPE_F32, ST_DTYPE_F16, ST_DTYPE_BF16, ST_DTYPE_Q8_0,
+                                 ST_DTYPE_Q4_0, ST_DTYPE_Q4_1, ST_DTYPE_Q4_K, ST_DTYPE_Q6_K};
+
+/* ---- memory, copies, streams, events ---- */
+
+static void check_memory(void) {
+    const size_t base = g_gpu->device_budget.used;
+    const size_t sizes[] = {1, 255, 256, 257, 4096, 1 << 20, (3 << 20) + 17, 0};
+    void *p[8];
+    bool aligned = true;
+    for (int i = 0; i < 8; i++) {
+        TRY(g_gpu->ops->alloc(g_gpu, sizes[i], &p[i]));
+        aligned = aligned && ((uintptr_t)p[i] % 256 == 0);
+    }
+    size_t want = 0;
+    for (int i = 0; i < 8; i++) want += (sizes[i] + 255) / 256 * 256 + (sizes[i] ? 0 : 256);
+    check(aligned, "memory: blocks are 256-byte aligned");
+    check(g_gpu->device_budget.used - base == want, "memory: budget counts %zu bytes (expected %zu)",
+          g_gpu->device_budget.used - base, want);
+    for (int i = 0; i < 8; i += 2) g_free(p[i]); /* free every other one, then the rest: coalescing */
+    for (int i = 1; i < 8; i += 2) g_free(p[i]);
+    check(g_gpu->device_budget.used == base, "memory: budget back to %zu after frees (now %zu)", base,
+          g_gpu->device_budget.used);
+    void *big = NULL;
+    TRY(g_gpu->ops->alloc(g_gpu, (5u << 20), &big)); /* reuses the coalesced space */
+    g_free(big);
+    check(g_gpu->device_budget.peak >= base + want, "memory: peak %zu recorded", g_gpu->device_budget.peak);
+
+    /* a capped backend refuses what exceeds its cap, with a message */
+    st_backend_params cp = {.kind = ST_BACKEND_CUDA, .device_mem = 64u << 20, .device_index = 0};
+    st_backend *capped = NULL;
+    TRY(st_backend_init(&cp, &capped));
+    void *a = NULL, *b = NULL;
+    strata_status s1 = capped->ops->alloc(capped, 32u << 20, &a);
+    strata_status s2 = capped->ops->alloc(capped, 40u << 20, &b);
+    check(s1 == STRATA_OK && s2 == STRATA_ERR_NOMEM && b == NULL && strlen(st_last_error()) > 0,
+          "memory: device_mem cap of 64 MiB refuses 32+40 MiB (%s)", st_last_error());
+    check(capped->device_budget.peak == (32u << 20), "memory: capped peak = %zu", capped->device_budget.peak);
+    capped->ops->dealloc(capped, a);
+    st_backend_free(capped);
+
+    /* upload, d2d, d2h round trip through pinned memory */
+    const size_t n = (1 << 20) + 12;
+    uint8_t *h = xmalloc(n);
+    for (size_t i = 0; i < n; i++) h[i] = (uint8_t)rnd_u32();
+    void *d = NULL, *d2 = g_alloc(n);
+    bool owned = false;
+    TRY(g_gpu->ops->upload(g_gpu, h, n, &d, &owned));
+    TRY(g_gpu->ops->copy_d2d(g_gpu, g_s, d2, d, n));
+    uint8_t *pinned = NULL;
+    TRY(g_gpu->ops->host_alloc(g_gpu, n, (void **)&pinned));
+    TRY(g_gpu->ops->copy_d2h(g_gpu, g_s, pinned, d2, n));
+    g_sync();
+    check(owned && memcmp(pinned, h, n) == 0, "memory: upload -> copy_d2d -> copy_d2h (pinned) round trip");
+    g_gpu->ops->host_dealloc(g_gpu, pinned);
+    g_free(d);
+    g_free(d2);
+    free(h);
+}
+
+static void check_streams(void) {
+    const int64_t n = 1 << 22;
+    float *x = rand_f(n, 1.0f), *y = rand_f(n, 1.0f), *r = xmalloc((size_t)n * 4), *ref = xmalloc((size_t)n * 4);
+    for (int64_t i = 0; i < n; i++) ref[i] = x[i] + y[i];
+    float *dx = g_up(x, (size_t)n * 4), *dy = g_up(y, (size_t)n * 4);
+    st_stream *a = NULL, *b = NULL;
+    st_event *e = NULL;
+    TRY(g_gpu->ops->stream_create(g_gpu, false, &a));
+    TRY(g_gpu->ops->stream_create(g_gpu, true, &b)); /* high priority copy stream */
+    TRY(g_gpu->ops->event_create(g_gpu, &e));
+    for (int rep = 0; rep < 3; rep++) {
+        TRY(g_gpu->ops->copy_h2d(g_gpu, a, dx, x, (size_t)n * 4));
+        TRY(g_gpu->ops->add(g_gpu, a, dx, dy, n));
+        TRY(g_gpu->ops->event_record(g_gpu, e, a));
+        TRY(g_gpu->ops->stream_wait_event(g_gpu, b, e));
+        TRY(g_gpu->ops->copy_d2h(g_gpu, b, r, dx, (size_t)n * 4));
+        TRY(g_gpu->ops->stream_sync(g_gpu, b));
+    }
+    TRY(g_gpu->ops->event_sync(g_gpu, e));
+    check(nerr(r, ref, n) == 0, "streams: add on stream A, event, copy on high-priority stream B");
+    g_gpu->ops->event_destroy(g_gpu, e);
+    g_gpu->ops->stream_destroy(g_gpu, a);
+    g_gpu->ops->stream_destroy(g_gpu, b);
+    g_free(dx);
+    g_free(dy);
+    free(x), free(y), free(r), free(ref);
+}
+
+/* ---- get_rows ---- */
+
+static void check_get_rows(st_dtype t, int64_t rows, int64_t cols, int64_t n) {
+    uint8_t *w = make_weight(t, rows, cols, 1.0f);
+    const size_t wb = st_dtype_row_bytes(t, cols) * (size_t)rows;
+    int32_t *ids = xmalloc((size_t)n * 4);
+    for (int64_t i = 0; i < n; i++) ids[i] = (int32_t)(rnd_u32() % rows);
+    ids[0] = (int32_t)(rows - 1);
+    float *ref = xmalloc((size_t)(n * cols) * 4), *got = xmalloc((size_t)(n * cols) * 4);
+    st_weight cw = {w, t, rows, cols};
+    TRY(g_cpu->ops->get_rows(g_cpu, NULL, &cw, ids, n, ref));
+    void *dw = g_up(w, wb);
+    int32_t *dids = g_up(ids, (size_t)n * 4);
+    float *dout = g_poisoned((size_t)(n * cols) * 4);
+    st_weight gw = {dw, t, rows, cols};
+    strata_status st = g_gpu->ops->get_rows(g_gpu, g_s, &gw, dids, n, dout);
+    g_down(got, dout, (size_t)(n * cols) * 4);
+    const double e = st == STRATA_OK ? nerr(got, ref, n * cols) : INFINITY;
+    check(e <= 1e-6, "get_rows %-5s rows=%lld cols=%lld n=%lld  err=%.2e (thr 1e-6)", st_dtype_name(t),
+          (long long)rows, (long long)cols, (long long)n, e);
+    g_free(dw), g_free(dids), g_free(dout);
+    free(w), free(ids), free(ref), free(got);
+}
+
+/* ---- rmsnorm ---- */
+
+static void check_rmsnorm(st_dtype wt, int64_t n, int64_t d, bool residual) {
+    float *x = rand_f(n * d, 3.0f), *res = rand_f(n * d, 1.0f);
+    uint8_t *w = make_weight(wt, 1, d, 1.0f);
+    float *xc = xmalloc((size_t)(n * d) * 4), *ref = xmalloc((size_t)(n * d) * 4);
+    float *gx = xmalloc((size_t)(n * d) * 4), *got = xmalloc((size_t)(n * d) * 4);
+    memcpy(xc, x, (size_t)(n * d) * 4);
+    st_weight cw = {w, wt, 1, d};
+    TRY(g_cpu->ops->rmsnorm(g_cpu, NULL, xc, residual ? res : NULL, &cw, 1e-5f, n, d, ref));
+    float *dx = g_up(x, (size_t)(n * d) * 4), *dr = g_up(res, (size_t)(n * d) * 4);
+    void *dw = g_up(w, st_dtype_row_bytes(wt, d));
+    float *dout = g_poisoned((size_t)(n * d) * 4);
+    st_weight gw = {dw, wt, 1, d};
+    strata_status st = g_gpu->ops->rmsnorm(g_gpu, g_s, dx, residual ? dr : NULL, &gw, 1e-5f, n, d, dout);
+    g_down(got, dout, (size_t)(n * d) * 4);
+    g_down(gx, dx, (size_t)(n * d) * 4);
+    const double e = st == STRATA_OK ? nerr(got, ref, n * d) : INFINITY;
+    const double ex = st == STRATA_OK ? nerr(gx, xc, n * d) : INFINITY;
+    check(e <= 1e-5 && ex <= 1e-6, "rmsnorm w=%-4s n=%lld d=%lld residual=%d  err=%.2e x_err=%.2e (thr 1e-5)",
+          st_dtype_name(wt), (long long)n, (long long)d, residual, e, ex);
+    g_free(dx), g_free(dr), g_free(dw), g_free(dout);
+    free(x), free(res), free(w), free(xc), free(ref), free(gx), free(got);
+}
+
+/* ---- matmul ---- */
+
+/* The path the CUDA backend takes (see cuda_matmul.cu) decides the threshold. */
+static double matmul_thr(st_dtype t, int64_t n, int64_t K) {
+    const bool quant = st_dtype_get(t)->quantized;
+    if (t == ST_DTYPE_F32 || K % 8 || n <= 8 || (quant && n <= 32)) return 1e-5;
+    return 1e-2;
+}
+
+static void check_matmul_ex(st_dtype t, int64_t N, int64_t K, int64_t n, int x_off, st_stream *s) {
+    uint8_t *w = make_weight(t, N, K, 1.0f);
+    const size_t wb = st_dtype_row_bytes(t, K) * (size_t)N;
+    float *x = rand_f(n * K + x_off, 1.0f);
+    float *ref = xmalloc((size_t)(n * N) * 4), *got = xmalloc((size_t)(n * N) * 4);
+    st_weight cw = {w, t, N, K};
+    TRY(g_cpu->ops->matmul(g_cpu, NULL, x + x_off, &cw, n, ref));
+    void *dw = g_up(w, wb);
+    float *dx = g_up(x, (size_t)(n * K + x_off) * 4);
+    float *dy = g_poisoned((size_t)(n * N) * 4);
+    st_weight gw = {dw, t, N, K};
+    strata_status st = g_gpu->ops->matmul(g_gpu, s, dx + x_off, &gw, n, dy);
+    if (st != STRATA_OK) fprintf(stderr, "  matmul: %s\n", st_last_error());
+    TRY(g_gpu->ops->stream_sync(g_gpu, s));
+    g_down(got, dy, (size_t)(n * N) * 4);
+    const double e = st == STRATA_OK ? nerr(got, ref, n * N) : INFINITY;
+    const double thr = matmul_thr(t, n, K);
+    check(e <= thr, "matmul %-5s N=%lld K=%lld n=%lld%s  err=%.2e (thr %.0e)", st_dtype_name(t), (long long)N,
+          (long long)K, (long long)n, x_off ? " x unaligned" : "", e, thr);
+    g_free(dw), g_free(dx), g_free(dy);
+    free(w), free(x), free(ref), free(got);
+}
+static void check_matmul(st_dtype t, int64_t N, int64_t K, int64_t n) { check_matmul_ex(t, N, K, n, 0, g_s); }
+
+/* ---- rope ---- */
+
+static void make_inv_freq(float *f, int64_t hd, double theta) {
+    for (int64_t j = 0; j < hd / 2; j++) f[j] = (float)(1.0 / pow(theta, (double)(2 * j) / (double)hd));
+}
+
+static void check_rope(int64_t n, int64_t heads, int64_t hd, bool inter) {
+    float *x = rand_f(n * heads * hd, 1.0f), *ref = xmalloc((size_t)(n * heads * hd) * 4);
+    float *got = xmalloc((size_t)(n * heads * hd) * 4), *f = xmalloc((size_t)hd * 2);
+    int32_t *pos = xmalloc((size_t)n * 4);
+    for (int64_t i = 0; i < n; i++) pos[i] = (int32_t)(rnd_u32() % 1000000);
+    make_inv_freq(f, hd, 500000.0);
+    memcpy(ref, x, (size_t)(n * heads * hd) * 4);
+    TRY(g_cpu->ops->rope(g_cpu, NULL, ref, pos, n, heads, hd, f, inter));
+    float *dx = g_up(x, (size_t)(n * heads * hd) * 4), *df = g_up(f, (size_t)hd * 2);
+    int32_t *dp = g_up(pos, (size_t)n * 4);
+    strata_status st = g_gpu->ops->rope(g_gpu, g_s, dx, dp, n, heads, hd, df, inter);
+    g_down(got, dx, (size_t)(n * heads * hd) * 4);
+    const double e = st == STRATA_OK ? nerr(got, ref, n * heads * hd) : INFINITY;
+    check(e <= 1e-5, "rope n=%lld heads=%lld hd=%lld %s  err=%.2e (thr 1e-5)", (long long)n, (long long)heads,
+          (long long)hd, inter ? "interleaved" : "rotate-half", e);
+    g_free(dx), g_free(df), g_free(dp);
+    free(x), free(ref), free(got), free(f), free(pos);
+}
+
+/* Positions around 2^24, 2^26 and 2^31 against a double-precision reference;
+ * also reports what an fp32 angle (pos * inv_freq in float) would give. */
+static void check_rope_far(bool inter) {
+    const int64_t hd = 128, heads = 2;
+    const int32_t ps[] = {(1 << 24) - 1, 1 << 24, (1 << 24) + 1, (1 << 24) + 3, (1 << 26) - 1, (1 << 26) + 5,
+                          (1 << 26) + 77, 2147483647};
+    const int64_t n = (int64_t)(sizeof ps / sizeof ps[0]);
+    float *x = rand_f(n * heads * hd, 1.0f), *got = xmalloc((size_t)(n * heads * hd) * 4);
+    float *ref = xmalloc((size_t)(n * heads * hd) * 4), *naive = xmalloc((size_t)(n * heads * hd) * 4);
+    float *cpu = xmalloc((size_t)(n * heads * hd) * 4);
+    float f[64];
+    make_inv_freq(f, hd, 500000.0);
+    const int64_t half = hd / 2;
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t h = 0; h < heads; h++)
+            for (int64_t j = 0; j < half; j++) {
+                const int64_t o0 = inter ? 2 * j : j, o1 = inter ? 2 * j + 1 : j + half;
+                const float *v = x + (i * heads + h) * hd;
+                const double a = (double)ps[i] * (double)f[j];
+                const double x0 = v[o0], x1 = v[o1];
+                ref[(i * heads + h) * hd + o0] = (float)(x0 * cos(a) - x1 * sin(a));
+                ref[(i * heads + h) * hd + o1] = (float)(x0 * sin(a) + x1 * cos(a));
+                const float af = (float)ps[i] * f[j];
+                naive[(i * heads + h) * hd + o0] = v[o0] * cosf(af) - v[o1] * sinf(af);
+                naive[(i * heads + h) * hd + o1] = v[o0] * sinf(af) + v[o1] * cosf(af);
+            }
+    memcpy(cpu, x, (size_t)(n * heads * hd) * 4);
+    TRY(g_cpu->ops->rope(g_cpu, NULL, cpu, ps, n, heads, hd, f, inter));
+    float *dx = g_up(x, (size_t)(n * heads * hd) * 4), *df = g_up(f, (size_t)hd * 2);
+    int32_t *dp = g_up(ps, (size_t)n * 4);
+    strata_status st = g_gpu->ops->rope(g_gpu, g_s, dx, dp, n, heads, hd, df, inter);
+    g_down(got, dx, (size_t)(n * heads * hd) * 4);
+    const double e = st == STRATA_OK ? nerr(got, ref, n * heads * hd) : INFINITY;
+    const double ec = nerr(cpu, ref, n * heads * hd), en = nerr(naive, ref, n * heads * hd);
+    check(e <= 1e-5, "rope far positions (2^24-1 .. 2^31-1) %s vs double reference  err=%.2e (thr 1e-5; cpu %.2e;"
+          " an fp32 angle would give %.2e)", inter ? "interleaved" : "rotate-half", e, ec, en);
+    g_free(dx), g_free(df), g_free(dp);
+    free(x), free(got), free(ref), free(naive), free(cpu);
+}
+
+/* ---- attention ---- */
+
+static void check_attention(int64_t n, int64_t n_kv, int64_t H, int64_t Hkv, int64_t hd) {
+    const int64_t qn = n * H * hd, kn = n_kv * Hkv * hd;
+    float *q = rand_f(qn, 2.0f), *k = rand_f(kn, 1.0f), *v = rand_f(kn, 1.0f);
+    float *ref = xmalloc((size_t)qn * 4), *got = xmalloc((size_t)qn * 4);
+    int32_t *pos = xmalloc((size_t)n * 4);
+    for (int64_t i = 0; i < n; i++) pos[i] = (int32_t)(n_kv - n + i);
+    const float scale = 1.0f / sqrtf((float)hd);
+    TRY(g_cpu->ops->attention(g_cpu, NULL, q, k, v, pos, n, n_kv, H, Hkv, hd, scale, ref));
+    float *dq = g_up(q, (size_t)qn * 4), *dk = g_up(k, (size_t)kn * 4), *dv = g_up(v, (size_t)kn * 4);
+    int32_t *dp = g_up(pos, (size_t)n * 4);
+    float *dout = g_poisoned((size_t)qn * 4);
+    strata_status st = g_gpu->ops->attention(g_gpu, g_s, dq, dk, dv, dp, n, n_kv, H, Hkv, hd, scale, dout);
+    if (st != STRATA_OK) fprintf(stderr, "  attention: %s\n", st_last_error());
+    g_down(got, dout, (size_t)qn * 4);
+    const double e = st == STRATA_OK ? nerr(got, ref, qn) : INFINITY;
+    /* the path cuda_attention.cu takes */
+    const bool tc = (hd == 64 || hd == 128) && n * (H / Hkv) > 16;
+    const double thr = tc ? 1e-2 : 1e-5;
+    check(e <= thr, "attention n=%lld n_kv=%lld heads=%lld/%lld hd=%lld (%s)  err=%.2e (thr %.0e)", (long long)n,
+          (long long)n_kv, (long long)H, (long long)Hkv, (long long)hd, tc ? "bf16 tensor cores" : "fp32", e, thr);
+    g_free(dq), g_free(dk), g_free(dv), g_free(dp), g_free(dout);
+    free(q), free(k), free(v), free(ref), free(got), free(pos);
+}
+
+/* ---- swiglu, add ---- */
+
+static void check_swiglu(int64_t n, int off, bool in_place) {
+    float *g = rand_f(n + off, 6.0f), *u = rand_f(n + off, 2.0f);
+    float *ref = xmalloc((size_t)n * 4), *got = xmalloc((size_t)n * 4);
+    TRY(g_cpu->ops->swiglu(g_cpu, NULL, g + off, u + off, n, ref));
+    float *dg = g_up(g, (size_t)(n + off) * 4), *du = g_up(u, (size_t)(n + off) * 4);
+    float *dout = in_place ? dg : g_poisoned((size_t)(n + off) * 4);
+    strata_status st = g_gpu->ops->swiglu(g_gpu, g_s, dg + off, du + off, n, dout + off);
+    g_down(got, dout + off, (size_t)n * 4);
+    const double e = st == STRATA_OK ? nerr(got, ref, n) : INFINITY;
+    check(e <= 1e-5, "swiglu n=%lld%s%s  err=%.2e (thr 1e-5)", (long long)n, off ? " unaligned" : "",
+          in_place ? " in place" : "", e);
+    g_free(dg), g_free(du);
+    if (!in_place) g_free(dout);
+    free(g), free(u), free(ref), free(got);
+}
+
+static void check_add(int64_t n, int off) {
+    float *x = rand_f(n + off, 1.0f), *y = rand_f(n + off, 1.0f), *got = xmalloc((size_t)n * 4);
+    float *dx = g_up(x, (size_t)(n + off) * 4), *dy = g_up(y, (size_t)(n + off) * 4);
+    TRY(g_cpu->ops->add(g_cpu, NULL, x + off, y + off, n));
+    strata_status st = g_gpu->ops->add(g_gpu, g_s, dx + off, dy + off, n);
+    g_down(got, dx + off, (size_t)n * 4);
+    const double e = st == STRATA_OK ? nerr(got, x + off, n) : INFINITY;
+    check(e == 0, "add n=%lld%s  err=%.2e (thr 0: exact)", (long long)n, off ? " unaligned" : "", e);
+    g_free(dx), g_free(dy);
+    free(x), free(y), free(got);
+}
+
+/* ---- the whole forward pass ---- */
+
+static double logits_err(st_llama *mc, st_llama *mg, const int32_t *tok, int64_t n, int64_t past, bool all,
+                         int64_t V) {
+    const int64_t cnt = all ? n * V : V;
+    float *lc = xmalloc((size_t)cnt * 4), *lg = xmalloc((size_t)cnt * 4);
+    memset(lg, 0xff, (size_t)cnt * 4);
+    double e = INFINITY;
+    if (st_llama_forward(mc, tok, n, past, all, lc) != STRATA_OK) fprintf(stderr, "  cpu: %s\n", st_last_error());
+    else if (st_llama_forward(mg, tok, n, past, all, lg) != STRATA_OK) fprintf(stderr, "  cuda: %s\n", st_last_error());
+    else e = nerr(lg, lc, cnt);
+    free(lc), free(lg);
+    return e;
+}
+
+static void check_model(const char *name) {
+    const char *src = getenv("STRATA_SRC") ? getenv("STRATA_SRC") : ".";
+    char path[1024];
+    snprintf(path, sizeof path, "%s/tests/data/models/%s", src, name);
+    st_model_files *mf = NULL;
+    st_llama *mc = NULL, *mg = NULL;
+    st_llama_params lp = {.max_ctx = 64, .max_batch = 32};
+    if (st_model_open(path, &mf) != STRATA_OK || st_llama_init(mf, g_cpu, &lp, &mc) != STRATA_OK ||
+        st_llama_init(mf, g_gpu, &lp, &mg) != STRATA_OK) {
+        check(false, "model %s: cannot load: %s", name, st_last_error());
+        st_llama_free(mc), st_llama_free(mg), st_model_close(mf);
+        return;
+    }
+    const int64_t V = mf->config.vocab_size;
+    int32_t tok[16];
+    for (int i = 0; i < 16; i++) tok[i] = (int32_t)(rnd_u32() % (uint32_t)V);
+    double ed = 0, ep = 0, ep2 = 0;
+    for (int i = 0; i < 10; i++) { /* token by token from an empty cache: GEMV + fp32 attention */
+        const double e = logits_err(mc, mg, tok + i, 1, i, false, V);
+        ed = e > ed || isnan(e) ? e : ed;
+    }
+    st_llama_reset(mc), st_llama_reset(mg);
+    ep = logits_err(mc, mg, tok, 12, 0, true, V); /* prefill: bf16 GEMM, tensor-core attention */
+    for (int i = 12; i < 16; i++) { /* decode on top of that cache */
+        const double e = logits_err(mc, mg, tok + i, 1, i, false, V);
+        ep2 = e > ep2 || isnan(e) ? e : ep2;
+    }
+    const bool f32 = mf->tensors[0].dtype == ST_DTYPE_F32;
+    check(ed <= 1e-4 && ep <= 5e-2 && ep2 <= 5e-2,
+          "model %s (%s, %lld layers, heads %lld/%lld, hd %lld): decode err=%.2e (thr 1e-4), prefill err=%.2e,"
+          " decode after prefill err=%.2e (thr 5e-2)",
+          name, f32 ? "f32" : "bf16", (long long)mf->config.n_layers, (long long)mf->config.n_heads,
+          (long long)mf->config.n_kv_heads, (long long)mf->config.head_dim, ed, ep, ep2);
+    st_llama_free(mc);
+    st_llama_free(mg);
+    st_model_close(mf);
+}
+
+/* ---- main ---- */
+
+int main(void) {
+    g_t0 = st_time_now();
+    st_backend_params cpu_p = {.kind = ST_BACKEND_CPU, .n_threads = 0};
+    st_backend_params gpu_p = {.kind = ST_BACKEND_CUDA, .device_mem = 0, .device_index = 0};
+    TRY(st_backend_init(&cpu_p, &g_cpu));
+    TRY(st_backend_init(&gpu_p, &g_gpu));
+    TRY(g_gpu->ops->stream_create(g_gpu, false, &g_s));
+
+    check_memory();
+    check_streams();
+
+    for (size_t ti = 0; ti < sizeof k_all / sizeof k_all[0]; ti++) {
+        const st_dtype t = k_all[ti];
+        const int64_t be = st_dtype_get(t)->block_elems;
+        const int64_t cols_plain[] = {96, 1000, 1001}, cols_q[] = {96, 288, 576}, cols_k[] = {256, 768};
+        const int64_t *cols = be == 1 ? cols_plain : be == 32 ? cols_q : cols_k;
+        const int nc = be == 256 ? 2 : 3;
+        const int64_t gn[] = {1, 17, 300};
+        for (int c = 0; c < nc; c++)
+            for (int i = 0; i < 3; i++) check_get_rows(t, 300, cols[c], gn[i]);
+    }
+
+    const int64_t rn[] = {1, 3, 17, 300};
+    const int64_t rd[] = {96, 288, 1000, 4096};
+    for (int a = 0; a < 4; a++)
+        for (int b = 0; b < 4; b++) check_rmsnorm(ST_DTYPE_F32, rn[a], rd[b], (a + b) % 2 == 0);
+    check_rmsnorm(ST_DTYPE_F32, 17, 1000, false);
+    check_rmsnorm(ST_DTYPE_F32, 17, 1000, true);
+    check_rmsnorm(ST_DTYPE_BF16, 3, 4096, true);
+    check_rmsnorm(ST_DTYPE_F16, 17, 576, false);
+    check_rmsnorm(ST_DTYPE_Q8_0, 3, 288, true);
+
+    const int64_t mn[] = {1, 3, 8, 17, 64, 300};
+    for (size_t ti = 0; ti < sizeof k_all / sizeof k_all[0]; ti++) {
+        const st_dtype t = k_all[ti];
+        const int64_t be = st_dtype_get(t)->block_elems;
+        int64_t shapes[3][2];
+        if (be == 1) {
+            int64_t s[3][2] = {{96, 288}, {1000, 576}, {288, 1000}};
+            memcpy(shapes, s, sizeof s);
+        } else if (be == 32) {
+            int64_t s[3][2] = {{96, 288}, {1000, 576}, {300, 1024}};
+            memcpy(shapes, s, sizeof s);
+        } else {
+            int64_t s[3][2] = {{96, 256}, {300, 768}, {1000, 512}};
+            memcpy(shapes, s, sizeof s);
+        }
+        for (int sh = 0; sh < 3; sh++)
+            for (int i = 0; i < 6; i++) check_matmul(t, shapes[sh][0], shapes[sh][1], mn[i]);
+    }
+    /* odd K for plain types (scalar path), unaligned x, the default stream, decode-sized weights */
+    check_matmul(ST_DTYPE_F32, 64, 1001, 3);
+    check_matmul(ST_DTYPE_F32, 64, 1001, 17);
+    check_matmul(ST_DTYPE_BF16, 64, 1001, 17);
+    check_matmul(ST_DTYPE_F16, 64, 1001, 5);
+    check_matmul_ex(ST_DTYPE_BF16, 288, 576, 3, 1, g_s);
+    check_matmul_ex(ST_DTYPE_Q4_0, 288, 576, 3, 1, g_s);
+    check_matmul_ex(ST_DTYPE_Q8_0, 288, 576, 64, 1, g_s);
+    check_matmul_ex(ST_DTYPE_BF16, 288, 576, 64, 0, NULL);
+    check_matmul(ST_DTYPE_BF16, 4096, 4096, 1);
+    check_matmul(ST_DTYPE_Q4_K, 4096, 4096, 1);
+    check_matmul(ST_DTYPE_Q8_0, 4096, 4096, 2);
+    check_matmul(ST_DTYPE_BF16, 1024, 4096, 512);
+
+    const int64_t pn[] = {1, 17, 300};
+    for (int a = 0; a < 3; a++)
+        for (int hdi = 0; hdi < 2; hdi++)
+            for (int inter = 0; inter < 2; inter++) check_rope(pn[a], a == 1 ? 3 : 8, hdi ? 128 : 64, inter);
+    check_rope(5, 4, 96, false);
+    check_rope_far(false);
+    check_rope_far(true);
+
+    /* attention: (heads, kv heads, head_dim) with GQA ratios 1, 3, 4, 8 */
+    const int64_t cfg[][3] = {{4, 4, 64}, {6, 2, 128}, {8, 2, 128}, {12, 4, 64}, {32, 8, 128}, {16, 2, 128}};
+    const int64_t dkv[] = {1, 17, 1000, 4096};
+    for (int c = 0; c < 6; c++)
+        for (int i = 0; i < 4; i++) check_attention(1, dkv[i], cfg[c][0], cfg[c][1], cfg[c][2]);
+    for (int c = 0; c < 6; c++) check_attention(3, 1000, cfg[c][0], cfg[c][1], cfg[c][2]);
+    const int64_t an[] = {17, 64, 300};
+    for (int c = 0; c < 4; c++)
+        for (int i = 0; i < 3; i++) {
+            check_attention(an[i], an[i], cfg[c][0], cfg[c][1], cfg[c][2]);
+            check_attention(an[i], an[i] + 100, cfg[c][0], cfg[c][1], cfg[c][2]);
+        }
+    check_attention(64, 4096, 32, 8, 128); /* a prefill chunk over a long cache: split KV */
+    check_attention(300, 300, 32, 8, 128);
+    check_attention(1, 1000, 8, 2, 80);    /* other head dims: generic kernel */
+    check_attention(17, 100, 6, 3, 32);
+    check_attention(1, 5000, 4, 1, 96);
+
+    const int64_t sn[] = {1, 3, 17, 1000, 12345, 1 << 20};
+    for (int i = 0; i < 6; i++) {
+        check_swiglu(sn[i], 0, false);
+        check_add(sn[i], 0);
+    }
+    check_swiglu(12345, 1, false);
+    check_swiglu(12345, 0, true);
+    check_add(12345, 3);
+
+    const char *models[] = {"llama3_f32", "llama3_bf16", "gqa_f32", "gqa_tied_bf16", "gqa_sharded_f32",
+                            "headdim_f32", "mha_tied_f32"};
+    for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) check_model(models[i]);
+
+    g_gpu->ops->stream_destroy(g_gpu, g_s);
+    /* what remains is the default stream's scratch (one matmul ran on it) */
+    const size_t left = g_gpu->device_budget.used, peak = g_gpu->device_budget.peak;
+    st_backend_free(g_gpu);
+    st_backend_free(g_cpu);
+    printf("device memory: peak %.1f MiB, %.1f MiB held by the default stream's scratch at the end; %.1f s\n",
+           (double)peak / 1048576.0, (double)left / 1048576.0, st_time_now() - g_t0);
+    printf("%d passed, %d failed\n", g_pass, g_fail);
+    return g_fail ? 1 : 0;
+}

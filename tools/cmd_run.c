@@ -1,0 +1,731 @@
+/* strata run MODEL [-p PROMPT | -f FILE] [options]: text in, text out.
+ *
+ * One prompt (from -p, -f or a piped standard input) -> the answer streamed to
+ * stdout, then one stats line on stderr. With no prompt and a terminal on
+ * stdin: an interactive chat whose turns stay in the KV cache (only each new
+ * turn's tokens are prefilled). */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "commands.h"
+#include "common.h"
+#include "engine/generate.h"
+#include "engine/sampler.h"
+#include "tokenizer/chat.h"
+#include "tokenizer/tokenizer.h"
+
+#define DEF_N_PREDICT 256
+#define DEF_TEMP 0.7
+#define DEF_TOP_K 40
+#define DEF_TOP_P 0.95
+#define DEF_MIN_P 0.05
+#define DEF_REPEAT_PENALTY 1.0
+#define MAX_STOP 16
+
+static void run_usage(FILE *f) {
+    fprintf(f,
+            "usage: strata run MODEL [-p PROMPT | -f FILE] [options]\n"
+            "Generates text with a model (a Hugging Face directory with tokenizer.json, or a .gguf file)\n"
+            "and streams it to standard output; a stats line goes to standard error.\n"
+            "The prompt comes from -p, -f, or standard input when it is not a terminal. With no\n"
+            "prompt and a terminal on standard input: an interactive chat (type /exit or Ctrl-D to\n"
+            "quit, /reset to start over); the conversation stays in the KV cache, each turn only\n"
+            "prefills its new tokens, and when the context is full the conversation starts over.\n\n"
+            "  -p, --prompt TEXT       the prompt (in chat mode, trailing newlines of a prompt are dropped)\n"
+            "  -f, --file FILE         read the prompt from FILE\n"
+            "  -n, --n-predict N       generate at most N tokens (default %d; -1: until an end token\n"
+            "                          or the context is full)\n"
+            "  --chat / --no-chat      wrap the prompt in the model's chat template as a user message\n"
+            "                          (default: --chat when the model has a chat template); with\n"
+            "                          --no-chat the prompt is plain text, BOS added as the tokenizer says\n"
+            "  --chat-template NAME    use this format instead of the model's template: chatml,\n"
+            "                          llama3 or llama2 (needed when the model's template is not\n"
+            "                          one of these)\n"
+            "  --system TEXT           the system message (chat mode; default: the template's own,\n"
+            "                          e.g. SmolLM2's, or none)\n"
+            "  --temp T                temperature (default %.2g; 0: greedy, deterministic)\n"
+            "  --top-k K               keep the K most likely tokens (default %d; 0: off)\n"
+            "  --top-p P               keep the smallest set holding probability P (default %.2g; 1: off)\n"
+            "  --min-p P               drop tokens less likely than P x the top one (default %.2g; 0: off)\n"
+            "  --repeat-penalty R      penalise tokens already seen (this answer's prompt tokens and\n"
+            "                          its output so far), HF style (default %.1f: off)\n"
+            "  --repeat-last-n N       how many recent tokens the penalty looks at (default 0: all)\n"
+            "  --seed S                random seed (default: a new one each run, shown in the stats)\n"
+            "  --stop STR              stop when the output contains STR (not printed); repeatable\n"
+            "                          (up to %d). The model's end tokens always stop it.\n"
+            "  -q, --quiet             no loading line and no stats line\n"
+            TOOL_MODEL_OPTS_HELP
+            "\nStats line (stderr), one per answer:\n"
+            "  prompt: P tokens in S s (R tok/s), generated: G tokens in S s (R tok/s), load: S s, stop: WHY[, seed: S]\n"
+            "where G counts every sampled token (an end token included), prompt time is the prefill\n"
+            "up to the first logits, generation time runs from there to the end, and WHY is\n"
+            "eos, max_tokens, stop_string or context_full.\n",
+            DEF_N_PREDICT, DEF_TEMP, DEF_TOP_K, DEF_TOP_P, DEF_MIN_P, DEF_REPEAT_PENALTY, MAX_STOP);
+}
+
+typedef struct {
+    const char *model_path, *prompt, *prompt_file, *system, *chat_template;
+    int chat; /* -1: auto, 0: no, 1: yes */
+    int64_t n_predict;
+    st_sampler_params sp;
+    bool seed_given;
+    const char *stop[MAX_STOP];
+    int n_stop;
+    bool quiet;
+    tool_model_opts mo;
+} run_opts;
+
+/* ---- a growable string --------------------------------------------------------------*/
+typedef struct {
+    char *p;
+    size_t len, cap;
+} strbuf;
+
+static bool sb_add(strbuf *b, const char *s, size_t n) {
+    if (b->len + n + 1 > b->cap) {
+        size_t c = b->cap ? b->cap : 256;
+        while (c < b->len + n + 1) c *= 2;
+        char *np = realloc(b->p, c);
+        if (!np) return false;
+        b->p = np;
+        b->cap = c;
+    }
+    memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = '\0';
+    return true;
+}
+
+static void sb_clear(strbuf *b) {
+    b->len = 0;
+    if (b->p) b->p[0] = '\0';
+}
+
+/* ---- options ----------------------------------------------------------------------------*/
+/* 1: parsed, 0: --help shown, -1: usage error (message printed) */
+static int parse_args(int argc, char **argv, run_opts *o) {
+    memset(o, 0, sizeof *o);
+    o->chat = -1;
+    o->n_predict = DEF_N_PREDICT;
+    o->sp = st_sampler_params_default();
+    o->sp.temperature = (float)DEF_TEMP;
+    o->sp.top_k = DEF_TOP_K;
+    o->sp.top_p = (float)DEF_TOP_P;
+    o->sp.min_p = (float)DEF_MIN_P;
+    o->sp.repeat_penalty = (float)DEF_REPEAT_PENALTY;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *val = i + 1 < argc ? argv[i + 1] : NULL;
+        int r = tool_parse_model_opt(argc, argv, &i, &o->mo);
+        if (r < 0) return -1;
+        if (r > 0) continue;
+        double d;
+        int64_t v;
+#define NEED_VALUE()                                                        \
+    do {                                                                    \
+        if (!val) {                                                         \
+            fprintf(stderr, "strata run: %s needs a value\n", a);           \
+            return -1;                                                      \
+        }                                                                   \
+        i++;                                                                \
+    } while (0)
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            run_usage(stdout);
+            return 0;
+        } else if (!strcmp(a, "-p") || !strcmp(a, "--prompt")) {
+            NEED_VALUE();
+            o->prompt = val;
+        } else if (!strcmp(a, "-f") || !strcmp(a, "--file")) {
+            NEED_VALUE();
+            o->prompt_file = val;
+        } else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict")) {
+            if (!tool_parse_i64(val, -1, INT32_MAX, a, &v)) return -1;
+            if (v == 0) {
+                fprintf(stderr, "strata run: %s: 0 tokens; give N >= 1, or -1 for no limit\n", a);
+                return -1;
+            }
+            o->n_predict = v;
+            i++;
+        } else if (!strcmp(a, "--chat")) {
+            o->chat = 1;
+        } else if (!strcmp(a, "--no-chat")) {
+            o->chat = 0;
+        } else if (!strcmp(a, "--chat-template")) {
+            NEED_VALUE();
+            st_chat_kind k;
+            if (!st_chat_kind_from_name(val, &k) || k == ST_CHAT_NONE) {
+                fprintf(stderr, "strata run: --chat-template: '%s' is not one of chatml, llama3, llama2\n", val);
+                return -1;
+            }
+            o->chat_template = val;
+        } else if (!strcmp(a, "--system")) {
+            NEED_VALUE();
+            o->system = val;
+        } else if (!strcmp(a, "--temp") || !strcmp(a, "--temperature")) {
+            if (!tool_parse_f64(val, 0, 100, a, &d)) return -1;
+            o->sp.temperature = (float)d;
+            i++;
+        } else if (!strcmp(a, "--top-k")) {
+            if (!tool_parse_i64(val, 0, INT32_MAX, a, &v)) return -1;
+            o->sp.top_k = (int32_t)v;
+            i++;
+        } else if (!strcmp(a, "--top-p")) {
+            if (!tool_parse_f64(val, 0, 1, a, &d)) return -1;
+            if (d <= 0) {
+                fprintf(stderr, "strata run: --top-p: must be > 0 (1: off)\n");
+                return -1;
+            }
+            o->sp.top_p = (float)d;
+            i++;
+        } else if (!strcmp(a, "--min-p")) {
+            if (!tool_parse_f64(val, 0, 1, a, &d)) return -1;
+            o->sp.min_p = (float)d;
+            i++;
+        } else if (!strcmp(a, "--repeat-penalty")) {
+            if (!tool_parse_f64(val, 0, 100, a, &d)) return -1;
+            if (d <= 0) {
+                fprintf(stderr, "strata run: --repeat-penalty: must be > 0 (1: off)\n");
+                return -1;
+            }
+            o->sp.repeat_penalty = (float)d;
+            i++;
+        } else if (!strcmp(a, "--repeat-last-n")) {
+            if (!tool_parse_i64(val, 0, INT32_MAX, a, &v)) return -1;
+            o->sp.repeat_last_n = v;
+            i++;
+        } else if (!strcmp(a, "--seed")) {
+            errno = 0;
+            char *end = NULL;
+            unsigned long long s = val ? strtoull(val, &end, 10) : 0;
+            if (!val || errno || end == val || *end || val[0] == '-') {
+                fprintf(stderr, "strata run: --seed: '%s' is not an integer in [0, 2^64)\n", val ? val : "");
+                return -1;
+            }
+            o->sp.seed = s;
+            o->seed_given = true;
+            i++;
+        } else if (!strcmp(a, "--stop")) {
+            NEED_VALUE();
+            if (!val[0]) {
+                fprintf(stderr, "strata run: --stop: the stop string is empty\n");
+                return -1;
+            }
+            if (o->n_stop == MAX_STOP) {
+                fprintf(stderr, "strata run: --stop: at most %d stop strings\n", MAX_STOP);
+                return -1;
+            }
+            o->stop[o->n_stop++] = val;
+        } else if (!strcmp(a, "-q") || !strcmp(a, "--quiet")) {
+            o->quiet = true;
+        } else if (a[0] == '-' && a[1] != '\0') {
+            fprintf(stderr, "strata run: unknown option '%s' (strata run --help lists them)\n", a);
+            return -1;
+        } else if (!o->model_path) {
+            o->model_path = a;
+        } else {
+            fprintf(stderr, "strata run: unexpected argument '%s' (the prompt goes after -p)\n", a);
+            return -1;
+        }
+#undef NEED_VALUE
+    }
+    if (!o->model_path) {
+        fprintf(stderr, "strata run: no MODEL given\n");
+        return -1;
+    }
+    if (o->prompt && o->prompt_file) {
+        fprintf(stderr, "strata run: give either -p or -f, not both\n");
+        return -1;
+    }
+    if (o->chat == 0 && (o->system || o->chat_template)) {
+        fprintf(stderr, "strata run: %s needs chat mode (drop --no-chat)\n",
+                o->system ? "--system" : "--chat-template");
+        return -1;
+    }
+    if (!o->seed_given) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        o->sp.seed = ((uint64_t)ts.tv_sec * 1000000007ull) ^ (uint64_t)ts.tv_nsec ^ ((uint64_t)getpid() << 40);
+    }
+    return 1;
+}
+
+/* ---- the loaded model ---------------------------------------------------------------------*/
+typedef struct {
+    tool_model tm;
+    st_tokenizer *tok;
+    st_chat_template tpl; /* kind NONE: plain text */
+    int64_t n_ctx;
+    int64_t vocab;        /* what the sampler draws from */
+    double load_s;
+} runner;
+
+/* Touches every page of the mapped model files, so that the first prefill is
+ * not timed with the page faults of reading the weights. When this takes more
+ * than a second, shows a percentage on `progress`. */
+static void page_in(const tool_model *tm, FILE *progress) {
+    uint64_t total = 0, done = 0;
+    for (int f = 0; f < tm->files->n_files; f++) total += tm->files->files[f].size;
+    double t0 = st_time_now(), last = t0;
+    int last_pct = -1;
+    uint8_t acc = 0;
+    for (int f = 0; f < tm->files->n_files; f++) {
+        const st_mapped_file *mf = &tm->files->files[f];
+        if (!mf->data) continue;
+        for (uint64_t off = 0; off < mf->size; off += 4096) {
+            acc ^= ((const volatile uint8_t *)mf->data)[off];
+            if (progress && ((off >> 12) & 1023) == 0) {
+                double now = st_time_now();
+                int pct = (int)((done + off) * 100 / (total ? total : 1));
+                if (now - t0 > 1.0 && now - last > 0.5 && pct != last_pct) {
+                    fprintf(progress, "\rstrata: paging in %.1f MB of weights ... %d%%", total / 1e6, pct);
+                    fflush(progress);
+                    last = now;
+                    last_pct = pct;
+                }
+            }
+        }
+        done += mf->size;
+    }
+    if (last_pct >= 0) fprintf(progress, "\rstrata: paging in %.1f MB of weights ... 100%%\n", total / 1e6);
+    if (acc == 1 && progress) fflush(progress); /* uses acc: the reads stay */
+}
+
+static void runner_close(runner *r) {
+    st_chat_template_clear(&r->tpl);
+    st_tokenizer_free(r->tok);
+    r->tok = NULL;
+    tool_model_close(&r->tm);
+}
+
+/* The tokenizer must not produce ids the model does not have. */
+static bool check_vocab(const run_opts *o, runner *r) {
+    const st_config *cfg = &r->tm.files->config;
+    const int64_t tv = st_tokenizer_vocab_size(r->tok);
+    if (tv > cfg->vocab_size) {
+        fprintf(stderr, "strata run: %s: the tokenizer has %lld tokens, more than the model's vocabulary of %lld\n",
+                o->model_path, (long long)tv, (long long)cfg->vocab_size);
+        return false;
+    }
+    r->vocab = tv; /* padded embedding rows beyond the tokenizer are never drawn */
+    return true;
+}
+
+/* Chooses the chat format: the model's template, --chat-template, or none. */
+static bool settle_chat(const run_opts *o, runner *r) {
+    if (o->chat == 0) return true;
+    const char *jinja = st_tokenizer_chat_template(r->tok);
+    st_chat_template found = {0};
+    strata_status dst = st_chat_detect(jinja, &found);
+    if (o->chat_template) {
+        st_chat_kind k = ST_CHAT_NONE;
+        st_chat_kind_from_name(o->chat_template, &k);
+        if (dst == STRATA_OK && found.kind == k) {
+            r->tpl = found; /* same family: keep the template's details (default system, date) */
+        } else {
+            st_chat_template_clear(&found);
+            r->tpl.kind = k;
+        }
+    } else if (dst != STRATA_OK) {
+        fprintf(stderr,
+                "strata run: %s: %s.\n"
+                "Pass --no-chat to use the prompt as plain text, or --chat-template chatml|llama3|llama2 to "
+                "choose a format.\n",
+                o->model_path, st_last_error());
+        return false;
+    } else if (found.kind == ST_CHAT_NONE) {
+        if (o->chat == 1) {
+            fprintf(stderr, "strata run: %s has no chat template; pass --chat-template chatml|llama3|llama2 "
+                            "or --no-chat\n", o->model_path);
+                return false;
+        }
+        if (o->system) {
+            fprintf(stderr, "strata run: --system: %s has no chat template (pass --chat-template NAME)\n",
+                    o->model_path);
+                return false;
+        }
+        return true; /* plain text */
+    } else {
+        r->tpl = found;
+    }
+    if (r->tpl.date && r->tpl.date_from_clock) {
+        /* transformers gives such templates today's date, as strftime("%d %b %Y") */
+        char buf[32];
+        time_t now = time(NULL);
+        struct tm tmv;
+        if (localtime_r(&now, &tmv) && strftime(buf, sizeof buf, "%d %b %Y", &tmv)) {
+            char *d = st_strdup(buf);
+            if (d) {
+                st_free(r->tpl.date);
+                r->tpl.date = d;
+            }
+        }
+    }
+    return true;
+}
+
+/* Loads model + tokenizer and settles the chat format. Prints errors. */
+static bool runner_open(const run_opts *o, runner *r) {
+    memset(r, 0, sizeof *r);
+    FILE *pg = o->quiet ? NULL : stderr;
+    double t0 = st_time_now();
+    if (pg) {
+        fprintf(pg, "strata: loading %s ...\n", o->model_path);
+        fflush(pg);
+    }
+    if (!tool_model_open(o->model_path, &o->mo, &r->tm)) return false;
+    double t_model = st_time_now();
+    if (st_tokenizer_load(r->tm.files, &r->tok) != STRATA_OK) {
+        tool_print_error("run");
+        runner_close(r);
+        return false;
+    }
+    double t_tok = st_time_now();
+    if (r->tm.be->kind == ST_BACKEND_CPU) page_in(&r->tm, pg);
+    double t_end = st_time_now();
+    r->load_s = t_end - t0;
+    if (pg)
+        fprintf(pg, "strata: loaded in %.2f s (model %.2f s, tokenizer %.2f s, paging in weights %.2f s; %s)\n",
+                r->load_s, t_model - t0, t_tok - t_model, t_end - t_tok, r->tm.be->kind == ST_BACKEND_CPU ? "cpu" : "cuda");
+
+    r->n_ctx = st_llama_max_ctx(r->tm.model); /* the context st_llama reserved */
+
+    if (!settle_chat(o, r) || !check_vocab(o, r)) {
+        runner_close(r);
+        return false;
+    }
+    return true;
+}
+
+/* ---- one answer ------------------------------------------------------------------------------*/
+typedef struct {
+    strbuf answer;
+    bool echo;
+} out_state;
+
+static bool on_text(const char *t, size_t n, void *user) {
+    out_state *s = user;
+    fwrite(t, 1, n, stdout);
+    fflush(stdout);
+    sb_add(&s->answer, t, n);
+    return true;
+}
+
+static void print_stats(const run_opts *o, const runner *r, const st_generate_stats *gs) {
+    if (o->quiet) return;
+    fprintf(stderr,
+            "prompt: %lld tokens in %.3f s (%.1f tok/s), generated: %lld tokens in %.3f s (%.1f tok/s), "
+            "load: %.3f s, stop: %s",
+            (long long)gs->prompt_tokens, gs->prompt_s, gs->prompt_s > 0 ? gs->prompt_tokens / gs->prompt_s : 0.0,
+            (long long)gs->gen_tokens, gs->gen_s, gs->gen_s > 0 ? gs->gen_tokens / gs->gen_s : 0.0, r->load_s,
+            st_stop_reason_name(gs->stop));
+    if (o->sp.temperature > 0) fprintf(stderr, ", seed: %llu", (unsigned long long)o->sp.seed);
+    fputc('\n', stderr);
+}
+
+static bool encode(const runner *r, const char *text, bool add_special, int32_t **ids, int64_t *n) {
+    if (st_tokenizer_encode(r->tok, text, strlen(text), add_special, true, ids, n) != STRATA_OK) {
+        tool_print_error("run");
+        return false;
+    }
+    return true;
+}
+
+/* Generates after the cache's content from ids; streams; stats. */
+static bool answer(const run_opts *o, runner *r, st_sampler *s, const int32_t *ids, int64_t n, out_state *os,
+                   st_generate_stats *gs) {
+    st_generate_params gp = {
+        .max_tokens = o->n_predict > 0 ? o->n_predict : 0,
+        .n_ctx = r->n_ctx,
+        .stop = o->stop,
+        .n_stop = o->n_stop,
+    };
+    sb_clear(&os->answer);
+    strata_status st = st_generate(r->tm.model, r->tok, s, ids, n, &gp, on_text, os, gs);
+    if (os->answer.len > 0 && os->answer.p[os->answer.len - 1] != '\n') fputc('\n', stdout);
+    fflush(stdout);
+    if (st != STRATA_OK) {
+        tool_print_error("run");
+        return false;
+    }
+    print_stats(o, r, gs);
+    return true;
+}
+
+static char *read_stream(FILE *f) {
+    strbuf b = {0};
+    char chunk[65536];
+    size_t k;
+    while ((k = fread(chunk, 1, sizeof chunk, f)) > 0)
+        if (!sb_add(&b, chunk, k)) {
+            free(b.p);
+            return NULL;
+        }
+    if (ferror(f)) {
+        free(b.p);
+        return NULL;
+    }
+    if (!b.p) b.p = calloc(1, 1);
+    return b.p;
+}
+
+static void chop_newlines(char *s) {
+    size_t n = strlen(s);
+    while (n > 0 && (s[n - 1] == '\n' || s[n - 1] == '\r')) s[--n] = '\0';
+}
+
+/* One prompt -> one answer. */
+static int run_once(const run_opts *o, runner *r, st_sampler *s, char *prompt) {
+    char *text = NULL;
+    bool add_special = true;
+    if (r->tpl.kind != ST_CHAT_NONE) {
+        chop_newlines(prompt);
+        st_chat_msg m[2];
+        int nm = 0;
+        if (o->system) m[nm++] = (st_chat_msg){"system", o->system};
+        m[nm++] = (st_chat_msg){"user", prompt};
+        if (st_chat_format(&r->tpl, m, nm, true, &text) != STRATA_OK) {
+            tool_print_error("run");
+            return 1;
+        }
+        add_special = false; /* the template holds BOS where it wants one */
+    }
+    int32_t *ids = NULL;
+    int64_t n = 0;
+    bool ok = encode(r, text ? text : prompt, add_special, &ids, &n);
+    free(text);
+    if (!ok) return 1;
+    if (n == 0) {
+        fprintf(stderr, "strata run: the prompt is empty\n");
+        return 1;
+    }
+    if (n >= r->n_ctx) {
+        fprintf(stderr, "strata run: the prompt has %lld tokens; the context holds %lld (--ctx)\n", (long long)n,
+                (long long)r->n_ctx);
+        free(ids);
+        return 1;
+    }
+    out_state os = {0};
+    st_generate_stats gs;
+    ok = answer(o, r, s, ids, n, &os, &gs);
+    free(os.answer.p);
+    free(ids);
+    return ok ? 0 : 1;
+}
+
+/* ---- interactive chat ----------------------------------------------------------------------------*/
+typedef struct {
+    st_chat_msg *m;
+    int64_t n, cap;
+} conv;
+
+static bool conv_add(conv *c, const char *role, const char *content) {
+    if (c->n == c->cap) {
+        int64_t cap = c->cap ? c->cap * 2 : 16;
+        st_chat_msg *nm = realloc(c->m, (size_t)cap * sizeof *nm);
+        if (!nm) return false;
+        c->m = nm;
+        c->cap = cap;
+    }
+    char *copy = strdup(content);
+    if (!copy) return false;
+    c->m[c->n++] = (st_chat_msg){role, copy};
+    return true;
+}
+
+/* Drops everything but the system message (index 0 when there is one). */
+static void conv_reset(conv *c, bool keep_system) {
+    int64_t keep = keep_system && c->n > 0 && !strcmp(c->m[0].role, "system") ? 1 : 0;
+    for (int64_t i = keep; i < c->n; i++) free((char *)c->m[i].content);
+    c->n = keep;
+}
+
+static int run_interactive(const run_opts *o, runner *r, st_sampler *s) {
+    conv c = {0};
+    if (o->system && !conv_add(&c, "system", o->system)) return 1;
+    strbuf cached = {0};    /* the text whose tokens are in the KV cache */
+    bool cache_ok = false;  /* cached describes the cache exactly */
+    int32_t pending = -1;   /* a sampled token not yet fed to the model */
+    char *line = NULL;
+    size_t line_cap = 0;
+    out_state os = {0};
+    int rc = 0;
+    fprintf(stderr, "strata: chat with %s (%s, context %lld tokens). /exit or Ctrl-D quits, /reset starts over.\n",
+            o->model_path, r->tpl.kind == ST_CHAT_NONE ? "plain text, no chat template" : st_chat_kind_name(r->tpl.kind),
+            (long long)r->n_ctx);
+    for (;;) {
+        fputs("> ", stdout);
+        fflush(stdout);
+        ssize_t got = getline(&line, &line_cap, stdin);
+        if (got < 0) {
+            fputc('\n', stdout);
+            break;
+        }
+        chop_newlines(line);
+        if (!strcmp(line, "/exit") || !strcmp(line, "/quit")) break;
+        if (!strcmp(line, "/reset")) {
+            conv_reset(&c, true);
+            st_llama_reset(r->tm.model);
+            cache_ok = false;
+            pending = -1;
+            sb_clear(&cached);
+            fprintf(stderr, "strata: conversation cleared\n");
+            continue;
+        }
+        if (!line[0]) continue;
+
+        char *full = NULL; /* the whole conversation's prompt text */
+        if (r->tpl.kind != ST_CHAT_NONE) {
+            if (!conv_add(&c, "user", line)) { rc = 1; break; }
+            if (st_chat_format(&r->tpl, c.m, c.n, true, &full) != STRATA_OK) {
+                tool_print_error("run");
+                free((char *)c.m[--c.n].content);
+                continue;
+            }
+        } else {
+            strbuf b = {0};
+            if (!sb_add(&b, cached.p ? cached.p : "", cached.len) || !sb_add(&b, line, strlen(line)) ||
+                !sb_add(&b, "\n", 1)) { free(b.p); rc = 1; break; }
+            full = b.p;
+        }
+        /* what to prefill: the new part only when the cache holds a prefix of it */
+        int32_t *ids = NULL;
+        int64_t n = 0;
+        bool reuse = cache_ok && cached.len > 0 && !strncmp(full, cached.p, cached.len);
+        if (reuse) {
+            int32_t *delta = NULL;
+            int64_t nd = 0;
+            if (!encode(r, full + cached.len, false, &delta, &nd)) { free(full); rc = 1; break; }
+            n = nd + (pending >= 0);
+            ids = malloc((size_t)(n ? n : 1) * sizeof *ids);
+            if (!ids) { free(delta); free(full); rc = 1; break; }
+            if (pending >= 0) ids[0] = pending;
+            if (nd) memcpy(ids + (pending >= 0), delta, (size_t)nd * sizeof *ids);
+            free(delta);
+            const int64_t reserve = o->n_predict > 0 && o->n_predict < r->n_ctx / 4 ? o->n_predict : r->n_ctx / 4;
+            if (st_llama_n_past(r->tm.model) + n + reserve > r->n_ctx) {
+                fprintf(stderr, "strata: the context is full (%lld + %lld tokens of %lld): starting a new conversation\n",
+                        (long long)st_llama_n_past(r->tm.model), (long long)n, (long long)r->n_ctx);
+                free(ids);
+                ids = NULL;
+                reuse = false;
+                /* keep the system message and this question */
+                char *q = strdup(line);
+                free(full);
+                full = NULL;
+                if (!q) { rc = 1; break; }
+                conv_reset(&c, true);
+                if (r->tpl.kind != ST_CHAT_NONE) {
+                    bool added = conv_add(&c, "user", q);
+                    free(q);
+                    if (!added || st_chat_format(&r->tpl, c.m, c.n, true, &full) != STRATA_OK) {
+                        tool_print_error("run");
+                        rc = 1;
+                        break;
+                    }
+                } else {
+                    strbuf b = {0};
+                    sb_add(&b, q, strlen(q));
+                    sb_add(&b, "\n", 1);
+                    free(q);
+                    full = b.p;
+                }
+            }
+        }
+        if (!reuse) {
+            st_llama_reset(r->tm.model);
+            pending = -1;
+            if (!encode(r, full, r->tpl.kind == ST_CHAT_NONE, &ids, &n)) { free(full); rc = 1; break; }
+            if (n >= r->n_ctx) {
+                fprintf(stderr, "strata run: this message needs %lld tokens; the context holds %lld (--ctx)\n",
+                        (long long)n, (long long)r->n_ctx);
+                free(ids);
+                free(full);
+                conv_reset(&c, true);
+                cache_ok = false;
+                sb_clear(&cached);
+                continue;
+            }
+        }
+        st_generate_stats gs;
+        bool ok = n > 0 && answer(o, r, s, ids, n, &os, &gs);
+        free(ids);
+        if (!ok) {
+            /* the cache may hold part of this turn: start the next one afresh */
+            free(full);
+            if (r->tpl.kind != ST_CHAT_NONE) free((char *)c.m[--c.n].content);
+            cache_ok = false;
+            continue;
+        }
+        /* the cache now holds full + the answer (but the last sampled token) */
+        sb_clear(&cached);
+        sb_add(&cached, full, strlen(full));
+        free(full);
+        sb_add(&cached, os.answer.p ? os.answer.p : "", os.answer.len);
+        cache_ok = gs.stop == ST_STOP_EOS || gs.stop == ST_STOP_MAX_TOKENS || gs.stop == ST_STOP_CONTEXT;
+        pending = gs.stop == ST_STOP_EOS ? -1 : gs.last_token;
+        if (r->tpl.kind != ST_CHAT_NONE && !conv_add(&c, "assistant", os.answer.p ? os.answer.p : "")) {
+            rc = 1;
+            break;
+        }
+    }
+    conv_reset(&c, false);
+    free(c.m);
+    free(line);
+    free(cached.p);
+    free(os.answer.p);
+    return rc;
+}
+
+int cmd_run(int argc, char **argv) {
+    run_opts o;
+    int pr = parse_args(argc, argv, &o);
+    if (pr <= 0) {
+        if (pr < 0) fprintf(stderr, "usage: strata run MODEL [-p PROMPT | -f FILE] [options]  (--help for more)\n");
+        return pr < 0 ? 2 : 0;
+    }
+    /* read the prompt before loading, so a bad -f fails fast */
+    char *prompt = NULL;
+    bool interactive = false;
+    if (o.prompt) {
+        prompt = strdup(o.prompt);
+    } else if (o.prompt_file) {
+        size_t len;
+        if (st_file_read_all(o.prompt_file, &prompt, &len) != STRATA_OK) {
+            tool_print_error("run");
+            return 1;
+        }
+    } else if (isatty(STDIN_FILENO)) {
+        interactive = true;
+    } else {
+        prompt = read_stream(stdin);
+        if (!prompt) {
+            fprintf(stderr, "strata run: cannot read the prompt from standard input\n");
+            return 1;
+        }
+    }
+    if (!interactive && !prompt) {
+        fprintf(stderr, "strata run: out of memory\n");
+        return 1;
+    }
+    runner r;
+    if (!runner_open(&o, &r)) {
+        free(prompt);
+        return 1;
+    }
+    st_sampler *s = NULL;
+    if (st_sampler_init(&o.sp, r.vocab, &s) != STRATA_OK) {
+        tool_print_error("run");
+        runner_close(&r);
+        free(prompt);
+        return 2;
+    }
+    int rc = interactive ? run_interactive(&o, &r, s) : run_once(&o, &r, s, prompt);
+    st_sampler_free(s);
+    runner_close(&r);
+    free(prompt);
+    return rc;
+}
