@@ -52,6 +52,35 @@ def main():
         if diff:
             print("FAIL: argmax differs at", diff)
             fails += 1
+    # 32 greedy tokens, token for token as HF's generate(do_sample=False): the
+    # prompt ids must be HF's, and the streamed text must be the decode of HF's ids
+    for name, extra in (("raw", ["--no-chat"]), ("chat", ["--chat"])):
+        g = ref["greedy"][name]
+        prompt = "Once upon a time, in a small village" if name == "raw" else "What is the capital of France?"
+        if name == "raw":
+            p = subprocess.run([BIN, "tokenize", gguf, prompt], capture_output=True, text=True)
+            checks += 1
+            got = [int(x) for x in p.stdout.split()]
+            if got != g["prompt_ids"]:
+                print("FAIL: prompt ids %s != HF %s" % (got, g["prompt_ids"]))
+                fails += 1
+        p = subprocess.run([BIN, "run", gguf, "-p", prompt, "-n", "32", "--temp", "0", *extra],
+                           capture_output=True, text=True)
+        want = g["text"].replace("<|im_end|>", "")
+        checks += 1
+        ok = p.returncode == 0 and p.stdout.strip() == want.strip()
+        m = __import__("re").search(r"prompt: (\d+) tokens.*generated: (\d+) tokens", p.stderr)
+        n_prompt_ok = m is not None and int(m.group(1)) == len(g["prompt_ids"]) and int(m.group(2)) == len(g["tokens"])
+        checks += 1
+        print("greedy %-4s HF: %r\n           ours: %r  (%s; prompt/generated token counts %s)"
+              % (name, want, p.stdout, "same" if ok else "DIFFERENT", "match" if n_prompt_ok else "DIFFER"))
+        if not ok:
+            print("FAIL: greedy %s differs: %s" % (name, p.stderr[-300:]))
+            fails += 1
+        if not n_prompt_ok:
+            print("FAIL: greedy %s token counts differ from HF (%d prompt, %d generated): %s"
+                  % (name, len(g["prompt_ids"]), len(g["tokens"]), p.stderr[-300:]))
+            fails += 1
     print("%d passed, %d failed" % (checks - fails, fails))
     return 1 if fails else 0
 

