@@ -18,6 +18,7 @@ SRC = os.environ.get("STRATA_SRC", ".")
 BIN = os.environ.get("STRATA_BIN", "build/strata")
 TMP = os.path.join(os.environ.get("STRATA_TMP", "/tmp/strata-test"), "smollm2_ref")
 REL_TOL = 1e-4
+DEV = ["--device", os.environ["STRATA_DEVICE"]] if os.environ.get("STRATA_DEVICE") else []
 
 
 def main():
@@ -33,7 +34,7 @@ def main():
     fails = 0
     checks = 0
     for extra in ((), ("--chunk", "16")):
-        p = subprocess.run([BIN, "logits", gguf, "--tokens", " ".join(map(str, ids)), "--out", out, *extra],
+        p = subprocess.run([BIN, "logits", gguf, "--tokens", " ".join(map(str, ids)), "--out", out, *DEV, *extra],
                            capture_output=True, text=True)
         checks += 1
         if p.returncode != 0:
@@ -64,7 +65,7 @@ def main():
             if got != g["prompt_ids"]:
                 print("FAIL: prompt ids %s != HF %s" % (got, g["prompt_ids"]))
                 fails += 1
-        p = subprocess.run([BIN, "run", gguf, "-p", prompt, "-n", "32", "--temp", "0", *extra],
+        p = subprocess.run([BIN, "run", gguf, "-p", prompt, "-n", "32", "--temp", "0", *DEV, *extra],
                            capture_output=True, text=True)
         want = g["text"].replace("<|im_end|>", "")
         checks += 1

@@ -65,6 +65,63 @@ static double measure_read_bw(st_pool *pool, size_t bytes) {
     return best;
 }
 
+/* Device memory bandwidth (bytes read + written per second): best of 5 copies
+ * of a 1 GiB buffer with the backend's own copy, timed to completion. */
+static double measure_device_copy_bw(st_backend *be, st_stream *s) {
+    const size_t n = (size_t)1 << 30;
+    void *a = NULL, *b = NULL;
+    double best = 0;
+    if (be->ops->alloc(be, n, &a) || be->ops->alloc(be, n, &b)) goto out;
+    for (int r = 0; r < 6; r++) {
+        double t0 = st_time_now();
+        if (be->ops->copy_d2d(be, s, b, a, n) || be->ops->stream_sync(be, s)) goto out;
+        double bw = 2.0 * (double)n / (st_time_now() - t0);
+        if (r > 0 && bw > best) best = bw; /* the first is a warm-up */
+    }
+out:
+    if (a) be->ops->dealloc(be, a);
+    if (b) be->ops->dealloc(be, b);
+    return best;
+}
+
+/* Matrix rate (FLOP/s) of the backend's matmul on a bf16 [dim, dim] weight with
+ * `n` tokens: the path a prefill takes. */
+static double measure_matmul_rate(st_backend *be, st_stream *s, int64_t dim, int64_t n) {
+    void *w = NULL, *x = NULL, *y = NULL;
+    double best = 0;
+    if (be->ops->alloc(be, (size_t)(dim * dim) * 2, &w) ||
+        be->ops->alloc(be, (size_t)(n * dim) * 4, &x) || be->ops->alloc(be, (size_t)(n * dim) * 4, &y))
+        goto out;
+    /* zero weights and inputs: the rate does not depend on the values */
+    {
+        size_t chunk = (size_t)1 << 24;
+        void *zero = calloc(1, chunk);
+        if (!zero) goto out;
+        for (size_t off = 0; off < (size_t)(dim * dim) * 2; off += chunk) {
+            size_t k = (size_t)(dim * dim) * 2 - off < chunk ? (size_t)(dim * dim) * 2 - off : chunk;
+            be->ops->copy_h2d(be, s, (char *)w + off, zero, k);
+        }
+        for (size_t off = 0; off < (size_t)(n * dim) * 4; off += chunk) {
+            size_t k = (size_t)(n * dim) * 4 - off < chunk ? (size_t)(n * dim) * 4 - off : chunk;
+            be->ops->copy_h2d(be, s, (char *)x + off, zero, k);
+        }
+        be->ops->stream_sync(be, s);
+        free(zero);
+    }
+    st_weight wt = {w, ST_DTYPE_BF16, dim, dim};
+    for (int r = 0; r < 4; r++) {
+        double t0 = st_time_now();
+        if (be->ops->matmul(be, s, x, &wt, n, y) || be->ops->stream_sync(be, s)) goto out;
+        double rate = 2.0 * (double)dim * (double)dim * (double)n / (st_time_now() - t0);
+        if (r > 0 && rate > best) best = rate;
+    }
+out:
+    if (w) be->ops->dealloc(be, w);
+    if (x) be->ops->dealloc(be, x);
+    if (y) be->ops->dealloc(be, y);
+    return best;
+}
+
 static int argmax(const float *x, int64_t n) {
     int64_t b = 0;
     for (int64_t i = 1; i < n; i++)
@@ -149,14 +206,28 @@ int cmd_bench(int argc, char **argv) {
     }
     double t_decode = st_time_now() - t0;
 
-    st_pool *pool = NULL;
-    int threads = mo.threads > 0 ? mo.threads : 0;
-    if (st_pool_init(threads, &pool) != STRATA_OK) goto fail;
-    size_t probe = 4 * (size_t)weight_bytes;
-    if (probe < ((size_t)1 << 30)) probe = (size_t)1 << 30;
-    double bw = measure_read_bw(pool, probe);
-    int n_threads = st_pool_threads(pool);
-    st_pool_free(pool);
+    const bool on_cpu = tm.be->kind == ST_BACKEND_CPU;
+    double bw = 0, gemm_rate = 0;
+    int n_threads = 0;
+    size_t probe = 0;
+    if (on_cpu) {
+        st_pool *pool = NULL;
+        if (st_pool_init(mo.threads > 0 ? mo.threads : 0, &pool) != STRATA_OK) goto fail;
+        probe = 4 * (size_t)weight_bytes;
+        if (probe < ((size_t)1 << 30)) probe = (size_t)1 << 30;
+        bw = measure_read_bw(pool, probe);
+        n_threads = st_pool_threads(pool);
+        st_pool_free(pool);
+    } else {
+        st_stream *s = NULL;
+        if (tm.be->ops->stream_create(tm.be, false, &s) != STRATA_OK) goto fail;
+        /* HBM bandwidth: bytes read + written per second by a large copy
+         * (a decode step's GEMVs stream at about that rate, reads only) */
+        bw = measure_device_copy_bw(tm.be, s);
+        gemm_rate = measure_matmul_rate(tm.be, s, 8192, 4096);
+        tm.be->ops->stream_destroy(tm.be, s);
+        if (bw <= 0 || gemm_rate <= 0) goto fail;
+    }
 
     const double avg_ctx = (double)n_prompt + (double)n_gen / 2.0;
     const double step_bytes = (double)weight_bytes + avg_ctx * kv_row;
@@ -164,9 +235,30 @@ int cmd_bench(int argc, char **argv) {
     const double step_s = t_decode / (double)n_gen;
     printf("model        %s (%s, %.1f MB of weights read per decode step)\n", tm.files->path,
            tm.be->ops->name, weight_bytes / 1e6);
-    printf("threads      %d\n", n_threads);
-    printf("memory read  %.2f GB/s (measured now, %d threads, %.0f MB buffer)\n", bw / 1e9, n_threads,
-           probe / 1e6);
+    if (on_cpu) {
+        printf("threads      %d\n", n_threads);
+        printf("memory read  %.2f GB/s (measured now, %d threads, %.0f MB buffer)\n", bw / 1e9, n_threads,
+               probe / 1e6);
+    } else {
+        printf("HBM          %.0f GB/s (device-to-device copy of 1 GiB, bytes read + written, measured now)\n",
+               bw / 1e9);
+        printf("matmul rate  %.0f TFLOP/s (backend matmul, bf16 8192x8192 weight, 4096 tokens)\n",
+               gemm_rate / 1e12);
+        /* prefill: matrix FLOPs (2 per weight element per token) + attention (causal) */
+        double mat_flops = 0;
+        for (int64_t i = 0; i < tm.files->n_tensors; i++) {
+            const st_tensor_desc *t = &tm.files->tensors[i];
+            if (t->n_dims == 2 && strcmp(t->name, "model.embed_tokens.weight"))
+                mat_flops += 2.0 * (double)t->shape[0] * (double)t->shape[1];
+        }
+        if (c->tie_word_embeddings) mat_flops += 2.0 * (double)V * (double)c->hidden_size;
+        const double attn_flops = 2.0 * 2.0 * (double)c->n_heads * (double)c->head_dim *
+                                  (double)n_prompt * (double)n_prompt / 2.0 * (double)c->n_layers;
+        const double pf_floor = ((double)n_prompt * mat_flops + attn_flops) / gemm_rate;
+        printf("roofline     prefill floor %.4f s = %.2f TFLOP / %.0f TFLOP/s -> %.0f tok/s; reached %.0f%%\n",
+               pf_floor, ((double)n_prompt * mat_flops + attn_flops) / 1e12, gemm_rate / 1e12,
+               (double)n_prompt / pf_floor, 100.0 * pf_floor / t_prefill);
+    }
     printf("prefill      %lld tokens in %.3f s: %.1f tok/s\n", (long long)n_prompt, t_prefill,
            (double)n_prompt / t_prefill);
     printf("decode       %lld tokens in %.3f s: %.2f tok/s, %.2f ms/token\n", (long long)n_gen, t_decode,

@@ -61,6 +61,15 @@ MODELS = [
                   num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)),
 ]
 
+# --big: a Llama-3-8B-shaped model with 4 layers (bf16, ~3.9 GB), for the GPU
+# machine only (never committed).
+BIG = [dict(name="llama3_8b_4layers_bf16", dtype="bfloat16", rope="llama3", init_std=0.02,
+            cfg=dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=4,
+                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False,
+                     rope_theta=500000.0, max_position_embeddings=8192))]
+BIG_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=8192)
+
 LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=64)
 N_TOKENS = 40
@@ -70,20 +79,26 @@ INIT_STD = 0.15   # default 0.02 gives nearly flat logits on models this small
 def build(spec, seed):
     cfg = dict(spec["cfg"])
     cfg.update(rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=[2, 3],
-               initializer_range=INIT_STD)
+               initializer_range=spec.get("init_std", INIT_STD))
     cfg.setdefault("rope_theta", 10000.0)
     cfg.setdefault("max_position_embeddings", 256)
     if spec.get("rope") == "llama3":
+        rope = BIG_ROPE if spec in BIG else LLAMA3_ROPE
         if V5:
-            cfg["rope_parameters"] = dict(LLAMA3_ROPE, rope_theta=cfg["rope_theta"])
+            cfg["rope_parameters"] = dict(rope, rope_theta=cfg["rope_theta"])
         else:
-            cfg["rope_scaling"] = dict(LLAMA3_ROPE)
+            cfg["rope_scaling"] = dict(rope)
     elif V5:
         cfg["rope_parameters"] = dict(rope_type="default", rope_theta=cfg["rope_theta"])
     config = LlamaConfig(**cfg)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
+    if spec in BIG and torch.cuda.is_available():
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(config).eval()
+        model = model.to(getattr(torch, spec["dtype"])).cpu()
+    else:
+        model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):  # make norm weights matter
@@ -105,13 +120,22 @@ def to_v4_config(path):
 def logits_of(model_dir, dtype, tokens):
     kw = {"dtype" if V5 else "torch_dtype": dtype}
     m = LlamaForCausalLM.from_pretrained(model_dir, attn_implementation="eager", **kw).eval()
+    dev = "cuda" if BIG_RUN and torch.cuda.is_available() else "cpu"
+    m = m.to(dev)
     with torch.no_grad():
-        out = m(torch.tensor([tokens])).logits[0].float().numpy()
+        out = m(torch.tensor([tokens], device=dev)).logits[0].float().cpu().numpy()
     return np.ascontiguousarray(out, dtype="<f4")
 
 
+BIG_RUN = False
+
+
 def main():
-    out = sys.argv[1] if len(sys.argv) > 1 else "refs_out"
+    global BIG_RUN, MODELS
+    args = [a for a in sys.argv[1:] if a != "--big"]
+    if "--big" in sys.argv:
+        BIG_RUN, MODELS = True, BIG
+    out = args[0] if args else "refs_out"
     os.makedirs(os.path.join(out, "models"), exist_ok=True)
     os.makedirs(os.path.join(out, "refs"), exist_ok=True)
     manifest = dict(transformers=transformers.__version__, torch=torch.__version__, models={})

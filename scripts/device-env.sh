@@ -1,0 +1,10 @@
+# Source this on the GPU machine (carry .deps): unpacks the carried Debian
+# packages under /tmp/sys and points pkg-config, the compiler and the loader at them.
+#   source scripts/device-env.sh
+for f in .deps/*.deb; do dpkg -x "$f" /tmp/sys; done
+export PKG_CONFIG_PATH=/tmp/sys/usr/lib/x86_64-linux-gnu/pkgconfig:/tmp/sys/usr/share/pkgconfig
+export PKG_CONFIG_SYSROOT_DIR=/tmp/sys
+export LD_LIBRARY_PATH=/tmp/sys/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export LIBRARY_PATH=/tmp/sys/usr/lib/x86_64-linux-gnu${LIBRARY_PATH:+:$LIBRARY_PATH}
+export C_INCLUDE_PATH=/tmp/sys/usr/include${C_INCLUDE_PATH:+:$C_INCLUDE_PATH}
+export PATH=/tmp/sys/usr/bin:$PATH
