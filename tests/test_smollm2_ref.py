@@ -82,6 +82,15 @@ def main():
             print("FAIL: greedy %s token counts differ from HF (%d prompt, %d generated): %s"
                   % (name, len(g["prompt_ids"]), len(g["tokens"]), p.stderr[-300:]))
             fails += 1
+    # strata inspect: architecture, tensor table, tokenizer kind, chat template
+    p = subprocess.run([BIN, "inspect", gguf], capture_output=True, text=True)
+    for want in ("llama: 30 layers, hidden 576", "bpe/smollm, 49152 tokens", "template detected: chatml",
+                 "model.layers.0.mlp.down_proj.weight                  q4_1  [576, 1536] 552960 B",
+                 "tensors     272"):
+        checks += 1
+        if want not in p.stdout:
+            print("FAIL: strata inspect output lacks %r:\n%s" % (want, p.stdout[:600]))
+            fails += 1
     print("%d passed, %d failed" % (checks - fails, fails))
     return 1 if fails else 0
 

@@ -4,6 +4,8 @@
 
 #include "commands.h"
 #include "common.h"
+#include "tokenizer/chat.h"
+#include "tokenizer/tokenizer.h"
 
 static const char *rope_name(st_rope_scaling s) {
     switch (s) {
@@ -62,6 +64,24 @@ int cmd_inspect(int argc, char **argv) {
     printf("tokens      bos %d, eos", c->bos_token_id);
     for (int i = 0; i < c->n_eos; i++) printf(" %d", c->eos_token_ids[i]);
     printf("\n");
+    st_tokenizer *tok = NULL;
+    if (st_tokenizer_load(m, &tok) == STRATA_OK) {
+        printf("tokenizer   %s, %lld tokens, bos %d, eos %d\n", st_tokenizer_kind(tok),
+               (long long)st_tokenizer_vocab_size(tok), st_tokenizer_bos(tok), st_tokenizer_eos(tok));
+        const char *tmpl = st_tokenizer_chat_template(tok);
+        st_chat_template ct;
+        if (!tmpl) {
+            printf("chat        no chat template (use --no-chat or --chat-template NAME with strata run)\n");
+        } else if (st_chat_detect(tmpl, &ct) == STRATA_OK) {
+            printf("chat        template detected: %s\n", st_chat_kind_name(ct.kind));
+            st_chat_template_clear(&ct);
+        } else {
+            printf("chat        template not recognised: %s\n", st_last_error());
+        }
+        st_tokenizer_free(tok);
+    } else {
+        printf("tokenizer   none: %s\n", st_last_error());
+    }
     uint64_t total = 0;
     for (int64_t i = 0; i < m->n_tensors; i++) total += m->tensors[i].nbytes;
     printf("tensors     %lld, %.3f MB\n", (long long)m->n_tensors, total / 1e6);
