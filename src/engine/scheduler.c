@@ -1,0 +1,519 @@
+/* engine/scheduler: see scheduler.h for the policy.
+ *
+ * State: `running` and `waiting` are arrays of sequences sorted by arrival
+ * (oldest first). A step builds a plan (one entry per scheduled sequence) in
+ * three passes, preempting from the end of `running` when blocks run out; a
+ * preempted sequence's entry is marked dead and its tokens go back to the
+ * budget. The decision (items, slot mapping) is built from the surviving
+ * entries once every block is allocated, so the pointers it hands out are
+ * never invalidated within the step.
+ *
+ * Capacities are fixed at init: at most max_batch sequences run, so a plan,
+ * the items, the preempted list and the finished list have at most max_batch
+ * entries, and the slot mapping at most max_num_batched_tokens. `waiting` is
+ * grown at add time to hold every live sequence, so a preemption never
+ * allocates.
+ */
+#include "engine/scheduler.h"
+
+#include <string.h>
+
+typedef struct {
+    st_seq *seq;
+    int64_t pos0, n;
+    int64_t n_cached;
+    bool decode;
+    bool dead; /* its sequence was preempted later in the step */
+} plan_entry;
+
+struct st_scheduler {
+    st_scheduler_params p;
+    st_block_manager *bm;
+    uint64_t next_arrival;
+
+    st_seq **running; /* [max_batch] */
+    int64_t n_running;
+    st_seq **waiting;
+    int64_t n_waiting, cap_waiting;
+
+    plan_entry *plan; /* [max_batch] */
+    int64_t n_plan;
+
+    st_sched_decision dec;
+    st_sched_item *items;  /* [max_batch] */
+    st_seq **item_seq;     /* [max_batch] the items' sequences (NULL once finished / aborted) */
+    int64_t *slots;        /* [max_num_batched_tokens] */
+    uint64_t *preempted;   /* [max_batch] */
+    bool pending;          /* dec awaits st_scheduler_update */
+
+    st_sched_finished *fin; /* [max_batch] */
+    int64_t n_fin;
+
+    st_scheduler_stats stats;
+};
+
+/* ---- init / free -------------------------------------------------------------------*/
+
+strata_status st_scheduler_init(const st_scheduler_params *p, st_block_manager *bm, st_scheduler **out) {
+    if (!out) return st_err(STRATA_ERR_INVALID_ARG, "scheduler: out is NULL");
+    *out = NULL;
+    if (!p || !bm) return st_err(STRATA_ERR_INVALID_ARG, "scheduler: params and block manager are required");
+    if (p->max_batch < 1)
+        return st_err(STRATA_ERR_INVALID_ARG, "scheduler: max_batch %lld < 1", (long long)p->max_batch);
+    if (p->max_num_batched_tokens < p->max_batch)
+        return st_err(STRATA_ERR_INVALID_ARG,
+                      "scheduler: max_num_batched_tokens %lld < max_batch %lld (every running sequence's decode must fit a step)",
+                      (long long)p->max_num_batched_tokens, (long long)p->max_batch);
+    if (p->max_model_len < 2)
+        return st_err(STRATA_ERR_INVALID_ARG, "scheduler: max_model_len %lld < 2", (long long)p->max_model_len);
+    if (p->prefill_chunk < 0)
+        return st_err(STRATA_ERR_INVALID_ARG, "scheduler: prefill_chunk %lld < 0", (long long)p->prefill_chunk);
+    if (p->prefill_chunk > 0 && p->max_num_batched_tokens < p->prefill_chunk + p->max_batch - 1)
+        return st_err(STRATA_ERR_INVALID_ARG,
+                      "scheduler: max_num_batched_tokens %lld < prefill_chunk %lld + max_batch %lld - 1 (the oldest "
+                      "prefill's chunk must fit beside the other sequences' decodes)",
+                      (long long)p->max_num_batched_tokens, (long long)p->prefill_chunk, (long long)p->max_batch);
+    const int64_t bs = st_bm_block_size(bm);
+    const int64_t seq_blocks = (p->max_model_len - 1 + bs - 1) / bs;
+    if (seq_blocks > st_bm_num_blocks(bm))
+        return st_err(STRATA_ERR_INVALID_ARG,
+                      "scheduler: one sequence of max_model_len %lld tokens needs %lld KV blocks of %lld, the pool has %lld",
+                      (long long)p->max_model_len, (long long)seq_blocks, (long long)bs,
+                      (long long)st_bm_num_blocks(bm));
+    st_scheduler *s = st_calloc(1, sizeof *s);
+    if (!s) return st_err(STRATA_ERR_NOMEM, "scheduler: out of memory");
+    s->p = *p;
+    s->bm = bm;
+    const size_t B = (size_t)p->max_batch;
+    s->running = st_calloc(B, sizeof *s->running);
+    s->plan = st_calloc(B, sizeof *s->plan);
+    s->items = st_calloc(B, sizeof *s->items);
+    s->item_seq = st_calloc(B, sizeof *s->item_seq);
+    s->slots = st_calloc((size_t)p->max_num_batched_tokens, sizeof *s->slots);
+    s->preempted = st_calloc(B, sizeof *s->preempted);
+    s->fin = st_calloc(B, sizeof *s->fin);
+    if (!s->running || !s->plan || !s->items || !s->item_seq || !s->slots || !s->preempted || !s->fin) {
+        st_scheduler_free(s);
+        return st_err(STRATA_ERR_NOMEM, "scheduler: out of memory");
+    }
+    s->dec.items = s->items;
+    s->dec.slot_mapping = s->slots;
+    s->dec.preempted = s->preempted;
+    s->dec.block_size = bs;
+    *out = s;
+    return STRATA_OK;
+}
+
+void st_scheduler_free(st_scheduler *s) {
+    if (!s) return;
+    for (int64_t i = 0; i < s->n_running; i++) {
+        st_bm_seq_free(s->bm, &s->running[i]->kv);
+        st_seq_free(s->running[i]);
+    }
+    for (int64_t i = 0; i < s->n_waiting; i++) st_seq_free(s->waiting[i]);
+    st_free(s->running);
+    st_free(s->waiting);
+    st_free(s->plan);
+    st_free(s->items);
+    st_free(s->item_seq);
+    st_free(s->slots);
+    st_free(s->preempted);
+    st_free(s->fin);
+    st_free(s);
+}
+
+/* ---- queues ----------------------------------------------------------------------------*/
+
+/* Inserts q into arr[0..*n) keeping arrival order (room is guaranteed). */
+static void insert_sorted(st_seq **arr, int64_t *n, st_seq *q) {
+    int64_t i = 0;
+    while (i < *n && arr[i]->arrival < q->arrival) i++;
+    memmove(arr + i + 1, arr + i, (size_t)(*n - i) * sizeof *arr);
+    arr[i] = q;
+    (*n)++;
+}
+
+static bool remove_from(st_seq **arr, int64_t *n, const st_seq *q) {
+    for (int64_t i = 0; i < *n; i++)
+        if (arr[i] == q) {
+            memmove(arr + i, arr + i + 1, (size_t)(*n - i - 1) * sizeof *arr);
+            (*n)--;
+            return true;
+        }
+    return false;
+}
+
+static st_seq *find_live(const st_scheduler *s, uint64_t id) {
+    for (int64_t i = 0; i < s->n_running; i++)
+        if (s->running[i]->id == id) return s->running[i];
+    for (int64_t i = 0; i < s->n_waiting; i++)
+        if (s->waiting[i]->id == id) return s->waiting[i];
+    return NULL;
+}
+
+/* ---- add ----------------------------------------------------------------------------------*/
+
+strata_status st_scheduler_add(st_scheduler *s, uint64_t id, const st_seq_params *p) {
+    st_seq *q = NULL;
+    strata_status st = st_seq_init(p, id, s->next_arrival, &q);
+    if (st) {
+        s->stats.rejected++;
+        return st;
+    }
+    if (q->n_prompt >= s->p.max_model_len) {
+        st_seq_free(q);
+        s->stats.rejected++;
+        return st_err(STRATA_ERR_INVALID_ARG,
+                      "request %llu: the prompt has %lld tokens, max_model_len is %lld (a prompt must be shorter, to leave room for at least one generated token)",
+                      (unsigned long long)id, (long long)p->n_prompt, (long long)s->p.max_model_len);
+    }
+    if (find_live(s, id)) {
+        st_seq_free(q);
+        s->stats.rejected++;
+        return st_err(STRATA_ERR_INVALID_ARG, "request %llu: a sequence with this id is already live",
+                      (unsigned long long)id);
+    }
+    /* room for every live sequence in `waiting`, so preemption never allocates */
+    const int64_t need = s->n_waiting + s->n_running + 1;
+    if (need > s->cap_waiting) {
+        int64_t cap = s->cap_waiting ? s->cap_waiting * 2 : 64;
+        while (cap < need) cap *= 2;
+        st_seq **w = st_realloc(s->waiting, (size_t)cap * sizeof *w);
+        if (!w) {
+            st_seq_free(q);
+            s->stats.rejected++;
+            return st_err(STRATA_ERR_NOMEM, "scheduler: cannot queue %lld requests", (long long)cap);
+        }
+        s->waiting = w;
+        s->cap_waiting = cap;
+    }
+    s->next_arrival++;
+    s->waiting[s->n_waiting++] = q;
+    s->stats.added++;
+    return STRATA_OK;
+}
+
+/* ---- schedule ----------------------------------------------------------------------------*/
+
+/* Sends the newest running sequence v back to waiting: blocks released (full
+ * computed blocks stay in the prefix cache), everything to be recomputed. Its
+ * plan entry, if any, dies and gives its tokens back to the budget. */
+static void preempt(st_scheduler *s, st_seq *v, int64_t *budget) {
+    ST_ASSERT(s->n_running > 0 && s->running[s->n_running - 1] == v);
+    s->n_running--;
+    st_bm_seq_free(s->bm, &v->kv);
+    if (v->plan >= 0) {
+        plan_entry *e = &s->plan[v->plan];
+        e->dead = true;
+        *budget += e->n;
+        v->plan = -1;
+    }
+    v->state = ST_SEQ_WAITING;
+    v->n_preemptions++;
+    s->stats.preemptions++;
+    ST_ASSERT(s->n_waiting < s->cap_waiting);
+    insert_sorted(s->waiting, &s->n_waiting, v);
+    s->preempted[s->dec.n_preempted++] = v->id;
+}
+
+/* Gives running sequence q slots for positions [n_computed, n_computed + n),
+ * preempting the newest running sequences while they do not fit. *gone: q
+ * itself was preempted (it was the newest). */
+static strata_status reserve_running(st_scheduler *s, st_seq *q, int64_t n, int64_t *budget, bool *gone) {
+    *gone = false;
+    const int64_t end = q->kv.n_computed + n;
+    if (end == q->n_tokens) {
+        strata_status st = st_seq_reserve(q, q->n_tokens + 1); /* room for the token update appends */
+        if (st) return st;
+    }
+    const int64_t add = end > q->kv.n_slots ? end - q->kv.n_slots : 0;
+    while (!st_bm_can_append(s->bm, &q->kv, add)) {
+        st_seq *v = s->running[s->n_running - 1];
+        preempt(s, v, budget);
+        if (v == q) {
+            *gone = true;
+            return STRATA_OK;
+        }
+    }
+    return st_bm_append_slots(s->bm, &q->kv, add);
+}
+
+/* The chunk a sequence with `computed` of `n_tokens` tokens computed runs
+ * next with `budget` tokens left; 0 when it must wait (aligned chunks only). */
+static int64_t chunk_for(const st_scheduler *s, int64_t computed, int64_t n_tokens, int64_t budget) {
+    const int64_t pending = n_tokens - computed, pc = s->p.prefill_chunk;
+    if (pc == 0) return pending < budget ? pending : budget;
+    int64_t end = (computed / pc + 1) * pc;
+    if (end > n_tokens) end = n_tokens;
+    return end - computed <= budget ? end - computed : 0;
+}
+
+static void plan_add(st_scheduler *s, st_seq *q, int64_t n, bool decode, int64_t n_cached) {
+    ST_ASSERT(s->n_plan < s->p.max_batch);
+    q->plan = s->n_plan;
+    s->plan[s->n_plan++] = (plan_entry){
+        .seq = q, .pos0 = q->kv.n_computed, .n = n, .n_cached = n_cached, .decode = decode};
+}
+
+/* Admits the head of the waiting queue with a first chunk of at most `budget`
+ * tokens. *admitted false: it does not fit now (state unchanged). */
+static strata_status admit_head(st_scheduler *s, int64_t budget, int64_t *used, bool *admitted) {
+    *admitted = false;
+    st_seq *q = s->waiting[0];
+    const int64_t cached = st_bm_lookup(s->bm, q->tokens, q->n_tokens, NULL);
+    const int64_t chunk = chunk_for(s, cached, q->n_tokens, budget);
+    if (chunk == 0) return STRATA_OK;
+    if (!st_bm_can_allocate(s->bm, q->tokens, q->n_tokens, cached + chunk)) return STRATA_OK;
+    strata_status st;
+    if (cached + chunk == q->n_tokens && (st = st_seq_reserve(q, q->n_tokens + 1))) return st;
+    int64_t got = 0;
+    if ((st = st_bm_seq_start(s->bm, &q->kv, q->tokens, q->n_tokens, &got))) return st;
+    ST_ASSERT(got == cached);
+    if ((st = st_bm_append_slots(s->bm, &q->kv, chunk))) {
+        st_bm_seq_free(s->bm, &q->kv);
+        return st;
+    }
+    memmove(s->waiting, s->waiting + 1, (size_t)(s->n_waiting - 1) * sizeof *s->waiting);
+    s->n_waiting--;
+    q->state = ST_SEQ_RUNNING;
+    insert_sorted(s->running, &s->n_running, q);
+    if (q->n_cached < 0) q->n_cached = got;
+    s->stats.cached_tokens += got;
+    plan_add(s, q, chunk, false, got);
+    *used = chunk;
+    *admitted = true;
+    return STRATA_OK;
+}
+
+static strata_status build_decision(st_scheduler *s) {
+    st_sched_decision *d = &s->dec;
+    int64_t off = 0, n = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        for (int64_t i = 0; i < s->n_plan; i++) {
+            const plan_entry *e = &s->plan[i];
+            if (e->dead || e->decode != (pass == 0)) continue;
+            st_seq *q = e->seq;
+            ST_ASSERT(e->pos0 == q->kv.n_computed && e->pos0 + e->n <= q->kv.n_slots && e->n >= 1);
+            st_sched_item *it = &s->items[n];
+            *it = (st_sched_item){
+                .seq_id = q->id,
+                .user = q->user,
+                .pos0 = e->pos0,
+                .n = e->n,
+                .tokens = q->tokens + e->pos0,
+                .is_decode = e->decode,
+                .need_logits = e->pos0 + e->n == q->n_tokens,
+                .n_cached = e->n_cached,
+                .block_table = q->kv.blocks,
+                .n_blocks = q->kv.n_blocks,
+                .slot_offset = off,
+            };
+            ST_ASSERT(off + e->n <= s->p.max_num_batched_tokens);
+            strata_status st = st_bm_slot_mapping(s->bm, &q->kv, e->pos0, e->n, s->slots + off);
+            if (st) return st;
+            s->item_seq[n] = q;
+            off += e->n;
+            n++;
+        }
+        if (pass == 0) d->n_decodes = n;
+    }
+    d->n_items = n;
+    d->n_tokens = off;
+    return STRATA_OK;
+}
+
+strata_status st_scheduler_schedule(st_scheduler *s, const st_sched_decision **out) {
+    if (out) *out = NULL;
+    if (!s || !out) return st_err(STRATA_ERR_INVALID_ARG, "scheduler: schedule needs a scheduler and out");
+    st_sched_decision *d = &s->dec;
+    s->pending = false;
+    d->n_items = d->n_decodes = d->n_tokens = d->n_preempted = 0;
+    d->step = ++s->stats.steps;
+    s->n_plan = 0;
+    for (int64_t i = 0; i < s->n_running; i++) s->running[i]->plan = -1;
+    int64_t budget = s->p.max_num_batched_tokens;
+    strata_status st = STRATA_OK;
+
+    /* 1. decodes, oldest first */
+    for (int64_t i = 0; i < s->n_running; i++) {
+        st_seq *q = s->running[i];
+        if (st_seq_n_pending(q) != 1) continue;
+        bool gone;
+        if ((st = reserve_running(s, q, 1, &budget, &gone))) goto fail;
+        if (gone) break; /* q was the newest: nothing after it */
+        plan_add(s, q, 1, true, 0);
+        budget -= 1;
+    }
+    ST_ASSERT(budget >= 0);
+    /* 2. prefill chunks of running sequences, oldest first */
+    bool blocked = false; /* an aligned chunk had to wait: nobody newer goes first */
+    for (int64_t i = 0; i < s->n_running && budget > 0; i++) {
+        st_seq *q = s->running[i];
+        if (q->plan >= 0) continue;
+        ST_ASSERT(st_seq_n_pending(q) > 1);
+        const int64_t chunk = chunk_for(s, q->kv.n_computed, q->n_tokens, budget);
+        if (chunk == 0) {
+            blocked = true;
+            break;
+        }
+        bool gone;
+        if ((st = reserve_running(s, q, chunk, &budget, &gone))) goto fail;
+        if (gone) break;
+        plan_add(s, q, chunk, false, 0);
+        budget -= chunk;
+    }
+    /* 3. admissions, strictly FCFS, only in a step that preempted nobody */
+    while (!blocked && d->n_preempted == 0 && s->n_waiting > 0 && s->n_running < s->p.max_batch && budget > 0) {
+        bool admitted;
+        int64_t used = 0;
+        if ((st = admit_head(s, budget, &used, &admitted))) goto fail;
+        if (!admitted) break;
+        budget -= used;
+    }
+    if ((st = build_decision(s))) goto fail;
+    s->pending = true;
+    *out = d;
+    return STRATA_OK;
+fail:
+    /* Slots reserved so far stay with their sequences (they are reused by the
+     * next schedule); nothing is marked computed. */
+    d->n_items = d->n_decodes = d->n_tokens = 0;
+    return st;
+}
+
+/* ---- update / finish ---------------------------------------------------------------------*/
+
+/* Removes live q (blocks released, memory freed); forgets it in the pending
+ * decision. */
+static void drop_seq(st_scheduler *s, st_seq *q) {
+    if (q->state == ST_SEQ_RUNNING) {
+        ST_ASSERT(remove_from(s->running, &s->n_running, q));
+        st_bm_seq_free(s->bm, &q->kv);
+    } else {
+        ST_ASSERT(remove_from(s->waiting, &s->n_waiting, q));
+    }
+    for (int64_t i = 0; i < s->dec.n_items; i++)
+        if (s->item_seq[i] == q) s->item_seq[i] = NULL;
+    st_seq_free(q);
+}
+
+strata_status st_scheduler_update(st_scheduler *s, const int32_t *next_tokens,
+                                  const st_sched_finished **finished, int64_t *n_finished) {
+    if (finished) *finished = s ? s->fin : NULL;
+    if (n_finished) *n_finished = 0;
+    if (!s || !s->pending)
+        return st_err(STRATA_ERR_INVALID_ARG, "scheduler: update without a scheduled step to report");
+    const st_sched_decision *d = &s->dec;
+    for (int64_t i = 0; i < d->n_items; i++) {
+        if (!s->item_seq[i] || !d->items[i].need_logits) continue;
+        if (!next_tokens || next_tokens[i] < 0)
+            return st_err(STRATA_ERR_INVALID_ARG, "scheduler: item %lld (seq %llu) needs a sampled token, got %d",
+                          (long long)i, (unsigned long long)d->items[i].seq_id, next_tokens ? next_tokens[i] : -1);
+    }
+    s->pending = false;
+    s->n_fin = 0;
+    for (int64_t i = 0; i < d->n_items; i++) {
+        st_seq *q = s->item_seq[i];
+        if (!q) continue;
+        const st_sched_item *it = &d->items[i];
+        ST_ASSERT(q->kv.n_computed == it->pos0);
+        strata_status st = st_bm_commit(s->bm, &q->kv, q->tokens, it->pos0 + it->n);
+        ST_ASSERT(st == STRATA_OK);
+        if (it->is_decode) s->stats.decode_tokens += it->n;
+        else s->stats.prefill_tokens += it->n;
+        if (!it->need_logits) continue;
+        st_seq_append(q, next_tokens[i]);
+        s->stats.generated_tokens++;
+        st_seq_finish reason = ST_SEQ_FINISH_NONE;
+        if (q->max_tokens > 0 && st_seq_n_generated(q) >= q->max_tokens) reason = ST_SEQ_FINISH_MAX_TOKENS;
+        else if (q->n_tokens >= s->p.max_model_len) reason = ST_SEQ_FINISH_CONTEXT;
+        if (reason == ST_SEQ_FINISH_NONE) continue;
+        s->fin[s->n_fin++] = (st_sched_finished){
+            .seq_id = q->id,
+            .user = q->user,
+            .reason = reason,
+            .n_prompt = q->n_prompt,
+            .n_generated = st_seq_n_generated(q),
+            .n_cached = q->n_cached < 0 ? 0 : q->n_cached,
+            .n_preemptions = q->n_preemptions,
+        };
+        s->stats.finished++;
+        drop_seq(s, q);
+    }
+    if (n_finished) *n_finished = s->n_fin;
+    return STRATA_OK;
+}
+
+strata_status st_scheduler_finish(st_scheduler *s, uint64_t id, st_seq_finish reason) {
+    if (!s || reason == ST_SEQ_FINISH_NONE)
+        return st_err(STRATA_ERR_INVALID_ARG, "scheduler: finish needs a scheduler and a reason");
+    st_seq *q = find_live(s, id);
+    if (!q) return st_err(STRATA_ERR_NOT_FOUND, "scheduler: no live sequence %llu", (unsigned long long)id);
+    if (reason == ST_SEQ_FINISH_ABORT) s->stats.aborted++;
+    else s->stats.finished++;
+    drop_seq(s, q);
+    return STRATA_OK;
+}
+
+strata_status st_scheduler_abort(st_scheduler *s, uint64_t id) {
+    return st_scheduler_finish(s, id, ST_SEQ_FINISH_ABORT);
+}
+
+/* ---- queries -----------------------------------------------------------------------------*/
+
+const st_seq *st_scheduler_get_seq(const st_scheduler *s, uint64_t id) { return find_live(s, id); }
+
+const st_seq *st_scheduler_running(const st_scheduler *s, int64_t i) {
+    return i >= 0 && i < s->n_running ? s->running[i] : NULL;
+}
+
+const st_seq *st_scheduler_waiting(const st_scheduler *s, int64_t i) {
+    return i >= 0 && i < s->n_waiting ? s->waiting[i] : NULL;
+}
+
+int64_t st_scheduler_num_running(const st_scheduler *s) { return s->n_running; }
+int64_t st_scheduler_num_waiting(const st_scheduler *s) { return s->n_waiting; }
+bool st_scheduler_has_work(const st_scheduler *s) { return s->n_running + s->n_waiting > 0; }
+const st_scheduler_params *st_scheduler_get_params(const st_scheduler *s) { return &s->p; }
+
+void st_scheduler_get_stats(const st_scheduler *s, st_scheduler_stats *out) {
+    *out = s->stats;
+    out->n_waiting = s->n_waiting;
+    out->n_running = s->n_running;
+}
+
+#define SFAIL(...) return st_err(STRATA_ERR_INTERNAL, "scheduler invariant: " __VA_ARGS__)
+
+strata_status st_scheduler_validate(const st_scheduler *s) {
+    if (s->n_running > s->p.max_batch)
+        SFAIL("%lld running > max_batch %lld", (long long)s->n_running, (long long)s->p.max_batch);
+    for (int pass = 0; pass < 2; pass++) {
+        st_seq *const *arr = pass == 0 ? s->running : s->waiting;
+        const int64_t n = pass == 0 ? s->n_running : s->n_waiting;
+        const char *name = pass == 0 ? "running" : "waiting";
+        for (int64_t i = 0; i < n; i++) {
+            const st_seq *q = arr[i];
+            if (i > 0 && arr[i - 1]->arrival >= q->arrival)
+                SFAIL("%s queue out of arrival order at %lld", name, (long long)i);
+            if (q->state != (pass == 0 ? ST_SEQ_RUNNING : ST_SEQ_WAITING))
+                SFAIL("seq %llu in the %s queue has state %d", (unsigned long long)q->id, name, q->state);
+            if (q->n_tokens < q->n_prompt || q->n_tokens >= s->p.max_model_len || q->n_tokens > q->cap)
+                SFAIL("seq %llu holds %lld tokens (prompt %lld, max_model_len %lld)", (unsigned long long)q->id,
+                      (long long)q->n_tokens, (long long)q->n_prompt, (long long)s->p.max_model_len);
+            if (q->max_tokens > 0 && st_seq_n_generated(q) >= q->max_tokens)
+                SFAIL("seq %llu is live with %lld of max %lld tokens generated", (unsigned long long)q->id,
+                      (long long)st_seq_n_generated(q), (long long)q->max_tokens);
+            if (pass == 1 && (q->kv.n_blocks || q->kv.n_slots || q->kv.n_computed))
+                SFAIL("waiting seq %llu holds %lld KV blocks", (unsigned long long)q->id, (long long)q->kv.n_blocks);
+            if (pass == 0 && (q->kv.n_computed >= q->n_tokens || q->kv.n_slots > q->n_tokens))
+                SFAIL("running seq %llu: %lld computed, %lld slots, %lld tokens", (unsigned long long)q->id,
+                      (long long)q->kv.n_computed, (long long)q->kv.n_slots, (long long)q->n_tokens);
+        }
+    }
+    const st_block_table **tables = st_malloc((size_t)(s->n_running + 1) * sizeof *tables);
+    if (!tables) return st_err(STRATA_ERR_NOMEM, "scheduler: validate: out of memory");
+    for (int64_t i = 0; i < s->n_running; i++) tables[i] = &s->running[i]->kv;
+    strata_status st = st_bm_validate(s->bm, tables, s->n_running);
+    st_free(tables);
+    return st;
+}
