@@ -219,15 +219,32 @@ int main(int argc, char **argv) {
     bench_matmul(ST_DTYPE_Q4_K, 14336, 4096, 1, copy_bw);
     bench_matmul(ST_DTYPE_Q6_K, 14336, 4096, 1, copy_bw);
     bench_matmul(ST_DTYPE_Q4_K, 14336, 4096, 16, copy_bw);
-    bench_matmul(ST_DTYPE_BF16, 14336, 4096, 512, copy_bw);
-    bench_matmul(ST_DTYPE_Q4_K, 14336, 4096, 512, copy_bw);
+    /* prefill GEMMs (the 8B shapes at a 512-token chunk), precise (default) and fast */
+    for (int fast = 0; fast < 2; fast++) {
+        be->ops->set_fast_prefill(be, fast);
+        printf("-- prefill matmuls, %s\n", fast ? "fast (bf16 operands)" : "precise (hi+lo bf16 operands)");
+        bench_matmul(ST_DTYPE_BF16, 4096, 4096, 512, copy_bw);
+        bench_matmul(ST_DTYPE_BF16, 1024, 4096, 512, copy_bw);
+        bench_matmul(ST_DTYPE_BF16, 14336, 4096, 512, copy_bw);
+        bench_matmul(ST_DTYPE_BF16, 4096, 14336, 512, copy_bw);
+        bench_matmul(ST_DTYPE_BF16, 14336, 4096, 2048, copy_bw);
+        bench_matmul(ST_DTYPE_Q8_0, 14336, 4096, 512, copy_bw);
+        bench_matmul(ST_DTYPE_Q4_K, 14336, 4096, 512, copy_bw);
+    }
+    be->ops->set_fast_prefill(be, false);
 
     bench_attention(1, 32768, 32, 8, 128, copy_bw);
     bench_attention(1, 32768, 64, 8, 128, copy_bw);
     bench_attention(4, 32768, 32, 8, 128, copy_bw);
     bench_attention(1, 4096, 32, 8, 128, copy_bw);
-    bench_attention(512, 4096, 32, 8, 128, copy_bw);
-    bench_attention(4096, 4096, 32, 8, 128, copy_bw);
+    for (int fast = 0; fast < 2; fast++) {
+        be->ops->set_fast_prefill(be, fast);
+        printf("-- prefill attention, %s\n", fast ? "fast (bf16 operands)" : "precise (hi+lo bf16 operands)");
+        bench_attention(512, 4096, 32, 8, 128, copy_bw);
+        bench_attention(4096, 4096, 32, 8, 128, copy_bw);
+        bench_attention(16384, 16384, 32, 8, 128, copy_bw);
+    }
+    be->ops->set_fast_prefill(be, false);
     printf("peak device memory %.1f MiB\n", (double)be->device_budget.peak / 1048576.0);
 
     be->ops->stream_destroy(be, s);

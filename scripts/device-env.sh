@@ -8,3 +8,9 @@ export LD_LIBRARY_PATH=/tmp/sys/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_
 export LIBRARY_PATH=/tmp/sys/usr/lib/x86_64-linux-gnu${LIBRARY_PATH:+:$LIBRARY_PATH}
 export C_INCLUDE_PATH=/tmp/sys/usr/include${C_INCLUDE_PATH:+:$C_INCLUDE_PATH}
 export PATH=/tmp/sys/usr/bin:$PATH
+# libmicrohttpd.pc lists gnutls as a private requirement; strata does not use
+# TLS, so a stub keeps pkg-config satisfied without carrying gnutls' -dev tree.
+if [ ! -f /tmp/sys/usr/lib/x86_64-linux-gnu/pkgconfig/gnutls.pc ]; then
+  printf 'Name: gnutls\nDescription: stub (TLS unused)\nVersion: 3.7.9\nLibs:\nCflags:\n' \
+    > /tmp/sys/usr/lib/x86_64-linux-gnu/pkgconfig/gnutls.pc
+fi

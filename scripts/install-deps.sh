@@ -3,8 +3,8 @@
 # Debian packages with apt-get, Python packages with pip. Safe to run twice.
 set -euo pipefail
 
-DEB_PKGS=(cmake gcc make pkg-config libcjson-dev libxxhash-dev liburing-dev)
-PY_PKGS=(numpy gguf)
+DEB_PKGS=(cmake gcc make pkg-config libcjson-dev libxxhash-dev liburing-dev libmicrohttpd-dev)
+PY_PKGS=(numpy gguf openai)
 
 missing=()
 for p in "${DEB_PKGS[@]}"; do

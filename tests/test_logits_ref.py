@@ -22,6 +22,10 @@ os.makedirs(TMP, exist_ok=True)
 DATA = os.environ.get("STRATA_REF_DATA") or os.path.join(SRC, "tests", "data")
 DEVICE = os.environ.get("STRATA_DEVICE")
 NO_GGUF = os.environ.get("STRATA_NO_GGUF") == "1"
+# chunked (token-by-token) vs one-pass logits: identical math on the CPU; on CUDA
+# the one-pass prefill runs split-bf16 tensor-core GEMMs while decode runs exact
+# fp32 GEMVs, so they agree to the tensor cores' own accumulation (~3e-5).
+CHUNK_TOL = 1e-4 if DEVICE == "cuda" else 1e-5
 
 # Tolerances (rel as above) against the HF float32 reference.
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
@@ -101,8 +105,8 @@ def main():
             if c is None:
                 continue
             rc = rel(c, ours)
-            rows.append((name, "chunk " + chunk + " vs whole", e["dtype"], rc, 1e-5, True))
-            check(rc < 1e-5, "%s: --chunk %s differs from one pass by %.3g" % (name, chunk, rc))
+            rows.append((name, "chunk " + chunk + " vs whole", e["dtype"], rc, CHUNK_TOL, True))
+            check(rc < CHUNK_TOL, "%s: --chunk %s differs from one pass by %.3g" % (name, chunk, rc))
             check(bool((c.argmax(1) == ours.argmax(1)).all()), "%s: --chunk %s argmax differs" % (name, chunk))
 
         # GGUF forms of the same weights

@@ -43,6 +43,63 @@ bool tool_parse_f64(const char *s, double lo, double hi, const char *what, doubl
     return true;
 }
 
+bool tool_parse_size(const char *s, const char *what, size_t *out) {
+    if (!s) {
+        fprintf(stderr, "strata: %s needs a value\n", what);
+        return false;
+    }
+    errno = 0;
+    char *end = NULL;
+    double v = strtod(s, &end);
+    double mul = 1;
+    if (end != s && *end) {
+        switch (*end) {
+        case 'k': case 'K': mul = 1024.0; break;
+        case 'm': case 'M': mul = 1024.0 * 1024; break;
+        case 'g': case 'G': mul = 1024.0 * 1024 * 1024; break;
+        case 't': case 'T': mul = 1024.0 * 1024 * 1024 * 1024; break;
+        case 'b': case 'B': break;
+        default: mul = 0;
+        }
+        if (mul > 0) {
+            end++;
+            if (*end == 'i') end++;
+            if (*end == 'B' || *end == 'b') end++;
+        }
+    }
+    if (errno || end == s || *end != '\0' || mul == 0 || !(v >= 0) || v * mul > 1.8e19) {
+        fprintf(stderr, "strata: %s: '%s' is not a size (a number with an optional K, M, G or T suffix)\n", what,
+                s);
+        return false;
+    }
+    *out = (size_t)(v * mul);
+    return true;
+}
+
+st_llama_params tool_llama_params(const tool_model_opts *o) {
+    st_llama_params lp;
+    memset(&lp, 0, sizeof lp);
+    lp.max_ctx = o->ctx;
+    lp.max_batch = o->batch;
+    lp.weights.host_mem = o->host_mem;
+    lp.weights.ring_slots = o->ring_slots;
+    lp.weights.bw.h2d = o->h2d_bw * 1e9;
+    lp.weights.bw.ssd = o->ssd_bw * 1e9;
+    const char *fault = getenv("STRATA_FAULT");
+    long long n = 0;
+    if (fault && sscanf(fault, "read-error:%lld", &n) == 1) lp.weights.stream.faults.fail_nth = n;
+    else if (fault && sscanf(fault, "short-read:%lld", &n) == 1) lp.weights.stream.faults.short_nth = n;
+    return lp;
+}
+
+st_backend_params tool_backend_params(const tool_model_opts *o) {
+    st_backend_params bp = {.kind = ST_BACKEND_CPU, .n_threads = o->threads, .device_mem = o->device_mem};
+    const char *dev = o->device ? o->device : "auto";
+    if (strcmp(dev, "cuda") == 0 || (strcmp(dev, "auto") == 0 && st_backend_available(ST_BACKEND_CUDA)))
+        bp.kind = ST_BACKEND_CUDA;
+    return bp;
+}
+
 int tool_parse_model_opt(int argc, char **argv, int *i, tool_model_opts *o) {
     const char *a = argv[*i];
     const char *val = *i + 1 < argc ? argv[*i + 1] : NULL;
@@ -62,6 +119,17 @@ int tool_parse_model_opt(int argc, char **argv, int *i, tool_model_opts *o) {
     } else if (strcmp(a, "--batch") == 0) {
         if (!tool_parse_i64(val, 1, 1 << 20, "--batch", &v)) return -1;
         o->batch = v;
+    } else if (strcmp(a, "--device-mem") == 0 || strcmp(a, "--gpu-mem") == 0) {
+        if (!tool_parse_size(val, a, &o->device_mem)) return -1;
+    } else if (strcmp(a, "--host-mem") == 0) {
+        if (!tool_parse_size(val, a, &o->host_mem)) return -1;
+    } else if (strcmp(a, "--h2d-bw") == 0) {
+        if (!tool_parse_f64(val, 1e-6, 1e6, a, &o->h2d_bw)) return -1;
+    } else if (strcmp(a, "--ssd-bw") == 0) {
+        if (!tool_parse_f64(val, 1e-6, 1e6, a, &o->ssd_bw)) return -1;
+    } else if (strcmp(a, "--ring-slots") == 0) {
+        if (!tool_parse_i64(val, 2, 64, a, &v)) return -1;
+        o->ring_slots = (int)v;
     } else {
         return 0;
     }
@@ -76,22 +144,27 @@ bool tool_model_open(const char *path, const tool_model_opts *o, tool_model *tm)
         tool_print_error("load");
         return false;
     }
-    st_backend_params bp = {.kind = ST_BACKEND_CPU, .n_threads = o->threads};
-    const char *dev = o->device ? o->device : "auto";
-    if (strcmp(dev, "cuda") == 0 || (strcmp(dev, "auto") == 0 && st_backend_available(ST_BACKEND_CUDA)))
-        bp.kind = ST_BACKEND_CUDA;
+    st_backend_params bp = tool_backend_params(o);
     if (st_backend_init(&bp, &tm->be) != STRATA_OK) {
         tool_print_error("backend");
         tool_model_close(tm);
         return false;
     }
-    st_llama_params lp = {.max_ctx = o->ctx, .max_batch = o->batch};
+    st_llama_params lp = tool_llama_params(o);
     if (st_llama_init(tm->files, tm->be, &lp, &tm->model) != STRATA_OK) {
         tool_print_error("model");
         tool_model_close(tm);
         return false;
     }
     tm->load_s = st_time_now() - t0;
+    st_wm_stats ws;
+    st_wm_stats_get(st_llama_weights(tm->model), &ws);
+    if (!ws.pin_done) {
+        char b[32];
+        fprintf(stderr, "strata: pinning %s of weights in host memory in the background (served from the file "
+                        "meanwhile; STRATA_LOG=info shows progress)\n",
+                st_fmt_bytes((double)ws.pin_total_bytes, b, sizeof b));
+    }
     return true;
 }
 
@@ -100,4 +173,52 @@ void tool_model_close(tool_model *tm) {
     st_backend_free(tm->be);
     st_model_close(tm->files);
     memset(tm, 0, sizeof *tm);
+}
+
+void tool_weights_settle(tool_model *tm, st_wm_stats *out) {
+    st_wm *wm = st_llama_weights(tm->model);
+    st_wm_stats_get(wm, out);
+    if (!out->pin_done) {
+        const double t0 = st_time_now();
+        if (st_wm_wait_pinned(wm) != STRATA_OK) return;
+        fprintf(stderr, "strata: waited %.2f s for the host tier to be pinned\n", st_time_now() - t0);
+    }
+    st_wm_stats_get(wm, out);
+}
+
+void tool_print_weights(tool_model *tm, const st_wm_stats *before, int64_t steps, double step_s, int64_t n_prompt,
+                        double t_prefill) {
+    st_wm *wm = st_llama_weights(tm->model);
+    const st_wplan *p = st_wm_plan(wm);
+    char line[512], b[4][32];
+    st_wplan_summary(p, line, sizeof line);
+    printf("weights      %s\n", line);
+    if (st_wm_streamed(wm) == 0 || steps <= 0) return;
+    st_wm_stats s;
+    st_wm_stats_get(wm, &s);
+    const double n = (double)steps;
+    const double ssd = (double)(s.ssd_group_bytes - before->ssd_group_bytes) / n;
+    const double h2d = (double)(s.h2d_bytes - before->h2d_bytes) / n;
+    const double wait = (s.acquire_wait_s - before->acquire_wait_s) / n;
+    printf("streaming    per token: %s from the file (plan %s), %s copied to the device (plan %s); "
+           "%s, %s; compute waited %.3f ms/token for weights\n",
+           st_fmt_bytes(ssd, b[0], 32), st_fmt_bytes((double)p->step_ssd_img_bytes, b[1], 32),
+           st_fmt_bytes(h2d, b[2], 32), st_fmt_bytes((double)(p->step_ssd_bytes + p->step_host_bytes), b[3], 32),
+           s.uring ? "io_uring" : "pread", s.direct ? "O_DIRECT" : "page cache", wait * 1e3);
+    printf("bandwidth    H2D %.2f GB/s, SSD %.2f GB/s (%s), matmul weight read %.2f GB/s; achieved: file reads "
+           "%.2f GB/s, copies to the device %.2f GB/s (per decode step)\n",
+           p->bw.h2d / 1e9, p->bw.ssd / 1e9, p->bw.measured[1] ? "measured now" : "given", p->bw.dev_read / 1e9,
+           step_s > 0 ? ssd / step_s / 1e9 : 0.0, step_s > 0 ? h2d / step_s / 1e9 : 0.0);
+    printf("bound        decode %.3f ms/token predicted (%s: SSD %.3f ms, PCIe %.3f ms, compute %.3f ms), "
+           "measured %.3f ms/token: %.0f%% of the bound\n",
+           p->t_decode * 1e3, st_wbound_name(p->decode_bound), p->t_ssd * 1e3, p->t_pcie * 1e3,
+           p->t_compute * 1e3, step_s * 1e3, step_s > 0 ? 100.0 * p->t_decode / step_s : 0.0);
+    if (n_prompt > 0 && t_prefill > 0) {
+        double ts, tc;
+        st_wbound pb;
+        const double tp = st_wplan_prefill(p, n_prompt, &ts, &tc, &pb);
+        printf("bound        prefill of %lld tokens %.3f s predicted (%s: streaming %.3f s, compute %.3f s), "
+               "measured %.3f s: %.0f%% of the bound\n",
+               (long long)n_prompt, tp, st_wbound_name(pb), ts, tc, t_prefill, 100.0 * tp / t_prefill);
+    }
 }

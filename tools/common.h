@@ -13,13 +13,25 @@ typedef struct {
     int threads;         /* 0: all cores */
     int64_t ctx;         /* 0: model default */
     int64_t batch;       /* tokens per forward chunk, 0: default */
+    size_t device_mem;   /* --device-mem / --gpu-mem: device budget in bytes (0: unlimited) */
+    size_t host_mem;     /* --host-mem: pinned host budget for weights (0: 80% of available) */
+    double h2d_bw;       /* --h2d-bw GB/s: given instead of measured (0: measure) */
+    double ssd_bw;       /* --ssd-bw GB/s */
+    int ring_slots;      /* --ring-slots N (0: 2) */
 } tool_model_opts;
 
 #define TOOL_MODEL_OPTS_HELP \
     "  --device cpu|cuda|auto   backend (default auto: CUDA when built and a GPU is present)\n" \
     "  --threads N              CPU worker threads (default: all cores)\n"                      \
     "  --ctx N                  context length to reserve KV for (default: model's, at most 4096)\n" \
-    "  --batch N                tokens per forward chunk (default 512)\n"
+    "  --batch N                tokens per forward chunk (default 512)\n"                      \
+    "  --device-mem SIZE        device memory budget: weights, KV cache, activations, scratch\n" \
+    "                           (alias --gpu-mem; K/M/G/T suffixes, powers of 1024; default: no\n" \
+    "                           cap, every weight resident); weights that do not fit are streamed\n" \
+    "  --host-mem SIZE          pinned host memory for streamed weights (host tier + staging;\n"   \
+    "                           default 80%% of available memory); the rest is read from the file\n" \
+    "  --h2d-bw GB/s, --ssd-bw GB/s   bandwidths for the plan instead of measuring them\n"        \
+    "  --ring-slots N           device slots streamed weight groups pass through (default 2)\n"
 
 /* If argv[*i] is one of the model options, consumes it (and its value) and
  * returns 1; returns 0 when it is not; -1 (message printed) on a bad value. */
@@ -33,6 +45,18 @@ bool tool_parse_i64(const char *s, int64_t lo, int64_t hi, const char *what, int
  * naming `what`) otherwise. */
 bool tool_parse_f64(const char *s, double lo, double hi, const char *what, double *out);
 
+/* Parses a byte size: a number with an optional K/M/G/T suffix (powers of
+ * 1024; "KB", "KiB", "k" accepted alike), e.g. 16G, 1.5G, 512M, 100000.
+ * false (message printed, naming `what`) otherwise. */
+bool tool_parse_size(const char *s, const char *what, size_t *out);
+
+/* The llama params these options ask for (weights: budgets, bandwidths, and
+ * the STRATA_FAULT test hook: "read-error:N" or "short-read:N" makes the Nth
+ * weight read fail or come back short). */
+st_llama_params tool_llama_params(const tool_model_opts *o);
+/* The backend these options ask for (device_mem included). */
+st_backend_params tool_backend_params(const tool_model_opts *o);
+
 typedef struct {
     st_model_files *files;
     st_backend *be;
@@ -44,6 +68,18 @@ typedef struct {
  * and returns false on failure (everything released). */
 bool tool_model_open(const char *path, const tool_model_opts *o, tool_model *tm);
 void tool_model_close(tool_model *tm);
+
+/* Weight streaming, for benchmarks: waits until the host tier is pinned
+ * (steady state; says how long that took on stderr the first time) and
+ * takes the manager's counters now. */
+void tool_weights_settle(tool_model *tm, st_wm_stats *out);
+/* Prints the weight plan and, when weights stream, the decode figures
+ * measured since `before` (over `steps` steps of step_s seconds) beside the
+ * plan's predictions: bytes from the file per token, step time and its
+ * bound; and the prefill of n_prompt tokens in t_prefill seconds beside its
+ * prediction. */
+void tool_print_weights(tool_model *tm, const st_wm_stats *before, int64_t steps, double step_s, int64_t n_prompt,
+                        double t_prefill);
 
 /* Prints "strata CMD: <st_last_error()>" to stderr. */
 void tool_print_error(const char *cmd);

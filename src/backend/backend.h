@@ -26,6 +26,7 @@ extern "C" {
 typedef struct st_backend st_backend;
 typedef struct st_stream st_stream;
 typedef struct st_event st_event;
+typedef struct st_graph st_graph; /* a recorded sequence of ops (CUDA graph) */
 
 /* A weight matrix in device memory: rows x cols, row-major, each row
  * st_dtype_row_bytes(dtype, cols) bytes, rows contiguous. A vector is rows=1. */
@@ -103,6 +104,53 @@ typedef struct {
                             int64_t n, float *out);
     /* x[i] += y[i] for i < n. */
     strata_status (*add)(st_backend *be, st_stream *s, float *x, const float *y, int64_t n);
+
+    /* ---- decode-step ops and graphs ---- */
+    /* dst[idx[i], :] = src[i, :] for i < n; rows of `cols` floats, dst has
+     * dst_rows rows (a KV cache written at the positions held on the device).
+     * idx: [n] int32. An index outside [0, dst_rows): the CPU backend returns
+     * STRATA_ERR_INVALID_ARG before writing anything; CUDA (whose indices live
+     * on the device) skips that row. */
+    strata_status (*set_rows)(st_backend *be, st_stream *s, float *dst, int64_t dst_rows,
+                              const float *src, const int32_t *idx, int64_t n, int64_t cols);
+    /* out[i] = the index of the largest of x[i, 0..cols) for i < n: the first
+     * one on ties; NaN never wins (0 when no element is a number). out: [n]
+     * int32 on the device. */
+    strata_status (*argmax)(st_backend *be, st_stream *s, const float *x, int64_t n, int64_t cols,
+                            int32_t *out);
+    /* y[i][n, w[i].rows] = x[n, cols] @ w[i]^T for i < count (<= 4): several
+     * weights with the same cols applied to one x (q, k, v), in one launch
+     * where the backend can. Same results as `count` matmul calls. */
+    strata_status (*matmul_multi)(st_backend *be, st_stream *s, const float *x, const st_weight *w,
+                                  int count, int64_t n, float *const *y);
+    /* out[n, w_gate.rows] = silu(x @ w_gate^T) * (x @ w_up^T): the FFN's gate,
+     * up and SwiGLU in one op (w_gate and w_up of one shape and dtype). Same
+     * results as matmul, matmul, swiglu. out must not overlap x. */
+    strata_status (*matmul_swiglu)(st_backend *be, st_stream *s, const float *x,
+                                   const st_weight *w_gate, const st_weight *w_up, int64_t n,
+                                   float *out);
+    /* Graphs: ops enqueued on stream s (a created stream, not NULL) between
+     * graph_begin and graph_end are recorded instead of run (CUDA: stream
+     * capture), and graph_end returns them as *out, to be run any number of
+     * times with graph_launch (each run reads the device and pinned host
+     * buffers the ops were given, with the values they hold then). A backend
+     * without graphs (CPU) returns STRATA_ERR_UNSUPPORTED from graph_begin:
+     * run the ops directly. graph_end with out == NULL ends the recording and
+     * drops it (after an error). Ops that cannot be recorded (a host sync,
+     * scratch growth) fail while recording; the caller then drops the
+     * recording and runs the ops without a graph. */
+    strata_status (*graph_begin)(st_backend *be, st_stream *s);
+    strata_status (*graph_end)(st_backend *be, st_stream *s, st_graph **out);
+    strata_status (*graph_launch)(st_backend *be, st_stream *s, st_graph *g);
+    void (*graph_destroy)(st_backend *be, st_graph *g); /* NULL is a no-op */
+    /* Precision of the tensor-core paths that prefill-sized work takes
+     * (matmul with n > 8 tokens, attention with more than 16 query rows per
+     * KV head). Default (false): each bf16 operand is split into two bf16
+     * parts (hi + lo), so results are within ~1e-5 of fp32 math, at 2 to 3
+     * times the tensor-core work. true: operands rounded to bf16 once (~1e-2
+     * relative error on logits, enough to flip close argmaxes), about twice
+     * as fast. No effect on the CPU backend (always fp32). */
+    void (*set_fast_prefill)(st_backend *be, bool on);
 } st_backend_ops;
 
 struct st_backend {

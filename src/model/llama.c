@@ -1,30 +1,19 @@
 /* Llama forward pass over backend.h: embedding -> per layer [attn group, ffn
- * group] -> final norm -> lm_head. Activations are fp32 on the backend. */
+ * group] -> final norm -> lm_head. Activations are fp32 on the backend.
+ * Weights come from the weight manager, one group at a time (group_acquire /
+ * group_release below); the math does not know where they live. */
 #include "model/llama.h"
+
+#include "weights/measure.h"
 
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
 
 typedef struct {
-    st_weight attn_norm; /* 1 x hidden */
-    st_weight wq;        /* [heads*hd, hidden] */
-    st_weight wk;        /* [kv*hd, hidden] */
-    st_weight wv;        /* [kv*hd, hidden] */
-    st_weight wo;        /* [hidden, heads*hd] */
-    st_weight ffn_norm;  /* 1 x hidden */
-    st_weight w_gate;    /* [inter, hidden] */
-    st_weight w_up;      /* [inter, hidden] */
-    st_weight w_down;    /* [hidden, inter] */
     float *k_cache;      /* [max_ctx, kv*hd] */
     float *v_cache;      /* [max_ctx, kv*hd] */
 } llama_layer;
-
-/* Device buffers a weight upload made (none on CPU: weights stay mapped). */
-typedef struct {
-    void **ptrs;
-    int n, cap;
-} owned_list;
 
 struct st_llama {
     const st_model_files *files;
@@ -34,17 +23,28 @@ struct st_llama {
     int64_t n_past;
     st_stream *stream;      /* compute stream */
 
-    st_weight embed;        /* [vocab, hidden] */
-    st_weight out_norm;     /* 1 x hidden */
-    st_weight lm_head;      /* [vocab, hidden] (the embedding when tied) */
+    st_wgroups *groups;     /* weight groups: embed, attn.l, ffn.l, output */
+    st_weight (*wshape)[ST_WG_MAX_TENSORS]; /* [groups->n]: each tensor's dtype and shape (no data):
+                                               attn [norm 1 x H, q [heads*hd, H], k, v [kv*hd, H],
+                                               o [H, heads*hd]]; ffn [norm 1 x H, gate, up [I, H],
+                                               down [H, I]]; output [norm 1 x H, lm_head [V, H]] */
+    st_wm *wm;              /* where the weights live: device, pinned host, SSD */
     llama_layer *layers;
-    owned_list owned;
 
     /* activations, [max_batch, ...] each */
     int32_t *d_tokens, *d_pos;
     float *x, *xn, *q, *k, *v, *att, *tmp, *gate, *up, *logits;
     float *inv_freq;        /* [head_dim/2] */
     int32_t *h_pos;         /* host staging for positions */
+
+    /* single-token decode (decode_step): buffers made by its first call */
+    st_graph *dec_graph;    /* the recorded step, replayed for every token */
+    int dec_graph_fails;    /* failed recordings: no more tries after 3 */
+    bool dec_no_graph;      /* no graph: the backend records none, or weights stream */
+    int64_t dec_steps;      /* steps run */
+    int32_t *h_dec;         /* pinned host [4]: token, position, argmax result */
+    int32_t *d_dec;         /* device [4] */
+    float *d_qkv;           /* device [q_dim + 2 kv_dim]: q | k | v of the token */
 };
 
 /* ---- setup ------------------------------------------------------------------ */
@@ -75,37 +75,16 @@ void st_llama_rope_inv_freq(const st_config *c, const float *freq_divisors, floa
     }
 }
 
-static strata_status owned_push(owned_list *l, void *p) {
-    if (l->n == l->cap) {
-        int cap = l->cap ? 2 * l->cap : 64;
-        void **np = st_realloc(l->ptrs, (size_t)cap * sizeof *np);
-        if (!np) return st_err(STRATA_ERR_NOMEM, "out of memory");
-        l->ptrs = np;
-        l->cap = cap;
-    }
-    l->ptrs[l->n++] = p;
-    return STRATA_OK;
-}
-
-/* Makes tensor `name` usable on the backend as a rows x cols weight. */
-static strata_status bind_weight(st_llama *m, const char *name, int64_t rows, int64_t cols,
-                                 st_weight *w) {
-    const st_tensor_desc *t = st_model_find(m->files, name);
-    if (!t) return st_err(STRATA_ERR_NOT_FOUND, "%s: tensor %s is missing", m->files->path, name);
+/* Records tensor `role` of group `gid` as a rows x cols weight, checking its size. */
+static strata_status set_shape(st_llama *m, int gid, int role, int64_t rows, int64_t cols) {
+    const st_tensor_desc *t = m->groups->g[gid].t[role].desc;
     size_t need = st_dtype_row_bytes(t->dtype, cols) * (size_t)rows;
     if (need == 0 || need != t->nbytes)
         return st_err(STRATA_ERR_MISMATCH, "%s: tensor %s holds %llu bytes, expected %zu for [%lld, %lld] %s",
-                      m->files->path, name, (unsigned long long)t->nbytes, need, (long long)rows,
+                      m->files->path, t->name, (unsigned long long)t->nbytes, need, (long long)rows,
                       (long long)cols, st_dtype_name(t->dtype));
-    void *dev = NULL;
-    bool owned = false;
-    strata_status st = m->be->ops->upload(m->be, st_tensor_data(m->files, t), need, &dev, &owned);
-    if (st != STRATA_OK) return st;
-    if (owned && (st = owned_push(&m->owned, dev)) != STRATA_OK) {
-        m->be->ops->dealloc(m->be, dev);
-        return st;
-    }
-    w->data = dev;
+    st_weight *w = &m->wshape[gid][role];
+    w->data = NULL;
     w->dtype = t->dtype;
     w->rows = rows;
     w->cols = cols;
@@ -138,18 +117,110 @@ static strata_status init_rope(st_llama *m) {
     return m->be->ops->stream_sync(m->be, m->stream);
 }
 
+static size_t r256(size_t x) { return (x + 255) / 256 * 256; }
+
+/* Device bytes of the KV cache and of the activations this file allocates
+ * (st_llama_init, and the decode path's first call), each allocation rounded
+ * to 256 bytes (the CUDA pool's granularity; the CPU arena counts less). */
+static void device_needs(const st_config *c, int64_t max_ctx, int64_t T, size_t *kv, size_t *act) {
+    const int64_t H = c->hidden_size, q_dim = c->n_heads * c->head_dim, kv_dim = c->n_kv_heads * c->head_dim,
+                  I = c->intermediate_size, V = c->vocab_size;
+    *kv = 2 * (size_t)c->n_layers * r256((size_t)(max_ctx * kv_dim) * 4);
+    size_t a = 2 * r256((size_t)T * 4);                 /* d_tokens, d_pos */
+    a += 3 * r256((size_t)(T * H) * 4);                 /* x, xn, tmp */
+    a += 2 * r256((size_t)(T * q_dim) * 4);             /* q, att */
+    a += 2 * r256((size_t)(T * kv_dim) * 4);            /* k, v */
+    a += 2 * r256((size_t)(T * I) * 4);                 /* gate, up */
+    a += r256((size_t)(T * V) * 4);                     /* logits */
+    a += r256((size_t)(c->head_dim / 2) * 4);           /* inv_freq */
+    a += r256(4 * sizeof(int32_t)) + r256((size_t)(q_dim + 2 * kv_dim) * 4); /* decode: d_dec, d_qkv */
+    *act = a;
+}
+
+/* Device memory the backend takes for itself beyond our allocations. CPU:
+ * none (its scratch lives outside the device arena). Otherwise (CUDA): the
+ * cuBLASLt workspace and dequantization slab (96 MiB), activation
+ * conversions and attention partials (up to 3 x T x widest row x 4 bytes,
+ * scratch growing by 1.5x), 32 MiB of slack, and 1% of the budget against
+ * fragmentation of the device pool. */
+static size_t device_reserve_estimate(const st_backend *be, const st_config *c, int64_t T) {
+    if (be->kind == ST_BACKEND_CPU) return 0;
+    int64_t K = c->hidden_size;
+    if (c->intermediate_size > K) K = c->intermediate_size;
+    if (c->n_heads * c->head_dim > K) K = c->n_heads * c->head_dim;
+    return ((size_t)128 << 20) + 3 * (size_t)(T * K) * 4 + be->device_budget.cap / 100;
+}
+
+/* The placement for this model on `be` (bandwidths measured when `measure`
+ * and not given). */
+static strata_status make_plan(const st_model_files *files, st_backend *be, const st_config *c, int64_t max_ctx,
+                               int64_t T, const st_llama_weight_opts *wo, const st_wgroups *g, bool measure,
+                               st_wplan *plan) {
+    st_wplan_params pp;
+    memset(&pp, 0, sizeof pp);
+    pp.device_mem = be->device_budget.cap;
+    pp.host_mem = wo->host_mem ? wo->host_mem : st_wplan_host_auto();
+    device_needs(c, max_ctx, T, &pp.device_kv, &pp.device_act);
+    pp.device_reserve = wo->device_reserve ? wo->device_reserve : device_reserve_estimate(be, c, T);
+    pp.ring_slots = wo->ring_slots;
+    pp.staging_chunk = wo->staging_chunk;
+    pp.staging_chunks = wo->staging_chunks;
+    pp.max_batch = T;
+    pp.prefill_tokens = wo->prefill_tokens;
+    for (int i = 1; i < g->n; i++)
+        for (int t = 0; t < g->g[i].n_tensors; t++) {
+            const st_tensor_desc *d = g->g[i].t[t].desc;
+            if (d->n_dims == 2) pp.flops_per_token += 2.0 * (double)d->shape[0] * (double)d->shape[1];
+        }
+    pp.attn_flops = 4.0 * (double)c->n_heads * (double)c->head_dim * (double)c->n_layers;
+    pp.bw = wo->bw;
+    pp.force = wo->placement;
+    if (measure && (pp.bw.h2d <= 0 || pp.bw.ssd <= 0 || pp.bw.dev_read <= 0 || pp.bw.gemm <= 0)) {
+        strata_status st = st_wbw_measure(be, files, g, T, !wo->stream.no_direct, &pp.bw);
+        if (st != STRATA_OK) return st;
+    }
+    return st_wplan_make(g, &pp, plan);
+}
+
+static int64_t default_ctx(const st_config *c, const st_llama_params *p) {
+    return p && p->max_ctx > 0 ? p->max_ctx
+           : (c->max_position_embeddings > 0 && c->max_position_embeddings < 4096 ? c->max_position_embeddings
+                                                                                  : 4096);
+}
+
+strata_status st_llama_plan(const st_model_files *files, st_backend *be, const st_llama_params *params,
+                            st_wgroups **groups, st_wplan *plan) {
+    static const st_llama_params no_params;
+    const st_llama_params *p = params ? params : &no_params;
+    memset(plan, 0, sizeof *plan);
+    *groups = NULL;
+    const st_config *c = &files->config;
+    const int64_t max_ctx = default_ctx(c, p);
+    int64_t T = p->max_batch > 0 ? p->max_batch : 512;
+    if (T > max_ctx) T = max_ctx;
+    strata_status st = st_wgroups_build(files, groups);
+    if (st == STRATA_OK) st = make_plan(files, be, c, max_ctx, T, &p->weights, *groups, true, plan);
+    if (st != STRATA_OK) {
+        st_wgroups_free(*groups);
+        *groups = NULL;
+    }
+    return st;
+}
+
+st_wm *st_llama_weights(st_llama *m) { return m->wm; }
+
 strata_status st_llama_init(const st_model_files *files, st_backend *be,
                             const st_llama_params *params, st_llama **out) {
     *out = NULL;
+    static const st_llama_params no_params;
+    const st_llama_params *opts = params ? params : &no_params;
     st_llama *m = st_calloc(1, sizeof *m);
     if (!m) return st_err(STRATA_ERR_NOMEM, "out of memory");
     m->files = files;
     m->be = be;
     m->cfg = files->config;
     const st_config *c = &m->cfg;
-    m->max_ctx = params && params->max_ctx > 0 ? params->max_ctx
-                 : (c->max_position_embeddings > 0 && c->max_position_embeddings < 4096
-                        ? c->max_position_embeddings : 4096);
+    m->max_ctx = default_ctx(c, params);
     m->max_batch = params && params->max_batch > 0 ? params->max_batch : 512;
     if (m->max_batch > m->max_ctx) m->max_batch = m->max_ctx;
     strata_status st;
@@ -162,35 +233,41 @@ strata_status st_llama_init(const st_model_files *files, st_backend *be,
     }
     if ((st = be->ops->stream_create(be, false, &m->stream))) goto fail;
 
-    if ((st = bind_weight(m, "model.embed_tokens.weight", V, H, &m->embed))) goto fail;
-    if ((st = bind_weight(m, "model.norm.weight", 1, H, &m->out_norm))) goto fail;
-    if (st_model_find(files, "lm_head.weight")) {
-        if ((st = bind_weight(m, "lm_head.weight", V, H, &m->lm_head))) goto fail;
-    } else if (c->tie_word_embeddings) {
-        m->lm_head = m->embed;
-    } else {
-        st = st_err(STRATA_ERR_NOT_FOUND, "%s: lm_head.weight is missing and embeddings are not tied",
-                    files->path);
-        goto fail;
+    /* weights: groups, shapes, placement, manager */
+    if ((st = st_wgroups_build(files, &m->groups))) goto fail;
+    m->wshape = st_calloc((size_t)m->groups->n, sizeof *m->wshape);
+    if (!m->wshape) { st = st_err(STRATA_ERR_NOMEM, "out of memory"); goto fail; }
+    if ((st = set_shape(m, st_wg_embed_id(), ST_WG_EMBED_TABLE, V, H))) goto fail;
+    for (int l = 0; l < (int)c->n_layers; l++) {
+        const int a = st_wg_attn_id(l), f = st_wg_ffn_id(l);
+        if ((st = set_shape(m, a, ST_WG_ATTN_NORM, 1, H)) || (st = set_shape(m, a, ST_WG_WQ, q_dim, H)) ||
+            (st = set_shape(m, a, ST_WG_WK, kv_dim, H)) || (st = set_shape(m, a, ST_WG_WV, kv_dim, H)) ||
+            (st = set_shape(m, a, ST_WG_WO, H, q_dim)) || (st = set_shape(m, f, ST_WG_FFN_NORM, 1, H)) ||
+            (st = set_shape(m, f, ST_WG_GATE, I, H)) || (st = set_shape(m, f, ST_WG_UP, I, H)) ||
+            (st = set_shape(m, f, ST_WG_DOWN, H, I)))
+            goto fail;
     }
+    if ((st = set_shape(m, st_wg_output_id(m->groups), ST_WG_OUT_NORM, 1, H)) ||
+        (st = set_shape(m, st_wg_output_id(m->groups), ST_WG_LM_HEAD, V, H)))
+        goto fail;
+    {
+        const st_llama_weight_opts *wo = &opts->weights;
+        st_wplan plan;
+        const bool measure = be->device_budget.cap > 0 || wo->placement;
+        if ((st = make_plan(files, be, c, m->max_ctx, T, wo, m->groups, measure, &plan))) goto fail;
+        st_wm_params wp = wo->stream;
+        wp.host_mem = plan.host_mem;
+        st = st_wm_init(be, files, m->groups, &plan, &wp, &m->wm);
+        st_wplan_free(&plan);
+        if (st) goto fail;
+        /* a recorded decode step would hold the slots' pointers and cross-stream events */
+        m->dec_no_graph = !st_wm_all_resident(m->wm);
+    }
+
     m->layers = st_calloc((size_t)c->n_layers, sizeof *m->layers);
     if (!m->layers) { st = st_err(STRATA_ERR_NOMEM, "out of memory"); goto fail; }
     for (int64_t l = 0; l < c->n_layers; l++) {
         llama_layer *L = &m->layers[l];
-        char name[256];
-#define BIND(field, suffix, r, cc)                                                       \
-    snprintf(name, sizeof name, "model.layers.%lld.%s", (long long)l, suffix);           \
-    if ((st = bind_weight(m, name, r, cc, &L->field))) goto fail;
-        BIND(attn_norm, "input_layernorm.weight", 1, H);
-        BIND(wq, "self_attn.q_proj.weight", q_dim, H);
-        BIND(wk, "self_attn.k_proj.weight", kv_dim, H);
-        BIND(wv, "self_attn.v_proj.weight", kv_dim, H);
-        BIND(wo, "self_attn.o_proj.weight", H, q_dim);
-        BIND(ffn_norm, "post_attention_layernorm.weight", 1, H);
-        BIND(w_gate, "mlp.gate_proj.weight", I, H);
-        BIND(w_up, "mlp.up_proj.weight", I, H);
-        BIND(w_down, "mlp.down_proj.weight", H, I);
-#undef BIND
         if ((st = alloc_f32(m, m->max_ctx * kv_dim, &L->k_cache))) goto fail;
         if ((st = alloc_f32(m, m->max_ctx * kv_dim, &L->v_cache))) goto fail;
     }
@@ -219,6 +296,7 @@ fail:
 void st_llama_free(st_llama *m) {
     if (!m) return;
     st_backend *be = m->be;
+    if (m->stream) (void)be->ops->stream_sync(be, m->stream); /* nothing may still read a slot */
     if (m->layers) {
         for (int64_t l = 0; l < m->cfg.n_layers; l++) {
             if (m->layers[l].k_cache) be->ops->dealloc(be, m->layers[l].k_cache);
@@ -229,8 +307,13 @@ void st_llama_free(st_llama *m) {
                     m->v, m->gate, m->up, m->logits, m->inv_freq};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         if (bufs[i]) be->ops->dealloc(be, bufs[i]);
-    for (int i = 0; i < m->owned.n; i++) be->ops->dealloc(be, m->owned.ptrs[i]);
-    st_free(m->owned.ptrs);
+    st_wm_free(m->wm);
+    st_free(m->wshape);
+    st_wgroups_free(m->groups);
+    be->ops->graph_destroy(be, m->dec_graph);
+    if (m->d_dec) be->ops->dealloc(be, m->d_dec);
+    if (m->d_qkv) be->ops->dealloc(be, m->d_qkv);
+    if (m->h_dec) be->ops->host_dealloc(be, m->h_dec);
     if (m->stream) be->ops->stream_destroy(be, m->stream);
     st_free(m->layers);
     st_free(m->h_pos);
@@ -246,20 +329,57 @@ const st_config *st_llama_config(const st_llama *m) { return &m->cfg; }
 
 #define TRY(x) do { strata_status st_ = (x); if (st_ != STRATA_OK) return st_; } while (0)
 
+/* ---- weight groups: acquire -> (compute waits on ready) -> ops -> record done -> release */
+
+typedef struct {
+    int id;
+    st_wm_view v;
+    st_weight w[ST_WG_MAX_TENSORS]; /* in role order (weights/groups.h) */
+} bound_group;
+
+/* Ends the use of a group whose ops were enqueued with status `st` (returned
+ * unless OK). The compute-done event is recorded even after a failed op, so
+ * the group's slot is reused only after what was enqueued. */
+static strata_status group_release(st_llama *m, bound_group *b, strata_status st) {
+    st_event *done = b->v.done;
+    if (done) {
+        strata_status s2 = m->be->ops->event_record(m->be, done, m->stream);
+        if (s2 != STRATA_OK) {
+            if (st == STRATA_OK) st = s2;
+            done = NULL; /* the manager then stops streaming: the slot's reuse cannot be ordered */
+        }
+    }
+    strata_status s3 = st_wm_release(m->wm, b->id, done);
+    return st != STRATA_OK ? st : s3;
+}
+
+static strata_status group_acquire(st_llama *m, int id, bound_group *b) {
+    b->id = id;
+    strata_status st = st_wm_acquire(m->wm, id, &b->v);
+    if (st != STRATA_OK) return st;
+    if (b->v.ready && (st = m->be->ops->stream_wait_event(m->be, m->stream, b->v.ready)) != STRATA_OK)
+        return group_release(m, b, st);
+    for (int i = 0; i < m->groups->g[id].n_tensors; i++) {
+        b->w[i] = m->wshape[id][i];
+        b->w[i].data = b->v.data[i];
+    }
+    return STRATA_OK;
+}
+
 /* Attention group of layer l for n tokens at positions n_past.. (in m->d_pos).
  * On entry m->x is the residual stream and m->tmp (when residual_pending) the
  * previous group's output still to be added; on exit m->tmp holds o_proj's output. */
-static strata_status attn_group(st_llama *m, const llama_layer *L, int64_t n, int64_t n_past,
-                                bool residual_pending) {
+static strata_status attn_ops(st_llama *m, const st_weight *w, const llama_layer *L, int64_t n, int64_t n_past,
+                              bool residual_pending) {
     st_backend *be = m->be;
     const st_backend_ops *o = be->ops;
     const st_config *c = &m->cfg;
     const int64_t H = c->hidden_size, hd = c->head_dim, kv_dim = c->n_kv_heads * hd;
-    TRY(o->rmsnorm(be, m->stream, m->x, residual_pending ? m->tmp : NULL, &L->attn_norm,
+    TRY(o->rmsnorm(be, m->stream, m->x, residual_pending ? m->tmp : NULL, &w[ST_WG_ATTN_NORM],
                    c->rms_norm_eps, n, H, m->xn));
-    TRY(o->matmul(be, m->stream, m->xn, &L->wq, n, m->q));
-    TRY(o->matmul(be, m->stream, m->xn, &L->wk, n, m->k));
-    TRY(o->matmul(be, m->stream, m->xn, &L->wv, n, m->v));
+    TRY(o->matmul(be, m->stream, m->xn, &w[ST_WG_WQ], n, m->q));
+    TRY(o->matmul(be, m->stream, m->xn, &w[ST_WG_WK], n, m->k));
+    TRY(o->matmul(be, m->stream, m->xn, &w[ST_WG_WV], n, m->v));
     TRY(o->rope(be, m->stream, m->q, m->d_pos, n, c->n_heads, hd, m->inv_freq, c->rope_interleaved));
     TRY(o->rope(be, m->stream, m->k, m->d_pos, n, c->n_kv_heads, hd, m->inv_freq, c->rope_interleaved));
     const size_t row = (size_t)kv_dim * sizeof(float);
@@ -267,22 +387,58 @@ static strata_status attn_group(st_llama *m, const llama_layer *L, int64_t n, in
     TRY(o->copy_d2d(be, m->stream, L->v_cache + n_past * kv_dim, m->v, (size_t)n * row));
     TRY(o->attention(be, m->stream, m->q, L->k_cache, L->v_cache, m->d_pos, n, n_past + n,
                      c->n_heads, c->n_kv_heads, hd, 1.0f / sqrtf((float)hd), m->att));
-    TRY(o->matmul(be, m->stream, m->att, &L->wo, n, m->tmp));
+    TRY(o->matmul(be, m->stream, m->att, &w[ST_WG_WO], n, m->tmp));
     return STRATA_OK;
 }
 
+static strata_status attn_group(st_llama *m, int64_t l, int64_t n, int64_t n_past, bool residual_pending) {
+    bound_group b;
+    TRY(group_acquire(m, st_wg_attn_id((int)l), &b));
+    return group_release(m, &b, attn_ops(m, b.w, &m->layers[l], n, n_past, residual_pending));
+}
+
 /* FFN group: x += tmp (attention output); xn = norm(x); tmp = down(silu(gate) * up). */
-static strata_status ffn_group(st_llama *m, const llama_layer *L, int64_t n) {
+static strata_status ffn_ops(st_llama *m, const st_weight *w, int64_t n) {
     st_backend *be = m->be;
     const st_backend_ops *o = be->ops;
     const st_config *c = &m->cfg;
     const int64_t H = c->hidden_size, I = c->intermediate_size;
-    TRY(o->rmsnorm(be, m->stream, m->x, m->tmp, &L->ffn_norm, c->rms_norm_eps, n, H, m->xn));
-    TRY(o->matmul(be, m->stream, m->xn, &L->w_gate, n, m->gate));
-    TRY(o->matmul(be, m->stream, m->xn, &L->w_up, n, m->up));
+    TRY(o->rmsnorm(be, m->stream, m->x, m->tmp, &w[ST_WG_FFN_NORM], c->rms_norm_eps, n, H, m->xn));
+    TRY(o->matmul(be, m->stream, m->xn, &w[ST_WG_GATE], n, m->gate));
+    TRY(o->matmul(be, m->stream, m->xn, &w[ST_WG_UP], n, m->up));
     TRY(o->swiglu(be, m->stream, m->gate, m->up, n * I, m->gate));
-    TRY(o->matmul(be, m->stream, m->gate, &L->w_down, n, m->tmp));
+    TRY(o->matmul(be, m->stream, m->gate, &w[ST_WG_DOWN], n, m->tmp));
     return STRATA_OK;
+}
+
+static strata_status ffn_group(st_llama *m, int64_t l, int64_t n) {
+    bound_group b;
+    TRY(group_acquire(m, st_wg_ffn_id((int)l), &b));
+    return group_release(m, &b, ffn_ops(m, b.w, n));
+}
+
+/* Output group: x += tmp; xn = norm(x); logits[n_out, V] = xn[src rows] @ lm_head^T. */
+static strata_status output_ops(st_llama *m, const st_weight *w, int64_t n, int64_t n_out, const float *src) {
+    st_backend *be = m->be;
+    const st_backend_ops *o = be->ops;
+    const st_config *c = &m->cfg;
+    TRY(o->rmsnorm(be, m->stream, m->x, m->tmp, &w[ST_WG_OUT_NORM], c->rms_norm_eps, n, c->hidden_size, m->xn));
+    return o->matmul(be, m->stream, src, &w[ST_WG_LM_HEAD], n_out, m->logits);
+}
+
+static strata_status output_group(st_llama *m, int64_t n, int64_t n_out, const float *src) {
+    bound_group b;
+    TRY(group_acquire(m, st_wg_output_id(m->groups), &b));
+    return group_release(m, &b, output_ops(m, b.w, n, n_out, src));
+}
+
+/* x[n, H] = the embedding rows of tokens (host ids; d_tokens holds them on
+ * the device) */
+static strata_status embed_rows(st_llama *m, const int32_t *tokens, int64_t n) {
+    st_weight w;
+    const int32_t *ids = NULL;
+    TRY(st_wm_embed(m->wm, m->stream, tokens, n, &w, &ids));
+    return m->be->ops->get_rows(m->be, m->stream, &w, ids ? ids : m->d_tokens, n, m->x);
 }
 
 /* Which logits a chunk produces. */
@@ -295,21 +451,171 @@ static strata_status forward_chunk(st_llama *m, const int32_t *tokens, int64_t n
     const st_backend_ops *o = be->ops;
     const st_config *c = &m->cfg;
     const int64_t H = c->hidden_size, V = c->vocab_size;
+    TRY(st_wm_begin(m->wm));
     for (int64_t i = 0; i < n; i++) m->h_pos[i] = (int32_t)(n_past + i);
     TRY(o->copy_h2d(be, m->stream, m->d_tokens, tokens, (size_t)n * sizeof(int32_t)));
     TRY(o->copy_h2d(be, m->stream, m->d_pos, m->h_pos, (size_t)n * sizeof(int32_t)));
-    TRY(o->get_rows(be, m->stream, &m->embed, m->d_tokens, n, m->x));
+    TRY(embed_rows(m, tokens, n));
     for (int64_t l = 0; l < c->n_layers; l++) {
-        TRY(attn_group(m, &m->layers[l], n, n_past, l > 0));
-        TRY(ffn_group(m, &m->layers[l], n));
+        TRY(attn_group(m, l, n, n_past, l > 0));
+        TRY(ffn_group(m, l, n));
     }
     if (mode == LOGITS_NONE) return STRATA_OK; /* the KV is what this chunk was for */
-    TRY(o->rmsnorm(be, m->stream, m->x, m->tmp, &m->out_norm, c->rms_norm_eps, n, H, m->xn));
     const int64_t n_out = mode == LOGITS_ALL ? n : 1;
     const float *src = mode == LOGITS_ALL ? m->xn : m->xn + (n - 1) * H;
-    TRY(o->matmul(be, m->stream, src, &m->lm_head, n_out, m->logits));
+    TRY(output_group(m, n, n_out, src));
     TRY(o->copy_d2h(be, m->stream, logits, m->logits, (size_t)(n_out * V) * sizeof(float)));
     return o->stream_sync(be, m->stream); /* the caller reads logits now */
+}
+
+/* ---- single-token decode ------------------------------------------------------------
+ * One token at position n_past, recorded once as a backend graph (a CUDA
+ * graph) and replayed for every later token, so that a step costs one launch
+ * and one host sync instead of ~15 launches per layer. Everything that
+ * changes from step to step is read on the device when the step runs: the
+ * token and its position come from pinned host memory (h_dec, copied by the
+ * step itself), the K/V rows are stored at that position (set_rows), and
+ * attention is given the cache's capacity as n_kv and sees keys 0..pos (the
+ * split of the keys over blocks is derived on the device). The step ends with
+ * the argmax of the logits copied back (4 bytes); the logits stay on the
+ * device unless the caller asks for them.
+ * The first step runs without a graph (it sizes the backend's scratch and
+ * loads its kernels); the second is recorded. When recording fails (an op
+ * that cannot be recorded) the step runs directly and recording is retried,
+ * at most 3 times. Backends without graphs (CPU) run every step directly.
+ * The recording holds the weights' device pointers, so a step is recorded
+ * only when every weight is resident (st_wm_all_resident); with streamed
+ * weights every step runs directly, acquiring each group from the manager
+ * (ring slots change from step to step and wait on the copy stream's
+ * events). */
+
+static strata_status decode_buffers(st_llama *m) {
+    if (m->h_dec) return STRATA_OK;
+    st_backend *be = m->be;
+    const st_config *c = &m->cfg;
+    const int64_t qkv = (c->n_heads + 2 * c->n_kv_heads) * c->head_dim;
+    strata_status st = be->ops->alloc(be, 4 * sizeof(int32_t), (void **)&m->d_dec);
+    if (!st) st = alloc_f32(m, qkv, &m->d_qkv);
+    if (!st) st = be->ops->host_alloc(be, 4 * sizeof(int32_t), (void **)&m->h_dec);
+    if (st) return st;
+    memset(m->h_dec, 0, 4 * sizeof(int32_t));
+    return STRATA_OK;
+}
+
+/* Enqueues the step for the token and position in m->h_dec[0..1]; leaves the
+ * logits in m->logits and their argmax in m->h_dec[2] (once the stream is
+ * synchronized). */
+static strata_status decode_attn_ops(st_llama *m, const st_weight *w, int64_t l) {
+    st_backend *be = m->be;
+    const st_backend_ops *o = be->ops;
+    st_stream *s = m->stream;
+    const st_config *c = &m->cfg;
+    const int64_t H = c->hidden_size, hd = c->head_dim, q_dim = c->n_heads * hd, kv_dim = c->n_kv_heads * hd;
+    const llama_layer *L = &m->layers[l];
+    float *q = m->d_qkv, *k = q + q_dim, *v = k + kv_dim;
+    /* attention: x (+ the previous FFN's output) -> norm -> q|k|v -> rope
+     * (q and k heads are adjacent: one call) -> cache -> attention -> o */
+    TRY(o->rmsnorm(be, s, m->x, l > 0 ? m->tmp : NULL, &w[ST_WG_ATTN_NORM], c->rms_norm_eps, 1, H, m->xn));
+    const st_weight wqkv[3] = {w[ST_WG_WQ], w[ST_WG_WK], w[ST_WG_WV]};
+    float *const yqkv[3] = {q, k, v};
+    TRY(o->matmul_multi(be, s, m->xn, wqkv, 3, 1, yqkv));
+    TRY(o->rope(be, s, q, m->d_pos, 1, c->n_heads + c->n_kv_heads, hd, m->inv_freq, c->rope_interleaved));
+    TRY(o->set_rows(be, s, L->k_cache, m->max_ctx, k, m->d_pos, 1, kv_dim));
+    TRY(o->set_rows(be, s, L->v_cache, m->max_ctx, v, m->d_pos, 1, kv_dim));
+    TRY(o->attention(be, s, q, L->k_cache, L->v_cache, m->d_pos, 1, m->max_ctx, c->n_heads,
+                     c->n_kv_heads, hd, 1.0f / sqrtf((float)hd), m->att));
+    return o->matmul(be, s, m->att, &w[ST_WG_WO], 1, m->tmp);
+}
+
+static strata_status decode_ffn_ops(st_llama *m, const st_weight *w) {
+    st_backend *be = m->be;
+    const st_backend_ops *o = be->ops;
+    st_stream *s = m->stream;
+    const st_config *c = &m->cfg;
+    /* FFN: x += attention output -> norm -> silu(gate) * up -> down */
+    TRY(o->rmsnorm(be, s, m->x, m->tmp, &w[ST_WG_FFN_NORM], c->rms_norm_eps, 1, c->hidden_size, m->xn));
+    TRY(o->matmul_swiglu(be, s, m->xn, &w[ST_WG_GATE], &w[ST_WG_UP], 1, m->gate));
+    return o->matmul(be, s, m->gate, &w[ST_WG_DOWN], 1, m->tmp);
+}
+
+static strata_status decode_enqueue(st_llama *m) {
+    st_backend *be = m->be;
+    const st_backend_ops *o = be->ops;
+    st_stream *s = m->stream;
+    const st_config *c = &m->cfg;
+    bound_group b;
+    TRY(o->copy_h2d(be, s, m->d_tokens, m->h_dec, sizeof(int32_t)));
+    TRY(o->copy_h2d(be, s, m->d_pos, m->h_dec + 1, sizeof(int32_t)));
+    TRY(embed_rows(m, m->h_dec, 1));
+    for (int64_t l = 0; l < c->n_layers; l++) {
+        TRY(group_acquire(m, st_wg_attn_id((int)l), &b));
+        TRY(group_release(m, &b, decode_attn_ops(m, b.w, l)));
+        TRY(group_acquire(m, st_wg_ffn_id((int)l), &b));
+        TRY(group_release(m, &b, decode_ffn_ops(m, b.w)));
+    }
+    TRY(output_group(m, 1, 1, m->xn));
+    TRY(o->argmax(be, s, m->logits, 1, c->vocab_size, m->d_dec + 2));
+    TRY(o->copy_d2h(be, s, m->h_dec + 2, m->d_dec + 2, sizeof(int32_t)));
+    return STRATA_OK;
+}
+
+/* Runs `token` at position m->n_past; logits (host [vocab]) and next (the
+ * argmax) are optional outputs. The caller validated the token and the room. */
+static strata_status decode_step(st_llama *m, int32_t token, float *logits, int32_t *next) {
+    st_backend *be = m->be;
+    const st_backend_ops *o = be->ops;
+    TRY(st_wm_begin(m->wm));
+    TRY(decode_buffers(m));
+    m->h_dec[0] = token;
+    m->h_dec[1] = (int32_t)m->n_past;
+    if (!m->dec_graph && !m->dec_no_graph && m->dec_steps > 0 && m->dec_graph_fails < 3) {
+        strata_status st = o->graph_begin(be, m->stream);
+        if (st == STRATA_ERR_UNSUPPORTED) {
+            m->dec_no_graph = true;
+        } else if (st == STRATA_OK) {
+            st_graph *g = NULL;
+            st = decode_enqueue(m);
+            strata_status st2 = o->graph_end(be, m->stream, st == STRATA_OK ? &g : NULL);
+            if (st == STRATA_OK && st2 == STRATA_OK && g) {
+                m->dec_graph = g;
+                st_log(STRATA_LOG_INFO, "decode step recorded as a graph (replayed for every token)");
+            } else {
+                o->graph_destroy(be, g);
+                m->dec_graph_fails++;
+                st_log(STRATA_LOG_DEBUG, "decode step not recorded (try %d): %s", m->dec_graph_fails,
+                       st_last_error());
+            }
+        } else {
+            m->dec_graph_fails++;
+        }
+    }
+    if (m->dec_graph) TRY(o->graph_launch(be, m->stream, m->dec_graph));
+    else TRY(decode_enqueue(m));
+    if (logits)
+        TRY(o->copy_d2h(be, m->stream, logits, m->logits, (size_t)m->cfg.vocab_size * sizeof(float)));
+    TRY(o->stream_sync(be, m->stream)); /* the one host sync of the step */
+    if (next) *next = m->h_dec[2];
+    m->dec_steps++;
+    m->n_past++;
+    return STRATA_OK;
+}
+
+const char *st_llama_decode_mode(const st_llama *m) {
+    if (m->dec_graph) return "graph";
+    if (m->dec_no_graph) return "direct (no graphs: CPU backend or streamed weights)";
+    if (m->dec_graph_fails >= 3) return "direct (recording failed)";
+    return "direct (not recorded yet)";
+}
+
+strata_status st_llama_decode(st_llama *m, int32_t token, float *logits, int32_t *next) {
+    const st_config *c = &m->cfg;
+    if (m->n_past + 1 > m->max_ctx)
+        return st_err(STRATA_ERR_INVALID_ARG, "decode: the context of %lld tokens is full (--ctx)",
+                      (long long)m->max_ctx);
+    if (token < 0 || token >= c->vocab_size)
+        return st_err(STRATA_ERR_INVALID_ARG, "decode: token %lld is outside the vocabulary [0, %lld)",
+                      (long long)token, (long long)c->vocab_size);
+    return decode_step(m, token, logits, next);
 }
 
 strata_status st_llama_forward(st_llama *m, const int32_t *tokens, int64_t n, int64_t n_past,
@@ -328,6 +634,7 @@ strata_status st_llama_forward(st_llama *m, const int32_t *tokens, int64_t n, in
             return st_err(STRATA_ERR_INVALID_ARG,
                           "forward: token %lld (index %lld) is outside the vocabulary [0, %lld)",
                           (long long)tokens[i], (long long)i, (long long)c->vocab_size);
+    if (n == 1 && !all_logits) return decode_step(m, tokens[0], logits, NULL);
     for (int64_t done = 0; done < n; done += m->max_batch) {
         const int64_t k = n - done < m->max_batch ? n - done : m->max_batch;
         const bool last = done + k == n;

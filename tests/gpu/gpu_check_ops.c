@@ -14,10 +14,14 @@
  *   x for f16/bf16/quantized weights, n > 8 or
  *   n > 32 quantized; attention prefill kernel):  1e-2
  * RoPE at positions near 2^24, 2^26 and 2^31 is checked against a
- * double-precision reference computed here. Last, the Llama forward pass
- * (src/model/llama.c) runs on both backends over the models of
- * tests/data/models: logits of token-by-token decoding (fp32 paths) within
- * 1e-4, of a 12-token prefill (bf16 GEMM and tensor-core attention) within 5e-2.
+ * double-precision reference computed here. The decode-step ops (set_rows,
+ * argmax, matmul_multi, matmul_swiglu) are checked against the CPU backend,
+ * and a graph recorded once and replayed with new inputs against the same
+ * ops run directly. Last, the Llama forward pass (src/model/llama.c) runs on
+ * both backends over the models of tests/data/models: logits of token-by-
+ * token decoding (st_llama_decode's recorded graph after the first step; fp32
+ * paths) within 1e-4, of a 12-token prefill (tensor-core GEMM and attention)
+ * within 1e-4 (5e-2 in fast mode).
  * Prints one line per check, then "N passed, M failed"; exits 1 on any
  * failure, 2 when a backend cannot be created. */
 #include <math.h>
@@ -33,6 +37,7 @@
 #include "model/llama.h"
 
 static st_backend *g_cpu, *g_gpu;
+static bool g_fast; /* the GPU backend is in fast-prefill mode */
 static st_stream *g_s; /* a created GPU stream; some checks use NULL (the default) */
 static int g_pass, g_fail;
 static double g_t0;
@@ -305,7 +310,7 @@ static void check_rmsnorm(st_dtype wt, int64_t n, int64_t d, bool residual) {
 static double matmul_thr(st_dtype t, int64_t n, int64_t K) {
     const bool quant = st_dtype_get(t)->quantized;
     if (t == ST_DTYPE_F32 || K % 8 || n <= 8 || (quant && n <= 32)) return 1e-5;
-    return 1e-2;
+    return g_fast ? 1e-2 : 1e-4;
 }
 
 static void check_matmul_ex(st_dtype t, int64_t N, int64_t K, int64_t n, int x_off, st_stream *s) {
@@ -325,8 +330,8 @@ static void check_matmul_ex(st_dtype t, int64_t N, int64_t K, int64_t n, int x_o
     g_down(got, dy, (size_t)(n * N) * 4);
     const double e = st == STRATA_OK ? nerr(got, ref, n * N) : INFINITY;
     const double thr = matmul_thr(t, n, K);
-    check(e <= thr, "matmul %-5s N=%lld K=%lld n=%lld%s  err=%.2e (thr %.0e)", st_dtype_name(t), (long long)N,
-          (long long)K, (long long)n, x_off ? " x unaligned" : "", e, thr);
+    check(e <= thr, "matmul %-5s N=%lld K=%lld n=%lld%s%s  err=%.2e (thr %.0e)", st_dtype_name(t), (long long)N,
+          (long long)K, (long long)n, x_off ? " x unaligned" : "", g_fast ? " fast" : "", e, thr);
     g_free(dw), g_free(dx), g_free(dy);
     free(w), free(x), free(ref), free(got);
 }
@@ -416,9 +421,10 @@ static void check_attention(int64_t n, int64_t n_kv, int64_t H, int64_t Hkv, int
     const double e = st == STRATA_OK ? nerr(got, ref, qn) : INFINITY;
     /* the path cuda_attention.cu takes */
     const bool tc = (hd == 64 || hd == 128) && n * (H / Hkv) > 16;
-    const double thr = tc ? 1e-2 : 1e-5;
+    const double thr = tc ? (g_fast ? 1e-2 : 1e-4) : 1e-5;
     check(e <= thr, "attention n=%lld n_kv=%lld heads=%lld/%lld hd=%lld (%s)  err=%.2e (thr %.0e)", (long long)n,
-          (long long)n_kv, (long long)H, (long long)Hkv, (long long)hd, tc ? "bf16 tensor cores" : "fp32", e, thr);
+          (long long)n_kv, (long long)H, (long long)Hkv, (long long)hd,
+          tc ? (g_fast ? "tensor cores, fast" : "tensor cores, hi+lo") : "fp32", e, thr);
     g_free(dq), g_free(dk), g_free(dv), g_free(dp), g_free(dout);
     free(q), free(k), free(v), free(ref), free(got), free(pos);
 }
@@ -451,6 +457,173 @@ static void check_add(int64_t n, int off) {
     check(e == 0, "add n=%lld%s  err=%.2e (thr 0: exact)", (long long)n, off ? " unaligned" : "", e);
     g_free(dx), g_free(dy);
     free(x), free(y), free(got);
+}
+
+/* ---- decode-step ops and graphs ---- */
+
+static void check_set_rows(int64_t rows, int64_t cols, int64_t n, int off) {
+    float *dst = rand_f(rows * cols + off, 1.0f), *src = rand_f(n * cols + off, 1.0f);
+    float *got = xmalloc((size_t)(rows * cols) * 4);
+    int32_t *idx = xmalloc((size_t)n * 4), *gidx = xmalloc((size_t)(n + 1) * 4);
+    for (int64_t i = 0; i < n; i++) idx[i] = (int32_t)((i * 7 + 3) % rows); /* distinct when rows >= 7n */
+    float *dd = g_up(dst, (size_t)(rows * cols + off) * 4), *ds = g_up(src, (size_t)(n * cols + off) * 4);
+    memcpy(gidx, idx, (size_t)n * 4);
+    gidx[n] = (int32_t)rows; /* out of range: the GPU skips it (the CPU rejects it, so it is not run there) */
+    int32_t *di = g_up(gidx, (size_t)(n + 1) * 4);
+    TRY(g_cpu->ops->set_rows(g_cpu, NULL, dst + off, rows, src + off, idx, n, cols));
+    strata_status st = g_gpu->ops->set_rows(g_gpu, g_s, dd + off, rows, ds + off, di, n + 1, cols);
+    g_down(got, dd + off, (size_t)(rows * cols) * 4);
+    const bool ok = st == STRATA_OK && memcmp(got, dst + off, (size_t)(rows * cols) * 4) == 0;
+    check(ok, "set_rows rows=%lld cols=%lld n=%lld%s (+1 index out of range)  %s", (long long)rows, (long long)cols,
+          (long long)n, off ? " unaligned" : "", ok ? "exact" : "DIFFERS");
+    g_free(dd), g_free(ds), g_free(di);
+    free(dst), free(src), free(got), free(idx), free(gidx);
+}
+
+static void check_argmax(int64_t n, int64_t cols, int off) {
+    float *x = rand_f(n * cols + off, 10.0f);
+    for (int64_t i = 0; i < n; i++) {
+        float *r = x + off + i * cols;
+        if (i % 4 == 1) r[cols / 3] = r[cols - 1] = 1e3f;                 /* a tie: the first */
+        if (i % 4 == 2) r[0] = NAN, r[cols / 2] = 2e3f;                  /* NaN never wins */
+        if (i % 4 == 3) for (int64_t j = 0; j < cols; j++) r[j] = NAN;   /* all NaN: 0 */
+    }
+    int32_t *ref = xmalloc((size_t)n * 4), *got = xmalloc((size_t)n * 4);
+    TRY(g_cpu->ops->argmax(g_cpu, NULL, x + off, n, cols, ref));
+    float *dx = g_up(x, (size_t)(n * cols + off) * 4);
+    int32_t *dout = g_poisoned((size_t)n * 4);
+    strata_status st = g_gpu->ops->argmax(g_gpu, g_s, dx + off, n, cols, dout);
+    g_down(got, dout, (size_t)n * 4);
+    const bool ok = st == STRATA_OK && memcmp(got, ref, (size_t)n * 4) == 0;
+    check(ok, "argmax n=%lld cols=%lld%s  %s", (long long)n, (long long)cols, off ? " unaligned" : "",
+          ok ? "same indices" : "DIFFERS");
+    g_free(dx), g_free(dout);
+    free(x), free(ref), free(got);
+}
+
+/* matmul_multi (q, k, v shapes) and matmul_swiglu against the CPU backend. */
+static void check_fused(st_dtype t, int64_t K, int64_t n) {
+    const int64_t rows[3] = {K, K / 4, K / 4}, I = 3 * K;
+    uint8_t *wh[3];
+    void *wd[3];
+    st_weight cw[3], gw[3];
+    float *x = rand_f(n * K, 1.0f), *dx = g_up(x, (size_t)(n * K) * 4);
+    double e = 0;
+    float *dy[3], *ref[3];
+    for (int i = 0; i < 3; i++) {
+        wh[i] = make_weight(t, rows[i], K, 1.0f);
+        const size_t b = st_dtype_row_bytes(t, K) * (size_t)rows[i];
+        wd[i] = g_up(wh[i], b);
+        cw[i] = (st_weight){wh[i], t, rows[i], K};
+        gw[i] = (st_weight){wd[i], t, rows[i], K};
+        ref[i] = xmalloc((size_t)(n * rows[i]) * 4);
+        TRY(g_cpu->ops->matmul(g_cpu, NULL, x, &cw[i], n, ref[i]));
+        dy[i] = g_poisoned((size_t)(n * rows[i]) * 4);
+    }
+    strata_status st = g_gpu->ops->matmul_multi(g_gpu, g_s, dx, gw, 3, n, dy);
+    for (int i = 0; i < 3 && st == STRATA_OK; i++) {
+        float *got = xmalloc((size_t)(n * rows[i]) * 4);
+        g_down(got, dy[i], (size_t)(n * rows[i]) * 4);
+        const double ei = nerr(got, ref[i], n * rows[i]);
+        e = ei > e || isnan(ei) ? ei : e;
+        free(got);
+    }
+    if (st != STRATA_OK) e = INFINITY;
+    const double thr = matmul_thr(t, n, K);
+    check(e <= thr, "matmul_multi %-5s 3 weights K=%lld n=%lld  err=%.2e (thr %.0e)", st_dtype_name(t), (long long)K,
+          (long long)n, e, thr);
+    /* swiglu over [I, K] gate and up */
+    uint8_t *hg = make_weight(t, I, K, 1.0f), *hu = make_weight(t, I, K, 1.0f);
+    const size_t b = st_dtype_row_bytes(t, K) * (size_t)I;
+    void *dg = g_up(hg, b), *du = g_up(hu, b);
+    st_weight cg = {hg, t, I, K}, cu = {hu, t, I, K}, gg = {dg, t, I, K}, gu = {du, t, I, K};
+    float *r = xmalloc((size_t)(n * I) * 4), *got = xmalloc((size_t)(n * I) * 4);
+    TRY(g_cpu->ops->matmul_swiglu(g_cpu, NULL, x, &cg, &cu, n, r));
+    float *dout = g_poisoned((size_t)(n * I) * 4);
+    st = g_gpu->ops->matmul_swiglu(g_gpu, g_s, dx, &gg, &gu, n, dout);
+    g_down(got, dout, (size_t)(n * I) * 4);
+    e = st == STRATA_OK ? nerr(got, r, n * I) : INFINITY;
+    check(e <= thr, "matmul_swiglu %-5s I=%lld K=%lld n=%lld  err=%.2e (thr %.0e)", st_dtype_name(t), (long long)I,
+          (long long)K, (long long)n, e, thr);
+    g_free(dg), g_free(du), g_free(dout);
+    free(hg), free(hu), free(r), free(got);
+    for (int i = 0; i < 3; i++) {
+        g_free(wd[i]), g_free(dy[i]);
+        free(wh[i]), free(ref[i]);
+    }
+    g_free(dx);
+    free(x);
+}
+
+/* The ops of check_graph: H2D of a token id from pinned memory, get_rows,
+ * matmul, argmax, D2H of the index to pinned memory. */
+static strata_status graph_ops(st_backend *b, const st_weight *ge, const st_weight *gw, int32_t *pin, int32_t *did,
+                               float *dx, float *dl, int64_t V) {
+    strata_status st = b->ops->copy_h2d(b, g_s, did, pin, 4);
+    if (st == STRATA_OK) st = b->ops->get_rows(b, g_s, ge, did, 1, dx);
+    if (st == STRATA_OK) st = b->ops->matmul(b, g_s, dx, gw, 1, dl);
+    if (st == STRATA_OK) st = b->ops->argmax(b, g_s, dl, 1, V, did + 1);
+    if (st == STRATA_OK) st = b->ops->copy_d2h(b, g_s, pin + 1, did + 1, 4);
+    return st;
+}
+
+/* Those ops recorded once and replayed with new ids: each replay equals the
+ * CPU running them; a recording that needs scratch growth fails cleanly and
+ * the stream stays usable (the ops are then run once directly and recorded
+ * again). */
+static void check_graph(void) {
+    const int64_t V = 1000, K = 256;
+    uint8_t *emb = make_weight(ST_DTYPE_BF16, V, K, 1.0f), *wh = make_weight(ST_DTYPE_Q8_0, V, K, 1.0f);
+    void *demb = g_up(emb, st_dtype_row_bytes(ST_DTYPE_BF16, K) * (size_t)V);
+    void *dw = g_up(wh, st_dtype_row_bytes(ST_DTYPE_Q8_0, K) * (size_t)V);
+    st_weight ge = {demb, ST_DTYPE_BF16, V, K}, gw = {dw, ST_DTYPE_Q8_0, V, K};
+    st_weight ce = {emb, ST_DTYPE_BF16, V, K}, cw = {wh, ST_DTYPE_Q8_0, V, K};
+    int32_t *pin = NULL, *did = g_alloc(8);
+    float *dx = g_alloc((size_t)K * 4), *dl = g_alloc((size_t)V * 4);
+    TRY(g_gpu->ops->host_alloc(g_gpu, 8, (void **)&pin));
+    st_backend *b = g_gpu;
+    st_graph *g = NULL;
+    pin[0] = 5;
+    strata_status st = b->ops->graph_begin(b, g_s);
+    if (st == STRATA_OK) st = graph_ops(b, &ge, &gw, pin, did, dx, dl, V);
+    strata_status st2 = b->ops->graph_end(b, g_s, st == STRATA_OK ? &g : NULL);
+    if (st != STRATA_OK || st2 != STRATA_OK || !g) {
+        printf("note  graph: first recording failed (%s); recording again after a direct run\n", st_last_error());
+        TRY(graph_ops(b, &ge, &gw, pin, did, dx, dl, V));
+        g_sync();
+        st = b->ops->graph_begin(b, g_s);
+        if (st == STRATA_OK) st = graph_ops(b, &ge, &gw, pin, did, dx, dl, V);
+        st2 = b->ops->graph_end(b, g_s, st == STRATA_OK ? &g : NULL);
+    }
+    bool ok = st == STRATA_OK && st2 == STRATA_OK && g;
+    if (!ok) fprintf(stderr, "  graph: %s\n", st_last_error());
+    float *x = xmalloc((size_t)K * 4), *l = xmalloc((size_t)V * 4);
+    int replays = 0;
+    for (int r = 0; ok && r < 20; r++) {
+        const int32_t id = (int32_t)(rnd_u32() % (uint32_t)V);
+        pin[0] = id;
+        pin[1] = -1;
+        if (b->ops->graph_launch(b, g_s, g) != STRATA_OK) {
+            ok = false;
+            break;
+        }
+        g_sync();
+        int32_t want = -1;
+        TRY(g_cpu->ops->get_rows(g_cpu, NULL, &ce, &id, 1, x));
+        TRY(g_cpu->ops->matmul(g_cpu, NULL, x, &cw, 1, l));
+        TRY(g_cpu->ops->argmax(g_cpu, NULL, l, 1, V, &want));
+        if (pin[1] != want) {
+            fprintf(stderr, "  graph replay %d: id %d -> %d, the CPU -> %d\n", r, id, pin[1], want);
+            ok = false;
+        }
+        replays++;
+    }
+    check(ok, "graph: recorded once, %d replays with new pinned inputs match the CPU", replays);
+    check(b->ops->graph_begin(b, NULL) != STRATA_OK, "graph: recording the default stream is refused");
+    b->ops->graph_destroy(b, g);
+    b->ops->host_dealloc(b, pin);
+    g_free(demb), g_free(dw), g_free(did), g_free(dx), g_free(dl);
+    free(emb), free(wh), free(x), free(l);
 }
 
 /* ---- the whole forward pass ---- */
@@ -496,11 +669,13 @@ static void check_model(const char *name) {
         ep2 = e > ep2 || isnan(e) ? e : ep2;
     }
     const bool f32 = mf->tensors[0].dtype == ST_DTYPE_F32;
-    check(ed <= 1e-4 && ep <= 5e-2 && ep2 <= 5e-2,
-          "model %s (%s, %lld layers, heads %lld/%lld, hd %lld): decode err=%.2e (thr 1e-4), prefill err=%.2e,"
-          " decode after prefill err=%.2e (thr 5e-2)",
+    const double thr = g_fast ? 5e-2 : 1e-4;
+    check(ed <= 1e-4 && ep <= thr && ep2 <= thr,
+          "model %s (%s, %lld layers, heads %lld/%lld, hd %lld%s): decode err=%.2e (thr 1e-4), prefill err=%.2e,"
+          " decode after prefill err=%.2e (thr %.0e)",
           name, f32 ? "f32" : "bf16", (long long)mf->config.n_layers, (long long)mf->config.n_heads,
-          (long long)mf->config.n_kv_heads, (long long)mf->config.head_dim, ed, ep, ep2);
+          (long long)mf->config.n_kv_heads, (long long)mf->config.head_dim, g_fast ? ", fast prefill" : "", ed, ep,
+          ep2, thr);
     st_llama_free(mc);
     st_llama_free(mg);
     st_model_close(mf);
@@ -607,9 +782,36 @@ int main(void) {
     check_swiglu(12345, 0, true);
     check_add(12345, 3);
 
+    check_set_rows(100, 1024, 3, 0);
+    check_set_rows(37, 19, 5, 1);
+    check_argmax(1, 128256, 0);
+    check_argmax(5, 1000, 1);
+    check_argmax(3, 3, 0);
+    const st_dtype fused_t[] = {ST_DTYPE_F32, ST_DTYPE_BF16, ST_DTYPE_F16, ST_DTYPE_Q8_0, ST_DTYPE_Q4_0, ST_DTYPE_Q4_K};
+    const int64_t fused_n[] = {1, 3, 8, 40};
+    for (size_t ti = 0; ti < sizeof fused_t / sizeof fused_t[0]; ti++)
+        for (int i = 0; i < 4; i++) check_fused(fused_t[ti], 512, fused_n[i]);
+    check_graph();
+
     const char *models[] = {"llama3_f32", "llama3_bf16", "gqa_f32", "gqa_tied_bf16", "gqa_sharded_f32",
                             "headdim_f32", "mha_tied_f32"};
     for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) check_model(models[i]);
+
+    /* fast prefill mode: bf16 operands on the tensor cores */
+    g_fast = true;
+    g_gpu->ops->set_fast_prefill(g_gpu, true);
+    const st_dtype fast_t[] = {ST_DTYPE_BF16, ST_DTYPE_F16, ST_DTYPE_Q8_0, ST_DTYPE_Q4_K};
+    for (size_t ti = 0; ti < sizeof fast_t / sizeof fast_t[0]; ti++) {
+        check_matmul(fast_t[ti], 1000, 512, 64);
+        check_matmul(fast_t[ti], 300, 1024, 300);
+    }
+    check_attention(300, 300, 32, 8, 128);
+    check_attention(64, 4096, 32, 8, 128);
+    check_attention(64, 100, 4, 4, 64);
+    check_model("llama3_bf16");
+    check_model("gqa_f32");
+    g_gpu->ops->set_fast_prefill(g_gpu, false);
+    g_fast = false;
 
     g_gpu->ops->stream_destroy(g_gpu, g_s);
     /* what remains is the default stream's scratch (one matmul ran on it) */

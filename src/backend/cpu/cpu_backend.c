@@ -8,6 +8,7 @@
  *   [8, 16)  uint64  magic, cleared on dealloc (catches double frees)
  * Streams and events are small real objects; ops execute synchronously, so
  * every recorded event is complete and every sync returns at once. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -306,6 +307,110 @@ static strata_status cpu_add(st_backend *be, st_stream *s, float *x, const float
     RUN_LOCKED(be, st_cpu_add(c_, x, y, n));
 }
 
+/* ---- decode-step ops (backend.h) ---- */
+
+static strata_status cpu_set_rows(st_backend *be, st_stream *s, float *dst, int64_t dst_rows,
+                                  const float *src, const int32_t *idx, int64_t n, int64_t cols) {
+    const char *op = "cpu set_rows";
+    if (n < 0 || cols <= 0 || dst_rows < 0)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld, cols = %lld, dst_rows = %lld", op,
+                      (long long)n, (long long)cols, (long long)dst_rows);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(dst, op);
+    CHECK_PTR(src, op);
+    CHECK_PTR(idx, op);
+    for (int64_t i = 0; i < n; i++)
+        if (idx[i] < 0 || idx[i] >= dst_rows)
+            return st_err(STRATA_ERR_INVALID_ARG, "%s: idx[%lld] = %d is outside [0, %lld)", op,
+                          (long long)i, idx[i], (long long)dst_rows);
+    /* memmove: a row may be written onto itself */
+    for (int64_t i = 0; i < n; i++)
+        memmove(dst + (int64_t)idx[i] * cols, src + i * cols, (size_t)cols * sizeof(float));
+    return STRATA_OK;
+}
+
+static strata_status cpu_argmax(st_backend *be, st_stream *s, const float *x, int64_t n, int64_t cols,
+                                int32_t *out) {
+    const char *op = "cpu argmax";
+    if (n < 0 || cols <= 0 || cols > INT32_MAX)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld, cols = %lld", op, (long long)n,
+                      (long long)cols);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(x, op);
+    CHECK_PTR(out, op);
+    for (int64_t i = 0; i < n; i++) {
+        const float *r = x + i * cols;
+        int64_t b = -1;
+        for (int64_t j = 0; j < cols; j++)
+            if (!isnan(r[j]) && (b < 0 || r[j] > r[b])) b = j;
+        out[i] = (int32_t)(b < 0 ? 0 : b);
+    }
+    return STRATA_OK;
+}
+
+static strata_status check_multi(const st_weight *w, int count, const char *op) {
+    if (count < 1 || count > 4)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: count = %d (1 to 4)", op, count);
+    CHECK_PTR(w, op);
+    for (int i = 0; i < count; i++) {
+        strata_status st = check_weight(&w[i], op);
+        if (st) return st;
+        if (w[i].cols != w[0].cols)
+            return st_err(STRATA_ERR_INVALID_ARG, "%s: weight %d has %lld cols, weight 0 has %lld", op, i,
+                          (long long)w[i].cols, (long long)w[0].cols);
+    }
+    return STRATA_OK;
+}
+
+static strata_status cpu_matmul_multi(st_backend *be, st_stream *s, const float *x, const st_weight *w,
+                                      int count, int64_t n, float *const *y) {
+    const char *op = "cpu matmul_multi";
+    strata_status st = check_multi(w, count, op);
+    if (st) return st;
+    CHECK_PTR(y, op);
+    for (int i = 0; i < count; i++)
+        if ((st = cpu_matmul(be, s, x, &w[i], n, y[i])) != STRATA_OK) return st;
+    return STRATA_OK;
+}
+
+static strata_status cpu_matmul_swiglu(st_backend *be, st_stream *s, const float *x, const st_weight *wg,
+                                       const st_weight *wu, int64_t n, float *out) {
+    const char *op = "cpu matmul_swiglu";
+    strata_status st = check_weight(wg, op);
+    if (st) return st;
+    if ((st = check_weight(wu, op))) return st;
+    if (wg->rows != wu->rows || wg->cols != wu->cols)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: gate is [%lld, %lld], up is [%lld, %lld]", op,
+                      (long long)wg->rows, (long long)wg->cols, (long long)wu->rows, (long long)wu->cols);
+    if (n < 0) return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld", op, (long long)n);
+    if (n == 0) return STRATA_OK;
+    float *tmp = st_malloc((size_t)(n * wu->rows) * sizeof(float));
+    if (!tmp) return st_err(STRATA_ERR_NOMEM, "%s: out of memory", op);
+    st = cpu_matmul(be, s, x, wg, n, out);
+    if (st == STRATA_OK) st = cpu_matmul(be, s, x, wu, n, tmp);
+    if (st == STRATA_OK) st = cpu_swiglu(be, s, out, tmp, n * wu->rows, out);
+    st_free(tmp);
+    return st;
+}
+
+/* No graphs: ops run as they are enqueued (backend.h: graph_begin says so). */
+static strata_status cpu_graph_begin(st_backend *be, st_stream *s) {
+    return st_err(STRATA_ERR_UNSUPPORTED, "cpu backend: no graphs (ops run as they are enqueued)");
+}
+
+static strata_status cpu_graph_end(st_backend *be, st_stream *s, st_graph **out) {
+    if (out) *out = NULL;
+    return st_err(STRATA_ERR_INVALID_ARG, "cpu graph_end: no recording was started");
+}
+
+static strata_status cpu_graph_launch(st_backend *be, st_stream *s, st_graph *g) {
+    return st_err(STRATA_ERR_INVALID_ARG, "cpu graph_launch: the CPU backend records no graphs");
+}
+
+static void cpu_graph_destroy(st_backend *be, st_graph *g) {}
+
+static void cpu_set_fast_prefill(st_backend *be, bool on) {}
+
 /* ---- lifetime ---- */
 
 static void cpu_destroy(st_backend *be) {
@@ -352,6 +457,15 @@ static const st_backend_ops g_cpu_ops = {
     .attention = cpu_attention,
     .swiglu = cpu_swiglu,
     .add = cpu_add,
+    .set_rows = cpu_set_rows,
+    .argmax = cpu_argmax,
+    .matmul_multi = cpu_matmul_multi,
+    .matmul_swiglu = cpu_matmul_swiglu,
+    .graph_begin = cpu_graph_begin,
+    .graph_end = cpu_graph_end,
+    .graph_launch = cpu_graph_launch,
+    .graph_destroy = cpu_graph_destroy,
+    .set_fast_prefill = cpu_set_fast_prefill,
 };
 
 bool st_cpu_simd_supported(void) {

@@ -21,10 +21,18 @@
  *     the whole K/V of the kv head is read once per split).
  *   prefill (more rows, hd 64 or 128): tensor cores, mma.sync m16n8k16 bf16
  *     with fp32 accumulation (flash-attention style). 64 rows per block (4
- *     warps x 16), tiles of 64 keys; Q, K, V and the probabilities are
- *     rounded to bf16 (relative error ~1e-3 on the output), softmax statistics
- *     and the accumulator stay fp32 in registers. Split over the KV length
- *     when the grid would not fill the GPU.
+ *     warps x 16); softmax statistics and the accumulator stay fp32 in
+ *     registers. Default (precise): Q, K, V and the probabilities are each
+ *     split into bf16 hi + lo and every product takes three MMAs (error
+ *     ~5e-6 against fp32, measured), tiles of 32 keys. Fast mode
+ *     (set_fast_prefill): rounded to bf16 once (~1e-3 on the output), tiles
+ *     of 64 keys. Split over the KV length when the grid would not fill the
+ *     GPU. Measured on an H200 (bench_cuda_ops, 32/8 heads, hd 128, causal):
+ *     n = 4096: 53 TFLOP/s precise, 112 fast; n = 16384: 64 and 140.
+ * Split lengths are derived on the device from the rows' positions
+ * (split_range), the host choosing only the number of splits from n_kv, an
+ * upper bound: a recorded decode step passes the cache's capacity as n_kv
+ * and stays valid as the sequence grows.
  *   generic (any other head_dim or unaligned pointers): fp32, one block per
  *     (token, head) row, keys 128 at a time. Slow; for odd shapes only.
  * Keys a row must not see (beyond its position, or beyond n_kv) get -inf;
@@ -44,6 +52,8 @@ static __global__ void __launch_bounds__(128) attn_merge_kernel(const float *__r
                                                                const float *__restrict__ part_m,
                                                                const float *__restrict__ part_l, int nsplit,
                                                                int64_t rows, int hd, float *__restrict__ out) {
+    st_pdl_wait();
+    st_pdl_trigger();
     const int64_t row = blockIdx.x;
     float M = -INFINITY;
     for (int sp = 0; sp < nsplit; sp++) M = fmaxf(M, part_m[sp * rows + row]);
@@ -72,6 +82,20 @@ struct attn_out {
     int nsplit;
 };
 
+/* The keys [*b, *e) split `split` of `nsplit` covers for rows whose largest
+ * position is maxpos: the range [0, min(n_kv, maxpos + 1)) cut into nsplit
+ * pieces of a multiple of `tile` keys (the last ones may be empty). Derived
+ * on the device from the positions, so the host's n_kv is only an upper
+ * bound: a recorded decode step (n_kv = the cache's capacity) spreads the
+ * keys it actually has over all its splits, whatever the sequence length. */
+ST_DEV void split_range(int64_t n_kv, int maxpos, int nsplit, int split, int tile, int64_t *b, int64_t *e) {
+    const int64_t total = min(n_kv, (int64_t)maxpos + 1);
+    int64_t len = (total + nsplit - 1) / nsplit;
+    len = (len + tile - 1) / tile * tile;
+    *b = (int64_t)split * len;
+    *e = min(total, *b + len);
+}
+
 /* ---- decode: fp32 SIMT --------------------------------------------------------------- */
 
 #define AD_THREADS 128
@@ -99,7 +123,7 @@ template <int HD, int RMAX>
 static __global__ void __launch_bounds__(AD_THREADS)
     attn_decode_kernel(const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
                        const int32_t *__restrict__ pos, int n, int64_t n_kv, int H, int Hkv, float qscale,
-                       int64_t split_len, attn_out o) {
+                       attn_out o) {
     constexpr int KP = HD + 4; /* padded K row: conflict-free float4 reads by key */
     constexpr int RPW = RMAX / 4;          /* rows per warp in the score phase */
     constexpr int CG = 128 / HD;           /* thread groups per column (1 or 2) */
@@ -113,6 +137,8 @@ static __global__ void __launch_bounds__(AD_THREADS)
     float *m_s = alpha_s + RMAX;
     float *l_s = m_s + RMAX;
     int *pos_s = (int *)(l_s + RMAX);
+    st_pdl_wait();
+    st_pdl_trigger();
 
     const int G = H / Hkv, R = n * G;
     const int kvh = blockIdx.y, split = blockIdx.x;
@@ -131,9 +157,8 @@ static __global__ void __launch_bounds__(AD_THREADS)
     __syncthreads();
     int maxpos = -1;
     for (int r = 0; r < R; r++) maxpos = max(maxpos, pos_s[r]);
-    const int64_t kv_begin = (int64_t)split * split_len;
-    int64_t kv_end = min(n_kv, (int64_t)maxpos + 1);
-    kv_end = min(kv_end, kv_begin + split_len);
+    int64_t kv_begin, kv_end;
+    split_range(n_kv, maxpos, o.nsplit, split, AD_TK, &kv_begin, &kv_end);
     const int ntiles = kv_end > kv_begin ? (int)((kv_end - kv_begin + AD_TK - 1) / AD_TK) : 0;
 
     /* tile t -> buffer t & 1; keys past kv_end are zero-filled */
@@ -283,24 +308,50 @@ ST_DEV void st_bf16x4(__nv_bfloat16 *dst, float4 x) {
     *(uint2 *)dst = make_uint2(pack_bf16x2(x.x, x.y), pack_bf16x2(x.z, x.w));
 }
 
-/* grid (ceil(n G / AP_BQ), Hkv, nsplit); warp w owns rows 16w .. 16w+15. */
-template <int HD>
+ST_DEV float bf16_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+
+/* x = hi + lo as two bf16 [4] (hi = bf16(x), lo = bf16(x - hi)). */
+ST_DEV void st_bf16x4_split(__nv_bfloat16 *hi, __nv_bfloat16 *lo, float4 x) {
+    const float4 h = make_float4(bf16_round(x.x), bf16_round(x.y), bf16_round(x.z), bf16_round(x.w));
+    st_bf16x4(hi, h);
+    st_bf16x4(lo, make_float4(__fsub_rn(x.x, h.x), __fsub_rn(x.y, h.y), __fsub_rn(x.z, h.z), __fsub_rn(x.w, h.w)));
+}
+
+/* The low bf16 parts of a pair: bf16(a - bf16(a)), bf16(b - bf16(b)). */
+ST_DEV uint32_t pack_bf16x2_lo(float a, float b) {
+    return pack_bf16x2(__fsub_rn(a, bf16_round(a)), __fsub_rn(b, bf16_round(b)));
+}
+
+/* grid (ceil(n G / AP_BQ), Hkv, nsplit); warp w owns rows 16w .. 16w+15.
+ * PRECISE: Q, K, V and P are each split into bf16 hi + lo parts and every
+ * product is formed as hi*hi + lo*hi + hi*lo (three MMAs for one: the
+ * dropped lo*lo term is ~2^-16 of the product), so scores and outputs are
+ * within ~1e-5 of fp32 math; tiles of 32 keys so that the four bf16 tiles
+ * (K, K lo, V, V lo) fit the same shared memory. Otherwise everything is
+ * rounded to bf16 once (~1e-3 relative error), tiles of 64 keys. */
+template <int HD, bool PRECISE>
 static __global__ void __launch_bounds__(AP_THREADS)
     attn_prefill_kernel(const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
                         const int32_t *__restrict__ pos, int n, int64_t n_kv, int H, int Hkv, float qscale,
-                        int64_t split_len, attn_out o) {
+                        attn_out o) {
     constexpr int LD = HD + 8; /* bf16 per shared row: 16-byte rows, conflict-free fragments */
-    __shared__ __align__(16) __nv_bfloat16 kvs[2 * AP_TK * LD]; /* K tile, V tile; stages Q first */
-    __nv_bfloat16 *ks = kvs, *vs = kvs + AP_TK * LD;
-    static_assert(AP_BQ <= 2 * AP_TK, "Q staging must fit in the K/V tiles");
+    constexpr int TK = PRECISE ? AP_TK / 2 : AP_TK;
+    constexpr int NT = PRECISE ? 4 : 2; /* tiles: K, V (+ K lo, V lo) */
+    __shared__ __align__(16) __nv_bfloat16 kvs[NT * TK * LD]; /* stages Q (hi, lo) first */
+    __nv_bfloat16 *ks = kvs, *vs = kvs + TK * LD;
+    __nv_bfloat16 *kls = kvs + (PRECISE ? 2 : 0) * TK * LD; /* PRECISE only: K lo, V lo */
+    __nv_bfloat16 *vls = kvs + (PRECISE ? 3 : 1) * TK * LD;
+    static_assert(AP_BQ * (PRECISE ? 2 : 1) <= NT * TK, "Q staging must fit in the K/V tiles");
     __shared__ int pos_s[AP_BQ];
 
     const int G = H / Hkv;
     const int64_t RT = (int64_t)n * G;
     const int kvh = blockIdx.y, split = blockIdx.z;
+    /* (issuing the last, longest rows first was measured 15% slower at 4K-16K) */
     const int64_t rbase = (int64_t)blockIdx.x * AP_BQ;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
 
+    __nv_bfloat16 *qls = kvs + AP_BQ * LD; /* Q lo staging (PRECISE) */
     for (int i = tid; i < AP_BQ * HD / 4; i += AP_THREADS) {
         const int r = i / (HD / 4), d4 = i % (HD / 4);
         const int64_t P = rbase + r;
@@ -309,7 +360,8 @@ static __global__ void __launch_bounds__(AP_THREADS)
             x = __ldg((const float4 *)(q + ((size_t)(P / G) * H + kvh * G + P % G) * HD) + d4);
             x.x *= qscale, x.y *= qscale, x.z *= qscale, x.w *= qscale;
         }
-        st_bf16x4(ks + r * LD + 4 * d4, x);
+        if (PRECISE) st_bf16x4_split(ks + r * LD + 4 * d4, qls + r * LD + 4 * d4, x);
+        else st_bf16x4(ks + r * LD + 4 * d4, x);
     }
     if (tid < AP_BQ) {
         const int64_t P = rbase + tid;
@@ -317,20 +369,25 @@ static __global__ void __launch_bounds__(AP_THREADS)
     }
     __syncthreads();
     const int r_lo = warp * 16 + g, r_hi = r_lo + 8;
-    uint32_t qf[HD / 16][4];
+    uint32_t qf[HD / 16][4], qfl[PRECISE ? HD / 16 : 1][4];
 #pragma unroll
     for (int kk = 0; kk < HD / 16; kk++) {
         qf[kk][0] = *(const uint32_t *)(ks + r_lo * LD + kk * 16 + 2 * t4);
         qf[kk][1] = *(const uint32_t *)(ks + r_hi * LD + kk * 16 + 2 * t4);
         qf[kk][2] = *(const uint32_t *)(ks + r_lo * LD + kk * 16 + 8 + 2 * t4);
         qf[kk][3] = *(const uint32_t *)(ks + r_hi * LD + kk * 16 + 8 + 2 * t4);
+        if (PRECISE) {
+            qfl[kk][0] = *(const uint32_t *)(qls + r_lo * LD + kk * 16 + 2 * t4);
+            qfl[kk][1] = *(const uint32_t *)(qls + r_hi * LD + kk * 16 + 2 * t4);
+            qfl[kk][2] = *(const uint32_t *)(qls + r_lo * LD + kk * 16 + 8 + 2 * t4);
+            qfl[kk][3] = *(const uint32_t *)(qls + r_hi * LD + kk * 16 + 8 + 2 * t4);
+        }
     }
     const int pos_lo = pos_s[r_lo], pos_hi = pos_s[r_hi];
     int maxpos = -1;
     for (int r = 0; r < AP_BQ; r++) maxpos = max(maxpos, pos_s[r]);
-    const int64_t kv_begin = (int64_t)split * split_len;
-    int64_t kv_end = min(n_kv, (int64_t)maxpos + 1);
-    kv_end = min(kv_end, kv_begin + split_len);
+    int64_t kv_begin, kv_end;
+    split_range(n_kv, maxpos, o.nsplit, split, TK, &kv_begin, &kv_end);
     /* the last key each row may see, within this block's range */
     const int64_t lim_lo = min((int64_t)pos_lo, kv_end - 1), lim_hi = min((int64_t)pos_hi, kv_end - 1);
 
@@ -339,9 +396,9 @@ static __global__ void __launch_bounds__(AP_THREADS)
     for (int dt = 0; dt < HD / 8; dt++) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.0f;
     float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.0f, l_hi = 0.0f;
 
-    for (int64_t kb = kv_begin; kb < kv_end; kb += AP_TK) {
+    for (int64_t kb = kv_begin; kb < kv_end; kb += TK) {
         __syncthreads(); /* the previous tile (or Q) is no longer read */
-        for (int i = tid; i < AP_TK * HD / 4; i += AP_THREADS) {
+        for (int i = tid; i < TK * HD / 4; i += AP_THREADS) {
             const int j = i / (HD / 4), d4 = i % (HD / 4);
             const int64_t key = kb + j;
             float4 kx = make_float4(0.f, 0.f, 0.f, 0.f), vx = kx;
@@ -350,23 +407,35 @@ static __global__ void __launch_bounds__(AP_THREADS)
                 kx = __ldg((const float4 *)(k + off) + d4);
                 vx = __ldg((const float4 *)(v + off) + d4);
             }
-            st_bf16x4(ks + j * LD + 4 * d4, kx);
-            st_bf16x4(vs + j * LD + 4 * d4, vx);
+            if (PRECISE) {
+                st_bf16x4_split(ks + j * LD + 4 * d4, kls + j * LD + 4 * d4, kx);
+                st_bf16x4_split(vs + j * LD + 4 * d4, vls + j * LD + 4 * d4, vx);
+            } else {
+                st_bf16x4(ks + j * LD + 4 * d4, kx);
+                st_bf16x4(vs + j * LD + 4 * d4, vx);
+            }
         }
         __syncthreads();
 
-        float s[AP_TK / 8][4];
+        float s[TK / 8][4];
 #pragma unroll
-        for (int j = 0; j < AP_TK / 8; j++) {
+        for (int j = 0; j < TK / 8; j++) {
             s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
             const __nv_bfloat16 *kr = ks + (j * 8 + g) * LD + 2 * t4;
 #pragma unroll
-            for (int kk = 0; kk < HD / 16; kk++)
-                mma_bf16(s[j], qf[kk], *(const uint32_t *)(kr + kk * 16), *(const uint32_t *)(kr + kk * 16 + 8));
+            for (int kk = 0; kk < HD / 16; kk++) {
+                const uint32_t b0 = *(const uint32_t *)(kr + kk * 16), b1 = *(const uint32_t *)(kr + kk * 16 + 8);
+                if (PRECISE) {
+                    const __nv_bfloat16 *krl = kls + (j * 8 + g) * LD + 2 * t4;
+                    mma_bf16(s[j], qfl[kk], b0, b1);
+                    mma_bf16(s[j], qf[kk], *(const uint32_t *)(krl + kk * 16), *(const uint32_t *)(krl + kk * 16 + 8));
+                }
+                mma_bf16(s[j], qf[kk], b0, b1);
+            }
         }
         float mx_lo = -INFINITY, mx_hi = -INFINITY;
 #pragma unroll
-        for (int j = 0; j < AP_TK / 8; j++) {
+        for (int j = 0; j < TK / 8; j++) {
 #pragma unroll
             for (int e = 0; e < 2; e++) {
                 const int64_t key = kb + j * 8 + 2 * t4 + e;
@@ -386,7 +455,7 @@ static __global__ void __launch_bounds__(AP_THREADS)
         m_lo = mn_lo, m_hi = mn_hi;
         float sum_lo = 0.0f, sum_hi = 0.0f;
 #pragma unroll
-        for (int j = 0; j < AP_TK / 8; j++) {
+        for (int j = 0; j < TK / 8; j++) {
             s[j][0] = exp2f(s[j][0] - b_lo);
             s[j][1] = exp2f(s[j][1] - b_lo);
             s[j][2] = exp2f(s[j][2] - b_hi);
@@ -402,18 +471,32 @@ static __global__ void __launch_bounds__(AP_THREADS)
             acc[dt][2] *= a_hi, acc[dt][3] *= a_hi;
         }
 #pragma unroll
-        for (int kc = 0; kc < AP_TK / 16; kc++) {
-            uint32_t a[4];
+        for (int kc = 0; kc < TK / 16; kc++) {
+            uint32_t a[4], al[4];
             a[0] = pack_bf16x2(s[2 * kc][0], s[2 * kc][1]);
             a[1] = pack_bf16x2(s[2 * kc][2], s[2 * kc][3]);
             a[2] = pack_bf16x2(s[2 * kc + 1][0], s[2 * kc + 1][1]);
             a[3] = pack_bf16x2(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+            if (PRECISE) {
+                al[0] = pack_bf16x2_lo(s[2 * kc][0], s[2 * kc][1]);
+                al[1] = pack_bf16x2_lo(s[2 * kc][2], s[2 * kc][3]);
+                al[2] = pack_bf16x2_lo(s[2 * kc + 1][0], s[2 * kc + 1][1]);
+                al[3] = pack_bf16x2_lo(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+            }
             const int mat = lane >> 3, rr = lane & 7;
-            const __nv_bfloat16 *vrow = vs + (kc * 16 + (mat & 1) * 8 + rr) * LD + (mat >> 1) * 8;
+            const int voff = (kc * 16 + (mat & 1) * 8 + rr) * LD + (mat >> 1) * 8;
 #pragma unroll
             for (int d2 = 0; d2 < HD / 16; d2++) {
                 uint32_t b[4];
-                ldmatrix_x4_trans(b, vrow + d2 * 16);
+                ldmatrix_x4_trans(b, vs + voff + d2 * 16);
+                if (PRECISE) {
+                    uint32_t bl[4];
+                    ldmatrix_x4_trans(bl, vls + voff + d2 * 16);
+                    mma_bf16(acc[2 * d2], al, b[0], b[1]);
+                    mma_bf16(acc[2 * d2 + 1], al, b[2], b[3]);
+                    mma_bf16(acc[2 * d2], a, bl[0], bl[1]);
+                    mma_bf16(acc[2 * d2 + 1], a, bl[2], bl[3]);
+                }
                 mma_bf16(acc[2 * d2], a, b[0], b[1]);
                 mma_bf16(acc[2 * d2 + 1], a, b[2], b[3]);
             }
@@ -520,17 +603,15 @@ strata_status st_cuda_attention_setup(st_cuda *c) {
     return STRATA_OK;
 }
 
-/* Splits of the KV length: about `want` of them, each at least `min_len` keys,
- * a multiple of `tile`. Returns the split length; *nsplit the count. */
-static int64_t pick_splits(int64_t n_kv, int64_t want, int64_t min_len, int64_t tile, int *nsplit) {
+/* Number of splits of the KV length: about `want`, each at least `min_len`
+ * keys of n_kv (an upper bound of the keys the rows see; the kernels cut the
+ * range they really see into this many pieces, split_range). */
+static int pick_splits(int64_t n_kv, int64_t want, int64_t min_len) {
     int64_t by_len = (n_kv + min_len - 1) / min_len;
     int64_t ns = want < by_len ? want : by_len;
     if (ns < 1) ns = 1;
     if (ns > 1024) ns = 1024;
-    int64_t len = (n_kv + ns - 1) / ns;
-    len = (len + tile - 1) / tile * tile;
-    *nsplit = (int)((n_kv + len - 1) / len);
-    return len;
+    return (int)ns;
 }
 
 static strata_status alloc_parts(st_backend *be, st_cuda_stream *s, int nsplit, int64_t rows, int64_t hd,
@@ -549,9 +630,9 @@ static strata_status alloc_parts(st_backend *be, st_cuda_stream *s, int nsplit, 
     return STRATA_OK;
 }
 
-static strata_status merge(cudaStream_t s, const attn_out *o, int64_t rows, int hd) {
-    attn_merge_kernel<<<(unsigned)rows, 128, 0, s>>>(o->part_acc, o->part_m, o->part_l, o->nsplit, rows, hd, o->out);
-    ST_CUDA_LAUNCHED("attn_merge_kernel");
+static strata_status merge(cudaStream_t s, bool pdl, const attn_out *o, int64_t rows, int hd) {
+    ST_CUDA_TRY(st_launch(pdl, attn_merge_kernel, dim3((unsigned)rows), dim3(128), 0, s, (const float *)o->part_acc,
+                          (const float *)o->part_m, (const float *)o->part_l, o->nsplit, rows, hd, o->out));
     return STRATA_OK;
 }
 
@@ -562,13 +643,12 @@ static strata_status run_decode(st_backend *be, st_cuda_stream *s, const float *
     st_cuda *c = st_cuda_of(be);
     attn_out o = {out, NULL, NULL, NULL, 1};
     const int64_t want = (3 * (int64_t)c->sm_count + Hkv - 1) / Hkv;
-    const int64_t len = pick_splits(n_kv, want, 128, AD_TK, &o.nsplit);
+    o.nsplit = pick_splits(n_kv, want, 128);
     strata_status st = alloc_parts(be, s, o.nsplit, n * H, HD, &o);
     if (st != STRATA_OK) return st;
-    attn_decode_kernel<HD, RMAX><<<dim3((unsigned)o.nsplit, (unsigned)Hkv), AD_THREADS, decode_smem_bytes<HD, RMAX>(),
-                                   s->s>>>(q, k, v, pos, (int)n, n_kv, (int)H, (int)Hkv, qscale, len, o);
-    ST_CUDA_LAUNCHED("attn_decode_kernel");
-    return o.nsplit > 1 ? merge(s->s, &o, n * H, HD) : STRATA_OK;
+    ST_CUDA_TRY(st_launch(c->pdl, attn_decode_kernel<HD, RMAX>, dim3((unsigned)o.nsplit, (unsigned)Hkv), dim3(AD_THREADS),
+                          decode_smem_bytes<HD, RMAX>(), s->s, q, k, v, pos, (int)n, n_kv, (int)H, (int)Hkv, qscale, o));
+    return o.nsplit > 1 ? merge(s->s, c->pdl, &o, n * H, HD) : STRATA_OK;
 }
 
 template <int HD>
@@ -582,13 +662,18 @@ static strata_status run_prefill(st_backend *be, st_cuda_stream *s, const float 
     if (bx > INT32_MAX) return st_err(STRATA_ERR_INVALID_ARG, "cuda attention: n = %lld is too large", (long long)n);
     const int64_t blocks = bx * Hkv;
     const int64_t want = blocks >= 2 * c->sm_count ? 1 : (2 * c->sm_count + blocks - 1) / blocks;
-    const int64_t len = pick_splits(n_kv, want, 256, AP_TK, &o.nsplit);
+    o.nsplit = pick_splits(n_kv, want, 256);
     strata_status st = alloc_parts(be, s, o.nsplit, n * H, HD, &o);
     if (st != STRATA_OK) return st;
-    attn_prefill_kernel<HD><<<dim3((unsigned)bx, (unsigned)Hkv, (unsigned)o.nsplit), AP_THREADS, 0, s->s>>>(
-        q, k, v, pos, (int)n, n_kv, (int)H, (int)Hkv, qscale, len, o);
+    const dim3 grid((unsigned)bx, (unsigned)Hkv, (unsigned)o.nsplit);
+    if (c->fast_prefill)
+        attn_prefill_kernel<HD, false><<<grid, AP_THREADS, 0, s->s>>>(q, k, v, pos, (int)n, n_kv, (int)H, (int)Hkv,
+                                                                      qscale, o);
+    else
+        attn_prefill_kernel<HD, true><<<grid, AP_THREADS, 0, s->s>>>(q, k, v, pos, (int)n, n_kv, (int)H, (int)Hkv,
+                                                                     qscale, o);
     ST_CUDA_LAUNCHED("attn_prefill_kernel");
-    return o.nsplit > 1 ? merge(s->s, &o, n * H, HD) : STRATA_OK;
+    return o.nsplit > 1 ? merge(s->s, false, &o, n * H, HD) : STRATA_OK;
 }
 
 strata_status st_cuda_op_attention(st_backend *be, st_cuda_stream *s, const float *q, const float *k,

@@ -12,6 +12,7 @@
  * events); a NULL st_stream means the legacy default stream. st_stream and
  * st_event point at small host structs. Events are created with
  * cudaEventDisableTiming. */
+#include <stdlib.h>
 #include <string.h>
 
 #include "backend/cuda/cuda_internal.h"
@@ -141,6 +142,13 @@ strata_status st_cuda_scratch(st_backend *be, st_cuda_stream *s, st_cuda_scratch
     if (bytes <= b->n && b->p) {
         *out = b->p;
         return STRATA_OK;
+    }
+    if (s->owned) {
+        enum cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+        ST_CUDA_TRY(cudaStreamIsCapturing(s->s, &cap));
+        if (cap != cudaStreamCaptureStatusNone)
+            return st_err(STRATA_ERR_BACKEND, "cuda scratch: slot %d must grow to %zu bytes while the stream "
+                          "is recorded into a graph (run the ops once without a graph first)", (int)slot, bytes);
     }
     size_t want = b->n + b->n / 2;
     if (want < bytes) want = bytes;
@@ -436,6 +444,76 @@ static strata_status cuda_add(st_backend *be, st_stream *s, float *x, const floa
     RUN(be, s, st_cuda_op_add(be, cs_, x, y, n));
 }
 
+static strata_status cuda_set_rows(st_backend *be, st_stream *s, float *dst, int64_t dst_rows,
+                                   const float *src, const int32_t *idx, int64_t n, int64_t cols) {
+    const char *op = "cuda set_rows";
+    if (n < 0 || cols <= 0 || dst_rows < 0)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld, cols = %lld, dst_rows = %lld", op,
+                      (long long)n, (long long)cols, (long long)dst_rows);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(dst, op);
+    CHECK_PTR(src, op);
+    CHECK_PTR(idx, op);
+    CHECK_F32(dst, op);
+    CHECK_F32(src, op);
+    RUN(be, s, st_cuda_op_set_rows(be, cs_, dst, dst_rows, src, idx, n, cols));
+}
+
+static strata_status cuda_argmax(st_backend *be, st_stream *s, const float *x, int64_t n, int64_t cols,
+                                 int32_t *out) {
+    const char *op = "cuda argmax";
+    if (n < 0 || cols <= 0 || cols > INT32_MAX)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld, cols = %lld", op, (long long)n, (long long)cols);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(x, op);
+    CHECK_PTR(out, op);
+    CHECK_F32(x, op);
+    RUN(be, s, st_cuda_op_argmax(be, cs_, x, n, cols, out));
+}
+
+static strata_status cuda_matmul_multi(st_backend *be, st_stream *s, const float *x, const st_weight *w,
+                                       int count, int64_t n, float *const *y) {
+    const char *op = "cuda matmul_multi";
+    if (count < 1 || count > 4) return st_err(STRATA_ERR_INVALID_ARG, "%s: count = %d (1 to 4)", op, count);
+    CHECK_PTR(w, op);
+    CHECK_PTR(y, op);
+    for (int i = 0; i < count; i++) {
+        strata_status st = check_weight(&w[i], op);
+        if (st) return st;
+        if (w[i].cols != w[0].cols)
+            return st_err(STRATA_ERR_INVALID_ARG, "%s: weight %d has %lld cols, weight 0 has %lld", op, i,
+                          (long long)w[i].cols, (long long)w[0].cols);
+        CHECK_PTR(y[i], op);
+        CHECK_F32(y[i], op);
+    }
+    if (n < 0) return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld", op, (long long)n);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(x, op);
+    CHECK_F32(x, op);
+    RUN(be, s, st_cuda_op_matmul_multi(be, cs_, x, w, count, n, y));
+}
+
+static strata_status cuda_matmul_swiglu(st_backend *be, st_stream *s, const float *x, const st_weight *wg,
+                                        const st_weight *wu, int64_t n, float *out) {
+    const char *op = "cuda matmul_swiglu";
+    strata_status st = check_weight(wg, op);
+    if (st) return st;
+    if ((st = check_weight(wu, op))) return st;
+    if (wg->rows != wu->rows || wg->cols != wu->cols || wg->dtype != wu->dtype)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: gate is [%lld, %lld] %s, up is [%lld, %lld] %s", op,
+                      (long long)wg->rows, (long long)wg->cols, st_dtype_name(wg->dtype), (long long)wu->rows,
+                      (long long)wu->cols, st_dtype_name(wu->dtype));
+    if (n < 0) return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld", op, (long long)n);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(x, op);
+    CHECK_PTR(out, op);
+    CHECK_F32(x, op);
+    CHECK_F32(out, op);
+    RUN(be, s, st_cuda_op_matmul_swiglu(be, cs_, x, wg, wu, n, out));
+}
+
+static void cuda_set_fast_prefill(st_backend *be, bool on) { st_cuda_of(be)->fast_prefill = on; }
+
 /* ---- lifetime ---- */
 
 static void cuda_destroy(st_backend *be) {
@@ -488,6 +566,15 @@ static const st_backend_ops g_cuda_ops = {
     .attention = cuda_attention,
     .swiglu = cuda_swiglu,
     .add = cuda_add,
+    .set_rows = cuda_set_rows,
+    .argmax = cuda_argmax,
+    .matmul_multi = cuda_matmul_multi,
+    .matmul_swiglu = cuda_matmul_swiglu,
+    .graph_begin = st_cuda_graph_begin,
+    .graph_end = st_cuda_graph_end,
+    .graph_launch = st_cuda_graph_launch,
+    .graph_destroy = st_cuda_graph_destroy,
+    .set_fast_prefill = cuda_set_fast_prefill,
 };
 
 /* Creates the backend on device params->device_index. The caller owns *out
@@ -554,6 +641,10 @@ strata_status st_backend_cuda_init(const st_backend_params *params, st_backend *
     else
         st = st_cuda_pool_init(0, LAZY_CHUNK, LAZY_MARGIN, false, &c->pool);
     if (st != STRATA_OK) goto fail;
+    {
+        const char *pdl = getenv("STRATA_CUDA_PDL"); /* a tuning switch for measurements */
+        c->pdl = !(pdl && strcmp(pdl, "0") == 0);
+    }
     if ((st = st_cuda_matmul_setup(c)) != STRATA_OK) goto fail;
     if ((st = st_cuda_attention_setup(c)) != STRATA_OK) goto fail;
     *out = be;

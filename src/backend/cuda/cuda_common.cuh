@@ -22,6 +22,44 @@
 
 #define ST_DEV __device__ __forceinline__
 
+/* ---- programmatic dependent launch (PDL, sm_90) -------------------------------
+ * A kernel launched by st_launch with pdl = true may be scheduled while the
+ * kernel before it on the stream is still running (its launch latency then
+ * overlaps that kernel's tail; in a recorded graph too). Such a kernel must
+ * call st_pdl_wait() before it reads or writes any memory the previous kernel
+ * may touch: the wait returns once the previous grid has completed and its
+ * writes are visible. The kernels below that are launched this way start with
+ * st_pdl_wait(); st_pdl_trigger(); (the trigger lets the next kernel be
+ * scheduled once every block of this one has started). Both are no-ops for a
+ * plain launch and below sm_90. */
+ST_DEV void st_pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+ST_DEV void st_pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+/* kernel<<<grid, block, smem, s>>>(args...), with PDL allowed when pdl. */
+template <typename... KArgs, typename... Args>
+static inline cudaError_t st_launch(bool pdl, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
+                                    cudaStream_t s, Args... args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = s;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl ? 1 : 0;
+    return cudaLaunchKernelEx(&cfg, kernel, ((KArgs)args)...);
+}
+
 ST_DEV float st_warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

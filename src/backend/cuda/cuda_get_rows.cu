@@ -12,6 +12,8 @@ static __global__ void __launch_bounds__(256) get_rows_kernel(const uint8_t *__r
                                                               int64_t rows, int64_t cols,
                                                               const int32_t *__restrict__ ids,
                                                               float *__restrict__ out) {
+    st_pdl_wait();
+    st_pdl_trigger();
     const int64_t i = blockIdx.x;
     const int32_t id = __ldg(ids + i);
     float *o = out + i * cols;
@@ -35,17 +37,17 @@ static __global__ void __launch_bounds__(256) get_rows_kernel(const uint8_t *__r
 }
 
 template <int T>
-static strata_status launch_get_rows(cudaStream_t s, const st_weight *w, const int32_t *ids, int64_t n,
+static strata_status launch_get_rows(cudaStream_t s, bool pdl, const st_weight *w, const int32_t *ids, int64_t n,
                                      float *out) {
     const size_t rb = st_dtype_row_bytes(w->dtype, w->cols);
     const bool vec = w->cols % 8 == 0 && st_cuda_aligned(out, 16);
     const int threads = w->cols >= 2048 ? 256 : 128;
     if (vec) {
-        get_rows_kernel<T, true><<<(unsigned)n, threads, 0, s>>>((const uint8_t *)w->data, rb, w->rows,
-                                                                 w->cols, ids, out);
+        ST_CUDA_TRY(st_launch(pdl, get_rows_kernel<T, true>, dim3((unsigned)n), dim3(threads), 0, s,
+                              (const uint8_t *)w->data, rb, w->rows, w->cols, ids, out));
     } else {
-        get_rows_kernel<T, false><<<(unsigned)n, threads, 0, s>>>((const uint8_t *)w->data, rb, w->rows,
-                                                                  w->cols, ids, out);
+        ST_CUDA_TRY(st_launch(pdl, get_rows_kernel<T, false>, dim3((unsigned)n), dim3(threads), 0, s,
+                              (const uint8_t *)w->data, rb, w->rows, w->cols, ids, out));
     }
     ST_CUDA_LAUNCHED("get_rows_kernel");
     return STRATA_OK;
@@ -54,6 +56,6 @@ static strata_status launch_get_rows(cudaStream_t s, const st_weight *w, const i
 strata_status st_cuda_op_get_rows(st_backend *be, st_cuda_stream *s, const st_weight *w,
                                   const int32_t *ids, int64_t n, float *out) {
     if (n > INT32_MAX) return st_err(STRATA_ERR_INVALID_ARG, "cuda get_rows: n = %lld is too large", (long long)n);
-    ST_DTYPE_SWITCH(w->dtype, T, return launch_get_rows<T>(s->s, w, ids, n, out));
+    ST_DTYPE_SWITCH(w->dtype, T, return launch_get_rows<T>(s->s, st_cuda_of(be)->pdl, w, ids, n, out));
     return st_err(STRATA_ERR_UNSUPPORTED, "cuda get_rows: dtype %s", st_dtype_name(w->dtype));
 }

@@ -87,6 +87,8 @@ typedef enum {
     ST_CUDA_SCRATCH_W,     /* weights dequantized to bf16 (matmul, prefill) */
     ST_CUDA_SCRATCH_ATTN,  /* split-KV partial results (attention) */
     ST_CUDA_SCRATCH_LT,    /* cuBLASLt workspace */
+    ST_CUDA_SCRATCH_TMP,   /* an op's intermediate result (matmul_swiglu's up projection) */
+    ST_CUDA_SCRATCH_SMALL, /* per-block partial results (argmax) */
     ST_CUDA_SCRATCH_COUNT
 } st_cuda_scratch_slot;
 
@@ -114,6 +116,9 @@ typedef struct {
     pthread_mutex_t lt_mu;    /* the plan cache, held across cublasLtMatmul */
     st_cuda_lt_cache *lt_cache;
     st_cuda_stream def;       /* used when an op is given a NULL stream */
+    bool fast_prefill;        /* set_fast_prefill: bf16-rounded operands in GEMMs and prefill attention */
+    bool pdl;                 /* launch the decode-path kernels with programmatic dependent launch
+                                 (STRATA_CUDA_PDL=0 turns it off) */
 } st_cuda;
 
 static inline st_cuda *st_cuda_of(st_backend *be) { return (st_cuda *)be->impl; }
@@ -124,7 +129,9 @@ st_cuda_stream *st_cuda_stream_get(st_backend *be, st_stream *s);
 /* *out = the stream's scratch buffer `slot`, at least `bytes` long. Grows
  * rarely (x1.5 and at least 1 MiB): the stream is synchronized before the old
  * buffer goes back to the pool, so work still queued never sees it reused.
- * Counted in be->device_budget. */
+ * Counted in be->device_budget. While the stream is being recorded into a
+ * graph, growth is refused (STRATA_ERR_BACKEND): the caller drops the
+ * recording, runs eagerly (which grows the buffer) and records again later. */
 strata_status st_cuda_scratch(st_backend *be, st_cuda_stream *s, st_cuda_scratch_slot slot,
                               size_t bytes, void **out);
 
@@ -148,6 +155,20 @@ strata_status st_cuda_op_attention(st_backend *be, st_cuda_stream *s, const floa
 strata_status st_cuda_op_swiglu(st_backend *be, st_cuda_stream *s, const float *gate, const float *up,
                                 int64_t n, float *out);
 strata_status st_cuda_op_add(st_backend *be, st_cuda_stream *s, float *x, const float *y, int64_t n);
+strata_status st_cuda_op_set_rows(st_backend *be, st_cuda_stream *s, float *dst, int64_t dst_rows,
+                                  const float *src, const int32_t *idx, int64_t n, int64_t cols);
+strata_status st_cuda_op_argmax(st_backend *be, st_cuda_stream *s, const float *x, int64_t n, int64_t cols,
+                                int32_t *out);
+strata_status st_cuda_op_matmul_multi(st_backend *be, st_cuda_stream *s, const float *x, const st_weight *w,
+                                      int count, int64_t n, float *const *y);
+strata_status st_cuda_op_matmul_swiglu(st_backend *be, st_cuda_stream *s, const float *x,
+                                       const st_weight *w_gate, const st_weight *w_up, int64_t n, float *out);
+
+/* Graphs (cuda_graph.c), backend.h's graph_* with the same contracts. */
+strata_status st_cuda_graph_begin(st_backend *be, st_stream *s);
+strata_status st_cuda_graph_end(st_backend *be, st_stream *s, st_graph **out);
+strata_status st_cuda_graph_launch(st_backend *be, st_stream *s, st_graph *g);
+void st_cuda_graph_destroy(st_backend *be, st_graph *g);
 
 /* True when a CUDA device can be used (cudaGetDeviceCount > 0; no abort and
  * no error left behind when there is no driver). Defined in cuda_backend.c;

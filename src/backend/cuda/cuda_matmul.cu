@@ -1,4 +1,6 @@
-/* matmul: y[n, N] = x[n, K] @ w[N, K]^T, x and y fp32 row-major, w any dtype.
+/* matmul: y[n, N] = x[n, K] @ w[N, K]^T, x and y fp32 row-major, w any dtype;
+ * also matmul_multi (several weights, one x) and matmul_swiglu (gate, up and
+ * SwiGLU in one op), backend.h.
  *
  * Paths (chosen per call):
  *   GEMV (n <= 8 for f32/f16/bf16, n <= 32 for quantized types): a custom
@@ -9,24 +11,45 @@
  *     (4 or 8) along K and adds the partial sums; up to 8 tokens per pass
  *     (grid.y covers more). x stays in L1 and is re-read once per R rows,
  *     which is what limits several tokens per pass. No rounding of x.
+ *     One launch can cover several weights of one dtype and K (matmul_multi:
+ *     q, k and v; the blocks are split between them), or the gate and up
+ *     rows of matmul_swiglu together (each block does R rows of both and
+ *     writes silu(gate) * up: the gate/up results never reach memory).
  *     Measured on an H200 (bench/bench_cuda_ops.c, copy roofline 4.2 TB/s):
  *     bf16 14336x4096 n=1 at 3.8 TB/s (89%), 4096x4096 at 66%, n=4 50%,
  *     n=8 30%; q8_0 61%, q6_k 40%, q4_0 38%, q4_k 31% of the roofline in
  *     weight bytes (the quantized ones are bound by x traffic and decoding,
- *     yet 1.2 to 1.5x faster than bf16 per token).
+ *     yet 1.2 to 1.5x faster than bf16 per token); gate + up with SwiGLU
+ *     (2 x 14336x4096 bf16) 66 us, 85%. Launched with PDL (cuda_common.cuh).
+ *     Error against the CPU backend ~2e-7.
  *   GEMM, f32 weights (n > 8): cuBLASLt with fp32 inputs and CUBLAS_COMPUTE_32F
  *     (no TF32): fp32 accuracy.
- *   GEMM, bf16 weights (n > 8): x is rounded to bf16 in a scratch buffer, then
- *     cuBLASLt bf16 x bf16 -> fp32 with fp32 accumulation on the tensor cores.
- *   GEMM, f16 and quantized weights (n > 8, or n > 32): x to bf16 as above; the
- *     weight is dequantized (exactly, then rounded to bf16) into a scratch
- *     buffer of at most 64 MiB, a slab of rows at a time, each slab followed by
- *     its cuBLASLt GEMM into the matching columns of y. (f16 goes through bf16
- *     rather than converting x to f16, whose range activations can exceed.)
+ *   GEMM, bf16 weights (n > 8), default ("precise"): x is split into
+ *     x_hi = bf16(x) and x_lo = bf16(x - x_hi), and two cuBLASLt bf16 GEMMs on
+ *     the tensor cores accumulate W x_hi + W x_lo into y in fp32 (the second
+ *     with beta = 1). x_hi + x_lo carries 16 significant bits of x (relative
+ *     error <= 2^-17 per element instead of 2^-9), the weight is exact, so the
+ *     result is within ~1e-5 of the fp32 GEMV, at twice the tensor-core work.
+ *     Measured against the CPU backend: 2e-6 to 7e-6, which is what the
+ *     tensor cores' own fp32 accumulation leaves (it truncates: ~2^-24 per
+ *     k-step of 4 products, biased toward zero), not the split.
+ *   GEMM, f16 and quantized weights (n > 8, or n > 32), precise: the weight is
+ *     dequantized exactly (fp32), split the same way into w_hi + w_lo (exact
+ *     for f16; <= 2^-17 relative residue for the scale * q products of
+ *     quantized blocks), a slab of rows at a time into scratch (<= 64 MiB),
+ *     laid out as rows [w_hi | w_lo | w_hi] (3K) against x rows
+ *     [x_hi | x_hi | x_lo]: one GEMM with 3K sums w_hi x_hi + w_lo x_hi +
+ *     w_hi x_lo (the dropped w_lo x_lo is ~2^-18 of the product), then the
+ *     slab's columns of y are done. Three times the tensor-core work.
+ *   GEMM, fast mode (set_fast_prefill): x rounded to bf16 once, f16/quantized
+ *     weights dequantized to bf16 once, one GEMM: relative errors ~1e-2
+ *     against fp32 math (enough to flip the argmax of random test models whose
+ *     top-2 logits are within 1e-3); about half the time of the precise path.
+ *     Measured on an H200, 14336x4096 bf16 weight x 2048 tokens: 738 TFLOP/s
+ *     fast, 323-337 TFLOP/s of useful work precise; 512 tokens: 626 / 317;
+ *     q8_0 at 512 tokens: 401 / 142 (dequantization + 3K-deep GEMM).
  *   Plain weights whose K is not a multiple of 8 (rows not 16-byte aligned):
  *     a scalar GEMV, any n (slow, correct; no real model has such shapes).
- * So GEMM results carry bf16 rounding of x (and of non-bf16 weights):
- * relative errors around 1e-3, where the GEMV and f32 paths are at ~1e-6.
  *
  * In cuBLAS's column-major terms, y^T [N, n] = W [K, N]^T . x^T [K, n]:
  * A = W with op T (lda = K), B = x with op N (ldb = K), C = y (ldc = N), the
@@ -43,58 +66,92 @@
 #define DQ_SLAB_BYTES ((size_t)64 << 20)
 #define LT_WS_BYTES ((size_t)32 << 20)
 #define LT_PLANS 64
+#define MMV_MAX_W 4           /* weights one GEMV launch covers */
 
 /* ---- GEMV ---------------------------------------------------------------------- */
 
-/* Block b computes rows [R b, +R) for tokens [NT by, +NT); its threads split
- * the row into units (st_unit<T>) and the block adds their partial sums. */
-template <int T, int NT, int R>
-static __global__ void __launch_bounds__(128)
-    mmv_kernel(const uint8_t *__restrict__ w, size_t rb, int64_t N, int64_t K, const float *__restrict__ x,
-               int64_t n, float *__restrict__ y) {
+ST_DEV float silu_mul(float g, float u) { return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u); }
+
+/* One launch's weights: weight i owns blocks [b0[i], b0[i+1]) and writes y[i]
+ * (row stride N[i]). In SwiGLU mode w[0] is the gate, w[1] the up projection,
+ * and every block covers rows of both. */
+struct mmv_args {
+    const uint8_t *w[MMV_MAX_W];
+    float *y[MMV_MAX_W];
+    int64_t N[MMV_MAX_W];
+    unsigned b0[MMV_MAX_W];
+    int count;
+    size_t rb;   /* bytes per weight row (same dtype and K for all) */
+    int64_t K;
+    const float *x;
+    int64_t n;
+};
+
+/* Block b computes rows [R b', +R) (b' its index within its weight) for
+ * tokens [NT by, +NT); its threads split the row into units (st_unit<T>) and
+ * the block adds their partial sums. SW: RR = 2R row slots, gate then up. */
+template <int T, int NT, int R, bool SW>
+static __global__ void __launch_bounds__(128) mmv_kernel(const mmv_args a) {
     using Q = st_unit<T>;
-    __shared__ float red[4][R * NT];
-    const int64_t row0 = (int64_t)blockIdx.x * R;
+    constexpr int RR = SW ? 2 * R : R;
+    __shared__ float red[4][RR * NT];
+    st_pdl_wait();
+    st_pdl_trigger();
+    /* this block's weight (compile-time indices only: the args stay in the parameter bank) */
+    const uint8_t *w = a.w[0];
+    float *y = a.y[0];
+    int64_t N = a.N[0];
+    unsigned b0 = 0;
+    if (!SW) {
+#pragma unroll
+        for (int i = 1; i < MMV_MAX_W; i++)
+            if (i < a.count && blockIdx.x >= a.b0[i]) w = a.w[i], y = a.y[i], N = a.N[i], b0 = a.b0[i];
+    }
+    const int64_t K = a.K;
+    const int64_t row0 = (int64_t)(blockIdx.x - b0) * R;
     const int64_t t0 = (int64_t)blockIdx.y * NT;
-    const int nt = (int)min((int64_t)NT, n - t0);
+    const int nt = (int)min((int64_t)NT, a.n - t0);
     const int nu = (int)(K / Q::U);
-    const float *xt = x + t0 * K;
-    const uint8_t *wr[R];
+    const float *xt = a.x + t0 * K;
+    const uint8_t *wr[RR];
 #pragma unroll
-    for (int r = 0; r < R; r++) wr[r] = w + (size_t)min(row0 + r, N - 1) * rb;
-    float acc[R][NT];
+    for (int r = 0; r < R; r++) {
+        wr[r] = w + (size_t)min(row0 + r, N - 1) * a.rb;
+        if (SW) wr[R + r] = a.w[1] + (size_t)min(row0 + r, N - 1) * a.rb;
+    }
+    float acc[RR][NT];
 #pragma unroll
-    for (int r = 0; r < R; r++)
+    for (int r = 0; r < RR; r++)
 #pragma unroll
         for (int t = 0; t < NT; t++) acc[r][t] = 0.0f;
 
 #pragma unroll 2
     for (int u = threadIdx.x; u < nu; u += blockDim.x) {
-        typename Q::raw raw[R];
+        typename Q::raw raw[RR];
 #pragma unroll
-        for (int r = 0; r < R; r++) raw[r] = Q::load(wr[r], u);
+        for (int r = 0; r < RR; r++) raw[r] = Q::load(wr[r], u);
 #pragma unroll
         for (int j = 0; j < Q::RUNS; j++) {
-            float v[R][8];
+            float v[RR][8];
 #pragma unroll
-            for (int r = 0; r < R; r++) Q::expand(raw[r], j, v[r]);
+            for (int r = 0; r < RR; r++) Q::expand(raw[r], j, v[r]);
             const int64_t e = Q::run_start(u, j);
 #pragma unroll
             for (int t = 0; t < NT; t++) {
                 if (t < nt) {
                     const float4 *xp = (const float4 *)(xt + (int64_t)t * K + e);
-                    const float4 a = __ldg(xp), b = __ldg(xp + 1);
+                    const float4 p = __ldg(xp), q = __ldg(xp + 1);
 #pragma unroll
-                    for (int r = 0; r < R; r++) {
+                    for (int r = 0; r < RR; r++) {
                         float s = acc[r][t];
-                        s = fmaf(v[r][0], a.x, s);
-                        s = fmaf(v[r][1], a.y, s);
-                        s = fmaf(v[r][2], a.z, s);
-                        s = fmaf(v[r][3], a.w, s);
-                        s = fmaf(v[r][4], b.x, s);
-                        s = fmaf(v[r][5], b.y, s);
-                        s = fmaf(v[r][6], b.z, s);
-                        s = fmaf(v[r][7], b.w, s);
+                        s = fmaf(v[r][0], p.x, s);
+                        s = fmaf(v[r][1], p.y, s);
+                        s = fmaf(v[r][2], p.z, s);
+                        s = fmaf(v[r][3], p.w, s);
+                        s = fmaf(v[r][4], q.x, s);
+                        s = fmaf(v[r][5], q.y, s);
+                        s = fmaf(v[r][6], q.z, s);
+                        s = fmaf(v[r][7], q.w, s);
                         acc[r][t] = s;
                     }
                 }
@@ -103,7 +160,7 @@ static __global__ void __launch_bounds__(128)
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
 #pragma unroll
-    for (int r = 0; r < R; r++)
+    for (int r = 0; r < RR; r++)
 #pragma unroll
         for (int t = 0; t < NT; t++) {
             const float v = st_warp_sum(acc[r][t]);
@@ -114,6 +171,11 @@ static __global__ void __launch_bounds__(128)
         const int r = threadIdx.x / NT, t = threadIdx.x % NT;
         float v = red[0][threadIdx.x];
         for (int i = 1; i < nw; i++) v += red[i][threadIdx.x];
+        if (SW) {
+            float u = red[0][(R + r) * NT + t];
+            for (int i = 1; i < nw; i++) u += red[i][(R + r) * NT + t];
+            v = silu_mul(v, u);
+        }
         if (t < nt && row0 + r < N) y[(t0 + t) * N + row0 + r] = v;
     }
 }
@@ -143,28 +205,35 @@ static __global__ void __launch_bounds__(MMV_WARPS * 32)
     }
 }
 
-template <int T, int NT, int R>
-static strata_status launch_mmv(cudaStream_t s, const st_weight *w, const float *x, int64_t n, float *y) {
-    const size_t rb = st_dtype_row_bytes(w->dtype, w->cols);
-    const int64_t gx = (w->rows + R - 1) / R, gy = (n + NT - 1) / NT;
-    if (gx > INT32_MAX || gy > 65535) return st_err(STRATA_ERR_INVALID_ARG, "cuda matmul: shape too large");
-    const int64_t nu = w->cols / st_unit<T>::U;
+/* Fills the block split of a (its w, y, N, count, rb, K, x, n set) for R rows
+ * per block and launches. */
+template <int T, int NT, int R, bool SW>
+static strata_status launch_mmv(cudaStream_t s, bool pdl, mmv_args a) {
+    int64_t blocks = 0;
+    const int nw = SW ? 1 : a.count;
+    for (int i = 0; i < nw; i++) {
+        a.b0[i] = (unsigned)blocks;
+        blocks += (a.N[i] + R - 1) / R;
+    }
+    const int64_t gy = (a.n + NT - 1) / NT;
+    if (blocks > INT32_MAX || gy > 65535) return st_err(STRATA_ERR_INVALID_ARG, "cuda matmul: shape too large");
+    const int64_t nu = a.K / st_unit<T>::U;
     const int threads = nu >= 128 ? 128 : (int)((nu + 31) / 32 * 32);
-    mmv_kernel<T, NT, R><<<dim3((unsigned)gx, (unsigned)gy), threads, 0, s>>>(
-        (const uint8_t *)w->data, rb, w->rows, w->cols, x, n, y);
-    ST_CUDA_LAUNCHED("mmv_kernel");
+    ST_CUDA_TRY(st_launch(pdl, mmv_kernel<T, NT, R, SW>, dim3((unsigned)blocks, (unsigned)gy), dim3(threads), 0, s, a));
     return STRATA_OK;
 }
 
-template <int T>
-static strata_status gemv(cudaStream_t s, const st_weight *w, const float *x, int64_t n, float *y) {
+template <int T, bool SW>
+static strata_status gemv(cudaStream_t s, bool pdl, const mmv_args &a) {
     /* R rows per block: x is re-read from L1 once per R rows, which bounds
-     * the speed for several tokens; plain types have registers to spare */
+     * the speed for several tokens; plain types have registers to spare.
+     * SwiGLU blocks hold 2R rows, so R is halved where registers are short. */
     constexpr bool plain = T == ST_DTYPE_F32 || T == ST_DTYPE_F16 || T == ST_DTYPE_BF16;
-    if (n == 1) return launch_mmv<T, 1, 4>(s, w, x, n, y);
-    if (n == 2) return launch_mmv<T, 2, 4>(s, w, x, n, y);
-    if (n <= 4) return launch_mmv<T, 4, plain ? 8 : 4>(s, w, x, n, y);
-    return launch_mmv<T, 8, 4>(s, w, x, n, y); /* R = 8 here spills (measured slower) */
+    const int64_t n = a.n;
+    if (n == 1) return launch_mmv<T, 1, 4, SW>(s, pdl, a);
+    if (n == 2) return launch_mmv<T, 2, 4, SW>(s, pdl, a);
+    if (n <= 4) return launch_mmv<T, 4, (plain && !SW) ? 8 : 4, SW>(s, pdl, a);
+    return launch_mmv<T, 8, SW ? 2 : 4, SW>(s, pdl, a); /* R = 8 here spills (measured slower) */
 }
 
 template <int T>
@@ -185,19 +254,51 @@ ST_DEV uint32_t pack_bf16x2(float a, float b) {
     return *(const uint32_t *)&h;
 }
 
-/* out[i] = bf16(x[i]), i < total (a multiple of 8, x 16-byte aligned). */
-static __global__ void __launch_bounds__(256) x_to_bf16_kernel(const float *__restrict__ x, int64_t total,
+/* bf16 hi/lo split: hi = bf16(v), lo = bf16(v - hi) (v - hi is exact in fp32). */
+ST_DEV void split8(const float v[8], uint4 &hi, uint4 &lo) {
+    float h[8], l[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        h[i] = __bfloat162float(__float2bfloat16_rn(v[i]));
+        l[i] = __fsub_rn(v[i], h[i]);
+    }
+    hi = make_uint4(pack_bf16x2(h[0], h[1]), pack_bf16x2(h[2], h[3]), pack_bf16x2(h[4], h[5]), pack_bf16x2(h[6], h[7]));
+    lo = make_uint4(pack_bf16x2(l[0], l[1]), pack_bf16x2(l[2], l[3]), pack_bf16x2(l[4], l[5]), pack_bf16x2(l[6], l[7]));
+}
+
+/* Layouts of converted activations, per token row of K elements:
+ *   XL_HI:    out [n, K] = hi                               (fast mode)
+ *   XL_PLANES: out [n, K] = hi, then a second plane [n, K] = lo (bf16 weights)
+ *   XL_CAT3:  out [n, 3K] = [hi | hi | lo]                   (split weights) */
+enum { XL_HI = 0, XL_PLANES = 1, XL_CAT3 = 2 };
+
+/* x [n, K] fp32 (16-byte aligned, K % 8 == 0) -> bf16 in layout L. */
+template <int L>
+static __global__ void __launch_bounds__(256) x_to_bf16_kernel(const float *__restrict__ x, int64_t n, int64_t K,
                                                               __nv_bfloat16 *__restrict__ out) {
+    const int64_t nc = K / 8, total = n * nc;
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total / 8; i += stride) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
         const float4 a = __ldg((const float4 *)x + 2 * i), b = __ldg((const float4 *)x + 2 * i + 1);
-        ((uint4 *)out)[i] = make_uint4(pack_bf16x2(a.x, a.y), pack_bf16x2(a.z, a.w), pack_bf16x2(b.x, b.y),
-                                       pack_bf16x2(b.z, b.w));
+        const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        uint4 hi, lo;
+        split8(v, hi, lo);
+        if (L == XL_HI || L == XL_PLANES) {
+            ((uint4 *)out)[i] = hi;
+            if (L == XL_PLANES) ((uint4 *)(out + n * K))[i] = lo;
+        } else {
+            const int64_t t = i / nc, c = i % nc;
+            uint4 *row = (uint4 *)(out + t * 3 * K);
+            row[c] = hi;
+            row[nc + c] = hi;
+            row[2 * nc + c] = lo;
+        }
     }
 }
 
-/* out[r, :] = bf16(dequant(w[r0 + r, :])), r < rows; K % 8 == 0. */
-template <int T>
+/* Weight rows [r0, r0 + rows) dequantized exactly, then as bf16: SPLIT: rows
+ * of 3K = [hi | lo | hi]; else rows of K = bf16(w). K % 8 == 0. */
+template <int T, bool SPLIT>
 static __global__ void __launch_bounds__(256) dq_to_bf16_kernel(const uint8_t *__restrict__ w, size_t rb,
                                                                int64_t rows, int64_t K,
                                                                __nv_bfloat16 *__restrict__ out) {
@@ -207,8 +308,16 @@ static __global__ void __launch_bounds__(256) dq_to_bf16_kernel(const uint8_t *_
         const int64_t r = i / nc, c = i % nc;
         float v[8];
         st_dq8<T>(w + (size_t)r * rb, c, v);
-        ((uint4 *)(out + r * K))[c] = make_uint4(pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]),
-                                                 pack_bf16x2(v[4], v[5]), pack_bf16x2(v[6], v[7]));
+        uint4 hi, lo;
+        split8(v, hi, lo);
+        if (SPLIT) {
+            uint4 *row = (uint4 *)(out + r * 3 * K);
+            row[c] = hi;
+            row[nc + c] = lo;
+            row[2 * nc + c] = hi;
+        } else {
+            ((uint4 *)(out + r * K))[c] = hi;
+        }
     }
 }
 
@@ -297,9 +406,9 @@ static strata_status plan_build(st_cuda *c, lt_plan *p) {
     return STRATA_OK;
 }
 
-/* C[m, n] (col-major, ldc) = A[k, m]^T . B[k, n], A and B of type ab. */
+/* C[m, n] (col-major, ldc) = A[k, m]^T . B[k, n] + beta C, A and B of type ab. */
 static strata_status lt_gemm(st_backend *be, st_cuda_stream *s, cudaDataType_t ab, const void *A, const void *B,
-                             float *C, int64_t m, int64_t n, int64_t k, int64_t ldc) {
+                             float *C, int64_t m, int64_t n, int64_t k, int64_t ldc, float beta) {
     st_cuda *c = st_cuda_of(be);
     void *ws = NULL;
     strata_status st = st_cuda_scratch(be, s, ST_CUDA_SCRATCH_LT, LT_WS_BYTES, &ws);
@@ -334,7 +443,7 @@ static strata_status lt_gemm(st_backend *be, st_cuda_stream *s, cudaDataType_t a
         }
         p->used = true;
     }
-    const float alpha = 1.0f, beta = 0.0f;
+    const float alpha = 1.0f;
     cublasStatus_t e = cublasLtMatmul(c->lt, p->op, &alpha, A, p->la, B, p->lb, &beta, C, p->lc, C, p->lc,
                                       &p->algo, ws, LT_WS_BYTES, s->s);
     pthread_mutex_unlock(&c->lt_mu);
@@ -347,73 +456,165 @@ static strata_status lt_gemm(st_backend *be, st_cuda_stream *s, cudaDataType_t a
 
 /* ---- dispatch ------------------------------------------------------------------------ */
 
+/* x [n, K] -> bf16 in scratch slot X, layout L (sizes: XL_HI n K, else 2 n K or 3 n K). */
+template <int L>
 static strata_status x_to_bf16(st_backend *be, st_cuda_stream *s, const float *x, int64_t n, int64_t K,
                                __nv_bfloat16 **out) {
+    const size_t elems = (size_t)(n * K) * (L == XL_HI ? 1 : L == XL_PLANES ? 2 : 3);
     void *p = NULL;
-    strata_status st = st_cuda_scratch(be, s, ST_CUDA_SCRATCH_X, (size_t)(n * K) * 2, &p);
+    strata_status st = st_cuda_scratch(be, s, ST_CUDA_SCRATCH_X, elems * 2, &p);
     if (st != STRATA_OK) return st;
-    const int64_t total = n * K;
-    x_to_bf16_kernel<<<st_grid_for(total / 8, 256, (int64_t)st_cuda_of(be)->sm_count * 8), 256, 0, s->s>>>(
-        x, total, (__nv_bfloat16 *)p);
+    x_to_bf16_kernel<L><<<st_grid_for(n * K / 8, 256, (int64_t)st_cuda_of(be)->sm_count * 8), 256, 0, s->s>>>(
+        x, n, K, (__nv_bfloat16 *)p);
     ST_CUDA_LAUNCHED("x_to_bf16_kernel");
     *out = (__nv_bfloat16 *)p;
     return STRATA_OK;
+}
+
+/* One weight's GEMV arguments (count 1). */
+static mmv_args mmv_one(const st_weight *w, const float *x, int64_t n, float *y) {
+    mmv_args a;
+    memset(&a, 0, sizeof a);
+    a.w[0] = (const uint8_t *)w->data;
+    a.y[0] = y;
+    a.N[0] = w->rows;
+    a.count = 1;
+    a.rb = st_dtype_row_bytes(w->dtype, w->cols);
+    a.K = w->cols;
+    a.x = x;
+    a.n = n;
+    return a;
+}
+
+/* x with 16-byte aligned rows for the GEMV (a scratch copy when it is not). */
+static strata_status gemv_x(st_backend *be, st_cuda_stream *s, const float *x, int64_t n, int64_t K,
+                            const float **out) {
+    *out = x;
+    if (st_cuda_aligned(x, 16)) return STRATA_OK;
+    void *p = NULL;
+    strata_status st = st_cuda_scratch(be, s, ST_CUDA_SCRATCH_X, (size_t)(n * K) * 4, &p);
+    if (st != STRATA_OK) return st;
+    ST_CUDA_TRY(cudaMemcpyAsync(p, x, (size_t)(n * K) * 4, cudaMemcpyDeviceToDevice, s->s));
+    *out = (const float *)p;
+    return STRATA_OK;
+}
+
+static bool use_gemv(const st_weight *w, int64_t n) {
+    return n < (st_dtype_get(w->dtype)->quantized ? GEMM_MIN_N_QUANT : GEMM_MIN_N);
 }
 
 template <int T>
 static strata_status matmul_t(st_backend *be, st_cuda_stream *s, const float *x, const st_weight *w, int64_t n,
                               float *y) {
     const int64_t N = w->rows, K = w->cols;
-    const bool quant = st_dtype_get(w->dtype)->quantized;
     if (K % 8) {
-        if (T == ST_DTYPE_F32 && n >= GEMM_MIN_N) return lt_gemm(be, s, CUDA_R_32F, w->data, x, y, N, n, K, N);
+        if (T == ST_DTYPE_F32 && n >= GEMM_MIN_N) return lt_gemm(be, s, CUDA_R_32F, w->data, x, y, N, n, K, N, 0.0f);
         return gemv_scalar<T>(s->s, w, x, n, y);
     }
-    if (n < (quant ? GEMM_MIN_N_QUANT : GEMM_MIN_N)) {
-        if (!st_cuda_aligned(x, 16)) { /* rows of x must be 16-byte aligned: copy */
-            void *p = NULL;
-            strata_status st = st_cuda_scratch(be, s, ST_CUDA_SCRATCH_X, (size_t)(n * K) * 4, &p);
-            if (st != STRATA_OK) return st;
-            ST_CUDA_TRY(cudaMemcpyAsync(p, x, (size_t)(n * K) * 4, cudaMemcpyDeviceToDevice, s->s));
-            x = (const float *)p;
-        }
-        return gemv<T>(s->s, w, x, n, y);
+    if (use_gemv(w, n)) {
+        strata_status st = gemv_x(be, s, x, n, K, &x);
+        if (st != STRATA_OK) return st;
+        return gemv<T, false>(s->s, st_cuda_of(be)->pdl, mmv_one(w, x, n, y));
     }
-    if (T == ST_DTYPE_F32) return lt_gemm(be, s, CUDA_R_32F, w->data, x, y, N, n, K, N);
-
+    if (T == ST_DTYPE_F32) return lt_gemm(be, s, CUDA_R_32F, w->data, x, y, N, n, K, N, 0.0f);
+    if (!st_cuda_aligned(x, 16)) return gemv_scalar<T>(s->s, w, x, n, y); /* rare: the exact GEMV passes */
+    const bool fast = st_cuda_of(be)->fast_prefill;
     __nv_bfloat16 *xb = NULL;
-    if (!st_cuda_aligned(x, 16)) { /* rare: fall back to the exact GEMV passes */
-        return gemv_scalar<T>(s->s, w, x, n, y);
-    }
-    strata_status st = x_to_bf16(be, s, x, n, K, &xb);
-    if (st != STRATA_OK) return st;
-    if (T == ST_DTYPE_BF16) return lt_gemm(be, s, CUDA_R_16BF, w->data, xb, y, N, n, K, N);
+    strata_status st;
 
-    /* dequantize a slab of rows at a time, then its GEMM */
-    int64_t slab = (int64_t)(DQ_SLAB_BYTES / ((size_t)K * 2)) / 64 * 64;
+    if (T == ST_DTYPE_BF16) {
+        if (fast) {
+            if ((st = x_to_bf16<XL_HI>(be, s, x, n, K, &xb)) != STRATA_OK) return st;
+            return lt_gemm(be, s, CUDA_R_16BF, w->data, xb, y, N, n, K, N, 0.0f);
+        }
+        if ((st = x_to_bf16<XL_PLANES>(be, s, x, n, K, &xb)) != STRATA_OK) return st;
+        if ((st = lt_gemm(be, s, CUDA_R_16BF, w->data, xb, y, N, n, K, N, 0.0f)) != STRATA_OK) return st;
+        return lt_gemm(be, s, CUDA_R_16BF, w->data, xb + n * K, y, N, n, K, N, 1.0f);
+    }
+
+    /* f16 / quantized: dequantize a slab of rows at a time, then its GEMM */
+    const int64_t kk = fast ? K : 3 * K; /* GEMM depth: K, or [hi | lo | hi] x [hi | hi | lo] */
+    if (fast) st = x_to_bf16<XL_HI>(be, s, x, n, K, &xb);
+    else st = x_to_bf16<XL_CAT3>(be, s, x, n, K, &xb);
+    if (st != STRATA_OK) return st;
+    int64_t slab = (int64_t)(DQ_SLAB_BYTES / ((size_t)kk * 2)) / 64 * 64;
     if (slab < 64) slab = 64;
     if (slab > N) slab = N;
     void *wb = NULL;
-    st = st_cuda_scratch(be, s, ST_CUDA_SCRATCH_W, (size_t)slab * (size_t)K * 2, &wb);
+    st = st_cuda_scratch(be, s, ST_CUDA_SCRATCH_W, (size_t)slab * (size_t)kk * 2, &wb);
     if (st != STRATA_OK) return st;
     const size_t rb = st_dtype_row_bytes(w->dtype, K);
     for (int64_t r0 = 0; r0 < N; r0 += slab) {
         const int64_t rows = N - r0 < slab ? N - r0 : slab;
-        dq_to_bf16_kernel<T><<<st_grid_for(rows * (K / 8), 256, (int64_t)st_cuda_of(be)->sm_count * 16), 256, 0,
-                               s->s>>>((const uint8_t *)w->data + (size_t)r0 * rb, rb, rows, K,
-                                       (__nv_bfloat16 *)wb);
+        const unsigned grid = st_grid_for(rows * (K / 8), 256, (int64_t)st_cuda_of(be)->sm_count * 16);
+        const uint8_t *src = (const uint8_t *)w->data + (size_t)r0 * rb;
+        if (fast) dq_to_bf16_kernel<T, false><<<grid, 256, 0, s->s>>>(src, rb, rows, K, (__nv_bfloat16 *)wb);
+        else dq_to_bf16_kernel<T, true><<<grid, 256, 0, s->s>>>(src, rb, rows, K, (__nv_bfloat16 *)wb);
         ST_CUDA_LAUNCHED("dq_to_bf16_kernel");
-        st = lt_gemm(be, s, CUDA_R_16BF, wb, xb, y + r0, rows, n, K, N);
+        st = lt_gemm(be, s, CUDA_R_16BF, wb, xb, y + r0, rows, n, kk, N, 0.0f);
         if (st != STRATA_OK) return st;
     }
     return STRATA_OK;
 }
 
-strata_status st_cuda_op_matmul(st_backend *be, st_cuda_stream *s, const float *x, const st_weight *w, int64_t n,
-                                float *y) {
-    if (n > INT32_MAX || w->rows > INT32_MAX || w->cols > INT32_MAX)
+static strata_status check_sizes(const st_weight *w, int64_t n) {
+    if (n > INT32_MAX || w->rows > INT32_MAX || w->cols > INT32_MAX / 3)
         return st_err(STRATA_ERR_INVALID_ARG, "cuda matmul: shape [%lld, %lld] x %lld tokens is too large",
                       (long long)w->rows, (long long)w->cols, (long long)n);
+    return STRATA_OK;
+}
+
+strata_status st_cuda_op_matmul(st_backend *be, st_cuda_stream *s, const float *x, const st_weight *w, int64_t n,
+                                float *y) {
+    strata_status st = check_sizes(w, n);
+    if (st != STRATA_OK) return st;
     ST_DTYPE_SWITCH(w->dtype, T, return matmul_t<T>(be, s, x, w, n, y));
     return st_err(STRATA_ERR_UNSUPPORTED, "cuda matmul: dtype %s", st_dtype_name(w->dtype));
+}
+
+/* One GEMV launch when every weight qualifies for it (same dtype, K % 8 == 0,
+ * few tokens); otherwise one matmul per weight. */
+strata_status st_cuda_op_matmul_multi(st_backend *be, st_cuda_stream *s, const float *x, const st_weight *w,
+                                      int count, int64_t n, float *const *y) {
+    strata_status st;
+    bool one = w[0].cols % 8 == 0 && use_gemv(&w[0], n);
+    for (int i = 0; i < count; i++) {
+        if ((st = check_sizes(&w[i], n)) != STRATA_OK) return st;
+        one = one && w[i].dtype == w[0].dtype;
+    }
+    if (!one) {
+        for (int i = 0; i < count; i++)
+            if ((st = st_cuda_op_matmul(be, s, x, &w[i], n, y[i])) != STRATA_OK) return st;
+        return STRATA_OK;
+    }
+    if ((st = gemv_x(be, s, x, n, w[0].cols, &x)) != STRATA_OK) return st;
+    mmv_args a = mmv_one(&w[0], x, n, y[0]);
+    a.count = count;
+    for (int i = 1; i < count; i++) {
+        a.w[i] = (const uint8_t *)w[i].data;
+        a.y[i] = y[i];
+        a.N[i] = w[i].rows;
+    }
+    ST_DTYPE_SWITCH(w[0].dtype, T, return gemv<T, false>(s->s, st_cuda_of(be)->pdl, a));
+    return st_err(STRATA_ERR_UNSUPPORTED, "cuda matmul_multi: dtype %s", st_dtype_name(w[0].dtype));
+}
+
+/* GEMV sizes: one launch over the gate and up rows with SwiGLU in its
+ * epilogue. GEMM sizes: gate into out, up into scratch, then swiglu. */
+strata_status st_cuda_op_matmul_swiglu(st_backend *be, st_cuda_stream *s, const float *x, const st_weight *wg,
+                                       const st_weight *wu, int64_t n, float *out) {
+    strata_status st = check_sizes(wg, n);
+    if (st != STRATA_OK) return st;
+    if (wg->cols % 8 == 0 && use_gemv(wg, n)) {
+        if ((st = gemv_x(be, s, x, n, wg->cols, &x)) != STRATA_OK) return st;
+        mmv_args a = mmv_one(wg, x, n, out);
+        a.w[1] = (const uint8_t *)wu->data;
+        ST_DTYPE_SWITCH(wg->dtype, T, return gemv<T, true>(s->s, st_cuda_of(be)->pdl, a));
+        return st_err(STRATA_ERR_UNSUPPORTED, "cuda matmul_swiglu: dtype %s", st_dtype_name(wg->dtype));
+    }
+    void *tmp = NULL;
+    if ((st = st_cuda_scratch(be, s, ST_CUDA_SCRATCH_TMP, (size_t)(n * wu->rows) * 4, &tmp)) != STRATA_OK) return st;
+    if ((st = st_cuda_op_matmul(be, s, x, wg, n, out)) != STRATA_OK) return st;
+    if ((st = st_cuda_op_matmul(be, s, x, wu, n, (float *)tmp)) != STRATA_OK) return st;
+    return st_cuda_op_swiglu(be, s, out, (const float *)tmp, n * wu->rows, out);
 }

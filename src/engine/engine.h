@@ -1,0 +1,196 @@
+/* engine/engine: the serving engine facade — what the HTTP server (and later
+ * the disaggregation layer) talks to.
+ *
+ *   st_engine_add(request, callbacks) ──► waiting (FIFO) ──► running ──► finished
+ *                                              ▲                │
+ *   st_engine_abort(id) ───────────────────────┴────────────────┘ (at the next step)
+ *
+ * A request is a prompt (token ids), sampling parameters with a seed, a token
+ * budget and stop conditions. Every engine step:
+ *   1. takes in what was added and aborted since the last step, and admits
+ *      waiting requests into free sequence slots, first come first served;
+ *   2. plans the step's work: one decode token for every running sequence
+ *      that has finished its prompt, then prompt chunks (at most
+ *      prefill_chunk tokens of one prompt, starting at a multiple of
+ *      prefill_chunk) under the step's token budget, oldest request first
+ *      (the oldest prefill always gets its chunk, so nothing starves);
+ *   3. executes the plan (today: each sequence runs on its own st_llama slot
+ *      with its own contiguous KV cache; the paged-KV batched forward will
+ *      replace this part, and the scheduler part 2, behind the same API);
+ *   4. samples each sequence that produced logits with its own sampler,
+ *      detokenizes (never half a UTF-8 character), applies stop ids and stop
+ *      strings, streams the new text to on_text, and finishes the sequences
+ *      that are done (on_finish), freeing their slot for the next step.
+ * Requests join and leave between steps; a long prompt is spread over several
+ * steps beside the others' decodes.
+ *
+ * Output is batch-invariant: a sequence's chunk boundaries depend only on its
+ * own prompt, and its sampler state only on its own seed, so its tokens are
+ * the same whatever else runs (tests/test_engine.c checks it).
+ *
+ * Threads: st_engine_add / st_engine_abort / st_engine_metrics may be called
+ * from any thread at any time. The model runs only on the thread that steps
+ * the engine: either the engine's own thread (st_engine_start .. _stop) or a
+ * caller of st_engine_step (tests), never both. Callbacks run on that thread,
+ * between the model's work; they must be quick and must not call
+ * st_engine_step (they may call add/abort/metrics).
+ */
+#pragma once
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include "backend/backend.h"
+#include "engine/generate.h"
+#include "engine/sampler.h"
+#include "loader/loader.h"
+#include "tokenizer/tokenizer.h"
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct st_engine st_engine;
+
+typedef struct {
+    int64_t max_batch;       /* sequences running at once (0: 8) */
+    int64_t max_model_len;   /* tokens per sequence, prompt + output (0: min(model's context, 2048)) */
+    int64_t prefill_chunk;   /* most tokens of one prompt run in one step (0: 256) */
+    int64_t step_tokens;     /* token budget of a step: decodes + prompt chunks (0: prefill_chunk + max_batch);
+                                at least prefill_chunk */
+    int64_t max_waiting;     /* requests waiting for a slot before add refuses (0: 4096) */
+} st_engine_params;
+
+/* Why a request ended. */
+typedef enum {
+    ST_FINISH_STOP = 0, /* a stop id (EOS, end of turn) or a stop string */
+    ST_FINISH_LENGTH,   /* max_tokens reached, or the sequence filled max_model_len */
+    ST_FINISH_ABORT,    /* st_engine_abort, or the engine stopped */
+    ST_FINISH_ERROR,    /* the forward pass or the sampler failed (message in st_engine_finish.error) */
+    ST_FINISH_COUNT_
+} st_finish_reason;
+
+const char *st_finish_reason_name(st_finish_reason r); /* "stop", "length", "abort", "error" */
+
+typedef struct {
+    const int32_t *prompt;    /* [n_prompt] token ids, copied by st_engine_add */
+    int64_t n_prompt;         /* >= 1 and < max_model_len */
+    st_sampler_params sampler;/* its own random state, seeded from sampler.seed */
+    int64_t max_tokens;       /* > 0: at most this many sampled tokens; 0: until max_model_len is full */
+    const char *const *stop;  /* stop strings (non-empty, valid UTF-8), copied; may be NULL */
+    int n_stop;
+    const int32_t *stop_ids;  /* extra ids that end the request (beside the tokenizer's), copied */
+    int n_stop_ids;
+    bool ignore_eos;          /* the tokenizer's stop ids do not end it (benchmarks); stop_ids still do */
+} st_engine_request;
+
+/* What on_finish receives. Times are seconds from st_engine_add. */
+typedef struct {
+    st_finish_reason reason;
+    st_stop_reason stop;       /* the detail: EOS, STRING, MAX_TOKENS, CONTEXT (NONE for abort/error) */
+    int64_t prompt_tokens;
+    int64_t completion_tokens; /* tokens sampled (a final stop id counts) */
+    int64_t cached_tokens;     /* prompt tokens served from the prefix cache instead of computed */
+    double queue_s;            /* until it got a slot */
+    double ttft_s;             /* until its first sampled token (< 0: none) */
+    double total_s;
+    const char *error;         /* ST_FINISH_ERROR: why; else NULL. Valid during the callback only */
+} st_engine_finish;
+
+/* Called on the stepping thread. on_text gets each new piece of output text
+ * (complete UTF-8, len > 0, not NUL-terminated, valid during the call).
+ * on_finish is called exactly once for every request st_engine_add accepted,
+ * last; after it returns the engine never touches `user` again. */
+typedef struct {
+    void (*on_text)(void *user, const char *text, size_t len);
+    void (*on_finish)(void *user, const st_engine_finish *fin);
+    void *user;
+} st_engine_callbacks;
+
+/* A cumulative histogram with fixed upper bounds (Prometheus style):
+ * counts[i] = observations <= bounds[i]; the last bucket is +Inf. */
+#define ST_ENGINE_HIST_MAX 24
+typedef struct {
+    int n_bounds;
+    double bounds[ST_ENGINE_HIST_MAX];
+    int64_t counts[ST_ENGINE_HIST_MAX + 1]; /* not cumulative: counts[i] in (bounds[i-1], bounds[i]] */
+    int64_t count;
+    double sum;
+} st_engine_hist;
+
+/* A snapshot of the engine's counters. */
+typedef struct {
+    int64_t running;                 /* sequences holding a slot */
+    int64_t waiting;                 /* requests waiting for a slot */
+    int64_t max_batch, max_model_len;
+    int64_t requests_added;          /* accepted by st_engine_add */
+    int64_t requests_finished[ST_FINISH_COUNT_];
+    int64_t prompt_tokens;           /* prompt tokens computed (prefilled) */
+    int64_t generation_tokens;       /* tokens sampled */
+    int64_t steps;                   /* steps that ran the model */
+    int64_t preemptions;             /* sequences sent back to waiting (0 with per-slot KV) */
+    /* KV cache, in blocks of kv_block_size tokens. With per-slot contiguous
+     * caches a sequence of n tokens counts ceil(n / kv_block_size) blocks and
+     * the total is max_batch * ceil(max_model_len / kv_block_size). */
+    int64_t kv_block_size, kv_blocks_used, kv_blocks_total;
+    /* Prefix cache, in prompt tokens: looked up / found already computed. */
+    int64_t prefix_cache_queries, prefix_cache_hits;
+    st_engine_hist ttft;             /* seconds from add to the first sampled token */
+    st_engine_hist tbt;              /* seconds between consecutive sampled tokens of a request */
+    st_engine_hist e2e;              /* seconds from add to finish */
+} st_engine_metrics;
+
+/* Builds an engine over an opened model: max_batch sequence slots are made up
+ * front (each an st_llama with a KV cache of max_model_len tokens) and reused.
+ * Borrows files, be and tok: they must outlive the engine. The caller owns
+ * *out (st_engine_free). On error *out is NULL and the message says why
+ * (a bad parameter, or the model that could not be built). */
+strata_status st_engine_init(const st_model_files *files, st_backend *be, const st_tokenizer *tok,
+                             const st_engine_params *params, st_engine **out);
+
+/* Stops the engine thread if running, finishes every pending request with
+ * ST_FINISH_ABORT (on_finish runs on the calling thread), frees everything.
+ * NULL is a no-op. */
+void st_engine_free(st_engine *e);
+
+/* The parameters in force (defaults filled in). */
+const st_engine_params *st_engine_get_params(const st_engine *e);
+/* What samplers draw from: the tokenizer's vocabulary (<= the model's). */
+int64_t st_engine_vocab(const st_engine *e);
+
+/* Queues a request (everything is copied). On success *id is its id (> 0) and
+ * the callbacks will be called (on_finish exactly once). Errors, with no
+ * callback ever called: INVALID_ARG for a bad request (empty prompt, a prompt
+ * of max_model_len tokens or more, ids outside the vocabulary, bad sampler
+ * parameters, empty stop strings; the message names it), NOMEM when the
+ * waiting queue is full, UNSUPPORTED after st_engine_stop. Thread-safe. */
+strata_status st_engine_add(st_engine *e, const st_engine_request *req, const st_engine_callbacks *cb,
+                            uint64_t *id);
+
+/* Asks for request `id` to end: at the start of the next step it leaves the
+ * queue or its slot (resources freed) and gets on_finish(ST_FINISH_ABORT).
+ * NOT_FOUND when no such request is pending (unknown or finished). Thread-safe;
+ * safe to call more than once. */
+strata_status st_engine_abort(st_engine *e, uint64_t id);
+
+/* One engine step (see the top of this file), on the calling thread. Must not
+ * be called while the engine thread runs. *worked (may be NULL): whether
+ * there was anything to do. Per-request failures finish that request with
+ * ST_FINISH_ERROR; the step itself returns an error only when misused. */
+strata_status st_engine_step(st_engine *e, bool *worked);
+
+/* Whether a request is waiting or running. Thread-safe. */
+bool st_engine_has_work(st_engine *e);
+
+/* Starts the engine thread, which steps while there is work and sleeps
+ * otherwise. INVALID_ARG when already started. */
+strata_status st_engine_start(st_engine *e);
+/* Stops and joins the engine thread (the step in progress completes), then
+ * finishes every pending request with ST_FINISH_ABORT on the calling thread.
+ * After it, st_engine_add refuses (UNSUPPORTED). Safe when not started. */
+void st_engine_stop(st_engine *e);
+
+/* Copies the counters. Thread-safe. */
+void st_engine_metrics_get(st_engine *e, st_engine_metrics *out);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,581 @@
+/* OpenAI-compatible request parsing and answer building. See openai.h. */
+#include "server/openai.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "core/json.h"
+#include "tokenizer/tokenizer.h"
+
+#define INVALID "invalid_request_error"
+#define MAX_EXACT_INT 9007199254740992.0 /* 2^53 */
+
+void srv_error_set(srv_error *e, int status, const char *type, const char *code, const char *param,
+                   const char *fmt, ...) {
+    e->status = status;
+    e->type = type ? type : INVALID;
+    e->code = code;
+    snprintf(e->param, sizeof e->param, "%s", param ? param : "");
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->message, sizeof e->message, fmt, ap);
+    va_end(ap);
+}
+
+void srv_gen_clear(srv_gen *g) {
+    if (!g) return;
+    st_free(g->prompt_text);
+    st_free(g->prompt_ids);
+    for (int i = 0; i < g->n_stop; i++) st_free(g->stop[i]);
+    memset(g, 0, sizeof *g);
+}
+
+/* ---- field access: null counts as absent -------------------------------------------*/
+static const cJSON *field(const cJSON *obj, const char *key) {
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(obj, key);
+    return it && !cJSON_IsNull(it) ? it : NULL;
+}
+
+static bool wrong_type(srv_error *e, const char *name, const char *want, const cJSON *it) {
+    srv_error_set(e, 400, INVALID, "invalid_type", name, "'%s' must be %s, got %s", name, want,
+                  st_json_type_name(it));
+    return false;
+}
+
+/* Optional number: *present false when absent. */
+static bool get_number(const cJSON *obj, const char *key, double *out, bool *present, srv_error *e) {
+    const cJSON *it = field(obj, key);
+    *present = it != NULL;
+    if (!it) return true;
+    if (!cJSON_IsNumber(it) || !isfinite(it->valuedouble)) return wrong_type(e, key, "a number", it);
+    *out = it->valuedouble;
+    return true;
+}
+
+static bool get_int(const cJSON *obj, const char *key, int64_t *out, bool *present, srv_error *e) {
+    const cJSON *it = field(obj, key);
+    *present = it != NULL;
+    if (!it) return true;
+    const double d = cJSON_IsNumber(it) ? it->valuedouble : 0;
+    if (!cJSON_IsNumber(it) || !isfinite(d) || d != floor(d) || fabs(d) > MAX_EXACT_INT)
+        return wrong_type(e, key, "an integer", it);
+    *out = (int64_t)d;
+    return true;
+}
+
+static bool get_bool(const cJSON *obj, const char *key, bool *out, bool *present, srv_error *e) {
+    const cJSON *it = field(obj, key);
+    *present = it != NULL;
+    if (!it) return true;
+    if (!cJSON_IsBool(it)) return wrong_type(e, key, "a boolean", it);
+    *out = cJSON_IsTrue(it);
+    return true;
+}
+
+static bool out_of_range(srv_error *e, const char *name, const char *range, double v) {
+    srv_error_set(e, 400, INVALID, "invalid_value", name, "'%s' must be %s, got %g", name, range, v);
+    return false;
+}
+
+static bool unsupported(srv_error *e, const char *name, const char *what) {
+    srv_error_set(e, 400, INVALID, "unsupported_parameter", name, "'%s': %s is not supported by this server", name,
+                  what);
+    return false;
+}
+
+/* ---- a growable string -------------------------------------------------------------------*/
+typedef struct {
+    char *p;
+    size_t len, cap;
+} sbuf;
+
+static bool sb_add(sbuf *b, const char *s, size_t n) {
+    if (b->len + n + 1 > b->cap) {
+        size_t c = b->cap ? b->cap : 256;
+        while (c < b->len + n + 1) c *= 2;
+        char *np = st_realloc(b->p, c);
+        if (!np) return false;
+        b->p = np;
+        b->cap = c;
+    }
+    memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = 0;
+    return true;
+}
+
+/* ---- the fields shared by both endpoints ------------------------------------------------------*/
+static bool parse_common(const cJSON *root, srv_gen *g, srv_error *e) {
+    bool present;
+    const cJSON *it;
+    if ((it = field(root, "model")) && !cJSON_IsString(it)) return wrong_type(e, "model", "a string", it);
+
+    /* max_tokens / max_completion_tokens */
+    const char *names[2] = {"max_completion_tokens", "max_tokens"};
+    for (int i = 0; i < 2; i++) {
+        int64_t v = 0;
+        if (!get_int(root, names[i], &v, &present, e)) return false;
+        if (!present) continue;
+        if (v < 1) return out_of_range(e, names[i], "at least 1", (double)v);
+        g->max_tokens = v;
+        break;
+    }
+
+    g->sp = st_sampler_params_default();
+    double d = 1.0;
+    if (!get_number(root, "temperature", &d, &present, e)) return false;
+    if (present && !(d >= 0 && d <= 2)) return out_of_range(e, "temperature", "in [0, 2]", d);
+    g->sp.temperature = present ? (float)d : 1.0f;
+    d = 1.0;
+    if (!get_number(root, "top_p", &d, &present, e)) return false;
+    if (present && !(d > 0 && d <= 1)) return out_of_range(e, "top_p", "in (0, 1]", d);
+    g->sp.top_p = (float)d;
+    int64_t k = 0;
+    if (!get_int(root, "top_k", &k, &present, e)) return false;
+    if (present && (k < -1 || k > INT32_MAX)) return out_of_range(e, "top_k", "-1, 0 (off) or a positive integer", (double)k);
+    g->sp.top_k = k < 0 ? 0 : (int32_t)k;
+    d = 0;
+    if (!get_number(root, "min_p", &d, &present, e)) return false;
+    if (present && !(d >= 0 && d <= 1)) return out_of_range(e, "min_p", "in [0, 1]", d);
+    g->sp.min_p = (float)d;
+    d = 1;
+    if (!get_number(root, "repetition_penalty", &d, &present, e)) return false;
+    if (present && !(d > 0 && d <= 2)) return out_of_range(e, "repetition_penalty", "in (0, 2]", d);
+    g->sp.repeat_penalty = (float)d;
+    int64_t seed = 0;
+    if (!get_int(root, "seed", &seed, &g->seed_given, e)) return false;
+    g->sp.seed = (uint64_t)seed;
+
+    const char *pen[2] = {"presence_penalty", "frequency_penalty"};
+    for (int i = 0; i < 2; i++) {
+        d = 0;
+        if (!get_number(root, pen[i], &d, &present, e)) return false;
+        if (present && !(d >= -2 && d <= 2)) return out_of_range(e, pen[i], "in [-2, 2]", d);
+        if (d != 0) return unsupported(e, pen[i], "a non-zero value");
+    }
+
+    int64_t n = 1;
+    if (!get_int(root, "n", &n, &present, e)) return false;
+    if (n != 1) {
+        srv_error_set(e, 400, INVALID, "invalid_value", "n", "'n' must be 1 (one choice per request), got %lld",
+                      (long long)n);
+        return false;
+    }
+    int64_t best_of = 1;
+    if (!get_int(root, "best_of", &best_of, &present, e)) return false;
+    if (best_of != 1) return unsupported(e, "best_of", "a value other than 1");
+
+    /* stop */
+    if ((it = field(root, "stop"))) {
+        if (cJSON_IsString(it)) {
+            if (!it->valuestring[0]) {
+                srv_error_set(e, 400, INVALID, "invalid_value", "stop", "'stop' must not be an empty string");
+                return false;
+            }
+            if (!(g->stop[0] = st_strdup(it->valuestring))) goto oom;
+            g->n_stop = 1;
+        } else if (cJSON_IsArray(it)) {
+            int n_stop = cJSON_GetArraySize(it);
+            if (n_stop > SRV_MAX_STOP) {
+                srv_error_set(e, 400, INVALID, "invalid_value", "stop", "'stop' has %d strings; at most %d", n_stop,
+                              SRV_MAX_STOP);
+                return false;
+            }
+            const cJSON *s;
+            int i = 0;
+            cJSON_ArrayForEach(s, it) {
+                char name[32];
+                snprintf(name, sizeof name, "stop[%d]", i);
+                if (!cJSON_IsString(s)) return wrong_type(e, name, "a string", s);
+                if (!s->valuestring[0]) {
+                    srv_error_set(e, 400, INVALID, "invalid_value", "stop", "'%s' must not be empty", name);
+                    return false;
+                }
+                if (!(g->stop[g->n_stop] = st_strdup(s->valuestring))) goto oom;
+                g->n_stop++;
+                i++;
+            }
+        } else {
+            return wrong_type(e, "stop", "a string or an array of strings", it);
+        }
+    }
+
+    if (!get_bool(root, "stream", &g->stream, &present, e)) return false;
+    if ((it = field(root, "stream_options"))) {
+        if (!cJSON_IsObject(it)) return wrong_type(e, "stream_options", "an object", it);
+        if (!g->stream) {
+            srv_error_set(e, 400, INVALID, "invalid_value", "stream_options",
+                          "'stream_options' is only allowed when 'stream' is true");
+            return false;
+        }
+        const cJSON *iu = field(it, "include_usage");
+        if (iu && !cJSON_IsBool(iu)) return wrong_type(e, "stream_options.include_usage", "a boolean", iu);
+        g->include_usage = iu && cJSON_IsTrue(iu);
+    }
+    if (!get_bool(root, "ignore_eos", &g->ignore_eos, &present, e)) return false;
+
+    /* asks for things this server does not do */
+    bool b = false;
+    if (!get_bool(root, "echo", &b, &present, e)) return false;
+    if (b) return unsupported(e, "echo", "echoing the prompt");
+    if ((it = field(root, "logprobs"))) {
+        if (cJSON_IsTrue(it) || (cJSON_IsNumber(it) && it->valuedouble > 0)) return unsupported(e, "logprobs", "logprobs");
+        if (!cJSON_IsBool(it) && !cJSON_IsNumber(it)) return wrong_type(e, "logprobs", "a boolean", it);
+    }
+    if ((it = field(root, "top_logprobs")) && !(cJSON_IsNumber(it) && it->valuedouble == 0))
+        return unsupported(e, "top_logprobs", "top_logprobs");
+    if ((it = field(root, "suffix"))) return unsupported(e, "suffix", "a suffix");
+    const char *arrays[2] = {"tools", "functions"};
+    for (int i = 0; i < 2; i++)
+        if ((it = field(root, arrays[i])) && !(cJSON_IsArray(it) && cJSON_GetArraySize(it) == 0))
+            return unsupported(e, arrays[i], "tool calling");
+    if ((it = field(root, "logit_bias")) && !(cJSON_IsObject(it) && !it->child))
+        return unsupported(e, "logit_bias", "logit_bias");
+    if ((it = field(root, "response_format"))) {
+        const cJSON *t = cJSON_IsObject(it) ? field(it, "type") : NULL;
+        if (!t || !cJSON_IsString(t) || strcmp(t->valuestring, "text") != 0)
+            return unsupported(e, "response_format", "a response format other than text");
+    }
+    return true;
+oom:
+    srv_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+    return false;
+}
+
+/* ---- chat ------------------------------------------------------------------------------------*/
+static bool parse_messages(const cJSON *root, const st_chat_template *chat, srv_gen *g, srv_error *e) {
+    const cJSON *msgs = field(root, "messages");
+    if (!msgs) {
+        srv_error_set(e, 400, INVALID, "missing_required_parameter", "messages", "'messages' is required");
+        return false;
+    }
+    if (!cJSON_IsArray(msgs)) return wrong_type(e, "messages", "an array", msgs);
+    const int n = cJSON_GetArraySize(msgs);
+    if (n == 0) {
+        srv_error_set(e, 400, INVALID, "invalid_value", "messages", "'messages' must not be empty");
+        return false;
+    }
+    if (!chat || chat->kind == ST_CHAT_NONE) {
+        srv_error_set(e, 400, INVALID, "model_not_supported", "messages",
+                      "the model has no chat template: use /v1/completions, or start the server with "
+                      "--chat-template");
+        return false;
+    }
+    st_chat_msg *m = st_calloc((size_t)n, sizeof *m);
+    char **owned = st_calloc((size_t)n, sizeof *owned);
+    bool ok = false;
+    if (!m || !owned) {
+        srv_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+        goto done;
+    }
+    int i = 0;
+    const cJSON *msg;
+    cJSON_ArrayForEach(msg, msgs) {
+        char name[48];
+        snprintf(name, sizeof name, "messages[%d]", i);
+        if (!cJSON_IsObject(msg)) {
+            wrong_type(e, name, "an object", msg);
+            goto done;
+        }
+        const cJSON *role = field(msg, "role");
+        snprintf(name, sizeof name, "messages[%d].role", i);
+        if (!role) {
+            srv_error_set(e, 400, INVALID, "missing_required_parameter", name, "'%s' is required", name);
+            goto done;
+        }
+        if (!cJSON_IsString(role)) {
+            wrong_type(e, name, "a string", role);
+            goto done;
+        }
+        const char *r = role->valuestring;
+        if (!strcmp(r, "developer")) r = "system";
+        if (strcmp(r, "system") && strcmp(r, "user") && strcmp(r, "assistant") && strcmp(r, "tool")) {
+            srv_error_set(e, 400, INVALID, "invalid_value", name,
+                          "'%s' must be system, developer, user, assistant or tool, got '%s'", name, r);
+            goto done;
+        }
+        const cJSON *content = field(msg, "content");
+        snprintf(name, sizeof name, "messages[%d].content", i);
+        const char *text = NULL;
+        if (!content) {
+            if (strcmp(r, "assistant") != 0) {
+                srv_error_set(e, 400, INVALID, "missing_required_parameter", name, "'%s' is required", name);
+                goto done;
+            }
+            text = "";
+        } else if (cJSON_IsString(content)) {
+            text = content->valuestring;
+        } else if (cJSON_IsArray(content)) {
+            sbuf b = {0};
+            int k = 0;
+            const cJSON *part;
+            cJSON_ArrayForEach(part, content) {
+                char pname[64];
+                snprintf(pname, sizeof pname, "messages[%d].content[%d]", i, k);
+                const cJSON *type = cJSON_IsObject(part) ? field(part, "type") : NULL;
+                const cJSON *pt = cJSON_IsObject(part) ? field(part, "text") : NULL;
+                if (!cJSON_IsObject(part) || !type || !cJSON_IsString(type)) {
+                    st_free(b.p);
+                    srv_error_set(e, 400, INVALID, "invalid_value", pname,
+                                  "'%s' must be an object with a 'type'", pname);
+                    goto done;
+                }
+                if (strcmp(type->valuestring, "text") != 0) {
+                    st_free(b.p);
+                    unsupported(e, pname, "content of a type other than text");
+                    goto done;
+                }
+                if (!pt || !cJSON_IsString(pt)) {
+                    st_free(b.p);
+                    snprintf(pname + strlen(pname), sizeof pname - strlen(pname), ".text");
+                    wrong_type(e, pname, "a string", pt ? pt : part);
+                    goto done;
+                }
+                if ((k > 0 && !sb_add(&b, "\n", 1)) || !sb_add(&b, pt->valuestring, strlen(pt->valuestring))) {
+                    st_free(b.p);
+                    srv_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+                    goto done;
+                }
+                k++;
+            }
+            owned[i] = b.p ? b.p : st_strdup("");
+            if (!owned[i]) {
+                srv_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+                goto done;
+            }
+            text = owned[i];
+        } else {
+            wrong_type(e, name, "a string or an array of content parts", content);
+            goto done;
+        }
+        m[i] = (st_chat_msg){r, text};
+        i++;
+    }
+    if (st_chat_format(chat, m, n, true, &g->prompt_text) != STRATA_OK) {
+        srv_error_set(e, 400, INVALID, "invalid_value", "messages", "the conversation cannot be formatted: %s",
+                      st_last_error());
+        goto done;
+    }
+    g->prompt_special = true;
+    ok = true;
+done:
+    if (owned)
+        for (int j = 0; j < n; j++) st_free(owned[j]);
+    st_free(owned);
+    st_free(m);
+    return ok;
+}
+
+/* ---- completions ------------------------------------------------------------------------------*/
+static bool parse_prompt(const cJSON *root, srv_gen *g, srv_error *e) {
+    const cJSON *p = field(root, "prompt");
+    if (!p) {
+        srv_error_set(e, 400, INVALID, "missing_required_parameter", "prompt", "'prompt' is required");
+        return false;
+    }
+    if (cJSON_IsArray(p) && cJSON_GetArraySize(p) == 1 && cJSON_IsString(p->child)) p = p->child;
+    if (cJSON_IsString(p)) {
+        if (!(g->prompt_text = st_strdup(p->valuestring))) goto oom;
+        return true;
+    }
+    if (!cJSON_IsArray(p)) return wrong_type(e, "prompt", "a string or an array of token ids", p);
+    const int n = cJSON_GetArraySize(p);
+    if (n == 0) {
+        srv_error_set(e, 400, INVALID, "invalid_value", "prompt", "'prompt' must not be empty");
+        return false;
+    }
+    if (cJSON_IsString(p->child)) {
+        srv_error_set(e, 400, INVALID, "invalid_value", "prompt",
+                      "'prompt' holds %d strings; one prompt per request is supported", n);
+        return false;
+    }
+    if (!(g->prompt_ids = st_malloc((size_t)n * sizeof *g->prompt_ids))) goto oom;
+    const cJSON *t;
+    int i = 0;
+    cJSON_ArrayForEach(t, p) {
+        const double d = cJSON_IsNumber(t) ? t->valuedouble : -1;
+        if (!cJSON_IsNumber(t) || d != floor(d) || d < 0 || d > INT32_MAX) {
+            char name[32];
+            snprintf(name, sizeof name, "prompt[%d]", i);
+            return cJSON_IsNumber(t) ? out_of_range(e, "prompt", "token ids (integers >= 0)", d)
+                                     : wrong_type(e, name, "a token id", t);
+        }
+        g->prompt_ids[i++] = (int32_t)d;
+    }
+    g->n_prompt_ids = n;
+    return true;
+oom:
+    srv_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+    return false;
+}
+
+bool srv_parse_gen(srv_kind kind, const char *body, size_t len, const st_chat_template *chat, srv_gen *g,
+                   srv_error *e) {
+    memset(g, 0, sizeof *g);
+    g->kind = kind;
+    cJSON *root = NULL;
+    if (st_json_parse(body, len, "request body", &root) != STRATA_OK) {
+        srv_error_set(e, 400, INVALID, "invalid_json", NULL, "We could not parse the JSON body of your request: %s",
+                      st_last_error());
+        return false;
+    }
+    bool ok = false;
+    if (!cJSON_IsObject(root)) {
+        srv_error_set(e, 400, INVALID, "invalid_json", NULL, "the request body must be a JSON object, got %s",
+                      st_json_type_name(root));
+    } else if (parse_common(root, g, e)) {
+        ok = kind == SRV_CHAT ? parse_messages(root, chat, g, e) : parse_prompt(root, g, e);
+    }
+    cJSON_Delete(root);
+    if (!ok) srv_gen_clear(g);
+    return ok;
+}
+
+/* ---- answers ----------------------------------------------------------------------------------*/
+static char *print_delete(cJSON *root) {
+    char *s = root ? cJSON_PrintUnformatted(root) : NULL;
+    cJSON_Delete(root);
+    return s;
+}
+
+/* A string item from len bytes (the text is copied). */
+static cJSON *string_n(const char *text, size_t len) {
+    char *tmp = st_malloc(len + 1);
+    if (!tmp) return NULL;
+    memcpy(tmp, text, len);
+    tmp[len] = 0;
+    cJSON *s = cJSON_CreateString(tmp);
+    st_free(tmp);
+    return s;
+}
+
+static cJSON *usage_json(const st_engine_finish *u) {
+    cJSON *o = cJSON_CreateObject();
+    if (!o) return NULL;
+    cJSON_AddNumberToObject(o, "prompt_tokens", (double)u->prompt_tokens);
+    cJSON_AddNumberToObject(o, "completion_tokens", (double)u->completion_tokens);
+    cJSON_AddNumberToObject(o, "total_tokens", (double)(u->prompt_tokens + u->completion_tokens));
+    cJSON *d = cJSON_AddObjectToObject(o, "prompt_tokens_details");
+    if (d) cJSON_AddNumberToObject(d, "cached_tokens", (double)u->cached_tokens);
+    return o;
+}
+
+static cJSON *meta_json(const srv_answer_meta *m, bool chunk) {
+    cJSON *o = cJSON_CreateObject();
+    if (!o) return NULL;
+    cJSON_AddStringToObject(o, "id", m->id);
+    cJSON_AddStringToObject(o, "object", m->kind == SRV_CHAT ? (chunk ? "chat.completion.chunk" : "chat.completion")
+                                                             : "text_completion");
+    cJSON_AddNumberToObject(o, "created", (double)m->created);
+    cJSON_AddStringToObject(o, "model", m->model);
+    return o;
+}
+
+static void add_finish(cJSON *choice, const char *finish) {
+    if (finish) cJSON_AddStringToObject(choice, "finish_reason", finish);
+    else cJSON_AddNullToObject(choice, "finish_reason");
+}
+
+char *srv_json_answer(const srv_answer_meta *m, const char *text, size_t len, const char *finish,
+                      const st_engine_finish *usage) {
+    cJSON *o = meta_json(m, false);
+    if (!o) return NULL;
+    cJSON *choices = cJSON_AddArrayToObject(o, "choices");
+    cJSON *c = cJSON_CreateObject();
+    cJSON *t = string_n(text ? text : "", text ? len : 0);
+    if (!choices || !c || !t) {
+        cJSON_Delete(c);
+        cJSON_Delete(t);
+        cJSON_Delete(o);
+        return NULL;
+    }
+    cJSON_AddItemToArray(choices, c);
+    cJSON_AddNumberToObject(c, "index", 0);
+    if (m->kind == SRV_CHAT) {
+        cJSON *msg = cJSON_AddObjectToObject(c, "message");
+        if (msg) {
+            cJSON_AddStringToObject(msg, "role", "assistant");
+            cJSON_AddItemToObject(msg, "content", t);
+        } else {
+            cJSON_Delete(t);
+        }
+    } else {
+        cJSON_AddItemToObject(c, "text", t);
+    }
+    cJSON_AddNullToObject(c, "logprobs");
+    add_finish(c, finish);
+    if (usage) cJSON_AddItemToObject(o, "usage", usage_json(usage));
+    return print_delete(o);
+}
+
+char *srv_json_chunk(const srv_answer_meta *m, bool role, const char *text, size_t len, const char *finish,
+                     bool with_usage_null) {
+    cJSON *o = meta_json(m, true);
+    if (!o) return NULL;
+    cJSON *choices = cJSON_AddArrayToObject(o, "choices");
+    cJSON *c = cJSON_CreateObject();
+    if (!choices || !c) {
+        cJSON_Delete(c);
+        cJSON_Delete(o);
+        return NULL;
+    }
+    cJSON_AddItemToArray(choices, c);
+    cJSON_AddNumberToObject(c, "index", 0);
+    if (m->kind == SRV_CHAT) {
+        cJSON *delta = cJSON_AddObjectToObject(c, "delta");
+        if (delta && role) cJSON_AddStringToObject(delta, "role", "assistant");
+        if (delta && text) cJSON_AddItemToObject(delta, "content", string_n(text, len));
+    } else {
+        cJSON_AddItemToObject(c, "text", string_n(text ? text : "", text ? len : 0));
+    }
+    cJSON_AddNullToObject(c, "logprobs");
+    add_finish(c, finish);
+    if (with_usage_null) cJSON_AddNullToObject(o, "usage");
+    return print_delete(o);
+}
+
+char *srv_json_usage_chunk(const srv_answer_meta *m, const st_engine_finish *usage) {
+    cJSON *o = meta_json(m, true);
+    if (!o) return NULL;
+    cJSON_AddArrayToObject(o, "choices");
+    cJSON_AddItemToObject(o, "usage", usage_json(usage));
+    return print_delete(o);
+}
+
+char *srv_json_error(const srv_error *e) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON *err = o ? cJSON_AddObjectToObject(o, "error") : NULL;
+    if (!err) {
+        cJSON_Delete(o);
+        return NULL;
+    }
+    cJSON_AddStringToObject(err, "message", e->message);
+    cJSON_AddStringToObject(err, "type", e->type ? e->type : INVALID);
+    if (e->param[0]) cJSON_AddStringToObject(err, "param", e->param);
+    else cJSON_AddNullToObject(err, "param");
+    if (e->code) cJSON_AddStringToObject(err, "code", e->code);
+    else cJSON_AddNullToObject(err, "code");
+    return print_delete(o);
+}
+
+char *srv_json_models(const char *model, long long created, int64_t max_model_len) {
+    cJSON *o = cJSON_CreateObject();
+    if (!o) return NULL;
+    cJSON_AddStringToObject(o, "object", "list");
+    cJSON *data = cJSON_AddArrayToObject(o, "data");
+    cJSON *m = cJSON_CreateObject();
+    if (!data || !m) {
+        cJSON_Delete(m);
+        cJSON_Delete(o);
+        return NULL;
+    }
+    cJSON_AddItemToArray(data, m);
+    cJSON_AddStringToObject(m, "id", model);
+    cJSON_AddStringToObject(m, "object", "model");
+    cJSON_AddNumberToObject(m, "created", (double)created);
+    cJSON_AddStringToObject(m, "owned_by", "strata");
+    cJSON_AddNumberToObject(m, "max_model_len", (double)max_model_len);
+    return print_delete(o);
+}

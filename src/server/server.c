@@ -1,0 +1,825 @@
+/* The HTTP server over libmicrohttpd (thread per connection). See server.h.
+ *
+ * Prometheus metrics (names are stable):
+ *   strata_http_requests_total{route,code}          counter
+ *   strata_http_stream_disconnects_total            counter  clients gone before the end
+ *   strata_requests_running / _waiting              gauges   sequences in slots / queued
+ *   strata_requests_finished_total{reason}          counter  stop, length, abort, error
+ *   strata_prompt_tokens_total                      counter  prompt tokens computed
+ *   strata_generation_tokens_total                  counter  tokens sampled
+ *   strata_engine_steps_total, strata_preemptions_total          counters
+ *   strata_kv_blocks_used / _total, strata_kv_block_size_tokens   gauges
+ *   strata_prefix_cache_queries_total / _hits_total counters (prompt tokens)
+ *   strata_prefix_cache_hit_rate                    gauge    hits / queries (0 before any)
+ *   strata_time_to_first_token_seconds              histogram
+ *   strata_time_between_tokens_seconds              histogram
+ *   strata_request_duration_seconds                 histogram (engine add -> finish)
+ *   strata_max_batch, strata_max_model_len          gauges   configuration
+ */
+#include "server/server.h"
+
+#include <errno.h>
+#include <microhttpd.h>
+#include <netdb.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+
+#include "server/openai.h"
+
+#define DEF_MAX_BODY (1u << 20)
+#define DEF_MAX_CONN 1024
+#define DEF_IDLE_TIMEOUT 300
+#define WAIT_SLICE_MS 100
+/* An oversized body without a Content-Length is read and dropped up to this
+ * many times the limit before the connection is simply closed. */
+#define DISCARD_FACTOR 16
+
+typedef enum { R_CHAT = 0, R_COMPLETIONS, R_MODELS, R_HEALTH, R_METRICS, R_OTHER, R_COUNT_ } route;
+static const char *const ROUTE_NAMES[R_COUNT_] = {"/v1/chat/completions", "/v1/completions", "/v1/models",
+                                                  "/health", "/metrics", "other"};
+static const int CODES[] = {200, 400, 401, 404, 405, 413, 429, 499, 500, 503};
+#define N_CODES ((int)(sizeof CODES / sizeof CODES[0]))
+
+struct st_server {
+    st_engine *engine;
+    const st_tokenizer *tok;
+    const st_chat_template *chat;
+    char *host, *api_key, *model_name;
+    size_t max_body;
+    int port;
+    long long created;
+    uint64_t seed_base;
+    struct MHD_Daemon *d;
+    atomic_bool stopping;
+    atomic_uint_fast64_t counter; /* request numbers: ids and default seeds */
+
+    pthread_mutex_t mu;           /* guards what follows */
+    pthread_cond_t cv;            /* n_engine dropped */
+    int64_t n_engine;             /* requests whose on_finish has not come yet */
+    int64_t http[R_COUNT_][N_CODES + 1]; /* the last column: other codes */
+    int64_t disconnects;
+    char mhd_msg[256];            /* libmicrohttpd's last log line (for start errors) */
+};
+
+/* ---- a growable string -------------------------------------------------------------------*/
+typedef struct {
+    char *p;
+    size_t len, cap;
+} sbuf;
+
+static bool sb_add(sbuf *b, const char *s, size_t n) {
+    if (b->len + n + 1 > b->cap) {
+        size_t c = b->cap ? b->cap : 256;
+        while (c < b->len + n + 1) c *= 2;
+        char *np = st_realloc(b->p, c);
+        if (!np) return false;
+        b->p = np;
+        b->cap = c;
+    }
+    memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = 0;
+    return true;
+}
+
+static bool sb_printf(sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static bool sb_printf(sbuf *b, const char *fmt, ...) {
+    char tmp[512];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
+    va_end(ap);
+    if (n < 0) return false;
+    if ((size_t)n < sizeof tmp) return sb_add(b, tmp, (size_t)n);
+    char *big = st_malloc((size_t)n + 1);
+    if (!big) return false;
+    va_start(ap, fmt);
+    vsnprintf(big, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+    bool ok = sb_add(b, big, (size_t)n);
+    st_free(big);
+    return ok;
+}
+
+/* ---- one HTTP request ------------------------------------------------------------------------
+ * References: the connection (until libmicrohttpd's request-completed
+ * notice), the streaming response (until its free callback), the engine
+ * (until on_finish). */
+typedef struct {
+    st_server *srv;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;          /* text arrived, or the end */
+    int refs;                   /* under mu */
+    route rt;
+    /* body */
+    sbuf body;
+    bool too_large;
+    size_t discarded;
+    /* generation */
+    srv_answer_meta meta;
+    char id[48];
+    bool stream, include_usage;
+    uint64_t eid;               /* engine id (0: not added) */
+    int64_t n_prompt;
+    int fd;                     /* the connection's socket, for disconnect checks */
+    /* filled by the engine thread, under mu */
+    sbuf text;                  /* non-streamed: everything; streamed: not yet sent */
+    bool finished;
+    st_engine_finish fin;
+    char *fin_error;
+    /* streaming: owned by the connection thread */
+    sbuf out;
+    size_t out_pos;
+    bool role_sent, done;
+    bool aborted;               /* this side aborted it (client gone, shutdown) */
+} req;
+
+static req *req_new(st_server *s) {
+    req *r = st_calloc(1, sizeof *r);
+    if (!r) return NULL;
+    r->srv = s;
+    r->refs = 1;
+    r->fd = -1;
+    pthread_mutex_init(&r->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&r->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    return r;
+}
+
+static void req_ref(req *r) {
+    pthread_mutex_lock(&r->mu);
+    r->refs++;
+    pthread_mutex_unlock(&r->mu);
+}
+
+static void req_unref(req *r) {
+    pthread_mutex_lock(&r->mu);
+    const bool last = --r->refs == 0;
+    pthread_mutex_unlock(&r->mu);
+    if (!last) return;
+    pthread_cond_destroy(&r->cv);
+    pthread_mutex_destroy(&r->mu);
+    st_free(r->body.p);
+    st_free(r->text.p);
+    st_free(r->out.p);
+    st_free(r->fin_error);
+    st_free(r);
+}
+
+/* Waits up to WAIT_SLICE_MS on r->cv (r->mu held). */
+static void req_wait_slice(req *r) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    ts.tv_nsec += WAIT_SLICE_MS * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000L;
+    }
+    pthread_cond_timedwait(&r->cv, &r->mu, &ts);
+}
+
+/* Whether the peer of `fd` has closed or reset the connection. */
+static bool peer_gone(int fd) {
+    if (fd < 0) return false;
+    struct pollfd p = {.fd = fd, .events = POLLIN | POLLRDHUP};
+    if (poll(&p, 1, 0) <= 0) return false;
+    if (p.revents & (POLLERR | POLLHUP | POLLRDHUP | POLLNVAL)) return true;
+    if (p.revents & POLLIN) {
+        char c;
+        ssize_t k = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+        return k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+    }
+    return false;
+}
+
+/* ---- engine callbacks (engine thread) ------------------------------------------------------*/
+static void on_text(void *user, const char *text, size_t len) {
+    req *r = user;
+    pthread_mutex_lock(&r->mu);
+    if (!sb_add(&r->text, text, len)) st_log(STRATA_LOG_ERROR, "server: %s: out of memory for the answer", r->id);
+    pthread_cond_signal(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+}
+
+static void on_finish(void *user, const st_engine_finish *f) {
+    req *r = user;
+    st_server *s = r->srv;
+    st_log(STRATA_LOG_INFO, "server: %s: %s (%s), %lld prompt + %lld completion tokens, queue %.3f s, ttft %.3f s, total %.3f s",
+           r->id, st_finish_reason_name(f->reason), st_stop_reason_name(f->stop), (long long)f->prompt_tokens,
+           (long long)f->completion_tokens, f->queue_s, f->ttft_s, f->total_s);
+    pthread_mutex_lock(&r->mu);
+    r->finished = true;
+    r->fin = *f;
+    r->fin.error = NULL;
+    if (f->error) r->fin_error = st_strdup(f->error);
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    req_unref(r);
+    pthread_mutex_lock(&s->mu);
+    s->n_engine--;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* ---- replies ------------------------------------------------------------------------------------*/
+static void count_reply(st_server *s, route rt, int status) {
+    int col = N_CODES;
+    for (int i = 0; i < N_CODES; i++)
+        if (CODES[i] == status) col = i;
+    pthread_mutex_lock(&s->mu);
+    s->http[rt][col]++;
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* Queues a whole answer (the body is copied). */
+static enum MHD_Result reply(struct MHD_Connection *c, req *r, int status, const char *ctype, const char *body,
+                             size_t len, const char *allow) {
+    struct MHD_Response *resp = MHD_create_response_from_buffer(len, (void *)body, MHD_RESPMEM_MUST_COPY);
+    if (!resp) return MHD_NO;
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, ctype);
+    if (allow) MHD_add_response_header(resp, MHD_HTTP_HEADER_ALLOW, allow);
+    if (status == 401) MHD_add_response_header(resp, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
+    enum MHD_Result ok = MHD_queue_response(c, (unsigned)status, resp);
+    MHD_destroy_response(resp);
+    count_reply(r->srv, r->rt, status);
+    return ok;
+}
+
+static enum MHD_Result reply_json(struct MHD_Connection *c, req *r, int status, char *json /* freed */,
+                                  const char *allow) {
+    if (!json) {
+        static const char oom[] =
+            "{\"error\":{\"message\":\"out of memory\",\"type\":\"server_error\",\"param\":null,\"code\":null}}";
+        return reply(c, r, 500, "application/json", oom, sizeof oom - 1, NULL);
+    }
+    enum MHD_Result ok = reply(c, r, status, "application/json", json, strlen(json), allow);
+    free(json); /* cJSON's allocator */
+    return ok;
+}
+
+static enum MHD_Result reply_error(struct MHD_Connection *c, req *r, const srv_error *e, const char *allow) {
+    if (e->status >= 500) st_log(STRATA_LOG_WARN, "server: %s %d: %s", ROUTE_NAMES[r->rt], e->status, e->message);
+    else st_log(STRATA_LOG_DEBUG, "server: %s %d: %s", ROUTE_NAMES[r->rt], e->status, e->message);
+    return reply_json(c, r, e->status, srv_json_error(e), allow);
+}
+
+static enum MHD_Result error_reply(struct MHD_Connection *c, req *r, int status, const char *type, const char *code,
+                                   const char *allow, const char *fmt, ...) __attribute__((format(printf, 7, 8)));
+static enum MHD_Result error_reply(struct MHD_Connection *c, req *r, int status, const char *type, const char *code,
+                                   const char *allow, const char *fmt, ...) {
+    srv_error e;
+    srv_error_set(&e, status, type, code, NULL, "%s", "");
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e.message, sizeof e.message, fmt, ap);
+    va_end(ap);
+    return reply_error(c, r, &e, allow);
+}
+
+/* ---- /metrics ---------------------------------------------------------------------------------*/
+static bool hist_text(sbuf *b, const char *name, const char *help, const st_engine_hist *h) {
+    bool ok = sb_printf(b, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+    int64_t cum = 0;
+    for (int i = 0; i < h->n_bounds; i++) {
+        cum += h->counts[i];
+        ok = ok && sb_printf(b, "%s_bucket{le=\"%g\"} %lld\n", name, h->bounds[i], (long long)cum);
+    }
+    cum += h->counts[h->n_bounds];
+    ok = ok && sb_printf(b, "%s_bucket{le=\"+Inf\"} %lld\n%s_sum %.6f\n%s_count %lld\n", name, (long long)cum, name,
+                         h->sum, name, (long long)h->count);
+    return ok;
+}
+
+static bool metric(sbuf *b, const char *name, const char *type, const char *help, double v) {
+    return sb_printf(b, "# HELP %s %s\n# TYPE %s %s\n%s %.17g\n", name, help, name, type, name, v);
+}
+
+static char *metrics_text(st_server *s) {
+    st_engine_metrics *m = st_malloc(sizeof *m);
+    if (!m) return NULL;
+    st_engine_metrics_get(s->engine, m);
+    int64_t http[R_COUNT_][N_CODES + 1];
+    pthread_mutex_lock(&s->mu);
+    memcpy(http, s->http, sizeof http);
+    const int64_t disconnects = s->disconnects;
+    pthread_mutex_unlock(&s->mu);
+
+    sbuf b = {0};
+    bool ok = sb_printf(&b, "# HELP strata_http_requests_total HTTP requests answered, by route and status code.\n"
+                            "# TYPE strata_http_requests_total counter\n");
+    for (int rt = 0; rt < R_COUNT_; rt++)
+        for (int k = 0; k <= N_CODES; k++) {
+            /* the generation routes always show 200, so the series exist from the start */
+            if (!http[rt][k] && !(k == 0 && rt <= R_COMPLETIONS)) continue;
+            char code[16];
+            if (k < N_CODES) snprintf(code, sizeof code, "%d", CODES[k]);
+            else snprintf(code, sizeof code, "other");
+            ok = ok && sb_printf(&b, "strata_http_requests_total{route=\"%s\",code=\"%s\"} %lld\n", ROUTE_NAMES[rt], code,
+                                 (long long)http[rt][k]);
+        }
+    ok = ok && metric(&b, "strata_http_stream_disconnects_total", "counter",
+                      "Requests whose client went away before the answer ended (their sequences are aborted).",
+                      (double)disconnects);
+    ok = ok && metric(&b, "strata_requests_running", "gauge", "Sequences holding a slot (running).", (double)m->running);
+    ok = ok && metric(&b, "strata_requests_waiting", "gauge", "Requests waiting for a slot.", (double)m->waiting);
+    ok = ok && sb_printf(&b, "# HELP strata_requests_finished_total Requests finished, by reason.\n"
+                             "# TYPE strata_requests_finished_total counter\n");
+    for (int f = 0; f < ST_FINISH_COUNT_; f++)
+        ok = ok && sb_printf(&b, "strata_requests_finished_total{reason=\"%s\"} %lld\n",
+                             st_finish_reason_name((st_finish_reason)f), (long long)m->requests_finished[f]);
+    ok = ok && metric(&b, "strata_prompt_tokens_total", "counter", "Prompt tokens computed (prefilled).",
+                      (double)m->prompt_tokens);
+    ok = ok && metric(&b, "strata_generation_tokens_total", "counter", "Tokens generated (sampled).",
+                      (double)m->generation_tokens);
+    ok = ok && metric(&b, "strata_engine_steps_total", "counter", "Engine steps that ran the model.", (double)m->steps);
+    ok = ok && metric(&b, "strata_preemptions_total", "counter", "Sequences preempted (sent back to waiting).",
+                      (double)m->preemptions);
+    ok = ok && metric(&b, "strata_kv_blocks_used", "gauge", "KV cache blocks holding tokens.", (double)m->kv_blocks_used);
+    ok = ok && metric(&b, "strata_kv_blocks_total", "gauge", "KV cache blocks in all.", (double)m->kv_blocks_total);
+    ok = ok && metric(&b, "strata_kv_block_size_tokens", "gauge", "Tokens per KV cache block.", (double)m->kv_block_size);
+    ok = ok && metric(&b, "strata_prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
+                      (double)m->prefix_cache_queries);
+    ok = ok && metric(&b, "strata_prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.",
+                      (double)m->prefix_cache_hits);
+    ok = ok && metric(&b, "strata_prefix_cache_hit_rate", "gauge", "Prefix cache hits / queries (tokens).",
+                      m->prefix_cache_queries ? (double)m->prefix_cache_hits / (double)m->prefix_cache_queries : 0.0);
+    ok = ok && hist_text(&b, "strata_time_to_first_token_seconds", "Time from a request's arrival at the engine to its first token.", &m->ttft);
+    ok = ok && hist_text(&b, "strata_time_between_tokens_seconds", "Time between consecutive tokens of a request.", &m->tbt);
+    ok = ok && hist_text(&b, "strata_request_duration_seconds", "Time from a request's arrival at the engine to its end.", &m->e2e);
+    ok = ok && metric(&b, "strata_max_batch", "gauge", "Sequences that can run at once.", (double)m->max_batch);
+    ok = ok && metric(&b, "strata_max_model_len", "gauge", "Tokens per sequence (prompt and output).",
+                      (double)m->max_model_len);
+    st_free(m);
+    if (!ok) {
+        st_free(b.p);
+        return NULL;
+    }
+    return b.p;
+}
+
+/* ---- streaming ----------------------------------------------------------------------------------*/
+static bool sse_add(req *r, char *json /* freed */) {
+    if (!json) return false;
+    bool ok = sb_add(&r->out, "data: ", 6) && sb_add(&r->out, json, strlen(json)) && sb_add(&r->out, "\n\n", 2);
+    free(json);
+    return ok;
+}
+
+static const char *finish_name(st_finish_reason f) { return f == ST_FINISH_LENGTH ? "length" : "stop"; }
+
+/* The client went away (or the server is stopping): abort the engine request. */
+static void client_gone(req *r) {
+    st_server *s = r->srv;
+    r->aborted = true;
+    st_engine_abort(s->engine, r->eid);
+    const bool stopping = atomic_load(&s->stopping);
+    if (!stopping) {
+        pthread_mutex_lock(&s->mu);
+        s->disconnects++;
+        pthread_mutex_unlock(&s->mu);
+    }
+    st_log(STRATA_LOG_INFO, "server: %s: %s; request aborted", r->id,
+           stopping ? "the server is stopping" : "the client went away");
+}
+
+/* libmicrohttpd's content reader for a streamed answer: blocks until the
+ * engine has something, then hands out SSE bytes. */
+static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
+    (void)pos;
+    req *r = cls;
+    st_server *s = r->srv;
+    for (;;) {
+        if (r->out_pos < r->out.len) {
+            size_t n = r->out.len - r->out_pos;
+            if (n > max) n = max;
+            memcpy(buf, r->out.p + r->out_pos, n);
+            r->out_pos += n;
+            if (r->out_pos == r->out.len) r->out_pos = r->out.len = 0;
+            return (ssize_t)n;
+        }
+        if (r->done) return MHD_CONTENT_READER_END_OF_STREAM;
+
+        sbuf piece = {0};
+        pthread_mutex_lock(&r->mu);
+        while (r->role_sent && r->text.len == 0 && !r->finished) {
+            req_wait_slice(r);
+            if (r->text.len || r->finished) break;
+            if (atomic_load(&s->stopping) || peer_gone(r->fd)) {
+                pthread_mutex_unlock(&r->mu);
+                client_gone(r);
+                return MHD_CONTENT_READER_END_WITH_ERROR;
+            }
+        }
+        piece = r->text; /* take the pending text */
+        r->text = (sbuf){0};
+        const bool fin = r->finished;
+        const st_engine_finish f = r->fin;
+        char *ferr = fin && r->fin_error ? st_strdup(r->fin_error) : NULL;
+        pthread_mutex_unlock(&r->mu);
+
+        bool ok = true;
+        const bool chat = r->meta.kind == SRV_CHAT;
+        if (!r->role_sent) {
+            if (chat) ok = sse_add(r, srv_json_chunk(&r->meta, true, "", 0, NULL, r->include_usage));
+            r->role_sent = true;
+        }
+        if (ok && piece.len) ok = sse_add(r, srv_json_chunk(&r->meta, false, piece.p, piece.len, NULL, r->include_usage));
+        st_free(piece.p);
+        if (ok && fin) {
+            if (f.reason == ST_FINISH_ERROR || f.reason == ST_FINISH_ABORT) {
+                srv_error e;
+                srv_error_set(&e, 500, "server_error", NULL, NULL, "%s",
+                              f.reason == ST_FINISH_ABORT ? "the request was cancelled (the server is shutting down)"
+                                                          : ferr ? ferr : "generation failed");
+                ok = sse_add(r, srv_json_error(&e));
+            } else {
+                ok = sse_add(r, srv_json_chunk(&r->meta, false, chat ? NULL : "", 0, finish_name(f.reason),
+                                               r->include_usage));
+                if (ok && r->include_usage) ok = sse_add(r, srv_json_usage_chunk(&r->meta, &f));
+            }
+            ok = ok && sb_add(&r->out, "data: [DONE]\n\n", 14);
+            r->done = true;
+        }
+        st_free(ferr);
+        if (!ok) {
+            st_log(STRATA_LOG_ERROR, "server: %s: out of memory while streaming", r->id);
+            st_engine_abort(s->engine, r->eid);
+            return MHD_CONTENT_READER_END_WITH_ERROR;
+        }
+    }
+}
+
+static void stream_free(void *cls) { req_unref(cls); }
+
+/* ---- generation requests --------------------------------------------------------------------*/
+static uint64_t splitmix64(uint64_t x) {
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+static enum MHD_Result handle_generate(struct MHD_Connection *c, req *r, srv_kind kind) {
+    st_server *s = r->srv;
+    srv_gen g;
+    srv_error e;
+    if (!srv_parse_gen(kind, r->body.p ? r->body.p : "", r->body.len, s->chat, &g, &e)) return reply_error(c, r, &e, NULL);
+    st_free(r->body.p);
+    r->body = (sbuf){0};
+
+    int32_t *ids = NULL;
+    int64_t n = 0;
+    if (g.prompt_ids) {
+        ids = g.prompt_ids;
+        n = g.n_prompt_ids;
+        g.prompt_ids = NULL;
+    } else if (st_tokenizer_encode(s->tok, g.prompt_text, strlen(g.prompt_text), !g.prompt_special, true, &ids, &n) !=
+               STRATA_OK) {
+        srv_error_set(&e, 400, "invalid_request_error", "invalid_value", kind == SRV_CHAT ? "messages" : "prompt",
+                      "the prompt cannot be tokenized: %s", st_last_error());
+        srv_gen_clear(&g);
+        return reply_error(c, r, &e, NULL);
+    }
+    const char *pname = kind == SRV_CHAT ? "messages" : "prompt";
+    const int64_t ctx = st_engine_get_params(s->engine)->max_model_len;
+    if (n == 0) {
+        srv_error_set(&e, 400, "invalid_request_error", "invalid_value", pname, "the prompt is empty (no tokens)");
+    } else if (n >= ctx) {
+        srv_error_set(&e, 400, "invalid_request_error", "context_length_exceeded", pname,
+                      "This model's maximum context length is %lld tokens, but the prompt has %lld tokens "
+                      "(prompt and completion must fit together, with at least 1 completion token).",
+                      (long long)ctx, (long long)n);
+    } else {
+        e.status = 0;
+    }
+    if (e.status) {
+        st_free(ids);
+        srv_gen_clear(&g);
+        return reply_error(c, r, &e, NULL);
+    }
+
+    const uint64_t num = atomic_fetch_add(&s->counter, 1) + 1;
+    snprintf(r->id, sizeof r->id, "%s-%016llx", kind == SRV_CHAT ? "chatcmpl" : "cmpl",
+             (unsigned long long)splitmix64(s->seed_base ^ num));
+    r->meta = (srv_answer_meta){.id = r->id, .model = s->model_name, .created = (long long)time(NULL), .kind = kind};
+    r->stream = g.stream;
+    r->include_usage = g.include_usage;
+    r->n_prompt = n;
+    if (!g.seed_given) g.sp.seed = splitmix64(s->seed_base + num * 0x2545f4914f6cdd1dull);
+
+    st_engine_request er = {
+        .prompt = ids,
+        .n_prompt = n,
+        .sampler = g.sp,
+        .max_tokens = g.max_tokens,
+        .stop = (const char *const *)g.stop,
+        .n_stop = g.n_stop,
+        .ignore_eos = g.ignore_eos,
+    };
+    const st_engine_callbacks cb = {on_text, on_finish, r};
+    req_ref(r); /* the engine's */
+    pthread_mutex_lock(&s->mu);
+    s->n_engine++;
+    pthread_mutex_unlock(&s->mu);
+    strata_status st = atomic_load(&s->stopping) ? st_err(STRATA_ERR_UNSUPPORTED, "the server is shutting down")
+                                                 : st_engine_add(s->engine, &er, &cb, &r->eid);
+    st_free(ids);
+    srv_gen_clear(&g);
+    if (st != STRATA_OK) {
+        pthread_mutex_lock(&s->mu);
+        s->n_engine--;
+        pthread_cond_broadcast(&s->cv);
+        pthread_mutex_unlock(&s->mu);
+        req_unref(r);
+        if (st == STRATA_ERR_INVALID_ARG) srv_error_set(&e, 400, "invalid_request_error", "invalid_value", NULL, "%s", st_last_error());
+        else srv_error_set(&e, 503, "server_error", st == STRATA_ERR_NOMEM ? "overloaded" : "unavailable", NULL, "%s",
+                           st_last_error());
+        return reply_error(c, r, &e, NULL);
+    }
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+    r->fd = ci ? ci->connect_fd : -1;
+
+    if (r->stream) {
+        struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 * 1024, stream_reader, r,
+                                                                      stream_free);
+        if (!resp) {
+            st_engine_abort(s->engine, r->eid);
+            return MHD_NO;
+        }
+        req_ref(r); /* the response's */
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+        MHD_add_response_header(resp, "X-Accel-Buffering", "no");
+        enum MHD_Result ok = MHD_queue_response(c, MHD_HTTP_OK, resp);
+        MHD_destroy_response(resp);
+        count_reply(s, r->rt, 200);
+        return ok;
+    }
+
+    /* whole answer: wait here (this connection's own thread) */
+    pthread_mutex_lock(&r->mu);
+    while (!r->finished) {
+        req_wait_slice(r);
+        if (r->finished) break;
+        if (atomic_load(&s->stopping) || peer_gone(r->fd)) {
+            pthread_mutex_unlock(&r->mu);
+            client_gone(r);
+            count_reply(s, r->rt, 499);
+            return MHD_NO;
+        }
+    }
+    const st_engine_finish f = r->fin;
+    pthread_mutex_unlock(&r->mu);
+    if (f.reason == ST_FINISH_ERROR || f.reason == ST_FINISH_ABORT) {
+        srv_error_set(&e, f.reason == ST_FINISH_ABORT ? 503 : 500, "server_error", NULL, NULL, "%s",
+                      f.reason == ST_FINISH_ABORT ? "the request was cancelled (the server is shutting down)"
+                                                  : r->fin_error ? r->fin_error : "generation failed");
+        return reply_error(c, r, &e, NULL);
+    }
+    return reply_json(c, r, 200, srv_json_answer(&r->meta, r->text.p, r->text.len, finish_name(f.reason), &f), NULL);
+}
+
+/* ---- routing ------------------------------------------------------------------------------------*/
+static route route_of(const char *url) {
+    for (int i = 0; i < R_OTHER; i++)
+        if (!strcmp(url, ROUTE_NAMES[i])) return (route)i;
+    return R_OTHER;
+}
+
+/* Constant-time comparison of the presented key with the server's. */
+static bool key_ok(const st_server *s, struct MHD_Connection *c) {
+    const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+    if (!h || strncmp(h, "Bearer ", 7) != 0) return false;
+    const char *k = h + 7;
+    const size_t n = strlen(s->api_key), m = strlen(k);
+    unsigned diff = (unsigned)(n ^ m);
+    for (size_t i = 0; i < n; i++) diff |= (unsigned char)s->api_key[i] ^ (unsigned char)(i < m ? k[i] : 0);
+    return diff == 0;
+}
+
+static enum MHD_Result dispatch(struct MHD_Connection *c, req *r, const char *url, const char *method) {
+    st_server *s = r->srv;
+    const bool get = !strcmp(method, "GET") || !strcmp(method, "HEAD");
+    const bool post = !strcmp(method, "POST");
+    if (s->api_key && !strncmp(url, "/v1/", 4) && !key_ok(s, c)) {
+        const bool missing = !MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+        return error_reply(c, r, 401, "invalid_request_error", "invalid_api_key", NULL, "%s",
+                           missing ? "You didn't provide an API key: pass it as 'Authorization: Bearer KEY'."
+                                   : "Incorrect API key provided.");
+    }
+    switch (r->rt) {
+    case R_CHAT:
+    case R_COMPLETIONS:
+        if (!post)
+            return error_reply(c, r, 405, "invalid_request_error", "method_not_allowed", "POST",
+                               "%s is not allowed on %s (use POST)", method, url);
+        return handle_generate(c, r, r->rt == R_CHAT ? SRV_CHAT : SRV_COMPLETIONS);
+    case R_MODELS:
+    case R_HEALTH:
+    case R_METRICS:
+        if (!get)
+            return error_reply(c, r, 405, "invalid_request_error", "method_not_allowed", "GET, HEAD",
+                               "%s is not allowed on %s (use GET)", method, url);
+        if (r->rt == R_MODELS)
+            return reply_json(c, r, 200,
+                              srv_json_models(s->model_name, s->created, st_engine_get_params(s->engine)->max_model_len),
+                              NULL);
+        if (r->rt == R_HEALTH) {
+            if (atomic_load(&s->stopping))
+                return error_reply(c, r, 503, "server_error", "unavailable", NULL, "the server is shutting down");
+            static const char ok[] = "{\"status\":\"ok\"}";
+            return reply(c, r, 200, "application/json", ok, sizeof ok - 1, NULL);
+        }
+        {
+            char *text = metrics_text(s);
+            if (!text) return error_reply(c, r, 500, "server_error", NULL, NULL, "out of memory");
+            enum MHD_Result ok = reply(c, r, 200, "text/plain; version=0.0.4; charset=utf-8", text, strlen(text), NULL);
+            st_free(text);
+            return ok;
+        }
+    default:
+        return error_reply(c, r, 404, "invalid_request_error", "not_found", NULL, "no route %s %s", method, url);
+    }
+}
+
+static enum MHD_Result on_access(void *cls, struct MHD_Connection *c, const char *url, const char *method,
+                                 const char *version, const char *upload, size_t *upload_size, void **con_cls) {
+    (void)version;
+    st_server *s = cls;
+    req *r = *con_cls;
+    if (!r) { /* the headers: nothing of the body yet */
+        if (!(r = req_new(s))) return MHD_NO;
+        *con_cls = r;
+        r->rt = route_of(url);
+        const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+        if (cl) {
+            char *end = NULL;
+            errno = 0;
+            unsigned long long v = strtoull(cl, &end, 10);
+            if (!errno && end != cl && v > s->max_body) {
+                /* A client that waits for "100 Continue", or one with a huge body, gets the
+                 * answer now (and the connection is closed); otherwise the body is read and
+                 * dropped first, so that a client still sending does not see a reset before
+                 * it reads the answer. */
+                const char *expect = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_EXPECT);
+                if (expect || v > (unsigned long long)DISCARD_FACTOR * s->max_body)
+                    return error_reply(c, r, 413, "invalid_request_error", "request_too_large", NULL,
+                                       "the request body has %llu bytes; the limit is %zu", v, s->max_body);
+                r->too_large = true;
+            }
+        }
+        return MHD_YES;
+    }
+    if (*upload_size) { /* a piece of the body */
+        const size_t n = *upload_size;
+        *upload_size = 0;
+        if (!r->too_large && r->body.len + n > s->max_body) {
+            r->too_large = true;
+            st_free(r->body.p);
+            r->body = (sbuf){0};
+        }
+        if (r->too_large) {
+            r->discarded += n;
+            return r->discarded > DISCARD_FACTOR * s->max_body ? MHD_NO : MHD_YES;
+        }
+        return sb_add(&r->body, upload, n) ? MHD_YES : MHD_NO;
+    }
+    if (r->too_large)
+        return error_reply(c, r, 413, "invalid_request_error", "request_too_large", NULL,
+                           "the request body is over the limit of %zu bytes", s->max_body);
+    return dispatch(c, r, url, method);
+}
+
+static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_RequestTerminationCode toe) {
+    (void)c;
+    st_server *s = cls;
+    req *r = *con_cls;
+    if (!r) return;
+    *con_cls = NULL;
+    if (r->eid && !r->aborted) {
+        pthread_mutex_lock(&r->mu);
+        const bool fin = r->finished;
+        pthread_mutex_unlock(&r->mu);
+        /* e.g. a write to a closed socket failed mid-stream */
+        if (!fin && st_engine_abort(s->engine, r->eid) == STRATA_OK) {
+            st_log(STRATA_LOG_INFO, "server: %s: connection ended (code %d) before the answer; request aborted",
+                   r->id, (int)toe);
+            pthread_mutex_lock(&s->mu);
+            s->disconnects++;
+            pthread_mutex_unlock(&s->mu);
+        }
+    }
+    req_unref(r);
+}
+
+static void mhd_log(void *cls, const char *fmt, va_list ap) {
+    st_server *s = cls;
+    char msg[256];
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    size_t n = strlen(msg);
+    while (n > 0 && (msg[n - 1] == '\n' || msg[n - 1] == '\r')) msg[--n] = 0;
+    pthread_mutex_lock(&s->mu);
+    snprintf(s->mhd_msg, sizeof s->mhd_msg, "%s", msg);
+    pthread_mutex_unlock(&s->mu);
+    /* what a content reader ending a stream early (client gone) makes it say */
+    const bool expected = strstr(msg, "Application reported internal error") != NULL;
+    st_log(expected ? STRATA_LOG_DEBUG : STRATA_LOG_WARN, "server: libmicrohttpd: %s", msg);
+}
+
+/* ---- start / stop ---------------------------------------------------------------------------------*/
+strata_status st_server_start(st_engine *engine, const st_tokenizer *tok, const st_chat_template *chat,
+                              const st_server_params *params, st_server **out) {
+    *out = NULL;
+    if (!engine || !tok || !params) return st_err(STRATA_ERR_INVALID_ARG, "server: no engine, tokenizer or params");
+    if (params->port < 0 || params->port > 65535)
+        return st_err(STRATA_ERR_INVALID_ARG, "server: port %d is not in [0, 65535]", params->port);
+    st_server *s = st_calloc(1, sizeof *s);
+    if (!s) return st_err(STRATA_ERR_NOMEM, "server: out of memory");
+    s->engine = engine;
+    s->tok = tok;
+    s->chat = chat;
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    s->host = st_strdup(params->host ? params->host : "127.0.0.1");
+    s->model_name = st_strdup(params->model_name ? params->model_name : "strata");
+    s->api_key = params->api_key && params->api_key[0] ? st_strdup(params->api_key) : NULL;
+    s->max_body = params->max_body ? params->max_body : DEF_MAX_BODY;
+    s->created = (long long)time(NULL);
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    s->seed_base = splitmix64((uint64_t)ts.tv_sec * 1000000007ull ^ (uint64_t)ts.tv_nsec ^ (uint64_t)(uintptr_t)s);
+    atomic_init(&s->stopping, false);
+    atomic_init(&s->counter, 0);
+    if (!s->host || !s->model_name || (params->api_key && params->api_key[0] && !s->api_key)) {
+        st_server_stop(s);
+        return st_err(STRATA_ERR_NOMEM, "server: out of memory");
+    }
+
+    char port[16];
+    snprintf(port, sizeof port, "%d", params->port);
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
+                             .ai_flags = AI_PASSIVE | AI_NUMERICSERV};
+    struct addrinfo *ai = NULL;
+    int gai = getaddrinfo(s->host, port, &hints, &ai);
+    if (gai != 0 || !ai) {
+        strata_status st = st_err(STRATA_ERR_INVALID_ARG, "server: cannot resolve host '%s': %s", s->host,
+                                  gai_strerror(gai));
+        st_server_stop(s);
+        return st;
+    }
+    unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL |
+                     MHD_USE_ERROR_LOG;
+    if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
+    s->d = MHD_start_daemon(flags, (uint16_t)params->port, NULL, NULL, on_access, s,
+                            MHD_OPTION_EXTERNAL_LOGGER, mhd_log, s, /* first, to catch every message */
+                            MHD_OPTION_SOCK_ADDR, ai->ai_addr,
+                            MHD_OPTION_NOTIFY_COMPLETED, on_completed, s,
+                            MHD_OPTION_CONNECTION_TIMEOUT,
+                            (unsigned)(params->idle_timeout_s ? params->idle_timeout_s : DEF_IDLE_TIMEOUT),
+                            MHD_OPTION_CONNECTION_LIMIT,
+                            (unsigned)(params->max_connections ? params->max_connections : DEF_MAX_CONN),
+                            MHD_OPTION_END);
+    freeaddrinfo(ai);
+    if (!s->d) {
+        strata_status st = st_err(STRATA_ERR_IO, "server: cannot listen on %s port %d%s%s", s->host, params->port,
+                                  s->mhd_msg[0] ? ": " : "", s->mhd_msg);
+        st_server_stop(s);
+        return st;
+    }
+    const union MHD_DaemonInfo *di = MHD_get_daemon_info(s->d, MHD_DAEMON_INFO_BIND_PORT);
+    s->port = di && di->port ? di->port : params->port;
+    st_log(STRATA_LOG_INFO, "server: listening on %s port %d (model '%s'%s)", s->host, s->port, s->model_name,
+           s->api_key ? ", API key required" : "");
+    *out = s;
+    return STRATA_OK;
+}
+
+int st_server_port(const st_server *s) { return s->port; }
+const char *st_server_host(const st_server *s) { return s->host; }
+
+void st_server_stop(st_server *s) {
+    if (!s) return;
+    atomic_store(&s->stopping, true);
+    if (s->d) MHD_stop_daemon(s->d); /* ends the connections: their waits see `stopping` and abort */
+    s->d = NULL;
+    /* the engine calls on_finish for every aborted request at its next step */
+    pthread_mutex_lock(&s->mu);
+    while (s->n_engine > 0) pthread_cond_wait(&s->cv, &s->mu);
+    pthread_mutex_unlock(&s->mu);
+    pthread_cond_destroy(&s->cv);
+    pthread_mutex_destroy(&s->mu);
+    st_free(s->host);
+    st_free(s->model_name);
+    st_free(s->api_key);
+    st_free(s);
+}

@@ -1,0 +1,74 @@
+/* server: the OpenAI-compatible HTTP front of an st_engine (libmicrohttpd +
+ * cJSON).
+ *
+ * Routes:
+ *   POST /v1/chat/completions   messages -> the model's chat template -> tokens
+ *   POST /v1/completions        prompt (text or token ids)
+ *       both answer whole (application/json, with usage) or, with
+ *       "stream": true, as server-sent events: `data: {chunk}\n\n` ... then
+ *       `data: [DONE]\n\n` (chunked transfer encoding)
+ *   GET  /v1/models             the one model served
+ *   GET  /health                200 {"status":"ok"} (503 while shutting down)
+ *   GET  /metrics               Prometheus text format (names in server.c; stable)
+ * An API key, when set, is required on every /v1/ route as `Authorization: Bearer KEY`
+ * (401 otherwise); /health and /metrics stay open for probes and scrapers.
+ * Errors are OpenAI-style JSON {"error": {"message", "type", "param", "code"}}
+ * with 400 (bad request), 401, 404 (no such route), 405 (wrong method, with
+ * Allow), 413 (body over max_body), 500, 503 (queue full, shutting down).
+ *
+ * Threads: libmicrohttpd runs one thread per connection (plus its listening
+ * thread). A request's thread parses and tokenizes the request, adds it to
+ * the engine, and then waits on the request's condition variable: the engine
+ * thread's callbacks append text and mark the end. A streamed answer is
+ * produced by the response's content-reader callback on the same connection
+ * thread, which blocks (in 100 ms slices) until the engine has more text.
+ * While waiting, the connection's socket is polled for the peer having gone
+ * (POLLRDHUP, or a zero-byte peek); a client that disconnects mid-request or
+ * mid-stream has its engine request aborted, which frees its sequence slot at
+ * the next engine step. Each request object is reference-counted between the
+ * connection, the streaming response and the engine (on_finish drops the
+ * engine's reference), so whichever finishes last frees it.
+ */
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+#include "engine/engine.h"
+#include "tokenizer/chat.h"
+#include "tokenizer/tokenizer.h"
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct st_server st_server;
+
+typedef struct {
+    const char *host;        /* address to bind (NULL: "127.0.0.1"); a name or an IPv4/IPv6 literal */
+    int port;                /* 0: any free port (st_server_port tells which) */
+    const char *api_key;     /* NULL or "": no key required */
+    const char *model_name;  /* the id in /v1/models and in answers (NULL: "strata") */
+    size_t max_body;         /* request body limit in bytes (0: 1 MiB) */
+    unsigned max_connections;/* simultaneous connections (0: 1024) */
+    unsigned idle_timeout_s; /* an idle keep-alive connection is closed after this (0: 300) */
+} st_server_params;
+
+/* Starts serving `engine` (whose thread the caller starts and stops) with
+ * `tok` for prompts and `chat` for conversations (kind NONE: chat completions
+ * are refused). Borrows engine, tok and chat: they must outlive the server.
+ * Strings in params are copied. On success the server is listening and the
+ * caller owns *out (st_server_stop). On error (an address that does not
+ * resolve, a port in use) *out is NULL and the message says why. */
+strata_status st_server_start(st_engine *engine, const st_tokenizer *tok, const st_chat_template *chat,
+                              const st_server_params *params, st_server **out);
+
+/* The port it listens on, and the host as given. */
+int st_server_port(const st_server *s);
+const char *st_server_host(const st_server *s);
+
+/* Stops accepting, ends every connection (their engine requests are aborted
+ * and waited for: the engine must still be stepping, or stopped), and frees
+ * the server. NULL is a no-op. */
+void st_server_stop(st_server *s);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,149 @@
+/* weights/measure: start-up bandwidth probes (measure.h). */
+#include "weights/measure.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "weights/ssd.h"
+
+#define PROBE_BYTES ((size_t)64 << 20)
+
+static size_t device_free(const st_backend *be) {
+    const st_budget *b = &be->device_budget;
+    return b->cap ? (b->cap > b->used ? b->cap - b->used : 0) : (size_t)-1;
+}
+
+/* Best-of-4 pinned host -> device copy rate. */
+static strata_status measure_h2d(st_backend *be, st_stream *s, double *out) {
+    const st_backend_ops *o = be->ops;
+    size_t n = PROBE_BYTES;
+    if (device_free(be) / 2 < n) n = device_free(be) / 2 / 4096 * 4096;
+    if (n < ((size_t)1 << 20)) return STRATA_OK; /* no room: unknown */
+    void *h = NULL, *d = NULL;
+    strata_status st = o->host_alloc(be, n, &h);
+    if (st == STRATA_OK) st = o->alloc(be, n, &d);
+    if (st == STRATA_OK) {
+        memset(h, 1, n);
+        double best = 0;
+        for (int r = 0; r < 5 && st == STRATA_OK; r++) {
+            const double t0 = st_time_now();
+            st = o->copy_h2d(be, s, d, h, n);
+            if (st == STRATA_OK) st = o->stream_sync(be, s);
+            const double dt = st_time_now() - t0;
+            if (r > 0 && dt > 0 && (double)n / dt > best) best = (double)n / dt;
+        }
+        if (st == STRATA_OK) *out = best;
+    }
+    if (d) o->dealloc(be, d);
+    if (h) o->host_dealloc(be, h);
+    return st;
+}
+
+/* O_DIRECT read rate of the largest model file (up to 256 MiB of it). */
+static strata_status measure_ssd(const st_model_files *files, bool direct, double *out, bool *was_direct) {
+    int fi = 0;
+    for (int i = 1; i < files->n_files; i++)
+        if (files->files[i].size > files->files[fi].size) fi = i;
+    uint64_t total = files->files[fi].size / 4096 * 4096;
+    if (total > ((uint64_t)256 << 20)) total = (uint64_t)256 << 20;
+    if (total == 0) return STRATA_OK;
+    st_ssd_files *sf = NULL;
+    st_ssd_queue *q = NULL;
+    void *buf = NULL;
+    strata_status st = st_ssd_files_open(files, direct, NULL, &sf);
+    if (st == STRATA_OK) st = st_ssd_queue_init(sf, 8, false, &q);
+    if (st == STRATA_OK && posix_memalign(&buf, 4096, PROBE_BYTES) != 0)
+        st = st_err(STRATA_ERR_NOMEM, "ssd probe: out of memory");
+    if (st == STRATA_OK) {
+        const double t0 = st_time_now();
+        for (uint64_t off = 0; off < total && st == STRATA_OK; off += PROBE_BYTES) {
+            const uint64_t len = total - off < PROBE_BYTES ? total - off : PROBE_BYTES;
+            st = st_ssd_read(q, fi, off, len, len, buf, (uint64_t)8 << 20);
+        }
+        const double dt = st_time_now() - t0;
+        if (st == STRATA_OK && dt > 0) *out = (double)total / dt;
+        *was_direct = st_ssd_files_direct(sf);
+    }
+    free(buf);
+    st_ssd_queue_free(q);
+    st_ssd_files_close(sf);
+    return st;
+}
+
+/* Matmul rates on a slice of the largest layer tensor's shape and dtype. */
+static strata_status measure_matmul(st_backend *be, st_stream *s, const st_wgroups *g, int64_t batch,
+                                    double *read_bw, double *gemm) {
+    const st_tensor_desc *big = NULL;
+    for (int i = 1; i < g->n - 1; i++)
+        for (int t = 0; t < g->g[i].n_tensors; t++) {
+            const st_tensor_desc *d = g->g[i].t[t].desc;
+            if (d->n_dims == 2 && (!big || d->nbytes > big->nbytes)) big = d;
+        }
+    if (!big) return STRATA_OK;
+    const st_backend_ops *o = be->ops;
+    const int64_t K = big->shape[1];
+    const size_t rb = st_dtype_row_bytes(big->dtype, K);
+    if (rb == 0) return STRATA_OK;
+    int64_t rows = big->shape[0];
+    if ((size_t)rows * rb > ((size_t)32 << 20)) rows = (int64_t)(((size_t)32 << 20) / rb);
+    rows = rows / 4 * 4;
+    const int64_t T = batch < 1 ? 1 : batch > 128 ? 128 : batch;
+    const size_t wb = (size_t)rows * rb, xb = (size_t)(T * K) * 4, yb = (size_t)(T * rows) * 4;
+    if (rows < 4 || wb + xb + yb + 3 * 256 > device_free(be)) return STRATA_OK;
+    void *w = NULL, *x = NULL, *y = NULL, *zero = NULL;
+    strata_status st = o->alloc(be, wb, &w);
+    if (st == STRATA_OK) st = o->alloc(be, xb, &x);
+    if (st == STRATA_OK) st = o->alloc(be, yb, &y);
+    const size_t zn = wb > xb ? wb : xb;
+    if (st == STRATA_OK && !(zero = calloc(1, zn))) st = st_err(STRATA_ERR_NOMEM, "matmul probe: out of memory");
+    if (st == STRATA_OK) st = o->copy_h2d(be, s, w, zero, wb);
+    if (st == STRATA_OK) st = o->copy_h2d(be, s, x, zero, xb);
+    if (st == STRATA_OK) st = o->stream_sync(be, s);
+    const st_weight wt = {w, big->dtype, rows, K};
+    for (int pass = 0; pass < 2 && st == STRATA_OK; pass++) {
+        const int64_t n = pass == 0 ? 1 : T;
+        double best = 0;
+        for (int r = 0; r < (pass == 0 ? 6 : 4) && st == STRATA_OK; r++) {
+            const double t0 = st_time_now();
+            st = o->matmul(be, s, x, &wt, n, y);
+            if (st == STRATA_OK) st = o->stream_sync(be, s);
+            const double dt = st_time_now() - t0;
+            if (r > 0 && dt > 0) {
+                const double v = pass == 0 ? (double)wb / dt : 2.0 * (double)rows * (double)K * (double)n / dt;
+                if (v > best) best = v;
+            }
+        }
+        if (st == STRATA_OK) *(pass == 0 ? read_bw : gemm) = best;
+    }
+    free(zero);
+    if (w) o->dealloc(be, w);
+    if (x) o->dealloc(be, x);
+    if (y) o->dealloc(be, y);
+    return st;
+}
+
+strata_status st_wbw_measure(st_backend *be, const st_model_files *files, const st_wgroups *g, int64_t batch,
+                             bool direct, st_wbw *bw) {
+    const double t0 = st_time_now();
+    st_stream *s = NULL;
+    strata_status st = be->ops->stream_create(be, false, &s);
+    if (st != STRATA_OK) return st;
+    if (bw->h2d <= 0 && (st = measure_h2d(be, s, &bw->h2d)) == STRATA_OK) bw->measured[0] = bw->h2d > 0;
+    if (st == STRATA_OK && bw->ssd <= 0 && (st = measure_ssd(files, direct, &bw->ssd, &bw->ssd_direct)) == STRATA_OK)
+        bw->measured[1] = bw->ssd > 0;
+    if (st == STRATA_OK && (bw->dev_read <= 0 || bw->gemm <= 0)) {
+        double r = 0, f = 0;
+        if ((st = measure_matmul(be, s, g, batch, &r, &f)) == STRATA_OK) {
+            if (bw->dev_read <= 0) bw->dev_read = r, bw->measured[2] = r > 0;
+            if (bw->gemm <= 0) bw->gemm = f, bw->measured[3] = f > 0;
+        }
+    }
+    be->ops->stream_destroy(be, s);
+    if (st == STRATA_OK)
+        st_log(STRATA_LOG_INFO,
+               "bandwidths (%.2f s to measure): H2D %.2f GB/s, SSD %.2f GB/s (%s), matmul weight read %.2f GB/s, "
+               "%.1f GFLOP/s",
+               st_time_now() - t0, bw->h2d / 1e9, bw->ssd / 1e9, bw->ssd_direct ? "O_DIRECT" : "page cache",
+               bw->dev_read / 1e9, bw->gemm / 1e9);
+    return st;
+}

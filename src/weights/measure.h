@@ -1,0 +1,25 @@
+/* weights/measure: the bandwidths the planner predicts with, measured at
+ * start-up on this machine:
+ *   h2d       copy_h2d of a pinned buffer into device memory (best of 4);
+ *   ssd       O_DIRECT reads of the largest model file itself (up to 256 MiB,
+ *             8 MiB requests, 8 in flight through io_uring);
+ *   dev_read  weight bytes per second of the backend's matmul at 1 token,
+ *             on the dtype and width of the model's largest layer tensor;
+ *   gemm      FLOP/s of the same matmul at a prefill batch.
+ * Figures already non-zero in *bw are kept (given by options or tests).
+ * Device memory used meanwhile stays under the budget's free part (a
+ * measurement that does not fit is skipped, leaving 0: unknown). */
+#pragma once
+#include "backend/backend.h"
+#include "weights/groups.h"
+#include "weights/plan.h"
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+strata_status st_wbw_measure(st_backend *be, const st_model_files *files, const st_wgroups *g, int64_t batch,
+                             bool direct, st_wbw *bw);
+
+#ifdef __cplusplus
+}
+#endif

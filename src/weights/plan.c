@@ -1,0 +1,450 @@
+/* weights/plan: the placement search and the step-time model (plan.h). */
+#include "weights/plan.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#define DEFAULT_CHUNK ((size_t)8 << 20)
+#define DEFAULT_CHUNKS 16
+#define DEFAULT_PREFILL 2048
+
+const char *st_tier_name(st_tier t) {
+    switch (t) {
+    case ST_TIER_DEVICE: return "device";
+    case ST_TIER_HOST: return "host";
+    case ST_TIER_SSD: return "ssd";
+    default: return "?";
+    }
+}
+
+const char *st_wbound_name(st_wbound b) {
+    switch (b) {
+    case ST_BOUND_SSD: return "SSD read";
+    case ST_BOUND_PCIE: return "PCIe (H2D)";
+    case ST_BOUND_COMPUTE: return "compute";
+    default: return "none";
+    }
+}
+
+const char *st_fmt_bytes(double b, char *buf, size_t n) {
+    if (b >= 1e9) snprintf(buf, n, "%.2f GB", b / 1e9);
+    else if (b >= 1e6) snprintf(buf, n, "%.1f MB", b / 1e6);
+    else if (b >= 1e3) snprintf(buf, n, "%.1f KB", b / 1e3);
+    else snprintf(buf, n, "%.0f B", b);
+    return buf;
+}
+
+size_t st_wplan_host_auto(void) {
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (!f) return 0;
+    char line[256];
+    unsigned long long kb = 0;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) break;
+    fclose(f);
+    return (size_t)(kb * 1024ull / 10 * 8);
+}
+
+static size_t round256(size_t x) { return (x + 255) / 256 * 256; }
+
+typedef struct {
+    int ring_slots;
+    size_t chunk;
+    int chunks;
+    int64_t max_batch;
+} knobs;
+
+/* Staging: chunks of 8 MiB (large O_DIRECT requests), or a quarter of the
+ * largest group image when that is smaller (so that reading and copying a
+ * group overlap), at least 64 KiB; 16 of them (reads in flight), fewer when
+ * the host budget is short (at least 2). */
+static knobs get_knobs(const st_wgroups *g, const st_tier *tier, const st_wplan_params *p) {
+    knobs k;
+    k.ring_slots = p->ring_slots > 2 ? p->ring_slots : 2;
+    uint64_t big = 0; /* the largest streamed image (all groups when tier is NULL) */
+    for (int i = 1; i < g->n; i++)
+        if ((!tier || tier[i] != ST_TIER_DEVICE) && g->g[i].img_bytes > big) big = g->g[i].img_bytes;
+    size_t def = (size_t)(big / 4 + ST_WG_ALIGN - 1) / ST_WG_ALIGN * ST_WG_ALIGN;
+    if (def > DEFAULT_CHUNK) def = DEFAULT_CHUNK;
+    if (def < ((size_t)64 << 10)) def = (size_t)64 << 10;
+    k.chunk = p->staging_chunk ? (p->staging_chunk + ST_WG_ALIGN - 1) / ST_WG_ALIGN * ST_WG_ALIGN : def;
+    k.chunks = p->staging_chunks > 0 ? p->staging_chunks : DEFAULT_CHUNKS;
+    if (k.chunks < 2) k.chunks = 2;
+    k.max_batch = p->max_batch > 0 ? p->max_batch : 512;
+    return k;
+}
+
+static size_t embed_rows_device(const st_wgroups *g, const knobs *k) {
+    return round256((size_t)k->max_batch * (size_t)g->embed_row_bytes) + round256((size_t)k->max_batch * 4);
+}
+
+static size_t embed_rows_host(const st_wgroups *g, const knobs *k) {
+    return 2 * (size_t)k->max_batch * (size_t)g->embed_row_bytes;
+}
+
+static size_t staging_host(const knobs *k) { return (size_t)k->chunks * k->chunk + ST_WG_ALIGN; }
+
+/* Fills every derived figure of `out` from out->tier. */
+static void evaluate(const st_wgroups *g, const st_wplan_params *p, const knobs *k, st_wplan *out) {
+    const int n = g->n;
+    const int oid = st_wg_output_id(g);
+    out->n_groups = n;
+    if (g->tied) out->tier[0] = out->tier[oid] == ST_TIER_DEVICE ? ST_TIER_DEVICE : ST_TIER_SSD;
+    size_t slot = 0, resident = 0, host_tier = 0;
+    bool streams = false;
+    memset(out->bytes, 0, sizeof out->bytes);
+    memset(out->groups, 0, sizeof out->groups);
+    memset(out->kind_groups, 0, sizeof out->kind_groups);
+    out->step_ssd_img_bytes = out->step_ssd_bytes = out->step_host_bytes = out->step_read_bytes = 0;
+    for (int i = 0; i < n; i++) {
+        const st_wgroup *gr = &g->g[i];
+        const st_tier t = out->tier[i];
+        out->bytes[t] += gr->bytes;
+        out->groups[t]++;
+        out->kind_groups[t][gr->kind]++;
+        if (i == 0) continue; /* the table: resident or gathered, never streamed */
+        out->step_read_bytes += gr->bytes;
+        if (t == ST_TIER_DEVICE) {
+            resident += gr->slot_bytes;
+            continue;
+        }
+        streams = true;
+        if (gr->slot_bytes > slot) slot = gr->slot_bytes;
+        if (t == ST_TIER_HOST) {
+            host_tier += gr->img_bytes + ST_WG_ALIGN;
+            out->step_host_bytes += gr->bytes;
+        } else {
+            out->step_ssd_bytes += gr->bytes;
+            out->step_ssd_img_bytes += gr->img_bytes;
+        }
+    }
+    out->step_read_bytes += g->embed_row_bytes;
+    out->embed_gather = out->tier[0] != ST_TIER_DEVICE;
+    if (out->tier[0] == ST_TIER_DEVICE) resident += g->g[0].slot_bytes;
+
+    out->ring_slots = streams ? k->ring_slots : 0;
+    out->slot_bytes = streams ? slot : 0;
+    out->staging_chunk = k->chunk;
+    out->staging_chunks = streams ? k->chunks : 0;
+    out->device_mem = p->device_mem;
+    out->device_kv = p->device_kv;
+    out->device_act = p->device_act;
+    out->device_reserve = p->device_reserve;
+    out->device_ring = (size_t)out->ring_slots * out->slot_bytes;
+    out->device_embed_rows = out->embed_gather ? embed_rows_device(g, k) : 0;
+    out->device_resident = resident;
+    out->device_need = p->device_kv + p->device_act + p->device_reserve + out->device_ring + out->device_embed_rows +
+                       resident;
+    out->host_mem = p->host_mem;
+    out->host_staging = streams ? staging_host(k) : 0;
+    out->host_embed_rows = out->embed_gather ? embed_rows_host(g, k) : 0;
+    out->host_tier = host_tier;
+    out->host_need = out->host_staging + out->host_embed_rows + host_tier;
+
+    const st_wbw *bw = &p->bw;
+    out->bw = *bw;
+    out->t_ssd = bw->ssd > 0 ? (double)out->step_ssd_img_bytes / bw->ssd : 0;
+    out->t_pcie = bw->h2d > 0 ? (double)(out->step_host_bytes + out->step_ssd_bytes) / bw->h2d : 0;
+    out->t_compute = bw->dev_read > 0 ? (double)out->step_read_bytes / bw->dev_read : 0;
+    out->t_decode = out->t_ssd;
+    out->decode_bound = out->t_ssd > 0 ? ST_BOUND_SSD : ST_BOUND_NONE;
+    if (out->t_pcie > out->t_decode) out->t_decode = out->t_pcie, out->decode_bound = ST_BOUND_PCIE;
+    if (out->t_compute > out->t_decode) out->t_decode = out->t_compute, out->decode_bound = ST_BOUND_COMPUTE;
+    out->t_decode_serial = out->t_ssd + out->t_pcie + out->t_compute;
+
+    out->prefill_tokens = p->prefill_tokens > 0 ? p->prefill_tokens : DEFAULT_PREFILL;
+    out->prefill_chunk = k->max_batch;
+    out->flops_per_token = p->flops_per_token;
+    out->attn_flops = p->attn_flops;
+    out->t_prefill = st_wplan_prefill(out, out->prefill_tokens, &out->t_prefill_stream, &out->t_prefill_compute,
+                                      &out->prefill_bound);
+}
+
+double st_wplan_prefill(const st_wplan *p, int64_t P, double *t_stream, double *t_compute, st_wbound *bound) {
+    const int64_t T = p->prefill_chunk > 0 ? p->prefill_chunk : 512;
+    const double stream = p->t_ssd > p->t_pcie ? p->t_ssd : p->t_pcie;
+    double sum = 0, s_stream = 0, s_comp = 0;
+    for (int64_t pos = 0; pos < P; pos += T) {
+        const double t = (double)(P - pos < T ? P - pos : T);
+        double comp = p->bw.gemm > 0
+                          ? (t * p->flops_per_token + p->attn_flops * t * ((double)pos + t / 2)) / p->bw.gemm
+                          : 0;
+        if (p->t_compute > comp) comp = p->t_compute;
+        sum += stream > comp ? stream : comp;
+        s_stream += stream;
+        s_comp += comp;
+    }
+    if (t_stream) *t_stream = s_stream;
+    if (t_compute) *t_compute = s_comp;
+    if (bound)
+        *bound = s_stream == 0 && s_comp == 0 ? ST_BOUND_NONE
+                 : s_comp >= s_stream         ? ST_BOUND_COMPUTE
+                 : p->t_ssd > p->t_pcie       ? ST_BOUND_SSD
+                                              : ST_BOUND_PCIE;
+    return sum;
+}
+
+/* Greedy fill: among groups 1..n-1 still on SSD with slot_bytes <= c, makes
+ * resident the largest first, spreading equal-sized picks evenly over the
+ * layers (so that resident compute interleaves with streaming). */
+static void fill_device(const st_wgroups *g, st_tier *tier, size_t c, size_t *avail) {
+    const int n = g->n;
+    for (;;) {
+        size_t size = 0; /* the largest size class not yet considered that fits */
+        for (int i = 1; i < n; i++)
+            if (tier[i] == ST_TIER_SSD && g->g[i].slot_bytes <= c && g->g[i].slot_bytes <= *avail &&
+                g->g[i].slot_bytes > size)
+                size = g->g[i].slot_bytes;
+        if (size == 0) return;
+        int members[n], count = 0;
+        for (int i = 1; i < n; i++)
+            if (tier[i] == ST_TIER_SSD && g->g[i].slot_bytes == size) members[count++] = i;
+        size_t take = *avail / size;
+        if (take > (size_t)count) take = (size_t)count;
+        for (size_t j = 0; j < take; j++) {
+            int idx = (int)(((double)j + 0.5) * (double)count / (double)take);
+            if (idx >= count) idx = count - 1;
+            while (tier[members[idx]] != ST_TIER_SSD) idx = (idx + 1) % count;
+            tier[members[idx]] = ST_TIER_DEVICE;
+        }
+        *avail -= take * size;
+        if (take < (size_t)count) return; /* smaller classes may still fit in what is left */
+    }
+}
+
+static void fill_host(const st_wgroups *g, st_tier *tier, size_t avail) {
+    const int n = g->n;
+    for (;;) { /* largest image first */
+        int best = -1;
+        for (int i = 1; i < n; i++)
+            if (tier[i] == ST_TIER_SSD && g->g[i].img_bytes + ST_WG_ALIGN <= avail &&
+                (best < 0 || g->g[i].img_bytes > g->g[best].img_bytes))
+                best = i;
+        if (best < 0) return;
+        tier[best] = ST_TIER_HOST;
+        avail -= g->g[best].img_bytes + ST_WG_ALIGN;
+    }
+}
+
+static bool better(const st_wplan *a, const st_wplan *b) { /* a better than b */
+    if (a->t_decode != b->t_decode) return a->t_decode < b->t_decode;
+    if (a->t_decode_serial != b->t_decode_serial) return a->t_decode_serial < b->t_decode_serial;
+    if (a->bytes[ST_TIER_SSD] != b->bytes[ST_TIER_SSD]) return a->bytes[ST_TIER_SSD] < b->bytes[ST_TIER_SSD];
+    return a->device_need < b->device_need;
+}
+
+static strata_status too_small_device(const st_wgroups *g, const st_wplan_params *p, const knobs *k, size_t min_need,
+                                      size_t min_c) {
+    char b[8][32];
+    size_t big = 0; /* groups that must stay resident because they exceed a slot */
+    for (int i = 1; i < g->n; i++)
+        if (g->g[i].slot_bytes > min_c) big += g->g[i].slot_bytes;
+    return st_err(STRATA_ERR_NOMEM,
+                  "device budget (--device-mem) of %s is too small for this model: at least %s is needed "
+                  "(KV cache %s + activations %s + backend reserve %s + ring %d x %s + embedding rows %s%s%s)",
+                  st_fmt_bytes((double)p->device_mem, b[0], 32), st_fmt_bytes((double)min_need, b[1], 32),
+                  st_fmt_bytes((double)p->device_kv, b[2], 32), st_fmt_bytes((double)p->device_act, b[3], 32),
+                  st_fmt_bytes((double)p->device_reserve, b[4], 32), k->ring_slots,
+                  st_fmt_bytes((double)min_c, b[5], 32), st_fmt_bytes((double)embed_rows_device(g, k), b[6], 32),
+                  big ? " + groups larger than a slot, resident " : "",
+                  big ? st_fmt_bytes((double)big, b[7], 32) : "");
+}
+
+static strata_status too_small_host(const st_wgroups *g, const st_wplan_params *p, const knobs *k, size_t need,
+                                    bool gather, size_t chunk) {
+    char b[4][32];
+    return st_err(STRATA_ERR_NOMEM,
+                  "host budget (--host-mem) of %s is too small: streaming the weights needs at least %s of pinned "
+                  "memory (staging %d x %s%s%s)",
+                  st_fmt_bytes((double)p->host_mem, b[0], 32), st_fmt_bytes((double)need, b[1], 32), 2,
+                  st_fmt_bytes((double)chunk, b[2], 32), gather ? " + embedding rows " : "",
+                  gather ? st_fmt_bytes((double)embed_rows_host(g, k), b[3], 32) : "");
+}
+
+strata_status st_wplan_make(const st_wgroups *g, const st_wplan_params *p, st_wplan *out) {
+    if (!out) return st_err(STRATA_ERR_INVALID_ARG, "plan: out is NULL");
+    memset(out, 0, sizeof *out);
+    if (!g || !p) return st_err(STRATA_ERR_INVALID_ARG, "plan: NULL groups or params");
+    const knobs k = get_knobs(g, p->force, p);
+    const int n = g->n;
+    out->n_groups = n;
+    out->tier = st_calloc((size_t)n, sizeof *out->tier);
+    st_tier *cand = st_calloc((size_t)n, sizeof *cand);
+    if (!out->tier || !cand) {
+        st_free(cand);
+        st_wplan_free(out);
+        return st_err(STRATA_ERR_NOMEM, "plan: out of memory");
+    }
+    const size_t other = p->device_kv + p->device_act + p->device_reserve;
+    strata_status st = STRATA_OK;
+
+    if (p->force) {
+        for (int i = 0; i < n; i++) {
+            if (p->force[i] < 0 || p->force[i] >= ST_TIER_COUNT || (i == 0 && p->force[i] == ST_TIER_HOST)) {
+                st = st_err(STRATA_ERR_INVALID_ARG, "plan: group %s cannot be placed on tier %d", g->g[i].name,
+                            (int)p->force[i]);
+                goto done;
+            }
+            out->tier[i] = p->force[i];
+        }
+        evaluate(g, p, &k, out);
+        out->device_min = out->device_need;
+        out->host_min = out->host_embed_rows + (out->ring_slots ? 2 * out->staging_chunk + ST_WG_ALIGN : 0);
+        char b[3][32];
+        if (p->device_mem && out->device_need > p->device_mem) {
+            st = st_err(STRATA_ERR_NOMEM, "device budget (--device-mem) of %s is too small for this placement: %s needed",
+                        st_fmt_bytes((double)p->device_mem, b[0], 32), st_fmt_bytes((double)out->device_need, b[1], 32));
+            goto done;
+        }
+        if (out->host_need > p->host_mem && (out->host_need > 0)) {
+            st = st_err(STRATA_ERR_NOMEM, "host budget (--host-mem) of %s is too small for this placement: %s needed",
+                        st_fmt_bytes((double)p->host_mem, b[0], 32), st_fmt_bytes((double)out->host_need, b[1], 32));
+            goto done;
+        }
+        goto done;
+    }
+
+    if (p->device_mem == 0) { /* unlimited: everything resident */
+        for (int i = 0; i < n; i++) out->tier[i] = ST_TIER_DEVICE;
+        evaluate(g, p, &k, out);
+        goto done;
+    }
+
+    /* the least device memory any placement needs, and with which slot size */
+    size_t all = 0;
+    for (int i = 1; i < n; i++) all += g->g[i].slot_bytes;
+    size_t min_need = other + all + (g->tied ? 0 : (g->g[0].slot_bytes < embed_rows_device(g, &k)
+                                                        ? g->g[0].slot_bytes
+                                                        : embed_rows_device(g, &k)));
+    size_t min_c = 0;
+    for (int i = 1; i < n; i++) {
+        const size_t c = g->g[i].slot_bytes;
+        size_t need = other + (size_t)k.ring_slots * c + embed_rows_device(g, &k);
+        for (int j = 1; j < n; j++)
+            if (g->g[j].slot_bytes > c) need += g->g[j].slot_bytes;
+        if (need < min_need) min_need = need, min_c = c;
+    }
+
+    bool found = false, host_short = false;
+    size_t host_short_need = 0;
+    bool host_short_gather = false;
+    size_t host_short_chunk = 0;
+    st_wplan best = {0}, trial = {0};
+    trial.tier = cand;
+    /* candidates: c = 0 (nothing streams), then every distinct slot size */
+    size_t *sizes = st_calloc((size_t)n + 1, sizeof *sizes);
+    if (!sizes) {
+        st = st_err(STRATA_ERR_NOMEM, "plan: out of memory");
+        goto done;
+    }
+    int n_sizes = 1; /* sizes[0] = 0 */
+    for (int i = 1; i < n; i++) {
+        bool dup = false;
+        for (int j = 1; j < n_sizes; j++) dup = dup || sizes[j] == g->g[i].slot_bytes;
+        if (!dup) sizes[n_sizes++] = g->g[i].slot_bytes;
+    }
+    for (int ci = 0; ci < n_sizes; ci++) {
+        const size_t c = sizes[ci];
+        for (int i = 0; i < n; i++) cand[i] = ST_TIER_SSD;
+        size_t fixed = other;
+        if (c > 0) fixed += (size_t)k.ring_slots * c;
+        size_t mand = 0;
+        for (int i = 1; i < n; i++)
+            if (c == 0 || g->g[i].slot_bytes > c) {
+                cand[i] = ST_TIER_DEVICE;
+                mand += g->g[i].slot_bytes;
+            }
+        if (fixed + mand > p->device_mem) continue;
+        size_t avail = p->device_mem - fixed - mand;
+        const size_t rows = embed_rows_device(g, &k);
+        if (c > 0) {
+            if (avail < rows) continue; /* the rows buffer, in case the table is not resident */
+            avail -= rows;
+            fill_device(g, cand, c, &avail);
+            avail += rows;
+        }
+        bool any_stream = false;
+        for (int i = 1; i < n; i++) any_stream = any_stream || cand[i] != ST_TIER_DEVICE;
+        if (!any_stream && c > 0) continue; /* the same as c = 0, with a needless ring */
+        /* the table: resident when it fits in place of its rows buffer */
+        if (!g->tied) {
+            if (g->g[0].slot_bytes <= avail) cand[0] = ST_TIER_DEVICE;
+            else if (rows > avail) continue;
+        } else if (cand[st_wg_output_id(g)] != ST_TIER_DEVICE && rows > avail) {
+            continue;
+        }
+        /* host: staging (fewer chunks when the budget is short, 2 at least),
+         * the embedding rows, then the host tier in what is left */
+        knobs kc = get_knobs(g, cand, p);
+        evaluate(g, p, &kc, &trial);
+        if (trial.ring_slots && trial.host_staging + trial.host_embed_rows > p->host_mem) {
+            const size_t fixed = trial.host_embed_rows + ST_WG_ALIGN;
+            const size_t fit = p->host_mem > fixed ? (p->host_mem - fixed) / kc.chunk : 0;
+            kc.chunks = fit < 2 ? 2 : (int)fit;
+            evaluate(g, p, &kc, &trial);
+        }
+        const size_t host_fixed = trial.host_staging + trial.host_embed_rows;
+        if (host_fixed > p->host_mem) {
+            if (!host_short || host_fixed < host_short_need) {
+                host_short_need = host_fixed;
+                host_short_gather = trial.embed_gather;
+                host_short_chunk = kc.chunk;
+            }
+            host_short = true;
+            continue;
+        }
+        fill_host(g, cand, p->host_mem - host_fixed);
+        evaluate(g, p, &kc, &trial);
+        if (trial.device_need > p->device_mem || trial.host_need > p->host_mem) continue; /* cannot happen */
+        if (!found || better(&trial, &best)) {
+            st_tier *keep = best.tier;
+            best = trial;
+            best.tier = keep ? keep : st_calloc((size_t)n, sizeof *best.tier);
+            if (!best.tier) {
+                st_free(sizes);
+                st = st_err(STRATA_ERR_NOMEM, "plan: out of memory");
+                goto done;
+            }
+            memcpy(best.tier, cand, (size_t)n * sizeof *cand);
+            found = true;
+        }
+    }
+    st_free(sizes);
+    if (!found) {
+        if (host_short) st = too_small_host(g, p, &k, host_short_need, host_short_gather, host_short_chunk);
+        else st = too_small_device(g, p, &k, min_need, min_c);
+        goto done;
+    }
+    {
+        st_tier *mine = out->tier;
+        memcpy(mine, best.tier, (size_t)n * sizeof *mine);
+        st_free(best.tier);
+        *out = best;
+        out->tier = mine;
+        out->device_min = min_need;
+        /* what a plan at device_min needs: two staging chunks and the rows */
+        out->host_min = 2 * k.chunk + ST_WG_ALIGN + embed_rows_host(g, &k);
+    }
+done:
+    st_free(cand);
+    if (st != STRATA_OK) st_wplan_free(out);
+    return st;
+}
+
+void st_wplan_free(st_wplan *p) {
+    if (!p) return;
+    st_free(p->tier);
+    p->tier = NULL;
+}
+
+void st_wplan_summary(const st_wplan *p, char *buf, size_t n) {
+    char b[6][32];
+    snprintf(buf, n,
+             "device %d groups %s, host %d groups %s, ssd %d groups %s; ring %d x %s; decode %.2f ms/token "
+             "predicted (%s bound), %s from SSD per token",
+             p->groups[ST_TIER_DEVICE], st_fmt_bytes((double)p->bytes[ST_TIER_DEVICE], b[0], 32),
+             p->groups[ST_TIER_HOST], st_fmt_bytes((double)p->bytes[ST_TIER_HOST], b[1], 32), p->groups[ST_TIER_SSD],
+             st_fmt_bytes((double)p->bytes[ST_TIER_SSD], b[2], 32), p->ring_slots,
+             st_fmt_bytes((double)p->slot_bytes, b[3], 32), p->t_decode * 1e3, st_wbound_name(p->decode_bound),
+             st_fmt_bytes((double)p->step_ssd_img_bytes, b[4], 32));
+}

@@ -1,0 +1,140 @@
+/* weights/plan: where each weight group lives, and what that costs per step.
+ *
+ * Every forward pass reads the groups in the same cyclic order. For a cyclic
+ * scan larger than a cache the best policy is a FIXED resident subset (a
+ * window sliding with the current layer evicts exactly what the next step
+ * needs first and ends up re-reading the whole model every token), so the
+ * planner places each group once:
+ *   DEVICE  resident in device memory, read in place;
+ *   HOST    resident in pinned host memory, copied into a device ring slot
+ *           each step (bytes / H2D bandwidth);
+ *   SSD     read from its model file each step with O_DIRECT into pinned
+ *           staging, then copied into a ring slot (image bytes / SSD bandwidth,
+ *           and the tensor bytes cross PCIe too).
+ *
+ * Device budget = other (KV cache, activations, backend scratch reserve: the
+ * caller's figures) + ring (ring_slots x the largest streamed group) + embed
+ * rows buffer (when the table is not resident) + resident groups.
+ * Host budget (pinned) = staging (staging_chunks x staging_chunk, when any
+ * group streams) + embed row staging + host-tier groups (their images).
+ *
+ * Placement: all groups but embed are read in full once per step, so a byte
+ * kept resident saves the same time wherever it sits: the planner maximizes
+ * resident bytes, then host bytes. Because ring slots must hold the largest
+ * streamed group, it tries every "largest streamed size" c (groups larger
+ * than c must then be resident, the ring is ring_slots x c) and keeps the one
+ * with the least predicted step time; within one c it packs groups largest
+ * first (equal-sized groups make this near-optimal: at most one group's worth
+ * of budget is left unused). The embedding table is only gathered (a few rows
+ * per step), so leaving it in the file costs almost nothing: it becomes
+ * resident only with device room to spare, and never takes host-tier memory
+ * (its rows are gathered from the file mapping into small pinned staging).
+ *
+ * Predicted decode step (full overlap: the SSD reader, the copy stream and
+ * the compute stream are pipelined, each bounded by its own busy time):
+ *   max(ssd_img_bytes / ssd_bw, (host_bytes + ssd_bytes) / h2d_bw, read_bytes / dev_read_bw)
+ * The serial sum of the three is also given as the pessimistic bound (no
+ * overlap at all). Prefill of P tokens in chunks of T: each chunk streams the
+ * non-resident groups once, so per chunk max(stream time, compute time) with
+ * compute = T * flops_per_token / gemm_flops + attention.
+ */
+#pragma once
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include "weights/groups.h"
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum { ST_TIER_DEVICE = 0, ST_TIER_HOST, ST_TIER_SSD, ST_TIER_COUNT } st_tier;
+const char *st_tier_name(st_tier t); /* "device", "host", "ssd" */
+
+/* Bandwidths, bytes (or FLOP) per second; 0 where unknown. */
+typedef struct {
+    double h2d;        /* pinned host -> device copies */
+    double ssd;        /* O_DIRECT reads of the model files */
+    double dev_read;   /* weight bytes the backend's matmul reads per second at 1 token */
+    double gemm;       /* FLOP/s of the backend's matmul at a prefill batch */
+    bool ssd_direct;   /* the SSD figure was measured with O_DIRECT (false: page cache) */
+    bool measured[4];  /* h2d, ssd, dev_read, gemm: measured now (false: given) */
+} st_wbw;
+
+typedef struct {
+    size_t device_mem;      /* device cap (0: unlimited: every group resident, no ring) */
+    size_t host_mem;        /* pinned host cap for the weights (host tier + staging) */
+    size_t device_kv;       /* device bytes of the KV cache */
+    size_t device_act;      /* device bytes of activations */
+    size_t device_reserve;  /* device bytes kept for backend scratch */
+    int ring_slots;         /* device slots for streamed groups (0: 2; at least 2) */
+    size_t staging_chunk;   /* bytes per staging buffer (0: 8 MiB; a multiple of 4096) */
+    int staging_chunks;     /* staging buffers (0: 16) */
+    int64_t max_batch;      /* tokens per forward chunk (embed rows buffer; prefill chunking) */
+    int64_t prefill_tokens; /* prompt length of the prefill prediction (0: 2048) */
+    double flops_per_token; /* matmul FLOPs of one token through the model */
+    double attn_flops;      /* attention FLOPs of a prompt of P tokens = attn_flops * P * P / 2 */
+    st_wbw bw;
+    const st_tier *force;   /* [groups->n] fixed placement (tests), or NULL */
+} st_wplan_params;
+
+typedef enum { ST_BOUND_NONE = 0, ST_BOUND_SSD, ST_BOUND_PCIE, ST_BOUND_COMPUTE } st_wbound;
+const char *st_wbound_name(st_wbound b); /* "none", "SSD read", "PCIe (H2D)", "compute" */
+
+typedef struct {
+    int n_groups;
+    st_tier *tier;             /* [n_groups], owned */
+    int ring_slots;            /* 0 when nothing streams */
+    size_t slot_bytes;         /* bytes per ring slot */
+    size_t staging_chunk;
+    int staging_chunks;        /* 0 when nothing streams */
+    bool embed_gather;         /* embedding rows gathered from the file (table not resident) */
+    /* device budget breakdown */
+    size_t device_mem, device_kv, device_act, device_reserve;
+    size_t device_ring, device_embed_rows, device_resident, device_need;
+    size_t device_min; /* the least device budget any placement fits in */
+    /* host budget breakdown (pinned) */
+    size_t host_mem, host_staging, host_embed_rows, host_tier, host_need;
+    size_t host_min; /* what a plan at device_min needs (two staging chunks, the embedding rows) */
+    /* tensor bytes and group counts per tier, and per kind */
+    uint64_t bytes[ST_TIER_COUNT];
+    int groups[ST_TIER_COUNT];
+    int kind_groups[ST_TIER_COUNT][4]; /* [tier][st_wg_kind] */
+    /* per decode step */
+    uint64_t step_ssd_img_bytes;  /* read from the files (aligned images) */
+    uint64_t step_ssd_bytes;      /* tensor bytes of SSD groups */
+    uint64_t step_host_bytes;     /* tensor bytes copied from the host tier */
+    uint64_t step_read_bytes;     /* weight bytes the math reads (all but the table; its rows) */
+    double t_ssd, t_pcie, t_compute;  /* seconds per decode step, each resource alone */
+    double t_decode, t_decode_serial;
+    st_wbound decode_bound;
+    int64_t prefill_tokens, prefill_chunk;
+    double t_prefill, t_prefill_stream, t_prefill_compute;
+    st_wbound prefill_bound;
+    double flops_per_token, attn_flops;
+    st_wbw bw;
+} st_wplan;
+
+/* Places the groups (p->force: checks that placement instead). The caller
+ * owns out->tier (st_wplan_free). A budget too small for any placement is
+ * STRATA_ERR_NOMEM with a message saying how much is needed at least and
+ * what it is made of. */
+strata_status st_wplan_make(const st_wgroups *g, const st_wplan_params *p, st_wplan *out);
+void st_wplan_free(st_wplan *p); /* safe on a zeroed struct */
+
+/* Predicted prefill time of P tokens (in the plan's chunks) and its parts:
+ * sums over chunks of the streaming time and of the compute time, and the
+ * bound (the larger sum). */
+double st_wplan_prefill(const st_wplan *p, int64_t P, double *t_stream, double *t_compute, st_wbound *bound);
+
+/* One line: "device 3 groups 12.0 MB, host ..., ssd ...; decode 4.1 ms/token (SSD read)". */
+void st_wplan_summary(const st_wplan *p, char *buf, size_t n);
+
+/* 80% of the host's MemAvailable (/proc/meminfo); 0 when unknown. */
+size_t st_wplan_host_auto(void);
+
+/* Formats bytes as "12.3 MB" / "1.50 GB" (decimal units) into buf. */
+const char *st_fmt_bytes(double bytes, char *buf, size_t n);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,218 @@
+/* The CPU backend's decode-step ops (set_rows, argmax, matmul_multi,
+ * matmul_swiglu, graphs: backend.h) against references written here, and the
+ * model's single-token decode (st_llama_decode) against st_llama_forward.
+ * The CUDA backend runs the same ops against this CPU backend in
+ * tests/gpu/gpu_check_ops.c. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/backend.h"
+#include "core/quant.h"
+#include "loader/loader.h"
+#include "model/llama.h"
+#include "testutil.h"
+
+static uint64_t g_rng = 0x2545f4914f6cdd1dull;
+static uint32_t rnd_u32(void) {
+    g_rng ^= g_rng << 13;
+    g_rng ^= g_rng >> 7;
+    g_rng ^= g_rng << 17;
+    return (uint32_t)(g_rng >> 32);
+}
+static float rnd_f(void) { return (float)((double)rnd_u32() / 4294967296.0 * 2.0 - 1.0); }
+static float *rand_f(int64_t n, float scale) {
+    float *p = malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
+    for (int64_t i = 0; i < n; i++) p[i] = rnd_f() * scale;
+    return p;
+}
+
+static void test_set_rows(st_backend *be) {
+    const int64_t rows = 37, cols = 19, n = 5;
+    float *dst = rand_f(rows * cols, 1.0f), *orig = malloc((size_t)(rows * cols) * sizeof(float));
+    float *src = rand_f(n * cols, 3.0f);
+    memcpy(orig, dst, (size_t)(rows * cols) * sizeof(float));
+    const int32_t idx[5] = {36, 0, 7, 8, 20};
+    CHECK(be->ops->set_rows(be, NULL, dst, rows, src, idx, n, cols) == STRATA_OK);
+    for (int64_t r = 0; r < rows; r++) {
+        const float *want = orig + r * cols;
+        for (int64_t i = 0; i < n; i++)
+            if (idx[i] == r) want = src + i * cols;
+        CHECK_MSG(memcmp(dst + r * cols, want, (size_t)cols * sizeof(float)) == 0, "row %lld", (long long)r);
+    }
+    /* an index out of range: an error, nothing written */
+    memcpy(dst, orig, (size_t)(rows * cols) * sizeof(float));
+    const int32_t bad[2] = {3, 37};
+    CHECK_ERR(be->ops->set_rows(be, NULL, dst, rows, src, bad, 2, cols), STRATA_ERR_INVALID_ARG, "idx[1] = 37");
+    CHECK(memcmp(dst, orig, (size_t)(rows * cols) * sizeof(float)) == 0);
+    const int32_t neg[1] = {-1};
+    CHECK_ERR(be->ops->set_rows(be, NULL, dst, rows, src, neg, 1, cols), STRATA_ERR_INVALID_ARG, "outside");
+    CHECK(be->ops->set_rows(be, NULL, dst, rows, src, idx, 0, cols) == STRATA_OK);
+    free(dst);
+    free(orig);
+    free(src);
+}
+
+static void test_argmax(st_backend *be) {
+    const int64_t n = 6, cols = 1001;
+    float *x = rand_f(n * cols, 10.0f);
+    x[0 * cols + 500] = 50.0f;                         /* row 0: a clear maximum */
+    x[1 * cols + 7] = 60.0f, x[1 * cols + 900] = 60.0f; /* row 1: a tie -> the first */
+    x[2 * cols + 3] = NAN, x[2 * cols + 4] = 70.0f;    /* row 2: NaN never wins */
+    x[2 * cols + 0] = NAN;
+    for (int64_t j = 0; j < cols; j++) x[3 * cols + j] = NAN; /* row 3: all NaN -> 0 */
+    for (int64_t j = 0; j < cols; j++) x[4 * cols + j] = -INFINITY; /* row 4: all -inf -> 0 */
+    x[4 * cols + 1000] = -1e30f;
+    x[5 * cols + 1000] = 99.0f;                        /* row 5: the last element */
+    int32_t out[6] = {-1, -1, -1, -1, -1, -1};
+    CHECK(be->ops->argmax(be, NULL, x, n, cols, out) == STRATA_OK);
+    CHECK(out[0] == 500);
+    CHECK(out[1] == 7);
+    CHECK(out[2] == 4);
+    CHECK(out[3] == 0);
+    CHECK(out[4] == 1000);
+    CHECK(out[5] == 1000);
+    for (int64_t j = 0; j < cols; j++) x[4 * cols + j] = -INFINITY;
+    CHECK(be->ops->argmax(be, NULL, x + 4 * cols, 1, cols, out) == STRATA_OK && out[0] == 0);
+    CHECK_ERR(be->ops->argmax(be, NULL, x, 1, 0, out), STRATA_ERR_INVALID_ARG, "cols");
+    free(x);
+}
+
+/* A rows x cols weight of dtype t with random values (quantized from f32). */
+static void *make_weight(st_dtype t, int64_t rows, int64_t cols) {
+    float *f = rand_f(rows * cols, 0.5f);
+    const size_t rb = st_dtype_row_bytes(t, cols);
+    uint8_t *w = malloc(rb * (size_t)rows);
+    for (int64_t r = 0; r < rows; r++)
+        CHECK(st_quantize_row(t, f + r * cols, w + (size_t)r * rb, cols));
+    free(f);
+    return w;
+}
+
+static void test_fused_matmuls(st_backend *be) {
+    const st_dtype types[] = {ST_DTYPE_F32, ST_DTYPE_BF16, ST_DTYPE_Q8_0, ST_DTYPE_Q4_0};
+    for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
+        const st_dtype t = types[ti];
+        const int64_t K = 256, n = 3;
+        const int64_t rows[3] = {40, 8, 8};
+        void *wd[3];
+        st_weight w[3];
+        float *x = rand_f(n * K, 1.0f), *y[3], *yr[3];
+        for (int i = 0; i < 3; i++) {
+            wd[i] = make_weight(t, rows[i], K);
+            w[i] = (st_weight){wd[i], t, rows[i], K};
+            y[i] = malloc((size_t)(n * rows[i]) * sizeof(float));
+            yr[i] = malloc((size_t)(n * rows[i]) * sizeof(float));
+            CHECK(be->ops->matmul(be, NULL, x, &w[i], n, yr[i]) == STRATA_OK);
+        }
+        CHECK(be->ops->matmul_multi(be, NULL, x, w, 3, n, y) == STRATA_OK);
+        for (int i = 0; i < 3; i++)
+            CHECK_MSG(memcmp(y[i], yr[i], (size_t)(n * rows[i]) * sizeof(float)) == 0, "%s weight %d",
+                      st_dtype_name(t), i);
+        /* swiglu: gate = w[1], up = w[2] (same shape) */
+        float *sw = malloc((size_t)(n * 8) * sizeof(float)), *ref = malloc((size_t)(n * 8) * sizeof(float));
+        CHECK(be->ops->matmul_swiglu(be, NULL, x, &w[1], &w[2], n, sw) == STRATA_OK);
+        CHECK(be->ops->swiglu(be, NULL, yr[1], yr[2], n * 8, ref) == STRATA_OK);
+        CHECK_MSG(memcmp(sw, ref, (size_t)(n * 8) * sizeof(float)) == 0, "%s swiglu", st_dtype_name(t));
+        /* and against a double reference of silu(g) * u */
+        for (int64_t i = 0; i < n * 8; i++) {
+            const double g = yr[1][i], u = yr[2][i];
+            const double want = g / (1.0 + exp(-g)) * u;
+            CHECK(fabs(sw[i] - want) <= 1e-5 * (fabs(want) + 1e-3));
+        }
+        CHECK_ERR(be->ops->matmul_swiglu(be, NULL, x, &w[0], &w[1], n, sw), STRATA_ERR_INVALID_ARG, "gate is");
+        free(sw);
+        free(ref);
+        st_weight bad[2] = {w[0], w[1]};
+        bad[1].cols = 128;
+        CHECK_ERR(be->ops->matmul_multi(be, NULL, x, bad, 2, n, y), STRATA_ERR_INVALID_ARG, "cols");
+        CHECK_ERR(be->ops->matmul_multi(be, NULL, x, w, 5, n, y), STRATA_ERR_INVALID_ARG, "count");
+        for (int i = 0; i < 3; i++) {
+            free(wd[i]);
+            free(y[i]);
+            free(yr[i]);
+        }
+        free(x);
+    }
+}
+
+static void test_graphs(st_backend *be) {
+    st_stream *s = NULL;
+    CHECK(be->ops->stream_create(be, false, &s) == STRATA_OK);
+    CHECK_ERR(be->ops->graph_begin(be, s), STRATA_ERR_UNSUPPORTED, "no graphs");
+    st_graph *g = (st_graph *)&g;
+    CHECK(be->ops->graph_end(be, s, &g) != STRATA_OK && g == NULL);
+    be->ops->graph_destroy(be, NULL);
+    be->ops->set_fast_prefill(be, true); /* no effect on the CPU */
+    be->ops->set_fast_prefill(be, false);
+    be->ops->stream_destroy(be, s);
+}
+
+/* st_llama_decode against st_llama_forward over a reference model: the same
+ * logits bit for bit, and `next` is their argmax. */
+static void test_llama_decode(st_backend *be, const char *model) {
+    st_model_files *f = NULL;
+    st_llama *m = NULL;
+    CHECK(st_model_open(test_src_path(model), &f) == STRATA_OK);
+    if (!f) return;
+    st_llama_params lp = {.max_ctx = 40, .max_batch = 8};
+    CHECK(st_llama_init(f, be, &lp, &m) == STRATA_OK);
+    if (!m) {
+        st_model_close(f);
+        return;
+    }
+    const int64_t V = st_llama_config(m)->vocab_size;
+    float *la = malloc((size_t)V * sizeof(float)), *lb = malloc((size_t)V * sizeof(float));
+    const int32_t prompt[5] = {1, 17, 42, 9, 100 % (int32_t)V};
+    int32_t seq_a[12], seq_b[12];
+    /* a: prefill + decode with host logits and a host argmax */
+    CHECK(st_llama_forward(m, prompt, 5, 0, false, la) == STRATA_OK);
+    for (int i = 0; i < 12; i++) {
+        int32_t b = 0;
+        for (int64_t v = 1; v < V; v++)
+            if (la[v] > la[b]) b = (int32_t)v;
+        seq_a[i] = b;
+        CHECK(st_llama_forward(m, &b, 1, st_llama_n_past(m), false, la) == STRATA_OK);
+    }
+    st_llama_reset(m);
+    /* b: the same through st_llama_decode's device argmax (logits every other step) */
+    CHECK(st_llama_forward(m, prompt, 5, 0, false, lb) == STRATA_OK);
+    int32_t next = -1;
+    for (int64_t v = 1, b = 0; v <= V; v++) {
+        if (v == V) next = (int32_t)b;
+        else if (lb[v] > lb[b]) b = v;
+    }
+    for (int i = 0; i < 12; i++) {
+        seq_b[i] = next;
+        CHECK(st_llama_decode(m, next, (i % 2) ? lb : NULL, &next) == STRATA_OK);
+    }
+    CHECK(memcmp(seq_a, seq_b, sizeof seq_a) == 0);
+    CHECK(memcmp(la, lb, (size_t)V * sizeof(float)) == 0); /* step 12's logits (i = 11 copied them) */
+    CHECK(st_llama_n_past(m) == 17);
+    CHECK_ERR(st_llama_decode(m, (int32_t)V, NULL, NULL), STRATA_ERR_INVALID_ARG, "vocabulary");
+    /* the context fills up: a clear error, nothing changed */
+    while (st_llama_n_past(m) < 40) CHECK(st_llama_decode(m, 3, NULL, NULL) == STRATA_OK);
+    CHECK_ERR(st_llama_decode(m, 3, NULL, &next), STRATA_ERR_INVALID_ARG, "full");
+    CHECK(st_llama_n_past(m) == 40);
+    free(la);
+    free(lb);
+    st_llama_free(m);
+    st_model_close(f);
+}
+
+int main(void) {
+    st_backend *be = NULL;
+    st_backend_params bp = {.kind = ST_BACKEND_CPU, .n_threads = 2};
+    CHECK(st_backend_init(&bp, &be) == STRATA_OK);
+    if (!be) return test_finish("test_backend_decode");
+    test_set_rows(be);
+    test_argmax(be);
+    test_fused_matmuls(be);
+    test_graphs(be);
+    test_llama_decode(be, "tests/data/models/gqa_f32");
+    test_llama_decode(be, "tests/data/models/llama3_bf16");
+    test_llama_decode(be, "tests/data/models/mha_tied_f32");
+    st_backend_free(be);
+    return test_finish("test_backend_decode");
+}

@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""Weight streaming through the command line:
+
+- `strata logits --device-mem X --host-mem Y` writes the same bytes as the
+  unbudgeted (fully resident) run, for budgets from the least the plan
+  accepts (everything streams, mostly from the file) up to room for all, on
+  reference models and the default SmolLM2 GGUF when present; token by token
+  (--chunk 1) too; `--gpu-mem` is the same option;
+- `strata plan` prints bytes per tier that add up to the model's bytes (and
+  groups to the group count), a minimum that works, predicted decode and
+  prefill times with their bound;
+- a budget below the minimum fails with the figure; bad sizes are usage
+  errors; an injected read error (STRATA_FAULT) fails cleanly, naming the file.
+"""
+import os
+import re
+import subprocess
+import sys
+
+SRC = os.environ.get("STRATA_SRC", ".")
+BIN = os.environ.get("STRATA_BIN", "build/strata")
+TMP = os.path.join(os.environ.get("STRATA_TMP", "/tmp/strata-test"), "streaming_cli")
+os.makedirs(TMP, exist_ok=True)
+BW = ["--h2d-bw", "10", "--ssd-bw", "1"]  # no probes: faster, deterministic plans
+
+failures = []
+checks = 0
+
+
+def check(cond, what):
+    global checks
+    checks += 1
+    if not cond:
+        failures.append(what)
+        print("FAIL:", what, flush=True)
+
+
+def run(args, env=None):
+    e = dict(os.environ)
+    if env:
+        e.update(env)
+    return subprocess.run([BIN] + args, capture_output=True, text=True, env=e)
+
+
+def logits_bytes(model, tokens, extra=(), env=None):
+    out = os.path.join(TMP, "out.f32")
+    if os.path.exists(out):
+        os.remove(out)
+    p = run(["logits", model, "--tokens", tokens, "--out", out, "--ctx", "48", "--batch", "8", *extra], env)
+    if p.returncode != 0:
+        return None, p
+    with open(out, "rb") as f:
+        return f.read(), p
+
+
+def plan(model, extra=()):
+    p = run(["plan", model, "--ctx", "48", "--batch", "8", *BW, *extra])
+    return p
+
+
+def parse_plan(text):
+    info = {"tiers": {}}
+    for line in text.splitlines():
+        m = re.match(r"model\s+.*?(\d+) groups, .*?\((\d+) bytes\)", line)
+        if m:
+            info["groups"], info["model_bytes"] = int(m.group(1)), int(m.group(2))
+        m = re.match(r"\s+(device|host|ssd|total)\s+(\d+)\s.*?\s(\d+) \(", line)
+        if m:
+            info["tiers"][m.group(1)] = (int(m.group(2)), int(m.group(3)))
+        m = re.match(r"minimum\s+device .*?\((\d+) bytes\), host .*?\((\d+) bytes\)", line)
+        if m:
+            info["min_dev"], info["min_host"] = int(m.group(1)), int(m.group(2))
+        m = re.match(r"decode\s+([\d.]+) ms/token predicted, bound: (.+?) \(", line)
+        if m:
+            info["decode_ms"], info["decode_bound"] = float(m.group(1)), m.group(2)
+        m = re.match(r"prefill\s+(\d+) tokens: ([\d.]+) s predicted .*bound: (.+?) \(", line)
+        if m:
+            info["prefill_s"], info["prefill_bound"] = float(m.group(2)), m.group(3)
+        m = re.match(r"per token\s+(\d+) bytes read from SSD", line)
+        if m:
+            info["ssd_per_token"] = int(m.group(1))
+    return info
+
+
+def check_plan_text(name, text, streaming):
+    info = parse_plan(text)
+    t = info["tiers"]
+    check(set(t) == {"device", "host", "ssd", "total"}, "%s plan: tier lines missing: %s" % (name, text))
+    if set(t) != {"device", "host", "ssd", "total"}:
+        return info
+    check(sum(t[k][1] for k in ("device", "host", "ssd")) == t["total"][1] == info.get("model_bytes"),
+          "%s plan: tier bytes %s do not add up to the model's %s" % (name, t, info.get("model_bytes")))
+    check(sum(t[k][0] for k in ("device", "host", "ssd")) == t["total"][0] == info.get("groups"),
+          "%s plan: group counts %s" % (name, t))
+    check(info.get("decode_ms", -1) > 0 and info.get("decode_bound") in ("SSD read", "PCIe (H2D)", "compute"),
+          "%s plan: no decode prediction: %s" % (name, text))
+    check(info.get("prefill_s", -1) > 0 and info.get("prefill_bound") in ("SSD read", "PCIe (H2D)", "compute"),
+          "%s plan: no prefill prediction" % name)
+    if streaming:
+        check(t["device"][1] < info["model_bytes"], "%s plan: nothing streams at a small budget" % name)
+    return info
+
+
+def check_model(name, model, tokens):
+    ref, p = logits_bytes(model, tokens)
+    check(ref is not None, "%s: resident run failed: %s" % (name, p.stderr))
+    if ref is None:
+        return
+    p = plan(model, ["--device-mem", "1T", "--host-mem", "1T"])
+    check(p.returncode == 0, "%s: plan failed: %s" % (name, p.stderr))
+    info = parse_plan(p.stdout)
+    min_dev, min_host = info.get("min_dev"), info.get("min_host")
+    if not min_dev:
+        check(False, "%s: no minimum in the plan: %s" % (name, p.stdout))
+        return
+    total = info["model_bytes"]
+    # budgets: the least; the least plus half the model split across tiers;
+    # everything on the device
+    budgets = [
+        (min_dev, min_host, "--device-mem"),
+        (min_dev + total // 3, min_host + total // 3, "--gpu-mem"),
+        (min_dev + 2 * total, 1 << 30, "--device-mem"),
+    ]
+    for dev, host, opt in budgets:
+        extra = [opt, str(dev), "--host-mem", str(host), *BW]
+        p = plan(model, [opt, str(dev), "--host-mem", str(host)])
+        check(p.returncode == 0, "%s: plan at %d/%d failed: %s" % (name, dev, host, p.stderr))
+        if p.returncode == 0:
+            check_plan_text("%s at %d/%d" % (name, dev, host), p.stdout, dev == min_dev)
+        for chunk in ((), ("--chunk", "1")):
+            got, p = logits_bytes(model, tokens, extra + list(chunk))
+            check(got is not None, "%s %s: failed: %s" % (name, " ".join(extra + list(chunk)), p.stderr))
+            if got is not None:
+                check(got == ref, "%s %s: logits differ from the resident run" % (name, " ".join(extra + list(chunk))))
+    # below the minimum: an error with the figure
+    p = run(["logits", model, "--tokens", tokens, "--out", os.path.join(TMP, "x.f32"), "--ctx", "48", "--batch", "8",
+             "--device-mem", str(min_dev - 4096), "--host-mem", str(1 << 30), *BW])
+    check(p.returncode == 1 and "at least" in p.stderr and "device budget" in p.stderr,
+          "%s: below the minimum: rc %d, %r" % (name, p.returncode, p.stderr))
+    # an injected read error while streaming everything from the file
+    p = run(["logits", model, "--tokens", tokens, "--out", os.path.join(TMP, "x.f32"), "--ctx", "48", "--batch", "8",
+             "--device-mem", str(min_dev), "--host-mem", str(min_host), *BW], {"STRATA_FAULT": "read-error:3"})
+    check(p.returncode == 1 and "failed" in p.stderr and "offset" in p.stderr,
+          "%s: injected read error: rc %d, %r" % (name, p.returncode, p.stderr))
+    print("%-14s ok: budgets %s" % (name, [(d, h) for d, h, _ in budgets]), flush=True)
+
+
+def main():
+    toks = " ".join(str((i * 37 + 5) % 200) for i in range(20))
+    for name in ("gqa_f32", "gqa_sharded_f32", "gqa_tied_bf16", "llama3_bf16"):
+        check_model(name, os.path.join(SRC, "tests", "data", "models", name), toks)
+    smol = os.path.join(SRC, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if os.path.exists(smol):
+        check_model("smollm2", smol, " ".join(str((i * 997 + 11) % 49152) for i in range(12)))
+    else:
+        print("(SmolLM2 GGUF absent: not checked)")
+
+    m0 = os.path.join(SRC, "tests", "data", "models", "gqa_f32")
+    for bad in ("12Q", "-5G", "G", "1.5.2M"):
+        p = run(["logits", m0, "--tokens", "1", "--out", os.path.join(TMP, "x.f32"), "--device-mem", bad])
+        check(p.returncode == 2 and "not a size" in p.stderr, "--device-mem %s: rc %d, %r" % (bad, p.returncode, p.stderr))
+    p = run(["plan", m0, "--host-mem", "1.5G", "--device-mem", "2g", *BW])
+    check(p.returncode == 0 and "budget 2.15 GB" in p.stdout and "budget 1.61 GB" in p.stdout,
+          "sizes with suffixes: %r %r" % (p.stdout, p.stderr))
+    p = run(["plan", m0])
+    check(p.returncode == 0 and "no budget" in p.stdout, "plan without budgets: %r" % p.stderr)
+    check_plan_text("gqa_f32 unbudgeted", p.stdout, False)
+
+    print("%d checks, %d failed" % (checks, len(failures)))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

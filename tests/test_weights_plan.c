@@ -1,0 +1,280 @@
+/* Weight placement planner (weights/plan.h) on synthetic group tables:
+ *  - no device budget: everything resident, no ring, no host memory;
+ *  - a Llama-3-70B-shaped bf16 model on 16 GB / 100 GB: budgets respected,
+ *    bytes per tier add up to the model, the output group (the largest) is
+ *    kept resident so that the ring is sized by an ffn group, the predicted
+ *    decode time is max(SSD, PCIe, compute) of the bytes placed;
+ *  - optimality: on small tables, the planner's predicted decode time equals
+ *    the best of every feasible placement (brute force through forced
+ *    placements, which the planner evaluates with the same model);
+ *  - the minimum device budget the error message names is enough, one byte
+ *    less is not; a host budget below staging is refused with its figure;
+ *  - forced placements over budget are refused; the prefill prediction is
+ *    compute-bound for a big prompt on a fast link and stream-bound on a slow
+ *    one. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "testutil.h"
+#include "weights/plan.h"
+
+typedef struct {
+    st_wgroups g;
+    st_tensor_desc table; /* the embedding table (for the tied flag only) */
+} fake_model;
+
+/* Groups: embed (bytes e, 0 when tied), layers x (attn a, ffn f), output o. */
+static void fake_init(fake_model *m, int layers, uint64_t e, uint64_t a, uint64_t f, uint64_t o, bool tied) {
+    memset(m, 0, sizeof *m);
+    st_wgroups *g = &m->g;
+    g->n_layers = layers;
+    g->n = 2 * layers + 2;
+    g->g = calloc((size_t)g->n, sizeof *g->g);
+    g->tied = tied;
+    g->embed_row_bytes = 16384;
+    for (int i = 0; i < g->n; i++) {
+        st_wgroup *x = &g->g[i];
+        uint64_t b;
+        if (i == 0) x->kind = ST_WG_EMBED, b = tied ? 0 : e, snprintf(x->name, sizeof x->name, "embed");
+        else if (i == g->n - 1) x->kind = ST_WG_OUTPUT, b = o, snprintf(x->name, sizeof x->name, "output");
+        else if (i % 2) x->kind = ST_WG_ATTN, b = a, snprintf(x->name, sizeof x->name, "attn.%d", (i - 1) / 2);
+        else x->kind = ST_WG_FFN, b = f, snprintf(x->name, sizeof x->name, "ffn.%d", (i - 2) / 2);
+        x->layer = x->kind == ST_WG_ATTN || x->kind == ST_WG_FFN ? (i - 1) / 2 : -1;
+        x->bytes = b;
+        x->slot_bytes = (b + 255) / 256 * 256;
+        x->img_bytes = (b + 4095) / 4096 * 4096 + (b ? 4096 : 0);
+        g->model_bytes += b;
+        if (x->slot_bytes > g->max_slot_bytes) g->max_slot_bytes = x->slot_bytes;
+    }
+}
+
+static void fake_free(fake_model *m) { free(m->g.g); }
+
+static st_wplan_params params(size_t dev, size_t host) {
+    st_wplan_params p;
+    memset(&p, 0, sizeof p);
+    p.device_mem = dev;
+    p.host_mem = host;
+    p.device_kv = 100u << 20;
+    p.device_act = 50u << 20;
+    p.max_batch = 512;
+    p.bw.h2d = 55e9;
+    p.bw.ssd = 3e9;
+    p.bw.dev_read = 4e12;
+    p.bw.gemm = 8e14;
+    p.flops_per_token = 1.4e11;
+    p.attn_flops = 4.0 * 64 * 128 * 80;
+    return p;
+}
+
+/* Checks the invariants every plan must hold. */
+static void check_plan(const fake_model *m, const st_wplan_params *p, const st_wplan *pl) {
+    const st_wgroups *g = &m->g;
+    uint64_t sum = 0;
+    int groups = 0;
+    for (int t = 0; t < ST_TIER_COUNT; t++) sum += pl->bytes[t], groups += pl->groups[t];
+    CHECK_MSG(sum == g->model_bytes, "tier bytes %llu != model %llu", (unsigned long long)sum,
+              (unsigned long long)g->model_bytes);
+    CHECK(groups == g->n);
+    if (p->device_mem) CHECK_MSG(pl->device_need <= p->device_mem, "device need %zu > %zu", pl->device_need, p->device_mem);
+    CHECK_MSG(pl->host_need <= p->host_mem || pl->host_need == 0, "host need %zu > %zu", pl->host_need, p->host_mem);
+    CHECK(pl->tier[0] != ST_TIER_HOST); /* the table is never pinned */
+    uint64_t host = 0, ssd = 0, ssd_img = 0;
+    size_t slot = 0;
+    for (int i = 1; i < g->n; i++) {
+        if (pl->tier[i] == ST_TIER_HOST) host += g->g[i].bytes;
+        if (pl->tier[i] == ST_TIER_SSD) ssd += g->g[i].bytes, ssd_img += g->g[i].img_bytes;
+        if (pl->tier[i] != ST_TIER_DEVICE && g->g[i].slot_bytes > slot) slot = g->g[i].slot_bytes;
+    }
+    CHECK(pl->step_host_bytes == host && pl->step_ssd_bytes == ssd && pl->step_ssd_img_bytes == ssd_img);
+    CHECK(pl->slot_bytes == slot);
+    CHECK(slot == 0 ? pl->ring_slots == 0 : pl->ring_slots >= 2);
+    const double t_ssd = (double)ssd_img / p->bw.ssd, t_pcie = (double)(host + ssd) / p->bw.h2d;
+    double want = t_ssd > t_pcie ? t_ssd : t_pcie;
+    if (pl->t_compute > want) want = pl->t_compute;
+    CHECK_MSG(fabs(pl->t_decode - want) <= 1e-12 + 1e-9 * want, "t_decode %g, want %g", pl->t_decode, want);
+}
+
+/* The best predicted decode time over every feasible placement. */
+static double brute_force(const fake_model *m, const st_wplan_params *p0) {
+    const st_wgroups *g = &m->g;
+    const int n = g->n;
+    st_tier *t = calloc((size_t)n, sizeof *t);
+    double best = INFINITY;
+    long combos = 2; /* embed: device or ssd */
+    for (int i = 1; i < n; i++) combos *= 3;
+    for (long c = 0; c < combos; c++) {
+        long x = c;
+        t[0] = x % 2 ? ST_TIER_SSD : ST_TIER_DEVICE;
+        x /= 2;
+        for (int i = 1; i < n; i++, x /= 3) t[i] = (st_tier)(x % 3);
+        st_wplan_params p = *p0;
+        p.force = t;
+        st_wplan pl;
+        if (st_wplan_make(g, &p, &pl) == STRATA_OK) {
+            if (pl.t_decode < best) best = pl.t_decode;
+            st_wplan_free(&pl);
+        }
+    }
+    free(t);
+    return best;
+}
+
+int main(void) {
+    const uint64_t GB = 1000000000ull;
+    st_wplan pl;
+
+    /* no device budget: all resident */
+    {
+        fake_model m;
+        fake_init(&m, 4, 1000000, 300000, 1400000, 2100000, false);
+        st_wplan_params p = params(0, 0);
+        CHECK(st_wplan_make(&m.g, &p, &pl) == STRATA_OK);
+        CHECK(pl.groups[ST_TIER_DEVICE] == m.g.n && pl.ring_slots == 0 && pl.host_need == 0);
+        CHECK(!pl.embed_gather && pl.t_pcie == 0 && pl.t_ssd == 0 && pl.decode_bound == ST_BOUND_COMPUTE);
+        check_plan(&m, &p, &pl);
+        st_wplan_free(&pl);
+        fake_free(&m);
+    }
+
+    /* Llama-3-70B-shaped bf16: 80 layers, 16 GB device, 100 GB host */
+    {
+        fake_model m;
+        const uint64_t embed = 128256ull * 8192 * 2;
+        fake_init(&m, 80, embed, 2ull * 8192 * 8192 * 2 + 2ull * 1024 * 8192 * 2, 3ull * 8192 * 28672 * 2, embed,
+                  false);
+        st_wplan_params p = params(16 * GB, 100 * GB);
+        p.device_kv = (size_t)(1.34 * GB);
+        p.device_act = (size_t)(0.7 * GB);
+        p.device_reserve = (size_t)(0.5 * GB);
+        CHECK_MSG(st_wplan_make(&m.g, &p, &pl) == STRATA_OK, "%s", st_last_error());
+        check_plan(&m, &p, &pl);
+        CHECK(pl.tier[m.g.n - 1] == ST_TIER_DEVICE); /* lm_head resident: the ring holds an ffn */
+        CHECK(pl.slot_bytes == m.g.g[2].slot_bytes && pl.ring_slots == 2);
+        CHECK(pl.tier[0] == ST_TIER_SSD && pl.embed_gather); /* the table is gathered, not resident */
+        CHECK(pl.groups[ST_TIER_SSD] > 1 && pl.groups[ST_TIER_HOST] > 0); /* 141 GB does not fit in 116 */
+        CHECK(pl.host_need > 95 * GB);
+        CHECK(pl.decode_bound == ST_BOUND_SSD);
+        /* the prefill of 2048 tokens in chunks of 512 streams the model 4 times */
+        CHECK(pl.prefill_tokens == 2048 && pl.prefill_chunk == 512);
+        CHECK(pl.t_prefill >= 4 * pl.t_decode * 0.999);
+        printf("70B plan: device %d groups (%.1f GB), host %d (%.1f GB), ssd %d (%.1f GB); decode %.0f ms (%s), "
+               "prefill %.1f s (%s)\n",
+               pl.groups[0], pl.bytes[0] / 1e9, pl.groups[1], pl.bytes[1] / 1e9, pl.groups[2], pl.bytes[2] / 1e9,
+               pl.t_decode * 1e3, st_wbound_name(pl.decode_bound), pl.t_prefill, st_wbound_name(pl.prefill_bound));
+        st_wplan_free(&pl);
+        /* plenty of host: nothing from SSD, PCIe-bound */
+        p.host_mem = 200 * GB;
+        CHECK(st_wplan_make(&m.g, &p, &pl) == STRATA_OK);
+        check_plan(&m, &p, &pl);
+        CHECK(pl.groups[ST_TIER_SSD] == 1 && pl.tier[0] == ST_TIER_SSD); /* only the gathered table */
+        CHECK(pl.decode_bound == ST_BOUND_PCIE && pl.step_ssd_img_bytes == 0);
+        st_wplan_free(&pl);
+        fake_free(&m);
+    }
+
+    /* optimality against brute force (tied and untied, several budgets) */
+    {
+        struct { int layers; uint64_t e, a, f, o; bool tied; } shapes[] = {
+            {3, 900000, 300000, 1400000, 2100000, false},
+            {3, 0, 300000, 1000000, 2100000, true},
+            {2, 500000, 700000, 700000, 400000, false},
+        };
+        const size_t devs[] = {160u << 20, 163u << 20, 166u << 20, 170u << 20};
+        const size_t hosts[] = {1u << 20, 3u << 20, 8u << 20};
+        for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+            for (size_t d = 0; d < sizeof devs / sizeof devs[0]; d++)
+                for (size_t h = 0; h < sizeof hosts / sizeof hosts[0]; h++) {
+                    fake_model m;
+                    fake_init(&m, shapes[s].layers, shapes[s].e, shapes[s].a, shapes[s].f, shapes[s].o,
+                              shapes[s].tied);
+                    st_wplan_params p = params(devs[d], hosts[h]);
+                    p.max_batch = 16;
+                    p.staging_chunk = 65536;
+                    p.staging_chunks = 4;
+                    const double best = brute_force(&m, &p);
+                    strata_status st = st_wplan_make(&m.g, &p, &pl);
+                    if (isinf(best)) {
+                        CHECK_MSG(st == STRATA_ERR_NOMEM, "shape %zu dev %zu host %zu: planned, brute force found none",
+                                  s, d, h);
+                    } else {
+                        CHECK_MSG(st == STRATA_OK, "shape %zu dev %zu host %zu: %s", s, d, h, st_last_error());
+                        if (st == STRATA_OK) {
+                            check_plan(&m, &p, &pl);
+                            CHECK_MSG(pl.t_decode <= best * (1 + 1e-9), "shape %zu dev %zu host %zu: %g s, best %g s",
+                                      s, d, h, pl.t_decode, best);
+                        }
+                    }
+                    if (st == STRATA_OK) st_wplan_free(&pl);
+                    fake_free(&m);
+                }
+    }
+
+    /* the minimum the message names is enough; one byte less is not */
+    {
+        fake_model m;
+        fake_init(&m, 6, 900000, 300000, 1400000, 2100000, false);
+        st_wplan_params p = params(10u << 20, 1u << 30);
+        strata_status st = st_wplan_make(&m.g, &p, &pl);
+        CHECK_ERR(st, STRATA_ERR_NOMEM, "device budget", "at least", "KV cache", "ring 2 x");
+        st_wplan_params q = params(1u << 30, 1u << 30);
+        CHECK(st_wplan_make(&m.g, &q, &pl) == STRATA_OK);
+        const size_t min = pl.device_min;
+        st_wplan_free(&pl);
+        q.device_mem = min;
+        CHECK_MSG(st_wplan_make(&m.g, &q, &pl) == STRATA_OK, "at the minimum %zu: %s", min, st_last_error());
+        if (pl.tier) {
+            check_plan(&m, &q, &pl);
+            CHECK(pl.device_need <= min);
+            st_wplan_free(&pl);
+        }
+        q.device_mem = min - 1;
+        CHECK_ERR(st_wplan_make(&m.g, &q, &pl), STRATA_ERR_NOMEM, "too small", "at least");
+        /* host below two staging chunks */
+        q.device_mem = min;
+        q.host_mem = 4096;
+        CHECK_ERR(st_wplan_make(&m.g, &q, &pl), STRATA_ERR_NOMEM, "host budget", "pinned", "staging 2 x");
+        fake_free(&m);
+    }
+
+    /* forced placements: over budget refused; the table cannot be host-resident */
+    {
+        fake_model m;
+        fake_init(&m, 2, 900000, 300000, 1400000, 2100000, false);
+        st_tier t[6] = {ST_TIER_DEVICE, ST_TIER_DEVICE, ST_TIER_DEVICE, ST_TIER_DEVICE, ST_TIER_DEVICE, ST_TIER_DEVICE};
+        st_wplan_params p = params(150u << 20, 1u << 20);
+        p.force = t;
+        CHECK_ERR(st_wplan_make(&m.g, &p, &pl), STRATA_ERR_NOMEM, "device budget", "this placement");
+        p.device_mem = 0;
+        CHECK(st_wplan_make(&m.g, &p, &pl) == STRATA_OK);
+        st_wplan_free(&pl);
+        t[0] = ST_TIER_HOST;
+        CHECK_ERR(st_wplan_make(&m.g, &p, &pl), STRATA_ERR_INVALID_ARG, "embed");
+        t[0] = ST_TIER_SSD;
+        for (int i = 1; i < 6; i++) t[i] = ST_TIER_HOST;
+        p.host_mem = 1000;
+        CHECK_ERR(st_wplan_make(&m.g, &p, &pl), STRATA_ERR_NOMEM, "host budget", "this placement");
+        fake_free(&m);
+    }
+
+    /* prefill bound: compute for a fast link, streaming for a slow SSD */
+    {
+        fake_model m;
+        fake_init(&m, 8, 900000, 3000000, 14000000, 2100000, false);
+        st_wplan_params p = params(200u << 20, 1u << 30);
+        p.bw.gemm = 1e9; /* slow compute */
+        CHECK(st_wplan_make(&m.g, &p, &pl) == STRATA_OK);
+        CHECK(pl.prefill_bound == ST_BOUND_COMPUTE);
+        st_wplan_free(&pl);
+        p.bw.gemm = 1e18;
+        p.host_mem = 8u << 20;
+        p.bw.ssd = 1e6; /* slow SSD */
+        CHECK(st_wplan_make(&m.g, &p, &pl) == STRATA_OK);
+        CHECK(pl.prefill_bound == ST_BOUND_SSD && pl.decode_bound == ST_BOUND_SSD);
+        CHECK(fabs(pl.t_prefill - 4 * pl.t_decode) < 1e-9 * pl.t_prefill);
+        st_wplan_free(&pl);
+        fake_free(&m);
+    }
+    return test_finish("test_weights_plan");
+}

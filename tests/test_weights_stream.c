@@ -1,0 +1,522 @@
+/* Weight streaming on the CPU backend (the "device" is a capped arena):
+ *  - logits bit-identical (memcmp) to the fully resident run (zero copy from
+ *    the mapping) for every placement mix: all device (arena copies), all
+ *    host, all SSD, two mixed patterns (one with 3 ring slots), the planner's
+ *    own choice at a tight budget, pread + page cache instead of io_uring +
+ *    O_DIRECT, and a host tier pinned in the background while the model runs;
+ *    for a chunked prefill (all logits) and token-by-token decode; on every
+ *    reference model (tests/data/models: tied, sharded, bf16, f32), a
+ *    generated 8-layer model whose tensors sit at offsets not page-aligned, in an
+ *    order that scatters each group over the file, and the default SmolLM2
+ *    GGUF when present (30 layers: the ring cycles 30 times a step);
+ *  - measured peaks: the backend's device peak and the manager's pinned host
+ *    peak never exceed the budgets, which are set to exactly what the plan
+ *    says it needs;
+ *  - bytes: per step, the groups read from the file add up to the plan's
+ *    predicted SSD bytes, exactly;
+ *  - budgets too small: STRATA_ERR_NOMEM naming the minimum;
+ *  - faults: an injected I/O error or short read (in prefill, in decode, in
+ *    background pinning, in synchronous pinning) is a clear STRATA_ERR_IO
+ *    naming the file and offset, stays an error, never hangs, and every
+ *    logit returned before it is right;
+ *  - a model file changed underneath (mtime, truncation) is detected, when
+ *    streaming and when fully resident. */
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "model/llama.h"
+#include "testutil.h"
+
+#define N_PROMPT 10
+#define N_DECODE 4
+#define BATCH 4
+
+static const st_wbw k_bw = {.h2d = 10e9, .ssd = 1e9, .dev_read = 10e9, .gemm = 1e10};
+
+typedef struct {
+    float *prefill; /* [N_PROMPT, V] */
+    float *decode;  /* [N_DECODE, V] */
+    int64_t vocab;
+} logits_t;
+
+static void logits_free(logits_t *l) {
+    free(l->prefill);
+    free(l->decode);
+    memset(l, 0, sizeof *l);
+}
+
+static int32_t tok(int64_t i, int64_t vocab) { return (int32_t)((i * 7919 + 13) % vocab); }
+
+/* Runs a prefill of N_PROMPT tokens (all logits, chunks of BATCH) and
+ * N_DECODE single-token steps. Stops at the first error (returned). */
+static strata_status run(st_llama *m, int64_t V, logits_t *out, int *forwards) {
+    out->vocab = V;
+    out->prefill = calloc((size_t)(N_PROMPT * V), sizeof(float));
+    out->decode = calloc((size_t)(N_DECODE * V), sizeof(float));
+    int32_t ids[N_PROMPT + N_DECODE];
+    for (int i = 0; i < N_PROMPT + N_DECODE; i++) ids[i] = tok(i, V);
+    *forwards = 0;
+    strata_status st = st_llama_forward(m, ids, N_PROMPT, 0, true, out->prefill);
+    if (st) return st;
+    *forwards += (N_PROMPT + BATCH - 1) / BATCH;
+    for (int i = 0; i < N_DECODE; i++) {
+        st = st_llama_forward(m, ids + N_PROMPT + i, 1, N_PROMPT + i, false, out->decode + i * V);
+        if (st) return st;
+        (*forwards)++;
+    }
+    return STRATA_OK;
+}
+
+static bool g_big; /* the model at hand is large: default staging pieces */
+
+static st_llama_params base_params(void) {
+    st_llama_params lp;
+    memset(&lp, 0, sizeof lp);
+    lp.max_ctx = 32;
+    lp.max_batch = BATCH;
+    lp.weights.bw = k_bw;
+    lp.weights.staging_chunk = g_big ? 0 : 8192; /* many pieces per group, tensors split across them */
+    lp.weights.staging_chunks = 3;
+    lp.weights.stream.pin_sync = true;
+    return lp;
+}
+
+static st_backend *cpu(size_t cap) {
+    st_backend *be = NULL;
+    st_backend_params bp = {.kind = ST_BACKEND_CPU, .n_threads = 2, .device_mem = cap};
+    CHECK(st_backend_init(&bp, &be) == STRATA_OK);
+    return be;
+}
+
+typedef enum { P_DEVICE, P_HOST, P_SSD, P_MIX1, P_MIX2, P_PLANNED, P_PREAD, P_BGPIN, P_COUNT } pattern;
+static const char *k_names[] = {"all-device", "all-host", "all-ssd", "mixed", "mixed-3-slots",
+                                "planned-tight", "ssd-pread-pagecache", "host-pinned-in-background"};
+
+static void fill_pattern(pattern p, int n, st_tier *t) {
+    for (int i = 0; i < n; i++) {
+        switch (p) {
+        case P_DEVICE: t[i] = ST_TIER_DEVICE; break;
+        case P_HOST: case P_BGPIN: t[i] = i == 0 ? ST_TIER_SSD : ST_TIER_HOST; break;
+        case P_SSD: case P_PREAD: t[i] = ST_TIER_SSD; break;
+        case P_MIX1: t[i] = (st_tier)(i % 3); break;
+        case P_MIX2: t[i] = i == 0 ? ST_TIER_SSD : (st_tier)((n - i) % 3); break;
+        default: t[i] = ST_TIER_SSD;
+        }
+    }
+}
+
+/* Whether io_uring can be used here (containers may forbid it). */
+static bool uring_available(const st_model_files *files) {
+    st_ssd_files *f = NULL;
+    st_ssd_queue *q = NULL;
+    bool yes = st_ssd_files_open(files, false, NULL, &f) == STRATA_OK && st_ssd_queue_init(f, 2, false, &q) == STRATA_OK &&
+               st_ssd_queue_uring(q);
+    st_ssd_queue_free(q);
+    st_ssd_files_close(f);
+    return yes;
+}
+
+/* One placement of one model: logits equal the reference, peaks within the
+ * exact budgets, file bytes per step as predicted. */
+static void check_case(const char *model, st_model_files *files, pattern pat, const logits_t *ref) {
+    const int64_t V = files->config.vocab_size;
+    const int n = 2 * (int)files->config.n_layers + 2;
+    st_tier *tiers = calloc((size_t)n, sizeof *tiers);
+    fill_pattern(pat, n, tiers);
+    st_llama_params lp = base_params();
+    if (pat != P_PLANNED) lp.weights.placement = tiers;
+    if (pat == P_MIX2) lp.weights.ring_slots = 3;
+    if (pat == P_PREAD) lp.weights.stream.use_pread = lp.weights.stream.no_direct = true;
+    if (pat == P_BGPIN) {
+        lp.weights.stream.pin_sync = false;
+        lp.weights.stream.pin_delay_ms = 40;
+    }
+    /* budgets: exactly what the plan needs (the planned case: the least
+     * device memory any placement needs, and a host budget of staging plus
+     * one group, so that it must mix tiers) */
+    st_backend *probe = cpu((size_t)1 << 34);
+    st_wgroups *g = NULL;
+    st_wplan plan;
+    lp.weights.host_mem = (size_t)1 << 34;
+    strata_status st = st_llama_plan(files, probe, &lp, &g, &plan);
+    CHECK_MSG(st == STRATA_OK, "%s %s: plan: %s", model, k_names[pat], st_last_error());
+    st_backend_free(probe);
+    if (st) {
+        free(tiers);
+        return;
+    }
+    size_t dev = plan.device_need, host = plan.host_need;
+    if (pat == P_PLANNED) {
+        dev = plan.device_min;
+        host = plan.host_min + g->max_slot_bytes / 2;
+    }
+    st_wplan_free(&plan);
+    st_wgroups_free(g);
+    if (host == 0) host = 1; /* 0 would mean "auto" */
+    lp.weights.host_mem = host;
+
+    st_backend *be = cpu(dev);
+    st_llama *m = NULL;
+    st = st_llama_init(files, be, &lp, &m);
+    CHECK_MSG(st == STRATA_OK, "%s %s: init with device %zu, host %zu: %s", model, k_names[pat], dev, host,
+              st_last_error());
+    if (st == STRATA_OK) {
+        st_wm *wm = st_llama_weights(m);
+        const st_wplan *pl = st_wm_plan(wm);
+        logits_t out = {0};
+        int fw = 0;
+        st = run(m, V, &out, &fw);
+        CHECK_MSG(st == STRATA_OK, "%s %s: %s", model, k_names[pat], st_last_error());
+        const bool same_pf = !memcmp(out.prefill, ref->prefill, (size_t)(N_PROMPT * V) * sizeof(float));
+        const bool same_dec = !memcmp(out.decode, ref->decode, (size_t)(N_DECODE * V) * sizeof(float));
+        CHECK_MSG(same_pf, "%s %s: prefill logits differ from the resident run", model, k_names[pat]);
+        CHECK_MSG(same_dec, "%s %s: decode logits differ from the resident run", model, k_names[pat]);
+        st_wm_stats s;
+        CHECK(st_wm_wait_pinned(wm) == STRATA_OK);
+        st_wm_stats_get(wm, &s);
+        CHECK_MSG(be->device_budget.peak <= dev, "%s %s: device peak %zu > budget %zu", model, k_names[pat],
+                  be->device_budget.peak, dev);
+        CHECK_MSG(s.host_peak <= host, "%s %s: pinned host peak %zu > budget %zu", model, k_names[pat], s.host_peak,
+                  host);
+        const uint64_t streamed = (uint64_t)st_wm_streamed(wm);
+        CHECK_MSG(s.seq_ssd + s.seq_host == (uint64_t)fw * streamed && s.seq_skipped == 0,
+                  "%s %s: %llu + %llu groups streamed in %d passes of %llu", model, k_names[pat],
+                  (unsigned long long)s.seq_ssd, (unsigned long long)s.seq_host, fw, (unsigned long long)streamed);
+        if (pat != P_BGPIN)
+            CHECK_MSG(s.ssd_group_bytes == (uint64_t)fw * pl->step_ssd_img_bytes,
+                      "%s %s: %llu bytes from the file in %d steps, plan %llu per step", model, k_names[pat],
+                      (unsigned long long)s.ssd_group_bytes, fw, (unsigned long long)pl->step_ssd_img_bytes);
+        if (pat == P_BGPIN) {
+            /* pinning lagged behind: early steps read host groups from the file */
+            CHECK_MSG(s.seq_ssd > 0, "%s: nothing served from the file while pinning", model);
+            CHECK(s.pin_done && s.pinned_groups == s.pin_total_groups);
+            /* once pinned, after one more pass (what was read ahead before the
+             * pins landed is used first), nothing comes from the file */
+            for (int r = 0; r < 2; r++) {
+                st_wm_stats before = s;
+                logits_t again = {0};
+                st_llama_reset(m);
+                CHECK(run(m, V, &again, &fw) == STRATA_OK);
+                CHECK(!memcmp(again.prefill, ref->prefill, (size_t)(N_PROMPT * V) * sizeof(float)));
+                CHECK(!memcmp(again.decode, ref->decode, (size_t)(N_DECODE * V) * sizeof(float)));
+                st_wm_stats_get(wm, &s);
+                if (r == 1)
+                    CHECK_MSG(s.seq_ssd == before.seq_ssd, "%s: groups still read from the file once pinned", model);
+                logits_free(&again);
+            }
+        }
+        if (pat == P_HOST) CHECK(s.seq_ssd == 0 && s.ssd_group_bytes == 0);
+        if (pat == P_SSD || pat == P_PREAD) CHECK(s.seq_host == 0 && s.ssd_group_bytes > 0);
+        if (pat == P_PREAD) CHECK(!s.uring && !s.direct);
+        if (pat == P_SSD) CHECK(s.uring == uring_available(files)); /* seccomp may forbid it: pread then */
+        if (pat == P_PLANNED)
+            printf("  %-16s planned at device %zu, host %zu: %d device / %d host / %d ssd groups, ring %d x %zu\n",
+                   model, dev, host, pl->groups[0], pl->groups[1], pl->groups[2], pl->ring_slots, pl->slot_bytes);
+        logits_free(&out);
+    }
+    st_llama_free(m);
+    CHECK(be->device_budget.used == 0);
+    st_backend_free(be);
+    free(tiers);
+}
+
+static bool resident_run(st_model_files *files, logits_t *ref) {
+    st_backend *be = cpu(0);
+    st_llama_params lp = base_params();
+    st_llama *m = NULL;
+    strata_status st = st_llama_init(files, be, &lp, &m);
+    CHECK_MSG(st == STRATA_OK, "%s", st_last_error());
+    int fw;
+    if (st == STRATA_OK) {
+        CHECK(st_wm_all_resident(st_llama_weights(m)));
+        st = run(m, files->config.vocab_size, ref, &fw);
+        CHECK_MSG(st == STRATA_OK, "%s", st_last_error());
+    }
+    st_llama_free(m);
+    st_backend_free(be);
+    return st == STRATA_OK;
+}
+
+static void check_model(const char *name, const char *path) {
+    st_model_files *files = NULL;
+    strata_status st = st_model_open(path, &files);
+    CHECK_MSG(st == STRATA_OK, "%s: %s", path, st_last_error());
+    if (st) return;
+    logits_t ref = {0};
+    if (resident_run(files, &ref))
+        for (int p = 0; p < P_COUNT; p++) check_case(name, files, (pattern)p, &ref);
+    logits_free(&ref);
+    st_model_close(files);
+}
+
+/* ---- a generated model: 8 layers, tensors at unaligned offsets, scattered ---- */
+
+enum { G_VOCAB = 384, G_HID = 64, G_HEADS = 4, G_KV = 2, G_HD = 16, G_INTER = 192, G_LAYERS = 8 };
+
+static uint32_t g_rng = 99;
+static float frand(void) {
+    g_rng = g_rng * 1664525u + 1013904223u;
+    return (float)((g_rng >> 8) & 0xffff) / 32768.0f - 1.0f;
+}
+
+static bool write_model(const char *dir) {
+    struct { char name[96]; int64_t r, c; bool f32; } d[3 + 9 * G_LAYERS];
+    int nd = 0;
+#define ADD(nm, rr, cc, ff) do { snprintf(d[nd].name, sizeof d[nd].name, "%s", nm); d[nd].r = rr; \
+        d[nd].c = cc; d[nd].f32 = ff; nd++; } while (0)
+    /* by tensor kind first, then layer: each group's tensors lie far apart */
+    static const char *sfx[] = {"self_attn.q_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
+                                "self_attn.k_proj.weight", "mlp.gate_proj.weight", "self_attn.v_proj.weight",
+                                "post_attention_layernorm.weight", "self_attn.o_proj.weight", "mlp.up_proj.weight"};
+    const int64_t rows[] = {G_HEADS * G_HD, G_HID, 1, G_KV * G_HD, G_INTER, G_KV * G_HD, 1, G_HID, G_INTER};
+    const int64_t cols[] = {G_HID, G_INTER, G_HID, G_HID, G_HID, G_HID, G_HID, G_HEADS * G_HD, G_HID};
+    ADD("lm_head.weight", G_VOCAB, G_HID, false);
+    for (int k = 0; k < 9; k++)
+        for (int l = G_LAYERS - 1; l >= 0; l--) {
+            char n[96];
+            snprintf(n, sizeof n, "model.layers.%d.%s", l, sfx[k]);
+            ADD(n, rows[k], cols[k], rows[k] == 1);
+        }
+    ADD("model.norm.weight", 1, G_HID, true);
+    ADD("model.embed_tokens.weight", G_VOCAB, G_HID, false);
+    char *hdr = malloc(1 << 16);
+    size_t hl = 0;
+    uint64_t off = 0;
+    hl += (size_t)snprintf(hdr + hl, 1 << 16, "{");
+    for (int i = 0; i < nd; i++) {
+        const uint64_t nb = (uint64_t)(d[i].r * d[i].c) * (d[i].f32 ? 4 : 2);
+        char shape[64];
+        if (d[i].r == 1) snprintf(shape, sizeof shape, "[%lld]", (long long)d[i].c);
+        else snprintf(shape, sizeof shape, "[%lld,%lld]", (long long)d[i].r, (long long)d[i].c);
+        hl += (size_t)snprintf(hdr + hl, (1 << 16) - hl, "%s\"%s\":{\"dtype\":\"%s\",\"shape\":%s,\"data_offsets\":[%llu,%llu]}",
+                               i ? "," : "", d[i].name, d[i].f32 ? "F32" : "BF16", shape, (unsigned long long)off,
+                               (unsigned long long)(off + nb));
+        off += nb;
+    }
+    hdr[hl++] = '}';
+    /* data starts 8 bytes short of a page: no tensor is page-aligned (O_DIRECT
+     * reads the enclosing pages), every one is aligned to its element size
+     * (as HF's writer pads the header; the CPU ops load f32 weights as floats) */
+    while ((8 + hl) % 4096 != 4088) hdr[hl++] = ' ';
+    char path[1100];
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    FILE *f = fopen(path, "wb");
+    if (!f) return false;
+    const uint64_t hlen = hl;
+    fwrite(&hlen, 8, 1, f);
+    fwrite(hdr, 1, hl, f);
+    free(hdr);
+    for (int i = 0; i < nd; i++)
+        for (int64_t j = 0; j < d[i].r * d[i].c; j++) {
+            const float v = d[i].r == 1 ? 1.0f + 0.1f * frand() : 0.08f * frand();
+            if (d[i].f32) {
+                fwrite(&v, 4, 1, f);
+            } else {
+                const uint16_t h = st_f32_to_bf16(v);
+                fwrite(&h, 2, 1, f);
+            }
+        }
+    if (fclose(f) != 0) return false;
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    char cfg[1024];
+    const int cl = snprintf(cfg, sizeof cfg,
+                            "{\"architectures\":[\"LlamaForCausalLM\"],\"model_type\":\"llama\",\"vocab_size\":%d,"
+                            "\"hidden_size\":%d,\"intermediate_size\":%d,\"num_hidden_layers\":%d,"
+                            "\"num_attention_heads\":%d,\"num_key_value_heads\":%d,\"head_dim\":%d,"
+                            "\"rms_norm_eps\":1e-5,\"rope_theta\":10000.0,\"max_position_embeddings\":128,"
+                            "\"tie_word_embeddings\":false,\"bos_token_id\":1,\"eos_token_id\":2}",
+                            G_VOCAB, G_HID, G_INTER, G_LAYERS, G_HEADS, G_KV, G_HD);
+    return test_write_file(path, cfg, (size_t)cl);
+}
+
+/* ---- faults ---- */
+
+static st_llama_params ssd_params(int n, st_tier *tiers) {
+    st_llama_params lp = base_params();
+    for (int i = 0; i < n; i++) tiers[i] = ST_TIER_SSD;
+    lp.weights.placement = tiers;
+    lp.weights.host_mem = (size_t)1 << 30;
+    return lp;
+}
+
+/* A run that fails: the error is STRATA_ERR_IO naming `want`, it repeats on
+ * the next call, and whatever logits came back before it are right. */
+static void check_fault(const char *what, st_model_files *files, const st_llama_params *lp, const logits_t *ref,
+                        const char *want) {
+    const int64_t V = files->config.vocab_size;
+    st_backend *be = cpu((size_t)1 << 30);
+    st_llama *m = NULL;
+    strata_status st = st_llama_init(files, be, lp, &m);
+    if (st != STRATA_OK) { /* failed while pinning at init: also fine, if clear */
+        CHECK_ERR(st, STRATA_ERR_IO, want, files->files[0].path);
+        st_backend_free(be);
+        return;
+    }
+    logits_t out = {0};
+    int fw = 0;
+    st = run(m, V, &out, &fw);
+    CHECK_MSG(st == STRATA_ERR_IO, "%s: status %d (%s)", what, st, st_last_error());
+    CHECK_ERR(st, STRATA_ERR_IO, want, files->files[0].path);
+    if (strstr(want, "read")) CHECK_MSG(strstr(st_last_error(), "offset") != NULL, "%s: %s", what, st_last_error());
+    printf("  %-28s -> %s\n", what, st_last_error());
+    if (fw >= (N_PROMPT + BATCH - 1) / BATCH) {
+        CHECK(!memcmp(out.prefill, ref->prefill, (size_t)(N_PROMPT * V) * sizeof(float)));
+        const int done = fw - (N_PROMPT + BATCH - 1) / BATCH;
+        CHECK(!memcmp(out.decode, ref->decode, (size_t)(done * V) * sizeof(float)));
+    }
+    int32_t t = 1;
+    float *l = malloc((size_t)V * sizeof(float));
+    st_llama_reset(m);
+    CHECK_ERR(st_llama_forward(m, &t, 1, 0, false, l), STRATA_ERR_IO, want);
+    free(l);
+    logits_free(&out);
+    st_llama_free(m);
+    CHECK(be->device_budget.used == 0);
+    st_backend_free(be);
+}
+
+static bool copy_file(const char *from, const char *to) {
+    FILE *a = fopen(from, "rb"), *b = fopen(to, "wb");
+    bool ok = a && b;
+    char buf[65536];
+    size_t k;
+    while (ok && (k = fread(buf, 1, sizeof buf, a)) > 0) ok = fwrite(buf, 1, k, b) == k;
+    if (a) fclose(a);
+    if (b && fclose(b) != 0) ok = false;
+    return ok;
+}
+
+/* A model file changed after loading: the next forward reports it. */
+static void check_changed(const char *dir, bool streaming, bool truncate_it) {
+    const char *tmp = test_tmpdir(streaming ? (truncate_it ? "changed_trunc" : "changed_stream") : "changed_res");
+    char a[1100], b[1100];
+    snprintf(a, sizeof a, "%s/config.json", dir);
+    snprintf(b, sizeof b, "%s/config.json", tmp);
+    CHECK(copy_file(a, b));
+    snprintf(a, sizeof a, "%s/model.safetensors", dir);
+    snprintf(b, sizeof b, "%s/model.safetensors", tmp);
+    CHECK(copy_file(a, b));
+    st_model_files *files = NULL;
+    CHECK(st_model_open(tmp, &files) == STRATA_OK);
+    if (!files) return;
+    const int n = 2 * (int)files->config.n_layers + 2;
+    st_tier tiers[2 * G_LAYERS + 2];
+    st_llama_params lp = streaming ? ssd_params(n, tiers) : base_params();
+    st_backend *be = cpu(streaming ? (size_t)1 << 30 : 0);
+    st_llama *m = NULL;
+    CHECK(st_llama_init(files, be, &lp, &m) == STRATA_OK);
+    if (m) {
+        const int64_t V = files->config.vocab_size;
+        float *l = malloc((size_t)V * sizeof(float));
+        int32_t t = 5;
+        CHECK(st_llama_forward(m, &t, 1, 0, false, l) == STRATA_OK);
+        if (truncate_it) {
+            CHECK(truncate(b, 4096 * 3) == 0);
+        } else {
+            struct timespec ts[2] = {{1000000000, 0}, {1000000000, 0}}; /* another mtime, same bytes */
+            CHECK(utimensat(AT_FDCWD, b, ts, 0) == 0);
+        }
+        st_llama_reset(m);
+        strata_status st = st_llama_forward(m, &t, 1, 0, false, l);
+        CHECK_ERR(st, STRATA_ERR_IO, "changed", "model.safetensors");
+        printf("  changed (%s%s) -> %s\n", streaming ? "streaming" : "resident", truncate_it ? ", truncated" : "",
+               st_last_error());
+        free(l);
+    }
+    st_llama_free(m);
+    st_backend_free(be);
+    st_model_close(files);
+}
+
+int main(void) {
+    /* every reference model */
+    static const char *refs[] = {"gqa_f32", "gqa_sharded_f32", "gqa_tied_bf16", "headdim_f32",
+                                 "llama3_bf16", "llama3_f32", "mha_tied_f32"};
+    char rel[256];
+    for (size_t i = 0; i < sizeof refs / sizeof refs[0]; i++) {
+        snprintf(rel, sizeof rel, "tests/data/models/%s", refs[i]);
+        check_model(refs[i], test_src_path(rel));
+    }
+    /* the generated one */
+    char gdir[1024];
+    snprintf(gdir, sizeof gdir, "%s", test_tmpdir("stream_model"));
+    CHECK(write_model(gdir));
+    check_model("generated-8-layer", gdir);
+    /* SmolLM2 (GGUF, q4_1, 30 layers) when fetched */
+    const char *smol = test_src_path("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    g_big = true;
+    if (access(smol, R_OK) == 0) check_model("smollm2-135m", smol);
+    else printf("  (models/SmolLM2-135M-Instruct.Q4_1.gguf absent: not checked)\n");
+    g_big = false;
+
+    /* budgets too small */
+    {
+        st_model_files *files = NULL;
+        CHECK(st_model_open(gdir, &files) == STRATA_OK);
+        if (files) {
+            st_backend *be = cpu(64 << 10);
+            st_llama_params lp = base_params();
+            lp.weights.host_mem = 1 << 30;
+            st_llama *m = NULL;
+            CHECK_ERR(st_llama_init(files, be, &lp, &m), STRATA_ERR_NOMEM, "device budget", "at least", "KV cache");
+            printf("  too small -> %s\n", st_last_error());
+            CHECK(m == NULL && be->device_budget.used == 0);
+            st_backend_free(be);
+            be = cpu(300 << 10);
+            lp.weights.host_mem = 4096;
+            CHECK_ERR(st_llama_init(files, be, &lp, &m), STRATA_ERR_NOMEM, "host budget", "at least");
+            printf("  too small -> %s\n", st_last_error());
+            st_backend_free(be);
+
+            /* faults on the generated model */
+            logits_t ref = {0};
+            CHECK(resident_run(files, &ref));
+            const int n = 2 * G_LAYERS + 2;
+            st_tier tiers[2 * G_LAYERS + 2];
+            lp = ssd_params(n, tiers);
+            lp.weights.stream.faults.fail_nth = 5;
+            check_fault("I/O error in prefill", files, &lp, &ref, "failed");
+            lp.weights.stream.faults.fail_nth = 0;
+            lp.weights.stream.faults.short_nth = 7;
+            check_fault("short read in prefill", files, &lp, &ref, "short read");
+            lp.weights.stream.use_pread = true;
+            check_fault("short read (pread)", files, &lp, &ref, "short read");
+            lp.weights.stream.use_pread = false;
+            lp.weights.stream.faults.short_nth = 0;
+            /* in decode: 3/4 into a clean run's reads (the prefill is 3 of 7 passes) */
+            {
+                st_backend *b2 = cpu((size_t)1 << 30);
+                st_llama *m2 = NULL;
+                CHECK(st_llama_init(files, b2, &lp, &m2) == STRATA_OK);
+                logits_t o2 = {0};
+                int fw = 0;
+                st_wm_stats s2 = {0};
+                if (m2) {
+                    CHECK(run(m2, files->config.vocab_size, &o2, &fw) == STRATA_OK);
+                    st_wm_stats_get(st_llama_weights(m2), &s2);
+                }
+                logits_free(&o2);
+                st_llama_free(m2);
+                st_backend_free(b2);
+                lp.weights.stream.faults.fail_nth = (int64_t)(s2.ssd_reads * 3 / 4);
+                check_fault("I/O error in decode", files, &lp, &ref, "failed");
+            }
+            /* while pinning the host tier, at init and in the background */
+            for (int i = 1; i < n; i++) tiers[i] = ST_TIER_HOST;
+            lp.weights.stream.faults.fail_nth = 4;
+            check_fault("I/O error pinning at init", files, &lp, &ref, "failed");
+            lp.weights.stream.pin_sync = false;
+            check_fault("I/O error pinning (bg)", files, &lp, &ref, "failed");
+            logits_free(&ref);
+            st_model_close(files);
+        }
+    }
+    /* files changed underneath */
+    check_changed(gdir, true, false);
+    check_changed(gdir, true, true);
+    check_changed(gdir, false, false);
+    return test_finish("test_weights_stream");
+}

@@ -1,0 +1,144 @@
+/* strata plan MODEL --device-mem SIZE --host-mem SIZE: where each weight group
+ * would live (device, pinned host, SSD), what each tier holds, and the
+ * decode step and prefill times the plan predicts from bandwidths measured
+ * now (or given), with the bound that limits each. Loads nothing but the
+ * model's metadata and the probes' buffers. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "commands.h"
+#include "common.h"
+
+static void plan_usage(FILE *f) {
+    fprintf(f,
+            "usage: strata plan MODEL [--device-mem SIZE] [--host-mem SIZE] [--prompt N] [--groups] [options]\n"
+            "Prints the weight placement for these budgets (bytes and groups per tier), the predicted\n"
+            "decode time per token and prefill time, and the bound limiting each.\n\n"
+            "  --prompt N   prompt length of the prefill prediction (default 2048)\n"
+            "  --groups     also list every group with its tier\n" TOOL_MODEL_OPTS_HELP);
+}
+
+static const char *bw_src(const st_wbw *bw, int i) { return bw->measured[i] ? "measured" : "given"; }
+
+int cmd_plan(int argc, char **argv) {
+    tool_model_opts mo = {0};
+    const char *path = NULL;
+    int64_t prompt = 0;
+    bool list = false;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *val = i + 1 < argc ? argv[i + 1] : NULL;
+        int r = tool_parse_model_opt(argc, argv, &i, &mo);
+        if (r < 0) return 2;
+        if (r > 0) continue;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            plan_usage(stdout);
+            return 0;
+        } else if (!strcmp(a, "--prompt")) {
+            if (!tool_parse_i64(val, 1, 1 << 24, "--prompt", &prompt)) return 2;
+            i++;
+        } else if (!strcmp(a, "--groups")) {
+            list = true;
+        } else if (a[0] == '-') {
+            fprintf(stderr, "strata plan: unknown option '%s'\n", a);
+            plan_usage(stderr);
+            return 2;
+        } else if (!path) {
+            path = a;
+        } else {
+            fprintf(stderr, "strata plan: unexpected argument '%s'\n", a);
+            return 2;
+        }
+    }
+    if (!path) {
+        plan_usage(stderr);
+        return 2;
+    }
+    st_model_files *files = NULL;
+    if (st_model_open(path, &files) != STRATA_OK) {
+        tool_print_error("plan");
+        return 1;
+    }
+    st_backend_params bp = tool_backend_params(&mo);
+    st_backend *be = NULL;
+    if (st_backend_init(&bp, &be) != STRATA_OK) {
+        tool_print_error("plan");
+        st_model_close(files);
+        return 1;
+    }
+    st_llama_params lp = tool_llama_params(&mo);
+    lp.weights.prefill_tokens = prompt;
+    st_wgroups *g = NULL;
+    st_wplan p;
+    if (st_llama_plan(files, be, &lp, &g, &p) != STRATA_OK) {
+        tool_print_error("plan");
+        st_backend_free(be);
+        st_model_close(files);
+        return 1;
+    }
+    char b[12][32];
+#define B(i, x) st_fmt_bytes((double)(x), b[i], sizeof b[i])
+    const st_config *c = &files->config;
+    printf("model      %s: %lld layers, %d groups, %s of weights (%llu bytes)%s\n", files->path,
+           (long long)c->n_layers, g->n, B(0, g->model_bytes), (unsigned long long)g->model_bytes,
+           g->tied ? ", tied embeddings" : "");
+    if (p.device_mem)
+        printf("device     %s budget %s: KV cache %s + activations %s + backend reserve %s + ring %d x %s"
+               " + embedding rows %s + resident weights %s = %s\n",
+               be->ops->name, B(0, p.device_mem), B(1, p.device_kv), B(2, p.device_act), B(3, p.device_reserve),
+               p.ring_slots, B(4, p.slot_bytes), B(5, p.device_embed_rows), B(6, p.device_resident),
+               B(7, p.device_need));
+    else
+        printf("device     %s, no budget (--device-mem): every weight resident, %s in all\n", be->ops->name,
+               B(0, p.device_need));
+    printf("host       budget %s%s (pinned): staging %d x %s + embedding rows %s + host tier %s = %s\n",
+           B(0, p.host_mem), mo.host_mem ? "" : " (80% of available memory)", p.staging_chunks,
+           B(1, p.staging_chunk), B(2, p.host_embed_rows), B(3, p.host_tier), B(4, p.host_need));
+    printf("minimum    device %s (%zu bytes), host %s (%zu bytes)\n", B(0, p.device_min), p.device_min,
+           B(1, p.host_min), p.host_min);
+    printf("bandwidth  H2D %.2f GB/s (%s), SSD %.2f GB/s (%s%s), matmul weight read %.2f GB/s (%s), "
+           "%.1f GFLOP/s (%s)\n",
+           p.bw.h2d / 1e9, bw_src(&p.bw, 0), p.bw.ssd / 1e9, bw_src(&p.bw, 1),
+           p.bw.measured[1] ? (p.bw.ssd_direct ? ", O_DIRECT" : ", page cache") : "", p.bw.dev_read / 1e9,
+           bw_src(&p.bw, 2), p.bw.gemm / 1e9, bw_src(&p.bw, 3));
+    printf("tier       groups  embed  attn   ffn  output  bytes\n");
+    uint64_t total = 0;
+    int groups = 0;
+    for (int t = 0; t < ST_TIER_COUNT; t++) {
+        printf("  %-8s %6d %6d %5d %5d %7d  %llu (%s)\n", st_tier_name((st_tier)t), p.groups[t],
+               p.kind_groups[t][ST_WG_EMBED], p.kind_groups[t][ST_WG_ATTN], p.kind_groups[t][ST_WG_FFN],
+               p.kind_groups[t][ST_WG_OUTPUT], (unsigned long long)p.bytes[t], B(0, p.bytes[t]));
+        total += p.bytes[t];
+        groups += p.groups[t];
+    }
+    printf("  %-8s %6d %34s %llu (%s)\n", "total", groups, "", (unsigned long long)total, B(0, total));
+    if (p.embed_gather)
+        printf("embedding  rows gathered from the file mapping per step (%s per token)\n",
+               B(0, g->embed_row_bytes));
+    printf("decode     %.3f ms/token predicted, bound: %s (SSD read %.3f ms, PCIe %.3f ms, compute %.3f ms;"
+           " full overlap; no overlap at all: %.3f ms)\n",
+           p.t_decode * 1e3, st_wbound_name(p.decode_bound), p.t_ssd * 1e3, p.t_pcie * 1e3, p.t_compute * 1e3,
+           p.t_decode_serial * 1e3);
+    printf("per token  %llu bytes read from SSD (%s), %llu bytes over PCIe (%s; host tier %s)\n",
+           (unsigned long long)p.step_ssd_img_bytes, B(0, p.step_ssd_img_bytes),
+           (unsigned long long)(p.step_ssd_bytes + p.step_host_bytes), B(1, p.step_ssd_bytes + p.step_host_bytes),
+           B(2, p.step_host_bytes));
+    printf("prefill    %lld tokens: %.3f s predicted (%lld chunks of %lld), bound: %s (streaming %.3f s, "
+           "compute %.3f s)\n",
+           (long long)p.prefill_tokens, p.t_prefill,
+           (long long)((p.prefill_tokens + p.prefill_chunk - 1) / p.prefill_chunk), (long long)p.prefill_chunk,
+           st_wbound_name(p.prefill_bound), p.t_prefill_stream, p.t_prefill_compute);
+    if (list) {
+        printf("groups\n");
+        for (int i = 0; i < g->n; i++)
+            printf("  %-10s %-6s %12llu bytes, image %llu\n", g->g[i].name, st_tier_name(p.tier[i]),
+                   (unsigned long long)g->g[i].bytes, (unsigned long long)g->g[i].img_bytes);
+    }
+#undef B
+    st_wplan_free(&p);
+    st_wgroups_free(g);
+    st_backend_free(be);
+    st_model_close(files);
+    return 0;
+}

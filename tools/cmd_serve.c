@@ -1,0 +1,259 @@
+/* strata serve MODEL [options]: the OpenAI-compatible HTTP server.
+ *
+ * Loads the model files, the backend and the tokenizer, builds the engine
+ * (max_batch sequence slots), starts its thread and the HTTP server, prints
+ * "listening on http://HOST:PORT" on stdout when ready, and serves until
+ * SIGINT or SIGTERM; then stops accepting, aborts what is in flight, and
+ * frees everything. */
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "commands.h"
+#include "common.h"
+#include "engine/engine.h"
+#include "server/server.h"
+#include "tokenizer/chat.h"
+#include "tokenizer/tokenizer.h"
+
+static void serve_usage(FILE *f) {
+    fprintf(f,
+            "usage: strata serve MODEL [options]\n"
+            "Serves a model (a Hugging Face directory with tokenizer.json, or a .gguf file) over an\n"
+            "OpenAI-compatible HTTP API: POST /v1/chat/completions, POST /v1/completions (streamed\n"
+            "with server-sent events or not), GET /v1/models, GET /health, GET /metrics (Prometheus).\n"
+            "Prints \"listening on http://HOST:PORT\" when ready; SIGINT or SIGTERM stops it.\n\n"
+            "  --host HOST              address to bind (default 127.0.0.1: this machine only)\n"
+            "  --port N                 port (default 8080; 0: any free port, printed)\n"
+            "  --api-key KEY            require 'Authorization: Bearer KEY' on /v1/* (default: none;\n"
+            "                           also read from $STRATA_API_KEY)\n"
+            "  --max-batch N            sequences running at once (default 8); more requests wait\n"
+            "  --max-model-len N        tokens per sequence, prompt and output (default: the model's,\n"
+            "                           at most 2048); a longer prompt is refused with a 400\n"
+            "  --prefill-chunk N        most prompt tokens of one request per engine step (default 256)\n"
+            "  --max-body BYTES         request body limit (default 1048576); larger bodies get a 413\n"
+            "  --model-name NAME        the model id in /v1/models and answers (default: the file name)\n"
+            "  --chat-template NAME     chatml, llama3 or llama2 instead of the model's own template\n"
+            "  --max-connections N      simultaneous connections (default 1024)\n"
+            "  --device cpu|cuda|auto   backend (default auto: CUDA when built and a GPU is present)\n"
+            "  --threads N              CPU worker threads (default: all cores)\n"
+            "\nRequest logs go to standard error at STRATA_LOG=info.\n");
+}
+
+typedef struct {
+    const char *model_path, *host, *api_key, *model_name, *chat_template;
+    int64_t port, max_batch, max_model_len, prefill_chunk, max_body, max_conn;
+    tool_model_opts mo;
+} serve_opts;
+
+/* 1: run, 0: exit 0 (help), -1: usage error (printed). */
+static int parse_args(int argc, char **argv, serve_opts *o) {
+    memset(o, 0, sizeof *o);
+    o->host = "127.0.0.1";
+    o->port = 8080;
+    o->api_key = getenv("STRATA_API_KEY");
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *val = i + 1 < argc ? argv[i + 1] : NULL;
+        int r = tool_parse_model_opt(argc, argv, &i, &o->mo);
+        if (r < 0) return -1;
+        if (r > 0) {
+            if (!strcmp(a, "--ctx") || !strcmp(a, "--batch")) {
+                fprintf(stderr, "strata serve: %s: use %s\n", a,
+                        !strcmp(a, "--ctx") ? "--max-model-len" : "--prefill-chunk");
+                return -1;
+            }
+            continue;
+        }
+#define STR_OPT(name, field)                                                   \
+    if (!strcmp(a, name)) {                                                    \
+        if (!val) {                                                            \
+            fprintf(stderr, "strata serve: %s needs a value\n", name);         \
+            return -1;                                                         \
+        }                                                                      \
+        o->field = val;                                                        \
+        i++;                                                                   \
+        continue;                                                              \
+    }
+#define INT_OPT(name, field, lo, hi)                                           \
+    if (!strcmp(a, name)) {                                                    \
+        if (!tool_parse_i64(val, lo, hi, name, &o->field)) return -1;          \
+        i++;                                                                   \
+        continue;                                                              \
+    }
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            serve_usage(stdout);
+            return 0;
+        }
+        STR_OPT("--host", host)
+        STR_OPT("--api-key", api_key)
+        STR_OPT("--model-name", model_name)
+        STR_OPT("--chat-template", chat_template)
+        INT_OPT("--port", port, 0, 65535)
+        INT_OPT("--max-batch", max_batch, 1, 4096)
+        INT_OPT("--max-model-len", max_model_len, 2, INT32_MAX)
+        INT_OPT("--prefill-chunk", prefill_chunk, 1, 1 << 20)
+        INT_OPT("--max-body", max_body, 64, (int64_t)1 << 32)
+        INT_OPT("--max-connections", max_conn, 1, 1 << 16)
+#undef STR_OPT
+#undef INT_OPT
+        if (a[0] == '-' && a[1]) {
+            fprintf(stderr, "strata serve: unknown option '%s' (strata serve --help lists them)\n", a);
+            return -1;
+        }
+        if (o->model_path) {
+            fprintf(stderr, "strata serve: unexpected argument '%s'\n", a);
+            return -1;
+        }
+        o->model_path = a;
+    }
+    if (!o->model_path) {
+        fprintf(stderr, "strata serve: no MODEL given\n");
+        return -1;
+    }
+    if (o->chat_template) {
+        st_chat_kind k;
+        if (!st_chat_kind_from_name(o->chat_template, &k) || k == ST_CHAT_NONE) {
+            fprintf(stderr, "strata serve: --chat-template: '%s' is not one of chatml, llama3, llama2\n",
+                    o->chat_template);
+            return -1;
+        }
+    }
+    return 1;
+}
+
+/* The model's chat template, or --chat-template's; kind NONE when there is
+ * none (chat completions are then refused). False (printed) on an
+ * unrecognised template with no override. */
+static bool settle_chat(const serve_opts *o, const st_tokenizer *tok, st_chat_template *tpl) {
+    memset(tpl, 0, sizeof *tpl);
+    st_chat_template found = {0};
+    strata_status st = st_chat_detect(st_tokenizer_chat_template(tok), &found);
+    if (o->chat_template) {
+        st_chat_kind k = ST_CHAT_NONE;
+        st_chat_kind_from_name(o->chat_template, &k);
+        if (st == STRATA_OK && found.kind == k) {
+            *tpl = found;
+        } else {
+            st_chat_template_clear(&found);
+            tpl->kind = k;
+        }
+    } else if (st != STRATA_OK) {
+        fprintf(stderr, "strata serve: %s: %s.\nPass --chat-template chatml|llama3|llama2 to choose a format.\n",
+                o->model_path, st_last_error());
+        return false;
+    } else {
+        *tpl = found;
+    }
+    if (tpl->date && tpl->date_from_clock) { /* as transformers does: today's date */
+        char buf[32];
+        time_t now = time(NULL);
+        struct tm tmv;
+        if (localtime_r(&now, &tmv) && strftime(buf, sizeof buf, "%d %b %Y", &tmv)) {
+            char *d = st_strdup(buf);
+            if (d) {
+                st_free(tpl->date);
+                tpl->date = d;
+            }
+        }
+    }
+    return true;
+}
+
+static const char *base_name(const char *path) {
+    size_t n = strlen(path);
+    while (n > 1 && path[n - 1] == '/') n--;
+    const char *b = path;
+    for (size_t i = 0; i + 1 < n; i++)
+        if (path[i] == '/') b = path + i + 1;
+    return b;
+}
+
+int cmd_serve(int argc, char **argv) {
+    serve_opts o;
+    int pr = parse_args(argc, argv, &o);
+    if (pr <= 0) {
+        if (pr < 0) fprintf(stderr, "usage: strata serve MODEL [options]  (--help for more)\n");
+        return pr < 0 ? 2 : 0;
+    }
+    /* SIGINT / SIGTERM are taken by sigwait below: block them in every thread
+     * (the threads started from here inherit the mask). */
+    sigset_t sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGINT);
+    sigaddset(&sigs, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &sigs, NULL);
+    signal(SIGPIPE, SIG_IGN);
+
+    int rc = 1;
+    st_model_files *files = NULL;
+    st_backend *be = NULL;
+    st_tokenizer *tok = NULL;
+    st_chat_template tpl = {0};
+    st_engine *eng = NULL;
+    st_server *srv = NULL;
+    char *model_name = NULL;
+    double t0 = st_time_now();
+    fprintf(stderr, "strata: loading %s ...\n", o.model_path);
+    if (st_model_open(o.model_path, &files) != STRATA_OK) {
+        tool_print_error("serve");
+        goto done;
+    }
+    st_backend_params bp = {.kind = ST_BACKEND_CPU, .n_threads = o.mo.threads};
+    const char *dev = o.mo.device ? o.mo.device : "auto";
+    if (!strcmp(dev, "cuda") || (!strcmp(dev, "auto") && st_backend_available(ST_BACKEND_CUDA)))
+        bp.kind = ST_BACKEND_CUDA;
+    if (st_backend_init(&bp, &be) != STRATA_OK || st_tokenizer_load(files, &tok) != STRATA_OK) {
+        tool_print_error("serve");
+        goto done;
+    }
+    if (!settle_chat(&o, tok, &tpl)) goto done;
+    st_engine_params ep = {.max_batch = o.max_batch, .max_model_len = o.max_model_len,
+                           .prefill_chunk = o.prefill_chunk};
+    if (st_engine_init(files, be, tok, &ep, &eng) != STRATA_OK || st_engine_start(eng) != STRATA_OK) {
+        tool_print_error("serve");
+        goto done;
+    }
+    if (o.model_name) {
+        model_name = strdup(o.model_name);
+    } else {
+        model_name = strdup(base_name(o.model_path));
+        size_t n = model_name ? strlen(model_name) : 0;
+        if (n > 5 && !strcmp(model_name + n - 5, ".gguf")) model_name[n - 5] = 0;
+    }
+    const st_engine_params *pp = st_engine_get_params(eng);
+    st_server_params sp = {.host = o.host, .port = (int)o.port, .api_key = o.api_key, .model_name = model_name,
+                           .max_body = (size_t)o.max_body, .max_connections = (unsigned)o.max_conn};
+    if (st_server_start(eng, tok, &tpl, &sp, &srv) != STRATA_OK) {
+        tool_print_error("serve");
+        goto done;
+    }
+    fprintf(stderr,
+            "strata: ready in %.2f s: model '%s' (%s, chat template %s), %lld sequences x %lld tokens, "
+            "prefill chunk %lld%s\n",
+            st_time_now() - t0, model_name ? model_name : "?", bp.kind == ST_BACKEND_CUDA ? "cuda" : "cpu",
+            st_chat_kind_name(tpl.kind), (long long)pp->max_batch, (long long)pp->max_model_len,
+            (long long)pp->prefill_chunk, o.api_key && o.api_key[0] ? ", API key required" : "");
+    const bool v6 = strchr(o.host, ':') != NULL;
+    printf("listening on http://%s%s%s:%d\n", v6 ? "[" : "", o.host, v6 ? "]" : "", st_server_port(srv));
+    fflush(stdout);
+
+    int sig = 0;
+    while (sigwait(&sigs, &sig) != 0) {
+    }
+    fprintf(stderr, "strata: %s: shutting down\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
+    rc = 0;
+done:
+    st_server_stop(srv);   /* ends the connections, aborts their requests */
+    st_engine_free(eng);   /* stops the engine thread */
+    free(model_name);
+    st_chat_template_clear(&tpl);
+    st_tokenizer_free(tok);
+    st_backend_free(be);
+    st_model_close(files);
+    return rc;
+}
