@@ -142,6 +142,35 @@ out:
     return best;
 }
 
+/* For a CUDA run (as the model options select it): HBM bandwidth (copy) and the
+ * matmul rate in both prefill precisions, on a temporary backend with a 3 GiB
+ * pool, destroyed before the model loads. Nothing to do for the CPU. */
+static bool measure_device_rooflines(const tool_model_opts *mo, double *bw, double *rate_fast,
+                                     double *rate_precise) {
+    const char *dev = mo->device ? mo->device : "auto";
+    bool cuda = !strcmp(dev, "cuda") || (!strcmp(dev, "auto") && st_backend_available(ST_BACKEND_CUDA));
+    if (!cuda) return true;
+    st_backend_params bp = {.kind = ST_BACKEND_CUDA, .device_mem = (size_t)3 << 30};
+    st_backend *be = NULL;
+    st_stream *st = NULL;
+    bool ok = false;
+    if (st_backend_init(&bp, &be) != STRATA_OK || be->ops->stream_create(be, false, &st) != STRATA_OK) {
+        tool_print_error("bench");
+        goto out;
+    }
+    /* HBM bandwidth: bytes read + written per second by a large copy (a decode
+     * step's GEMVs stream at about that rate, reads only) */
+    *bw = measure_device_copy_bw(be, st);
+    *rate_fast = measure_matmul_rate(be, st, 8192, 4096, true);
+    *rate_precise = measure_matmul_rate(be, st, 8192, 4096, false);
+    ok = *bw > 0 && *rate_fast > 0 && *rate_precise > 0;
+    if (!ok) tool_print_error("bench (roofline probes)");
+out:
+    if (st) be->ops->stream_destroy(be, st);
+    st_backend_free(be);
+    return ok;
+}
+
 static int argmax(const float *x, int64_t n) {
     int64_t b = 0;
     for (int64_t i = 1; i < n; i++)
@@ -194,6 +223,10 @@ int cmd_bench(int argc, char **argv) {
     if (mo.ctx == 0) mo.ctx = n_prompt + (n_gen > 2 ? n_gen : 2);
     /* the prompt in one forward chunk unless --batch says otherwise (up to 4096 tokens) */
     if (mo.batch == 0) mo.batch = n_prompt < 4096 ? n_prompt : 4096;
+    /* Device rooflines first, on a probe backend of their own: the engine's
+     * backend may be filled to its --device-mem budget once the model is in. */
+    double probe_bw = 0, probe_rate = 0, probe_rate_precise = 0;
+    if (!measure_device_rooflines(&mo, &probe_bw, &probe_rate, &probe_rate_precise)) return 1;
     tool_model tm;
     if (!tool_model_open(path, &mo, &tm)) return 1;
     st_wm_stats ws; /* weight streaming: timings start once the host tier is pinned */
@@ -279,15 +312,10 @@ int cmd_bench(int argc, char **argv) {
             if (st_llama_forward(tm.model, ids, n_prompt, 0, false, logits) != STRATA_OK) goto fail;
             t_prefill_other = st_time_now() - t1;
         }
-        st_stream *st = NULL;
-        if (be->ops->stream_create(be, false, &st) != STRATA_OK) goto fail;
-        /* HBM bandwidth: bytes read + written per second by a large copy
-         * (a decode step's GEMVs stream at about that rate, reads only) */
-        bw = measure_device_copy_bw(be, st);
-        gemm_rate = measure_matmul_rate(be, st, 8192, 4096, true);
-        gemm_rate_precise = measure_matmul_rate(be, st, 8192, 4096, false);
         be->ops->set_fast_prefill(be, fast);
-        be->ops->stream_destroy(be, st);
+        bw = probe_bw;
+        gemm_rate = probe_rate;
+        gemm_rate_precise = probe_rate_precise;
         if (bw <= 0 || gemm_rate <= 0) goto fail;
     }
 
