@@ -27,7 +27,8 @@ Checks:
   - load: 64 concurrent streaming clients for a fixed number of requests,
     twice; no errors, and the server's VmRSS after the second round is within
     a small tolerance of the first;
-  - SIGTERM stops the server cleanly (exit status 0).
+  - SIGTERM stops the server cleanly (exit status 0), and so does SIGINT with
+    a stream in flight; usage errors exit 2, a port in use exits 1.
 Sized for about a minute on 2 cores; a sanitizer build (detected from
 CMakeCache.txt) runs fewer and shorter requests.
 """
@@ -583,6 +584,15 @@ def test_api_key(model):
         st, _, _ = raw(srv, "GET", "/health")
         st2, _, _ = raw(srv, "GET", "/metrics")
         check(st == 200 and st2 == 200, "/health and /metrics need no key")
+        # usage errors, and a port already taken
+        r = subprocess.run([BIN, "serve"], capture_output=True, text=True, timeout=60)
+        check(r.returncode == 2 and "no MODEL" in r.stderr, "serve without a model: exit 2")
+        r = subprocess.run([BIN, "serve", model, "--port", "70000"], capture_output=True, text=True, timeout=60)
+        check(r.returncode == 2 and "--port" in r.stderr, "serve --port 70000: exit 2")
+        r = subprocess.run([BIN, "serve", model, "--port", str(srv.port), "--max-batch", "1"], capture_output=True,
+                           text=True, timeout=60)
+        check(r.returncode == 1 and "cannot listen" in r.stderr and str(srv.port) in r.stderr,
+              "serve on a port in use: exit 1, %r" % r.stderr.strip().splitlines()[-1:])
         # SIGINT with a stream in flight: the server aborts it and exits cleanly
         body = json.dumps({"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
                            "stream": True}).encode()

@@ -35,10 +35,16 @@ def check(cond, what):
         print("FAIL:", what, flush=True)
 
 
+# STRATA_DEVICE=cuda: the same checks on the GPU (resident vs streamed bytes equal)
+DEV = ["--device", os.environ["STRATA_DEVICE"]] if os.environ.get("STRATA_DEVICE") else []
+
+
 def run(args, env=None):
     e = dict(os.environ)
     if env:
         e.update(env)
+    if args and args[0] in ("logits", "plan"):
+        args = args + DEV
     return subprocess.run([BIN] + args, capture_output=True, text=True, env=e)
 
 

@@ -393,6 +393,12 @@ static void slot_release_locked(st_engine *e, int64_t i) {
     st_llama_reset(e->slots[i].model);
 }
 
+/* Ids grow with add order: a smaller id is an older request. */
+static int by_age(const void *a, const void *b) {
+    const uint64_t x = (*(seq *const *)a)->id, y = (*(seq *const *)b)->id;
+    return x < y ? -1 : x > y;
+}
+
 /* Part 1: aborts out, waiting requests into free slots (FCFS). Fills
  * e->order with the running sequences, oldest first; returns their count. */
 static int64_t step_admit(st_engine *e, seq **aborted) {
@@ -441,16 +447,7 @@ static int64_t step_admit(st_engine *e, seq **aborted) {
     for (int64_t i = 0; i < e->p.max_batch; i++)
         if (e->slots[i].s) e->order[n++] = e->slots[i].s;
     pthread_mutex_unlock(&e->mu);
-    /* oldest first (ids grow with add order); n <= max_batch: insertion sort */
-    for (int64_t i = 1; i < n; i++) {
-        seq *x = e->order[i];
-        int64_t j = i - 1;
-        while (j >= 0 && e->order[j]->id > x->id) {
-            e->order[j + 1] = e->order[j];
-            j--;
-        }
-        e->order[j + 1] = x;
-    }
+    qsort(e->order, (size_t)n, sizeof *e->order, by_age); /* oldest first */
     return n;
 }
 

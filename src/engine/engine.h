@@ -15,8 +15,11 @@
  *      prefill_chunk) under the step's token budget, oldest request first
  *      (the oldest prefill always gets its chunk, so nothing starves);
  *   3. executes the plan (today: each sequence runs on its own st_llama slot
- *      with its own contiguous KV cache; the paged-KV batched forward will
- *      replace this part, and the scheduler part 2, behind the same API);
+ *      with its own contiguous KV cache, one forward per sequence, so a step
+ *      costs about the sum of its sequences' forwards; on a GPU each slot's
+ *      st_llama also holds its own copy of the device-resident weights, so
+ *      keep max_batch small there. The paged-KV batched forward will replace
+ *      this part, and engine/scheduler.h parts 1-2, behind the same API);
  *   4. samples each sequence that produced logits with its own sampler,
  *      detokenizes (never half a UTF-8 character), applies stop ids and stop
  *      strings, streams the new text to on_text, and finishes the sequences
