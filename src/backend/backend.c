@@ -36,3 +36,25 @@ bool st_backend_available(st_backend_kind kind) {
     }
     return false;
 }
+
+strata_status st_paged_kv_check(const st_paged_kv *kv, const char *op) {
+    if (!kv) return st_err(STRATA_ERR_INVALID_ARG, "%s: the paged KV description is NULL", op);
+    if (!kv->k_cache || !kv->v_cache || !kv->block_tables || !kv->ctx_lens)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: a paged KV pointer (caches, block tables, ctx_lens) is NULL", op);
+    if (kv->block_size < 1 || kv->n_slots < kv->block_size || kv->n_slots % kv->block_size)
+        return st_err(STRATA_ERR_INVALID_ARG,
+                      "%s: n_slots = %lld must be a positive multiple of block_size = %lld", op,
+                      (long long)kv->n_slots, (long long)kv->block_size);
+    if (kv->n_slots / kv->block_size > INT32_MAX)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: %lld blocks do not fit int32 block ids", op,
+                      (long long)(kv->n_slots / kv->block_size));
+    if (kv->n_seqs < 1 || kv->max_blocks < 1)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: n_seqs = %lld, max_blocks = %lld (both >= 1)", op,
+                      (long long)kv->n_seqs, (long long)kv->max_blocks);
+    if (kv->max_blocks > INT64_MAX / kv->block_size || kv->max_ctx < 0 ||
+        kv->max_ctx > kv->max_blocks * kv->block_size || kv->max_ctx > INT32_MAX)
+        return st_err(STRATA_ERR_INVALID_ARG,
+                      "%s: max_ctx = %lld is outside [0, max_blocks * block_size = %lld x %lld]", op,
+                      (long long)kv->max_ctx, (long long)kv->max_blocks, (long long)kv->block_size);
+    return STRATA_OK;
+}

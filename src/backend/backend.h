@@ -37,6 +37,26 @@ typedef struct {
     int64_t cols;
 } st_weight;
 
+/* One layer's paged KV cache as attention_paged reads it (all pointers are
+ * device pointers; the struct itself is host memory, read during the call).
+ * The pool is cut into blocks of block_size token slots; slot r is row r of
+ * k_cache / v_cache, [n_slots, n_kv_heads * head_dim] fp32 each. Sequence s
+ * of the batch holds ctx_lens[s] keys: key j (position j) lives in slot
+ *   block_tables[s * max_blocks + j / block_size] * block_size + j % block_size.
+ * Entries of a row past ceil(ctx_lens[s] / block_size) are never read. */
+typedef struct {
+    const float *k_cache;        /* [n_slots, n_kv_heads, head_dim] */
+    const float *v_cache;        /* [n_slots, n_kv_heads, head_dim] */
+    int64_t n_slots;             /* rows of each cache: num_blocks * block_size */
+    int64_t block_size;          /* token slots per block, >= 1 */
+    const int32_t *block_tables; /* [n_seqs, max_blocks] int32 physical block ids */
+    int64_t max_blocks;          /* row stride of block_tables */
+    const int32_t *ctx_lens;     /* [n_seqs] int32: keys each sequence holds, <= max_blocks * block_size */
+    int64_t n_seqs;
+    int64_t max_ctx;             /* host: >= every ctx_lens[s] (an upper bound: the CUDA
+                                    backend sizes its split-KV work with it) */
+} st_paged_kv;
+
 typedef enum { ST_BACKEND_CPU = 0, ST_BACKEND_CUDA } st_backend_kind;
 
 typedef struct {
@@ -151,6 +171,37 @@ typedef struct {
      * relative error on logits, enough to flip close argmaxes), about twice
      * as fast. No effect on the CPU backend (always fp32). */
     void (*set_fast_prefill)(st_backend *be, bool on);
+
+    /* ---- paged KV cache (continuous batching: a batch of sequences) ---- */
+    /* For i < n with slots[i] >= 0: k_cache[slots[i], :] = k[i, :] and
+     * v_cache[slots[i], :] = v[i, :] (rows of `cols` floats; the caches have
+     * n_slots rows: one layer's pool). slots: [n] int64 on the device; -1
+     * skips the token. Other out-of-range slots: the CPU backend returns
+     * STRATA_ERR_INVALID_ARG before writing anything; CUDA (whose slots live on
+     * the device) skips them. Slots of one call must be distinct. */
+    strata_status (*kv_store_paged)(st_backend *be, st_stream *s, float *k_cache, float *v_cache,
+                                    int64_t n_slots, const float *k, const float *v,
+                                    const int64_t *slots, int64_t n, int64_t cols);
+    /* Causal grouped-query attention of a batch of sequences over a paged KV
+     * cache (st_paged_kv above). q: [n, n_heads, hd]; token i belongs to
+     * sequence seq[i] (< kv->n_seqs), sits at position pos[i]
+     * (< ctx_lens[seq[i]]) and sees that sequence's keys 0..pos[i]; head h
+     * reads kv head h / (n_heads / n_kv_heads). out: [n, n_heads, hd] =
+     * softmax(q k^T * scale) v. seq, pos: [n] int32 on the device.
+     * Batch invariance: the result for a token depends only on its own q, its
+     * position and its sequence's keys, never on the other tokens of the
+     * batch, their number or the thread count:
+     *   CPU: one work item per (token, head) in the order of `attention`
+     *     (scores by key, max, exp, sum in lanes, weighted sum by key), so the
+     *     bits also equal `attention` over the same keys laid out contiguously;
+     *   CUDA: one kernel for every token (decode or prefill alike); each
+     *     (token, kv head) splits its keys into fixed 256-key ranges and merges
+     *     them in order, so the reduction order depends only on its position.
+     * The CPU backend checks every index (seq, pos, ctx_lens, the block ids
+     * reached) and returns STRATA_ERR_INVALID_ARG; CUDA clamps them instead. */
+    strata_status (*attention_paged)(st_backend *be, st_stream *s, const float *q, const st_paged_kv *kv,
+                                     const int32_t *seq, const int32_t *pos, int64_t n, int64_t n_heads,
+                                     int64_t n_kv_heads, int64_t head_dim, float scale, float *out);
 } st_backend_ops;
 
 struct st_backend {
@@ -159,6 +210,13 @@ struct st_backend {
     st_budget device_budget; /* device allocations counted against device_mem */
     void *impl;
 };
+
+/* Checks the host-side fields of a paged KV description for `op` (names it in
+ * the message): non-NULL pointers, block_size >= 1, n_slots a positive
+ * multiple of block_size, n_seqs >= 1, max_blocks >= 1, 0 <= max_ctx <=
+ * max_blocks * block_size. STRATA_ERR_INVALID_ARG otherwise. Reads no device
+ * memory. */
+strata_status st_paged_kv_check(const st_paged_kv *kv, const char *op);
 
 /* Creates the backend named in params. The caller owns *out (st_backend_free). */
 strata_status st_backend_init(const st_backend_params *params, st_backend **out);

@@ -21,6 +21,7 @@ struct st_llama {
     st_config cfg;
     int64_t max_ctx, max_batch;
     int64_t n_past;
+    bool no_seq_kv;         /* no contiguous cache: st_llama_forward_batch only */
     st_stream *stream;      /* compute stream */
 
     st_wgroups *groups;     /* weight groups: embed, attn.l, ffn.l, output */
@@ -119,13 +120,23 @@ static strata_status init_rope(st_llama *m) {
 
 static size_t r256(size_t x) { return (x + 255) / 256 * 256; }
 
+/* Block size assumed for the batch metadata of a paged pool the planner
+ * reserves room for (the runner's default). */
+#define PLAN_KV_BLOCK 16
+
 /* Device bytes of the KV cache and of the activations this file allocates
  * (st_llama_init, and the decode path's first call), each allocation rounded
- * to 256 bytes (the CUDA pool's granularity; the CPU arena counts less). */
-static void device_needs(const st_config *c, int64_t max_ctx, int64_t T, size_t *kv, size_t *act) {
+ * to 256 bytes (the CUDA pool's granularity; the CPU arena counts less).
+ * The KV part: the contiguous cache (unless p->no_seq_kv) plus the paged pool
+ * of p->kv_pool_tokens slots (st_kv_cache_init). */
+static void device_needs(const st_config *c, int64_t max_ctx, int64_t T, const st_llama_params *p, size_t *kv,
+                         size_t *act) {
     const int64_t H = c->hidden_size, q_dim = c->n_heads * c->head_dim, kv_dim = c->n_kv_heads * c->head_dim,
                   I = c->intermediate_size, V = c->vocab_size;
-    *kv = 2 * (size_t)c->n_layers * r256((size_t)(max_ctx * kv_dim) * 4);
+    *kv = p->no_seq_kv ? 0 : 2 * (size_t)c->n_layers * r256((size_t)(max_ctx * kv_dim) * 4);
+    if (p->kv_pool_tokens > 0)
+        *kv += st_kv_cache_device_bytes(c, (p->kv_pool_tokens + PLAN_KV_BLOCK - 1) / PLAN_KV_BLOCK, PLAN_KV_BLOCK, T,
+                                        max_ctx);
     size_t a = 2 * r256((size_t)T * 4);                 /* d_tokens, d_pos */
     a += 3 * r256((size_t)(T * H) * 4);                 /* x, xn, tmp */
     a += 2 * r256((size_t)(T * q_dim) * 4);             /* q, att */
@@ -154,13 +165,14 @@ static size_t device_reserve_estimate(const st_backend *be, const st_config *c, 
 /* The placement for this model on `be` (bandwidths measured when `measure`
  * and not given). */
 static strata_status make_plan(const st_model_files *files, st_backend *be, const st_config *c, int64_t max_ctx,
-                               int64_t T, const st_llama_weight_opts *wo, const st_wgroups *g, bool measure,
+                               int64_t T, const st_llama_params *lp, const st_wgroups *g, bool measure,
                                st_wplan *plan) {
+    const st_llama_weight_opts *wo = &lp->weights;
     st_wplan_params pp;
     memset(&pp, 0, sizeof pp);
     pp.device_mem = be->device_budget.cap;
     pp.host_mem = wo->host_mem ? wo->host_mem : st_wplan_host_auto();
-    device_needs(c, max_ctx, T, &pp.device_kv, &pp.device_act);
+    device_needs(c, max_ctx, T, lp, &pp.device_kv, &pp.device_act);
     pp.device_reserve = wo->device_reserve ? wo->device_reserve : device_reserve_estimate(be, c, T);
     pp.ring_slots = wo->ring_slots;
     pp.staging_chunk = wo->staging_chunk;
@@ -197,9 +209,9 @@ strata_status st_llama_plan(const st_model_files *files, st_backend *be, const s
     const st_config *c = &files->config;
     const int64_t max_ctx = default_ctx(c, p);
     int64_t T = p->max_batch > 0 ? p->max_batch : 512;
-    if (T > max_ctx) T = max_ctx;
+    if (T > max_ctx && !p->no_seq_kv) T = max_ctx;
     strata_status st = st_wgroups_build(files, groups);
-    if (st == STRATA_OK) st = make_plan(files, be, c, max_ctx, T, &p->weights, *groups, true, plan);
+    if (st == STRATA_OK) st = make_plan(files, be, c, max_ctx, T, p, *groups, true, plan);
     if (st != STRATA_OK) {
         st_wgroups_free(*groups);
         *groups = NULL;
@@ -222,7 +234,7 @@ strata_status st_llama_init(const st_model_files *files, st_backend *be,
     const st_config *c = &m->cfg;
     m->max_ctx = default_ctx(c, params);
     m->max_batch = params && params->max_batch > 0 ? params->max_batch : 512;
-    if (m->max_batch > m->max_ctx) m->max_batch = m->max_ctx;
+    if (m->max_batch > m->max_ctx && !opts->no_seq_kv) m->max_batch = m->max_ctx; /* a batch may hold several sequences */
     strata_status st;
     const int64_t H = c->hidden_size, q_dim = c->n_heads * c->head_dim,
                   kv_dim = c->n_kv_heads * c->head_dim, I = c->intermediate_size,
@@ -254,7 +266,7 @@ strata_status st_llama_init(const st_model_files *files, st_backend *be,
         const st_llama_weight_opts *wo = &opts->weights;
         st_wplan plan;
         const bool measure = be->device_budget.cap > 0 || wo->placement;
-        if ((st = make_plan(files, be, c, m->max_ctx, T, wo, m->groups, measure, &plan))) goto fail;
+        if ((st = make_plan(files, be, c, m->max_ctx, T, opts, m->groups, measure, &plan))) goto fail;
         st_wm_params wp = wo->stream;
         wp.host_mem = plan.host_mem;
         st = st_wm_init(be, files, m->groups, &plan, &wp, &m->wm);
@@ -266,7 +278,8 @@ strata_status st_llama_init(const st_model_files *files, st_backend *be,
 
     m->layers = st_calloc((size_t)c->n_layers, sizeof *m->layers);
     if (!m->layers) { st = st_err(STRATA_ERR_NOMEM, "out of memory"); goto fail; }
-    for (int64_t l = 0; l < c->n_layers; l++) {
+    m->no_seq_kv = opts->no_seq_kv;
+    for (int64_t l = 0; l < c->n_layers && !m->no_seq_kv; l++) {
         llama_layer *L = &m->layers[l];
         if ((st = alloc_f32(m, m->max_ctx * kv_dim, &L->k_cache))) goto fail;
         if ((st = alloc_f32(m, m->max_ctx * kv_dim, &L->v_cache))) goto fail;
@@ -609,6 +622,8 @@ const char *st_llama_decode_mode(const st_llama *m) {
 
 strata_status st_llama_decode(st_llama *m, int32_t token, float *logits, int32_t *next) {
     const st_config *c = &m->cfg;
+    if (m->no_seq_kv)
+        return st_err(STRATA_ERR_UNSUPPORTED, "decode: this model has no single-sequence KV cache (no_seq_kv)");
     if (m->n_past + 1 > m->max_ctx)
         return st_err(STRATA_ERR_INVALID_ARG, "decode: the context of %lld tokens is full (--ctx)",
                       (long long)m->max_ctx);
@@ -621,6 +636,8 @@ strata_status st_llama_decode(st_llama *m, int32_t token, float *logits, int32_t
 strata_status st_llama_forward(st_llama *m, const int32_t *tokens, int64_t n, int64_t n_past,
                                bool all_logits, float *logits) {
     const st_config *c = &m->cfg;
+    if (m->no_seq_kv)
+        return st_err(STRATA_ERR_UNSUPPORTED, "forward: this model has no single-sequence KV cache (no_seq_kv)");
     if (n <= 0) return st_err(STRATA_ERR_INVALID_ARG, "forward: no tokens");
     if (n_past != m->n_past)
         return st_err(STRATA_ERR_INVALID_ARG, "forward: n_past %lld but the cache holds %lld tokens",
@@ -645,4 +662,267 @@ strata_status st_llama_forward(st_llama *m, const int32_t *tokens, int64_t n, in
     }
     m->n_past = n_past + n;
     return STRATA_OK;
+}
+
+/* ---- batched forward over a paged KV cache ------------------------------------------
+ * A batch's metadata is packed into the pool's pinned staging buffer, copied
+ * to the device in one transfer, and read there by the ops (token ids,
+ * positions, sequence indices, slots, block tables, context lengths, the rows
+ * that need logits). Layout, in order, with n tokens, S sequences, B blocks
+ * per table row and n_out logit rows:
+ *   int64 slots[n] | int32 tokens[n] | pos[n] | seq[n] | logit_rows[n_out] |
+ *   ctx_lens[S] | block_tables[S * B]
+ * The staging buffer is rewritten only by the next call, after this one's
+ * final stream sync, so a copy still in flight never sees it change. */
+
+struct st_kv_cache {
+    st_llama *m;
+    int64_t num_blocks, block_size, n_slots;
+    int64_t max_blocks;     /* ceil(max_ctx / block_size): the widest table row */
+    float **k, **v;         /* [n_layers] device [n_slots, kv_dim] */
+    size_t meta_bytes;      /* capacity of h_meta / d_meta */
+    void *h_meta;           /* pinned host staging */
+    void *d_meta;           /* device */
+};
+
+static size_t meta_capacity(int64_t T, int64_t max_blocks) {
+    return (size_t)T * 8 + ((size_t)4 * T + (size_t)T + (size_t)T * (size_t)max_blocks) * 4;
+}
+
+size_t st_kv_cache_device_bytes(const st_config *c, int64_t num_blocks, int64_t block_size, int64_t max_batch,
+                                int64_t max_ctx) {
+    if (num_blocks <= 0 || block_size <= 0) return 0;
+    const int64_t kv_dim = c->n_kv_heads * c->head_dim;
+    const size_t layer = r256((size_t)(num_blocks * block_size * kv_dim) * sizeof(float));
+    return 2 * (size_t)c->n_layers * layer + r256(meta_capacity(max_batch, (max_ctx + block_size - 1) / block_size));
+}
+
+strata_status st_kv_cache_init(st_llama *m, const st_kv_cache_params *p, st_kv_cache **out) {
+    if (!out) return st_err(STRATA_ERR_INVALID_ARG, "kv cache: out is NULL");
+    *out = NULL;
+    if (!m || !p) return st_err(STRATA_ERR_INVALID_ARG, "kv cache: no model or params");
+    if (p->num_blocks < 1 || p->block_size < 1 || p->num_blocks > INT32_MAX ||
+        p->num_blocks > INT64_MAX / 4 / p->block_size)
+        return st_err(STRATA_ERR_INVALID_ARG, "kv cache: num_blocks = %lld, block_size = %lld (both >= 1, ids int32)",
+                      (long long)p->num_blocks, (long long)p->block_size);
+    st_backend *be = m->be;
+    const st_config *c = &m->cfg;
+    st_kv_cache *kv = st_calloc(1, sizeof *kv);
+    if (!kv) return st_err(STRATA_ERR_NOMEM, "kv cache: out of memory");
+    kv->m = m;
+    kv->num_blocks = p->num_blocks;
+    kv->block_size = p->block_size;
+    kv->n_slots = p->num_blocks * p->block_size;
+    kv->max_blocks = (m->max_ctx + p->block_size - 1) / p->block_size;
+    strata_status st = STRATA_OK;
+    kv->k = st_calloc((size_t)c->n_layers, sizeof *kv->k);
+    kv->v = st_calloc((size_t)c->n_layers, sizeof *kv->v);
+    if (!kv->k || !kv->v) {
+        st = st_err(STRATA_ERR_NOMEM, "kv cache: out of memory");
+        goto fail;
+    }
+    const int64_t kv_dim = c->n_kv_heads * c->head_dim;
+    for (int64_t l = 0; l < c->n_layers; l++) {
+        if ((st = alloc_f32(m, kv->n_slots * kv_dim, &kv->k[l])) || (st = alloc_f32(m, kv->n_slots * kv_dim, &kv->v[l]))) {
+            char msg[512];
+            snprintf(msg, sizeof msg, "%s", st_last_error());
+            st = st_err(st, "kv cache of %lld blocks x %lld tokens (%.1f MiB per layer): %s", (long long)p->num_blocks,
+                        (long long)p->block_size, (double)(2 * kv->n_slots * kv_dim * 4) / 1048576.0, msg);
+            goto fail;
+        }
+    }
+    kv->meta_bytes = meta_capacity(m->max_batch, kv->max_blocks);
+    if ((st = be->ops->alloc(be, kv->meta_bytes, &kv->d_meta))) goto fail;
+    if ((st = be->ops->host_alloc(be, kv->meta_bytes, &kv->h_meta))) goto fail;
+    *out = kv;
+    return STRATA_OK;
+fail:
+    st_kv_cache_free(kv);
+    return st;
+}
+
+void st_kv_cache_free(st_kv_cache *kv) {
+    if (!kv) return;
+    st_llama *m = kv->m;
+    st_backend *be = m->be;
+    (void)be->ops->stream_sync(be, m->stream); /* nothing may still use the pool */
+    for (int64_t l = 0; l < m->cfg.n_layers; l++) {
+        if (kv->k && kv->k[l]) be->ops->dealloc(be, kv->k[l]);
+        if (kv->v && kv->v[l]) be->ops->dealloc(be, kv->v[l]);
+    }
+    if (kv->d_meta) be->ops->dealloc(be, kv->d_meta);
+    if (kv->h_meta) be->ops->host_dealloc(be, kv->h_meta);
+    st_free(kv->k);
+    st_free(kv->v);
+    st_free(kv);
+}
+
+int64_t st_kv_cache_num_blocks(const st_kv_cache *kv) { return kv->num_blocks; }
+int64_t st_kv_cache_block_size(const st_kv_cache *kv) { return kv->block_size; }
+int64_t st_llama_max_batch(const st_llama *m) { return m->max_batch; }
+
+/* Device views of one batch's metadata (in kv->d_meta). */
+typedef struct {
+    const int64_t *slots;
+    const int32_t *tokens, *pos, *seq, *logit_rows;
+    st_paged_kv pk;      /* k_cache / v_cache set per layer */
+} batch_dev;
+
+#define BAD(...) return st_err(STRATA_ERR_INVALID_ARG, "forward_batch: " __VA_ARGS__)
+
+static strata_status batch_check(const st_llama *m, const st_kv_cache *kv, const st_batch *b) {
+    const int64_t n = b->n_tokens, bs = kv->block_size;
+    if (n < 1 || n > m->max_batch) BAD("%lld tokens (1 to max_batch = %lld)", (long long)n, (long long)m->max_batch);
+    if (b->n_seqs < 1 || b->n_seqs > m->max_batch)
+        BAD("%lld sequences (1 to max_batch = %lld)", (long long)b->n_seqs, (long long)m->max_batch);
+    if (b->max_blocks < 1 || b->max_blocks > kv->max_blocks)
+        BAD("max_blocks = %lld (1 to %lld: max_ctx %lld / block_size %lld)", (long long)b->max_blocks,
+            (long long)kv->max_blocks, (long long)m->max_ctx, (long long)bs);
+    if (b->n_logits < 0 || b->n_logits > n) BAD("n_logits = %lld of %lld tokens", (long long)b->n_logits, (long long)n);
+    if (!b->tokens || !b->pos || !b->seq || !b->slots || !b->block_tables || !b->ctx_lens ||
+        (b->n_logits > 0 && !b->logit_rows))
+        BAD("a NULL array");
+    for (int64_t s = 0; s < b->n_seqs; s++) {
+        const int64_t len = b->ctx_lens[s];
+        if (len < 1 || len > m->max_ctx || len > b->max_blocks * bs)
+            BAD("ctx_lens[%lld] = %lld (1 to min(max_ctx = %lld, max_blocks * block_size = %lld))", (long long)s,
+                (long long)len, (long long)m->max_ctx, (long long)(b->max_blocks * bs));
+        const int32_t *row = b->block_tables + s * b->max_blocks;
+        for (int64_t j = 0; j < (len + bs - 1) / bs; j++)
+            if (row[j] < 0 || row[j] >= kv->num_blocks)
+                BAD("block_tables[%lld][%lld] = %d is outside the pool's %lld blocks", (long long)s, (long long)j,
+                    row[j], (long long)kv->num_blocks);
+    }
+    for (int64_t i = 0; i < n; i++) {
+        if (b->tokens[i] < 0 || b->tokens[i] >= m->cfg.vocab_size)
+            BAD("token %d (index %lld) is outside the vocabulary [0, %lld)", b->tokens[i], (long long)i,
+                (long long)m->cfg.vocab_size);
+        if (b->seq[i] < 0 || b->seq[i] >= b->n_seqs)
+            BAD("seq[%lld] = %d is outside [0, %lld)", (long long)i, b->seq[i], (long long)b->n_seqs);
+        const int64_t p = b->pos[i], len = b->ctx_lens[b->seq[i]];
+        if (p < 0 || p >= len)
+            BAD("pos[%lld] = %lld is outside its sequence's %lld keys", (long long)i, (long long)p, (long long)len);
+        const int64_t want = (int64_t)b->block_tables[b->seq[i] * b->max_blocks + p / bs] * bs + p % bs;
+        if (b->slots[i] != -1 && b->slots[i] != want)
+            BAD("slots[%lld] = %lld, but position %lld of its sequence is slot %lld", (long long)i,
+                (long long)b->slots[i], (long long)p, (long long)want);
+    }
+    for (int64_t r = 0; r < b->n_logits; r++)
+        if (b->logit_rows[r] < 0 || b->logit_rows[r] >= n || (r > 0 && b->logit_rows[r] <= b->logit_rows[r - 1]))
+            BAD("logit_rows[%lld] = %d (increasing, in [0, %lld))", (long long)r, b->logit_rows[r], (long long)n);
+    return STRATA_OK;
+}
+
+/* Packs b into the staging buffer, copies it to the device and points d at it. */
+static strata_status batch_upload(st_llama *m, st_kv_cache *kv, const st_batch *b, batch_dev *d) {
+    const int64_t n = b->n_tokens, tab = b->n_seqs * b->max_blocks;
+    uint8_t *h = kv->h_meta;
+    const size_t o_tok = (size_t)n * 8, o_pos = o_tok + (size_t)n * 4, o_seq = o_pos + (size_t)n * 4,
+                 o_lr = o_seq + (size_t)n * 4, o_ctx = o_lr + (size_t)b->n_logits * 4,
+                 o_tab = o_ctx + (size_t)b->n_seqs * 4, total = o_tab + (size_t)tab * 4;
+    ST_ASSERT(total <= kv->meta_bytes);
+    memcpy(h, b->slots, (size_t)n * 8);
+    memcpy(h + o_tok, b->tokens, (size_t)n * 4);
+    memcpy(h + o_pos, b->pos, (size_t)n * 4);
+    memcpy(h + o_seq, b->seq, (size_t)n * 4);
+    if (b->n_logits) memcpy(h + o_lr, b->logit_rows, (size_t)b->n_logits * 4);
+    memcpy(h + o_ctx, b->ctx_lens, (size_t)b->n_seqs * 4);
+    memcpy(h + o_tab, b->block_tables, (size_t)tab * 4);
+    TRY(m->be->ops->copy_h2d(m->be, m->stream, kv->d_meta, h, total));
+    const uint8_t *dm = kv->d_meta;
+    int64_t max_ctx = 0;
+    for (int64_t s = 0; s < b->n_seqs; s++)
+        if (b->ctx_lens[s] > max_ctx) max_ctx = b->ctx_lens[s];
+    d->slots = (const int64_t *)dm;
+    d->tokens = (const int32_t *)(dm + o_tok);
+    d->pos = (const int32_t *)(dm + o_pos);
+    d->seq = (const int32_t *)(dm + o_seq);
+    d->logit_rows = (const int32_t *)(dm + o_lr);
+    d->pk = (st_paged_kv){.k_cache = NULL, .v_cache = NULL, .n_slots = kv->n_slots, .block_size = kv->block_size,
+                          .block_tables = (const int32_t *)(dm + o_tab), .max_blocks = b->max_blocks,
+                          .ctx_lens = (const int32_t *)(dm + o_ctx), .n_seqs = b->n_seqs, .max_ctx = max_ctx};
+    return STRATA_OK;
+}
+
+/* Attention group of layer l over the batch: as attn_ops, with the K/V rows
+ * stored at the batch's slots and attention read through the block tables. */
+static strata_status attn_batch_ops(st_llama *m, const st_weight *w, st_kv_cache *kv, int64_t l, batch_dev *d,
+                                    int64_t n, bool residual_pending) {
+    st_backend *be = m->be;
+    const st_backend_ops *o = be->ops;
+    const st_config *c = &m->cfg;
+    const int64_t H = c->hidden_size, hd = c->head_dim, kv_dim = c->n_kv_heads * hd;
+    TRY(o->rmsnorm(be, m->stream, m->x, residual_pending ? m->tmp : NULL, &w[ST_WG_ATTN_NORM], c->rms_norm_eps, n,
+                   H, m->xn));
+    TRY(o->matmul(be, m->stream, m->xn, &w[ST_WG_WQ], n, m->q));
+    TRY(o->matmul(be, m->stream, m->xn, &w[ST_WG_WK], n, m->k));
+    TRY(o->matmul(be, m->stream, m->xn, &w[ST_WG_WV], n, m->v));
+    TRY(o->rope(be, m->stream, m->q, d->pos, n, c->n_heads, hd, m->inv_freq, c->rope_interleaved));
+    TRY(o->rope(be, m->stream, m->k, d->pos, n, c->n_kv_heads, hd, m->inv_freq, c->rope_interleaved));
+    TRY(o->kv_store_paged(be, m->stream, kv->k[l], kv->v[l], kv->n_slots, m->k, m->v, d->slots, n, kv_dim));
+    d->pk.k_cache = kv->k[l];
+    d->pk.v_cache = kv->v[l];
+    TRY(o->attention_paged(be, m->stream, m->q, &d->pk, d->seq, d->pos, n, c->n_heads, c->n_kv_heads, hd,
+                           1.0f / sqrtf((float)hd), m->att));
+    return o->matmul(be, m->stream, m->att, &w[ST_WG_WO], n, m->tmp);
+}
+
+/* Output group over the batch: x += tmp; xn = norm(x); logits[n_out, V] =
+ * the rows logit_rows of xn (gathered into tmp unless they are all rows) @ lm_head^T. */
+static strata_status output_batch_ops(st_llama *m, const st_weight *w, const batch_dev *d, int64_t n,
+                                      int64_t n_out) {
+    st_backend *be = m->be;
+    const st_backend_ops *o = be->ops;
+    const st_config *c = &m->cfg;
+    const int64_t H = c->hidden_size;
+    TRY(o->rmsnorm(be, m->stream, m->x, m->tmp, &w[ST_WG_OUT_NORM], c->rms_norm_eps, n, H, m->xn));
+    const float *src = m->xn;
+    if (n_out < n) { /* a gather through get_rows, xn seen as an fp32 table */
+        const st_weight rows = {.data = m->xn, .dtype = ST_DTYPE_F32, .rows = n, .cols = H};
+        TRY(o->get_rows(be, m->stream, &rows, d->logit_rows, n_out, m->tmp));
+        src = m->tmp;
+    }
+    return o->matmul(be, m->stream, src, &w[ST_WG_LM_HEAD], n_out, m->logits);
+}
+
+/* Enqueues the whole pass (forward_batch below synchronizes). */
+static strata_status forward_batch_enqueue(st_llama *m, st_kv_cache *kv, const st_batch *b, float *logits) {
+    st_backend *be = m->be;
+    const st_backend_ops *o = be->ops;
+    const st_config *c = &m->cfg;
+    const int64_t n = b->n_tokens, V = c->vocab_size;
+    TRY(st_wm_begin(m->wm));
+    batch_dev d;
+    TRY(batch_upload(m, kv, b, &d));
+    {   /* embedding */
+        st_weight w;
+        const int32_t *ids = NULL;
+        TRY(st_wm_embed(m->wm, m->stream, b->tokens, n, &w, &ids));
+        TRY(o->get_rows(be, m->stream, &w, ids ? ids : d.tokens, n, m->x));
+    }
+    bound_group g;
+    for (int64_t l = 0; l < c->n_layers; l++) {
+        TRY(group_acquire(m, st_wg_attn_id((int)l), &g));
+        TRY(group_release(m, &g, attn_batch_ops(m, g.w, kv, l, &d, n, l > 0)));
+        TRY(group_acquire(m, st_wg_ffn_id((int)l), &g));
+        TRY(group_release(m, &g, ffn_ops(m, g.w, n)));
+    }
+    if (b->n_logits > 0) {
+        TRY(group_acquire(m, st_wg_output_id(m->groups), &g));
+        TRY(group_release(m, &g, output_batch_ops(m, g.w, &d, n, b->n_logits)));
+        TRY(o->copy_d2h(be, m->stream, logits, m->logits, (size_t)(b->n_logits * V) * sizeof(float)));
+    }
+    return STRATA_OK;
+}
+
+strata_status st_llama_forward_batch(st_llama *m, st_kv_cache *kv, const st_batch *b, float *logits) {
+    if (!m || !kv || !b) return st_err(STRATA_ERR_INVALID_ARG, "forward_batch: no model, cache or batch");
+    if (kv->m != m) return st_err(STRATA_ERR_INVALID_ARG, "forward_batch: the KV cache belongs to another model");
+    TRY(batch_check(m, kv, b));
+    if (b->n_logits > 0 && !logits) return st_err(STRATA_ERR_INVALID_ARG, "forward_batch: logits is NULL");
+    const strata_status st = forward_batch_enqueue(m, kv, b, logits);
+    /* the one host sync: logits readable, and the staging buffer free for the
+     * next call even when an op failed after the metadata copy was enqueued */
+    const strata_status s2 = m->be->ops->stream_sync(m->be, m->stream);
+    return st != STRATA_OK ? st : s2;
 }

@@ -37,9 +37,17 @@ typedef struct {
 } st_llama_weight_opts;
 
 typedef struct {
-    int64_t max_ctx;        /* KV cache capacity in tokens (0: min(max_position_embeddings, 4096)) */
-    int64_t max_batch;      /* tokens per forward chunk (0: 512); longer inputs run in chunks */
+    int64_t max_ctx;        /* KV cache capacity in tokens (0: min(max_position_embeddings, 4096));
+                               with the batched path: the most positions of one sequence */
+    int64_t max_batch;      /* tokens per forward chunk (0: 512); longer inputs run in chunks;
+                               st_llama_forward_batch takes at most this many tokens */
     st_llama_weight_opts weights;
+    /* Batched serving (st_llama_forward_batch over an st_kv_cache, below). */
+    int64_t kv_pool_tokens; /* device room the weight planner keeps for a paged KV pool of this many
+                               token slots (the st_kv_cache the caller makes next); 0: none */
+    bool no_seq_kv;         /* no contiguous single-sequence KV cache (max_ctx tokens per layer): the
+                               model serves st_llama_forward_batch only; st_llama_forward and
+                               st_llama_decode then return STRATA_ERR_UNSUPPORTED */
 } st_llama_params;
 
 /* Builds the model over the opened files on `be`. Borrows `files` and `be`
@@ -80,6 +88,77 @@ void st_llama_reset(st_llama *m);
 int64_t st_llama_n_past(const st_llama *m);
 int64_t st_llama_max_ctx(const st_llama *m); /* KV capacity in tokens */
 const st_config *st_llama_config(const st_llama *m);
+
+/* ---- batched forward over a paged KV cache (continuous batching) -----------------------
+ * Several sequences in one pass: every token of the batch goes through each
+ * layer's matmuls together (rows are independent), its K/V row is stored at
+ * its slot of the paged pool (kv_store_paged), and attention reads each
+ * token's sequence through that sequence's block table (attention_paged).
+ * Weight groups are acquired and released exactly as st_llama_forward does.
+ *
+ * Batch invariance: on the CPU backend a token's logits are bit-identical
+ * whatever else is in the batch, however its prompt was chunked, and equal to
+ * st_llama_forward's for the same tokens (every op computes a row with a
+ * fixed reduction order; paged attention reproduces the contiguous op's
+ * arithmetic). On CUDA, attention is batch-invariant bit for bit (one kernel
+ * for every token, backend.h), but matmuls take the GEMV path for <= 8 rows
+ * and the split-bf16 tensor-core path above, so logits agree across batch
+ * compositions to ~1e-5 relative, not bit for bit. */
+
+/* The paged KV pool: per layer a K and a V array of num_blocks * block_size
+ * rows of n_kv_heads * head_dim floats (slot s = block * block_size + offset,
+ * the same slot in every layer), plus the device and pinned host buffers a
+ * batch's metadata travels through. Allocated on the model's backend and
+ * counted in its device budget. */
+typedef struct st_kv_cache st_kv_cache;
+
+typedef struct {
+    int64_t num_blocks;  /* >= 1 */
+    int64_t block_size;  /* token slots per block, >= 1 */
+} st_kv_cache_params;
+
+/* Device bytes st_kv_cache_init takes for this pool (K and V of every layer
+ * plus the batch metadata of a model with max_batch tokens and max_ctx
+ * positions), each allocation rounded to 256 bytes. */
+size_t st_kv_cache_device_bytes(const st_config *c, int64_t num_blocks, int64_t block_size, int64_t max_batch,
+                                int64_t max_ctx);
+/* Makes a pool for model m (borrowed: it must outlive the pool; one pool per
+ * model at a time is the intended use). The caller owns *out
+ * (st_kv_cache_free). INVALID_ARG for bad params, NOMEM when the device
+ * budget or memory runs out (nothing left allocated). */
+strata_status st_kv_cache_init(st_llama *m, const st_kv_cache_params *p, st_kv_cache **out);
+void st_kv_cache_free(st_kv_cache *kv); /* NULL is a no-op; waits for the model's stream */
+int64_t st_kv_cache_num_blocks(const st_kv_cache *kv);
+int64_t st_kv_cache_block_size(const st_kv_cache *kv);
+
+/* One forward pass's batch, all host memory (borrowed for the call). Token i
+ * runs tokens[i] at position pos[i] of sequence seq[i]; its K/V row goes to
+ * slot slots[i] of the pool (-1: not stored), and it attends over keys
+ * 0..pos[i] of its sequence, found through row seq[i] of block_tables. */
+typedef struct {
+    int64_t n_tokens;             /* 1 .. the model's max_batch */
+    const int32_t *tokens;        /* [n_tokens] ids in [0, vocab) */
+    const int32_t *pos;           /* [n_tokens] positions, < ctx_lens[seq[i]] */
+    const int32_t *seq;           /* [n_tokens] sequence index in [0, n_seqs) */
+    const int64_t *slots;         /* [n_tokens] -1 or block_tables[seq][pos / bs] * bs + pos % bs */
+    int64_t n_seqs;               /* 1 .. max_batch */
+    const int32_t *block_tables;  /* [n_seqs, max_blocks] physical block ids (entries past a
+                                     sequence's ceil(ctx_len / bs) blocks are not read) */
+    int64_t max_blocks;           /* row stride, 1 .. ceil(max_ctx / bs) */
+    const int32_t *ctx_lens;      /* [n_seqs] keys each sequence holds once this batch is stored
+                                     (its last position + 1), <= the model's max_ctx */
+    const int32_t *logit_rows;    /* [n_logits] tokens whose logits are wanted, increasing */
+    int64_t n_logits;             /* 0 .. n_tokens */
+} st_batch;
+
+/* Runs batch b over pool kv: stores every token's K/V at its slot, and writes
+ * logits[n_logits, vocab] (host memory) for the tokens of b->logit_rows, in
+ * that order. The batch is validated on the host first (INVALID_ARG naming
+ * the bad field; nothing runs). One host synchronization at the end, none
+ * per layer. On another error the KV at the batch's slots is undefined (the
+ * caller does not count them as computed). */
+strata_status st_llama_forward_batch(st_llama *m, st_kv_cache *kv, const st_batch *b, float *logits);
+int64_t st_llama_max_batch(const st_llama *m); /* tokens per forward_batch */
 
 /* RoPE inverse frequencies [head_dim/2] as HF transformers computes them in
  * float32 (default, linear and llama3 scaling), divided element-wise by

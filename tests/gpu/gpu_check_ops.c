@@ -17,7 +17,13 @@
  * double-precision reference computed here. The decode-step ops (set_rows,
  * argmax, matmul_multi, matmul_swiglu) are checked against the CPU backend,
  * and a graph recorded once and replayed with new inputs against the same
- * ops run directly. Last, the Llama forward pass (src/model/llama.c) runs on
+ * ops run directly. The paged-KV ops: kv_store_paged exactly (with -1 and
+ * out-of-range slots), attention_paged within 1e-5 of the CPU over shuffled
+ * blocks (decodes among prefill chunks, block sizes 1, 7, 16, GQA 1 to 12,
+ * head dims 32/64/80/128, 40000 keys with sub-batched partials) and bit-
+ * identical on the GPU for a token alone, in a reversed batch and with a
+ * larger max_ctx; st_llama_forward_batch on both backends within 1e-4, and a
+ * decode alone vs in a batch on the GPU. Last, the Llama forward pass (src/model/llama.c) runs on
  * both backends over the models of tests/data/models: logits of token-by-
  * token decoding (st_llama_decode's recorded graph after the first step; fp32
  * paths) within 1e-4, of a 12-token prefill (tensor-core GEMM and attention)
@@ -626,6 +632,204 @@ static void check_graph(void) {
     free(emb), free(wh), free(x), free(l);
 }
 
+/* ---- paged KV cache: kv_store_paged, attention_paged, the batched forward ---- */
+
+static void check_kv_store_paged(int64_t n_slots, int64_t cols, int64_t n, int off) {
+    float *kc = rand_f(n_slots * cols + off, 1.0f), *vc = rand_f(n_slots * cols + off, 1.0f);
+    float *k = rand_f(n * cols + off, 1.0f), *v = rand_f(n * cols + off, 1.0f);
+    float *gk = xmalloc((size_t)(n_slots * cols) * 4), *gv = xmalloc((size_t)(n_slots * cols) * 4);
+    int64_t *slots = xmalloc((size_t)(n + 1) * 8);
+    for (int64_t i = 0; i < n; i++) slots[i] = i % 5 == 3 ? -1 : (i * 7 + 3) % n_slots; /* distinct when n_slots >= 7n */
+    float *dk = g_up(kc, (size_t)(n_slots * cols + off) * 4), *dv = g_up(vc, (size_t)(n_slots * cols + off) * 4);
+    float *dsk = g_up(k, (size_t)(n * cols + off) * 4), *dsv = g_up(v, (size_t)(n * cols + off) * 4);
+    slots[n] = n_slots; /* out of range: the GPU skips it (the CPU rejects it, so it is not run there) */
+    int64_t *dslots = g_up(slots, (size_t)(n + 1) * 8);
+    TRY(g_cpu->ops->kv_store_paged(g_cpu, NULL, kc + off, vc + off, n_slots, k + off, v + off, slots, n, cols));
+    strata_status st = g_gpu->ops->kv_store_paged(g_gpu, g_s, dk + off, dv + off, n_slots, dsk + off, dsv + off,
+                                                   dslots, n + 1, cols);
+    g_down(gk, dk + off, (size_t)(n_slots * cols) * 4);
+    g_down(gv, dv + off, (size_t)(n_slots * cols) * 4);
+    const bool ok = st == STRATA_OK && memcmp(gk, kc + off, (size_t)(n_slots * cols) * 4) == 0 &&
+                    memcmp(gv, vc + off, (size_t)(n_slots * cols) * 4) == 0;
+    check(ok, "kv_store_paged slots=%lld cols=%lld n=%lld%s (-1 slots, +1 out of range)  %s", (long long)n_slots,
+          (long long)cols, (long long)n, off ? " unaligned" : "", ok ? "exact" : "DIFFERS");
+    g_free(dk), g_free(dv), g_free(dsk), g_free(dsv), g_free(dslots);
+    free(kc), free(vc), free(k), free(v), free(gk), free(gv), free(slots);
+}
+
+/* A batch of n_seqs sequences (ctx[s] keys, the last nq[s] positions as
+ * queries) over a pool of shuffled blocks, run on both backends. Checks: GPU
+ * vs CPU (fp32 kernels: 1e-5); GPU batch invariance bit for bit: every token
+ * alone, the batch in reverse order, and a larger max_ctx (more split slots
+ * in the grid) give the same bits as the batch. */
+static void check_attention_paged(int64_t H, int64_t Hkv, int64_t hd, int64_t bs, int64_t n_seqs, const int32_t *ctx,
+                                  const int32_t *nq, const char *what) {
+    const int64_t kvd = Hkv * hd, row = H * hd;
+    int64_t n = 0, max_blocks = 0, total_blocks = 3, max_ctx = 0;
+    for (int64_t s = 0; s < n_seqs; s++) {
+        const int64_t nb = (ctx[s] + bs - 1) / bs;
+        total_blocks += nb;
+        if (nb > max_blocks) max_blocks = nb;
+        if (ctx[s] > max_ctx) max_ctx = ctx[s];
+        n += nq[s];
+    }
+    max_blocks += 2; /* room for the larger max_ctx below */
+    const int64_t n_slots = total_blocks * bs;
+    float *kc = rand_f(n_slots * kvd, 1.0f), *vc = rand_f(n_slots * kvd, 1.0f), *q = rand_f(n * row, 2.0f);
+    int32_t *perm = xmalloc((size_t)total_blocks * 4), *tables = xmalloc((size_t)(n_seqs * max_blocks) * 4);
+    int32_t *seq = xmalloc((size_t)n * 4), *pos = xmalloc((size_t)n * 4);
+    for (int64_t i = 0; i < total_blocks; i++) perm[i] = (int32_t)i;
+    for (int64_t i = total_blocks - 1; i > 0; i--) {
+        const int64_t j = rnd_u32() % (uint32_t)(i + 1);
+        const int32_t t = perm[i];
+        perm[i] = perm[j], perm[j] = t;
+    }
+    int64_t next = 0, t = 0;
+    for (int64_t s = 0; s < n_seqs; s++) {
+        for (int64_t b = 0; b < max_blocks; b++)
+            tables[s * max_blocks + b] = b < (ctx[s] + bs - 1) / bs ? perm[next++] : 0;
+        for (int64_t i = 0; i < nq[s]; i++, t++) seq[t] = (int32_t)s, pos[t] = ctx[s] - nq[s] + (int32_t)i;
+    }
+    const float scale = 1.0f / sqrtf((float)hd);
+    st_paged_kv ck = {kc, vc, n_slots, bs, tables, max_blocks, ctx, n_seqs, max_ctx};
+    float *ref = xmalloc((size_t)(n * row) * 4), *got = xmalloc((size_t)(n * row) * 4), *alt = xmalloc((size_t)(n * row) * 4);
+    TRY(g_cpu->ops->attention_paged(g_cpu, NULL, q, &ck, seq, pos, n, H, Hkv, hd, scale, ref));
+    float *dk = g_up(kc, (size_t)(n_slots * kvd) * 4), *dv = g_up(vc, (size_t)(n_slots * kvd) * 4);
+    float *dq = g_up(q, (size_t)(n * row) * 4);
+    int32_t *dt = g_up(tables, (size_t)(n_seqs * max_blocks) * 4), *dc = g_up(ctx, (size_t)n_seqs * 4);
+    int32_t *dsq = g_up(seq, (size_t)n * 4), *dp = g_up(pos, (size_t)n * 4);
+    float *dout = g_poisoned((size_t)(n * row) * 4);
+    st_paged_kv gk = {dk, dv, n_slots, bs, dt, max_blocks, dc, n_seqs, max_ctx};
+    strata_status st = g_gpu->ops->attention_paged(g_gpu, g_s, dq, &gk, dsq, dp, n, H, Hkv, hd, scale, dout);
+    if (st != STRATA_OK) fprintf(stderr, "  attention_paged: %s\n", st_last_error());
+    g_down(got, dout, (size_t)(n * row) * 4);
+    const double e = st == STRATA_OK ? nerr(got, ref, n * row) : INFINITY;
+    /* invariance: each token alone */
+    bool alone = st == STRATA_OK;
+    for (int64_t i = 0; i < n && alone; i++) {
+        g_poison(dout, (size_t)row * 4);
+        alone = g_gpu->ops->attention_paged(g_gpu, g_s, dq + i * row, &gk, dsq + i, dp + i, 1, H, Hkv, hd, scale,
+                                            dout) == STRATA_OK;
+        g_down(alt, dout, (size_t)row * 4);
+        alone = alone && memcmp(alt, got + i * row, (size_t)row * 4) == 0;
+    }
+    /* reversed order, and max_ctx raised to the tables' capacity */
+    int32_t *rs = xmalloc((size_t)n * 4), *rp = xmalloc((size_t)n * 4);
+    float *rq = xmalloc((size_t)(n * row) * 4);
+    for (int64_t i = 0; i < n; i++) {
+        rs[i] = seq[n - 1 - i], rp[i] = pos[n - 1 - i];
+        memcpy(rq + i * row, q + (n - 1 - i) * row, (size_t)row * 4);
+    }
+    int32_t *drs = g_up(rs, (size_t)n * 4), *drp = g_up(rp, (size_t)n * 4);
+    float *drq = g_up(rq, (size_t)(n * row) * 4);
+    g_poison(dout, (size_t)(n * row) * 4);
+    bool rev = g_gpu->ops->attention_paged(g_gpu, g_s, drq, &gk, drs, drp, n, H, Hkv, hd, scale, dout) == STRATA_OK;
+    g_down(alt, dout, (size_t)(n * row) * 4);
+    for (int64_t i = 0; i < n && rev; i++) rev = memcmp(alt + i * row, got + (n - 1 - i) * row, (size_t)row * 4) == 0;
+    st_paged_kv gk2 = gk;
+    gk2.max_ctx = max_blocks * bs;
+    g_poison(dout, (size_t)(n * row) * 4);
+    bool wide = g_gpu->ops->attention_paged(g_gpu, g_s, dq, &gk2, dsq, dp, n, H, Hkv, hd, scale, dout) == STRATA_OK;
+    g_down(alt, dout, (size_t)(n * row) * 4);
+    wide = wide && memcmp(alt, got, (size_t)(n * row) * 4) == 0;
+    check(e <= 1e-5 && alone && rev && wide,
+          "attention_paged %s: heads %lld/%lld hd %lld bs %lld, %lld seqs, %lld tokens, max ctx %lld  err=%.2e "
+          "(thr 1e-5); bit-identical alone %s, reversed %s, wider max_ctx %s",
+          what, (long long)H, (long long)Hkv, (long long)hd, (long long)bs, (long long)n_seqs, (long long)n,
+          (long long)max_ctx, e, alone ? "yes" : "NO", rev ? "yes" : "NO", wide ? "yes" : "NO");
+    g_free(dk), g_free(dv), g_free(dq), g_free(dt), g_free(dc), g_free(dsq), g_free(dp), g_free(dout), g_free(drs),
+        g_free(drp), g_free(drq);
+    free(kc), free(vc), free(q), free(perm), free(tables), free(seq), free(pos), free(ref), free(got), free(alt),
+        free(rs), free(rp), free(rq);
+}
+
+/* st_llama_forward_batch on both backends: 3 sequences (two prefill chunks
+ * and a decode, then three decodes), logits within 1e-4 of the CPU's; and on
+ * the GPU, each sequence's decode logits alone vs in the batch (reported:
+ * bitwise or the difference). */
+static void check_forward_batch(const char *name) {
+    const char *src = getenv("STRATA_SRC") ? getenv("STRATA_SRC") : ".";
+    char path[1024];
+    snprintf(path, sizeof path, "%s/tests/data/models/%s", src, name);
+    st_model_files *mf = NULL;
+    st_llama *mc = NULL, *mg = NULL;
+    st_kv_cache *kc = NULL, *kg = NULL;
+    const int64_t bs = 16, nb = 16;
+    st_llama_params lp = {.max_ctx = 64, .max_batch = 64, .kv_pool_tokens = nb * bs, .no_seq_kv = true};
+    const st_kv_cache_params kp = {.num_blocks = nb, .block_size = bs};
+    if (st_model_open(path, &mf) != STRATA_OK || st_llama_init(mf, g_cpu, &lp, &mc) != STRATA_OK ||
+        st_llama_init(mf, g_gpu, &lp, &mg) != STRATA_OK || st_kv_cache_init(mc, &kp, &kc) != STRATA_OK ||
+        st_kv_cache_init(mg, &kp, &kg) != STRATA_OK) {
+        check(false, "forward_batch %s: cannot load: %s", name, st_last_error());
+        goto out;
+    }
+    {
+        const int64_t V = mf->config.vocab_size;
+        /* sequence s uses blocks 4s .. 4s+3 (64 positions) */
+        int32_t tables[3 * 4];
+        for (int i = 0; i < 12; i++) tables[i] = (int32_t)((i * 5) % 16);
+        int32_t tok[3][40];
+        for (int s = 0; s < 3; s++)
+            for (int i = 0; i < 40; i++) tok[s][i] = (int32_t)(rnd_u32() % (uint32_t)V);
+        /* step 1: seq 0 [0, 20), seq 1 [0, 1), seq 2 [0, 33); step 2: one decode each */
+        const int64_t lens[3] = {20, 1, 33};
+        double e1 = 0, e2 = 0, inv = 0;
+        int bitwise = 0;
+        for (int step = 0; step < 2; step++) {
+            int32_t bt[64], bp[64], bsq[64], ctx[3], lr[64];
+            int64_t slots[64];
+            int64_t n = 0, n_lr = 0;
+            for (int s = 0; s < 3; s++) {
+                const int64_t a = step == 0 ? 0 : lens[s], b = step == 0 ? lens[s] : lens[s] + 1;
+                for (int64_t p = a; p < b; p++) {
+                    bt[n] = tok[s][p], bp[n] = (int32_t)p, bsq[n] = s;
+                    slots[n] = (int64_t)tables[s * 4 + p / bs] * bs + p % bs;
+                    if (step == 0 || p == b - 1) lr[n_lr++] = (int32_t)n;
+                    n++;
+                }
+                ctx[s] = (int32_t)b;
+            }
+            const st_batch b = {.n_tokens = n, .tokens = bt, .pos = bp, .seq = bsq, .slots = slots, .n_seqs = 3,
+                                .block_tables = tables, .max_blocks = 4, .ctx_lens = ctx, .logit_rows = lr,
+                                .n_logits = n_lr};
+            float *lc = xmalloc((size_t)(n_lr * V) * 4), *lg = xmalloc((size_t)(n_lr * V) * 4);
+            if (st_llama_forward_batch(mc, kc, &b, lc) != STRATA_OK || st_llama_forward_batch(mg, kg, &b, lg) != STRATA_OK) {
+                fprintf(stderr, "  forward_batch: %s\n", st_last_error());
+                *(step ? &e2 : &e1) = INFINITY;
+            } else {
+                const double e = nerr(lg, lc, n_lr * V);
+                if (step) e2 = e; else e1 = e;
+            }
+            if (step == 1) { /* each decode alone on the GPU (its KV is in place: the same slot is rewritten) */
+                for (int s = 0; s < 3; s++) {
+                    int32_t ctx1 = ctx[s], seq0 = 0, lr0 = 0;
+                    const st_batch b1 = {.n_tokens = 1, .tokens = &bt[s], .pos = &bp[s], .seq = &seq0,
+                                         .slots = &slots[s], .n_seqs = 1, .block_tables = tables + s * 4,
+                                         .max_blocks = 4, .ctx_lens = &ctx1, .logit_rows = &lr0, .n_logits = 1};
+                    float *one = xmalloc((size_t)V * 4);
+                    if (st_llama_forward_batch(mg, kg, &b1, one) == STRATA_OK) {
+                        bitwise += memcmp(one, lg + s * V, (size_t)V * 4) == 0;
+                        const double e = nerr(one, lg + s * V, V);
+                        inv = e > inv || isnan(e) ? e : inv;
+                    } else {
+                        inv = INFINITY;
+                    }
+                    free(one);
+                }
+            }
+            free(lc), free(lg);
+        }
+        check(e1 <= 1e-4 && e2 <= 1e-4 && inv <= 1e-5,
+              "forward_batch %s: prefill chunks + decode err=%.2e, decodes err=%.2e (thr 1e-4); GPU decode alone vs in"
+              " a batch of 3: %d/3 bitwise, max diff %.2e (thr 1e-5)",
+              name, e1, e2, bitwise, inv);
+    }
+out:
+    st_kv_cache_free(kc), st_kv_cache_free(kg);
+    st_llama_free(mc), st_llama_free(mg);
+    st_model_close(mf);
+}
+
 /* ---- the whole forward pass ---- */
 
 static double logits_err(st_llama *mc, st_llama *mg, const int32_t *tok, int64_t n, int64_t past, bool all,
@@ -792,6 +996,25 @@ int main(void) {
     for (size_t ti = 0; ti < sizeof fused_t / sizeof fused_t[0]; ti++)
         for (int i = 0; i < 4; i++) check_fused(fused_t[ti], 512, fused_n[i]);
     check_graph();
+
+    /* paged KV cache */
+    check_kv_store_paged(100, 576, 13, 0);
+    check_kv_store_paged(37, 19, 5, 1);
+    {
+        const int32_t c4[4] = {1, 37, 300, 64}, q4[4] = {1, 5, 1, 64};
+        const int64_t pcfg[][3] = {{4, 4, 64}, {9, 3, 64}, {8, 2, 128}, {32, 8, 128}, {24, 2, 128}, {8, 2, 80}, {6, 3, 32}};
+        for (int c = 0; c < 7; c++) check_attention_paged(pcfg[c][0], pcfg[c][1], pcfg[c][2], 16, 4, c4, q4, "mixed");
+        check_attention_paged(9, 3, 64, 1, 4, c4, q4, "one-slot blocks");
+        check_attention_paged(8, 2, 128, 7, 4, c4, q4, "odd block size");
+        int32_t cd[32], qd[32];
+        for (int i = 0; i < 32; i++) cd[i] = (int32_t)(1 + rnd_u32() % 3000), qd[i] = 1;
+        check_attention_paged(32, 8, 128, 16, 32, cd, qd, "32 decodes");
+        check_attention_paged(9, 3, 64, 16, 32, cd, qd, "32 decodes");
+        const int32_t cl[2] = {5000, 40000}, ql[2] = {300, 1};
+        check_attention_paged(32, 8, 128, 16, 2, cl, ql, "long (sub-batched partials)");
+    }
+    const char *pmodels[] = {"gqa_f32", "llama3_bf16", "headdim_f32", "mha_tied_f32"};
+    for (size_t i = 0; i < sizeof pmodels / sizeof pmodels[0]; i++) check_forward_batch(pmodels[i]);
 
     const char *models[] = {"llama3_f32", "llama3_bf16", "gqa_f32", "gqa_tied_bf16", "gqa_sharded_f32",
                             "headdim_f32", "mha_tied_f32"};

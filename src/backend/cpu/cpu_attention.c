@@ -1,4 +1,7 @@
-/* CPU causal grouped-query attention of one sequence.
+/* CPU causal grouped-query attention: of one sequence over a contiguous
+ * cache (attention), or of a batch of sequences over a paged cache
+ * (attention_paged: the same items, each key's row found through its
+ * sequence's block table, so the same bits for the same keys).
  *
  * Work item = (token i, head h), numbered i * n_heads + h so that the heads
  * sharing a KV head are neighbours (their keys stay in cache). Two-pass
@@ -13,6 +16,38 @@
 #include "backend/cpu/cpu_internal.h"
 #include "backend/cpu/cpu_simd.h"
 
+/* One work item: query qv (hd floats) against keys 0..nk-1 of one kv head.
+ * Key j's K row is kb + row(j) * kv_stride (V likewise from vb), with row(j)
+ * = j when table is NULL (a contiguous cache), else the paged slot
+ * table[j / bs] * bs + j % bs. s: [nk] scores, acc: [hd] scratch, o: [hd]
+ * output. The arithmetic, and so the bits, do not depend on the layout. */
+ST_AI void attn_one(const float *qv, const float *kb, const float *vb, int64_t kv_stride, int64_t hd,
+                    int64_t nk, const int32_t *table, int64_t bs, float scale, float *s, float *acc, float *o) {
+#define ROW(j) (table ? (int64_t)table[(j) / bs] * bs + (j) % bs : (j))
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < nk; j++) {
+        s[j] = st_dot_f32(qv, kb + ROW(j) * kv_stride, hd) * scale;
+        mx = s[j] > mx ? s[j] : mx;
+    }
+    st_v8f zs = st_v8f_splat(0.0f);
+    int64_t j = 0;
+    for (; j + 8 <= nk; j += 8) {
+        st_v8f p;
+        for (int l = 0; l < 8; l++) p[l] = expf(s[j + l] - mx);
+        ST_V8F_STORE(s + j, p);
+        zs += p;
+    }
+    for (int l = 0; j + l < nk; l++) {
+        s[j + l] = expf(s[j + l] - mx);
+        zs[l] += s[j + l];
+    }
+    const float inv_z = 1.0f / st_v8f_hsum(&zs);
+    for (int64_t d = 0; d < hd; d++) acc[d] = 0.0f;
+    for (j = 0; j < nk; j++) st_axpy_f32(acc, s[j], vb + ROW(j) * kv_stride, hd);
+    for (int64_t d = 0; d < hd; d++) o[d] = acc[d] * inv_z;
+#undef ROW
+}
+
 typedef struct {
     const float *q, *k, *v;
     const int32_t *pos;
@@ -21,6 +56,10 @@ typedef struct {
     float *out;
     float *const *scratch;
     int64_t acc_off; /* offset of the hd accumulator in a scratch buffer */
+    /* paged (attention_paged): NULL tables for the contiguous op */
+    const int32_t *seq;          /* [n] token -> sequence */
+    const int32_t *tables;       /* [n_seqs, max_blocks] */
+    int64_t max_blocks, bs;
 } attn_ctx;
 
 ST_AI void attn_items(const attn_ctx *a, int64_t begin, int64_t end, int ti) {
@@ -29,31 +68,9 @@ ST_AI void attn_items(const attn_ctx *a, int64_t begin, int64_t end, int ti) {
     float *acc = s + a->acc_off;
     for (int64_t it = begin; it < end; it++) {
         const int64_t i = it / a->n_heads, h = it % a->n_heads, kvh = h / a->group;
-        const float *qv = a->q + it * hd;
-        const float *kb = a->k + kvh * hd, *vb = a->v + kvh * hd;
-        const int64_t nk = (int64_t)a->pos[i] + 1;
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < nk; j++) {
-            s[j] = st_dot_f32(qv, kb + j * kv_stride, hd) * a->scale;
-            mx = s[j] > mx ? s[j] : mx;
-        }
-        st_v8f zs = st_v8f_splat(0.0f);
-        int64_t j = 0;
-        for (; j + 8 <= nk; j += 8) {
-            st_v8f p;
-            for (int l = 0; l < 8; l++) p[l] = expf(s[j + l] - mx);
-            ST_V8F_STORE(s + j, p);
-            zs += p;
-        }
-        for (int l = 0; j + l < nk; l++) {
-            s[j + l] = expf(s[j + l] - mx);
-            zs[l] += s[j + l];
-        }
-        const float inv_z = 1.0f / st_v8f_hsum(&zs);
-        for (int64_t d = 0; d < hd; d++) acc[d] = 0.0f;
-        for (j = 0; j < nk; j++) st_axpy_f32(acc, s[j], vb + j * kv_stride, hd);
-        float *o = a->out + it * hd;
-        for (int64_t d = 0; d < hd; d++) o[d] = acc[d] * inv_z;
+        const int32_t *table = a->tables ? a->tables + (int64_t)a->seq[i] * a->max_blocks : NULL;
+        attn_one(a->q + it * hd, a->k + kvh * hd, a->v + kvh * hd, kv_stride, hd, (int64_t)a->pos[i] + 1, table,
+                 a->bs, a->scale, s, acc, a->out + it * hd);
     }
 }
 
@@ -71,9 +88,33 @@ strata_status st_cpu_attention(st_cpu *c, const float *q, const float *k, const 
     strata_status st = st_cpu_scratch_reserve(c, (size_t)(acc_off + head_dim));
     if (st != STRATA_OK) return st;
     attn_ctx a = {q, k, v, pos, n_heads, n_kv_heads, n_heads / n_kv_heads, head_dim, scale, out,
-                  c->scratch, acc_off};
+                  c->scratch, acc_off, NULL, NULL, 0, 1};
     /* Average keys per item ~ n_kv (decode) or n_kv / 2 (prefill). */
     int64_t work = (n_kv / 2 + 1) * head_dim * 4;
+    int64_t grain = 65536 / work;
+    if (grain < 1) grain = 1;
+#if ST_CPU_HAVE_AVX2_PATH
+    if (c->simd) {
+        st_pool_parallel_for(c->pool, n * n_heads, grain, attn_fn_avx2, &a);
+        return STRATA_OK;
+    }
+#endif
+    st_pool_parallel_for(c->pool, n * n_heads, grain, attn_fn_generic, &a);
+    return STRATA_OK;
+}
+
+strata_status st_cpu_attention_paged(st_cpu *c, const float *q, const st_paged_kv *kv, const int32_t *seq,
+                                     const int32_t *pos, int64_t n, int64_t n_heads, int64_t n_kv_heads,
+                                     int64_t head_dim, float scale, float *out) {
+    int64_t max_nk = 1;
+    for (int64_t i = 0; i < n; i++)
+        if ((int64_t)pos[i] + 1 > max_nk) max_nk = (int64_t)pos[i] + 1;
+    const int64_t acc_off = (max_nk + 15) & ~(int64_t)15;
+    strata_status st = st_cpu_scratch_reserve(c, (size_t)(acc_off + head_dim));
+    if (st != STRATA_OK) return st;
+    attn_ctx a = {q, kv->k_cache, kv->v_cache, pos, n_heads, n_kv_heads, n_heads / n_kv_heads, head_dim, scale,
+                  out, c->scratch, acc_off, seq, kv->block_tables, kv->max_blocks, kv->block_size};
+    int64_t work = (max_nk / 2 + 1) * head_dim * 4;
     int64_t grain = 65536 / work;
     if (grain < 1) grain = 1;
 #if ST_CPU_HAVE_AVX2_PATH

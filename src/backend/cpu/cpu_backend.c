@@ -393,6 +393,74 @@ static strata_status cpu_matmul_swiglu(st_backend *be, st_stream *s, const float
     return st;
 }
 
+/* ---- paged KV cache (backend.h) ---- */
+
+static strata_status cpu_kv_store_paged(st_backend *be, st_stream *s, float *k_cache, float *v_cache,
+                                        int64_t n_slots, const float *k, const float *v, const int64_t *slots,
+                                        int64_t n, int64_t cols) {
+    const char *op = "cpu kv_store_paged";
+    if (n < 0 || cols <= 0 || n_slots < 0)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld, cols = %lld, n_slots = %lld", op, (long long)n,
+                      (long long)cols, (long long)n_slots);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(k_cache, op);
+    CHECK_PTR(v_cache, op);
+    CHECK_PTR(k, op);
+    CHECK_PTR(v, op);
+    CHECK_PTR(slots, op);
+    for (int64_t i = 0; i < n; i++)
+        if (slots[i] < -1 || slots[i] >= n_slots)
+            return st_err(STRATA_ERR_INVALID_ARG, "%s: slots[%lld] = %lld is outside [-1, %lld)", op,
+                          (long long)i, (long long)slots[i], (long long)n_slots);
+    const size_t row = (size_t)cols * sizeof(float);
+    for (int64_t i = 0; i < n; i++) {
+        if (slots[i] < 0) continue;
+        memcpy(k_cache + slots[i] * cols, k + i * cols, row);
+        memcpy(v_cache + slots[i] * cols, v + i * cols, row);
+    }
+    return STRATA_OK;
+}
+
+static strata_status cpu_attention_paged(st_backend *be, st_stream *s, const float *q, const st_paged_kv *kv,
+                                         const int32_t *seq, const int32_t *pos, int64_t n, int64_t n_heads,
+                                         int64_t n_kv_heads, int64_t head_dim, float scale, float *out) {
+    const char *op = "cpu attention_paged";
+    if (n < 0 || n_heads <= 0 || n_kv_heads <= 0 || head_dim <= 0 || n_heads % n_kv_heads)
+        return st_err(STRATA_ERR_INVALID_ARG,
+                      "%s: n = %lld, n_heads = %lld, n_kv_heads = %lld, head_dim = %lld"
+                      " (n_heads must be a multiple of n_kv_heads)",
+                      op, (long long)n, (long long)n_heads, (long long)n_kv_heads, (long long)head_dim);
+    if (n == 0) return STRATA_OK;
+    strata_status st = st_paged_kv_check(kv, op);
+    if (st) return st;
+    CHECK_PTR(q, op);
+    CHECK_PTR(seq, op);
+    CHECK_PTR(pos, op);
+    CHECK_PTR(out, op);
+    const int64_t bs = kv->block_size, n_blocks = kv->n_slots / bs;
+    for (int64_t sq = 0; sq < kv->n_seqs; sq++) {
+        const int64_t len = kv->ctx_lens[sq];
+        if (len < 0 || len > kv->max_ctx)
+            return st_err(STRATA_ERR_INVALID_ARG, "%s: ctx_lens[%lld] = %lld is outside [0, max_ctx = %lld]", op,
+                          (long long)sq, (long long)len, (long long)kv->max_ctx);
+        const int32_t *row = kv->block_tables + sq * kv->max_blocks;
+        for (int64_t b = 0; b < (len + bs - 1) / bs; b++)
+            if (row[b] < 0 || row[b] >= n_blocks)
+                return st_err(STRATA_ERR_INVALID_ARG, "%s: block_tables[%lld][%lld] = %d is outside [0, %lld)",
+                              op, (long long)sq, (long long)b, row[b], (long long)n_blocks);
+    }
+    for (int64_t i = 0; i < n; i++) {
+        if (seq[i] < 0 || seq[i] >= kv->n_seqs)
+            return st_err(STRATA_ERR_INVALID_ARG, "%s: seq[%lld] = %d is outside [0, %lld)", op, (long long)i,
+                          seq[i], (long long)kv->n_seqs);
+        if (pos[i] < 0 || pos[i] >= kv->ctx_lens[seq[i]])
+            return st_err(STRATA_ERR_INVALID_ARG,
+                          "%s: pos[%lld] = %d is outside the %d keys of its sequence %d", op, (long long)i, pos[i],
+                          kv->ctx_lens[seq[i]], seq[i]);
+    }
+    RUN_LOCKED(be, st_cpu_attention_paged(c_, q, kv, seq, pos, n, n_heads, n_kv_heads, head_dim, scale, out));
+}
+
 /* No graphs: ops run as they are enqueued (backend.h: graph_begin says so). */
 static strata_status cpu_graph_begin(st_backend *be, st_stream *s) {
     return st_err(STRATA_ERR_UNSUPPORTED, "cpu backend: no graphs (ops run as they are enqueued)");
@@ -466,6 +534,8 @@ static const st_backend_ops g_cpu_ops = {
     .graph_launch = cpu_graph_launch,
     .graph_destroy = cpu_graph_destroy,
     .set_fast_prefill = cpu_set_fast_prefill,
+    .kv_store_paged = cpu_kv_store_paged,
+    .attention_paged = cpu_attention_paged,
 };
 
 bool st_cpu_simd_supported(void) {

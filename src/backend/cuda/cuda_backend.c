@@ -514,6 +514,54 @@ static strata_status cuda_matmul_swiglu(st_backend *be, st_stream *s, const floa
 
 static void cuda_set_fast_prefill(st_backend *be, bool on) { st_cuda_of(be)->fast_prefill = on; }
 
+/* ---- paged KV cache: slots, positions, block tables live on the device and
+ * are not checked here (the kernels skip or clamp them, backend.h) ---- */
+
+static strata_status cuda_kv_store_paged(st_backend *be, st_stream *s, float *k_cache, float *v_cache,
+                                         int64_t n_slots, const float *k, const float *v, const int64_t *slots,
+                                         int64_t n, int64_t cols) {
+    const char *op = "cuda kv_store_paged";
+    if (n < 0 || cols <= 0 || n_slots < 0)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld, cols = %lld, n_slots = %lld", op, (long long)n,
+                      (long long)cols, (long long)n_slots);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(k_cache, op);
+    CHECK_PTR(v_cache, op);
+    CHECK_PTR(k, op);
+    CHECK_PTR(v, op);
+    CHECK_PTR(slots, op);
+    CHECK_F32(k_cache, op);
+    CHECK_F32(v_cache, op);
+    CHECK_F32(k, op);
+    CHECK_F32(v, op);
+    if (!st_cuda_aligned(slots, 8))
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: slots = %p is not 8-byte aligned", op, (const void *)slots);
+    RUN(be, s, st_cuda_op_kv_store_paged(be, cs_, k_cache, v_cache, n_slots, k, v, slots, n, cols));
+}
+
+static strata_status cuda_attention_paged(st_backend *be, st_stream *s, const float *q, const st_paged_kv *kv,
+                                          const int32_t *seq, const int32_t *pos, int64_t n, int64_t n_heads,
+                                          int64_t n_kv_heads, int64_t head_dim, float scale, float *out) {
+    const char *op = "cuda attention_paged";
+    if (n < 0 || n_heads <= 0 || n_kv_heads <= 0 || head_dim <= 0 || n_heads % n_kv_heads)
+        return st_err(STRATA_ERR_INVALID_ARG,
+                      "%s: n = %lld, n_heads = %lld, n_kv_heads = %lld, head_dim = %lld"
+                      " (n_heads must be a multiple of n_kv_heads)",
+                      op, (long long)n, (long long)n_heads, (long long)n_kv_heads, (long long)head_dim);
+    if (n == 0) return STRATA_OK;
+    strata_status st = st_paged_kv_check(kv, op);
+    if (st) return st;
+    CHECK_PTR(q, op);
+    CHECK_PTR(seq, op);
+    CHECK_PTR(pos, op);
+    CHECK_PTR(out, op);
+    CHECK_F32(q, op);
+    CHECK_F32(kv->k_cache, op);
+    CHECK_F32(kv->v_cache, op);
+    CHECK_F32(out, op);
+    RUN(be, s, st_cuda_op_attention_paged(be, cs_, q, kv, seq, pos, n, n_heads, n_kv_heads, head_dim, scale, out));
+}
+
 /* ---- lifetime ---- */
 
 static void cuda_destroy(st_backend *be) {
@@ -575,6 +623,8 @@ static const st_backend_ops g_cuda_ops = {
     .graph_launch = st_cuda_graph_launch,
     .graph_destroy = st_cuda_graph_destroy,
     .set_fast_prefill = cuda_set_fast_prefill,
+    .kv_store_paged = cuda_kv_store_paged,
+    .attention_paged = cuda_attention_paged,
 };
 
 /* Creates the backend on device params->device_index. The caller owns *out
@@ -647,6 +697,7 @@ strata_status st_backend_cuda_init(const st_backend_params *params, st_backend *
     }
     if ((st = st_cuda_matmul_setup(c)) != STRATA_OK) goto fail;
     if ((st = st_cuda_attention_setup(c)) != STRATA_OK) goto fail;
+    if ((st = st_cuda_attention_paged_setup(c)) != STRATA_OK) goto fail;
     *out = be;
     return STRATA_OK;
 fail:
