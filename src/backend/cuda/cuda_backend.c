@@ -686,9 +686,19 @@ strata_status st_backend_cuda_init(const st_backend_params *params, st_backend *
             goto fail;
         }
     }
-    if (params->device_mem)
-        st = st_cuda_pool_init(params->device_mem, params->device_mem, 0, true, &c->pool);
-    else
+    if (params->device_mem) {
+        /* a budget larger than the device holds is capped at what it has free
+         * (minus the lazy pool's margin), said once in the log */
+        size_t cap = params->device_mem, free_b = 0, total_b = 0;
+        if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess && free_b > LAZY_MARGIN &&
+            cap > free_b - LAZY_MARGIN) {
+            st_log(STRATA_LOG_WARN, "device memory budget %zu bytes exceeds the %zu bytes free on the GPU: "
+                   "using %zu", cap, free_b, free_b - LAZY_MARGIN);
+            cap = free_b - LAZY_MARGIN;
+            be->device_budget.cap = cap;
+        }
+        st = st_cuda_pool_init(cap, cap, 0, true, &c->pool);
+    } else
         st = st_cuda_pool_init(0, LAZY_CHUNK, LAZY_MARGIN, false, &c->pool);
     if (st != STRATA_OK) goto fail;
     {
