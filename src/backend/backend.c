@@ -58,3 +58,18 @@ strata_status st_paged_kv_check(const st_paged_kv *kv, const char *op) {
                       (long long)kv->max_ctx, (long long)kv->max_blocks, (long long)kv->block_size);
     return STRATA_OK;
 }
+
+strata_status st_backend_check_weight(const st_weight *w, const char *op) {
+    if (!w) return st_err(STRATA_ERR_INVALID_ARG, "%s: weight is NULL", op);
+    const st_dtype_info *info = st_dtype_get(w->dtype);
+    if (!info) return st_err(STRATA_ERR_INVALID_ARG, "%s: invalid weight dtype %d", op, (int)w->dtype);
+    if (w->rows <= 0 || w->cols <= 0)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: weight shape [%lld, %lld] is empty", op,
+                      (long long)w->rows, (long long)w->cols);
+    if (w->cols % info->block_elems)
+        return st_err(STRATA_ERR_INVALID_ARG,
+                      "%s: weight cols %lld is not a multiple of the %s block (%lld)", op,
+                      (long long)w->cols, info->name, (long long)info->block_elems);
+    if (!w->data) return st_err(STRATA_ERR_INVALID_ARG, "%s: weight data is NULL", op);
+    return STRATA_OK;
+}

@@ -222,6 +222,10 @@ strata_status st_paged_kv_check(const st_paged_kv *kv, const char *op);
 strata_status st_backend_init(const st_backend_params *params, st_backend **out);
 void st_backend_free(st_backend *be); /* NULL is a no-op */
 bool st_backend_available(st_backend_kind kind);
+/* Argument checks every backend makes on a weight before an op (NULL, dtype,
+ * empty shape, cols not a multiple of the block, NULL data): STRATA_ERR_INVALID_ARG
+ * with a message naming `op`. */
+strata_status st_backend_check_weight(const st_weight *w, const char *op);
 
 /* Implementations (each in its own directory). */
 strata_status st_backend_cpu_init(const st_backend_params *params, st_backend **out);

@@ -291,17 +291,8 @@ static strata_status cuda_event_sync(st_backend *be, st_event *e) {
 /* ---- ops: argument checks, then the op's .cu file ---- */
 
 static strata_status check_weight(const st_weight *w, const char *op) {
-    if (!w) return st_err(STRATA_ERR_INVALID_ARG, "%s: weight is NULL", op);
-    const st_dtype_info *info = st_dtype_get(w->dtype);
-    if (!info) return st_err(STRATA_ERR_INVALID_ARG, "%s: invalid weight dtype %d", op, (int)w->dtype);
-    if (w->rows <= 0 || w->cols <= 0)
-        return st_err(STRATA_ERR_INVALID_ARG, "%s: weight shape [%lld, %lld] is empty", op,
-                      (long long)w->rows, (long long)w->cols);
-    if (w->cols % info->block_elems)
-        return st_err(STRATA_ERR_INVALID_ARG,
-                      "%s: weight cols %lld is not a multiple of the %s block (%lld)", op,
-                      (long long)w->cols, info->name, (long long)info->block_elems);
-    if (!w->data) return st_err(STRATA_ERR_INVALID_ARG, "%s: weight data is NULL", op);
+    strata_status st = st_backend_check_weight(w, op); /* the checks every backend makes */
+    if (st != STRATA_OK) return st;
     if (!st_cuda_aligned(w->data, 16))
         return st_err(STRATA_ERR_INVALID_ARG, "%s: weight data %p is not 16-byte aligned", op, w->data);
     return STRATA_OK;
