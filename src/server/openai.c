@@ -1,5 +1,6 @@
 /* OpenAI-compatible request parsing and answer building. See openai.h. */
 #include "server/openai.h"
+#include "core/strbuf.h"
 
 #include <math.h>
 #include <stdarg.h>
@@ -86,25 +87,6 @@ static bool unsupported(srv_error *e, const char *name, const char *what) {
 }
 
 /* ---- a growable string -------------------------------------------------------------------*/
-typedef struct {
-    char *p;
-    size_t len, cap;
-} sbuf;
-
-static bool sb_add(sbuf *b, const char *s, size_t n) {
-    if (b->len + n + 1 > b->cap) {
-        size_t c = b->cap ? b->cap : 256;
-        while (c < b->len + n + 1) c *= 2;
-        char *np = st_realloc(b->p, c);
-        if (!np) return false;
-        b->p = np;
-        b->cap = c;
-    }
-    memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = 0;
-    return true;
-}
 
 /* ---- the fields shared by both endpoints ------------------------------------------------------*/
 static bool parse_common(const cJSON *root, srv_gen *g, srv_error *e) {
@@ -308,7 +290,7 @@ static bool parse_messages(const cJSON *root, const st_chat_template *chat, srv_
         } else if (cJSON_IsString(content)) {
             text = content->valuestring;
         } else if (cJSON_IsArray(content)) {
-            sbuf b = {0};
+            st_strbuf b = {0};
             int k = 0;
             const cJSON *part;
             cJSON_ArrayForEach(part, content) {
@@ -333,7 +315,7 @@ static bool parse_messages(const cJSON *root, const st_chat_template *chat, srv_
                     wrong_type(e, pname, "a string", pt ? pt : part);
                     goto done;
                 }
-                if ((k > 0 && !sb_add(&b, "\n", 1)) || !sb_add(&b, pt->valuestring, strlen(pt->valuestring))) {
+                if ((k > 0 && !st_strbuf_add(&b, "\n", 1)) || !st_strbuf_add(&b, pt->valuestring, strlen(pt->valuestring))) {
                     st_free(b.p);
                     srv_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
                     goto done;

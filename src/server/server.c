@@ -17,6 +17,7 @@
  *   strata_max_batch, strata_max_model_len          gauges   configuration
  */
 #include "server/server.h"
+#include "core/strbuf.h"
 
 #include <errno.h>
 #include <microhttpd.h>
@@ -68,46 +69,6 @@ struct st_server {
     char mhd_msg[256];            /* libmicrohttpd's last log line (for start errors) */
 };
 
-/* ---- a growable string -------------------------------------------------------------------*/
-typedef struct {
-    char *p;
-    size_t len, cap;
-} sbuf;
-
-static bool sb_add(sbuf *b, const char *s, size_t n) {
-    if (b->len + n + 1 > b->cap) {
-        size_t c = b->cap ? b->cap : 256;
-        while (c < b->len + n + 1) c *= 2;
-        char *np = st_realloc(b->p, c);
-        if (!np) return false;
-        b->p = np;
-        b->cap = c;
-    }
-    memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = 0;
-    return true;
-}
-
-static bool sb_printf(sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static bool sb_printf(sbuf *b, const char *fmt, ...) {
-    char tmp[512];
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
-    va_end(ap);
-    if (n < 0) return false;
-    if ((size_t)n < sizeof tmp) return sb_add(b, tmp, (size_t)n);
-    char *big = st_malloc((size_t)n + 1);
-    if (!big) return false;
-    va_start(ap, fmt);
-    vsnprintf(big, (size_t)n + 1, fmt, ap);
-    va_end(ap);
-    bool ok = sb_add(b, big, (size_t)n);
-    st_free(big);
-    return ok;
-}
-
 /* ---- one HTTP request ------------------------------------------------------------------------
  * References: the connection (until libmicrohttpd's request-completed
  * notice), the streaming response (until its free callback), the engine
@@ -119,7 +80,7 @@ typedef struct {
     int refs;                   /* under mu */
     route rt;
     /* body */
-    sbuf body;
+    st_strbuf body;
     bool too_large;
     size_t discarded;
     /* generation */
@@ -130,12 +91,12 @@ typedef struct {
     int64_t n_prompt;
     int fd;                     /* the connection's socket, for disconnect checks */
     /* filled by the engine thread, under mu */
-    sbuf text;                  /* non-streamed: everything; streamed: not yet sent */
+    st_strbuf text;                  /* non-streamed: everything; streamed: not yet sent */
     bool finished;
     st_engine_finish fin;
     char *fin_error;
     /* streaming: owned by the connection thread */
-    sbuf out;
+    st_strbuf out;
     size_t out_pos;
     bool role_sent, done;
     bool aborted;               /* this side aborted it (client gone, shutdown) */
@@ -206,7 +167,7 @@ static bool peer_gone(int fd) {
 static void on_text(void *user, const char *text, size_t len) {
     req *r = user;
     pthread_mutex_lock(&r->mu);
-    if (!sb_add(&r->text, text, len)) st_log(STRATA_LOG_ERROR, "server: %s: out of memory for the answer", r->id);
+    if (!st_strbuf_add(&r->text, text, len)) st_log(STRATA_LOG_ERROR, "server: %s: out of memory for the answer", r->id);
     pthread_cond_signal(&r->cv);
     pthread_mutex_unlock(&r->mu);
 }
@@ -287,21 +248,21 @@ static enum MHD_Result error_reply(struct MHD_Connection *c, req *r, int status,
 }
 
 /* ---- /metrics ---------------------------------------------------------------------------------*/
-static bool hist_text(sbuf *b, const char *name, const char *help, const st_engine_hist *h) {
-    bool ok = sb_printf(b, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+static bool hist_text(st_strbuf *b, const char *name, const char *help, const st_engine_hist *h) {
+    bool ok = st_strbuf_printf(b, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
     int64_t cum = 0;
     for (int i = 0; i < h->n_bounds; i++) {
         cum += h->counts[i];
-        ok = ok && sb_printf(b, "%s_bucket{le=\"%g\"} %lld\n", name, h->bounds[i], (long long)cum);
+        ok = ok && st_strbuf_printf(b, "%s_bucket{le=\"%g\"} %lld\n", name, h->bounds[i], (long long)cum);
     }
     cum += h->counts[h->n_bounds];
-    ok = ok && sb_printf(b, "%s_bucket{le=\"+Inf\"} %lld\n%s_sum %.6f\n%s_count %lld\n", name, (long long)cum, name,
+    ok = ok && st_strbuf_printf(b, "%s_bucket{le=\"+Inf\"} %lld\n%s_sum %.6f\n%s_count %lld\n", name, (long long)cum, name,
                          h->sum, name, (long long)h->count);
     return ok;
 }
 
-static bool metric(sbuf *b, const char *name, const char *type, const char *help, double v) {
-    return sb_printf(b, "# HELP %s %s\n# TYPE %s %s\n%s %.17g\n", name, help, name, type, name, v);
+static bool metric(st_strbuf *b, const char *name, const char *type, const char *help, double v) {
+    return st_strbuf_printf(b, "# HELP %s %s\n# TYPE %s %s\n%s %.17g\n", name, help, name, type, name, v);
 }
 
 static char *metrics_text(st_server *s) {
@@ -314,8 +275,8 @@ static char *metrics_text(st_server *s) {
     const int64_t disconnects = s->disconnects;
     pthread_mutex_unlock(&s->mu);
 
-    sbuf b = {0};
-    bool ok = sb_printf(&b, "# HELP strata_http_requests_total HTTP requests answered, by route and status code.\n"
+    st_strbuf b = {0};
+    bool ok = st_strbuf_printf(&b, "# HELP strata_http_requests_total HTTP requests answered, by route and status code.\n"
                             "# TYPE strata_http_requests_total counter\n");
     for (int rt = 0; rt < R_COUNT_; rt++)
         for (int k = 0; k <= N_CODES; k++) {
@@ -324,7 +285,7 @@ static char *metrics_text(st_server *s) {
             char code[16];
             if (k < N_CODES) snprintf(code, sizeof code, "%d", CODES[k]);
             else snprintf(code, sizeof code, "other");
-            ok = ok && sb_printf(&b, "strata_http_requests_total{route=\"%s\",code=\"%s\"} %lld\n", ROUTE_NAMES[rt], code,
+            ok = ok && st_strbuf_printf(&b, "strata_http_requests_total{route=\"%s\",code=\"%s\"} %lld\n", ROUTE_NAMES[rt], code,
                                  (long long)http[rt][k]);
         }
     ok = ok && metric(&b, "strata_http_stream_disconnects_total", "counter",
@@ -332,10 +293,10 @@ static char *metrics_text(st_server *s) {
                       (double)disconnects);
     ok = ok && metric(&b, "strata_requests_running", "gauge", "Sequences holding a slot (running).", (double)m->running);
     ok = ok && metric(&b, "strata_requests_waiting", "gauge", "Requests waiting for a slot.", (double)m->waiting);
-    ok = ok && sb_printf(&b, "# HELP strata_requests_finished_total Requests finished, by reason.\n"
+    ok = ok && st_strbuf_printf(&b, "# HELP strata_requests_finished_total Requests finished, by reason.\n"
                              "# TYPE strata_requests_finished_total counter\n");
     for (int f = 0; f < ST_FINISH_COUNT_; f++)
-        ok = ok && sb_printf(&b, "strata_requests_finished_total{reason=\"%s\"} %lld\n",
+        ok = ok && st_strbuf_printf(&b, "strata_requests_finished_total{reason=\"%s\"} %lld\n",
                              st_finish_reason_name((st_finish_reason)f), (long long)m->requests_finished[f]);
     ok = ok && metric(&b, "strata_prompt_tokens_total", "counter", "Prompt tokens computed (prefilled).",
                       (double)m->prompt_tokens);
@@ -370,7 +331,7 @@ static char *metrics_text(st_server *s) {
 /* ---- streaming ----------------------------------------------------------------------------------*/
 static bool sse_add(req *r, char *json /* freed */) {
     if (!json) return false;
-    bool ok = sb_add(&r->out, "data: ", 6) && sb_add(&r->out, json, strlen(json)) && sb_add(&r->out, "\n\n", 2);
+    bool ok = st_strbuf_add(&r->out, "data: ", 6) && st_strbuf_add(&r->out, json, strlen(json)) && st_strbuf_add(&r->out, "\n\n", 2);
     free(json);
     return ok;
 }
@@ -409,7 +370,7 @@ static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
         }
         if (r->done) return MHD_CONTENT_READER_END_OF_STREAM;
 
-        sbuf piece = {0};
+        st_strbuf piece = {0};
         pthread_mutex_lock(&r->mu);
         while (r->role_sent && r->text.len == 0 && !r->finished) {
             req_wait_slice(r);
@@ -421,7 +382,7 @@ static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
             }
         }
         piece = r->text; /* take the pending text */
-        r->text = (sbuf){0};
+        r->text = (st_strbuf){0};
         const bool fin = r->finished;
         const st_engine_finish f = r->fin;
         char *ferr = fin && r->fin_error ? st_strdup(r->fin_error) : NULL;
@@ -447,7 +408,7 @@ static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
                                                r->include_usage));
                 if (ok && r->include_usage) ok = sse_add(r, srv_json_usage_chunk(&r->meta, &f));
             }
-            ok = ok && sb_add(&r->out, "data: [DONE]\n\n", 14);
+            ok = ok && st_strbuf_add(&r->out, "data: [DONE]\n\n", 14);
             r->done = true;
         }
         st_free(ferr);
@@ -475,7 +436,7 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *r, srv_kin
     srv_error e;
     if (!srv_parse_gen(kind, r->body.p ? r->body.p : "", r->body.len, s->chat, &g, &e)) return reply_error(c, r, &e, NULL);
     st_free(r->body.p);
-    r->body = (sbuf){0};
+    r->body = (st_strbuf){0};
 
     int32_t *ids = NULL;
     int64_t n = 0;
@@ -686,13 +647,13 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *c, const char
         if (!r->too_large && r->body.len + n > s->max_body) {
             r->too_large = true;
             st_free(r->body.p);
-            r->body = (sbuf){0};
+            r->body = (st_strbuf){0};
         }
         if (r->too_large) {
             r->discarded += n;
             return r->discarded > DISCARD_FACTOR * s->max_body ? MHD_NO : MHD_YES;
         }
-        return sb_add(&r->body, upload, n) ? MHD_YES : MHD_NO;
+        return st_strbuf_add(&r->body, upload, n) ? MHD_YES : MHD_NO;
     }
     if (r->too_large)
         return error_reply(c, r, 413, "invalid_request_error", "request_too_large", NULL,
