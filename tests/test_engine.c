@@ -3,13 +3,16 @@
  *  - every request's text, finish reason and usage equal st_generate's for
  *    the same prompt and sampler (greedy and seeded sampling), whether it runs
  *    alone, among 11 others (more than the 4 slots: some wait), or joining
- *    while others are mid-way (batch invariance);
+ *    while others are mid-way (batch invariance), with prefix-cache hits,
+ *    without the prefix cache, and with a KV pool so small that sequences
+ *    are preempted (recompute);
  *  - prompts longer than the chunk are prefilled over several steps, the
  *    oldest prefill first, beside running decodes, under the step budget;
  *  - stop strings, stop ids, max_tokens, a full context, ignore_eos;
  *  - abort of a waiting and of a running request: on_finish(abort), the slot
  *    is free again; unknown ids; bad requests (no callback ever called);
- *  - metrics: tokens, finished counts, histograms, KV blocks back to 0;
+ *  - metrics: tokens, finished counts, histograms, KV blocks back to 0,
+ *    prefix-cache queries / hits, preemptions;
  *  - the engine thread: adds from 4 threads at once, the same outputs; stop
  *    with requests pending finishes them with abort; add after stop refuses. */
 #include <pthread.h>
@@ -204,6 +207,12 @@ static void make_jobs(tiny *t, job *jobs) {
     }
 }
 
+static st_engine *make_engine_p(tiny *t, const st_engine_params *p) {
+    st_engine *e = NULL;
+    CHECK(st_engine_init(t->files, t->be, t->tok, p, &e) == STRATA_OK);
+    return e;
+}
+
 static st_engine *make_engine(tiny *t, int64_t step_tokens) {
     st_engine_params p = {.max_batch = SLOTS, .max_model_len = t->n_ctx, .prefill_chunk = CHUNK,
                           .step_tokens = step_tokens};
@@ -234,28 +243,47 @@ static void test_invariance(tiny *t, job *jobs) {
     st_engine_metrics m;
     st_engine_metrics_get(e, &m);
     CHECK(m.waiting == NJOBS && m.running == 0);
+    /* the scheduler admits (FCFS) while the step's token budget lasts: at
+     * most SLOTS run, the rest wait, and at some point every slot is taken */
     CHECK(st_engine_step(e, NULL) == STRATA_OK);
     st_engine_metrics_get(e, &m);
-    CHECK_MSG(m.running == SLOTS && m.waiting == NJOBS - SLOTS, "running %lld waiting %lld", (long long)m.running,
-              (long long)m.waiting);
     CHECK(m.kv_blocks_used > 0 && m.kv_blocks_total == SLOTS * (t->n_ctx / 16));
+    int64_t max_running = 0;
+    for (int k = 0; k < 1000 && st_engine_has_work(e); k++) {
+        st_engine_metrics_get(e, &m);
+        int done = 0;
+        for (int i = 0; i < NJOBS; i++) done += res[i].finished;
+        CHECK_MSG(m.running <= SLOTS && m.running + m.waiting + done == NJOBS, "running %lld waiting %lld done %d",
+                  (long long)m.running, (long long)m.waiting, done);
+        if (m.running > max_running) max_running = m.running;
+        CHECK(st_engine_step(e, NULL) == STRATA_OK);
+    }
+    CHECK_MSG(max_running == SLOTS, "at most %lld running", (long long)max_running);
     run_until_idle(e);
     char what[64];
+    int64_t sum_cached = 0;
     for (int i = 0; i < NJOBS; i++) {
         snprintf(what, sizeof what, "all at once, job %d", i);
         check_result(&jobs[i], &res[i], what);
-        CHECK(res[i].fin.cached_tokens == 0);
+        /* jobs i and i + 6 share a prompt: the later one may find its full blocks cached */
+        CHECK(res[i].fin.cached_tokens >= 0 && res[i].fin.cached_tokens % 16 == 0 &&
+              res[i].fin.cached_tokens < jobs[i].n_prompt);
+        if (i < 6) CHECK(res[i].fin.cached_tokens == 0);
+        sum_cached += res[i].fin.cached_tokens;
     }
     st_engine_metrics_get(e, &m);
     CHECK(m.running == 0 && m.waiting == 0 && m.kv_blocks_used == 0);
     CHECK(m.requests_added == NJOBS);
     CHECK(m.requests_finished[ST_FINISH_STOP] + m.requests_finished[ST_FINISH_LENGTH] == NJOBS);
-    CHECK_MSG(m.prompt_tokens == sum_prompt, "prompt tokens %lld, want %lld", (long long)m.prompt_tokens,
-              (long long)sum_prompt);
+    CHECK(m.preemptions == 0); /* the pool holds SLOTS full sequences */
+    CHECK_MSG(m.prompt_tokens + sum_cached == sum_prompt, "prompt tokens %lld + cached %lld, want %lld",
+              (long long)m.prompt_tokens, (long long)sum_cached, (long long)sum_prompt);
     CHECK(m.generation_tokens == sum_completion);
     CHECK(m.ttft.count == NJOBS && m.e2e.count == NJOBS);
     CHECK(m.tbt.count == sum_completion - NJOBS);
-    CHECK(m.prefix_cache_queries == sum_prompt && m.prefix_cache_hits == 0);
+    CHECK_MSG(m.prefix_cache_queries == sum_prompt && m.prefix_cache_hits == sum_cached, "queries %lld hits %lld",
+              (long long)m.prefix_cache_queries, (long long)m.prefix_cache_hits);
+    CHECK(sum_cached > 0); /* the long prompt (job 2, job 8) spans full blocks */
     int64_t in_buckets = 0;
     for (int b = 0; b <= m.ttft.n_bounds; b++) in_buckets += m.ttft.counts[b];
     CHECK(in_buckets == m.ttft.count && m.ttft.sum > 0);
@@ -289,8 +317,11 @@ static void test_invariance(tiny *t, job *jobs) {
 
 /* Long prompts over several steps; the budget. */
 static void test_chunks(tiny *t, job *jobs) {
-    /* step budget = one chunk: besides decodes only the oldest prefill runs */
-    st_engine *e = make_engine(t, CHUNK);
+    /* step budget = one chunk (the forward pass: chunk + max_batch - 1 = 9
+     * tokens): besides decodes only the oldest prefill runs */
+    const st_engine_params cp = {.max_batch = 2, .max_model_len = t->n_ctx, .prefill_chunk = CHUNK,
+                                 .step_tokens = CHUNK};
+    st_engine *e = make_engine_p(t, &cp);
     if (!e) return;
     const job *lj = &jobs[2]; /* the long prompt */
     CHECK_MSG(lj->n_prompt > 3 * CHUNK, "long prompt: %lld tokens", (long long)lj->n_prompt);
@@ -321,7 +352,43 @@ static void test_chunks(tiny *t, job *jobs) {
     run_until_idle(e);
     check_result(lj, &r1, "chunked 1");
     check_result(lj, &r2, "chunked 2");
+    /* the second found the first's full blocks in the prefix cache */
+    CHECK_MSG(r1.fin.cached_tokens == 0 && r2.fin.cached_tokens == (lj->n_prompt - 1) / 16 * 16,
+              "cached %lld / %lld", (long long)r1.fin.cached_tokens, (long long)r2.fin.cached_tokens);
     st_engine_free(e);
+
+    /* a KV pool of one sequence (4 blocks of 16 for a context of 64): the
+     * running sequences outgrow it, preemption by recompute, the same
+     * outputs; and then no prefix cache at all */
+    for (int variant = 0; variant < 2; variant++) {
+        const st_engine_params sp = {.max_batch = SLOTS, .max_model_len = t->n_ctx, .prefill_chunk = CHUNK,
+                                     .kv_blocks = variant == 0 ? 4 : 0, .disable_prefix_cache = variant == 1};
+        e = make_engine_p(t, &sp);
+        if (!e) return;
+        static result res[NJOBS];
+        st_engine_callbacks cb[NJOBS];
+        memset(res, 0, sizeof res);
+        int64_t sum_prompt = 0;
+        for (int i = 0; i < NJOBS; i++) {
+            st_engine_request r;
+            job_request(&jobs[i], &r);
+            cb[i] = (st_engine_callbacks){on_text, on_finish, &res[i]};
+            uint64_t id;
+            CHECK(st_engine_add(e, &r, &cb[i], &id) == STRATA_OK);
+            sum_prompt += jobs[i].n_prompt;
+        }
+        run_until_idle(e);
+        st_engine_metrics_get(e, &m);
+        char what[64];
+        for (int i = 0; i < NJOBS; i++) {
+            snprintf(what, sizeof what, "%s, job %d", variant ? "no prefix cache" : "small pool", i);
+            check_result(&jobs[i], &res[i], what);
+        }
+        CHECK(m.running == 0 && m.waiting == 0 && m.kv_blocks_used == 0 && m.kv_blocks_total == (variant ? 16 : 4));
+        if (variant == 0) CHECK_MSG(m.preemptions > 0, "preemptions %lld", (long long)m.preemptions);
+        else CHECK(m.prefix_cache_hits == 0 && m.prompt_tokens == sum_prompt && m.preemptions == 0);
+        st_engine_free(e);
+    }
 }
 
 /* Stop strings, stop ids, ignore_eos, the context. */

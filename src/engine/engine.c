@@ -1,11 +1,13 @@
-/* The serving engine: request queue, per-step planning, per-slot execution,
- * sampling and stop handling. See engine.h.
+/* The serving engine: thread-safe request queue, hand-over to the batched
+ * runner (scheduler + paged KV + st_llama_forward_batch), detokenization and
+ * stop handling. See engine.h.
  *
- * Locking: e->mu guards the waiting queue, the slot table (which sequence
- * holds which slot), every sequence's abort flag, the counters and the
- * stopped/started flags. A sequence's generation state (tokens, sampler,
- * detokenizer, stop filter, positions) belongs to the stepping thread alone,
- * and callbacks are called without the lock held. */
+ * Locking: e->mu guards the pending queue (added, not yet handed to the
+ * runner), the live list (handed to the runner, not finished), every
+ * request's abort flag, the counters and the stopped/started flags. The
+ * runner, and a request's generation state (detokenizer, stop filter,
+ * counts), belong to the stepping thread alone; callbacks are called without
+ * the lock held. */
 #include "engine/engine.h"
 
 #include <pthread.h>
@@ -13,13 +15,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "engine/runner.h"
 #include "model/llama.h"
 
 #define DEF_MAX_BATCH 8
 #define DEF_MAX_MODEL_LEN 2048
 #define DEF_PREFILL_CHUNK 256
 #define DEF_MAX_WAITING 4096
-#define KV_BLOCK_TOKENS 16
+#define DEF_KV_BLOCK 16
 
 const char *st_finish_reason_name(st_finish_reason r) {
     switch (r) {
@@ -35,37 +38,24 @@ const char *st_finish_reason_name(st_finish_reason r) {
 /* ---- one request ------------------------------------------------------------------*/
 typedef struct seq {
     uint64_t id;
-    struct seq *next;          /* waiting queue link */
+    struct seq *next, *prev;   /* pending queue (next) or live list (next/prev) */
     st_engine_callbacks cb;
-    /* tokens[0..n_prompt) the prompt, then the sampled tokens (stop ids not kept) */
-    int32_t *tokens;
-    int64_t n_prompt, n_tokens, cap;
-    int64_t n_computed;        /* tokens whose K/V the slot holds */
+    int32_t *prompt;           /* [n_prompt], until handed to the runner */
+    int64_t n_prompt;
+    st_sampler_params sp;
     int64_t budget;            /* most tokens to sample: min(max_tokens, max_model_len - n_prompt) */
     bool budget_is_max_tokens; /* the budget came from max_tokens (finish detail MAX_TOKENS) */
     int64_t n_sampled;         /* a final stop id counts */
+    int64_t n_cached;          /* prompt tokens the prefix cache served */
     int32_t *stop_ids;         /* the tokenizer's (unless ignore_eos) + the request's */
     int n_stop_ids;
-    st_sampler *sampler;
     st_detok *detok;
     st_stop_filter *filter;
-    int slot;                  /* -1 while waiting */
+    bool in_runner;            /* handed to the runner (live list) */
+    bool refused;              /* the runner refused it (finished with an error) */
     bool abort;                /* under e->mu */
     double t_add, t_admit, t_first, t_last;
 } seq;
-
-typedef struct {
-    st_llama *model;   /* its own contiguous KV cache of max_model_len tokens */
-    float *logits;     /* [model vocab], host */
-    seq *s;            /* the holder, NULL when free (under e->mu) */
-} slot;
-
-/* One unit of a step's work: tokens[pos .. pos+n) of a sequence. */
-typedef struct {
-    seq *s;
-    int64_t pos, n;
-    bool sample;       /* the chunk ends the prompt, or it is a decode: sample after it */
-} work;
 
 struct st_engine {
     const st_model_files *files;
@@ -73,18 +63,19 @@ struct st_engine {
     const st_tokenizer *tok;
     st_engine_params p;
     int64_t vocab;        /* tokenizer's: what samplers draw from, what prompts may hold */
-    int64_t model_vocab;  /* logits row length */
     const int32_t *tok_stop_ids;
     int n_tok_stop_ids;
 
-    slot *slots;          /* [max_batch] */
-    work *plan;           /* [max_batch] scratch of the stepping thread */
-    seq **order;          /* [max_batch] scratch */
+    st_runner *runner;    /* stepping thread only */
+    st_runner_event *ev;  /* [max_batch] a step's events, copied */
+    int64_t prefill_seen; /* runner's prefill tokens already counted */
 
     pthread_mutex_t mu;
     pthread_cond_t cv;    /* work arrived, or stop */
-    seq *wait_head, *wait_tail;
-    int64_t n_waiting, n_running;
+    seq *wait_head, *wait_tail; /* pending: not yet in the runner */
+    seq *live;            /* in the runner */
+    int64_t n_pending, n_live;
+    int64_t n_running, n_waiting; /* the runner's, as of the last step, + n_pending */
     uint64_t next_id;
     bool stopped;         /* add refuses */
     bool thread_on, thread_stop;
@@ -111,18 +102,15 @@ static void hist_observe(st_engine_hist *h, double v) {
 /* ---- sequences ----------------------------------------------------------------------*/
 static void seq_free(seq *s) {
     if (!s) return;
-    st_free(s->tokens);
+    st_free(s->prompt);
     st_free(s->stop_ids);
-    st_sampler_free(s->sampler);
     st_detok_free(s->detok);
     st_stop_filter_free(s->filter);
     st_free(s);
 }
 
-static int64_t kv_blocks(int64_t n) { return (n + KV_BLOCK_TOKENS - 1) / KV_BLOCK_TOKENS; }
-
 /* Calls on_finish and frees s. The caller has already taken s out of the
- * queue / its slot (under the lock) and updated nothing else. */
+ * pending queue / the live list (under the lock) and out of the runner. */
 static void seq_finish(st_engine *e, seq *s, st_finish_reason reason, st_stop_reason stop, const char *error) {
     const double now = st_time_now();
     st_engine_finish fin = {
@@ -130,7 +118,7 @@ static void seq_finish(st_engine *e, seq *s, st_finish_reason reason, st_stop_re
         .stop = stop,
         .prompt_tokens = s->n_prompt,
         .completion_tokens = s->n_sampled,
-        .cached_tokens = 0,
+        .cached_tokens = s->n_cached,
         .queue_s = (s->t_admit > 0 ? s->t_admit : now) - s->t_add,
         .ttft_s = s->t_first > 0 ? s->t_first - s->t_add : -1.0,
         .total_s = now - s->t_add,
@@ -143,6 +131,24 @@ static void seq_finish(st_engine *e, seq *s, st_finish_reason reason, st_stop_re
     pthread_mutex_unlock(&e->mu);
     if (s->cb.on_finish) s->cb.on_finish(s->cb.user, &fin);
     seq_free(s);
+}
+
+/* Unlinks s from the live list (under the lock). */
+static void live_unlink_locked(st_engine *e, seq *s) {
+    if (s->prev) s->prev->next = s->next;
+    else e->live = s->next;
+    if (s->next) s->next->prev = s->prev;
+    s->next = s->prev = NULL;
+    s->in_runner = false;
+    e->n_live--;
+}
+
+/* Takes s out of the runner (when `in_runner_too`) and the live list. */
+static void seq_leave(st_engine *e, seq *s, bool in_runner_too, st_seq_finish why) {
+    if (in_runner_too) st_runner_finish(e->runner, s->id, why);
+    pthread_mutex_lock(&e->mu);
+    if (s->in_runner) live_unlink_locked(e, s);
+    pthread_mutex_unlock(&e->mu);
 }
 
 /* ---- init / free --------------------------------------------------------------------*/
@@ -160,7 +166,8 @@ strata_status st_engine_init(const st_model_files *files, st_backend *be, const 
     if (!files || !be || !tok) return st_err(STRATA_ERR_INVALID_ARG, "engine: no model, backend or tokenizer");
     st_engine_params p = params ? *params : (st_engine_params){0};
     const st_config *cfg = &files->config;
-    if (p.max_batch < 0 || p.max_model_len < 0 || p.prefill_chunk < 0 || p.step_tokens < 0 || p.max_waiting < 0)
+    if (p.max_batch < 0 || p.max_model_len < 0 || p.prefill_chunk < 0 || p.step_tokens < 0 || p.max_waiting < 0 ||
+        p.kv_block_size < 0 || p.kv_blocks < 0)
         return st_err(STRATA_ERR_INVALID_ARG, "engine: negative parameter");
     if (p.max_batch == 0) p.max_batch = DEF_MAX_BATCH;
     if (p.max_batch > 4096) return st_err(STRATA_ERR_INVALID_ARG, "engine: max_batch %lld > 4096", (long long)p.max_batch);
@@ -180,61 +187,59 @@ strata_status st_engine_init(const st_model_files *files, st_backend *be, const 
         return st_err(STRATA_ERR_INVALID_ARG, "engine: step_tokens %lld < prefill_chunk %lld",
                       (long long)p.step_tokens, (long long)p.prefill_chunk);
     if (p.max_waiting == 0) p.max_waiting = DEF_MAX_WAITING;
+    if (p.kv_block_size == 0) p.kv_block_size = DEF_KV_BLOCK;
 
     st_engine *e = st_calloc(1, sizeof *e);
     if (!e) return st_err(STRATA_ERR_NOMEM, "engine: out of memory");
     e->files = files;
     e->be = be;
     e->tok = tok;
-    e->p = p;
-    e->model_vocab = cfg->vocab_size;
     e->vocab = st_tokenizer_vocab_size(tok);
     e->next_id = 1;
     pthread_mutex_init(&e->mu, NULL);
     pthread_cond_init(&e->cv, NULL);
     e->n_tok_stop_ids = st_tokenizer_stop_ids(tok, &e->tok_stop_ids);
-    e->m.max_batch = p.max_batch;
-    e->m.max_model_len = p.max_model_len;
-    e->m.kv_block_size = KV_BLOCK_TOKENS;
-    e->m.kv_blocks_total = p.max_batch * kv_blocks(p.max_model_len);
     hist_init(&e->m.ttft, TTFT_BOUNDS, NELEM(TTFT_BOUNDS));
     hist_init(&e->m.tbt, TBT_BOUNDS, NELEM(TBT_BOUNDS));
     hist_init(&e->m.e2e, E2E_BOUNDS, NELEM(E2E_BOUNDS));
-    if (e->vocab > e->model_vocab) {
+    if (e->vocab > cfg->vocab_size) {
         strata_status st = st_err(STRATA_ERR_MISMATCH, "engine: the tokenizer has %lld tokens, the model %lld",
-                                  (long long)e->vocab, (long long)e->model_vocab);
+                                  (long long)e->vocab, (long long)cfg->vocab_size);
         st_engine_free(e);
         return st;
     }
-
-    e->slots = st_calloc((size_t)p.max_batch, sizeof *e->slots);
-    e->plan = st_calloc((size_t)p.max_batch, sizeof *e->plan);
-    e->order = st_calloc((size_t)p.max_batch, sizeof *e->order);
-    if (!e->slots || !e->plan || !e->order) {
+    /* the forward pass always has room for the oldest prefill's chunk beside
+     * every decode (aligned chunks: output independent of the batch) */
+    int64_t batch_tokens = p.step_tokens;
+    if (batch_tokens < p.prefill_chunk + p.max_batch - 1) batch_tokens = p.prefill_chunk + p.max_batch - 1;
+    const st_runner_params rp = {.max_batch = p.max_batch, .max_model_len = p.max_model_len,
+                                 .max_batch_tokens = batch_tokens, .prefill_chunk = p.prefill_chunk,
+                                 .block_size = p.kv_block_size, .num_blocks = p.kv_blocks,
+                                 .disable_prefix_cache = p.disable_prefix_cache, .vocab = e->vocab};
+    strata_status st = st_runner_init(files, be, &rp, &e->runner);
+    if (st == STRATA_OK && !(e->ev = st_calloc((size_t)p.max_batch, sizeof *e->ev)))
+        st = st_err(STRATA_ERR_NOMEM, "engine: out of memory");
+    if (st != STRATA_OK) {
+        char msg[512];
+        snprintf(msg, sizeof msg, "%s", st_last_error());
         st_engine_free(e);
-        return st_err(STRATA_ERR_NOMEM, "engine: out of memory");
+        return st_err(st, "engine: %s", msg);
     }
-    const st_llama_params lp = {.max_ctx = p.max_model_len, .max_batch = p.prefill_chunk};
-    for (int64_t i = 0; i < p.max_batch; i++) {
-        strata_status st = st_llama_init(files, be, &lp, &e->slots[i].model);
-        if (st == STRATA_OK && !(e->slots[i].logits = st_malloc((size_t)e->model_vocab * sizeof(float))))
-            st = st_err(STRATA_ERR_NOMEM, "engine: out of memory for logits");
-        if (st != STRATA_OK) {
-            char msg[512];
-            snprintf(msg, sizeof msg, "%s", st_last_error());
-            st_engine_free(e);
-            return st_err(st, "engine: sequence slot %lld of %lld: %s", (long long)i + 1, (long long)p.max_batch, msg);
-        }
-    }
+    p.kv_blocks = st_runner_get_params(e->runner)->num_blocks;
+    e->p = p;
+    e->m.max_batch = p.max_batch;
+    e->m.max_model_len = p.max_model_len;
+    e->m.kv_block_size = p.kv_block_size;
+    e->m.kv_blocks_total = p.kv_blocks;
     *out = e;
     return STRATA_OK;
 }
 
-/* Takes every pending request out (under the lock) and finishes it with ABORT. */
-static void abort_all(st_engine *e) {
+/* Takes every pending and live request out and finishes it with `reason`. */
+static void finish_all(st_engine *e, bool stop_adds, st_finish_reason reason, const char *error) {
     seq *list = NULL;
     pthread_mutex_lock(&e->mu);
-    e->stopped = true;
+    if (stop_adds) e->stopped = true;
     for (seq *s = e->wait_head; s;) {
         seq *nx = s->next;
         s->next = list;
@@ -242,37 +247,43 @@ static void abort_all(st_engine *e) {
         s = nx;
     }
     e->wait_head = e->wait_tail = NULL;
-    e->n_waiting = 0;
-    if (e->slots)
-        for (int64_t i = 0; i < e->p.max_batch; i++)
-            if (e->slots[i].s) {
-                seq *s = e->slots[i].s;
-                e->slots[i].s = NULL;
-                e->n_running--;
-                s->next = list;
-                list = s;
-                st_llama_reset(e->slots[i].model);
-            }
-    e->m.kv_blocks_used = 0;
+    e->n_pending = 0;
+    while (e->live) {
+        seq *s = e->live;
+        live_unlink_locked(e, s);
+        if (e->runner) st_runner_finish(e->runner, s->id, ST_SEQ_FINISH_ABORT);
+        s->next = list;
+        list = s;
+    }
+    e->n_running = e->n_waiting = 0;
+    if (e->runner) {
+        st_runner_stats rs;
+        st_runner_get_stats(e->runner, &rs);
+        e->m.kv_blocks_used = rs.kv.used;
+    }
     pthread_mutex_unlock(&e->mu);
+    /* oldest first */
+    seq *rev = NULL;
     while (list) {
         seq *nx = list->next;
-        seq_finish(e, list, ST_FINISH_ABORT, ST_STOP_NONE, NULL);
+        list->next = rev;
+        rev = list;
         list = nx;
     }
+    while (rev) {
+        seq *nx = rev->next;
+        seq_finish(e, rev, reason, ST_STOP_NONE, error);
+        rev = nx;
+    }
 }
+
+static void abort_all(st_engine *e) { finish_all(e, true, ST_FINISH_ABORT, NULL); }
 
 void st_engine_free(st_engine *e) {
     if (!e) return;
     st_engine_stop(e);
-    if (e->slots)
-        for (int64_t i = 0; i < e->p.max_batch; i++) {
-            st_llama_free(e->slots[i].model);
-            st_free(e->slots[i].logits);
-        }
-    st_free(e->slots);
-    st_free(e->plan);
-    st_free(e->order);
+    st_runner_free(e->runner);
+    st_free(e->ev);
     pthread_cond_destroy(&e->cv);
     pthread_mutex_destroy(&e->mu);
     st_free(e);
@@ -301,20 +312,18 @@ strata_status st_engine_add(st_engine *e, const st_engine_request *req, const st
 
     seq *s = st_calloc(1, sizeof *s);
     if (!s) return st_err(STRATA_ERR_NOMEM, "engine add: out of memory");
-    s->slot = -1;
     s->cb = *cb;
     s->n_prompt = req->n_prompt;
+    s->sp = req->sampler;
     const int64_t ctx_budget = e->p.max_model_len - req->n_prompt;
     s->budget = ctx_budget;
     if (req->max_tokens > 0 && req->max_tokens <= ctx_budget) {
         s->budget = req->max_tokens;
         s->budget_is_max_tokens = true;
     }
-    s->cap = req->n_prompt + (s->budget < 256 ? s->budget : 256);
     strata_status st = STRATA_OK;
-    if (!(s->tokens = st_malloc((size_t)s->cap * sizeof *s->tokens))) goto oom;
-    memcpy(s->tokens, req->prompt, (size_t)req->n_prompt * sizeof *s->tokens);
-    s->n_tokens = req->n_prompt;
+    if (!(s->prompt = st_malloc((size_t)req->n_prompt * sizeof *s->prompt))) goto oom;
+    memcpy(s->prompt, req->prompt, (size_t)req->n_prompt * sizeof *s->prompt);
     const int n_ids = (req->ignore_eos ? 0 : e->n_tok_stop_ids) + req->n_stop_ids;
     if (n_ids > 0) {
         if (!(s->stop_ids = st_malloc((size_t)n_ids * sizeof *s->stop_ids))) goto oom;
@@ -322,7 +331,12 @@ strata_status st_engine_add(st_engine *e, const st_engine_request *req, const st
             for (int i = 0; i < e->n_tok_stop_ids; i++) s->stop_ids[s->n_stop_ids++] = e->tok_stop_ids[i];
         for (int i = 0; i < req->n_stop_ids; i++) s->stop_ids[s->n_stop_ids++] = req->stop_ids[i];
     }
-    if ((st = st_sampler_init(&req->sampler, e->vocab, &s->sampler))) goto fail;
+    {
+        /* the sampler itself lives in the runner; this checks its parameters now */
+        st_sampler *probe = NULL;
+        if ((st = st_sampler_init(&req->sampler, e->vocab, &probe))) goto fail;
+        st_sampler_free(probe);
+    }
     if ((st = st_detok_init(e->tok, true, &s->detok))) goto fail;
     if ((st = st_stop_filter_init(req->stop, req->n_stop, &s->filter))) goto fail;
 
@@ -342,6 +356,7 @@ strata_status st_engine_add(st_engine *e, const st_engine_request *req, const st
     if (e->wait_tail) e->wait_tail->next = s;
     else e->wait_head = s;
     e->wait_tail = s;
+    e->n_pending++;
     e->n_waiting++;
     e->m.requests_added++;
     *id = s->id;
@@ -360,14 +375,14 @@ strata_status st_engine_abort(st_engine *e, uint64_t id) {
     bool found = false;
     for (seq *s = e->wait_head; s && !found; s = s->next)
         if (s->id == id) s->abort = found = true;
-    for (int64_t i = 0; i < e->p.max_batch && !found; i++)
-        if (e->slots[i].s && e->slots[i].s->id == id) e->slots[i].s->abort = found = true;
+    for (seq *s = e->live; s && !found; s = s->next)
+        if (s->id == id) s->abort = found = true;
     if (found) pthread_cond_signal(&e->cv);
     pthread_mutex_unlock(&e->mu);
     return found ? STRATA_OK : st_err(STRATA_ERR_NOT_FOUND, "no pending request %llu", (unsigned long long)id);
 }
 
-static bool has_work_locked(const st_engine *e) { return e->n_waiting > 0 || e->n_running > 0; }
+static bool has_work_locked(const st_engine *e) { return e->n_pending > 0 || e->n_live > 0; }
 
 bool st_engine_has_work(st_engine *e) {
     pthread_mutex_lock(&e->mu);
@@ -386,104 +401,62 @@ void st_engine_metrics_get(st_engine *e, st_engine_metrics *out) {
 
 /* ---- one step ------------------------------------------------------------------------*/
 
-/* Frees slot i (under the lock): the next holder starts with an empty cache. */
-static void slot_release_locked(st_engine *e, int64_t i) {
-    e->slots[i].s = NULL;
-    e->n_running--;
-    st_llama_reset(e->slots[i].model);
-}
-
-/* Ids grow with add order: a smaller id is an older request. */
-static int by_age(const void *a, const void *b) {
-    const uint64_t x = (*(seq *const *)a)->id, y = (*(seq *const *)b)->id;
-    return x < y ? -1 : x > y;
-}
-
-/* Part 1: aborts out, waiting requests into free slots (FCFS). Fills
- * e->order with the running sequences, oldest first; returns their count. */
-static int64_t step_admit(st_engine *e, seq **aborted) {
-    *aborted = NULL;
+/* Part 1: aborted requests out (pending ones from the queue, live ones from
+ * the runner), new ones into the runner (in add order). Returns the aborted
+ * ones, oldest first, to be finished without the lock. */
+static seq *step_intake(st_engine *e) {
+    seq *aborted = NULL, **atail = &aborted;
     pthread_mutex_lock(&e->mu);
-    /* aborted waiting requests leave the queue */
-    seq **pp = &e->wait_head;
-    e->wait_tail = NULL;
-    while (*pp) {
-        seq *s = *pp;
+    /* live ones that were aborted leave the runner (blocks released) */
+    for (seq *s = e->live; s;) {
+        seq *nx = s->next;
         if (s->abort) {
-            *pp = s->next;
-            s->next = *aborted;
-            *aborted = s;
-            e->n_waiting--;
-        } else {
-            e->wait_tail = s;
-            pp = &s->next;
+            live_unlink_locked(e, s);
+            st_runner_abort(e->runner, s->id);
+            *atail = s;
+            atail = &s->next;
         }
+        s = nx;
     }
-    /* aborted running ones leave their slot */
-    for (int64_t i = 0; i < e->p.max_batch; i++) {
-        seq *s = e->slots[i].s;
-        if (s && s->abort) {
-            slot_release_locked(e, i);
-            s->next = *aborted;
-            *aborted = s;
-        }
-    }
-    /* admit, first come first served */
-    const double now = st_time_now();
-    for (int64_t i = 0; i < e->p.max_batch && e->wait_head; i++) {
-        if (e->slots[i].s) continue;
-        seq *s = e->wait_head;
-        e->wait_head = s->next;
-        if (!e->wait_head) e->wait_tail = NULL;
+    /* the pending queue: aborted ones leave, the rest join the runner */
+    seq *s = e->wait_head;
+    e->wait_head = e->wait_tail = NULL;
+    e->n_pending = 0;
+    while (s) {
+        seq *nx = s->next;
         s->next = NULL;
-        e->n_waiting--;
-        s->slot = (int)i;
-        s->t_admit = now;
-        e->slots[i].s = s;
-        e->n_running++;
-        e->m.prefix_cache_queries += s->n_prompt; /* no prefix cache with per-slot KV: never a hit */
-    }
-    int64_t n = 0;
-    for (int64_t i = 0; i < e->p.max_batch; i++)
-        if (e->slots[i].s) e->order[n++] = e->slots[i].s;
-    pthread_mutex_unlock(&e->mu);
-    qsort(e->order, (size_t)n, sizeof *e->order, by_age); /* oldest first */
-    return n;
-}
-
-/* Part 2: the plan. Decodes first (one token each), then prompt chunks under
- * the token budget, oldest first; the oldest prefill always runs. A chunk
- * starts at a multiple of prefill_chunk, so its boundaries depend on the
- * prompt alone (batch invariance). */
-static int64_t step_plan(st_engine *e, int64_t n_running, int64_t *n_tokens) {
-    int64_t n = 0, used = 0;
-    for (int64_t i = 0; i < n_running; i++) {
-        seq *s = e->order[i];
-        if (s->n_computed >= s->n_prompt) {
-            e->plan[n++] = (work){.s = s, .pos = s->n_computed, .n = 1, .sample = true};
-            used++;
+        if (s->abort) {
+            *atail = s;
+            atail = &s->next;
+            s = nx;
+            continue;
         }
+        const st_runner_request rq = {.prompt = s->prompt, .n_prompt = s->n_prompt, .sampler = s->sp,
+                                      .max_tokens = s->budget, .stop_ids = s->stop_ids,
+                                      .n_stop_ids = s->n_stop_ids, .user = s};
+        if (st_runner_add(e->runner, s->id, &rq) != STRATA_OK) {
+            /* not expected (add checked the request): it fails alone */
+            st_log(STRATA_LOG_ERROR, "engine: request %llu: %s", (unsigned long long)s->id, st_last_error());
+            s->refused = true; /* finished with an error below */
+            *atail = s;
+            atail = &s->next;
+            s = nx;
+            continue;
+        }
+        st_free(s->prompt);
+        s->prompt = NULL;
+        s->in_runner = true;
+        s->prev = NULL;
+        s->next = e->live;
+        if (e->live) e->live->prev = s;
+        e->live = s;
+        e->n_live++;
+        s = nx;
     }
-    bool first_prefill = true;
-    for (int64_t i = 0; i < n_running; i++) {
-        seq *s = e->order[i];
-        if (s->n_computed >= s->n_prompt) continue;
-        int64_t k = s->n_prompt - s->n_computed;
-        if (k > e->p.prefill_chunk) k = e->p.prefill_chunk;
-        if (!first_prefill && used + k > e->p.step_tokens) continue; /* a later step */
-        first_prefill = false;
-        e->plan[n++] = (work){.s = s, .pos = s->n_computed, .n = k, .sample = s->n_computed + k == s->n_prompt};
-        used += k;
-    }
-    *n_tokens = used;
-    return n;
-}
-
-/* Takes sequence s out of its slot (under the lock). */
-static void seq_leave(st_engine *e, seq *s) {
-    pthread_mutex_lock(&e->mu);
-    if (s->slot >= 0 && e->slots[s->slot].s == s) slot_release_locked(e, s->slot);
+    e->n_running = st_runner_num_running(e->runner);
+    e->n_waiting = st_runner_num_waiting(e->runner);
     pthread_mutex_unlock(&e->mu);
+    return aborted;
 }
 
 /* Detokenized text -> stop filter -> on_text. *stopped: a stop string appeared. */
@@ -512,12 +485,17 @@ static strata_status emit_end(seq *s, bool *stopped) {
     return STRATA_OK;
 }
 
-/* Part 4 for one sequence whose logits are ready: sample, stream, stop.
- * Returns true when s finished (and was freed). */
-static bool seq_sample(st_engine *e, seq *s, const float *logits, int64_t *n_sampled) {
-    int32_t t;
-    strata_status st = st_sampler_sample(s->sampler, logits, s->tokens, s->n_tokens, &t);
-    if (st) goto error;
+/* Part 4 for one event: the token the runner sampled for s. Stream, stop.
+ * `gone`: the runner already let the sequence go (finished in the step). */
+static void seq_token(st_engine *e, seq *s, const st_runner_event *ev, int64_t *n_sampled) {
+    const bool gone = ev->finished;
+    strata_status st = STRATA_OK;
+    if (ev->failed || ev->token < 0) {
+        seq_leave(e, s, !gone, ST_SEQ_FINISH_ABORT);
+        seq_finish(e, s, ST_FINISH_ERROR, ST_STOP_NONE, "the sampler rejected the logits");
+        return;
+    }
+    const int32_t t = ev->token;
     const double now = st_time_now();
     pthread_mutex_lock(&e->mu);
     if (s->n_sampled == 0) hist_observe(&e->m.ttft, now - s->t_add);
@@ -531,97 +509,127 @@ static bool seq_sample(st_engine *e, seq *s, const float *logits, int64_t *n_sam
     for (int i = 0; i < s->n_stop_ids; i++)
         if (s->stop_ids[i] == t) {
             if ((st = emit_end(s, &stopped))) goto error;
-            seq_leave(e, s);
+            seq_leave(e, s, !gone, ST_SEQ_FINISH_STOP);
             seq_finish(e, s, ST_FINISH_STOP, stopped ? ST_STOP_STRING : ST_STOP_EOS, NULL);
-            return true;
+            return;
         }
-    if (s->n_tokens == s->cap) {
-        int64_t cap = s->cap * 2;
-        if (cap > s->n_prompt + s->budget) cap = s->n_prompt + s->budget;
-        if (cap <= s->cap) cap = s->cap + 1;
-        int32_t *nt = st_realloc(s->tokens, (size_t)cap * sizeof *nt);
-        if (!nt) {
-            st = st_err(STRATA_ERR_NOMEM, "out of memory for the sequence's tokens");
-            goto error;
-        }
-        s->tokens = nt;
-        s->cap = cap;
-    }
-    s->tokens[s->n_tokens++] = t;
     const char *text;
     size_t len;
     if ((st = st_detok_push(s->detok, t, &text, &len))) goto error;
     if ((st = emit(s, text, len, &stopped))) goto error;
     if (stopped) {
-        seq_leave(e, s);
+        seq_leave(e, s, !gone, ST_SEQ_FINISH_STOP);
         seq_finish(e, s, ST_FINISH_STOP, ST_STOP_STRING, NULL);
-        return true;
+        return;
     }
-    if (s->n_sampled >= s->budget) {
-        if ((st = emit_end(s, &stopped))) goto error;
-        seq_leave(e, s);
-        seq_finish(e, s, stopped ? ST_FINISH_STOP : ST_FINISH_LENGTH,
-                   stopped ? ST_STOP_STRING : s->budget_is_max_tokens ? ST_STOP_MAX_TOKENS : ST_STOP_CONTEXT, NULL);
-        return true;
+    if (gone || s->n_sampled >= s->budget) {
+        if (!gone || ev->reason == ST_SEQ_FINISH_MAX_TOKENS || ev->reason == ST_SEQ_FINISH_CONTEXT) {
+            if ((st = emit_end(s, &stopped))) goto error;
+            seq_leave(e, s, !gone, stopped ? ST_SEQ_FINISH_STOP : ST_SEQ_FINISH_MAX_TOKENS);
+            seq_finish(e, s, stopped ? ST_FINISH_STOP : ST_FINISH_LENGTH,
+                       stopped ? ST_STOP_STRING : s->budget_is_max_tokens ? ST_STOP_MAX_TOKENS : ST_STOP_CONTEXT,
+                       NULL);
+        } else {
+            /* the runner ended it for a reason the engine did not see (not expected) */
+            seq_leave(e, s, false, ST_SEQ_FINISH_ABORT);
+            seq_finish(e, s, ST_FINISH_ERROR, ST_STOP_NONE, "the sequence ended unexpectedly");
+        }
     }
-    return false;
+    return;
 error: {
         char msg[512];
         snprintf(msg, sizeof msg, "%s", st_last_error());
-        seq_leave(e, s);
+        seq_leave(e, s, !gone, ST_SEQ_FINISH_ABORT);
         seq_finish(e, s, ST_FINISH_ERROR, ST_STOP_NONE, msg);
-        return true;
     }
+}
+
+/* Counters from the runner, under the lock. */
+static void sync_metrics_locked(st_engine *e) {
+    st_runner_stats rs;
+    st_runner_get_stats(e->runner, &rs);
+    e->m.prompt_tokens += rs.sched.prefill_tokens - e->prefill_seen;
+    e->prefill_seen = rs.sched.prefill_tokens;
+    e->m.preemptions = rs.sched.preemptions;
+    e->m.kv_blocks_used = rs.kv.used;
+    e->m.prefix_cache_queries = rs.kv.queried_tokens;
+    e->m.prefix_cache_hits = rs.kv.hit_tokens;
+    e->n_running = st_runner_num_running(e->runner);
+    e->n_waiting = st_runner_num_waiting(e->runner) + e->n_pending;
 }
 
 strata_status st_engine_step(st_engine *e, bool *worked) {
     if (worked) *worked = false;
-    seq *aborted;
-    const int64_t n_running = step_admit(e, &aborted);
+    seq *aborted = step_intake(e);
     while (aborted) {
         seq *nx = aborted->next;
-        seq_finish(e, aborted, ST_FINISH_ABORT, ST_STOP_NONE, NULL);
+        if (aborted->refused) seq_finish(e, aborted, ST_FINISH_ERROR, ST_STOP_NONE, "the runner refused the request");
+        else seq_finish(e, aborted, ST_FINISH_ABORT, ST_STOP_NONE, NULL);
         aborted = nx;
         if (worked) *worked = true;
     }
-    if (n_running == 0) {
+    if (!st_runner_has_work(e->runner)) {
         pthread_mutex_lock(&e->mu);
-        e->m.kv_blocks_used = 0;
+        sync_metrics_locked(e);
         pthread_mutex_unlock(&e->mu);
         return STRATA_OK;
     }
     if (worked) *worked = true;
 
-    int64_t n_tokens = 0;
-    const int64_t n_work = step_plan(e, n_running, &n_tokens);
-    int64_t prompt_done = 0, sampled = 0;
-    /* Part 3: execution, one slot at a time (the batched paged forward goes here). */
-    for (int64_t w = 0; w < n_work; w++) {
-        work *wk = &e->plan[w];
-        seq *s = wk->s;
-        slot *sl = &e->slots[s->slot];
-        strata_status st = st_llama_forward(sl->model, s->tokens + wk->pos, wk->n, wk->pos, false, sl->logits);
-        if (st != STRATA_OK) {
-            char msg[512];
-            snprintf(msg, sizeof msg, "%s", st_last_error());
-            st_log(STRATA_LOG_ERROR, "engine: request %llu: %s", (unsigned long long)s->id, msg);
-            seq_leave(e, s);
-            seq_finish(e, s, ST_FINISH_ERROR, ST_STOP_NONE, msg);
-            continue;
+    /* Parts 2-3 (and the sampling of 4): the runner's step */
+    st_runner_step_info info;
+    strata_status st = st_runner_step(e->runner, &info);
+    if (st != STRATA_OK) {
+        /* the forward pass failed: every live request ends with the error
+         * (the runner left them as they were; retrying would loop) */
+        char msg[512];
+        snprintf(msg, sizeof msg, "%s", st_last_error());
+        st_log(STRATA_LOG_ERROR, "engine: step failed: %s", msg);
+        seq *list = NULL;
+        pthread_mutex_lock(&e->mu);
+        while (e->live) {
+            seq *s = e->live;
+            live_unlink_locked(e, s);
+            st_runner_finish(e->runner, s->id, ST_SEQ_FINISH_ABORT);
+            s->next = list;
+            list = s;
         }
-        s->n_computed += wk->n;
-        if (wk->pos < s->n_prompt) prompt_done += wk->n;
-        /* Part 4 */
-        if (wk->sample) seq_sample(e, s, sl->logits, &sampled);
+        sync_metrics_locked(e);
+        pthread_mutex_unlock(&e->mu);
+        while (list) {
+            seq *nx = list->next;
+            seq_finish(e, list, ST_FINISH_ERROR, ST_STOP_NONE, msg);
+            list = nx;
+        }
+        return STRATA_OK;
+    }
+    /* events copied: finishing a sequence calls the runner */
+    const int64_t n_ev = info.n_events;
+    ST_ASSERT(n_ev <= e->p.max_batch);
+    if (n_ev > 0) memcpy(e->ev, info.events, (size_t)n_ev * sizeof *e->ev);
+    /* queue time and prefix-cache hits of the newly admitted */
+    const double now = st_time_now();
+    pthread_mutex_lock(&e->mu);
+    for (seq *s = e->live; s; s = s->next)
+        if (s->t_admit <= 0) {
+            const st_seq *q = st_runner_get_seq(e->runner, s->id);
+            if (q && q->n_cached >= 0) {
+                s->t_admit = now;
+                s->n_cached = q->n_cached;
+            }
+        }
+    pthread_mutex_unlock(&e->mu);
+    int64_t sampled = 0;
+    for (int64_t k = 0; k < n_ev; k++) {
+        seq *s = e->ev[k].user;
+        if (s->t_admit <= 0) s->t_admit = now;
+        if (e->ev[k].finished || e->ev[k].n_cached > 0) s->n_cached = e->ev[k].n_cached;
+        seq_token(e, s, &e->ev[k], &sampled);
     }
     pthread_mutex_lock(&e->mu);
-    e->m.steps++;
-    e->m.prompt_tokens += prompt_done;
+    if (info.n_tokens > 0) e->m.steps++;
     e->m.generation_tokens += sampled;
-    int64_t blocks = 0;
-    for (int64_t i = 0; i < e->p.max_batch; i++)
-        if (e->slots[i].s) blocks += kv_blocks(e->slots[i].s->n_computed);
-    e->m.kv_blocks_used = blocks;
+    sync_metrics_locked(e);
     pthread_mutex_unlock(&e->mu);
     return STRATA_OK;
 }

@@ -7,29 +7,31 @@
  *
  * A request is a prompt (token ids), sampling parameters with a seed, a token
  * budget and stop conditions. Every engine step:
- *   1. takes in what was added and aborted since the last step, and admits
- *      waiting requests into free sequence slots, first come first served;
- *   2. plans the step's work: one decode token for every running sequence
- *      that has finished its prompt, then prompt chunks (at most
- *      prefill_chunk tokens of one prompt, starting at a multiple of
- *      prefill_chunk) under the step's token budget, oldest request first
- *      (the oldest prefill always gets its chunk, so nothing starves);
- *   3. executes the plan (today: each sequence runs on its own st_llama slot
- *      with its own contiguous KV cache, one forward per sequence, so a step
- *      costs about the sum of its sequences' forwards; on a GPU each slot's
- *      st_llama also holds its own copy of the device-resident weights, so
- *      keep max_batch small there. The paged-KV batched forward will replace
- *      this part, and engine/scheduler.h parts 1-2, behind the same API);
- *   4. samples each sequence that produced logits with its own sampler,
- *      detokenizes (never half a UTF-8 character), applies stop ids and stop
- *      strings, streams the new text to on_text, and finishes the sequences
- *      that are done (on_finish), freeing their slot for the next step.
+ *   1. takes in what was added and aborted since the last step: aborted
+ *      requests leave (their KV blocks are released), new ones are handed to
+ *      the batched runner (engine/runner.h), which admits them first come
+ *      first served;
+ *   2. the runner's scheduler plans the step: one decode token for every
+ *      running sequence that has finished its prompt, then prompt chunks
+ *      aligned to prefill_chunk under the step's token budget, oldest request
+ *      first (the oldest prefill always gets its chunk, so nothing starves).
+ *      KV lives in one paged pool of kv_block_size-token blocks shared by all
+ *      sequences, with a prefix cache (a prompt prefix already computed is not
+ *      computed again); when blocks run out the newest running sequence is
+ *      preempted (recompute) and resumes later with the same output;
+ *   3. one batched forward pass (st_llama_forward_batch) runs every sequence's
+ *      tokens of the step on one shared st_llama;
+ *   4. each sequence that produced logits is sampled with its own sampler;
+ *      the engine detokenizes (never half a UTF-8 character), applies stop ids
+ *      and stop strings, streams the new text to on_text, and finishes the
+ *      sequences that are done (on_finish), freeing their blocks.
  * Requests join and leave between steps; a long prompt is spread over several
  * steps beside the others' decodes.
  *
  * Output is batch-invariant: a sequence's chunk boundaries depend only on its
- * own prompt, and its sampler state only on its own seed, so its tokens are
- * the same whatever else runs (tests/test_engine.c checks it).
+ * own prompt (and prefix-cache hit), and its sampler state only on its own
+ * seed, so on the CPU its tokens are the same whatever else runs
+ * (tests/test_engine.c checks it).
  *
  * Threads: st_engine_add / st_engine_abort / st_engine_metrics may be called
  * from any thread at any time. The model runs only on the thread that steps
@@ -58,8 +60,14 @@ typedef struct {
     int64_t max_model_len;   /* tokens per sequence, prompt + output (0: min(model's context, 2048)) */
     int64_t prefill_chunk;   /* most tokens of one prompt run in one step (0: 256) */
     int64_t step_tokens;     /* token budget of a step: decodes + prompt chunks (0: prefill_chunk + max_batch);
-                                at least prefill_chunk */
+                                at least prefill_chunk; the forward pass takes up to
+                                max(step_tokens, prefill_chunk + max_batch - 1) tokens so the
+                                oldest prefill always runs beside the decodes */
     int64_t max_waiting;     /* requests waiting for a slot before add refuses (0: 4096) */
+    int64_t kv_block_size;   /* tokens of a KV block (0: 16) */
+    int64_t kv_blocks;       /* blocks of the paged KV pool (0: room for max_batch sequences of
+                                max_model_len tokens, capped at 1 GiB; never less than one sequence) */
+    bool disable_prefix_cache; /* every prompt is computed in full */
 } st_engine_params;
 
 /* Why a request ended. */
@@ -126,13 +134,13 @@ typedef struct {
     int64_t max_batch, max_model_len;
     int64_t requests_added;          /* accepted by st_engine_add */
     int64_t requests_finished[ST_FINISH_COUNT_];
-    int64_t prompt_tokens;           /* prompt tokens computed (prefilled) */
+    int64_t prompt_tokens;           /* prompt tokens computed (prefilled; recomputes after preemption
+                                        count, prefix-cache hits do not) */
     int64_t generation_tokens;       /* tokens sampled */
     int64_t steps;                   /* steps that ran the model */
-    int64_t preemptions;             /* sequences sent back to waiting (0 with per-slot KV) */
-    /* KV cache, in blocks of kv_block_size tokens. With per-slot contiguous
-     * caches a sequence of n tokens counts ceil(n / kv_block_size) blocks and
-     * the total is max_batch * ceil(max_model_len / kv_block_size). */
+    int64_t preemptions;             /* sequences sent back to waiting when KV blocks ran out */
+    /* The paged KV pool, in blocks of kv_block_size tokens: blocks held by
+     * live sequences (shared prefix blocks count once), and the pool size. */
     int64_t kv_block_size, kv_blocks_used, kv_blocks_total;
     /* Prefix cache, in prompt tokens: looked up / found already computed. */
     int64_t prefix_cache_queries, prefix_cache_hits;
@@ -141,8 +149,9 @@ typedef struct {
     st_engine_hist e2e;              /* seconds from add to finish */
 } st_engine_metrics;
 
-/* Builds an engine over an opened model: max_batch sequence slots are made up
- * front (each an st_llama with a KV cache of max_model_len tokens) and reused.
+/* Builds an engine over an opened model: one st_llama shared by every request,
+ * a paged KV pool (kv_blocks blocks), block manager, prefix cache and
+ * scheduler (engine/runner.h), all made up front and reused.
  * Borrows files, be and tok: they must outlive the engine. The caller owns
  * *out (st_engine_free). On error *out is NULL and the message says why
  * (a bad parameter, or the model that could not be built). */
