@@ -73,3 +73,14 @@ strata_status st_backend_check_weight(const st_weight *w, const char *op) {
     if (!w->data) return st_err(STRATA_ERR_INVALID_ARG, "%s: weight data is NULL", op);
     return STRATA_OK;
 }
+
+strata_status st_backend_check_heads(const char *op, int64_t n, int64_t n_kv, int64_t n_heads,
+                                     int64_t n_kv_heads, int64_t head_dim) {
+    if (n < 0 || n_kv < 0 || n_heads <= 0 || n_kv_heads <= 0 || head_dim <= 0 || n_heads % n_kv_heads)
+        return st_err(STRATA_ERR_INVALID_ARG,
+                      "%s: n = %lld, n_kv = %lld, n_heads = %lld, n_kv_heads = %lld, head_dim = %lld"
+                      " (n_heads must be a multiple of n_kv_heads)",
+                      op, (long long)n, (long long)n_kv, (long long)n_heads, (long long)n_kv_heads,
+                      (long long)head_dim);
+    return STRATA_OK;
+}

@@ -226,6 +226,10 @@ bool st_backend_available(st_backend_kind kind);
  * empty shape, cols not a multiple of the block, NULL data): STRATA_ERR_INVALID_ARG
  * with a message naming `op`. */
 strata_status st_backend_check_weight(const st_weight *w, const char *op);
+/* Attention shape checks every backend makes: n, n_kv >= 0 (pass 0 for n_kv when
+ * the op has none), positive heads and head_dim, n_heads a multiple of n_kv_heads. */
+strata_status st_backend_check_heads(const char *op, int64_t n, int64_t n_kv, int64_t n_heads,
+                                     int64_t n_kv_heads, int64_t head_dim);
 
 /* Implementations (each in its own directory). */
 strata_status st_backend_cpu_init(const st_backend_params *params, st_backend **out);

@@ -254,13 +254,10 @@ static strata_status cpu_attention(st_backend *be, st_stream *s, const float *q,
                                    int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
                                    float scale, float *out) {
     const char *op = "cpu attention";
-    if (n < 0 || n_kv < 0 || n_heads <= 0 || n_kv_heads <= 0 || head_dim <= 0 ||
-        n_heads % n_kv_heads)
-        return st_err(STRATA_ERR_INVALID_ARG,
-                      "%s: n = %lld, n_kv = %lld, n_heads = %lld, n_kv_heads = %lld, head_dim = %lld"
-                      " (n_heads must be a multiple of n_kv_heads)",
-                      op, (long long)n, (long long)n_kv, (long long)n_heads, (long long)n_kv_heads,
-                      (long long)head_dim);
+    {
+        strata_status sh = st_backend_check_heads(op, n, n_kv, n_heads, n_kv_heads, head_dim);
+        if (sh) return sh;
+    }
     if (n == 0) return STRATA_OK;
     CHECK_PTR(q, op);
     CHECK_PTR(k, op);
@@ -413,11 +410,10 @@ static strata_status cpu_attention_paged(st_backend *be, st_stream *s, const flo
                                          const int32_t *seq, const int32_t *pos, int64_t n, int64_t n_heads,
                                          int64_t n_kv_heads, int64_t head_dim, float scale, float *out) {
     const char *op = "cpu attention_paged";
-    if (n < 0 || n_heads <= 0 || n_kv_heads <= 0 || head_dim <= 0 || n_heads % n_kv_heads)
-        return st_err(STRATA_ERR_INVALID_ARG,
-                      "%s: n = %lld, n_heads = %lld, n_kv_heads = %lld, head_dim = %lld"
-                      " (n_heads must be a multiple of n_kv_heads)",
-                      op, (long long)n, (long long)n_heads, (long long)n_kv_heads, (long long)head_dim);
+    {
+        strata_status sh = st_backend_check_heads(op, n, 0, n_heads, n_kv_heads, head_dim);
+        if (sh) return sh;
+    }
     if (n == 0) return STRATA_OK;
     strata_status st = st_paged_kv_check(kv, op);
     if (st) return st;
