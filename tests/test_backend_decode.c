@@ -15,23 +15,11 @@
 #include "testutil.h"
 
 static uint64_t g_rng = 0x2545f4914f6cdd1dull;
-static uint32_t rnd_u32(void) {
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
-    return (uint32_t)(g_rng >> 32);
-}
-static float rnd_f(void) { return (float)((double)rnd_u32() / 4294967296.0 * 2.0 - 1.0); }
-static float *rand_f(int64_t n, float scale) {
-    float *p = malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
-    for (int64_t i = 0; i < n; i++) p[i] = rnd_f() * scale;
-    return p;
-}
 
 static void test_set_rows(st_backend *be) {
     const int64_t rows = 37, cols = 19, n = 5;
-    float *dst = rand_f(rows * cols, 1.0f), *orig = malloc((size_t)(rows * cols) * sizeof(float));
-    float *src = rand_f(n * cols, 3.0f);
+    float *dst = test_rand_floats(&g_rng, rows * cols, 1.0f), *orig = malloc((size_t)(rows * cols) * sizeof(float));
+    float *src = test_rand_floats(&g_rng, n * cols, 3.0f);
     memcpy(orig, dst, (size_t)(rows * cols) * sizeof(float));
     const int32_t idx[5] = {36, 0, 7, 8, 20};
     CHECK(be->ops->set_rows(be, NULL, dst, rows, src, idx, n, cols) == STRATA_OK);
@@ -56,7 +44,7 @@ static void test_set_rows(st_backend *be) {
 
 static void test_argmax(st_backend *be) {
     const int64_t n = 6, cols = 1001;
-    float *x = rand_f(n * cols, 10.0f);
+    float *x = test_rand_floats(&g_rng, n * cols, 10.0f);
     x[0 * cols + 500] = 50.0f;                         /* row 0: a clear maximum */
     x[1 * cols + 7] = 60.0f, x[1 * cols + 900] = 60.0f; /* row 1: a tie -> the first */
     x[2 * cols + 3] = NAN, x[2 * cols + 4] = 70.0f;    /* row 2: NaN never wins */
@@ -81,7 +69,7 @@ static void test_argmax(st_backend *be) {
 
 /* A rows x cols weight of dtype t with random values (quantized from f32). */
 static void *make_weight(st_dtype t, int64_t rows, int64_t cols) {
-    float *f = rand_f(rows * cols, 0.5f);
+    float *f = test_rand_floats(&g_rng, rows * cols, 0.5f);
     const size_t rb = st_dtype_row_bytes(t, cols);
     uint8_t *w = malloc(rb * (size_t)rows);
     for (int64_t r = 0; r < rows; r++)
@@ -98,7 +86,7 @@ static void test_fused_matmuls(st_backend *be) {
         const int64_t rows[3] = {40, 8, 8};
         void *wd[3];
         st_weight w[3];
-        float *x = rand_f(n * K, 1.0f), *y[3], *yr[3];
+        float *x = test_rand_floats(&g_rng, n * K, 1.0f), *y[3], *yr[3];
         for (int i = 0; i < 3; i++) {
             wd[i] = make_weight(t, rows[i], K);
             w[i] = (st_weight){wd[i], t, rows[i], K};

@@ -23,26 +23,14 @@
 #include "testutil.h"
 
 static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
-static uint32_t rnd_u32(void) {
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
-    return (uint32_t)(g_rng >> 32);
-}
-static float rnd_f(void) { return (float)((double)rnd_u32() / 4294967296.0 * 2.0 - 1.0); }
-static float *rand_f(int64_t n, float scale) {
-    float *p = malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
-    for (int64_t i = 0; i < n; i++) p[i] = rnd_f() * scale;
-    return p;
-}
 
 static void test_kv_store(st_backend *be) {
     const int64_t n_slots = 40, cols = 12, n = 5;
-    float *kc = rand_f(n_slots * cols, 1.0f), *vc = rand_f(n_slots * cols, 1.0f);
+    float *kc = test_rand_floats(&g_rng, n_slots * cols, 1.0f), *vc = test_rand_floats(&g_rng, n_slots * cols, 1.0f);
     float *k0 = malloc((size_t)(n_slots * cols) * sizeof(float)), *v0 = malloc((size_t)(n_slots * cols) * sizeof(float));
     memcpy(k0, kc, (size_t)(n_slots * cols) * sizeof(float));
     memcpy(v0, vc, (size_t)(n_slots * cols) * sizeof(float));
-    float *k = rand_f(n * cols, 2.0f), *v = rand_f(n * cols, 2.0f);
+    float *k = test_rand_floats(&g_rng, n * cols, 2.0f), *v = test_rand_floats(&g_rng, n * cols, 2.0f);
     const int64_t slots[5] = {39, -1, 0, 17, 18};
     CHECK(be->ops->kv_store_paged(be, NULL, kc, vc, n_slots, k, v, slots, n, cols) == STRATA_OK);
     for (int64_t r = 0; r < n_slots; r++) {
@@ -91,13 +79,13 @@ static void batch_make(batch *b, int64_t H, int64_t Hkv, int64_t hd, int64_t bs,
     }
     total_blocks += 3; /* unused blocks in the pool */
     b->n_slots = total_blocks * bs;
-    b->kc = rand_f(b->n_slots * kvd, 1.0f); /* garbage where no sequence lives */
-    b->vc = rand_f(b->n_slots * kvd, 1.0f);
+    b->kc = test_rand_floats(&g_rng, b->n_slots * kvd, 1.0f); /* garbage where no sequence lives */
+    b->vc = test_rand_floats(&g_rng, b->n_slots * kvd, 1.0f);
     /* a random permutation of the physical blocks */
     int32_t *perm = malloc((size_t)total_blocks * sizeof(int32_t));
     for (int64_t i = 0; i < total_blocks; i++) perm[i] = (int32_t)i;
     for (int64_t i = total_blocks - 1; i > 0; i--) {
-        const int64_t j = rnd_u32() % (uint32_t)(i + 1);
+        const int64_t j = test_rand_u32(&g_rng) % (uint32_t)(i + 1);
         const int32_t t = perm[i];
         perm[i] = perm[j], perm[j] = t;
     }
@@ -111,8 +99,8 @@ static void batch_make(batch *b, int64_t H, int64_t Hkv, int64_t hd, int64_t bs,
     int64_t next = 0, t = 0;
     for (int64_t s = 0; s < n_seqs; s++) {
         b->ctx[s] = ctx[s];
-        b->kseq[s] = rand_f(ctx[s] * kvd, 1.0f);
-        b->vseq[s] = rand_f(ctx[s] * kvd, 1.0f);
+        b->kseq[s] = test_rand_floats(&g_rng, ctx[s] * kvd, 1.0f);
+        b->vseq[s] = test_rand_floats(&g_rng, ctx[s] * kvd, 1.0f);
         for (int64_t blk = 0; blk < (ctx[s] + bs - 1) / bs; blk++) b->tables[s * b->max_blocks + blk] = perm[next++];
         for (int64_t j = 0; j < ctx[s]; j++) {
             const int64_t slot = (int64_t)b->tables[s * b->max_blocks + j / bs] * bs + j % bs;
@@ -124,7 +112,7 @@ static void batch_make(batch *b, int64_t H, int64_t Hkv, int64_t hd, int64_t bs,
             b->pos[t] = (int32_t)(ctx[s] - nq[s] + i);
         }
     }
-    b->q = rand_f(b->n * H * hd, 2.0f);
+    b->q = test_rand_floats(&g_rng, b->n * H * hd, 2.0f);
     free(perm);
 }
 
@@ -280,7 +268,7 @@ int main(void) {
     }
     {   /* many decodes */
         int32_t ctx[12], nq[12];
-        for (int i = 0; i < 12; i++) ctx[i] = (int32_t)(1 + rnd_u32() % 200), nq[i] = 1;
+        for (int i = 0; i < 12; i++) ctx[i] = (int32_t)(1 + test_rand_u32(&g_rng) % 200), nq[i] = 1;
         check_paged(be, be3, 8, 2, 32, 16, 12, ctx, nq);
     }
     st_backend_free(be);

