@@ -25,6 +25,7 @@ static void bench_usage(FILE *f) {
             "  --fast-prefill   bf16-rounded operands in prefill's tensor-core matmuls and attention\n"
             "                   (about twice as fast, ~1e-2 relative error; default: hi+lo split, ~1e-5)\n"
             "  --prefill-only   one prefill and nothing else (no warm-up, rooflines or decode): for profilers\n"
+            "  (here --batch defaults to the prompt length, up to 4096: the prompt in one chunk)\n"
             TOOL_MODEL_OPTS_HELP);
 }
 
@@ -205,14 +206,7 @@ int cmd_bench(int argc, char **argv) {
             fast = true;
         } else if (!strcmp(a, "--prefill-only")) {
             prefill_only = true;
-        } else if (a[0] == '-') {
-            fprintf(stderr, "strata bench: unknown option '%s'\n", a);
-            bench_usage(stderr);
-            return 2;
-        } else if (!path) {
-            path = a;
-        } else {
-            fprintf(stderr, "strata bench: unexpected argument '%s'\n", a);
+        } else if (!tool_take_positional("bench", a, &path, bench_usage)) {
             return 2;
         }
     }

@@ -82,14 +82,7 @@ int cmd_logits(int argc, char **argv) {
         } else if (!strcmp(a, "--chunk")) {
             if (!tool_parse_i64(val, 1, 1 << 20, "--chunk", &chunk)) return 2;
             i++;
-        } else if (a[0] == '-' ) {
-            fprintf(stderr, "strata logits: unknown option '%s' (or missing value)\n", a);
-            logits_usage(stderr);
-            return 2;
-        } else if (!model_path) {
-            model_path = a;
-        } else {
-            fprintf(stderr, "strata logits: unexpected argument '%s'\n", a);
+        } else if (!tool_take_positional("logits", a, &model_path, logits_usage)) {
             return 2;
         }
     }

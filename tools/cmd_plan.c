@@ -40,14 +40,7 @@ int cmd_plan(int argc, char **argv) {
             i++;
         } else if (!strcmp(a, "--groups")) {
             list = true;
-        } else if (a[0] == '-') {
-            fprintf(stderr, "strata plan: unknown option '%s'\n", a);
-            plan_usage(stderr);
-            return 2;
-        } else if (!path) {
-            path = a;
-        } else {
-            fprintf(stderr, "strata plan: unexpected argument '%s'\n", a);
+        } else if (!tool_take_positional("plan", a, &path, plan_usage)) {
             return 2;
         }
     }

@@ -10,6 +10,20 @@ void tool_print_error(const char *cmd) {
     fprintf(stderr, "strata %s: %s\n", cmd, msg && *msg ? msg : "failed");
 }
 
+bool tool_take_positional(const char *cmd, const char *arg, const char **path, void (*usage)(FILE *)) {
+    if (arg[0] == '-') {
+        fprintf(stderr, "strata %s: unknown option '%s' (or missing value)\n", cmd, arg);
+        usage(stderr);
+        return false;
+    }
+    if (*path) {
+        fprintf(stderr, "strata %s: unexpected argument '%s'\n", cmd, arg);
+        return false;
+    }
+    *path = arg;
+    return true;
+}
+
 bool tool_parse_i64(const char *s, int64_t lo, int64_t hi, const char *what, int64_t *out) {
     if (!s) {
         fprintf(stderr, "strata: %s needs a value\n", what);

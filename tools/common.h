@@ -2,6 +2,7 @@
  * "open a model on a backend" sequence every model-loading command uses. */
 #pragma once
 #include <stdbool.h>
+#include <stdio.h>
 #include <stdint.h>
 #include "backend/backend.h"
 #include "loader/loader.h"
@@ -36,6 +37,11 @@ typedef struct {
 /* If argv[*i] is one of the model options, consumes it (and its value) and
  * returns 1; returns 0 when it is not; -1 (message printed) on a bad value. */
 int tool_parse_model_opt(int argc, char **argv, int *i, tool_model_opts *o);
+
+/* The argument of a command that is not one of its options: the first such
+ * becomes *path (MODEL); an unknown "-option" or a second positional prints a
+ * message (and for an option, the usage) and returns false (exit status 2). */
+bool tool_take_positional(const char *cmd, const char *arg, const char **path, void (*usage)(FILE *));
 
 /* Parses a whole decimal integer in [lo, hi]; false (message printed, naming
  * `what`) otherwise. */
