@@ -57,6 +57,17 @@ typedef struct {
                                     backend sizes its split-KV work with it) */
 } st_paged_kv;
 
+/* One row's parameters for the `sample` op (a device array of them, so that
+ * a recorded graph reads new values each run). Hugging Face semantics, as
+ * engine/sampler.h steps 2-6 (the repetition penalty is not applied here). */
+typedef struct {
+    double u;            /* the uniform draw in [0, 1) (the sequence's host RNG made it) */
+    float temperature;   /* 0: greedy (argmax, lowest id on a tie; u unused); else > 0 */
+    int32_t top_k;       /* 0 or >= vocab: off */
+    float top_p;         /* (0, 1]; 1: off */
+    float min_p;         /* [0, 1]; 0: off */
+} st_sample_args;
+
 typedef enum { ST_BACKEND_CPU = 0, ST_BACKEND_CUDA } st_backend_kind;
 
 typedef struct {
@@ -202,6 +213,29 @@ typedef struct {
     strata_status (*attention_paged)(st_backend *be, st_stream *s, const float *q, const st_paged_kv *kv,
                                      const int32_t *seq, const int32_t *pos, int64_t n, int64_t n_heads,
                                      int64_t n_kv_heads, int64_t head_dim, float scale, float *out);
+
+    /* ---- sampling ---- */
+    /* out[i] = a token drawn from row i of logits [n, vocab] with args[i], for
+     * i < n (logits fp32, args [n] and out [n] int32, all on the device).
+     * Steps (engine/sampler.h's 2-6): temperature 0 -> the argmax (lowest id
+     * on a tie); else the candidates are the tokens whose logit is >= the
+     * top_k-th largest (ties kept) and not -inf; p_i = exp((x_i - max) / T);
+     * top-p keeps the smallest prefix of the candidates in decreasing
+     * probability (ties in increasing id) whose mass reaches top_p x their
+     * total; min-p drops p_i < min_p. The draw walks the kept tokens in
+     * increasing id and takes the first whose cumulative mass exceeds
+     * u x the kept total. A row with a NaN, with every logit -inf, or (when
+     * not greedy) with a +inf gets -1.
+     * CPU: double precision, the same arithmetic as st_sampler_sample (the
+     * same token for the same u); bad args give STRATA_ERR_INVALID_ARG before
+     * anything is written. CUDA: one block per row, no sort (radix selects on
+     * the logits' bits), fp32 probabilities summed in fixed point (the result
+     * does not depend on the launch shape); args outside their ranges are
+     * clamped. The two agree except where u x total lies within ~1e-6
+     * (relative) of a cumulative boundary, or where a top-p / min-p decision
+     * is that close. */
+    strata_status (*sample)(st_backend *be, st_stream *s, const float *logits, int64_t n, int64_t vocab,
+                            const st_sample_args *args, int32_t *out);
 } st_backend_ops;
 
 struct st_backend {

@@ -9,6 +9,7 @@
 #include "engine/runner.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define DEF_MAX_BATCH 32
@@ -42,6 +43,9 @@ struct st_runner {
     int32_t *next;           /* [max_batch] sampled token per item (-1: none) */
     int64_t *logit_item;     /* [max_batch] item of each logit row */
     float *logits;           /* [max_batch, model vocab] */
+    bool dev_sample;         /* CUDA: draw on the device the tokens of samplers without a penalty */
+    st_sample_args *sargs;   /* [max_batch] the sample op's args, one per logit row */
+    int32_t *sids;           /* [max_batch] the tokens it drew */
     st_runner_event *events; /* [max_batch] */
     rseq **done;             /* [max_batch] sequences to free after the step */
 
@@ -130,8 +134,14 @@ strata_status st_runner_init(const st_model_files *files, st_backend *be, const 
     r->logits = st_malloc(B * (size_t)r->model_vocab * sizeof *r->logits);
     r->events = st_calloc(B, sizeof *r->events);
     r->done = st_calloc(B, sizeof *r->done);
+    r->sargs = st_malloc(B * sizeof *r->sargs);
+    r->sids = st_malloc(B * sizeof *r->sids);
+    {   /* device sampling: CUDA, rows of the samplers' width; STRATA_DEVICE_SAMPLE=0 turns it off */
+        const char *ds = getenv("STRATA_DEVICE_SAMPLE");
+        r->dev_sample = be->kind == ST_BACKEND_CUDA && p.vocab == r->model_vocab && !(ds && strcmp(ds, "0") == 0);
+    }
     if (!r->tokens || !r->pos || !r->seq || !r->logit_rows || !r->tables || !r->ctx_lens || !r->next ||
-        !r->logit_item || !r->logits || !r->events || !r->done) {
+        !r->logit_item || !r->logits || !r->events || !r->done || !r->sargs || !r->sids) {
         st = st_err(STRATA_ERR_NOMEM, "runner: out of memory for the batch arrays");
         goto fail;
     }
@@ -173,6 +183,8 @@ void st_runner_free(st_runner *r) {
     st_free(r->logits);
     st_free(r->events);
     st_free(r->done);
+    st_free(r->sargs);
+    st_free(r->sids);
     st_free(r);
 }
 
@@ -291,8 +303,26 @@ strata_status st_runner_step(st_runner *r, st_runner_step_info *out) {
     /* 2-3: the batch through the model */
     st_batch b;
     build_batch(r, d, &b);
+    /* Device sampling (CUDA, no on_logits hook): rows whose sampler has no
+     * penalty get their token from the backend's sample op (the u it draws
+     * with comes from the sampler's own random state now), and the logits
+     * cross to the host only when some other row needs them. */
+    const bool dev = r->dev_sample && !r->p.on_logits && b.n_logits > 0;
+    bool need_logits = !dev;
+    if (dev)
+        for (int64_t k = 0; k < b.n_logits; k++) {
+            st_sampler *sm = ((rseq *)d->items[r->logit_item[k]].user)->sampler;
+            if (st_sampler_device_ok(sm)) {
+                st_sampler_next_args(sm, &r->sargs[k]);
+            } else { /* sampled on the host; the op's token for it is ignored */
+                r->sargs[k] = (st_sample_args){.temperature = 0.0f, .top_p = 1.0f};
+                need_logits = true;
+            }
+        }
     double t0 = st_time_now();
-    if ((st = st_llama_forward_batch(r->model, r->kv, &b, r->logits))) return st;
+    if (dev) st = st_llama_forward_batch_sample(r->model, r->kv, &b, r->sargs, r->sids, need_logits ? r->logits : NULL);
+    else st = st_llama_forward_batch(r->model, r->kv, &b, r->logits);
+    if (st) return st;
     double t1 = st_time_now();
     r->stats.forward_s += t1 - t0;
     r->stats.steps++;
@@ -311,7 +341,16 @@ strata_status st_runner_step(st_runner *r, st_runner_step_info *out) {
         ST_ASSERT(s && s->user == q);
         int32_t t = -1;
         st_runner_event *e = &r->events[n_ev++];
-        if (st_sampler_sample(q->sampler, row, s->tokens, s->n_tokens, &t) != STRATA_OK) {
+        strata_status sst;
+        if (dev && st_sampler_device_ok(q->sampler)) {
+            t = r->sids[k];
+            sst = t >= 0 ? STRATA_OK
+                         : st_err(STRATA_ERR_INVALID_ARG, "sampler: the logits hold a NaN or +inf, or only -inf "
+                                                          "(sampled on the device)");
+        } else {
+            sst = st_sampler_sample(q->sampler, row, s->tokens, s->n_tokens, &t);
+        }
+        if (sst != STRATA_OK) {
             st_log(STRATA_LOG_WARN, "runner: sequence %llu: %s", (unsigned long long)q->id, st_last_error());
             fill_event(e, q, -1);
             e->failed = true;

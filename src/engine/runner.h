@@ -13,7 +13,12 @@
  *      block tables and context lengths, the rows that need logits;
  *   3. st_llama_forward_batch runs it (every token's K/V stored at its slot);
  *   4. every item that needs logits is sampled by its sequence's own sampler
- *      (its own parameters and seed; history = the sequence's tokens);
+ *      (its own parameters and seed; history = the sequence's tokens); on
+ *      CUDA a sampler without a repetition penalty draws on the device (the
+ *      backend's sample op, with a uniform from the sampler's random state:
+ *      the same token as on the host but for float rounding at a boundary),
+ *      so only the token ids come back (STRATA_DEVICE_SAMPLE=0: always on
+ *      the host; the on_logits hook also keeps it on the host);
  *   5. st_scheduler_update appends the tokens, commits the KV (full blocks
  *      enter the prefix cache) and finishes sequences at max_tokens /
  *      max_model_len; a sampled stop id finishes its sequence (STOP);

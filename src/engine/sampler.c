@@ -116,6 +116,11 @@ const st_sampler_params *st_sampler_get_params(const st_sampler *s) { return &s-
 int64_t st_sampler_vocab(const st_sampler *s) { return s->vocab; }
 
 /* ---- the pipeline ------------------------------------------------------------------------*/
+static int cand_by_id(const void *a, const void *b) {
+    const cand *x = a, *y = b;
+    return x->id < y->id ? -1 : x->id > y->id;
+}
+
 static int cand_desc(const void *a, const void *b) {
     const cand *x = a, *y = b;
     if (x->logit > y->logit) return -1;
@@ -148,7 +153,8 @@ static float kth_largest(float *v, int64_t n, int64_t k) {
 }
 
 /* Runs steps 1-5. Greedy: *greedy_id >= 0 and nothing else. Otherwise
- * s->c[0..*n_out) are the surviving candidates with prob summing to 1. */
+ * s->c[0..*n_out) are the surviving candidates in increasing id, prob =
+ * exp(logit - top) (not normalised). */
 static strata_status prepare(st_sampler *s, const float *logits, const int32_t *hist, int64_t n_hist,
                              int32_t *greedy_id, int64_t *n_out) {
     const int64_t V = s->vocab;
@@ -195,6 +201,8 @@ static strata_status prepare(st_sampler *s, const float *logits, const int32_t *
         *greedy_id = (int32_t)best;
         return STRATA_OK;
     }
+    if (x[best] == INFINITY)
+        return st_err(STRATA_ERR_INVALID_ARG, "sampler: a logit is +inf (no distribution to sample)");
     const double temp = (double)p->temperature;
     /* 3. top-k: the threshold is the k-th largest logit (temperature keeps the order) */
     float thresh = -INFINITY;
@@ -248,28 +256,35 @@ static strata_status prepare(st_sampler *s, const float *logits, const int32_t *
             if (cum >= target) break;
         }
         n = keep;
-        sum = cum;
     }
     /* 5. min-p: relative to the most probable token (the same before or after
      * renormalisation) */
     if (p->min_p > 0.0f) {
         const double floor_p = (double)p->min_p; /* prob of the top token is exp(0) = 1 */
         int64_t w = 0;
-        sum = 0;
         for (int64_t i = 0; i < n; i++) {
             if (s->c[i].prob < floor_p) continue;
             s->c[w++] = s->c[i];
-            sum += s->c[i].prob;
         }
         n = w;
     }
-    for (int64_t i = 0; i < n; i++) s->c[i].prob /= sum;
+    /* back to increasing id (top-p reordered them): the draw walks in id order */
+    if (p->top_p < 1.0f) qsort(s->c, (size_t)n, sizeof *s->c, cand_by_id);
     *n_out = n;
     return STRATA_OK;
 }
 
-strata_status st_sampler_sample(st_sampler *s, const float *logits, const int32_t *history,
-                                int64_t n_history, int32_t *out) {
+/* The kept mass, summed in id order (the order the draw walks). */
+static double kept_total(const st_sampler *s, int64_t n) {
+    double sum = 0;
+    for (int64_t i = 0; i < n; i++) sum += s->c[i].prob;
+    return sum;
+}
+
+/* Steps 1-5, then the draw with u: the first kept token (in increasing id)
+ * whose cumulative mass exceeds u x the kept total. */
+static strata_status sample_with(st_sampler *s, const float *logits, const int32_t *history, int64_t n_history,
+                                 bool draw, double u, int32_t *out) {
     int32_t g;
     int64_t n;
     strata_status st = prepare(s, logits, history, n_history, &g, &n);
@@ -278,16 +293,38 @@ strata_status st_sampler_sample(st_sampler *s, const float *logits, const int32_
         *out = g;
         return STRATA_OK;
     }
-    double u = rng_uniform(s->rng), cum = 0;
+    if (draw) u = rng_uniform(s->rng);
+    const double thr = u * kept_total(s, n);
+    double cum = 0;
     for (int64_t i = 0; i < n; i++) {
         cum += s->c[i].prob;
-        if (u < cum) {
+        if (cum > thr) {
             *out = s->c[i].id;
             return STRATA_OK;
         }
     }
-    *out = s->c[n - 1].id; /* rounding: u beyond the last partial sum */
+    *out = s->c[n - 1].id; /* u x total rounded up to the total */
     return STRATA_OK;
+}
+
+strata_status st_sampler_sample(st_sampler *s, const float *logits, const int32_t *history,
+                                int64_t n_history, int32_t *out) {
+    return sample_with(s, logits, history, n_history, true, 0.0, out);
+}
+
+strata_status st_sampler_sample_u(st_sampler *s, const float *logits, const int32_t *history,
+                                  int64_t n_history, double u, int32_t *out) {
+    if (!(u >= 0.0 && u < 1.0)) return st_err(STRATA_ERR_INVALID_ARG, "sampler: u = %g is outside [0, 1)", u);
+    return sample_with(s, logits, history, n_history, false, u, out);
+}
+
+bool st_sampler_device_ok(const st_sampler *s) { return s->p.repeat_penalty == 1.0f; }
+
+void st_sampler_next_args(st_sampler *s, st_sample_args *out) {
+    const st_sampler_params *p = &s->p;
+    *out = (st_sample_args){.u = 0.0, .temperature = p->temperature, .top_k = p->top_k, .top_p = p->top_p,
+                            .min_p = p->min_p};
+    if (p->temperature != 0.0f) out->u = rng_uniform(s->rng);
 }
 
 strata_status st_sampler_probs(st_sampler *s, const float *logits, const int32_t *history,
@@ -301,6 +338,7 @@ strata_status st_sampler_probs(st_sampler *s, const float *logits, const int32_t
         probs[g] = 1.0f;
         return STRATA_OK;
     }
-    for (int64_t i = 0; i < n; i++) probs[s->c[i].id] = (float)s->c[i].prob;
+    const double sum = kept_total(s, n);
+    for (int64_t i = 0; i < n; i++) probs[s->c[i].id] = (float)(s->c[i].prob / sum);
     return STRATA_OK;
 }

@@ -18,13 +18,18 @@
  *   4. top-p: softmax over what is left, sorted by probability; keep the
  *      smallest prefix whose mass reaches top_p (at least one token);
  *   5. min-p: drop tokens whose probability is below min_p x the top one;
- *   6. draw from what is left, renormalised.
+ *   6. draw from what is left, renormalised: with u uniform in [0, 1) (one
+ *      draw of the random state), the first kept token in increasing id
+ *      whose cumulative probability exceeds u (the backends' `sample` op
+ *      walks the same way, so it gives the same token for the same u).
  * A step with its neutral value (penalty 1, top_k 0, top_p 1, min_p 0) is
- * skipped; tokens it removes can never be drawn.
+ * skipped; tokens it removes can never be drawn. A +inf logit is an error
+ * unless greedy.
  */
 #pragma once
 #include <stdbool.h>
 #include <stdint.h>
+#include "backend/backend.h"
 #include "core/core.h"
 #ifdef __cplusplus
 extern "C" {
@@ -59,6 +64,20 @@ void st_sampler_free(st_sampler *s); /* NULL: no-op */
  * id is outside the vocabulary. logits are not modified. */
 strata_status st_sampler_sample(st_sampler *s, const float *logits, const int32_t *history,
                                 int64_t n_history, int32_t *out);
+
+/* As st_sampler_sample with the uniform draw given (u in [0, 1), else
+ * INVALID_ARG): the random state is not touched. */
+strata_status st_sampler_sample_u(st_sampler *s, const float *logits, const int32_t *history,
+                                  int64_t n_history, double u, int32_t *out);
+
+/* Sampling on the device (the backend's `sample` op does steps 2-6): true
+ * when this sampler has nothing else to do (repetition penalty off), so that
+ * the op with st_sampler_next_args' args picks what st_sampler_sample would. */
+bool st_sampler_device_ok(const st_sampler *s);
+/* The op's args for this sampler's next token: its parameters, and u drawn
+ * from its random state when not greedy (exactly the draw st_sampler_sample
+ * would make; greedy: u = 0 and no draw). */
+void st_sampler_next_args(st_sampler *s, st_sample_args *out);
 
 /* Restarts the random sequence from `seed`. */
 void st_sampler_reseed(st_sampler *s, uint64_t seed);

@@ -333,6 +333,18 @@ static strata_status cpu_argmax(st_backend *be, st_stream *s, const float *x, in
     return STRATA_OK;
 }
 
+static strata_status cpu_sample(st_backend *be, st_stream *s, const float *logits, int64_t n, int64_t vocab,
+                                const st_sample_args *args, int32_t *out) {
+    const char *op = "cpu sample";
+    if (n < 0 || vocab <= 0 || vocab > INT32_MAX)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld, vocab = %lld", op, (long long)n, (long long)vocab);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(logits, op);
+    CHECK_PTR(args, op);
+    CHECK_PTR(out, op);
+    return st_cpu_sample(st_cpu_of(be), logits, n, vocab, args, out);
+}
+
 static strata_status check_multi(const st_weight *w, int count, const char *op) {
     if (count < 1 || count > 4)
         return st_err(STRATA_ERR_INVALID_ARG, "%s: count = %d (1 to 4)", op, count);
@@ -520,6 +532,7 @@ static const st_backend_ops g_cpu_ops = {
     .set_fast_prefill = cpu_set_fast_prefill,
     .kv_store_paged = cpu_kv_store_paged,
     .attention_paged = cpu_attention_paged,
+    .sample = cpu_sample,
 };
 
 bool st_cpu_simd_supported(void) {

@@ -56,6 +56,9 @@ strata_status st_cpu_rope(st_cpu *c, float *x, const int32_t *pos, int64_t n, in
                           int64_t head_dim, const float *inv_freq, bool interleaved);
 strata_status st_cpu_swiglu(st_cpu *c, const float *gate, const float *up, int64_t n, float *out);
 strata_status st_cpu_add(st_cpu *c, float *x, const float *y, int64_t n);
+/* backend.h's sample (cpu_sample.c); checks every row's args first. */
+strata_status st_cpu_sample(st_cpu *c, const float *logits, int64_t n, int64_t vocab, const st_sample_args *args,
+                            int32_t *out);
 
 #ifdef __cplusplus
 }

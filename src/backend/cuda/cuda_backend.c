@@ -459,6 +459,21 @@ static strata_status cuda_argmax(st_backend *be, st_stream *s, const float *x, i
     RUN(be, s, st_cuda_op_argmax(be, cs_, x, n, cols, out));
 }
 
+static strata_status cuda_sample(st_backend *be, st_stream *s, const float *logits, int64_t n, int64_t vocab,
+                                 const st_sample_args *args, int32_t *out) {
+    const char *op = "cuda sample";
+    if (n < 0 || vocab <= 0 || vocab > INT32_MAX)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld, vocab = %lld", op, (long long)n, (long long)vocab);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(logits, op);
+    CHECK_PTR(args, op);
+    CHECK_PTR(out, op);
+    CHECK_F32(logits, op);
+    if (!st_cuda_aligned(args, 8))
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: args = %p is not 8-byte aligned", op, (const void *)args);
+    RUN(be, s, st_cuda_op_sample(be, cs_, logits, n, vocab, args, out));
+}
+
 static strata_status cuda_matmul_multi(st_backend *be, st_stream *s, const float *x, const st_weight *w,
                                        int count, int64_t n, float *const *y) {
     const char *op = "cuda matmul_multi";
@@ -612,6 +627,7 @@ static const st_backend_ops g_cuda_ops = {
     .set_fast_prefill = cuda_set_fast_prefill,
     .kv_store_paged = cuda_kv_store_paged,
     .attention_paged = cuda_attention_paged,
+    .sample = cuda_sample,
 };
 
 /* Creates the backend on device params->device_index. The caller owns *out
