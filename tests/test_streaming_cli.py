@@ -10,7 +10,16 @@
   groups to the group count), a minimum that works, predicted decode and
   prefill times with their bound;
 - a budget below the minimum fails with the figure; bad sizes are usage
-  errors; an injected read error (STRATA_FAULT) fails cleanly, naming the file.
+  errors; an injected read error (STRATA_FAULT) fails cleanly, naming the file;
+- `strata bench` with streamed weights: the bytes read from the file and
+  copied to the device per decode step equal the plan's to the byte, and
+  `--seqs 1,4` decodes 4 sequences at once through the batched forward (on
+  the CPU: the same tokens as each sequence in the smaller batch).
+
+STRATA_BIN (default build/strata) and STRATA_DEVICE (cpu, cuda: passed as
+--device to every command) select what runs; on CUDA the device budgets are
+the ones `strata plan` reports on CUDA (its backend reserve is measured for
+the model and batch), so every placement mix streams there too.
 """
 import os
 import re
@@ -43,7 +52,7 @@ def run(args, env=None):
     e = dict(os.environ)
     if env:
         e.update(env)
-    if args and args[0] in ("logits", "plan"):
+    if args and args[0] in ("logits", "plan", "bench"):
         args = args + DEV
     return subprocess.run([BIN] + args, capture_output=True, text=True, env=e)
 
@@ -151,6 +160,42 @@ def check_model(name, model, tokens):
     print("%-14s ok: budgets %s" % (name, [(d, h) for d, h, _ in budgets]), flush=True)
 
 
+def check_bench(name, model):
+    """bench with streamed weights: exact bytes per step; batched decode."""
+    base = ["--prompt", "8", "--gen", "4", "--reps", "1", "--seqs", "1,4", "--seq-prompt", "8", *BW]
+    # the context and batch bench uses: 8 + 4 tokens (+ 1), chunks of 8
+    p = run(["plan", model, "--ctx", "13", "--batch", "8", *BW, "--device-mem", "1T", "--host-mem", "1T"])
+    info = parse_plan(p.stdout)
+    min_dev, min_host, total = info.get("min_dev"), info.get("min_host"), info.get("model_bytes")
+    if not min_dev:
+        check(False, "%s bench: no minimum in the plan: %s" % (name, p.stdout + p.stderr))
+        return
+    extra = 8 << 10  # the paged pool of --seqs, which the plan above does not count
+    for _ in range(6):
+        dev, host = min_dev + total // 4 + extra, min_host + total // 4
+        p = run(["bench", model, "--device-mem", str(dev), "--host-mem", str(host), *base])
+        if p.returncode == 0 or "device budget" not in p.stderr:
+            break
+        extra *= 2
+    check(p.returncode == 0, "%s bench at %d/%d: rc %d %s" % (name, dev, host, p.returncode, p.stderr[-2000:]))
+    if p.returncode != 0:
+        return
+    out = p.stdout
+    m = re.search(r"bytes\s+per decode step: file ([\d.]+) \(plan (\d+)\), to the device ([\d.]+) \(plan (\d+)\)", out)
+    check(m is not None, "%s bench: nothing streamed at device %d: %s" % (name, dev, out))
+    if m:
+        check(float(m.group(1)) == float(m.group(2)) and float(m.group(3)) == float(m.group(4)),
+              "%s bench: bytes per decode step differ from the plan: %s" % (name, m.group(0)))
+    for b in (1, 4):
+        check(re.search(r"decode batch\s+%d sequences x 3 steps .* tok/s .*bound [\d.]+ ms/step" % b, out) is not None,
+              "%s bench: no batch-%d decode line: %s" % (name, b, out))
+    m = re.search(r"decode batch tokens: (\d+) of (\d+) sequences", out)
+    check(m is not None and int(m.group(2)) == 1, "%s bench: no token comparison: %s" % (name, out))
+    if m and os.environ.get("STRATA_DEVICE", "cpu") == "cpu":
+        check(m.group(1) == m.group(2), "%s bench: batch 4 tokens differ from batch 1: %s" % (name, m.group(0)))
+    print("%-14s bench ok: %s" % (name, m.group(0) if m else ""), flush=True)
+
+
 def main():
     toks = " ".join(str((i * 37 + 5) % 200) for i in range(20))
     for name in ("gqa_f32", "gqa_sharded_f32", "gqa_tied_bf16", "llama3_bf16"):
@@ -160,6 +205,9 @@ def main():
         check_model("smollm2", smol, " ".join(str((i * 997 + 11) % 49152) for i in range(12)))
     else:
         print("(SmolLM2 GGUF absent: not checked)")
+
+    for name in ("gqa_f32", "llama3_bf16"):
+        check_bench(name, os.path.join(SRC, "tests", "data", "models", name))
 
     m0 = os.path.join(SRC, "tests", "data", "models", "gqa_f32")
     for bad in ("12Q", "-5G", "G", "1.5.2M"):

@@ -189,6 +189,11 @@ static void check_case(const char *model, st_model_files *files, pattern pat, co
             CHECK_MSG(s.ssd_group_bytes == (uint64_t)fw * pl->step_ssd_img_bytes,
                       "%s %s: %llu bytes from the file in %d steps, plan %llu per step", model, k_names[pat],
                       (unsigned long long)s.ssd_group_bytes, fw, (unsigned long long)pl->step_ssd_img_bytes);
+        /* every streamed group used crosses to the device once per pass, whatever its source */
+        CHECK_MSG(s.h2d_bytes == (uint64_t)fw * (pl->step_ssd_bytes + pl->step_host_bytes),
+                  "%s %s: %llu bytes copied to the device in %d steps, plan %llu per step", model, k_names[pat],
+                  (unsigned long long)s.h2d_bytes, fw,
+                  (unsigned long long)(pl->step_ssd_bytes + pl->step_host_bytes));
         if (pat == P_BGPIN) {
             /* pinning lagged behind: early steps read host groups from the file */
             CHECK_MSG(s.seq_ssd > 0, "%s: nothing served from the file while pinning", model);
@@ -250,6 +255,149 @@ static void check_model(const char *name, const char *path) {
         for (int p = 0; p < P_COUNT; p++) check_case(name, files, (pattern)p, &ref);
     logits_free(&ref);
     st_model_close(files);
+}
+
+/* ---- several sequences at once on streamed weights ----
+ * NSEQ sequences, each its own prompt, decoded together through
+ * st_llama_forward_batch (one token each per pass) on a streamed placement,
+ * then each alone in other blocks of the same pool: the logits of every
+ * step are bit-identical (the CPU backend is batch-invariant), so are the
+ * tokens, and the bytes streamed per pass are the plan's. */
+
+#define NSEQ 4
+#define SEQ_PROMPT 6
+#define SEQ_GEN 5
+#define SEQ_BS 4
+
+typedef struct {
+    st_llama *m;
+    st_kv_cache *kv;
+    int64_t V, bps;
+    int passes;
+} seq_run;
+
+/* One pass: token i of `n` is tokens[i] at pos[i] of local sequence seq[i]
+ * whose blocks are rows[seq[i]]; logits of every sequence's last token. */
+static strata_status seq_pass(seq_run *r, int64_t n, const int32_t *tokens, const int32_t *pos, const int32_t *seq,
+                              int64_t n_seqs, const int32_t *ctx, const int32_t *tables, float *logits) {
+    int64_t slots[NSEQ * SEQ_PROMPT];
+    int32_t rows[NSEQ];
+    for (int64_t i = 0; i < n; i++)
+        slots[i] = (int64_t)tables[seq[i] * r->bps + pos[i] / SEQ_BS] * SEQ_BS + pos[i] % SEQ_BS;
+    int64_t nl = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (i == n - 1 || seq[i + 1] != seq[i]) rows[nl++] = (int32_t)i;
+    const st_batch b = {.n_tokens = n, .tokens = tokens, .pos = pos, .seq = seq, .slots = slots, .n_seqs = n_seqs,
+                        .block_tables = tables, .max_blocks = r->bps, .ctx_lens = ctx, .logit_rows = rows,
+                        .n_logits = nl};
+    r->passes++;
+    return st_llama_forward_batch(r->m, r->kv, &b, logits);
+}
+
+static int32_t arg_max(const float *x, int64_t n) {
+    int64_t b = 0;
+    for (int64_t i = 1; i < n; i++)
+        if (x[i] > x[b]) b = i;
+    return (int32_t)b;
+}
+
+/* Runs sequences first..first+B-1 (pool rows first.., prompts by sequence
+ * number) together: prefill (each prompt in passes of at most BATCH tokens,
+ * one sequence per pass) then SEQ_GEN decode passes of B tokens. Logits of
+ * decode step g of sequence s go to out[(s * SEQ_GEN + g) * V], tokens to
+ * toks[s * SEQ_GEN + g]. */
+static strata_status seq_group(seq_run *r, int first, int B, int row0, float *out, int32_t *toks) {
+    const int64_t V = r->V;
+    int32_t tables[NSEQ * 8], tk[NSEQ * SEQ_PROMPT], pos[NSEQ * SEQ_PROMPT], seq[NSEQ * SEQ_PROMPT], ctx[NSEQ];
+    float *l = malloc((size_t)(NSEQ * V) * sizeof(float));
+    int32_t next[NSEQ];
+    strata_status st = STRATA_OK;
+    for (int s = 0; s < B; s++)
+        for (int64_t j = 0; j < r->bps; j++) tables[s * r->bps + j] = (int32_t)((row0 + s) * r->bps + j);
+    for (int s = 0; s < B && st == STRATA_OK; s++) /* prefill, one sequence per pass, chunks of BATCH */
+        for (int p0 = 0; p0 < SEQ_PROMPT && st == STRATA_OK; p0 += BATCH) {
+            const int k = SEQ_PROMPT - p0 < BATCH ? SEQ_PROMPT - p0 : BATCH;
+            for (int i = 0; i < k; i++) {
+                tk[i] = tok((first + s) * 1000 + p0 + i, V);
+                pos[i] = p0 + i;
+                seq[i] = 0;
+            }
+            ctx[0] = p0 + k;
+            st = seq_pass(r, k, tk, pos, seq, 1, ctx, tables + s * r->bps, l);
+            if (st == STRATA_OK && p0 + k == SEQ_PROMPT) next[s] = arg_max(l, V);
+        }
+    for (int g = 0; g < SEQ_GEN && st == STRATA_OK; g++) {
+        for (int s = 0; s < B; s++) {
+            tk[s] = next[s];
+            pos[s] = SEQ_PROMPT + g;
+            seq[s] = s;
+            ctx[s] = SEQ_PROMPT + g + 1;
+        }
+        st = seq_pass(r, B, tk, pos, seq, B, ctx, tables, l);
+        for (int s = 0; s < B && st == STRATA_OK; s++) {
+            memcpy(out + ((size_t)(first + s) * SEQ_GEN + g) * V, l + (size_t)s * V, (size_t)V * sizeof(float));
+            toks[(first + s) * SEQ_GEN + g] = next[s] = arg_max(l + (size_t)s * V, V);
+        }
+    }
+    free(l);
+    return st;
+}
+
+static void check_batched(const char *name, st_model_files *files, pattern pat) {
+    const int64_t V = files->config.vocab_size;
+    const int n = 2 * (int)files->config.n_layers + 2;
+    st_tier *tiers = calloc((size_t)n, sizeof *tiers);
+    fill_pattern(pat, n, tiers);
+    st_llama_params lp = base_params();
+    lp.weights.placement = tiers;
+    lp.weights.host_mem = (size_t)1 << 30;
+    const int64_t bps = (SEQ_PROMPT + SEQ_GEN + SEQ_BS - 1) / SEQ_BS;
+    lp.kv_pool_tokens = 2 * NSEQ * bps * SEQ_BS;
+    lp.no_seq_kv = true;
+    st_backend *be = cpu((size_t)1 << 30);
+    seq_run r = {NULL, NULL, V, bps, 0};
+    strata_status st = st_llama_init(files, be, &lp, &r.m);
+    CHECK_MSG(st == STRATA_OK, "%s batched %s: init: %s", name, k_names[pat], st_last_error());
+    const st_kv_cache_params kp = {.num_blocks = 2 * NSEQ * bps, .block_size = SEQ_BS};
+    if (st == STRATA_OK) st = st_kv_cache_init(r.m, &kp, &r.kv);
+    CHECK_MSG(st == STRATA_OK, "%s batched %s: kv: %s", name, k_names[pat], st_last_error());
+    float *a = calloc((size_t)(NSEQ * SEQ_GEN * V), sizeof(float)), *b = calloc((size_t)(NSEQ * SEQ_GEN * V), sizeof(float));
+    int32_t ta[NSEQ * SEQ_GEN], tb[NSEQ * SEQ_GEN];
+    if (st == STRATA_OK) {
+        st_wm *wm = st_llama_weights(r.m);
+        CHECK(st_wm_streamed(wm) > 0);
+        st_wm_stats s0, s1;
+        st_wm_stats_get(wm, &s0);
+        r.passes = 0;
+        st = seq_group(&r, 0, NSEQ, 0, a, ta); /* all at once */
+        CHECK_MSG(st == STRATA_OK, "%s batched %s: %s", name, k_names[pat], st_last_error());
+        for (int s = 0; s < NSEQ && st == STRATA_OK; s++) { /* each alone, in other blocks */
+            st = seq_group(&r, s, 1, NSEQ + s, b, tb);
+            CHECK_MSG(st == STRATA_OK, "%s batched %s alone: %s", name, k_names[pat], st_last_error());
+        }
+        if (st == STRATA_OK) {
+            CHECK_MSG(!memcmp(ta, tb, sizeof ta), "%s batched %s: tokens of %d sequences at once differ from each alone",
+                      name, k_names[pat], NSEQ);
+            CHECK_MSG(!memcmp(a, b, (size_t)(NSEQ * SEQ_GEN * V) * sizeof(float)),
+                      "%s batched %s: logits of %d sequences at once differ from each alone", name, k_names[pat], NSEQ);
+            st_wm_stats_get(wm, &s1);
+            const st_wplan *pl = st_wm_plan(wm);
+            CHECK_MSG(s1.h2d_bytes - s0.h2d_bytes == (uint64_t)r.passes * (pl->step_ssd_bytes + pl->step_host_bytes) &&
+                          s1.ssd_group_bytes - s0.ssd_group_bytes == (uint64_t)r.passes * pl->step_ssd_img_bytes,
+                      "%s batched %s: %llu / %llu bytes in %d passes, plan %llu / %llu per pass", name, k_names[pat],
+                      (unsigned long long)(s1.h2d_bytes - s0.h2d_bytes),
+                      (unsigned long long)(s1.ssd_group_bytes - s0.ssd_group_bytes), r.passes,
+                      (unsigned long long)(pl->step_ssd_bytes + pl->step_host_bytes),
+                      (unsigned long long)pl->step_ssd_img_bytes);
+        }
+    }
+    free(a);
+    free(b);
+    st_kv_cache_free(r.kv);
+    st_llama_free(r.m);
+    CHECK(be->device_budget.used == 0);
+    st_backend_free(be);
+    free(tiers);
 }
 
 /* ---- a generated model: 8 layers, tensors at unaligned offsets, scattered ---- */
@@ -445,6 +593,15 @@ int main(void) {
     snprintf(gdir, sizeof gdir, "%s", test_tmpdir("stream_model"));
     CHECK(write_model(gdir));
     check_model("generated-8-layer", gdir);
+    { /* several sequences at once, streamed (and the backend scratch probe exercised on the CPU) */
+        st_model_files *files = NULL;
+        CHECK(st_model_open(gdir, &files) == STRATA_OK);
+        setenv("STRATA_SCRATCH_PROBE", "1", 1);
+        for (int p = P_SSD; files && p <= P_MIX1; p++) check_batched("generated-8-layer", files, (pattern)p);
+        unsetenv("STRATA_SCRATCH_PROBE");
+        st_model_close(files);
+        printf("  generated-8-layer: %d sequences at once = each alone (tokens, logits, bytes per pass)\n", NSEQ);
+    }
     /* SmolLM2 (GGUF, q4_1, 30 layers) when fetched */
     const char *smol = test_src_path("models/SmolLM2-135M-Instruct.Q4_1.gguf");
     g_big = true;

@@ -13,6 +13,7 @@
 #include "commands.h"
 #include "common.h"
 #include "core/pool.h"
+#include "roofline.h"
 
 static void bench_usage(FILE *f) {
     fprintf(f,
@@ -25,6 +26,9 @@ static void bench_usage(FILE *f) {
             "  --fast-prefill   bf16-rounded operands in prefill's tensor-core matmuls and attention\n"
             "                   (about twice as fast, ~1e-2 relative error; default: hi+lo split, ~1e-5)\n"
             "  --prefill-only   one prefill and nothing else (no warm-up, rooflines or decode): for profilers\n"
+            "  --seqs B[,B...]  then decode B sequences at once (e.g. 1,8,32) through the batched forward over a\n"
+            "                   paged KV cache: --gen steps each (the first a warm-up), tok/s beside the bound\n"
+            "  --seq-prompt N   prompt tokens of each of those sequences (default 32)\n"
             "  (here --batch defaults to the prompt length, up to 4096: the prompt in one chunk)\n"
             TOOL_MODEL_OPTS_HELP);
 }
@@ -70,108 +74,6 @@ static double measure_read_bw(st_pool *pool, size_t bytes) {
     return best;
 }
 
-/* Device memory bandwidth (bytes read + written per second): best of 5 copies
- * of a 1 GiB buffer with the backend's own copy, timed to completion. */
-static double measure_device_copy_bw(st_backend *be, st_stream *s) {
-    const size_t n = (size_t)1 << 30;
-    void *a = NULL, *b = NULL;
-    double best = 0;
-    if (be->ops->alloc(be, n, &a) || be->ops->alloc(be, n, &b)) goto out;
-    for (int r = 0; r < 6; r++) {
-        double t0 = st_time_now();
-        if (be->ops->copy_d2d(be, s, b, a, n) || be->ops->stream_sync(be, s)) goto out;
-        double bw = 2.0 * (double)n / (st_time_now() - t0);
-        if (r > 0 && bw > best) best = bw; /* the first is a warm-up */
-    }
-out:
-    if (a) be->ops->dealloc(be, a);
-    if (b) be->ops->dealloc(be, b);
-    return best;
-}
-
-/* Fills n bytes of device memory at d with pseudo-random numbers in (-1, 1)
- * from an LCG, fp32 or bf16 (two per 32-bit word); never zeros (a GEMM on
- * zeros runs faster than on real data). */
-static bool fill_random(st_backend *be, st_stream *s, void *d, size_t n, bool bf16) {
-    const size_t chunk = (size_t)1 << 24;
-    uint32_t *h = malloc(chunk);
-    if (!h) return false;
-    uint32_t x = 12345u;
-    bool ok = true;
-    for (size_t off = 0; off < n && ok; off += chunk) {
-        const size_t k = n - off < chunk ? n - off : chunk;
-        for (size_t i = 0; i < k / 4; i++) {
-            uint32_t v[2];
-            for (int j = 0; j < 2; j++) {
-                x = x * 1664525u + 1013904223u;
-                const float f = (float)(x >> 8) / 8388608.0f - 1.0f + 1.0f / 16777216.0f; /* never 0 */
-                memcpy(&v[j], &f, 4);
-            }
-            h[i] = bf16 ? (v[0] >> 16) | (v[1] & 0xffff0000u) : v[0]; /* bf16: the top halves */
-        }
-        ok = be->ops->copy_h2d(be, s, (char *)d + off, h, k) == STRATA_OK && be->ops->stream_sync(be, s) == STRATA_OK;
-    }
-    free(h);
-    return ok;
-}
-
-/* Matrix rate (FLOP/s) of the backend's matmul on a random bf16 [dim, dim]
- * weight with `n` tokens, best of 3 after a warm-up: the GEMM a prefill runs.
- * fast: one bf16 GEMM (the tensor cores' rate, the roofline); else the
- * default precise path (two GEMMs for bf16 weights). */
-static double measure_matmul_rate(st_backend *be, st_stream *s, int64_t dim, int64_t n, bool fast) {
-    void *w = NULL, *x = NULL, *y = NULL;
-    double best = 0;
-    if (be->ops->alloc(be, (size_t)(dim * dim) * 2, &w) ||
-        be->ops->alloc(be, (size_t)(n * dim) * 4, &x) || be->ops->alloc(be, (size_t)(n * dim) * 4, &y))
-        goto out;
-    if (!fill_random(be, s, w, (size_t)(dim * dim) * 2, true) || !fill_random(be, s, x, (size_t)(n * dim) * 4, false))
-        goto out;
-    be->ops->set_fast_prefill(be, fast);
-    st_weight wt = {w, ST_DTYPE_BF16, dim, dim};
-    for (int r = 0; r < 4; r++) {
-        double t0 = st_time_now();
-        if (be->ops->matmul(be, s, x, &wt, n, y) || be->ops->stream_sync(be, s)) goto out;
-        double rate = 2.0 * (double)dim * (double)dim * (double)n / (st_time_now() - t0);
-        if (r > 0 && rate > best) best = rate;
-    }
-out:
-    be->ops->set_fast_prefill(be, false);
-    if (w) be->ops->dealloc(be, w);
-    if (x) be->ops->dealloc(be, x);
-    if (y) be->ops->dealloc(be, y);
-    return best;
-}
-
-/* For a CUDA run (as the model options select it): HBM bandwidth (copy) and the
- * matmul rate in both prefill precisions, on a temporary backend with a 3 GiB
- * pool, destroyed before the model loads. Nothing to do for the CPU. */
-static bool measure_device_rooflines(const tool_model_opts *mo, double *bw, double *rate_fast,
-                                     double *rate_precise) {
-    const char *dev = mo->device ? mo->device : "auto";
-    bool cuda = !strcmp(dev, "cuda") || (!strcmp(dev, "auto") && st_backend_available(ST_BACKEND_CUDA));
-    if (!cuda) return true;
-    st_backend_params bp = {.kind = ST_BACKEND_CUDA, .device_mem = (size_t)3 << 30};
-    st_backend *be = NULL;
-    st_stream *st = NULL;
-    bool ok = false;
-    if (st_backend_init(&bp, &be) != STRATA_OK || be->ops->stream_create(be, false, &st) != STRATA_OK) {
-        tool_print_error("bench");
-        goto out;
-    }
-    /* HBM bandwidth: bytes read + written per second by a large copy (a decode
-     * step's GEMVs stream at about that rate, reads only) */
-    *bw = measure_device_copy_bw(be, st);
-    *rate_fast = measure_matmul_rate(be, st, 8192, 4096, true);
-    *rate_precise = measure_matmul_rate(be, st, 8192, 4096, false);
-    ok = *bw > 0 && *rate_fast > 0 && *rate_precise > 0;
-    if (!ok) tool_print_error("bench (roofline probes)");
-out:
-    if (st) be->ops->stream_destroy(be, st);
-    st_backend_free(be);
-    return ok;
-}
-
 static int argmax(const float *x, int64_t n) {
     int64_t b = 0;
     for (int64_t i = 1; i < n; i++)
@@ -179,11 +81,208 @@ static int argmax(const float *x, int64_t n) {
     return (int)b;
 }
 
+/* ---- decode of several sequences at once (--seqs) ----------------------------------
+ * Sequence s (of the largest batch) has its own random prompt of P tokens
+ * (the same in every batch size) and the blocks [s * bps, (s + 1) * bps) of
+ * one paged pool. For each batch size B: the B prompts are prefilled through
+ * st_llama_forward_batch (whole sequences packed into batches of at most
+ * max_batch tokens), then `gen` greedy steps run the B sequences together,
+ * one token each per forward_batch (the first step is a warm-up, the next
+ * gen are timed). Logits come to the host; the argmax is taken there. */
+
+typedef struct {
+    st_kv_cache *kv;
+    int64_t P, gen, bps, bs, maxB;
+    int32_t *toks;       /* [maxB, P + gen + 1]: prompt, then the generated tokens */
+    bool *have;          /* [maxB]: toks of s hold a previous batch's output */
+    int64_t mismatch;    /* sequences whose tokens differ from a smaller batch's */
+    int64_t compared;
+} seqs_state;
+
+static strata_status seqs_forward(st_llama *m, seqs_state *S, int64_t n, const int32_t *tokens, const int32_t *pos,
+                                  const int32_t *seq, int64_t n_seqs, const int32_t *ctx_lens, const int32_t *tables,
+                                  const int32_t *logit_rows, int64_t n_logits, float *logits, int64_t *slots) {
+    for (int64_t i = 0; i < n; i++)
+        slots[i] = (int64_t)tables[seq[i] * S->bps + pos[i] / S->bs] * S->bs + pos[i] % S->bs;
+    const st_batch b = {.n_tokens = n, .tokens = tokens, .pos = pos, .seq = seq, .slots = slots, .n_seqs = n_seqs,
+                        .block_tables = tables, .max_blocks = S->bps, .ctx_lens = ctx_lens,
+                        .logit_rows = logit_rows, .n_logits = n_logits};
+    return st_llama_forward_batch(m, S->kv, &b, logits);
+}
+
+/* One batch size: fills *step_s (seconds per decode step). */
+static strata_status seqs_run(tool_model *tm, seqs_state *S, int64_t B, double *step_s) {
+    st_llama *m = tm->model;
+    const int64_t V = tm->files->config.vocab_size, T = st_llama_max_batch(m), W = S->P + S->gen + 1;
+    const int64_t cap = T > B ? T : B;
+    int32_t *tok = malloc((size_t)cap * 4), *pos = malloc((size_t)cap * 4), *seq = malloc((size_t)cap * 4);
+    int32_t *ctx = malloc((size_t)B * 4), *tab = malloc((size_t)(B * S->bps) * 4), *rows = malloc((size_t)B * 4);
+    int64_t *slots = malloc((size_t)cap * 8);
+    float *logits = malloc((size_t)(B * V) * sizeof(float));
+    int32_t *out = malloc((size_t)(B * (S->gen + 1)) * 4);
+    strata_status st = STRATA_OK;
+    if (!tok || !pos || !seq || !ctx || !tab || !rows || !slots || !logits || !out) {
+        st = st_err(STRATA_ERR_NOMEM, "bench --seqs: out of memory");
+        goto out;
+    }
+    for (int64_t s = 0; s < B; s++)
+        for (int64_t j = 0; j < S->bps; j++) tab[s * S->bps + j] = (int32_t)(s * S->bps + j);
+    /* prefill: whole prompts packed into batches of at most T tokens */
+    for (int64_t s0 = 0; s0 < B && st == STRATA_OK;) {
+        int64_t n = 0, ns = 0, nl = 0;
+        while (s0 + ns < B && n + S->P <= T) {
+            const int64_t s = s0 + ns;
+            for (int64_t j = 0; j < S->P; j++) {
+                tok[n] = S->toks[s * W + j];
+                pos[n] = (int32_t)j;
+                seq[n] = (int32_t)ns;
+                n++;
+            }
+            ctx[ns] = (int32_t)S->P;
+            rows[nl++] = (int32_t)(n - 1);
+            ns++;
+        }
+        st = seqs_forward(m, S, n, tok, pos, seq, ns, ctx, tab + s0 * S->bps, rows, nl, logits, slots);
+        for (int64_t r = 0; r < nl && st == STRATA_OK; r++) out[(s0 + r) * (S->gen + 1)] = argmax(logits + r * V, V);
+        s0 += ns;
+    }
+    /* decode: a warm-up step, then gen timed ones */
+    double t0 = 0;
+    for (int64_t g = 0; g < S->gen && st == STRATA_OK; g++) {
+        if (g == 1) t0 = st_time_now();
+        for (int64_t s = 0; s < B; s++) {
+            tok[s] = out[s * (S->gen + 1) + g];
+            pos[s] = (int32_t)(S->P + g);
+            seq[s] = (int32_t)s;
+            ctx[s] = (int32_t)(S->P + g + 1);
+            rows[s] = (int32_t)s;
+        }
+        st = seqs_forward(m, S, B, tok, pos, seq, B, ctx, tab, rows, B, logits, slots);
+        for (int64_t s = 0; s < B && st == STRATA_OK; s++) out[s * (S->gen + 1) + g + 1] = argmax(logits + s * V, V);
+    }
+    *step_s = S->gen > 1 ? (st_time_now() - t0) / (double)(S->gen - 1) : 0;
+    /* the same sequence in a smaller batch generated the same tokens? */
+    for (int64_t s = 0; s < B && st == STRATA_OK; s++) {
+        int32_t *mine = S->toks + s * W + S->P;
+        if (S->have[s]) {
+            S->compared++;
+            if (memcmp(mine, out + s * (S->gen + 1), (size_t)(S->gen + 1) * 4)) S->mismatch++;
+        } else {
+            memcpy(mine, out + s * (S->gen + 1), (size_t)(S->gen + 1) * 4);
+            S->have[s] = true;
+        }
+    }
+out:
+    free(tok);
+    free(pos);
+    free(seq);
+    free(ctx);
+    free(tab);
+    free(rows);
+    free(slots);
+    free(logits);
+    free(out);
+    return st;
+}
+
+/* Runs every batch size of `list` and prints a line for each beside its
+ * bound: streamed weights: the plan's decode step (the weights cross PCIe /
+ * come from the SSD once per step whatever the batch); resident: weights +
+ * the batch's KV over the memory bandwidth `bw`. */
+static bool seqs_bench(tool_model *tm, const int64_t *list, int n_list, int64_t P, int64_t gen, double bw,
+                       uint64_t weight_bytes) {
+    st_llama *m = tm->model;
+    const st_config *c = &tm->files->config;
+    seqs_state S = {0};
+    S.P = P;
+    S.gen = gen;
+    S.bs = 16;
+    S.bps = (P + gen + 1 + S.bs - 1) / S.bs;
+    for (int i = 0; i < n_list; i++)
+        if (list[i] > S.maxB) S.maxB = list[i];
+    const int64_t W = P + gen + 1, V = c->vocab_size;
+    S.toks = calloc((size_t)(S.maxB * W), 4);
+    S.have = calloc((size_t)S.maxB, sizeof *S.have);
+    bool ok = S.toks && S.have;
+    uint32_t x = 99;
+    for (int64_t i = 0; ok && i < S.maxB * W; i++) {
+        x = x * 1664525u + 1013904223u;
+        S.toks[i] = (int32_t)((x >> 8) % (uint32_t)V);
+    }
+    const st_kv_cache_params kp = {.num_blocks = S.maxB * S.bps, .block_size = S.bs};
+    if (ok && st_kv_cache_init(m, &kp, &S.kv) != STRATA_OK) {
+        tool_print_error("bench --seqs");
+        ok = false;
+    }
+    st_wm *wm = st_llama_weights(m);
+    const st_wplan *p = st_wm_plan(wm);
+    const bool streamed = st_wm_streamed(wm) > 0;
+    const double kv_tok = (double)(c->n_kv_heads * c->head_dim) * 2 * sizeof(float) * (double)c->n_layers;
+    double tps1 = 0;
+    for (int i = 0; ok && i < n_list; i++) {
+        const int64_t B = list[i];
+        double step = 0;
+        if (seqs_run(tm, &S, B, &step) != STRATA_OK) {
+            tool_print_error("bench --seqs");
+            ok = false;
+            break;
+        }
+        const double tps = step > 0 ? (double)B / step : 0;
+        if (i == 0) tps1 = tps;
+        double bound;
+        char what[160];
+        if (streamed) {
+            bound = p->t_decode;
+            snprintf(what, sizeof what, "%s: weights streamed once per step, SSD %.3f ms, PCIe %.3f ms",
+                     st_wbound_name(p->decode_bound), p->t_ssd * 1e3, p->t_pcie * 1e3);
+        } else {
+            const double bytes = (double)weight_bytes + (double)B * ((double)P + (double)gen / 2) * kv_tok;
+            bound = bw > 0 ? bytes / bw : 0;
+            snprintf(what, sizeof what, "memory: %.1f MB of weights + KV / %.2f GB/s", bytes / 1e6, bw / 1e9);
+        }
+        printf("decode batch %3lld sequences x %lld steps (prompt %lld): %.3f ms/step, %.1f tok/s (%.2fx batch %lld); "
+               "bound %.3f ms/step (%s): %.0f%%\n",
+               (long long)B, (long long)(gen - 1), (long long)P, step * 1e3, tps, tps1 > 0 ? tps / tps1 : 0.0,
+               (long long)list[0], bound * 1e3, what, step > 0 ? 100.0 * bound / step : 0.0);
+    }
+    if (ok && S.compared > 0)
+        printf("decode batch tokens: %lld of %lld sequences generated the same tokens as in a smaller batch%s\n",
+               (long long)(S.compared - S.mismatch), (long long)S.compared,
+               S.mismatch ? " (CUDA: GEMV below 9 rows, tensor-core GEMM above: ~1e-5 apart, near-ties may flip)" : "");
+    st_kv_cache_free(S.kv);
+    free(S.toks);
+    free(S.have);
+    return ok;
+}
+
+/* "1,8,32" -> list (each in [1, 4096]); false (message printed) otherwise. */
+static bool parse_list(const char *v, int64_t *list, int *n) {
+    *n = 0;
+    char buf[256];
+    if (!v || strlen(v) >= sizeof buf) {
+        fprintf(stderr, "strata: --seqs needs a list like 1,8,32\n");
+        return false;
+    }
+    strcpy(buf, v);
+    for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+        if (*n == 16) {
+            fprintf(stderr, "strata: --seqs: at most 16 batch sizes\n");
+            return false;
+        }
+        if (!tool_parse_i64(t, 1, 4096, "--seqs", &list[*n])) return false;
+        (*n)++;
+    }
+    if (*n == 0) fprintf(stderr, "strata: --seqs needs a list like 1,8,32\n");
+    return *n > 0;
+}
+
 int cmd_bench(int argc, char **argv) {
     tool_model_opts mo = {0};
     const char *path = NULL;
     int64_t n_prompt = 128, n_gen = 64, reps = 3;
     bool fast = false, prefill_only = false;
+    int64_t seqs[16], seq_prompt = 32;
+    int n_seqs = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *val = i + 1 < argc ? argv[i + 1] : NULL;
@@ -206,6 +305,12 @@ int cmd_bench(int argc, char **argv) {
             fast = true;
         } else if (!strcmp(a, "--prefill-only")) {
             prefill_only = true;
+        } else if (!strcmp(a, "--seqs")) {
+            if (!parse_list(val, seqs, &n_seqs)) return 2;
+            i++;
+        } else if (!strcmp(a, "--seq-prompt")) {
+            if (!tool_parse_i64(val, 1, 1 << 20, "--seq-prompt", &seq_prompt)) return 2;
+            i++;
         } else if (!tool_take_positional("bench", a, &path, bench_usage)) {
             return 2;
         }
@@ -217,10 +322,24 @@ int cmd_bench(int argc, char **argv) {
     if (mo.ctx == 0) mo.ctx = n_prompt + (n_gen > 2 ? n_gen : 2);
     /* the prompt in one forward chunk unless --batch says otherwise (up to 4096 tokens) */
     if (mo.batch == 0) mo.batch = n_prompt < 4096 ? n_prompt : 4096;
+    if (n_seqs > 0) { /* the batched decode: max_batch >= the batch, a paged pool planned for */
+        if (n_gen < 2) {
+            fprintf(stderr, "strata bench: --seqs needs --gen 2 or more\n");
+            return 2;
+        }
+        int64_t maxB = 0;
+        for (int i = 0; i < n_seqs; i++) maxB = seqs[i] > maxB ? seqs[i] : maxB;
+        if (mo.batch < maxB) mo.batch = maxB;
+        if (seq_prompt > mo.batch) seq_prompt = mo.batch;
+        if (mo.ctx < seq_prompt + n_gen + 1) mo.ctx = seq_prompt + n_gen + 1;
+        mo.kv_pool_tokens = maxB * ((seq_prompt + n_gen + 1 + 15) / 16) * 16;
+    }
     /* Device rooflines first, on a probe backend of their own: the engine's
      * backend may be filled to its --device-mem budget once the model is in. */
-    double probe_bw = 0, probe_rate = 0, probe_rate_precise = 0;
-    if (!measure_device_rooflines(&mo, &probe_bw, &probe_rate, &probe_rate_precise)) return 1;
+    tool_rooflines roof;
+    const st_backend_params probe_bp = tool_backend_params(&mo);
+    if (!tool_measure_device_rooflines(&probe_bp, &roof)) return 1;
+    const double probe_bw = roof.copy_bw, probe_rate = roof.gemm_fast, probe_rate_precise = roof.gemm_precise;
     tool_model tm;
     if (!tool_model_open(path, &mo, &tm)) return 1;
     st_wm_stats ws; /* weight streaming: timings start once the host tier is pinned */
@@ -284,6 +403,8 @@ int cmd_bench(int argc, char **argv) {
         if (st_llama_decode(tm.model, next, NULL, &next) != STRATA_OK) goto fail;
     }
     double t_decode = st_time_now() - t0;
+    st_wm_stats ws_after; /* the decode steps' counters, before anything else runs */
+    st_wm_stats_get(st_llama_weights(tm.model), &ws_after);
     const size_t peak = be->device_budget.peak;
 
     double bw = 0, gemm_rate = 0, gemm_rate_precise = 0, t_prefill_other = 0;
@@ -366,7 +487,8 @@ int cmd_bench(int argc, char **argv) {
            floor_s * 1e3, step_bytes / 1e6, avg_ctx, bw / 1e9, 1.0 / floor_s, 100.0 * floor_s / step_s);
     printf("device mem   peak %.1f MB of backend allocations (%sKV cache, activations, scratch)\n", peak / 1e6,
            on_cpu ? "" : "weights, ");
-    tool_print_weights(&tm, &ws, n_gen, step_s, n_prompt, t_prefill);
+    tool_print_weights(&tm, &ws, &ws_after, n_gen, step_s, n_prompt, t_prefill);
+    if (n_seqs > 0 && !seqs_bench(&tm, seqs, n_seqs, seq_prompt, n_gen, bw, weight_bytes)) goto done;
     rc = 0;
     goto done;
 fail:

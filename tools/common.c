@@ -97,6 +97,7 @@ st_llama_params tool_llama_params(const tool_model_opts *o) {
     lp.max_batch = o->batch;
     lp.weights.host_mem = o->host_mem;
     lp.weights.ring_slots = o->ring_slots;
+    lp.kv_pool_tokens = o->kv_pool_tokens;
     lp.weights.bw.h2d = o->h2d_bw * 1e9;
     lp.weights.bw.ssd = o->ssd_bw * 1e9;
     const char *fault = getenv("STRATA_FAULT");
@@ -200,25 +201,31 @@ void tool_weights_settle(tool_model *tm, st_wm_stats *out) {
     st_wm_stats_get(wm, out);
 }
 
-void tool_print_weights(tool_model *tm, const st_wm_stats *before, int64_t steps, double step_s, int64_t n_prompt,
-                        double t_prefill) {
+void tool_print_weights(tool_model *tm, const st_wm_stats *before, const st_wm_stats *after, int64_t steps,
+                        double step_s, int64_t n_prompt, double t_prefill) {
     st_wm *wm = st_llama_weights(tm->model);
     const st_wplan *p = st_wm_plan(wm);
     char line[512], b[4][32];
     st_wplan_summary(p, line, sizeof line);
     printf("weights      %s\n", line);
     if (st_wm_streamed(wm) == 0 || steps <= 0) return;
-    st_wm_stats s;
-    st_wm_stats_get(wm, &s);
+    const st_wm_stats s = *after;
     const double n = (double)steps;
-    const double ssd = (double)(s.ssd_group_bytes - before->ssd_group_bytes) / n;
-    const double h2d = (double)(s.h2d_bytes - before->h2d_bytes) / n;
+    const uint64_t ssd_total = s.ssd_group_bytes - before->ssd_group_bytes, h2d_total = s.h2d_bytes - before->h2d_bytes;
+    const double ssd = (double)ssd_total / n;
+    const double h2d = (double)h2d_total / n;
     const double wait = (s.acquire_wait_s - before->acquire_wait_s) / n;
     printf("streaming    per token: %s from the file (plan %s), %s copied to the device (plan %s); "
            "%s, %s; compute waited %.3f ms/token for weights\n",
            st_fmt_bytes(ssd, b[0], 32), st_fmt_bytes((double)p->step_ssd_img_bytes, b[1], 32),
            st_fmt_bytes(h2d, b[2], 32), st_fmt_bytes((double)(p->step_ssd_bytes + p->step_host_bytes), b[3], 32),
            s.uring ? "io_uring" : "pread", s.direct ? "O_DIRECT" : "page cache", wait * 1e3);
+    /* exact: groups are counted when used, so a step's bytes are the plan's to the byte */
+    printf("bytes        per decode step: file %.1f (plan %llu), to the device %.1f (plan %llu) (%llu and %llu bytes in "
+           "%lld steps)\n",
+           ssd, (unsigned long long)p->step_ssd_img_bytes, h2d,
+           (unsigned long long)(p->step_ssd_bytes + p->step_host_bytes), (unsigned long long)ssd_total,
+           (unsigned long long)h2d_total, (long long)steps);
     printf("bandwidth    H2D %.2f GB/s, SSD %.2f GB/s (%s), matmul weight read %.2f GB/s; achieved: file reads "
            "%.2f GB/s, copies to the device %.2f GB/s (per decode step)\n",
            p->bw.h2d / 1e9, p->bw.ssd / 1e9, p->bw.measured[1] ? "measured now" : "given", p->bw.dev_read / 1e9,

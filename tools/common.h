@@ -19,6 +19,7 @@ typedef struct {
     double h2d_bw;       /* --h2d-bw GB/s: given instead of measured (0: measure) */
     double ssd_bw;       /* --ssd-bw GB/s */
     int ring_slots;      /* --ring-slots N (0: 2) */
+    int64_t kv_pool_tokens; /* not an option: device room planned for a paged KV pool (strata bench --seqs) */
 } tool_model_opts;
 
 #define TOOL_MODEL_OPTS_HELP \
@@ -80,12 +81,14 @@ void tool_model_close(tool_model *tm);
  * takes the manager's counters now. */
 void tool_weights_settle(tool_model *tm, st_wm_stats *out);
 /* Prints the weight plan and, when weights stream, the decode figures
- * measured since `before` (over `steps` steps of step_s seconds) beside the
- * plan's predictions: bytes from the file per token, step time and its
- * bound; and the prefill of n_prompt tokens in t_prefill seconds beside its
- * prediction. */
-void tool_print_weights(tool_model *tm, const st_wm_stats *before, int64_t steps, double step_s, int64_t n_prompt,
-                        double t_prefill);
+ * measured between the counters `before` and `after` (taken around `steps`
+ * decode steps of step_s seconds, nothing else run in between) beside the
+ * plan's predictions: bytes from the file and bytes copied to the device per
+ * step (also as exact byte counts: "bytes  per decode step: file N (plan
+ * N), to the device N (plan N)"), step time and its bound; and the prefill of
+ * n_prompt tokens in t_prefill seconds beside its prediction. */
+void tool_print_weights(tool_model *tm, const st_wm_stats *before, const st_wm_stats *after, int64_t steps,
+                        double step_s, int64_t n_prompt, double t_prefill);
 
 /* Prints "strata CMD: <st_last_error()>" to stderr. */
 void tool_print_error(const char *cmd);

@@ -8,6 +8,7 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef struct {
@@ -46,6 +47,10 @@ struct st_llama {
     int32_t *h_dec;         /* pinned host [4]: token, position, argmax result */
     int32_t *d_dec;         /* device [4] */
     float *d_qkv;           /* device [q_dim + 2 kv_dim]: q | k | v of the token */
+
+    /* device sampling of a batch's logits (st_llama_forward_batch_sample): made by its first call */
+    st_sample_args *d_sargs, *h_sargs; /* device / pinned host [max_batch] */
+    int32_t *d_sids, *h_sids;          /* device [max_batch] / pinned host (after h_sargs) [max_batch] */
 };
 
 /* ---- setup ------------------------------------------------------------------ */
@@ -148,18 +153,229 @@ static void device_needs(const st_config *c, int64_t max_ctx, int64_t T, const s
     *act = a;
 }
 
-/* Device memory the backend takes for itself beyond our allocations. CPU:
- * none (its scratch lives outside the device arena). Otherwise (CUDA): the
- * cuBLASLt workspace and dequantization slab (96 MiB), activation
- * conversions and attention partials (up to 3 x T x widest row x 4 bytes,
- * scratch growing by 1.5x), 32 MiB of slack, and 1% of the budget against
- * fragmentation of the device pool. */
-static size_t device_reserve_estimate(const st_backend *be, const st_config *c, int64_t T) {
-    if (be->kind == ST_BACKEND_CPU) return 0;
+/* ---- the backend's scratch, measured --------------------------------------------------
+ * Besides the buffers this file allocates, a backend takes device memory for
+ * itself while ops run (CUDA: activations converted to bf16, weight slabs
+ * dequantized for a GEMM, the cuBLASLt workspace, split-KV attention
+ * partials, reduction partials). How much depends on the model's widths and
+ * dtypes, the batch and the context, and on the kernels, so it is measured:
+ * the ops a forward pass runs (every matmul shape at a prefill chunk of T
+ * tokens and at one token, the decode step's fused matmuls, attention over
+ * up to max_ctx keys, paged attention when a pool is planned, the argmax)
+ * run once on a probe stream over zeroed buffers of the model's shapes, and
+ * the growth of the device budget during the ops is the scratch. Probe
+ * weights keep the tensor's dtype and width and at most 64 MiB of its rows
+ * (what scratch depends on). Everything is released before the plan is made. */
+
+#define PROBE_W_BYTES ((size_t)64 << 20)
+#define PROBE_MAX_W 24
+
+typedef struct {
+    st_dtype dtype;
+    int64_t cols, rows; /* rows: the largest of its tensors, capped to PROBE_W_BYTES */
+    void *d;
+} probe_weight;
+
+typedef struct {
+    st_backend *be;
+    st_stream *s;
+    void *bufs[PROBE_MAX_W + 8];
+    int n_bufs;
+    void *zeros;        /* host, ZERO_BYTES */
+} probe_ctx;
+
+#define ZERO_BYTES ((size_t)16 << 20)
+
+/* A zeroed device buffer of n bytes, freed by probe_free. */
+static strata_status probe_alloc(probe_ctx *p, size_t n, void **out) {
+    const st_backend_ops *o = p->be->ops;
+    strata_status st = o->alloc(p->be, n, out);
+    if (st != STRATA_OK) return st;
+    p->bufs[p->n_bufs++] = *out;
+    for (size_t off = 0; off < n; off += ZERO_BYTES)
+        if ((st = o->copy_h2d(p->be, p->s, (uint8_t *)*out + off, p->zeros, n - off < ZERO_BYTES ? n - off : ZERO_BYTES)))
+            return st;
+    return o->stream_sync(p->be, p->s);
+}
+
+static void probe_free(probe_ctx *p) {
+    for (int i = 0; i < p->n_bufs; i++) p->be->ops->dealloc(p->be, p->bufs[i]);
+    p->n_bufs = 0;
+    free(p->zeros);
+    p->zeros = NULL;
+}
+
+/* The probe weight holding tensor d's dtype and width, as a weight of d's rows (capped). */
+static st_weight probe_w(const probe_weight *pw, int npw, const st_tensor_desc *d) {
+    st_weight w = {0};
+    for (int i = 0; i < npw; i++)
+        if (pw[i].dtype == d->dtype && pw[i].cols == d->shape[1]) {
+            w.data = pw[i].d;
+            w.dtype = d->dtype;
+            w.cols = d->shape[1];
+            w.rows = d->shape[0] < pw[i].rows ? d->shape[0] : pw[i].rows;
+        }
+    return w;
+}
+
+static strata_status scratch_probe_run(probe_ctx *p, const st_config *c, const st_wgroups *g, int64_t T,
+                                       int64_t max_ctx, bool seq_kv, bool paged, size_t *scratch) {
+    st_backend *be = p->be;
+    const st_backend_ops *o = be->ops;
+    const int64_t H = c->hidden_size, hd = c->head_dim, q_dim = c->n_heads * hd, kv_dim = c->n_kv_heads * hd,
+                  V = c->vocab_size;
+    strata_status st;
+    /* the distinct (dtype, width) of the matrices */
+    probe_weight pw[PROBE_MAX_W];
+    int npw = 0;
+    int64_t kmax = H > q_dim ? H : q_dim, nmax = q_dim;
+    for (int i = 1; i < g->n; i++)
+        for (int t = 0; t < g->g[i].n_tensors; t++) {
+            const st_tensor_desc *d = g->g[i].t[t].desc;
+            if (d->n_dims != 2) continue;
+            const size_t rb = st_dtype_row_bytes(d->dtype, d->shape[1]);
+            if (rb == 0) continue;
+            int64_t rows = d->shape[0];
+            if ((size_t)rows * rb > PROBE_W_BYTES) rows = (int64_t)(PROBE_W_BYTES / rb) / 64 * 64;
+            if (rows < 64) rows = d->shape[0] < 64 ? d->shape[0] : 64;
+            int k = 0;
+            while (k < npw && !(pw[k].dtype == d->dtype && pw[k].cols == d->shape[1])) k++;
+            if (k == npw) {
+                if (npw == PROBE_MAX_W) continue;
+                pw[npw++] = (probe_weight){d->dtype, d->shape[1], rows, NULL};
+            } else if (rows > pw[k].rows) {
+                pw[k].rows = rows;
+            }
+            if (d->shape[1] > kmax) kmax = d->shape[1];
+            if (rows > nmax) nmax = rows;
+        }
+    const int64_t Ta = T < max_ctx ? T : max_ctx; /* tokens of the attention probes */
+    size_t ysz = (size_t)(T * nmax);
+    if ((size_t)(3 * nmax) > ysz) ysz = (size_t)(3 * nmax);
+    if ((size_t)V > ysz) ysz = (size_t)V;
+    float *x = NULL, *y = NULL, *kc = NULL, *vc = NULL;
+    int32_t *meta = NULL;
+    for (int i = 0; i < npw; i++)
+        if ((st = probe_alloc(p, (size_t)pw[i].rows * st_dtype_row_bytes(pw[i].dtype, pw[i].cols), &pw[i].d)))
+            return st;
+    if ((st = probe_alloc(p, (size_t)(T * kmax) * 4, (void **)&x)) || (st = probe_alloc(p, ysz * 4, (void **)&y)))
+        return st;
+    /* int32 metadata: pos at the end of the context [Ta] | pos from 0 [Ta] | seq [Ta] zeros |
+     * ctx_lens [1] | argmax out [1] | block table [max_blocks] */
+    const int64_t bs = PLAN_KV_BLOCK, max_blocks = (max_ctx + bs - 1) / bs;
+    const int64_t n_meta = 3 * Ta + 2 + max_blocks;
+    if (seq_kv || paged) {
+        const size_t kvb = (size_t)((paged ? max_blocks * bs : max_ctx) * kv_dim) * 4;
+        if ((st = probe_alloc(p, kvb, (void **)&kc)) || (st = probe_alloc(p, kvb, (void **)&vc))) return st;
+    }
+    if ((st = probe_alloc(p, (size_t)n_meta * 4, (void **)&meta))) return st;
+    int32_t *h = st_calloc((size_t)n_meta, sizeof *h);
+    if (!h) return st_err(STRATA_ERR_NOMEM, "scratch probe: out of memory");
+    for (int64_t i = 0; i < Ta; i++) {
+        h[i] = (int32_t)(max_ctx - Ta + i);
+        h[Ta + i] = (int32_t)i;
+    }
+    h[3 * Ta] = (int32_t)max_ctx;
+    for (int64_t b = 0; b < max_blocks; b++) h[3 * Ta + 2 + b] = (int32_t)b;
+    st = o->copy_h2d(be, p->s, meta, h, (size_t)n_meta * 4);
+    if (st == STRATA_OK) st = o->stream_sync(be, p->s);
+    st_free(h);
+    if (st != STRATA_OK) return st;
+    const int32_t *pos_end = meta, *pos_0 = meta + Ta, *seq = meta + 2 * Ta, *ctx_lens = meta + 3 * Ta;
+    int32_t *amax = meta + 3 * Ta + 1;
+    const int32_t *tables = meta + 3 * Ta + 2;
+
+    /* the ops, in the order a prefill chunk and then decode steps run them */
+    st_budget *bud = &be->device_budget;
+    const size_t u0 = bud->used, saved_peak = bud->peak;
+    bud->peak = bud->used;
+    const int64_t ns[2] = {T, 1};
+    for (int r = 0; r < 2 && st == STRATA_OK; r++)
+        for (int i = 0; i < npw && st == STRATA_OK; i++) {
+            const st_weight w = {pw[i].d, pw[i].dtype, pw[i].rows, pw[i].cols};
+            st = o->matmul(be, p->s, x, &w, ns[r], y);
+        }
+    const float scale = 1.0f / sqrtf((float)hd);
+    if (st == STRATA_OK && seq_kv) { /* a chunk at the end of the context, a chunk at its start, a decode step */
+        st = o->attention(be, p->s, x, kc, vc, pos_end, Ta, max_ctx, c->n_heads, c->n_kv_heads, hd, scale, y);
+        if (st == STRATA_OK)
+            st = o->attention(be, p->s, x, kc, vc, pos_0, Ta, Ta, c->n_heads, c->n_kv_heads, hd, scale, y);
+        if (st == STRATA_OK)
+            st = o->attention(be, p->s, x, kc, vc, pos_end + Ta - 1, 1, max_ctx, c->n_heads, c->n_kv_heads, hd,
+                              scale, y);
+    }
+    if (st == STRATA_OK && paged) {
+        const st_paged_kv pk = {.k_cache = kc, .v_cache = vc, .n_slots = max_blocks * bs, .block_size = bs,
+                                .block_tables = tables, .max_blocks = max_blocks, .ctx_lens = ctx_lens,
+                                .n_seqs = 1, .max_ctx = max_ctx};
+        st = o->attention_paged(be, p->s, x, &pk, seq, pos_end, Ta, c->n_heads, c->n_kv_heads, hd, scale, y);
+        if (st == STRATA_OK)
+            st = o->attention_paged(be, p->s, x, &pk, seq, pos_end + Ta - 1, 1, c->n_heads, c->n_kv_heads, hd, scale,
+                                    y);
+    }
+    if (st == STRATA_OK && c->n_layers > 0) { /* the decode step's fused matmuls (layer 0's shapes) */
+        const st_wgroup *a = &g->g[st_wg_attn_id(0)], *f = &g->g[st_wg_ffn_id(0)];
+        const st_weight qkv[3] = {probe_w(pw, npw, a->t[ST_WG_WQ].desc), probe_w(pw, npw, a->t[ST_WG_WK].desc),
+                                  probe_w(pw, npw, a->t[ST_WG_WV].desc)};
+        const st_weight wg = probe_w(pw, npw, f->t[ST_WG_GATE].desc), wu = probe_w(pw, npw, f->t[ST_WG_UP].desc);
+        if (qkv[0].data && qkv[1].data && qkv[2].data && qkv[0].cols == qkv[1].cols && qkv[0].cols == qkv[2].cols) {
+            float *const ys[3] = {y, y + qkv[0].rows, y + qkv[0].rows + qkv[1].rows};
+            st = o->matmul_multi(be, p->s, x, qkv, 3, 1, ys);
+        }
+        if (st == STRATA_OK && wg.data && wu.data && wg.dtype == wu.dtype && wg.cols == wu.cols) {
+            st_weight wg2 = wg, wu2 = wu; /* one shape for both */
+            wg2.rows = wu2.rows = wg.rows < wu.rows ? wg.rows : wu.rows;
+            st = o->matmul_swiglu(be, p->s, x, &wg2, &wu2, 1, y);
+        }
+    }
+    if (st == STRATA_OK) st = o->argmax(be, p->s, y, 1, V, amax);
+    if (st == STRATA_OK) st = o->stream_sync(be, p->s);
+    *scratch = bud->peak > u0 ? bud->peak - u0 : 0;
+    bud->peak = saved_peak;
+    return st;
+}
+
+/* Device bytes to keep for the backend's scratch: 3x the measured scratch
+ * (a scratch buffer grows by at least 1.5x at a time and frees the old one,
+ * so the holes its earlier sizes leave in the pool add up to at most twice
+ * its final size), plus 4 MiB for ops the probe does not run (each scratch
+ * buffer is at least 1 MiB). CPU: its scratch lives outside the arena (0),
+ * and the probe runs only when STRATA_SCRATCH_PROBE=1 (tests). A probe that
+ * does not fit in the budget leaves the estimate from the shapes alone.
+ * Without a device budget nothing is reserved (every weight is resident). */
+static size_t device_reserve_estimate(st_backend *be, const st_config *c, const st_wgroups *g, int64_t T,
+                                      int64_t max_ctx, const st_llama_params *lp) {
+    const bool cpu = be->kind == ST_BACKEND_CPU;
+    const char *force = getenv("STRATA_SCRATCH_PROBE");
+    if (be->device_budget.cap == 0 || (cpu && !(force && !strcmp(force, "1")))) return 0; /* no budget: no plan */
+    probe_ctx p = {be, NULL, {0}, 0, NULL};
+    size_t scratch = 0;
+    strata_status st = STRATA_OK;
+    if (!(p.zeros = calloc(1, ZERO_BYTES))) st = st_err(STRATA_ERR_NOMEM, "scratch probe: out of memory");
+    if (st == STRATA_OK) st = be->ops->stream_create(be, false, &p.s);
+    if (st == STRATA_OK)
+        st = scratch_probe_run(&p, c, g, T, max_ctx, !lp->no_seq_kv, lp->kv_pool_tokens > 0 || lp->no_seq_kv,
+                               &scratch);
+    if (p.s) {
+        (void)be->ops->stream_sync(be, p.s);
+        probe_free(&p); /* the buffers, then the stream and its scratch */
+        be->ops->stream_destroy(be, p.s);
+    } else {
+        probe_free(&p);
+    }
+    if (st == STRATA_OK) {
+        st_log(STRATA_LOG_DEBUG, "backend scratch measured: %zu bytes (batch %lld, context %lld)", scratch,
+               (long long)T, (long long)max_ctx);
+        return cpu && scratch == 0 ? 0 : 3 * scratch + ((size_t)4 << 20);
+    }
+    if (cpu) return 0;
     int64_t K = c->hidden_size;
     if (c->intermediate_size > K) K = c->intermediate_size;
     if (c->n_heads * c->head_dim > K) K = c->n_heads * c->head_dim;
-    return ((size_t)128 << 20) + 3 * (size_t)(T * K) * 4 + be->device_budget.cap / 100;
+    const size_t est = ((size_t)128 << 20) + 3 * (size_t)(T * K) * 4;
+    st_log(STRATA_LOG_WARN, "backend scratch probe failed (%s); reserving %zu bytes from the shapes", st_last_error(),
+           est);
+    return est;
 }
 
 /* The placement for this model on `be` (bandwidths measured when `measure`
@@ -173,7 +389,7 @@ static strata_status make_plan(const st_model_files *files, st_backend *be, cons
     pp.device_mem = be->device_budget.cap;
     pp.host_mem = wo->host_mem ? wo->host_mem : st_wplan_host_auto();
     device_needs(c, max_ctx, T, lp, &pp.device_kv, &pp.device_act);
-    pp.device_reserve = wo->device_reserve ? wo->device_reserve : device_reserve_estimate(be, c, T);
+    pp.device_reserve = wo->device_reserve ? wo->device_reserve : device_reserve_estimate(be, c, g, T, max_ctx, lp);
     pp.ring_slots = wo->ring_slots;
     pp.staging_chunk = wo->staging_chunk;
     pp.staging_chunks = wo->staging_chunks;
@@ -327,6 +543,9 @@ void st_llama_free(st_llama *m) {
     if (m->d_dec) be->ops->dealloc(be, m->d_dec);
     if (m->d_qkv) be->ops->dealloc(be, m->d_qkv);
     if (m->h_dec) be->ops->host_dealloc(be, m->h_dec);
+    if (m->d_sargs) be->ops->dealloc(be, m->d_sargs);
+    if (m->d_sids) be->ops->dealloc(be, m->d_sids);
+    if (m->h_sargs) be->ops->host_dealloc(be, m->h_sargs);
     if (m->stream) be->ops->stream_destroy(be, m->stream);
     st_free(m->layers);
     st_free(m->h_pos);
@@ -885,8 +1104,11 @@ static strata_status output_batch_ops(st_llama *m, const st_weight *w, const bat
     return o->matmul(be, m->stream, src, &w[ST_WG_LM_HEAD], n_out, m->logits);
 }
 
-/* Enqueues the whole pass (forward_batch below synchronizes). */
-static strata_status forward_batch_enqueue(st_llama *m, st_kv_cache *kv, const st_batch *b, float *logits) {
+/* Enqueues the whole pass (forward_batch below synchronizes). logits: host
+ * [n_logits, V] or NULL (not copied); args: host [n_logits] or NULL: the
+ * sample op's ids land in m->h_sids. */
+static strata_status forward_batch_enqueue(st_llama *m, st_kv_cache *kv, const st_batch *b, float *logits,
+                                           const st_sample_args *args) {
     st_backend *be = m->be;
     const st_backend_ops *o = be->ops;
     const st_config *c = &m->cfg;
@@ -910,7 +1132,14 @@ static strata_status forward_batch_enqueue(st_llama *m, st_kv_cache *kv, const s
     if (b->n_logits > 0) {
         TRY(group_acquire(m, st_wg_output_id(m->groups), &g));
         TRY(group_release(m, &g, output_batch_ops(m, g.w, &d, n, b->n_logits)));
-        TRY(o->copy_d2h(be, m->stream, logits, m->logits, (size_t)(b->n_logits * V) * sizeof(float)));
+        if (logits) TRY(o->copy_d2h(be, m->stream, logits, m->logits, (size_t)(b->n_logits * V) * sizeof(float)));
+        if (args) {
+            const size_t na = (size_t)b->n_logits;
+            memcpy(m->h_sargs, args, na * sizeof *args);
+            TRY(o->copy_h2d(be, m->stream, m->d_sargs, m->h_sargs, na * sizeof *args));
+            TRY(o->sample(be, m->stream, m->logits, b->n_logits, V, m->d_sargs, m->d_sids));
+            TRY(o->copy_d2h(be, m->stream, m->h_sids, m->d_sids, na * sizeof(int32_t)));
+        }
     }
     return STRATA_OK;
 }
@@ -920,9 +1149,40 @@ strata_status st_llama_forward_batch(st_llama *m, st_kv_cache *kv, const st_batc
     if (kv->m != m) return st_err(STRATA_ERR_INVALID_ARG, "forward_batch: the KV cache belongs to another model");
     TRY(batch_check(m, kv, b));
     if (b->n_logits > 0 && !logits) return st_err(STRATA_ERR_INVALID_ARG, "forward_batch: logits is NULL");
-    const strata_status st = forward_batch_enqueue(m, kv, b, logits);
+    const strata_status st = forward_batch_enqueue(m, kv, b, logits, NULL);
     /* the one host sync: logits readable, and the staging buffer free for the
      * next call even when an op failed after the metadata copy was enqueued */
     const strata_status s2 = m->be->ops->stream_sync(m->be, m->stream);
+    return st != STRATA_OK ? st : s2;
+}
+
+/* ---- device sampling of the batch's logits ---------------------------------------------*/
+
+static strata_status sample_buffers(st_llama *m) {
+    st_backend *be = m->be;
+    const size_t T = (size_t)m->max_batch;
+    strata_status st = STRATA_OK;
+    if (!m->d_sargs) st = be->ops->alloc(be, T * sizeof(st_sample_args), (void **)&m->d_sargs);
+    if (!st && !m->d_sids) st = be->ops->alloc(be, T * sizeof(int32_t), (void **)&m->d_sids);
+    if (!st && !m->h_sargs) {
+        st = be->ops->host_alloc(be, T * (sizeof(st_sample_args) + sizeof(int32_t)), (void **)&m->h_sargs);
+        if (!st) m->h_sids = (int32_t *)(m->h_sargs + T);
+    }
+    return st;
+}
+
+strata_status st_llama_forward_batch_sample(st_llama *m, st_kv_cache *kv, const st_batch *b,
+                                            const st_sample_args *args, int32_t *ids, float *logits) {
+    if (!m || !kv || !b) return st_err(STRATA_ERR_INVALID_ARG, "forward_batch_sample: no model, cache or batch");
+    if (kv->m != m)
+        return st_err(STRATA_ERR_INVALID_ARG, "forward_batch_sample: the KV cache belongs to another model");
+    TRY(batch_check(m, kv, b));
+    if (b->n_logits > 0 && (!args || !ids))
+        return st_err(STRATA_ERR_INVALID_ARG, "forward_batch_sample: args or ids is NULL");
+    if (b->n_logits > 0) TRY(sample_buffers(m));
+    const strata_status st = forward_batch_enqueue(m, kv, b, logits, b->n_logits > 0 ? args : NULL);
+    const strata_status s2 = m->be->ops->stream_sync(m->be, m->stream); /* the one host sync */
+    if (st == STRATA_OK && s2 == STRATA_OK && b->n_logits > 0)
+        memcpy(ids, m->h_sids, (size_t)b->n_logits * sizeof *ids);
     return st != STRATA_OK ? st : s2;
 }

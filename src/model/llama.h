@@ -160,6 +160,16 @@ typedef struct {
 strata_status st_llama_forward_batch(st_llama *m, st_kv_cache *kv, const st_batch *b, float *logits);
 int64_t st_llama_max_batch(const st_llama *m); /* tokens per forward_batch */
 
+/* As st_llama_forward_batch, and the next token of every logit row is drawn
+ * on the device by the backend's `sample` op: ids[k] (host [n_logits]) = the
+ * token drawn from row k with args[k] (host [n_logits]; -1 for a row the op
+ * rejects: NaN, all -inf, see backend.h). logits (host [n_logits, vocab]) may
+ * be NULL: then only the ids cross to the host (4 bytes a row instead of
+ * 4 x vocab). The same single host synchronization. The first call allocates
+ * a few small buffers (max_batch args and ids, device and pinned host). */
+strata_status st_llama_forward_batch_sample(st_llama *m, st_kv_cache *kv, const st_batch *b,
+                                            const st_sample_args *args, int32_t *ids, float *logits);
+
 /* RoPE inverse frequencies [head_dim/2] as HF transformers computes them in
  * float32 (default, linear and llama3 scaling), divided element-wise by
  * `freq_divisors` when given (GGUF's rope_freqs tensor). */

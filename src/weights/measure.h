@@ -5,7 +5,10 @@
  *             8 MiB requests, 8 in flight through io_uring);
  *   dev_read  weight bytes per second of the backend's matmul at 1 token,
  *             on the dtype and width of the model's largest layer tensor;
- *   gemm      FLOP/s of the same matmul at a prefill batch.
+ *   gemm      FLOP/s of the same matmul at a prefill batch. CPU: a slice of
+ *             at most 32 MiB at up to 128 tokens (cheap); other backends: the
+ *             whole tensor at the prefill chunk (`batch` tokens) on non-zero
+ *             data, the GEMM a prefill really runs.
  * Figures already non-zero in *bw are kept (given by options or tests).
  * Device memory used meanwhile stays under the budget's free part (a
  * measurement that does not fit is skipped, leaving 0: unknown). */
