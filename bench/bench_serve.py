@@ -22,6 +22,24 @@ Plain HTTP (http.client) on threads, one connection per worker, no
 dependencies beyond Python 3. With --metrics it also reads the server's
 /metrics before and after (strata's names) and reports prompt / generated
 tokens computed and the mean batch (generated tokens per engine step).
+
+Decode roofline (--metrics, against strata serve): the server counts its
+decode-only steps (every sequence of the batch runs one token, no prompt
+chunk): how many, their tokens, the keys they attended over (context lengths
+summed) and their wall time; it publishes the model's step costs (weight
+bytes per forward pass, KV bytes per token, FLOPs per token and per
+(query, key) pair) and, on CUDA, the HBM bandwidth and GEMM rate it measured
+at start-up. Over the run's decode-only steps:
+    bytes = steps x weight bytes + keys x KV bytes per token
+    flops = tokens x FLOPs per token + keys x FLOPs per pair
+    roofline time = max(bytes / bandwidth, flops / GEMM rate)
+and the decode throughput measured (tokens / wall time of those steps) is
+printed beside tokens / roofline time, with the fraction. --mem-bw and
+--gemm-rate give the rates instead (e.g. for a CPU server, which measures none).
+
+--invariance N (greedy batch invariance): N greedy requests with prompts of
+different lengths sent all at once, then each alone; reports how many texts
+differ (the engine's rule: none). Exit status 1 when more than --max-differ do.
 """
 import argparse
 import http.client
@@ -32,6 +50,14 @@ import sys
 import threading
 import time
 import urllib.parse
+
+
+def si(x):
+    """12.3 G, 4.19 T, ...: x with an SI prefix (3 significant digits)."""
+    for k, p in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= k:
+            return "%.3g %s" % (x / k, p)
+    return "%.3g " % x
 
 
 def pct(xs, p):
@@ -77,7 +103,7 @@ def stream_one(target, conn, path, payload):
     r = conn.getresponse()
     if r.status != 200:
         return {"error": "HTTP %d: %s" % (r.status, r.read()[:200].decode("utf-8", "replace"))}
-    ttft, last, tbts, usage, done = None, None, [], None, False
+    ttft, last, tbts, usage, done, pieces = None, None, [], None, False, []
     while True:
         line = r.readline()
         if not line:
@@ -98,6 +124,7 @@ def stream_one(target, conn, path, payload):
         for ch in obj.get("choices") or []:
             text += ch.get("text") or (ch.get("delta") or {}).get("content") or ""
         if text:
+            pieces.append(text)
             now = time.perf_counter()
             if ttft is None:
                 ttft = now - t0
@@ -109,7 +136,7 @@ def stream_one(target, conn, path, payload):
         return {"error": "the stream ended without [DONE]"}
     if usage is None:
         return {"error": "no usage in the stream"}
-    return {"ttft": ttft if ttft is not None else e2e, "tbts": tbts, "e2e": e2e,
+    return {"ttft": ttft if ttft is not None else e2e, "tbts": tbts, "e2e": e2e, "text": "".join(pieces),
             "tokens": usage["completion_tokens"], "prompt_tokens": usage["prompt_tokens"]}
 
 
@@ -131,6 +158,38 @@ def make_payloads(args, model):
     return out
 
 
+def run_all(target, path, payloads, concurrency):
+    """Sends payloads from `concurrency` worker threads (one connection each).
+    -> (results in payload order, wall seconds)"""
+    results = [None] * len(payloads)
+    lock = threading.Lock()
+    nxt = [0]
+
+    def worker():
+        conn = target.conn()
+        while True:
+            with lock:
+                i = nxt[0]
+                if i >= len(payloads):
+                    break
+                nxt[0] += 1
+            try:
+                results[i] = stream_one(target, conn, path, payloads[i])
+            except Exception as e:  # a broken connection: report it, reconnect
+                results[i] = {"error": repr(e)}
+                conn.close()
+                conn = target.conn()
+        conn.close()
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(min(concurrency, len(payloads)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, time.perf_counter() - t0
+
+
 def read_metrics(target):
     st, body = target.get("/metrics")
     if st != 200:
@@ -144,6 +203,83 @@ def read_metrics(target):
             except ValueError:
                 pass
     return m
+
+
+def settled_metrics(target, timeout=5.0):
+    """/metrics once the engine is idle: the counters of a step are updated
+    just after its last callbacks, so a read right after the last answer may
+    miss that step; reads until nothing runs and the step count is stable."""
+    m = read_metrics(target)
+    t_end = time.time() + timeout
+    while time.time() < t_end:
+        time.sleep(0.05)
+        m2 = read_metrics(target)
+        if m2.get("strata_requests_running", 0) == 0 and \
+                m2.get("strata_engine_steps_total") == m.get("strata_engine_steps_total"):
+            return m2
+        m = m2
+    return m
+
+
+def decode_roofline(m0, m1, mem_bw=None, gemm_rate=None):
+    """The decode-only steps between two /metrics reads beside their roofline
+    (module docstring). None when the server does not publish the counters."""
+    d = lambda k: m1.get(k, 0.0) - m0.get(k, 0.0)  # noqa: E731
+    if "strata_decode_steps_total" not in m1 or "strata_model_weight_bytes_per_step" not in m1:
+        return None
+    steps, toks, keys, secs = (d("strata_decode_steps_total"), d("strata_decode_tokens_total"),
+                               d("strata_decode_kv_tokens_total"), d("strata_decode_seconds_total"))
+    w = m1["strata_model_weight_bytes_per_step"]
+    kvb = m1.get("strata_model_kv_bytes_per_token", 0.0)
+    fpt = m1.get("strata_model_flops_per_token", 0.0)
+    fpp = m1.get("strata_model_attention_flops_per_pair", 0.0)
+    bw = mem_bw or m1.get("strata_device_read_bytes_per_second", 0.0)
+    rate = gemm_rate or m1.get("strata_gemm_flops_per_second", 0.0)
+    r = {"steps": steps, "tokens": toks, "kv_tokens": keys, "seconds": secs,
+         "mean_batch": toks / steps if steps else None, "mean_context": keys / toks if toks else None,
+         "ms_per_step": 1e3 * secs / steps if steps else None,
+         "tok_s": toks / secs if secs > 0 else None,
+         "bytes": steps * w + keys * kvb, "flops": toks * fpt + keys * fpp,
+         "mem_bw": bw or None, "gemm_rate": rate or None,
+         "weight_bytes_per_step": w, "kv_bytes_per_token": kvb}
+    r["mem_s"] = r["bytes"] / bw if bw else None
+    r["flop_s"] = r["flops"] / rate if rate else None
+    parts = [x for x in (r["mem_s"], r["flop_s"]) if x is not None]
+    r["roofline_s"] = max(parts) if parts else None
+    r["bound"] = None if not parts else ("memory" if r["mem_s"] is not None and r["roofline_s"] == r["mem_s"]
+                                         else "compute")
+    r["roofline_tok_s"] = toks / r["roofline_s"] if r["roofline_s"] and toks else None
+    r["fraction"] = r["roofline_s"] / secs if r["roofline_s"] and secs > 0 else None
+    return r
+
+
+def invariance(args, target, model, path):
+    """N greedy requests together, then each alone. -> (report dict, exit status)"""
+    rng = random.Random(args.seed + 7)
+    payloads = []
+    for i in range(args.invariance):
+        n = max(1, args.prompt_len // 2 + (args.prompt_len - args.prompt_len // 2) * i // max(args.invariance - 1, 1))
+        payloads.append({"model": model, "max_tokens": args.output_len, "ignore_eos": True, "temperature": 0.0,
+                         "seed": i, "stream": True, "stream_options": {"include_usage": True},
+                         "prompt": [rng.randint(args.vocab_lo, args.vocab_hi) for _ in range(n)]})
+    together, wall = run_all(target, path, payloads, len(payloads))
+    alone, _ = run_all(target, path, payloads, 1)
+    errors = [r["error"] for r in together + alone if "error" in r]
+    differ = [i for i in range(len(payloads)) if "error" not in together[i] and "error" not in alone[i]
+              and together[i]["text"] != alone[i]["text"]]
+    rep = {"requests": len(payloads), "output_len": args.output_len, "errors": len(errors), "differ": len(differ),
+           "differ_ids": differ, "together_wall_s": wall}
+    print("bench_serve: batch invariance, %s: %d greedy requests (prompts %d..%d tokens, %d output tokens) sent "
+          "together, then each alone" % (model, len(payloads), len(payloads[0]["prompt"]),
+                                         len(payloads[-1]["prompt"]), args.output_len))
+    print("  errors           %d%s" % (len(errors), ("  (first: %s)" % errors[0]) if errors else ""))
+    print("  differ           %d of %d%s" % (len(differ), len(payloads),
+                                             ("  (requests %s)" % differ[:12]) if differ else ""))
+    for i in differ[:3]:
+        a, b = together[i]["text"], alone[i]["text"]
+        k = next((j for j in range(min(len(a), len(b))) if a[j] != b[j]), min(len(a), len(b)))
+        print("  request %-3d      first difference at character %d of %d" % (i, k, len(b)))
+    return rep, 1 if errors or len(differ) > args.max_differ else 0
 
 
 def main():
@@ -166,6 +302,14 @@ def main():
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--metrics", action="store_true", help="read the server's /metrics before and after")
     ap.add_argument("--json", default=None, help="also write the results to this file")
+    ap.add_argument("--mem-bw", type=float, default=None,
+                    help="memory bandwidth for the roofline, bytes/s (default: the server's measurement)")
+    ap.add_argument("--gemm-rate", type=float, default=None,
+                    help="GEMM rate for the roofline, FLOP/s (default: the server's measurement)")
+    ap.add_argument("--invariance", type=int, default=0, metavar="N",
+                    help="instead of the benchmark: N greedy requests together vs each alone (prompts of "
+                         "--prompt-len/2 .. --prompt-len tokens, --output-len tokens each)")
+    ap.add_argument("--max-differ", type=int, default=0, help="--invariance: differing requests allowed")
     args = ap.parse_args()
     if args.prompt_len < 1 or args.output_len < 1 or args.num_requests < 1 or args.concurrency < 1:
         ap.error("lengths, -n and -c must be >= 1")
@@ -180,6 +324,12 @@ def main():
             sys.exit("bench_serve: GET /v1/models -> %d: %s" % (st, body[:200]))
         model = json.loads(body)["data"][0]["id"]
     path = "/v1/chat/completions" if args.chat else "/v1/completions"
+    if args.invariance > 0:
+        rep, rc = invariance(args, target, model, "/v1/completions")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rep, f, indent=2)
+        return rc
     payloads = make_payloads(args, model)
 
     if args.warmup:
@@ -191,35 +341,9 @@ def main():
                 sys.exit("bench_serve: warm-up request failed: %s" % res["error"])
         c.close()
 
-    m0 = read_metrics(target) if args.metrics else {}
-    results = [None] * len(payloads)
-    lock = threading.Lock()
-    nxt = [0]
-
-    def worker():
-        conn = target.conn()
-        while True:
-            with lock:
-                i = nxt[0]
-                if i >= len(payloads):
-                    break
-                nxt[0] += 1
-            try:
-                results[i] = stream_one(target, conn, path, payloads[i])
-            except Exception as e:  # a broken connection: report it, reconnect
-                results[i] = {"error": repr(e)}
-                conn.close()
-                conn = target.conn()
-        conn.close()
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(min(args.concurrency, len(payloads)))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    m1 = read_metrics(target) if args.metrics else {}
+    m0 = settled_metrics(target) if args.metrics else {}
+    results, wall = run_all(target, path, payloads, args.concurrency)
+    m1 = settled_metrics(target) if args.metrics else {}
 
     ok = [r for r in results if r and "error" not in r]
     errors = [r["error"] for r in results if r and "error" in r]
@@ -246,7 +370,10 @@ def main():
         rep["server"] = {"prompt_tokens_computed": d("strata_prompt_tokens_total"),
                          "generation_tokens": d("strata_generation_tokens_total"), "engine_steps": steps,
                          "tokens_per_step": d("strata_generation_tokens_total") / steps if steps else None,
-                         "prefix_cache_hits": d("strata_prefix_cache_hits_total")}
+                         "prefix_cache_hits": d("strata_prefix_cache_hits_total"),
+                         "step_seconds": d("strata_engine_step_seconds_total"),
+                         "preemptions": d("strata_preemptions_total")}
+        rep["decode"] = decode_roofline(m0, m1, args.mem_bw, args.gemm_rate)
 
     print("bench_serve: %s %s, %d requests (prompt %d, output %d tokens) at concurrency %d"
           % (model, path, len(payloads), args.prompt_len, args.output_len, args.concurrency))
@@ -270,6 +397,31 @@ def main():
         print("  server           %d prompt tokens computed, %d generated in %d steps (%.2f per step), "
               "%d prefix-cache hits" % (s["prompt_tokens_computed"], s["generation_tokens"], s["engine_steps"],
                                         s["tokens_per_step"] or 0, s["prefix_cache_hits"]))
+        if s["preemptions"]:
+            print("  WARNING          %d preemptions (the KV cache was too small for the batch)" % s["preemptions"])
+    dr = rep.get("decode")
+    if dr and dr["steps"]:
+        print("  decode           %.1f tok/s in %d decode-only steps (mean batch %.1f, mean context %.0f, "
+              "%.2f ms/step)" % (dr["tok_s"] or 0, dr["steps"], dr["mean_batch"], dr["mean_context"],
+                                 dr["ms_per_step"]))
+        if dr["roofline_s"]:
+            terms = []
+            if dr["mem_s"] is not None:
+                terms.append("%sB per step (weights %sB + KV %sB per token x %.0f tokens) / %sB/s = %.3f ms"
+                             % (si(dr["bytes"] / dr["steps"]), si(dr["weight_bytes_per_step"]),
+                                si(dr["kv_bytes_per_token"]), dr["kv_tokens"] / dr["steps"], si(dr["mem_bw"]),
+                                1e3 * dr["mem_s"] / dr["steps"]))
+            if dr["flop_s"] is not None:
+                terms.append("%sFLOP per step / %sFLOP/s = %.3f ms" % (si(dr["flops"] / dr["steps"]),
+                                                                      si(dr["gemm_rate"]),
+                                                                      1e3 * dr["flop_s"] / dr["steps"]))
+            print("  decode roofline  %.1f tok/s (%s-bound): max(%s)" % (dr["roofline_tok_s"], dr["bound"],
+                                                                        ", ".join(terms)))
+            print("  decode fraction  %.1f%% of the roofline" % (100.0 * dr["fraction"]))
+        else:
+            print("  decode roofline  unknown (the server measured no rates; --mem-bw / --gemm-rate give them)")
+    elif dr is not None:
+        print("  decode           no decode-only steps in the run")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rep, f, indent=2)

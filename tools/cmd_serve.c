@@ -4,7 +4,13 @@
  * (max_batch sequence slots), starts its thread and the HTTP server, prints
  * "listening on http://HOST:PORT" on stdout when ready, and serves until
  * SIGINT or SIGTERM; then stops accepting, aborts what is in flight, and
- * frees everything. */
+ * frees everything.
+ *
+ * On CUDA it first measures the device's rooflines (HBM bandwidth, GEMM
+ * rate: tools/roofline.h) on a probe backend, before the model loads, and
+ * publishes them in /metrics beside the engine's step costs, so that a
+ * benchmark client (bench/bench_serve.py) can put the decode throughput it
+ * measured beside the roofline of the batches it drove. */
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
@@ -16,6 +22,7 @@
 #include "commands.h"
 #include "common.h"
 #include "engine/engine.h"
+#include "roofline.h"
 #include "server/server.h"
 #include "tokenizer/chat.h"
 #include "tokenizer/tokenizer.h"
@@ -35,18 +42,32 @@ static void serve_usage(FILE *f) {
             "  --max-model-len N        tokens per sequence, prompt and output (default: the model's,\n"
             "                           at most 2048); a longer prompt is refused with a 400\n"
             "  --prefill-chunk N        most prompt tokens of one request per engine step (default 256)\n"
+            "  --step-tokens N          token budget of an engine step: decodes + prompt chunks (default\n"
+            "                           prefill-chunk + max-batch; at least prefill-chunk)\n"
+            "  --kv-mem SIZE            paged KV cache size (K/M/G suffixes; default: room for max-batch\n"
+            "                           sequences of max-model-len tokens, at most 1 GiB); fp32 K and V\n"
+            "  --kv-blocks N            paged KV cache size in blocks of 16 tokens (instead of --kv-mem)\n"
+            "  --fast-prefill           bf16-rounded operands in the tensor-core matmuls of batches above\n"
+            "                           8 tokens (about twice as fast, ~1e-2 relative error; CUDA)\n"
+            "  --no-rooflines           skip the start-up probes of HBM bandwidth and GEMM rate (CUDA)\n"
             "  --max-body BYTES         request body limit (default 1048576); larger bodies get a 413\n"
             "  --model-name NAME        the model id in /v1/models and answers (default: the file name)\n"
             "  --chat-template NAME     chatml, llama3 or llama2 instead of the model's own template\n"
             "  --max-connections N      simultaneous connections (default 1024)\n"
             "  --device cpu|cuda|auto   backend (default auto: CUDA when built and a GPU is present)\n"
             "  --threads N              CPU worker threads (default: all cores)\n"
+            "  --device-mem SIZE        device memory budget (weights, KV cache, activations, scratch;\n"
+            "                           default: no cap); weights that do not fit are streamed\n"
+            "  --host-mem SIZE          pinned host memory for streamed weights (default 80%% of available)\n"
+            "  --h2d-bw GB/s, --ssd-bw GB/s, --ring-slots N   weight streaming (as strata bench)\n"
             "\nRequest logs go to standard error at STRATA_LOG=info.\n");
 }
 
 typedef struct {
     const char *model_path, *host, *api_key, *model_name, *chat_template;
-    int64_t port, max_batch, max_model_len, prefill_chunk, max_body, max_conn;
+    int64_t port, max_batch, max_model_len, prefill_chunk, step_tokens, max_body, max_conn, kv_blocks;
+    size_t kv_mem;
+    bool fast_prefill, no_rooflines;
     tool_model_opts mo;
 } serve_opts;
 
@@ -89,6 +110,22 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
             serve_usage(stdout);
             return 0;
         }
+        if (!strcmp(a, "--kv-mem")) {
+            if (!val || !tool_parse_size(val, "--kv-mem", &o->kv_mem)) {
+                if (!val) fprintf(stderr, "strata serve: --kv-mem needs a value\n");
+                return -1;
+            }
+            i++;
+            continue;
+        }
+        if (!strcmp(a, "--fast-prefill")) {
+            o->fast_prefill = true;
+            continue;
+        }
+        if (!strcmp(a, "--no-rooflines")) {
+            o->no_rooflines = true;
+            continue;
+        }
         STR_OPT("--host", host)
         STR_OPT("--api-key", api_key)
         STR_OPT("--model-name", model_name)
@@ -99,6 +136,8 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         INT_OPT("--prefill-chunk", prefill_chunk, 1, 1 << 20)
         INT_OPT("--max-body", max_body, 64, (int64_t)1 << 32)
         INT_OPT("--max-connections", max_conn, 1, 1 << 16)
+        INT_OPT("--kv-blocks", kv_blocks, 1, INT32_MAX)
+        INT_OPT("--step-tokens", step_tokens, 1, 1 << 20)
 #undef STR_OPT
 #undef INT_OPT
         if (a[0] == '-' && a[1]) {
@@ -203,17 +242,22 @@ int cmd_serve(int argc, char **argv) {
         tool_print_error("serve");
         goto done;
     }
-    st_backend_params bp = {.kind = ST_BACKEND_CPU, .n_threads = o.mo.threads};
-    const char *dev = o.mo.device ? o.mo.device : "auto";
-    if (!strcmp(dev, "cuda") || (!strcmp(dev, "auto") && st_backend_available(ST_BACKEND_CUDA)))
-        bp.kind = ST_BACKEND_CUDA;
+    st_backend_params bp = tool_backend_params(&o.mo);
+    /* device rooflines first, on a probe backend of their own (tools/roofline.h) */
+    tool_rooflines roof = {0};
+    if (!o.no_rooflines && !tool_measure_device_rooflines(&bp, &roof)) goto done;
+    if (roof.copy_bw > 0)
+        fprintf(stderr, "strata: device rooflines: HBM %.0f GB/s (copy, read + write), bf16 GEMM %.0f TFLOP/s "
+                        "(precise path %.0f)\n", roof.copy_bw / 1e9, roof.gemm_fast / 1e12, roof.gemm_precise / 1e12);
     if (st_backend_init(&bp, &be) != STRATA_OK || st_tokenizer_load(files, &tok) != STRATA_OK) {
         tool_print_error("serve");
         goto done;
     }
+    if (o.fast_prefill) be->ops->set_fast_prefill(be, true);
     if (!settle_chat(&o, tok, &tpl)) goto done;
     st_engine_params ep = {.max_batch = o.max_batch, .max_model_len = o.max_model_len,
-                           .prefill_chunk = o.prefill_chunk};
+                           .prefill_chunk = o.prefill_chunk, .step_tokens = o.step_tokens, .kv_blocks = o.kv_blocks, .kv_mem = o.kv_mem,
+                           .weights = tool_llama_params(&o.mo).weights};
     if (st_engine_init(files, be, tok, &ep, &eng) != STRATA_OK || st_engine_start(eng) != STRATA_OK) {
         tool_print_error("serve");
         goto done;
@@ -227,17 +271,21 @@ int cmd_serve(int argc, char **argv) {
     }
     const st_engine_params *pp = st_engine_get_params(eng);
     st_server_params sp = {.host = o.host, .port = (int)o.port, .api_key = o.api_key, .model_name = model_name,
-                           .max_body = (size_t)o.max_body, .max_connections = (unsigned)o.max_conn};
+                           .max_body = (size_t)o.max_body, .max_connections = (unsigned)o.max_conn,
+                           .device_read_bw = roof.copy_bw, .gemm_rate = roof.gemm_fast,
+                           .gemm_rate_precise = roof.gemm_precise};
     if (st_server_start(eng, tok, &tpl, &sp, &srv) != STRATA_OK) {
         tool_print_error("serve");
         goto done;
     }
     fprintf(stderr,
             "strata: ready in %.2f s: model '%s' (%s, chat template %s), %lld sequences x %lld tokens, "
-            "prefill chunk %lld%s\n",
+            "prefill chunk %lld, KV cache %lld blocks x %lld tokens (%.2f GiB)%s\n",
             st_time_now() - t0, model_name ? model_name : "?", bp.kind == ST_BACKEND_CUDA ? "cuda" : "cpu",
             st_chat_kind_name(tpl.kind), (long long)pp->max_batch, (long long)pp->max_model_len,
-            (long long)pp->prefill_chunk, o.api_key && o.api_key[0] ? ", API key required" : "");
+            (long long)pp->prefill_chunk, (long long)pp->kv_blocks, (long long)pp->kv_block_size,
+            (double)(pp->kv_blocks * pp->kv_block_size) * st_engine_get_costs(eng)->kv_bytes_per_token / 1073741824.0,
+            o.api_key && o.api_key[0] ? ", API key required" : "");
     const bool v6 = strchr(o.host, ':') != NULL;
     printf("listening on http://%s%s%s:%d\n", v6 ? "[" : "", o.host, v6 ? "]" : "", st_server_port(srv));
     fflush(stdout);

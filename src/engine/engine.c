@@ -17,6 +17,7 @@
 
 #include "engine/runner.h"
 #include "model/llama.h"
+#include "weights/groups.h"
 
 #define DEF_MAX_BATCH 8
 #define DEF_MAX_MODEL_LEN 2048
@@ -62,6 +63,7 @@ struct st_engine {
     st_backend *be;
     const st_tokenizer *tok;
     st_engine_params p;
+    st_engine_costs costs;
     int64_t vocab;        /* tokenizer's: what samplers draw from, what prompts may hold */
     const int32_t *tok_stop_ids;
     int n_tok_stop_ids;
@@ -160,6 +162,27 @@ static const double E2E_BOUNDS[] = {0.1, 0.25, 0.5,  1.0,  2.5,  5.0,  10.0,  15
                                     20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0};
 #define NELEM(a) ((int)(sizeof(a) / sizeof((a)[0])))
 
+/* The model's step costs (engine.h) from its weight groups and config. */
+static strata_status costs_init(const st_model_files *files, st_engine_costs *out) {
+    const st_config *c = &files->config;
+    st_wgroups *g = NULL;
+    strata_status st = st_wgroups_build(files, &g);
+    if (st != STRATA_OK) return st;
+    memset(out, 0, sizeof *out);
+    for (int i = 1; i < g->n; i++) { /* group 0 (embed) is gathered, a few rows per step */
+        out->weight_bytes += (double)g->g[i].bytes;
+        for (int t = 0; t < g->g[i].n_tensors; t++) {
+            const st_tensor_desc *d = g->g[i].t[t].desc;
+            if (d && d->n_dims == 2) out->flops_per_token += 2.0 * (double)d->shape[0] * (double)d->shape[1];
+        }
+    }
+    st_wgroups_free(g);
+    /* the paged pool's layout (model/llama.h): fp32 K and V rows of n_kv_heads * head_dim per layer */
+    out->kv_bytes_per_token = 2.0 * (double)c->n_layers * (double)(c->n_kv_heads * c->head_dim) * sizeof(float);
+    out->attn_flops_per_pair = 4.0 * (double)c->n_heads * (double)c->head_dim * (double)c->n_layers;
+    return STRATA_OK;
+}
+
 strata_status st_engine_init(const st_model_files *files, st_backend *be, const st_tokenizer *tok,
                              const st_engine_params *params, st_engine **out) {
     *out = NULL;
@@ -214,9 +237,11 @@ strata_status st_engine_init(const st_model_files *files, st_backend *be, const 
     if (batch_tokens < p.prefill_chunk + p.max_batch - 1) batch_tokens = p.prefill_chunk + p.max_batch - 1;
     const st_runner_params rp = {.max_batch = p.max_batch, .max_model_len = p.max_model_len,
                                  .max_batch_tokens = batch_tokens, .prefill_chunk = p.prefill_chunk,
-                                 .block_size = p.kv_block_size, .num_blocks = p.kv_blocks,
-                                 .disable_prefix_cache = p.disable_prefix_cache, .vocab = e->vocab};
-    strata_status st = st_runner_init(files, be, &rp, &e->runner);
+                                 .block_size = p.kv_block_size, .num_blocks = p.kv_blocks, .kv_mem = p.kv_mem,
+                                 .disable_prefix_cache = p.disable_prefix_cache, .vocab = e->vocab,
+                                 .weights = p.weights};
+    strata_status st = costs_init(files, &e->costs);
+    if (st == STRATA_OK) st = st_runner_init(files, be, &rp, &e->runner);
     if (st == STRATA_OK && !(e->ev = st_calloc((size_t)p.max_batch, sizeof *e->ev)))
         st = st_err(STRATA_ERR_NOMEM, "engine: out of memory");
     if (st != STRATA_OK) {
@@ -226,6 +251,16 @@ strata_status st_engine_init(const st_model_files *files, st_backend *be, const 
         return st_err(st, "engine: %s", msg);
     }
     p.kv_blocks = st_runner_get_params(e->runner)->num_blocks;
+    {
+        const int64_t seq_tokens = p.kv_blocks * p.kv_block_size;
+        if (seq_tokens < p.max_batch * p.max_model_len)
+            st_log(STRATA_LOG_WARN,
+                   "engine: the KV pool holds %lld tokens (%lld blocks, %.2f GiB): %.1f sequences of max_model_len "
+                   "%lld for max_batch %lld; longer ones are preempted when it fills (give more KV memory)",
+                   (long long)seq_tokens, (long long)p.kv_blocks,
+                   (double)seq_tokens * e->costs.kv_bytes_per_token / 1073741824.0,
+                   (double)seq_tokens / (double)p.max_model_len, (long long)p.max_model_len, (long long)p.max_batch);
+    }
     e->p = p;
     e->m.max_batch = p.max_batch;
     e->m.max_model_len = p.max_model_len;
@@ -290,6 +325,7 @@ void st_engine_free(st_engine *e) {
 }
 
 const st_engine_params *st_engine_get_params(const st_engine *e) { return &e->p; }
+const st_engine_costs *st_engine_get_costs(const st_engine *e) { return &e->costs; }
 int64_t st_engine_vocab(const st_engine *e) { return e->vocab; }
 
 /* ---- add / abort ------------------------------------------------------------------------*/
@@ -560,6 +596,7 @@ static void sync_metrics_locked(st_engine *e) {
 
 strata_status st_engine_step(st_engine *e, bool *worked) {
     if (worked) *worked = false;
+    const double t_step = st_time_now();
     seq *aborted = step_intake(e);
     while (aborted) {
         seq *nx = aborted->next;
@@ -619,6 +656,13 @@ strata_status st_engine_step(st_engine *e, bool *worked) {
             }
         }
     pthread_mutex_unlock(&e->mu);
+    /* a decode-only step: every sequence ran one token and sampled; the keys
+     * each attended over are its context after the step less the new token */
+    const bool decode_only = info.n_tokens > 0 && info.n_decodes == info.n_seqs && info.n_tokens == info.n_seqs &&
+                             n_ev == info.n_seqs;
+    int64_t kv_keys = 0;
+    for (int64_t k = 0; k < n_ev && decode_only; k++)
+        kv_keys += e->ev[k].n_prompt + e->ev[k].n_generated - (e->ev[k].failed ? 0 : 1);
     int64_t sampled = 0;
     for (int64_t k = 0; k < n_ev; k++) {
         seq *s = e->ev[k].user;
@@ -626,8 +670,19 @@ strata_status st_engine_step(st_engine *e, bool *worked) {
         if (e->ev[k].finished || e->ev[k].n_cached > 0) s->n_cached = e->ev[k].n_cached;
         seq_token(e, s, &e->ev[k], &sampled);
     }
+    const double dt = st_time_now() - t_step;
     pthread_mutex_lock(&e->mu);
-    if (info.n_tokens > 0) e->m.steps++;
+    if (info.n_tokens > 0) {
+        e->m.steps++;
+        e->m.step_tokens += info.n_tokens;
+        e->m.step_seconds += dt;
+        if (decode_only) {
+            e->m.decode_steps++;
+            e->m.decode_tokens += info.n_tokens;
+            e->m.decode_kv_tokens += kv_keys;
+            e->m.decode_seconds += dt;
+        }
+    }
     e->m.generation_tokens += sampled;
     sync_metrics_locked(e);
     pthread_mutex_unlock(&e->mu);

@@ -48,6 +48,7 @@
 #include "engine/generate.h"
 #include "engine/sampler.h"
 #include "loader/loader.h"
+#include "model/llama.h"
 #include "tokenizer/tokenizer.h"
 #ifdef __cplusplus
 extern "C" {
@@ -65,10 +66,28 @@ typedef struct {
                                 oldest prefill always runs beside the decodes */
     int64_t max_waiting;     /* requests waiting for a slot before add refuses (0: 4096) */
     int64_t kv_block_size;   /* tokens of a KV block (0: 16) */
-    int64_t kv_blocks;       /* blocks of the paged KV pool (0: room for max_batch sequences of
-                                max_model_len tokens, capped at 1 GiB; never less than one sequence) */
+    int64_t kv_blocks;       /* blocks of the paged KV pool (0: from kv_mem) */
+    size_t kv_mem;           /* pool bytes when kv_blocks is 0 (0: room for max_batch sequences of
+                                max_model_len tokens, capped at 1 GiB); never less than one sequence.
+                                A pool smaller than max_batch full-length sequences is logged (WARN):
+                                sequences are then preempted when it fills */
     bool disable_prefix_cache; /* every prompt is computed in full */
+    st_llama_weight_opts weights; /* weight placement and streaming (model/llama.h; zero: defaults) */
 } st_engine_params;
+
+/* What a step of this model costs, for rooflines (fixed at init):
+ * a forward pass of n tokens over sequences holding c keys in all reads
+ * about weight_bytes + c * kv_bytes_per_token bytes and computes
+ * n * flops_per_token + (query, key) pairs * attn_flops_per_pair FLOPs. */
+typedef struct {
+    double weight_bytes;        /* weight bytes one forward pass reads: every layer matrix and norm,
+                                   the final norm and lm_head (the embedding table only for the
+                                   rows it gathers, not counted, unless it is lm_head) */
+    double kv_bytes_per_token;  /* K and V of every layer, as the pool stores them (fp32) */
+    double flops_per_token;     /* 2 x the elements of every matrix a token goes through
+                                   (lm_head included: decodes need the logits of every token) */
+    double attn_flops_per_pair; /* 4 x heads x head_dim x layers: scores and the weighted sum */
+} st_engine_costs;
 
 /* Why a request ended. */
 typedef enum {
@@ -138,6 +157,15 @@ typedef struct {
                                         count, prefix-cache hits do not) */
     int64_t generation_tokens;       /* tokens sampled */
     int64_t steps;                   /* steps that ran the model */
+    int64_t step_tokens;             /* tokens those steps' forward passes ran (prompt chunks + decodes) */
+    double step_seconds;             /* wall time of those steps (st_engine_step, sampling and
+                                        callbacks included; not the idle time between steps) */
+    /* Decode-only steps (every sequence in the batch ran one token: no prompt
+     * chunk), the ones whose rate is the decode throughput: how many, the
+     * sequences they ran (= tokens), the keys those sequences attended over
+     * (their context lengths summed over the steps), and their wall time. */
+    int64_t decode_steps, decode_tokens, decode_kv_tokens;
+    double decode_seconds;
     int64_t preemptions;             /* sequences sent back to waiting when KV blocks ran out */
     /* The paged KV pool, in blocks of kv_block_size tokens: blocks held by
      * live sequences (shared prefix blocks count once), and the pool size. */
@@ -165,6 +193,8 @@ void st_engine_free(st_engine *e);
 
 /* The parameters in force (defaults filled in). */
 const st_engine_params *st_engine_get_params(const st_engine *e);
+/* The model's step costs (above). */
+const st_engine_costs *st_engine_get_costs(const st_engine *e);
 /* What samplers draw from: the tokenizer's vocabulary (<= the model's). */
 int64_t st_engine_vocab(const st_engine *e);
 

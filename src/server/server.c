@@ -15,6 +15,16 @@
  *   strata_time_between_tokens_seconds              histogram
  *   strata_request_duration_seconds                 histogram (engine add -> finish)
  *   strata_max_batch, strata_max_model_len          gauges   configuration
+ * For rooflines (bench/bench_serve.py reads them):
+ *   strata_engine_step_tokens_total                 counter  tokens the forward passes ran
+ *   strata_engine_step_seconds_total                counter  wall time of the steps that ran the model
+ *   strata_decode_steps_total, strata_decode_tokens_total, strata_decode_kv_tokens_total,
+ *   strata_decode_seconds_total                     counters decode-only steps: how many, tokens
+ *                                                            (= sequences), keys attended, wall time
+ *   strata_model_weight_bytes_per_step, strata_model_kv_bytes_per_token,
+ *   strata_model_flops_per_token, strata_model_attention_flops_per_pair   gauges (st_engine_costs)
+ *   strata_device_read_bytes_per_second, strata_gemm_flops_per_second,
+ *   strata_gemm_precise_flops_per_second            gauges   measured at start-up (absent: unknown)
  */
 #include "server/server.h"
 #include "core/strbuf.h"
@@ -56,6 +66,7 @@ struct st_server {
     size_t max_body;
     int port;
     long long created;
+    double device_read_bw, gemm_rate, gemm_rate_precise;
     uint64_t seed_base;
     struct MHD_Daemon *d;
     atomic_bool stopping;
@@ -320,6 +331,41 @@ static char *metrics_text(st_server *s) {
     ok = ok && metric(&b, "strata_max_batch", "gauge", "Sequences that can run at once.", (double)m->max_batch);
     ok = ok && metric(&b, "strata_max_model_len", "gauge", "Tokens per sequence (prompt and output).",
                       (double)m->max_model_len);
+    ok = ok && metric(&b, "strata_engine_step_tokens_total", "counter",
+                      "Tokens the engine steps' forward passes ran (prompt chunks and decodes).", (double)m->step_tokens);
+    ok = ok && metric(&b, "strata_engine_step_seconds_total", "counter",
+                      "Wall time of the engine steps that ran the model (sampling and streaming included).",
+                      m->step_seconds);
+    ok = ok && metric(&b, "strata_decode_steps_total", "counter",
+                      "Decode-only engine steps (one token for every sequence of the batch, no prompt chunk).",
+                      (double)m->decode_steps);
+    ok = ok && metric(&b, "strata_decode_tokens_total", "counter", "Tokens (= sequences) of the decode-only steps.",
+                      (double)m->decode_tokens);
+    ok = ok && metric(&b, "strata_decode_kv_tokens_total", "counter",
+                      "Keys the decode-only steps attended over (context lengths summed over sequences and steps).",
+                      (double)m->decode_kv_tokens);
+    ok = ok && metric(&b, "strata_decode_seconds_total", "counter", "Wall time of the decode-only steps.",
+                      m->decode_seconds);
+    const st_engine_costs *c = st_engine_get_costs(s->engine);
+    ok = ok && metric(&b, "strata_model_weight_bytes_per_step", "gauge",
+                      "Weight bytes one forward pass reads (every matrix once; embedding rows not counted).",
+                      c->weight_bytes);
+    ok = ok && metric(&b, "strata_model_kv_bytes_per_token", "gauge", "KV cache bytes per token (K and V, all layers).",
+                      c->kv_bytes_per_token);
+    ok = ok && metric(&b, "strata_model_flops_per_token", "gauge",
+                      "Matrix FLOPs per token with logits (2 per weight element, lm_head included).", c->flops_per_token);
+    ok = ok && metric(&b, "strata_model_attention_flops_per_pair", "gauge",
+                      "Attention FLOPs per (query, key) pair, all layers.", c->attn_flops_per_pair);
+    if (s->device_read_bw > 0)
+        ok = ok && metric(&b, "strata_device_read_bytes_per_second", "gauge",
+                          "Device memory bandwidth measured at start-up (large copy, bytes read + written per second).",
+                          s->device_read_bw);
+    if (s->gemm_rate > 0)
+        ok = ok && metric(&b, "strata_gemm_flops_per_second", "gauge",
+                          "Tensor-core bf16 GEMM rate measured at start-up (8192x8192 x 4096 tokens).", s->gemm_rate);
+    if (s->gemm_rate_precise > 0)
+        ok = ok && metric(&b, "strata_gemm_precise_flops_per_second", "gauge",
+                          "Useful FLOP/s of the default (precise, hi + lo) matmul path, same GEMM.", s->gemm_rate_precise);
     st_free(m);
     if (!ok) {
         st_free(b.p);
@@ -716,6 +762,9 @@ strata_status st_server_start(st_engine *engine, const st_tokenizer *tok, const 
     s->api_key = params->api_key && params->api_key[0] ? st_strdup(params->api_key) : NULL;
     s->max_body = params->max_body ? params->max_body : DEF_MAX_BODY;
     s->created = (long long)time(NULL);
+    s->device_read_bw = params->device_read_bw;
+    s->gemm_rate = params->gemm_rate;
+    s->gemm_rate_precise = params->gemm_rate_precise;
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     s->seed_base = splitmix64((uint64_t)ts.tv_sec * 1000000007ull ^ (uint64_t)ts.tv_nsec ^ (uint64_t)(uintptr_t)s);

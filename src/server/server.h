@@ -49,6 +49,12 @@ typedef struct {
     size_t max_body;         /* request body limit in bytes (0: 1 MiB) */
     unsigned max_connections;/* simultaneous connections (0: 1024) */
     unsigned idle_timeout_s; /* an idle keep-alive connection is closed after this (0: 300) */
+    /* Device rates the caller measured at start-up, published in /metrics
+     * beside the engine's step costs so that a benchmark client can compute
+     * the roofline of the batches it drove (0: unknown, not published). */
+    double device_read_bw;   /* bytes per second the device's memory streams (HBM; a large copy) */
+    double gemm_rate;        /* FLOP/s of a large bf16 GEMM on the tensor cores */
+    double gemm_rate_precise;/* FLOP/s of useful work on the backend's default (precise) matmul path */
 } st_server_params;
 
 /* Starts serving `engine` (whose thread the caller starts and stops) with
