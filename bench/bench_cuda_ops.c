@@ -131,9 +131,10 @@ static void bench_matmul(st_dtype t, int64_t N, int64_t K, int64_t n, double cop
     m.x = dx;
     const double sec = time_op(mm_fn, &m, n == 1 ? 200 : 20);
     const double gbs = (double)wbytes / sec / 1e9, tfl = 2.0 * (double)n * N * K / sec / 1e12;
-    if (n <= 32)
-        printf("matmul %-5s %6lld x %-6lld n=%-4lld %8.1f us  %7.0f GB/s of weight  (%.0f%% of copy bw)\n",
-               st_dtype_name(t), (long long)N, (long long)K, (long long)n, sec * 1e6, gbs, 100.0 * gbs * 1e9 / copy_bw);
+    if (n <= 64)
+        printf("matmul %-5s %6lld x %-6lld n=%-4lld %8.1f us  %7.0f GB/s of weight  (%.0f%% of copy bw)  %6.1f TFLOP/s\n",
+               st_dtype_name(t), (long long)N, (long long)K, (long long)n, sec * 1e6, gbs, 100.0 * gbs * 1e9 / copy_bw,
+               tfl);
     else
         printf("matmul %-5s %6lld x %-6lld n=%-4lld %8.1f us  %7.1f TFLOP/s\n", st_dtype_name(t), (long long)N,
                (long long)K, (long long)n, sec * 1e6, tfl);
@@ -194,6 +195,284 @@ static void bench_attention(int64_t n, int64_t n_kv, int64_t H, int64_t Hkv, int
     be->ops->dealloc(be, a.out);
 }
 
+
+/* ---- attention kernels, new vs old (STRATA_ATTN=old, read at backend init) ----
+ * Decode over 4K / 32K / 128K keys (32/8 heads, hd 128): K+V bytes / copy bw.
+ * attention_paged prefill of one 512- / 2048-token sequence (block size 16,
+ * blocks in shuffled order) vs the contiguous op on the same keys (causal,
+ * precise mode), and one paged decode over 32K keys. */
+typedef struct {
+    const float *q;
+    st_paged_kv kv;
+    const int32_t *seq, *pos;
+    float *out;
+    int64_t n, H, Hkv, hd;
+} pa_ctx;
+static void pa_fn(int i, void *p) {
+    pa_ctx *a = p;
+    TRY(be->ops->attention_paged(be, s, a->q, &a->kv, a->seq, a->pos, a->n, a->H, a->Hkv, a->hd,
+                                 1.0f / sqrtf((float)a->hd), a->out));
+}
+
+/* One sequence of ctx keys in a shuffled pool of bs-slot blocks; the last n positions are queried. */
+static double bench_paged(int64_t n, int64_t ctx, int64_t H, int64_t Hkv, int64_t hd, int64_t bs) {
+    pa_ctx a = {.n = n, .H = H, .Hkv = Hkv, .hd = hd};
+    const int64_t nb = (ctx + bs - 1) / bs, n_slots = nb * bs;
+    int32_t *tab = malloc((size_t)nb * 4), *hs = malloc((size_t)n * 4), *hp = malloc((size_t)n * 4);
+    for (int64_t i = 0; i < nb; i++) tab[i] = (int32_t)i;
+    for (int64_t i = nb - 1; i > 0; i--) {
+        rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+        const int64_t j = (int64_t)(rng % (uint64_t)(i + 1));
+        const int32_t t = tab[i];
+        tab[i] = tab[j], tab[j] = t;
+    }
+    for (int64_t i = 0; i < n; i++) hs[i] = 0, hp[i] = (int32_t)(ctx - n + i);
+    const int32_t cl = (int32_t)ctx;
+    a.kv = (st_paged_kv){dev_floats(n_slots * Hkv * hd, 1.0f), dev_floats(n_slots * Hkv * hd, 1.0f), n_slots, bs,
+                         upload(tab, (size_t)nb * 4), nb, upload(&cl, 4), 1, ctx};
+    a.q = dev_floats(n * H * hd, 1.0f);
+    a.seq = upload(hs, (size_t)n * 4);
+    a.pos = upload(hp, (size_t)n * 4);
+    TRY(be->ops->alloc(be, (size_t)(n * H * hd) * 4, (void **)&a.out));
+    const double sec = time_op(pa_fn, &a, n == 1 ? 100 : 5);
+    be->ops->dealloc(be, (void *)a.kv.k_cache);
+    be->ops->dealloc(be, (void *)a.kv.v_cache);
+    be->ops->dealloc(be, (void *)a.kv.block_tables);
+    be->ops->dealloc(be, (void *)a.kv.ctx_lens);
+    be->ops->dealloc(be, (void *)a.q);
+    be->ops->dealloc(be, (void *)a.seq);
+    be->ops->dealloc(be, (void *)a.pos);
+    be->ops->dealloc(be, a.out);
+    free(tab), free(hs), free(hp);
+    return sec;
+}
+
+static double time_attention(int64_t n, int64_t n_kv, int64_t H, int64_t Hkv, int64_t hd) {
+    at_ctx a = {.n = n, .n_kv = n_kv, .H = H, .Hkv = Hkv, .hd = hd};
+    a.q = dev_floats(n * H * hd, 1.0f);
+    a.k = dev_floats(n_kv * Hkv * hd, 1.0f);
+    a.v = dev_floats(n_kv * Hkv * hd, 1.0f);
+    int32_t *hp = malloc((size_t)n * 4);
+    for (int64_t i = 0; i < n; i++) hp[i] = (int32_t)(n_kv - n + i);
+    a.pos = upload(hp, (size_t)n * 4);
+    free(hp);
+    TRY(be->ops->alloc(be, (size_t)(n * H * hd) * 4, (void **)&a.out));
+    const double sec = time_op(at_fn, &a, n == 1 ? 100 : 5);
+    be->ops->dealloc(be, (void *)a.q);
+    be->ops->dealloc(be, (void *)a.k);
+    be->ops->dealloc(be, (void *)a.v);
+    be->ops->dealloc(be, (void *)a.pos);
+    be->ops->dealloc(be, a.out);
+    return sec;
+}
+
+static void bench_attention_versions(int dev, double copy_bw) {
+    st_backend *saved = be;
+    st_stream *saved_s = s;
+    static const char *const names[2] = {"new", "old"};
+    double dec[2][3], pre[2][2], cpre[2][2], pdec[2];
+    const int64_t dkv[3] = {4096, 32768, 131072}, pn[2] = {512, 2048};
+    for (int v = 0; v < 2; v++) {
+        if (v == 1) setenv("STRATA_ATTN", "old", 1);
+        else unsetenv("STRATA_ATTN");
+        st_backend_params p = {.kind = ST_BACKEND_CUDA, .device_index = dev};
+        TRY(st_backend_init(&p, &be));
+        TRY(be->ops->stream_create(be, false, &s));
+        for (int i = 0; i < 3; i++) dec[v][i] = time_attention(1, dkv[i], 32, 8, 128);
+        for (int i = 0; i < 2; i++) {
+            pre[v][i] = bench_paged(pn[i], pn[i], 32, 8, 128, 16);
+            cpre[v][i] = time_attention(pn[i], pn[i], 32, 8, 128);
+        }
+        pdec[v] = bench_paged(1, 32768, 32, 8, 128, 16);
+        be->ops->stream_destroy(be, s);
+        st_backend_free(be);
+    }
+    unsetenv("STRATA_ATTN");
+    be = saved, s = saved_s;
+    printf("-- attention kernels, new (default) vs old (STRATA_ATTN=old); 32/8 heads, hd 128\n");
+    for (int i = 0; i < 3; i++) {
+        const double bytes = 2.0 * (double)dkv[i] * 8 * 128 * 4;
+        for (int v = 0; v < 2; v++)
+            printf("attn decode %s n_kv=%-6lld %8.1f us  %5.0f GB/s of K+V  %3.0f%% of copy bw%s\n", names[v],
+                   (long long)dkv[i], dec[v][i] * 1e6, bytes / dec[v][i] / 1e9, 100.0 * bytes / dec[v][i] / copy_bw,
+                   dkv[i] == 32768 ? "  (goal 80%)" : "");
+    }
+    for (int v = 0; v < 2; v++) {
+        const double bytes = 2.0 * 32768.0 * 8 * 128 * 4;
+        printf("paged decode %s n_kv=32768 bs 16 %8.1f us  %5.0f GB/s of K+V  %3.0f%% of copy bw\n", names[v],
+               pdec[v] * 1e6, bytes / pdec[v] / 1e9, 100.0 * bytes / pdec[v] / copy_bw);
+    }
+    for (int i = 0; i < 2; i++) {
+        const double flops = 4.0 * (double)pn[i] * (double)(pn[i] + 1) / 2.0 * 128 * 32;
+        for (int v = 0; v < 2; v++)
+            printf("paged prefill %s n=%-5lld bs 16 %8.3f ms  %6.1f TFLOP/s | contiguous (tensor cores) %8.3f ms"
+                   "  %6.1f TFLOP/s | paged / contiguous %.2fx%s\n",
+                   names[v], (long long)pn[i], pre[v][i] * 1e3, flops / pre[v][i] / 1e12, cpre[v][i] * 1e3,
+                   flops / cpre[v][i] / 1e12, pre[v][i] / cpre[v][i], pn[i] == 2048 ? "  (goal <= ~2x)" : "");
+    }
+}
+
+/* ---- decode GEMV, new vs old (STRATA_GEMV=old, read at backend init) ----
+ * Two backends, one per version, time the same weights (rotated over
+ * >= 512 MiB of copies so they come from HBM) for the 8B shapes and n = 1, 2,
+ * 8 tokens: bytes = the weight once; fraction of the copy roofline. */
+typedef struct {
+    st_backend *b;
+    st_stream *s;
+    st_weight w[64];
+    int copies;
+    const float *x;
+    float *y;
+    int64_t n;
+} gv_ctx;
+static void gv_fn(int i, void *p) {
+    gv_ctx *m = p;
+    TRY(m->b->ops->matmul(m->b, m->s, m->x, &m->w[i % m->copies], m->n, m->y));
+}
+static double gv_time(gv_ctx *m, int iters) {
+    for (int i = 0; i < 3; i++) gv_fn(i, m);
+    TRY(m->b->ops->stream_sync(m->b, m->s));
+    double t[7];
+    for (int b = 0; b < 7; b++) {
+        double t0 = st_time_now();
+        for (int i = 0; i < iters; i++) gv_fn(i, m);
+        TRY(m->b->ops->stream_sync(m->b, m->s));
+        t[b] = (st_time_now() - t0) / iters;
+    }
+    qsort(t, 7, sizeof t[0], cmp_d);
+    return t[3];
+}
+
+static void bench_gemv_versions(int dev, double copy_bw) {
+    st_backend *bv[2];
+    st_stream *sv[2];
+    static const char *const names[2] = {"new", "old"};
+    for (int v = 0; v < 2; v++) {
+        if (v == 1) setenv("STRATA_GEMV", "old", 1);
+        else unsetenv("STRATA_GEMV");
+        st_backend_params p = {.kind = ST_BACKEND_CUDA, .device_index = dev};
+        TRY(st_backend_init(&p, &bv[v]));
+        TRY(bv[v]->ops->stream_create(bv[v], false, &sv[v]));
+    }
+    unsetenv("STRATA_GEMV");
+    printf("-- decode GEMV, new (default) vs old (STRATA_GEMV=old): weight bytes / time, %% of copy bw %.0f GB/s\n",
+           copy_bw / 1e9);
+    const st_dtype types[] = {ST_DTYPE_BF16, ST_DTYPE_F16, ST_DTYPE_Q8_0, ST_DTYPE_Q4_0, ST_DTYPE_Q4_1,
+                              ST_DTYPE_Q4_K, ST_DTYPE_Q6_K};
+    const int64_t shapes[4][2] = {{14336, 4096}, {4096, 14336}, {4096, 4096}, {1024, 4096}};
+    const int64_t ns[3] = {1, 2, 8};
+    st_backend *b = be; /* the weights, x and y live in the main backend; both versions use them */
+    for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
+        const st_dtype t = types[ti];
+        for (int sh = 0; sh < 4; sh++) {
+            const int64_t N = shapes[sh][0], K = shapes[sh][1];
+            const size_t wbytes = st_dtype_row_bytes(t, K) * (size_t)N;
+            int copies = (int)((((size_t)512 << 20) + wbytes - 1) / wbytes);
+            copies = copies < 2 ? 2 : copies > 64 ? 64 : copies;
+            uint8_t *hw = host_weight(t, N, K);
+            void *dws[64];
+            gv_ctx m = {.copies = copies};
+            for (int c = 0; c < copies; c++) {
+                dws[c] = upload(hw, wbytes);
+                m.w[c] = (st_weight){dws[c], t, N, K};
+            }
+            free(hw);
+            float *hx = malloc((size_t)(8 * K) * 4);
+            for (int64_t i = 0; i < 8 * K; i++) hx[i] = frand();
+            float *dx = upload(hx, (size_t)(8 * K) * 4);
+            free(hx);
+            float *dy = NULL;
+            TRY(b->ops->alloc(b, (size_t)(8 * N) * 4, (void **)&dy));
+            m.x = dx, m.y = dy;
+            for (int k = 0; k < 3; k++) {
+                double sec[2];
+                for (int v = 0; v < 2; v++) {
+                    m.b = bv[v], m.s = sv[v], m.n = ns[k];
+                    sec[v] = gv_time(&m, ns[k] == 1 ? 200 : 50);
+                }
+                printf("gemv %-5s %5lld x %-5lld n=%lld", st_dtype_name(t), (long long)N, (long long)K,
+                       (long long)ns[k]);
+                for (int v = 0; v < 2; v++)
+                    printf("  %s %7.1f us %5.0f GB/s %3.0f%%", names[v], sec[v] * 1e6, (double)wbytes / sec[v] / 1e9,
+                           100.0 * (double)wbytes / sec[v] / copy_bw);
+                printf("  new/old speed %.2fx\n", sec[1] / sec[0]);
+            }
+            for (int c = 0; c < copies; c++) b->ops->dealloc(b, dws[c]);
+            b->ops->dealloc(b, dx);
+            b->ops->dealloc(b, dy);
+        }
+    }
+    for (int v = 0; v < 2; v++) {
+        bv[v]->ops->stream_destroy(bv[v], sv[v]);
+        st_backend_free(bv[v]);
+    }
+}
+
+/* ---- sample: 64 rows x 128256 logits (Llama 3 vocabulary) ----
+ * Per call, for a few parameter mixes, beside two references measured here:
+ * one read of the logits at the copy roofline, and copying them to pinned
+ * host memory (what host sampling needs before it can start). */
+typedef struct {
+    const float *x;
+    const st_sample_args *args;
+    int32_t *out;
+    int64_t n, V;
+    void *host;
+} smp_ctx;
+static void smp_fn(int i, void *p) {
+    smp_ctx *c = p;
+    TRY(be->ops->sample(be, s, c->x, c->n, c->V, c->args, c->out));
+}
+static void smp_d2h_fn(int i, void *p) {
+    smp_ctx *c = p;
+    TRY(be->ops->copy_d2h(be, s, c->host, c->x, (size_t)(c->n * c->V) * sizeof(float)));
+}
+
+static void bench_sample(double copy_bw) {
+    const int64_t n = 64, V = 128256;
+    float *h = malloc((size_t)(n * V) * sizeof *h);
+    for (int64_t i = 0; i < n * V; i++) { /* roughly gaussian, std ~3 */
+        const float a = frand(), b = frand(), c = frand();
+        h[i] = 3.0f * (a + b + c);
+    }
+    smp_ctx c = {.n = n, .V = V};
+    c.x = upload(h, (size_t)(n * V) * sizeof *h);
+    TRY(be->ops->alloc(be, (size_t)n * sizeof(int32_t), (void **)&c.out));
+    TRY(be->ops->host_alloc(be, (size_t)(n * V) * sizeof(float), &c.host));
+    const double bytes = (double)(n * V) * sizeof(float);
+    const double d2h = time_op(smp_d2h_fn, &c, 5);
+    printf("-- sample %lld rows x %lld: one read of the logits at copy bw %.1f us; their copy to the host %.1f us\n",
+           (long long)n, (long long)V, bytes / copy_bw * 1e6, d2h * 1e6);
+    static const struct {
+        const char *name;
+        float t;
+        int32_t k;
+        float p, minp;
+    } mix[] = {{"greedy (T 0)", 0.0f, 0, 1.0f, 0.0f},          {"T 0.7, top_k 40", 0.7f, 40, 1.0f, 0.0f},
+               {"T 1, top_k 40, top_p 0.9", 1.0f, 40, 0.9f, 0.0f}, {"T 1, top_p 0.9", 1.0f, 0, 0.9f, 0.0f},
+               {"T 1, top_p 0.95, min_p 0.05", 1.0f, 0, 0.95f, 0.05f}, {"T 1 (no truncation)", 1.0f, 0, 1.0f, 0.0f},
+               {"mixed: rows cycle the above", -1.0f, 0, 0.0f, 0.0f}};
+    const int nm = (int)(sizeof mix / sizeof mix[0]);
+    st_sample_args *a = malloc((size_t)n * sizeof *a);
+    for (int m = 0; m < nm; m++) {
+        for (int64_t r = 0; r < n; r++) {
+            const int j = mix[m].t < 0 ? (int)(r % (nm - 1)) : m;
+            a[r] = (st_sample_args){.u = (frand() + 1.0) * 0.5 * 0.999, .temperature = mix[j].t, .top_k = mix[j].k,
+                                    .top_p = mix[j].p, .min_p = mix[j].minp};
+        }
+        c.args = upload(a, (size_t)n * sizeof *a);
+        const double t = time_op(smp_fn, &c, 20);
+        printf("sample %-30s %8.1f us per call  (%.2fx one read of the logits; %.1fx faster than copying them out)\n",
+               mix[m].name, t * 1e6, t / (bytes / copy_bw), d2h / t);
+        be->ops->dealloc(be, (void *)c.args);
+    }
+    be->ops->dealloc(be, (void *)c.x);
+    be->ops->dealloc(be, c.out);
+    be->ops->host_dealloc(be, c.host);
+    free(a);
+    free(h);
+}
+
 int main(int argc, char **argv) {
     st_backend_params p = {.kind = ST_BACKEND_CUDA, .device_index = argc > 1 ? atoi(argv[1]) : 0};
     TRY(st_backend_init(&p, &be));
@@ -207,6 +486,11 @@ int main(int argc, char **argv) {
     printf("roofline: device-to-device copy %.0f GB/s (bytes read + written)\n", copy_bw / 1e9);
     be->ops->dealloc(be, c.a);
     be->ops->dealloc(be, c.b);
+    const bool only_batch = getenv("BENCH_ONLY_BATCH") != NULL;
+    if (!only_batch) {
+        bench_gemv_versions(p.device_index, copy_bw);
+        bench_sample(copy_bw);
+    }
 
     bench_matmul(ST_DTYPE_BF16, 4096, 4096, 1, copy_bw);
     bench_matmul(ST_DTYPE_BF16, 14336, 4096, 1, copy_bw);
@@ -220,7 +504,7 @@ int main(int argc, char **argv) {
     bench_matmul(ST_DTYPE_Q6_K, 14336, 4096, 1, copy_bw);
     bench_matmul(ST_DTYPE_Q4_K, 14336, 4096, 16, copy_bw);
     /* prefill GEMMs (the 8B shapes at a 512-token chunk), precise (default) and fast */
-    for (int fast = 0; fast < 2; fast++) {
+    for (int fast = 0; fast < 2 && !only_batch; fast++) {
         be->ops->set_fast_prefill(be, fast);
         printf("-- prefill matmuls, %s\n", fast ? "fast (bf16 operands)" : "precise (hi+lo bf16 operands)");
         bench_matmul(ST_DTYPE_BF16, 4096, 4096, 512, copy_bw);
@@ -232,6 +516,25 @@ int main(int argc, char **argv) {
         bench_matmul(ST_DTYPE_Q4_K, 14336, 4096, 512, copy_bw);
     }
     be->ops->set_fast_prefill(be, false);
+    /* batched decode sizes: where the GEMV should hand over to the GEMM (run
+     * once more with STRATA_GEMM_MIN_N=2 STRATA_GEMM_MIN_N_QUANT=2 to time
+     * the GEMM at every n); BENCH_ONLY_BATCH=1 runs this section alone */
+    printf("-- batched decode matmuls (GEMV below n=%s, quantized below n=%s)\n",
+           getenv("STRATA_GEMM_MIN_N") ? getenv("STRATA_GEMM_MIN_N") : "9",
+           getenv("STRATA_GEMM_MIN_N_QUANT") ? getenv("STRATA_GEMM_MIN_N_QUANT") : "33");
+    {
+        static const int64_t ns[] = {2, 4, 8, 16, 32, 64};
+        static const st_dtype ts[] = {ST_DTYPE_BF16, ST_DTYPE_Q8_0, ST_DTYPE_Q4_0};
+        for (int ti = 0; ti < 3; ti++)
+            for (int ni = 0; ni < 6; ni++) {
+                bench_matmul(ts[ti], 14336, 4096, ns[ni], copy_bw);
+                if (ts[ti] == ST_DTYPE_BF16) bench_matmul(ts[ti], 4096, 4096, ns[ni], copy_bw);
+            }
+    }
+    if (only_batch) {
+        st_backend_free(be);
+        return 0;
+    }
 
     bench_attention(1, 32768, 32, 8, 128, copy_bw);
     bench_attention(1, 32768, 64, 8, 128, copy_bw);
@@ -245,6 +548,7 @@ int main(int argc, char **argv) {
         bench_attention(16384, 16384, 32, 8, 128, copy_bw);
     }
     be->ops->set_fast_prefill(be, false);
+    bench_attention_versions(p.device_index, copy_bw);
     printf("peak device memory %.1f MiB\n", (double)be->device_budget.peak / 1048576.0);
 
     be->ops->stream_destroy(be, s);

@@ -17,8 +17,14 @@
  *     memory by cp.async; lane j scores key j against the rows of its warp,
  *     the warp does the softmax update of its rows, then thread d accumulates
  *     column d of every row.
- *     The KV length is split so that ~3 blocks per SM exist (memory bound:
- *     the whole K/V of the kv head is read once per split).
+ *     The KV length is split so that the grid is exactly one wave: the
+ *     blocks resident at once (occupancy, measured at init) spread evenly
+ *     over the kv heads (memory bound: the whole K/V of the kv head is read
+ *     once per split). STRATA_ATTN=old: ~3 blocks per SM, rounded up, which
+ *     for 8 kv heads on 132 SMs made 400 blocks for 396 places: a second,
+ *     nearly empty wave at the end. The splits are merged by
+ *     attn_merge_fast_kernel (loads spread over the block; old: every
+ *     thread walks every split serially).
  *   prefill (more rows, hd 64 or 128): tensor cores, mma.sync m16n8k16 bf16
  *     with fp32 accumulation (flash-attention style). 64 rows per block (4
  *     warps x 16); softmax statistics and the accumulator stay fp32 in
@@ -39,7 +45,10 @@
  * K/V rows beyond the block's range are zero-filled in shared memory, so
  * garbage never reaches the accumulators (0 * NaN). */
 #include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
+#include "backend/cuda/cuda_attn_common.cuh"
 #include "backend/cuda/cuda_common.cuh"
 #include "backend/cuda/cuda_internal.h"
 
@@ -73,6 +82,20 @@ static __global__ void __launch_bounds__(128) attn_merge_kernel(const float *__r
     }
 }
 
+/* The same merge with the partials' loads spread over the block
+ * (st_attn_merge_row; the default): the kernel above walks every split
+ * serially in every thread, a few microseconds at 50 splits. */
+template <int HD>
+static __global__ void __launch_bounds__(128) attn_merge_fast_kernel(const float *__restrict__ part_acc,
+                                                                    const float *__restrict__ part_m,
+                                                                    const float *__restrict__ part_l, int nsplit,
+                                                                    int64_t rows, float *__restrict__ out) {
+    st_pdl_wait();
+    st_pdl_trigger();
+    const int64_t row = blockIdx.x;
+    st_attn_merge_row<HD>(part_acc, part_m, part_l, rows, row, nsplit, out + row * HD);
+}
+
 /* Where a block puts its rows' results: final output (nsplit == 1) or partials. */
 struct attn_out {
     float *out;      /* [n, H, hd] */
@@ -100,15 +123,6 @@ ST_DEV void split_range(int64_t n_kv, int maxpos, int nsplit, int split, int til
 
 #define AD_THREADS 128
 #define AD_TK 32
-
-ST_DEV void cp_async16(void *smem, const void *gmem, bool valid) {
-    const uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
-    const int n = valid ? 16 : 0; /* 0: nothing read, 16 bytes of zeros written */
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(gmem), "r"(n));
-}
-ST_DEV void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-ST_DEV void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 template <int HD, int RMAX>
 static size_t decode_smem_bytes() {
@@ -170,10 +184,10 @@ static __global__ void __launch_bounds__(AD_THREADS)
             const int64_t key = kb + j;
             const bool ok = key < kv_end;
             const size_t off = ok ? ((size_t)key * Hkv + kvh) * HD + 4 * d4 : 0;
-            cp_async16(ks + j * KP + 4 * d4, k + off, ok);
-            cp_async16(vs + j * HD + 4 * d4, v + off, ok);
+            st_cp_async16(ks + j * KP + 4 * d4, k + off, ok);
+            st_cp_async16(vs + j * HD + 4 * d4, v + off, ok);
         }
-        cp_async_commit();
+        st_cp_async_commit();
     };
 
     float m_r[RPW], l_r[RPW];
@@ -188,66 +202,15 @@ static __global__ void __launch_bounds__(AD_THREADS)
     for (int t = 0; t < ntiles; t++) {
         if (t + 1 < ntiles) {
             stage(t + 1);
-            cp_async_wait<1>();
+            st_cp_async_wait<1>();
         } else {
-            cp_async_wait<0>();
+            st_cp_async_wait<0>();
         }
         __syncthreads();
         const float *k_s = kv_s + (t & 1) * TILE, *v_s = k_s + AD_TK * KP;
         const int64_t kb = kv_begin + (int64_t)t * AD_TK;
-        /* scores: lane = key, rows warp, warp + 4, ... */
-        float s[RPW];
-#pragma unroll
-        for (int i = 0; i < RPW; i++) s[i] = 0.0f;
-#pragma unroll 4
-        for (int d4 = 0; d4 < HD / 4; d4++) {
-            const float4 kx = *(const float4 *)(k_s + lane * KP + 4 * d4);
-#pragma unroll
-            for (int i = 0; i < RPW; i++) {
-                const int r = warp + 4 * i;
-                if (r < R) {
-                    const float4 qx = *(const float4 *)(q_s + r * HD + 4 * d4);
-                    s[i] = fmaf(qx.x, kx.x, fmaf(qx.y, kx.y, fmaf(qx.z, kx.z, fmaf(qx.w, kx.w, s[i]))));
-                }
-            }
-        }
-        const int64_t key = kb + lane;
-#pragma unroll
-        for (int i = 0; i < RPW; i++) {
-            const int r = warp + 4 * i;
-            if (r < R) { /* warp-uniform */
-                const bool ok = key < kv_end && key <= pos_s[r];
-                const float sv = ok ? s[i] : -INFINITY;
-                const float mnew = fmaxf(m_r[i], st_warp_max(sv));
-                const float base = mnew == -INFINITY ? 0.0f : mnew;
-                const float p = exp2f(sv - base);
-                const float alpha = exp2f(m_r[i] - base);
-                l_r[i] = l_r[i] * alpha + st_warp_sum(p);
-                m_r[i] = mnew;
-                p_s[r * AD_TK + lane] = p;
-                if (lane == 0) alpha_s[r] = alpha;
-            }
-        }
-        __syncthreads();
-        /* PV: thread owns column dcol of rows rg, rg + CG, ... */
-#pragma unroll
-        for (int i = 0; i < RPT; i++) {
-            const int r = rg + CG * i;
-            if (r < R) acc[i] *= alpha_s[r];
-        }
-#pragma unroll 2
-        for (int j4 = 0; j4 < AD_TK / 4; j4++) {
-            const float v0 = v_s[(4 * j4 + 0) * HD + dcol], v1 = v_s[(4 * j4 + 1) * HD + dcol];
-            const float v2 = v_s[(4 * j4 + 2) * HD + dcol], v3 = v_s[(4 * j4 + 3) * HD + dcol];
-#pragma unroll
-            for (int i = 0; i < RPT; i++) {
-                const int r = rg + CG * i;
-                if (r < R) {
-                    const float4 p = *(const float4 *)(p_s + r * AD_TK + 4 * j4);
-                    acc[i] = fmaf(p.x, v0, fmaf(p.y, v1, fmaf(p.z, v2, fmaf(p.w, v3, acc[i]))));
-                }
-            }
-        }
+        st_attn_simt_tile<HD, RMAX>(q_s, k_s, v_s, p_s, alpha_s, R, kb,
+                                    [=](int r, int64_t key) { return key < kv_end && key <= pos_s[r]; }, m_r, l_r, acc);
         __syncthreads(); /* buffer t & 1 and p_s are free again */
     }
     if (lane == 0) {
@@ -594,12 +557,28 @@ static strata_status set_decode_attr() {
     return STRATA_OK;
 }
 
+template <int HD, int RMAX>
+static strata_status decode_bpsm(int *out) {
+    ST_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(out, attn_decode_kernel<HD, RMAX>, AD_THREADS,
+                                                              decode_smem_bytes<HD, RMAX>()));
+    if (*out < 1) *out = 1;
+    return STRATA_OK;
+}
+
+/* Once per backend: kernel attributes, STRATA_ATTN (old: the previous split
+ * sizing, merge and paged kernel), and the decode kernel's blocks per SM. */
 strata_status st_cuda_attention_setup(st_cuda *c) {
     strata_status st;
+    const char *ver = getenv("STRATA_ATTN");
+    c->attn_old = ver && strcmp(ver, "old") == 0;
 #define SET(HD, RM)                                                                          \
     if ((st = set_decode_attr<HD, RM>()) != STRATA_OK) return st;
     SET(64, 4) SET(64, 8) SET(64, 16) SET(128, 4) SET(128, 8) SET(128, 16)
 #undef SET
+#define OCC(I, HD, J, RM)                                                                    \
+    if ((st = decode_bpsm<HD, RM>(&c->attn_dec_bpsm[I][J])) != STRATA_OK) return st;
+    OCC(0, 64, 0, 4) OCC(0, 64, 1, 8) OCC(0, 64, 2, 16) OCC(1, 128, 0, 4) OCC(1, 128, 1, 8) OCC(1, 128, 2, 16)
+#undef OCC
     return STRATA_OK;
 }
 
@@ -630,9 +609,18 @@ static strata_status alloc_parts(st_backend *be, st_cuda_stream *s, int nsplit, 
     return STRATA_OK;
 }
 
-static strata_status merge(cudaStream_t s, bool pdl, const attn_out *o, int64_t rows, int hd) {
-    ST_CUDA_TRY(st_launch(pdl, attn_merge_kernel, dim3((unsigned)rows), dim3(128), 0, s, (const float *)o->part_acc,
-                          (const float *)o->part_m, (const float *)o->part_l, o->nsplit, rows, hd, o->out));
+static strata_status merge(cudaStream_t s, bool pdl, bool old, const attn_out *o, int64_t rows, int hd) {
+    if (!old && hd == 64)
+        ST_CUDA_TRY(st_launch(pdl, attn_merge_fast_kernel<64>, dim3((unsigned)rows), dim3(128), 0, s,
+                              (const float *)o->part_acc, (const float *)o->part_m, (const float *)o->part_l, o->nsplit,
+                              rows, o->out));
+    else if (!old && hd == 128)
+        ST_CUDA_TRY(st_launch(pdl, attn_merge_fast_kernel<128>, dim3((unsigned)rows), dim3(128), 0, s,
+                              (const float *)o->part_acc, (const float *)o->part_m, (const float *)o->part_l, o->nsplit,
+                              rows, o->out));
+    else
+        ST_CUDA_TRY(st_launch(pdl, attn_merge_kernel, dim3((unsigned)rows), dim3(128), 0, s, (const float *)o->part_acc,
+                              (const float *)o->part_m, (const float *)o->part_l, o->nsplit, rows, hd, o->out));
     return STRATA_OK;
 }
 
@@ -642,13 +630,23 @@ static strata_status run_decode(st_backend *be, st_cuda_stream *s, const float *
                                 float *out) {
     st_cuda *c = st_cuda_of(be);
     attn_out o = {out, NULL, NULL, NULL, 1};
-    const int64_t want = (3 * (int64_t)c->sm_count + Hkv - 1) / Hkv;
+    int64_t want;
+    if (c->attn_old) {
+        want = (3 * (int64_t)c->sm_count + Hkv - 1) / Hkv; /* ~3 blocks per SM: could exceed one wave */
+    } else {
+        /* exactly one wave: the most blocks that are resident at once, split
+         * evenly over the kv heads (a few more blocks than the GPU holds
+         * would run as a second, nearly empty wave at the end) */
+        const int bpsm = c->attn_dec_bpsm[HD == 64 ? 0 : 1][RMAX == 4 ? 0 : RMAX == 8 ? 1 : 2];
+        want = (int64_t)bpsm * c->sm_count / Hkv;
+        if (want < 1) want = 1;
+    }
     o.nsplit = pick_splits(n_kv, want, 128);
     strata_status st = alloc_parts(be, s, o.nsplit, n * H, HD, &o);
     if (st != STRATA_OK) return st;
     ST_CUDA_TRY(st_launch(c->pdl, attn_decode_kernel<HD, RMAX>, dim3((unsigned)o.nsplit, (unsigned)Hkv), dim3(AD_THREADS),
                           decode_smem_bytes<HD, RMAX>(), s->s, q, k, v, pos, (int)n, n_kv, (int)H, (int)Hkv, qscale, o));
-    return o.nsplit > 1 ? merge(s->s, c->pdl, &o, n * H, HD) : STRATA_OK;
+    return o.nsplit > 1 ? merge(s->s, c->pdl, c->attn_old, &o, n * H, HD) : STRATA_OK;
 }
 
 template <int HD>
@@ -673,7 +671,7 @@ static strata_status run_prefill(st_backend *be, st_cuda_stream *s, const float 
         attn_prefill_kernel<HD, true><<<grid, AP_THREADS, 0, s->s>>>(q, k, v, pos, (int)n, n_kv, (int)H, (int)Hkv,
                                                                      qscale, o);
     ST_CUDA_LAUNCHED("attn_prefill_kernel");
-    return o.nsplit > 1 ? merge(s->s, false, &o, n * H, HD) : STRATA_OK;
+    return o.nsplit > 1 ? merge(s->s, false, c->attn_old, &o, n * H, HD) : STRATA_OK;
 }
 
 strata_status st_cuda_op_attention(st_backend *be, st_cuda_stream *s, const float *q, const float *k,

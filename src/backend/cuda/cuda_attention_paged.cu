@@ -6,35 +6,39 @@
  * Batch invariance is the design goal: every token, whether it is a decode or
  * part of a prefill chunk, goes through the same kernel, and the order of its
  * reduction depends only on its own position:
- *   - a block works on ONE token and the query heads of one kv head (up to
- *     RMAX of them: rows r = heads kvh G + c RMAX + r), so nothing of another
- *     token ever shares its arithmetic;
  *   - its keys [0, pos] are cut into fixed ranges of PA_SPLIT keys (split s =
  *     keys [s PA_SPLIT, (s+1) PA_SPLIT)), one block each (grid.z); a range is
  *     walked in tiles of 32 keys from its start, with an online softmax per
  *     row (fp32 SIMT, exact to fp32 rounding: scores pre-scaled by scale *
  *     log2(e), exp2);
  *   - a token with one range writes its output directly; one with more
- *     writes (acc, m, l) per range and the merge kernel combines the ranges in
- *     increasing order: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
+ *     writes (acc, m, l) per range and the merge kernel combines the ranges:
+ *     out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, in an order
+ *     fixed by the number of ranges.
+ * Two kernels, chosen once per backend (STRATA_ATTN=old selects the first):
+ *   pa_tiled_kernel (old): a block works on ONE token and the query heads of
+ *     one kv head, so nothing of another token shares its arithmetic; a
+ *     prefill re-reads its keys once per query;
+ *   pa_tile_kernel (default): a block works on a TILE of consecutive tokens
+ *     of one sequence (up to 64 rows of token x head) and stages each K/V
+ *     tile once for all of them; every row's operations and their order are
+ *     those it has alone (see the comment above the kernel: rows skip keys
+ *     past their end instead of multiplying them by 0, and every sum has a
+ *     fixed tree), so its bits do not depend on the tile.
  * So a token's bits are the same alone or among any others, and for any
  * number of tokens per call (tokens are processed in sub-batches that bound
  * the partials' scratch, which changes nothing per token). What is NOT
  * claimed: equality with the contiguous `attention` op (a different kernel,
- * ~1e-6 apart), nor across head_dim/alignment classes (hd 64/128 with
- * 16-byte aligned pointers take the tiled kernel; anything else a generic
- * one, also batch-invariant).
+ * ~1e-6 apart), nor between the two kernels above, nor across head_dim/
+ * alignment classes (hd 64/128 with 16-byte aligned pointers take a tiled
+ * kernel; anything else a generic one, also batch-invariant).
  *
- * Speed (H200, 32/8 heads, hd 128, bs 16, measured with a throwaway timing
- * harness, 2026-11-21): 32 decodes over 2048 keys each 0.23 ms (2.3 TB/s of K+V; the
- * contiguous op called per sequence: 0.57 ms), over 8192 keys 0.82 ms
- * (2.6 TB/s); one decode over 32768 keys 0.19 ms (the contiguous kernel,
- * whose splits adapt to the length: 0.09 ms). Prefill is the weak spot: one
- * block per token re-reads the keys for every query and runs on fp32 SIMT,
- * so 512 queries over 2048 keys take 2.8 ms against 0.42 ms for the
- * tensor-core kernel of `attention`. Sharing K/V tiles between the tokens of
- * one sequence inside a block keeps every row's arithmetic (a tile past a
- * row's position is an exact no-op for it) and is the next step.
+ * Speed of the old kernel (H200, 32/8 heads, hd 128, bs 16, measured with a
+ * throwaway timing harness, 2026-11-21): 32 decodes over 2048 keys each 0.23
+ * ms (2.3 TB/s of K+V), over 8192 keys 0.82 ms (2.6 TB/s); one decode over
+ * 32768 keys 0.19 ms; 512 queries over 2048 keys 2.8 ms against 0.42 ms for
+ * the tensor-core kernel of `attention`. The tile kernel's figures:
+ * bench_cuda_ops ("paged prefill new/old", "paged decode new/old").
  *
  * Invalid indices (the host cannot read them): a seq outside [0, n_seqs) or a
  * sequence with no keys gives a row of NaN; ctx_lens is clamped to
@@ -42,6 +46,7 @@
  * as zeros. No out-of-bounds access in any case. */
 #include <math.h>
 
+#include "backend/cuda/cuda_attn_common.cuh"
 #include "backend/cuda/cuda_common.cuh"
 #include "backend/cuda/cuda_internal.h"
 
@@ -58,12 +63,13 @@ struct pa_tok {
     int64_t nk;
 };
 
-ST_DEV pa_tok pa_token(const st_paged_kv &kv, const int32_t *seq, const int32_t *pos, int64_t t) {
+ST_DEV pa_tok pa_token(const st_paged_kv &kv, const int32_t *seq, const int32_t *pos, int64_t t, int64_t max_nk) {
     pa_tok r = {nullptr, 0};
     const int32_t sq = __ldg(seq + t);
     if (sq < 0 || (int64_t)sq >= kv.n_seqs) return r;
     int64_t len = __ldg(kv.ctx_lens + sq);
-    const int64_t cap = kv.max_blocks * kv.block_size;
+    int64_t cap = kv.max_blocks * kv.block_size;
+    if (cap > max_nk) cap = max_nk; /* the ranges the grid holds (ctx_lens beyond max_ctx) */
     if (len > cap) len = cap;
     if (len <= 0) return r;
     int64_t p = __ldg(pos + t);
@@ -95,11 +101,11 @@ struct pa_out {
  * one range; the ranges are merged in increasing order. */
 static __global__ void __launch_bounds__(128)
     pa_merge_kernel(st_paged_kv kv, const int32_t *__restrict__ seq, const int32_t *__restrict__ pos, int H, int hd,
-                    pa_out o) {
+                    int64_t max_nk, pa_out o) {
     st_pdl_wait();
     st_pdl_trigger();
     const int64_t row = blockIdx.x;
-    const pa_tok tk = pa_token(kv, seq, pos, o.tok0 + row / H);
+    const pa_tok tk = pa_token(kv, seq, pos, o.tok0 + row / H, max_nk);
     const int ns = (int)((tk.nk + PA_SPLIT - 1) / PA_SPLIT);
     if (ns <= 1) return; /* written directly (or NaN) by the main kernel */
     float M = -INFINITY;
@@ -123,15 +129,6 @@ static __global__ void __launch_bounds__(128)
 
 /* ---- the tiled kernel: hd 64 / 128, fp32 SIMT ----------------------------------------- */
 
-ST_DEV void pa_cp_async16(void *smem, const void *gmem, bool valid) {
-    const uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
-    const int n = valid ? 16 : 0; /* 0: nothing read, 16 bytes of zeros written */
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(gmem), "r"(n));
-}
-ST_DEV void pa_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-ST_DEV void pa_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
 template <int HD, int RMAX>
 static size_t pa_smem_bytes() {
     return sizeof(float) * ((size_t)RMAX * HD + 2 * ((size_t)PA_TK * (HD + 4) + (size_t)PA_TK * HD) +
@@ -144,7 +141,8 @@ static size_t pa_smem_bytes() {
 template <int HD, int RMAX>
 static __global__ void __launch_bounds__(PA_THREADS)
     pa_tiled_kernel(const float *__restrict__ q, st_paged_kv kv, const int32_t *__restrict__ seq,
-                    const int32_t *__restrict__ pos, int H, int Hkv, int hchunks, float qscale, pa_out o) {
+                    const int32_t *__restrict__ pos, int H, int Hkv, int hchunks, int64_t max_nk, float qscale,
+                    pa_out o) {
     constexpr int KP = HD + 4;                     /* padded K row: conflict-free float4 reads by key */
     constexpr int RPW = RMAX / 4;                  /* rows per warp in the score phase */
     constexpr int CG = 128 / HD;                   /* thread groups per column (1 or 2) */
@@ -165,7 +163,7 @@ static __global__ void __launch_bounds__(PA_THREADS)
     const int G = H / Hkv, h0 = kvh * G + chunk * RMAX;
     const int R = min(RMAX, G - chunk * RMAX);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const pa_tok tk = pa_token(kv, seq, pos, t);
+    const pa_tok tk = pa_token(kv, seq, pos, t, max_nk);
     if (tk.nk == 0) { /* invalid token: a NaN row, written by the first range's block */
         if (sp == 0)
             for (int i = tid; i < R * HD; i += PA_THREADS)
@@ -199,10 +197,10 @@ static __global__ void __launch_bounds__(PA_THREADS)
             const int64_t slot = key < kv_end ? pa_slot(tk, key, bs, n_blocks) : -1;
             const bool ok = slot >= 0;
             const size_t off = ok ? (size_t)slot * kv_stride + (size_t)kvh * HD + 4 * d4 : 0;
-            pa_cp_async16(ks + j * KP + 4 * d4, kv.k_cache + off, ok);
-            pa_cp_async16(vs + j * HD + 4 * d4, kv.v_cache + off, ok);
+            st_cp_async16(ks + j * KP + 4 * d4, kv.k_cache + off, ok);
+            st_cp_async16(vs + j * HD + 4 * d4, kv.v_cache + off, ok);
         }
-        pa_cp_commit();
+        st_cp_async_commit();
     };
 
     float m_r[RPW], l_r[RPW];
@@ -217,64 +215,14 @@ static __global__ void __launch_bounds__(PA_THREADS)
     for (int tt = 0; tt < ntiles; tt++) {
         if (tt + 1 < ntiles) {
             stage(tt + 1);
-            pa_cp_wait<1>();
+            st_cp_async_wait<1>();
         } else {
-            pa_cp_wait<0>();
+            st_cp_async_wait<0>();
         }
         __syncthreads();
         const float *k_s = kv_s + (tt & 1) * TILE, *v_s = k_s + PA_TK * KP;
-        const int64_t key = kv_begin + (int64_t)tt * PA_TK + lane;
-        /* scores: lane = key, rows warp, warp + 4, ... */
-        float s[RPW];
-#pragma unroll
-        for (int i = 0; i < RPW; i++) s[i] = 0.0f;
-#pragma unroll 4
-        for (int d4 = 0; d4 < HD / 4; d4++) {
-            const float4 kx = *(const float4 *)(k_s + lane * KP + 4 * d4);
-#pragma unroll
-            for (int i = 0; i < RPW; i++) {
-                const int r = warp + 4 * i;
-                if (r < R) {
-                    const float4 qx = *(const float4 *)(q_s + r * HD + 4 * d4);
-                    s[i] = fmaf(qx.x, kx.x, fmaf(qx.y, kx.y, fmaf(qx.z, kx.z, fmaf(qx.w, kx.w, s[i]))));
-                }
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < RPW; i++) {
-            const int r = warp + 4 * i;
-            if (r < R) { /* warp-uniform */
-                const float sv = key < kv_end ? s[i] : -INFINITY;
-                const float mnew = fmaxf(m_r[i], st_warp_max(sv));
-                const float base = mnew == -INFINITY ? 0.0f : mnew;
-                const float p = exp2f(sv - base);
-                const float alpha = exp2f(m_r[i] - base);
-                l_r[i] = l_r[i] * alpha + st_warp_sum(p);
-                m_r[i] = mnew;
-                p_s[r * PA_TK + lane] = p;
-                if (lane == 0) alpha_s[r] = alpha;
-            }
-        }
-        __syncthreads();
-        /* PV: thread owns column dcol of rows rg, rg + CG, ... */
-#pragma unroll
-        for (int i = 0; i < RPT; i++) {
-            const int r = rg + CG * i;
-            if (r < R) acc[i] *= alpha_s[r];
-        }
-#pragma unroll 2
-        for (int j4 = 0; j4 < PA_TK / 4; j4++) {
-            const float v0 = v_s[(4 * j4 + 0) * HD + dcol], v1 = v_s[(4 * j4 + 1) * HD + dcol];
-            const float v2 = v_s[(4 * j4 + 2) * HD + dcol], v3 = v_s[(4 * j4 + 3) * HD + dcol];
-#pragma unroll
-            for (int i = 0; i < RPT; i++) {
-                const int r = rg + CG * i;
-                if (r < R) {
-                    const float4 p = *(const float4 *)(p_s + r * PA_TK + 4 * j4);
-                    acc[i] = fmaf(p.x, v0, fmaf(p.y, v1, fmaf(p.z, v2, fmaf(p.w, v3, acc[i]))));
-                }
-            }
-        }
+        st_attn_simt_tile<HD, RMAX>(q_s, k_s, v_s, p_s, alpha_s, R, kv_begin + (int64_t)tt * PA_TK,
+                                    [=](int r, int64_t key) { return key < kv_end; }, m_r, l_r, acc);
         __syncthreads(); /* buffer tt & 1 and p_s are free again */
     }
     if (lane == 0) {
@@ -304,6 +252,311 @@ static __global__ void __launch_bounds__(PA_THREADS)
     }
 }
 
+/* ---- the tile kernel (default): tiles of consecutive tokens of one sequence ---------------
+ * A block takes a TILE of up to TQ consecutive tokens of the batch that
+ * belong to the same sequence, the query heads of one kv head (GC of them:
+ * the whole GQA group, or a chunk of PT_ROWS heads of a larger one), and one
+ * 256-key range; rows r = token (r / Gc) x head (r % Gc), at most PT_ROWS.
+ * Each 32-key tile of K/V is staged once in shared memory (cp.async, double-
+ * buffered) and used by every row. Tiles are found on the device: token t
+ * starts one when t is the sub-batch's first token, a multiple of TQ, or its
+ * sequence differs from token t-1's; every other token's blocks exit at once.
+ *
+ * Batch invariance: every row's arithmetic is a fixed function of its own
+ * q, its own keys [0, nk) and nk, whatever else shares the block:
+ *   - per 32-key tile kb of its range, the row takes c = clamp(nk - kb, 0, 32)
+ *     keys; c = 0 leaves its state untouched (no update at all);
+ *   - score(key) = fmaf chain over the dims in increasing order (x, y, z, w
+ *     of each float4), on q pre-scaled by __fmul_rn;
+ *   - keys j >= c score -inf; the tile max is exact; the p sum is
+ *     ((p_kg + p_kg+8) + p_kg+16) + p_kg+24 per lane kg, then a butterfly over
+ *     kg (xor 1, 2, 4): the same tree on every lane, for every row;
+ *   - l = l alpha + sum and acc = acc alpha with __fmul_rn / __fadd_rn (no
+ *     contraction the compiler could choose differently), then
+ *     acc = fmaf(p_j, v_j, acc) for j = 0 .. c-1 in order: keys past the
+ *     row's end are skipped, not multiplied by 0 (their V may be garbage);
+ *   - the output is acc / l (one range), or (acc, m, l) per range merged by
+ *     st_attn_merge_row, whose order depends on the range count alone.
+ * The thread that computes a value changes with the tile's shape; the
+ * operations and their order do not. So a token gives the same bits alone,
+ * in a tile of 64, at any offset in the batch, with any sub-batching. */
+#define PT_ROWS 64 /* rows (token x head) per block */
+#define PT_TK 32   /* keys per staged tile */
+
+template <int HD>
+struct pt_cfg {
+    static constexpr int QP = HD + 4;       /* padded rows: conflict-free float4 reads */
+    static constexpr int KP = HD + 4;
+    static constexpr int PP = 40;           /* p_s row stride: conflict-free writes and float4 reads */
+    static constexpr int SR = PT_ROWS / 16; /* score phase: rows rg + 16 i of thread (rg, kg) */
+    static constexpr int PR = PT_ROWS / 8;  /* PV phase: rows prg + 8 i of thread (prg, pdg) */
+    static constexpr int PD = HD / 16;      /* PV phase: dims PD pdg .. PD pdg + PD - 1 */
+    static constexpr int TILE = PT_TK * KP + PT_TK * HD; /* floats of one K+V buffer */
+    static constexpr size_t smem = sizeof(float) * ((size_t)PT_ROWS * QP + 2 * (size_t)TILE +
+                                                    (size_t)PT_ROWS * PP + 3 * (size_t)PT_ROWS) +
+                                   sizeof(int) * 2 * PT_ROWS;
+};
+
+/* grid (sub-batch tokens, Hkv * hchunks, ranges); 128 threads. */
+template <int HD>
+static __global__ void __launch_bounds__(PA_THREADS)
+    pa_tile_kernel(const float *__restrict__ q, st_paged_kv kv, const int32_t *__restrict__ seq,
+                   const int32_t *__restrict__ pos, int H, int Hkv, int hchunks, int GC, int TQ, int64_t max_nk,
+                   float qscale, pa_out o) {
+    using C = pt_cfg<HD>;
+    extern __shared__ float4 pt_smem4[];
+    float *q_s = (float *)pt_smem4;         /* [PT_ROWS][QP] */
+    float *kv_s = q_s + PT_ROWS * C::QP;    /* 2 x ([TK][KP] K, [TK][HD] V) */
+    float *p_s = kv_s + 2 * C::TILE;        /* [PT_ROWS][PP] */
+    float *alpha_s = p_s + PT_ROWS * C::PP; /* [PT_ROWS] */
+    float *m_s = alpha_s + PT_ROWS;
+    float *l_s = m_s + PT_ROWS;
+    int *cnt_s = (int *)(l_s + PT_ROWS);    /* [PT_ROWS] keys of the current tile the row takes */
+    int *nk_s = cnt_s + PT_ROWS;            /* [PT_ROWS] the row sees keys [0, nk) */
+    __shared__ int ntok_s, maxnk_s;
+    st_pdl_wait();
+    st_pdl_trigger();
+
+    const int64_t t0 = o.tok0 + blockIdx.x, tend = o.tok0 + gridDim.x;
+    const int32_t sq = __ldg(seq + t0);
+    if (t0 != o.tok0 && t0 % TQ != 0 && __ldg(seq + t0 - 1) == sq) return; /* inside an earlier token's tile */
+    const int tid = threadIdx.x;
+    const int kvh = blockIdx.y / hchunks, chunk = blockIdx.y % hchunks, sp = blockIdx.z;
+    const int G = H / Hkv, h0 = kvh * G + chunk * GC, Gc = min(GC, G - chunk * GC);
+    if (tid == 0) ntok_s = TQ, maxnk_s = 0;
+    __syncthreads();
+    if (tid >= 1 && tid < TQ) { /* the tile ends at the first token that starts another */
+        const int64_t t = t0 + tid;
+        if (t >= tend || t % TQ == 0 || __ldg(seq + t) != sq) atomicMin(&ntok_s, tid);
+    }
+    __syncthreads();
+    const int R = ntok_s * Gc; /* <= TQ GC <= PT_ROWS */
+    /* the tokens share seq, so they are all valid or all invalid */
+    if (pa_token(kv, seq, pos, t0, max_nk).nk == 0) { /* a NaN row each, written by the first range's block */
+        if (sp == 0)
+            for (int i = tid; i < R * HD; i += PA_THREADS) {
+                const int r = i / HD;
+                o.out[((t0 + r / Gc) * H + h0 + r % Gc) * HD + i % HD] = __int_as_float(0x7fc00000);
+            }
+        return;
+    }
+    const pa_tok tk = pa_token(kv, seq, pos, t0, max_nk); /* the tile's block table */
+    if (tid < PT_ROWS) {
+        int nk = 0;
+        if (tid < R) nk = (int)pa_token(kv, seq, pos, t0 + tid / Gc, max_nk).nk;
+        nk_s[tid] = nk;
+        atomicMax(&maxnk_s, nk);
+    }
+    const int64_t kv_begin = (int64_t)sp * PA_SPLIT;
+    __syncthreads();
+    const int64_t maxnk = maxnk_s;
+    if (maxnk <= kv_begin) return; /* no row has keys in this range */
+    const int64_t kv_end = min(maxnk, kv_begin + PA_SPLIT);
+    const int64_t bs = kv.block_size, n_blocks = kv.n_slots / bs, kv_stride = (int64_t)Hkv * HD;
+
+    for (int i = tid; i < PT_ROWS * HD / 4; i += PA_THREADS) {
+        const int r = i / (HD / 4), d4 = i % (HD / 4);
+        float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (r < R) {
+            x = __ldg((const float4 *)(q + ((t0 + r / Gc) * H + h0 + r % Gc) * HD) + d4);
+            x = make_float4(__fmul_rn(x.x, qscale), __fmul_rn(x.y, qscale), __fmul_rn(x.z, qscale),
+                            __fmul_rn(x.w, qscale));
+        }
+        *(float4 *)(q_s + r * C::QP + 4 * d4) = x;
+    }
+    const int ntiles = (int)((kv_end - kv_begin + PT_TK - 1) / PT_TK);
+
+    /* tile tt -> buffer tt & 1; keys past kv_end and keys of invalid blocks are zero-filled */
+    auto stage = [&](int tt) {
+        float *ks = kv_s + (tt & 1) * C::TILE, *vs = ks + PT_TK * C::KP;
+        const int64_t kb = kv_begin + (int64_t)tt * PT_TK;
+        for (int i = tid; i < PT_TK * HD / 4; i += PA_THREADS) {
+            const int j = i / (HD / 4), d4 = i % (HD / 4);
+            const int64_t key = kb + j;
+            const int64_t slot = key < kv_end ? pa_slot(tk, key, bs, n_blocks) : -1;
+            const bool ok = slot >= 0;
+            const size_t off = ok ? (size_t)slot * kv_stride + (size_t)kvh * HD + 4 * d4 : 0;
+            st_cp_async16(ks + j * C::KP + 4 * d4, kv.k_cache + off, ok);
+            st_cp_async16(vs + j * HD + 4 * d4, kv.v_cache + off, ok);
+        }
+        st_cp_async_commit();
+    };
+
+    const int rg = tid >> 3, kg = tid & 7;    /* score phase */
+    const int prg = tid >> 4, pdg = tid & 15; /* PV phase */
+    float m_r[C::SR], l_r[C::SR];
+#pragma unroll
+    for (int i = 0; i < C::SR; i++) m_r[i] = -INFINITY, l_r[i] = 0.0f;
+    float acc[C::PR][C::PD];
+#pragma unroll
+    for (int i = 0; i < C::PR; i++)
+#pragma unroll
+        for (int d = 0; d < C::PD; d++) acc[i][d] = 0.0f;
+
+    stage(0); /* ntiles >= 1 */
+    for (int tt = 0; tt < ntiles; tt++) {
+        if (tt + 1 < ntiles) {
+            stage(tt + 1);
+            st_cp_async_wait<1>();
+        } else {
+            st_cp_async_wait<0>();
+        }
+        __syncthreads();
+        const float *k_s = kv_s + (tt & 1) * C::TILE, *v_s = k_s + PT_TK * C::KP;
+        const int64_t kb = kv_begin + (int64_t)tt * PT_TK;
+
+        /* scores: thread (rg, kg) scores keys kg + 8 j (j < 4) against rows rg + 16 i */
+        float sc[C::SR][4];
+#pragma unroll
+        for (int i = 0; i < C::SR; i++) sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = 0.0f;
+#pragma unroll 2
+        for (int d4 = 0; d4 < HD / 4; d4++) {
+            float4 kx[4];
+#pragma unroll
+            for (int j = 0; j < 4; j++) kx[j] = *(const float4 *)(k_s + (kg + 8 * j) * C::KP + 4 * d4);
+#pragma unroll
+            for (int i = 0; i < C::SR; i++) {
+                const int row = rg + 16 * i;
+                if (row < R) {
+                    const float4 qx = *(const float4 *)(q_s + row * C::QP + 4 * d4);
+#pragma unroll
+                    for (int j = 0; j < 4; j++) {
+                        float a = sc[i][j];
+                        a = fmaf(qx.x, kx[j].x, a);
+                        a = fmaf(qx.y, kx[j].y, a);
+                        a = fmaf(qx.z, kx[j].z, a);
+                        a = fmaf(qx.w, kx[j].w, a);
+                        sc[i][j] = a;
+                    }
+                }
+            }
+        }
+        /* online softmax per row; the 8 lanes kg of a row run it together (every
+         * lane of the warp executes the shuffles; rows without keys commit nothing) */
+#pragma unroll
+        for (int i = 0; i < C::SR; i++) {
+            const int row = rg + 16 * i;
+            const int64_t left = row < R ? (int64_t)nk_s[row] - kb : 0;
+            const int c = (int)max((int64_t)0, min((int64_t)PT_TK, left));
+            float sv[4], mx = -INFINITY;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                sv[j] = kg + 8 * j < c ? sc[i][j] : -INFINITY;
+                mx = fmaxf(mx, sv[j]);
+            }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+            const float mnew = fmaxf(m_r[i], mx);
+            const float base = mnew == -INFINITY ? 0.0f : mnew;
+            float p[4];
+#pragma unroll
+            for (int j = 0; j < 4; j++) p[j] = exp2f(__fsub_rn(sv[j], base));
+            float sum = __fadd_rn(__fadd_rn(__fadd_rn(p[0], p[1]), p[2]), p[3]);
+            sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
+            sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
+            sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 4));
+            const float alpha = exp2f(__fsub_rn(m_r[i], base));
+            if (c > 0) {
+                l_r[i] = __fadd_rn(__fmul_rn(l_r[i], alpha), sum);
+                m_r[i] = mnew;
+#pragma unroll
+                for (int j = 0; j < 4; j++) p_s[row * C::PP + kg + 8 * j] = p[j];
+                if (kg == 0) alpha_s[row] = alpha;
+            }
+            if (kg == 0) cnt_s[row] = c; /* row < 16 SR = PT_ROWS */
+        }
+        __syncthreads();
+        /* PV: thread (prg, pdg) owns dims PD pdg .. of rows prg + 8 i */
+        int cnt[C::PR];
+#pragma unroll
+        for (int i = 0; i < C::PR; i++) {
+            const int row = prg + 8 * i;
+            cnt[i] = row < R ? cnt_s[row] : 0;
+            if (cnt[i] > 0) {
+                const float a = alpha_s[row];
+#pragma unroll
+                for (int d = 0; d < C::PD; d++) acc[i][d] = __fmul_rn(acc[i][d], a);
+            }
+        }
+#pragma unroll 2
+        for (int j4 = 0; j4 < PT_TK / 4; j4++) {
+            float4 pv[C::PR];
+#pragma unroll
+            for (int i = 0; i < C::PR; i++)
+                pv[i] = cnt[i] > 4 * j4 ? *(const float4 *)(p_s + (prg + 8 * i) * C::PP + 4 * j4)
+                                        : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int jj = 0; jj < 4; jj++) {
+                const int j = 4 * j4 + jj;
+                float vv[C::PD];
+#pragma unroll
+                for (int d4 = 0; d4 < C::PD / 4; d4++) {
+                    const float4 x = *(const float4 *)(v_s + j * HD + C::PD * pdg + 4 * d4);
+                    vv[4 * d4] = x.x, vv[4 * d4 + 1] = x.y, vv[4 * d4 + 2] = x.z, vv[4 * d4 + 3] = x.w;
+                }
+#pragma unroll
+                for (int i = 0; i < C::PR; i++) {
+                    if (j < cnt[i]) {
+                        const float pj = jj == 0 ? pv[i].x : jj == 1 ? pv[i].y : jj == 2 ? pv[i].z : pv[i].w;
+#pragma unroll
+                        for (int d = 0; d < C::PD; d++) acc[i][d] = fmaf(pj, vv[d], acc[i][d]);
+                    }
+                }
+            }
+        }
+        __syncthreads(); /* buffer tt & 1, p_s and cnt_s are free again */
+    }
+    if (kg == 0) {
+#pragma unroll
+        for (int i = 0; i < C::SR; i++) {
+            const int row = rg + 16 * i;
+            if (row < R) m_s[row] = m_r[i], l_s[row] = l_r[i];
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < C::PR; i++) {
+        const int row = prg + 8 * i;
+        if (row >= R) continue;
+        const int nk = nk_s[row];
+        if (nk <= kv_begin) continue; /* this token has no keys in the range */
+        const int ns = (nk + PA_SPLIT - 1) / PA_SPLIT;
+        const int64_t t = t0 + row / Gc;
+        const int h = h0 + row % Gc;
+        const int64_t grow = t * H + h, lrow = (t - o.tok0) * H + h;
+        if (ns == 1) {
+            float *dst = o.out + grow * HD + C::PD * pdg;
+            const float l = l_s[row];
+#pragma unroll
+            for (int d = 0; d < C::PD; d++) dst[d] = __fdiv_rn(acc[i][d], l);
+        } else {
+            float *dst = o.part_acc + ((size_t)sp * o.rows + lrow) * HD + C::PD * pdg;
+#pragma unroll
+            for (int d = 0; d < C::PD; d++) dst[d] = acc[i][d];
+            if (pdg == 0) {
+                o.part_m[sp * o.rows + lrow] = m_s[row];
+                o.part_l[sp * o.rows + lrow] = l_s[row];
+            }
+        }
+    }
+}
+
+/* The merge of the tile kernel's ranges: st_attn_merge_row (loads spread over
+ * the block); grid (sub-batch tokens * H), rows with one range skip. */
+template <int HD>
+static __global__ void __launch_bounds__(128)
+    pa_merge_fast_kernel(st_paged_kv kv, const int32_t *__restrict__ seq, const int32_t *__restrict__ pos, int H,
+                         int64_t max_nk, pa_out o) {
+    st_pdl_wait();
+    st_pdl_trigger();
+    const int64_t row = blockIdx.x;
+    const pa_tok tk = pa_token(kv, seq, pos, o.tok0 + row / H, max_nk);
+    const int ns = (int)((tk.nk + PA_SPLIT - 1) / PA_SPLIT);
+    if (ns <= 1) return; /* written directly (or NaN) by the main kernel; uniform over the block */
+    st_attn_merge_row<HD>(o.part_acc, o.part_m, o.part_l, o.rows, row, ns, o.out + (o.tok0 * H + row) * HD);
+}
+
 /* ---- generic: any head_dim or alignment, fp32, one block per (token, head) ---------- */
 
 #define PG_THREADS 128
@@ -312,7 +565,8 @@ static __global__ void __launch_bounds__(PA_THREADS)
  * ranges and merge as the tiled kernel; keys 128 at a time within a range. */
 static __global__ void __launch_bounds__(PG_THREADS)
     pa_generic_kernel(const float *__restrict__ q, st_paged_kv kv, const int32_t *__restrict__ seq,
-                      const int32_t *__restrict__ pos, int H, int Hkv, int hd, float qscale, pa_out o) {
+                      const int32_t *__restrict__ pos, int H, int Hkv, int hd, int64_t max_nk, float qscale,
+                      pa_out o) {
     extern __shared__ float pg_sm[];
     float *q_s = pg_sm, *acc_s = pg_sm + hd, *p_s = acc_s + hd;
     __shared__ float red[32];
@@ -320,7 +574,7 @@ static __global__ void __launch_bounds__(PG_THREADS)
     st_pdl_trigger();
     const int64_t lrow = blockIdx.x, t = o.tok0 + lrow / H, grow = o.tok0 * H + lrow;
     const int h = (int)(lrow % H), kvh = h / (H / Hkv), sp = blockIdx.y;
-    const pa_tok tk = pa_token(kv, seq, pos, t);
+    const pa_tok tk = pa_token(kv, seq, pos, t, max_nk);
     if (tk.nk == 0) {
         if (sp == 0)
             for (int d = threadIdx.x; d < hd; d += PG_THREADS) o.out[grow * hd + d] = __int_as_float(0x7fc00000);
@@ -398,6 +652,24 @@ strata_status st_cuda_attention_paged_setup(st_cuda *c) {
     if ((st = pa_set_attr<HD, RM>()) != STRATA_OK) return st;
     SET(64, 4) SET(64, 8) SET(64, 16) SET(128, 4) SET(128, 8) SET(128, 16)
 #undef SET
+    ST_CUDA_TRY(cudaFuncSetAttribute(pa_tile_kernel<64>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     (int)pt_cfg<64>::smem));
+    ST_CUDA_TRY(cudaFuncSetAttribute(pa_tile_kernel<128>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     (int)pt_cfg<128>::smem));
+    return STRATA_OK;
+}
+
+template <int HD>
+static strata_status pa_launch_tile(st_cuda *c, cudaStream_t s, const float *q, const st_paged_kv &kv,
+                                    const int32_t *seq, const int32_t *pos, int64_t nt, int H, int Hkv, int nsplit,
+                                    int64_t max_nk, float qscale, const pa_out &o) {
+    const int G = H / Hkv, GC = G < PT_ROWS ? G : PT_ROWS, hchunks = (G + GC - 1) / GC, TQ = PT_ROWS / GC;
+    ST_CUDA_TRY(st_launch(c->pdl, pa_tile_kernel<HD>, dim3((unsigned)nt, (unsigned)(Hkv * hchunks), (unsigned)nsplit),
+                          dim3(PA_THREADS), pt_cfg<HD>::smem, s, q, kv, seq, pos, H, Hkv, hchunks, GC, TQ, max_nk,
+                          qscale, o));
+    if (nsplit > 1)
+        ST_CUDA_TRY(st_launch(c->pdl, pa_merge_fast_kernel<HD>, dim3((unsigned)(nt * H)), dim3(128), 0, s, kv, seq,
+                              pos, H, max_nk, o));
     return STRATA_OK;
 }
 
@@ -407,7 +679,8 @@ static strata_status pa_launch_tiled(st_cuda *c, cudaStream_t s, const float *q,
                                      float qscale, const pa_out &o) {
     const int G = H / Hkv, hchunks = (G + RMAX - 1) / RMAX;
     ST_CUDA_TRY(st_launch(c->pdl, pa_tiled_kernel<HD, RMAX>, dim3((unsigned)nt, (unsigned)(Hkv * hchunks), (unsigned)nsplit),
-                          dim3(PA_THREADS), pa_smem_bytes<HD, RMAX>(), s, q, kv, seq, pos, H, Hkv, hchunks, qscale, o));
+                          dim3(PA_THREADS), pa_smem_bytes<HD, RMAX>(), s, q, kv, seq, pos, H, Hkv, hchunks,
+                          (int64_t)nsplit * PA_SPLIT, qscale, o));
     return STRATA_OK;
 }
 
@@ -428,7 +701,8 @@ strata_status st_cuda_op_attention_paged(st_backend *be, st_cuda_stream *s, cons
     const int nsplit = (int)nsplit64;
     const bool tiled = (hd == 64 || hd == 128) && st_cuda_aligned(q, 16) && st_cuda_aligned(kv->k_cache, 16) &&
                        st_cuda_aligned(kv->v_cache, 16);
-    const int RMAX = G <= 4 ? 4 : G <= 8 ? 8 : 16;
+    const bool tile = tiled && !c->attn_old && st_cuda_aligned(out, 4); /* the tile kernel (default) */
+    const int RMAX = tile ? PT_ROWS : G <= 4 ? 4 : G <= 8 ? 8 : 16;
     if (tiled && (int64_t)Hkv * ((G + RMAX - 1) / RMAX) > 65535)
         return st_err(STRATA_ERR_INVALID_ARG, "cuda attention_paged: %d kv heads is too many", Hkv);
     const size_t gsmem = (size_t)(2 * hd + PG_THREADS) * sizeof(float);
@@ -439,7 +713,9 @@ strata_status st_cuda_op_attention_paged(st_backend *be, st_cuda_stream *s, cons
     const size_t per_tok = nsplit > 1 ? (size_t)nsplit * n_heads * (head_dim + 2) * sizeof(float) : 0;
     int64_t nt_max = per_tok ? (int64_t)(PA_SCRATCH_CAP / per_tok) : n;
     if (nt_max < 1) nt_max = 1;
+    if (nt_max > PT_ROWS) nt_max -= nt_max % PT_ROWS; /* sub-batches keep whole tiles (speed only) */
     if (nt_max > n) nt_max = n;
+    const int64_t max_nk = (int64_t)nsplit * PA_SPLIT;
     pa_out o = {out, nullptr, nullptr, nullptr, 0, 0};
     if (per_tok) {
         const int64_t rows = nt_max * n_heads;
@@ -458,6 +734,12 @@ strata_status st_cuda_op_attention_paged(st_backend *be, st_cuda_stream *s, cons
         o.tok0 = t0;
         o.rows = nt * n_heads;
         strata_status st = STRATA_OK;
+        if (tile) {
+            st = hd == 64 ? pa_launch_tile<64>(c, s->s, q, *kv, seq, pos, nt, H, Hkv, nsplit, max_nk, qscale, o)
+                          : pa_launch_tile<128>(c, s->s, q, *kv, seq, pos, nt, H, Hkv, nsplit, max_nk, qscale, o);
+            if (st != STRATA_OK) return st;
+            continue;
+        }
         if (tiled) {
 #define TL(HDV, RM) st = pa_launch_tiled<HDV, RM>(c, s->s, q, *kv, seq, pos, nt, H, Hkv, nsplit, qscale, o)
             if (hd == 64) {
@@ -472,12 +754,12 @@ strata_status st_cuda_op_attention_paged(st_backend *be, st_cuda_stream *s, cons
 #undef TL
         } else {
             ST_CUDA_TRY(st_launch(c->pdl, pa_generic_kernel, dim3((unsigned)(nt * n_heads), (unsigned)nsplit),
-                                  dim3(PG_THREADS), gsmem, s->s, q, *kv, seq, pos, H, Hkv, hd, qscale, o));
+                                  dim3(PG_THREADS), gsmem, s->s, q, *kv, seq, pos, H, Hkv, hd, max_nk, qscale, o));
         }
         if (st != STRATA_OK) return st;
         if (nsplit > 1)
             ST_CUDA_TRY(st_launch(c->pdl, pa_merge_kernel, dim3((unsigned)(nt * n_heads)), dim3(128), 0, s->s, *kv,
-                                  seq, pos, H, hd, o));
+                                  seq, pos, H, hd, max_nk, o));
     }
     return STRATA_OK;
 }

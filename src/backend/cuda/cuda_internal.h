@@ -89,6 +89,7 @@ typedef enum {
     ST_CUDA_SCRATCH_LT,    /* cuBLASLt workspace */
     ST_CUDA_SCRATCH_TMP,   /* an op's intermediate result (matmul_swiglu's up projection) */
     ST_CUDA_SCRATCH_SMALL, /* per-block partial results (argmax) */
+    ST_CUDA_SCRATCH_STACK, /* stacked hi/lo GEMM results (precise bf16 matmul, <= 256 tokens) */
     ST_CUDA_SCRATCH_COUNT
 } st_cuda_scratch_slot;
 
@@ -119,6 +120,10 @@ typedef struct {
     bool fast_prefill;        /* set_fast_prefill: bf16-rounded operands in GEMMs and prefill attention */
     bool pdl;                 /* launch the decode-path kernels with programmatic dependent launch
                                  (STRATA_CUDA_PDL=0 turns it off) */
+    bool attn_old;            /* STRATA_ATTN=old (read at init): the previous attention kernels
+                                 (split sizing, merge, paged kernel), kept for comparison */
+    int attn_dec_bpsm[2][3];  /* blocks per SM of the contiguous decode attention kernel
+                                 [hd 64, 128][rows 4, 8, 16] (st_cuda_attention_setup) */
 } st_cuda;
 
 static inline st_cuda *st_cuda_of(st_backend *be) { return (st_cuda *)be->impl; }
@@ -170,6 +175,8 @@ strata_status st_cuda_op_kv_store_paged(st_backend *be, st_cuda_stream *s, float
 strata_status st_cuda_op_attention_paged(st_backend *be, st_cuda_stream *s, const float *q, const st_paged_kv *kv,
                                          const int32_t *seq, const int32_t *pos, int64_t n, int64_t n_heads,
                                          int64_t n_kv_heads, int64_t head_dim, float scale, float *out);
+strata_status st_cuda_op_sample(st_backend *be, st_cuda_stream *s, const float *logits, int64_t n, int64_t vocab,
+                                const st_sample_args *args, int32_t *out);
 
 /* Graphs (cuda_graph.c), backend.h's graph_* with the same contracts. */
 strata_status st_cuda_graph_begin(st_backend *be, st_stream *s);

@@ -3,6 +3,13 @@
  * SwiGLU in one op), backend.h.
  *
  * Paths (chosen per call):
+ *   GEMV, staged (default; cuda_gemv.cu): bf16, f16, q8_0, q4_0, q4_1 and q4_k
+ *     weights whose rows are a multiple of 16 bytes (all real model shapes),
+ *     same n limits as below: weight bytes copied to shared memory with
+ *     coalesced 16-byte cp.async several stages ahead (the first ones before
+ *     the PDL wait), block scales factored out of the dot products. The
+ *     kernel below stays for the other cases and for STRATA_GEMV=old (read
+ *     once at backend init), which selects it everywhere.
  *   GEMV (n <= 8 for f32/f16/bf16, n <= 32 for quantized types): a custom
  *     kernel that reads each weight row once at HBM speed and decodes it in
  *     registers (st_unit: 8 to 32 elements per thread, packed bytes loaded
@@ -55,37 +62,34 @@
  * A = W with op T (lda = K), B = x with op N (ldb = K), C = y (ldc = N), the
  * "TN" layout cuBLASLt is fastest at. Plans (descriptors, layouts and the
  * heuristic's algorithm) are cached per shape and pointer alignment. */
+#include <stdlib.h>
 #include <string.h>
 
 #include "backend/cuda/cuda_common.cuh"
+#include "backend/cuda/cuda_gemv.cuh"
 #include "backend/cuda/cuda_internal.h"
 
 #define MMV_WARPS 4          /* scalar fallback: rows per block */
-#define GEMM_MIN_N 9          /* plain weights: GEMV below this */
-#define GEMM_MIN_N_QUANT 33   /* quantized weights: GEMV below this */
+#define GEMM_MIN_N 4          /* plain weights: GEMV below this (H200: the GEMV wins at n <= 3, the precise GEMM from n = 4: 38 vs 38 us at n = 4, 38 vs 101 us at n = 8 for 14336 x 4096) */
+#define GEMM_MIN_N_QUANT 12   /* quantized weights: GEMV below this (dequantize + GEMM costs ~240 us for 14336 x 4096 at any n; the GEMV 155 us at n = 8, 306 us at n = 16) */
 #define DQ_SLAB_BYTES ((size_t)64 << 20)
+/* precise bf16 GEMMs with at most this many tokens run as ONE GEMM over the
+ * stacked [x_hi; x_lo] (2n columns), so the weights are read once per step
+ * (decode batches), instead of two GEMMs that each read them */
+#define STACK_MAX_N 256
+#define STACK_SLAB_BYTES ((size_t)32 << 20) /* fp32 [2n, rows] partial results per slab */
 #define LT_WS_BYTES ((size_t)32 << 20)
 #define LT_PLANS 64
-#define MMV_MAX_W 4           /* weights one GEMV launch covers */
+#define MMV_MAX_W ST_GEMV_MAX_W /* weights one GEMV launch covers */
 
 /* ---- GEMV ---------------------------------------------------------------------- */
 
 ST_DEV float silu_mul(float g, float u) { return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u); }
 
-/* One launch's weights: weight i owns blocks [b0[i], b0[i+1]) and writes y[i]
- * (row stride N[i]). In SwiGLU mode w[0] is the gate, w[1] the up projection,
- * and every block covers rows of both. */
-struct mmv_args {
-    const uint8_t *w[MMV_MAX_W];
-    float *y[MMV_MAX_W];
-    int64_t N[MMV_MAX_W];
-    unsigned b0[MMV_MAX_W];
-    int count;
-    size_t rb;   /* bytes per weight row (same dtype and K for all) */
-    int64_t K;
-    const float *x;
-    int64_t n;
-};
+/* One launch's weights (cuda_gemv.cuh): weight i owns blocks [b0[i], b0[i+1])
+ * and writes y[i] (row stride N[i]). In SwiGLU mode w[0] is the gate, w[1]
+ * the up projection, and every block covers rows of both. */
+typedef st_gemv_args mmv_args;
 
 /* Block b computes rows [R b', +R) (b' its index within its weight) for
  * tokens [NT by, +NT); its threads split the row into units (st_unit<T>) and
@@ -224,7 +228,7 @@ static strata_status launch_mmv(cudaStream_t s, bool pdl, mmv_args a) {
 }
 
 template <int T, bool SW>
-static strata_status gemv(cudaStream_t s, bool pdl, const mmv_args &a) {
+static strata_status gemv_old(cudaStream_t s, bool pdl, const mmv_args &a) {
     /* R rows per block: x is re-read from L1 once per R rows, which bounds
      * the speed for several tokens; plain types have registers to spare.
      * SwiGLU blocks hold 2R rows, so R is halved where registers are short. */
@@ -296,6 +300,18 @@ static __global__ void __launch_bounds__(256) x_to_bf16_kernel(const float *__re
     }
 }
 
+/* y[t, r0 + r] = s[t, r] + s[n + t, r] for t < n, r < rows: the hi and lo
+ * halves of a stacked GEMM (s: [2n, rows]) summed into columns of y (row
+ * stride ldy). One rounding, as the beta = 1 epilogue of the two-GEMM path. */
+static __global__ void __launch_bounds__(256) stack_sum_kernel(const float *__restrict__ s, int64_t n, int64_t rows,
+                                                              float *__restrict__ y, int64_t ldy) {
+    const int64_t total = n * rows, stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const int64_t t = i / rows, r = i % rows;
+        y[t * ldy + r] = s[i] + s[total + i];
+    }
+}
+
 /* Weight rows [r0, r0 + rows) dequantized exactly, then as bf16: SPLIT: rows
  * of 3K = [hi | lo | hi]; else rows of K = bf16(w). K % 8 == 0. */
 template <int T, bool SPLIT>
@@ -336,6 +352,8 @@ typedef struct {
 struct st_cuda_lt_cache {
     lt_plan plans[LT_PLANS];
     int next_evict;
+    bool gemv_old; /* STRATA_GEMV=old at init: the older GEMV kernel (mmv_kernel) only */
+    int gemm_min_n, gemm_min_n_quant; /* token counts from which GEMMs replace the GEMV */
 };
 
 static void plan_clear(lt_plan *p) {
@@ -349,7 +367,13 @@ static void plan_clear(lt_plan *p) {
 strata_status st_cuda_matmul_setup(st_cuda *c) {
     c->lt_cache = (st_cuda_lt_cache *)st_calloc(1, sizeof *c->lt_cache);
     if (!c->lt_cache) return st_err(STRATA_ERR_NOMEM, "cuda matmul: out of memory");
-    return STRATA_OK;
+    const char *g = getenv("STRATA_GEMV"); /* "old": keep the older GEMV kernel (measurements, fallback) */
+    c->lt_cache->gemv_old = g && strcmp(g, "old") == 0;
+    /* STRATA_GEMM_MIN_N / STRATA_GEMM_MIN_N_QUANT override the switch points (tuning, benchmarks) */
+    const char *e = getenv("STRATA_GEMM_MIN_N"), *q = getenv("STRATA_GEMM_MIN_N_QUANT");
+    c->lt_cache->gemm_min_n = e && atoi(e) >= 2 ? atoi(e) : GEMM_MIN_N;
+    c->lt_cache->gemm_min_n_quant = q && atoi(q) >= 2 ? atoi(q) : GEMM_MIN_N_QUANT;
+    return c->lt_cache->gemv_old ? STRATA_OK : st_cuda_gemv2_setup();
 }
 
 void st_cuda_matmul_teardown(st_cuda *c) {
@@ -456,6 +480,15 @@ static strata_status lt_gemm(st_backend *be, st_cuda_stream *s, cudaDataType_t a
 
 /* ---- dispatch ------------------------------------------------------------------------ */
 
+/* The GEMV: the staged kernels (cuda_gemv.cu) where they apply (bf16, f16,
+ * q8_0, q4_0, q4_1, q4_k with 16-byte multiple rows) unless STRATA_GEMV=old,
+ * else mmv_kernel above. */
+template <int T, bool SW>
+static strata_status gemv(st_cuda *c, cudaStream_t s, const mmv_args &a) {
+    if (!c->lt_cache->gemv_old && st_cuda_gemv2_supports(T, a.rb)) return st_cuda_gemv2(s, c->pdl, T, SW, a);
+    return gemv_old<T, SW>(s, c->pdl, a);
+}
+
 /* x [n, K] -> bf16 in scratch slot X, layout L (sizes: XL_HI n K, else 2 n K or 3 n K). */
 template <int L>
 static strata_status x_to_bf16(st_backend *be, st_cuda_stream *s, const float *x, int64_t n, int64_t K,
@@ -499,8 +532,8 @@ static strata_status gemv_x(st_backend *be, st_cuda_stream *s, const float *x, i
     return STRATA_OK;
 }
 
-static bool use_gemv(const st_weight *w, int64_t n) {
-    return n < (st_dtype_get(w->dtype)->quantized ? GEMM_MIN_N_QUANT : GEMM_MIN_N);
+static bool use_gemv(const st_cuda *c, const st_weight *w, int64_t n) {
+    return n < (st_dtype_get(w->dtype)->quantized ? c->lt_cache->gemm_min_n_quant : c->lt_cache->gemm_min_n);
 }
 
 template <int T>
@@ -508,13 +541,13 @@ static strata_status matmul_t(st_backend *be, st_cuda_stream *s, const float *x,
                               float *y) {
     const int64_t N = w->rows, K = w->cols;
     if (K % 8) {
-        if (T == ST_DTYPE_F32 && n >= GEMM_MIN_N) return lt_gemm(be, s, CUDA_R_32F, w->data, x, y, N, n, K, N, 0.0f);
+        if (T == ST_DTYPE_F32 && !use_gemv(st_cuda_of(be), w, n)) return lt_gemm(be, s, CUDA_R_32F, w->data, x, y, N, n, K, N, 0.0f);
         return gemv_scalar<T>(s->s, w, x, n, y);
     }
-    if (use_gemv(w, n)) {
+    if (use_gemv(st_cuda_of(be), w, n)) {
         strata_status st = gemv_x(be, s, x, n, K, &x);
         if (st != STRATA_OK) return st;
-        return gemv<T, false>(s->s, st_cuda_of(be)->pdl, mmv_one(w, x, n, y));
+        return gemv<T, false>(st_cuda_of(be), s->s, mmv_one(w, x, n, y));
     }
     if (T == ST_DTYPE_F32) return lt_gemm(be, s, CUDA_R_32F, w->data, x, y, N, n, K, N, 0.0f);
     if (!st_cuda_aligned(x, 16)) return gemv_scalar<T>(s->s, w, x, n, y); /* rare: the exact GEMV passes */
@@ -528,6 +561,25 @@ static strata_status matmul_t(st_backend *be, st_cuda_stream *s, const float *x,
             return lt_gemm(be, s, CUDA_R_16BF, w->data, xb, y, N, n, K, N, 0.0f);
         }
         if ((st = x_to_bf16<XL_PLANES>(be, s, x, n, K, &xb)) != STRATA_OK) return st;
+        if (n <= STACK_MAX_N) { /* the planes as one [2n, K] operand: weights read once */
+            int64_t slab = (int64_t)(STACK_SLAB_BYTES / ((size_t)n * 8)) / 64 * 64;
+            if (slab < 64) slab = 64;
+            if (slab > N) slab = N;
+            void *sb = NULL;
+            if ((st = st_cuda_scratch(be, s, ST_CUDA_SCRATCH_STACK, (size_t)(2 * n * slab) * 4, &sb)) != STRATA_OK)
+                return st;
+            const size_t rb = st_dtype_row_bytes(w->dtype, K);
+            for (int64_t r0 = 0; r0 < N; r0 += slab) {
+                const int64_t rows = N - r0 < slab ? N - r0 : slab;
+                st = lt_gemm(be, s, CUDA_R_16BF, (const uint8_t *)w->data + (size_t)r0 * rb, xb, (float *)sb, rows,
+                             2 * n, K, rows, 0.0f);
+                if (st != STRATA_OK) return st;
+                const unsigned grid = st_grid_for(n * rows, 256, (int64_t)st_cuda_of(be)->sm_count * 16);
+                stack_sum_kernel<<<grid, 256, 0, s->s>>>((const float *)sb, n, rows, y + r0, N);
+                ST_CUDA_LAUNCHED("stack_sum_kernel");
+            }
+            return STRATA_OK;
+        }
         if ((st = lt_gemm(be, s, CUDA_R_16BF, w->data, xb, y, N, n, K, N, 0.0f)) != STRATA_OK) return st;
         return lt_gemm(be, s, CUDA_R_16BF, w->data, xb + n * K, y, N, n, K, N, 1.0f);
     }
@@ -577,7 +629,7 @@ strata_status st_cuda_op_matmul(st_backend *be, st_cuda_stream *s, const float *
 strata_status st_cuda_op_matmul_multi(st_backend *be, st_cuda_stream *s, const float *x, const st_weight *w,
                                       int count, int64_t n, float *const *y) {
     strata_status st;
-    bool one = w[0].cols % 8 == 0 && use_gemv(&w[0], n);
+    bool one = w[0].cols % 8 == 0 && use_gemv(st_cuda_of(be), &w[0], n);
     for (int i = 0; i < count; i++) {
         if ((st = check_sizes(&w[i], n)) != STRATA_OK) return st;
         one = one && w[i].dtype == w[0].dtype;
@@ -595,7 +647,7 @@ strata_status st_cuda_op_matmul_multi(st_backend *be, st_cuda_stream *s, const f
         a.y[i] = y[i];
         a.N[i] = w[i].rows;
     }
-    ST_DTYPE_SWITCH(w[0].dtype, T, return gemv<T, false>(s->s, st_cuda_of(be)->pdl, a));
+    ST_DTYPE_SWITCH(w[0].dtype, T, return gemv<T, false>(st_cuda_of(be), s->s, a));
     return st_err(STRATA_ERR_UNSUPPORTED, "cuda matmul_multi: dtype %s", st_dtype_name(w[0].dtype));
 }
 
@@ -605,11 +657,11 @@ strata_status st_cuda_op_matmul_swiglu(st_backend *be, st_cuda_stream *s, const 
                                        const st_weight *wu, int64_t n, float *out) {
     strata_status st = check_sizes(wg, n);
     if (st != STRATA_OK) return st;
-    if (wg->cols % 8 == 0 && use_gemv(wg, n)) {
+    if (wg->cols % 8 == 0 && use_gemv(st_cuda_of(be), wg, n)) {
         if ((st = gemv_x(be, s, x, n, wg->cols, &x)) != STRATA_OK) return st;
         mmv_args a = mmv_one(wg, x, n, out);
         a.w[1] = (const uint8_t *)wu->data;
-        ST_DTYPE_SWITCH(wg->dtype, T, return gemv<T, true>(s->s, st_cuda_of(be)->pdl, a));
+        ST_DTYPE_SWITCH(wg->dtype, T, return gemv<T, true>(st_cuda_of(be), s->s, a));
         return st_err(STRATA_ERR_UNSUPPORTED, "cuda matmul_swiglu: dtype %s", st_dtype_name(wg->dtype));
     }
     void *tmp = NULL;

@@ -1,0 +1,149 @@
+/* Device code shared by the attention ops (cuda_attention.cu, the contiguous
+ * op, and cuda_attention_paged.cu): cp.async staging, the fp32 SIMT tile of
+ * the decode kernels (online softmax + PV over one staged tile of keys), and
+ * the merge of split-KV partial results. CUDA C only.
+ *
+ * Online softmax per row (both files): running max m, sum l and an
+ * unnormalized accumulator acc; scores are pre-scaled by scale * log2(e) and
+ * exponentiated with exp2. A tile of keys turns (m, l, acc) into
+ *   m' = max(m, max_j s_j), p_j = 2^(s_j - m'), alpha = 2^(m - m'),
+ *   l' = l alpha + sum_j p_j, acc' = acc alpha + sum_j p_j v_j
+ * (m' = -inf: base 0 instead, so that no inf - inf appears). */
+#pragma once
+#include <math.h>
+
+#include "backend/cuda/cuda_common.cuh"
+
+/* ---- cp.async: 16 bytes global -> shared, zero-filled when !valid ------------------- */
+ST_DEV void st_cp_async16(void *smem, const void *gmem, bool valid) {
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
+    const int n = valid ? 16 : 0; /* 0: nothing read, 16 bytes of zeros written */
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(gmem), "r"(n));
+}
+ST_DEV void st_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+ST_DEV void st_cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+/* ---- the fp32 SIMT tile of the decode kernels ------------------------------------------
+ * 128 threads (4 warps), up to RMAX rows, one tile of TK = 32 keys staged in
+ * shared memory: k_s [TK][HD + 4] (padded), v_s [TK][HD]; q_s [RMAX][HD]
+ * (pre-scaled). Scores: lane j scores key kb + j against rows warp, warp + 4,
+ * ...; visible(r, key) says whether row r sees the key (else -inf). The warp
+ * does the softmax update of its rows (m_r, l_r: rows warp + 4 i), writes p
+ * to p_s [RMAX][TK] and alpha to alpha_s [RMAX]; after a barrier, thread tid
+ * owns column tid % HD of rows tid / HD, tid / HD + 128 / HD, ... (acc).
+ * Ends after the PV product without a barrier: the caller synchronizes before
+ * the tile's buffers or p_s are written again. Rows >= R are left alone. */
+template <int HD, int RMAX, typename Visible>
+ST_DEV void st_attn_simt_tile(const float *q_s, const float *k_s, const float *v_s, float *p_s, float *alpha_s,
+                              int R, int64_t kb, Visible visible, float *m_r, float *l_r, float *acc) {
+    constexpr int TK = 32;
+    constexpr int KP = HD + 4;
+    constexpr int RPW = RMAX / 4;  /* rows per warp in the score phase */
+    constexpr int CG = 128 / HD;   /* thread groups per column (1 or 2) */
+    constexpr int RPT = RMAX / CG; /* rows per thread in the PV phase */
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    float s[RPW];
+#pragma unroll
+    for (int i = 0; i < RPW; i++) s[i] = 0.0f;
+#pragma unroll 4
+    for (int d4 = 0; d4 < HD / 4; d4++) {
+        const float4 kx = *(const float4 *)(k_s + lane * KP + 4 * d4);
+#pragma unroll
+        for (int i = 0; i < RPW; i++) {
+            const int r = warp + 4 * i;
+            if (r < R) {
+                const float4 qx = *(const float4 *)(q_s + r * HD + 4 * d4);
+                s[i] = fmaf(qx.x, kx.x, fmaf(qx.y, kx.y, fmaf(qx.z, kx.z, fmaf(qx.w, kx.w, s[i]))));
+            }
+        }
+    }
+    const int64_t key = kb + lane;
+#pragma unroll
+    for (int i = 0; i < RPW; i++) {
+        const int r = warp + 4 * i;
+        if (r < R) { /* warp-uniform */
+            const float sv = visible(r, key) ? s[i] : -INFINITY;
+            const float mnew = fmaxf(m_r[i], st_warp_max(sv));
+            const float base = mnew == -INFINITY ? 0.0f : mnew;
+            const float p = exp2f(sv - base);
+            const float alpha = exp2f(m_r[i] - base);
+            l_r[i] = l_r[i] * alpha + st_warp_sum(p);
+            m_r[i] = mnew;
+            p_s[r * TK + lane] = p;
+            if (lane == 0) alpha_s[r] = alpha;
+        }
+    }
+    __syncthreads();
+    const int dcol = tid % HD, rg = tid / HD;
+#pragma unroll
+    for (int i = 0; i < RPT; i++) {
+        const int r = rg + CG * i;
+        if (r < R) acc[i] *= alpha_s[r];
+    }
+#pragma unroll 2
+    for (int j4 = 0; j4 < TK / 4; j4++) {
+        const float v0 = v_s[(4 * j4 + 0) * HD + dcol], v1 = v_s[(4 * j4 + 1) * HD + dcol];
+        const float v2 = v_s[(4 * j4 + 2) * HD + dcol], v3 = v_s[(4 * j4 + 3) * HD + dcol];
+#pragma unroll
+        for (int i = 0; i < RPT; i++) {
+            const int r = rg + CG * i;
+            if (r < R) {
+                const float4 p = *(const float4 *)(p_s + r * TK + 4 * j4);
+                acc[i] = fmaf(p.x, v0, fmaf(p.y, v1, fmaf(p.z, v2, fmaf(p.w, v3, acc[i]))));
+            }
+        }
+    }
+}
+
+/* ---- merge of split-KV partials (the new kernels' merge) --------------------------------
+ * One block of 128 threads merges the ns partial results of one row:
+ * part_m/part_l [sp * stride + row], part_acc [(sp * stride + row) * HD + d];
+ * dst[d] = sum_sp 2^(m_sp - M) acc_sp[d] / sum_sp 2^(m_sp - M) l_sp with
+ * M = max m_sp (a part with m = -inf counts 0). All threads of the block
+ * must call it (it synchronizes). Every sum runs in an order fixed by ns
+ * alone (thread strides, then a fixed tree), so the bits depend only on the
+ * row's own partials: deterministic and batch-invariant. Loads of the
+ * partials are spread over the threads (the previous merge walked every
+ * split serially in each thread). */
+template <int HD>
+ST_DEV void st_attn_merge_row(const float *__restrict__ part_acc, const float *__restrict__ part_m,
+                              const float *__restrict__ part_l, int64_t stride, int64_t row, int ns,
+                              float *__restrict__ dst) {
+    constexpr int D4 = HD / 4;      /* float4 columns */
+    constexpr int SG = 128 / D4;    /* split groups (4 for hd 128, 8 for hd 64) */
+    __shared__ float red[32];
+    __shared__ __align__(16) float4 part_s[SG][D4];
+    const int tid = threadIdx.x;
+    float mx = -INFINITY;
+    for (int sp = tid; sp < ns; sp += 128) mx = fmaxf(mx, part_m[sp * stride + row]);
+    const float M = st_block_max(mx, red);
+    const float base = M == -INFINITY ? 0.0f : M;
+    float ls = 0.0f;
+    for (int sp = tid; sp < ns; sp += 128) {
+        const float m = part_m[sp * stride + row];
+        if (m != -INFINITY) ls = __fadd_rn(ls, __fmul_rn(exp2f(__fsub_rn(m, base)), part_l[sp * stride + row]));
+    }
+    const float L = st_block_sum(ls, red);
+    const int d4 = tid % D4, sg = tid / D4;
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+    for (int sp = sg; sp < ns; sp += SG) {
+        const float m = part_m[sp * stride + row];
+        const float4 x = *((const float4 *)(part_acc + ((size_t)sp * stride + row) * HD) + d4);
+        const float w = m != -INFINITY ? exp2f(__fsub_rn(m, base)) : 0.0f;
+        a.x = fmaf(w, x.x, a.x), a.y = fmaf(w, x.y, a.y), a.z = fmaf(w, x.z, a.z), a.w = fmaf(w, x.w, a.w);
+    }
+    part_s[sg][d4] = a;
+    __syncthreads();
+    if (tid < D4) {
+        float4 o = part_s[0][tid];
+#pragma unroll
+        for (int g = 1; g < SG; g++) {
+            const float4 y = part_s[g][tid];
+            o.x = __fadd_rn(o.x, y.x), o.y = __fadd_rn(o.y, y.y), o.z = __fadd_rn(o.z, y.z), o.w = __fadd_rn(o.w, y.w);
+        }
+        float *d = dst + 4 * tid; /* scalar stores: dst needs no alignment */
+        d[0] = __fdiv_rn(o.x, L), d[1] = __fdiv_rn(o.y, L), d[2] = __fdiv_rn(o.z, L), d[3] = __fdiv_rn(o.w, L);
+    }
+}

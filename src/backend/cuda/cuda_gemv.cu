@@ -1,0 +1,497 @@
+/* Decode GEMV, staged version ("gemv2"): y[n, N] = x[n, K] @ w[N, K]^T for
+ * n <= 8 tokens per pass (grid.y covers more), fp32 x and y, fp32
+ * accumulation, weights bf16, f16, q8_0, q4_0, q4_1 or q4_k (cuda_gemv.cuh;
+ * cuda_matmul.cu picks it over its older mmv_kernel unless STRATA_GEMV=old).
+ *
+ * Layout of the work. A block (4 warps) computes R rows of each weight it
+ * covers (2R row slots in SwiGLU mode: gate rows, then up rows) for NT tokens.
+ * A row is cut into stages of 32 units (a unit: the 8 to 32 elements one lane
+ * decodes); warp w takes stages w, w + 4, w + 8, ... and the block adds the
+ * warps' partial sums at the end (a fixed order: deterministic).
+ *
+ * Weight bytes move with cp.async: each warp copies the R rows' bytes of a
+ * stage (16-byte pieces, consecutive lanes on consecutive pieces: fully
+ * coalesced, whatever the block size) into its own ring of NST stages in
+ * shared memory, NST - 1 stages ahead of the one it decodes. Rows must be a
+ * multiple of 16 bytes (st_cuda_gemv2_supports). The first NST - 1 stages are
+ * requested before the PDL wait: weights are never written by kernels (only
+ * by copies and uploads, which are ordinary stream dependencies, not
+ * relaxed by PDL), so their loads overlap the previous kernel's tail; x is
+ * read and y written only after the wait.
+ *
+ * Decoding reads a unit from shared memory (aligned 32-bit words and funnel
+ * shifts where a block's bytes are only 2-byte aligned), turns the packed
+ * integers into exact floats without int-to-float conversions (byte placed
+ * in the mantissa of 2^23, then 2^23 + offset subtracted), and factors the
+ * block scale out of the dot product: a unit contributes
+ * d * sum_j q_j x_j (+ m * sum_j x_j for q4_1; d_i, m_i per sub-block for
+ * q4_k), where the reference dequantizes d * q_j first. d * q_j is exact in
+ * fp32 for q8_0, q4_0 (at most 19 significant bits), so only the rounding of
+ * the sums differs from dequantize-then-dot; both are fp32 accumulations,
+ * within ~1e-6 relative of each other. x is read through L1 (float4 loads),
+ * once per unit and token, and shared by the block's R rows.
+ *
+ * Tokens: for NT <= 2 a lane keeps its unit's x of every token in registers
+ * and decodes row after row; for NT = 4, 8 it decodes all R rows' units into
+ * registers and then walks the tokens. Each weight byte is read once per
+ * pass whatever NT. */
+#include "backend/cuda/cuda_gemv.cuh"
+
+#include "backend/cuda/cuda_common.cuh"
+#include "backend/cuda/cuda_internal.h"
+
+#define G2_WARPS 4
+#define G2_THREADS (G2_WARPS * 32)
+#define G2_WARP_SMEM 9216 /* staging bytes per warp the ring aims at */
+
+/* ---- cp.async (sm_80+) ----------------------------------------------------------- */
+
+ST_DEV void g2_cp16(void *smem, const void *gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+ST_DEV void g2_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> ST_DEV void g2_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+ST_DEV float g2_silu_mul(float g, float u) { return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u); }
+
+/* NW little-endian words of the bytes at byte offset off (even) of a 16-byte
+ * aligned shared buffer s. Reads one word past them when off % 4 == 2. */
+template <int NW>
+ST_DEV void g2_words(const uint8_t *s, int off, uint32_t out[NW]) {
+    const uint32_t *w = (const uint32_t *)s + (off >> 2);
+    const unsigned sh = (unsigned)(off & 2) * 8u; /* 0 or 16 */
+    uint32_t t[NW + 1];
+#pragma unroll
+    for (int i = 0; i < NW; i++) t[i] = w[i];
+    t[NW] = sh ? w[NW] : 0u;
+#pragma unroll
+    for (int i = 0; i < NW; i++) out[i] = __funnelshift_r(t[i], t[i + 1], sh);
+}
+
+ST_DEV float g2_h2f(uint32_t h) { return __half2float(__ushort_as_half((unsigned short)(h & 0xffffu))); }
+
+/* ---- units --------------------------------------------------------------------------
+ * g2<T>: U elements per lane unit in U / 8 runs of 8 contiguous elements (run
+ * j starts at element off(l, j) of the stage, lane l); SB bytes per row and
+ * stage (32 units); decode() gives v[U] (the weights, or for scaled types the
+ * exact small integers q) and NSC scales; accum() adds the unit's dot product
+ * with x (x[U] in the same run order, xs[NXS] its sums from xsum()). */
+template <int T> struct g2;
+
+template <> struct g2<ST_DTYPE_BF16> {
+    static constexpr int U = 8, SB = 512, NSC = 1, NXS = 1;
+    ST_DEV static int off(int l, int) { return 8 * l; }
+    ST_DEV static bool valid(int l, int rem) { return 8 * l < rem; }
+    ST_DEV static void decode(const uint8_t *s, int l, float v[U], float *) {
+        const uint4 q = ((const uint4 *)s)[l];
+        const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            v[2 * i] = __uint_as_float(w[i] << 16);
+            v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+        }
+    }
+    ST_DEV static void xsum(const float *, float *) {}
+    ST_DEV static float accum(const float v[U], const float *, const float x[U], const float *, float acc) {
+#pragma unroll
+        for (int k = 0; k < U; k++) acc = fmaf(v[k], x[k], acc);
+        return acc;
+    }
+};
+
+template <> struct g2<ST_DTYPE_F16> {
+    static constexpr int U = 8, SB = 512, NSC = 1, NXS = 1;
+    ST_DEV static int off(int l, int) { return 8 * l; }
+    ST_DEV static bool valid(int l, int rem) { return 8 * l < rem; }
+    ST_DEV static void decode(const uint8_t *s, int l, float v[U], float *) {
+        const uint4 q = ((const uint4 *)s)[l];
+        const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            v[2 * i] = g2_h2f(w[i]);
+            v[2 * i + 1] = g2_h2f(w[i] >> 16);
+        }
+    }
+    ST_DEV static void xsum(const float *, float *) {}
+    ST_DEV static float accum(const float v[U], const float *, const float x[U], const float *, float acc) {
+#pragma unroll
+        for (int k = 0; k < U; k++) acc = fmaf(v[k], x[k], acc);
+        return acc;
+    }
+};
+
+/* sum_k v[k] x[k] over k in [a, b), starting from 0 */
+template <int A, int B>
+ST_DEV float g2_dot(const float *v, const float *x) {
+    float p = __fmul_rn(v[A], x[A]);
+#pragma unroll
+    for (int k = A + 1; k < B; k++) p = fmaf(v[k], x[k], p);
+    return p;
+}
+
+/* Q8_0: unit = half a block (16 int8, contiguous elements 16 l ..), its d. */
+template <> struct g2<ST_DTYPE_Q8_0> {
+    static constexpr int U = 16, SB = 16 * 34, NSC = 1, NXS = 1;
+    ST_DEV static int off(int l, int j) { return 16 * l + 8 * j; }
+    ST_DEV static bool valid(int l, int rem) { return 32 * (l >> 1) < rem; }
+    ST_DEV static void decode(const uint8_t *s, int l, float v[U], float *sc) {
+        const int b = 34 * (l >> 1);
+        sc[0] = g2_h2f(((const uint16_t *)s)[b >> 1]);
+        uint32_t w[4];
+        g2_words<4>(s, b + 2 + 16 * (l & 1), w);
+#pragma unroll
+        for (int i = 0; i < 4; i++) st_bytes_f4(w[i] ^ 0x80808080u, 128.0f, v + 4 * i); /* int8 -> uint8 + 128 */
+    }
+    ST_DEV static void xsum(const float *, float *) {}
+    ST_DEV static float accum(const float v[U], const float *sc, const float x[U], const float *, float acc) {
+        return fmaf(sc[0], g2_dot<0, U>(v, x), acc);
+    }
+};
+
+/* Q4_0: unit = 8 bytes of a block's nibbles (bytes 8h.., h = l & 1): run 0 =
+ * low nibbles (elements 8h ..), run 1 = high nibbles (16 + 8h ..). */
+template <> struct g2<ST_DTYPE_Q4_0> {
+    static constexpr int U = 16, SB = 16 * 18, NSC = 1, NXS = 1;
+    ST_DEV static int off(int l, int j) { return 32 * (l >> 1) + 8 * (l & 1) + 16 * j; }
+    ST_DEV static bool valid(int l, int rem) { return 32 * (l >> 1) < rem; }
+    ST_DEV static void decode(const uint8_t *s, int l, float v[U], float *sc) {
+        const int b = 18 * (l >> 1);
+        sc[0] = g2_h2f(((const uint16_t *)s)[b >> 1]);
+        uint32_t w[2];
+        g2_words<2>(s, b + 2 + 8 * (l & 1), w);
+        st_bytes_f4(w[0] & 0x0f0f0f0fu, 8.0f, v);
+        st_bytes_f4(w[1] & 0x0f0f0f0fu, 8.0f, v + 4);
+        st_bytes_f4((w[0] >> 4) & 0x0f0f0f0fu, 8.0f, v + 8);
+        st_bytes_f4((w[1] >> 4) & 0x0f0f0f0fu, 8.0f, v + 12);
+    }
+    ST_DEV static void xsum(const float *, float *) {}
+    ST_DEV static float accum(const float v[U], const float *sc, const float x[U], const float *, float acc) {
+        return fmaf(sc[0], g2_dot<0, U>(v, x), acc);
+    }
+};
+
+/* Q4_1: as Q4_0 with q = nibble and the block's m: d sum q x + m sum x. */
+template <> struct g2<ST_DTYPE_Q4_1> {
+    static constexpr int U = 16, SB = 16 * 20, NSC = 2, NXS = 1;
+    ST_DEV static int off(int l, int j) { return 32 * (l >> 1) + 8 * (l & 1) + 16 * j; }
+    ST_DEV static bool valid(int l, int rem) { return 32 * (l >> 1) < rem; }
+    ST_DEV static void decode(const uint8_t *s, int l, float v[U], float *sc) {
+        const uint32_t *b = (const uint32_t *)s + 5 * (l >> 1); /* blocks are 4-byte aligned */
+        const uint32_t dm = b[0];
+        sc[0] = g2_h2f(dm);
+        sc[1] = g2_h2f(dm >> 16);
+        const uint32_t w0 = b[1 + 2 * (l & 1)], w1 = b[2 + 2 * (l & 1)];
+        st_bytes_f4(w0 & 0x0f0f0f0fu, 0.0f, v);
+        st_bytes_f4(w1 & 0x0f0f0f0fu, 0.0f, v + 4);
+        st_bytes_f4((w0 >> 4) & 0x0f0f0f0fu, 0.0f, v + 8);
+        st_bytes_f4((w1 >> 4) & 0x0f0f0f0fu, 0.0f, v + 12);
+    }
+    ST_DEV static void xsum(const float *x, float *xs) {
+        float t = x[0];
+#pragma unroll
+        for (int k = 1; k < U; k++) t = __fadd_rn(t, x[k]);
+        xs[0] = t;
+    }
+    ST_DEV static float accum(const float v[U], const float *sc, const float x[U], const float *xs, float acc) {
+        return fmaf(sc[1], xs[0], fmaf(sc[0], g2_dot<0, U>(v, x), acc));
+    }
+};
+
+/* Q4_K: unit = 16 bytes i (0..1) of the nibbles of 64-element chunk c of a
+ * block (l = 8 block + 2c + i, as st_unit<Q4_K>): runs 0, 1 = low nibbles
+ * (sub-block 2c, elements 16i ..), runs 2, 3 = high nibbles (sub-block
+ * 2c + 1). Element = (d s) q - dmin m per sub-block: d s sum q x - dmin m sum x. */
+template <> struct g2<ST_DTYPE_Q4_K> {
+    static constexpr int U = 32, SB = 4 * 144, NSC = 4, NXS = 2;
+    ST_DEV static int off(int l, int j) {
+        return 256 * (l >> 3) + 64 * ((l >> 1) & 3) + 16 * (l & 1) + 8 * (j & 1) + 32 * (j >> 1);
+    }
+    ST_DEV static bool valid(int l, int rem) { return 256 * (l >> 3) < rem; }
+    ST_DEV static void decode(const uint8_t *s, int l, float v[U], float *sc) {
+        const uint8_t *b = s + 144 * (l >> 3); /* 16-byte aligned */
+        const int c = (l >> 1) & 3, i = l & 1;
+        const uint4 hd = *(const uint4 *)b; /* d, dmin | scales[12] */
+        const uint4 q = *(const uint4 *)(b + 16 + 32 * c + 16 * i);
+        const uint32_t s0 = hd.y, s1 = hd.z, s2 = hd.w;
+        const uint32_t scw = c < 2 ? (s0 & 0x3f3f3f3fu) : ((s2 & 0x0f0f0f0fu) | ((s0 >> 2) & 0x30303030u));
+        const uint32_t mnw = c < 2 ? (s1 & 0x3f3f3f3fu) : (((s2 >> 4) & 0x0f0f0f0fu) | ((s1 >> 2) & 0x30303030u));
+        const uint32_t k = (uint32_t)(2 * c) & 3u;
+        const float d = g2_h2f(hd.x), dmin = g2_h2f(hd.x >> 16);
+        const float two23 = 8388608.0f;
+        const float fs0 = __fsub_rn(__uint_as_float(__byte_perm(scw, 0x4B000000u, 0x7540u | k)), two23);
+        const float fs1 = __fsub_rn(__uint_as_float(__byte_perm(scw, 0x4B000000u, 0x7540u | (k + 1))), two23);
+        const float fm0 = __fsub_rn(__uint_as_float(__byte_perm(mnw, 0x4B000000u, 0x7540u | k)), two23);
+        const float fm1 = __fsub_rn(__uint_as_float(__byte_perm(mnw, 0x4B000000u, 0x7540u | (k + 1))), two23);
+        sc[0] = __fmul_rn(d, fs0), sc[1] = __fmul_rn(dmin, fm0);
+        sc[2] = __fmul_rn(d, fs1), sc[3] = __fmul_rn(dmin, fm1);
+        st_bytes_f4(q.x & 0x0f0f0f0fu, 0.0f, v);
+        st_bytes_f4(q.y & 0x0f0f0f0fu, 0.0f, v + 4);
+        st_bytes_f4(q.z & 0x0f0f0f0fu, 0.0f, v + 8);
+        st_bytes_f4(q.w & 0x0f0f0f0fu, 0.0f, v + 12);
+        st_bytes_f4((q.x >> 4) & 0x0f0f0f0fu, 0.0f, v + 16);
+        st_bytes_f4((q.y >> 4) & 0x0f0f0f0fu, 0.0f, v + 20);
+        st_bytes_f4((q.z >> 4) & 0x0f0f0f0fu, 0.0f, v + 24);
+        st_bytes_f4((q.w >> 4) & 0x0f0f0f0fu, 0.0f, v + 28);
+    }
+    ST_DEV static void xsum(const float *x, float *xs) {
+        float a = x[0], b = x[16];
+#pragma unroll
+        for (int k = 1; k < 16; k++) a = __fadd_rn(a, x[k]), b = __fadd_rn(b, x[16 + k]);
+        xs[0] = a, xs[1] = b;
+    }
+    ST_DEV static float accum(const float v[U], const float *sc, const float x[U], const float *xs, float acc) {
+        acc = fmaf(sc[0], g2_dot<0, 16>(v, x), acc);
+        acc = fmaf(-sc[1], xs[0], acc);
+        acc = fmaf(sc[2], g2_dot<16, 32>(v, x), acc);
+        return fmaf(-sc[3], xs[1], acc);
+    }
+};
+
+/* ---- the kernel ---------------------------------------------------------------------- */
+
+/* Stages in a warp's ring for RR rows of SB bytes: about G2_WARP_SMEM bytes,
+ * 2 to 4 (3 at most for the plain types, whose blocks are more numerous). */
+template <int T>
+__host__ __device__ constexpr int g2_nst(int row_stage_bytes) {
+    const int cap = (T == ST_DTYPE_BF16 || T == ST_DTYPE_F16) ? 3 : 4;
+    const int n = G2_WARP_SMEM / row_stage_bytes;
+    return n < 2 ? 2 : n > cap ? cap : n;
+}
+
+/* Requests stage i of the warp's list (stage s = warp + 4 i of each row) into
+ * ring slot i % NST; always commits a group (empty past the end) so that
+ * group counting stays uniform. */
+template <int RR, int SB, int NST>
+ST_DEV void g2_issue(uint8_t *ring, const uint8_t *const wr[RR], size_t rb, int warp, int lane, int i, int cnt) {
+    if (i < cnt) {
+        constexpr int C16 = SB / 16;
+        const size_t base = (size_t)(warp + G2_WARPS * i) * SB;
+        uint8_t *buf = ring + (i % NST) * (RR * SB);
+#pragma unroll 4
+        for (int c = lane; c < RR * C16; c += 32) {
+            const int r = c / C16, k = c - r * C16;
+            const size_t o = base + 16 * (size_t)k;
+            if (o < rb) g2_cp16(buf + r * SB + 16 * k, wr[r] + o);
+        }
+    }
+    g2_commit();
+}
+
+template <int T, int NT, int R, bool SW>
+static __global__ void __launch_bounds__(G2_THREADS) gemv2_kernel(const st_gemv_args a) {
+    using Q = g2<T>;
+    constexpr int RR = SW ? 2 * R : R;
+    constexpr int U = Q::U, SE = 32 * U, SB = Q::SB;
+    constexpr int NST = g2_nst<T>(RR * SB);
+    __shared__ __align__(16) uint8_t ring_all[G2_WARPS * NST * RR * SB + 16]; /* + slack for g2_words */
+    __shared__ float red[G2_WARPS][RR * NT];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+    /* this block's weight (compile-time indices only: the args stay in the parameter bank) */
+    const uint8_t *w = a.w[0];
+    float *y = a.y[0];
+    int64_t N = a.N[0];
+    unsigned b0 = 0;
+    if (!SW) {
+#pragma unroll
+        for (int i = 1; i < ST_GEMV_MAX_W; i++)
+            if (i < a.count && blockIdx.x >= a.b0[i]) w = a.w[i], y = a.y[i], N = a.N[i], b0 = a.b0[i];
+    }
+    const int64_t K = a.K;
+    const size_t rb = a.rb;
+    const int64_t row0 = (int64_t)(blockIdx.x - b0) * R;
+    const uint8_t *wr[RR];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        wr[r] = w + (size_t)min(row0 + r, N - 1) * rb; /* rows past N: a copy of the last, not written */
+        if (SW) wr[R + r] = a.w[1] + (size_t)min(row0 + r, N - 1) * rb;
+    }
+    const int ns = (int)((K + SE - 1) / SE);                      /* stages per row */
+    const int cnt = warp < ns ? (ns - 1 - warp) / G2_WARPS + 1 : 0; /* this warp's */
+    uint8_t *ring = ring_all + warp * (NST * RR * SB);
+
+#pragma unroll
+    for (int i = 0; i < NST - 1; i++) g2_issue<RR, SB, NST>(ring, wr, rb, warp, lane, i, cnt);
+    st_pdl_wait(); /* x and y may belong to the previous kernel */
+    st_pdl_trigger();
+
+    const int64_t t0 = (int64_t)blockIdx.y * NT;
+    const int nt = (int)min((int64_t)NT, a.n - t0);
+    const float *xt = a.x + t0 * K;
+    float acc[RR][NT];
+#pragma unroll
+    for (int r = 0; r < RR; r++)
+#pragma unroll
+        for (int t = 0; t < NT; t++) acc[r][t] = 0.0f;
+
+    for (int i = 0; i < cnt; i++) {
+        __syncwarp(); /* every lane is done with slot (i - 1) % NST, refilled now */
+        g2_issue<RR, SB, NST>(ring, wr, rb, warp, lane, i + NST - 1, cnt);
+        g2_wait<NST - 1>(); /* this lane's copies of stage i have landed */
+        __syncwarp();       /* and every other lane's */
+        const int64_t e0 = (int64_t)(warp + G2_WARPS * i) * SE;
+        if (!Q::valid(lane, (int)min((int64_t)SE, K - e0))) continue;
+        const uint8_t *buf = ring + (i % NST) * (RR * SB);
+        const float *xs0 = xt + e0;
+        if constexpr (NT <= 2) {
+            float xv[NT][U], xsm[NT][Q::NXS];
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                if (t < nt) {
+#pragma unroll
+                    for (int j = 0; j < U / 8; j++) {
+                        const float4 *p = (const float4 *)(xs0 + (int64_t)t * K + Q::off(lane, j));
+                        const float4 u = __ldg(p), v = __ldg(p + 1);
+                        xv[t][8 * j] = u.x, xv[t][8 * j + 1] = u.y, xv[t][8 * j + 2] = u.z, xv[t][8 * j + 3] = u.w;
+                        xv[t][8 * j + 4] = v.x, xv[t][8 * j + 5] = v.y, xv[t][8 * j + 6] = v.z, xv[t][8 * j + 7] = v.w;
+                    }
+                    Q::xsum(xv[t], xsm[t]);
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < RR; r++) {
+                float v[U], sc[Q::NSC];
+                Q::decode(buf + r * SB, lane, v, sc);
+#pragma unroll
+                for (int t = 0; t < NT; t++)
+                    if (t < nt) acc[r][t] = Q::accum(v, sc, xv[t], xsm[t], acc[r][t]);
+            }
+        } else {
+            float v[RR][U], sc[RR][Q::NSC];
+#pragma unroll
+            for (int r = 0; r < RR; r++) Q::decode(buf + r * SB, lane, v[r], sc[r]);
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                if (t < nt) {
+                    float xv[U], xsm[Q::NXS];
+#pragma unroll
+                    for (int j = 0; j < U / 8; j++) {
+                        const float4 *p = (const float4 *)(xs0 + (int64_t)t * K + Q::off(lane, j));
+                        const float4 u = __ldg(p), q = __ldg(p + 1);
+                        xv[8 * j] = u.x, xv[8 * j + 1] = u.y, xv[8 * j + 2] = u.z, xv[8 * j + 3] = u.w;
+                        xv[8 * j + 4] = q.x, xv[8 * j + 5] = q.y, xv[8 * j + 6] = q.z, xv[8 * j + 7] = q.w;
+                    }
+                    Q::xsum(xv, xsm);
+#pragma unroll
+                    for (int r = 0; r < RR; r++) acc[r][t] = Q::accum(v[r], sc[r], xv, xsm, acc[r][t]);
+                }
+            }
+        }
+    }
+
+#pragma unroll
+    for (int r = 0; r < RR; r++)
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            const float v = st_warp_sum(acc[r][t]);
+            if (lane == 0) red[warp][r * NT + t] = v;
+        }
+    __syncthreads();
+    if (threadIdx.x < R * NT) {
+        const int r = threadIdx.x / NT, t = threadIdx.x % NT;
+        float v = red[0][threadIdx.x];
+#pragma unroll
+        for (int i = 1; i < G2_WARPS; i++) v += red[i][threadIdx.x];
+        if (SW) {
+            float u = red[0][(R + r) * NT + t];
+#pragma unroll
+            for (int i = 1; i < G2_WARPS; i++) u += red[i][(R + r) * NT + t];
+            v = g2_silu_mul(v, u);
+        }
+        if (t < nt && row0 + r < N) y[(t0 + t) * N + row0 + r] = v;
+    }
+}
+
+/* ---- launch ------------------------------------------------------------------------ */
+
+template <int T, int NT, int R, bool SW>
+static strata_status g2_launch(cudaStream_t s, bool pdl, st_gemv_args a, bool setup) {
+    if (setup) {
+        /* leave L1 room for x (read through it by every block): a hint */
+        ST_CUDA_TRY(cudaFuncSetAttribute(gemv2_kernel<T, NT, R, SW>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                         70));
+        return STRATA_OK;
+    }
+    int64_t blocks = 0;
+    const int nw = SW ? 1 : a.count;
+    for (int i = 0; i < nw; i++) {
+        a.b0[i] = (unsigned)blocks;
+        blocks += (a.N[i] + R - 1) / R;
+    }
+    const int64_t gy = (a.n + NT - 1) / NT;
+    if (blocks > INT32_MAX || gy > 65535) return st_err(STRATA_ERR_INVALID_ARG, "cuda matmul: shape too large");
+    ST_CUDA_TRY(st_launch(pdl, gemv2_kernel<T, NT, R, SW>, dim3((unsigned)blocks, (unsigned)gy), dim3(G2_THREADS),
+                          0, s, a));
+    return STRATA_OK;
+}
+
+/* Rows per block: x is read once per unit and token for R rows, so larger R
+ * saves L1 traffic (which limits the 4-bit types, with the most elements per
+ * byte); smaller R means more blocks for small matrices and fewer registers
+ * for several tokens. SwiGLU blocks hold 2R row slots. */
+template <int T, bool SW>
+static strata_status g2_dispatch(cudaStream_t s, bool pdl, const st_gemv_args &a, bool setup) {
+    constexpr bool q4 = T == ST_DTYPE_Q4_0 || T == ST_DTYPE_Q4_1;
+    constexpr int D = SW ? 2 : 1;
+    constexpr int R1 = (q4 ? 8 : 4) / D;
+    constexpr int R4 = (T == ST_DTYPE_Q4_K ? 2 : 4) / D;
+    constexpr int R8 = 2 / D;
+    strata_status st;
+    if (setup || a.n == 1)
+        if ((st = g2_launch<T, 1, R1, SW>(s, pdl, a, setup)) != STRATA_OK || !setup) return st;
+    if (setup || a.n == 2)
+        if ((st = g2_launch<T, 2, R1, SW>(s, pdl, a, setup)) != STRATA_OK || !setup) return st;
+    if (setup || a.n <= 4)
+        if ((st = g2_launch<T, 4, R4, SW>(s, pdl, a, setup)) != STRATA_OK || !setup) return st;
+    return g2_launch<T, 8, R8, SW>(s, pdl, a, setup);
+}
+
+template <int T>
+static strata_status g2_dtype(cudaStream_t s, bool pdl, bool swiglu, const st_gemv_args &a, bool setup) {
+    strata_status st;
+    if (setup) {
+        if ((st = g2_dispatch<T, false>(s, pdl, a, true)) != STRATA_OK) return st;
+        return g2_dispatch<T, true>(s, pdl, a, true);
+    }
+    return swiglu ? g2_dispatch<T, true>(s, pdl, a, false) : g2_dispatch<T, false>(s, pdl, a, false);
+}
+
+static strata_status g2_any(int dtype, cudaStream_t s, bool pdl, bool swiglu, const st_gemv_args &a, bool setup) {
+    switch (dtype) {
+    case ST_DTYPE_BF16: return g2_dtype<ST_DTYPE_BF16>(s, pdl, swiglu, a, setup);
+    case ST_DTYPE_F16: return g2_dtype<ST_DTYPE_F16>(s, pdl, swiglu, a, setup);
+    case ST_DTYPE_Q8_0: return g2_dtype<ST_DTYPE_Q8_0>(s, pdl, swiglu, a, setup);
+    case ST_DTYPE_Q4_0: return g2_dtype<ST_DTYPE_Q4_0>(s, pdl, swiglu, a, setup);
+    case ST_DTYPE_Q4_1: return g2_dtype<ST_DTYPE_Q4_1>(s, pdl, swiglu, a, setup);
+    case ST_DTYPE_Q4_K: return g2_dtype<ST_DTYPE_Q4_K>(s, pdl, swiglu, a, setup);
+    default: break;
+    }
+    return st_err(STRATA_ERR_UNSUPPORTED, "cuda gemv2: dtype %s", st_dtype_name((st_dtype)dtype));
+}
+
+bool st_cuda_gemv2_supports(int dtype, size_t row_bytes) {
+    switch (dtype) {
+    case ST_DTYPE_BF16:
+    case ST_DTYPE_F16:
+    case ST_DTYPE_Q8_0:
+    case ST_DTYPE_Q4_0:
+    case ST_DTYPE_Q4_1:
+    case ST_DTYPE_Q4_K: return row_bytes > 0 && row_bytes % 16 == 0;
+    default: return false;
+    }
+}
+
+strata_status st_cuda_gemv2(cudaStream_t s, bool pdl, int dtype, bool swiglu, const st_gemv_args &a) {
+    return g2_any(dtype, s, pdl, swiglu, a, false);
+}
+
+strata_status st_cuda_gemv2_setup(void) {
+    st_gemv_args a = {};
+    const int types[] = {ST_DTYPE_BF16, ST_DTYPE_F16, ST_DTYPE_Q8_0, ST_DTYPE_Q4_0, ST_DTYPE_Q4_1, ST_DTYPE_Q4_K};
+    for (int i = 0; i < 6; i++) {
+        strata_status st = g2_any(types[i], 0, false, false, a, true);
+        if (st != STRATA_OK) return st;
+    }
+    return STRATA_OK;
+}

@@ -1,0 +1,40 @@
+/* The decode GEMV's launch arguments and the staged GEMV kernels of
+ * cuda_gemv.cu (CUDA C only; used by cuda_matmul.cu, which chooses the path).
+ *
+ * y_i[n, N_i] = x[n, K] @ w_i[N_i, K]^T for up to ST_GEMV_MAX_W weights of one
+ * dtype and K sharing x (matmul_multi), or SwiGLU mode: w[0] the gate and
+ * w[1] the up projection, y[0] = silu(x w0^T) * (x w1^T). */
+#pragma once
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend/backend.h"
+
+#define ST_GEMV_MAX_W 4 /* weights one GEMV launch covers */
+
+/* Weight i owns blocks [b0[i], b0[i+1]) of the grid and writes y[i] (row
+ * stride N[i]); the launcher fills b0. */
+struct st_gemv_args {
+    const uint8_t *w[ST_GEMV_MAX_W]; /* [N_i, K] in the dtype, 16-byte aligned */
+    float *y[ST_GEMV_MAX_W];         /* [n, N_i] */
+    int64_t N[ST_GEMV_MAX_W];
+    unsigned b0[ST_GEMV_MAX_W];
+    int count;
+    size_t rb; /* bytes per weight row (same dtype and K for all) */
+    int64_t K;
+    const float *x; /* [n, K], 16-byte aligned */
+    int64_t n;
+};
+
+/* True when the staged kernels handle this dtype and row size: bf16, f16,
+ * q8_0, q4_0, q4_1, q4_k with rows a multiple of 16 bytes (every real model
+ * shape; the caller keeps the older kernels for the rest). */
+bool st_cuda_gemv2_supports(int dtype, size_t row_bytes);
+
+/* Launches the staged GEMV (swiglu: SwiGLU mode) on s, with PDL when pdl.
+ * Needs st_cuda_gemv2_supports(dtype, a.rb), x and w 16-byte aligned. */
+strata_status st_cuda_gemv2(cudaStream_t s, bool pdl, int dtype, bool swiglu, const st_gemv_args &a);
+
+/* One-time kernel attributes (shared-memory carveout), at backend init. */
+strata_status st_cuda_gemv2_setup(void);
