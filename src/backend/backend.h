@@ -175,7 +175,7 @@ typedef struct {
     strata_status (*graph_launch)(st_backend *be, st_stream *s, st_graph *g);
     void (*graph_destroy)(st_backend *be, st_graph *g); /* NULL is a no-op */
     /* Precision of the tensor-core paths that prefill-sized work takes
-     * (matmul with n > 8 tokens, attention with more than 16 query rows per
+     * (matmul with n >= 4 tokens (12 for quantized weights), attention with more than 16 query rows per
      * KV head). Default (false): each bf16 operand is split into two bf16
      * parts (hi + lo), so results are within ~1e-5 of fp32 math, at 2 to 3
      * times the tensor-core work. true: operands rounded to bf16 once (~1e-2

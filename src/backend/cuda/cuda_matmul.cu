@@ -29,18 +29,20 @@
  *     yet 1.2 to 1.5x faster than bf16 per token); gate + up with SwiGLU
  *     (2 x 14336x4096 bf16) 66 us, 85%. Launched with PDL (cuda_common.cuh).
  *     Error against the CPU backend ~2e-7.
- *   GEMM, f32 weights (n > 8): cuBLASLt with fp32 inputs and CUBLAS_COMPUTE_32F
+ *   GEMM, f32 weights (n >= GEMM_MIN_N = 4): cuBLASLt with fp32 inputs and CUBLAS_COMPUTE_32F
  *     (no TF32): fp32 accuracy.
- *   GEMM, bf16 weights (n > 8), default ("precise"): x is split into
- *     x_hi = bf16(x) and x_lo = bf16(x - x_hi), and two cuBLASLt bf16 GEMMs on
- *     the tensor cores accumulate W x_hi + W x_lo into y in fp32 (the second
- *     with beta = 1). x_hi + x_lo carries 16 significant bits of x (relative
+ *   GEMM, bf16 weights (n >= 4), default ("precise"): x is split into
+ *     x_hi = bf16(x) and x_lo = bf16(x - x_hi), and the tensor cores compute
+ *     W x_hi + W x_lo in fp32: up to STACK_MAX_N tokens as ONE cuBLASLt GEMM
+ *     over the stacked [x_hi; x_lo] (2n columns, so a decode batch reads the
+ *     weights once) whose halves stack_sum_kernel adds; above, two GEMMs (the
+ *     second with beta = 1). Same rounding either way (one fp32 add). x_hi + x_lo carries 16 significant bits of x (relative
  *     error <= 2^-17 per element instead of 2^-9), the weight is exact, so the
  *     result is within ~1e-5 of the fp32 GEMV, at twice the tensor-core work.
  *     Measured against the CPU backend: 2e-6 to 7e-6, which is what the
  *     tensor cores' own fp32 accumulation leaves (it truncates: ~2^-24 per
  *     k-step of 4 products, biased toward zero), not the split.
- *   GEMM, f16 and quantized weights (n > 8, or n > 32), precise: the weight is
+ *   GEMM, f16 and quantized weights (n >= 4, or n >= 12 quantized), precise: the weight is
  *     dequantized exactly (fp32), split the same way into w_hi + w_lo (exact
  *     for f16; <= 2^-17 relative residue for the scale * q products of
  *     quantized blocks), a slab of rows at a time into scratch (<= 64 MiB),
