@@ -566,11 +566,13 @@ static strata_status decode_bpsm(int *out) {
 }
 
 /* Once per backend: kernel attributes, STRATA_ATTN (old: the previous split
- * sizing, merge and paged kernel), and the decode kernel's blocks per SM. */
+ * sizing, merge and paged kernel; tile64: no decode variant of the paged
+ * tile kernel), and the decode kernel's blocks per SM. */
 strata_status st_cuda_attention_setup(st_cuda *c) {
     strata_status st;
     const char *ver = getenv("STRATA_ATTN");
     c->attn_old = ver && strcmp(ver, "old") == 0;
+    c->attn_tile64 = ver && strcmp(ver, "tile64") == 0;
 #define SET(HD, RM)                                                                          \
     if ((st = set_decode_attr<HD, RM>()) != STRATA_OK) return st;
     SET(64, 4) SET(64, 8) SET(64, 16) SET(128, 4) SET(128, 8) SET(128, 16)

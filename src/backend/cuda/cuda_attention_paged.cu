@@ -280,39 +280,46 @@ static __global__ void __launch_bounds__(PA_THREADS)
  * The thread that computes a value changes with the tile's shape; the
  * operations and their order do not. So a token gives the same bits alone,
  * in a tile of 64, at any offset in the batch, with any sub-batching. */
-#define PT_ROWS 64 /* rows (token x head) per block */
+#define PT_ROWS 64 /* rows (token x head) per block: the prefill variant */
+/* The decode variant (batches of about one token per sequence, GQA group <=
+ * 16) holds 16 rows with one K/V buffer (~45 KB of shared memory instead of
+ * ~111 KB, so 4-5 blocks share an SM instead of 2). Rows r < 16 map to the
+ * same threads and run the same operations in both variants (scores: thread
+ * (r, kg); PV: thread (r % 8, pdg) for rows r and r + 8), so a row's bits do
+ * not depend on the variant. */
+#define PT_ROWS_DEC 16
 #define PT_TK 32   /* keys per staged tile */
 
-template <int HD>
+template <int HD, int ROWS, int NBUF>
 struct pt_cfg {
     static constexpr int QP = HD + 4;       /* padded rows: conflict-free float4 reads */
     static constexpr int KP = HD + 4;
     static constexpr int PP = 40;           /* p_s row stride: conflict-free writes and float4 reads */
-    static constexpr int SR = PT_ROWS / 16; /* score phase: rows rg + 16 i of thread (rg, kg) */
-    static constexpr int PR = PT_ROWS / 8;  /* PV phase: rows prg + 8 i of thread (prg, pdg) */
+    static constexpr int SR = ROWS / 16; /* score phase: rows rg + 16 i of thread (rg, kg) */
+    static constexpr int PR = ROWS / 8;  /* PV phase: rows prg + 8 i of thread (prg, pdg) */
     static constexpr int PD = HD / 16;      /* PV phase: dims PD pdg .. PD pdg + PD - 1 */
     static constexpr int TILE = PT_TK * KP + PT_TK * HD; /* floats of one K+V buffer */
-    static constexpr size_t smem = sizeof(float) * ((size_t)PT_ROWS * QP + 2 * (size_t)TILE +
-                                                    (size_t)PT_ROWS * PP + 3 * (size_t)PT_ROWS) +
-                                   sizeof(int) * 2 * PT_ROWS;
+    static constexpr size_t smem = sizeof(float) * ((size_t)ROWS * QP + NBUF * (size_t)TILE +
+                                                    (size_t)ROWS * PP + 3 * (size_t)ROWS) +
+                                   sizeof(int) * 2 * ROWS;
 };
 
 /* grid (sub-batch tokens, Hkv * hchunks, ranges); 128 threads. */
-template <int HD>
+template <int HD, int ROWS, int NBUF>
 static __global__ void __launch_bounds__(PA_THREADS)
     pa_tile_kernel(const float *__restrict__ q, st_paged_kv kv, const int32_t *__restrict__ seq,
                    const int32_t *__restrict__ pos, int H, int Hkv, int hchunks, int GC, int TQ, int64_t max_nk,
                    float qscale, pa_out o) {
-    using C = pt_cfg<HD>;
+    using C = pt_cfg<HD, ROWS, NBUF>;
     extern __shared__ float4 pt_smem4[];
-    float *q_s = (float *)pt_smem4;         /* [PT_ROWS][QP] */
-    float *kv_s = q_s + PT_ROWS * C::QP;    /* 2 x ([TK][KP] K, [TK][HD] V) */
-    float *p_s = kv_s + 2 * C::TILE;        /* [PT_ROWS][PP] */
-    float *alpha_s = p_s + PT_ROWS * C::PP; /* [PT_ROWS] */
-    float *m_s = alpha_s + PT_ROWS;
-    float *l_s = m_s + PT_ROWS;
-    int *cnt_s = (int *)(l_s + PT_ROWS);    /* [PT_ROWS] keys of the current tile the row takes */
-    int *nk_s = cnt_s + PT_ROWS;            /* [PT_ROWS] the row sees keys [0, nk) */
+    float *q_s = (float *)pt_smem4;         /* [ROWS][QP] */
+    float *kv_s = q_s + ROWS * C::QP;       /* NBUF x ([TK][KP] K, [TK][HD] V) */
+    float *p_s = kv_s + NBUF * C::TILE;     /* [ROWS][PP] */
+    float *alpha_s = p_s + ROWS * C::PP;    /* [ROWS] */
+    float *m_s = alpha_s + ROWS;
+    float *l_s = m_s + ROWS;
+    int *cnt_s = (int *)(l_s + ROWS);       /* [ROWS] keys of the current tile the row takes */
+    int *nk_s = cnt_s + ROWS;               /* [ROWS] the row sees keys [0, nk) */
     __shared__ int ntok_s, maxnk_s;
     st_pdl_wait();
     st_pdl_trigger();
@@ -330,7 +337,7 @@ static __global__ void __launch_bounds__(PA_THREADS)
         if (t >= tend || t % TQ == 0 || __ldg(seq + t) != sq) atomicMin(&ntok_s, tid);
     }
     __syncthreads();
-    const int R = ntok_s * Gc; /* <= TQ GC <= PT_ROWS */
+    const int R = ntok_s * Gc; /* <= TQ GC <= ROWS */
     /* the tokens share seq, so they are all valid or all invalid */
     if (pa_token(kv, seq, pos, t0, max_nk).nk == 0) { /* a NaN row each, written by the first range's block */
         if (sp == 0)
@@ -341,7 +348,7 @@ static __global__ void __launch_bounds__(PA_THREADS)
         return;
     }
     const pa_tok tk = pa_token(kv, seq, pos, t0, max_nk); /* the tile's block table */
-    if (tid < PT_ROWS) {
+    if (tid < ROWS) {
         int nk = 0;
         if (tid < R) nk = (int)pa_token(kv, seq, pos, t0 + tid / Gc, max_nk).nk;
         nk_s[tid] = nk;
@@ -354,7 +361,7 @@ static __global__ void __launch_bounds__(PA_THREADS)
     const int64_t kv_end = min(maxnk, kv_begin + PA_SPLIT);
     const int64_t bs = kv.block_size, n_blocks = kv.n_slots / bs, kv_stride = (int64_t)Hkv * HD;
 
-    for (int i = tid; i < PT_ROWS * HD / 4; i += PA_THREADS) {
+    for (int i = tid; i < ROWS * HD / 4; i += PA_THREADS) {
         const int r = i / (HD / 4), d4 = i % (HD / 4);
         float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
         if (r < R) {
@@ -366,9 +373,9 @@ static __global__ void __launch_bounds__(PA_THREADS)
     }
     const int ntiles = (int)((kv_end - kv_begin + PT_TK - 1) / PT_TK);
 
-    /* tile tt -> buffer tt & 1; keys past kv_end and keys of invalid blocks are zero-filled */
+    /* tile tt -> buffer tt % NBUF; keys past kv_end and keys of invalid blocks are zero-filled */
     auto stage = [&](int tt) {
-        float *ks = kv_s + (tt & 1) * C::TILE, *vs = ks + PT_TK * C::KP;
+        float *ks = kv_s + (tt % NBUF) * C::TILE, *vs = ks + PT_TK * C::KP;
         const int64_t kb = kv_begin + (int64_t)tt * PT_TK;
         for (int i = tid; i < PT_TK * HD / 4; i += PA_THREADS) {
             const int j = i / (HD / 4), d4 = i % (HD / 4);
@@ -395,14 +402,18 @@ static __global__ void __launch_bounds__(PA_THREADS)
 
     stage(0); /* ntiles >= 1 */
     for (int tt = 0; tt < ntiles; tt++) {
-        if (tt + 1 < ntiles) {
+        if (NBUF == 1) { /* one buffer: tile tt is loaded once tile tt - 1 is done (the
+                          * __syncthreads ending the previous iteration) */
+            if (tt > 0) stage(tt);
+            st_cp_async_wait<0>();
+        } else if (tt + 1 < ntiles) {
             stage(tt + 1);
             st_cp_async_wait<1>();
         } else {
             st_cp_async_wait<0>();
         }
         __syncthreads();
-        const float *k_s = kv_s + (tt & 1) * C::TILE, *v_s = k_s + PT_TK * C::KP;
+        const float *k_s = kv_s + (tt % NBUF) * C::TILE, *v_s = k_s + PT_TK * C::KP;
         const int64_t kb = kv_begin + (int64_t)tt * PT_TK;
 
         /* scores: thread (rg, kg) scores keys kg + 8 j (j < 4) against rows rg + 16 i */
@@ -464,7 +475,7 @@ static __global__ void __launch_bounds__(PA_THREADS)
                 for (int j = 0; j < 4; j++) p_s[row * C::PP + kg + 8 * j] = p[j];
                 if (kg == 0) alpha_s[row] = alpha;
             }
-            if (kg == 0) cnt_s[row] = c; /* row < 16 SR = PT_ROWS */
+            if (kg == 0) cnt_s[row] = c; /* row < 16 SR = ROWS */
         }
         __syncthreads();
         /* PV: thread (prg, pdg) owns dims PD pdg .. of rows prg + 8 i */
@@ -505,7 +516,7 @@ static __global__ void __launch_bounds__(PA_THREADS)
                 }
             }
         }
-        __syncthreads(); /* buffer tt & 1, p_s and cnt_s are free again */
+        __syncthreads(); /* buffer tt % NBUF, p_s and cnt_s are free again */
     }
     if (kg == 0) {
 #pragma unroll
@@ -652,21 +663,26 @@ strata_status st_cuda_attention_paged_setup(st_cuda *c) {
     if ((st = pa_set_attr<HD, RM>()) != STRATA_OK) return st;
     SET(64, 4) SET(64, 8) SET(64, 16) SET(128, 4) SET(128, 8) SET(128, 16)
 #undef SET
-    ST_CUDA_TRY(cudaFuncSetAttribute(pa_tile_kernel<64>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     (int)pt_cfg<64>::smem));
-    ST_CUDA_TRY(cudaFuncSetAttribute(pa_tile_kernel<128>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     (int)pt_cfg<128>::smem));
+    ST_CUDA_TRY(cudaFuncSetAttribute(pa_tile_kernel<64, PT_ROWS, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     (int)pt_cfg<64, PT_ROWS, 2>::smem));
+    ST_CUDA_TRY(cudaFuncSetAttribute(pa_tile_kernel<128, PT_ROWS, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     (int)pt_cfg<128, PT_ROWS, 2>::smem));
+    ST_CUDA_TRY(cudaFuncSetAttribute(pa_tile_kernel<64, PT_ROWS_DEC, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     (int)pt_cfg<64, PT_ROWS_DEC, 1>::smem));
+    ST_CUDA_TRY(cudaFuncSetAttribute(pa_tile_kernel<128, PT_ROWS_DEC, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     (int)pt_cfg<128, PT_ROWS_DEC, 1>::smem));
     return STRATA_OK;
 }
 
-template <int HD>
+template <int HD, int ROWS, int NBUF>
 static strata_status pa_launch_tile(st_cuda *c, cudaStream_t s, const float *q, const st_paged_kv &kv,
                                     const int32_t *seq, const int32_t *pos, int64_t nt, int H, int Hkv, int nsplit,
                                     int64_t max_nk, float qscale, const pa_out &o) {
-    const int G = H / Hkv, GC = G < PT_ROWS ? G : PT_ROWS, hchunks = (G + GC - 1) / GC, TQ = PT_ROWS / GC;
-    ST_CUDA_TRY(st_launch(c->pdl, pa_tile_kernel<HD>, dim3((unsigned)nt, (unsigned)(Hkv * hchunks), (unsigned)nsplit),
-                          dim3(PA_THREADS), pt_cfg<HD>::smem, s, q, kv, seq, pos, H, Hkv, hchunks, GC, TQ, max_nk,
-                          qscale, o));
+    const int G = H / Hkv, GC = G < ROWS ? G : ROWS, hchunks = (G + GC - 1) / GC, TQ = ROWS / GC;
+    ST_CUDA_TRY(st_launch(c->pdl, pa_tile_kernel<HD, ROWS, NBUF>,
+                          dim3((unsigned)nt, (unsigned)(Hkv * hchunks), (unsigned)nsplit), dim3(PA_THREADS),
+                          pt_cfg<HD, ROWS, NBUF>::smem, s, q, kv, seq, pos, H, Hkv, hchunks, GC, TQ, max_nk, qscale,
+                          o));
     if (nsplit > 1)
         ST_CUDA_TRY(st_launch(c->pdl, pa_merge_fast_kernel<HD>, dim3((unsigned)(nt * H)), dim3(128), 0, s, kv, seq,
                               pos, H, max_nk, o));
@@ -702,6 +718,9 @@ strata_status st_cuda_op_attention_paged(st_backend *be, st_cuda_stream *s, cons
     const bool tiled = (hd == 64 || hd == 128) && st_cuda_aligned(q, 16) && st_cuda_aligned(kv->k_cache, 16) &&
                        st_cuda_aligned(kv->v_cache, 16);
     const bool tile = tiled && !c->attn_old && st_cuda_aligned(out, 4); /* the tile kernel (default) */
+    /* its decode variant when the batch holds about one token per sequence
+     * (decode steps); same bits either way (see PT_ROWS_DEC) */
+    const bool dec = tile && G <= PT_ROWS_DEC && n <= 2 * kv->n_seqs && !c->attn_tile64;
     const int RMAX = tile ? PT_ROWS : G <= 4 ? 4 : G <= 8 ? 8 : 16;
     if (tiled && (int64_t)Hkv * ((G + RMAX - 1) / RMAX) > 65535)
         return st_err(STRATA_ERR_INVALID_ARG, "cuda attention_paged: %d kv heads is too many", Hkv);
@@ -735,8 +754,16 @@ strata_status st_cuda_op_attention_paged(st_backend *be, st_cuda_stream *s, cons
         o.rows = nt * n_heads;
         strata_status st = STRATA_OK;
         if (tile) {
-            st = hd == 64 ? pa_launch_tile<64>(c, s->s, q, *kv, seq, pos, nt, H, Hkv, nsplit, max_nk, qscale, o)
-                          : pa_launch_tile<128>(c, s->s, q, *kv, seq, pos, nt, H, Hkv, nsplit, max_nk, qscale, o);
+            if (dec)
+                st = hd == 64 ? pa_launch_tile<64, PT_ROWS_DEC, 1>(c, s->s, q, *kv, seq, pos, nt, H, Hkv, nsplit,
+                                                                   max_nk, qscale, o)
+                              : pa_launch_tile<128, PT_ROWS_DEC, 1>(c, s->s, q, *kv, seq, pos, nt, H, Hkv, nsplit,
+                                                                    max_nk, qscale, o);
+            else
+                st = hd == 64 ? pa_launch_tile<64, PT_ROWS, 2>(c, s->s, q, *kv, seq, pos, nt, H, Hkv, nsplit, max_nk,
+                                                               qscale, o)
+                              : pa_launch_tile<128, PT_ROWS, 2>(c, s->s, q, *kv, seq, pos, nt, H, Hkv, nsplit,
+                                                                max_nk, qscale, o);
             if (st != STRATA_OK) return st;
             continue;
         }

@@ -122,6 +122,11 @@ typedef struct {
                                  (STRATA_CUDA_PDL=0 turns it off) */
     bool attn_old;            /* STRATA_ATTN=old (read at init): the previous attention kernels
                                  (split sizing, merge, paged kernel), kept for comparison */
+    bool attn_tile64;         /* STRATA_ATTN=tile64: the paged tile kernel's 64-row variant for
+                                 decode batches too (checks that both variants give the same bits) */
+    bool sample_old;          /* STRATA_SAMPLE=old (read at init): the sample kernel without the
+                                 candidate fast path, kept for comparison */
+    size_t sample_smem;       /* dynamic shared memory the sample kernel may use (st_cuda_sample_setup) */
     int attn_dec_bpsm[2][3];  /* blocks per SM of the contiguous decode attention kernel
                                  [hd 64, 128][rows 4, 8, 16] (st_cuda_attention_setup) */
 } st_cuda;
@@ -192,6 +197,7 @@ bool st_backend_cuda_present(void);
 
 /* One-time setup of the ops (kernel attributes) and the matmul's plan cache. */
 strata_status st_cuda_attention_setup(st_cuda *c);
+strata_status st_cuda_sample_setup(st_cuda *c); /* reads STRATA_SAMPLE; sizes the kernel's shared memory */
 strata_status st_cuda_attention_paged_setup(st_cuda *c);
 strata_status st_cuda_matmul_setup(st_cuda *c);
 void st_cuda_matmul_teardown(st_cuda *c);
