@@ -428,7 +428,7 @@ static void smp_d2h_fn(int i, void *p) {
     TRY(be->ops->copy_d2h(be, s, c->host, c->x, (size_t)(c->n * c->V) * sizeof(float)));
 }
 
-static void bench_sample(double copy_bw) {
+static void bench_sample(int dev, double copy_bw) {
     const int64_t n = 64, V = 128256;
     float *h = malloc((size_t)(n * V) * sizeof *h);
     for (int64_t i = 0; i < n * V; i++) { /* roughly gaussian, std ~3 */
@@ -453,6 +453,21 @@ static void bench_sample(double copy_bw) {
                {"T 1, top_p 0.95, min_p 0.05", 1.0f, 0, 0.95f, 0.05f}, {"T 1 (no truncation)", 1.0f, 0, 1.0f, 0.0f},
                {"mixed: rows cycle the above", -1.0f, 0, 0.0f, 0.0f}};
     const int nm = (int)(sizeof mix / sizeof mix[0]);
+    /* the previous kernel (no candidate fast path) on a second backend made with STRATA_SAMPLE=old */
+    const char *prev = getenv("STRATA_SAMPLE");
+    char *saved = prev ? strdup(prev) : NULL;
+    setenv("STRATA_SAMPLE", "old", 1);
+    st_backend *be_old;
+    st_stream *s_old;
+    st_backend_params op = {.kind = ST_BACKEND_CUDA, .device_index = dev};
+    TRY(st_backend_init(&op, &be_old));
+    TRY(be_old->ops->stream_create(be_old, false, &s_old));
+    if (saved) setenv("STRATA_SAMPLE", saved, 1);
+    else unsetenv("STRATA_SAMPLE");
+    free(saved);
+    int32_t *out_old = NULL;
+    TRY(be->ops->alloc(be, (size_t)n * sizeof(int32_t), (void **)&out_old));
+    int32_t *tok_new = malloc((size_t)n * sizeof *tok_new), *tok_old = malloc((size_t)n * sizeof *tok_old);
     st_sample_args *a = malloc((size_t)n * sizeof *a);
     for (int m = 0; m < nm; m++) {
         for (int64_t r = 0; r < n; r++) {
@@ -462,10 +477,30 @@ static void bench_sample(double copy_bw) {
         }
         c.args = upload(a, (size_t)n * sizeof *a);
         const double t = time_op(smp_fn, &c, 20);
-        printf("sample %-30s %8.1f us per call  (%.2fx one read of the logits; %.1fx faster than copying them out)\n",
-               mix[m].name, t * 1e6, t / (bytes / copy_bw), d2h / t);
+        TRY(be->ops->copy_d2h(be, s, tok_new, c.out, (size_t)n * sizeof(int32_t)));
+        TRY(be->ops->stream_sync(be, s));
+        st_backend *be_new = be;
+        st_stream *s_new = s;
+        smp_ctx co = c;
+        co.out = out_old;
+        be = be_old, s = s_old; /* time_op and smp_fn use these */
+        const double t_old = time_op(smp_fn, &co, 20);
+        be = be_new, s = s_new;
+        TRY(be->ops->copy_d2h(be, s, tok_old, out_old, (size_t)n * sizeof(int32_t)));
+        TRY(be->ops->stream_sync(be, s));
+        int64_t same = 0;
+        for (int64_t r = 0; r < n; r++) same += tok_new[r] == tok_old[r];
+        printf("sample %-30s %8.1f us per call (old %8.1f us, %5.2fx)  (%.2fx one read of the logits; %.1fx faster "
+               "than copying them out)  tokens new == old: %lld/%lld%s\n",
+               mix[m].name, t * 1e6, t_old * 1e6, t_old / t, t / (bytes / copy_bw), d2h / t, (long long)same,
+               (long long)n, same == n ? "" : "  MISMATCH");
         be->ops->dealloc(be, (void *)c.args);
     }
+    be->ops->dealloc(be, out_old);
+    be_old->ops->stream_destroy(be_old, s_old);
+    st_backend_free(be_old);
+    free(tok_new);
+    free(tok_old);
     be->ops->dealloc(be, (void *)c.x);
     be->ops->dealloc(be, c.out);
     be->ops->host_dealloc(be, c.host);
@@ -486,10 +521,14 @@ int main(int argc, char **argv) {
     printf("roofline: device-to-device copy %.0f GB/s (bytes read + written)\n", copy_bw / 1e9);
     be->ops->dealloc(be, c.a);
     be->ops->dealloc(be, c.b);
+    if (getenv("BENCH_ONLY_SAMPLE")) { /* BENCH_ONLY_SAMPLE=1: the sample op alone, new and old kernels */
+        bench_sample(p.device_index, copy_bw);
+        return 0;
+    }
     const bool only_batch = getenv("BENCH_ONLY_BATCH") != NULL;
     if (!only_batch) {
         bench_gemv_versions(p.device_index, copy_bw);
-        bench_sample(copy_bw);
+        bench_sample(p.device_index, copy_bw);
     }
 
     bench_matmul(ST_DTYPE_BF16, 4096, 4096, 1, copy_bw);

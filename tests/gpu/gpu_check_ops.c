@@ -1081,6 +1081,13 @@ static double smp_margin(const float *x, int64_t V, const st_sample_args *a) {
     return margin;
 }
 
+/* The sample kernel version under check ("new" or "old"), and, while the new
+ * one is checked, a second backend made with STRATA_SAMPLE=old: its tokens
+ * must equal the new kernel's exactly (same u, same fixed-point sums). */
+static const char *g_smp_ver = "new";
+static st_backend *g_smp_old;
+static st_stream *g_smp_old_s;
+
 static void check_sample(int64_t V, int64_t n, int off, const smp_mix *mixes, int n_mixes) {
     float *x = xmalloc((size_t)(n * V + off) * sizeof *x);
     st_sample_args *args = xmalloc((size_t)n * sizeof *args);
@@ -1103,6 +1110,23 @@ static void check_sample(int64_t V, int64_t n, int off, const smp_mix *mixes, in
     g_sync();
     const double dt = st_time_now() - t0;
     g_down(got, dout, (size_t)n * 4);
+    int64_t n_old_diff = -1; /* -1: not compared */
+    if (g_smp_old) {
+        int32_t *old = xmalloc((size_t)n * 4);
+        int32_t *dold = g_alloc((size_t)n * 4);
+        TRY(g_smp_old->ops->sample(g_smp_old, g_smp_old_s, dx + off, n, V, dargs, dold));
+        TRY(g_smp_old->ops->stream_sync(g_smp_old, g_smp_old_s));
+        g_down(old, dold, (size_t)n * 4);
+        n_old_diff = 0;
+        for (int64_t r = 0; r < n; r++) {
+            if (got[r] != old[r] && ++n_old_diff <= 3)
+                printf("      row %lld (T %g k %d p %g minp %g u %.9f): new kernel %d, old kernel %d\n", (long long)r,
+                       (double)args[r].temperature, args[r].top_k, (double)args[r].top_p, (double)args[r].min_p,
+                       args[r].u, got[r], old[r]);
+        }
+        g_free(dold);
+        free(old);
+    }
     int64_t same = 0, near = 0, bad = 0, greedy = 0, invalid = 0;
     double worst = INFINITY;
     for (int64_t r = 0; r < n; r++) {
@@ -1126,11 +1150,13 @@ static void check_sample(int64_t V, int64_t n, int off, const smp_mix *mixes, in
         }
         worst = fmin(worst, mg);
     }
-    check(st == STRATA_OK && bad == 0,
-          "sample V=%lld n=%lld%s  %lld same (%lld greedy, %lld invalid rows), %lld differ within 1e-5 of a "
-          "boundary, %lld differ  (%.0f us incl. sync)",
-          (long long)V, (long long)n, off ? " unaligned" : "", (long long)same, (long long)greedy, (long long)invalid,
-          (long long)near, (long long)bad, dt * 1e6);
+    char vs_old[64] = "";
+    if (n_old_diff >= 0) snprintf(vs_old, sizeof vs_old, "; vs old kernel: %lld differ", (long long)n_old_diff);
+    check(st == STRATA_OK && bad == 0 && n_old_diff <= 0,
+          "sample (%s) V=%lld n=%lld%s  %lld same (%lld greedy, %lld invalid rows), %lld differ within 1e-5 of a "
+          "boundary, %lld differ%s  (%.0f us incl. sync)",
+          g_smp_ver, (long long)V, (long long)n, off ? " unaligned" : "", (long long)same, (long long)greedy,
+          (long long)invalid, (long long)near, (long long)bad, vs_old, dt * 1e6);
     g_free(dx), g_free(dargs), g_free(dout);
     free(x), free(args), free(ref), free(got);
 }
@@ -1268,7 +1294,31 @@ int main(void) {
     check_argmax(1, 128256, 0);
     check_argmax(5, 1000, 1);
     check_argmax(3, 3, 0);
-    check_sample_all();
+    {
+        /* the sample op: the new kernel (checked against the CPU and, token for
+         * token, against the old one), then the old kernel alone
+         * (STRATA_SAMPLE=old, read at backend init) */
+        const char *prev = getenv("STRATA_SAMPLE");
+        char *saved = prev ? strdup(prev) : NULL;
+        setenv("STRATA_SAMPLE", "old", 1);
+        st_backend_params old_p = {.kind = ST_BACKEND_CUDA, .device_mem = 0, .device_index = 0};
+        TRY(st_backend_init(&old_p, &g_smp_old));
+        TRY(g_smp_old->ops->stream_create(g_smp_old, false, &g_smp_old_s));
+        if (saved) setenv("STRATA_SAMPLE", saved, 1);
+        else unsetenv("STRATA_SAMPLE");
+        free(saved);
+        g_smp_ver = "new";
+        check_sample_all();
+        st_backend *gpu_new = g_gpu, *gpu_old = g_smp_old;
+        st_stream *s_new = g_s;
+        g_gpu = gpu_old, g_s = g_smp_old_s, g_smp_old = NULL;
+        g_smp_ver = "old (STRATA_SAMPLE=old)";
+        check_sample_all();
+        g_gpu->ops->stream_destroy(g_gpu, g_s);
+        st_backend_free(g_gpu);
+        g_gpu = gpu_new, g_s = s_new;
+        g_smp_ver = "new";
+    }
     const st_dtype fused_t[] = {ST_DTYPE_F32, ST_DTYPE_BF16, ST_DTYPE_F16, ST_DTYPE_Q8_0, ST_DTYPE_Q4_0, ST_DTYPE_Q4_K};
     const int64_t fused_n[] = {1, 3, 8, 40};
     for (size_t ti = 0; ti < sizeof fused_t / sizeof fused_t[0]; ti++)

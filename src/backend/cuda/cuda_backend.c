@@ -710,6 +710,7 @@ strata_status st_backend_cuda_init(const st_backend_params *params, st_backend *
     }
     if ((st = st_cuda_matmul_setup(c)) != STRATA_OK) goto fail;
     if ((st = st_cuda_attention_setup(c)) != STRATA_OK) goto fail;
+    if ((st = st_cuda_sample_setup(c)) != STRATA_OK) goto fail;
     if ((st = st_cuda_attention_paged_setup(c)) != STRATA_OK) goto fail;
     *out = be;
     return STRATA_OK;

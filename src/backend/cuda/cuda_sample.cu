@@ -28,7 +28,15 @@
  * with __reduce_add_sync (in 21-bit pieces), so one atomic per distinct bin
  * per warp goes to shared memory even when the logits crowd into a few bins.
  * Tiles are 128 ids: lane l reads ids 4l..4l+3 (a float4 when the row is
- * 16-byte aligned). Shared memory: ~35 KB static. */
+ * 16-byte aligned). Shared memory: ~35 KB static.
+ *
+ * Truncated draws first try the candidate fast path (sp_fast, below): steps
+ * 2-6 over a list of the largest logits kept in dynamic shared memory, with
+ * the same integer arithmetic, so the same token; rows it cannot prove take
+ * the full path above. STRATA_SAMPLE=old (read at backend init): full path only. */
+#include <stdlib.h>
+#include <string.h>
+
 #include "backend/cuda/cuda_common.cuh"
 #include "backend/cuda/cuda_internal.h"
 
@@ -73,6 +81,8 @@ struct sp_shared {
     sp_u64 resid;              /* threshold left inside that group */
     sp_u64 tie_off;            /* tokens at Kp before that group */
     int32_t out;
+    int fB;                    /* fast path: buckets kept */
+    uint32_t kmin;             /* fast path: the smallest key among the candidates */
 };
 
 /* float -> uint32 with the same order; -0 maps as +0 (equal floats, equal keys) */
@@ -264,11 +274,342 @@ ST_DEV sp_u64 sp_mass(const sp_prob &p, const sp_keep &k, float x, bool *tie) {
     return pf >= p.min_p ? sp_q(p, pf) : 0;
 }
 
+
+/* ---- the candidate fast path (default; STRATA_SAMPLE=old turns it off) ----
+ * Every kept token of a truncated draw (top-k, top-p or min-p) lies among the
+ * largest logits. With d = -(x - m) / T in sp_p's arithmetic (so p = expf(-d)),
+ *   pass 2 (whole row): a histogram per warp of floor(16 d) for d < 16, and
+ *           (top-p without top-k) the exact fixed-point total over the row;
+ *   from it a bucket count B is chosen so that the tokens with
+ *           floor(16 d) < B (an upper set of keys: d is monotone in x) hold
+ *           the top k, or enough mass for top-p, or every token with
+ *           p >= min_p (B/16 >= -ln min_p + 1/8: expf's error cannot cross);
+ *   pass 3 (whole row): their ids, in id order (each warp writes its own
+ *           range, whose size the histogram gave), into shared memory.
+ * Then the same selects as the full path but over the list (radix digits of
+ * up to 11 bits, starting below the candidates' common key prefix), checked
+ * exactly: at least k candidates, candidate mass >= the top-p target. A row
+ * that fails (flat logits, too many candidates) runs the full path. Since the
+ * candidates are every token with key >= their smallest key, each count or
+ * mass above any key >= that key is the same as over the row, so K, Kp, the
+ * ties and the draw come out identical to the full path. */
+#define SP_NB 256 /* buckets of 16 d over [0, 256) */
+#define SP_E16 0.93941306281347581 /* exp(-1/16): a bucket's smallest p over its largest */
+
+/* floor(16 d) for d = -sfx < 16, else SP_NB (sfx = (x - m) / T <= 0 as sp_p computes it) */
+ST_DEV int sp_bucket(float sfx) {
+    const float d = -sfx;
+    return d < 16.0f ? __float2int_rz(__fmul_rn(d, 16.0f)) : SP_NB;
+}
+ST_DEV float sp_sfx(const sp_prob &p, float x) { return __fdiv_rn(__fsub_rn(x, p.m), p.T); }
+
+/* Exclusive prefix of one value per thread over the block in thread order;
+ * *total = the sum. Synchronizes. */
+ST_DEV sp_u64 sp_block_excl(sp_u64 v, sp_shared &sh, sp_u64 *total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    sp_u64 incl = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const sp_u64 y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+    }
+    __syncthreads(); /* sh.red may still be read by a previous call */
+    if (lane == 31) sh.red[warp] = incl;
+    __syncthreads();
+    sp_u64 wbase = 0, tot = 0;
+    for (int w = 0; w < SP_WARPS; w++) {
+        const sp_u64 s = sh.red[w];
+        if (w < warp) wbase += s;
+        tot += s;
+    }
+    *total = tot;
+    return wbase + incl - v;
+}
+
+/* sp_select over the candidate list ids[0..n_c) (keys in [kmin, kmax]):
+ * the same K and *above when the list holds every token with key >= kmin
+ * and its weight reaches target. One histogram of up to 2048 bins (sh.buf). */
+template <bool MASS>
+static __device__ __noinline__ void sp_select_list(const float *__restrict__ x, const int32_t *ids, int n_c, const sp_prob &p,
+                           sp_u64 target, uint32_t kmax, uint32_t kmin, sp_shared &sh, uint32_t *K,
+                           sp_u64 *above_out) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int top = 32 - __clz((int)(kmax ^ kmin)); /* bits below the common prefix */
+    uint32_t prefix = kmax & (top >= 32 ? 0u : ~((1u << top) - 1u));
+    sp_u64 above = 0;
+    while (top > 0) {
+        const int width = min(11, top), shift = top - width;
+        const int nb = 1 << width, per = (nb + 31) / 32;
+        const uint32_t hi_mask = top >= 32 ? 0u : ~0u << top;
+        __syncthreads(); /* the previous level's sh.bin / sh.buf reads are done */
+        for (int i = threadIdx.x; i < nb; i += SP_THREADS) sh.buf[i] = 0;
+        __syncthreads();
+        for (int i = threadIdx.x; i < n_c; i += SP_THREADS) {
+            const float v = __ldg(x + ids[i]);
+            const uint32_t key = sp_key(v);
+            if ((key & hi_mask) != (prefix & hi_mask)) continue;
+            sp_u64 w = 1;
+            if (MASS) {
+                if (!sp_cand(p, v)) continue;
+                w = sp_q(p, sp_p(p, v));
+                if (!w) continue;
+            }
+            atomicAdd(&sh.buf[(key >> shift) & (uint32_t)(nb - 1)], w);
+        }
+        __syncthreads();
+        if (warp == 0) { /* lane l: bins nb - 1 - per l down to nb - per (l + 1) */
+            if (lane == 0) sh.bin = 0, sh.above = above;
+            __syncwarp();
+            sp_u64 lsum = 0;
+            for (int j = 0; j < per; j++) {
+                const int idx = lane * per + j;
+                if (idx < nb) lsum += sh.buf[nb - 1 - idx];
+            }
+            sp_u64 incl = lsum;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const sp_u64 y = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += y;
+            }
+            const sp_u64 excl = incl - lsum, need = target - above;
+            if (excl < need && need <= incl) {
+                sp_u64 acc = excl;
+                for (int j = 0; j < per; j++) {
+                    const int idx = lane * per + j;
+                    if (idx >= nb) break;
+                    const sp_u64 c = sh.buf[nb - 1 - idx];
+                    if (acc + c >= need) {
+                        sh.bin = (uint32_t)(nb - 1 - idx);
+                        sh.above = above + acc;
+                        break;
+                    }
+                    acc += c;
+                }
+            }
+        }
+        __syncthreads();
+        prefix |= sh.bin << shift;
+        above = sh.above;
+        top = shift;
+    }
+    *K = prefix;
+    *above_out = above;
+}
+
+/* The fast path for one row (block-uniform). Returns false, having written
+ * nothing, when the row must take the full path (p.tau may have changed:
+ * the caller resets it); true once out_row is written. */
+static __device__ __noinline__ bool sp_fast(const sp_row &r, sp_prob &p, int64_t top_k, bool topp, float top_p, double u, int32_t bi,
+                    uint32_t *dyn, int cap, sp_shared &sh, int32_t *out_row) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (!isfinite(p.T)) return false; /* T = inf: (x - m) / T may be NaN, whose bucket means nothing */
+    int Bminp = 0;
+    if (top_k == 0 && !topp) { /* min-p alone: every token with p >= min_p */
+        const double L = -log((double)p.min_p);
+        if (!(L < 15.8)) return false;
+        Bminp = (int)ceil(16.0 * L) + 2; /* <= 256 */
+    }
+    /* pass 2: histograms of 16 d per warp; the row's total (top-p, no top-k) */
+    uint32_t *wh = dyn + warp * SP_NB;
+    for (int i = lane; i < SP_NB; i += 32) wh[i] = 0;
+    __syncwarp();
+    const bool need_total = topp && top_k == 0;
+    sp_u64 s = 0;
+    for (int64_t t = r.tile0; t < r.tile1; t++) {
+        float v[4];
+        const int nv = sp_load(r, t, lane, v);
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            if (e >= nv || v[e] == -INFINITY) continue;
+            const float sfx = sp_sfx(p, v[e]);
+            if (need_total) s += sp_q(p, expf(sfx)); /* = sp_q(p, sp_p(p, v[e])) */
+            const int b = sp_bucket(sfx);
+            if (b < SP_NB) atomicAdd(&wh[b], 1u);
+        }
+    }
+    const sp_u64 total_all = sp_block_sum(s, sh); /* synchronizes: the histograms are complete */
+    if (threadIdx.x < SP_NB) {
+        sp_u64 c = 0;
+        for (int w = 0; w < SP_WARPS; w++) c += dyn[w * SP_NB + threadIdx.x];
+        sh.tot[threadIdx.x] = c;
+    }
+    __syncthreads();
+    /* B: the fewest buckets that hold what the draw may keep (estimates; checked exactly below) */
+    if (warp == 0) {
+        sp_u64 lc = 0, call = 0;
+        double lo = 0.0, hi = 0.0;
+        for (int j = 0; j < 8; j++) {
+            const int b = 8 * lane + j;
+            const double cj = (double)sh.tot[b], eb = exp(-(double)b / 16.0);
+            lc += sh.tot[b];
+            lo += cj * eb * SP_E16;
+            hi += cj * eb;
+        }
+        sp_u64 cin = lc;
+        double lin = lo;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const sp_u64 y = __shfl_up_sync(0xffffffffu, cin, o);
+            const double z = __shfl_up_sync(0xffffffffu, lin, o);
+            if (lane >= o) cin += y, lin += z;
+        }
+        call = __shfl_sync(0xffffffffu, cin, 31);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) hi += __shfl_xor_sync(0xffffffffu, hi, o);
+        const double rest = r.V > (int64_t)call ? (double)(r.V - (int64_t)call) : 0.0;
+        const double need = (double)top_p * (hi + rest * exp(-16.0)) * (1.0 + 1e-3);
+        sp_u64 c = cin - lc;
+        double m = lin - lo;
+        int found = SP_NB + 1;
+        for (int j = 0; j < 8; j++) {
+            const int b = 8 * lane + j;
+            c += sh.tot[b];
+            m += (double)sh.tot[b] * exp(-(double)b / 16.0) * SP_E16;
+            const bool ok = top_k > 0 ? c >= (sp_u64)top_k : topp ? m >= need : b + 1 >= Bminp;
+            if (ok) {
+                found = b + 1;
+                break;
+            }
+        }
+        const unsigned any = __ballot_sync(0xffffffffu, found <= SP_NB);
+        int B = __shfl_sync(0xffffffffu, found, any ? __ffs(any) - 1 : 0);
+        if (!any) B = top_k == 0 && topp ? SP_NB : 0; /* top-p: try every bucket */
+        if (lane == 0) sh.fB = B, sh.kmin = 0xffffffffu;
+    }
+    __syncthreads();
+    const int B = sh.fB;
+    sp_u64 cw = 0;
+    for (int b = lane; b < B; b += 32) cw += wh[b];
+    cw = sp_warp_sum(cw);
+    sp_u64 n_c64;
+    const sp_u64 seg = __shfl_sync(0xffffffffu, sp_block_excl(lane == 0 ? cw : 0, sh, &n_c64), 0);
+    if (B == 0 || n_c64 == 0 || n_c64 > (sp_u64)cap || (top_k > 0 && n_c64 < (sp_u64)top_k)) return false;
+    __syncthreads(); /* every histogram read is done: ids overwrite them */
+
+    /* pass 3: the candidates' ids, in id order */
+    int32_t *ids = (int32_t *)dyn;
+    const int n_c = (int)n_c64;
+    sp_u64 pos = seg;
+    const sp_u64 end = seg + cw;
+    uint32_t kmin = 0xffffffffu;
+    for (int64_t t = r.tile0; t < r.tile1; t++) {
+        float v[4];
+        const int nv = sp_load(r, t, lane, v);
+        unsigned f = 0, nf = 0;
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            if (e < nv && v[e] != -INFINITY && sp_bucket(sp_sfx(p, v[e])) < B) {
+                f |= 1u << e, nf++;
+                kmin = min(kmin, sp_key(v[e]));
+            }
+        unsigned incl = nf;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const unsigned y = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += y;
+        }
+        sp_u64 idx = pos + (incl - nf);
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            if (f & (1u << e)) {
+                if (idx < end) ids[idx] = (int32_t)(t * SP_TILE + 4 * lane + e);
+                idx++;
+            }
+        pos += __shfl_sync(0xffffffffu, incl, 31);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) kmin = min(kmin, __shfl_xor_sync(0xffffffffu, kmin, o));
+    if (lane == 0) atomicMin(&sh.kmin, kmin);
+    __syncthreads();
+    const uint32_t kmax = sp_key(p.m), kmn = sh.kmin;
+
+    /* top-k threshold */
+    if (top_k > 0) {
+        uint32_t K;
+        sp_u64 above;
+        sp_select_list<false>(r.x, ids, n_c, p, (sp_u64)top_k, kmax, kmn, sh, &K, &above);
+        p.tau = sp_value(K);
+    }
+    /* top-p boundary */
+    sp_keep k;
+    k.topp = false;
+    k.Kp = 0;
+    k.c_keep = 0;
+    k.q_tie = 0;
+    if (topp) {
+        sp_u64 wc = 0;
+        for (int i = threadIdx.x; i < n_c; i += SP_THREADS) {
+            const float v = __ldg(r.x + ids[i]);
+            if (sp_cand(p, v)) wc += sp_q(p, sp_p(p, v));
+        }
+        wc = sp_block_sum(wc, sh);
+        const sp_u64 total = top_k > 0 ? wc : total_all; /* top-k: every candidate is listed */
+        double tq = ceil((double)top_p * (double)total);
+        sp_u64 target = tq < 1.0 ? 1 : tq >= (double)total ? total : (sp_u64)tq;
+        if (wc < target) return false; /* the list does not reach the boundary */
+        uint32_t K;
+        sp_u64 above;
+        sp_select_list<true>(r.x, ids, n_c, p, target, kmax, kmn, sh, &K, &above);
+        k.topp = true;
+        k.Kp = K;
+        const float pt = sp_p(p, sp_value(K));
+        k.q_tie = sp_q(p, pt);
+        k.c_keep = k.q_tie > 0 && target > above ? (target - above + k.q_tie - 1) / k.q_tie : 1;
+        if (!(pt >= p.min_p)) k.c_keep = 0;
+    }
+
+    /* the draw over the list: contiguous runs per thread, in id order */
+    const int per = (n_c + SP_THREADS - 1) / SP_THREADS;
+    const int i0 = min(n_c, (int)threadIdx.x * per), i1 = min(n_c, i0 + per);
+    sp_u64 nt = 0;
+    for (int i = i0; i < i1; i++) {
+        bool tie;
+        (void)sp_mass(p, k, __ldg(r.x + ids[i]), &tie);
+        nt += tie;
+    }
+    sp_u64 n_ties;
+    const sp_u64 rank0 = sp_block_excl(nt, sh, &n_ties);
+    sp_u64 ms = 0, rank = rank0;
+    for (int i = i0; i < i1; i++) {
+        bool tie;
+        sp_u64 m = sp_mass(p, k, __ldg(r.x + ids[i]), &tie);
+        if (tie) m = rank++ < k.c_keep ? k.q_tie : 0;
+        ms += m;
+    }
+    sp_u64 total;
+    const sp_u64 base = sp_block_excl(ms, sh, &total);
+    if (threadIdx.x == 0) sh.out = bi;
+    __syncthreads();
+    if (total > 0) {
+        sp_u64 thr = (sp_u64)floor(u * (double)total);
+        if (thr >= total) thr = total - 1;
+        if (base <= thr && thr < base + ms) {
+            sp_u64 run = base;
+            rank = rank0;
+            for (int i = i0; i < i1; i++) {
+                bool tie;
+                const int32_t id = ids[i];
+                sp_u64 m = sp_mass(p, k, __ldg(r.x + id), &tie);
+                if (tie) m = rank++ < k.c_keep ? k.q_tie : 0;
+                if (run + m > thr) {
+                    sh.out = id;
+                    break;
+                }
+                run += m;
+            }
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) *out_row = sh.out;
+    return true;
+}
+
 static __global__ void __launch_bounds__(SP_THREADS) sample_kernel(const float *__restrict__ logits, int64_t V,
-                                                                   bool vec, float scale,
+                                                                   bool vec, float scale, int cap,
                                                                    const st_sample_args *__restrict__ args,
                                                                    int32_t *__restrict__ out) {
     __shared__ sp_shared sh;
+    extern __shared__ __align__(16) uint32_t sp_dyn[]; /* cap ids (fast path); 0: the full path only */
     st_pdl_wait();
     st_pdl_trigger();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -337,6 +678,11 @@ static __global__ void __launch_bounds__(SP_THREADS) sample_kernel(const float *
     p.scale = scale;
     p.tau = -INFINITY;
     p.min_p = min_p;
+
+    if (cap >= SP_WARPS * SP_NB && (top_k > 0 || topp || min_p > 0.0f)) {
+        if (sp_fast(r, p, top_k, topp, top_p, u, bi, sp_dyn, cap, sh, out + row)) return;
+        p.tau = -INFINITY; /* the full path from the start */
+    }
 
     /* 2: top-k threshold */
     if (top_k > 0) {
@@ -480,7 +826,26 @@ strata_status st_cuda_op_sample(st_backend *be, st_cuda_stream *s, const float *
     while (bits < 63 && ((int64_t)1 << bits) <= vocab) bits++; /* vocab < 2^bits */
     const float scale = ldexpf(1.0f, 63 - bits);
     const bool vec = vocab % 4 == 0 && st_cuda_aligned(logits, 16);
-    ST_CUDA_TRY(st_launch(st_cuda_of(be)->pdl, sample_kernel, dim3((unsigned)n), dim3(SP_THREADS), 0, s->s, logits,
-                          vocab, vec, scale, args, out));
+    const st_cuda *c = st_cuda_of(be);
+    size_t dyn = c->sample_old ? 0 : c->sample_smem;
+    if (n > c->sm_count && dyn > 64 * 1024) dyn = 64 * 1024; /* more rows than SMs: two blocks per SM */
+    if (dyn < SP_WARPS * SP_NB * sizeof(uint32_t)) dyn = 0;
+    const int cap = (int)(dyn / sizeof(int32_t));
+    ST_CUDA_TRY(st_launch(c->pdl, sample_kernel, dim3((unsigned)n), dim3(SP_THREADS), dyn, s->s, logits, vocab, vec,
+                          scale, cap, args, out));
+    return STRATA_OK;
+}
+
+strata_status st_cuda_sample_setup(st_cuda *c) {
+    const char *e = getenv("STRATA_SAMPLE");
+    c->sample_old = e && strcmp(e, "old") == 0;
+    c->sample_smem = 0;
+    if (c->sample_old) return STRATA_OK;
+    cudaFuncAttributes fa;
+    ST_CUDA_TRY(cudaFuncGetAttributes(&fa, sample_kernel));
+    size_t dyn = c->smem_optin > fa.sharedSizeBytes ? (c->smem_optin - fa.sharedSizeBytes) & ~(size_t)15 : 0;
+    if (dyn < SP_WARPS * SP_NB * sizeof(uint32_t)) return STRATA_OK; /* the full path only */
+    ST_CUDA_TRY(cudaFuncSetAttribute(sample_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dyn));
+    c->sample_smem = dyn;
     return STRATA_OK;
 }
