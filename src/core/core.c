@@ -91,6 +91,7 @@ strata_status st_budget_take(st_budget *b, size_t n, const char *what) {
                       what ? what : "allocation", n, b->cap - b->used, b->cap);
     b->used += n;
     if (b->used > b->peak) b->peak = b->used;
+    b->takes++;
     return STRATA_OK;
 }
 

@@ -41,6 +41,8 @@ typedef struct {
     size_t cap;   /* 0: unlimited */
     size_t used;
     size_t peak;
+    uint64_t takes; /* successful st_budget_take calls: changes whenever anything new is allocated
+                       (model/llama.c drops its recorded graphs then: a scratch buffer may have moved) */
 } st_budget;
 /* Takes n bytes from the budget; STRATA_ERR_NOMEM (with a message naming
  * `what`) when it would exceed the cap. */

@@ -16,6 +16,26 @@ typedef struct {
     float *v_cache;      /* [max_ctx, kv*hd] */
 } llama_layer;
 
+/* One shape of batched pass (st_llama_forward_batch) and its recording. A
+ * recording holds every pointer and launch configuration of the pass, so the
+ * key is everything those depend on when the weights are resident: the token
+ * count, the logit rows, the attention's bucketed context bound (its split
+ * count), whether the sample op runs, and the KV pool. */
+#define BG_SLOTS 16
+#define BG_MAX_FAILS 3       /* failed recordings of a shape before it always runs directly */
+#define BG_MAX_DROPS 256     /* invalidations (device allocations between steps) before graphs are given up */
+#define BG_MAX_TOKENS 256    /* larger passes always run directly: their kernels are long enough to hide the
+                                launches, and their shapes (prefill chunks) seldom repeat */
+typedef struct {
+    bool used;               /* the key is set: the shape ran directly at least once (its scratch is sized) */
+    int64_t n, n_logits, max_ctx;
+    bool sample;
+    const void *kv;          /* st_kv_cache */
+    st_graph *g;             /* NULL: not recorded (yet) */
+    int fails;
+    uint64_t last_use;
+} batch_graph;
+
 struct st_llama {
     const st_model_files *files;
     st_backend *be;
@@ -51,6 +71,16 @@ struct st_llama {
     /* device sampling of a batch's logits (st_llama_forward_batch_sample): made by its first call */
     st_sample_args *d_sargs, *h_sargs; /* device / pinned host [max_batch] */
     int32_t *d_sids, *h_sids;          /* device [max_batch] / pinned host (after h_sargs) [max_batch] */
+
+    /* recorded batched passes (batch_run below) */
+    batch_graph bg[BG_SLOTS];
+    bool bg_off;            /* no batch graphs: STRATA_BATCH_GRAPH=0, st_llama_set_batch_graphs, a backend
+                               without graphs, or too many invalidations */
+    uint64_t bg_takes;      /* be->device_budget.takes when the cached graphs were last known valid */
+    uint64_t bg_clock;      /* LRU clock */
+    int bg_invalid;         /* times the recordings were dropped for a device allocation */
+    uint64_t dec_takes;     /* be->device_budget.takes when dec_graph was recorded */
+    st_llama_graph_stats bg_stats;
 };
 
 /* ---- setup ------------------------------------------------------------------ */
@@ -491,6 +521,10 @@ strata_status st_llama_init(const st_model_files *files, st_backend *be,
         /* a recorded decode step would hold the slots' pointers and cross-stream events */
         m->dec_no_graph = !st_wm_all_resident(m->wm);
     }
+    {
+        const char *bgv = getenv("STRATA_BATCH_GRAPH"); /* "0": batched passes never recorded */
+        m->bg_off = bgv && !strcmp(bgv, "0");
+    }
 
     m->layers = st_calloc((size_t)c->n_layers, sizeof *m->layers);
     if (!m->layers) { st = st_err(STRATA_ERR_NOMEM, "out of memory"); goto fail; }
@@ -540,6 +574,7 @@ void st_llama_free(st_llama *m) {
     st_free(m->wshape);
     st_wgroups_free(m->groups);
     be->ops->graph_destroy(be, m->dec_graph);
+    for (int i = 0; i < BG_SLOTS; i++) be->ops->graph_destroy(be, m->bg[i].g);
     if (m->d_dec) be->ops->dealloc(be, m->d_dec);
     if (m->d_qkv) be->ops->dealloc(be, m->d_qkv);
     if (m->h_dec) be->ops->host_dealloc(be, m->h_dec);
@@ -800,6 +835,12 @@ static strata_status decode_step(st_llama *m, int32_t token, float *logits, int3
     TRY(decode_buffers(m));
     m->h_dec[0] = token;
     m->h_dec[1] = (int32_t)m->n_past;
+    if (m->dec_graph && be->device_budget.takes != m->dec_takes) {
+        /* something was allocated since the recording: one of the stream's
+         * scratch buffers may have grown and moved; record again */
+        o->graph_destroy(be, m->dec_graph);
+        m->dec_graph = NULL;
+    }
     if (!m->dec_graph && !m->dec_no_graph && m->dec_steps > 0 && m->dec_graph_fails < 3) {
         strata_status st = o->graph_begin(be, m->stream);
         if (st == STRATA_ERR_UNSUPPORTED) {
@@ -810,6 +851,7 @@ static strata_status decode_step(st_llama *m, int32_t token, float *logits, int3
             strata_status st2 = o->graph_end(be, m->stream, st == STRATA_OK ? &g : NULL);
             if (st == STRATA_OK && st2 == STRATA_OK && g) {
                 m->dec_graph = g;
+                m->dec_takes = be->device_budget.takes;
                 st_log(STRATA_LOG_INFO, "decode step recorded as a graph (replayed for every token)");
             } else {
                 o->graph_destroy(be, g);
@@ -887,10 +929,16 @@ strata_status st_llama_forward(st_llama *m, const int32_t *tokens, int64_t n, in
  * A batch's metadata is packed into the pool's pinned staging buffer, copied
  * to the device in one transfer, and read there by the ops (token ids,
  * positions, sequence indices, slots, block tables, context lengths, the rows
- * that need logits). Layout, in order, with n tokens, S sequences, B blocks
- * per table row and n_out logit rows:
- *   int64 slots[n] | int32 tokens[n] | pos[n] | seq[n] | logit_rows[n_out] |
- *   ctx_lens[S] | block_tables[S * B]
+ * that need logits). The layout is fixed (T = the model's max_batch, B = the
+ * pool's max_blocks), so that the device addresses of every field are the
+ * same for every batch and a recorded pass (batch_run) reads the new values:
+ *   int64 slots[T] | int32 tokens[T] | pos[T] | seq[T] | logit_rows[T] |
+ *   ctx_lens[T] | block_tables[T * B]
+ * Only the batch's entries are written (ctx_lens past its sequences are 0:
+ * sequences with no keys, never referenced by a token); the copy covers the
+ * table rows of its sequences. Attention is told n_seqs = T and a context
+ * bound rounded up to a bucket (batch_ctx_bucket), which changes nothing in
+ * a token's arithmetic (backend.h: its reduction depends on its own keys).
  * The staging buffer is rewritten only by the next call, after this one's
  * final stream sync, so a copy still in flight never sees it change. */
 
@@ -903,6 +951,8 @@ struct st_kv_cache {
     void *h_meta;           /* pinned host staging */
     void *d_meta;           /* device */
 };
+
+static void bg_drop(st_llama *m, batch_graph *e);
 
 static size_t meta_capacity(int64_t T, int64_t max_blocks) {
     return (size_t)T * 8 + ((size_t)4 * T + (size_t)T + (size_t)T * (size_t)max_blocks) * 4;
@@ -953,6 +1003,7 @@ strata_status st_kv_cache_init(st_llama *m, const st_kv_cache_params *p, st_kv_c
     kv->meta_bytes = meta_capacity(m->max_batch, kv->max_blocks);
     if ((st = be->ops->alloc(be, kv->meta_bytes, &kv->d_meta))) goto fail;
     if ((st = be->ops->host_alloc(be, kv->meta_bytes, &kv->h_meta))) goto fail;
+    memset(kv->h_meta, 0, kv->meta_bytes); /* table entries a batch does not write are never read, but defined */
     *out = kv;
     return STRATA_OK;
 fail:
@@ -965,6 +1016,11 @@ void st_kv_cache_free(st_kv_cache *kv) {
     st_llama *m = kv->m;
     st_backend *be = m->be;
     (void)be->ops->stream_sync(be, m->stream); /* nothing may still use the pool */
+    for (int i = 0; i < BG_SLOTS; i++) /* recorded passes over this pool hold its pointers */
+        if (m->bg[i].used && m->bg[i].kv == kv) {
+            bg_drop(m, &m->bg[i]);
+            m->bg[i] = (batch_graph){0};
+        }
     for (int64_t l = 0; l < m->cfg.n_layers; l++) {
         if (kv->k && kv->k[l]) be->ops->dealloc(be, kv->k[l]);
         if (kv->v && kv->v[l]) be->ops->dealloc(be, kv->v[l]);
@@ -1032,39 +1088,65 @@ static strata_status batch_check(const st_llama *m, const st_kv_cache *kv, const
     return STRATA_OK;
 }
 
-/* Packs b into the staging buffer, copies it to the device and points d at it. */
+/* The attention context bound of a batch whose longest sequence holds
+ * max_len keys: rounded up to 256-key ranges (the CUDA kernel's split), then
+ * to a power of two up to 8 ranges and a multiple of 8 ranges above, capped
+ * at the pool's table width. Recorded passes are keyed on it: a sequence that
+ * grows changes the key every 2048 keys at most. */
+static int64_t batch_ctx_bucket(const st_kv_cache *kv, int64_t max_len) {
+    int64_t r = (max_len + 255) / 256;
+    if (r < 1) r = 1;
+    if (r <= 8) {
+        int64_t p = 1;
+        while (p < r) p *= 2;
+        r = p;
+    } else {
+        r = (r + 7) / 8 * 8;
+    }
+    const int64_t cap = kv->max_blocks * kv->block_size;
+    return r * 256 < cap ? r * 256 : cap;
+}
+
+/* Packs b into the staging buffer (the fixed layout above), copies it to the
+ * device and points d at it. */
 static strata_status batch_upload(st_llama *m, st_kv_cache *kv, const st_batch *b, batch_dev *d) {
-    const int64_t n = b->n_tokens, tab = b->n_seqs * b->max_blocks;
+    const int64_t n = b->n_tokens, T = m->max_batch, B = kv->max_blocks, S = b->n_seqs;
     uint8_t *h = kv->h_meta;
-    const size_t o_tok = (size_t)n * 8, o_pos = o_tok + (size_t)n * 4, o_seq = o_pos + (size_t)n * 4,
-                 o_lr = o_seq + (size_t)n * 4, o_ctx = o_lr + (size_t)b->n_logits * 4,
-                 o_tab = o_ctx + (size_t)b->n_seqs * 4, total = o_tab + (size_t)tab * 4;
-    ST_ASSERT(total <= kv->meta_bytes);
+    const size_t o_tok = (size_t)T * 8, o_pos = o_tok + (size_t)T * 4, o_seq = o_pos + (size_t)T * 4,
+                 o_lr = o_seq + (size_t)T * 4, o_ctx = o_lr + (size_t)T * 4, o_tab = o_ctx + (size_t)T * 4,
+                 total = o_tab + (size_t)(S * B) * 4;
+    ST_ASSERT(o_tab + (size_t)(T * B) * 4 <= kv->meta_bytes && S <= T && b->max_blocks <= B);
     memcpy(h, b->slots, (size_t)n * 8);
     memcpy(h + o_tok, b->tokens, (size_t)n * 4);
     memcpy(h + o_pos, b->pos, (size_t)n * 4);
     memcpy(h + o_seq, b->seq, (size_t)n * 4);
     if (b->n_logits) memcpy(h + o_lr, b->logit_rows, (size_t)b->n_logits * 4);
-    memcpy(h + o_ctx, b->ctx_lens, (size_t)b->n_seqs * 4);
-    memcpy(h + o_tab, b->block_tables, (size_t)tab * 4);
+    memcpy(h + o_ctx, b->ctx_lens, (size_t)S * 4);
+    memset(h + o_ctx + (size_t)S * 4, 0, (size_t)(T - S) * 4);
+    int32_t *tab = (int32_t *)(h + o_tab);
+    for (int64_t s = 0; s < S; s++) /* the rest of a row is never read (past its sequence's blocks) */
+        memcpy(tab + s * B, b->block_tables + s * b->max_blocks, (size_t)b->max_blocks * 4);
     TRY(m->be->ops->copy_h2d(m->be, m->stream, kv->d_meta, h, total));
     const uint8_t *dm = kv->d_meta;
-    int64_t max_ctx = 0;
-    for (int64_t s = 0; s < b->n_seqs; s++)
-        if (b->ctx_lens[s] > max_ctx) max_ctx = b->ctx_lens[s];
+    int64_t max_len = 0;
+    for (int64_t s = 0; s < S; s++)
+        if (b->ctx_lens[s] > max_len) max_len = b->ctx_lens[s];
     d->slots = (const int64_t *)dm;
     d->tokens = (const int32_t *)(dm + o_tok);
     d->pos = (const int32_t *)(dm + o_pos);
     d->seq = (const int32_t *)(dm + o_seq);
     d->logit_rows = (const int32_t *)(dm + o_lr);
     d->pk = (st_paged_kv){.k_cache = NULL, .v_cache = NULL, .n_slots = kv->n_slots, .block_size = kv->block_size,
-                          .block_tables = (const int32_t *)(dm + o_tab), .max_blocks = b->max_blocks,
-                          .ctx_lens = (const int32_t *)(dm + o_ctx), .n_seqs = b->n_seqs, .max_ctx = max_ctx};
+                          .block_tables = (const int32_t *)(dm + o_tab), .max_blocks = B,
+                          .ctx_lens = (const int32_t *)(dm + o_ctx), .n_seqs = T,
+                          .max_ctx = batch_ctx_bucket(kv, max_len)};
     return STRATA_OK;
 }
 
 /* Attention group of layer l over the batch: as attn_ops, with the K/V rows
- * stored at the batch's slots and attention read through the block tables. */
+ * stored at the batch's slots and attention read through the block tables.
+ * q, k and v in one matmul_multi (one launch where the backend can: the same
+ * results as three matmuls). */
 static strata_status attn_batch_ops(st_llama *m, const st_weight *w, st_kv_cache *kv, int64_t l, batch_dev *d,
                                     int64_t n, bool residual_pending) {
     st_backend *be = m->be;
@@ -1073,9 +1155,9 @@ static strata_status attn_batch_ops(st_llama *m, const st_weight *w, st_kv_cache
     const int64_t H = c->hidden_size, hd = c->head_dim, kv_dim = c->n_kv_heads * hd;
     TRY(o->rmsnorm(be, m->stream, m->x, residual_pending ? m->tmp : NULL, &w[ST_WG_ATTN_NORM], c->rms_norm_eps, n,
                    H, m->xn));
-    TRY(o->matmul(be, m->stream, m->xn, &w[ST_WG_WQ], n, m->q));
-    TRY(o->matmul(be, m->stream, m->xn, &w[ST_WG_WK], n, m->k));
-    TRY(o->matmul(be, m->stream, m->xn, &w[ST_WG_WV], n, m->v));
+    const st_weight wqkv[3] = {w[ST_WG_WQ], w[ST_WG_WK], w[ST_WG_WV]};
+    float *const yqkv[3] = {m->q, m->k, m->v};
+    TRY(o->matmul_multi(be, m->stream, m->xn, wqkv, 3, n, yqkv));
     TRY(o->rope(be, m->stream, m->q, d->pos, n, c->n_heads, hd, m->inv_freq, c->rope_interleaved));
     TRY(o->rope(be, m->stream, m->k, d->pos, n, c->n_kv_heads, hd, m->inv_freq, c->rope_interleaved));
     TRY(o->kv_store_paged(be, m->stream, kv->k[l], kv->v[l], kv->n_slots, m->k, m->v, d->slots, n, kv_dim));
@@ -1084,6 +1166,19 @@ static strata_status attn_batch_ops(st_llama *m, const st_weight *w, st_kv_cache
     TRY(o->attention_paged(be, m->stream, m->q, &d->pk, d->seq, d->pos, n, c->n_heads, c->n_kv_heads, hd,
                            1.0f / sqrtf((float)hd), m->att));
     return o->matmul(be, m->stream, m->att, &w[ST_WG_WO], n, m->tmp);
+}
+
+/* FFN group over the batch: ffn_ops, with gate, up and SwiGLU as one
+ * matmul_swiglu for fewer than 4 tokens (one GEMV launch on CUDA; the same
+ * results; above, CUDA's matmul_swiglu would need a scratch copy of up). */
+static strata_status ffn_batch_ops(st_llama *m, const st_weight *w, int64_t n) {
+    if (n >= 4) return ffn_ops(m, w, n);
+    st_backend *be = m->be;
+    const st_backend_ops *o = be->ops;
+    const st_config *c = &m->cfg;
+    TRY(o->rmsnorm(be, m->stream, m->x, m->tmp, &w[ST_WG_FFN_NORM], c->rms_norm_eps, n, c->hidden_size, m->xn));
+    TRY(o->matmul_swiglu(be, m->stream, m->xn, &w[ST_WG_GATE], &w[ST_WG_UP], n, m->gate));
+    return o->matmul(be, m->stream, m->gate, &w[ST_WG_DOWN], n, m->tmp);
 }
 
 /* Output group over the batch: x += tmp; xn = norm(x); logits[n_out, V] =
@@ -1104,6 +1199,149 @@ static strata_status output_batch_ops(st_llama *m, const st_weight *w, const bat
     return o->matmul(be, m->stream, src, &w[ST_WG_LM_HEAD], n_out, m->logits);
 }
 
+/* The pass itself, from the metadata on the device (d) to the logits in
+ * m->logits and, when `sample`, the sampled ids in m->h_sids (the args in
+ * m->h_sargs). Everything it enqueues can be recorded as a graph when the
+ * weights are resident: no host reads or writes but the pinned h_sargs /
+ * h_sids, no allocation once the shape ran. `tokens` (host) is read only by
+ * the embedding gather of streamed weights. */
+static strata_status batch_ops(st_llama *m, st_kv_cache *kv, batch_dev *d, const int32_t *tokens, int64_t n,
+                               int64_t n_logits, bool sample) {
+    st_backend *be = m->be;
+    const st_backend_ops *o = be->ops;
+    const st_config *c = &m->cfg;
+    {   /* embedding */
+        st_weight w;
+        const int32_t *ids = NULL;
+        TRY(st_wm_embed(m->wm, m->stream, tokens, n, &w, &ids));
+        TRY(o->get_rows(be, m->stream, &w, ids ? ids : d->tokens, n, m->x));
+    }
+    bound_group g;
+    for (int64_t l = 0; l < c->n_layers; l++) {
+        TRY(group_acquire(m, st_wg_attn_id((int)l), &g));
+        TRY(group_release(m, &g, attn_batch_ops(m, g.w, kv, l, d, n, l > 0)));
+        TRY(group_acquire(m, st_wg_ffn_id((int)l), &g));
+        TRY(group_release(m, &g, ffn_batch_ops(m, g.w, n)));
+    }
+    if (n_logits > 0) {
+        TRY(group_acquire(m, st_wg_output_id(m->groups), &g));
+        TRY(group_release(m, &g, output_batch_ops(m, g.w, d, n, n_logits)));
+        if (sample) {
+            const size_t na = (size_t)n_logits;
+            TRY(o->copy_h2d(be, m->stream, m->d_sargs, m->h_sargs, na * sizeof(st_sample_args)));
+            TRY(o->sample(be, m->stream, m->logits, n_logits, c->vocab_size, m->d_sargs, m->d_sids));
+            TRY(o->copy_d2h(be, m->stream, m->h_sids, m->d_sids, na * sizeof(int32_t)));
+        }
+    }
+    return STRATA_OK;
+}
+
+/* ---- recorded batched passes --------------------------------------------------------
+ * batch_run replays, records or runs directly (llama.h: "Batched passes as
+ * graphs"). Validity: a recording holds the scratch buffers' addresses of
+ * the compute stream; a buffer grows (and moves) only through a device
+ * allocation, which bumps be->device_budget.takes, so every recording is
+ * dropped when takes changed since the last pass (the shapes stay known:
+ * scratch only grows, so a known shape records without growing anything). */
+
+static void bg_drop(st_llama *m, batch_graph *e) {
+    if (e->g) {
+        m->be->ops->graph_destroy(m->be, e->g);
+        e->g = NULL;
+        m->bg_stats.dropped++;
+    }
+}
+
+static void bg_drop_all(st_llama *m) {
+    for (int i = 0; i < BG_SLOTS; i++) bg_drop(m, &m->bg[i]);
+}
+
+void st_llama_set_batch_graphs(st_llama *m, bool on) {
+    (void)m->be->ops->stream_sync(m->be, m->stream); /* no replay in flight */
+    bg_drop_all(m);
+    m->bg_off = !on;
+}
+
+void st_llama_batch_graph_stats(const st_llama *m, st_llama_graph_stats *out) { *out = m->bg_stats; }
+
+/* The cache entry of this shape; a new one (the least recently used evicted)
+ * when the shape is not known: *fresh = true then. */
+static batch_graph *bg_find(st_llama *m, const st_kv_cache *kv, const batch_dev *d, int64_t n, int64_t n_logits,
+                            bool sample, bool *fresh) {
+    batch_graph *lru = &m->bg[0];
+    *fresh = false;
+    for (int i = 0; i < BG_SLOTS; i++) {
+        batch_graph *e = &m->bg[i];
+        if (e->used && e->kv == kv && e->n == n && e->n_logits == n_logits && e->max_ctx == d->pk.max_ctx &&
+            e->sample == sample)
+            return e;
+        if (!e->used || (lru->used && e->last_use < lru->last_use)) lru = e;
+    }
+    bg_drop(m, lru);
+    *lru = (batch_graph){.used = true, .n = n, .n_logits = n_logits, .max_ctx = d->pk.max_ctx, .sample = sample,
+                         .kv = kv};
+    *fresh = true;
+    return lru;
+}
+
+static strata_status batch_run(st_llama *m, st_kv_cache *kv, batch_dev *d, const st_batch *b, bool sample) {
+    st_backend *be = m->be;
+    const st_backend_ops *o = be->ops;
+    const int64_t n = b->n_tokens, nl = b->n_logits;
+    if (m->bg_off || n > BG_MAX_TOKENS || !st_wm_all_resident(m->wm)) {
+        m->bg_stats.direct++;
+        return batch_ops(m, kv, d, b->tokens, n, nl, sample);
+    }
+    if (be->device_budget.takes != m->bg_takes) { /* something was allocated: scratch may have moved */
+        bool any = false;
+        for (int i = 0; i < BG_SLOTS; i++) any = any || m->bg[i].g;
+        if (any) {
+            bg_drop_all(m);
+            if (++m->bg_invalid > BG_MAX_DROPS) { /* allocations between steps, again and again */
+                m->bg_off = true;
+                st_log(STRATA_LOG_WARN, "batched passes: recorded graphs invalidated %d times by device "
+                       "allocations between steps; running directly from now on", m->bg_invalid);
+            }
+        }
+        m->bg_takes = be->device_budget.takes;
+    }
+    bool fresh = false;
+    batch_graph *e = bg_find(m, kv, d, n, nl, sample, &fresh);
+    e->last_use = ++m->bg_clock;
+    if (!e->g && !fresh && e->fails < BG_MAX_FAILS && !m->bg_off) {
+        strata_status st = o->graph_begin(be, m->stream);
+        if (st == STRATA_ERR_UNSUPPORTED) {
+            m->bg_off = true; /* CPU: every pass runs directly */
+        } else if (st == STRATA_OK) {
+            st_graph *g = NULL;
+            st = batch_ops(m, kv, d, b->tokens, n, nl, sample);
+            const strata_status st2 = o->graph_end(be, m->stream, st == STRATA_OK ? &g : NULL);
+            if (st == STRATA_OK && st2 == STRATA_OK && g) {
+                e->g = g;
+                m->bg_stats.recorded++;
+                st_log(STRATA_LOG_DEBUG, "batched pass recorded: %lld tokens, %lld logit rows, context bound %lld%s",
+                       (long long)n, (long long)nl, (long long)d->pk.max_ctx, sample ? ", sampling" : "");
+            } else {
+                o->graph_destroy(be, g);
+                e->fails++;
+                m->bg_stats.failed++;
+                st_log(STRATA_LOG_DEBUG, "batched pass of %lld tokens not recorded (try %d): %s", (long long)n,
+                       e->fails, st_last_error());
+            }
+        } else {
+            e->fails++;
+            m->bg_stats.failed++;
+        }
+        /* a recording that allocated (none should) invalidates itself at the next pass */
+    }
+    if (e->g) {
+        m->bg_stats.replays++;
+        return o->graph_launch(be, m->stream, e->g);
+    }
+    m->bg_stats.direct++;
+    return batch_ops(m, kv, d, b->tokens, n, nl, sample);
+}
+
 /* Enqueues the whole pass (forward_batch below synchronizes). logits: host
  * [n_logits, V] or NULL (not copied); args: host [n_logits] or NULL: the
  * sample op's ids land in m->h_sids. */
@@ -1111,36 +1349,15 @@ static strata_status forward_batch_enqueue(st_llama *m, st_kv_cache *kv, const s
                                            const st_sample_args *args) {
     st_backend *be = m->be;
     const st_backend_ops *o = be->ops;
-    const st_config *c = &m->cfg;
-    const int64_t n = b->n_tokens, V = c->vocab_size;
+    const int64_t V = m->cfg.vocab_size;
+    const bool sample = args && b->n_logits > 0;
     TRY(st_wm_begin(m->wm));
     batch_dev d;
     TRY(batch_upload(m, kv, b, &d));
-    {   /* embedding */
-        st_weight w;
-        const int32_t *ids = NULL;
-        TRY(st_wm_embed(m->wm, m->stream, b->tokens, n, &w, &ids));
-        TRY(o->get_rows(be, m->stream, &w, ids ? ids : d.tokens, n, m->x));
-    }
-    bound_group g;
-    for (int64_t l = 0; l < c->n_layers; l++) {
-        TRY(group_acquire(m, st_wg_attn_id((int)l), &g));
-        TRY(group_release(m, &g, attn_batch_ops(m, g.w, kv, l, &d, n, l > 0)));
-        TRY(group_acquire(m, st_wg_ffn_id((int)l), &g));
-        TRY(group_release(m, &g, ffn_ops(m, g.w, n)));
-    }
-    if (b->n_logits > 0) {
-        TRY(group_acquire(m, st_wg_output_id(m->groups), &g));
-        TRY(group_release(m, &g, output_batch_ops(m, g.w, &d, n, b->n_logits)));
-        if (logits) TRY(o->copy_d2h(be, m->stream, logits, m->logits, (size_t)(b->n_logits * V) * sizeof(float)));
-        if (args) {
-            const size_t na = (size_t)b->n_logits;
-            memcpy(m->h_sargs, args, na * sizeof *args);
-            TRY(o->copy_h2d(be, m->stream, m->d_sargs, m->h_sargs, na * sizeof *args));
-            TRY(o->sample(be, m->stream, m->logits, b->n_logits, V, m->d_sargs, m->d_sids));
-            TRY(o->copy_d2h(be, m->stream, m->h_sids, m->d_sids, na * sizeof(int32_t)));
-        }
-    }
+    if (sample) memcpy(m->h_sargs, args, (size_t)b->n_logits * sizeof *args);
+    TRY(batch_run(m, kv, &d, b, sample));
+    if (b->n_logits > 0 && logits)
+        TRY(o->copy_d2h(be, m->stream, logits, m->logits, (size_t)(b->n_logits * V) * sizeof(float)));
     return STRATA_OK;
 }
 

@@ -160,6 +160,33 @@ typedef struct {
 strata_status st_llama_forward_batch(st_llama *m, st_kv_cache *kv, const st_batch *b, float *logits);
 int64_t st_llama_max_batch(const st_llama *m); /* tokens per forward_batch */
 
+/* Batched passes as graphs. When every weight is device-resident and the
+ * backend has graphs (CUDA), a pass of at most 256 tokens is recorded once
+ * per shape (token count, logit rows, attention context bucket, device
+ * sampling or not) and replayed: a step then costs a metadata copy, one graph launch and one sync
+ * instead of ~25 launches per layer. The first pass of a shape runs directly
+ * (it sizes the backend's scratch), the second is recorded; a failed
+ * recording runs directly (3 tries per shape). Up to 16 shapes are kept
+ * (least recently used dropped). Recordings are dropped when the device
+ * budget sees a new allocation (a scratch buffer may have moved) and when
+ * their KV pool is freed. Logits are bit-identical with and without graphs
+ * (the same kernels with the same grids). STRATA_BATCH_GRAPH=0 (read at
+ * st_llama_init) turns it off. The backend's fast-prefill precision is
+ * recorded with a shape: after set_fast_prefill call st_llama_set_batch_graphs
+ * (m, true) to drop the recordings. Streamed weights always run directly. */
+typedef struct {
+    int64_t replays;   /* passes run as a recorded graph */
+    int64_t recorded;  /* graphs recorded */
+    int64_t direct;    /* passes run op by op (first of a shape, failures, graphs off) */
+    int64_t failed;    /* recordings that failed */
+    int64_t dropped;   /* graphs dropped (invalidation, eviction, pool freed) */
+} st_llama_graph_stats;
+/* on = false: batched passes run directly from now on; on = true: graphs
+ * allowed again (where the weights and backend allow them). Either way the
+ * recorded graphs are dropped. */
+void st_llama_set_batch_graphs(st_llama *m, bool on);
+void st_llama_batch_graph_stats(const st_llama *m, st_llama_graph_stats *out);
+
 /* As st_llama_forward_batch, and the next token of every logit row is drawn
  * on the device by the backend's `sample` op: ids[k] (host [n_logits]) = the
  * token drawn from row k with args[k] (host [n_logits]; -1 for a row the op

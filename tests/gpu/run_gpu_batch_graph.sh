@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# On the GPU machine, from the repo root (carry .deps): recorded batched passes
+# (CUDA graphs of st_llama_forward_batch, model/llama.h) against direct runs.
+#   1. gpu_check_batch_graph on the test models (and the default model when
+#      present), default attention kernels and STRATA_ATTN=old: every pass's
+#      logits (and sampled ids) bitwise equal with and without graphs, graphs
+#      actually replayed;
+#   2. gpu_check_batch_graph --time on a Llama-3-8B-shaped bf16 model of
+#      $LAYERS layers (default 32; `strata mkmodel`, kept in $WORK): ms per
+#      decode step, graphs off vs on, batches 1, 8, 64 over 512-token prompts,
+#      logits of every step compared;
+#   3. `strata bench MODEL --device cuda --seqs 1,8,64 --seq-prompt 512` with
+#      STRATA_BATCH_GRAPH=0 and with graphs (SKIP_BENCH=1 skips it).
+# PASS / FAIL lines; exit status non-zero when a check failed.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+source scripts/device-env.sh > /dev/null 2>&1
+WORK=${WORK:-/tmp/strata-gpu}
+mkdir -p "$WORK"
+L=${LAYERS:-32}
+rc=0
+cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release > /tmp/cfg_bg.log 2>&1 || { cat /tmp/cfg_bg.log; exit 2; }
+cmake --build build-gpu -j "$(nproc)" --target strata gpu_check_batch_graph > /tmp/build_bg.log 2>&1 ||
+  { tail -40 /tmp/build_bg.log; exit 2; }
+
+echo "== correctness (default kernels)"
+build-gpu/gpu_check_batch_graph || rc=1
+echo "== correctness (STRATA_ATTN=old)"
+STRATA_ATTN=old build-gpu/gpu_check_batch_graph tests/data/models/llama3_bf16 || rc=1
+
+mp=$WORK/llama3_8b_${L}l_bf16
+[ -f "$mp/config.json" ] || build-gpu/strata mkmodel --config llama3-8b --layers "$L" "$mp" > /dev/null || exit 1
+echo "== timing ($L-layer Llama-3-8B shape, bf16)"
+build-gpu/gpu_check_batch_graph --time "$mp" 512 32 || rc=1
+
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  for mode in 0 1; do
+    echo "== strata bench --seqs, STRATA_BATCH_GRAPH=$mode"
+    STRATA_BATCH_GRAPH=$mode timeout 300 build-gpu/strata bench "$mp" --device cuda --prompt 16 --gen 64 --reps 1 \
+      --seqs 1,8,64 --seq-prompt 512 2>&1 | grep -E "decode (batch|step)|error" || echo "bench failed"
+  done
+fi
+exit $rc
