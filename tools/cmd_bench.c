@@ -88,7 +88,8 @@ static int argmax(const float *x, int64_t n) {
  * st_llama_forward_batch (whole sequences packed into batches of at most
  * max_batch tokens), then `gen` greedy steps run the B sequences together,
  * one token each per forward_batch (the first step is a warm-up, the next
- * gen are timed). Logits come to the host; the argmax is taken there. */
+ * gen are timed). The greedy choice is the backend's sample op (temperature
+ * 0: the argmax), so only token ids come back, as when serving. */
 
 typedef struct {
     st_kv_cache *kv;
@@ -101,30 +102,33 @@ typedef struct {
 
 static strata_status seqs_forward(st_llama *m, seqs_state *S, int64_t n, const int32_t *tokens, const int32_t *pos,
                                   const int32_t *seq, int64_t n_seqs, const int32_t *ctx_lens, const int32_t *tables,
-                                  const int32_t *logit_rows, int64_t n_logits, float *logits, int64_t *slots) {
+                                  const int32_t *logit_rows, int64_t n_logits, const st_sample_args *greedy,
+                                  int32_t *ids, int64_t *slots) {
     for (int64_t i = 0; i < n; i++)
         slots[i] = (int64_t)tables[seq[i] * S->bps + pos[i] / S->bs] * S->bs + pos[i] % S->bs;
     const st_batch b = {.n_tokens = n, .tokens = tokens, .pos = pos, .seq = seq, .slots = slots, .n_seqs = n_seqs,
                         .block_tables = tables, .max_blocks = S->bps, .ctx_lens = ctx_lens,
                         .logit_rows = logit_rows, .n_logits = n_logits};
-    return st_llama_forward_batch(m, S->kv, &b, logits);
+    return st_llama_forward_batch_sample(m, S->kv, &b, greedy, ids, NULL);
 }
 
 /* One batch size: fills *step_s (seconds per decode step). */
 static strata_status seqs_run(tool_model *tm, seqs_state *S, int64_t B, double *step_s) {
     st_llama *m = tm->model;
-    const int64_t V = tm->files->config.vocab_size, T = st_llama_max_batch(m), W = S->P + S->gen + 1;
+    const int64_t T = st_llama_max_batch(m), W = S->P + S->gen + 1;
     const int64_t cap = T > B ? T : B;
     int32_t *tok = malloc((size_t)cap * 4), *pos = malloc((size_t)cap * 4), *seq = malloc((size_t)cap * 4);
     int32_t *ctx = malloc((size_t)B * 4), *tab = malloc((size_t)(B * S->bps) * 4), *rows = malloc((size_t)B * 4);
     int64_t *slots = malloc((size_t)cap * 8);
-    float *logits = malloc((size_t)(B * V) * sizeof(float));
+    st_sample_args *greedy = calloc((size_t)cap, sizeof *greedy); /* temperature 0: argmax */
+    int32_t *ids = malloc((size_t)cap * 4);
     int32_t *out = malloc((size_t)(B * (S->gen + 1)) * 4);
     strata_status st = STRATA_OK;
-    if (!tok || !pos || !seq || !ctx || !tab || !rows || !slots || !logits || !out) {
+    if (!tok || !pos || !seq || !ctx || !tab || !rows || !slots || !greedy || !ids || !out) {
         st = st_err(STRATA_ERR_NOMEM, "bench --seqs: out of memory");
         goto out;
     }
+    for (int64_t i = 0; i < cap; i++) greedy[i].top_p = 1.0f; /* neutral; temperature 0 decides */
     for (int64_t s = 0; s < B; s++)
         for (int64_t j = 0; j < S->bps; j++) tab[s * S->bps + j] = (int32_t)(s * S->bps + j);
     /* prefill: whole prompts packed into batches of at most T tokens */
@@ -142,8 +146,8 @@ static strata_status seqs_run(tool_model *tm, seqs_state *S, int64_t B, double *
             rows[nl++] = (int32_t)(n - 1);
             ns++;
         }
-        st = seqs_forward(m, S, n, tok, pos, seq, ns, ctx, tab + s0 * S->bps, rows, nl, logits, slots);
-        for (int64_t r = 0; r < nl && st == STRATA_OK; r++) out[(s0 + r) * (S->gen + 1)] = argmax(logits + r * V, V);
+        st = seqs_forward(m, S, n, tok, pos, seq, ns, ctx, tab + s0 * S->bps, rows, nl, greedy, ids, slots);
+        for (int64_t r = 0; r < nl && st == STRATA_OK; r++) out[(s0 + r) * (S->gen + 1)] = ids[r];
         s0 += ns;
     }
     /* decode: a warm-up step, then gen timed ones */
@@ -157,8 +161,8 @@ static strata_status seqs_run(tool_model *tm, seqs_state *S, int64_t B, double *
             ctx[s] = (int32_t)(S->P + g + 1);
             rows[s] = (int32_t)s;
         }
-        st = seqs_forward(m, S, B, tok, pos, seq, B, ctx, tab, rows, B, logits, slots);
-        for (int64_t s = 0; s < B && st == STRATA_OK; s++) out[s * (S->gen + 1) + g + 1] = argmax(logits + s * V, V);
+        st = seqs_forward(m, S, B, tok, pos, seq, B, ctx, tab, rows, B, greedy, ids, slots);
+        for (int64_t s = 0; s < B && st == STRATA_OK; s++) out[s * (S->gen + 1) + g + 1] = ids[s];
     }
     *step_s = S->gen > 1 ? (st_time_now() - t0) / (double)(S->gen - 1) : 0;
     /* the same sequence in a smaller batch generated the same tokens? */
@@ -180,7 +184,8 @@ out:
     free(tab);
     free(rows);
     free(slots);
-    free(logits);
+    free(greedy);
+    free(ids);
     free(out);
     return st;
 }
@@ -321,6 +326,7 @@ int cmd_bench(int argc, char **argv) {
     }
     if (mo.ctx == 0) mo.ctx = n_prompt + (n_gen > 2 ? n_gen : 2);
     /* the prompt in one forward chunk unless --batch says otherwise (up to 4096 tokens) */
+    const bool batch_given = mo.batch != 0;
     if (mo.batch == 0) mo.batch = n_prompt < 4096 ? n_prompt : 4096;
     if (n_seqs > 0) { /* the batched decode: max_batch >= the batch, a paged pool planned for */
         if (n_gen < 2) {
@@ -330,7 +336,12 @@ int cmd_bench(int argc, char **argv) {
         int64_t maxB = 0;
         for (int i = 0; i < n_seqs; i++) maxB = seqs[i] > maxB ? seqs[i] : maxB;
         if (mo.batch < maxB) mo.batch = maxB;
-        if (seq_prompt > mo.batch) seq_prompt = mo.batch;
+        if (seq_prompt > mo.batch && !batch_given) mo.batch = seq_prompt < 4096 ? seq_prompt : 4096;
+        if (seq_prompt > mo.batch) { /* each prompt is prefilled in one chunk */
+            fprintf(stderr, "strata bench: --seq-prompt %lld is cut to the batch of %lld tokens\n",
+                    (long long)seq_prompt, (long long)mo.batch);
+            seq_prompt = mo.batch;
+        }
         if (mo.ctx < seq_prompt + n_gen + 1) mo.ctx = seq_prompt + n_gen + 1;
         mo.kv_pool_tokens = maxB * ((seq_prompt + n_gen + 1 + 15) / 16) * 16;
     }

@@ -304,13 +304,23 @@ static __global__ void __launch_bounds__(256) x_to_bf16_kernel(const float *__re
 
 /* y[t, r0 + r] = s[t, r] + s[n + t, r] for t < n, r < rows: the hi and lo
  * halves of a stacked GEMM (s: [2n, rows]) summed into columns of y (row
- * stride ldy). One rounding, as the beta = 1 epilogue of the two-GEMM path. */
+ * stride ldy). One rounding, as the beta = 1 epilogue of the two-GEMM path.
+ * grid (x over the row, y = t); VEC: float4 (rows and ldy multiples of 4,
+ * s and y 16-byte aligned). */
+template <bool VEC>
 static __global__ void __launch_bounds__(256) stack_sum_kernel(const float *__restrict__ s, int64_t n, int64_t rows,
                                                               float *__restrict__ y, int64_t ldy) {
-    const int64_t total = n * rows, stride = (int64_t)gridDim.x * blockDim.x;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
-        const int64_t t = i / rows, r = i % rows;
-        y[t * ldy + r] = s[i] + s[total + i];
+    const int64_t t = blockIdx.y;
+    const float *hi = s + t * rows, *lo = s + (n + t) * rows;
+    float *dst = y + t * ldy;
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    if (VEC) {
+        for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < rows / 4; i += stride) {
+            const float4 a = ((const float4 *)hi)[i], b = ((const float4 *)lo)[i];
+            ((float4 *)dst)[i] = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+        }
+    } else {
+        for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < rows; i += stride) dst[i] = hi[i] + lo[i];
     }
 }
 
@@ -576,8 +586,12 @@ static strata_status matmul_t(st_backend *be, st_cuda_stream *s, const float *x,
                 st = lt_gemm(be, s, CUDA_R_16BF, (const uint8_t *)w->data + (size_t)r0 * rb, xb, (float *)sb, rows,
                              2 * n, K, rows, 0.0f);
                 if (st != STRATA_OK) return st;
-                const unsigned grid = st_grid_for(n * rows, 256, (int64_t)st_cuda_of(be)->sm_count * 16);
-                stack_sum_kernel<<<grid, 256, 0, s->s>>>((const float *)sb, n, rows, y + r0, N);
+                float *yd = y + r0;
+                const bool vec = rows % 4 == 0 && N % 4 == 0 && st_cuda_aligned(yd, 16) && st_cuda_aligned(sb, 16);
+                const int64_t per = vec ? rows / 4 : rows;
+                const dim3 grid((unsigned)((per + 255) / 256 < 64 ? (per + 255) / 256 : 64), (unsigned)n);
+                if (vec) stack_sum_kernel<true><<<grid, 256, 0, s->s>>>((const float *)sb, n, rows, yd, N);
+                else stack_sum_kernel<false><<<grid, 256, 0, s->s>>>((const float *)sb, n, rows, yd, N);
                 ST_CUDA_LAUNCHED("stack_sum_kernel");
             }
             return STRATA_OK;
