@@ -115,10 +115,15 @@ static strata_status cuda_upload(st_backend *be, const void *host, size_t n, voi
     strata_status st = cuda_alloc(be, n, &d);
     if (st != STRATA_OK) return st;
     if (n) {
+        /* From pageable memory cudaMemcpy may return once the bytes are staged,
+         * before the DMA lands, and the legacy stream it uses does not order
+         * our non-blocking streams: wait for it, so the buffer is complete for
+         * any stream (load time only, not the hot path). */
         cudaError_t e = cudaMemcpy(d, host, n, cudaMemcpyHostToDevice);
+        if (e == cudaSuccess) e = cudaStreamSynchronize(cudaStreamLegacy);
         if (e != cudaSuccess) {
             pool_release(be, d);
-            return st_err(STRATA_ERR_BACKEND, "cudaMemcpy(d, host, %zu, cudaMemcpyHostToDevice) failed: %s at %s:%d in %s",
+            return st_err(STRATA_ERR_BACKEND, "cuda upload: cudaMemcpy of %zu bytes to the device (and its wait) failed: %s at %s:%d in %s",
                           n, cudaGetErrorString(e), __FILE__, __LINE__, __func__);
         }
     }
