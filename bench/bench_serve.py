@@ -372,6 +372,7 @@ def main():
                          "tokens_per_step": d("strata_generation_tokens_total") / steps if steps else None,
                          "prefix_cache_hits": d("strata_prefix_cache_hits_total"),
                          "step_seconds": d("strata_engine_step_seconds_total"),
+                         "forward_seconds": d("strata_engine_forward_seconds_total"),
                          "preemptions": d("strata_preemptions_total")}
         rep["decode"] = decode_roofline(m0, m1, args.mem_bw, args.gemm_rate)
 
@@ -397,6 +398,12 @@ def main():
         print("  server           %d prompt tokens computed, %d generated in %d steps (%.2f per step), "
               "%d prefix-cache hits" % (s["prompt_tokens_computed"], s["generation_tokens"], s["engine_steps"],
                                         s["tokens_per_step"] or 0, s["prefix_cache_hits"]))
+        if s["engine_steps"] and s["step_seconds"] > 0:
+            print("  step time        %.2f ms per step: forward passes %.2f ms (%.0f%%), the rest (scheduling, "
+                  "sampling on the host, streaming) %.2f ms"
+                  % (1e3 * s["step_seconds"] / s["engine_steps"], 1e3 * s["forward_seconds"] / s["engine_steps"],
+                     100 * s["forward_seconds"] / s["step_seconds"],
+                     1e3 * (s["step_seconds"] - s["forward_seconds"]) / s["engine_steps"]))
         if s["preemptions"]:
             print("  WARNING          %d preemptions (the KV cache was too small for the batch)" % s["preemptions"])
     dr = rep.get("decode")

@@ -587,6 +587,7 @@ static void sync_metrics_locked(st_engine *e) {
     e->m.prompt_tokens += rs.sched.prefill_tokens - e->prefill_seen;
     e->prefill_seen = rs.sched.prefill_tokens;
     e->m.preemptions = rs.sched.preemptions;
+    e->m.forward_seconds = rs.forward_s;
     e->m.kv_blocks_used = rs.kv.used;
     e->m.prefix_cache_queries = rs.kv.queried_tokens;
     e->m.prefix_cache_hits = rs.kv.hit_tokens;

@@ -160,6 +160,8 @@ typedef struct {
     int64_t step_tokens;             /* tokens those steps' forward passes ran (prompt chunks + decodes) */
     double step_seconds;             /* wall time of those steps (st_engine_step, sampling and
                                         callbacks included; not the idle time between steps) */
+    double forward_seconds;          /* of which in the runner's forward passes (device sampling
+                                        included); the rest is scheduling, host sampling, streaming */
     /* Decode-only steps (every sequence in the batch ran one token: no prompt
      * chunk), the ones whose rate is the decode throughput: how many, the
      * sequences they ran (= tokens), the keys those sequences attended over

@@ -18,6 +18,7 @@
  * For rooflines (bench/bench_serve.py reads them):
  *   strata_engine_step_tokens_total                 counter  tokens the forward passes ran
  *   strata_engine_step_seconds_total                counter  wall time of the steps that ran the model
+ *   strata_engine_forward_seconds_total             counter  of which in forward passes
  *   strata_decode_steps_total, strata_decode_tokens_total, strata_decode_kv_tokens_total,
  *   strata_decode_seconds_total                     counters decode-only steps: how many, tokens
  *                                                            (= sequences), keys attended, wall time
@@ -336,6 +337,9 @@ static char *metrics_text(st_server *s) {
     ok = ok && metric(&b, "strata_engine_step_seconds_total", "counter",
                       "Wall time of the engine steps that ran the model (sampling and streaming included).",
                       m->step_seconds);
+    ok = ok && metric(&b, "strata_engine_forward_seconds_total", "counter",
+                      "Of the step time, the time in the model's forward passes (device sampling included).",
+                      m->forward_seconds);
     ok = ok && metric(&b, "strata_decode_steps_total", "counter",
                       "Decode-only engine steps (one token for every sequence of the batch, no prompt chunk).",
                       (double)m->decode_steps);
