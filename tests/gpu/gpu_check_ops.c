@@ -1190,6 +1190,35 @@ static void check_sample_all(void) {
     g_free(dout), g_free(dx), g_free(da);
 }
 
+/* A second CUDA backend (and stream) made with the environment variable
+ * `var` set to `val` for its init only (the kernels' version switches are
+ * read at backend init): *be, *st. The caller frees them (backend_with_env_free). */
+static void backend_with_env(const char *var, const char *val, st_backend **be, st_stream **st) {
+    const char *prev = getenv(var);
+    char *saved = prev ? strdup(prev) : NULL;
+    setenv(var, val, 1);
+    st_backend_params p = {.kind = ST_BACKEND_CUDA, .device_mem = 0, .device_index = 0};
+    TRY(st_backend_init(&p, be));
+    TRY((*be)->ops->stream_create(*be, false, st));
+    if (saved) setenv(var, saved, 1);
+    else unsetenv(var);
+    free(saved);
+}
+static void backend_with_env_free(st_backend *be, st_stream *st) {
+    be->ops->stream_destroy(be, st);
+    st_backend_free(be);
+}
+
+/* Runs fn with g_gpu / g_s swapped for a backend made with var=val. */
+static void on_backend_with_env(const char *var, const char *val, void (*fn)(const char *), const char *what) {
+    st_backend *gpu_new = g_gpu;
+    st_stream *s_new = g_s;
+    backend_with_env(var, val, &g_gpu, &g_s);
+    fn(what);
+    backend_with_env_free(g_gpu, g_s);
+    g_gpu = gpu_new, g_s = s_new;
+}
+
 int main(void) {
     g_t0 = st_time_now();
     st_backend_params cpu_p = {.kind = ST_BACKEND_CPU, .n_threads = 0};
@@ -1298,15 +1327,7 @@ int main(void) {
         /* the sample op: the new kernel (checked against the CPU and, token for
          * token, against the old one), then the old kernel alone
          * (STRATA_SAMPLE=old, read at backend init) */
-        const char *prev = getenv("STRATA_SAMPLE");
-        char *saved = prev ? strdup(prev) : NULL;
-        setenv("STRATA_SAMPLE", "old", 1);
-        st_backend_params old_p = {.kind = ST_BACKEND_CUDA, .device_mem = 0, .device_index = 0};
-        TRY(st_backend_init(&old_p, &g_smp_old));
-        TRY(g_smp_old->ops->stream_create(g_smp_old, false, &g_smp_old_s));
-        if (saved) setenv("STRATA_SAMPLE", saved, 1);
-        else unsetenv("STRATA_SAMPLE");
-        free(saved);
+        backend_with_env("STRATA_SAMPLE", "old", &g_smp_old, &g_smp_old_s);
         g_smp_ver = "new";
         check_sample_all();
         st_backend *gpu_new = g_gpu, *gpu_old = g_smp_old;
@@ -1314,8 +1335,7 @@ int main(void) {
         g_gpu = gpu_old, g_s = g_smp_old_s, g_smp_old = NULL;
         g_smp_ver = "old (STRATA_SAMPLE=old)";
         check_sample_all();
-        g_gpu->ops->stream_destroy(g_gpu, g_s);
-        st_backend_free(g_gpu);
+        backend_with_env_free(g_gpu, g_s);
         g_gpu = gpu_new, g_s = s_new;
         g_smp_ver = "new";
     }
@@ -1342,43 +1362,15 @@ int main(void) {
         check_attention_paged(32, 8, 128, 16, 2, cl, ql, "long (sub-batched partials)");
     }
     check_gemv_version("new (default)");
-    {
-        /* the older GEMV kernel everywhere: STRATA_GEMV=old (read at backend init) */
-        const char *prev = getenv("STRATA_GEMV");
-        char *saved = prev ? strdup(prev) : NULL;
-        setenv("STRATA_GEMV", "old", 1);
-        st_backend *gpu_new = g_gpu;
-        st_stream *s_new = g_s;
-        st_backend_params old_p = {.kind = ST_BACKEND_CUDA, .device_mem = 0, .device_index = 0};
-        TRY(st_backend_init(&old_p, &g_gpu));
-        TRY(g_gpu->ops->stream_create(g_gpu, false, &g_s));
-        check_gemv_version("old (STRATA_GEMV=old)");
-        g_gpu->ops->stream_destroy(g_gpu, g_s);
-        st_backend_free(g_gpu);
-        g_gpu = gpu_new, g_s = s_new;
-        if (saved) setenv("STRATA_GEMV", saved, 1);
-        else unsetenv("STRATA_GEMV");
-        free(saved);
-    }
+    /* the older GEMV kernel everywhere: STRATA_GEMV=old (read at backend init) */
+    on_backend_with_env("STRATA_GEMV", "old", check_gemv_version, "old (STRATA_GEMV=old)");
     check_attention_version("new (default)");
-    {
-        /* the previous kernels, kept selectable with STRATA_ATTN=old (read at backend init) */
-        const char *prev = getenv("STRATA_ATTN");
-        char *saved = prev ? strdup(prev) : NULL;
-        setenv("STRATA_ATTN", "old", 1);
-        st_backend *gpu_new = g_gpu;
-        st_stream *s_new = g_s;
-        st_backend_params old_p = {.kind = ST_BACKEND_CUDA, .device_mem = 0, .device_index = 0};
-        TRY(st_backend_init(&old_p, &g_gpu));
-        TRY(g_gpu->ops->stream_create(g_gpu, false, &g_s));
-        check_attention_version("old (STRATA_ATTN=old)");
-        g_gpu->ops->stream_destroy(g_gpu, g_s);
-        st_backend_free(g_gpu);
-        g_gpu = gpu_new, g_s = s_new;
-        if (saved) setenv("STRATA_ATTN", saved, 1);
-        else unsetenv("STRATA_ATTN");
-        free(saved);
-    }
+    /* the previous attention kernels, kept selectable with STRATA_ATTN=old */
+    on_backend_with_env("STRATA_ATTN", "old", check_attention_version, "old (STRATA_ATTN=old)");
+    /* the paged tile kernel without its decode variant: every decode batch of
+     * check_attention_version then runs the 64-row variant, whose bits the
+     * "alone" comparisons already tie to the decode variant's */
+    on_backend_with_env("STRATA_ATTN", "tile64", check_attention_version, "tile64 (STRATA_ATTN=tile64)");
     const char *pmodels[] = {"gqa_f32", "llama3_bf16", "headdim_f32", "mha_tied_f32"};
     for (size_t i = 0; i < sizeof pmodels / sizeof pmodels[0]; i++) check_forward_batch(pmodels[i]);
 
