@@ -1,21 +1,29 @@
-/* backend: creation by kind, destruction, availability. */
+/* backend: creation by kind, destruction, availability, and the validating
+ * layer every backend's ops go through (backend.h: "Argument checks"). */
 #include "backend/backend.h"
+
+static void backend_wrap(st_backend *be);
 
 strata_status st_backend_init(const st_backend_params *params, st_backend **out) {
     if (!out) return st_err(STRATA_ERR_INVALID_ARG, "backend init: out is NULL");
     *out = NULL;
     if (!params) return st_err(STRATA_ERR_INVALID_ARG, "backend init: params is NULL");
+    strata_status st;
     switch (params->kind) {
-    case ST_BACKEND_CPU: return st_backend_cpu_init(params, out);
+    case ST_BACKEND_CPU: st = st_backend_cpu_init(params, out); break;
     case ST_BACKEND_CUDA:
 #ifdef STRATA_HAVE_CUDA
-        return st_backend_cuda_init(params, out);
+        st = st_backend_cuda_init(params, out);
+        break;
 #else
         return st_err(STRATA_ERR_UNSUPPORTED,
                       "CUDA backend not built (configure with CUDA available and -DSTRATA_CUDA=ON)");
 #endif
+    default:
+        return st_err(STRATA_ERR_INVALID_ARG, "backend init: unknown backend kind %d", (int)params->kind);
     }
-    return st_err(STRATA_ERR_INVALID_ARG, "backend init: unknown backend kind %d", (int)params->kind);
+    if (st == STRATA_OK) backend_wrap(*out);
+    return st;
 }
 
 void st_backend_free(st_backend *be) {
@@ -83,4 +91,326 @@ strata_status st_backend_check_heads(const char *op, int64_t n, int64_t n_kv, in
                       op, (long long)n, (long long)n_kv, (long long)n_heads, (long long)n_kv_heads,
                       (long long)head_dim);
     return STRATA_OK;
+}
+
+/* ---- the validating layer ----
+ * One function per checked entry: the device-independent checks (backend.h
+ * lists them), then the device's function. Only comparisons on the hot path:
+ * no allocation, no device access, and the op's name is a table lookup. */
+
+#define CHECKED_NAMES(X)                                                                     \
+    X(alloc) X(host_alloc) X(upload) X(copy_h2d) X(copy_d2h) X(copy_d2d) X(stream_create)    \
+    X(event_create) X(event_record) X(stream_wait_event) X(event_sync) X(get_rows)           \
+    X(rmsnorm) X(matmul) X(rope) X(attention) X(swiglu) X(add) X(set_rows) X(argmax)         \
+    X(matmul_multi) X(matmul_swiglu) X(kv_store_paged) X(attention_paged) X(sample)
+
+enum {
+#define X(o) OPN_##o,
+    CHECKED_NAMES(X)
+#undef X
+    OPN_COUNT
+};
+
+/* "<backend> <op>", as the messages have always named them */
+static const char *const k_op_names[2][OPN_COUNT] = {
+#define X(o) "cpu " #o,
+    [ST_BACKEND_CPU] = {CHECKED_NAMES(X)},
+#undef X
+#define X(o) "cuda " #o,
+    [ST_BACKEND_CUDA] = {CHECKED_NAMES(X)},
+#undef X
+};
+
+#define OPNAME(be, o) (k_op_names[(be)->kind][OPN_##o])
+
+#define CHECK_PTR(p, op)                                                                     \
+    do {                                                                                     \
+        if (!(p)) return st_err(STRATA_ERR_INVALID_ARG, "%s: %s is NULL", op, #p);           \
+    } while (0)
+
+#define CHECK_N(n, op)                                                                       \
+    do {                                                                                     \
+        if ((n) < 0) return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld", op, (long long)(n)); \
+    } while (0)
+
+#define TRY(call)                                                                            \
+    do {                                                                                     \
+        strata_status st_ = (call);                                                          \
+        if (st_ != STRATA_OK) return st_;                                                    \
+    } while (0)
+
+/* true when y [n, w.rows] overlaps x [n, w.cols] (fp32, n > 0, w checked):
+ * y = x @ w^T is never in place */
+static bool overlaps_x(const float *x, const float *y, int64_t n, const st_weight *w) {
+    const uintptr_t px = (uintptr_t)x, py = (uintptr_t)y;
+    const uint64_t nx = (uint64_t)n * (uint64_t)w->cols * sizeof(float);
+    const uint64_t ny = (uint64_t)n * (uint64_t)w->rows * sizeof(float);
+    return px < py + ny && py < px + nx;
+}
+
+/* memory, streams, events */
+
+static strata_status chk_alloc(st_backend *be, size_t n, void **out) {
+    CHECK_PTR(out, OPNAME(be, alloc));
+    return be->dev_ops->alloc(be, n, out);
+}
+
+static strata_status chk_host_alloc(st_backend *be, size_t n, void **out) {
+    CHECK_PTR(out, OPNAME(be, host_alloc));
+    return be->dev_ops->host_alloc(be, n, out);
+}
+
+static strata_status chk_upload(st_backend *be, const void *host, size_t n, void **dev, bool *owned) {
+    const char *op = OPNAME(be, upload);
+    if (!dev || !owned) return st_err(STRATA_ERR_INVALID_ARG, "%s: NULL out parameter", op);
+    *dev = NULL;
+    *owned = false;
+    if (!host && n) return st_err(STRATA_ERR_INVALID_ARG, "%s: host is NULL", op);
+    return be->dev_ops->upload(be, host, n, dev, owned);
+}
+
+#define CHK_COPY(dir)                                                                        \
+    static strata_status chk_copy_##dir(st_backend *be, st_stream *s, void *dst, const void *src, \
+                                        size_t n) {                                          \
+        if (n == 0) return STRATA_OK;                                                        \
+        CHECK_PTR(dst, OPNAME(be, copy_##dir));                                              \
+        CHECK_PTR(src, OPNAME(be, copy_##dir));                                              \
+        return be->dev_ops->copy_##dir(be, s, dst, src, n);                                  \
+    }
+CHK_COPY(h2d)
+CHK_COPY(d2h)
+CHK_COPY(d2d)
+#undef CHK_COPY
+
+static strata_status chk_stream_create(st_backend *be, bool high_priority, st_stream **out) {
+    CHECK_PTR(out, OPNAME(be, stream_create));
+    return be->dev_ops->stream_create(be, high_priority, out);
+}
+
+static strata_status chk_event_create(st_backend *be, st_event **out) {
+    CHECK_PTR(out, OPNAME(be, event_create));
+    return be->dev_ops->event_create(be, out);
+}
+
+static strata_status chk_event_record(st_backend *be, st_event *e, st_stream *s) {
+    if (!e) return st_err(STRATA_ERR_INVALID_ARG, "%s: event is NULL", OPNAME(be, event_record));
+    return be->dev_ops->event_record(be, e, s);
+}
+
+static strata_status chk_stream_wait_event(st_backend *be, st_stream *s, st_event *e) {
+    if (!e) return st_err(STRATA_ERR_INVALID_ARG, "%s: event is NULL", OPNAME(be, stream_wait_event));
+    return be->dev_ops->stream_wait_event(be, s, e);
+}
+
+static strata_status chk_event_sync(st_backend *be, st_event *e) {
+    if (!e) return st_err(STRATA_ERR_INVALID_ARG, "%s: event is NULL", OPNAME(be, event_sync));
+    return be->dev_ops->event_sync(be, e);
+}
+
+/* ops */
+
+static strata_status chk_get_rows(st_backend *be, st_stream *s, const st_weight *w, const int32_t *ids,
+                                  int64_t n, float *out) {
+    const char *op = OPNAME(be, get_rows);
+    TRY(st_backend_check_weight(w, op));
+    CHECK_N(n, op);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(ids, op);
+    CHECK_PTR(out, op);
+    return be->dev_ops->get_rows(be, s, w, ids, n, out);
+}
+
+static strata_status chk_rmsnorm(st_backend *be, st_stream *s, float *x, const float *residual,
+                                 const st_weight *w, float eps, int64_t n, int64_t d, float *out) {
+    const char *op = OPNAME(be, rmsnorm);
+    TRY(st_backend_check_weight(w, op));
+    if (n < 0 || d <= 0)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld, d = %lld", op, (long long)n, (long long)d);
+    if (w->rows != 1 || w->cols != d)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: weight is [%lld, %lld], expected [1, %lld]", op,
+                      (long long)w->rows, (long long)w->cols, (long long)d);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(x, op);
+    CHECK_PTR(out, op);
+    return be->dev_ops->rmsnorm(be, s, x, residual, w, eps, n, d, out);
+}
+
+static strata_status chk_matmul(st_backend *be, st_stream *s, const float *x, const st_weight *w, int64_t n,
+                                float *y) {
+    const char *op = OPNAME(be, matmul);
+    TRY(st_backend_check_weight(w, op));
+    CHECK_N(n, op);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(x, op);
+    CHECK_PTR(y, op);
+    if (overlaps_x(x, y, n, w))
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: y overlaps x (matmul is not in place)", op);
+    return be->dev_ops->matmul(be, s, x, w, n, y);
+}
+
+static strata_status chk_rope(st_backend *be, st_stream *s, float *x, const int32_t *pos, int64_t n,
+                              int64_t n_heads, int64_t head_dim, const float *inv_freq, bool interleaved) {
+    const char *op = OPNAME(be, rope);
+    if (n < 0 || n_heads <= 0 || head_dim <= 0 || head_dim % 2)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld, n_heads = %lld, head_dim = %lld (must be even)",
+                      op, (long long)n, (long long)n_heads, (long long)head_dim);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(x, op);
+    CHECK_PTR(pos, op);
+    CHECK_PTR(inv_freq, op);
+    return be->dev_ops->rope(be, s, x, pos, n, n_heads, head_dim, inv_freq, interleaved);
+}
+
+static strata_status chk_attention(st_backend *be, st_stream *s, const float *q, const float *k, const float *v,
+                                   const int32_t *pos, int64_t n, int64_t n_kv, int64_t n_heads,
+                                   int64_t n_kv_heads, int64_t head_dim, float scale, float *out) {
+    const char *op = OPNAME(be, attention);
+    TRY(st_backend_check_heads(op, n, n_kv, n_heads, n_kv_heads, head_dim));
+    if (n == 0) return STRATA_OK;
+    if (n_kv == 0) return st_err(STRATA_ERR_INVALID_ARG, "%s: no cached keys (n_kv = 0)", op);
+    CHECK_PTR(q, op);
+    CHECK_PTR(k, op);
+    CHECK_PTR(v, op);
+    CHECK_PTR(pos, op);
+    CHECK_PTR(out, op);
+    return be->dev_ops->attention(be, s, q, k, v, pos, n, n_kv, n_heads, n_kv_heads, head_dim, scale, out);
+}
+
+static strata_status chk_swiglu(st_backend *be, st_stream *s, const float *gate, const float *up, int64_t n,
+                                float *out) {
+    const char *op = OPNAME(be, swiglu);
+    CHECK_N(n, op);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(gate, op);
+    CHECK_PTR(up, op);
+    CHECK_PTR(out, op);
+    return be->dev_ops->swiglu(be, s, gate, up, n, out);
+}
+
+static strata_status chk_add(st_backend *be, st_stream *s, float *x, const float *y, int64_t n) {
+    const char *op = OPNAME(be, add);
+    CHECK_N(n, op);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(x, op);
+    CHECK_PTR(y, op);
+    return be->dev_ops->add(be, s, x, y, n);
+}
+
+static strata_status chk_set_rows(st_backend *be, st_stream *s, float *dst, int64_t dst_rows, const float *src,
+                                  const int32_t *idx, int64_t n, int64_t cols) {
+    const char *op = OPNAME(be, set_rows);
+    if (n < 0 || cols <= 0 || dst_rows < 0)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld, cols = %lld, dst_rows = %lld", op, (long long)n,
+                      (long long)cols, (long long)dst_rows);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(dst, op);
+    CHECK_PTR(src, op);
+    CHECK_PTR(idx, op);
+    return be->dev_ops->set_rows(be, s, dst, dst_rows, src, idx, n, cols);
+}
+
+static strata_status chk_argmax(st_backend *be, st_stream *s, const float *x, int64_t n, int64_t cols,
+                                int32_t *out) {
+    const char *op = OPNAME(be, argmax);
+    if (n < 0 || cols <= 0 || cols > INT32_MAX)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld, cols = %lld", op, (long long)n, (long long)cols);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(x, op);
+    CHECK_PTR(out, op);
+    return be->dev_ops->argmax(be, s, x, n, cols, out);
+}
+
+static strata_status chk_matmul_multi(st_backend *be, st_stream *s, const float *x, const st_weight *w,
+                                      int count, int64_t n, float *const *y) {
+    const char *op = OPNAME(be, matmul_multi);
+    if (count < 1 || count > 4) return st_err(STRATA_ERR_INVALID_ARG, "%s: count = %d (1 to 4)", op, count);
+    CHECK_PTR(w, op);
+    for (int i = 0; i < count; i++) {
+        TRY(st_backend_check_weight(&w[i], op));
+        if (w[i].cols != w[0].cols)
+            return st_err(STRATA_ERR_INVALID_ARG, "%s: weight %d has %lld cols, weight 0 has %lld", op, i,
+                          (long long)w[i].cols, (long long)w[0].cols);
+    }
+    CHECK_N(n, op);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(x, op);
+    CHECK_PTR(y, op);
+    for (int i = 0; i < count; i++) {
+        if (!y[i]) return st_err(STRATA_ERR_INVALID_ARG, "%s: y[%d] is NULL", op, i);
+        if (overlaps_x(x, y[i], n, &w[i]))
+            return st_err(STRATA_ERR_INVALID_ARG, "%s: y[%d] overlaps x (matmul is not in place)", op, i);
+    }
+    return be->dev_ops->matmul_multi(be, s, x, w, count, n, y);
+}
+
+static strata_status chk_matmul_swiglu(st_backend *be, st_stream *s, const float *x, const st_weight *wg,
+                                       const st_weight *wu, int64_t n, float *out) {
+    const char *op = OPNAME(be, matmul_swiglu);
+    TRY(st_backend_check_weight(wg, op));
+    TRY(st_backend_check_weight(wu, op));
+    if (wg->rows != wu->rows || wg->cols != wu->cols || wg->dtype != wu->dtype)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: gate is [%lld, %lld] %s, up is [%lld, %lld] %s", op,
+                      (long long)wg->rows, (long long)wg->cols, st_dtype_name(wg->dtype), (long long)wu->rows,
+                      (long long)wu->cols, st_dtype_name(wu->dtype));
+    CHECK_N(n, op);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(x, op);
+    CHECK_PTR(out, op);
+    if (overlaps_x(x, out, n, wg))
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: out overlaps x (the op is not in place)", op);
+    return be->dev_ops->matmul_swiglu(be, s, x, wg, wu, n, out);
+}
+
+static strata_status chk_kv_store_paged(st_backend *be, st_stream *s, float *k_cache, float *v_cache,
+                                        int64_t n_slots, const float *k, const float *v, const int64_t *slots,
+                                        int64_t n, int64_t cols) {
+    const char *op = OPNAME(be, kv_store_paged);
+    if (n < 0 || cols <= 0 || n_slots < 0)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld, cols = %lld, n_slots = %lld", op, (long long)n,
+                      (long long)cols, (long long)n_slots);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(k_cache, op);
+    CHECK_PTR(v_cache, op);
+    CHECK_PTR(k, op);
+    CHECK_PTR(v, op);
+    CHECK_PTR(slots, op);
+    return be->dev_ops->kv_store_paged(be, s, k_cache, v_cache, n_slots, k, v, slots, n, cols);
+}
+
+static strata_status chk_attention_paged(st_backend *be, st_stream *s, const float *q, const st_paged_kv *kv,
+                                         const int32_t *seq, const int32_t *pos, int64_t n, int64_t n_heads,
+                                         int64_t n_kv_heads, int64_t head_dim, float scale, float *out) {
+    const char *op = OPNAME(be, attention_paged);
+    TRY(st_backend_check_heads(op, n, 0, n_heads, n_kv_heads, head_dim));
+    if (n == 0) return STRATA_OK;
+    TRY(st_paged_kv_check(kv, op));
+    CHECK_PTR(q, op);
+    CHECK_PTR(seq, op);
+    CHECK_PTR(pos, op);
+    CHECK_PTR(out, op);
+    return be->dev_ops->attention_paged(be, s, q, kv, seq, pos, n, n_heads, n_kv_heads, head_dim, scale, out);
+}
+
+static strata_status chk_sample(st_backend *be, st_stream *s, const float *logits, int64_t n, int64_t vocab,
+                                const st_sample_args *args, int32_t *out) {
+    const char *op = OPNAME(be, sample);
+    if (n < 0 || vocab <= 0 || vocab > INT32_MAX)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld, vocab = %lld", op, (long long)n, (long long)vocab);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(logits, op);
+    CHECK_PTR(args, op);
+    CHECK_PTR(out, op);
+    return be->dev_ops->sample(be, s, logits, n, vocab, args, out);
+}
+
+/* be->ops = &be->checked: the device's table with the entries above replaced. */
+static void backend_wrap(st_backend *be) {
+    ST_ASSERT(be->kind == ST_BACKEND_CPU || be->kind == ST_BACKEND_CUDA); /* k_op_names has a row */
+    be->dev_ops = be->ops;
+    st_backend_ops *t = &be->checked;
+    *t = *be->dev_ops;
+#define X(o) t->o = chk_##o;
+    CHECKED_NAMES(X)
+#undef X
+    be->ops = t;
 }

@@ -238,11 +238,43 @@ typedef struct {
                             const st_sample_args *args, int32_t *out);
 } st_backend_ops;
 
+/* Argument checks: one validating layer for every backend.
+ * st_backend_init wraps the device's table: be->ops points at be->checked, a
+ * copy of the device's table whose entries below are replaced by validating
+ * functions (backend.c) that check the arguments, then call be->dev_ops. The
+ * other entries (name, destroy, dealloc, host_dealloc, stream_destroy,
+ * stream_sync, event_destroy, graph_*, set_fast_prefill) are the device's own.
+ * Messages name the backend and op ("cpu matmul: ...", "cuda matmul: ...")
+ * and the bad parameter. Every backend gets from the wrapper:
+ *   memory: NULL out parameters (alloc, host_alloc, upload, stream_create,
+ *     event_create), NULL host with n > 0 (upload), NULL dst/src of copies
+ *     (n = 0 returns STRATA_OK without calling the device), NULL events;
+ *   ops: counts and shapes (n >= 0, d/cols/vocab > 0, cols and vocab <=
+ *     INT32_MAX for argmax/sample, rope's even head_dim, matmul_multi's count
+ *     in 1..4 and equal cols, matmul_swiglu's equal shapes and dtypes),
+ *     st_backend_check_weight on every weight, rmsnorm's [1, d] weight,
+ *     st_backend_check_heads, n_kv >= 1 for attention, st_paged_kv_check,
+ *     NULL pointers, and y/out overlapping x (matmul, matmul_multi,
+ *     matmul_swiglu). An op with n = 0 (after the shape checks) returns
+ *     STRATA_OK without calling the device.
+ * Left to each backend (the checks that depend on where data lives or on the
+ * device's limits):
+ *   CPU: the values of host-side indices it promises to check (get_rows ids,
+ *     set_rows idx, kv_store_paged slots, attention pos, attention_paged's
+ *     ctx_lens / block ids / seq / pos, sample args);
+ *   CUDA: alignment (weight data 16 bytes, float pointers 4, sample args and
+ *     slots 8), sizes that overflow its int32 / 65535 launch grids, shared
+ *     memory limits and unsupported dtypes (in the op's .cu file).
+ * The device's functions may therefore assume the wrapper's checks passed
+ * (st_backend_cpu_init / st_backend_cuda_init alone return an unwrapped
+ * backend: create backends with st_backend_init). */
 struct st_backend {
-    const st_backend_ops *ops;
+    const st_backend_ops *ops;     /* &checked once st_backend_init returns */
+    const st_backend_ops *dev_ops; /* the device's own table (what `checked` calls) */
     st_backend_kind kind;
     st_budget device_budget; /* device allocations counted against device_mem */
     void *impl;
+    st_backend_ops checked;  /* the validating table (backend.c) */
 };
 
 /* Checks the host-side fields of a paged KV description for `op` (names it in
@@ -252,7 +284,8 @@ struct st_backend {
  * memory. */
 strata_status st_paged_kv_check(const st_paged_kv *kv, const char *op);
 
-/* Creates the backend named in params. The caller owns *out (st_backend_free). */
+/* Creates the backend named in params, its ops wrapped by the validating
+ * layer (above). The caller owns *out (st_backend_free). */
 strata_status st_backend_init(const st_backend_params *params, st_backend **out);
 void st_backend_free(st_backend *be); /* NULL is a no-op */
 bool st_backend_available(st_backend_kind kind);
@@ -265,7 +298,8 @@ strata_status st_backend_check_weight(const st_weight *w, const char *op);
 strata_status st_backend_check_heads(const char *op, int64_t n, int64_t n_kv, int64_t n_heads,
                                      int64_t n_kv_heads, int64_t head_dim);
 
-/* Implementations (each in its own directory). */
+/* Implementations (each in its own directory): the device's raw table, no
+ * wrapper (st_backend_init adds it). */
 strata_status st_backend_cpu_init(const st_backend_params *params, st_backend **out);
 strata_status st_backend_cuda_init(const st_backend_params *params, st_backend **out);
 /* True when the CUDA runtime sees at least one device (no abort without a driver). */

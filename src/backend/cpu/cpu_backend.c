@@ -1,5 +1,6 @@
-/* CPU backend: creation, memory, streams/events, and the op table (argument
- * checks here, kernels in cpu_matmul.c, cpu_attention.c, cpu_ops.c).
+/* CPU backend: creation, memory, streams/events, and the op table (the
+ * device-independent argument checks are backend.c's; the host-index checks
+ * here; kernels in cpu_matmul.c, cpu_attention.c, cpu_ops.c).
  *
  * "Device" memory is host memory counted against params.device_mem through
  * be->device_budget. Each device block carries a 64-byte header in front of
@@ -51,7 +52,6 @@ strata_status st_cpu_scratch_reserve(st_cpu *c, size_t floats) {
 /* ---- memory ---- */
 
 static strata_status cpu_alloc(st_backend *be, size_t n, void **out) {
-    if (!out) return st_err(STRATA_ERR_INVALID_ARG, "cpu alloc: out is NULL");
     *out = NULL;
     if (n > SIZE_MAX - DEV_HDR)
         return st_err(STRATA_ERR_NOMEM, "cpu alloc: %zu bytes is too large", n);
@@ -92,7 +92,6 @@ static void cpu_dealloc(st_backend *be, void *p) {
 }
 
 static strata_status cpu_host_alloc(st_backend *be, size_t n, void **out) {
-    if (!out) return st_err(STRATA_ERR_INVALID_ARG, "cpu host_alloc: out is NULL");
     *out = NULL;
     void *p = NULL;
     if (posix_memalign(&p, 64, n ? n : 1) != 0)
@@ -104,15 +103,12 @@ static strata_status cpu_host_alloc(st_backend *be, size_t n, void **out) {
 static void cpu_host_dealloc(st_backend *be, void *p) { free(p); }
 
 static strata_status cpu_upload(st_backend *be, const void *host, size_t n, void **dev, bool *owned) {
-    if (!dev || !owned) return st_err(STRATA_ERR_INVALID_ARG, "cpu upload: NULL out parameter");
     *dev = (void *)host; /* zero copy: the caller keeps owning `host` */
     *owned = false;
     return STRATA_OK;
 }
 
 static strata_status cpu_copy(st_backend *be, st_stream *s, void *dst, const void *src, size_t n) {
-    if (n == 0) return STRATA_OK;
-    if (!dst || !src) return st_err(STRATA_ERR_INVALID_ARG, "cpu copy: NULL pointer");
     memmove(dst, src, n);
     return STRATA_OK;
 }
@@ -120,7 +116,6 @@ static strata_status cpu_copy(st_backend *be, st_stream *s, void *dst, const voi
 /* ---- streams and events ---- */
 
 static strata_status cpu_stream_create(st_backend *be, bool high_priority, st_stream **out) {
-    if (!out) return st_err(STRATA_ERR_INVALID_ARG, "cpu stream_create: out is NULL");
     cpu_stream *s = st_calloc(1, sizeof *s);
     if (!s) return st_err(STRATA_ERR_NOMEM, "cpu stream_create: out of memory");
     s->magic = STREAM_MAGIC;
@@ -140,7 +135,6 @@ static void cpu_stream_destroy(st_backend *be, st_stream *s) {
 static strata_status cpu_stream_sync(st_backend *be, st_stream *s) { return STRATA_OK; }
 
 static strata_status cpu_event_create(st_backend *be, st_event **out) {
-    if (!out) return st_err(STRATA_ERR_INVALID_ARG, "cpu event_create: out is NULL");
     cpu_event *e = st_calloc(1, sizeof *e);
     if (!e) return st_err(STRATA_ERR_NOMEM, "cpu event_create: out of memory");
     e->magic = EVENT_MAGIC;
@@ -157,30 +151,20 @@ static void cpu_event_destroy(st_backend *be, st_event *e) {
 }
 
 static strata_status cpu_event_record(st_backend *be, st_event *e, st_stream *s) {
-    if (!e) return st_err(STRATA_ERR_INVALID_ARG, "cpu event_record: event is NULL");
     ((cpu_event *)e)->recorded = true; /* everything before it already ran */
     return STRATA_OK;
 }
 
-static strata_status cpu_stream_wait_event(st_backend *be, st_stream *s, st_event *e) {
-    if (!e) return st_err(STRATA_ERR_INVALID_ARG, "cpu stream_wait_event: event is NULL");
-    return STRATA_OK;
-}
+static strata_status cpu_stream_wait_event(st_backend *be, st_stream *s, st_event *e) { return STRATA_OK; }
 
-static strata_status cpu_event_sync(st_backend *be, st_event *e) {
-    if (!e) return st_err(STRATA_ERR_INVALID_ARG, "cpu event_sync: event is NULL");
-    return STRATA_OK;
-}
+static strata_status cpu_event_sync(st_backend *be, st_event *e) { return STRATA_OK; }
 
-/* ---- ops: argument checks, then the kernel under op_mu ---- */
-
-/* the checks every backend makes (backend.c) */
-static strata_status check_weight(const st_weight *w, const char *op) { return st_backend_check_weight(w, op); }
-
-#define CHECK_PTR(p, op)                                                                     \
-    do {                                                                                     \
-        if (!(p)) return st_err(STRATA_ERR_INVALID_ARG, "%s: %s is NULL", op, #p);           \
-    } while (0)
+/* ---- ops: the kernel under op_mu ----
+ * backend.c's validating layer has checked shapes, weights and pointers
+ * (backend.h: "Argument checks"), and n > 0. What stays here is what the CPU
+ * promises because its indices live on the host: the values of idx, slots,
+ * pos, seq, ctx_lens and the block ids (get_rows ids: cpu_ops.c; sample
+ * args: cpu_sample.c), checked before anything is written. */
 
 #define RUN_LOCKED(be, call)                                                                 \
     do {                                                                                     \
@@ -193,59 +177,22 @@ static strata_status check_weight(const st_weight *w, const char *op) { return s
 
 static strata_status cpu_get_rows(st_backend *be, st_stream *s, const st_weight *w,
                                   const int32_t *ids, int64_t n, float *out) {
-    const char *op = "cpu get_rows";
-    strata_status st = check_weight(w, op);
-    if (st) return st;
-    if (n < 0) return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld", op, (long long)n);
-    if (n == 0) return STRATA_OK;
-    CHECK_PTR(ids, op);
-    CHECK_PTR(out, op);
     RUN_LOCKED(be, st_cpu_get_rows(c_, w, ids, n, out));
 }
 
 static strata_status cpu_rmsnorm(st_backend *be, st_stream *s, float *x, const float *residual,
                                  const st_weight *w, float eps, int64_t n, int64_t d, float *out) {
-    const char *op = "cpu rmsnorm";
-    strata_status st = check_weight(w, op);
-    if (st) return st;
-    if (n < 0 || d <= 0)
-        return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld, d = %lld", op, (long long)n, (long long)d);
-    if (w->rows != 1 || w->cols != d)
-        return st_err(STRATA_ERR_INVALID_ARG, "%s: weight is [%lld, %lld], expected [1, %lld]", op,
-                      (long long)w->rows, (long long)w->cols, (long long)d);
-    if (n == 0) return STRATA_OK;
-    CHECK_PTR(x, op);
-    CHECK_PTR(out, op);
     RUN_LOCKED(be, st_cpu_rmsnorm(c_, x, residual, w, eps, n, d, out));
 }
 
 static strata_status cpu_matmul(st_backend *be, st_stream *s, const float *x, const st_weight *w,
                                 int64_t n, float *y) {
-    const char *op = "cpu matmul";
-    strata_status st = check_weight(w, op);
-    if (st) return st;
-    if (n < 0) return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld", op, (long long)n);
-    if (n == 0) return STRATA_OK;
-    CHECK_PTR(x, op);
-    CHECK_PTR(y, op);
-    const char *xb = (const char *)x, *yb = (const char *)y;
-    if (xb < yb + (size_t)(n * w->rows) * sizeof(float) && yb < xb + (size_t)(n * w->cols) * sizeof(float))
-        return st_err(STRATA_ERR_INVALID_ARG, "%s: y overlaps x (matmul is not in place)", op);
     RUN_LOCKED(be, st_cpu_matmul(c_, x, w, n, y));
 }
 
 static strata_status cpu_rope(st_backend *be, st_stream *s, float *x, const int32_t *pos, int64_t n,
                               int64_t n_heads, int64_t head_dim, const float *inv_freq,
                               bool interleaved) {
-    const char *op = "cpu rope";
-    if (n < 0 || n_heads <= 0 || head_dim <= 0 || head_dim % 2)
-        return st_err(STRATA_ERR_INVALID_ARG,
-                      "%s: n = %lld, n_heads = %lld, head_dim = %lld (must be even)", op,
-                      (long long)n, (long long)n_heads, (long long)head_dim);
-    if (n == 0) return STRATA_OK;
-    CHECK_PTR(x, op);
-    CHECK_PTR(pos, op);
-    CHECK_PTR(inv_freq, op);
     RUN_LOCKED(be, st_cpu_rope(c_, x, pos, n, n_heads, head_dim, inv_freq, interleaved));
 }
 
@@ -253,42 +200,20 @@ static strata_status cpu_attention(st_backend *be, st_stream *s, const float *q,
                                    const float *v, const int32_t *pos, int64_t n, int64_t n_kv,
                                    int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
                                    float scale, float *out) {
-    const char *op = "cpu attention";
-    {
-        strata_status sh = st_backend_check_heads(op, n, n_kv, n_heads, n_kv_heads, head_dim);
-        if (sh) return sh;
-    }
-    if (n == 0) return STRATA_OK;
-    CHECK_PTR(q, op);
-    CHECK_PTR(k, op);
-    CHECK_PTR(v, op);
-    CHECK_PTR(pos, op);
-    CHECK_PTR(out, op);
     for (int64_t i = 0; i < n; i++)
         if (pos[i] < 0 || pos[i] >= n_kv)
-            return st_err(STRATA_ERR_INVALID_ARG, "%s: pos[%lld] = %d is outside the %lld cached keys",
-                          op, (long long)i, pos[i], (long long)n_kv);
+            return st_err(STRATA_ERR_INVALID_ARG, "cpu attention: pos[%lld] = %d is outside the %lld cached keys",
+                          (long long)i, pos[i], (long long)n_kv);
     RUN_LOCKED(be, st_cpu_attention(c_, q, k, v, pos, n, n_kv, n_heads, n_kv_heads, head_dim, scale,
                                     out));
 }
 
 static strata_status cpu_swiglu(st_backend *be, st_stream *s, const float *gate, const float *up,
                                 int64_t n, float *out) {
-    const char *op = "cpu swiglu";
-    if (n < 0) return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld", op, (long long)n);
-    if (n == 0) return STRATA_OK;
-    CHECK_PTR(gate, op);
-    CHECK_PTR(up, op);
-    CHECK_PTR(out, op);
     RUN_LOCKED(be, st_cpu_swiglu(c_, gate, up, n, out));
 }
 
 static strata_status cpu_add(st_backend *be, st_stream *s, float *x, const float *y, int64_t n) {
-    const char *op = "cpu add";
-    if (n < 0) return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld", op, (long long)n);
-    if (n == 0) return STRATA_OK;
-    CHECK_PTR(x, op);
-    CHECK_PTR(y, op);
     RUN_LOCKED(be, st_cpu_add(c_, x, y, n));
 }
 
@@ -296,17 +221,9 @@ static strata_status cpu_add(st_backend *be, st_stream *s, float *x, const float
 
 static strata_status cpu_set_rows(st_backend *be, st_stream *s, float *dst, int64_t dst_rows,
                                   const float *src, const int32_t *idx, int64_t n, int64_t cols) {
-    const char *op = "cpu set_rows";
-    if (n < 0 || cols <= 0 || dst_rows < 0)
-        return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld, cols = %lld, dst_rows = %lld", op,
-                      (long long)n, (long long)cols, (long long)dst_rows);
-    if (n == 0) return STRATA_OK;
-    CHECK_PTR(dst, op);
-    CHECK_PTR(src, op);
-    CHECK_PTR(idx, op);
     for (int64_t i = 0; i < n; i++)
         if (idx[i] < 0 || idx[i] >= dst_rows)
-            return st_err(STRATA_ERR_INVALID_ARG, "%s: idx[%lld] = %d is outside [0, %lld)", op,
+            return st_err(STRATA_ERR_INVALID_ARG, "cpu set_rows: idx[%lld] = %d is outside [0, %lld)",
                           (long long)i, idx[i], (long long)dst_rows);
     /* memmove: a row may be written onto itself */
     for (int64_t i = 0; i < n; i++)
@@ -316,13 +233,6 @@ static strata_status cpu_set_rows(st_backend *be, st_stream *s, float *dst, int6
 
 static strata_status cpu_argmax(st_backend *be, st_stream *s, const float *x, int64_t n, int64_t cols,
                                 int32_t *out) {
-    const char *op = "cpu argmax";
-    if (n < 0 || cols <= 0 || cols > INT32_MAX)
-        return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld, cols = %lld", op, (long long)n,
-                      (long long)cols);
-    if (n == 0) return STRATA_OK;
-    CHECK_PTR(x, op);
-    CHECK_PTR(out, op);
     for (int64_t i = 0; i < n; i++) {
         const float *r = x + i * cols;
         int64_t b = -1;
@@ -335,55 +245,21 @@ static strata_status cpu_argmax(st_backend *be, st_stream *s, const float *x, in
 
 static strata_status cpu_sample(st_backend *be, st_stream *s, const float *logits, int64_t n, int64_t vocab,
                                 const st_sample_args *args, int32_t *out) {
-    const char *op = "cpu sample";
-    if (n < 0 || vocab <= 0 || vocab > INT32_MAX)
-        return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld, vocab = %lld", op, (long long)n, (long long)vocab);
-    if (n == 0) return STRATA_OK;
-    CHECK_PTR(logits, op);
-    CHECK_PTR(args, op);
-    CHECK_PTR(out, op);
     return st_cpu_sample(st_cpu_of(be), logits, n, vocab, args, out);
-}
-
-static strata_status check_multi(const st_weight *w, int count, const char *op) {
-    if (count < 1 || count > 4)
-        return st_err(STRATA_ERR_INVALID_ARG, "%s: count = %d (1 to 4)", op, count);
-    CHECK_PTR(w, op);
-    for (int i = 0; i < count; i++) {
-        strata_status st = check_weight(&w[i], op);
-        if (st) return st;
-        if (w[i].cols != w[0].cols)
-            return st_err(STRATA_ERR_INVALID_ARG, "%s: weight %d has %lld cols, weight 0 has %lld", op, i,
-                          (long long)w[i].cols, (long long)w[0].cols);
-    }
-    return STRATA_OK;
 }
 
 static strata_status cpu_matmul_multi(st_backend *be, st_stream *s, const float *x, const st_weight *w,
                                       int count, int64_t n, float *const *y) {
-    const char *op = "cpu matmul_multi";
-    strata_status st = check_multi(w, count, op);
-    if (st) return st;
-    CHECK_PTR(y, op);
-    for (int i = 0; i < count; i++)
-        if ((st = cpu_matmul(be, s, x, &w[i], n, y[i])) != STRATA_OK) return st;
-    return STRATA_OK;
+    strata_status st = STRATA_OK;
+    for (int i = 0; i < count && st == STRATA_OK; i++) st = cpu_matmul(be, s, x, &w[i], n, y[i]);
+    return st;
 }
 
 static strata_status cpu_matmul_swiglu(st_backend *be, st_stream *s, const float *x, const st_weight *wg,
                                        const st_weight *wu, int64_t n, float *out) {
-    const char *op = "cpu matmul_swiglu";
-    strata_status st = check_weight(wg, op);
-    if (st) return st;
-    if ((st = check_weight(wu, op))) return st;
-    if (wg->rows != wu->rows || wg->cols != wu->cols)
-        return st_err(STRATA_ERR_INVALID_ARG, "%s: gate is [%lld, %lld], up is [%lld, %lld]", op,
-                      (long long)wg->rows, (long long)wg->cols, (long long)wu->rows, (long long)wu->cols);
-    if (n < 0) return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld", op, (long long)n);
-    if (n == 0) return STRATA_OK;
     float *tmp = st_malloc((size_t)(n * wu->rows) * sizeof(float));
-    if (!tmp) return st_err(STRATA_ERR_NOMEM, "%s: out of memory", op);
-    st = cpu_matmul(be, s, x, wg, n, out);
+    if (!tmp) return st_err(STRATA_ERR_NOMEM, "cpu matmul_swiglu: out of memory");
+    strata_status st = cpu_matmul(be, s, x, wg, n, out);
     if (st == STRATA_OK) st = cpu_matmul(be, s, x, wu, n, tmp);
     if (st == STRATA_OK) st = cpu_swiglu(be, s, out, tmp, n * wu->rows, out);
     st_free(tmp);
@@ -395,19 +271,9 @@ static strata_status cpu_matmul_swiglu(st_backend *be, st_stream *s, const float
 static strata_status cpu_kv_store_paged(st_backend *be, st_stream *s, float *k_cache, float *v_cache,
                                         int64_t n_slots, const float *k, const float *v, const int64_t *slots,
                                         int64_t n, int64_t cols) {
-    const char *op = "cpu kv_store_paged";
-    if (n < 0 || cols <= 0 || n_slots < 0)
-        return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld, cols = %lld, n_slots = %lld", op, (long long)n,
-                      (long long)cols, (long long)n_slots);
-    if (n == 0) return STRATA_OK;
-    CHECK_PTR(k_cache, op);
-    CHECK_PTR(v_cache, op);
-    CHECK_PTR(k, op);
-    CHECK_PTR(v, op);
-    CHECK_PTR(slots, op);
     for (int64_t i = 0; i < n; i++)
         if (slots[i] < -1 || slots[i] >= n_slots)
-            return st_err(STRATA_ERR_INVALID_ARG, "%s: slots[%lld] = %lld is outside [-1, %lld)", op,
+            return st_err(STRATA_ERR_INVALID_ARG, "cpu kv_store_paged: slots[%lld] = %lld is outside [-1, %lld)",
                           (long long)i, (long long)slots[i], (long long)n_slots);
     const size_t row = (size_t)cols * sizeof(float);
     for (int64_t i = 0; i < n; i++) {
@@ -422,17 +288,6 @@ static strata_status cpu_attention_paged(st_backend *be, st_stream *s, const flo
                                          const int32_t *seq, const int32_t *pos, int64_t n, int64_t n_heads,
                                          int64_t n_kv_heads, int64_t head_dim, float scale, float *out) {
     const char *op = "cpu attention_paged";
-    {
-        strata_status sh = st_backend_check_heads(op, n, 0, n_heads, n_kv_heads, head_dim);
-        if (sh) return sh;
-    }
-    if (n == 0) return STRATA_OK;
-    strata_status st = st_paged_kv_check(kv, op);
-    if (st) return st;
-    CHECK_PTR(q, op);
-    CHECK_PTR(seq, op);
-    CHECK_PTR(pos, op);
-    CHECK_PTR(out, op);
     const int64_t bs = kv->block_size, n_blocks = kv->n_slots / bs;
     for (int64_t sq = 0; sq < kv->n_seqs; sq++) {
         const int64_t len = kv->ctx_lens[sq];

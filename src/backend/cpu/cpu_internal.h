@@ -39,7 +39,7 @@ bool st_backend_cpu_set_simd(st_backend *be, bool on);
  * routine, bit-identical to st_dequantize_row. */
 void st_cpu_dequant_row(st_dtype t, const void *row, float *out, int64_t cols, bool simd);
 
-/* Op implementations (argument checks done by the callers in cpu_backend.c,
+/* Op implementations (argument checks done by backend.c and cpu_backend.c,
  * op_mu held). */
 strata_status st_cpu_matmul(st_cpu *c, const float *x, const st_weight *w, int64_t n, float *y);
 strata_status st_cpu_attention(st_cpu *c, const float *q, const float *k, const float *v,

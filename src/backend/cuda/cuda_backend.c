@@ -1,6 +1,7 @@
 /* CUDA backend: creation, device memory (a pool, see cuda_pool.c), pinned host
- * memory, copies, streams and events, and the op table (argument checks here,
- * kernels in one .cu file per op).
+ * memory, copies, streams and events, and the op table (the CUDA-specific
+ * argument checks: backend.c's layer makes the others; kernels in one .cu
+ * file per op).
  *
  * Device memory: params.device_mem > 0 carves one cudaMalloc of exactly that
  * many bytes at init (fails early when the GPU lacks it); 0 carves chunks of
@@ -71,7 +72,6 @@ static void pool_release(st_backend *be, void *p) {
 }
 
 static strata_status cuda_alloc(st_backend *be, size_t n, void **out) {
-    if (!out) return st_err(STRATA_ERR_INVALID_ARG, "cuda alloc: out is NULL");
     *out = NULL;
     ST_CUDA_TRY(cudaSetDevice(st_cuda_of(be)->device));
     return pool_alloc(be, n, "cuda device allocation", out);
@@ -87,7 +87,6 @@ static void cuda_dealloc(st_backend *be, void *p) {
 }
 
 static strata_status cuda_host_alloc(st_backend *be, size_t n, void **out) {
-    if (!out) return st_err(STRATA_ERR_INVALID_ARG, "cuda host_alloc: out is NULL");
     *out = NULL;
     ST_CUDA_TRY(cudaSetDevice(st_cuda_of(be)->device));
     void *p = NULL;
@@ -107,10 +106,8 @@ static void cuda_host_dealloc(st_backend *be, void *p) {
 }
 
 static strata_status cuda_upload(st_backend *be, const void *host, size_t n, void **dev, bool *owned) {
-    if (!dev || !owned) return st_err(STRATA_ERR_INVALID_ARG, "cuda upload: NULL out parameter");
     *dev = NULL;
     *owned = false;
-    if (!host && n) return st_err(STRATA_ERR_INVALID_ARG, "cuda upload: host is NULL");
     void *d = NULL;
     strata_status st = cuda_alloc(be, n, &d);
     if (st != STRATA_OK) return st;
@@ -182,7 +179,6 @@ static void scratch_release(st_backend *be, st_cuda_stream *s) {
 }
 
 static strata_status cuda_stream_create(st_backend *be, bool high_priority, st_stream **out) {
-    if (!out) return st_err(STRATA_ERR_INVALID_ARG, "cuda stream_create: out is NULL");
     *out = NULL;
     ST_CUDA_TRY(cudaSetDevice(st_cuda_of(be)->device));
     int least = 0, greatest = 0;
@@ -223,9 +219,7 @@ static strata_status cuda_stream_sync(st_backend *be, st_stream *s) {
  * memory overlaps) ---- */
 
 static strata_status cuda_copy(st_backend *be, st_stream *s, void *dst, const void *src, size_t n,
-                               enum cudaMemcpyKind kind, const char *op) {
-    if (n == 0) return STRATA_OK;
-    if (!dst || !src) return st_err(STRATA_ERR_INVALID_ARG, "%s: NULL pointer", op);
+                               enum cudaMemcpyKind kind) {
     st_cuda_stream *cs = st_cuda_stream_get(be, s);
     ST_CUDA_TRY(cudaSetDevice(st_cuda_of(be)->device));
     ST_CUDA_TRY(cudaMemcpyAsync(dst, src, n, kind, cs->s));
@@ -233,13 +227,13 @@ static strata_status cuda_copy(st_backend *be, st_stream *s, void *dst, const vo
 }
 
 static strata_status cuda_copy_h2d(st_backend *be, st_stream *s, void *dst, const void *src, size_t n) {
-    return cuda_copy(be, s, dst, src, n, cudaMemcpyHostToDevice, "cuda copy_h2d");
+    return cuda_copy(be, s, dst, src, n, cudaMemcpyHostToDevice);
 }
 static strata_status cuda_copy_d2h(st_backend *be, st_stream *s, void *dst, const void *src, size_t n) {
-    return cuda_copy(be, s, dst, src, n, cudaMemcpyDeviceToHost, "cuda copy_d2h");
+    return cuda_copy(be, s, dst, src, n, cudaMemcpyDeviceToHost);
 }
 static strata_status cuda_copy_d2d(st_backend *be, st_stream *s, void *dst, const void *src, size_t n) {
-    return cuda_copy(be, s, dst, src, n, cudaMemcpyDeviceToDevice, "cuda copy_d2d");
+    return cuda_copy(be, s, dst, src, n, cudaMemcpyDeviceToDevice);
 }
 
 /* ---- events ---- */
@@ -251,7 +245,6 @@ static cuda_event *event_get(st_event *e) {
 }
 
 static strata_status cuda_event_create(st_backend *be, st_event **out) {
-    if (!out) return st_err(STRATA_ERR_INVALID_ARG, "cuda event_create: out is NULL");
     *out = NULL;
     ST_CUDA_TRY(cudaSetDevice(st_cuda_of(be)->device));
     cuda_event *ce = st_calloc(1, sizeof *ce);
@@ -276,36 +269,33 @@ static void cuda_event_destroy(st_backend *be, st_event *e) {
 }
 
 static strata_status cuda_event_record(st_backend *be, st_event *e, st_stream *s) {
-    if (!e) return st_err(STRATA_ERR_INVALID_ARG, "cuda event_record: event is NULL");
     ST_CUDA_TRY(cudaEventRecord(event_get(e)->e, st_cuda_stream_get(be, s)->s));
     return STRATA_OK;
 }
 
 static strata_status cuda_stream_wait_event(st_backend *be, st_stream *s, st_event *e) {
-    if (!e) return st_err(STRATA_ERR_INVALID_ARG, "cuda stream_wait_event: event is NULL");
     ST_CUDA_TRY(cudaStreamWaitEvent(st_cuda_stream_get(be, s)->s, event_get(e)->e, 0));
     return STRATA_OK;
 }
 
 static strata_status cuda_event_sync(st_backend *be, st_event *e) {
-    if (!e) return st_err(STRATA_ERR_INVALID_ARG, "cuda event_sync: event is NULL");
     ST_CUDA_TRY(cudaEventSynchronize(event_get(e)->e));
     return STRATA_OK;
 }
 
-/* ---- ops: argument checks, then the op's .cu file ---- */
+/* ---- ops: the CUDA-specific checks, then the op's .cu file ----
+ * backend.c's validating layer has checked shapes, weights and pointers
+ * (backend.h: "Argument checks"), and n > 0. What stays here: alignment
+ * (weight data 16 bytes, float pointers 4, args and slots 8); the launchers
+ * in the .cu files check the sizes their grids and shared memory can take.
+ * Token ids, positions, slots and block tables live on the device and are
+ * not checked: the kernels clamp or skip them (backend.h). */
 
-static strata_status check_weight(const st_weight *w, const char *op) {
-    strata_status st = st_backend_check_weight(w, op); /* the checks every backend makes */
-    if (st != STRATA_OK) return st;
-    if (!st_cuda_aligned(w->data, 16))
-        return st_err(STRATA_ERR_INVALID_ARG, "%s: weight data %p is not 16-byte aligned", op, w->data);
-    return STRATA_OK;
-}
-
-#define CHECK_PTR(p, op)                                                                     \
+#define CHECK_W16(w, op)                                                                     \
     do {                                                                                     \
-        if (!(p)) return st_err(STRATA_ERR_INVALID_ARG, "%s: %s is NULL", op, #p);           \
+        if (!st_cuda_aligned((w)->data, 16))                                                 \
+            return st_err(STRATA_ERR_INVALID_ARG, "%s: weight data %p is not 16-byte aligned", op, \
+                          (w)->data);                                                        \
     } while (0)
 
 /* The float pointers of ops must at least be 4-byte aligned. */
@@ -326,12 +316,7 @@ static strata_status check_weight(const st_weight *w, const char *op) {
 static strata_status cuda_get_rows(st_backend *be, st_stream *s, const st_weight *w,
                                    const int32_t *ids, int64_t n, float *out) {
     const char *op = "cuda get_rows";
-    strata_status st = check_weight(w, op);
-    if (st) return st;
-    if (n < 0) return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld", op, (long long)n);
-    if (n == 0) return STRATA_OK;
-    CHECK_PTR(ids, op);
-    CHECK_PTR(out, op);
+    CHECK_W16(w, op);
     CHECK_F32(out, op);
     RUN(be, s, st_cuda_op_get_rows(be, cs_, w, ids, n, out));
 }
@@ -339,16 +324,7 @@ static strata_status cuda_get_rows(st_backend *be, st_stream *s, const st_weight
 static strata_status cuda_rmsnorm(st_backend *be, st_stream *s, float *x, const float *residual,
                                   const st_weight *w, float eps, int64_t n, int64_t d, float *out) {
     const char *op = "cuda rmsnorm";
-    strata_status st = check_weight(w, op);
-    if (st) return st;
-    if (n < 0 || d <= 0)
-        return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld, d = %lld", op, (long long)n, (long long)d);
-    if (w->rows != 1 || w->cols != d)
-        return st_err(STRATA_ERR_INVALID_ARG, "%s: weight is [%lld, %lld], expected [1, %lld]", op,
-                      (long long)w->rows, (long long)w->cols, (long long)d);
-    if (n == 0) return STRATA_OK;
-    CHECK_PTR(x, op);
-    CHECK_PTR(out, op);
+    CHECK_W16(w, op);
     CHECK_F32(x, op);
     CHECK_F32(out, op);
     if (residual) CHECK_F32(residual, op);
@@ -358,12 +334,7 @@ static strata_status cuda_rmsnorm(st_backend *be, st_stream *s, float *x, const 
 static strata_status cuda_matmul(st_backend *be, st_stream *s, const float *x, const st_weight *w,
                                  int64_t n, float *y) {
     const char *op = "cuda matmul";
-    strata_status st = check_weight(w, op);
-    if (st) return st;
-    if (n < 0) return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld", op, (long long)n);
-    if (n == 0) return STRATA_OK;
-    CHECK_PTR(x, op);
-    CHECK_PTR(y, op);
+    CHECK_W16(w, op);
     CHECK_F32(x, op);
     CHECK_F32(y, op);
     RUN(be, s, st_cuda_op_matmul(be, cs_, x, w, n, y));
@@ -373,14 +344,6 @@ static strata_status cuda_rope(st_backend *be, st_stream *s, float *x, const int
                                int64_t n_heads, int64_t head_dim, const float *inv_freq,
                                bool interleaved) {
     const char *op = "cuda rope";
-    if (n < 0 || n_heads <= 0 || head_dim <= 0 || head_dim % 2)
-        return st_err(STRATA_ERR_INVALID_ARG,
-                      "%s: n = %lld, n_heads = %lld, head_dim = %lld (must be even)", op,
-                      (long long)n, (long long)n_heads, (long long)head_dim);
-    if (n == 0) return STRATA_OK;
-    CHECK_PTR(x, op);
-    CHECK_PTR(pos, op);
-    CHECK_PTR(inv_freq, op);
     CHECK_F32(x, op);
     CHECK_F32(inv_freq, op);
     RUN(be, s, st_cuda_op_rope(be, cs_, x, pos, n, n_heads, head_dim, inv_freq, interleaved));
@@ -393,17 +356,6 @@ static strata_status cuda_attention(st_backend *be, st_stream *s, const float *q
                                     int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
                                     float scale, float *out) {
     const char *op = "cuda attention";
-    {
-        strata_status sh = st_backend_check_heads(op, n, n_kv, n_heads, n_kv_heads, head_dim);
-        if (sh) return sh;
-    }
-    if (n == 0) return STRATA_OK;
-    if (n_kv == 0) return st_err(STRATA_ERR_INVALID_ARG, "%s: no cached keys (n_kv = 0)", op);
-    CHECK_PTR(q, op);
-    CHECK_PTR(k, op);
-    CHECK_PTR(v, op);
-    CHECK_PTR(pos, op);
-    CHECK_PTR(out, op);
     CHECK_F32(q, op);
     CHECK_F32(k, op);
     CHECK_F32(v, op);
@@ -415,11 +367,6 @@ static strata_status cuda_attention(st_backend *be, st_stream *s, const float *q
 static strata_status cuda_swiglu(st_backend *be, st_stream *s, const float *gate, const float *up,
                                  int64_t n, float *out) {
     const char *op = "cuda swiglu";
-    if (n < 0) return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld", op, (long long)n);
-    if (n == 0) return STRATA_OK;
-    CHECK_PTR(gate, op);
-    CHECK_PTR(up, op);
-    CHECK_PTR(out, op);
     CHECK_F32(gate, op);
     CHECK_F32(up, op);
     CHECK_F32(out, op);
@@ -428,10 +375,6 @@ static strata_status cuda_swiglu(st_backend *be, st_stream *s, const float *gate
 
 static strata_status cuda_add(st_backend *be, st_stream *s, float *x, const float *y, int64_t n) {
     const char *op = "cuda add";
-    if (n < 0) return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld", op, (long long)n);
-    if (n == 0) return STRATA_OK;
-    CHECK_PTR(x, op);
-    CHECK_PTR(y, op);
     CHECK_F32(x, op);
     CHECK_F32(y, op);
     RUN(be, s, st_cuda_op_add(be, cs_, x, y, n));
@@ -440,13 +383,6 @@ static strata_status cuda_add(st_backend *be, st_stream *s, float *x, const floa
 static strata_status cuda_set_rows(st_backend *be, st_stream *s, float *dst, int64_t dst_rows,
                                    const float *src, const int32_t *idx, int64_t n, int64_t cols) {
     const char *op = "cuda set_rows";
-    if (n < 0 || cols <= 0 || dst_rows < 0)
-        return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld, cols = %lld, dst_rows = %lld", op,
-                      (long long)n, (long long)cols, (long long)dst_rows);
-    if (n == 0) return STRATA_OK;
-    CHECK_PTR(dst, op);
-    CHECK_PTR(src, op);
-    CHECK_PTR(idx, op);
     CHECK_F32(dst, op);
     CHECK_F32(src, op);
     RUN(be, s, st_cuda_op_set_rows(be, cs_, dst, dst_rows, src, idx, n, cols));
@@ -454,25 +390,13 @@ static strata_status cuda_set_rows(st_backend *be, st_stream *s, float *dst, int
 
 static strata_status cuda_argmax(st_backend *be, st_stream *s, const float *x, int64_t n, int64_t cols,
                                  int32_t *out) {
-    const char *op = "cuda argmax";
-    if (n < 0 || cols <= 0 || cols > INT32_MAX)
-        return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld, cols = %lld", op, (long long)n, (long long)cols);
-    if (n == 0) return STRATA_OK;
-    CHECK_PTR(x, op);
-    CHECK_PTR(out, op);
-    CHECK_F32(x, op);
+    CHECK_F32(x, "cuda argmax");
     RUN(be, s, st_cuda_op_argmax(be, cs_, x, n, cols, out));
 }
 
 static strata_status cuda_sample(st_backend *be, st_stream *s, const float *logits, int64_t n, int64_t vocab,
                                  const st_sample_args *args, int32_t *out) {
     const char *op = "cuda sample";
-    if (n < 0 || vocab <= 0 || vocab > INT32_MAX)
-        return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld, vocab = %lld", op, (long long)n, (long long)vocab);
-    if (n == 0) return STRATA_OK;
-    CHECK_PTR(logits, op);
-    CHECK_PTR(args, op);
-    CHECK_PTR(out, op);
     CHECK_F32(logits, op);
     if (!st_cuda_aligned(args, 8))
         return st_err(STRATA_ERR_INVALID_ARG, "%s: args = %p is not 8-byte aligned", op, (const void *)args);
@@ -482,21 +406,10 @@ static strata_status cuda_sample(st_backend *be, st_stream *s, const float *logi
 static strata_status cuda_matmul_multi(st_backend *be, st_stream *s, const float *x, const st_weight *w,
                                        int count, int64_t n, float *const *y) {
     const char *op = "cuda matmul_multi";
-    if (count < 1 || count > 4) return st_err(STRATA_ERR_INVALID_ARG, "%s: count = %d (1 to 4)", op, count);
-    CHECK_PTR(w, op);
-    CHECK_PTR(y, op);
     for (int i = 0; i < count; i++) {
-        strata_status st = check_weight(&w[i], op);
-        if (st) return st;
-        if (w[i].cols != w[0].cols)
-            return st_err(STRATA_ERR_INVALID_ARG, "%s: weight %d has %lld cols, weight 0 has %lld", op, i,
-                          (long long)w[i].cols, (long long)w[0].cols);
-        CHECK_PTR(y[i], op);
+        CHECK_W16(&w[i], op);
         CHECK_F32(y[i], op);
     }
-    if (n < 0) return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld", op, (long long)n);
-    if (n == 0) return STRATA_OK;
-    CHECK_PTR(x, op);
     CHECK_F32(x, op);
     RUN(be, s, st_cuda_op_matmul_multi(be, cs_, x, w, count, n, y));
 }
@@ -504,17 +417,8 @@ static strata_status cuda_matmul_multi(st_backend *be, st_stream *s, const float
 static strata_status cuda_matmul_swiglu(st_backend *be, st_stream *s, const float *x, const st_weight *wg,
                                         const st_weight *wu, int64_t n, float *out) {
     const char *op = "cuda matmul_swiglu";
-    strata_status st = check_weight(wg, op);
-    if (st) return st;
-    if ((st = check_weight(wu, op))) return st;
-    if (wg->rows != wu->rows || wg->cols != wu->cols || wg->dtype != wu->dtype)
-        return st_err(STRATA_ERR_INVALID_ARG, "%s: gate is [%lld, %lld] %s, up is [%lld, %lld] %s", op,
-                      (long long)wg->rows, (long long)wg->cols, st_dtype_name(wg->dtype), (long long)wu->rows,
-                      (long long)wu->cols, st_dtype_name(wu->dtype));
-    if (n < 0) return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld", op, (long long)n);
-    if (n == 0) return STRATA_OK;
-    CHECK_PTR(x, op);
-    CHECK_PTR(out, op);
+    CHECK_W16(wg, op);
+    CHECK_W16(wu, op);
     CHECK_F32(x, op);
     CHECK_F32(out, op);
     RUN(be, s, st_cuda_op_matmul_swiglu(be, cs_, x, wg, wu, n, out));
@@ -529,15 +433,6 @@ static strata_status cuda_kv_store_paged(st_backend *be, st_stream *s, float *k_
                                          int64_t n_slots, const float *k, const float *v, const int64_t *slots,
                                          int64_t n, int64_t cols) {
     const char *op = "cuda kv_store_paged";
-    if (n < 0 || cols <= 0 || n_slots < 0)
-        return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld, cols = %lld, n_slots = %lld", op, (long long)n,
-                      (long long)cols, (long long)n_slots);
-    if (n == 0) return STRATA_OK;
-    CHECK_PTR(k_cache, op);
-    CHECK_PTR(v_cache, op);
-    CHECK_PTR(k, op);
-    CHECK_PTR(v, op);
-    CHECK_PTR(slots, op);
     CHECK_F32(k_cache, op);
     CHECK_F32(v_cache, op);
     CHECK_F32(k, op);
@@ -551,17 +446,6 @@ static strata_status cuda_attention_paged(st_backend *be, st_stream *s, const fl
                                           const int32_t *seq, const int32_t *pos, int64_t n, int64_t n_heads,
                                           int64_t n_kv_heads, int64_t head_dim, float scale, float *out) {
     const char *op = "cuda attention_paged";
-    {
-        strata_status sh = st_backend_check_heads(op, n, 0, n_heads, n_kv_heads, head_dim);
-        if (sh) return sh;
-    }
-    if (n == 0) return STRATA_OK;
-    strata_status st = st_paged_kv_check(kv, op);
-    if (st) return st;
-    CHECK_PTR(q, op);
-    CHECK_PTR(seq, op);
-    CHECK_PTR(pos, op);
-    CHECK_PTR(out, op);
     CHECK_F32(q, op);
     CHECK_F32(kv->k_cache, op);
     CHECK_F32(kv->v_cache, op);
