@@ -27,22 +27,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import default_model  # noqa: E402
+import testlib  # noqa: E402
+from testlib import BIN, SRC, TMP, check, failures  # noqa: E402,F401
 
-SRC = os.environ.get("STRATA_SRC", os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BIN = os.environ.get("STRATA_BIN", os.path.join(SRC, "build", "strata"))
-TMP = os.environ.get("STRATA_TMP", "/tmp/strata-test")
 BENCH = os.path.join(SRC, "bench", "bench_serve.py")
 N, CONC, PROMPT, OUTPUT = 12, 4, 48, 12
-
-failures = []
-
-
-def check(cond, what):
-    print(("ok    " if cond else "FAIL  ") + what, flush=True)
-    if not cond:
-        failures.append(what)
-    return cond
-
 
 def start_server(model, log_path):
     log = open(log_path, "w")
@@ -138,11 +127,7 @@ def main():
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
-    if failures:
-        print("FAILED: %d checks" % len(failures))
-        return 1
-    print("all checks passed")
-    return 0
+    return testlib.summary("test_bench_serve")
 
 
 if __name__ == "__main__":

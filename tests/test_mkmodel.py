@@ -18,20 +18,12 @@ import sys
 
 import numpy as np
 
-BIN = os.environ.get("STRATA_BIN", "build/strata")
-TMP = os.path.join(os.environ.get("STRATA_TMP", "/tmp/strata-test"), "mkmodel")
-os.makedirs(TMP, exist_ok=True)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import testlib  # noqa: E402
+from testlib import BIN, check, failures  # noqa: E402,F401
 
-failures = []
-checks = 0
-
-
-def check(cond, what):
-    global checks
-    checks += 1
-    if not cond:
-        failures.append(what)
-        print("FAIL:", what, flush=True)
+testlib.print_ok = False
+TMP = testlib.tmp_dir("mkmodel")
 
 
 def run(args, ok=True):
@@ -191,8 +183,7 @@ def main():
     p = run(["mkmodel", "--config", "tiny", "/nonexistent-dir/x/y"], ok=False)
     check(p.returncode == 1 and "/nonexistent-dir/x/y" in p.stderr, "unwritable output: %r" % p.stderr)
 
-    print("%d checks, %d failed" % (checks, len(failures)))
-    return 1 if failures else 0
+    return testlib.summary("test_mkmodel")
 
 
 if __name__ == "__main__":

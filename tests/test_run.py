@@ -35,30 +35,11 @@ import sys
 import time
 import zipfile
 
-SRC = os.environ.get("STRATA_SRC", os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BIN = os.environ.get("STRATA_BIN", os.path.join(SRC, "build", "strata"))
-BUILD = os.environ.get("STRATA_BUILD", os.path.dirname(BIN))
-TMP = os.environ.get("STRATA_TMP", "/tmp/strata-test")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import testlib  # noqa: E402
+from testlib import BIN, BUILD, SRC, TMP, check, failures, sanitized_build  # noqa: E402,F401
+
 NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-failures = []
-
-
-def check(cond, what):
-    if cond:
-        print("ok   ", what)
-    else:
-        print("FAIL ", what)
-        failures.append(what)
-    return cond
-
-
-def sanitized_build():
-    try:
-        with open(os.path.join(BUILD, "CMakeCache.txt")) as f:
-            return re.search(r"^STRATA_SANITIZE:BOOL=ON", f.read(), re.M) is not None
-    except OSError:
-        return False
 
 
 def find_model():
@@ -220,13 +201,7 @@ def main():
     check(r.returncode == 1 and "49152" in r.err and "256" in r.err,
           "--no-chat gets past the template; the vocabulary mismatch is named (%r)" % r.err.strip()[-200:])
 
-    if failures:
-        print("%d check(s) failed:" % len(failures))
-        for f in failures:
-            print("  -", f)
-        return 1
-    print("test_run: all checks passed")
-    return 0
+    return testlib.summary("test_run")
 
 
 def interactive(model, threads, asan):

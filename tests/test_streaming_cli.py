@@ -26,22 +26,14 @@ import re
 import subprocess
 import sys
 
-SRC = os.environ.get("STRATA_SRC", ".")
-BIN = os.environ.get("STRATA_BIN", "build/strata")
-TMP = os.path.join(os.environ.get("STRATA_TMP", "/tmp/strata-test"), "streaming_cli")
-os.makedirs(TMP, exist_ok=True)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import testlib  # noqa: E402
+from testlib import BIN, SRC, check, failures  # noqa: E402,F401
+
+testlib.print_ok = False
+TMP = testlib.tmp_dir("streaming_cli")
 BW = ["--h2d-bw", "10", "--ssd-bw", "1"]  # no probes: faster, deterministic plans
 
-failures = []
-checks = 0
-
-
-def check(cond, what):
-    global checks
-    checks += 1
-    if not cond:
-        failures.append(what)
-        print("FAIL:", what, flush=True)
 
 
 # STRATA_DEVICE=cuda: the same checks on the GPU (resident vs streamed bytes equal)
@@ -220,8 +212,7 @@ def main():
     check(p.returncode == 0 and "no budget" in p.stdout, "plan without budgets: %r" % p.stderr)
     check_plan_text("gqa_f32 unbudgeted", p.stdout, False)
 
-    print("%d checks, %d failed" % (checks, len(failures)))
-    return 1 if failures else 0
+    return testlib.summary("test_streaming_cli")
 
 
 if __name__ == "__main__":

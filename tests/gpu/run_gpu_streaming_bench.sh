@@ -175,7 +175,7 @@ m = re.search(r"HF decode ([\d.]+) s/token", h)
 if m:
     print("| HF transformers + accelerate, device_map=auto, 16 GiB GPU cap | %.1f ms/token | | |" % (float(m.group(1)) * 1e3))
 c = read("streaming_cli_cuda.log")
-m = re.search(r"(\d+) checks, (\d+) failed", c)
+m = re.search(r"(\d+) checks, \d+ passed, (\d+) failed", c)
 if m:
     print("| test_streaming_cli.py on CUDA (every placement mix, logits bit-identical) | %s checks, %s failed | | |" % m.groups())
 print("(model: Llama-3-70B shape, %s of 80 layers, bf16; scale the per-step bytes and times by 80/%s for the full model)" % (layers, layers))
