@@ -81,6 +81,22 @@ ST_TARGET_AVX2 static void attn_fn_avx2(void *ctx, int64_t b, int64_t e, int ti)
 }
 #endif
 
+/* Runs the n x n_heads work items of `a` on the pool: the AVX2 path where
+ * built and enabled, else the generic one. Items read up to max_keys keys
+ * (about max_keys / 2 on average for a causal prefill): ~64K floats per grain. */
+static void attn_run(st_cpu *c, attn_ctx *a, int64_t n, int64_t max_keys) {
+    const int64_t work = (max_keys / 2 + 1) * a->hd * 4;
+    int64_t grain = 65536 / work;
+    if (grain < 1) grain = 1;
+#if ST_CPU_HAVE_AVX2_PATH
+    if (c->simd) {
+        st_pool_parallel_for(c->pool, n * a->n_heads, grain, attn_fn_avx2, a);
+        return;
+    }
+#endif
+    st_pool_parallel_for(c->pool, n * a->n_heads, grain, attn_fn_generic, a);
+}
+
 strata_status st_cpu_attention(st_cpu *c, const float *q, const float *k, const float *v,
                                const int32_t *pos, int64_t n, int64_t n_kv, int64_t n_heads,
                                int64_t n_kv_heads, int64_t head_dim, float scale, float *out) {
@@ -89,17 +105,7 @@ strata_status st_cpu_attention(st_cpu *c, const float *q, const float *k, const 
     if (st != STRATA_OK) return st;
     attn_ctx a = {q, k, v, pos, n_heads, n_kv_heads, n_heads / n_kv_heads, head_dim, scale, out,
                   c->scratch, acc_off, NULL, NULL, 0, 1};
-    /* Average keys per item ~ n_kv (decode) or n_kv / 2 (prefill). */
-    int64_t work = (n_kv / 2 + 1) * head_dim * 4;
-    int64_t grain = 65536 / work;
-    if (grain < 1) grain = 1;
-#if ST_CPU_HAVE_AVX2_PATH
-    if (c->simd) {
-        st_pool_parallel_for(c->pool, n * n_heads, grain, attn_fn_avx2, &a);
-        return STRATA_OK;
-    }
-#endif
-    st_pool_parallel_for(c->pool, n * n_heads, grain, attn_fn_generic, &a);
+    attn_run(c, &a, n, n_kv);
     return STRATA_OK;
 }
 
@@ -114,15 +120,6 @@ strata_status st_cpu_attention_paged(st_cpu *c, const float *q, const st_paged_k
     if (st != STRATA_OK) return st;
     attn_ctx a = {q, kv->k_cache, kv->v_cache, pos, n_heads, n_kv_heads, n_heads / n_kv_heads, head_dim, scale,
                   out, c->scratch, acc_off, seq, kv->block_tables, kv->max_blocks, kv->block_size};
-    int64_t work = (max_nk / 2 + 1) * head_dim * 4;
-    int64_t grain = 65536 / work;
-    if (grain < 1) grain = 1;
-#if ST_CPU_HAVE_AVX2_PATH
-    if (c->simd) {
-        st_pool_parallel_for(c->pool, n * n_heads, grain, attn_fn_avx2, &a);
-        return STRATA_OK;
-    }
-#endif
-    st_pool_parallel_for(c->pool, n * n_heads, grain, attn_fn_generic, &a);
+    attn_run(c, &a, n, max_nk);
     return STRATA_OK;
 }
