@@ -229,7 +229,7 @@ static double bench_paged(int64_t n, int64_t ctx, int64_t H, int64_t Hkv, int64_
     for (int64_t i = 0; i < n; i++) hs[i] = 0, hp[i] = (int32_t)(ctx - n + i);
     const int32_t cl = (int32_t)ctx;
     a.kv = (st_paged_kv){dev_floats(n_slots * Hkv * hd, 1.0f), dev_floats(n_slots * Hkv * hd, 1.0f), n_slots, bs,
-                         upload(tab, (size_t)nb * 4), nb, upload(&cl, 4), 1, ctx};
+                         upload(tab, (size_t)nb * 4), nb, upload(&cl, 4), 1, ctx, 0};
     a.q = dev_floats(n * H * hd, 1.0f);
     a.seq = upload(hs, (size_t)n * 4);
     a.pos = upload(hp, (size_t)n * 4);

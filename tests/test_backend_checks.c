@@ -153,13 +153,17 @@ static void check_backend(st_backend *be) {
     BAD(be, be->ops->kv_store_paged(be, NULL, o, o, -1, x, y, slots, 1, 8), "kv_store_paged", "n_slots = -1");
     BAD(be, be->ops->attention_paged(be, NULL, x, NULL, ids, ids, 1, 2, 1, 2, 0.5f, o), "attention_paged",
         "description is NULL");
-    st_paged_kv kv = {o, o, 8, 4, ids, 2, ids, 1, 8};
+    st_paged_kv kv = {o, o, 8, 4, ids, 2, ids, 1, 8, 0};
     BAD(be, be->ops->attention_paged(be, NULL, x, &kv, ids, ids, 1, 3, 2, 2, 0.5f, o), "attention_paged",
         "multiple of n_kv_heads");
     kv.n_slots = 7;
     BAD(be, be->ops->attention_paged(be, NULL, x, &kv, ids, ids, 1, 2, 1, 2, 0.5f, o), "attention_paged",
         "multiple of block_size");
     kv.n_slots = 8;
+    kv.batch_seqs = 2; /* more sequences in the call than the table holds */
+    BAD(be, be->ops->attention_paged(be, NULL, x, &kv, ids, ids, 1, 2, 1, 2, 0.5f, o), "attention_paged",
+        "batch_seqs = 2");
+    kv.batch_seqs = 0;
     BAD(be, be->ops->attention_paged(be, NULL, NULL, &kv, ids, ids, 1, 2, 1, 2, 0.5f, o), "attention_paged",
         "q is NULL");
     BAD(be, be->ops->sample(be, NULL, x, 1, 0, args, ids), "sample", "vocab = 0");

@@ -59,6 +59,9 @@ strata_status st_paged_kv_check(const st_paged_kv *kv, const char *op) {
     if (kv->n_seqs < 1 || kv->max_blocks < 1)
         return st_err(STRATA_ERR_INVALID_ARG, "%s: n_seqs = %lld, max_blocks = %lld (both >= 1)", op,
                       (long long)kv->n_seqs, (long long)kv->max_blocks);
+    if (kv->batch_seqs < 0 || kv->batch_seqs > kv->n_seqs)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: batch_seqs = %lld is outside [0, n_seqs = %lld]", op,
+                      (long long)kv->batch_seqs, (long long)kv->n_seqs);
     if (kv->max_blocks > INT64_MAX / kv->block_size || kv->max_ctx < 0 ||
         kv->max_ctx > kv->max_blocks * kv->block_size || kv->max_ctx > INT32_MAX)
         return st_err(STRATA_ERR_INVALID_ARG,

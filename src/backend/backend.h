@@ -55,6 +55,10 @@ typedef struct {
     int64_t n_seqs;
     int64_t max_ctx;             /* host: >= every ctx_lens[s] (an upper bound: the CUDA
                                     backend sizes its split-KV work with it) */
+    int64_t batch_seqs;          /* host hint: sequences that have tokens in this call (0:
+                                    unknown, taken as n_seqs); n_seqs may be larger (a fixed
+                                    table). CUDA picks its decode kernel when the call holds
+                                    about one token per sequence; results do not depend on it */
 } st_paged_kv;
 
 /* One row's parameters for the `sample` op (a device array of them, so that

@@ -1139,7 +1139,7 @@ static strata_status batch_upload(st_llama *m, st_kv_cache *kv, const st_batch *
     d->pk = (st_paged_kv){.k_cache = NULL, .v_cache = NULL, .n_slots = kv->n_slots, .block_size = kv->block_size,
                           .block_tables = (const int32_t *)(dm + o_tab), .max_blocks = B,
                           .ctx_lens = (const int32_t *)(dm + o_ctx), .n_seqs = T,
-                          .max_ctx = batch_ctx_bucket(kv, max_len)};
+                          .max_ctx = batch_ctx_bucket(kv, max_len), .batch_seqs = S};
     return STRATA_OK;
 }
 

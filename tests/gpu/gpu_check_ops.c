@@ -697,7 +697,7 @@ static void check_attention_paged(int64_t H, int64_t Hkv, int64_t hd, int64_t bs
         for (int64_t i = 0; i < nq[s]; i++, t++) seq[t] = (int32_t)s, pos[t] = ctx[s] - nq[s] + (int32_t)i;
     }
     const float scale = 1.0f / sqrtf((float)hd);
-    st_paged_kv ck = {kc, vc, n_slots, bs, tables, max_blocks, ctx, n_seqs, max_ctx};
+    st_paged_kv ck = {kc, vc, n_slots, bs, tables, max_blocks, ctx, n_seqs, max_ctx, 0};
     float *ref = xmalloc((size_t)(n * row) * 4), *got = xmalloc((size_t)(n * row) * 4), *alt = xmalloc((size_t)(n * row) * 4);
     TRY(g_cpu->ops->attention_paged(g_cpu, NULL, q, &ck, seq, pos, n, H, Hkv, hd, scale, ref));
     float *dk = g_up(kc, (size_t)(n_slots * kvd) * 4), *dv = g_up(vc, (size_t)(n_slots * kvd) * 4);
@@ -705,7 +705,7 @@ static void check_attention_paged(int64_t H, int64_t Hkv, int64_t hd, int64_t bs
     int32_t *dt = g_up(tables, (size_t)(n_seqs * max_blocks) * 4), *dc = g_up(ctx, (size_t)n_seqs * 4);
     int32_t *dsq = g_up(seq, (size_t)n * 4), *dp = g_up(pos, (size_t)n * 4);
     float *dout = g_poisoned((size_t)(n * row) * 4);
-    st_paged_kv gk = {dk, dv, n_slots, bs, dt, max_blocks, dc, n_seqs, max_ctx};
+    st_paged_kv gk = {dk, dv, n_slots, bs, dt, max_blocks, dc, n_seqs, max_ctx, 0};
     strata_status st = g_gpu->ops->attention_paged(g_gpu, g_s, dq, &gk, dsq, dp, n, H, Hkv, hd, scale, dout);
     if (st != STRATA_OK) fprintf(stderr, "  attention_paged: %s\n", st_last_error());
     g_down(got, dout, (size_t)(n * row) * 4);

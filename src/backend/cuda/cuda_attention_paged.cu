@@ -720,7 +720,8 @@ strata_status st_cuda_op_attention_paged(st_backend *be, st_cuda_stream *s, cons
     const bool tile = tiled && !c->attn_old && st_cuda_aligned(out, 4); /* the tile kernel (default) */
     /* its decode variant when the batch holds about one token per sequence
      * (decode steps); same bits either way (see PT_ROWS_DEC) */
-    const bool dec = tile && G <= PT_ROWS_DEC && n <= 2 * kv->n_seqs && !c->attn_tile64;
+    const int64_t in_call = kv->batch_seqs > 0 ? kv->batch_seqs : kv->n_seqs;
+    const bool dec = tile && G <= PT_ROWS_DEC && n <= 2 * in_call && !c->attn_tile64;
     const int RMAX = tile ? PT_ROWS : G <= 4 ? 4 : G <= 8 ? 8 : 16;
     if (tiled && (int64_t)Hkv * ((G + RMAX - 1) / RMAX) > 65535)
         return st_err(STRATA_ERR_INVALID_ARG, "cuda attention_paged: %d kv heads is too many", Hkv);
