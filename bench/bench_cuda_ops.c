@@ -164,17 +164,10 @@ static float *dev_floats(int64_t n, float scale) {
     return d;
 }
 
+static double time_attention(int64_t n, int64_t n_kv, int64_t H, int64_t Hkv, int64_t hd);
+
 static void bench_attention(int64_t n, int64_t n_kv, int64_t H, int64_t Hkv, int64_t hd, double copy_bw) {
-    at_ctx a = {.n = n, .n_kv = n_kv, .H = H, .Hkv = Hkv, .hd = hd};
-    a.q = dev_floats(n * H * hd, 1.0f);
-    a.k = dev_floats(n_kv * Hkv * hd, 1.0f);
-    a.v = dev_floats(n_kv * Hkv * hd, 1.0f);
-    int32_t *hp = malloc((size_t)n * 4);
-    for (int64_t i = 0; i < n; i++) hp[i] = (int32_t)(n_kv - n + i);
-    a.pos = upload(hp, (size_t)n * 4);
-    free(hp);
-    TRY(be->ops->alloc(be, (size_t)(n * H * hd) * 4, (void **)&a.out));
-    const double sec = time_op(at_fn, &a, n == 1 ? 100 : 10);
+    const double sec = time_attention(n, n_kv, H, Hkv, hd);
     const double kv_bytes = 2.0 * (double)n_kv * Hkv * hd * 4;
     /* causal: query i sees n_kv - n + i + 1 keys; 4 flops per key and dim (QK and PV) */
     double keys = 0;
@@ -188,11 +181,6 @@ static void bench_attention(int64_t n, int64_t n_kv, int64_t H, int64_t Hkv, int
         printf("attention n=%-4lld n_kv=%-6lld heads %lld/%lld hd %lld  %8.1f us  %7.1f TFLOP/s (causal)\n",
                (long long)n, (long long)n_kv, (long long)H, (long long)Hkv, (long long)hd, sec * 1e6,
                flops / sec / 1e12);
-    be->ops->dealloc(be, (void *)a.q);
-    be->ops->dealloc(be, (void *)a.k);
-    be->ops->dealloc(be, (void *)a.v);
-    be->ops->dealloc(be, (void *)a.pos);
-    be->ops->dealloc(be, a.out);
 }
 
 
