@@ -76,6 +76,13 @@ void st_tok_set_text(st_tokenizer *t, int32_t id, const char *s, size_t len, siz
  * the kind string. `what` names the source in messages. */
 strata_status st_tok_finish(st_tokenizer *t, const char *what);
 int32_t st_tok_lookup(const st_tokenizer *t, const char *s, size_t len);
+/* Records BPE merge `rank`: the tokens a and b and their concatenation, looked
+ * up in the vocabulary (t->merges must be initialised). *missing (NULL on
+ * success): which of the three is not in the vocabulary, as words for the
+ * caller's message ("its first part", "its second part", "the merged token"),
+ * with STRATA_ERR_FORMAT and no message set; STRATA_ERR_NOMEM (message set). */
+strata_status st_tok_add_merge(st_tokenizer *t, const char *a, size_t al, const char *b, size_t bl, int32_t rank,
+                               const char **missing);
 /* Stop ids: eos plus the known end-of-turn special tokens present; loaders call
  * it last. st_tok_add_stop adds one more (ignores out-of-range ids). */
 strata_status st_tok_build_stops(st_tokenizer *t);

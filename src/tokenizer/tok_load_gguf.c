@@ -61,8 +61,6 @@ static strata_status load_merges(st_tokenizer *t, const st_gguf_meta *g, const c
     if ((st = st_gguf_get_arr(g, "tokenizer.ggml.merges", NULL, NULL, &cnt))) return st;
     if (cnt > INT32_MAX) return st_err(STRATA_ERR_FORMAT, "%s: too many merges", path);
     if ((st = st_pairmap_init(&t->merges, (size_t)cnt))) return st;
-    char *buf = NULL;
-    size_t cap = 0;
     for (uint64_t i = 0; i < cnt; i++) {
         const char *s;
         uint64_t len;
@@ -77,30 +75,16 @@ static strata_status load_merges(st_tokenizer *t, const st_gguf_meta *g, const c
                         path, (unsigned long long)i, (int)(len > 100 ? 100 : len), s);
             break;
         }
-        size_t al = (size_t)(sp - s), bl = (size_t)len - al - 1;
-        if (al + bl > cap) {
-            cap = (al + bl) * 2;
-            char *nb = st_realloc(buf, cap);
-            if (!nb) {
-                st = st_err(STRATA_ERR_NOMEM, "%s: out of memory", path);
-                break;
-            }
-            buf = nb;
-        }
-        memcpy(buf, s, al);
-        memcpy(buf + al, sp + 1, bl);
-        int32_t ia = st_tok_lookup(t, s, al), ib = st_tok_lookup(t, sp + 1, bl);
-        int32_t im = st_tok_lookup(t, buf, al + bl);
-        if (ia < 0 || ib < 0 || im < 0) {
-            st = st_err(STRATA_ERR_FORMAT, "%s: 'tokenizer.ggml.merges'[%llu] = \"%.*s\": %s is not in "
-                        "tokenizer.ggml.tokens", path, (unsigned long long)i,
-                        (int)(len > 100 ? 100 : len), s,
-                        ia < 0 ? "its first part" : ib < 0 ? "its second part" : "the merged token");
+        const size_t al = (size_t)(sp - s), bl = (size_t)len - al - 1;
+        const char *missing;
+        if ((st = st_tok_add_merge(t, s, al, sp + 1, bl, (int32_t)i, &missing))) {
+            if (missing)
+                st = st_err(STRATA_ERR_FORMAT, "%s: 'tokenizer.ggml.merges'[%llu] = \"%.*s\": %s is not in "
+                            "tokenizer.ggml.tokens", path, (unsigned long long)i,
+                            (int)(len > 100 ? 100 : len), s, missing);
             break;
         }
-        st_pairmap_put(&t->merges, ia, ib, (int32_t)i, im);
     }
-    st_free(buf);
     return st;
 }
 

@@ -247,8 +247,6 @@ static strata_status load_merges(st_tokenizer *t, const char *path, const cJSON 
     int n = cJSON_GetArraySize(merges);
     strata_status st;
     if ((st = st_pairmap_init(&t->merges, (size_t)n))) return st;
-    char *buf = NULL;
-    size_t cap = 0;
     int i = 0;
     const cJSON *m;
     st = STRATA_OK;
@@ -260,29 +258,15 @@ static strata_status load_merges(st_tokenizer *t, const char *path, const cJSON 
                         path, i);
             break;
         }
-        if (al + bl > cap) {
-            cap = (al + bl) * 2;
-            char *nb = st_realloc(buf, cap);
-            if (!nb) {
-                st = st_err(STRATA_ERR_NOMEM, "%s: out of memory", path);
-                break;
-            }
-            buf = nb;
-        }
-        memcpy(buf, a, al);
-        memcpy(buf + al, b, bl);
-        int32_t ia = st_tok_lookup(t, a, al), ib = st_tok_lookup(t, b, bl);
-        int32_t im = st_tok_lookup(t, buf, al + bl);
-        if (ia < 0 || ib < 0 || im < 0) {
-            const char *miss = ia < 0 ? "its first part" : ib < 0 ? "its second part" : "the merged token";
-            st = st_err(STRATA_ERR_FORMAT, "%s: 'model.merges[%d]' (\"%.*s\" + \"%.*s\"): %s is not in "
-                        "model.vocab", path, i, (int)al, a, (int)bl, b, miss);
+        const char *miss;
+        if ((st = st_tok_add_merge(t, a, al, b, bl, i, &miss))) {
+            if (miss)
+                st = st_err(STRATA_ERR_FORMAT, "%s: 'model.merges[%d]' (\"%.*s\" + \"%.*s\"): %s is not in "
+                            "model.vocab", path, i, (int)al, a, (int)bl, b, miss);
             break;
         }
-        st_pairmap_put(&t->merges, ia, ib, i, im);
         i++;
     }
-    st_free(buf);
     return st;
 }
 

@@ -56,6 +56,23 @@ static size_t pow2_at_least(size_t n) {
     return c;
 }
 
+strata_status st_tok_add_merge(st_tokenizer *t, const char *a, size_t al, const char *b, size_t bl, int32_t rank,
+                               const char **missing) {
+    *missing = NULL;
+    char small[256], *cat = al + bl <= sizeof small ? small : st_malloc(al + bl);
+    if (!cat) return st_err(STRATA_ERR_NOMEM, "tokenizer: out of memory for a merge of %zu bytes", al + bl);
+    memcpy(cat, a, al);
+    memcpy(cat + al, b, bl);
+    const int32_t ia = st_tok_lookup(t, a, al), ib = st_tok_lookup(t, b, bl), im = st_tok_lookup(t, cat, al + bl);
+    if (cat != small) st_free(cat);
+    if (ia < 0 || ib < 0 || im < 0) {
+        *missing = ia < 0 ? "its first part" : ib < 0 ? "its second part" : "the merged token";
+        return STRATA_ERR_FORMAT;
+    }
+    st_pairmap_put(&t->merges, ia, ib, rank, im);
+    return STRATA_OK;
+}
+
 int32_t st_tok_lookup(const st_tokenizer *t, const char *s, size_t len) {
     const st_strmap *m = &t->vocab;
     if (!m->cap) return -1;
