@@ -8,7 +8,9 @@
  * once, and the time per op is the median over 7 batches. Weights rotate over
  * enough copies (>= 512 MiB) that they cannot sit in L2. Bytes counted are
  * the fewest the op must move: the weight once (decode matmul), K and V once
- * (decode attention). Usage: bench_cuda_ops [device_index] */
+ * (decode attention). Usage: bench_cuda_ops [device_index]
+ * (BENCH_ONLY_PREFILL_ATTN=1: the prefill attention section alone;
+ * BENCH_ONLY_GEMV=1: the decode GEMV versions alone) */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -184,6 +186,56 @@ static void bench_attention(int64_t n, int64_t n_kv, int64_t H, int64_t Hkv, int
 }
 
 
+/* ---- prefill attention: precise and fast mode on the default kernels, then
+ * fast mode on the FA2 kernel (default) against the previous tensor-core
+ * kernel (STRATA_ATTN_PREFILL=old, read at backend init: a second backend).
+ * Causal, n = n_kv; TFLOP/s count the causal half (4 flops per key and dim). */
+static void bench_prefill_attention(int dev, double copy_bw) {
+    for (int fast = 0; fast < 2; fast++) {
+        be->ops->set_fast_prefill(be, fast);
+        printf("-- prefill attention, %s\n", fast ? "fast (bf16 operands)" : "precise (hi+lo bf16 operands)");
+        bench_attention(512, 4096, 32, 8, 128, copy_bw);
+        bench_attention(4096, 4096, 32, 8, 128, copy_bw);
+        bench_attention(16384, 16384, 32, 8, 128, copy_bw);
+    }
+    be->ops->set_fast_prefill(be, false);
+    static const int64_t cs[][4] = {{2048, 32, 8, 128}, {4096, 32, 8, 128}, {16384, 32, 8, 128}, {16384, 32, 8, 64}};
+    enum { NC = sizeof cs / sizeof cs[0] };
+    double t[2][NC];
+    st_backend *saved = be;
+    st_stream *saved_s = s;
+    for (int v = 0; v < 2; v++) {
+        if (v == 1) {
+            const char *prev = getenv("STRATA_ATTN_PREFILL");
+            char *keep = prev ? strdup(prev) : NULL;
+            setenv("STRATA_ATTN_PREFILL", "old", 1);
+            st_backend_params p = {.kind = ST_BACKEND_CUDA, .device_index = dev};
+            TRY(st_backend_init(&p, &be));
+            TRY(be->ops->stream_create(be, false, &s));
+            if (keep) setenv("STRATA_ATTN_PREFILL", keep, 1);
+            else unsetenv("STRATA_ATTN_PREFILL");
+            free(keep);
+        }
+        be->ops->set_fast_prefill(be, true);
+        for (int i = 0; i < NC; i++) t[v][i] = time_attention(cs[i][0], cs[i][0], cs[i][1], cs[i][2], cs[i][3]);
+        be->ops->set_fast_prefill(be, false);
+        if (v == 1) {
+            be->ops->stream_destroy(be, s);
+            st_backend_free(be);
+        }
+        be = saved, s = saved_s;
+    }
+    printf("-- prefill attention, fast: fa2 (default) vs old (STRATA_ATTN_PREFILL=old), causal\n");
+    for (int i = 0; i < NC; i++) {
+        const double n = (double)cs[i][0];
+        const double flops = 4.0 * n * (n + 1) / 2.0 * (double)cs[i][3] * (double)cs[i][1];
+        printf("prefill attn fast n=%-5lld heads %lld/%lld hd %-3lld  fa2 %8.3f ms %6.1f TFLOP/s | old %8.3f ms %6.1f "
+               "TFLOP/s | fa2 %.2fx faster\n",
+               (long long)cs[i][0], (long long)cs[i][1], (long long)cs[i][2], (long long)cs[i][3], t[0][i] * 1e3,
+               flops / t[0][i] / 1e12, t[1][i] * 1e3, flops / t[1][i] / 1e12, t[1][i] / t[0][i]);
+    }
+}
+
 /* ---- attention kernels, new vs old (STRATA_ATTN=old, read at backend init) ----
  * Decode over 4K / 32K / 128K keys (32/8 heads, hd 128): K+V bytes / copy bw.
  * attention_paged prefill of one 512- / 2048-token sequence (block size 16,
@@ -332,18 +384,19 @@ static double gv_time(gv_ctx *m, int iters) {
 }
 
 static void bench_gemv_versions(int dev, double copy_bw) {
-    st_backend *bv[2];
-    st_stream *sv[2];
-    static const char *const names[2] = {"new", "old"};
-    for (int v = 0; v < 2; v++) {
-        if (v == 1) setenv("STRATA_GEMV", "old", 1);
+    st_backend *bv[3];
+    st_stream *sv[3];
+    static const char *const names[3] = {"new", "grid", "old"};
+    for (int v = 0; v < 3; v++) {
+        if (v > 0) setenv("STRATA_GEMV", names[v], 1);
         else unsetenv("STRATA_GEMV");
         st_backend_params p = {.kind = ST_BACKEND_CUDA, .device_index = dev};
         TRY(st_backend_init(&p, &bv[v]));
         TRY(bv[v]->ops->stream_create(bv[v], false, &sv[v]));
     }
     unsetenv("STRATA_GEMV");
-    printf("-- decode GEMV, new (default) vs old (STRATA_GEMV=old): weight bytes / time, %% of copy bw %.0f GB/s\n",
+    printf("-- decode GEMV, new (default) vs one block per row group (STRATA_GEMV=grid) vs old (STRATA_GEMV=old):"
+           " weight bytes / time, %% of copy bw %.0f GB/s\n",
            copy_bw / 1e9);
     const st_dtype types[] = {ST_DTYPE_BF16, ST_DTYPE_F16, ST_DTYPE_Q8_0, ST_DTYPE_Q4_0, ST_DTYPE_Q4_1,
                               ST_DTYPE_Q4_K, ST_DTYPE_Q6_K};
@@ -373,24 +426,24 @@ static void bench_gemv_versions(int dev, double copy_bw) {
             TRY(b->ops->alloc(b, (size_t)(8 * N) * 4, (void **)&dy));
             m.x = dx, m.y = dy;
             for (int k = 0; k < 3; k++) {
-                double sec[2];
-                for (int v = 0; v < 2; v++) {
+                double sec[3];
+                for (int v = 0; v < 3; v++) {
                     m.b = bv[v], m.s = sv[v], m.n = ns[k];
                     sec[v] = gv_time(&m, ns[k] == 1 ? 200 : 50);
                 }
                 printf("gemv %-5s %5lld x %-5lld n=%lld", st_dtype_name(t), (long long)N, (long long)K,
                        (long long)ns[k]);
-                for (int v = 0; v < 2; v++)
+                for (int v = 0; v < 3; v++)
                     printf("  %s %7.1f us %5.0f GB/s %3.0f%%", names[v], sec[v] * 1e6, (double)wbytes / sec[v] / 1e9,
                            100.0 * (double)wbytes / sec[v] / copy_bw);
-                printf("  new/old speed %.2fx\n", sec[1] / sec[0]);
+                printf("  new/grid %.2fx new/old %.2fx\n", sec[1] / sec[0], sec[2] / sec[0]);
             }
             for (int c = 0; c < copies; c++) b->ops->dealloc(b, dws[c]);
             b->ops->dealloc(b, dx);
             b->ops->dealloc(b, dy);
         }
     }
-    for (int v = 0; v < 2; v++) {
+    for (int v = 0; v < 3; v++) {
         bv[v]->ops->stream_destroy(bv[v], sv[v]);
         st_backend_free(bv[v]);
     }
@@ -509,6 +562,10 @@ int main(int argc, char **argv) {
     printf("roofline: device-to-device copy %.0f GB/s (bytes read + written)\n", copy_bw / 1e9);
     be->ops->dealloc(be, c.a);
     be->ops->dealloc(be, c.b);
+    if (getenv("BENCH_ONLY_PREFILL_ATTN")) { /* BENCH_ONLY_PREFILL_ATTN=1: the prefill attention section alone */
+        bench_prefill_attention(p.device_index, copy_bw);
+        return 0;
+    }
     if (getenv("BENCH_ONLY_SAMPLE")) { /* BENCH_ONLY_SAMPLE=1: the sample op alone, new and old kernels */
         bench_sample(p.device_index, copy_bw);
         return 0;
@@ -516,6 +573,10 @@ int main(int argc, char **argv) {
     const bool only_batch = getenv("BENCH_ONLY_BATCH") != NULL;
     if (!only_batch) {
         bench_gemv_versions(p.device_index, copy_bw);
+        if (getenv("BENCH_ONLY_GEMV")) { /* BENCH_ONLY_GEMV=1: the decode GEMV versions alone */
+            st_backend_free(be);
+            return 0;
+        }
         bench_sample(p.device_index, copy_bw);
     }
 
@@ -567,14 +628,7 @@ int main(int argc, char **argv) {
     bench_attention(1, 32768, 64, 8, 128, copy_bw);
     bench_attention(4, 32768, 32, 8, 128, copy_bw);
     bench_attention(1, 4096, 32, 8, 128, copy_bw);
-    for (int fast = 0; fast < 2; fast++) {
-        be->ops->set_fast_prefill(be, fast);
-        printf("-- prefill attention, %s\n", fast ? "fast (bf16 operands)" : "precise (hi+lo bf16 operands)");
-        bench_attention(512, 4096, 32, 8, 128, copy_bw);
-        bench_attention(4096, 4096, 32, 8, 128, copy_bw);
-        bench_attention(16384, 16384, 32, 8, 128, copy_bw);
-    }
-    be->ops->set_fast_prefill(be, false);
+    bench_prefill_attention(p.device_index, copy_bw);
     bench_attention_versions(p.device_index, copy_bw);
     printf("peak device memory %.1f MiB\n", (double)be->device_budget.peak / 1048576.0);
 

@@ -25,7 +25,11 @@
  * larger max_ctx; the same attention checks (long decode, paged tiles of
  * 1/7/64/300 tokens with block sizes 16 and 32, GQA 4/1/12/96, a 42-sequence
  * batch) again on a second backend created with STRATA_ATTN=old (the
- * previous kernels); st_llama_forward_batch on both backends within 1e-4, and a
+ * previous kernels); fast-mode prefill attention (bf16 operands, 1e-2) on the
+ * FA2 kernel and again with STRATA_ATTN_PREFILL=old (check_attention_fast:
+ * partial blocks, n_kv > n, GQA 1/3/4/8, hd 64/128, split and unsplit grids,
+ * keys past the last position poisoned, descending positions);
+ * st_llama_forward_batch on both backends within 1e-4, and a
  * decode alone vs in a batch on the GPU. Last, the Llama forward pass (src/model/llama.c) runs on
  * both backends over the models of tests/data/models: logits of token-by-
  * token decoding (st_llama_decode's recorded graph after the first step; fp32
@@ -415,12 +419,23 @@ static void check_rope_far(bool inter) {
 
 /* ---- attention ---- */
 
-static void check_attention(int64_t n, int64_t n_kv, int64_t H, int64_t Hkv, int64_t hd) {
+/* Query positions of check_attention_ex: the last n of the n_kv keys
+ * (ATT_POS_END), the same ending `slack` keys earlier with the keys past the
+ * largest position poisoned with NaN (ATT_POS_SLACK: n_kv is then only an
+ * upper bound, as in a recorded decode step), or descending from n_kv - 1
+ * (ATT_POS_REVERSED: positions need not grow with the row). */
+enum { ATT_POS_END, ATT_POS_SLACK, ATT_POS_REVERSED };
+static bool g_prefill_old; /* the GPU backend was made with STRATA_ATTN_PREFILL=old */
+
+static void check_attention_ex(int64_t n, int64_t n_kv, int64_t H, int64_t Hkv, int64_t hd, int mode, int64_t slack) {
     const int64_t qn = n * H * hd, kn = n_kv * Hkv * hd;
     float *q = rand_f(qn, 2.0f), *k = rand_f(kn, 1.0f), *v = rand_f(kn, 1.0f);
     float *ref = xmalloc((size_t)qn * 4), *got = xmalloc((size_t)qn * 4);
     int32_t *pos = xmalloc((size_t)n * 4);
-    for (int64_t i = 0; i < n; i++) pos[i] = (int32_t)(n_kv - n + i);
+    for (int64_t i = 0; i < n; i++)
+        pos[i] = (int32_t)(mode == ATT_POS_REVERSED ? n_kv - 1 - i : mode == ATT_POS_SLACK ? n_kv - slack - n + i : n_kv - n + i);
+    if (mode == ATT_POS_SLACK)
+        for (int64_t i = (n_kv - slack) * Hkv * hd; i < kn; i++) k[i] = v[i] = NAN; /* never seen */
     const float scale = 1.0f / sqrtf((float)hd);
     TRY(g_cpu->ops->attention(g_cpu, NULL, q, k, v, pos, n, n_kv, H, Hkv, hd, scale, ref));
     float *dq = g_up(q, (size_t)qn * 4), *dk = g_up(k, (size_t)kn * 4), *dv = g_up(v, (size_t)kn * 4);
@@ -430,15 +445,54 @@ static void check_attention(int64_t n, int64_t n_kv, int64_t H, int64_t Hkv, int
     if (st != STRATA_OK) fprintf(stderr, "  attention: %s\n", st_last_error());
     g_down(got, dout, (size_t)qn * 4);
     const double e = st == STRATA_OK ? nerr(got, ref, qn) : INFINITY;
-    /* the path cuda_attention.cu takes */
+    /* the path cuda_attention.cu takes (the FA2 kernel: fast mode, >= 512 rows per kv head) */
     const bool tc = (hd == 64 || hd == 128) && n * (H / Hkv) > 16;
+    const bool fa2 = tc && g_fast && !g_prefill_old && n * (H / Hkv) >= 512;
     /* fp32 sums over more than 64K keys: reordering noise grows with the length */
     const double thr = tc ? (g_fast ? 1e-2 : 1e-4) : n_kv > 65536 ? 2e-5 : 1e-5;
-    check(e <= thr, "attention n=%lld n_kv=%lld heads=%lld/%lld hd=%lld (%s)  err=%.2e (thr %.0e)", (long long)n,
+    check(e <= thr, "attention n=%lld n_kv=%lld heads=%lld/%lld hd=%lld%s (%s)  err=%.2e (thr %.0e)", (long long)n,
           (long long)n_kv, (long long)H, (long long)Hkv, (long long)hd,
-          tc ? (g_fast ? "tensor cores, fast" : "tensor cores, hi+lo") : "fp32", e, thr);
+          mode == ATT_POS_SLACK ? " pos ends early" : mode == ATT_POS_REVERSED ? " pos reversed" : "",
+          fa2 ? "tensor cores, fast, fa2" : tc ? (g_fast ? "tensor cores, fast" : "tensor cores, hi+lo") : "fp32", e,
+          thr);
     g_free(dq), g_free(dk), g_free(dv), g_free(dp), g_free(dout);
     free(q), free(k), free(v), free(ref), free(got), free(pos);
+}
+
+static void check_attention(int64_t n, int64_t n_kv, int64_t H, int64_t Hkv, int64_t hd) {
+    check_attention_ex(n, n_kv, H, Hkv, hd, ATT_POS_END, 0);
+}
+
+/* Fast-mode prefill attention (bf16 operands), on the FA2 kernel by default
+ * or the previous one (STRATA_ATTN_PREFILL=old): rows per kv head not a
+ * multiple of 128 (the last block partly or mostly padding), n_kv > n, GQA
+ * 1, 3, 4, 8, hd 64 and 128, grids split over the KV length and not, n_kv
+ * past the largest position (poisoned keys), descending positions, and the
+ * sizes just below the FA2 threshold (the previous kernel either way). */
+static void check_attention_fast(const char *ver) {
+    printf("-- prefill attention, fast mode: %s\n", ver);
+    g_fast = true;
+    g_gpu->ops->set_fast_prefill(g_gpu, true);
+    check_attention(300, 300, 32, 8, 128);  /* G 4, 1200 rows: 10 blocks, split */
+    check_attention(130, 130, 16, 4, 128);  /* 520 rows: the 5th block has 8 */
+    check_attention(128, 4096, 32, 8, 128); /* a chunk over a long cache: 4 blocks per kv head, many splits */
+    check_attention(127, 4096, 32, 8, 128); /* 508 rows: below the FA2 threshold */
+    check_attention(2100, 2100, 32, 8, 128); /* 528 blocks: no split */
+    check_attention(1100, 1300, 32, 32, 128); /* G 1, 288 blocks: no split */
+    check_attention(300, 350, 6, 2, 128);   /* G 3: tokens straddle warps and blocks */
+    check_attention(300, 300, 64, 8, 128);  /* G 8 */
+    check_attention(600, 700, 8, 8, 64);    /* hd 64, G 1, split */
+    check_attention(513, 513, 4, 4, 64);    /* hd 64, the last block one row */
+    check_attention(700, 1500, 16, 4, 64);  /* hd 64, G 4, n_kv > n, split */
+    check_attention(3000, 3100, 32, 8, 64); /* hd 64, 752 blocks: no split */
+    check_attention_ex(500, 2000, 32, 8, 128, ATT_POS_SLACK, 700);
+    check_attention_ex(700, 1500, 16, 4, 64, ATT_POS_SLACK, 333);
+    check_attention_ex(600, 600, 8, 2, 128, ATT_POS_REVERSED, 0);
+    check_attention_ex(1000, 1000, 32, 32, 64, ATT_POS_REVERSED, 0);
+    check_attention(64, 4096, 32, 8, 128);  /* 256 rows: the previous kernel */
+    check_attention(64, 100, 4, 4, 64);
+    g_gpu->ops->set_fast_prefill(g_gpu, false);
+    g_fast = false;
 }
 
 /* ---- swiglu, add ---- */
@@ -960,6 +1014,16 @@ static void check_gemv_version(const char *ver) {
     check_matmul(ST_DTYPE_BF16, 1024, 14336, 1);
     check_matmul(ST_DTYPE_Q4_K, 1024, 14336, 4);
     check_matmul(ST_DTYPE_Q4_0, 333, 4096, 20); /* 3 token groups of 8 */
+    /* more row groups than one wave of blocks holds: each block walks several
+     * groups, its copies running on across them (K = 256 bf16: one stage per
+     * row, so three of the four warps have no stage at all) */
+    check_matmul(ST_DTYPE_BF16, 20011, 256, 1);
+    check_matmul(ST_DTYPE_BF16, 20011, 4096, 3);
+    check_matmul(ST_DTYPE_Q4_0, 20011, 512, 1);
+    check_matmul(ST_DTYPE_Q8_0, 20011, 512, 2);
+    check_matmul(ST_DTYPE_Q4_K, 20011, 512, 8);
+    check_fused(ST_DTYPE_Q4_0, 4096, 1);
+    check_fused(ST_DTYPE_BF16, 4096, 2);
     const st_dtype ft[] = {ST_DTYPE_BF16, ST_DTYPE_F16, ST_DTYPE_Q8_0, ST_DTYPE_Q4_0, ST_DTYPE_Q4_1, ST_DTYPE_Q4_K};
     const int64_t fn[] = {1, 2, 5, 8};
     for (size_t ti = 0; ti < sizeof ft / sizeof ft[0]; ti++)
@@ -1364,6 +1428,8 @@ int main(void) {
     check_gemv_version("new (default)");
     /* the older GEMV kernel everywhere: STRATA_GEMV=old (read at backend init) */
     on_backend_with_env("STRATA_GEMV", "old", check_gemv_version, "old (STRATA_GEMV=old)");
+    /* the staged kernel with one block per row group (the previous grid) */
+    on_backend_with_env("STRATA_GEMV", "grid", check_gemv_version, "grid (STRATA_GEMV=grid)");
     check_attention_version("new (default)");
     /* the previous attention kernels, kept selectable with STRATA_ATTN=old */
     on_backend_with_env("STRATA_ATTN", "old", check_attention_version, "old (STRATA_ATTN=old)");
@@ -1371,6 +1437,12 @@ int main(void) {
      * check_attention_version then runs the 64-row variant, whose bits the
      * "alone" comparisons already tie to the decode variant's */
     on_backend_with_env("STRATA_ATTN", "tile64", check_attention_version, "tile64 (STRATA_ATTN=tile64)");
+    /* fast-mode prefill attention: the FA2 kernel, then the previous one
+     * (STRATA_ATTN_PREFILL=old, read at backend init) on the same cases */
+    check_attention_fast("fa2 (default)");
+    g_prefill_old = true;
+    on_backend_with_env("STRATA_ATTN_PREFILL", "old", check_attention_fast, "old (STRATA_ATTN_PREFILL=old)");
+    g_prefill_old = false;
     const char *pmodels[] = {"gqa_f32", "llama3_bf16", "headdim_f32", "mha_tied_f32"};
     for (size_t i = 0; i < sizeof pmodels / sizeof pmodels[0]; i++) check_forward_batch(pmodels[i]);
 
@@ -1386,9 +1458,6 @@ int main(void) {
         check_matmul(fast_t[ti], 1000, 512, 64);
         check_matmul(fast_t[ti], 300, 1024, 300);
     }
-    check_attention(300, 300, 32, 8, 128);
-    check_attention(64, 4096, 32, 8, 128);
-    check_attention(64, 100, 4, 4, 64);
     check_model("llama3_bf16");
     check_model("gqa_f32");
     g_gpu->ops->set_fast_prefill(g_gpu, false);

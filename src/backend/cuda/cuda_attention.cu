@@ -35,6 +35,11 @@
  *     of 64 keys. Split over the KV length when the grid would not fill the
  *     GPU. Measured on an H200 (bench_cuda_ops, 32/8 heads, hd 128, causal):
  *     n = 4096: 53 TFLOP/s precise, 112 fast; n = 16384: 64 and 140.
+ *   prefill, fast mode, at least ST_ATTN_FA2_MIN_ROWS rows per kv head:
+ *     the FlashAttention-2 style kernel of cuda_attn_prefill_fa2.cu (K/V
+ *     rounded to bf16 by a pre-pass, 128 rows per block, K/V tiles of 64
+ *     keys double-buffered by cp.async, ldmatrix fragments, P kept in
+ *     registers). STRATA_ATTN_PREFILL=old: the kernel above instead.
  * Split lengths are derived on the device from the rows' positions
  * (split_range), the host choosing only the number of splits from n_kv, an
  * upper bound: a recorded decode step passes the cache's capacity as n_kv
@@ -49,6 +54,7 @@
 #include <string.h>
 
 #include "backend/cuda/cuda_attn_common.cuh"
+#include "backend/cuda/cuda_attn_prefill_fa2.cuh"
 #include "backend/cuda/cuda_common.cuh"
 #include "backend/cuda/cuda_internal.h"
 
@@ -94,29 +100,6 @@ static __global__ void __launch_bounds__(128) attn_merge_fast_kernel(const float
     st_pdl_trigger();
     const int64_t row = blockIdx.x;
     st_attn_merge_row<HD>(part_acc, part_m, part_l, rows, row, nsplit, out + row * HD);
-}
-
-/* Where a block puts its rows' results: final output (nsplit == 1) or partials. */
-struct attn_out {
-    float *out;      /* [n, H, hd] */
-    float *part_acc; /* [nsplit][n H][hd] */
-    float *part_m;   /* [nsplit][n H] */
-    float *part_l;
-    int nsplit;
-};
-
-/* The keys [*b, *e) split `split` of `nsplit` covers for rows whose largest
- * position is maxpos: the range [0, min(n_kv, maxpos + 1)) cut into nsplit
- * pieces of a multiple of `tile` keys (the last ones may be empty). Derived
- * on the device from the positions, so the host's n_kv is only an upper
- * bound: a recorded decode step (n_kv = the cache's capacity) spreads the
- * keys it actually has over all its splits, whatever the sequence length. */
-ST_DEV void split_range(int64_t n_kv, int maxpos, int nsplit, int split, int tile, int64_t *b, int64_t *e) {
-    const int64_t total = min(n_kv, (int64_t)maxpos + 1);
-    int64_t len = (total + nsplit - 1) / nsplit;
-    len = (len + tile - 1) / tile * tile;
-    *b = (int64_t)split * len;
-    *e = min(total, *b + len);
 }
 
 /* ---- decode: fp32 SIMT --------------------------------------------------------------- */
@@ -245,26 +228,6 @@ static __global__ void __launch_bounds__(AD_THREADS)
 #define AP_BQ 64 /* rows per block: 4 warps x 16 (128 rows: 1 block per SM, measured 25% slower) */
 #define AP_THREADS (AP_BQ * 2)
 #define AP_TK 64
-
-ST_DEV uint32_t pack_bf16x2(float a, float b) {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b); /* a in the low half */
-    return *(const uint32_t *)&h;
-}
-
-ST_DEV void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-ST_DEV void ldmatrix_x4_trans(uint32_t r[4], const void *p) {
-    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
 
 /* fp32 [4] -> bf16 [4] at dst (8-byte aligned). */
 ST_DEV void st_bf16x4(__nv_bfloat16 *dst, float4 x) {
@@ -567,12 +530,17 @@ static strata_status decode_bpsm(int *out) {
 
 /* Once per backend: kernel attributes, STRATA_ATTN (old: the previous split
  * sizing, merge and paged kernel; tile64: no decode variant of the paged
- * tile kernel), and the decode kernel's blocks per SM. */
+ * tile kernel), STRATA_ATTN_PREFILL (old: fast-mode prefill on
+ * attn_prefill_kernel instead of the FA2 kernel), and the decode kernel's
+ * blocks per SM. */
 strata_status st_cuda_attention_setup(st_cuda *c) {
     strata_status st;
     const char *ver = getenv("STRATA_ATTN");
     c->attn_old = ver && strcmp(ver, "old") == 0;
     c->attn_tile64 = ver && strcmp(ver, "tile64") == 0;
+    const char *pver = getenv("STRATA_ATTN_PREFILL");
+    c->attn_prefill_old = pver && strcmp(pver, "old") == 0;
+    if ((st = st_attn_fa2_setup()) != STRATA_OK) return st;
 #define SET(HD, RM)                                                                          \
     if ((st = set_decode_attr<HD, RM>()) != STRATA_OK) return st;
     SET(64, 4) SET(64, 8) SET(64, 16) SET(128, 4) SET(128, 8) SET(128, 16)
@@ -658,6 +626,19 @@ static strata_status run_prefill(st_backend *be, st_cuda_stream *s, const float 
     st_cuda *c = st_cuda_of(be);
     attn_out o = {out, NULL, NULL, NULL, 1};
     const int64_t G = H / Hkv;
+    if (c->fast_prefill && !c->attn_prefill_old && n * G >= ST_ATTN_FA2_MIN_ROWS) {
+        /* the FA2 kernel (cuda_attn_prefill_fa2.cu); split the KV length
+         * while the grid is under two waves of resident blocks */
+        const int64_t blocks = (n * G + ST_ATTN_FA2_BQ - 1) / ST_ATTN_FA2_BQ * Hkv;
+        const int64_t slots = 2 * (int64_t)ST_ATTN_FA2_BPSM(HD) * c->sm_count;
+        const int64_t want = blocks >= slots ? 1 : (slots + blocks - 1) / blocks;
+        o.nsplit = pick_splits(n_kv, want, 256);
+        strata_status st = alloc_parts(be, s, o.nsplit, n * H, HD, &o);
+        if (st != STRATA_OK) return st;
+        st = st_attn_prefill_fa2(be, s, HD, q, k, v, pos, n, n_kv, H, Hkv, qscale, &o);
+        if (st != STRATA_OK) return st;
+        return o.nsplit > 1 ? merge(s->s, false, c->attn_old, &o, n * H, HD) : STRATA_OK;
+    }
     const int64_t bx = (n * G + AP_BQ - 1) / AP_BQ;
     if (bx > INT32_MAX) return st_err(STRATA_ERR_INVALID_ARG, "cuda attention: n = %lld is too large", (long long)n);
     const int64_t blocks = bx * Hkv;

@@ -1,7 +1,9 @@
 /* Device code shared by the attention ops (cuda_attention.cu, the contiguous
- * op, and cuda_attention_paged.cu): cp.async staging, the fp32 SIMT tile of
- * the decode kernels (online softmax + PV over one staged tile of keys), and
- * the merge of split-KV partial results. CUDA C only.
+ * op, its FA2 prefill kernel cuda_attn_prefill_fa2.cu, and
+ * cuda_attention_paged.cu): cp.async staging, split-KV ranges and outputs,
+ * bf16 tensor-core helpers (mma, ldmatrix), the fp32 SIMT tile of the decode
+ * kernels (online softmax + PV over one staged tile of keys), and the merge
+ * of split-KV partial results. CUDA C only.
  *
  * Online softmax per row (both files): running max m, sum l and an
  * unnormalized accumulator acc; scores are pre-scaled by scale * log2(e) and
@@ -23,6 +25,66 @@ ST_DEV void st_cp_async16(void *smem, const void *gmem, bool valid) {
 ST_DEV void st_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 ST_DEV void st_cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+/* ---- split-KV bookkeeping (cuda_attention.cu, cuda_attn_prefill_fa2.cu) ---------------- */
+/* Where a block puts its rows' results: final output (nsplit == 1) or partials. */
+struct attn_out {
+    float *out;      /* [n, H, hd] */
+    float *part_acc; /* [nsplit][n H][hd] */
+    float *part_m;   /* [nsplit][n H] */
+    float *part_l;
+    int nsplit;
+};
+
+/* The keys [*b, *e) split `split` of `nsplit` covers for rows whose largest
+ * position is maxpos: the range [0, min(n_kv, maxpos + 1)) cut into nsplit
+ * pieces of a multiple of `tile` keys (the last ones may be empty). Derived
+ * on the device from the positions, so the host's n_kv is only an upper
+ * bound: a recorded decode step (n_kv = the cache's capacity) spreads the
+ * keys it actually has over all its splits, whatever the sequence length. */
+ST_DEV void split_range(int64_t n_kv, int maxpos, int nsplit, int split, int tile, int64_t *b, int64_t *e) {
+    const int64_t total = min(n_kv, (int64_t)maxpos + 1);
+    int64_t len = (total + nsplit - 1) / nsplit;
+    len = (len + tile - 1) / tile * tile;
+    *b = (int64_t)split * len;
+    *e = min(total, *b + len);
+}
+
+/* ---- bf16 tensor-core helpers (the prefill kernels) -------------------------------------
+ * mma_bf16: c += a b, m16n8k16, A row-major 16x16 (a[0]: row g, cols 2t..2t+1;
+ * a[1]: row g+8, same cols; a[2], a[3]: the same rows, cols 8+2t..), B
+ * column-major 16x8 (b0: rows 2t..2t+1 of column g; b1: rows 8+2t..), C
+ * 16x8 fp32 (c[0..1]: row g, cols 2t..2t+1; c[2..3]: row g+8), with
+ * g = lane / 4, t = lane % 4 (PTX ISA, mma.m16n8k16). ldmatrix_x4: lanes
+ * 8i..8i+7 give the row addresses of 8x8 matrix i (16 bytes each); register
+ * i of every lane receives matrix i's row lane/4, cols 2 (lane%4)..+1 (the
+ * fragment layout above); .trans gives its column lane/4, rows 2 (lane%4)..+1. */
+ST_DEV uint32_t pack_bf16x2(float a, float b) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b); /* a in the low half */
+    return *(const uint32_t *)&h;
+}
+
+ST_DEV void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+ST_DEV void ldmatrix_x4_trans(uint32_t r[4], const void *p) {
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+ST_DEV void ldmatrix_x4(uint32_t r[4], const void *p) {
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
 
 /* ---- the fp32 SIMT tile of the decode kernels ------------------------------------------
  * 128 threads (4 warps), up to RMAX rows, one tile of TK = 32 keys staged in

@@ -3,11 +3,17 @@
  * accumulation, weights bf16, f16, q8_0, q4_0, q4_1 or q4_k (cuda_gemv.cuh;
  * cuda_matmul.cu picks it over its older mmv_kernel unless STRATA_GEMV=old).
  *
- * Layout of the work. A block (4 warps) computes R rows of each weight it
- * covers (2R row slots in SwiGLU mode: gate rows, then up rows) for NT tokens.
- * A row is cut into stages of 32 units (a unit: the 8 to 32 elements one lane
- * decodes); warp w takes stages w, w + 4, w + 8, ... and the block adds the
- * warps' partial sums at the end (a fixed order: deterministic).
+ * Layout of the work. A row group is R rows of one weight (2R row slots in
+ * SwiGLU mode: gate rows, then up rows) for NT tokens. A row is cut into
+ * stages of 32 units (a unit: the 8 to 32 elements one lane decodes); in a
+ * block (4 warps), warp w takes stages w, w + 4, w + 8, ... of the group and
+ * the block adds the warps' partial sums at the end of the group (a fixed
+ * order: deterministic). The grid is at most one wave: each block walks row
+ * groups blockIdx.x, + gridDim.x, ..., and its
+ * warps' copies run on across group boundaries, so the memory latency is
+ * paid once per launch, not once per group (measured on the H200: with one
+ * block per group (STRATA_GEMV=grid), q4_0 14336 x 4096 reached 33% of HBM
+ * bandwidth at 25% occupancy, each warp having only 2 stages to pipeline).
  *
  * Weight bytes move with cp.async: each warp copies the R rows' bytes of a
  * stage (16-byte pieces, consecutive lanes on consecutive pieces: fully
@@ -36,6 +42,8 @@
  * registers and then walks the tokens. Each weight byte is read once per
  * pass whatever NT. */
 #include "backend/cuda/cuda_gemv.cuh"
+
+#include <string.h>
 
 #include "backend/cuda/cuda_common.cuh"
 #include "backend/cuda/cuda_internal.h"
@@ -259,25 +267,75 @@ __host__ __device__ constexpr int g2_nst(int row_stage_bytes) {
     return n < 2 ? 2 : n > cap ? cap : n;
 }
 
-/* Requests stage i of the warp's list (stage s = warp + 4 i of each row) into
- * ring slot i % NST; always commits a group (empty past the end) so that
- * group counting stays uniform. */
-template <int RR, int SB, int NST>
-ST_DEV void g2_issue(uint8_t *ring, const uint8_t *const wr[RR], size_t rb, int warp, int lane, int i, int cnt) {
-    if (i < cnt) {
-        constexpr int C16 = SB / 16;
-        const size_t base = (size_t)(warp + G2_WARPS * i) * SB;
-        uint8_t *buf = ring + (i % NST) * (RR * SB);
-#pragma unroll 4
-        for (int c = lane; c < RR * C16; c += 32) {
-            const int r = c / C16, k = c - r * C16;
-            const size_t o = base + 16 * (size_t)k;
-            if (o < rb) g2_cp16(buf + r * SB + 16 * k, wr[r] + o);
-        }
+/* Row group g of the launch (global index over all weights): its weight, the
+ * weight's output and rows, its first row (compile-time indices only: the
+ * args stay in the parameter bank). */
+struct g2_group {
+    const uint8_t *w;
+    float *y;
+    int64_t N, row0;
+};
+template <int R, bool SW>
+ST_DEV g2_group g2_group_of(const st_gemv_args &a, unsigned g) {
+    g2_group r = {a.w[0], a.y[0], a.N[0], 0};
+    unsigned b0 = 0;
+    if (!SW) {
+#pragma unroll
+        for (int i = 1; i < ST_GEMV_MAX_W; i++)
+            if (i < a.count && g >= a.b0[i]) r.w = a.w[i], r.y = a.y[i], r.N = a.N[i], b0 = a.b0[i];
     }
-    g2_commit();
+    r.row0 = (int64_t)(g - b0) * R;
+    return r;
 }
 
+/* The warp's copy side: the stages of every row group the block walks, in
+ * order (group by group, stage warp, warp + 4, ... of each), each into ring
+ * slot j % NST. issue() always commits a group (empty past the end) so that
+ * group counting stays uniform. */
+template <int R, bool SW, int SB, int NST>
+struct g2_copier {
+    static constexpr int RR = SW ? 2 * R : R;
+    const uint8_t *wr[RR]; /* rows of the group being requested */
+    unsigned g;            /* that group */
+    int st;                /* next stage of it, in the warp's list */
+
+    ST_DEV void rows(const st_gemv_args &a) {
+        const g2_group q = g2_group_of<R, SW>(a, g);
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            wr[r] = q.w + (size_t)min(q.row0 + r, q.N - 1) * a.rb; /* rows past N: a copy of the last, not written */
+            if (SW) wr[R + r] = a.w[1] + (size_t)min(q.row0 + r, q.N - 1) * a.rb;
+        }
+    }
+    ST_DEV void start(const st_gemv_args &a, unsigned g0) {
+        g = g0, st = 0;
+        if (g < a.groups) rows(a);
+    }
+    ST_DEV void issue(uint8_t *ring, const st_gemv_args &a, int warp, int lane, int j, int jcnt, int cnt,
+                      unsigned stride) {
+        if (j < jcnt) {
+            constexpr int C16 = SB / 16;
+            const size_t base = (size_t)(warp + G2_WARPS * st) * SB;
+            uint8_t *buf = ring + (j % NST) * (RR * SB);
+#pragma unroll 4
+            for (int c = lane; c < RR * C16; c += 32) {
+                const int r = c / C16, k = c - r * C16;
+                const size_t o = base + 16 * (size_t)k;
+                if (o < a.rb) g2_cp16(buf + r * SB + 16 * k, wr[r] + o);
+            }
+            if (++st == cnt) {
+                st = 0, g += stride;
+                if (g < a.groups) rows(a);
+            }
+        }
+        g2_commit();
+    }
+};
+
+/* grid.x blocks walk the row groups g = blockIdx.x, + gridDim.x, ...; the
+ * copies run ahead across group boundaries, so a warp waits for memory once
+ * per launch rather than once per group. Partial sums of a group go through
+ * red[group parity] and one block barrier per group. */
 template <int T, int NT, int R, bool SW>
 static __global__ void __launch_bounds__(G2_THREADS) gemv2_kernel(const st_gemv_args a) {
     using Q = g2<T>;
@@ -285,142 +343,158 @@ static __global__ void __launch_bounds__(G2_THREADS) gemv2_kernel(const st_gemv_
     constexpr int U = Q::U, SE = 32 * U, SB = Q::SB;
     constexpr int NST = g2_nst<T>(RR * SB);
     __shared__ __align__(16) uint8_t ring_all[G2_WARPS * NST * RR * SB + 16]; /* + slack for g2_words */
-    __shared__ float red[G2_WARPS][RR * NT];
+    __shared__ float red[2][G2_WARPS][RR * NT];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
-    /* this block's weight (compile-time indices only: the args stay in the parameter bank) */
-    const uint8_t *w = a.w[0];
-    float *y = a.y[0];
-    int64_t N = a.N[0];
-    unsigned b0 = 0;
-    if (!SW) {
-#pragma unroll
-        for (int i = 1; i < ST_GEMV_MAX_W; i++)
-            if (i < a.count && blockIdx.x >= a.b0[i]) w = a.w[i], y = a.y[i], N = a.N[i], b0 = a.b0[i];
-    }
     const int64_t K = a.K;
-    const size_t rb = a.rb;
-    const int64_t row0 = (int64_t)(blockIdx.x - b0) * R;
-    const uint8_t *wr[RR];
-#pragma unroll
-    for (int r = 0; r < R; r++) {
-        wr[r] = w + (size_t)min(row0 + r, N - 1) * rb; /* rows past N: a copy of the last, not written */
-        if (SW) wr[R + r] = a.w[1] + (size_t)min(row0 + r, N - 1) * rb;
-    }
+    const unsigned stride = gridDim.x;
+    const int nmine = blockIdx.x < a.groups ? (int)((a.groups - 1 - blockIdx.x) / stride + 1) : 0;
     const int ns = (int)((K + SE - 1) / SE);                      /* stages per row */
-    const int cnt = warp < ns ? (ns - 1 - warp) / G2_WARPS + 1 : 0; /* this warp's */
+    const int cnt = warp < ns ? (ns - 1 - warp) / G2_WARPS + 1 : 0; /* this warp's, per group */
+    const int jcnt = nmine * cnt;
     uint8_t *ring = ring_all + warp * (NST * RR * SB);
 
+    g2_copier<R, SW, SB, NST> cp;
+    cp.start(a, blockIdx.x);
 #pragma unroll
-    for (int i = 0; i < NST - 1; i++) g2_issue<RR, SB, NST>(ring, wr, rb, warp, lane, i, cnt);
+    for (int i = 0; i < NST - 1; i++) cp.issue(ring, a, warp, lane, i, jcnt, cnt, stride);
     st_pdl_wait(); /* x and y may belong to the previous kernel */
     st_pdl_trigger();
 
     const int64_t t0 = (int64_t)blockIdx.y * NT;
     const int nt = (int)min((int64_t)NT, a.n - t0);
     const float *xt = a.x + t0 * K;
-    float acc[RR][NT];
+    int j = 0; /* this warp's stage counter over all its groups */
+    for (int gi = 0; gi < nmine; gi++) {
+        float acc[RR][NT];
 #pragma unroll
-    for (int r = 0; r < RR; r++)
+        for (int r = 0; r < RR; r++)
 #pragma unroll
-        for (int t = 0; t < NT; t++) acc[r][t] = 0.0f;
+            for (int t = 0; t < NT; t++) acc[r][t] = 0.0f;
 
-    for (int i = 0; i < cnt; i++) {
-        __syncwarp(); /* every lane is done with slot (i - 1) % NST, refilled now */
-        g2_issue<RR, SB, NST>(ring, wr, rb, warp, lane, i + NST - 1, cnt);
-        g2_wait<NST - 1>(); /* this lane's copies of stage i have landed */
-        __syncwarp();       /* and every other lane's */
-        const int64_t e0 = (int64_t)(warp + G2_WARPS * i) * SE;
-        if (!Q::valid(lane, (int)min((int64_t)SE, K - e0))) continue;
-        const uint8_t *buf = ring + (i % NST) * (RR * SB);
-        const float *xs0 = xt + e0;
-        if constexpr (NT <= 2) {
-            float xv[NT][U], xsm[NT][Q::NXS];
+        for (int i = 0; i < cnt; i++, j++) {
+            __syncwarp(); /* every lane is done with slot (j - 1) % NST, refilled now */
+            cp.issue(ring, a, warp, lane, j + NST - 1, jcnt, cnt, stride);
+            g2_wait<NST - 1>(); /* this lane's copies of stage j have landed */
+            __syncwarp();       /* and every other lane's */
+            const int64_t e0 = (int64_t)(warp + G2_WARPS * i) * SE;
+            if (!Q::valid(lane, (int)min((int64_t)SE, K - e0))) continue;
+            const uint8_t *buf = ring + (j % NST) * (RR * SB);
+            const float *xs0 = xt + e0;
+            if constexpr (NT <= 2) {
+                float xv[NT][U], xsm[NT][Q::NXS];
 #pragma unroll
-            for (int t = 0; t < NT; t++) {
-                if (t < nt) {
+                for (int t = 0; t < NT; t++) {
+                    if (t < nt) {
 #pragma unroll
-                    for (int j = 0; j < U / 8; j++) {
-                        const float4 *p = (const float4 *)(xs0 + (int64_t)t * K + Q::off(lane, j));
-                        const float4 u = __ldg(p), v = __ldg(p + 1);
-                        xv[t][8 * j] = u.x, xv[t][8 * j + 1] = u.y, xv[t][8 * j + 2] = u.z, xv[t][8 * j + 3] = u.w;
-                        xv[t][8 * j + 4] = v.x, xv[t][8 * j + 5] = v.y, xv[t][8 * j + 6] = v.z, xv[t][8 * j + 7] = v.w;
+                        for (int jj = 0; jj < U / 8; jj++) {
+                            const float4 *p = (const float4 *)(xs0 + (int64_t)t * K + Q::off(lane, jj));
+                            const float4 u = __ldg(p), v = __ldg(p + 1);
+                            xv[t][8 * jj] = u.x, xv[t][8 * jj + 1] = u.y, xv[t][8 * jj + 2] = u.z,
+                                      xv[t][8 * jj + 3] = u.w;
+                            xv[t][8 * jj + 4] = v.x, xv[t][8 * jj + 5] = v.y, xv[t][8 * jj + 6] = v.z,
+                                          xv[t][8 * jj + 7] = v.w;
+                        }
+                        Q::xsum(xv[t], xsm[t]);
                     }
-                    Q::xsum(xv[t], xsm[t]);
+                }
+#pragma unroll
+                for (int r = 0; r < RR; r++) {
+                    float v[U], sc[Q::NSC];
+                    Q::decode(buf + r * SB, lane, v, sc);
+#pragma unroll
+                    for (int t = 0; t < NT; t++)
+                        if (t < nt) acc[r][t] = Q::accum(v, sc, xv[t], xsm[t], acc[r][t]);
+                }
+            } else {
+                float v[RR][U], sc[RR][Q::NSC];
+#pragma unroll
+                for (int r = 0; r < RR; r++) Q::decode(buf + r * SB, lane, v[r], sc[r]);
+#pragma unroll
+                for (int t = 0; t < NT; t++) {
+                    if (t < nt) {
+                        float xv[U], xsm[Q::NXS];
+#pragma unroll
+                        for (int jj = 0; jj < U / 8; jj++) {
+                            const float4 *p = (const float4 *)(xs0 + (int64_t)t * K + Q::off(lane, jj));
+                            const float4 u = __ldg(p), q = __ldg(p + 1);
+                            xv[8 * jj] = u.x, xv[8 * jj + 1] = u.y, xv[8 * jj + 2] = u.z, xv[8 * jj + 3] = u.w;
+                            xv[8 * jj + 4] = q.x, xv[8 * jj + 5] = q.y, xv[8 * jj + 6] = q.z, xv[8 * jj + 7] = q.w;
+                        }
+                        Q::xsum(xv, xsm);
+#pragma unroll
+                        for (int r = 0; r < RR; r++) acc[r][t] = Q::accum(v[r], sc[r], xv, xsm, acc[r][t]);
+                    }
                 }
             }
+        }
+
+        /* the group's sums: warps' partials through red[gi & 1] (a group's
+         * readers finish before anyone passes the next group's barrier, so
+         * two buffers need one barrier per group) */
+        float(*rd)[RR * NT] = red[gi & 1];
 #pragma unroll
-            for (int r = 0; r < RR; r++) {
-                float v[U], sc[Q::NSC];
-                Q::decode(buf + r * SB, lane, v, sc);
-#pragma unroll
-                for (int t = 0; t < NT; t++)
-                    if (t < nt) acc[r][t] = Q::accum(v, sc, xv[t], xsm[t], acc[r][t]);
-            }
-        } else {
-            float v[RR][U], sc[RR][Q::NSC];
-#pragma unroll
-            for (int r = 0; r < RR; r++) Q::decode(buf + r * SB, lane, v[r], sc[r]);
+        for (int r = 0; r < RR; r++)
 #pragma unroll
             for (int t = 0; t < NT; t++) {
-                if (t < nt) {
-                    float xv[U], xsm[Q::NXS];
-#pragma unroll
-                    for (int j = 0; j < U / 8; j++) {
-                        const float4 *p = (const float4 *)(xs0 + (int64_t)t * K + Q::off(lane, j));
-                        const float4 u = __ldg(p), q = __ldg(p + 1);
-                        xv[8 * j] = u.x, xv[8 * j + 1] = u.y, xv[8 * j + 2] = u.z, xv[8 * j + 3] = u.w;
-                        xv[8 * j + 4] = q.x, xv[8 * j + 5] = q.y, xv[8 * j + 6] = q.z, xv[8 * j + 7] = q.w;
-                    }
-                    Q::xsum(xv, xsm);
-#pragma unroll
-                    for (int r = 0; r < RR; r++) acc[r][t] = Q::accum(v[r], sc[r], xv, xsm, acc[r][t]);
-                }
+                const float v = st_warp_sum(acc[r][t]);
+                if (lane == 0) rd[warp][r * NT + t] = v;
             }
+        __syncthreads();
+        if (threadIdx.x < R * NT) {
+            const g2_group q = g2_group_of<R, SW>(a, blockIdx.x + (unsigned)gi * stride);
+            const int r = threadIdx.x / NT, t = threadIdx.x % NT;
+            float v = rd[0][threadIdx.x];
+#pragma unroll
+            for (int i = 1; i < G2_WARPS; i++) v += rd[i][threadIdx.x];
+            if (SW) {
+                float u = rd[0][(R + r) * NT + t];
+#pragma unroll
+                for (int i = 1; i < G2_WARPS; i++) u += rd[i][(R + r) * NT + t];
+                v = g2_silu_mul(v, u);
+            }
+            if (t < nt && q.row0 + r < q.N) q.y[(t0 + t) * q.N + q.row0 + r] = v;
         }
-    }
-
-#pragma unroll
-    for (int r = 0; r < RR; r++)
-#pragma unroll
-        for (int t = 0; t < NT; t++) {
-            const float v = st_warp_sum(acc[r][t]);
-            if (lane == 0) red[warp][r * NT + t] = v;
-        }
-    __syncthreads();
-    if (threadIdx.x < R * NT) {
-        const int r = threadIdx.x / NT, t = threadIdx.x % NT;
-        float v = red[0][threadIdx.x];
-#pragma unroll
-        for (int i = 1; i < G2_WARPS; i++) v += red[i][threadIdx.x];
-        if (SW) {
-            float u = red[0][(R + r) * NT + t];
-#pragma unroll
-            for (int i = 1; i < G2_WARPS; i++) u += red[i][(R + r) * NT + t];
-            v = g2_silu_mul(v, u);
-        }
-        if (t < nt && row0 + r < N) y[(t0 + t) * N + row0 + r] = v;
     }
 }
 
 /* ---- launch ------------------------------------------------------------------------ */
 
+constexpr int g2_tidx(int T) {
+    return T == ST_DTYPE_BF16 ? 0 : T == ST_DTYPE_F16 ? 1 : T == ST_DTYPE_Q8_0 ? 2 : T == ST_DTYPE_Q4_0 ? 3
+         : T == ST_DTYPE_Q4_1 ? 4 : 5;
+}
+constexpr int g2_nidx(int NT) { return NT == 1 ? 0 : NT == 2 ? 1 : NT == 4 ? 2 : 3; }
+
+/* setup: the variant's attributes and blocks per SM (into t); else a launch
+ * of at most one wave (t->full_grid: one block per row group). Every slot of
+ * the wave gets a block (blocks then walk ceil or floor of groups / blocks
+ * groups): measured on the H200, a smaller grid of evenly loaded blocks
+ * (bf16 4096 x 14336: 512 blocks of 2 groups for 660 places) lost more to
+ * the idle places (75% of HBM vs 82%) than the balance gained. */
 template <int T, int NT, int R, bool SW>
-static strata_status g2_launch(cudaStream_t s, bool pdl, st_gemv_args a, bool setup) {
+static strata_status g2_launch(cudaStream_t s, bool pdl, st_gemv_args a, bool setup, st_gemv2_tune *t) {
+    int &bpsm = t->bpsm[g2_tidx(T)][g2_nidx(NT)][SW ? 1 : 0];
     if (setup) {
         /* leave L1 room for x (read through it by every block): a hint */
         ST_CUDA_TRY(cudaFuncSetAttribute(gemv2_kernel<T, NT, R, SW>, cudaFuncAttributePreferredSharedMemoryCarveout,
                                          70));
+        ST_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&bpsm, gemv2_kernel<T, NT, R, SW>, G2_THREADS, 0));
+        if (bpsm < 1) bpsm = 1;
         return STRATA_OK;
     }
-    int64_t blocks = 0;
+    int64_t groups = 0;
     const int nw = SW ? 1 : a.count;
     for (int i = 0; i < nw; i++) {
-        a.b0[i] = (unsigned)blocks;
-        blocks += (a.N[i] + R - 1) / R;
+        a.b0[i] = (unsigned)groups;
+        groups += (a.N[i] + R - 1) / R;
     }
     const int64_t gy = (a.n + NT - 1) / NT;
-    if (blocks > INT32_MAX || gy > 65535) return st_err(STRATA_ERR_INVALID_ARG, "cuda matmul: shape too large");
+    if (groups > INT32_MAX || gy > 65535) return st_err(STRATA_ERR_INVALID_ARG, "cuda matmul: shape too large");
+    a.groups = (unsigned)groups;
+    int64_t blocks = groups;
+    const int64_t wave = (int64_t)bpsm * t->sm_count;
+    if (!t->full_grid && wave > 0 && groups > wave) blocks = wave;
     ST_CUDA_TRY(st_launch(pdl, gemv2_kernel<T, NT, R, SW>, dim3((unsigned)blocks, (unsigned)gy), dim3(G2_THREADS),
                           0, s, a));
     return STRATA_OK;
@@ -431,7 +505,7 @@ static strata_status g2_launch(cudaStream_t s, bool pdl, st_gemv_args a, bool se
  * byte); smaller R means more blocks for small matrices and fewer registers
  * for several tokens. SwiGLU blocks hold 2R row slots. */
 template <int T, bool SW>
-static strata_status g2_dispatch(cudaStream_t s, bool pdl, const st_gemv_args &a, bool setup) {
+static strata_status g2_dispatch(cudaStream_t s, bool pdl, const st_gemv_args &a, bool setup, st_gemv2_tune *t) {
     constexpr bool q4 = T == ST_DTYPE_Q4_0 || T == ST_DTYPE_Q4_1;
     constexpr int D = SW ? 2 : 1;
     constexpr int R1 = (q4 ? 8 : 4) / D;
@@ -439,32 +513,34 @@ static strata_status g2_dispatch(cudaStream_t s, bool pdl, const st_gemv_args &a
     constexpr int R8 = 2 / D;
     strata_status st;
     if (setup || a.n == 1)
-        if ((st = g2_launch<T, 1, R1, SW>(s, pdl, a, setup)) != STRATA_OK || !setup) return st;
+        if ((st = g2_launch<T, 1, R1, SW>(s, pdl, a, setup, t)) != STRATA_OK || !setup) return st;
     if (setup || a.n == 2)
-        if ((st = g2_launch<T, 2, R1, SW>(s, pdl, a, setup)) != STRATA_OK || !setup) return st;
+        if ((st = g2_launch<T, 2, R1, SW>(s, pdl, a, setup, t)) != STRATA_OK || !setup) return st;
     if (setup || a.n <= 4)
-        if ((st = g2_launch<T, 4, R4, SW>(s, pdl, a, setup)) != STRATA_OK || !setup) return st;
-    return g2_launch<T, 8, R8, SW>(s, pdl, a, setup);
+        if ((st = g2_launch<T, 4, R4, SW>(s, pdl, a, setup, t)) != STRATA_OK || !setup) return st;
+    return g2_launch<T, 8, R8, SW>(s, pdl, a, setup, t);
 }
 
 template <int T>
-static strata_status g2_dtype(cudaStream_t s, bool pdl, bool swiglu, const st_gemv_args &a, bool setup) {
+static strata_status g2_dtype(cudaStream_t s, bool pdl, bool swiglu, const st_gemv_args &a, bool setup,
+                              st_gemv2_tune *t) {
     strata_status st;
     if (setup) {
-        if ((st = g2_dispatch<T, false>(s, pdl, a, true)) != STRATA_OK) return st;
-        return g2_dispatch<T, true>(s, pdl, a, true);
+        if ((st = g2_dispatch<T, false>(s, pdl, a, true, t)) != STRATA_OK) return st;
+        return g2_dispatch<T, true>(s, pdl, a, true, t);
     }
-    return swiglu ? g2_dispatch<T, true>(s, pdl, a, false) : g2_dispatch<T, false>(s, pdl, a, false);
+    return swiglu ? g2_dispatch<T, true>(s, pdl, a, false, t) : g2_dispatch<T, false>(s, pdl, a, false, t);
 }
 
-static strata_status g2_any(int dtype, cudaStream_t s, bool pdl, bool swiglu, const st_gemv_args &a, bool setup) {
+static strata_status g2_any(int dtype, cudaStream_t s, bool pdl, bool swiglu, const st_gemv_args &a, bool setup,
+                            st_gemv2_tune *t) {
     switch (dtype) {
-    case ST_DTYPE_BF16: return g2_dtype<ST_DTYPE_BF16>(s, pdl, swiglu, a, setup);
-    case ST_DTYPE_F16: return g2_dtype<ST_DTYPE_F16>(s, pdl, swiglu, a, setup);
-    case ST_DTYPE_Q8_0: return g2_dtype<ST_DTYPE_Q8_0>(s, pdl, swiglu, a, setup);
-    case ST_DTYPE_Q4_0: return g2_dtype<ST_DTYPE_Q4_0>(s, pdl, swiglu, a, setup);
-    case ST_DTYPE_Q4_1: return g2_dtype<ST_DTYPE_Q4_1>(s, pdl, swiglu, a, setup);
-    case ST_DTYPE_Q4_K: return g2_dtype<ST_DTYPE_Q4_K>(s, pdl, swiglu, a, setup);
+    case ST_DTYPE_BF16: return g2_dtype<ST_DTYPE_BF16>(s, pdl, swiglu, a, setup, t);
+    case ST_DTYPE_F16: return g2_dtype<ST_DTYPE_F16>(s, pdl, swiglu, a, setup, t);
+    case ST_DTYPE_Q8_0: return g2_dtype<ST_DTYPE_Q8_0>(s, pdl, swiglu, a, setup, t);
+    case ST_DTYPE_Q4_0: return g2_dtype<ST_DTYPE_Q4_0>(s, pdl, swiglu, a, setup, t);
+    case ST_DTYPE_Q4_1: return g2_dtype<ST_DTYPE_Q4_1>(s, pdl, swiglu, a, setup, t);
+    case ST_DTYPE_Q4_K: return g2_dtype<ST_DTYPE_Q4_K>(s, pdl, swiglu, a, setup, t);
     default: break;
     }
     return st_err(STRATA_ERR_UNSUPPORTED, "cuda gemv2: dtype %s", st_dtype_name((st_dtype)dtype));
@@ -475,7 +551,8 @@ bool st_cuda_gemv2_supports(int dtype, size_t row_bytes) {
     case ST_DTYPE_BF16:
     case ST_DTYPE_F16:
     /* not Q8_0: measured on the H200 (bench_cuda_ops, 14336 x 4096, n = 1) the
-     * older kernel is faster for it (21.8 vs 28.1 us), so it stays there */
+     * older kernel is faster for it (21.8 vs 27.9 us, also with the one-wave
+     * grid), so it stays there */
     case ST_DTYPE_Q4_0:
     case ST_DTYPE_Q4_1:
     case ST_DTYPE_Q4_K: return row_bytes > 0 && row_bytes % 16 == 0;
@@ -483,15 +560,19 @@ bool st_cuda_gemv2_supports(int dtype, size_t row_bytes) {
     }
 }
 
-strata_status st_cuda_gemv2(cudaStream_t s, bool pdl, int dtype, bool swiglu, const st_gemv_args &a) {
-    return g2_any(dtype, s, pdl, swiglu, a, false);
+strata_status st_cuda_gemv2(cudaStream_t s, bool pdl, int dtype, bool swiglu, const st_gemv_args &a,
+                            const st_gemv2_tune *t) {
+    return g2_any(dtype, s, pdl, swiglu, a, false, (st_gemv2_tune *)t); /* read only when not setting up */
 }
 
-strata_status st_cuda_gemv2_setup(void) {
+strata_status st_cuda_gemv2_setup(st_gemv2_tune *t, int sm_count, bool full_grid) {
+    memset(t, 0, sizeof *t);
+    t->sm_count = sm_count;
+    t->full_grid = full_grid;
     st_gemv_args a = {};
     const int types[] = {ST_DTYPE_BF16, ST_DTYPE_F16, ST_DTYPE_Q8_0, ST_DTYPE_Q4_0, ST_DTYPE_Q4_1, ST_DTYPE_Q4_K};
     for (int i = 0; i < 6; i++) {
-        strata_status st = g2_any(types[i], 0, false, false, a, true);
+        strata_status st = g2_any(types[i], 0, false, false, a, true, t);
         if (st != STRATA_OK) return st;
     }
     return STRATA_OK;

@@ -13,13 +13,15 @@
 
 #define ST_GEMV_MAX_W 4 /* weights one GEMV launch covers */
 
-/* Weight i owns blocks [b0[i], b0[i+1]) of the grid and writes y[i] (row
- * stride N[i]); the launcher fills b0. */
+/* Weight i owns row groups [b0[i], b0[i+1]) (a group: the rows one block
+ * computes at a time) and writes y[i] (row stride N[i]); the launcher fills b0
+ * and groups (their total). */
 struct st_gemv_args {
     const uint8_t *w[ST_GEMV_MAX_W]; /* [N_i, K] in the dtype, 16-byte aligned */
     float *y[ST_GEMV_MAX_W];         /* [n, N_i] */
     int64_t N[ST_GEMV_MAX_W];
     unsigned b0[ST_GEMV_MAX_W];
+    unsigned groups;
     int count;
     size_t rb; /* bytes per weight row (same dtype and K for all) */
     int64_t K;
@@ -32,9 +34,23 @@ struct st_gemv_args {
  * shape; the caller keeps the older kernels for the rest). */
 bool st_cuda_gemv2_supports(int dtype, size_t row_bytes);
 
+/* How the staged GEMV sizes its grid, measured once per backend
+ * (st_cuda_gemv2_setup): resident blocks per SM of every kernel variant
+ * [dtype][tokens 1, 2, <= 4, <= 8][SwiGLU]. Unless full_grid, a launch has at
+ * most one wave of blocks, each walking several row groups with one unbroken
+ * copy pipeline (STRATA_GEMV=grid: one block per row group, the previous
+ * launch shape, kept for comparison). */
+typedef struct {
+    int sm_count;
+    bool full_grid;
+    int bpsm[6][4][2];
+} st_gemv2_tune;
+
 /* Launches the staged GEMV (swiglu: SwiGLU mode) on s, with PDL when pdl.
  * Needs st_cuda_gemv2_supports(dtype, a.rb), x and w 16-byte aligned. */
-strata_status st_cuda_gemv2(cudaStream_t s, bool pdl, int dtype, bool swiglu, const st_gemv_args &a);
+strata_status st_cuda_gemv2(cudaStream_t s, bool pdl, int dtype, bool swiglu, const st_gemv_args &a,
+                            const st_gemv2_tune *t);
 
-/* One-time kernel attributes (shared-memory carveout), at backend init. */
-strata_status st_cuda_gemv2_setup(void);
+/* One-time kernel attributes (shared-memory carveout) and t's blocks per SM,
+ * at backend init. */
+strata_status st_cuda_gemv2_setup(st_gemv2_tune *t, int sm_count, bool full_grid);

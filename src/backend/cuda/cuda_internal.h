@@ -90,6 +90,7 @@ typedef enum {
     ST_CUDA_SCRATCH_TMP,   /* an op's intermediate result (matmul_swiglu's up projection) */
     ST_CUDA_SCRATCH_SMALL, /* per-block partial results (argmax) */
     ST_CUDA_SCRATCH_STACK, /* stacked hi/lo GEMM results (precise bf16 matmul, <= 256 tokens) */
+    ST_CUDA_SCRATCH_ATTN_BF16, /* K and V rounded to bf16 (fast prefill attention, FA2 kernel) */
     ST_CUDA_SCRATCH_COUNT
 } st_cuda_scratch_slot;
 
@@ -122,6 +123,8 @@ typedef struct {
                                  (STRATA_CUDA_PDL=0 turns it off) */
     bool attn_old;            /* STRATA_ATTN=old (read at init): the previous attention kernels
                                  (split sizing, merge, paged kernel), kept for comparison */
+    bool attn_prefill_old;    /* STRATA_ATTN_PREFILL=old (read at init): fast-mode prefill attention
+                                 on the previous tensor-core kernel instead of the FA2 kernel */
     bool attn_tile64;         /* STRATA_ATTN=tile64: the paged tile kernel's 64-row variant for
                                  decode batches too (checks that both variants give the same bits) */
     bool sample_old;          /* STRATA_SAMPLE=old (read at init): the sample kernel without the

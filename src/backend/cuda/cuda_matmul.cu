@@ -365,6 +365,7 @@ struct st_cuda_lt_cache {
     lt_plan plans[LT_PLANS];
     int next_evict;
     bool gemv_old; /* STRATA_GEMV=old at init: the older GEMV kernel (mmv_kernel) only */
+    st_gemv2_tune gemv2; /* the staged GEMV's grid sizing (STRATA_GEMV=grid: one block per row group) */
     int gemm_min_n, gemm_min_n_quant; /* token counts from which GEMMs replace the GEMV */
 };
 
@@ -385,7 +386,8 @@ strata_status st_cuda_matmul_setup(st_cuda *c) {
     const char *e = getenv("STRATA_GEMM_MIN_N"), *q = getenv("STRATA_GEMM_MIN_N_QUANT");
     c->lt_cache->gemm_min_n = e && atoi(e) >= 2 ? atoi(e) : GEMM_MIN_N;
     c->lt_cache->gemm_min_n_quant = q && atoi(q) >= 2 ? atoi(q) : GEMM_MIN_N_QUANT;
-    return c->lt_cache->gemv_old ? STRATA_OK : st_cuda_gemv2_setup();
+    return c->lt_cache->gemv_old ? STRATA_OK
+                                 : st_cuda_gemv2_setup(&c->lt_cache->gemv2, c->sm_count, g && strcmp(g, "grid") == 0);
 }
 
 void st_cuda_matmul_teardown(st_cuda *c) {
@@ -497,7 +499,7 @@ static strata_status lt_gemm(st_backend *be, st_cuda_stream *s, cudaDataType_t a
  * else mmv_kernel above. */
 template <int T, bool SW>
 static strata_status gemv(st_cuda *c, cudaStream_t s, const mmv_args &a) {
-    if (!c->lt_cache->gemv_old && st_cuda_gemv2_supports(T, a.rb)) return st_cuda_gemv2(s, c->pdl, T, SW, a);
+    if (!c->lt_cache->gemv_old && st_cuda_gemv2_supports(T, a.rb)) return st_cuda_gemv2(s, c->pdl, T, SW, a, &c->lt_cache->gemv2);
     return gemv_old<T, SW>(s, c->pdl, a);
 }
 
