@@ -8,12 +8,16 @@
  * stages of 32 units (a unit: the 8 to 32 elements one lane decodes); in a
  * block (4 warps), warp w takes stages w, w + 4, w + 8, ... of the group and
  * the block adds the warps' partial sums at the end of the group (a fixed
- * order: deterministic). The grid is at most one wave: each block walks row
- * groups blockIdx.x, + gridDim.x, ..., and its
+ * order: deterministic). For bf16 / f16 the grid is at most one wave: each
+ * block walks row groups blockIdx.x, + gridDim.x, ..., and its
  * warps' copies run on across group boundaries, so the memory latency is
- * paid once per launch, not once per group (measured on the H200: with one
- * block per group (STRATA_GEMV=grid), q4_0 14336 x 4096 reached 33% of HBM
- * bandwidth at 25% occupancy, each warp having only 2 stages to pipeline).
+ * paid once per launch, not once per group; for one token, groups of half
+ * the rows where that leaves the last round of blocks less empty (see
+ * g2_plain for the measurements). The quantized types keep one block per
+ * group: they are bound by their decode instructions, not by latency
+ * (Nsight Compute, q4_0 SwiGLU 14336 x 4096 on the H200: ~6.4 instructions
+ * issued per weight, issue slots 60% busy, DRAM 34%, 4 warps per scheduler
+ * with the occupancy limited by the staging ring's shared memory).
  *
  * Weight bytes move with cp.async: each warp copies the R rows' bytes of a
  * stage (16-byte pieces, consecutive lanes on consecutive pieces: fully
@@ -51,6 +55,9 @@
 #define G2_WARPS 4
 #define G2_THREADS (G2_WARPS * 32)
 #define G2_WARP_SMEM 9216 /* staging bytes per warp the ring aims at */
+#ifndef G2_WARP_SMEM_Q
+#define G2_WARP_SMEM_Q 9216 /* the same for the quantized types (a build-time knob for measurements) */
+#endif
 
 /* ---- cp.async (sm_80+) ----------------------------------------------------------- */
 
@@ -258,12 +265,20 @@ template <> struct g2<ST_DTYPE_Q4_K> {
 
 /* ---- the kernel ---------------------------------------------------------------------- */
 
+/* bf16, f16: the types whose GEMV the one-wave grid and the half-height
+ * groups help (H200, bench_cuda_ops: bf16 4096 x 4096 81% of HBM vs 69%,
+ * decode of the 8B shape 80% vs 77%); for the quantized types they did not
+ * (q4_0 decode 29% vs 32%, q4_k 14336 x 4096 23% vs 29%), which keep one
+ * block per group of the full height. */
+constexpr bool g2_plain(int T) { return T == ST_DTYPE_BF16 || T == ST_DTYPE_F16; }
+
 /* Stages in a warp's ring for RR rows of SB bytes: about G2_WARP_SMEM bytes,
  * 2 to 4 (3 at most for the plain types, whose blocks are more numerous). */
 template <int T>
 __host__ __device__ constexpr int g2_nst(int row_stage_bytes) {
-    const int cap = (T == ST_DTYPE_BF16 || T == ST_DTYPE_F16) ? 3 : 4;
-    const int n = G2_WARP_SMEM / row_stage_bytes;
+    constexpr bool plain = g2_plain(T);
+    const int cap = plain ? 3 : 4;
+    const int n = (plain ? G2_WARP_SMEM : G2_WARP_SMEM_Q) / row_stage_bytes;
     return n < 2 ? 2 : n > cap ? cap : n;
 }
 
@@ -464,7 +479,6 @@ constexpr int g2_tidx(int T) {
     return T == ST_DTYPE_BF16 ? 0 : T == ST_DTYPE_F16 ? 1 : T == ST_DTYPE_Q8_0 ? 2 : T == ST_DTYPE_Q4_0 ? 3
          : T == ST_DTYPE_Q4_1 ? 4 : 5;
 }
-constexpr int g2_nidx(int NT) { return NT == 1 ? 0 : NT == 2 ? 1 : NT == 4 ? 2 : 3; }
 
 /* setup: the variant's attributes and blocks per SM (into t); else a launch
  * of at most one wave (t->full_grid: one block per row group). Every slot of
@@ -472,9 +486,9 @@ constexpr int g2_nidx(int NT) { return NT == 1 ? 0 : NT == 2 ? 1 : NT == 4 ? 2 :
  * groups): measured on the H200, a smaller grid of evenly loaded blocks
  * (bf16 4096 x 14336: 512 blocks of 2 groups for 660 places) lost more to
  * the idle places (75% of HBM vs 82%) than the balance gained. */
-template <int T, int NT, int R, bool SW>
+template <int T, int NT, int R, bool SW, int V>
 static strata_status g2_launch(cudaStream_t s, bool pdl, st_gemv_args a, bool setup, st_gemv2_tune *t) {
-    int &bpsm = t->bpsm[g2_tidx(T)][g2_nidx(NT)][SW ? 1 : 0];
+    int &bpsm = t->bpsm[g2_tidx(T)][V][SW ? 1 : 0];
     if (setup) {
         /* leave L1 room for x (read through it by every block): a hint */
         ST_CUDA_TRY(cudaFuncSetAttribute(gemv2_kernel<T, NT, R, SW>, cudaFuncAttributePreferredSharedMemoryCarveout,
@@ -494,7 +508,7 @@ static strata_status g2_launch(cudaStream_t s, bool pdl, st_gemv_args a, bool se
     a.groups = (unsigned)groups;
     int64_t blocks = groups;
     const int64_t wave = (int64_t)bpsm * t->sm_count;
-    if (!t->full_grid && wave > 0 && groups > wave) blocks = wave;
+    if (g2_plain(T) && !t->full_grid && wave > 0 && groups > wave) blocks = wave;
     ST_CUDA_TRY(st_launch(pdl, gemv2_kernel<T, NT, R, SW>, dim3((unsigned)blocks, (unsigned)gy), dim3(G2_THREADS),
                           0, s, a));
     return STRATA_OK;
@@ -504,21 +518,50 @@ static strata_status g2_launch(cudaStream_t s, bool pdl, st_gemv_args a, bool se
  * saves L1 traffic (which limits the 4-bit types, with the most elements per
  * byte); smaller R means more blocks for small matrices and fewer registers
  * for several tokens. SwiGLU blocks hold 2R row slots. */
+/* Row groups of R rows over the launch's weights. */
+template <int R, bool SW>
+static int64_t g2_groups(const st_gemv_args &a) {
+    int64_t g = 0;
+    for (int i = 0; i < (SW ? 1 : a.count); i++) g += (a.N[i] + R - 1) / R;
+    return g;
+}
+
+/* Time of a one-token launch of groups of R rows, in units of one row's
+ * time: the rounds of the fullest place (ceil(groups / wave)) times R. */
+static int64_t g2_cost(int64_t groups, int bpsm, int sm_count, int R) {
+    const int64_t wave = (int64_t)(bpsm > 0 ? bpsm : 1) * sm_count;
+    return (groups + wave - 1) / wave * R;
+}
+
+/* One token, bf16 / f16: groups of R1 rows, or of R1 / 2 where the last round of
+ * blocks is then less empty (4096-row weights: 1024 groups of 4 rows make
+ * 1.3 waves of bf16 blocks, 2048 groups of 2 rows 2.2). Variant slots of
+ * t->bpsm: 0 one token, 1 two, 2 up to four, 3 up to eight, 4 one token
+ * with half the rows per group. */
 template <int T, bool SW>
 static strata_status g2_dispatch(cudaStream_t s, bool pdl, const st_gemv_args &a, bool setup, st_gemv2_tune *t) {
     constexpr bool q4 = T == ST_DTYPE_Q4_0 || T == ST_DTYPE_Q4_1;
     constexpr int D = SW ? 2 : 1;
     constexpr int R1 = (q4 ? 8 : 4) / D;
+    constexpr int RH = R1 / 2;
     constexpr int R4 = (T == ST_DTYPE_Q4_K ? 2 : 4) / D;
     constexpr int R8 = 2 / D;
     strata_status st;
+    if (setup) {
+        if ((st = g2_launch<T, 1, RH, SW, 4>(s, pdl, a, true, t)) != STRATA_OK) return st;
+    } else if (g2_plain(T) && a.n == 1 && !t->full_grid) {
+        const int ti = g2_tidx(T), sw = SW ? 1 : 0;
+        if (g2_cost(g2_groups<RH, SW>(a), t->bpsm[ti][4][sw], t->sm_count, RH) <
+            g2_cost(g2_groups<R1, SW>(a), t->bpsm[ti][0][sw], t->sm_count, R1))
+            return g2_launch<T, 1, RH, SW, 4>(s, pdl, a, false, t);
+    }
     if (setup || a.n == 1)
-        if ((st = g2_launch<T, 1, R1, SW>(s, pdl, a, setup, t)) != STRATA_OK || !setup) return st;
+        if ((st = g2_launch<T, 1, R1, SW, 0>(s, pdl, a, setup, t)) != STRATA_OK || !setup) return st;
     if (setup || a.n == 2)
-        if ((st = g2_launch<T, 2, R1, SW>(s, pdl, a, setup, t)) != STRATA_OK || !setup) return st;
+        if ((st = g2_launch<T, 2, R1, SW, 1>(s, pdl, a, setup, t)) != STRATA_OK || !setup) return st;
     if (setup || a.n <= 4)
-        if ((st = g2_launch<T, 4, R4, SW>(s, pdl, a, setup, t)) != STRATA_OK || !setup) return st;
-    return g2_launch<T, 8, R8, SW>(s, pdl, a, setup, t);
+        if ((st = g2_launch<T, 4, R4, SW, 2>(s, pdl, a, setup, t)) != STRATA_OK || !setup) return st;
+    return g2_launch<T, 8, R8, SW, 3>(s, pdl, a, setup, t);
 }
 
 template <int T>

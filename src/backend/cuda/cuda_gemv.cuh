@@ -36,14 +36,14 @@ bool st_cuda_gemv2_supports(int dtype, size_t row_bytes);
 
 /* How the staged GEMV sizes its grid, measured once per backend
  * (st_cuda_gemv2_setup): resident blocks per SM of every kernel variant
- * [dtype][tokens 1, 2, <= 4, <= 8][SwiGLU]. Unless full_grid, a launch has at
+ * [dtype][tokens 1, 2, <= 4, <= 8, 1 with half the rows per block][SwiGLU]. Unless full_grid, a launch has at
  * most one wave of blocks, each walking several row groups with one unbroken
  * copy pipeline (STRATA_GEMV=grid: one block per row group, the previous
  * launch shape, kept for comparison). */
 typedef struct {
     int sm_count;
     bool full_grid;
-    int bpsm[6][4][2];
+    int bpsm[6][5][2];
 } st_gemv2_tune;
 
 /* Launches the staged GEMV (swiglu: SwiGLU mode) on s, with PDL when pdl.
