@@ -187,9 +187,34 @@ static void bench_attention(int64_t n, int64_t n_kv, int64_t H, int64_t Hkv, int
 
 
 /* ---- prefill attention: precise and fast mode on the default kernels, then
- * fast mode on the FA2 kernel (default) against the previous tensor-core
- * kernel (STRATA_ATTN_PREFILL=old, read at backend init: a second backend).
- * Causal, n = n_kv; TFLOP/s count the causal half (4 flops per key and dim). */
+ * fast mode on every configuration of the FA2 kernel (STRATA_ATTN_FA2=<name>)
+ * and on the previous tensor-core kernel (STRATA_ATTN_PREFILL=old), each on a
+ * backend of its own (the switches are read at backend init), side by side,
+ * against the rate of a fast-mode bf16 GEMM (8192^3, cuBLAS) measured in the
+ * same run. Causal, n = n_kv; TFLOP/s count the causal half (4 flops per key
+ * and dim). */
+static double gemm_rate_fast(void) {
+    const int64_t N = 8192, K = 8192, n = 8192;
+    mm_ctx m = {.n = n, .copies = 4};
+    const size_t wbytes = st_dtype_row_bytes(ST_DTYPE_BF16, K) * (size_t)N;
+    uint8_t *hw = host_weight(ST_DTYPE_BF16, N, K);
+    void *dws[4];
+    for (int c = 0; c < m.copies; c++) {
+        dws[c] = upload(hw, wbytes);
+        m.w[c] = (st_weight){dws[c], ST_DTYPE_BF16, N, K};
+    }
+    free(hw);
+    m.x = dev_floats(n * K, 1.0f);
+    TRY(be->ops->alloc(be, (size_t)(n * N) * 4, (void **)&m.y));
+    be->ops->set_fast_prefill(be, true);
+    const double sec = time_op(mm_fn, &m, 10);
+    be->ops->set_fast_prefill(be, false);
+    for (int c = 0; c < m.copies; c++) be->ops->dealloc(be, dws[c]);
+    be->ops->dealloc(be, (void *)m.x);
+    be->ops->dealloc(be, m.y);
+    return 2.0 * (double)n * N * K / sec;
+}
+
 static void bench_prefill_attention(int dev, double copy_bw) {
     for (int fast = 0; fast < 2; fast++) {
         be->ops->set_fast_prefill(be, fast);
@@ -199,40 +224,54 @@ static void bench_prefill_attention(int dev, double copy_bw) {
         bench_attention(16384, 16384, 32, 8, 128, copy_bw);
     }
     be->ops->set_fast_prefill(be, false);
+    const double gemm = gemm_rate_fast();
+    printf("roofline: fast-mode bf16 GEMM 8192^3 (cuBLAS) %.1f TFLOP/s; 50%% = %.1f\n", gemm / 1e12, gemm / 2e12);
     static const int64_t cs[][4] = {{2048, 32, 8, 128}, {4096, 32, 8, 128}, {16384, 32, 8, 128}, {16384, 32, 8, 64}};
-    enum { NC = sizeof cs / sizeof cs[0] };
-    double t[2][NC];
+    /* the FA2 configurations (cuda_attn_prefill_fa2.cuh), then the previous kernel */
+    static const char *const vars[][2] = {{"STRATA_ATTN_FA2", "b128w8"},
+                                          {"STRATA_ATTN_FA2", "b128w8r"},
+                                          {"STRATA_ATTN_FA2", "b128w4"},
+                                          {"STRATA_ATTN_FA2", "b256w8"},
+                                          {"STRATA_ATTN_PREFILL", "old"}};
+    enum { NC = sizeof cs / sizeof cs[0], NV = sizeof vars / sizeof vars[0] };
+    double t[NV][NC];
     st_backend *saved = be;
     st_stream *saved_s = s;
-    for (int v = 0; v < 2; v++) {
-        if (v == 1) {
-            const char *prev = getenv("STRATA_ATTN_PREFILL");
-            char *keep = prev ? strdup(prev) : NULL;
-            setenv("STRATA_ATTN_PREFILL", "old", 1);
-            st_backend_params p = {.kind = ST_BACKEND_CUDA, .device_index = dev};
-            TRY(st_backend_init(&p, &be));
-            TRY(be->ops->stream_create(be, false, &s));
-            if (keep) setenv("STRATA_ATTN_PREFILL", keep, 1);
-            else unsetenv("STRATA_ATTN_PREFILL");
-            free(keep);
-        }
+    for (int v = 0; v < NV; v++) {
+        const char *prev = getenv(vars[v][0]);
+        char *keep = prev ? strdup(prev) : NULL;
+        setenv(vars[v][0], vars[v][1], 1);
+        st_backend_params p = {.kind = ST_BACKEND_CUDA, .device_index = dev};
+        TRY(st_backend_init(&p, &be));
+        TRY(be->ops->stream_create(be, false, &s));
+        if (keep) setenv(vars[v][0], keep, 1);
+        else unsetenv(vars[v][0]);
+        free(keep);
         be->ops->set_fast_prefill(be, true);
         for (int i = 0; i < NC; i++) t[v][i] = time_attention(cs[i][0], cs[i][0], cs[i][1], cs[i][2], cs[i][3]);
-        be->ops->set_fast_prefill(be, false);
-        if (v == 1) {
-            be->ops->stream_destroy(be, s);
-            st_backend_free(be);
-        }
+        be->ops->stream_destroy(be, s);
+        st_backend_free(be);
         be = saved, s = saved_s;
     }
-    printf("-- prefill attention, fast: fa2 (default) vs old (STRATA_ATTN_PREFILL=old), causal\n");
+    printf("-- prefill attention, fast: FA2 configurations (STRATA_ATTN_FA2=<name>) and the previous kernel "
+           "(STRATA_ATTN_PREFILL=old), causal; TFLOP/s (ms)\n");
+    printf("%-34s", "case");
+    for (int v = 0; v < NV; v++) printf(" | %-17s", vars[v][1]);
+    printf(" | best\n");
     for (int i = 0; i < NC; i++) {
         const double n = (double)cs[i][0];
         const double flops = 4.0 * n * (n + 1) / 2.0 * (double)cs[i][3] * (double)cs[i][1];
-        printf("prefill attn fast n=%-5lld heads %lld/%lld hd %-3lld  fa2 %8.3f ms %6.1f TFLOP/s | old %8.3f ms %6.1f "
-               "TFLOP/s | fa2 %.2fx faster\n",
-               (long long)cs[i][0], (long long)cs[i][1], (long long)cs[i][2], (long long)cs[i][3], t[0][i] * 1e3,
-               flops / t[0][i] / 1e12, t[1][i] * 1e3, flops / t[1][i] / 1e12, t[1][i] / t[0][i]);
+        char label[64];
+        snprintf(label, sizeof label, "prefill attn fast n=%lld %lld/%lld hd %lld", (long long)cs[i][0],
+                 (long long)cs[i][1], (long long)cs[i][2], (long long)cs[i][3]);
+        printf("%-34s", label);
+        int best = 0;
+        for (int v = 0; v < NV; v++) {
+            printf(" | %6.1f (%7.3f)", flops / t[v][i] / 1e12, t[v][i] * 1e3);
+            if (t[v][i] < t[best][i]) best = v;
+        }
+        printf(" | %s %.1f TFLOP/s = %.0f%% of the GEMM, %.2fx b128w8\n", vars[best][1], flops / t[best][i] / 1e12,
+               100.0 * flops / t[best][i] / gemm, t[0][i] / t[best][i]);
     }
 }
 

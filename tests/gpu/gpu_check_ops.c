@@ -26,7 +26,8 @@
  * 1/7/64/300 tokens with block sizes 16 and 32, GQA 4/1/12/96, a 42-sequence
  * batch) again on a second backend created with STRATA_ATTN=old (the
  * previous kernels); fast-mode prefill attention (bf16 operands, 1e-2) on the
- * FA2 kernel and again with STRATA_ATTN_PREFILL=old (check_attention_fast:
+ * FA2 kernel, in each of its configurations (STRATA_ATTN_FA2=<name>), and
+ * again with STRATA_ATTN_PREFILL=old (check_attention_fast:
  * partial blocks, n_kv > n, GQA 1/3/4/8, hd 64/128, split and unsplit grids,
  * keys past the last position poisoned, descending positions);
  * st_llama_forward_batch on both backends within 1e-4, and a
@@ -468,7 +469,9 @@ static void check_attention(int64_t n, int64_t n_kv, int64_t H, int64_t Hkv, int
  * multiple of 128 (the last block partly or mostly padding), n_kv > n, GQA
  * 1, 3, 4, 8, hd 64 and 128, grids split over the KV length and not, n_kv
  * past the largest position (poisoned keys), descending positions, and the
- * sizes just below the FA2 threshold (the previous kernel either way). */
+ * sizes just below the FA2 threshold (the previous kernel either way).
+ * Blocks of 256 rows (b256w8): the 130-token case's last block holds 8 rows,
+ * the 513-token one's a single row. */
 static void check_attention_fast(const char *ver) {
     printf("-- prefill attention, fast mode: %s\n", ver);
     g_fast = true;
@@ -1437,9 +1440,17 @@ int main(void) {
      * check_attention_version then runs the 64-row variant, whose bits the
      * "alone" comparisons already tie to the decode variant's */
     on_backend_with_env("STRATA_ATTN", "tile64", check_attention_version, "tile64 (STRATA_ATTN=tile64)");
-    /* fast-mode prefill attention: the FA2 kernel, then the previous one
-     * (STRATA_ATTN_PREFILL=old, read at backend init) on the same cases */
+    /* fast-mode prefill attention: the FA2 kernel in its default
+     * configuration, then in every configuration (STRATA_ATTN_FA2=<name>,
+     * cuda_attn_prefill_fa2.cuh), then the previous kernel
+     * (STRATA_ATTN_PREFILL=old), each read at backend init, on the same cases */
     check_attention_fast("fa2 (default)");
+    static const char *const fa2_vars[][2] = {{"b128w8", "fa2 b128w8 (STRATA_ATTN_FA2=b128w8)"},
+                                              {"b128w8r", "fa2 b128w8r (STRATA_ATTN_FA2=b128w8r)"},
+                                              {"b128w4", "fa2 b128w4 (STRATA_ATTN_FA2=b128w4)"},
+                                              {"b256w8", "fa2 b256w8 (STRATA_ATTN_FA2=b256w8)"}};
+    for (size_t i = 0; i < sizeof fa2_vars / sizeof fa2_vars[0]; i++)
+        on_backend_with_env("STRATA_ATTN_FA2", fa2_vars[i][0], check_attention_fast, fa2_vars[i][1]);
     g_prefill_old = true;
     on_backend_with_env("STRATA_ATTN_PREFILL", "old", check_attention_fast, "old (STRATA_ATTN_PREFILL=old)");
     g_prefill_old = false;

@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # Fast-mode prefill attention, FA2 kernel (src/backend/cuda/cuda_attn_prefill_fa2.cu):
-# builds strata with the CUDA backend, runs every op check of gpu_check_ops
-# (whose "-- prefill attention, fast mode" sections check the FA2 kernel and,
-# on a second backend, STRATA_ATTN_PREFILL=old, against the CPU at 1e-2),
+# builds strata with the CUDA backend, prints each FA2 configuration's resources
+# (registers, spills, shared memory: ptxas), runs every op check of gpu_check_ops
+# (whose "-- prefill attention, fast mode" sections check the FA2 kernel in its
+# default configuration, in every configuration (STRATA_ATTN_FA2=b128w8, b128w8r,
+# b128w4, b256w8) and with STRATA_ATTN_PREFILL=old, against the CPU at 1e-2),
 # then the prefill attention section of the kernel bench (BENCH_ONLY_PREFILL_ATTN=1:
-# precise and fast mode at 512/4K/16K, then fa2 vs old side by side).
+# precise and fast mode at 512/4K/16K, then every configuration and the old
+# kernel side by side at 2K/4K/16K hd 128 and 16K hd 64, against a bf16 GEMM).
 # Run from the repository root on a machine with an NVIDIA GPU. Exit status:
-# 0 when every check passed. Prints the failures, the fast attention lines and the bench.
+# 0 when every check passed and the bench ran. Prints the failures, one
+# "PASS|FAIL fast attention <configuration>: N passed, M failed" line per
+# configuration, and the bench.
 #   BUILD_DIR  build directory (default build-gpu)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -16,16 +21,34 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DSTRATA_CUDA=ON > "$build.configure.log" 2>&1 || { cat "$build.configure.log"; exit 2; }
 cmake --build "$build" -j "$jobs" --target gpu_check_ops bench_cuda_ops > "$build.build.log" 2>&1 || { tail -50 "$build.build.log"; echo "build failed"; exit 2; }
 
+echo "== FA2 kernel resources (ptxas, sm_90a): hd, warps, m-tiles, keys per tile, Q in smem, reversed, min blocks"
+if command -v nvcc > /dev/null; then
+    nvcc -c -O3 -std=c++17 -Iinclude -Isrc -gencode=arch=compute_90a,code=sm_90a --resource-usage \
+        src/backend/cuda/cuda_attn_prefill_fa2.cu -o "$build/fa2_resources.o" 2>&1 |
+        grep -A3 "Compiling entry.*attn_prefill_fa2" | grep -v '^--' | paste - - - - |
+        sed -E 's/^[^\t]*kernelILi([0-9]+)ELi([0-9]+)ELi([0-9]+)ELi([0-9]+)ELb([01])ELb([01])ELi([0-9]+)[^\t]*\t[^\t]*\t */hd=\1 warps=\2 mt=\3 tk=\4 qs=\5 rev=\6 minb=\7: /; s/ptxas info *: //g; s/\t/ /g'
+    echo "(shared memory, dynamic: (4 tk + (qs ? 16 warps mt : 0)) x (hd + 8) x 2 bytes)"
+else
+    echo "nvcc not on PATH: no resource report"
+fi
+
 echo "== gpu_check_ops"
 "$build/gpu_check_ops" > "$build/gpu_check_ops.log" 2>&1
 rc=$?
 grep -v '^PASS' "$build/gpu_check_ops.log"
-echo "== fast prefill attention lines"
-grep -E '^-- prefill attention, fast mode|^(PASS|FAIL) +attention.*fast' "$build/gpu_check_ops.log"
+echo "== fast prefill attention, per configuration"
+awk '/^-- prefill attention, fast mode: /{ if (sec != "") report(); sec = substr($0, 34); p = 0; f = 0; next }
+     /^-- /{ if (sec != "") report(); sec = ""; next }
+     sec != "" && /^PASS +attention/ { p++ } sec != "" && /^FAIL +attention/ { f++ }
+     function report() { printf "%s fast attention %s: %d passed, %d failed\n", (f == 0 && p > 0) ? "PASS" : "FAIL", sec, p, f }
+     END { if (sec != "") report() }' "$build/gpu_check_ops.log"
 echo "fast attention checks: $(grep -cE '^PASS +attention.*fast' "$build/gpu_check_ops.log") passed, $(grep -cE '^FAIL +attention.*fast' "$build/gpu_check_ops.log") failed"
 echo "(full log: $build/gpu_check_ops.log)"
 
 echo "== bench_cuda_ops (prefill attention)"
-BENCH_ONLY_PREFILL_ATTN=1 timeout 300 stdbuf -oL "$build/bench_cuda_ops" > "$build/bench_cuda_ops.log" 2>&1 || echo "bench_cuda_ops failed or timed out"
+brc=0
+BENCH_ONLY_PREFILL_ATTN=1 timeout 400 stdbuf -oL "$build/bench_cuda_ops" > "$build/bench_cuda_ops.log" 2>&1 || { brc=$?; echo "bench_cuda_ops failed or timed out (status $brc)"; }
 cat "$build/bench_cuda_ops.log"
-exit $rc
+[ $rc -ne 0 ] && exit $rc
+[ $brc -ne 0 ] && exit 3
+exit 0

@@ -37,9 +37,10 @@
  *     n = 4096: 53 TFLOP/s precise, 112 fast; n = 16384: 64 and 140.
  *   prefill, fast mode, at least ST_ATTN_FA2_MIN_ROWS rows per kv head:
  *     the FlashAttention-2 style kernel of cuda_attn_prefill_fa2.cu (K/V
- *     rounded to bf16 by a pre-pass, 128 rows per block, K/V tiles of 64
- *     keys double-buffered by cp.async, ldmatrix fragments, P kept in
- *     registers). STRATA_ATTN_PREFILL=old: the kernel above instead.
+ *     rounded to bf16 by a pre-pass, 128 or 256 rows per block, K/V tiles of
+ *     64 keys double-buffered by cp.async, ldmatrix fragments, P kept in
+ *     registers; configurations chosen by STRATA_ATTN_FA2).
+ *     STRATA_ATTN_PREFILL=old: the kernel above instead.
  * Split lengths are derived on the device from the rows' positions
  * (split_range), the host choosing only the number of splits from n_kv, an
  * upper bound: a recorded decode step passes the cache's capacity as n_kv
@@ -531,7 +532,8 @@ static strata_status decode_bpsm(int *out) {
 /* Once per backend: kernel attributes, STRATA_ATTN (old: the previous split
  * sizing, merge and paged kernel; tile64: no decode variant of the paged
  * tile kernel), STRATA_ATTN_PREFILL (old: fast-mode prefill on
- * attn_prefill_kernel instead of the FA2 kernel), and the decode kernel's
+ * attn_prefill_kernel instead of the FA2 kernel), STRATA_ATTN_FA2 (the FA2
+ * kernel's configuration: cuda_attn_prefill_fa2.cuh), and the decode kernel's
  * blocks per SM. */
 strata_status st_cuda_attention_setup(st_cuda *c) {
     strata_status st;
@@ -540,6 +542,7 @@ strata_status st_cuda_attention_setup(st_cuda *c) {
     c->attn_tile64 = ver && strcmp(ver, "tile64") == 0;
     const char *pver = getenv("STRATA_ATTN_PREFILL");
     c->attn_prefill_old = pver && strcmp(pver, "old") == 0;
+    if ((st = st_attn_fa2_variant(getenv("STRATA_ATTN_FA2"), &c->attn_fa2)) != STRATA_OK) return st;
     if ((st = st_attn_fa2_setup()) != STRATA_OK) return st;
 #define SET(HD, RM)                                                                          \
     if ((st = set_decode_attr<HD, RM>()) != STRATA_OK) return st;
@@ -629,13 +632,15 @@ static strata_status run_prefill(st_backend *be, st_cuda_stream *s, const float 
     if (c->fast_prefill && !c->attn_prefill_old && n * G >= ST_ATTN_FA2_MIN_ROWS) {
         /* the FA2 kernel (cuda_attn_prefill_fa2.cu); split the KV length
          * while the grid is under two waves of resident blocks */
-        const int64_t blocks = (n * G + ST_ATTN_FA2_BQ - 1) / ST_ATTN_FA2_BQ * Hkv;
-        const int64_t slots = 2 * (int64_t)ST_ATTN_FA2_BPSM(HD) * c->sm_count;
+        const int var = st_attn_fa2_pick(c->attn_fa2, HD, n * G);
+        const int64_t rows = st_attn_fa2_rows(var);
+        const int64_t blocks = (n * G + rows - 1) / rows * Hkv;
+        const int64_t slots = 2 * (int64_t)st_attn_fa2_bpsm(var, HD) * c->sm_count;
         const int64_t want = blocks >= slots ? 1 : (slots + blocks - 1) / blocks;
         o.nsplit = pick_splits(n_kv, want, 256);
         strata_status st = alloc_parts(be, s, o.nsplit, n * H, HD, &o);
         if (st != STRATA_OK) return st;
-        st = st_attn_prefill_fa2(be, s, HD, q, k, v, pos, n, n_kv, H, Hkv, qscale, &o);
+        st = st_attn_prefill_fa2(be, s, var, HD, q, k, v, pos, n, n_kv, H, Hkv, qscale, &o);
         if (st != STRATA_OK) return st;
         return o.nsplit > 1 ? merge(s->s, false, c->attn_old, &o, n * H, HD) : STRATA_OK;
     }

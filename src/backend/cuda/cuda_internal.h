@@ -125,6 +125,8 @@ typedef struct {
                                  (split sizing, merge, paged kernel), kept for comparison */
     bool attn_prefill_old;    /* STRATA_ATTN_PREFILL=old (read at init): fast-mode prefill attention
                                  on the previous tensor-core kernel instead of the FA2 kernel */
+    int attn_fa2;             /* STRATA_ATTN_FA2=<name> (read at init): the FA2 kernel's configuration
+                                 (cuda_attn_prefill_fa2.cuh; -1: auto, the default) */
     bool attn_tile64;         /* STRATA_ATTN=tile64: the paged tile kernel's 64-row variant for
                                  decode batches too (checks that both variants give the same bits) */
     bool sample_old;          /* STRATA_SAMPLE=old (read at init): the sample kernel without the
