@@ -440,23 +440,7 @@ static __global__ void __launch_bounds__(AP_THREADS)
         const int64_t P = rbase + (half ? r_hi : r_lo);
         if (P >= RT) continue;
         const int64_t orow = (P / G) * H + kvh * G + P % G;
-        const float m = half ? m_hi : m_lo, l = half ? l_hi : l_lo;
-        if (o.nsplit == 1) {
-            const float inv = 1.0f / l;
-            float *dst = o.out + orow * HD + 2 * t4;
-#pragma unroll
-            for (int dt = 0; dt < HD / 8; dt++)
-                *(float2 *)(dst + dt * 8) = make_float2(acc[dt][2 * half] * inv, acc[dt][2 * half + 1] * inv);
-        } else {
-            float *dst = o.part_acc + ((size_t)split * rows + orow) * HD + 2 * t4;
-#pragma unroll
-            for (int dt = 0; dt < HD / 8; dt++)
-                *(float2 *)(dst + dt * 8) = make_float2(acc[dt][2 * half], acc[dt][2 * half + 1]);
-            if (t4 == 0) {
-                o.part_m[split * rows + orow] = m;
-                o.part_l[split * rows + orow] = l;
-            }
-        }
+        st_attn_store_row<HD>(o, split, rows, orow, t4, acc, 2 * half, half ? m_hi : m_lo, half ? l_hi : l_lo);
     }
 }
 

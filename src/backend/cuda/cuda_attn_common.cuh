@@ -36,6 +36,31 @@ struct attn_out {
     int nsplit;
 };
 
+/* One row's result from a tensor-core kernel's accumulator fragments: lane
+ * t4 (of 4 sharing the row) holds columns 8 dt + 2 t4 + {0, 1} of the row in
+ * acc[dt][h], acc[dt][h + 1]. Row orow of rows (n H): o.out scaled by 1 / l
+ * when unsplit, else the unnormalized partials of split `split` and, from
+ * lane t4 = 0, the row's (m, l). */
+template <int HD>
+ST_DEV void st_attn_store_row(const attn_out &o, int split, int64_t rows, int64_t orow, int t4,
+                              const float (*acc)[4], int h, float m, float l) {
+    if (o.nsplit == 1) {
+        const float inv = 1.0f / l;
+        float *dst = o.out + orow * HD + 2 * t4;
+#pragma unroll
+        for (int dt = 0; dt < HD / 8; dt++)
+            *(float2 *)(dst + dt * 8) = make_float2(acc[dt][h] * inv, acc[dt][h + 1] * inv);
+    } else {
+        float *dst = o.part_acc + ((size_t)split * rows + orow) * HD + 2 * t4;
+#pragma unroll
+        for (int dt = 0; dt < HD / 8; dt++) *(float2 *)(dst + dt * 8) = make_float2(acc[dt][h], acc[dt][h + 1]);
+        if (t4 == 0) {
+            o.part_m[split * rows + orow] = m;
+            o.part_l[split * rows + orow] = l;
+        }
+    }
+}
+
 /* The keys [*b, *e) split `split` of `nsplit` covers for rows whose largest
  * position is maxpos: the range [0, min(n_kv, maxpos + 1)) cut into nsplit
  * pieces of a multiple of `tile` keys (the last ones may be empty). Derived

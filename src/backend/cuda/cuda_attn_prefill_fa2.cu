@@ -345,22 +345,7 @@ static __global__ void __launch_bounds__(WARPS * 32, MINB)
         const unsigned P = rbase + warp * WR + mt * 16 + (i & 1) * 8 + g;
         if (P >= RT) continue;
         const int64_t orow = (int64_t)(P / G) * H + kvh * G + P % G;
-        if (o.nsplit == 1) {
-            const float inv = 1.0f / l[i];
-            float *dst = o.out + orow * HD + 2 * t4;
-#pragma unroll
-            for (int dt = 0; dt < HD / 8; dt++)
-                *(float2 *)(dst + dt * 8) = make_float2(acc[mt][dt][h] * inv, acc[mt][dt][h + 1] * inv);
-        } else {
-            float *dst = o.part_acc + ((size_t)split * rows + orow) * HD + 2 * t4;
-#pragma unroll
-            for (int dt = 0; dt < HD / 8; dt++)
-                *(float2 *)(dst + dt * 8) = make_float2(acc[mt][dt][h], acc[mt][dt][h + 1]);
-            if (t4 == 0) {
-                o.part_m[split * rows + orow] = m[i];
-                o.part_l[split * rows + orow] = l[i];
-            }
-        }
+        st_attn_store_row<HD>(o, split, rows, orow, t4, acc[mt], h, m[i], l[i]);
     }
 }
 
