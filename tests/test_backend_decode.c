@@ -1,6 +1,7 @@
 /* The CPU backend's decode-step ops (set_rows, argmax, matmul_multi,
  * matmul_swiglu, graphs: backend.h) against references written here, and the
- * model's single-token decode (st_llama_decode) against st_llama_forward.
+ * model's decode steps through the one forward path (greedy on the device
+ * against the host argmax).
  * The CUDA backend runs the same ops against this CPU backend in
  * tests/gpu/gpu_check_ops.c. */
 #include <math.h>
@@ -137,16 +138,24 @@ static void test_graphs(st_backend *be) {
     be->ops->stream_destroy(be, s);
 }
 
-/* st_llama_decode against st_llama_forward over a reference model: the same
- * logits bit for bit, and `next` is their argmax. */
+/* Decode steps through the one forward path over a reference model: a
+ * prompt then 12 greedy steps, (a) one token per st_llama_forward_seq call
+ * with the argmax taken on the host from the logits, (b) one-token batches
+ * through st_llama_forward_sample (temperature 0: the sample op's argmax,
+ * logits copied back every other step): the same tokens, the same logits bit
+ * for bit, and a full context is a clear error. */
 static void test_llama_decode(st_backend *be, const char *model) {
     st_model_files *f = NULL;
     st_llama *m = NULL;
+    st_kv_pool *kv = NULL;
     CHECK(st_model_open(test_src_path(model), &f) == STRATA_OK);
     if (!f) return;
-    st_llama_params lp = {.max_ctx = 40, .max_batch = 8};
+    st_llama_params lp = {.max_seq_len = 40, .max_tokens = 8};
     CHECK(st_llama_init(f, be, &lp, &m) == STRATA_OK);
-    if (!m) {
+    const st_kv_pool_params kp = m ? st_llama_kv_params(m, 3, 16, ST_KV_F32) : (st_kv_pool_params){0};
+    CHECK(m && st_kv_pool_init(be, &kp, &kv) == STRATA_OK);
+    if (!m || !kv) {
+        st_llama_free(m);
         st_model_close(f);
         return;
     }
@@ -155,36 +164,44 @@ static void test_llama_decode(st_backend *be, const char *model) {
     const int32_t prompt[5] = {1, 17, 42, 9, 100 % (int32_t)V};
     int32_t seq_a[12], seq_b[12];
     /* a: prefill + decode with host logits and a host argmax */
-    CHECK(st_llama_forward(m, prompt, 5, 0, false, la) == STRATA_OK);
+    CHECK(st_llama_forward_seq(m, kv, prompt, 5, 0, false, la) == STRATA_OK);
     for (int i = 0; i < 12; i++) {
         int32_t b = 0;
         for (int64_t v = 1; v < V; v++)
             if (la[v] > la[b]) b = (int32_t)v;
         seq_a[i] = b;
-        CHECK(st_llama_forward(m, &b, 1, st_llama_n_past(m), false, la) == STRATA_OK);
+        CHECK(st_llama_forward_seq(m, kv, &b, 1, 5 + i, false, la) == STRATA_OK);
     }
-    st_llama_reset(m);
-    /* b: the same through st_llama_decode's device argmax (logits every other step) */
-    CHECK(st_llama_forward(m, prompt, 5, 0, false, lb) == STRATA_OK);
+    /* b: the same positions again, the greedy token drawn by the sample op */
+    CHECK(st_llama_forward_seq(m, kv, prompt, 5, 0, false, lb) == STRATA_OK);
     int32_t next = -1;
     for (int64_t v = 1, b = 0; v <= V; v++) {
         if (v == V) next = (int32_t)b;
         else if (lb[v] > lb[b]) b = v;
     }
+    const int32_t table[3] = {0, 1, 2}, seq = 0, row = 0;
+    const st_sample_args greedy = {.temperature = 0.0f, .top_p = 1.0f};
     for (int i = 0; i < 12; i++) {
         seq_b[i] = next;
-        CHECK(st_llama_decode(m, next, (i % 2) ? lb : NULL, &next) == STRATA_OK);
+        const int32_t pos = 5 + i, ctx = pos + 1;
+        const int64_t slot = pos;
+        const st_batch bt = {.n_tokens = 1, .tokens = &seq_b[i], .pos = &pos, .seq = &seq, .slots = &slot,
+                             .n_seqs = 1, .block_tables = table, .max_blocks = 3, .ctx_lens = &ctx,
+                             .logit_rows = &row, .n_logits = 1};
+        CHECK(st_llama_forward_sample(m, kv, &bt, &greedy, &next, (i % 2) ? lb : NULL) == STRATA_OK);
     }
     CHECK(memcmp(seq_a, seq_b, sizeof seq_a) == 0);
     CHECK(memcmp(la, lb, (size_t)V * sizeof(float)) == 0); /* step 12's logits (i = 11 copied them) */
-    CHECK(st_llama_n_past(m) == 17);
-    CHECK_ERR(st_llama_decode(m, (int32_t)V, NULL, NULL), STRATA_ERR_INVALID_ARG, "vocabulary");
-    /* the context fills up: a clear error, nothing changed */
-    while (st_llama_n_past(m) < 40) CHECK(st_llama_decode(m, 3, NULL, NULL) == STRATA_OK);
-    CHECK_ERR(st_llama_decode(m, 3, NULL, &next), STRATA_ERR_INVALID_ARG, "full");
-    CHECK(st_llama_n_past(m) == 40);
+    const int32_t bad = (int32_t)V;
+    CHECK_ERR(st_llama_forward_seq(m, kv, &bad, 1, 17, false, la), STRATA_ERR_INVALID_ARG, "vocabulary");
+    /* the context (40 positions) fills up: a clear error */
+    const int32_t three = 3;
+    CHECK(st_llama_forward_seq(m, kv, &three, 1, 39, false, la) == STRATA_OK);
+    CHECK_ERR(st_llama_forward_seq(m, kv, &three, 1, 40, false, la), STRATA_ERR_INVALID_ARG, "context of 40");
     free(la);
     free(lb);
+    st_llama_forget_pool(m, kv);
+    st_kv_pool_free(kv);
     st_llama_free(m);
     st_model_close(f);
 }

@@ -114,13 +114,14 @@ int main(void) {
     st_backend_params bp = {.kind = ST_BACKEND_CPU, .n_threads = 2};
     CHECK(st_backend_init(&bp, &be) == STRATA_OK);
     st_llama *model = NULL;
-    st_llama_params lp = {.max_ctx = 16, .max_batch = 8};
-    st = st_llama_init(m, be, &lp, &model);
+    st_kv_pool *kv = NULL;
+    st_llama_params lp = {.max_seq_len = 16, .max_tokens = 8};
+    st = test_llama_open(m, be, &lp, ST_KV_BF16, &model, &kv);
     CHECK_MSG(st == STRATA_OK, "%s", st_last_error());
     if (st == STRATA_OK) {
         int32_t toks[8] = {1, 100, 2000, 3000, 4000, 5000, 6000, 16383};
         float *logits = malloc((size_t)8 * VOCAB * sizeof(float));
-        st = st_llama_forward(model, toks, 8, 0, true, logits);
+        st = st_llama_forward_seq(model, kv, toks, 8, 0, true, logits);
         CHECK_MSG(st == STRATA_OK, "%s", st_last_error());
         bool finite = true;
         for (int64_t i = 0; i < 8 * VOCAB; i++) finite = finite && logits[i] == logits[i];
@@ -142,7 +143,7 @@ int main(void) {
 #endif
         free(logits);
     }
-    st_llama_free(model);
+    test_llama_close(model, kv);
     st_backend_free(be);
     st_model_close(m);
     return test_finish("test_resident_mem");

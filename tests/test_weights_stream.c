@@ -52,6 +52,8 @@ static int32_t tok(int64_t i, int64_t vocab) { return (int32_t)((i * 7919 + 13) 
 
 /* Runs a prefill of N_PROMPT tokens (all logits, chunks of BATCH) and
  * N_DECODE single-token steps. Stops at the first error (returned). */
+static st_kv_pool *g_kv; /* the pool of the model at hand (test_llama_open) */
+
 static strata_status run(st_llama *m, int64_t V, logits_t *out, int *forwards) {
     out->vocab = V;
     out->prefill = calloc((size_t)(N_PROMPT * V), sizeof(float));
@@ -59,11 +61,11 @@ static strata_status run(st_llama *m, int64_t V, logits_t *out, int *forwards) {
     int32_t ids[N_PROMPT + N_DECODE];
     for (int i = 0; i < N_PROMPT + N_DECODE; i++) ids[i] = tok(i, V);
     *forwards = 0;
-    strata_status st = st_llama_forward(m, ids, N_PROMPT, 0, true, out->prefill);
+    strata_status st = st_llama_forward_seq(m, g_kv, ids, N_PROMPT, 0, true, out->prefill);
     if (st) return st;
     *forwards += (N_PROMPT + BATCH - 1) / BATCH;
     for (int i = 0; i < N_DECODE; i++) {
-        st = st_llama_forward(m, ids + N_PROMPT + i, 1, N_PROMPT + i, false, out->decode + i * V);
+        st = st_llama_forward_seq(m, g_kv, ids + N_PROMPT + i, 1, N_PROMPT + i, false, out->decode + i * V);
         if (st) return st;
         (*forwards)++;
     }
@@ -75,8 +77,8 @@ static bool g_big; /* the model at hand is large: default staging pieces */
 static st_llama_params base_params(void) {
     st_llama_params lp;
     memset(&lp, 0, sizeof lp);
-    lp.max_ctx = 32;
-    lp.max_batch = BATCH;
+    lp.max_seq_len = 32;
+    lp.max_tokens = BATCH;
     lp.weights.bw = k_bw;
     lp.weights.staging_chunk = g_big ? 0 : 8192; /* many pieces per group, tensors split across them */
     lp.weights.staging_chunks = 3;
@@ -141,6 +143,8 @@ static void check_case(const char *model, st_model_files *files, pattern pat, co
     st_wgroups *g = NULL;
     st_wplan plan;
     lp.weights.host_mem = (size_t)1 << 34;
+    const st_kv_pool_params kp = test_kv_params(files, &lp, ST_KV_F32);
+    lp.kv_bytes = st_kv_pool_device_bytes(&kp);
     strata_status st = st_llama_plan(files, probe, &lp, &g, &plan);
     CHECK_MSG(st == STRATA_OK, "%s %s: plan: %s", model, k_names[pat], st_last_error());
     st_backend_free(probe);
@@ -160,7 +164,7 @@ static void check_case(const char *model, st_model_files *files, pattern pat, co
 
     st_backend *be = cpu(dev);
     st_llama *m = NULL;
-    st = st_llama_init(files, be, &lp, &m);
+    st = test_llama_open(files, be, &lp, ST_KV_F32, &m, &g_kv);
     CHECK_MSG(st == STRATA_OK, "%s %s: init with device %zu, host %zu: %s", model, k_names[pat], dev, host,
               st_last_error());
     if (st == STRATA_OK) {
@@ -203,7 +207,6 @@ static void check_case(const char *model, st_model_files *files, pattern pat, co
             for (int r = 0; r < 2; r++) {
                 st_wm_stats before = s;
                 logits_t again = {0};
-                st_llama_reset(m);
                 CHECK(run(m, V, &again, &fw) == STRATA_OK);
                 CHECK(!memcmp(again.prefill, ref->prefill, (size_t)(N_PROMPT * V) * sizeof(float)));
                 CHECK(!memcmp(again.decode, ref->decode, (size_t)(N_DECODE * V) * sizeof(float)));
@@ -222,7 +225,8 @@ static void check_case(const char *model, st_model_files *files, pattern pat, co
                    model, dev, host, pl->groups[0], pl->groups[1], pl->groups[2], pl->ring_slots, pl->slot_bytes);
         logits_free(&out);
     }
-    st_llama_free(m);
+    test_llama_close(m, g_kv);
+    g_kv = NULL;
     CHECK(be->device_budget.used == 0);
     st_backend_free(be);
     free(tiers);
@@ -232,7 +236,7 @@ static bool resident_run(st_model_files *files, logits_t *ref) {
     st_backend *be = cpu(0);
     st_llama_params lp = base_params();
     st_llama *m = NULL;
-    strata_status st = st_llama_init(files, be, &lp, &m);
+    strata_status st = test_llama_open(files, be, &lp, ST_KV_F32, &m, &g_kv);
     CHECK_MSG(st == STRATA_OK, "%s", st_last_error());
     int fw;
     if (st == STRATA_OK) {
@@ -240,7 +244,8 @@ static bool resident_run(st_model_files *files, logits_t *ref) {
         st = run(m, files->config.vocab_size, ref, &fw);
         CHECK_MSG(st == STRATA_OK, "%s", st_last_error());
     }
-    st_llama_free(m);
+    test_llama_close(m, g_kv);
+    g_kv = NULL;
     st_backend_free(be);
     return st == STRATA_OK;
 }
@@ -259,7 +264,7 @@ static void check_model(const char *name, const char *path) {
 
 /* ---- several sequences at once on streamed weights ----
  * NSEQ sequences, each its own prompt, decoded together through
- * st_llama_forward_batch (one token each per pass) on a streamed placement,
+ * st_llama_forward (one token each per pass) on a streamed placement,
  * then each alone in other blocks of the same pool: the logits of every
  * step are bit-identical (the CPU backend is batch-invariant), so are the
  * tokens, and the bytes streamed per pass are the plan's. */
@@ -271,7 +276,7 @@ static void check_model(const char *name, const char *path) {
 
 typedef struct {
     st_llama *m;
-    st_kv_cache *kv;
+    st_kv_pool *kv;
     int64_t V, bps;
     int passes;
 } seq_run;
@@ -291,7 +296,7 @@ static strata_status seq_pass(seq_run *r, int64_t n, const int32_t *tokens, cons
                         .block_tables = tables, .max_blocks = r->bps, .ctx_lens = ctx, .logit_rows = rows,
                         .n_logits = nl};
     r->passes++;
-    return st_llama_forward_batch(r->m, r->kv, &b, logits);
+    return st_llama_forward(r->m, r->kv, &b, logits);
 }
 
 static int32_t arg_max(const float *x, int64_t n) {
@@ -351,15 +356,17 @@ static void check_batched(const char *name, st_model_files *files, pattern pat) 
     st_llama_params lp = base_params();
     lp.weights.placement = tiers;
     lp.weights.host_mem = (size_t)1 << 30;
+    lp.weights.probe_scratch = true; /* the backend scratch probe exercised on the CPU */
     const int64_t bps = (SEQ_PROMPT + SEQ_GEN + SEQ_BS - 1) / SEQ_BS;
-    lp.kv_pool_tokens = 2 * NSEQ * bps * SEQ_BS;
-    lp.no_seq_kv = true;
+    lp.max_seq_len = bps * SEQ_BS;
+    const st_kv_pool_params kp = st_llama_kv_params_for(&files->config, BATCH, lp.max_seq_len, 2 * NSEQ * bps, SEQ_BS,
+                                                        ST_KV_F32);
+    lp.kv_bytes = st_kv_pool_device_bytes(&kp);
     st_backend *be = cpu((size_t)1 << 30);
     seq_run r = {NULL, NULL, V, bps, 0};
     strata_status st = st_llama_init(files, be, &lp, &r.m);
     CHECK_MSG(st == STRATA_OK, "%s batched %s: init: %s", name, k_names[pat], st_last_error());
-    const st_kv_cache_params kp = {.num_blocks = 2 * NSEQ * bps, .block_size = SEQ_BS};
-    if (st == STRATA_OK) st = st_kv_cache_init(r.m, &kp, &r.kv);
+    if (st == STRATA_OK) st = st_kv_pool_init(be, &kp, &r.kv);
     CHECK_MSG(st == STRATA_OK, "%s batched %s: kv: %s", name, k_names[pat], st_last_error());
     float *a = calloc((size_t)(NSEQ * SEQ_GEN * V), sizeof(float)), *b = calloc((size_t)(NSEQ * SEQ_GEN * V), sizeof(float));
     int32_t ta[NSEQ * SEQ_GEN], tb[NSEQ * SEQ_GEN];
@@ -393,7 +400,8 @@ static void check_batched(const char *name, st_model_files *files, pattern pat) 
     }
     free(a);
     free(b);
-    st_kv_cache_free(r.kv);
+    if (r.m && r.kv) st_llama_forget_pool(r.m, r.kv);
+    st_kv_pool_free(r.kv);
     st_llama_free(r.m);
     CHECK(be->device_budget.used == 0);
     st_backend_free(be);
@@ -497,7 +505,8 @@ static void check_fault(const char *what, st_model_files *files, const st_llama_
     const int64_t V = files->config.vocab_size;
     st_backend *be = cpu((size_t)1 << 30);
     st_llama *m = NULL;
-    strata_status st = st_llama_init(files, be, lp, &m);
+    st_llama_params lpc = *lp;
+    strata_status st = test_llama_open(files, be, &lpc, ST_KV_F32, &m, &g_kv);
     if (st != STRATA_OK) { /* failed while pinning at init: also fine, if clear */
         CHECK_ERR(st, STRATA_ERR_IO, want, files->files[0].path);
         st_backend_free(be);
@@ -517,11 +526,11 @@ static void check_fault(const char *what, st_model_files *files, const st_llama_
     }
     int32_t t = 1;
     float *l = malloc((size_t)V * sizeof(float));
-    st_llama_reset(m);
-    CHECK_ERR(st_llama_forward(m, &t, 1, 0, false, l), STRATA_ERR_IO, want);
+    CHECK_ERR(st_llama_forward_seq(m, g_kv, &t, 1, 0, false, l), STRATA_ERR_IO, want);
     free(l);
     logits_free(&out);
-    st_llama_free(m);
+    test_llama_close(m, g_kv);
+    g_kv = NULL;
     CHECK(be->device_budget.used == 0);
     st_backend_free(be);
 }
@@ -555,26 +564,26 @@ static void check_changed(const char *dir, bool streaming, bool truncate_it) {
     st_llama_params lp = streaming ? ssd_params(n, tiers) : base_params();
     st_backend *be = cpu(streaming ? (size_t)1 << 30 : 0);
     st_llama *m = NULL;
-    CHECK(st_llama_init(files, be, &lp, &m) == STRATA_OK);
+    CHECK(test_llama_open(files, be, &lp, ST_KV_F32, &m, &g_kv) == STRATA_OK);
     if (m) {
         const int64_t V = files->config.vocab_size;
         float *l = malloc((size_t)V * sizeof(float));
         int32_t t = 5;
-        CHECK(st_llama_forward(m, &t, 1, 0, false, l) == STRATA_OK);
+        CHECK(st_llama_forward_seq(m, g_kv, &t, 1, 0, false, l) == STRATA_OK);
         if (truncate_it) {
             CHECK(truncate(b, 4096 * 3) == 0);
         } else {
             struct timespec ts[2] = {{1000000000, 0}, {1000000000, 0}}; /* another mtime, same bytes */
             CHECK(utimensat(AT_FDCWD, b, ts, 0) == 0);
         }
-        st_llama_reset(m);
-        strata_status st = st_llama_forward(m, &t, 1, 0, false, l);
+        strata_status st = st_llama_forward_seq(m, g_kv, &t, 1, 0, false, l);
         CHECK_ERR(st, STRATA_ERR_IO, "changed", "model.safetensors");
         printf("  changed (%s%s) -> %s\n", streaming ? "streaming" : "resident", truncate_it ? ", truncated" : "",
                st_last_error());
         free(l);
     }
-    st_llama_free(m);
+    test_llama_close(m, g_kv);
+    g_kv = NULL;
     st_backend_free(be);
     st_model_close(files);
 }
@@ -596,9 +605,7 @@ int main(void) {
     { /* several sequences at once, streamed (and the backend scratch probe exercised on the CPU) */
         st_model_files *files = NULL;
         CHECK(st_model_open(gdir, &files) == STRATA_OK);
-        setenv("STRATA_SCRATCH_PROBE", "1", 1);
         for (int p = P_SSD; files && p <= P_MIX1; p++) check_batched("generated-8-layer", files, (pattern)p);
-        unsetenv("STRATA_SCRATCH_PROBE");
         st_model_close(files);
         printf("  generated-8-layer: %d sequences at once = each alone (tokens, logits, bytes per pass)\n", NSEQ);
     }
@@ -647,7 +654,7 @@ int main(void) {
             {
                 st_backend *b2 = cpu((size_t)1 << 30);
                 st_llama *m2 = NULL;
-                CHECK(st_llama_init(files, b2, &lp, &m2) == STRATA_OK);
+                CHECK(test_llama_open(files, b2, &lp, ST_KV_F32, &m2, &g_kv) == STRATA_OK);
                 logits_t o2 = {0};
                 int fw = 0;
                 st_wm_stats s2 = {0};
@@ -656,7 +663,8 @@ int main(void) {
                     st_wm_stats_get(st_llama_weights(m2), &s2);
                 }
                 logits_free(&o2);
-                st_llama_free(m2);
+                test_llama_close(m2, g_kv);
+                g_kv = NULL;
                 st_backend_free(b2);
                 lp.weights.stream.faults.fail_nth = (int64_t)(s2.ssd_reads * 3 / 4);
                 check_fault("I/O error in decode", files, &lp, &ref, "failed");

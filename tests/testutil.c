@@ -110,3 +110,33 @@ float *test_rand_floats(uint64_t *s, int64_t n, float scale) {
     for (int64_t i = 0; i < n; i++) p[i] = test_rand_f(s) * scale;
     return p;
 }
+
+st_kv_pool_params test_kv_params(const st_model_files *f, const st_llama_params *lp, st_kv_dtype kv_dtype) {
+    const st_config *c = &f->config;
+    const int64_t T = lp->max_tokens > 0 ? lp->max_tokens : 512;
+    const int64_t L = lp->max_seq_len > 0 ? lp->max_seq_len
+                      : c->max_position_embeddings > 0 && c->max_position_embeddings < 4096
+                          ? c->max_position_embeddings
+                          : 4096;
+    return st_llama_kv_params_for(c, T, L, (L + 15) / 16, 16, kv_dtype);
+}
+
+strata_status test_llama_open(const st_model_files *f, st_backend *be, st_llama_params *lp, st_kv_dtype kv_dtype,
+                              st_llama **m, st_kv_pool **kv) {
+    *m = NULL;
+    *kv = NULL;
+    const st_kv_pool_params kp = test_kv_params(f, lp, kv_dtype);
+    lp->kv_bytes = st_kv_pool_device_bytes(&kp);
+    strata_status st = st_llama_init(f, be, lp, m);
+    if (st == STRATA_OK && (st = st_kv_pool_init(be, &kp, kv)) != STRATA_OK) {
+        st_llama_free(*m);
+        *m = NULL;
+    }
+    return st;
+}
+
+void test_llama_close(st_llama *m, st_kv_pool *kv) {
+    if (m && kv) st_llama_forget_pool(m, kv);
+    st_kv_pool_free(kv);
+    st_llama_free(m);
+}

@@ -35,3 +35,15 @@ float test_rand_f(uint64_t *state); /* uniform in [-1, 1) */
 /* n floats uniform in [-scale, scale); malloc'd, the caller frees. */
 float *test_rand_floats(uint64_t *state, int64_t n, float scale);
 int test_finish(const char *name);
+
+/* ---- models through the one forward path ----------------------------------------------- */
+#include "model/llama.h"
+/* Builds model *m on be with *lp (its kv_bytes set first to the pool's
+ * bytes) and a KV pool for one sequence of max_seq_len positions (blocks of
+ * 16, dtype `kv_dtype`): st_llama_forward_seq(*m, *kv, ...) then runs it.
+ * On error both are NULL and the status says why. */
+/* The pool test_llama_open makes for lp on f's model (one sequence of max_seq_len positions, blocks of 16). */
+st_kv_pool_params test_kv_params(const st_model_files *f, const st_llama_params *lp, st_kv_dtype kv_dtype);
+strata_status test_llama_open(const st_model_files *f, st_backend *be, st_llama_params *lp, st_kv_dtype kv_dtype,
+                              st_llama **m, st_kv_pool **kv);
+void test_llama_close(st_llama *m, st_kv_pool *kv); /* NULLs are no-ops */

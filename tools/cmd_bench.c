@@ -81,18 +81,32 @@ static int argmax(const float *x, int64_t n) {
     return (int)b;
 }
 
+/* One greedy decode step of the single sequence in tm->kv: `tok` at
+ * position `pos`, the next token drawn on the device (temperature 0). */
+static strata_status decode_one(tool_model *tm, int32_t tok, int64_t pos, int32_t *next) {
+    const int64_t bs = st_kv_pool_block_size(tm->kv), nb = pos / bs + 1;
+    int32_t table[nb > 0 ? nb : 1];
+    for (int64_t b = 0; b < nb; b++) table[b] = (int32_t)b;
+    const int32_t p = (int32_t)pos, seq = 0, ctx = (int32_t)(pos + 1), row = 0;
+    const int64_t slot = pos;
+    const st_sample_args greedy = {.temperature = 0.0f, .top_p = 1.0f};
+    const st_batch b = {.n_tokens = 1, .tokens = &tok, .pos = &p, .seq = &seq, .slots = &slot, .n_seqs = 1,
+                        .block_tables = table, .max_blocks = nb, .ctx_lens = &ctx, .logit_rows = &row, .n_logits = 1};
+    return st_llama_forward_sample(tm->model, tm->kv, &b, &greedy, next, NULL);
+}
+
 /* ---- decode of several sequences at once (--seqs) ----------------------------------
  * Sequence s (of the largest batch) has its own random prompt of P tokens
  * (the same in every batch size) and the blocks [s * bps, (s + 1) * bps) of
  * one paged pool. For each batch size B: the B prompts are prefilled through
- * st_llama_forward_batch (whole sequences packed into batches of at most
- * max_batch tokens), then `gen` greedy steps run the B sequences together,
- * one token each per forward_batch (the first step is a warm-up, the next
+ * st_llama_forward (whole sequences packed into passes of at most
+ * max_tokens tokens), then `gen` greedy steps run the B sequences together,
+ * one token each per pass (the first step is a warm-up, the next
  * gen are timed). The greedy choice is the backend's sample op (temperature
  * 0: the argmax), so only token ids come back, as when serving. */
 
 typedef struct {
-    st_kv_cache *kv;
+    st_kv_pool *kv;
     int64_t P, gen, bps, bs, maxB;
     int32_t *toks;       /* [maxB, P + gen + 1]: prompt, then the generated tokens */
     bool *have;          /* [maxB]: toks of s hold a previous batch's output */
@@ -109,13 +123,13 @@ static strata_status seqs_forward(st_llama *m, seqs_state *S, int64_t n, const i
     const st_batch b = {.n_tokens = n, .tokens = tokens, .pos = pos, .seq = seq, .slots = slots, .n_seqs = n_seqs,
                         .block_tables = tables, .max_blocks = S->bps, .ctx_lens = ctx_lens,
                         .logit_rows = logit_rows, .n_logits = n_logits};
-    return st_llama_forward_batch_sample(m, S->kv, &b, greedy, ids, NULL);
+    return st_llama_forward_sample(m, S->kv, &b, greedy, ids, NULL);
 }
 
 /* One batch size: fills *step_s (seconds per decode step). */
 static strata_status seqs_run(tool_model *tm, seqs_state *S, int64_t B, double *step_s) {
     st_llama *m = tm->model;
-    const int64_t T = st_llama_max_batch(m), W = S->P + S->gen + 1;
+    const int64_t T = st_llama_max_tokens(m), W = S->P + S->gen + 1;
     const int64_t cap = T > B ? T : B;
     int32_t *tok = malloc((size_t)cap * 4), *pos = malloc((size_t)cap * 4), *seq = malloc((size_t)cap * 4);
     int32_t *ctx = malloc((size_t)B * 4), *tab = malloc((size_t)(B * S->bps) * 4), *rows = malloc((size_t)B * 4);
@@ -201,8 +215,9 @@ static bool seqs_bench(tool_model *tm, const int64_t *list, int n_list, int64_t 
     seqs_state S = {0};
     S.P = P;
     S.gen = gen;
-    S.bs = 16;
-    S.bps = (P + gen + 1 + S.bs - 1) / S.bs;
+    S.kv = tm->kv; /* tool_model_open made it for maxB sequences of the context */
+    S.bs = st_kv_pool_block_size(S.kv);
+    S.bps = st_kv_pool_max_blocks(S.kv);
     for (int i = 0; i < n_list; i++)
         if (list[i] > S.maxB) S.maxB = list[i];
     const int64_t W = P + gen + 1, V = c->vocab_size;
@@ -214,15 +229,16 @@ static bool seqs_bench(tool_model *tm, const int64_t *list, int n_list, int64_t 
         x = x * 1664525u + 1013904223u;
         S.toks[i] = (int32_t)((x >> 8) % (uint32_t)V);
     }
-    const st_kv_cache_params kp = {.num_blocks = S.maxB * S.bps, .block_size = S.bs};
-    if (ok && st_kv_cache_init(m, &kp, &S.kv) != STRATA_OK) {
-        tool_print_error("bench --seqs");
+    if (ok && st_kv_pool_num_blocks(S.kv) < S.maxB * S.bps) {
+        fprintf(stderr, "strata bench --seqs: the KV pool holds %lld blocks, %lld sequences need %lld\n",
+                (long long)st_kv_pool_num_blocks(S.kv), (long long)S.maxB, (long long)(S.maxB * S.bps));
         ok = false;
     }
     st_wm *wm = st_llama_weights(m);
     const st_wplan *p = st_wm_plan(wm);
     const bool streamed = st_wm_streamed(wm) > 0;
-    const double kv_tok = (double)(c->n_kv_heads * c->head_dim) * 2 * sizeof(float) * (double)c->n_layers;
+    const double kv_tok = st_kv_pool_bytes_per_token(c->n_layers, c->n_kv_heads, c->head_dim,
+                                                     st_kv_pool_get_params(S.kv)->dtype);
     double tps1 = 0;
     for (int i = 0; ok && i < n_list; i++) {
         const int64_t B = list[i];
@@ -254,7 +270,6 @@ static bool seqs_bench(tool_model *tm, const int64_t *list, int n_list, int64_t 
         printf("decode batch tokens: %lld of %lld sequences generated the same tokens as in a smaller batch%s\n",
                (long long)(S.compared - S.mismatch), (long long)S.compared,
                S.mismatch ? " (CUDA: GEMV below 9 rows, tensor-core GEMM above: ~1e-5 apart, near-ties may flip)" : "");
-    st_kv_cache_free(S.kv);
     free(S.toks);
     free(S.have);
     return ok;
@@ -282,7 +297,7 @@ static bool parse_list(const char *v, int64_t *list, int *n) {
 }
 
 int cmd_bench(int argc, char **argv) {
-    tool_model_opts mo = {0};
+    tool_model_opts mo = TOOL_MODEL_OPTS_INIT;
     const char *path = NULL;
     int64_t n_prompt = 128, n_gen = 64, reps = 3;
     bool fast = false, prefill_only = false;
@@ -343,7 +358,7 @@ int cmd_bench(int argc, char **argv) {
             seq_prompt = mo.batch;
         }
         if (mo.ctx < seq_prompt + n_gen + 1) mo.ctx = seq_prompt + n_gen + 1;
-        mo.kv_pool_tokens = maxB * ((seq_prompt + n_gen + 1 + 15) / 16) * 16;
+        mo.kv_seqs = maxB;
     }
     /* Device rooflines first, on a probe backend of their own: the engine's
      * backend may be filled to its --device-mem budget once the model is in. */
@@ -371,7 +386,7 @@ int cmd_bench(int argc, char **argv) {
         else
             weight_bytes += t->nbytes;
     }
-    const double kv_row = (double)(c->n_kv_heads * c->head_dim) * 2 * sizeof(float) * (double)c->n_layers;
+    const double kv_row = st_kv_pool_bytes_per_token(c->n_layers, c->n_kv_heads, c->head_dim, mo.kv_dtype);
 
     int32_t *ids = malloc((size_t)(n_prompt + n_gen) * sizeof(int32_t));
     float *logits = malloc((size_t)V * sizeof(float));
@@ -384,34 +399,34 @@ int cmd_bench(int argc, char **argv) {
     }
     if (prefill_only) {
         double t0 = st_time_now();
-        if (st_llama_forward(tm.model, ids, n_prompt, 0, false, logits) != STRATA_OK) goto fail;
+        if (st_llama_forward_seq(tm.model, tm.kv, ids, n_prompt, 0, false, logits) != STRATA_OK) goto fail;
         printf("prefill      %lld tokens in %.4f s (one pass, no warm-up)\n", (long long)n_prompt,
                st_time_now() - t0);
         rc = 0;
         goto done;
     }
     /* warm-up: a whole prefill (matmul plans, scratch sizes, kernels loaded)
-     * and two decode steps (the second records the decode graph); then the
-     * timed prefills, each from an empty cache */
-    if (st_llama_forward(tm.model, ids, n_prompt, 0, false, logits) != STRATA_OK) goto fail;
+     * and two decode steps (the second records the step's graph); then the
+     * timed prefills, each over the same positions (the KV is rewritten) */
+    if (st_llama_forward_seq(tm.model, tm.kv, ids, n_prompt, 0, false, logits) != STRATA_OK) goto fail;
     int32_t next = argmax(logits, V);
     for (int i = 0; i < 2; i++)
-        if (st_llama_decode(tm.model, next, NULL, &next) != STRATA_OK) goto fail;
+        if (decode_one(&tm, next, n_prompt + i, &next) != STRATA_OK) goto fail;
     double t_prefill = 1e30;
     for (int64_t r = 0; r < reps; r++) {
-        st_llama_reset(tm.model);
         double t0 = st_time_now();
-        if (st_llama_forward(tm.model, ids, n_prompt, 0, false, logits) != STRATA_OK) goto fail;
+        if (st_llama_forward_seq(tm.model, tm.kv, ids, n_prompt, 0, false, logits) != STRATA_OK) goto fail;
         const double t = st_time_now() - t0;
         if (t < t_prefill) t_prefill = t;
     }
-    /* greedy decode with the argmax on the device: no logits cross to the host */
+    /* greedy decode, one sequence through the one forward path, the greedy
+     * token drawn on the device: no logits cross to the host */
     next = argmax(logits, V);
     tool_weights_settle(&tm, &ws);
     double t0 = st_time_now();
     for (int64_t g = 0; g < n_gen; g++) {
         ids[n_prompt + g] = next;
-        if (st_llama_decode(tm.model, next, NULL, &next) != STRATA_OK) goto fail;
+        if (decode_one(&tm, next, n_prompt + g, &next) != STRATA_OK) goto fail;
     }
     double t_decode = st_time_now() - t0;
     st_wm_stats ws_after; /* the decode steps' counters, before anything else runs */
@@ -432,13 +447,14 @@ int cmd_bench(int argc, char **argv) {
     } else {
         /* the prefill in the other precision, for comparison (second run timed) */
         be->ops->set_fast_prefill(be, !fast);
+        st_llama_set_graphs(tm.model, true); /* recordings hold the precision */
         for (int r = 0; r < 2; r++) {
-            st_llama_reset(tm.model);
             double t1 = st_time_now();
-            if (st_llama_forward(tm.model, ids, n_prompt, 0, false, logits) != STRATA_OK) goto fail;
+            if (st_llama_forward_seq(tm.model, tm.kv, ids, n_prompt, 0, false, logits) != STRATA_OK) goto fail;
             t_prefill_other = st_time_now() - t1;
         }
         be->ops->set_fast_prefill(be, fast);
+        st_llama_set_graphs(tm.model, true);
         bw = probe_bw;
         gemm_rate = probe_rate;
         gemm_rate_precise = probe_rate_precise;
@@ -490,9 +506,12 @@ int cmd_bench(int argc, char **argv) {
                    100.0 * pf_floor / t);
         }
     }
-    printf("decode       %lld tokens in %.3f s: %.2f tok/s, %.3f ms/token (steps: %s; greedy, argmax on the "
-           "device)\n", (long long)n_gen, t_decode, (double)n_gen / t_decode, step_s * 1e3,
-           st_llama_decode_mode(tm.model));
+    st_llama_graph_stats gs;
+    st_llama_graph_stats(tm.model, &gs);
+    printf("decode       %lld tokens in %.3f s: %.2f tok/s, %.3f ms/token (one sequence, greedy on the device; "
+           "%lld passes replayed as graphs, %lld direct; KV %s)\n",
+           (long long)n_gen, t_decode, (double)n_gen / t_decode, step_s * 1e3, (long long)gs.replays,
+           (long long)gs.direct, st_kv_dtype_name(mo.kv_dtype));
     printf("roofline     decode floor %.3f ms/token = %.1f MB (weights + KV at context %.0f) / %.2f GB/s "
            "-> %.1f tok/s; reached %.0f%%\n",
            floor_s * 1e3, step_bytes / 1e6, avg_ctx, bw / 1e9, 1.0 / floor_s, 100.0 * floor_s / step_s);

@@ -61,7 +61,7 @@ static bool parse_tokens(const char *s, int32_t **out, int64_t *n_out) {
 }
 
 int cmd_logits(int argc, char **argv) {
-    tool_model_opts mo = {0};
+    tool_model_opts mo = TOOL_MODEL_OPTS_INIT;
     const char *model_path = NULL, *tokens_arg = NULL, *tokens_file = NULL, *out_path = NULL;
     int64_t chunk = 0;
     for (int i = 1; i < argc; i++) {
@@ -122,7 +122,7 @@ int cmd_logits(int argc, char **argv) {
     int64_t step = chunk > 0 ? chunk : n;
     for (int64_t done = 0; done < n; done += step) {
         int64_t k = n - done < step ? n - done : step;
-        if (st_llama_forward(tm.model, ids + done, k, done, true, logits + done * vocab) != STRATA_OK) {
+        if (st_llama_forward_seq(tm.model, tm.kv, ids + done, k, done, true, logits + done * vocab) != STRATA_OK) {
             tool_print_error("logits");
             goto done;
         }

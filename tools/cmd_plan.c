@@ -22,7 +22,7 @@ static void plan_usage(FILE *f) {
 static const char *bw_src(const st_wbw *bw, int i) { return bw->measured[i] ? "measured" : "given"; }
 
 int cmd_plan(int argc, char **argv) {
-    tool_model_opts mo = {0};
+    tool_model_opts mo = TOOL_MODEL_OPTS_INIT;
     const char *path = NULL;
     int64_t prompt = 0;
     bool list = false;
@@ -60,7 +60,7 @@ int cmd_plan(int argc, char **argv) {
         st_model_close(files);
         return 1;
     }
-    st_llama_params lp = tool_llama_params(&mo);
+    st_llama_params lp = tool_llama_params(&mo, &files->config);
     lp.weights.prefill_tokens = prompt;
     st_wgroups *g = NULL;
     st_wplan p;

@@ -90,14 +90,36 @@ bool tool_parse_size(const char *s, const char *what, size_t *out) {
     return true;
 }
 
-st_llama_params tool_llama_params(const tool_model_opts *o) {
+/* Block size of the tools' KV pools (the engines' default). */
+#define TOOL_KV_BLOCK 16
+
+static int64_t tool_seq_len(const tool_model_opts *o, const st_config *c) {
+    return o->ctx > 0 ? o->ctx
+           : c->max_position_embeddings > 0 && c->max_position_embeddings < 4096 ? c->max_position_embeddings
+                                                                               : 4096;
+}
+
+static st_kv_pool_params kv_params_for(const tool_model_opts *o, const st_config *c, int64_t max_tokens,
+                                       int64_t seq_len) {
+    const int64_t seqs = o->kv_seqs > 0 ? o->kv_seqs : 1;
+    const int64_t blocks = seqs * ((seq_len + TOOL_KV_BLOCK - 1) / TOOL_KV_BLOCK);
+    return st_llama_kv_params_for(c, max_tokens, seq_len, blocks, TOOL_KV_BLOCK, o->kv_dtype);
+}
+
+st_kv_pool_params tool_kv_params(const tool_model_opts *o, const st_llama *m) {
+    return kv_params_for(o, st_llama_config(m), st_llama_max_tokens(m), st_llama_max_seq_len(m));
+}
+
+st_llama_params tool_llama_params(const tool_model_opts *o, const st_config *c) {
     st_llama_params lp;
     memset(&lp, 0, sizeof lp);
-    lp.max_ctx = o->ctx;
-    lp.max_batch = o->batch;
+    lp.max_seq_len = tool_seq_len(o, c);
+    lp.max_tokens = o->batch > 0 ? o->batch : 512;
+    lp.device_mem = o->device_mem;
+    const st_kv_pool_params kp = kv_params_for(o, c, lp.max_tokens, lp.max_seq_len);
+    lp.kv_bytes = st_kv_pool_device_bytes(&kp);
     lp.weights.host_mem = o->host_mem;
     lp.weights.ring_slots = o->ring_slots;
-    lp.kv_pool_tokens = o->kv_pool_tokens;
     lp.weights.bw.h2d = o->h2d_bw * 1e9;
     lp.weights.bw.ssd = o->ssd_bw * 1e9;
     const char *fault = getenv("STRATA_FAULT");
@@ -145,6 +167,11 @@ int tool_parse_model_opt(int argc, char **argv, int *i, tool_model_opts *o) {
     } else if (strcmp(a, "--ring-slots") == 0) {
         if (!tool_parse_i64(val, 2, 64, a, &v)) return -1;
         o->ring_slots = (int)v;
+    } else if (strcmp(a, "--kv-dtype") == 0) {
+        if (!val || !st_kv_dtype_parse(val, &o->kv_dtype)) {
+            fprintf(stderr, "strata: --kv-dtype takes bf16, fp8 or f32\n");
+            return -1;
+        }
     } else {
         return 0;
     }
@@ -165,9 +192,15 @@ bool tool_model_open(const char *path, const tool_model_opts *o, tool_model *tm)
         tool_model_close(tm);
         return false;
     }
-    st_llama_params lp = tool_llama_params(o);
+    st_llama_params lp = tool_llama_params(o, &tm->files->config);
     if (st_llama_init(tm->files, tm->be, &lp, &tm->model) != STRATA_OK) {
         tool_print_error("model");
+        tool_model_close(tm);
+        return false;
+    }
+    const st_kv_pool_params kp = tool_kv_params(o, tm->model);
+    if (st_kv_pool_init(tm->be, &kp, &tm->kv) != STRATA_OK) {
+        tool_print_error("kv cache");
         tool_model_close(tm);
         return false;
     }
@@ -184,6 +217,8 @@ bool tool_model_open(const char *path, const tool_model_opts *o, tool_model *tm)
 }
 
 void tool_model_close(tool_model *tm) {
+    if (tm->model && tm->kv) st_llama_forget_pool(tm->model, tm->kv);
+    st_kv_pool_free(tm->kv);
     st_llama_free(tm->model);
     st_backend_free(tm->be);
     st_model_close(tm->files);

@@ -8,7 +8,7 @@
 #include "loader/loader.h"
 #include "model/llama.h"
 
-/* Options every command that loads a model accepts. */
+/* Options every command that loads a model accepts; start from TOOL_MODEL_OPTS_INIT. */
 typedef struct {
     const char *device;  /* "cpu" | "cuda" | "auto" */
     int threads;         /* 0: all cores */
@@ -19,8 +19,11 @@ typedef struct {
     double h2d_bw;       /* --h2d-bw GB/s: given instead of measured (0: measure) */
     double ssd_bw;       /* --ssd-bw GB/s */
     int ring_slots;      /* --ring-slots N (0: 2) */
-    int64_t kv_pool_tokens; /* not an option: device room planned for a paged KV pool (strata bench --seqs) */
+    st_kv_dtype kv_dtype;  /* --kv-dtype bf16|fp8|f32 (default bf16) */
+    int64_t kv_seqs;       /* not an option: sequences of --ctx tokens the KV pool holds (0: 1; bench --seqs) */
 } tool_model_opts;
+
+#define TOOL_MODEL_OPTS_INIT {.kv_dtype = ST_KV_BF16}
 
 #define TOOL_MODEL_OPTS_HELP \
     "  --device cpu|cuda|auto   backend (default auto: CUDA when built and a GPU is present)\n" \
@@ -33,7 +36,9 @@ typedef struct {
     "  --host-mem SIZE          pinned host memory for streamed weights (host tier + staging;\n"   \
     "                           default 80%% of available memory); the rest is read from the file\n" \
     "  --h2d-bw GB/s, --ssd-bw GB/s   bandwidths for the plan instead of measuring them\n"        \
-    "  --ring-slots N           device slots streamed weight groups pass through (default 2)\n"
+    "  --ring-slots N           device slots streamed weight groups pass through (default 2)\n"   \
+    "  --kv-dtype bf16|fp8|f32  KV cache element type (default bf16; fp8: e4m3 with a scale per\n" \
+    "                           token and kv head; f32 for reference checks)\n"
 
 /* If argv[*i] is one of the model options, consumes it (and its value) and
  * returns 1; returns 0 when it is not; -1 (message printed) on a bad value. */
@@ -57,10 +62,13 @@ bool tool_parse_f64(const char *s, double lo, double hi, const char *what, doubl
  * false (message printed, naming `what`) otherwise. */
 bool tool_parse_size(const char *s, const char *what, size_t *out);
 
-/* The llama params these options ask for (weights: budgets, bandwidths, and
- * the STRATA_FAULT test hook: "read-error:N" or "short-read:N" makes the Nth
+/* The llama params these options ask for on a model of config c (budgets,
+ * bandwidths, the KV pool's device bytes: kv_seqs sequences of the context),
+ * and the STRATA_FAULT test hook: "read-error:N" or "short-read:N" makes the Nth
  * weight read fail or come back short). */
-st_llama_params tool_llama_params(const tool_model_opts *o);
+st_llama_params tool_llama_params(const tool_model_opts *o, const st_config *c);
+/* The KV pool of those options for model m (kv_seqs sequences of its max_seq_len). */
+st_kv_pool_params tool_kv_params(const tool_model_opts *o, const st_llama *m);
 /* The backend these options ask for (device_mem included). */
 st_backend_params tool_backend_params(const tool_model_opts *o);
 
@@ -68,11 +76,12 @@ typedef struct {
     st_model_files *files;
     st_backend *be;
     st_llama *model;
+    st_kv_pool *kv;      /* the paged KV pool the model's passes use (blocks 0.. in order for one sequence) */
     double load_s;
 } tool_model;
 
-/* Opens `path`, creates the backend and the model. Prints errors to stderr
- * and returns false on failure (everything released). */
+/* Opens `path`, creates the backend, the model and its KV pool. Prints errors
+ * to stderr and returns false on failure (everything released). */
 bool tool_model_open(const char *path, const tool_model_opts *o, tool_model *tm);
 void tool_model_close(tool_model *tm);
 

@@ -8,7 +8,7 @@
  *       tokens (512), G steps (32), and the logits of every step compared
  *
  * Correctness, per model: two models on one CUDA backend, one made with
- * STRATA_BATCH_GRAPH=0 (direct) and one with graphs; 8 sequences in
+ * no_graphs (direct) and one with graphs; 8 sequences in
  * non-contiguous blocks; chunked prefill (mixed chunks of several
  * sequences), then 300 decode steps whose batch size changes (8, 3, 1, 5,
  * ...) and whose contexts cross the attention buckets (256, 512 keys), a
@@ -122,7 +122,7 @@ typedef struct {
 
 /* Runs plan p on both models (and samples when args); compares; advances the
  * sequences and appends each entry's next token (argmax, or the sampled id). */
-static void step(sim *S, const plan *p, st_llama *ma, st_kv_cache *ka, st_llama *mb, st_kv_cache *kb, int64_t V,
+static void step(sim *S, const plan *p, st_llama *ma, st_kv_pool *ka, st_llama *mb, st_kv_pool *kb, int64_t V,
                  bool sample, bool append, tally *t) {
     built bl;
     build(S, p, &bl);
@@ -135,11 +135,11 @@ static void step(sim *S, const plan *p, st_llama *ma, st_kv_cache *ka, st_llama 
                                    .top_k = e % 2 ? 40 : 0, .top_p = 0.9f, .min_p = 0.0f};
     strata_status sa, sb;
     if (sample) {
-        sa = st_llama_forward_batch_sample(ma, ka, &bl.b, args, ia, la);
-        sb = st_llama_forward_batch_sample(mb, kb, &bl.b, args, ib, lb);
+        sa = st_llama_forward_sample(ma, ka, &bl.b, args, ia, la);
+        sb = st_llama_forward_sample(mb, kb, &bl.b, args, ib, lb);
     } else {
-        sa = st_llama_forward_batch(ma, ka, &bl.b, la);
-        sb = st_llama_forward_batch(mb, kb, &bl.b, lb);
+        sa = st_llama_forward(ma, ka, &bl.b, la);
+        sb = st_llama_forward(mb, kb, &bl.b, lb);
     }
     t->steps++;
     if (sa != STRATA_OK || sb != STRATA_OK) {
@@ -178,22 +178,20 @@ static void print_stats(const char *what, const st_llama_graph_stats *g) {
 static void check_model(st_backend *be, const char *path) {
     st_model_files *mf = NULL;
     st_llama *ma = NULL, *mb = NULL;
-    st_kv_cache *ka = NULL, *kb = NULL;
-    const st_llama_params lp = {.max_ctx = BPS * BS, .max_batch = MAXB, .kv_pool_tokens = NS * BPS * BS,
-                                .no_seq_kv = true};
-    const st_kv_cache_params kp = {.num_blocks = NS * BPS, .block_size = BS};
+    st_kv_pool *ka = NULL, *kb = NULL;
+    st_llama_params lp = {.max_seq_len = BPS * BS, .max_tokens = MAXB, .no_graphs = true};
     sim S;
     memset(&S, 0, sizeof S);
-    char *saved = getenv("STRATA_BATCH_GRAPH") ? strdup(getenv("STRATA_BATCH_GRAPH")) : NULL;
-    setenv("STRATA_BATCH_GRAPH", "0", 1);
     strata_status st = st_model_open(path, &mf);
-    if (st == STRATA_OK) st = st_llama_init(mf, be, &lp, &ma);
-    unsetenv("STRATA_BATCH_GRAPH");
+    const st_kv_pool_params kp = st == STRATA_OK ? st_llama_kv_params_for(&mf->config, MAXB, BPS * BS, NS * BPS, BS,
+                                                                          ST_KV_BF16)
+                                                 : (st_kv_pool_params){0};
+    lp.kv_bytes = st_kv_pool_device_bytes(&kp);
+    if (st == STRATA_OK) st = st_llama_init(mf, be, &lp, &ma); /* graphs off */
+    lp.no_graphs = false;
     if (st == STRATA_OK) st = st_llama_init(mf, be, &lp, &mb);
-    if (saved) setenv("STRATA_BATCH_GRAPH", saved, 1);
-    free(saved);
-    if (st == STRATA_OK) st = st_kv_cache_init(ma, &kp, &ka);
-    if (st == STRATA_OK) st = st_kv_cache_init(mb, &kp, &kb);
+    if (st == STRATA_OK) st = st_kv_pool_init(be, &kp, &ka);
+    if (st == STRATA_OK) st = st_kv_pool_init(be, &kp, &kb);
     if (st != STRATA_OK) {
         CHECK(false, "batch graph %s: cannot load: %s", path, st_last_error());
         goto out;
@@ -240,8 +238,8 @@ static void check_model(st_backend *be, const char *path) {
             step(&S, &p, ma, ka, mb, kb, V, d >= 100 && d < 140, true, &t);
         }
         st_llama_graph_stats ga, gb;
-        st_llama_batch_graph_stats(ma, &ga);
-        st_llama_batch_graph_stats(mb, &gb);
+        st_llama_graph_stats(ma, &ga);
+        st_llama_graph_stats(mb, &gb);
         int maxlen = 0;
         for (int s = 0; s < NS; s++) maxlen = S.len[s] > maxlen ? S.len[s] : maxlen;
         CHECK(t.errors == 0 && t.mismatches == 0 && t.id_mismatches == 0 && gb.replays > 0 && ga.replays == 0 &&
@@ -252,12 +250,14 @@ static void check_model(st_backend *be, const char *path) {
               path, t.steps, prefill_steps, maxlen, t.steps - t.mismatches - t.errors, t.id_mismatches, t.errors,
               (long long)gb.replays, (long long)gb.recorded, (long long)ga.replays);
         print_stats("graphs", &gb);
-        print_stats("STRATA_BATCH_GRAPH=0", &ga);
+        print_stats("no_graphs", &ga);
         for (int s = 0; s < NS; s++) free(S.hist[s]);
     }
 out:
-    st_kv_cache_free(ka);
-    st_kv_cache_free(kb);
+    if (ma && ka) st_llama_forget_pool(ma, ka);
+    if (mb && kb) st_llama_forget_pool(mb, kb);
+    st_kv_pool_free(ka);
+    st_kv_pool_free(kb);
     st_llama_free(ma);
     st_llama_free(mb);
     st_model_close(mf);
@@ -270,13 +270,15 @@ static void time_model(st_backend *be, const char *path, int64_t P, int64_t G) {
     const int64_t maxB = 64, bps = (P + G + 1 + BS - 1) / BS;
     st_model_files *mf = NULL;
     st_llama *m = NULL;
-    st_kv_cache *kv = NULL;
-    const st_llama_params lp = {.max_ctx = bps * BS, .max_batch = P > maxB ? P : maxB,
-                                .kv_pool_tokens = maxB * bps * BS, .no_seq_kv = true};
-    const st_kv_cache_params kp = {.num_blocks = maxB * bps, .block_size = BS};
+    st_kv_pool *kv = NULL;
+    st_llama_params lp = {.max_seq_len = bps * BS, .max_tokens = P > maxB ? P : maxB};
     strata_status st = st_model_open(path, &mf);
+    const st_kv_pool_params kp = st == STRATA_OK ? st_llama_kv_params_for(&mf->config, lp.max_tokens, bps * BS,
+                                                                          maxB * bps, BS, ST_KV_BF16)
+                                                 : (st_kv_pool_params){0};
+    lp.kv_bytes = st_kv_pool_device_bytes(&kp);
     if (st == STRATA_OK) st = st_llama_init(mf, be, &lp, &m);
-    if (st == STRATA_OK) st = st_kv_cache_init(m, &kp, &kv);
+    if (st == STRATA_OK) st = st_kv_pool_init(be, &kp, &kv);
     if (st != STRATA_OK) {
         CHECK(false, "batch graph timing %s: cannot load: %s", path, st_last_error());
         goto out;
@@ -292,7 +294,7 @@ static void time_model(st_backend *be, const char *path, int64_t P, int64_t G) {
         uint64_t *hash = xcalloc((size_t)G, 8);
         for (int64_t i = 0; i < maxB * bps; i++) tab[i] = (int32_t)i;
         /* prefill every sequence (one pass each, graphs off: each is run once) */
-        st_llama_set_batch_graphs(m, false);
+        st_llama_set_graphs(m, false);
         for (int64_t s = 0; s < maxB && st == STRATA_OK; s++) {
             for (int64_t i = 0; i < P; i++) {
                 tok[i] = (int32_t)(rnd() % (uint32_t)V);
@@ -303,7 +305,7 @@ static void time_model(st_backend *be, const char *path, int64_t P, int64_t G) {
             const st_batch b = {.n_tokens = P, .tokens = tok, .pos = pos, .seq = sq, .slots = slots, .n_seqs = 1,
                                 .block_tables = tab + s * bps, .max_blocks = bps, .ctx_lens = &len,
                                 .logit_rows = &row, .n_logits = 1};
-            st = st_llama_forward_batch(m, kv, &b, logits);
+            st = st_llama_forward(m, kv, &b, logits);
             next[s * (G + 1)] = argmax(logits, V);
             free(pos);
             free(sq);
@@ -316,7 +318,7 @@ static void time_model(st_backend *be, const char *path, int64_t P, int64_t G) {
             double ms[2] = {0, 0};
             int same = 0, errs = 0;
             for (int mode = 0; mode < 2 && st == STRATA_OK; mode++) {
-                st_llama_set_batch_graphs(m, mode == 1);
+                st_llama_set_graphs(m, mode == 1);
                 double t0 = 0;
                 for (int64_t g = 0; g < G; g++) {
                     if (g == 2) t0 = st_time_now(); /* graphs: pass 0 direct, 1 recorded, 2.. replayed */
@@ -331,7 +333,7 @@ static void time_model(st_backend *be, const char *path, int64_t P, int64_t G) {
                     const st_batch b = {.n_tokens = B, .tokens = bt, .pos = bp, .seq = bq, .slots = slots,
                                         .n_seqs = B, .block_tables = tab, .max_blocks = bps, .ctx_lens = ctx,
                                         .logit_rows = rows, .n_logits = B};
-                    if ((st = st_llama_forward_batch(m, kv, &b, logits)) != STRATA_OK) {
+                    if ((st = st_llama_forward(m, kv, &b, logits)) != STRATA_OK) {
                         errs++;
                         break;
                     }
@@ -357,7 +359,8 @@ static void time_model(st_backend *be, const char *path, int64_t P, int64_t G) {
         free(logits), free(hash);
     }
 out:
-    st_kv_cache_free(kv);
+    if (m && kv) st_llama_forget_pool(m, kv);
+    st_kv_pool_free(kv);
     st_llama_free(m);
     st_model_close(mf);
 }

@@ -1,0 +1,90 @@
+/* kv/kv_pool: the device memory of the paged KV cache.
+ *
+ * One pool per engine. Per layer a K and a V array of num_blocks * block_size
+ * token slots, each slot n_kv_heads * head_dim elements of the pool's dtype
+ * (backend.h, st_kv_layer: bf16 by default, fp8 e4m3 with a scale per (slot,
+ * kv head), or f32 for reference checks). Slot s = block * block_size +
+ * offset is the same slot in every layer; which block holds which token is
+ * the block manager's business (kv/block_manager.h), not this module's.
+ *
+ * Beside the K/V arrays the pool owns the device and pinned host buffers
+ * through which one forward pass's slot mapping and block tables travel (a
+ * fixed layout sized for max_tokens tokens and tables of max_seq_len
+ * positions, so that a recorded graph reads every batch's values at the same
+ * addresses; model/forward.c packs them).
+ *
+ * How the model gets a layer's KV (the interface the host and SSD tiers will
+ * serve): st_kv_pool_acquire(pool, layer) gives the layer's st_kv_layer and
+ * an event; the compute stream waits on the event (NULL: already on the
+ * device) before it reads or writes the layer, and st_kv_pool_release(pool,
+ * layer, done) hands back the event recorded after the layer's last op, so a
+ * tier may move the layer's blocks once it completed. With the device tier
+ * alone both are trivial (ready NULL, release a no-op).
+ *
+ * Every allocation is counted in the backend's device budget. Not thread
+ * safe: the stepping thread owns it. */
+#pragma once
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include "backend/backend.h"
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct st_kv_pool st_kv_pool;
+
+typedef struct {
+    int64_t n_layers;      /* >= 1 */
+    int64_t n_kv_heads;    /* >= 1 */
+    int64_t head_dim;      /* >= 1 */
+    int64_t num_blocks;    /* >= 1, <= INT32_MAX (ids are int32) */
+    int64_t block_size;    /* token slots per block, >= 1 */
+    st_kv_dtype dtype;     /* element type (ST_KV_BF16 is the engines' default) */
+    int64_t max_tokens;    /* tokens of one forward pass (the batch metadata's capacity), >= 1 */
+    int64_t max_seq_len;   /* positions of one sequence: block-table rows hold ceil(max_seq_len /
+                              block_size) entries, >= 1 */
+} st_kv_pool_params;
+
+/* Device bytes st_kv_pool_init takes for these params (K and V of every
+ * layer, fp8 scales, the batch metadata), each allocation rounded to 256
+ * bytes. 0 for invalid params. */
+size_t st_kv_pool_device_bytes(const st_kv_pool_params *p);
+/* K and V bytes of one token in every layer (the per-token cost of the cache,
+ * fp8 scales included). */
+double st_kv_pool_bytes_per_token(int64_t n_layers, int64_t n_kv_heads, int64_t head_dim, st_kv_dtype dtype);
+
+/* Makes a pool on `be` (borrowed: it must outlive the pool). The caller owns
+ * *out (st_kv_pool_free). INVALID_ARG naming the bad parameter, NOMEM when
+ * the device budget or memory runs out (nothing left allocated; the message
+ * says how much the pool needed). */
+strata_status st_kv_pool_init(st_backend *be, const st_kv_pool_params *p, st_kv_pool **out);
+/* Waits for the device, frees everything. NULL is a no-op. Recorded graphs
+ * that hold the pool's pointers must be dropped first (the model does it in
+ * st_llama_forget_pool). */
+void st_kv_pool_free(st_kv_pool *kv);
+
+const st_kv_pool_params *st_kv_pool_get_params(const st_kv_pool *kv);
+int64_t st_kv_pool_num_blocks(const st_kv_pool *kv);
+int64_t st_kv_pool_block_size(const st_kv_pool *kv);
+int64_t st_kv_pool_max_blocks(const st_kv_pool *kv); /* entries of a block-table row: ceil(max_seq_len / bs) */
+st_backend *st_kv_pool_backend(const st_kv_pool *kv);
+
+/* Layer `layer`'s storage for the compute stream: *out is valid until the
+ * matching release; *ready (may be NULL) must be waited on by the stream
+ * before any op reads or writes it. */
+strata_status st_kv_pool_acquire(st_kv_pool *kv, int64_t layer, st_kv_layer *out, st_event **ready);
+/* Ends the use of `layer` started by acquire; done (may be NULL) is recorded
+ * on the compute stream after the layer's last op. */
+void st_kv_pool_release(st_kv_pool *kv, int64_t layer, st_event *done);
+
+/* The batch metadata buffers: `bytes` of pinned host staging and the device
+ * buffer it is copied to (both owned by the pool). */
+void st_kv_pool_meta(st_kv_pool *kv, void **host, void **dev, size_t *bytes);
+/* Bytes the metadata of max_tokens tokens and tables of max_blocks entries
+ * take (the layout is model/forward.c's). */
+size_t st_kv_pool_meta_bytes(int64_t max_tokens, int64_t max_blocks);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,310 @@
+/* model/forward: the layer loop of the one forward path (llama.h).
+ *
+ * A batch's metadata is packed into the pool's pinned staging buffer, copied
+ * to the device in one transfer, and read there by the ops (token ids,
+ * positions, sequence indices, slots, block tables, context lengths, the rows
+ * that need logits). The layout is fixed (T = the model's max_tokens, B = the
+ * pool's max_blocks), so that the device addresses of every field are the
+ * same for every batch and a recorded pass (graphs.c) reads the new values:
+ *   int64 slots[T] | int32 tokens[T] | pos[T] | seq[T] | logit_rows[T] |
+ *   ctx_lens[T] | block_tables[T * B]
+ * Only the batch's entries are written (ctx_lens past its sequences are 0:
+ * sequences with no keys, never referenced by a token); the copy covers the
+ * table rows of its sequences. Attention is told n_seqs = T and a context
+ * bound rounded up to a bucket (batch_ctx_bucket), which changes nothing in
+ * a token's arithmetic (backend.h: its reduction depends on its own keys).
+ * The staging buffer is rewritten only by the next call, after this one's
+ * final stream sync, so a copy still in flight never sees it change. */
+#include "model/model_internal.h"
+
+#include <string.h>
+
+/* ---- weight groups: acquire -> (compute waits on ready) -> ops -> record done -> release */
+
+typedef struct {
+    int id;
+    st_wm_view v;
+    st_weight w[ST_WG_MAX_TENSORS]; /* in role order (weights/groups.h) */
+} bound_group;
+
+/* Ends the use of a group whose ops were enqueued with status `st` (returned
+ * unless OK). The compute-done event is recorded even after a failed op, so
+ * the group's slot is reused only after what was enqueued. */
+static strata_status group_release(st_llama *m, bound_group *b, strata_status st) {
+    st_event *done = b->v.done;
+    if (done) {
+        strata_status s2 = m->be->ops->event_record(m->be, done, m->stream);
+        if (s2 != STRATA_OK) {
+            if (st == STRATA_OK) st = s2;
+            done = NULL; /* the manager then stops streaming: the slot's reuse cannot be ordered */
+        }
+    }
+    strata_status s3 = st_wm_release(m->wm, b->id, done);
+    return st != STRATA_OK ? st : s3;
+}
+
+static strata_status group_acquire(st_llama *m, int id, bound_group *b) {
+    b->id = id;
+    strata_status st = st_wm_acquire(m->wm, id, &b->v);
+    if (st != STRATA_OK) return st;
+    if (b->v.ready && (st = m->be->ops->stream_wait_event(m->be, m->stream, b->v.ready)) != STRATA_OK)
+        return group_release(m, b, st);
+    for (int i = 0; i < m->groups->g[id].n_tensors; i++) {
+        b->w[i] = m->wshape[id][i];
+        b->w[i].data = b->v.data[i];
+    }
+    return STRATA_OK;
+}
+
+/* The pool must have been made for this model's shapes and pass size. */
+static strata_status pool_check(const st_llama *m, const st_kv_pool *kv) {
+    const st_kv_pool_params *p = st_kv_pool_get_params(kv);
+    const st_config *c = &m->cfg;
+    if (p->n_layers != c->n_layers || p->n_kv_heads != c->n_kv_heads || p->head_dim != c->head_dim ||
+        p->max_tokens < m->max_tokens || p->max_seq_len < m->max_seq_len || st_kv_pool_backend(kv) != m->be)
+        return st_err(STRATA_ERR_INVALID_ARG,
+                      "forward: the KV pool (%lld layers x %lld kv heads x %lld, %lld tokens per pass, %lld positions) "
+                      "was not made for this model (%lld x %lld x %lld, %lld, %lld) on its backend: use st_llama_kv_params",
+                      (long long)p->n_layers, (long long)p->n_kv_heads, (long long)p->head_dim,
+                      (long long)p->max_tokens, (long long)p->max_seq_len, (long long)c->n_layers,
+                      (long long)c->n_kv_heads, (long long)c->head_dim, (long long)m->max_tokens,
+                      (long long)m->max_seq_len);
+    return STRATA_OK;
+}
+
+#define BAD(...) return st_err(STRATA_ERR_INVALID_ARG, "forward: " __VA_ARGS__)
+
+static strata_status batch_check(const st_llama *m, const st_kv_pool *kv, const st_batch *b) {
+    const int64_t n = b->n_tokens, bs = st_kv_pool_block_size(kv), nb = st_kv_pool_num_blocks(kv),
+                  max_blocks = st_kv_pool_max_blocks(kv);
+    if (n < 1 || n > m->max_tokens) BAD("%lld tokens (1 to max_tokens = %lld)", (long long)n, (long long)m->max_tokens);
+    if (b->n_seqs < 1 || b->n_seqs > m->max_tokens)
+        BAD("%lld sequences (1 to max_tokens = %lld)", (long long)b->n_seqs, (long long)m->max_tokens);
+    if (b->max_blocks < 1 || b->max_blocks > max_blocks)
+        BAD("max_blocks = %lld (1 to %lld: max_seq_len %lld / block_size %lld)", (long long)b->max_blocks,
+            (long long)max_blocks, (long long)m->max_seq_len, (long long)bs);
+    if (b->n_logits < 0 || b->n_logits > n) BAD("n_logits = %lld of %lld tokens", (long long)b->n_logits, (long long)n);
+    if (!b->tokens || !b->pos || !b->seq || !b->slots || !b->block_tables || !b->ctx_lens ||
+        (b->n_logits > 0 && !b->logit_rows))
+        BAD("a NULL array");
+    for (int64_t s = 0; s < b->n_seqs; s++) {
+        const int64_t len = b->ctx_lens[s];
+        if (len < 1 || len > m->max_seq_len || len > b->max_blocks * bs)
+            BAD("ctx_lens[%lld] = %lld (1 to min(max_seq_len = %lld, max_blocks * block_size = %lld))", (long long)s,
+                (long long)len, (long long)m->max_seq_len, (long long)(b->max_blocks * bs));
+        const int32_t *row = b->block_tables + s * b->max_blocks;
+        for (int64_t j = 0; j < (len + bs - 1) / bs; j++)
+            if (row[j] < 0 || row[j] >= nb)
+                BAD("block_tables[%lld][%lld] = %d is outside the pool's %lld blocks", (long long)s, (long long)j,
+                    row[j], (long long)nb);
+    }
+    for (int64_t i = 0; i < n; i++) {
+        if (b->tokens[i] < 0 || b->tokens[i] >= m->cfg.vocab_size)
+            BAD("token %d (index %lld) is outside the vocabulary [0, %lld)", b->tokens[i], (long long)i,
+                (long long)m->cfg.vocab_size);
+        if (b->seq[i] < 0 || b->seq[i] >= b->n_seqs)
+            BAD("seq[%lld] = %d is outside [0, %lld)", (long long)i, b->seq[i], (long long)b->n_seqs);
+        const int64_t p = b->pos[i], len = b->ctx_lens[b->seq[i]];
+        if (p < 0 || p >= len)
+            BAD("pos[%lld] = %lld is outside its sequence's %lld keys", (long long)i, (long long)p, (long long)len);
+        const int64_t want = (int64_t)b->block_tables[b->seq[i] * b->max_blocks + p / bs] * bs + p % bs;
+        if (b->slots[i] != -1 && b->slots[i] != want)
+            BAD("slots[%lld] = %lld, but position %lld of its sequence is slot %lld", (long long)i,
+                (long long)b->slots[i], (long long)p, (long long)want);
+    }
+    for (int64_t r = 0; r < b->n_logits; r++)
+        if (b->logit_rows[r] < 0 || b->logit_rows[r] >= n || (r > 0 && b->logit_rows[r] <= b->logit_rows[r - 1]))
+            BAD("logit_rows[%lld] = %d (increasing, in [0, %lld))", (long long)r, b->logit_rows[r], (long long)n);
+    return STRATA_OK;
+}
+
+/* The attention context bound of a batch whose longest sequence holds
+ * max_len keys: rounded up to 256-key ranges (the CUDA kernel's split), then
+ * to a power of two up to 8 ranges and a multiple of 8 ranges above, capped
+ * at the pool's table width. Recorded passes are keyed on it: a sequence that
+ * grows changes the key every 2048 keys at most. */
+static int64_t batch_ctx_bucket(const st_kv_pool *kv, int64_t max_len) {
+    int64_t r = (max_len + 255) / 256;
+    if (r < 1) r = 1;
+    if (r <= 8) {
+        int64_t p = 1;
+        while (p < r) p *= 2;
+        r = p;
+    } else {
+        r = (r + 7) / 8 * 8;
+    }
+    const int64_t cap = st_kv_pool_max_blocks(kv) * st_kv_pool_block_size(kv);
+    return r * 256 < cap ? r * 256 : cap;
+}
+
+/* Packs b into the staging buffer (the fixed layout above), copies it to the
+ * device and points d at it. */
+static strata_status batch_upload(st_llama *m, st_kv_pool *kv, const st_batch *b, batch_dev *d) {
+    const int64_t n = b->n_tokens, T = m->max_tokens, B = st_kv_pool_max_blocks(kv), S = b->n_seqs;
+    void *hv, *dv;
+    size_t meta_bytes;
+    st_kv_pool_meta(kv, &hv, &dv, &meta_bytes);
+    uint8_t *h = hv;
+    const size_t o_tok = (size_t)T * 8, o_pos = o_tok + (size_t)T * 4, o_seq = o_pos + (size_t)T * 4,
+                 o_lr = o_seq + (size_t)T * 4, o_ctx = o_lr + (size_t)T * 4, o_tab = o_ctx + (size_t)T * 4,
+                 total = o_tab + (size_t)(S * B) * 4;
+    ST_ASSERT(o_tab + (size_t)(T * B) * 4 <= meta_bytes && S <= T && b->max_blocks <= B);
+    memcpy(h, b->slots, (size_t)n * 8);
+    memcpy(h + o_tok, b->tokens, (size_t)n * 4);
+    memcpy(h + o_pos, b->pos, (size_t)n * 4);
+    memcpy(h + o_seq, b->seq, (size_t)n * 4);
+    if (b->n_logits) memcpy(h + o_lr, b->logit_rows, (size_t)b->n_logits * 4);
+    memcpy(h + o_ctx, b->ctx_lens, (size_t)S * 4);
+    memset(h + o_ctx + (size_t)S * 4, 0, (size_t)(T - S) * 4);
+    int32_t *tab = (int32_t *)(h + o_tab);
+    for (int64_t s = 0; s < S; s++) /* the rest of a row is never read (past its sequence's blocks) */
+        memcpy(tab + s * B, b->block_tables + s * b->max_blocks, (size_t)b->max_blocks * 4);
+    TRY(m->be->ops->copy_h2d(m->be, m->stream, dv, h, total));
+    const uint8_t *dm = dv;
+    int64_t max_len = 0;
+    for (int64_t s = 0; s < S; s++)
+        if (b->ctx_lens[s] > max_len) max_len = b->ctx_lens[s];
+    d->slots = (const int64_t *)dm;
+    d->tokens = (const int32_t *)(dm + o_tok);
+    d->pos = (const int32_t *)(dm + o_pos);
+    d->seq = (const int32_t *)(dm + o_seq);
+    d->logit_rows = (const int32_t *)(dm + o_lr);
+    d->pk = (st_paged_kv){.block_size = st_kv_pool_block_size(kv),
+                          .block_tables = (const int32_t *)(dm + o_tab), .max_blocks = B,
+                          .ctx_lens = (const int32_t *)(dm + o_ctx), .n_seqs = T,
+                          .max_ctx = batch_ctx_bucket(kv, max_len), .batch_seqs = S};
+    return STRATA_OK;
+}
+
+/* The pass itself, from the metadata on the device (d) to the logits in
+ * m->logits and, when `sample`, the sampled ids in m->h_sids (the args in
+ * m->h_sargs). Per layer: the layer's KV from the pool and the attention
+ * group from the weight manager (the stream waits on their events), the
+ * attention ops, the releases; then the FFN group. Everything it enqueues can
+ * be recorded as a graph when the weights are resident: no host reads or
+ * writes but the pinned h_sargs / h_sids, no allocation once the shape ran.
+ * `tokens` (host) is read only by the embedding gather of streamed weights. */
+strata_status st_llama_batch_ops(st_llama *m, st_kv_pool *kv, batch_dev *d, const int32_t *tokens, int64_t n,
+                                 int64_t n_logits, bool sample) {
+    st_backend *be = m->be;
+    const st_backend_ops *o = be->ops;
+    const st_config *c = &m->cfg;
+    {   /* embedding */
+        st_weight w;
+        const int32_t *ids = NULL;
+        TRY(st_wm_embed(m->wm, m->stream, tokens, n, &w, &ids));
+        TRY(o->get_rows(be, m->stream, &w, ids ? ids : d->tokens, n, m->x));
+    }
+    bound_group g;
+    for (int64_t l = 0; l < c->n_layers; l++) {
+        st_kv_layer cache;
+        st_event *kv_ready = NULL;
+        TRY(st_kv_pool_acquire(kv, l, &cache, &kv_ready));
+        strata_status st = kv_ready ? o->stream_wait_event(be, m->stream, kv_ready) : STRATA_OK;
+        if (st == STRATA_OK && (st = group_acquire(m, st_wg_attn_id((int)l), &g)) == STRATA_OK)
+            st = group_release(m, &g, st_llama_attn_ops(m, g.w, &cache, d, n, l > 0));
+        st_kv_pool_release(kv, l, NULL); /* the device tier moves nothing: no done event needed yet */
+        TRY(st);
+        TRY(group_acquire(m, st_wg_ffn_id((int)l), &g));
+        TRY(group_release(m, &g, st_llama_ffn_ops(m, g.w, n)));
+    }
+    if (n_logits > 0) {
+        TRY(group_acquire(m, st_wg_output_id(m->groups), &g));
+        TRY(group_release(m, &g, st_llama_output_ops(m, g.w, d, n, n_logits)));
+        if (sample) {
+            const size_t na = (size_t)n_logits;
+            TRY(o->copy_h2d(be, m->stream, m->d_sargs, m->h_sargs, na * sizeof(st_sample_args)));
+            TRY(o->sample(be, m->stream, m->logits, n_logits, c->vocab_size, m->d_sargs, m->d_sids));
+            TRY(o->copy_d2h(be, m->stream, m->h_sids, m->d_sids, na * sizeof(int32_t)));
+        }
+    }
+    return STRATA_OK;
+}
+
+/* Enqueues the whole pass (forward_batch below synchronizes). logits: host
+ * [n_logits, V] or NULL (not copied); args: host [n_logits] or NULL: the
+ * sample op's ids land in m->h_sids. */
+static strata_status forward_enqueue(st_llama *m, st_kv_pool *kv, const st_batch *b, float *logits,
+                                           const st_sample_args *args) {
+    st_backend *be = m->be;
+    const st_backend_ops *o = be->ops;
+    const int64_t V = m->cfg.vocab_size;
+    const bool sample = args && b->n_logits > 0;
+    TRY(st_wm_begin(m->wm));
+    batch_dev d;
+    TRY(batch_upload(m, kv, b, &d));
+    if (sample) memcpy(m->h_sargs, args, (size_t)b->n_logits * sizeof *args);
+    TRY(st_llama_batch_run(m, kv, &d, b, sample));
+    if (b->n_logits > 0 && logits)
+        TRY(o->copy_d2h(be, m->stream, logits, m->logits, (size_t)(b->n_logits * V) * sizeof(float)));
+    return STRATA_OK;
+}
+
+strata_status st_llama_forward(st_llama *m, st_kv_pool *kv, const st_batch *b, float *logits) {
+    if (!m || !kv || !b) return st_err(STRATA_ERR_INVALID_ARG, "forward: no model, pool or batch");
+    TRY(pool_check(m, kv));
+    TRY(batch_check(m, kv, b));
+    if (b->n_logits > 0 && !logits) return st_err(STRATA_ERR_INVALID_ARG, "forward: logits is NULL");
+    const strata_status st = forward_enqueue(m, kv, b, logits, NULL);
+    /* the one host sync: logits readable, and the staging buffer free for the
+     * next call even when an op failed after the metadata copy was enqueued */
+    const strata_status s2 = m->be->ops->stream_sync(m->be, m->stream);
+    return st != STRATA_OK ? st : s2;
+}
+
+strata_status st_llama_forward_sample(st_llama *m, st_kv_pool *kv, const st_batch *b, const st_sample_args *args,
+                                      int32_t *ids, float *logits) {
+    if (!m || !kv || !b) return st_err(STRATA_ERR_INVALID_ARG, "forward_sample: no model, pool or batch");
+    TRY(pool_check(m, kv));
+    TRY(batch_check(m, kv, b));
+    if (b->n_logits > 0 && (!args || !ids))
+        return st_err(STRATA_ERR_INVALID_ARG, "forward_sample: args or ids is NULL");
+    const strata_status st = forward_enqueue(m, kv, b, logits, b->n_logits > 0 ? args : NULL);
+    const strata_status s2 = m->be->ops->stream_sync(m->be, m->stream); /* the one host sync */
+    if (st == STRATA_OK && s2 == STRATA_OK && b->n_logits > 0)
+        memcpy(ids, m->h_sids, (size_t)b->n_logits * sizeof *ids);
+    return st != STRATA_OK ? st : s2;
+}
+
+/* ---- one sequence ------------------------------------------------------------------- */
+
+strata_status st_llama_forward_seq(st_llama *m, st_kv_pool *kv, const int32_t *tokens, int64_t n, int64_t n_past,
+                                   bool all_logits, float *logits) {
+    if (!m || !kv || !tokens || n < 1 || n_past < 0 || !logits)
+        return st_err(STRATA_ERR_INVALID_ARG, "forward_seq: no model, pool, tokens or logits, or n = %lld, n_past = %lld",
+                      (long long)n, (long long)n_past);
+    const int64_t bs = st_kv_pool_block_size(kv), room = st_kv_pool_num_blocks(kv) * bs;
+    const int64_t end = n_past + n, cap = room < m->max_seq_len ? room : m->max_seq_len;
+    if (end > cap)
+        return st_err(STRATA_ERR_INVALID_ARG,
+                      "forward_seq: %lld tokens after %lld exceed the context of %lld tokens (--ctx)", (long long)n,
+                      (long long)n_past, (long long)cap);
+    const int64_t T = m->max_tokens, nb = (end + bs - 1) / bs, V = m->cfg.vocab_size;
+    int32_t *table = st_malloc((size_t)nb * sizeof *table), *pos = st_malloc((size_t)T * sizeof *pos);
+    int32_t *seq = st_calloc((size_t)T, sizeof *seq), *rows = st_malloc((size_t)T * sizeof *rows);
+    int64_t *slots = st_malloc((size_t)T * sizeof *slots);
+    strata_status st = STRATA_OK;
+    if (!table || !pos || !seq || !rows || !slots) st = st_err(STRATA_ERR_NOMEM, "forward_seq: out of memory");
+    for (int64_t b = 0; st == STRATA_OK && b < nb; b++) table[b] = (int32_t)b;
+    for (int64_t done = 0; st == STRATA_OK && done < n; done += T) {
+        const int64_t k = n - done < T ? n - done : T, p0 = n_past + done;
+        const bool last = done + k == n;
+        for (int64_t i = 0; i < k; i++) {
+            pos[i] = (int32_t)(p0 + i);
+            slots[i] = p0 + i; /* block b holds positions b*bs.. */
+            rows[i] = (int32_t)i;
+        }
+        const int32_t ctx = (int32_t)(p0 + k);
+        const int64_t n_logits = all_logits ? k : last ? 1 : 0;
+        const st_batch b = {.n_tokens = k, .tokens = tokens + done, .pos = pos, .seq = seq, .slots = slots,
+                            .n_seqs = 1, .block_tables = table, .max_blocks = (ctx + bs - 1) / bs, .ctx_lens = &ctx,
+                            .logit_rows = all_logits ? rows : rows + k - 1, .n_logits = n_logits};
+        st = st_llama_forward(m, kv, &b, all_logits ? logits + done * V : logits);
+    }
+    st_free(table);
+    st_free(pos);
+    st_free(seq);
+    st_free(rows);
+    st_free(slots);
+    return st;
+}

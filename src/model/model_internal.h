@@ -1,0 +1,76 @@
+/* model_internal: the st_llama struct shared by llama.c (init, ops),
+ * forward.c (the layer loop) and graphs.c (recorded passes). Not for use
+ * outside src/model. */
+#pragma once
+#include "model/llama.h"
+
+#define TRY(x) do { strata_status st_ = (x); if (st_ != STRATA_OK) return st_; } while (0)
+
+/* Device views of one batch's metadata (in the pool's metadata buffer). */
+typedef struct {
+    const int64_t *slots;
+    const int32_t *tokens, *pos, *seq, *logit_rows;
+    st_paged_kv pk;      /* .cache set per layer */
+} batch_dev;
+
+/* One shape of pass and its recording. A recording holds every pointer and
+ * launch configuration of the pass, so the key is everything those depend
+ * on when the weights are resident: the token count, the logit rows, the
+ * attention's bucketed context bound (its split count), whether the sample
+ * op runs, and the KV pool. */
+#define BG_SLOTS 32
+typedef struct {
+    bool used;               /* the key is set: the shape ran directly at least once (its scratch is sized) */
+    int64_t n, n_logits, max_ctx;
+    bool sample;
+    const st_kv_pool *kv;
+    st_graph *g;             /* NULL: not recorded (yet) */
+    int fails;
+    uint64_t last_use;
+} batch_graph;
+
+struct st_llama {
+    const st_model_files *files;
+    st_backend *be;
+    st_config cfg;
+    int64_t max_seq_len, max_tokens;
+    st_stream *stream;      /* compute stream */
+
+    st_wgroups *groups;     /* weight groups: embed, attn.l, ffn.l, output */
+    st_weight (*wshape)[ST_WG_MAX_TENSORS]; /* [groups->n]: each tensor's dtype and shape (no data):
+                                               attn [norm 1 x H, q [heads*hd, H], k, v [kv*hd, H],
+                                               o [H, heads*hd]]; ffn [norm 1 x H, gate, up [I, H],
+                                               down [H, I]]; output [norm 1 x H, lm_head [V, H]] */
+    st_wm *wm;              /* where the weights live: device, pinned host, SSD */
+
+    /* activations, [max_tokens, ...] each (planner/planner.h st_plan_act_bytes) */
+    float *x, *xn, *q, *k, *v, *att, *tmp, *gate, *up, *logits;
+    float *inv_freq;        /* [head_dim/2] */
+    /* device sampling: args and ids, device / pinned host [max_tokens] each */
+    st_sample_args *d_sargs, *h_sargs;
+    int32_t *d_sids, *h_sids;
+
+    /* recorded passes (graphs.c) */
+    batch_graph bg[BG_SLOTS];
+    bool bg_off;            /* no graphs: params.no_graphs, st_llama_set_graphs, a backend without
+                               graphs, or too many invalidations */
+    uint64_t bg_takes;      /* be->device_budget.takes when the recordings were last known valid */
+    uint64_t bg_clock;      /* LRU clock */
+    int bg_invalid;         /* times the recordings were dropped for a device allocation */
+    st_llama_graph_stats bg_stats;
+};
+
+/* llama.c: the ops of one group over n tokens (the Llama-specific math). */
+strata_status st_llama_attn_ops(st_llama *m, const st_weight *w, const st_kv_layer *cache, batch_dev *d,
+                                int64_t n, bool residual_pending);
+strata_status st_llama_ffn_ops(st_llama *m, const st_weight *w, int64_t n);
+strata_status st_llama_output_ops(st_llama *m, const st_weight *w, const batch_dev *d, int64_t n, int64_t n_out);
+
+/* forward.c: the whole pass from the metadata on the device (d) to the
+ * logits in m->logits and, when `sample`, the ids in m->h_sids. */
+strata_status st_llama_batch_ops(st_llama *m, st_kv_pool *kv, batch_dev *d, const int32_t *tokens, int64_t n,
+                                 int64_t n_logits, bool sample);
+
+/* graphs.c: runs the pass as a replayed graph, a recording or directly. */
+strata_status st_llama_batch_run(st_llama *m, st_kv_pool *kv, batch_dev *d, const st_batch *b, bool sample);
+void st_llama_graphs_free(st_llama *m);

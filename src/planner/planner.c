@@ -1,0 +1,278 @@
+/* planner: see planner.h. */
+#include "planner/planner.h"
+
+#include "weights/measure.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+static size_t r256(size_t x) { return (x + 255) / 256 * 256; }
+
+/* Block size of the probe's paged attention (the engines' default). */
+#define PLAN_KV_BLOCK 16
+
+size_t st_plan_act_bytes(const st_config *c, int64_t T) {
+    const int64_t H = c->hidden_size, q_dim = c->n_heads * c->head_dim, kv_dim = c->n_kv_heads * c->head_dim,
+                  I = c->intermediate_size, V = c->vocab_size;
+    size_t a = 3 * r256((size_t)(T * H) * 4);           /* x, xn, tmp */
+    a += 2 * r256((size_t)(T * q_dim) * 4);             /* q, att */
+    a += 2 * r256((size_t)(T * kv_dim) * 4);            /* k, v */
+    a += 2 * r256((size_t)(T * I) * 4);                 /* gate, up */
+    a += r256((size_t)(T * V) * 4);                     /* logits */
+    a += r256((size_t)(c->head_dim / 2) * 4);           /* inv_freq */
+    a += r256((size_t)T * (sizeof(st_sample_args) + sizeof(int32_t))); /* sample args, ids */
+    return a;
+}
+
+/* ---- the backend's scratch, measured --------------------------------------------------
+ * Besides the buffers this file allocates, a backend takes device memory for
+ * itself while ops run (CUDA: activations converted to bf16, weight slabs
+ * dequantized for a GEMM, the cuBLASLt workspace, split-KV attention
+ * partials, reduction partials). How much depends on the model's widths and
+ * dtypes, the batch and the context, and on the kernels, so it is measured:
+ * the ops a forward pass runs (every matmul shape at a prefill chunk of T
+ * tokens and at one token, the decode step's fused matmuls, attention over
+ * up to max_ctx keys, paged attention when a pool is planned, the argmax)
+ * run once on a probe stream over zeroed buffers of the model's shapes, and
+ * the growth of the device budget during the ops is the scratch. Probe
+ * weights keep the tensor's dtype and width and at most 64 MiB of its rows
+ * (what scratch depends on). Everything is released before the plan is made. */
+
+#define PROBE_W_BYTES ((size_t)64 << 20)
+#define PROBE_MAX_W 24
+
+typedef struct {
+    st_dtype dtype;
+    int64_t cols, rows; /* rows: the largest of its tensors, capped to PROBE_W_BYTES */
+    void *d;
+} probe_weight;
+
+typedef struct {
+    st_backend *be;
+    st_stream *s;
+    void *bufs[PROBE_MAX_W + 8];
+    int n_bufs;
+    void *zeros;        /* host, ZERO_BYTES */
+} probe_ctx;
+
+#define ZERO_BYTES ((size_t)16 << 20)
+
+/* A zeroed device buffer of n bytes, freed by probe_free. */
+static strata_status probe_alloc(probe_ctx *p, size_t n, void **out) {
+    const st_backend_ops *o = p->be->ops;
+    strata_status st = o->alloc(p->be, n, out);
+    if (st != STRATA_OK) return st;
+    p->bufs[p->n_bufs++] = *out;
+    for (size_t off = 0; off < n; off += ZERO_BYTES)
+        if ((st = o->copy_h2d(p->be, p->s, (uint8_t *)*out + off, p->zeros, n - off < ZERO_BYTES ? n - off : ZERO_BYTES)))
+            return st;
+    return o->stream_sync(p->be, p->s);
+}
+
+static void probe_free(probe_ctx *p) {
+    for (int i = 0; i < p->n_bufs; i++) p->be->ops->dealloc(p->be, p->bufs[i]);
+    p->n_bufs = 0;
+    free(p->zeros);
+    p->zeros = NULL;
+}
+
+/* The probe weight holding tensor d's dtype and width, as a weight of d's rows (capped). */
+static st_weight probe_w(const probe_weight *pw, int npw, const st_tensor_desc *d) {
+    st_weight w = {0};
+    for (int i = 0; i < npw; i++)
+        if (pw[i].dtype == d->dtype && pw[i].cols == d->shape[1]) {
+            w.data = pw[i].d;
+            w.dtype = d->dtype;
+            w.cols = d->shape[1];
+            w.rows = d->shape[0] < pw[i].rows ? d->shape[0] : pw[i].rows;
+        }
+    return w;
+}
+
+static strata_status scratch_probe_run(probe_ctx *p, const st_config *c, const st_wgroups *g, int64_t T,
+                                       int64_t max_ctx, size_t *scratch) {
+    st_backend *be = p->be;
+    const st_backend_ops *o = be->ops;
+    const int64_t H = c->hidden_size, hd = c->head_dim, q_dim = c->n_heads * hd, kv_dim = c->n_kv_heads * hd,
+                  V = c->vocab_size;
+    strata_status st;
+    /* the distinct (dtype, width) of the matrices */
+    probe_weight pw[PROBE_MAX_W];
+    int npw = 0;
+    int64_t kmax = H > q_dim ? H : q_dim, nmax = q_dim;
+    for (int i = 1; i < g->n; i++)
+        for (int t = 0; t < g->g[i].n_tensors; t++) {
+            const st_tensor_desc *d = g->g[i].t[t].desc;
+            if (d->n_dims != 2) continue;
+            const size_t rb = st_dtype_row_bytes(d->dtype, d->shape[1]);
+            if (rb == 0) continue;
+            int64_t rows = d->shape[0];
+            if ((size_t)rows * rb > PROBE_W_BYTES) rows = (int64_t)(PROBE_W_BYTES / rb) / 64 * 64;
+            if (rows < 64) rows = d->shape[0] < 64 ? d->shape[0] : 64;
+            int k = 0;
+            while (k < npw && !(pw[k].dtype == d->dtype && pw[k].cols == d->shape[1])) k++;
+            if (k == npw) {
+                if (npw == PROBE_MAX_W) continue;
+                pw[npw++] = (probe_weight){d->dtype, d->shape[1], rows, NULL};
+            } else if (rows > pw[k].rows) {
+                pw[k].rows = rows;
+            }
+            if (d->shape[1] > kmax) kmax = d->shape[1];
+            if (rows > nmax) nmax = rows;
+        }
+    const int64_t Ta = T < max_ctx ? T : max_ctx; /* tokens of the attention probes */
+    size_t ysz = (size_t)(T * nmax);
+    if ((size_t)(3 * nmax) > ysz) ysz = (size_t)(3 * nmax);
+    if ((size_t)V > ysz) ysz = (size_t)V;
+    float *x = NULL, *y = NULL, *kc = NULL, *vc = NULL;
+    int32_t *meta = NULL;
+    for (int i = 0; i < npw; i++)
+        if ((st = probe_alloc(p, (size_t)pw[i].rows * st_dtype_row_bytes(pw[i].dtype, pw[i].cols), &pw[i].d)))
+            return st;
+    if ((st = probe_alloc(p, (size_t)(T * kmax) * 4, (void **)&x)) || (st = probe_alloc(p, ysz * 4, (void **)&y)))
+        return st;
+    /* int32 metadata: pos at the end of the context [Ta] | pos from 0 [Ta] | seq [Ta] zeros |
+     * ctx_lens [1] | unused [1] | block table [max_blocks] */
+    const int64_t bs = PLAN_KV_BLOCK, max_blocks = (max_ctx + bs - 1) / bs;
+    const int64_t n_meta = 3 * Ta + 2 + max_blocks;
+    {
+        const size_t kvb = (size_t)(max_blocks * bs * kv_dim) * 4;
+        if ((st = probe_alloc(p, kvb, (void **)&kc)) || (st = probe_alloc(p, kvb, (void **)&vc))) return st;
+    }
+    if ((st = probe_alloc(p, (size_t)n_meta * 4, (void **)&meta))) return st;
+    int32_t *h = st_calloc((size_t)n_meta, sizeof *h);
+    if (!h) return st_err(STRATA_ERR_NOMEM, "scratch probe: out of memory");
+    for (int64_t i = 0; i < Ta; i++) {
+        h[i] = (int32_t)(max_ctx - Ta + i);
+        h[Ta + i] = (int32_t)i;
+    }
+    h[3 * Ta] = (int32_t)max_ctx;
+    for (int64_t b = 0; b < max_blocks; b++) h[3 * Ta + 2 + b] = (int32_t)b;
+    st = o->copy_h2d(be, p->s, meta, h, (size_t)n_meta * 4);
+    if (st == STRATA_OK) st = o->stream_sync(be, p->s);
+    st_free(h);
+    if (st != STRATA_OK) return st;
+    const int32_t *pos_end = meta, *seq = meta + 2 * Ta, *ctx_lens = meta + 3 * Ta;
+    const int32_t *tables = meta + 3 * Ta + 2;
+
+    /* the ops, in the order a prefill chunk and then decode steps run them */
+    st_budget *bud = &be->device_budget;
+    const size_t u0 = bud->used, saved_peak = bud->peak;
+    bud->peak = bud->used;
+    const int64_t ns[2] = {T, 1};
+    for (int r = 0; r < 2 && st == STRATA_OK; r++)
+        for (int i = 0; i < npw && st == STRATA_OK; i++) {
+            const st_weight w = {pw[i].d, pw[i].dtype, pw[i].rows, pw[i].cols};
+            st = o->matmul(be, p->s, x, &w, ns[r], y);
+        }
+    const float scale = 1.0f / sqrtf((float)hd);
+    if (st == STRATA_OK) {
+        const st_paged_kv pk = {.cache = {.k = kc, .v = vc, .dtype = ST_KV_F32, .n_slots = max_blocks * bs,
+                                          .n_kv_heads = c->n_kv_heads, .head_dim = hd},
+                                .block_size = bs,
+                                .block_tables = tables, .max_blocks = max_blocks, .ctx_lens = ctx_lens,
+                                .n_seqs = 1, .max_ctx = max_ctx};
+        st = o->attention_paged(be, p->s, x, &pk, seq, pos_end, Ta, c->n_heads, c->n_kv_heads, hd, scale, y);
+        if (st == STRATA_OK)
+            st = o->attention_paged(be, p->s, x, &pk, seq, pos_end + Ta - 1, 1, c->n_heads, c->n_kv_heads, hd, scale,
+                                    y);
+    }
+    if (st == STRATA_OK && c->n_layers > 0) { /* the decode step's fused matmuls (layer 0's shapes) */
+        const st_wgroup *a = &g->g[st_wg_attn_id(0)], *f = &g->g[st_wg_ffn_id(0)];
+        const st_weight qkv[3] = {probe_w(pw, npw, a->t[ST_WG_WQ].desc), probe_w(pw, npw, a->t[ST_WG_WK].desc),
+                                  probe_w(pw, npw, a->t[ST_WG_WV].desc)};
+        const st_weight wg = probe_w(pw, npw, f->t[ST_WG_GATE].desc), wu = probe_w(pw, npw, f->t[ST_WG_UP].desc);
+        if (qkv[0].data && qkv[1].data && qkv[2].data && qkv[0].cols == qkv[1].cols && qkv[0].cols == qkv[2].cols) {
+            float *const ys[3] = {y, y + qkv[0].rows, y + qkv[0].rows + qkv[1].rows};
+            st = o->matmul_multi(be, p->s, x, qkv, 3, 1, ys);
+        }
+        if (st == STRATA_OK && wg.data && wu.data && wg.dtype == wu.dtype && wg.cols == wu.cols) {
+            st_weight wg2 = wg, wu2 = wu; /* one shape for both */
+            wg2.rows = wu2.rows = wg.rows < wu.rows ? wg.rows : wu.rows;
+            st = o->matmul_swiglu(be, p->s, x, &wg2, &wu2, 1, y);
+        }
+    }
+    if (st == STRATA_OK) st = o->stream_sync(be, p->s);
+    *scratch = bud->peak > u0 ? bud->peak - u0 : 0;
+    bud->peak = saved_peak;
+    return st;
+}
+
+/* Device bytes to keep for the backend's scratch: 3x the measured scratch
+ * (a scratch buffer grows by at least 1.5x at a time and frees the old one,
+ * so the holes its earlier sizes leave in the pool add up to at most twice
+ * its final size), plus 4 MiB for ops the probe does not run (each scratch
+ * buffer is at least 1 MiB). CPU: its scratch lives outside the arena (0),
+ * and the probe runs only when forced (tests). A probe that does not fit in
+ * the budget leaves the estimate from the shapes alone. Without a device
+ * budget nothing is reserved (every weight is resident). */
+size_t st_plan_scratch(st_backend *be, const st_config *c, const st_wgroups *g, int64_t T, int64_t max_ctx,
+                       bool force) {
+    const bool cpu = be->kind == ST_BACKEND_CPU;
+    if (!force && cpu) return 0;
+    probe_ctx p = {be, NULL, {0}, 0, NULL};
+    size_t scratch = 0;
+    strata_status st = STRATA_OK;
+    if (!(p.zeros = calloc(1, ZERO_BYTES))) st = st_err(STRATA_ERR_NOMEM, "scratch probe: out of memory");
+    if (st == STRATA_OK) st = be->ops->stream_create(be, false, &p.s);
+    if (st == STRATA_OK) st = scratch_probe_run(&p, c, g, T, max_ctx, &scratch);
+    if (p.s) {
+        (void)be->ops->stream_sync(be, p.s);
+        probe_free(&p); /* the buffers, then the stream and its scratch */
+        be->ops->stream_destroy(be, p.s);
+    } else {
+        probe_free(&p);
+    }
+    if (st == STRATA_OK) {
+        st_log(STRATA_LOG_DEBUG, "backend scratch measured: %zu bytes (batch %lld, context %lld)", scratch,
+               (long long)T, (long long)max_ctx);
+        return cpu && scratch == 0 ? 0 : 3 * scratch + ((size_t)4 << 20);
+    }
+    if (cpu) return 0;
+    int64_t K = c->hidden_size;
+    if (c->intermediate_size > K) K = c->intermediate_size;
+    if (c->n_heads * c->head_dim > K) K = c->n_heads * c->head_dim;
+    const size_t est = ((size_t)128 << 20) + 3 * (size_t)(T * K) * 4;
+    st_log(STRATA_LOG_WARN, "backend scratch probe failed (%s); reserving %zu bytes from the shapes", st_last_error(),
+           est);
+    return est;
+}
+
+
+strata_status st_plan_make(const st_model_files *files, st_backend *be, const st_wgroups *g,
+                           const st_plan_params *p, st_wplan *plan) {
+    memset(plan, 0, sizeof *plan);
+    if (!p || p->max_tokens < 1 || p->max_seq_len < 1)
+        return st_err(STRATA_ERR_INVALID_ARG, "plan: max_tokens and max_seq_len must be >= 1");
+    const st_config *c = &files->config;
+    const st_weight_opts *wo = &p->weights;
+    const int64_t T = p->max_tokens;
+    st_wplan_params pp;
+    memset(&pp, 0, sizeof pp);
+    pp.device_mem = p->device_mem;
+    pp.host_mem = wo->host_mem ? wo->host_mem : st_wplan_host_auto();
+    pp.device_kv = p->kv_bytes;
+    pp.device_act = st_plan_act_bytes(c, T);
+    pp.device_reserve = wo->device_reserve ? wo->device_reserve
+                        : p->device_mem ? st_plan_scratch(be, c, g, T, p->max_seq_len, wo->probe_scratch) : 0;
+    pp.ring_slots = wo->ring_slots;
+    pp.staging_chunk = wo->staging_chunk;
+    pp.staging_chunks = wo->staging_chunks;
+    pp.max_batch = T;
+    pp.prefill_tokens = wo->prefill_tokens;
+    for (int i = 1; i < g->n; i++)
+        for (int t = 0; t < g->g[i].n_tensors; t++) {
+            const st_tensor_desc *d = g->g[i].t[t].desc;
+            if (d->n_dims == 2) pp.flops_per_token += 2.0 * (double)d->shape[0] * (double)d->shape[1];
+        }
+    pp.attn_flops = 4.0 * (double)c->n_heads * (double)c->head_dim * (double)c->n_layers;
+    pp.bw = wo->bw;
+    pp.force = wo->placement;
+    const bool measure = p->device_mem > 0 || wo->placement;
+    if (measure && (pp.bw.h2d <= 0 || pp.bw.ssd <= 0 || pp.bw.dev_read <= 0 || pp.bw.gemm <= 0)) {
+        strata_status st = st_wbw_measure(be, files, g, T, !wo->stream.no_direct, &pp.bw);
+        if (st != STRATA_OK) return st;
+    }
+    return st_wplan_make(g, &pp, plan);
+}

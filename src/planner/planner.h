@@ -1,0 +1,74 @@
+/* planner: one memory plan from explicit budgets.
+ *
+ * Given the model files, the backend, the device budget (an explicit
+ * parameter: 0 = unlimited), the host budget, the tokens of one forward pass,
+ * the positions of one sequence and the device bytes of the KV pool, the
+ * planner sizes what the device holds:
+ *   device = KV pool + activations (st_plan_act_bytes) + backend scratch
+ *            (measured: st_plan_scratch) + weights (resident groups and the
+ *            ring streamed groups pass through: weights/plan.h);
+ *   host   = pinned staging + host-tier weight groups.
+ * It measures the bandwidths the placement needs (PCIe, SSD, device reads,
+ * GEMM) when the budget is capped and they are not given: measuring belongs
+ * to planning (startup, `strata plan`, `strata bench`), never to model init.
+ * Who may include it: the model and everything above (it includes core,
+ * loader, backend.h, weights and kv). */
+#pragma once
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include "backend/backend.h"
+#include "loader/loader.h"
+#include "weights/manager.h"
+#include "weights/plan.h"
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Weight placement and streaming. Zero everywhere: the defaults below. */
+typedef struct {
+    size_t host_mem;          /* pinned host memory for the weights (host tier + staging);
+                                 0: 80% of MemAvailable */
+    size_t device_reserve;    /* device bytes kept for backend scratch (0: measured; none on CPU) */
+    int ring_slots;           /* device slots streamed groups pass through (0: 2) */
+    size_t staging_chunk;     /* pinned staging buffer bytes (0: 8 MiB) */
+    int staging_chunks;       /* staging buffers = reads in flight at most (0: 16) */
+    int64_t prefill_tokens;   /* prompt length of the plan's prefill prediction (0: 2048) */
+    st_wbw bw;                /* bandwidths given (0: measured when the device is capped) */
+    const st_tier *placement; /* fixed placement, [2 * n_layers + 2] in group order (tests); NULL: planned */
+    st_wm_params stream;      /* reader options and test hooks (its host_mem is set from host_mem) */
+    bool probe_scratch;       /* measure the backend's scratch on the CPU too (tests: the CPU's is 0) */
+} st_weight_opts;
+
+typedef struct {
+    size_t device_mem;        /* the device budget (0: unlimited: every weight resident) */
+    int64_t max_tokens;       /* tokens of one forward pass (>= 1) */
+    int64_t max_seq_len;      /* positions of one sequence (>= 1) */
+    size_t kv_bytes;          /* device bytes of the KV pool (kv/kv_pool.h st_kv_pool_device_bytes) */
+    st_weight_opts weights;
+} st_plan_params;
+
+/* Device bytes of the activations a model with these shapes allocates for
+ * forward passes of max_tokens tokens (model/llama.c allocates exactly these
+ * buffers), each rounded to 256 bytes. */
+size_t st_plan_act_bytes(const st_config *c, int64_t max_tokens);
+
+/* The device bytes the backend takes for its own scratch while the model's
+ * ops run, measured by running every op shape of a forward pass once over
+ * zeroed buffers (ops of max_tokens tokens and of one token, paged attention
+ * over max_seq_len keys) on a probe stream, times 3 (a growing scratch
+ * buffer leaves holes), plus 4 MiB. 0 on the CPU (its scratch is host
+ * memory outside the arena) unless `force`. */
+size_t st_plan_scratch(st_backend *be, const st_config *c, const st_wgroups *g, int64_t max_tokens,
+                       int64_t max_seq_len, bool force);
+
+/* Places the weight groups g of `files` on `be` within p's budgets: *plan
+ * (the caller owns it: st_wplan_free; empty on error). Bandwidths not given
+ * are measured when p->device_mem > 0 or a placement is forced. NOMEM with
+ * what is needed when no placement fits. */
+strata_status st_plan_make(const st_model_files *files, st_backend *be, const st_wgroups *g,
+                           const st_plan_params *p, st_wplan *plan);
+
+#ifdef __cplusplus
+}
+#endif
