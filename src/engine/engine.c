@@ -457,8 +457,8 @@ strata_status st_engine_step(st_engine *e, bool *worked) {
     const int64_t n_ev = info.n_events;
     ST_ASSERT(n_ev <= e->p.max_batch);
     if (n_ev > 0) memcpy(e->ev, info.events, (size_t)n_ev * sizeof *e->ev);
-    /* queue time of the newly admitted */
-    const double now = st_time_now();
+    /* queue time of the newly admitted: until the start of the step that admitted them */
+    const double now = t_step;
     pthread_mutex_lock(&e->mu);
     for (st_seq *s = e->live; s; s = s->next)
         if (s->t_admit <= 0 && s->n_cached >= 0) s->t_admit = now;

@@ -436,6 +436,7 @@ strata_status st_scheduler_finish(st_scheduler *s, uint64_t id, st_finish_reason
     if (!q) return st_err(STRATA_ERR_NOT_FOUND, "scheduler: no live sequence %llu", (unsigned long long)id);
     if (reason == ST_FINISH_ABORT) s->stats.aborted++;
     else s->stats.finished++;
+    /* a STOP the caller decided (st_seq_postprocess) keeps its detail */
     drop_seq(s, q, reason);
     return STRATA_OK;
 }

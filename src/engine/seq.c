@@ -177,7 +177,7 @@ strata_status st_seq_postprocess(st_seq *s, int32_t token, bool *stop) {
             s->fin.stop_id = stopped ? -1 : token;
             s->fin.stop_string = stopped ? st_stop_filter_hit(s->stop) : -1;
             s->fin.context_full = false;
-            st_seq_set_finished(s, ST_FINISH_STOP, NULL);
+            s->fin.reason = ST_FINISH_STOP;
             *stop = true;
             return STRATA_OK;
         }
@@ -191,7 +191,7 @@ strata_status st_seq_postprocess(st_seq *s, int32_t token, bool *stop) {
     if (stopped) {
         s->fin.stop_string = st_stop_filter_hit(s->stop);
         s->fin.context_full = false;
-        st_seq_set_finished(s, ST_FINISH_STOP, NULL);
+        s->fin.reason = ST_FINISH_STOP;
         *stop = true;
     }
     return STRATA_OK;

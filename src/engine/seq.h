@@ -167,8 +167,9 @@ void st_seq_append(st_seq *s, int32_t token);
  * or already FINISHED by the scheduler for LENGTH), what they held back.
  * *stop: the sequence stops now (fin.reason = STOP, with stop_id or
  * stop_string set; when the scheduler had finished it for LENGTH and a stop
- * string completes in its last text, the reason becomes STOP). The caller
- * (runner) takes a stopped live sequence out of its scheduler. NOMEM. */
+ * string completes in its last text, the reason becomes STOP). The status is
+ * not changed: the caller (runner) takes a stopped live sequence out of its
+ * scheduler (st_scheduler_finish, which makes it FINISHED). NOMEM. */
 strata_status st_seq_postprocess(st_seq *s, int32_t token, bool *stop);
 
 /* Marks s FINISHED for `reason` (fin.reason; ERROR: the message copied from
