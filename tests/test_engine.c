@@ -1,6 +1,10 @@
 /* The serving engine (engine/engine.h) on a tiny GGUF llama with a real BPE
  * vocabulary (tests/data/tokenizer/tiny_bpe_smollm.gguf, context 64):
- *  - every request's text, finish reason and usage equal st_generate's for
+ *  - the stop-string filter (engine/stop.h): a stop string split across
+ *    pieces, the earliest of several, a held-back prefix released, UTF-8;
+ *  - every request's text, finish reason and usage equal a reference written
+ *    here (a single-sequence loop over st_llama_forward_batch with a
+ *    one-sequence batch, its own sampler, detokenizer and stop checks) for
  *    the same prompt and sampler (greedy and seeded sampling), whether it runs
  *    alone, among 11 others (more than the 4 slots: some wait), or joining
  *    while others are mid-way (batch invariance), with prefix-cache hits,
@@ -21,7 +25,7 @@
 #include <string.h>
 
 #include "engine/engine.h"
-#include "engine/generate.h"
+#include "engine/stop.h"
 #include "testutil.h"
 
 typedef struct {
@@ -87,7 +91,59 @@ static void on_finish(void *user, const st_engine_finish *f) {
     }
 }
 
-/* ---- the reference: st_generate on its own model ------------------------------------------*/
+/* ---- the stop-string filter ----------------------------------------------------------*/
+typedef struct {
+    char text[512];
+    size_t len;
+    bool stopped;
+} sink;
+
+static void run_filter(const char *const *stop, int n_stop, const char *const *pieces, const char *want,
+                       bool want_stop, int want_hit) {
+    sink s = {0};
+    st_stop_filter *f = NULL;
+    CHECK(st_stop_filter_init(stop, n_stop, &f) == STRATA_OK);
+    if (!f) return;
+    for (int i = 0; pieces[i]; i++) {
+        const char *out;
+        size_t n;
+        bool stopped;
+        CHECK(st_stop_filter_push(f, pieces[i], strlen(pieces[i]), &out, &n, &stopped) == STRATA_OK);
+        CHECK(s.len + n < sizeof s.text);
+        memcpy(s.text + s.len, out, n);
+        s.len += n;
+        s.stopped = stopped;
+    }
+    const char *out;
+    size_t n;
+    st_stop_filter_flush(f, &out, &n);
+    memcpy(s.text + s.len, out, n);
+    s.len += n;
+    s.text[s.len] = 0;
+    CHECK_MSG(!strcmp(s.text, want), "got '%s', want '%s'", s.text, want);
+    CHECK_MSG(s.stopped == want_stop && st_stop_filter_hit(f) == want_hit, "stopped %d hit %d for '%s'", s.stopped,
+              st_stop_filter_hit(f), want);
+    st_stop_filter_free(f);
+}
+
+static void test_stop_filter(void) {
+    const char *one[] = {"STOP"};
+    run_filter(one, 1, (const char *[]){"hello ", "ST", "O", "P world", NULL}, "hello ", true, 0);
+    run_filter(one, 1, (const char *[]){"hello ST", "ORM", NULL}, "hello STORM", false, -1);
+    run_filter(one, 1, (const char *[]){"hello ST", NULL}, "hello ST", false, -1); /* released at the end */
+    const char *two[] = {"world", "lo w"};
+    run_filter(two, 2, (const char *[]){"hel", "lo world", NULL}, "hel", true, 1); /* the earliest */
+    const char *utf[] = {"\xc3\xa9t\xc3\xa9"};
+    run_filter(utf, 1, (const char *[]){"un \xc3\xa9", "t\xc3\xa9 chaud", NULL}, "un ", true, 0);
+    run_filter(NULL, 0, (const char *[]){"a", "b", NULL}, "ab", false, -1);
+    st_stop_filter *f = NULL;
+    const char *empty[] = {""};
+    CHECK_ERR(st_stop_filter_init(empty, 1, &f), STRATA_ERR_INVALID_ARG, "stop string 1 is empty");
+    const char *bad[] = {"\xff"};
+    CHECK_ERR(st_stop_filter_init(bad, 1, &f), STRATA_ERR_INVALID_ARG, "UTF-8");
+}
+
+/* ---- the reference: one sequence over st_llama_forward_batch ------------------------------*/
 typedef struct {
     const char *prompt_text;
     int32_t *prompt;
@@ -101,45 +157,116 @@ typedef struct {
     char text[4096];
     size_t len;
     st_finish_reason reason;
-    st_stop_reason stop_detail;
+    const char *detail; /* st_finish_detail's word */
     int64_t completion_tokens;
 } job;
 
-
-static bool collect_ref(const char *t, size_t n, void *user) {
-    job *j = user;
-    if (j->len + n < sizeof j->text) {
-        memcpy(j->text + j->len, t, n);
-        j->len += n;
-        j->text[j->len] = 0;
+/* The earliest stop string in j->text: cut there. */
+static bool ref_stop_string(job *j) {
+    size_t first = SIZE_MAX;
+    for (int i = 0; i < j->n_stop; i++) {
+        const char *hit = strstr(j->text, j->stop[i]);
+        if (hit && (size_t)(hit - j->text) < first) first = (size_t)(hit - j->text);
     }
+    if (first == SIZE_MAX) return false;
+    j->len = first;
+    j->text[first] = 0;
     return true;
 }
 
-/* Runs the job with st_generate on an st_llama chunked like the engine's slots. */
+static void ref_text(job *j, const char *t, size_t n) {
+    CHECK(j->len + n < sizeof j->text);
+    memcpy(j->text + j->len, t, n);
+    j->len += n;
+    j->text[j->len] = 0;
+}
+
+/* Runs the job alone: prompt in chunks of `chunk` tokens, then one token a
+ * step, on a model of its own with a one-sequence paged pool (one block of
+ * the whole context: block table {0}, slot = position); the same sampler,
+ * greedy or seeded; stop ids (the tokenizer's unless ignore_eos), stop
+ * strings, max_tokens and the context as engine.h says. */
 static void make_reference(tiny *t, int64_t chunk, job *j) {
     st_llama *m = NULL;
-    const st_llama_params lp = {.max_ctx = t->n_ctx, .max_batch = chunk};
+    const st_llama_params lp = {.max_ctx = t->n_ctx, .max_batch = chunk, .kv_pool_tokens = t->n_ctx,
+                                .no_seq_kv = true};
     CHECK(st_llama_init(t->files, t->be, &lp, &m) == STRATA_OK);
+    st_kv_cache *kv = NULL;
+    const st_kv_cache_params kp = {.num_blocks = 1, .block_size = t->n_ctx};
+    CHECK(st_kv_cache_init(m, &kp, &kv) == STRATA_OK);
     st_sampler *s = NULL;
     CHECK(st_sampler_init(&j->sp, t->vocab, &s) == STRATA_OK);
-    /* the engine's context budget: prompt + output <= max_model_len */
-    int64_t budget = t->n_ctx - j->n_prompt;
-    bool from_max = false;
-    if (j->max_tokens > 0 && j->max_tokens <= budget) {
-        budget = j->max_tokens;
-        from_max = true;
-    }
-    st_generate_params gp = {.max_tokens = budget, .n_ctx = t->n_ctx, .stop = j->stop, .n_stop = j->n_stop};
-    st_generate_stats gs;
+    st_detok *dt = NULL;
+    CHECK(st_detok_init(t->tok, true, &dt) == STRATA_OK);
+    const int32_t *stop_ids = NULL;
+    const int n_stop_ids = j->ignore_eos ? 0 : st_tokenizer_stop_ids(t->tok, &stop_ids);
+    const int64_t V = st_llama_config(m)->vocab_size;
+    float *logits = malloc((size_t)V * sizeof *logits);
+    int32_t *toks = malloc((size_t)t->n_ctx * sizeof *toks);
+    int32_t pos[64], tab[1] = {0}, ctx_len[1], seq0[64] = {0}, row[1];
+    int64_t slots[64];
+    memcpy(toks, j->prompt, (size_t)j->n_prompt * sizeof *toks);
+    int64_t n_tok = j->n_prompt, done = 0;
     j->len = 0;
     j->text[0] = 0;
-    CHECK(st_generate(m, t->tok, s, j->prompt, j->n_prompt, &gp, collect_ref, j, &gs) == STRATA_OK);
-    j->completion_tokens = gs.gen_tokens;
-    j->stop_detail = gs.stop;
-    if (gs.stop == ST_STOP_MAX_TOKENS && !from_max) j->stop_detail = ST_STOP_CONTEXT;
-    j->reason = gs.stop == ST_STOP_EOS || gs.stop == ST_STOP_STRING ? ST_FINISH_STOP : ST_FINISH_LENGTH;
+    j->completion_tokens = 0;
+    bool stopped = false;
+    for (;;) {
+        /* run toks[done .. n_tok) in chunks; logits of the last one */
+        while (done < n_tok) {
+            const int64_t n = n_tok - done < chunk ? n_tok - done : chunk;
+            for (int64_t k = 0; k < n; k++) pos[k] = (int32_t)(done + k), slots[k] = done + k;
+            ctx_len[0] = (int32_t)(done + n);
+            row[0] = (int32_t)(n - 1);
+            const st_batch b = {.n_tokens = n, .tokens = toks + done, .pos = pos, .seq = seq0, .slots = slots,
+                                .n_seqs = 1, .block_tables = tab, .max_blocks = 1, .ctx_lens = ctx_len,
+                                .logit_rows = row, .n_logits = done + n == n_tok ? 1 : 0};
+            CHECK(st_llama_forward_batch(m, kv, &b, logits) == STRATA_OK);
+            done += n;
+        }
+        int32_t tk;
+        CHECK(st_sampler_sample(s, logits, toks, n_tok, &tk) == STRATA_OK);
+        toks[n_tok++] = tk;
+        j->completion_tokens++;
+        bool is_stop = false;
+        for (int i = 0; i < n_stop_ids; i++) is_stop |= stop_ids[i] == tk;
+        const char *out;
+        size_t n;
+        if (is_stop) {
+            j->reason = ST_FINISH_STOP;
+            j->detail = "eos";
+            break;
+        }
+        CHECK(st_detok_push(dt, tk, &out, &n) == STRATA_OK);
+        ref_text(j, out, n);
+        if ((stopped = ref_stop_string(j))) break;
+        if (j->max_tokens > 0 && j->completion_tokens >= j->max_tokens) {
+            j->reason = ST_FINISH_LENGTH;
+            j->detail = "max_tokens";
+            break;
+        }
+        if (n_tok >= t->n_ctx) {
+            j->reason = ST_FINISH_LENGTH;
+            j->detail = "context_full";
+            break;
+        }
+    }
+    if (!stopped) {
+        const char *out;
+        size_t n;
+        CHECK(st_detok_flush(dt, &out, &n) == STRATA_OK);
+        ref_text(j, out, n);
+        stopped = ref_stop_string(j);
+    }
+    if (stopped) {
+        j->reason = ST_FINISH_STOP;
+        j->detail = "stop_string";
+    }
+    free(toks);
+    free(logits);
+    st_detok_free(dt);
     st_sampler_free(s);
+    st_kv_cache_free(kv);
     st_llama_free(m);
 }
 
@@ -153,9 +280,9 @@ static void check_result(const job *j, const result *r, const char *what) {
     CHECK_MSG(r->finished == 1, "%s: on_finish called %d times", what, r->finished);
     CHECK_MSG(r->len == j->len && !memcmp(r->text, j->text, j->len), "%s: '%s' != reference '%s'", what, r->text,
               j->text);
-    CHECK_MSG(r->fin.reason == j->reason && r->fin.stop == j->stop_detail, "%s: finish %s/%s, reference %s/%s", what,
-              st_finish_reason_name(r->fin.reason), st_stop_reason_name(r->fin.stop), st_finish_reason_name(j->reason),
-              st_stop_reason_name(j->stop_detail));
+    CHECK_MSG(r->fin.reason == j->reason && !strcmp(st_finish_detail(&r->fin), j->detail),
+              "%s: finish %s/%s, reference %s/%s", what, st_finish_reason_name(r->fin.reason),
+              st_finish_detail(&r->fin), st_finish_reason_name(j->reason), j->detail);
     CHECK_MSG(r->fin.completion_tokens == j->completion_tokens, "%s: %lld tokens, reference %lld", what,
               (long long)r->fin.completion_tokens, (long long)j->completion_tokens);
     CHECK(r->fin.prompt_tokens == j->n_prompt);
@@ -409,7 +536,7 @@ static void test_stops(tiny *t, job *jobs) {
             js.stop[1] = stop;
             js.n_stop = 2;
             make_reference(t, CHUNK, &js);
-            CHECK(js.reason == ST_FINISH_STOP && js.stop_detail == ST_STOP_STRING);
+            CHECK(js.reason == ST_FINISH_STOP && !strcmp(js.detail, "stop_string"));
             CHECK(js.len == (size_t)(strstr(j.text, stop) - j.text));
             result r = {0};
             st_engine_callbacks cb = {on_text, on_finish, &r};
@@ -456,7 +583,7 @@ static void test_stops(tiny *t, job *jobs) {
         uint64_t id;
         CHECK(st_engine_add(e, &rq, &cb, &id) == STRATA_OK);
         run_until_idle(e);
-        CHECK(r.fin.reason == ST_FINISH_LENGTH && r.fin.stop == ST_STOP_CONTEXT);
+        CHECK(r.fin.reason == ST_FINISH_LENGTH && r.fin.context_full);
         CHECK_MSG(r.fin.completion_tokens == t->n_ctx - jc.n_prompt, "%lld tokens",
                   (long long)r.fin.completion_tokens);
         /* and max_tokens beyond the context is capped by it */
@@ -464,7 +591,7 @@ static void test_stops(tiny *t, job *jobs) {
         rq.max_tokens = 1000;
         CHECK(st_engine_add(e, &rq, &cb, &id) == STRATA_OK);
         run_until_idle(e);
-        CHECK(r.fin.reason == ST_FINISH_LENGTH && r.fin.stop == ST_STOP_CONTEXT);
+        CHECK(r.fin.reason == ST_FINISH_LENGTH && r.fin.context_full);
         CHECK(r.fin.completion_tokens == t->n_ctx - jc.n_prompt);
     }
     st_engine_free(e);
@@ -666,6 +793,7 @@ static void test_thread(tiny *t, job *jobs) {
 }
 
 int main(void) {
+    test_stop_filter();
     tiny t;
     if (!tiny_open(&t)) {
         CHECK(!"tiny model");
@@ -677,7 +805,7 @@ int main(void) {
     for (int i = 0; i < NJOBS; i++) greedy_done += jobs[i].completion_tokens > 0;
     CHECK(greedy_done == NJOBS);
     printf("reference: job 0 greedy \"%s\" (%lld tokens, %s)\n", jobs[0].text, (long long)jobs[0].completion_tokens,
-           st_stop_reason_name(jobs[0].stop_detail));
+           jobs[0].detail);
     test_invariance(&t, jobs);
     test_chunks(&t, jobs);
     test_stops(&t, jobs);

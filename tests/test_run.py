@@ -15,8 +15,9 @@ Checks:
   - --stop: the output ends before the stop string (stats: stop_string);
   - -n 5: exactly 5 generated tokens; the stats line's format;
   - --system and --no-chat change the prompt (token counts in the stats);
-  - interactive chat through a pseudo-terminal: the second turn prefills only
-    its new tokens (KV cache reused) and still answers about its question;
+  - interactive chat through a pseudo-terminal: the second turn sends the
+    whole conversation, prefills only its new tokens (the prefix cache holds
+    the first turn: stats ', cached: N') and still answers about its question;
   - bad arguments: exit 2 and a message naming the option;
   - a model directory without tokenizer.json: exit 1, naming the file;
   - an unknown chat template: exit 1 with a message pointing at --no-chat and
@@ -70,7 +71,7 @@ def find_model():
 
 
 STATS = re.compile(r"^prompt: (\d+) tokens in ([0-9.]+) s \(([0-9.]+) tok/s\), generated: (\d+) tokens in "
-                   r"([0-9.]+) s \(([0-9.]+) tok/s\), load: ([0-9.]+) s, stop: (\w+)(, seed: (\d+))?$", re.M)
+                   r"([0-9.]+) s \(([0-9.]+) tok/s\), load: ([0-9.]+) s, stop: (\w+)(, seed: (\d+))?(, cached: (\d+))?$", re.M)
 
 
 def run(args, stdin=None, timeout=600):
@@ -250,6 +251,9 @@ def interactive(model, threads, asan):
     if len(st) == 2:
         t1, t2 = int(st[0].group(1)), int(st[1].group(1))
         check(t2 < t1, "turn 2 prefills only its new tokens (%d vs %d for turn 1)" % (t2, t1))
+        c2 = int(st[1].group(12) or 0)
+        check(st[0].group(12) is None and c2 > 0,
+              "turn 2 finds the conversation so far in the prefix cache (cached: %d tokens)" % c2)
         check("Paris" in o and "Rome" in o, "interactive answers name Paris, then Rome")
     check(o.startswith("> "), "the '> ' prompt")
 

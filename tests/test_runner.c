@@ -32,6 +32,35 @@
 #include "model/llama.h"
 #include "testutil.h"
 
+/* how a request ended, in the test's words (the record: LENGTH with
+ * context_full, STOP, ABORT / ERROR) */
+typedef enum { ST_SEQ_FINISH_NONE, ST_SEQ_FINISH_MAX_TOKENS, ST_SEQ_FINISH_CONTEXT, ST_SEQ_FINISH_STOP,
+               ST_SEQ_FINISH_ABORT } st_seq_finish;
+static st_seq_finish why_of(const st_seq *q) {
+    switch (q->fin.reason) {
+    case ST_FINISH_LENGTH: return q->fin.context_full ? ST_SEQ_FINISH_CONTEXT : ST_SEQ_FINISH_MAX_TOKENS;
+    case ST_FINISH_STOP: return ST_SEQ_FINISH_STOP;
+    default: return ST_SEQ_FINISH_ABORT;
+    }
+}
+
+/* Creates the record of request rq (checked against the runner's limits)
+ * and lends it to the runner; *keep (may be NULL) gets it, else the caller
+ * frees it from its finish event. */
+static strata_status runner_add_req(st_runner *rn, uint64_t id, const st_request *rq, void *user, st_seq **keep) {
+    const st_seq_limits lim = st_runner_limits(rn, NULL);
+    const st_seq_callbacks cb = {.user = user};
+    st_seq *q = NULL;
+    strata_status st = st_seq_create(rq, &lim, &cb, id, &q);
+    if (st) return st;
+    if ((st = st_runner_add(rn, q))) {
+        st_seq_free(q);
+        return st;
+    }
+    if (keep) *keep = q;
+    return STRATA_OK;
+}
+
 static uint64_t g_rng = 0x853c49e6748fea9bull;
 static uint32_t rnd_u32(void) {
     g_rng ^= g_rng << 13;
@@ -136,26 +165,27 @@ typedef struct {
 
 static strata_status add_req(st_runner *rn, work *w, int i) {
     req *q = &w->r[i];
-    const st_runner_request rq = {.prompt = q->prompt, .n_prompt = q->n_prompt, .sampler = q->sp,
-                                  .max_tokens = q->max_tokens, .stop_ids = q->stop >= 0 ? &q->stop : NULL,
-                                  .n_stop_ids = q->stop >= 0 ? 1 : 0, .user = q};
-    return st_runner_add(rn, (uint64_t)i + 1, &rq);
+    const st_request rq = {.prompt = q->prompt, .n_prompt = q->n_prompt, .sampler = q->sp,
+                           .max_tokens = q->max_tokens, .stop_ids = q->stop >= 0 ? &q->stop : NULL,
+                           .n_stop_ids = q->stop >= 0 ? 1 : 0};
+    return runner_add_req(rn, (uint64_t)i + 1, &rq, q, NULL);
 }
 
 static void take_events(work *w, const st_runner_step_info *si) {
     for (int64_t k = 0; k < si->n_events; k++) {
         const st_runner_event *e = &si->events[k];
-        req *q = e->user;
-        CHECK(q == &w->r[e->id - 1]);
-        CHECK_MSG(!q->finished, "event for finished request %llu", (unsigned long long)e->id);
-        CHECK(!e->failed);
+        req *q = e->seq->cb.user;
+        CHECK(q == &w->r[e->seq->id - 1]);
+        CHECK_MSG(!q->finished, "event for finished request %llu", (unsigned long long)e->seq->id);
+        CHECK(e->token >= 0);
         if (e->token >= 0) q->out[q->n_out++] = e->token;
-        CHECK(e->n_generated == q->n_out);
+        CHECK(st_seq_n_generated(e->seq) == q->n_out);
         if (e->finished) {
             q->finished = true;
-            q->reason = e->reason;
-            q->n_cached = e->n_cached;
-            q->n_preempt = e->n_preemptions;
+            q->reason = why_of(e->seq);
+            q->n_cached = e->seq->fin.cached_tokens;
+            q->n_preempt = e->seq->fin.preemptions;
+            st_seq_free(e->seq); /* the record is the test's again */
         }
     }
 }
@@ -163,7 +193,7 @@ static void take_events(work *w, const st_runner_step_info *si) {
 /* Runs the requests `only` (or all when only < 0) to completion on a fresh
  * runner with params p; request i arrives at step r[i].arrive (all together
  * when `together`). One at a time when `solo`: each request runs alone. */
-static void run_work(const st_model_files *mf, st_backend *be, st_runner_params p, work *w, int only, bool solo,
+static void run_work(const st_model_files *mf, st_backend *be, st_engine_params p, work *w, int only, bool solo,
                      run_info *info) {
     memset(info, 0, sizeof *info);
     p.on_logits = on_logits;
@@ -189,7 +219,7 @@ static void run_work(const st_model_files *mf, st_backend *be, st_runner_params 
         if (si.n_seqs > info->max_seqs) info->max_seqs = si.n_seqs;
         if (si.n_tokens > info->max_tokens_step) info->max_tokens_step = si.n_tokens;
         if (si.n_decodes > 0 && si.n_decodes < si.n_seqs) info->mixed_steps++;
-        CHECK(si.n_tokens <= p.max_batch_tokens || p.max_batch_tokens == 0);
+        CHECK(si.n_tokens <= p.step_tokens || p.step_tokens == 0);
         take_events(w, &si);
     }
     for (int i = first; i < last; i++) CHECK_MSG(w->r[i].finished, "request %d did not finish", i + 1);
@@ -236,7 +266,7 @@ static void test_batch_invariance(const char *name, const st_model_files *mf, st
         work_add(&w, buf, np, max_tokens - (i % 3), i % 4 != 1, 1000 + (uint64_t)i, i / 8);
     }
     free(buf);
-    st_runner_params p = {.max_batch = 40, .max_batch_tokens = budget, .block_size = 8};
+    st_engine_params p = {.max_batch = 40, .prefill_chunk = -1, .step_tokens = budget, .kv_block_size = 8};
     run_info batch;
     run_work(mf, be, p, &w, -1, false, &batch);
     CHECK_MSG(batch.max_seqs == 33, "%s: at most %lld sequences ran together", name, (long long)batch.max_seqs);
@@ -424,7 +454,7 @@ static void test_prefix(const char *name, const st_model_files *mf, st_backend *
     work_add(&w, a, 280, max_tokens, true, 1, 0);
     work_add(&w, b, 286, max_tokens, true, 2, 0);
     /* one at a time, so the second finds the first's blocks */
-    st_runner_params p = {.max_batch = 4, .max_batch_tokens = 128, .block_size = 16};
+    st_engine_params p = {.max_batch = 4, .prefill_chunk = -1, .step_tokens = 128, .kv_block_size = 16};
     run_info on, off;
     run_work(mf, be, p, &w, -1, true, &on);
     work with;
@@ -463,17 +493,17 @@ static void test_chunked(const char *name, const st_model_files *mf, st_backend 
     work_add(&w, pr, n_prompt, max_tokens, true, 5, 0);
     free(pr);
     run_info one, small, aligned;
-    st_runner_params p = {.max_batch = 4, .max_batch_tokens = n_prompt + 8, .block_size = 16};
+    st_engine_params p = {.max_batch = 4, .prefill_chunk = -1, .step_tokens = n_prompt + 8, .kv_block_size = 16};
     run_work(mf, be, p, &w, -1, false, &one);
     work ref;
     snapshot(&w, &ref);
     work_reset_results(&w);
-    p.max_batch_tokens = 24; /* chunks of 24 tokens */
+    p.prefill_chunk = -1, p.step_tokens = 24; /* chunks of 24 tokens */
     run_work(mf, be, p, &w, -1, false, &small);
     CHECK_MSG(same_req(&w.r[0], &ref.r[0], mml), "%s: a prompt of %lld in chunks of 24 differs from one pass", name,
               (long long)n_prompt);
     work_reset_results(&w);
-    p.max_batch_tokens = 40, p.prefill_chunk = 32, p.block_size = 8; /* aligned chunks */
+    p.step_tokens = 40, p.prefill_chunk = 32, p.kv_block_size = 8; /* aligned chunks */
     run_work(mf, be, p, &w, -1, false, &aligned);
     CHECK_MSG(same_req(&w.r[0], &ref.r[0], mml), "%s: aligned chunks of 32 differ from one pass", name);
     CHECK(one.steps == max_tokens && small.steps == (n_prompt + 23) / 24 + max_tokens - 1);
@@ -499,7 +529,7 @@ static void test_preemption(const char *name, const st_model_files *mf, st_backe
         work_add(&w, buf, np, max_tokens, i % 3 != 2, 77 + (uint64_t)i, 0);
     }
     free(buf);
-    st_runner_params p = {.max_batch = n_req, .max_batch_tokens = 64, .block_size = bs, .num_blocks = num_blocks};
+    st_engine_params p = {.max_batch = n_req, .prefill_chunk = -1, .step_tokens = 64, .kv_block_size = bs, .kv_blocks = num_blocks};
     run_info tight;
     run_work(mf, be, p, &w, -1, false, &tight);
     work got;
@@ -509,7 +539,7 @@ static void test_preemption(const char *name, const st_model_files *mf, st_backe
     for (int i = 0; i < n_req; i++) preempted += got.r[i].n_preempt > 0;
     CHECK_MSG(tight.stats.sched.preemptions > 0, "%s: no preemption with %lld blocks", name, (long long)num_blocks);
     int same = 0;
-    p.num_blocks = 0; /* solo runs with a roomy pool */
+    p.kv_blocks = 0; /* solo runs with a roomy pool */
     for (int i = 0; i < n_req; i++) {
         run_info solo;
         run_work(mf, be, p, &w, i, true, &solo);
@@ -535,7 +565,7 @@ static void test_stop_abort(const st_model_files *mf, st_backend *be) {
     int32_t pr[10];
     random_prompt(pr, 10, V);
     work_add(&w, pr, 10, 20, true, 0, 0);
-    st_runner_params p = {.max_batch = 4, .max_batch_tokens = 32, .block_size = 4};
+    st_engine_params p = {.max_batch = 4, .prefill_chunk = -1, .step_tokens = 32, .kv_block_size = 4};
     run_info ri;
     run_work(mf, be, p, &w, -1, false, &ri);
     CHECK(w.r[0].n_out == 20 && w.r[0].reason == ST_SEQ_FINISH_MAX_TOKENS);
@@ -560,44 +590,48 @@ static void test_stop_abort(const st_model_files *mf, st_backend *be) {
     st_runner *rn = NULL;
     CHECK(st_runner_init(mf, be, &p, &rn) == STRATA_OK);
     if (!rn) goto out;
-    st_runner_request rq = {.prompt = pr, .n_prompt = 10, .sampler = st_sampler_params_default(), .max_tokens = 0};
+    st_request rq = {.prompt = pr, .n_prompt = 10, .sampler = st_sampler_params_default(), .max_tokens = 0};
     rq.sampler.temperature = 0;
-    CHECK(st_runner_add(rn, 1, &rq) == STRATA_OK);
-    CHECK(st_runner_add(rn, 2, &rq) == STRATA_OK);
-    CHECK_ERR(st_runner_add(rn, 2, &rq), STRATA_ERR_INVALID_ARG, "already live");
+    st_seq *kept[4] = {0};
+    CHECK(runner_add_req(rn, 1, &rq, NULL, &kept[0]) == STRATA_OK);
+    CHECK(runner_add_req(rn, 2, &rq, NULL, &kept[1]) == STRATA_OK);
+    CHECK_ERR(runner_add_req(rn, 2, &rq, NULL, NULL), STRATA_ERR_INVALID_ARG, "already live");
     int32_t longp[16] = {0};
     rq.prompt = longp, rq.n_prompt = 16;
-    CHECK_ERR(st_runner_add(rn, 3, &rq), STRATA_ERR_INVALID_ARG, "max_model_len");
+    CHECK_ERR(runner_add_req(rn, 3, &rq, NULL, NULL), STRATA_ERR_INVALID_ARG, "16 tokens", "context holds 16");
     rq.prompt = pr;
     rq.n_prompt = 10;
     int32_t badp[2] = {0, (int32_t)V};
     rq.prompt = badp, rq.n_prompt = 2;
-    CHECK_ERR(st_runner_add(rn, 4, &rq), STRATA_ERR_INVALID_ARG, "outside");
+    CHECK_ERR(runner_add_req(rn, 4, &rq, NULL, NULL), STRATA_ERR_INVALID_ARG, "outside");
     rq.prompt = pr, rq.n_prompt = 10;
     rq.sampler.temperature = -1;
-    CHECK_ERR(st_runner_add(rn, 5, &rq), STRATA_ERR_INVALID_ARG, "temperature");
+    CHECK_ERR(runner_add_req(rn, 5, &rq, NULL, NULL), STRATA_ERR_INVALID_ARG, "temperature");
     int64_t n1 = 0, fin1 = 0;
     st_seq_finish why = ST_SEQ_FINISH_NONE;
     for (int step = 0; step < 20 && st_runner_has_work(rn); step++) {
         st_runner_step_info si;
         CHECK(st_runner_step(rn, &si) == STRATA_OK);
         for (int64_t k = 0; k < si.n_events; k++) {
-            if (si.events[k].id == 1) n1++, fin1 += si.events[k].finished, why = si.events[k].reason;
-            CHECK(si.events[k].id != 2 || step < 2);
+            const st_seq *q = si.events[k].seq;
+            if (q->id == 1) n1++, fin1 += si.events[k].finished, why = si.events[k].finished ? why_of(q) : why;
+            CHECK(q->id != 2 || step < 2);
         }
-        if (step == 1) CHECK(st_runner_abort(rn, 2) == STRATA_OK);
+        if (step == 1) CHECK(st_runner_finish(rn, 2, ST_FINISH_ABORT) == STRATA_OK);
     }
-    CHECK_ERR(st_runner_abort(rn, 2), STRATA_ERR_NOT_FOUND, "no live sequence");
+    CHECK(kept[1]->status == ST_SEQ_FINISHED && kept[1]->fin.reason == ST_FINISH_ABORT);
+    CHECK_ERR(st_runner_finish(rn, 2, ST_FINISH_ABORT), STRATA_ERR_NOT_FOUND, "no live sequence");
     CHECK(n1 == 6 && fin1 == 1 && why == ST_SEQ_FINISH_CONTEXT); /* 10 + 6 = max_model_len 16 */
     st_runner_stats rs;
     st_runner_get_stats(rn, &rs);
     CHECK(rs.kv.used == 0 && rs.sched.aborted == 1);
     /* a runner freed with live sequences */
-    CHECK(st_runner_add(rn, 7, &(st_runner_request){.prompt = pr, .n_prompt = 10,
-                                                    .sampler = st_sampler_params_default()}) == STRATA_OK);
+    CHECK(runner_add_req(rn, 7, &(st_request){.prompt = pr, .n_prompt = 10, .sampler = st_sampler_params_default()},
+                         NULL, &kept[2]) == STRATA_OK);
     st_runner_step_info si;
     CHECK(st_runner_step(rn, &si) == STRATA_OK);
     st_runner_free(rn);
+    for (int i = 0; i < 4; i++) st_seq_free(kept[i]); /* the records are the test's */
 out:
     printf("  stop ids, max_tokens, context limit, abort, bad requests: checked\n");
     work_free(&w);
@@ -610,7 +644,7 @@ static void bench(const st_model_files *mf, st_backend *be) {
     const int conc[3] = {1, 8, 32};
     for (int c = 0; c < 3; c++) {
         const int n = conc[c];
-        st_runner_params p = {.max_batch = n, .max_batch_tokens = 512, .max_model_len = 256};
+        st_engine_params p = {.max_batch = n, .prefill_chunk = -1, .step_tokens = 512, .max_model_len = 256};
         st_runner *rn = NULL;
         if (st_runner_init(mf, be, &p, &rn) != STRATA_OK) {
             fprintf(stderr, "bench: %s\n", st_last_error());
@@ -619,10 +653,10 @@ static void bench(const st_model_files *mf, st_backend *be) {
         int32_t pr[64];
         for (int i = 0; i < n; i++) {
             random_prompt(pr, 64, V);
-            st_runner_request rq = {.prompt = pr, .n_prompt = 64, .sampler = st_sampler_params_default(),
-                                    .max_tokens = 64};
+            st_request rq = {.prompt = pr, .n_prompt = 64, .sampler = st_sampler_params_default(),
+                             .max_tokens = 64};
             rq.sampler.temperature = 0;
-            st_runner_add(rn, (uint64_t)i + 1, &rq);
+            runner_add_req(rn, (uint64_t)i + 1, &rq, NULL, NULL);
         }
         const double t0 = st_time_now();
         double t_first = 0;
@@ -632,6 +666,8 @@ static void bench(const st_model_files *mf, st_backend *be) {
             const double s0 = st_time_now();
             if (st_runner_step(rn, &si) != STRATA_OK) break;
             gen += si.n_events;
+            for (int64_t k = 0; k < si.n_events; k++)
+                if (si.events[k].finished) st_seq_free(si.events[k].seq);
             if (si.n_decodes == si.n_seqs && si.n_seqs > 0) {
                 dec_tokens += si.n_tokens;
                 t_first += st_time_now() - s0;

@@ -50,7 +50,25 @@ static int32_t next_token(uint64_t digest, bool eos) {
     return t;
 }
 
+/* how a request ended, in the test's words (the record says LENGTH with
+ * context_full, STOP, ABORT) */
+typedef enum { ST_SEQ_FINISH_NONE, ST_SEQ_FINISH_MAX_TOKENS, ST_SEQ_FINISH_CONTEXT, ST_SEQ_FINISH_STOP,
+               ST_SEQ_FINISH_ABORT } st_seq_finish;
+static const char *st_seq_finish_name(st_seq_finish r) {
+    static const char *n[] = {"none", "max_tokens", "context", "stop", "abort"};
+    return n[r];
+}
+static st_seq_finish why(const st_seq *q) {
+    switch (q->fin.reason) {
+    case ST_FINISH_LENGTH: return q->fin.context_full ? ST_SEQ_FINISH_CONTEXT : ST_SEQ_FINISH_MAX_TOKENS;
+    case ST_FINISH_STOP: return ST_SEQ_FINISH_STOP;
+    default: return ST_SEQ_FINISH_ABORT;
+    }
+}
+#define VOCAB 65536
+
 typedef struct {
+    st_seq *seq;           /* the record (the test's: created by sim_add, freed by sim_free) */
     int32_t *prompt;
     int64_t n_prompt, max_tokens;
     int32_t *gen;
@@ -112,6 +130,7 @@ static void sim_free(sim *m) {
     CHECK(bs.used == 0); /* freeing the scheduler gives every block back */
     st_bm_free(m->bm);
     for (int i = 0; i < m->n_reqs; i++) {
+        st_seq_free(m->reqs[i].seq);
         free(m->reqs[i].prompt);
         free(m->reqs[i].gen);
     }
@@ -124,11 +143,20 @@ static void sim_free(sim *m) {
 static strata_status sim_add(sim *m, const int32_t *prompt, int64_t n, int64_t max_tokens) {
     ST_ASSERT(m->n_reqs < MAX_REQ);
     int id = m->n_reqs;
-    st_seq_params sp = {.prompt = prompt, .n_prompt = n, .max_tokens = max_tokens, .user = &m->reqs[id]};
-    strata_status st = st_scheduler_add(m->s, (uint64_t)id, &sp);
+    const st_request rq = {.prompt = prompt, .n_prompt = n, .max_tokens = max_tokens,
+                           .sampler = {.temperature = 0, .top_p = 1, .repeat_penalty = 1}};
+    const st_seq_limits lim = {.vocab = VOCAB, .max_model_len = m->p.max_model_len};
+    const st_seq_callbacks cb = {.user = &m->reqs[id]};
+    st_seq *q = NULL;
+    strata_status st = st_seq_create(&rq, &lim, &cb, (uint64_t)id, &q);
     if (st) return st;
+    if ((st = st_scheduler_add(m->s, q))) {
+        st_seq_free(q);
+        return st;
+    }
     req *r = &m->reqs[m->n_reqs++];
     memset(r, 0, sizeof *r);
+    r->seq = q;
     r->prompt = malloc((size_t)n * sizeof *r->prompt);
     memcpy(r->prompt, prompt, (size_t)n * sizeof *r->prompt);
     r->n_prompt = n;
@@ -199,8 +227,8 @@ static void check_decision(sim *m, const st_sched_decision *d) {
         const st_seq *q = st_scheduler_get_seq(m->s, it->seq_id);
         DCHECK(q != NULL, "item %lld: seq %llu not live", (long long)i, (unsigned long long)it->seq_id);
         if (!q) continue;
-        DCHECK(q->state == ST_SEQ_RUNNING, "item seq not running");
-        DCHECK(it->user == &m->reqs[it->seq_id], "user pointer");
+        DCHECK(q->status == ST_SEQ_RUNNING, "item seq not running");
+        DCHECK(it->seq && it->seq->cb.user == &m->reqs[it->seq_id] && it->seq->id == it->seq_id, "record");
         DCHECK(it->pos0 == q->kv.n_computed, "item %lld: pos0 %lld, computed %lld", (long long)i, (long long)it->pos0, (long long)q->kv.n_computed);
         DCHECK(it->pos0 + it->n <= q->n_tokens, "item %lld runs past the known tokens", (long long)i);
         DCHECK(it->need_logits == (it->pos0 + it->n == q->n_tokens), "item %lld: need_logits %d", (long long)i, it->need_logits);
@@ -315,7 +343,7 @@ static bool sim_step(sim *m, step_info *info, bool abort_between) {
         r->reason = ST_SEQ_FINISH_ABORT;
         r->done_step = m->step;
     }
-    const st_sched_finished *fin = NULL;
+    st_seq *const *fin = NULL;
     int64_t n_fin = -1;
     st = st_scheduler_update(m->s, tokens, &fin, &n_fin);
     CHECK_MSG(st == STRATA_OK, "%s", st_last_error());
@@ -327,20 +355,21 @@ static bool sim_step(sim *m, step_info *info, bool abort_between) {
         if (r->first_token_step < 0) r->first_token_step = m->step;
     }
     for (int64_t f = 0; f < n_fin; f++) {
-        req *r = fin[f].user;
-        CHECK(r == &m->reqs[fin[f].seq_id]);
+        req *r = fin[f]->cb.user;
+        CHECK(r == &m->reqs[fin[f]->id] && fin[f]->status == ST_SEQ_FINISHED);
         CHECK(!r->done);
-        CHECK(fin[f].n_generated == r->n_gen && fin[f].n_prompt == r->n_prompt);
+        CHECK(st_seq_n_generated(fin[f]) == r->n_gen && fin[f]->n_prompt == r->n_prompt &&
+              fin[f]->fin.completion_tokens == r->n_gen);
         r->done = true;
-        r->reason = fin[f].reason;
+        r->reason = why(fin[f]);
         r->done_step = m->step;
-        CHECK(st_scheduler_get_seq(m->s, fin[f].seq_id) == NULL);
+        CHECK(st_scheduler_get_seq(m->s, fin[f]->id) == NULL && fin[f]->kv.n_blocks == 0);
     }
     /* the engine's own stops: an EOS ends the request */
     for (int64_t i = 0; i < n_items; i++) {
         req *r = &m->reqs[ids[i]];
         if (!logits[i] || r->done || !m->eos || r->gen[r->n_gen - 1] != EOS) continue;
-        CHECK(st_scheduler_finish(m->s, ids[i], ST_SEQ_FINISH_STOP) == STRATA_OK);
+        CHECK(st_scheduler_finish(m->s, ids[i], ST_FINISH_STOP) == STRATA_OK);
         r->done = true;
         r->reason = ST_SEQ_FINISH_STOP;
         r->done_step = m->step;
@@ -412,19 +441,26 @@ static void test_reject_and_lengths(void) {
     sim_init(&m, 64, 16, 256, 4, 100, true);
     int32_t t[128];
     fill(t, 128, 1);
-    CHECK_ERR(sim_add(&m, t, 100, 5), STRATA_ERR_INVALID_ARG, "100 tokens", "max_model_len is 100");
+    /* the request is checked once, by st_seq_create: nothing reaches the scheduler */
+    CHECK_ERR(sim_add(&m, t, 100, 5), STRATA_ERR_INVALID_ARG, "100 tokens", "context holds 100");
     CHECK_ERR(sim_add(&m, t, 120, 0), STRATA_ERR_INVALID_ARG, "120 tokens");
-    CHECK_ERR(sim_add(&m, t, 0, 5), STRATA_ERR_INVALID_ARG, "empty prompt");
+    CHECK_ERR(sim_add(&m, t, 0, 5), STRATA_ERR_INVALID_ARG, "empty");
     int32_t neg[2] = {3, -1};
-    CHECK_ERR(sim_add(&m, neg, 2, 5), STRATA_ERR_INVALID_ARG, "negative");
+    CHECK_ERR(sim_add(&m, neg, 2, 5), STRATA_ERR_INVALID_ARG, "outside the vocabulary");
     CHECK_ERR(sim_add(&m, t, 5, -1), STRATA_ERR_INVALID_ARG, "max_tokens");
     st_scheduler_stats ss;
     st_scheduler_get_stats(m.s, &ss);
-    CHECK(ss.rejected == 5 && ss.added == 0 && !st_scheduler_has_work(m.s));
+    CHECK(ss.rejected == 0 && ss.added == 0 && !st_scheduler_has_work(m.s));
     /* 99 tokens: one generated token fills the context */
     CHECK(sim_add(&m, t, 99, 0) == STRATA_OK);
-    st_seq_params dup = {.prompt = t, .n_prompt = 3};
-    CHECK_ERR(st_scheduler_add(m.s, 0, &dup), STRATA_ERR_INVALID_ARG, "already live");
+    {
+        const st_request dq = {.prompt = t, .n_prompt = 3, .sampler = {.top_p = 1, .repeat_penalty = 1}};
+        const st_seq_limits lim = {.vocab = VOCAB, .max_model_len = 100};
+        st_seq *dup = NULL;
+        CHECK(st_seq_create(&dq, &lim, NULL, 0, &dup) == STRATA_OK);
+        CHECK_ERR(st_scheduler_add(m.s, dup), STRATA_ERR_INVALID_ARG, "already live");
+        st_seq_free(dup);
+    }
     /* max_tokens 0: until the context is full (100 - 90 = 10 tokens) */
     CHECK(sim_add(&m, t + 1, 90, 0) == STRATA_OK);
     CHECK(sim_add(&m, t + 2, 10, 3) == STRATA_OK);
@@ -637,7 +673,7 @@ static void test_preemption(bool prefix_cache) {
                 preempt_step = m.step;
                 b_gen_at_preempt = m.reqs[1].n_gen;
                 const st_seq *q = st_scheduler_get_seq(m.s, 1);
-                CHECK(q && q->state == ST_SEQ_WAITING && q->kv.n_blocks == 0 && q->n_preemptions == 1);
+                CHECK(q && q->status == ST_SEQ_WAITING && q->kv.n_blocks == 0 && q->n_preemptions == 1);
                 CHECK(q->n_tokens == 8 + b_gen_at_preempt);
                 CHECK(st_scheduler_waiting(m.s, 0) == q); /* the front of the queue */
             }
@@ -686,7 +722,7 @@ static void test_self_preemption(void) {
     CHECK(si.n_preempted == 1 && si.preempted[0] == 1);
     CHECK(si.n_items == 1 && si.ids[0] == 0 && si.decode[0] && si.pos0[0] == 5);
     const st_seq *q = st_scheduler_get_seq(m.s, 1);
-    CHECK(q->state == ST_SEQ_WAITING && q->n_tokens == 9 && q->n_preemptions == 1);
+    CHECK(q->status == ST_SEQ_WAITING && q->n_tokens == 9 && q->n_preemptions == 1);
     st_bm_get_stats(m.bm, &bs);
     CHECK(bs.cached == 2); /* b's two computed blocks stay findable */
     /* a finishes (3 tokens), then b comes back: 8 tokens cached, only its generated token recomputed */
@@ -740,8 +776,8 @@ static void test_abort(void) {
     sim_step(&m, &si, false);
     sim_step(&m, &si, false);
     CHECK(m.reqs[3].n_gen == 2);
-    CHECK_ERR(st_scheduler_finish(m.s, 3, ST_SEQ_FINISH_NONE), STRATA_ERR_INVALID_ARG, "reason");
-    CHECK(st_scheduler_finish(m.s, 3, ST_SEQ_FINISH_STOP) == STRATA_OK);
+    CHECK_ERR(st_scheduler_finish(m.s, 3, ST_FINISH_COUNT_), STRATA_ERR_INVALID_ARG, "reason");
+    CHECK(st_scheduler_finish(m.s, 3, ST_FINISH_STOP) == STRATA_OK);
     m.reqs[3].done = m.reqs[3].aborted = true; /* not checked against a solo run */
     st_scheduler_stats ss;
     st_scheduler_get_stats(m.s, &ss);

@@ -1,9 +1,12 @@
 /* strata run MODEL [-p PROMPT | -f FILE] [options]: text in, text out.
  *
- * One prompt (from -p, -f or a piped standard input) -> the answer streamed to
- * stdout, then one stats line on stderr. With no prompt and a terminal on
- * stdin: an interactive chat whose turns stay in the KV cache (only each new
- * turn's tokens are prefilled). */
+ * The serving engine (engine/engine.h) with one request at a time, stepped on
+ * this thread: one prompt (from -p, -f or a piped standard input) -> the
+ * answer streamed to stdout (on_text), then one stats line on stderr (from
+ * the request's finish info). With no prompt and a terminal on stdin: an
+ * interactive chat; each turn sends the whole conversation again and the
+ * engine's prefix cache serves the earlier turns' KV (only the new tokens
+ * are prefilled). */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,7 +16,7 @@
 
 #include "commands.h"
 #include "common.h"
-#include "engine/generate.h"
+#include "engine/engine.h"
 #include "engine/sampler.h"
 #include "tokenizer/chat.h"
 #include "tokenizer/tokenizer.h"
@@ -33,8 +36,9 @@ static void run_usage(FILE *f) {
             "and streams it to standard output; a stats line goes to standard error.\n"
             "The prompt comes from -p, -f, or standard input when it is not a terminal. With no\n"
             "prompt and a terminal on standard input: an interactive chat (type /exit or Ctrl-D to\n"
-            "quit, /reset to start over); the conversation stays in the KV cache, each turn only\n"
-            "prefills its new tokens, and when the context is full the conversation starts over.\n\n"
+            "quit, /reset to start over); each turn sends the whole conversation, whose earlier turns\n"
+            "the prefix cache still holds (only the new tokens are prefilled); when the context is\n"
+            "full the conversation starts over.\n\n"
             "  -p, --prompt TEXT       the prompt (in chat mode, trailing newlines of a prompt are dropped)\n"
             "  -f, --file FILE         read the prompt from FILE\n"
             "  -n, --n-predict N       generate at most N tokens (default %d; -1: until an end token\n"
@@ -60,9 +64,10 @@ static void run_usage(FILE *f) {
             "  -q, --quiet             no loading line and no stats line\n"
             TOOL_MODEL_OPTS_HELP
             "\nStats line (stderr), one per answer:\n"
-            "  prompt: P tokens in S s (R tok/s), generated: G tokens in S s (R tok/s), load: S s, stop: WHY[, seed: S]\n"
-            "where G counts every sampled token (an end token included), prompt time is the prefill\n"
-            "up to the first logits, generation time runs from there to the end, and WHY is\n"
+            "  prompt: P tokens in S s (R tok/s), generated: G tokens in S s (R tok/s), load: S s, stop: WHY[, seed: S][, cached: C]\n"
+            "where P counts the prompt tokens computed (C more came from the prefix cache: the earlier\n"
+            "turns of a chat), G every sampled token (an end token included), prompt time is the\n"
+            "prefill up to the first token, generation time runs from there to the end, and WHY is\n"
             "eos, max_tokens, stop_string or context_full.\n",
             DEF_N_PREDICT, DEF_TEMP, DEF_TOP_K, DEF_TOP_P, DEF_MIN_P, DEF_REPEAT_PENALTY, MAX_STOP);
 }
@@ -255,25 +260,26 @@ static int parse_args(int argc, char **argv, run_opts *o) {
 
 /* ---- the loaded model ---------------------------------------------------------------------*/
 typedef struct {
-    tool_model tm;
+    st_model_files *files;
+    st_backend *be;
     st_tokenizer *tok;
+    st_engine *eng;       /* one sequence at a time, stepped on this thread */
     st_chat_template tpl; /* kind NONE: plain text */
-    int64_t n_ctx;
-    int64_t vocab;        /* what the sampler draws from */
+    int64_t n_ctx;        /* the engine's max_model_len */
     double load_s;
 } runner;
 
 /* Touches every page of the mapped model files, so that the first prefill is
  * not timed with the page faults of reading the weights. When this takes more
  * than a second, shows a percentage on `progress`. */
-static void page_in(const tool_model *tm, FILE *progress) {
+static void page_in(const st_model_files *files, FILE *progress) {
     uint64_t total = 0, done = 0;
-    for (int f = 0; f < tm->files->n_files; f++) total += tm->files->files[f].size;
+    for (int f = 0; f < files->n_files; f++) total += files->files[f].size;
     double t0 = st_time_now(), last = t0;
     int last_pct = -1;
     uint8_t acc = 0;
-    for (int f = 0; f < tm->files->n_files; f++) {
-        const st_mapped_file *mf = &tm->files->files[f];
+    for (int f = 0; f < files->n_files; f++) {
+        const st_mapped_file *mf = &files->files[f];
         if (!mf->data) continue;
         for (uint64_t off = 0; off < mf->size; off += 4096) {
             acc ^= ((const volatile uint8_t *)mf->data)[off];
@@ -296,22 +302,23 @@ static void page_in(const tool_model *tm, FILE *progress) {
 
 static void runner_close(runner *r) {
     st_chat_template_clear(&r->tpl);
+    st_engine_free(r->eng);
     st_tokenizer_free(r->tok);
-    r->tok = NULL;
-    tool_model_close(&r->tm);
+    st_backend_free(r->be);
+    st_model_close(r->files);
+    memset(r, 0, sizeof *r);
 }
 
 /* The tokenizer must not produce ids the model does not have. */
 static bool check_vocab(const run_opts *o, runner *r) {
-    const st_config *cfg = &r->tm.files->config;
+    const st_config *cfg = &r->files->config;
     const int64_t tv = st_tokenizer_vocab_size(r->tok);
     if (tv > cfg->vocab_size) {
         fprintf(stderr, "strata run: %s: the tokenizer has %lld tokens, more than the model's vocabulary of %lld\n",
                 o->model_path, (long long)tv, (long long)cfg->vocab_size);
         return false;
     }
-    r->vocab = tv; /* padded embedding rows beyond the tokenizer are never drawn */
-    return true;
+    return true; /* padded embedding rows beyond the tokenizer are never drawn */
 }
 
 /* Chooses the chat format: the model's template, --chat-template, or none. */
@@ -367,7 +374,8 @@ static bool settle_chat(const run_opts *o, runner *r) {
     return true;
 }
 
-/* Loads model + tokenizer and settles the chat format. Prints errors. */
+/* Loads model + tokenizer, settles the chat format and builds the engine
+ * (one sequence; KV pool of one context; prefix cache on). Prints errors. */
 static bool runner_open(const run_opts *o, runner *r) {
     memset(r, 0, sizeof *r);
     FILE *pg = o->quiet ? NULL : stderr;
@@ -376,53 +384,89 @@ static bool runner_open(const run_opts *o, runner *r) {
         fprintf(pg, "strata: loading %s ...\n", o->model_path);
         fflush(pg);
     }
-    if (!tool_model_open(o->model_path, &o->mo, &r->tm)) return false;
-    double t_model = st_time_now();
-    if (st_tokenizer_load(r->tm.files, &r->tok) != STRATA_OK) {
+    if (st_model_open(o->model_path, &r->files) != STRATA_OK) {
+        tool_print_error("load");
+        return false;
+    }
+    st_backend_params bp = tool_backend_params(&o->mo);
+    if (st_backend_init(&bp, &r->be) != STRATA_OK) {
+        tool_print_error("backend");
+        runner_close(r);
+        return false;
+    }
+    if (st_tokenizer_load(r->files, &r->tok) != STRATA_OK) {
         tool_print_error("run");
         runner_close(r);
         return false;
     }
     double t_tok = st_time_now();
-    if (r->tm.be->kind == ST_BACKEND_CPU) page_in(&r->tm, pg);
-    double t_end = st_time_now();
-    r->load_s = t_end - t0;
-    if (pg)
-        fprintf(pg, "strata: loaded in %.2f s (model %.2f s, tokenizer %.2f s, paging in weights %.2f s; %s)\n",
-                r->load_s, t_model - t0, t_tok - t_model, t_end - t_tok, r->tm.be->kind == ST_BACKEND_CPU ? "cpu" : "cuda");
-
-    r->n_ctx = st_llama_max_ctx(r->tm.model); /* the context st_llama reserved */
-
     if (!settle_chat(o, r) || !check_vocab(o, r)) {
         runner_close(r);
         return false;
     }
+    /* the context: --ctx, else the model's, at most 4096 (tools/common.h) */
+    const st_config *cfg = &r->files->config;
+    int64_t ctx = o->mo.ctx;
+    if (ctx == 0) {
+        ctx = cfg->max_position_embeddings > 0 && cfg->max_position_embeddings < 4096 ? cfg->max_position_embeddings
+                                                                                       : 4096;
+    }
+    const int64_t chunk = o->mo.batch > 0 ? o->mo.batch : 512;
+    st_engine_params ep = {.max_batch = 1, .max_model_len = ctx, .prefill_chunk = chunk < ctx ? chunk : ctx,
+                           .max_waiting = 1, .weights = tool_llama_params(&o->mo).weights};
+    if (st_engine_init(r->files, r->be, r->tok, &ep, &r->eng) != STRATA_OK) {
+        tool_print_error("model");
+        runner_close(r);
+        return false;
+    }
+    double t_model = st_time_now();
+    if (r->be->kind == ST_BACKEND_CPU) page_in(r->files, pg);
+    double t_end = st_time_now();
+    r->load_s = t_end - t0;
+    r->n_ctx = st_engine_get_params(r->eng)->max_model_len;
+    if (pg)
+        fprintf(pg, "strata: loaded in %.2f s (tokenizer %.2f s, model and engine %.2f s, paging in weights %.2f s; %s)\n",
+                r->load_s, t_tok - t0, t_model - t_tok, t_end - t_model, r->be->kind == ST_BACKEND_CPU ? "cpu" : "cuda");
     return true;
 }
 
 /* ---- one answer ------------------------------------------------------------------------------*/
 typedef struct {
     strbuf answer;
-    bool echo;
+    bool finished;
+    st_engine_finish fin;
+    char error[512];
 } out_state;
 
-static bool on_text(const char *t, size_t n, void *user) {
+static void on_text(void *user, const char *t, size_t n) {
     out_state *s = user;
     fwrite(t, 1, n, stdout);
     fflush(stdout);
     sb_add(&s->answer, t, n);
-    return true;
 }
 
-static void print_stats(const run_opts *o, const runner *r, const st_generate_stats *gs) {
+static void on_finish(void *user, const st_engine_finish *f) {
+    out_state *s = user;
+    s->fin = *f;
+    snprintf(s->error, sizeof s->error, "%s", f->error ? f->error : "");
+    s->fin.error = NULL;
+    s->finished = true;
+}
+
+/* The stats line from the request's finish info: the prompt part is the
+ * tokens computed (the prefix cache's are not), timed up to the first token. */
+static void print_stats(const run_opts *o, const runner *r, const st_engine_finish *f) {
     if (o->quiet) return;
+    const int64_t computed = f->prompt_tokens - f->cached_tokens;
+    const double prompt_s = f->ttft_s >= 0 ? f->ttft_s - f->queue_s : f->total_s - f->queue_s;
+    const double gen_s = f->ttft_s >= 0 ? f->total_s - f->ttft_s : 0.0;
     fprintf(stderr,
             "prompt: %lld tokens in %.3f s (%.1f tok/s), generated: %lld tokens in %.3f s (%.1f tok/s), "
             "load: %.3f s, stop: %s",
-            (long long)gs->prompt_tokens, gs->prompt_s, gs->prompt_s > 0 ? gs->prompt_tokens / gs->prompt_s : 0.0,
-            (long long)gs->gen_tokens, gs->gen_s, gs->gen_s > 0 ? gs->gen_tokens / gs->gen_s : 0.0, r->load_s,
-            st_stop_reason_name(gs->stop));
+            (long long)computed, prompt_s, prompt_s > 0 ? computed / prompt_s : 0.0, (long long)f->completion_tokens,
+            gen_s, gen_s > 0 ? f->completion_tokens / gen_s : 0.0, r->load_s, st_finish_detail(f));
     if (o->sp.temperature > 0) fprintf(stderr, ", seed: %llu", (unsigned long long)o->sp.seed);
+    if (f->cached_tokens > 0) fprintf(stderr, ", cached: %lld", (long long)f->cached_tokens);
     fputc('\n', stderr);
 }
 
@@ -434,24 +478,34 @@ static bool encode(const runner *r, const char *text, bool add_special, int32_t 
     return true;
 }
 
-/* Generates after the cache's content from ids; streams; stats. */
-static bool answer(const run_opts *o, runner *r, st_sampler *s, const int32_t *ids, int64_t n, out_state *os,
-                   st_generate_stats *gs) {
-    st_generate_params gp = {
-        .max_tokens = o->n_predict > 0 ? o->n_predict : 0,
-        .n_ctx = r->n_ctx,
-        .stop = o->stop,
-        .n_stop = o->n_stop,
-    };
+/* Runs ids[0..n) as one request through the engine (stepped here until it
+ * finishes); streams; stats. */
+static bool answer(const run_opts *o, runner *r, const int32_t *ids, int64_t n, out_state *os) {
+    const st_engine_request rq = {.prompt = ids, .n_prompt = n, .sampler = o->sp,
+                                  .max_tokens = o->n_predict > 0 ? o->n_predict : 0,
+                                  .stop = o->stop, .n_stop = o->n_stop};
+    const st_engine_callbacks cb = {on_text, on_finish, os};
     sb_clear(&os->answer);
-    strata_status st = st_generate(r->tm.model, r->tok, s, ids, n, &gp, on_text, os, gs);
-    if (os->answer.len > 0 && os->answer.p[os->answer.len - 1] != '\n') fputc('\n', stdout);
-    fflush(stdout);
-    if (st != STRATA_OK) {
+    os->finished = false;
+    uint64_t id;
+    if (st_engine_add(r->eng, &rq, &cb, &id) != STRATA_OK) {
         tool_print_error("run");
         return false;
     }
-    print_stats(o, r, gs);
+    bool worked = true;
+    while (!os->finished && worked)
+        if (st_engine_step(r->eng, &worked) != STRATA_OK) {
+            tool_print_error("run");
+            return false;
+        }
+    if (os->answer.len > 0 && os->answer.p[os->answer.len - 1] != '\n') fputc('\n', stdout);
+    fflush(stdout);
+    if (!os->finished || os->fin.reason == ST_FINISH_ERROR || os->fin.reason == ST_FINISH_ABORT) {
+        fprintf(stderr, "strata run: %s\n", !os->finished ? "the request did not finish"
+                                             : os->fin.reason == ST_FINISH_ERROR ? os->error : "aborted");
+        return false;
+    }
+    print_stats(o, r, &os->fin);
     return true;
 }
 
@@ -478,7 +532,7 @@ static void chop_newlines(char *s) {
 }
 
 /* One prompt -> one answer. */
-static int run_once(const run_opts *o, runner *r, st_sampler *s, char *prompt) {
+static int run_once(const run_opts *o, runner *r, char *prompt) {
     char *text = NULL;
     bool add_special = true;
     if (r->tpl.kind != ST_CHAT_NONE) {
@@ -509,8 +563,7 @@ static int run_once(const run_opts *o, runner *r, st_sampler *s, char *prompt) {
         return 1;
     }
     out_state os = {0};
-    st_generate_stats gs;
-    ok = answer(o, r, s, ids, n, &os, &gs);
+    ok = answer(o, r, ids, n, &os);
     free(os.answer.p);
     free(ids);
     return ok ? 0 : 1;
@@ -543,12 +596,10 @@ static void conv_reset(conv *c, bool keep_system) {
     c->n = keep;
 }
 
-static int run_interactive(const run_opts *o, runner *r, st_sampler *s) {
+static int run_interactive(const run_opts *o, runner *r) {
     conv c = {0};
     if (o->system && !conv_add(&c, "system", o->system)) return 1;
-    strbuf cached = {0};    /* the text whose tokens are in the KV cache */
-    bool cache_ok = false;  /* cached describes the cache exactly */
-    int32_t pending = -1;   /* a sampled token not yet fed to the model */
+    strbuf plain = {0};     /* plain text mode: the conversation so far */
     char *line = NULL;
     size_t line_cap = 0;
     out_state os = {0};
@@ -568,106 +619,71 @@ static int run_interactive(const run_opts *o, runner *r, st_sampler *s) {
         if (!strcmp(line, "/exit") || !strcmp(line, "/quit")) break;
         if (!strcmp(line, "/reset")) {
             conv_reset(&c, true);
-            st_llama_reset(r->tm.model);
-            cache_ok = false;
-            pending = -1;
-            sb_clear(&cached);
+            sb_clear(&plain);
             fprintf(stderr, "strata: conversation cleared\n");
             continue;
         }
         if (!line[0]) continue;
 
-        char *full = NULL; /* the whole conversation's prompt text */
-        if (r->tpl.kind != ST_CHAT_NONE) {
-            if (!conv_add(&c, "user", line)) { rc = 1; break; }
-            if (st_chat_format(&r->tpl, c.m, c.n, true, &full) != STRATA_OK) {
-                tool_print_error("run");
-                free((char *)c.m[--c.n].content);
-                continue;
-            }
-        } else {
-            strbuf b = {0};
-            if (!sb_add(&b, cached.p ? cached.p : "", cached.len) || !sb_add(&b, line, strlen(line)) ||
-                !sb_add(&b, "\n", 1)) { free(b.p); rc = 1; break; }
-            full = b.p;
-        }
-        /* what to prefill: the new part only when the cache holds a prefix of it */
+        /* the whole conversation with this question; the engine's prefix
+         * cache holds the earlier turns' KV */
         int32_t *ids = NULL;
         int64_t n = 0;
-        bool reuse = cache_ok && cached.len > 0 && !strncmp(full, cached.p, cached.len);
-        if (reuse) {
-            int32_t *delta = NULL;
-            int64_t nd = 0;
-            if (!encode(r, full + cached.len, false, &delta, &nd)) { free(full); rc = 1; break; }
-            n = nd + (pending >= 0);
-            ids = malloc((size_t)(n ? n : 1) * sizeof *ids);
-            if (!ids) { free(delta); free(full); rc = 1; break; }
-            if (pending >= 0) ids[0] = pending;
-            if (nd) memcpy(ids + (pending >= 0), delta, (size_t)nd * sizeof *ids);
-            free(delta);
-            const int64_t reserve = o->n_predict > 0 && o->n_predict < r->n_ctx / 4 ? o->n_predict : r->n_ctx / 4;
-            if (st_llama_n_past(r->tm.model) + n + reserve > r->n_ctx) {
-                fprintf(stderr, "strata: the context is full (%lld + %lld tokens of %lld): starting a new conversation\n",
-                        (long long)st_llama_n_past(r->tm.model), (long long)n, (long long)r->n_ctx);
-                free(ids);
-                ids = NULL;
-                reuse = false;
-                /* keep the system message and this question */
-                char *q = strdup(line);
-                free(full);
-                full = NULL;
-                if (!q) { rc = 1; break; }
-                conv_reset(&c, true);
-                if (r->tpl.kind != ST_CHAT_NONE) {
-                    bool added = conv_add(&c, "user", q);
-                    free(q);
-                    if (!added || st_chat_format(&r->tpl, c.m, c.n, true, &full) != STRATA_OK) {
-                        tool_print_error("run");
-                        rc = 1;
-                        break;
-                    }
-                } else {
-                    strbuf b = {0};
-                    sb_add(&b, q, strlen(q));
-                    sb_add(&b, "\n", 1);
-                    free(q);
-                    full = b.p;
+        bool fresh = false; /* the conversation was started over for this turn */
+        for (;;) {
+            char *full = NULL;
+            if (r->tpl.kind != ST_CHAT_NONE) {
+                if (!conv_add(&c, "user", line)) { rc = 1; break; }
+                if (st_chat_format(&r->tpl, c.m, c.n, true, &full) != STRATA_OK) {
+                    tool_print_error("run");
+                    free((char *)c.m[--c.n].content);
+                    break;
                 }
+            } else {
+                strbuf b = {0};
+                if (!sb_add(&b, plain.p ? plain.p : "", plain.len) || !sb_add(&b, line, strlen(line)) ||
+                    !sb_add(&b, "\n", 1)) { free(b.p); rc = 1; break; }
+                full = b.p;
             }
-        }
-        if (!reuse) {
-            st_llama_reset(r->tm.model);
-            pending = -1;
-            if (!encode(r, full, r->tpl.kind == ST_CHAT_NONE, &ids, &n)) { free(full); rc = 1; break; }
-            if (n >= r->n_ctx) {
-                fprintf(stderr, "strata run: this message needs %lld tokens; the context holds %lld (--ctx)\n",
-                        (long long)n, (long long)r->n_ctx);
-                free(ids);
-                free(full);
-                conv_reset(&c, true);
-                cache_ok = false;
-                sb_clear(&cached);
-                continue;
-            }
-        }
-        st_generate_stats gs;
-        bool ok = n > 0 && answer(o, r, s, ids, n, &os, &gs);
-        free(ids);
-        if (!ok) {
-            /* the cache may hold part of this turn: start the next one afresh */
+            /* plain text: BOS as the tokenizer says; a template holds its own */
+            bool ok = encode(r, full, r->tpl.kind == ST_CHAT_NONE, &ids, &n);
             free(full);
-            if (r->tpl.kind != ST_CHAT_NONE) free((char *)c.m[--c.n].content);
-            cache_ok = false;
+            if (!ok) { rc = 1; break; }
+            const int64_t reserve = o->n_predict > 0 && o->n_predict < r->n_ctx / 4 ? o->n_predict : r->n_ctx / 4;
+            const bool has_history = r->tpl.kind == ST_CHAT_NONE ? plain.len > 0 : c.n > 1 + (o->system != NULL);
+            if (n + reserve <= r->n_ctx || !has_history || fresh) break;
+            /* too long: keep the system message and this question */
+            fprintf(stderr, "strata: the context is full (%lld + %lld tokens of %lld): starting a new conversation\n",
+                    (long long)n, (long long)reserve, (long long)r->n_ctx);
+            free(ids);
+            ids = NULL;
+            conv_reset(&c, true);
+            sb_clear(&plain);
+            fresh = true;
+        }
+        if (rc) break;
+        if (!ids) continue;
+        if (n >= r->n_ctx) {
+            fprintf(stderr, "strata run: this message needs %lld tokens; the context holds %lld (--ctx)\n",
+                    (long long)n, (long long)r->n_ctx);
+            free(ids);
+            conv_reset(&c, true);
+            sb_clear(&plain);
             continue;
         }
-        /* the cache now holds full + the answer (but the last sampled token) */
-        sb_clear(&cached);
-        sb_add(&cached, full, strlen(full));
-        free(full);
-        sb_add(&cached, os.answer.p ? os.answer.p : "", os.answer.len);
-        cache_ok = gs.stop == ST_STOP_EOS || gs.stop == ST_STOP_MAX_TOKENS || gs.stop == ST_STOP_CONTEXT;
-        pending = gs.stop == ST_STOP_EOS ? -1 : gs.last_token;
-        if (r->tpl.kind != ST_CHAT_NONE && !conv_add(&c, "assistant", os.answer.p ? os.answer.p : "")) {
+        bool ok = n > 0 && answer(o, r, ids, n, &os);
+        free(ids);
+        if (!ok) {
+            if (r->tpl.kind != ST_CHAT_NONE) free((char *)c.m[--c.n].content);
+            continue;
+        }
+        if (r->tpl.kind != ST_CHAT_NONE) {
+            if (!conv_add(&c, "assistant", os.answer.p ? os.answer.p : "")) {
+                rc = 1;
+                break;
+            }
+        } else if (!sb_add(&plain, line, strlen(line)) || !sb_add(&plain, "\n", 1) ||
+                   !sb_add(&plain, os.answer.p ? os.answer.p : "", os.answer.len)) {
             rc = 1;
             break;
         }
@@ -675,7 +691,7 @@ static int run_interactive(const run_opts *o, runner *r, st_sampler *s) {
     conv_reset(&c, false);
     free(c.m);
     free(line);
-    free(cached.p);
+    free(plain.p);
     free(os.answer.p);
     return rc;
 }
@@ -716,15 +732,7 @@ int cmd_run(int argc, char **argv) {
         free(prompt);
         return 1;
     }
-    st_sampler *s = NULL;
-    if (st_sampler_init(&o.sp, r.vocab, &s) != STRATA_OK) {
-        tool_print_error("run");
-        runner_close(&r);
-        free(prompt);
-        return 2;
-    }
-    int rc = interactive ? run_interactive(&o, &r, s) : run_once(&o, &r, s, prompt);
-    st_sampler_free(s);
+    int rc = interactive ? run_interactive(&o, &r) : run_once(&o, &r, prompt);
     runner_close(&r);
     free(prompt);
     return rc;

@@ -38,7 +38,7 @@ static void serve_usage(FILE *f) {
             "  --port N                 port (default 8080; 0: any free port, printed)\n"
             "  --api-key KEY            require 'Authorization: Bearer KEY' on /v1/* (default: none;\n"
             "                           also read from $STRATA_API_KEY)\n"
-            "  --max-batch N            sequences running at once (default 8); more requests wait\n"
+            "  --max-batch N            sequences running at once (default 32); more requests wait\n"
             "  --max-model-len N        tokens per sequence, prompt and output (default: the model's,\n"
             "                           at most 2048); a longer prompt is refused with a 400\n"
             "  --prefill-chunk N        most prompt tokens of one request per engine step (default 256)\n"
@@ -258,6 +258,10 @@ int cmd_serve(int argc, char **argv) {
     st_engine_params ep = {.max_batch = o.max_batch, .max_model_len = o.max_model_len,
                            .prefill_chunk = o.prefill_chunk, .step_tokens = o.step_tokens, .kv_blocks = o.kv_blocks, .kv_mem = o.kv_mem,
                            .weights = tool_llama_params(&o.mo).weights};
+    {   /* STRATA_DEVICE_SAMPLE=0: sample on the host on CUDA too (tests/gpu/check_device_sample.py) */
+        const char *ds = getenv("STRATA_DEVICE_SAMPLE");
+        ep.host_sample = ds && !strcmp(ds, "0");
+    }
     if (st_engine_init(files, be, tok, &ep, &eng) != STRATA_OK || st_engine_start(eng) != STRATA_OK) {
         tool_print_error("serve");
         goto done;

@@ -22,9 +22,13 @@
  *   3. one batched forward pass (st_llama_forward_batch) runs every sequence's
  *      tokens of the step on one shared st_llama;
  *   4. each sequence that produced logits is sampled with its own sampler;
- *      the engine detokenizes (never half a UTF-8 character), applies stop ids
- *      and stop strings, streams the new text to on_text, and finishes the
- *      sequences that are done (on_finish), freeing their blocks.
+ *      the runner's postprocess (st_seq_postprocess, the one place) applies
+ *      stop ids and stop strings and detokenizes (never half a UTF-8
+ *      character); the engine streams the new text to on_text and finishes
+ *      the sequences that are done (on_finish), their blocks freed.
+ * Every request is one record (engine/seq.h, st_seq) from st_engine_add to
+ * on_finish: the engine creates it (the request is validated there, once),
+ * the runner and its scheduler borrow it while it is live.
  * Requests join and leave between steps; a long prompt is spread over several
  * steps beside the others' decodes.
  *
@@ -45,8 +49,9 @@
 #include <stddef.h>
 #include <stdint.h>
 #include "backend/backend.h"
-#include "engine/generate.h"
+#include "engine/runner.h"
 #include "engine/sampler.h"
+#include "engine/seq.h"
 #include "loader/loader.h"
 #include "model/llama.h"
 #include "tokenizer/tokenizer.h"
@@ -56,24 +61,9 @@ extern "C" {
 
 typedef struct st_engine st_engine;
 
-typedef struct {
-    int64_t max_batch;       /* sequences running at once (0: 8) */
-    int64_t max_model_len;   /* tokens per sequence, prompt + output (0: min(model's context, 2048)) */
-    int64_t prefill_chunk;   /* most tokens of one prompt run in one step (0: 256) */
-    int64_t step_tokens;     /* token budget of a step: decodes + prompt chunks (0: prefill_chunk + max_batch);
-                                at least prefill_chunk; the forward pass takes up to
-                                max(step_tokens, prefill_chunk + max_batch - 1) tokens so the
-                                oldest prefill always runs beside the decodes */
-    int64_t max_waiting;     /* requests waiting for a slot before add refuses (0: 4096) */
-    int64_t kv_block_size;   /* tokens of a KV block (0: 16) */
-    int64_t kv_blocks;       /* blocks of the paged KV pool (0: from kv_mem) */
-    size_t kv_mem;           /* pool bytes when kv_blocks is 0 (0: room for max_batch sequences of
-                                max_model_len tokens, capped at 1 GiB); never less than one sequence.
-                                A pool smaller than max_batch full-length sequences is logged (WARN):
-                                sequences are then preempted when it fills */
-    bool disable_prefix_cache; /* every prompt is computed in full */
-    st_llama_weight_opts weights; /* weight placement and streaming (model/llama.h; zero: defaults) */
-} st_engine_params;
+/* st_engine_params (engine/runner.h): one parameter struct, one set of
+ * defaults, shared with the runner (max_batch 32, max_model_len
+ * min(model, 2048), prefill_chunk 256, ...). */
 
 /* What a step of this model costs, for rooflines (fixed at init):
  * a forward pass of n tokens over sequences holding c keys in all reads
@@ -89,51 +79,17 @@ typedef struct {
     double attn_flops_per_pair; /* 4 x heads x head_dim x layers: scores and the weighted sum */
 } st_engine_costs;
 
-/* Why a request ended. */
-typedef enum {
-    ST_FINISH_STOP = 0, /* a stop id (EOS, end of turn) or a stop string */
-    ST_FINISH_LENGTH,   /* max_tokens reached, or the sequence filled max_model_len */
-    ST_FINISH_ABORT,    /* st_engine_abort, or the engine stopped */
-    ST_FINISH_ERROR,    /* the forward pass or the sampler failed (message in st_engine_finish.error) */
-    ST_FINISH_COUNT_
-} st_finish_reason;
-
-const char *st_finish_reason_name(st_finish_reason r); /* "stop", "length", "abort", "error" */
-
-typedef struct {
-    const int32_t *prompt;    /* [n_prompt] token ids, copied by st_engine_add */
-    int64_t n_prompt;         /* >= 1 and < max_model_len */
-    st_sampler_params sampler;/* its own random state, seeded from sampler.seed */
-    int64_t max_tokens;       /* > 0: at most this many sampled tokens; 0: until max_model_len is full */
-    const char *const *stop;  /* stop strings (non-empty, valid UTF-8), copied; may be NULL */
-    int n_stop;
-    const int32_t *stop_ids;  /* extra ids that end the request (beside the tokenizer's), copied */
-    int n_stop_ids;
-    bool ignore_eos;          /* the tokenizer's stop ids do not end it (benchmarks); stop_ids still do */
-} st_engine_request;
-
-/* What on_finish receives. Times are seconds from st_engine_add. */
-typedef struct {
-    st_finish_reason reason;
-    st_stop_reason stop;       /* the detail: EOS, STRING, MAX_TOKENS, CONTEXT (NONE for abort/error) */
-    int64_t prompt_tokens;
-    int64_t completion_tokens; /* tokens sampled (a final stop id counts) */
-    int64_t cached_tokens;     /* prompt tokens served from the prefix cache instead of computed */
-    double queue_s;            /* until it got a slot */
-    double ttft_s;             /* until its first sampled token (< 0: none) */
-    double total_s;
-    const char *error;         /* ST_FINISH_ERROR: why; else NULL. Valid during the callback only */
-} st_engine_finish;
-
-/* Called on the stepping thread. on_text gets each new piece of output text
- * (complete UTF-8, len > 0, not NUL-terminated, valid during the call).
- * on_finish is called exactly once for every request st_engine_add accepted,
- * last; after it returns the engine never touches `user` again. */
-typedef struct {
-    void (*on_text)(void *user, const char *text, size_t len);
-    void (*on_finish)(void *user, const st_engine_finish *fin);
-    void *user;
-} st_engine_callbacks;
+/* The request, what on_finish receives and the callbacks are the request
+ * record's types (engine/seq.h): st_request (prompt, sampler parameters,
+ * max_tokens, stop strings and ids, ignore_eos), st_finish_info (reason
+ * STOP / LENGTH / ABORT / ERROR with its detail, usage, times from
+ * st_engine_add) and st_seq_callbacks (on_text, on_finish, user; called on
+ * the stepping thread; on_finish exactly once for every request
+ * st_engine_add accepted, last; after it the engine never touches `user`
+ * again). */
+typedef st_request st_engine_request;
+typedef st_finish_info st_engine_finish;
+typedef st_seq_callbacks st_engine_callbacks;
 
 /* A cumulative histogram with fixed upper bounds (Prometheus style):
  * counts[i] = observations <= bounds[i]; the last bucket is +Inf. */

@@ -46,7 +46,7 @@ struct st_scheduler {
     uint64_t *preempted;   /* [max_batch] */
     bool pending;          /* dec awaits st_scheduler_update */
 
-    st_sched_finished *fin; /* [max_batch] */
+    st_seq **fin;          /* [max_batch] sequences finished by the last update */
     int64_t n_fin;
 
     st_scheduler_stats stats;
@@ -106,11 +106,8 @@ strata_status st_scheduler_init(const st_scheduler_params *p, st_block_manager *
 
 void st_scheduler_free(st_scheduler *s) {
     if (!s) return;
-    for (int64_t i = 0; i < s->n_running; i++) {
-        st_bm_seq_free(s->bm, &s->running[i]->kv);
-        st_seq_free(s->running[i]);
-    }
-    for (int64_t i = 0; i < s->n_waiting; i++) st_seq_free(s->waiting[i]);
+    /* the records are their creators': only the blocks are released here */
+    for (int64_t i = 0; i < s->n_running; i++) st_bm_seq_free(s->bm, &s->running[i]->kv);
     st_free(s->running);
     st_free(s->waiting);
     st_free(s->plan);
@@ -153,22 +150,13 @@ static st_seq *find_live(const st_scheduler *s, uint64_t id) {
 
 /* ---- add ----------------------------------------------------------------------------------*/
 
-strata_status st_scheduler_add(st_scheduler *s, uint64_t id, const st_seq_params *p) {
-    st_seq *q = NULL;
-    strata_status st = st_seq_init(p, id, s->next_arrival, &q);
-    if (st) {
-        s->stats.rejected++;
-        return st;
-    }
-    if (q->n_prompt >= s->p.max_model_len) {
-        st_seq_free(q);
-        s->stats.rejected++;
-        return st_err(STRATA_ERR_INVALID_ARG,
-                      "request %llu: the prompt has %lld tokens, max_model_len is %lld (a prompt must be shorter, to leave room for at least one generated token)",
-                      (unsigned long long)id, (long long)p->n_prompt, (long long)s->p.max_model_len);
-    }
+strata_status st_scheduler_add(st_scheduler *s, st_seq *q) {
+    if (!s || !q) return st_err(STRATA_ERR_INVALID_ARG, "scheduler: add needs a scheduler and a sequence");
+    /* checked at admission (st_seq_create): asserted here */
+    ST_ASSERT(q->status == ST_SEQ_WAITING && q->n_tokens == q->n_prompt && q->n_prompt >= 1 &&
+              q->n_prompt < s->p.max_model_len && q->kv.n_blocks == 0);
+    const uint64_t id = q->id;
     if (find_live(s, id)) {
-        st_seq_free(q);
         s->stats.rejected++;
         return st_err(STRATA_ERR_INVALID_ARG, "request %llu: a sequence with this id is already live",
                       (unsigned long long)id);
@@ -180,14 +168,15 @@ strata_status st_scheduler_add(st_scheduler *s, uint64_t id, const st_seq_params
         while (cap < need) cap *= 2;
         st_seq **w = st_realloc(s->waiting, (size_t)cap * sizeof *w);
         if (!w) {
-            st_seq_free(q);
             s->stats.rejected++;
             return st_err(STRATA_ERR_NOMEM, "scheduler: cannot queue %lld requests", (long long)cap);
         }
         s->waiting = w;
         s->cap_waiting = cap;
     }
-    s->next_arrival++;
+    q->arrival = s->next_arrival++;
+    q->plan = -1;
+    q->n_cached = -1;
     s->waiting[s->n_waiting++] = q;
     s->stats.added++;
     return STRATA_OK;
@@ -208,7 +197,7 @@ static void preempt(st_scheduler *s, st_seq *v, int64_t *budget) {
         *budget += e->n;
         v->plan = -1;
     }
-    v->state = ST_SEQ_WAITING;
+    v->status = ST_SEQ_WAITING;
     v->n_preemptions++;
     s->stats.preemptions++;
     ST_ASSERT(s->n_waiting < s->cap_waiting);
@@ -275,7 +264,7 @@ static strata_status admit_head(st_scheduler *s, int64_t budget, int64_t *used, 
     }
     memmove(s->waiting, s->waiting + 1, (size_t)(s->n_waiting - 1) * sizeof *s->waiting);
     s->n_waiting--;
-    q->state = ST_SEQ_RUNNING;
+    q->status = ST_SEQ_RUNNING;
     insert_sorted(s->running, &s->n_running, q);
     if (q->n_cached < 0) q->n_cached = got;
     s->stats.cached_tokens += got;
@@ -297,7 +286,7 @@ static strata_status build_decision(st_scheduler *s) {
             st_sched_item *it = &s->items[n];
             *it = (st_sched_item){
                 .seq_id = q->id,
-                .user = q->user,
+                .seq = q,
                 .pos0 = e->pos0,
                 .n = e->n,
                 .tokens = q->tokens + e->pos0,
@@ -383,10 +372,10 @@ fail:
 
 /* ---- update / finish ---------------------------------------------------------------------*/
 
-/* Removes live q (blocks released, memory freed); forgets it in the pending
- * decision. */
-static void drop_seq(st_scheduler *s, st_seq *q) {
-    if (q->state == ST_SEQ_RUNNING) {
+/* Removes live q (blocks released; the record stays its creator's, FINISHED
+ * for `reason`); forgets it in the pending decision. */
+static void drop_seq(st_scheduler *s, st_seq *q, st_finish_reason reason) {
+    if (q->status == ST_SEQ_RUNNING) {
         ST_ASSERT(remove_from(s->running, &s->n_running, q));
         st_bm_seq_free(s->bm, &q->kv);
     } else {
@@ -394,11 +383,16 @@ static void drop_seq(st_scheduler *s, st_seq *q) {
     }
     for (int64_t i = 0; i < s->dec.n_items; i++)
         if (s->item_seq[i] == q) s->item_seq[i] = NULL;
-    st_seq_free(q);
+    q->fin.cached_tokens = q->n_cached < 0 ? 0 : q->n_cached;
+    q->fin.preemptions = q->n_preemptions;
+    q->fin.prompt_tokens = q->n_prompt;
+    q->fin.completion_tokens = st_seq_n_generated(q);
+    q->plan = -1;
+    st_seq_set_finished(q, reason, NULL);
 }
 
 strata_status st_scheduler_update(st_scheduler *s, const int32_t *next_tokens,
-                                  const st_sched_finished **finished, int64_t *n_finished) {
+                                  st_seq *const **finished, int64_t *n_finished) {
     if (finished) *finished = s ? s->fin : NULL;
     if (n_finished) *n_finished = 0;
     if (!s || !s->pending)
@@ -424,39 +418,31 @@ strata_status st_scheduler_update(st_scheduler *s, const int32_t *next_tokens,
         if (!it->need_logits) continue;
         st_seq_append(q, next_tokens[i]);
         s->stats.generated_tokens++;
-        st_seq_finish reason = ST_SEQ_FINISH_NONE;
-        if (q->max_tokens > 0 && st_seq_n_generated(q) >= q->max_tokens) reason = ST_SEQ_FINISH_MAX_TOKENS;
-        else if (q->n_tokens >= s->p.max_model_len) reason = ST_SEQ_FINISH_CONTEXT;
-        if (reason == ST_SEQ_FINISH_NONE) continue;
-        s->fin[s->n_fin++] = (st_sched_finished){
-            .seq_id = q->id,
-            .user = q->user,
-            .reason = reason,
-            .n_prompt = q->n_prompt,
-            .n_generated = st_seq_n_generated(q),
-            .n_cached = q->n_cached < 0 ? 0 : q->n_cached,
-            .n_preemptions = q->n_preemptions,
-        };
+        const bool at_max = q->max_tokens > 0 && st_seq_n_generated(q) >= q->max_tokens;
+        if (!at_max && q->n_tokens < s->p.max_model_len) continue;
+        q->fin.context_full = !at_max;
+        s->fin[s->n_fin++] = q;
         s->stats.finished++;
-        drop_seq(s, q);
+        drop_seq(s, q, ST_FINISH_LENGTH);
     }
     if (n_finished) *n_finished = s->n_fin;
     return STRATA_OK;
 }
 
-strata_status st_scheduler_finish(st_scheduler *s, uint64_t id, st_seq_finish reason) {
-    if (!s || reason == ST_SEQ_FINISH_NONE)
+strata_status st_scheduler_finish(st_scheduler *s, uint64_t id, st_finish_reason reason) {
+    if (!s || reason < 0 || reason >= ST_FINISH_COUNT_)
         return st_err(STRATA_ERR_INVALID_ARG, "scheduler: finish needs a scheduler and a reason");
     st_seq *q = find_live(s, id);
     if (!q) return st_err(STRATA_ERR_NOT_FOUND, "scheduler: no live sequence %llu", (unsigned long long)id);
-    if (reason == ST_SEQ_FINISH_ABORT) s->stats.aborted++;
+    if (reason == ST_FINISH_ABORT) s->stats.aborted++;
     else s->stats.finished++;
-    drop_seq(s, q);
+    /* a STOP the caller decided (st_seq_postprocess) keeps its detail */
+    drop_seq(s, q, reason);
     return STRATA_OK;
 }
 
 strata_status st_scheduler_abort(st_scheduler *s, uint64_t id) {
-    return st_scheduler_finish(s, id, ST_SEQ_FINISH_ABORT);
+    return st_scheduler_finish(s, id, ST_FINISH_ABORT);
 }
 
 /* ---- queries -----------------------------------------------------------------------------*/
@@ -495,8 +481,8 @@ strata_status st_scheduler_validate(const st_scheduler *s) {
             const st_seq *q = arr[i];
             if (i > 0 && arr[i - 1]->arrival >= q->arrival)
                 SFAIL("%s queue out of arrival order at %lld", name, (long long)i);
-            if (q->state != (pass == 0 ? ST_SEQ_RUNNING : ST_SEQ_WAITING))
-                SFAIL("seq %llu in the %s queue has state %d", (unsigned long long)q->id, name, q->state);
+            if (q->status != (pass == 0 ? ST_SEQ_RUNNING : ST_SEQ_WAITING))
+                SFAIL("seq %llu in the %s queue has status %d", (unsigned long long)q->id, name, q->status);
             if (q->n_tokens < q->n_prompt || q->n_tokens >= s->p.max_model_len || q->n_tokens > q->cap)
                 SFAIL("seq %llu holds %lld tokens (prompt %lld, max_model_len %lld)", (unsigned long long)q->id,
                       (long long)q->n_tokens, (long long)q->n_prompt, (long long)s->p.max_model_len);

@@ -5,7 +5,8 @@
  *
  * The engine loop, one step:
  *
- *     st_scheduler_add(...)                 new requests, any time between steps
+ *     st_scheduler_add(s, seq)              new requests (records made by st_seq_create,
+ *                                           lent until they finish), any time between steps
  *     st_scheduler_schedule(s, &d)          the decision d for this step
  *     runner: for each item of d, run tokens[pos0 .. pos0+n) at positions
  *             pos0.., writing their K/V to d->slot_mapping[slot_offset ..
@@ -15,8 +16,9 @@
  *                                           marks the KV computed (full blocks
  *                                           enter the prefix cache), appends the
  *                                           sampled tokens, finishes sequences
- *                                           at max_tokens / max_model_len
- *     st_scheduler_finish(s, id, ST_SEQ_FINISH_STOP)   the caller's stops
+ *                                           at max_tokens / max_model_len (LENGTH)
+ *     st_scheduler_finish(s, id, ST_FINISH_STOP)   the caller's stops (stop ids and
+ *                                                  strings: st_seq_postprocess)
  *     st_scheduler_abort(s, id)                        cancelled requests
  *
  * A step's plan (st_scheduler_schedule):
@@ -91,7 +93,7 @@ typedef struct {
 /* One sequence's work in a step: run tokens[0..n) at positions pos0 .. pos0+n-1. */
 typedef struct {
     uint64_t seq_id;
-    void *user;                 /* st_seq_params.user */
+    st_seq *seq;                /* the sequence (its record: sampler, callbacks, ...) */
     int64_t pos0;               /* == the sequence's computed tokens before this step */
     int64_t n;                  /* >= 1 */
     const int32_t *tokens;      /* [n] the ids to run (borrowed from the sequence) */
@@ -126,16 +128,6 @@ typedef struct {
     int64_t block_size;
 } st_sched_decision;
 
-/* A sequence that left in st_scheduler_update. */
-typedef struct {
-    uint64_t seq_id;
-    void *user;
-    st_seq_finish reason;
-    int64_t n_prompt, n_generated;
-    int64_t n_cached;          /* prompt tokens served by the prefix cache at its first admission */
-    int64_t n_preemptions;
-} st_sched_finished;
-
 typedef struct {
     int64_t n_waiting, n_running;
     uint64_t steps;
@@ -156,16 +148,18 @@ typedef struct st_scheduler st_scheduler;
  * scheduler, which is the only one to allocate from it). The caller owns *out
  * (st_scheduler_free); NULL on error. */
 strata_status st_scheduler_init(const st_scheduler_params *p, st_block_manager *bm, st_scheduler **out);
-/* Releases every sequence's blocks to the block manager and frees everything.
- * NULL: no-op. */
+/* Releases every live sequence's blocks to the block manager and frees the
+ * scheduler (not the records: they are their creators'). NULL: no-op. */
 void st_scheduler_free(st_scheduler *s);
 
-/* Queues a request (FCFS position: the end). `id` is the caller's, unique
- * among live sequences. Errors, the scheduler unchanged: INVALID_ARG for a bad
- * request (empty prompt, negative ids or max_tokens, an id already live) or a
- * prompt of max_model_len tokens or more (the message gives both lengths);
- * NOMEM. */
-strata_status st_scheduler_add(st_scheduler *s, uint64_t id, const st_seq_params *p);
+/* Queues sequence q (FCFS position: the end), a WAITING record from
+ * st_seq_create whose prompt is shorter than max_model_len (asserted: the
+ * request was checked at its creation). The scheduler borrows q until it
+ * finishes (update's finished list, st_scheduler_finish): then q is FINISHED,
+ * holds no blocks and is the caller's again (it frees it). q->id must be
+ * unique among live sequences. Errors, the scheduler unchanged: INVALID_ARG
+ * for an id already live; NOMEM. */
+strata_status st_scheduler_add(st_scheduler *s, st_seq *q);
 
 /* Plans the next step (see the top of this file); *out is the decision (may
  * have no items when nothing is runnable). A previous decision not followed by
@@ -178,22 +172,25 @@ strata_status st_scheduler_schedule(st_scheduler *s, const st_sched_decision **o
  * full blocks enter the prefix cache) and next_tokens[i] (>= 0) is the token
  * sampled for item i when items[i].need_logits (ignored otherwise; next_tokens
  * may be NULL when no item needs logits). Sequences that reach max_tokens or
- * max_model_len finish: their blocks are released and they are listed in
- * *finished[0 .. *n_finished) (owned by the scheduler, valid until the next
- * state-changing call; either pointer may be NULL). Items whose sequence was
+ * max_model_len finish (FINISHED, fin.reason LENGTH, fin.context_full when
+ * max_model_len did it, fin counters filled): their blocks are released and
+ * they are listed in (*finished)[0 .. *n_finished) (the list is the
+ * scheduler's, valid until the next state-changing call; the records are the
+ * caller's; either pointer may be NULL). Items whose sequence was
  * finished or aborted after the schedule are skipped. INVALID_ARG (nothing
  * changed) when there is no decision to update or a needed token is
  * negative. */
 strata_status st_scheduler_update(st_scheduler *s, const int32_t *next_tokens,
-                                  const st_sched_finished **finished, int64_t *n_finished);
+                                  st_seq *const **finished, int64_t *n_finished);
 
-/* Ends a live sequence now (waiting or running; blocks released, memory
- * freed) for `reason` (the caller's STOP, or ABORT). NOT_FOUND when `id` is not
+/* Ends a live sequence now (waiting or running; blocks released; the record
+ * FINISHED for `reason`, with its fin counters, and the caller's again: the
+ * scheduler never frees records). NOT_FOUND when `id` is not
  * live (unknown, already finished). Safe between schedule and update (the item
  * is skipped by update; the runner may still have written into its blocks,
  * which are not reused before the next schedule). */
-strata_status st_scheduler_finish(st_scheduler *s, uint64_t id, st_seq_finish reason);
-/* st_scheduler_finish(s, id, ST_SEQ_FINISH_ABORT). */
+strata_status st_scheduler_finish(st_scheduler *s, uint64_t id, st_finish_reason reason);
+/* st_scheduler_finish(s, id, ST_FINISH_ABORT). */
 strata_status st_scheduler_abort(st_scheduler *s, uint64_t id);
 
 /* The live sequence `id` (read-only, valid until the next state-changing

@@ -188,7 +188,7 @@ static void on_finish(void *user, const st_engine_finish *f) {
     req *r = user;
     st_server *s = r->srv;
     st_log(STRATA_LOG_INFO, "server: %s: %s (%s), %lld prompt + %lld completion tokens, queue %.3f s, ttft %.3f s, total %.3f s",
-           r->id, st_finish_reason_name(f->reason), st_stop_reason_name(f->stop), (long long)f->prompt_tokens,
+           r->id, st_finish_reason_name(f->reason), st_finish_detail(f), (long long)f->prompt_tokens,
            (long long)f->completion_tokens, f->queue_s, f->ttft_s, f->total_s);
     pthread_mutex_lock(&r->mu);
     r->finished = true;
