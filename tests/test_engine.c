@@ -3,7 +3,7 @@
  *  - the stop-string filter (engine/stop.h): a stop string split across
  *    pieces, the earliest of several, a held-back prefix released, UTF-8;
  *  - every request's text, finish reason and usage equal a reference written
- *    here (a single-sequence loop over st_llama_forward_batch with a
+ *    here (a single-sequence loop over st_llama_forward with a
  *    one-sequence batch, its own sampler, detokenizer and stop checks) for
  *    the same prompt and sampler (greedy and seeded sampling), whether it runs
  *    alone, among 11 others (more than the 4 slots: some wait), or joining
@@ -143,7 +143,7 @@ static void test_stop_filter(void) {
     CHECK_ERR(st_stop_filter_init(bad, 1, &f), STRATA_ERR_INVALID_ARG, "UTF-8");
 }
 
-/* ---- the reference: one sequence over st_llama_forward_batch ------------------------------*/
+/* ---- the reference: one sequence over st_llama_forward ------------------------------------*/
 typedef struct {
     const char *prompt_text;
     int32_t *prompt;
@@ -188,12 +188,11 @@ static void ref_text(job *j, const char *t, size_t n) {
  * strings, max_tokens and the context as engine.h says. */
 static void make_reference(tiny *t, int64_t chunk, job *j) {
     st_llama *m = NULL;
-    const st_llama_params lp = {.max_ctx = t->n_ctx, .max_batch = chunk, .kv_pool_tokens = t->n_ctx,
-                                .no_seq_kv = true};
+    const st_kv_pool_params kp = st_llama_kv_params_for(&t->files->config, chunk, t->n_ctx, 1, t->n_ctx, ST_KV_F32);
+    const st_llama_params lp = {.max_seq_len = t->n_ctx, .max_tokens = chunk, .kv_bytes = st_kv_pool_device_bytes(&kp)};
     CHECK(st_llama_init(t->files, t->be, &lp, &m) == STRATA_OK);
-    st_kv_cache *kv = NULL;
-    const st_kv_cache_params kp = {.num_blocks = 1, .block_size = t->n_ctx};
-    CHECK(st_kv_cache_init(m, &kp, &kv) == STRATA_OK);
+    st_kv_pool *kv = NULL;
+    CHECK(st_kv_pool_init(t->be, &kp, &kv) == STRATA_OK);
     st_sampler *s = NULL;
     CHECK(st_sampler_init(&j->sp, t->vocab, &s) == STRATA_OK);
     st_detok *dt = NULL;
@@ -221,7 +220,7 @@ static void make_reference(tiny *t, int64_t chunk, job *j) {
             const st_batch b = {.n_tokens = n, .tokens = toks + done, .pos = pos, .seq = seq0, .slots = slots,
                                 .n_seqs = 1, .block_tables = tab, .max_blocks = 1, .ctx_lens = ctx_len,
                                 .logit_rows = row, .n_logits = done + n == n_tok ? 1 : 0};
-            CHECK(st_llama_forward_batch(m, kv, &b, logits) == STRATA_OK);
+            CHECK(st_llama_forward(m, kv, &b, logits) == STRATA_OK);
             done += n;
         }
         int32_t tk;
@@ -266,7 +265,8 @@ static void make_reference(tiny *t, int64_t chunk, job *j) {
     free(logits);
     st_detok_free(dt);
     st_sampler_free(s);
-    st_kv_cache_free(kv);
+    if (m && kv) st_llama_forget_pool(m, kv);
+    st_kv_pool_free(kv);
     st_llama_free(m);
 }
 

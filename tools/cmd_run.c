@@ -114,6 +114,7 @@ static void sb_clear(strbuf *b) {
 /* 1: parsed, 0: --help shown, -1: usage error (message printed) */
 static int parse_args(int argc, char **argv, run_opts *o) {
     memset(o, 0, sizeof *o);
+    o->mo = (tool_model_opts)TOOL_MODEL_OPTS_INIT;
     o->chat = -1;
     o->n_predict = DEF_N_PREDICT;
     o->sp = st_sampler_params_default();
@@ -412,8 +413,11 @@ static bool runner_open(const run_opts *o, runner *r) {
                                                                                        : 4096;
     }
     const int64_t chunk = o->mo.batch > 0 ? o->mo.batch : 512;
-    st_engine_params ep = {.max_batch = 1, .max_model_len = ctx, .prefill_chunk = chunk < ctx ? chunk : ctx,
-                           .max_waiting = 1, .weights = tool_llama_params(&o->mo).weights};
+    st_engine_params ep = tool_engine_params(&o->mo, cfg);
+    ep.max_batch = 1;
+    ep.max_model_len = ctx;
+    ep.prefill_chunk = chunk < ctx ? chunk : ctx;
+    ep.max_waiting = 1;
     if (st_engine_init(r->files, r->be, r->tok, &ep, &r->eng) != STRATA_OK) {
         tool_print_error("model");
         runner_close(r);

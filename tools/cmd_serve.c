@@ -45,10 +45,12 @@ static void serve_usage(FILE *f) {
             "  --step-tokens N          token budget of an engine step: decodes + prompt chunks (default\n"
             "                           prefill-chunk + max-batch; at least prefill-chunk)\n"
             "  --kv-mem SIZE            paged KV cache size (K/M/G suffixes; default: room for max-batch\n"
-            "                           sequences of max-model-len tokens, at most 1 GiB); fp32 K and V\n"
+            "                           sequences of max-model-len tokens, at most 1 GiB)\n"
             "  --kv-blocks N            paged KV cache size in blocks of 16 tokens (instead of --kv-mem)\n"
             "  --fast-prefill           bf16-rounded operands in the tensor-core matmuls of batches of 4\n"
             "                           tokens or more (about twice as fast, ~1e-2 relative error; CUDA)\n"
+            "  --kv-dtype bf16|fp8|f32  KV cache element type (default bf16)\n"
+            "  --host-sample            sample on the host even on CUDA (checks; default: on the device)\n"
             "  --no-rooflines           skip the start-up probes of HBM bandwidth and GEMM rate (CUDA)\n"
             "  --max-body BYTES         request body limit (default 1048576); larger bodies get a 413\n"
             "  --model-name NAME        the model id in /v1/models and answers (default: the file name)\n"
@@ -67,13 +69,14 @@ typedef struct {
     const char *model_path, *host, *api_key, *model_name, *chat_template;
     int64_t port, max_batch, max_model_len, prefill_chunk, step_tokens, max_body, max_conn, kv_blocks;
     size_t kv_mem;
-    bool fast_prefill, no_rooflines;
+    bool fast_prefill, no_rooflines, host_sample;
     tool_model_opts mo;
 } serve_opts;
 
 /* 1: run, 0: exit 0 (help), -1: usage error (printed). */
 static int parse_args(int argc, char **argv, serve_opts *o) {
     memset(o, 0, sizeof *o);
+    o->mo = (tool_model_opts)TOOL_MODEL_OPTS_INIT;
     o->host = "127.0.0.1";
     o->port = 8080;
     o->api_key = getenv("STRATA_API_KEY");
@@ -116,6 +119,10 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
                 return -1;
             }
             i++;
+            continue;
+        }
+        if (!strcmp(a, "--host-sample")) {
+            o->host_sample = true;
             continue;
         }
         if (!strcmp(a, "--fast-prefill")) {
@@ -255,13 +262,14 @@ int cmd_serve(int argc, char **argv) {
     }
     if (o.fast_prefill) be->ops->set_fast_prefill(be, true);
     if (!settle_chat(&o, tok, &tpl)) goto done;
-    st_engine_params ep = {.max_batch = o.max_batch, .max_model_len = o.max_model_len,
-                           .prefill_chunk = o.prefill_chunk, .step_tokens = o.step_tokens, .kv_blocks = o.kv_blocks, .kv_mem = o.kv_mem,
-                           .weights = tool_llama_params(&o.mo).weights};
-    {   /* STRATA_DEVICE_SAMPLE=0: sample on the host on CUDA too (tests/gpu/check_device_sample.py) */
-        const char *ds = getenv("STRATA_DEVICE_SAMPLE");
-        ep.host_sample = ds && !strcmp(ds, "0");
-    }
+    st_engine_params ep = tool_engine_params(&o.mo, &files->config);
+    ep.max_batch = o.max_batch;
+    ep.max_model_len = o.max_model_len;
+    ep.prefill_chunk = o.prefill_chunk;
+    ep.step_tokens = o.step_tokens;
+    ep.kv_blocks = o.kv_blocks;
+    ep.kv_mem = o.kv_mem;
+    ep.host_sample = o.host_sample; /* tests/gpu/check_device_sample.py compares the two */
     if (st_engine_init(files, be, tok, &ep, &eng) != STRATA_OK || st_engine_start(eng) != STRATA_OK) {
         tool_print_error("serve");
         goto done;

@@ -1,5 +1,5 @@
 /* The serving engine: thread-safe request queue, hand-over to the batched
- * runner (scheduler + paged KV + st_llama_forward_batch), detokenization and
+ * runner (scheduler + paged KV + st_llama_forward), detokenization and
  * stop handling. See engine.h.
  *
  * Locking: e->mu guards the pending queue (added, not yet handed to the
@@ -105,7 +105,7 @@ static const double E2E_BOUNDS[] = {0.1, 0.25, 0.5,  1.0,  2.5,  5.0,  10.0,  15
 #define NELEM(a) ((int)(sizeof(a) / sizeof((a)[0])))
 
 /* The model's step costs (engine.h) from its weight groups and config. */
-static strata_status costs_init(const st_model_files *files, st_engine_costs *out) {
+static strata_status costs_init(const st_model_files *files, st_kv_dtype kv_dtype, st_engine_costs *out) {
     const st_config *c = &files->config;
     st_wgroups *g = NULL;
     strata_status st = st_wgroups_build(files, &g);
@@ -119,8 +119,8 @@ static strata_status costs_init(const st_model_files *files, st_engine_costs *ou
         }
     }
     st_wgroups_free(g);
-    /* the paged pool's layout (model/llama.h): fp32 K and V rows of n_kv_heads * head_dim per layer */
-    out->kv_bytes_per_token = 2.0 * (double)c->n_layers * (double)(c->n_kv_heads * c->head_dim) * sizeof(float);
+    /* the paged pool's layout (kv/kv_pool.h): K and V rows of n_kv_heads * head_dim per layer in kv_dtype */
+    out->kv_bytes_per_token = st_kv_pool_bytes_per_token(c->n_layers, c->n_kv_heads, c->head_dim, kv_dtype);
     out->attn_flops_per_pair = 4.0 * (double)c->n_heads * (double)c->head_dim * (double)c->n_layers;
     return STRATA_OK;
 }
@@ -155,7 +155,7 @@ strata_status st_engine_init(const st_model_files *files, st_backend *be, const 
         st_engine_free(e);
         return st;
     }
-    st = costs_init(files, &e->costs);
+    st = costs_init(files, p.kv_dtype, &e->costs);
     if (st == STRATA_OK) st = st_runner_init(files, be, &p, &e->runner);
     if (st == STRATA_OK && !(e->ev = st_calloc((size_t)p.max_batch, sizeof *e->ev)))
         st = st_err(STRATA_ERR_NOMEM, "engine: out of memory");

@@ -73,7 +73,7 @@ typedef struct {
     double weight_bytes;        /* weight bytes one forward pass reads: every layer matrix and norm,
                                    the final norm and lm_head (the embedding table only for the
                                    rows it gathers, not counted, unless it is lm_head) */
-    double kv_bytes_per_token;  /* K and V of every layer, as the pool stores them (fp32) */
+    double kv_bytes_per_token;  /* K and V of every layer, as the pool stores them (its kv_dtype) */
     double flops_per_token;     /* 2 x the elements of every matrix a token goes through
                                    (lm_head included: decodes need the logits of every token) */
     double attn_flops_per_pair; /* 4 x heads x head_dim x layers: scores and the weighted sum */

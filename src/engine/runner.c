@@ -24,7 +24,7 @@ struct st_runner {
     int64_t batch_tokens;    /* tokens of one forward pass = the scheduler's step budget */
     st_backend *be;
     st_llama *model;
-    st_kv_cache *kv;
+    st_kv_pool *kv;
     st_block_manager *bm;
     st_scheduler *sched;
     int64_t model_vocab;
@@ -74,8 +74,8 @@ strata_status st_engine_params_resolve(st_engine_params *p, const st_config *cfg
                       (long long)p->step_tokens, (long long)p->prefill_chunk);
     if (p->max_waiting == 0) p->max_waiting = DEF_MAX_WAITING;
     if (p->kv_block_size == 0) p->kv_block_size = DEF_BLOCK;
-    const int64_t kv_dim = cfg->n_kv_heads * cfg->head_dim;
-    const size_t tok_bytes = 2 * (size_t)cfg->n_layers * (size_t)kv_dim * sizeof(float);
+    const size_t tok_bytes =
+        (size_t)st_kv_pool_bytes_per_token(cfg->n_layers, cfg->n_kv_heads, cfg->head_dim, p->kv_dtype);
     const int64_t seq_blocks = (p->max_model_len - 1 + p->kv_block_size - 1) / p->kv_block_size;
     if (p->kv_blocks == 0) {
         size_t mem = p->kv_mem;
@@ -113,12 +113,14 @@ strata_status st_runner_init(const st_model_files *files, st_backend *be, const 
     r->model_vocab = cfg->vocab_size;
     r->table_w = (p.max_model_len + p.kv_block_size - 1) / p.kv_block_size;
     {
-        st_llama_params lp = {.max_ctx = p.max_model_len, .max_batch = batch_tokens, .weights = p.weights,
-                              .kv_pool_tokens = p.kv_blocks * p.kv_block_size, .no_seq_kv = true};
+        /* the pool first sized, so that the planner keeps its room out of the weights' */
+        const st_kv_pool_params kp = st_llama_kv_params_for(cfg, batch_tokens, p.max_model_len, p.kv_blocks,
+                                                            p.kv_block_size, p.kv_dtype);
+        st_llama_params lp = {.max_seq_len = p.max_model_len, .max_tokens = batch_tokens, .weights = p.weights,
+                              .device_mem = p.device_mem, .kv_bytes = st_kv_pool_device_bytes(&kp)};
         if ((st = st_llama_init(files, be, &lp, &r->model))) goto fail;
-        ST_ASSERT(st_llama_max_batch(r->model) == batch_tokens);
-        const st_kv_cache_params kp = {.num_blocks = p.kv_blocks, .block_size = p.kv_block_size};
-        if ((st = st_kv_cache_init(r->model, &kp, &r->kv))) goto fail;
+        ST_ASSERT(st_llama_max_tokens(r->model) == batch_tokens);
+        if ((st = st_kv_pool_init(be, &kp, &r->kv))) goto fail;
         const st_bm_params bp = {.num_blocks = p.kv_blocks, .block_size = p.kv_block_size,
                                  .disable_prefix_cache = p.disable_prefix_cache};
         if ((st = st_bm_init(&bp, &r->bm))) goto fail;
@@ -159,7 +161,8 @@ void st_runner_free(st_runner *r) {
     if (!r) return;
     st_scheduler_free(r->sched);
     st_bm_free(r->bm);
-    st_kv_cache_free(r->kv);
+    if (r->model && r->kv) st_llama_forget_pool(r->model, r->kv);
+    st_kv_pool_free(r->kv);
     st_llama_free(r->model);
     st_free(r->tokens);
     st_free(r->pos);
@@ -262,8 +265,8 @@ strata_status st_runner_step(st_runner *r, st_runner_step_info *out) {
             }
         }
     double t0 = st_time_now();
-    if (dev) st = st_llama_forward_batch_sample(r->model, r->kv, &b, r->sargs, r->sids, need_logits ? r->logits : NULL);
-    else st = st_llama_forward_batch(r->model, r->kv, &b, r->logits);
+    if (dev) st = st_llama_forward_sample(r->model, r->kv, &b, r->sargs, r->sids, need_logits ? r->logits : NULL);
+    else st = st_llama_forward(r->model, r->kv, &b, r->logits);
     if (st) return st;
     double t1 = st_time_now();
     r->stats.forward_s += t1 - t0;

@@ -1,8 +1,8 @@
 /* engine/runner: executes the scheduler's decisions — continuous batching over
  * a paged KV cache, one step at a time.
  *
- * A runner owns the model (st_llama, built with no contiguous cache), the
- * paged KV pool (st_kv_cache), the block manager with its prefix cache and
+ * A runner owns the model (st_llama), the
+ * paged KV pool (kv/kv_pool.h), the block manager with its prefix cache and
  * the scheduler; the sequences (engine/seq.h records, each with its own
  * sampler) are lent to it by their creator. One step (st_runner_step):
  *
@@ -12,7 +12,7 @@
  *   2. the runner turns the decision into one st_batch: token ids, positions,
  *      per-token sequence index, slot mapping (the decision's), per-sequence
  *      block tables and context lengths, the rows that need logits;
- *   3. st_llama_forward_batch runs it (every token's K/V stored at its slot);
+ *   3. st_llama_forward runs it (every token's K/V stored at its slot);
  *   4. every item that needs logits is sampled by its sequence's own sampler
  *      (its own parameters and seed; history = the sequence's tokens); on
  *      CUDA a sampler without a repetition penalty draws on the device (the
@@ -69,11 +69,13 @@ typedef struct {
     int64_t kv_block_size;   /* tokens of a KV block (0: 16) */
     int64_t kv_blocks;       /* blocks of the paged KV pool (0: from kv_mem) */
     size_t kv_mem;           /* pool bytes when kv_blocks is 0 (0: room for max_batch sequences of
-                                max_model_len tokens, capped at 1 GiB); never less than one sequence
-                                of max_model_len tokens */
+                                max_model_len tokens in kv_dtype, capped at 1 GiB); never less than
+                                one sequence of max_model_len tokens */
     bool disable_prefix_cache; /* every prompt is computed in full */
     bool host_sample;        /* sample on the host even on CUDA (no device sampling) */
-    st_llama_weight_opts weights; /* weight placement and streaming (model/llama.h; zero: defaults) */
+    st_kv_dtype kv_dtype;    /* KV cache element type (0 = ST_KV_F32; the tools default to bf16) */
+    size_t device_mem;       /* the device budget the planner fills (0: unlimited: every weight resident) */
+    st_weight_opts weights;  /* weight placement and streaming (planner/planner.h; zero: defaults) */
     /* Inspection hook (tests, tools): called during a step for every row of
      * logits it computed, before sampling: sequence id, the position whose
      * next token they predict, and the row (model vocab floats, valid during

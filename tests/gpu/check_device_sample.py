@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """End to end on a GPU: `strata serve --device cuda` samples on the device
 (the backend's sample op; the runner copies back token ids only) unless
-STRATA_DEVICE_SAMPLE=0, which keeps the host sampler. Both draw with the same
+--host-sample, which keeps the host sampler. Both draw with the same
 per-request random state and the same id-order rule, so seeded requests must
 give the same text both ways (a token may differ only where a uniform draw
 lies within float rounding of a boundary: rare, reported).
@@ -38,9 +38,9 @@ REQS = [
 PROMPTS = ["The capital of France is", "Once upon a time,", "def fibonacci(n):", "List three colors:"]
 
 
-def start(model, env):
-    cmd = [BIN, "serve", model, "--device", "cuda", "--port", "0", "--max-batch", "4", "--no-rooflines"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+def start(model, extra_args):
+    cmd = [BIN, "serve", model, "--device", "cuda", "--port", "0", "--max-batch", "4", "--no-rooflines", *extra_args]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while time.time() < deadline and p.poll() is None:
         r, _, _ = select.select([p.stdout], [], [], 0.5)
@@ -64,10 +64,7 @@ def complete(port, prompt, seed, extra):
 
 
 def run(model, device_sample):
-    env = dict(os.environ)
-    if not device_sample:
-        env["STRATA_DEVICE_SAMPLE"] = "0"
-    p, port = start(model, env)
+    p, port = start(model, [] if device_sample else ["--host-sample"])
     out = []
     t0 = time.time()
     try:
@@ -96,7 +93,7 @@ def main():
                   PROMPTS[k % len(PROMPTS)], a[:80], b[:80]))
     # all but a rare boundary case identical; and sampling really samples
     ok = same >= n - 2 and distinct >= n // 2
-    print("%s  serve on cuda, device sampling vs STRATA_DEVICE_SAMPLE=0: %d of %d seeded completions identical, "
+    print("%s  serve on cuda, device sampling vs --host-sample: %d of %d seeded completions identical, "
           "%d distinct texts  (%.1f s vs %.1f s)" % ("PASS" if ok else "FAIL", same, n, distinct, t_dev, t_host))
     return 0 if ok else 1
 
