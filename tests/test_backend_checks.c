@@ -38,6 +38,11 @@ static strata_status spy_copy_h2d(st_backend *be, st_stream *s, void *dst, const
     g_reached++;
     return g_real->copy_h2d(be, s, dst, src, n);
 }
+static strata_status spy_kv_store_paged(st_backend *be, st_stream *s, const st_kv_layer *cache, const float *k,
+                                        const float *v, const int64_t *slots, int64_t n) {
+    g_reached++;
+    return g_real->kv_store_paged(be, s, cache, k, v, slots, n);
+}
 static strata_status spy_attention_paged(st_backend *be, st_stream *s, const float *q, const st_paged_kv *kv,
                                          const int32_t *seq, const int32_t *pos, int64_t n, int64_t n_heads,
                                          int64_t n_kv_heads, int64_t head_dim, float scale, float *out) {
@@ -75,6 +80,7 @@ static void check_backend(st_backend *be) {
     g_spy.sample = spy_sample;
     g_spy.copy_h2d = spy_copy_h2d;
     g_spy.attention_paged = spy_attention_paged;
+    g_spy.kv_store_paged = spy_kv_store_paged;
     be->dev_ops = &g_spy;
 
     /* device buffers: x [2, 8], y [2, 8], a weight [8, 8] f32, ints */
@@ -149,23 +155,76 @@ static void check_backend(st_backend *be) {
     BAD(be, be->ops->matmul_swiglu(be, NULL, x, &w, &w16, 1, o), "matmul_swiglu", "gate is");
     BAD(be, be->ops->matmul_swiglu(be, NULL, x, &w, &wn, 1, o), "matmul_swiglu", "gate is");
     BAD(be, be->ops->matmul_swiglu(be, NULL, x, &w, &w, 1, x), "matmul_swiglu", "out overlaps");
-    BAD(be, be->ops->kv_store_paged(be, NULL, o, o, 4, x, y, NULL, 1, 8), "kv_store_paged", "slots is NULL");
-    BAD(be, be->ops->kv_store_paged(be, NULL, o, o, -1, x, y, slots, 1, 8), "kv_store_paged", "n_slots = -1");
+    /* paged KV: one layer of 8 slots x 1 kv head x 2 dims (f32: o, 16 floats; the
+     * fp8 scales in y) */
+    const st_kv_layer L = {.k = o, .v = o + 16, .dtype = ST_KV_F32, .n_slots = 8, .n_kv_heads = 1, .head_dim = 2};
+    st_kv_layer Lb = L;
+    BAD(be, be->ops->kv_store_paged(be, NULL, &L, x, y, NULL, 1), "kv_store_paged", "slots is NULL");
+    BAD(be, be->ops->kv_store_paged(be, NULL, &L, NULL, y, slots, 1), "kv_store_paged", "k is NULL");
+    BAD(be, be->ops->kv_store_paged(be, NULL, &L, x, NULL, slots, 1), "kv_store_paged", "v is NULL");
+    BAD(be, be->ops->kv_store_paged(be, NULL, &L, x, y, slots, -1), "kv_store_paged", "n = -1");
+    BAD(be, be->ops->kv_store_paged(be, NULL, NULL, x, y, slots, 1), "kv_store_paged", "cache) is NULL");
+    Lb.dtype = (st_kv_dtype)7;
+    BAD(be, be->ops->kv_store_paged(be, NULL, &Lb, x, y, slots, 1), "kv_store_paged", "cache.dtype = 7");
+    Lb = L, Lb.k = NULL;
+    BAD(be, be->ops->kv_store_paged(be, NULL, &Lb, x, y, slots, 1), "kv_store_paged", "cache.k is NULL");
+    Lb = L, Lb.v = NULL;
+    BAD(be, be->ops->kv_store_paged(be, NULL, &Lb, x, y, slots, 1), "kv_store_paged", "cache.v is NULL");
+    Lb = L, Lb.dtype = ST_KV_FP8; /* no scales */
+    BAD(be, be->ops->kv_store_paged(be, NULL, &Lb, x, y, slots, 1), "kv_store_paged", "cache.k_scale is NULL");
+    Lb.k_scale = y;
+    BAD(be, be->ops->kv_store_paged(be, NULL, &Lb, x, y, slots, 1), "kv_store_paged", "cache.v_scale is NULL");
+    Lb = L, Lb.n_slots = 0;
+    BAD(be, be->ops->kv_store_paged(be, NULL, &Lb, x, y, slots, 1), "kv_store_paged", "cache.n_slots = 0");
+    Lb = L, Lb.head_dim = 0;
+    BAD(be, be->ops->kv_store_paged(be, NULL, &Lb, x, y, slots, 1), "kv_store_paged", "cache.head_dim = 0");
     BAD(be, be->ops->attention_paged(be, NULL, x, NULL, ids, ids, 1, 2, 1, 2, 0.5f, o), "attention_paged",
         "description is NULL");
-    st_paged_kv kv = {o, o, 8, 4, ids, 2, ids, 1, 8, 0};
+    st_paged_kv kv = {.cache = L, .block_size = 4, .block_tables = ids, .max_blocks = 2, .ctx_lens = ids,
+                      .n_seqs = 1, .max_ctx = 8};
     BAD(be, be->ops->attention_paged(be, NULL, x, &kv, ids, ids, 1, 3, 2, 2, 0.5f, o), "attention_paged",
         "multiple of n_kv_heads");
-    kv.n_slots = 7;
+    /* the cache's shape against the op's */
+    BAD(be, be->ops->attention_paged(be, NULL, x, &kv, ids, ids, 1, 2, 2, 2, 0.5f, o), "attention_paged",
+        "cache.n_kv_heads = 1, cache.head_dim = 2 differ from the op's n_kv_heads = 2, head_dim = 2");
+    BAD(be, be->ops->attention_paged(be, NULL, x, &kv, ids, ids, 1, 2, 1, 4, 0.5f, o), "attention_paged",
+        "differ from the op's n_kv_heads = 1, head_dim = 4");
+    kv.cache.dtype = (st_kv_dtype)-1;
     BAD(be, be->ops->attention_paged(be, NULL, x, &kv, ids, ids, 1, 2, 1, 2, 0.5f, o), "attention_paged",
-        "multiple of block_size");
-    kv.n_slots = 8;
+        "cache.dtype = -1");
+    kv.cache = L, kv.cache.v = NULL;
+    BAD(be, be->ops->attention_paged(be, NULL, x, &kv, ids, ids, 1, 2, 1, 2, 0.5f, o), "attention_paged",
+        "cache.v is NULL");
+    kv.cache = L, kv.cache.dtype = ST_KV_FP8, kv.cache.k_scale = y;
+    BAD(be, be->ops->attention_paged(be, NULL, x, &kv, ids, ids, 1, 2, 1, 2, 0.5f, o), "attention_paged",
+        "cache.v_scale is NULL");
+    kv.cache = L, kv.block_tables = NULL;
+    BAD(be, be->ops->attention_paged(be, NULL, x, &kv, ids, ids, 1, 2, 1, 2, 0.5f, o), "attention_paged",
+        "block_tables is NULL");
+    kv.block_tables = ids;
+    kv.cache.n_slots = 7;
+    BAD(be, be->ops->attention_paged(be, NULL, x, &kv, ids, ids, 1, 2, 1, 2, 0.5f, o), "attention_paged",
+        "cache.n_slots = 7 must be a positive multiple of block_size");
+    kv.cache.n_slots = 8;
     kv.batch_seqs = 2; /* more sequences in the call than the table holds */
     BAD(be, be->ops->attention_paged(be, NULL, x, &kv, ids, ids, 1, 2, 1, 2, 0.5f, o), "attention_paged",
         "batch_seqs = 2");
     kv.batch_seqs = 0;
     BAD(be, be->ops->attention_paged(be, NULL, NULL, &kv, ids, ids, 1, 2, 1, 2, 0.5f, o), "attention_paged",
         "q is NULL");
+    /* a valid fp8 store reaches the device: the scales are ignored for the other types */
+    {
+        const int64_t hslot = 3;
+        CHECK(be->ops->copy_h2d(be, NULL, slots, &hslot, sizeof hslot) == STRATA_OK);
+        st_kv_layer L8 = L;
+        L8.dtype = ST_KV_FP8, L8.k_scale = y, L8.v_scale = y + 8;
+        g_reached = 0;
+        CHECK(be->ops->kv_store_paged(be, NULL, &L8, x, x + 2, slots, 1) == STRATA_OK);
+        Lb = L, Lb.k_scale = NULL, Lb.v_scale = NULL;
+        CHECK(be->ops->kv_store_paged(be, NULL, &Lb, x, x + 2, slots, 1) == STRATA_OK);
+        CHECK(be->ops->stream_sync(be, NULL) == STRATA_OK);
+        CHECK_MSG(g_reached == 2, "valid kv_store_paged calls reached the device %d times", g_reached);
+    }
     BAD(be, be->ops->sample(be, NULL, x, 1, 0, args, ids), "sample", "vocab = 0");
     BAD(be, be->ops->sample(be, NULL, x, 1, 8, NULL, ids), "sample", "args is NULL");
 
@@ -175,6 +234,7 @@ static void check_backend(st_backend *be) {
     CHECK(be->ops->add(be, NULL, NULL, NULL, 0) == STRATA_OK);
     CHECK(be->ops->sample(be, NULL, NULL, 0, 8, NULL, NULL) == STRATA_OK);
     CHECK(be->ops->attention_paged(be, NULL, NULL, NULL, NULL, NULL, 0, 2, 1, 2, 0.5f, NULL) == STRATA_OK);
+    CHECK(be->ops->kv_store_paged(be, NULL, &L, NULL, NULL, NULL, 0) == STRATA_OK);
     CHECK(be->ops->get_rows(be, NULL, &w, NULL, 0, NULL) == STRATA_OK);
     CHECK(be->ops->matmul_multi(be, NULL, NULL, wm, 2, 0, NULL) == STRATA_OK);
     CHECK_MSG(g_reached == 0, "n = 0 reached the device %d times", g_reached);

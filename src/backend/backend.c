@@ -45,17 +45,47 @@ bool st_backend_available(st_backend_kind kind) {
     return false;
 }
 
+strata_status st_kv_layer_check(const st_kv_layer *c, int64_t n_kv_heads, int64_t head_dim, const char *op) {
+    if (!c) return st_err(STRATA_ERR_INVALID_ARG, "%s: the KV layer (cache) is NULL", op);
+    if (c->dtype != ST_KV_F32 && c->dtype != ST_KV_BF16 && c->dtype != ST_KV_FP8)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: cache.dtype = %d is not a KV dtype (f32, bf16, fp8)", op,
+                      (int)c->dtype);
+    if (!c->k || !c->v)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: cache.%s is NULL", op, !c->k ? "k" : "v");
+    if (c->dtype == ST_KV_FP8 && (!c->k_scale || !c->v_scale))
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: cache.%s is NULL (fp8 needs its row scales)", op,
+                      !c->k_scale ? "k_scale" : "v_scale");
+    if (c->n_slots < 1 || c->n_kv_heads < 1 || c->head_dim < 1)
+        return st_err(STRATA_ERR_INVALID_ARG,
+                      "%s: cache.n_slots = %lld, cache.n_kv_heads = %lld, cache.head_dim = %lld (all >= 1)", op,
+                      (long long)c->n_slots, (long long)c->n_kv_heads, (long long)c->head_dim);
+    if (c->n_kv_heads > INT64_MAX / c->head_dim ||
+        c->n_slots > INT64_MAX / 4 / (c->n_kv_heads * c->head_dim))
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: cache of %lld x %lld x %lld elements is too large", op,
+                      (long long)c->n_slots, (long long)c->n_kv_heads, (long long)c->head_dim);
+    if ((n_kv_heads > 0 && c->n_kv_heads != n_kv_heads) || (head_dim > 0 && c->head_dim != head_dim))
+        return st_err(STRATA_ERR_INVALID_ARG,
+                      "%s: cache.n_kv_heads = %lld, cache.head_dim = %lld differ from the op's n_kv_heads = %lld, "
+                      "head_dim = %lld",
+                      op, (long long)c->n_kv_heads, (long long)c->head_dim, (long long)n_kv_heads,
+                      (long long)head_dim);
+    return STRATA_OK;
+}
+
 strata_status st_paged_kv_check(const st_paged_kv *kv, const char *op) {
     if (!kv) return st_err(STRATA_ERR_INVALID_ARG, "%s: the paged KV description is NULL", op);
-    if (!kv->k_cache || !kv->v_cache || !kv->block_tables || !kv->ctx_lens)
-        return st_err(STRATA_ERR_INVALID_ARG, "%s: a paged KV pointer (caches, block tables, ctx_lens) is NULL", op);
-    if (kv->block_size < 1 || kv->n_slots < kv->block_size || kv->n_slots % kv->block_size)
+    strata_status st = st_kv_layer_check(&kv->cache, 0, 0, op);
+    if (st != STRATA_OK) return st;
+    if (!kv->block_tables || !kv->ctx_lens)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: %s is NULL", op, !kv->block_tables ? "block_tables" : "ctx_lens");
+    const int64_t n_slots = kv->cache.n_slots;
+    if (kv->block_size < 1 || n_slots < kv->block_size || n_slots % kv->block_size)
         return st_err(STRATA_ERR_INVALID_ARG,
-                      "%s: n_slots = %lld must be a positive multiple of block_size = %lld", op,
-                      (long long)kv->n_slots, (long long)kv->block_size);
-    if (kv->n_slots / kv->block_size > INT32_MAX)
+                      "%s: cache.n_slots = %lld must be a positive multiple of block_size = %lld", op,
+                      (long long)n_slots, (long long)kv->block_size);
+    if (n_slots / kv->block_size > INT32_MAX)
         return st_err(STRATA_ERR_INVALID_ARG, "%s: %lld blocks do not fit int32 block ids", op,
-                      (long long)(kv->n_slots / kv->block_size));
+                      (long long)(n_slots / kv->block_size));
     if (kv->n_seqs < 1 || kv->max_blocks < 1)
         return st_err(STRATA_ERR_INVALID_ARG, "%s: n_seqs = %lld, max_blocks = %lld (both >= 1)", op,
                       (long long)kv->n_seqs, (long long)kv->max_blocks);
@@ -364,20 +394,16 @@ static strata_status chk_matmul_swiglu(st_backend *be, st_stream *s, const float
     return be->dev_ops->matmul_swiglu(be, s, x, wg, wu, n, out);
 }
 
-static strata_status chk_kv_store_paged(st_backend *be, st_stream *s, float *k_cache, float *v_cache,
-                                        int64_t n_slots, const float *k, const float *v, const int64_t *slots,
-                                        int64_t n, int64_t cols) {
+static strata_status chk_kv_store_paged(st_backend *be, st_stream *s, const st_kv_layer *cache, const float *k,
+                                        const float *v, const int64_t *slots, int64_t n) {
     const char *op = OPNAME(be, kv_store_paged);
-    if (n < 0 || cols <= 0 || n_slots < 0)
-        return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld, cols = %lld, n_slots = %lld", op, (long long)n,
-                      (long long)cols, (long long)n_slots);
+    if (n < 0) return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld", op, (long long)n);
+    TRY(st_kv_layer_check(cache, 0, 0, op));
     if (n == 0) return STRATA_OK;
-    CHECK_PTR(k_cache, op);
-    CHECK_PTR(v_cache, op);
     CHECK_PTR(k, op);
     CHECK_PTR(v, op);
     CHECK_PTR(slots, op);
-    return be->dev_ops->kv_store_paged(be, s, k_cache, v_cache, n_slots, k, v, slots, n, cols);
+    return be->dev_ops->kv_store_paged(be, s, cache, k, v, slots, n);
 }
 
 static strata_status chk_attention_paged(st_backend *be, st_stream *s, const float *q, const st_paged_kv *kv,
@@ -387,6 +413,7 @@ static strata_status chk_attention_paged(st_backend *be, st_stream *s, const flo
     TRY(st_backend_check_heads(op, n, 0, n_heads, n_kv_heads, head_dim));
     if (n == 0) return STRATA_OK;
     TRY(st_paged_kv_check(kv, op));
+    TRY(st_kv_layer_check(&kv->cache, n_kv_heads, head_dim, op));
     CHECK_PTR(q, op);
     CHECK_PTR(seq, op);
     CHECK_PTR(pos, op);

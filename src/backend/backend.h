@@ -37,17 +37,53 @@ typedef struct {
     int64_t cols;
 } st_weight;
 
+/* Element type of a paged KV pool. */
+typedef enum { ST_KV_F32 = 0, ST_KV_BF16 = 1, ST_KV_FP8 = 2 } st_kv_dtype;
+/* "f32", "bf16", "fp8"; st_kv_dtype_parse returns false for anything else. */
+const char *st_kv_dtype_name(st_kv_dtype t);
+bool st_kv_dtype_parse(const char *s, st_kv_dtype *out);
+/* Bytes of one element (4, 2, 1). */
+size_t st_kv_dtype_size(st_kv_dtype t);
+
+/* One layer's K/V storage in a paged pool: n_slots rows of n_kv_heads x head_dim
+ * elements of `dtype`. FP8 (e4m3fn): every (slot, kv head) row of head_dim values
+ * has its own float scale (value = fp8 * scale; scale = max|x| / 448 of that row,
+ * 1 when the row is all zeros), in k_scale / v_scale [n_slots, n_kv_heads]; NULL for the other types.
+ * Conversions from fp32 (kv_store_paged), identical on every backend:
+ *   bf16: round to nearest even; NaN -> 0x7fff;
+ *   fp8: scale = max|x_d| / 448 over the row (NaNs ignored; 1 when that is 0,
+ *     i.e. an all-zero row or one whose max underflows), then e4m3fn of
+ *     x_d / scale (fp32 division): round to nearest even, saturating to +-448
+ *     (infinities too), NaN -> 0x7f.
+ * Reads (attention_paged) dequantize exactly: bf16 -> fp32 bits << 16; fp8 ->
+ * its fp32 value times the row's scale (one fp32 multiply). */
+typedef struct {
+    void *k, *v;               /* [n_slots, n_kv_heads, head_dim] */
+    float *k_scale, *v_scale;  /* ST_KV_FP8: [n_slots, n_kv_heads]; else NULL */
+    st_kv_dtype dtype;
+    int64_t n_slots;
+    int64_t n_kv_heads, head_dim;
+} st_kv_layer;
+
+/* Conversions of one value, the reference every backend matches bit for bit
+ * (rules above): fp32 -> bf16 / e4m3fn bits and back (exact). */
+uint16_t st_kv_f32_to_bf16(float x);
+float st_kv_bf16_to_f32(uint16_t b);
+uint8_t st_kv_f32_to_fp8(float x);
+float st_kv_fp8_to_f32(uint8_t b);
+/* The fp8 scale of a row of n values: max|x| / 448 (NaNs ignored), 1 when that is 0. */
+float st_kv_fp8_row_scale(const float *x, int64_t n);
+
 /* One layer's paged KV cache as attention_paged reads it (all pointers are
  * device pointers; the struct itself is host memory, read during the call).
  * The pool is cut into blocks of block_size token slots; slot r is row r of
- * k_cache / v_cache, [n_slots, n_kv_heads * head_dim] fp32 each. Sequence s
- * of the batch holds ctx_lens[s] keys: key j (position j) lives in slot
+ * cache.k / cache.v (st_kv_layer: cache.n_slots rows of n_kv_heads x head_dim
+ * elements of cache.dtype, plus the fp8 scales). Sequence s of the batch holds
+ * ctx_lens[s] keys: key j (position j) lives in slot
  *   block_tables[s * max_blocks + j / block_size] * block_size + j % block_size.
  * Entries of a row past ceil(ctx_lens[s] / block_size) are never read. */
 typedef struct {
-    const float *k_cache;        /* [n_slots, n_kv_heads, head_dim] */
-    const float *v_cache;        /* [n_slots, n_kv_heads, head_dim] */
-    int64_t n_slots;             /* rows of each cache: num_blocks * block_size */
+    st_kv_layer cache;           /* the layer's pool: n_slots = num_blocks * block_size rows */
     int64_t block_size;          /* token slots per block, >= 1 */
     const int32_t *block_tables; /* [n_seqs, max_blocks] int32 physical block ids */
     int64_t max_blocks;          /* row stride of block_tables */
@@ -188,21 +224,27 @@ typedef struct {
     void (*set_fast_prefill)(st_backend *be, bool on);
 
     /* ---- paged KV cache (continuous batching: a batch of sequences) ---- */
-    /* For i < n with slots[i] >= 0: k_cache[slots[i], :] = k[i, :] and
-     * v_cache[slots[i], :] = v[i, :] (rows of `cols` floats; the caches have
-     * n_slots rows: one layer's pool). slots: [n] int64 on the device; -1
-     * skips the token. Other out-of-range slots: the CPU backend returns
-     * STRATA_ERR_INVALID_ARG before writing anything; CUDA (whose slots live on
-     * the device) skips them. Slots of one call must be distinct. */
-    strata_status (*kv_store_paged)(st_backend *be, st_stream *s, float *k_cache, float *v_cache,
-                                    int64_t n_slots, const float *k, const float *v,
-                                    const int64_t *slots, int64_t n, int64_t cols);
+    /* For i < n with slots[i] >= 0: cache row slots[i] of K gets k[i, :] and
+     * that of V gets v[i, :], converted to cache->dtype (st_kv_layer: bf16
+     * rounded to nearest even, fp8 with the scale of each (slot, kv head) row,
+     * written to k_scale / v_scale). k, v: [n, n_kv_heads * head_dim] fp32 rows
+     * (the cache's shape). slots: [n] int64 on the device; -1 skips the token.
+     * Other out-of-range slots (outside [0, cache->n_slots)): the CPU backend
+     * returns STRATA_ERR_INVALID_ARG before writing anything; CUDA (whose slots
+     * live on the device) skips them. Slots of one call must be distinct. The
+     * stored bytes are the same on every backend. */
+    strata_status (*kv_store_paged)(st_backend *be, st_stream *s, const st_kv_layer *cache,
+                                    const float *k, const float *v, const int64_t *slots, int64_t n);
     /* Causal grouped-query attention of a batch of sequences over a paged KV
      * cache (st_paged_kv above). q: [n, n_heads, hd]; token i belongs to
      * sequence seq[i] (< kv->n_seqs), sits at position pos[i]
      * (< ctx_lens[seq[i]]) and sees that sequence's keys 0..pos[i]; head h
      * reads kv head h / (n_heads / n_kv_heads). out: [n, n_heads, hd] =
      * softmax(q k^T * scale) v. seq, pos: [n] int32 on the device.
+     * n_kv_heads and head_dim must equal kv->cache's. The keys and values are
+     * read in kv->cache.dtype and dequantized to fp32 (exactly: st_kv_layer),
+     * then everything runs in fp32 as for an f32 cache holding those values
+     * (on the CPU, the same bits as an f32 cache of the dequantized values).
      * Batch invariance: the result for a token depends only on its own q, its
      * position and its sequence's keys, never on the other tokens of the
      * batch, their number or the thread count:
@@ -281,11 +323,19 @@ struct st_backend {
     st_backend_ops checked;  /* the validating table (backend.c) */
 };
 
+/* Checks the host-side fields of one layer's KV storage for `op` (names it and
+ * the field in the message): a known dtype, non-NULL k / v, k_scale / v_scale
+ * non-NULL for ST_KV_FP8 (ignored otherwise), n_slots >= 1, n_kv_heads and
+ * head_dim >= 1, and when n_kv_heads / head_dim > 0 are given, equal to the
+ * layer's. STRATA_ERR_INVALID_ARG otherwise. Reads no device memory. */
+strata_status st_kv_layer_check(const st_kv_layer *c, int64_t n_kv_heads, int64_t head_dim, const char *op);
+
 /* Checks the host-side fields of a paged KV description for `op` (names it in
- * the message): non-NULL pointers, block_size >= 1, n_slots a positive
- * multiple of block_size, n_seqs >= 1, max_blocks >= 1, 0 <= max_ctx <=
- * max_blocks * block_size. STRATA_ERR_INVALID_ARG otherwise. Reads no device
- * memory. */
+ * the message): st_kv_layer_check on cache (any shape: attention_paged's
+ * wrapper compares it with the op's n_kv_heads / head_dim), non-NULL block tables and ctx_lens, block_size >= 1, cache.n_slots a
+ * positive multiple of block_size, n_seqs >= 1, max_blocks >= 1, 0 <= max_ctx
+ * <= max_blocks * block_size. STRATA_ERR_INVALID_ARG otherwise. Reads no
+ * device memory. */
 strata_status st_paged_kv_check(const st_paged_kv *kv, const char *op);
 
 /* Creates the backend named in params, its ops wrapped by the validating

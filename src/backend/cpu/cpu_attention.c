@@ -10,23 +10,65 @@
  *   p[j] = exp(s[j] - max s);  Z = sum p      (lane order of cpu_simd.h)
  *   out  = (sum_j p[j] v_j) / Z               (accumulated in increasing j)
  * Each item runs on one thread in this fixed order: results do not depend
- * on the thread count. */
+ * on the thread count.
+ *
+ * A paged cache in bf16 or fp8 (st_kv_layer): each key's K (then V) row of
+ * the item's kv head is dequantized into the thread's scratch (exactly:
+ * backend.h) before the same dot / axpy, so the bits equal those of an f32
+ * cache holding the dequantized values. */
 #include <math.h>
+#include <string.h>
 
 #include "backend/cpu/cpu_internal.h"
 #include "backend/cpu/cpu_simd.h"
 
-/* One work item: query qv (hd floats) against keys 0..nk-1 of one kv head.
- * Key j's K row is kb + row(j) * kv_stride (V likewise from vb), with row(j)
+/* Where one work item's keys and values are: rows of kv head kvh in a cache of
+ * `t` elements ([rows, n_kv_heads, hd], fp8 with one scale per (row, head)). */
+typedef struct {
+    const void *k, *v;
+    const float *k_scale, *v_scale; /* ST_KV_FP8 */
+    const float *lut;               /* ST_KV_FP8: the 256 fp8 values as fp32 */
+    st_kv_dtype t;
+    int64_t kvh, n_kv_heads, hd;
+} kv_src;
+
+/* Row `row` of base (K or V of src) as hd fp32 values: a pointer into the
+ * cache for f32, else `buf` holding the dequantized values. */
+ST_AI const float *kv_row(const kv_src *src, const void *base, const float *scales, int64_t row, float *buf) {
+    const int64_t r = row * src->n_kv_heads + src->kvh, hd = src->hd;
+    switch (src->t) {
+    case ST_KV_F32: break;
+    case ST_KV_BF16: {
+        const uint16_t *p = (const uint16_t *)base + r * hd;
+        for (int64_t d = 0; d < hd; d++) {
+            const uint32_t u = (uint32_t)p[d] << 16;
+            memcpy(buf + d, &u, 4);
+        }
+        return buf;
+    }
+    case ST_KV_FP8: {
+        const uint8_t *p = (const uint8_t *)base + r * hd;
+        const float sc = scales[r];
+        for (int64_t d = 0; d < hd; d++) buf[d] = src->lut[p[d]] * sc;
+        return buf;
+    }
+    }
+    return (const float *)base + r * hd;
+}
+
+/* One work item: query qv (hd floats) against keys 0..nk-1 of kv head
+ * src->kvh. Key j's K and V rows are rows row(j) of the cache, with row(j)
  * = j when table is NULL (a contiguous cache), else the paged slot
- * table[j / bs] * bs + j % bs. s: [nk] scores, acc: [hd] scratch, o: [hd]
- * output. The arithmetic, and so the bits, do not depend on the layout. */
-ST_AI void attn_one(const float *qv, const float *kb, const float *vb, int64_t kv_stride, int64_t hd,
-                    int64_t nk, const int32_t *table, int64_t bs, float scale, float *s, float *acc, float *o) {
+ * table[j / bs] * bs + j % bs. s: [nk] scores, acc, buf: [hd] scratch, o:
+ * [hd] output. The arithmetic, and so the bits, do not depend on the layout
+ * or on the element type (the values once dequantized). */
+ST_AI void attn_one(const float *qv, const kv_src *src, int64_t nk, const int32_t *table, int64_t bs, float scale,
+                    float *s, float *acc, float *buf, float *o) {
 #define ROW(j) (table ? (int64_t)table[(j) / bs] * bs + (j) % bs : (j))
+    const int64_t hd = src->hd;
     float mx = -INFINITY;
     for (int64_t j = 0; j < nk; j++) {
-        s[j] = st_dot_f32(qv, kb + ROW(j) * kv_stride, hd) * scale;
+        s[j] = st_dot_f32(qv, kv_row(src, src->k, src->k_scale, ROW(j), buf), hd) * scale;
         mx = s[j] > mx ? s[j] : mx;
     }
     st_v8f zs = st_v8f_splat(0.0f);
@@ -43,34 +85,39 @@ ST_AI void attn_one(const float *qv, const float *kb, const float *vb, int64_t k
     }
     const float inv_z = 1.0f / st_v8f_hsum(&zs);
     for (int64_t d = 0; d < hd; d++) acc[d] = 0.0f;
-    for (j = 0; j < nk; j++) st_axpy_f32(acc, s[j], vb + ROW(j) * kv_stride, hd);
+    for (j = 0; j < nk; j++) st_axpy_f32(acc, s[j], kv_row(src, src->v, src->v_scale, ROW(j), buf), hd);
     for (int64_t d = 0; d < hd; d++) o[d] = acc[d] * inv_z;
 #undef ROW
 }
 
 typedef struct {
-    const float *q, *k, *v;
+    const float *q;
+    const void *k, *v;
+    const float *k_scale, *v_scale; /* ST_KV_FP8 */
+    st_kv_dtype t;                  /* of k and v */
     const int32_t *pos;
     int64_t n_heads, n_kv_heads, group, hd;
     float scale;
     float *out;
     float *const *scratch;
-    int64_t acc_off; /* offset of the hd accumulator in a scratch buffer */
+    int64_t acc_off; /* offset of the hd accumulator in a scratch buffer (then hd floats for a dequantized row) */
     /* paged (attention_paged): NULL tables for the contiguous op */
     const int32_t *seq;          /* [n] token -> sequence */
     const int32_t *tables;       /* [n_seqs, max_blocks] */
     int64_t max_blocks, bs;
+    float fp8_lut[256]; /* ST_KV_FP8: st_kv_fp8_to_f32 of every byte */
 } attn_ctx;
 
 ST_AI void attn_items(const attn_ctx *a, int64_t begin, int64_t end, int ti) {
-    const int64_t hd = a->hd, kv_stride = a->n_kv_heads * hd;
+    const int64_t hd = a->hd;
     float *s = a->scratch[ti];
-    float *acc = s + a->acc_off;
+    float *acc = s + a->acc_off, *buf = acc + hd;
     for (int64_t it = begin; it < end; it++) {
-        const int64_t i = it / a->n_heads, h = it % a->n_heads, kvh = h / a->group;
+        const int64_t i = it / a->n_heads, h = it % a->n_heads;
+        const kv_src src = {a->k, a->v, a->k_scale, a->v_scale, a->fp8_lut, a->t, h / a->group, a->n_kv_heads, hd};
         const int32_t *table = a->tables ? a->tables + (int64_t)a->seq[i] * a->max_blocks : NULL;
-        attn_one(a->q + it * hd, a->k + kvh * hd, a->v + kvh * hd, kv_stride, hd, (int64_t)a->pos[i] + 1, table,
-                 a->bs, a->scale, s, acc, a->out + it * hd);
+        attn_one(a->q + it * hd, &src, (int64_t)a->pos[i] + 1, table, a->bs, a->scale, s, acc, buf,
+                 a->out + it * hd);
     }
 }
 
@@ -101,10 +148,11 @@ strata_status st_cpu_attention(st_cpu *c, const float *q, const float *k, const 
                                const int32_t *pos, int64_t n, int64_t n_kv, int64_t n_heads,
                                int64_t n_kv_heads, int64_t head_dim, float scale, float *out) {
     const int64_t acc_off = (n_kv + 15) & ~(int64_t)15;
-    strata_status st = st_cpu_scratch_reserve(c, (size_t)(acc_off + head_dim));
+    strata_status st = st_cpu_scratch_reserve(c, (size_t)(acc_off + 2 * head_dim));
     if (st != STRATA_OK) return st;
-    attn_ctx a = {q, k, v, pos, n_heads, n_kv_heads, n_heads / n_kv_heads, head_dim, scale, out,
-                  c->scratch, acc_off, NULL, NULL, 0, 1};
+    attn_ctx a = {.q = q, .k = k, .v = v, .t = ST_KV_F32, .pos = pos, .n_heads = n_heads, .n_kv_heads = n_kv_heads,
+                  .group = n_heads / n_kv_heads, .hd = head_dim, .scale = scale, .out = out, .scratch = c->scratch,
+                  .acc_off = acc_off, .bs = 1};
     attn_run(c, &a, n, n_kv);
     return STRATA_OK;
 }
@@ -116,10 +164,15 @@ strata_status st_cpu_attention_paged(st_cpu *c, const float *q, const st_paged_k
     for (int64_t i = 0; i < n; i++)
         if ((int64_t)pos[i] + 1 > max_nk) max_nk = (int64_t)pos[i] + 1;
     const int64_t acc_off = (max_nk + 15) & ~(int64_t)15;
-    strata_status st = st_cpu_scratch_reserve(c, (size_t)(acc_off + head_dim));
+    strata_status st = st_cpu_scratch_reserve(c, (size_t)(acc_off + 2 * head_dim));
     if (st != STRATA_OK) return st;
-    attn_ctx a = {q, kv->k_cache, kv->v_cache, pos, n_heads, n_kv_heads, n_heads / n_kv_heads, head_dim, scale,
-                  out, c->scratch, acc_off, seq, kv->block_tables, kv->max_blocks, kv->block_size};
+    const st_kv_layer *L = &kv->cache;
+    attn_ctx a = {.q = q, .k = L->k, .v = L->v, .k_scale = L->k_scale, .v_scale = L->v_scale, .t = L->dtype,
+                  .pos = pos, .n_heads = n_heads, .n_kv_heads = n_kv_heads, .group = n_heads / n_kv_heads,
+                  .hd = head_dim, .scale = scale, .out = out, .scratch = c->scratch, .acc_off = acc_off,
+                  .seq = seq, .tables = kv->block_tables, .max_blocks = kv->max_blocks, .bs = kv->block_size};
+    if (L->dtype == ST_KV_FP8)
+        for (int b = 0; b < 256; b++) a.fp8_lut[b] = st_kv_fp8_to_f32((uint8_t)b);
     attn_run(c, &a, n, max_nk);
     return STRATA_OK;
 }

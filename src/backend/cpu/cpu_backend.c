@@ -268,18 +268,41 @@ static strata_status cpu_matmul_swiglu(st_backend *be, st_stream *s, const float
 
 /* ---- paged KV cache (backend.h) ---- */
 
-static strata_status cpu_kv_store_paged(st_backend *be, st_stream *s, float *k_cache, float *v_cache,
-                                        int64_t n_slots, const float *k, const float *v, const int64_t *slots,
-                                        int64_t n, int64_t cols) {
+/* One row of cols fp32 values stored as `t` at dst (fp8: with *scale, the
+ * row's scale, computed here). backend.h's st_kv_layer gives the rules. */
+static void kv_store_row(st_kv_dtype t, void *dst, float *scale, const float *x, int64_t cols) {
+    switch (t) {
+    case ST_KV_F32: memcpy(dst, x, (size_t)cols * sizeof(float)); break;
+    case ST_KV_BF16:
+        for (int64_t d = 0; d < cols; d++) ((uint16_t *)dst)[d] = st_kv_f32_to_bf16(x[d]);
+        break;
+    case ST_KV_FP8: {
+        const float sc = st_kv_fp8_row_scale(x, cols);
+        *scale = sc;
+        for (int64_t d = 0; d < cols; d++) ((uint8_t *)dst)[d] = st_kv_f32_to_fp8(x[d] / sc);
+        break;
+    }
+    }
+}
+
+static strata_status cpu_kv_store_paged(st_backend *be, st_stream *s, const st_kv_layer *c, const float *k,
+                                        const float *v, const int64_t *slots, int64_t n) {
     for (int64_t i = 0; i < n; i++)
-        if (slots[i] < -1 || slots[i] >= n_slots)
+        if (slots[i] < -1 || slots[i] >= c->n_slots)
             return st_err(STRATA_ERR_INVALID_ARG, "cpu kv_store_paged: slots[%lld] = %lld is outside [-1, %lld)",
-                          (long long)i, (long long)slots[i], (long long)n_slots);
-    const size_t row = (size_t)cols * sizeof(float);
+                          (long long)i, (long long)slots[i], (long long)c->n_slots);
+    const int64_t H = c->n_kv_heads, hd = c->head_dim, cols = H * hd;
+    const size_t es = st_kv_dtype_size(c->dtype);
     for (int64_t i = 0; i < n; i++) {
         if (slots[i] < 0) continue;
-        memcpy(k_cache + slots[i] * cols, k + i * cols, row);
-        memcpy(v_cache + slots[i] * cols, v + i * cols, row);
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t r = slots[i] * H + h; /* the (slot, head) row */
+            const bool q8 = c->dtype == ST_KV_FP8;
+            kv_store_row(c->dtype, (char *)c->k + (size_t)r * hd * es, q8 ? c->k_scale + r : NULL,
+                         k + i * cols + h * hd, hd);
+            kv_store_row(c->dtype, (char *)c->v + (size_t)r * hd * es, q8 ? c->v_scale + r : NULL,
+                         v + i * cols + h * hd, hd);
+        }
     }
     return STRATA_OK;
 }
@@ -288,7 +311,7 @@ static strata_status cpu_attention_paged(st_backend *be, st_stream *s, const flo
                                          const int32_t *seq, const int32_t *pos, int64_t n, int64_t n_heads,
                                          int64_t n_kv_heads, int64_t head_dim, float scale, float *out) {
     const char *op = "cpu attention_paged";
-    const int64_t bs = kv->block_size, n_blocks = kv->n_slots / bs;
+    const int64_t bs = kv->block_size, n_blocks = kv->cache.n_slots / bs;
     for (int64_t sq = 0; sq < kv->n_seqs; sq++) {
         const int64_t len = kv->ctx_lens[sq];
         if (len < 0 || len > kv->max_ctx)
