@@ -39,6 +39,11 @@ TOL = {"float32": 1e-4, "bfloat16": 2e-2}
 # HF (rel ~0.6); it gets the exact dequantization check only.
 GGUF_TOL = {"f32": 1e-4, "f16": 5e-3, "q8_0": 0.15, "q4_0": None}
 QUANT_VS_DEQUANT_TOL = 1e-4
+# The KV cache stored in bf16 (the default) or fp8 e4m3 (a scale per token and
+# kv head), against the f32-KV logits of the same model: bf16 within the bf16
+# tolerance above and the same argmax everywhere; fp8 the same argmax wherever
+# the top-2 margin exceeds twice its bound, its error printed in the table.
+KV_TOL = {"bf16": 2e-2, "fp8": 0.25}
 
 failures = []
 rows = []
@@ -58,12 +63,14 @@ def run(args, expect_ok=True):
     return p
 
 
-def logits(model, tokens_file, vocab, n, extra=()):
+def logits(model, tokens_file, vocab, n, extra=(), kv="f32"):
+    # the KV cache in f32 for the checks against the f32 reference; the
+    # default bf16 (and fp8) KV get their own checks below (KV_TOL)
     out = os.path.join(TMP, "out.f32")
     if os.path.exists(out):
         os.remove(out)
     dev = ("--device", DEVICE) if DEVICE else ()
-    p = run(["logits", model, "--tokens-file", tokens_file, "--out", out, *dev, *extra])
+    p = run(["logits", model, "--tokens-file", tokens_file, "--out", out, "--kv-dtype", kv, *dev, *extra])
     if p.returncode != 0:
         return None
     a = np.fromfile(out, dtype="<f4")
@@ -98,6 +105,22 @@ def main():
             rb = rel(ours, hb)
             rows.append((name, "vs HF bf16 compute", e["dtype"], rb, 0.1, True))
             check(rb < 0.1, "%s: rel error vs HF's bf16 run %.3g" % (name, rb))
+
+        # the KV cache in bf16 and fp8
+        for kv, tol in KV_TOL.items():
+            k = logits(mdir, tok, vocab, n, kv=kv)
+            if k is None:
+                continue
+            rk = rel(k, ours)
+            if kv == "bf16":
+                agree = bool((k.argmax(1) == ours.argmax(1)).all())
+            else:
+                top2 = np.sort(ours, axis=1)[:, -2:]
+                clear = (top2[:, 1] - top2[:, 0]) > 2 * tol * np.abs(ours).max()
+                agree = bool((k.argmax(1) == ours.argmax(1))[clear].all())
+            rows.append((name, "kv " + kv + " vs kv f32", e["dtype"], rk, tol, agree))
+            check(rk < tol, "%s: --kv-dtype %s: rel error %.3g >= %.3g" % (name, kv, rk, tol))
+            check(agree, "%s: --kv-dtype %s: argmax differs" % (name, kv))
 
         # chunked prefill and token-by-token decode through the KV cache
         for chunk in ("1", "7"):

@@ -140,6 +140,7 @@ static void check_case(const char *model, st_model_files *files, pattern pat, co
      * device memory any placement needs, and a host budget of staging plus
      * one group, so that it must mix tiers) */
     st_backend *probe = cpu((size_t)1 << 34);
+    lp.device_mem = (size_t)1 << 34;
     st_wgroups *g = NULL;
     st_wplan plan;
     lp.weights.host_mem = (size_t)1 << 34;
@@ -163,6 +164,7 @@ static void check_case(const char *model, st_model_files *files, pattern pat, co
     lp.weights.host_mem = host;
 
     st_backend *be = cpu(dev);
+    lp.device_mem = dev; /* the planner's budget, the backend's cap */
     st_llama *m = NULL;
     st = test_llama_open(files, be, &lp, ST_KV_F32, &m, &g_kv);
     CHECK_MSG(st == STRATA_OK, "%s %s: init with device %zu, host %zu: %s", model, k_names[pat], dev, host,
@@ -363,6 +365,7 @@ static void check_batched(const char *name, st_model_files *files, pattern pat) 
                                                         ST_KV_F32);
     lp.kv_bytes = st_kv_pool_device_bytes(&kp);
     st_backend *be = cpu((size_t)1 << 30);
+    lp.device_mem = (size_t)1 << 30;
     seq_run r = {NULL, NULL, V, bps, 0};
     strata_status st = st_llama_init(files, be, &lp, &r.m);
     CHECK_MSG(st == STRATA_OK, "%s batched %s: init: %s", name, k_names[pat], st_last_error());
@@ -506,6 +509,7 @@ static void check_fault(const char *what, st_model_files *files, const st_llama_
     st_backend *be = cpu((size_t)1 << 30);
     st_llama *m = NULL;
     st_llama_params lpc = *lp;
+    lpc.device_mem = (size_t)1 << 30;
     strata_status st = test_llama_open(files, be, &lpc, ST_KV_F32, &m, &g_kv);
     if (st != STRATA_OK) { /* failed while pinning at init: also fine, if clear */
         CHECK_ERR(st, STRATA_ERR_IO, want, files->files[0].path);
@@ -563,6 +567,7 @@ static void check_changed(const char *dir, bool streaming, bool truncate_it) {
     st_tier tiers[2 * G_LAYERS + 2];
     st_llama_params lp = streaming ? ssd_params(n, tiers) : base_params();
     st_backend *be = cpu(streaming ? (size_t)1 << 30 : 0);
+    lp.device_mem = streaming ? (size_t)1 << 30 : 0;
     st_llama *m = NULL;
     CHECK(test_llama_open(files, be, &lp, ST_KV_F32, &m, &g_kv) == STRATA_OK);
     if (m) {
@@ -623,6 +628,7 @@ int main(void) {
         if (files) {
             st_backend *be = cpu(64 << 10);
             st_llama_params lp = base_params();
+            lp.device_mem = 64 << 10;
             lp.weights.host_mem = 1 << 30;
             st_llama *m = NULL;
             CHECK_ERR(st_llama_init(files, be, &lp, &m), STRATA_ERR_NOMEM, "device budget", "at least", "KV cache");
@@ -630,6 +636,7 @@ int main(void) {
             CHECK(m == NULL && be->device_budget.used == 0);
             st_backend_free(be);
             be = cpu(300 << 10);
+            lp.device_mem = 300 << 10;
             lp.weights.host_mem = 4096;
             CHECK_ERR(st_llama_init(files, be, &lp, &m), STRATA_ERR_NOMEM, "host budget", "at least");
             printf("  too small -> %s\n", st_last_error());
@@ -653,6 +660,7 @@ int main(void) {
             /* in decode: 3/4 into a clean run's reads (the prefill is 3 of 7 passes) */
             {
                 st_backend *b2 = cpu((size_t)1 << 30);
+                lp.device_mem = (size_t)1 << 30;
                 st_llama *m2 = NULL;
                 CHECK(test_llama_open(files, b2, &lp, ST_KV_F32, &m2, &g_kv) == STRATA_OK);
                 logits_t o2 = {0};

@@ -507,7 +507,7 @@ int cmd_bench(int argc, char **argv) {
         }
     }
     st_llama_graph_stats gs;
-    st_llama_graph_stats(tm.model, &gs);
+    st_llama_get_graph_stats(tm.model, &gs);
     printf("decode       %lld tokens in %.3f s: %.2f tok/s, %.3f ms/token (one sequence, greedy on the device; "
            "%lld passes replayed as graphs, %lld direct; KV %s)\n",
            (long long)n_gen, t_decode, (double)n_gen / t_decode, step_s * 1e3, (long long)gs.replays,

@@ -30,7 +30,7 @@ void st_llama_set_graphs(st_llama *m, bool on) {
     m->bg_off = !on;
 }
 
-void st_llama_graph_stats(const st_llama *m, st_llama_graph_stats *out) { *out = m->bg_stats; }
+void st_llama_get_graph_stats(const st_llama *m, st_llama_graph_stats *out) { *out = m->bg_stats; }
 
 /* The cache entry of this shape; a new one (the least recently used evicted)
  * when the shape is not known: *fresh = true then. */

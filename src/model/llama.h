@@ -146,7 +146,7 @@ typedef struct {
  * again (where the weights and backend allow them). Either way the recorded
  * graphs are dropped. */
 void st_llama_set_graphs(st_llama *m, bool on);
-void st_llama_graph_stats(const st_llama *m, st_llama_graph_stats *out);
+void st_llama_get_graph_stats(const st_llama *m, st_llama_graph_stats *out);
 /* Drops the recordings that hold kv's pointers and waits for the model's
  * stream; call before st_kv_pool_free on a pool this model ran. */
 void st_llama_forget_pool(st_llama *m, const st_kv_pool *kv);

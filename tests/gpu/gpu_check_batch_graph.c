@@ -238,8 +238,8 @@ static void check_model(st_backend *be, const char *path) {
             step(&S, &p, ma, ka, mb, kb, V, d >= 100 && d < 140, true, &t);
         }
         st_llama_graph_stats ga, gb;
-        st_llama_graph_stats(ma, &ga);
-        st_llama_graph_stats(mb, &gb);
+        st_llama_get_graph_stats(ma, &ga);
+        st_llama_get_graph_stats(mb, &gb);
         int maxlen = 0;
         for (int s = 0; s < NS; s++) maxlen = S.len[s] > maxlen ? S.len[s] : maxlen;
         CHECK(t.errors == 0 && t.mismatches == 0 && t.id_mismatches == 0 && gb.replays > 0 && ga.replays == 0 &&
