@@ -47,8 +47,12 @@ static void serve_usage(FILE *f) {
             "  --kv-mem SIZE            paged KV cache size (K/M/G suffixes; default: room for max-batch\n"
             "                           sequences of max-model-len tokens, at most 1 GiB); fp32 K and V\n"
             "  --kv-blocks N            paged KV cache size in blocks of 16 tokens (instead of --kv-mem)\n"
-            "  --fast-prefill           bf16-rounded operands in the tensor-core matmuls of batches of 4\n"
-            "                           tokens or more (about twice as fast, ~1e-2 relative error; CUDA)\n"
+            "  --fast-prefill           bf16 operands, fp32 accumulation in the tensor-core matmuls and\n"
+            "                           attention of batches of 4 tokens or more (CUDA; ~1e-2 relative\n"
+            "                           error, about twice as fast): the default for bf16, f16 and\n"
+            "                           quantized models\n"
+            "  --precise                hi+lo split bf16 operands instead (~1e-5 of fp32 math): the\n"
+            "                           default for models stored in f32\n"
             "  --no-rooflines           skip the start-up probes of HBM bandwidth and GEMM rate (CUDA)\n"
             "  --max-body BYTES         request body limit (default 1048576); larger bodies get a 413\n"
             "  --model-name NAME        the model id in /v1/models and answers (default: the file name)\n"
@@ -67,7 +71,7 @@ typedef struct {
     const char *model_path, *host, *api_key, *model_name, *chat_template;
     int64_t port, max_batch, max_model_len, prefill_chunk, step_tokens, max_body, max_conn, kv_blocks;
     size_t kv_mem;
-    bool fast_prefill, no_rooflines;
+    bool no_rooflines;
     tool_model_opts mo;
 } serve_opts;
 
@@ -116,10 +120,6 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
                 return -1;
             }
             i++;
-            continue;
-        }
-        if (!strcmp(a, "--fast-prefill")) {
-            o->fast_prefill = true;
             continue;
         }
         if (!strcmp(a, "--no-rooflines")) {
@@ -253,7 +253,7 @@ int cmd_serve(int argc, char **argv) {
         tool_print_error("serve");
         goto done;
     }
-    if (o.fast_prefill) be->ops->set_fast_prefill(be, true);
+    be->ops->set_fast_prefill(be, tool_fast_prefill(&o.mo, files));
     if (!settle_chat(&o, tok, &tpl)) goto done;
     st_engine_params ep = {.max_batch = o.max_batch, .max_model_len = o.max_model_len,
                            .prefill_chunk = o.prefill_chunk, .step_tokens = o.step_tokens, .kv_blocks = o.kv_blocks, .kv_mem = o.kv_mem,

@@ -19,6 +19,9 @@ typedef struct {
     double h2d_bw;       /* --h2d-bw GB/s: given instead of measured (0: measure) */
     double ssd_bw;       /* --ssd-bw GB/s */
     int ring_slots;      /* --ring-slots N (0: 2) */
+    int prefill;         /* --precise: -1, --fast-prefill: 1, 0: chosen by the weights' dtype (tool_fast_prefill) */
+    const char *test_fault; /* --test-fault read-error:N | short-read:N: the Nth weight read fails or comes
+                               back short (a hidden option of test builds, -DSTRATA_TESTING=ON) */
     int64_t kv_pool_tokens; /* not an option: device room planned for a paged KV pool (strata bench --seqs) */
 } tool_model_opts;
 
@@ -33,7 +36,12 @@ typedef struct {
     "  --host-mem SIZE          pinned host memory for streamed weights (host tier + staging;\n"   \
     "                           default 80%% of available memory); the rest is read from the file\n" \
     "  --h2d-bw GB/s, --ssd-bw GB/s   bandwidths for the plan instead of measuring them\n"        \
-    "  --ring-slots N           device slots streamed weight groups pass through (default 2)\n"
+    "  --ring-slots N           device slots streamed weight groups pass through (default 2)\n"  \
+    "  --precise                prefill matmuls and attention on the GPU with hi+lo split bf16\n"  \
+    "                           operands (~1e-5 of fp32 math; for reference checks); default for\n" \
+    "                           models stored in f32\n"                                           \
+    "  --fast-prefill           bf16 operands, fp32 accumulation (~1e-2 relative error on logits,\n" \
+    "                           about twice as fast); default for bf16, f16 and quantized models\n"
 
 /* If argv[*i] is one of the model options, consumes it (and its value) and
  * returns 1; returns 0 when it is not; -1 (message printed) on a bad value. */
@@ -58,11 +66,16 @@ bool tool_parse_f64(const char *s, double lo, double hi, const char *what, doubl
 bool tool_parse_size(const char *s, const char *what, size_t *out);
 
 /* The llama params these options ask for (weights: budgets, bandwidths, and
- * the STRATA_FAULT test hook: "read-error:N" or "short-read:N" makes the Nth
- * weight read fail or come back short). */
+ * in test builds the --test-fault injection). */
 st_llama_params tool_llama_params(const tool_model_opts *o);
 /* The backend these options ask for (device_mem included). */
 st_backend_params tool_backend_params(const tool_model_opts *o);
+/* Whether prefill runs in fast mode (the backend's set_fast_prefill): --fast-prefill
+ * or --precise when given, else true when a matrix of the model (a 2-D
+ * tensor other than the token embedding) is stored in bf16, f16 or a
+ * quantized type, false for f32 models (their f32 accuracy kept). CUDA only
+ * in effect: the CPU backend computes in fp32 either way. */
+bool tool_fast_prefill(const tool_model_opts *o, const st_model_files *files);
 
 typedef struct {
     st_model_files *files;
@@ -71,8 +84,9 @@ typedef struct {
     double load_s;
 } tool_model;
 
-/* Opens `path`, creates the backend and the model. Prints errors to stderr
- * and returns false on failure (everything released). */
+/* Opens `path`, creates the backend (its prefill precision set by
+ * tool_fast_prefill) and the model. Prints errors to stderr and returns false
+ * on failure (everything released). */
 bool tool_model_open(const char *path, const tool_model_opts *o, tool_model *tm);
 void tool_model_close(tool_model *tm);
 
