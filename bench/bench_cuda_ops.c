@@ -8,9 +8,17 @@
  * once, and the time per op is the median over 7 batches. Weights rotate over
  * enough copies (>= 512 MiB) that they cannot sit in L2. Bytes counted are
  * the fewest the op must move: the weight once (decode matmul), K and V once
- * (decode attention). Usage: bench_cuda_ops [device_index]
- * (BENCH_ONLY_PREFILL_ATTN=1: the prefill attention section alone;
- * BENCH_ONLY_GEMV=1: the decode GEMV versions alone) */
+ * (decode attention).
+ *
+ * Usage: bench_cuda_ops [--device N] [--only prefill-attn|sample|gemv|batch]
+ *                       [--gemm-min-n N] [--gemm-min-n-quant N] [--no-pdl]
+ *   --only SECTION      one section alone: the prefill attention kernels, the
+ *                       sample op, the decode GEMV over every dtype and shape,
+ *                       or the batched decode matmuls (GEMV / GEMM switch)
+ *   --gemm-min-n N, --gemm-min-n-quant N   st_backend_params' GEMV / GEMM switch
+ *                       points (2: time the GEMM at every n of the batch section)
+ *   --no-pdl            kernels launched without programmatic dependent launch
+ * (a bare number is taken as --device, as before). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,6 +29,7 @@
 
 static st_backend *be;
 static st_stream *s;
+static st_backend_params g_params = {.kind = ST_BACKEND_CUDA}; /* every backend of the run, from the options */
 
 static void die(const char *what) {
     fprintf(stderr, "bench_cuda_ops: %s: %s\n", what, st_last_error());
@@ -187,9 +196,8 @@ static void bench_attention(int64_t n, int64_t n_kv, int64_t H, int64_t Hkv, int
 
 
 /* ---- prefill attention: precise and fast mode on the default kernels, then
- * fast mode on every configuration of the FA2 kernel (STRATA_ATTN_FA2=<name>)
- * and on the previous tensor-core kernel (STRATA_ATTN_PREFILL=old), each on a
- * backend of its own (the switches are read at backend init), side by side,
+ * fast mode on every configuration of the FA2 kernel (st_backend_params.attn_fa2),
+ * each on a backend of its own (read at backend init), side by side,
  * against the rate of a fast-mode bf16 GEMM (8192^3, cuBLAS) measured in the
  * same run. Causal, n = n_kv; TFLOP/s count the causal half (4 flops per key
  * and dim). */
@@ -215,7 +223,7 @@ static double gemm_rate_fast(void) {
     return 2.0 * (double)n * N * K / sec;
 }
 
-static void bench_prefill_attention(int dev, double copy_bw) {
+static void bench_prefill_attention(double copy_bw) {
     for (int fast = 0; fast < 2; fast++) {
         be->ops->set_fast_prefill(be, fast);
         printf("-- prefill attention, %s\n", fast ? "fast (bf16 operands)" : "precise (hi+lo bf16 operands)");
@@ -227,36 +235,26 @@ static void bench_prefill_attention(int dev, double copy_bw) {
     const double gemm = gemm_rate_fast();
     printf("roofline: fast-mode bf16 GEMM 8192^3 (cuBLAS) %.1f TFLOP/s; 50%% = %.1f\n", gemm / 1e12, gemm / 2e12);
     static const int64_t cs[][4] = {{2048, 32, 8, 128}, {4096, 32, 8, 128}, {16384, 32, 8, 128}, {16384, 32, 8, 64}};
-    /* the FA2 configurations (cuda_attn_prefill_fa2.cuh), then the previous kernel */
-    static const char *const vars[][2] = {{"STRATA_ATTN_FA2", "b128w8"},
-                                          {"STRATA_ATTN_FA2", "b128w8r"},
-                                          {"STRATA_ATTN_FA2", "b128w4"},
-                                          {"STRATA_ATTN_FA2", "b256w8"},
-                                          {"STRATA_ATTN_PREFILL", "old"}};
+    /* the FA2 configurations (cuda_attn_prefill_fa2.cuh) */
+    static const char *const vars[] = {"b128w8", "b128w8r", "b128w4", "b256w8"};
     enum { NC = sizeof cs / sizeof cs[0], NV = sizeof vars / sizeof vars[0] };
     double t[NV][NC];
     st_backend *saved = be;
     st_stream *saved_s = s;
     for (int v = 0; v < NV; v++) {
-        const char *prev = getenv(vars[v][0]);
-        char *keep = prev ? strdup(prev) : NULL;
-        setenv(vars[v][0], vars[v][1], 1);
-        st_backend_params p = {.kind = ST_BACKEND_CUDA, .device_index = dev};
+        st_backend_params p = g_params;
+        p.attn_fa2 = vars[v];
         TRY(st_backend_init(&p, &be));
         TRY(be->ops->stream_create(be, false, &s));
-        if (keep) setenv(vars[v][0], keep, 1);
-        else unsetenv(vars[v][0]);
-        free(keep);
         be->ops->set_fast_prefill(be, true);
         for (int i = 0; i < NC; i++) t[v][i] = time_attention(cs[i][0], cs[i][0], cs[i][1], cs[i][2], cs[i][3]);
         be->ops->stream_destroy(be, s);
         st_backend_free(be);
         be = saved, s = saved_s;
     }
-    printf("-- prefill attention, fast: FA2 configurations (STRATA_ATTN_FA2=<name>) and the previous kernel "
-           "(STRATA_ATTN_PREFILL=old), causal; TFLOP/s (ms)\n");
+    printf("-- prefill attention, fast: FA2 configurations (st_backend_params.attn_fa2), causal; TFLOP/s (ms)\n");
     printf("%-34s", "case");
-    for (int v = 0; v < NV; v++) printf(" | %-17s", vars[v][1]);
+    for (int v = 0; v < NV; v++) printf(" | %-17s", vars[v]);
     printf(" | best\n");
     for (int i = 0; i < NC; i++) {
         const double n = (double)cs[i][0];
@@ -270,12 +268,12 @@ static void bench_prefill_attention(int dev, double copy_bw) {
             printf(" | %6.1f (%7.3f)", flops / t[v][i] / 1e12, t[v][i] * 1e3);
             if (t[v][i] < t[best][i]) best = v;
         }
-        printf(" | %s %.1f TFLOP/s = %.0f%% of the GEMM, %.2fx b128w8\n", vars[best][1], flops / t[best][i] / 1e12,
+        printf(" | %s %.1f TFLOP/s = %.0f%% of the GEMM, %.2fx b128w8\n", vars[best], flops / t[best][i] / 1e12,
                100.0 * flops / t[best][i] / gemm, t[0][i] / t[best][i]);
     }
 }
 
-/* ---- attention kernels, new vs old (STRATA_ATTN=old, read at backend init) ----
+/* ---- attention kernels ----
  * Decode over 4K / 32K / 128K keys (32/8 heads, hd 128): K+V bytes / copy bw.
  * attention_paged prefill of one 512- / 2048-token sequence (block size 16,
  * blocks in shuffled order) vs the contiguous op on the same keys (causal,
@@ -345,56 +343,40 @@ static double time_attention(int64_t n, int64_t n_kv, int64_t H, int64_t Hkv, in
     return sec;
 }
 
-static void bench_attention_versions(int dev, double copy_bw) {
-    st_backend *saved = be;
-    st_stream *saved_s = s;
-    static const char *const names[2] = {"new", "old"};
-    double dec[2][3], pre[2][2], cpre[2][2], pdec[2];
+static void bench_attention_kernels(double copy_bw) {
+    double dec[3], pre[2], cpre[2];
     const int64_t dkv[3] = {4096, 32768, 131072}, pn[2] = {512, 2048};
-    for (int v = 0; v < 2; v++) {
-        if (v == 1) setenv("STRATA_ATTN", "old", 1);
-        else unsetenv("STRATA_ATTN");
-        st_backend_params p = {.kind = ST_BACKEND_CUDA, .device_index = dev};
-        TRY(st_backend_init(&p, &be));
-        TRY(be->ops->stream_create(be, false, &s));
-        for (int i = 0; i < 3; i++) dec[v][i] = time_attention(1, dkv[i], 32, 8, 128);
-        for (int i = 0; i < 2; i++) {
-            pre[v][i] = bench_paged(pn[i], pn[i], 32, 8, 128, 16);
-            cpre[v][i] = time_attention(pn[i], pn[i], 32, 8, 128);
-        }
-        pdec[v] = bench_paged(1, 32768, 32, 8, 128, 16);
-        be->ops->stream_destroy(be, s);
-        st_backend_free(be);
+    for (int i = 0; i < 3; i++) dec[i] = time_attention(1, dkv[i], 32, 8, 128);
+    for (int i = 0; i < 2; i++) {
+        pre[i] = bench_paged(pn[i], pn[i], 32, 8, 128, 16);
+        cpre[i] = time_attention(pn[i], pn[i], 32, 8, 128);
     }
-    unsetenv("STRATA_ATTN");
-    be = saved, s = saved_s;
-    printf("-- attention kernels, new (default) vs old (STRATA_ATTN=old); 32/8 heads, hd 128\n");
+    const double pdec = bench_paged(1, 32768, 32, 8, 128, 16);
+    printf("-- attention kernels; 32/8 heads, hd 128\n");
     for (int i = 0; i < 3; i++) {
         const double bytes = 2.0 * (double)dkv[i] * 8 * 128 * 4;
-        for (int v = 0; v < 2; v++)
-            printf("attn decode %s n_kv=%-6lld %8.1f us  %5.0f GB/s of K+V  %3.0f%% of copy bw%s\n", names[v],
-                   (long long)dkv[i], dec[v][i] * 1e6, bytes / dec[v][i] / 1e9, 100.0 * bytes / dec[v][i] / copy_bw,
-                   dkv[i] == 32768 ? "  (goal 80%)" : "");
+        printf("attn decode n_kv=%-6lld %8.1f us  %5.0f GB/s of K+V  %3.0f%% of copy bw%s\n", (long long)dkv[i],
+               dec[i] * 1e6, bytes / dec[i] / 1e9, 100.0 * bytes / dec[i] / copy_bw,
+               dkv[i] == 32768 ? "  (goal 80%)" : "");
     }
-    for (int v = 0; v < 2; v++) {
+    {
         const double bytes = 2.0 * 32768.0 * 8 * 128 * 4;
-        printf("paged decode %s n_kv=32768 bs 16 %8.1f us  %5.0f GB/s of K+V  %3.0f%% of copy bw\n", names[v],
-               pdec[v] * 1e6, bytes / pdec[v] / 1e9, 100.0 * bytes / pdec[v] / copy_bw);
+        printf("paged decode n_kv=32768 bs 16 %8.1f us  %5.0f GB/s of K+V  %3.0f%% of copy bw\n", pdec * 1e6,
+               bytes / pdec / 1e9, 100.0 * bytes / pdec / copy_bw);
     }
     for (int i = 0; i < 2; i++) {
         const double flops = 4.0 * (double)pn[i] * (double)(pn[i] + 1) / 2.0 * 128 * 32;
-        for (int v = 0; v < 2; v++)
-            printf("paged prefill %s n=%-5lld bs 16 %8.3f ms  %6.1f TFLOP/s | contiguous (tensor cores) %8.3f ms"
-                   "  %6.1f TFLOP/s | paged / contiguous %.2fx%s\n",
-                   names[v], (long long)pn[i], pre[v][i] * 1e3, flops / pre[v][i] / 1e12, cpre[v][i] * 1e3,
-                   flops / cpre[v][i] / 1e12, pre[v][i] / cpre[v][i], pn[i] == 2048 ? "  (goal <= ~2x)" : "");
+        printf("paged prefill n=%-5lld bs 16 %8.3f ms  %6.1f TFLOP/s | contiguous (tensor cores) %8.3f ms"
+               "  %6.1f TFLOP/s | paged / contiguous %.2fx%s\n",
+               (long long)pn[i], pre[i] * 1e3, flops / pre[i] / 1e12, cpre[i] * 1e3, flops / cpre[i] / 1e12,
+               pre[i] / cpre[i], pn[i] == 2048 ? "  (goal <= ~2x)" : "");
     }
 }
 
-/* ---- decode GEMV, new vs old (STRATA_GEMV=old, read at backend init) ----
- * Two backends, one per version, time the same weights (rotated over
- * >= 512 MiB of copies so they come from HBM) for the 8B shapes and n = 1, 2,
- * 8 tokens: bytes = the weight once; fraction of the copy roofline. */
+/* ---- decode GEMV ----
+ * Every dtype over the 8B shapes (weights rotated over >= 512 MiB of copies
+ * so they come from HBM) for n = 1, 2, 8 tokens: bytes = the weight once;
+ * fraction of the copy roofline. */
 typedef struct {
     st_backend *b;
     st_stream *s;
@@ -422,26 +404,13 @@ static double gv_time(gv_ctx *m, int iters) {
     return t[3];
 }
 
-static void bench_gemv_versions(int dev, double copy_bw) {
-    st_backend *bv[3];
-    st_stream *sv[3];
-    static const char *const names[3] = {"new", "grid", "old"};
-    for (int v = 0; v < 3; v++) {
-        if (v > 0) setenv("STRATA_GEMV", names[v], 1);
-        else unsetenv("STRATA_GEMV");
-        st_backend_params p = {.kind = ST_BACKEND_CUDA, .device_index = dev};
-        TRY(st_backend_init(&p, &bv[v]));
-        TRY(bv[v]->ops->stream_create(bv[v], false, &sv[v]));
-    }
-    unsetenv("STRATA_GEMV");
-    printf("-- decode GEMV, new (default) vs one block per row group (STRATA_GEMV=grid) vs old (STRATA_GEMV=old):"
-           " weight bytes / time, %% of copy bw %.0f GB/s\n",
-           copy_bw / 1e9);
+static void bench_gemv(double copy_bw) {
+    printf("-- decode GEMV: weight bytes / time, %% of copy bw %.0f GB/s\n", copy_bw / 1e9);
     const st_dtype types[] = {ST_DTYPE_BF16, ST_DTYPE_F16, ST_DTYPE_Q8_0, ST_DTYPE_Q4_0, ST_DTYPE_Q4_1,
                               ST_DTYPE_Q4_K, ST_DTYPE_Q6_K};
     const int64_t shapes[4][2] = {{14336, 4096}, {4096, 14336}, {4096, 4096}, {1024, 4096}};
     const int64_t ns[3] = {1, 2, 8};
-    st_backend *b = be; /* the weights, x and y live in the main backend; both versions use them */
+    st_backend *b = be;
     for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
         const st_dtype t = types[ti];
         for (int sh = 0; sh < 4; sh++) {
@@ -451,7 +420,7 @@ static void bench_gemv_versions(int dev, double copy_bw) {
             copies = copies < 2 ? 2 : copies > 64 ? 64 : copies;
             uint8_t *hw = host_weight(t, N, K);
             void *dws[64];
-            gv_ctx m = {.copies = copies};
+            gv_ctx m = {.b = be, .s = s, .copies = copies};
             for (int c = 0; c < copies; c++) {
                 dws[c] = upload(hw, wbytes);
                 m.w[c] = (st_weight){dws[c], t, N, K};
@@ -465,26 +434,16 @@ static void bench_gemv_versions(int dev, double copy_bw) {
             TRY(b->ops->alloc(b, (size_t)(8 * N) * 4, (void **)&dy));
             m.x = dx, m.y = dy;
             for (int k = 0; k < 3; k++) {
-                double sec[3];
-                for (int v = 0; v < 3; v++) {
-                    m.b = bv[v], m.s = sv[v], m.n = ns[k];
-                    sec[v] = gv_time(&m, ns[k] == 1 ? 200 : 50);
-                }
-                printf("gemv %-5s %5lld x %-5lld n=%lld", st_dtype_name(t), (long long)N, (long long)K,
-                       (long long)ns[k]);
-                for (int v = 0; v < 3; v++)
-                    printf("  %s %7.1f us %5.0f GB/s %3.0f%%", names[v], sec[v] * 1e6, (double)wbytes / sec[v] / 1e9,
-                           100.0 * (double)wbytes / sec[v] / copy_bw);
-                printf("  new/grid %.2fx new/old %.2fx\n", sec[1] / sec[0], sec[2] / sec[0]);
+                m.n = ns[k];
+                const double sec = gv_time(&m, ns[k] == 1 ? 200 : 50);
+                printf("gemv %-5s %5lld x %-5lld n=%lld  %7.1f us %5.0f GB/s %3.0f%%\n", st_dtype_name(t), (long long)N,
+                       (long long)K, (long long)ns[k], sec * 1e6, (double)wbytes / sec / 1e9,
+                       100.0 * (double)wbytes / sec / copy_bw);
             }
             for (int c = 0; c < copies; c++) b->ops->dealloc(b, dws[c]);
             b->ops->dealloc(b, dx);
             b->ops->dealloc(b, dy);
         }
-    }
-    for (int v = 0; v < 3; v++) {
-        bv[v]->ops->stream_destroy(bv[v], sv[v]);
-        st_backend_free(bv[v]);
     }
 }
 
@@ -508,7 +467,7 @@ static void smp_d2h_fn(int i, void *p) {
     TRY(be->ops->copy_d2h(be, s, c->host, c->x, (size_t)(c->n * c->V) * sizeof(float)));
 }
 
-static void bench_sample(int dev, double copy_bw) {
+static void bench_sample(double copy_bw) {
     const int64_t n = 64, V = 128256;
     float *h = malloc((size_t)(n * V) * sizeof *h);
     for (int64_t i = 0; i < n * V; i++) { /* roughly gaussian, std ~3 */
@@ -533,21 +492,6 @@ static void bench_sample(int dev, double copy_bw) {
                {"T 1, top_p 0.95, min_p 0.05", 1.0f, 0, 0.95f, 0.05f}, {"T 1 (no truncation)", 1.0f, 0, 1.0f, 0.0f},
                {"mixed: rows cycle the above", -1.0f, 0, 0.0f, 0.0f}};
     const int nm = (int)(sizeof mix / sizeof mix[0]);
-    /* the previous kernel (no candidate fast path) on a second backend made with STRATA_SAMPLE=old */
-    const char *prev = getenv("STRATA_SAMPLE");
-    char *saved = prev ? strdup(prev) : NULL;
-    setenv("STRATA_SAMPLE", "old", 1);
-    st_backend *be_old;
-    st_stream *s_old;
-    st_backend_params op = {.kind = ST_BACKEND_CUDA, .device_index = dev};
-    TRY(st_backend_init(&op, &be_old));
-    TRY(be_old->ops->stream_create(be_old, false, &s_old));
-    if (saved) setenv("STRATA_SAMPLE", saved, 1);
-    else unsetenv("STRATA_SAMPLE");
-    free(saved);
-    int32_t *out_old = NULL;
-    TRY(be->ops->alloc(be, (size_t)n * sizeof(int32_t), (void **)&out_old));
-    int32_t *tok_new = malloc((size_t)n * sizeof *tok_new), *tok_old = malloc((size_t)n * sizeof *tok_old);
     st_sample_args *a = malloc((size_t)n * sizeof *a);
     for (int m = 0; m < nm; m++) {
         for (int64_t r = 0; r < n; r++) {
@@ -557,30 +501,10 @@ static void bench_sample(int dev, double copy_bw) {
         }
         c.args = upload(a, (size_t)n * sizeof *a);
         const double t = time_op(smp_fn, &c, 20);
-        TRY(be->ops->copy_d2h(be, s, tok_new, c.out, (size_t)n * sizeof(int32_t)));
-        TRY(be->ops->stream_sync(be, s));
-        st_backend *be_new = be;
-        st_stream *s_new = s;
-        smp_ctx co = c;
-        co.out = out_old;
-        be = be_old, s = s_old; /* time_op and smp_fn use these */
-        const double t_old = time_op(smp_fn, &co, 20);
-        be = be_new, s = s_new;
-        TRY(be->ops->copy_d2h(be, s, tok_old, out_old, (size_t)n * sizeof(int32_t)));
-        TRY(be->ops->stream_sync(be, s));
-        int64_t same = 0;
-        for (int64_t r = 0; r < n; r++) same += tok_new[r] == tok_old[r];
-        printf("sample %-30s %8.1f us per call (old %8.1f us, %5.2fx)  (%.2fx one read of the logits; %.1fx faster "
-               "than copying them out)  tokens new == old: %lld/%lld%s\n",
-               mix[m].name, t * 1e6, t_old * 1e6, t_old / t, t / (bytes / copy_bw), d2h / t, (long long)same,
-               (long long)n, same == n ? "" : "  MISMATCH");
+        printf("sample %-30s %8.1f us per call  (%.2fx one read of the logits; %.1fx faster than copying them out)\n",
+               mix[m].name, t * 1e6, t / (bytes / copy_bw), d2h / t);
         be->ops->dealloc(be, (void *)c.args);
     }
-    be->ops->dealloc(be, out_old);
-    be_old->ops->stream_destroy(be_old, s_old);
-    st_backend_free(be_old);
-    free(tok_new);
-    free(tok_old);
     be->ops->dealloc(be, (void *)c.x);
     be->ops->dealloc(be, c.out);
     be->ops->host_dealloc(be, c.host);
@@ -588,9 +512,53 @@ static void bench_sample(int dev, double copy_bw) {
     free(h);
 }
 
+static void usage(FILE *f) {
+    fprintf(f, "usage: bench_cuda_ops [--device N] [--only prefill-attn|sample|gemv|batch] [--gemm-min-n N]\n"
+               "                      [--gemm-min-n-quant N] [--no-pdl]\n");
+}
+
+/* A whole decimal number in [lo, hi] or exit(2). */
+static int int_arg(const char *opt, const char *v, int lo, int hi) {
+    char *end = NULL;
+    const long x = v ? strtol(v, &end, 10) : 0;
+    if (!v || end == v || *end || x < lo || x > hi) {
+        fprintf(stderr, "bench_cuda_ops: %s takes an integer in [%d, %d]\n", opt, lo, hi);
+        usage(stderr);
+        exit(2);
+    }
+    return (int)x;
+}
+
 int main(int argc, char **argv) {
-    st_backend_params p = {.kind = ST_BACKEND_CUDA, .device_index = argc > 1 ? atoi(argv[1]) : 0};
-    TRY(st_backend_init(&p, &be));
+    const char *only = NULL; /* one section alone */
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            usage(stdout);
+            return 0;
+        } else if (!strcmp(a, "--device")) {
+            g_params.device_index = int_arg(a, v, 0, 1024), i++;
+        } else if (!strcmp(a, "--only")) {
+            if (!v || (strcmp(v, "prefill-attn") && strcmp(v, "sample") && strcmp(v, "gemv") && strcmp(v, "batch"))) {
+                fprintf(stderr, "bench_cuda_ops: --only takes prefill-attn, sample, gemv or batch\n");
+                return 2;
+            }
+            only = v, i++;
+        } else if (!strcmp(a, "--gemm-min-n")) {
+            g_params.gemm_min_n = int_arg(a, v, 2, 1 << 20), i++;
+        } else if (!strcmp(a, "--gemm-min-n-quant")) {
+            g_params.gemm_min_n_quant = int_arg(a, v, 2, 1 << 20), i++;
+        } else if (!strcmp(a, "--no-pdl")) {
+            g_params.pdl = -1;
+        } else if (a[0] >= '0' && a[0] <= '9') { /* the device index, as the first version took it */
+            g_params.device_index = int_arg("device", a, 0, 1024);
+        } else {
+            fprintf(stderr, "bench_cuda_ops: unknown option '%s'\n", a);
+            usage(stderr);
+            return 2;
+        }
+    }
+    TRY(st_backend_init(&g_params, &be));
     TRY(be->ops->stream_create(be, false, &s));
 
     copy_ctx c = {.n = (size_t)1 << 30};
@@ -601,22 +569,25 @@ int main(int argc, char **argv) {
     printf("roofline: device-to-device copy %.0f GB/s (bytes read + written)\n", copy_bw / 1e9);
     be->ops->dealloc(be, c.a);
     be->ops->dealloc(be, c.b);
-    if (getenv("BENCH_ONLY_PREFILL_ATTN")) { /* BENCH_ONLY_PREFILL_ATTN=1: the prefill attention section alone */
-        bench_prefill_attention(p.device_index, copy_bw);
+    if (only && !strcmp(only, "prefill-attn")) {
+        bench_prefill_attention(copy_bw);
+        st_backend_free(be);
         return 0;
     }
-    if (getenv("BENCH_ONLY_SAMPLE")) { /* BENCH_ONLY_SAMPLE=1: the sample op alone, new and old kernels */
-        bench_sample(p.device_index, copy_bw);
+    if (only && !strcmp(only, "sample")) {
+        bench_sample(copy_bw);
+        st_backend_free(be);
         return 0;
     }
-    const bool only_batch = getenv("BENCH_ONLY_BATCH") != NULL;
+    if (only && !strcmp(only, "gemv")) {
+        bench_gemv(copy_bw);
+        st_backend_free(be);
+        return 0;
+    }
+    const bool only_batch = only && !strcmp(only, "batch");
     if (!only_batch) {
-        bench_gemv_versions(p.device_index, copy_bw);
-        if (getenv("BENCH_ONLY_GEMV")) { /* BENCH_ONLY_GEMV=1: the decode GEMV versions alone */
-            st_backend_free(be);
-            return 0;
-        }
-        bench_sample(p.device_index, copy_bw);
+        bench_gemv(copy_bw);
+        bench_sample(copy_bw);
     }
 
     bench_matmul(ST_DTYPE_BF16, 4096, 4096, 1, copy_bw);
@@ -644,11 +615,12 @@ int main(int argc, char **argv) {
     }
     be->ops->set_fast_prefill(be, false);
     /* batched decode sizes: where the GEMV should hand over to the GEMM (run
-     * once more with STRATA_GEMM_MIN_N=2 STRATA_GEMM_MIN_N_QUANT=2 to time
-     * the GEMM at every n); BENCH_ONLY_BATCH=1 runs this section alone */
-    printf("-- batched decode matmuls (GEMV below n=%s, quantized below n=%s)\n",
-           getenv("STRATA_GEMM_MIN_N") ? getenv("STRATA_GEMM_MIN_N") : "9",
-           getenv("STRATA_GEMM_MIN_N_QUANT") ? getenv("STRATA_GEMM_MIN_N_QUANT") : "33");
+     * once more with --gemm-min-n 2 --gemm-min-n-quant 2 to time the GEMM at
+     * every n); --only batch runs this section alone */
+    char mn[16] = "4", mq[16] = "12"; /* the backend's defaults (cuda_matmul.cu GEMM_MIN_N, _QUANT) */
+    if (g_params.gemm_min_n) snprintf(mn, sizeof mn, "%d", g_params.gemm_min_n);
+    if (g_params.gemm_min_n_quant) snprintf(mq, sizeof mq, "%d", g_params.gemm_min_n_quant);
+    printf("-- batched decode matmuls (GEMV below n=%s, quantized below n=%s)\n", mn, mq);
     {
         static const int64_t ns[] = {2, 4, 8, 16, 32, 64};
         static const st_dtype ts[] = {ST_DTYPE_BF16, ST_DTYPE_Q8_0, ST_DTYPE_Q4_0};
@@ -667,8 +639,8 @@ int main(int argc, char **argv) {
     bench_attention(1, 32768, 64, 8, 128, copy_bw);
     bench_attention(4, 32768, 32, 8, 128, copy_bw);
     bench_attention(1, 4096, 32, 8, 128, copy_bw);
-    bench_prefill_attention(p.device_index, copy_bw);
-    bench_attention_versions(p.device_index, copy_bw);
+    bench_prefill_attention(copy_bw);
+    bench_attention_kernels(copy_bw);
     printf("peak device memory %.1f MiB\n", (double)be->device_budget.peak / 1048576.0);
 
     be->ops->stream_destroy(be, s);

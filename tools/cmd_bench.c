@@ -23,13 +23,12 @@ static void bench_usage(FILE *f) {
             "  --prompt N       prompt tokens (default 128)\n"
             "  --gen N          decode steps (default 64)\n"
             "  --reps N         timed prefills, the best one reported (default 3)\n"
-            "  --fast-prefill   bf16-rounded operands in prefill's tensor-core matmuls and attention\n"
-            "                   (about twice as fast, ~1e-2 relative error; default: hi+lo split, ~1e-5)\n"
             "  --prefill-only   one prefill and nothing else (no warm-up, rooflines or decode): for profilers\n"
             "  --seqs B[,B...]  then decode B sequences at once (e.g. 1,8,32) through the batched forward over a\n"
             "                   paged KV cache: --gen steps each (the first a warm-up), tok/s beside the bound\n"
             "  --seq-prompt N   prompt tokens of each of those sequences (default 32)\n"
-            "  (here --batch defaults to the prompt length, up to 4096: the prompt in one chunk)\n"
+            "  (here --batch defaults to the prompt length, up to 4096: the prompt in one chunk;\n"
+            "  on CUDA the prefill is also timed in the other precision, --precise or --fast-prefill)\n"
             TOOL_MODEL_OPTS_HELP);
 }
 
@@ -300,7 +299,7 @@ int cmd_bench(int argc, char **argv) {
     tool_model_opts mo = TOOL_MODEL_OPTS_INIT;
     const char *path = NULL;
     int64_t n_prompt = 128, n_gen = 64, reps = 3;
-    bool fast = false, prefill_only = false;
+    bool prefill_only = false;
     int64_t seqs[16], seq_prompt = 32;
     int n_seqs = 0;
     for (int i = 1; i < argc; i++) {
@@ -321,8 +320,6 @@ int cmd_bench(int argc, char **argv) {
         } else if (!strcmp(a, "--reps")) {
             if (!tool_parse_i64(val, 1, 1000, "--reps", &reps)) return 2;
             i++;
-        } else if (!strcmp(a, "--fast-prefill")) {
-            fast = true;
         } else if (!strcmp(a, "--prefill-only")) {
             prefill_only = true;
         } else if (!strcmp(a, "--seqs")) {
@@ -374,7 +371,7 @@ int cmd_bench(int argc, char **argv) {
     const int64_t V = c->vocab_size;
     const bool on_cpu = tm.be->kind == ST_BACKEND_CPU;
     st_backend *be = tm.be;
-    be->ops->set_fast_prefill(be, fast);
+    const bool fast = tool_fast_prefill(&mo, tm.files); /* the precision tool_model_open set */
 
     /* bytes a decode step reads: every matrix once; the embedding table only
      * one row unless it doubles as lm_head */

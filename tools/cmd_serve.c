@@ -47,8 +47,12 @@ static void serve_usage(FILE *f) {
             "  --kv-mem SIZE            paged KV cache size (K/M/G suffixes; default: room for max-batch\n"
             "                           sequences of max-model-len tokens, at most 1 GiB)\n"
             "  --kv-blocks N            paged KV cache size in blocks of 16 tokens (instead of --kv-mem)\n"
-            "  --fast-prefill           bf16-rounded operands in the tensor-core matmuls of batches of 4\n"
-            "                           tokens or more (about twice as fast, ~1e-2 relative error; CUDA)\n"
+            "  --fast-prefill           bf16 operands, fp32 accumulation in the tensor-core matmuls and\n"
+            "                           attention of batches of 4 tokens or more (CUDA; ~1e-2 relative\n"
+            "                           error, about twice as fast): the default for bf16, f16 and\n"
+            "                           quantized models\n"
+            "  --precise                hi+lo split bf16 operands instead (~1e-5 of fp32 math): the\n"
+            "                           default for models stored in f32\n"
             "  --kv-dtype bf16|fp8|f32  KV cache element type (default bf16)\n"
             "  --host-sample            sample on the host even on CUDA (checks; default: on the device)\n"
             "  --no-rooflines           skip the start-up probes of HBM bandwidth and GEMM rate (CUDA)\n"
@@ -69,7 +73,7 @@ typedef struct {
     const char *model_path, *host, *api_key, *model_name, *chat_template;
     int64_t port, max_batch, max_model_len, prefill_chunk, step_tokens, max_body, max_conn, kv_blocks;
     size_t kv_mem;
-    bool fast_prefill, no_rooflines, host_sample;
+    bool no_rooflines, host_sample;
     tool_model_opts mo;
 } serve_opts;
 
@@ -123,10 +127,6 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         }
         if (!strcmp(a, "--host-sample")) {
             o->host_sample = true;
-            continue;
-        }
-        if (!strcmp(a, "--fast-prefill")) {
-            o->fast_prefill = true;
             continue;
         }
         if (!strcmp(a, "--no-rooflines")) {
@@ -260,7 +260,7 @@ int cmd_serve(int argc, char **argv) {
         tool_print_error("serve");
         goto done;
     }
-    if (o.fast_prefill) be->ops->set_fast_prefill(be, true);
+    be->ops->set_fast_prefill(be, tool_fast_prefill(&o.mo, files));
     if (!settle_chat(&o, tok, &tpl)) goto done;
     st_engine_params ep = tool_engine_params(&o.mo, &files->config);
     ep.max_batch = o.max_batch;

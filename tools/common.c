@@ -122,10 +122,10 @@ st_llama_params tool_llama_params(const tool_model_opts *o, const st_config *c) 
     lp.weights.ring_slots = o->ring_slots;
     lp.weights.bw.h2d = o->h2d_bw * 1e9;
     lp.weights.bw.ssd = o->ssd_bw * 1e9;
-    const char *fault = getenv("STRATA_FAULT");
-    long long n = 0;
-    if (fault && sscanf(fault, "read-error:%lld", &n) == 1) lp.weights.stream.faults.fail_nth = n;
-    else if (fault && sscanf(fault, "short-read:%lld", &n) == 1) lp.weights.stream.faults.short_nth = n;
+    long long n = 0; /* --test-fault, checked when parsed (test builds only) */
+    if (o->test_fault && sscanf(o->test_fault, "read-error:%lld", &n) == 1) lp.weights.stream.faults.fail_nth = n;
+    else if (o->test_fault && sscanf(o->test_fault, "short-read:%lld", &n) == 1)
+        lp.weights.stream.faults.short_nth = n;
     return lp;
 }
 
@@ -140,6 +140,16 @@ st_backend_params tool_backend_params(const tool_model_opts *o) {
     if (strcmp(dev, "cuda") == 0 || (strcmp(dev, "auto") == 0 && st_backend_available(ST_BACKEND_CUDA)))
         bp.kind = ST_BACKEND_CUDA;
     return bp;
+}
+
+bool tool_fast_prefill(const tool_model_opts *o, const st_model_files *files) {
+    if (o->prefill != 0) return o->prefill > 0;
+    for (int64_t i = 0; i < files->n_tensors; i++) {
+        const st_tensor_desc *t = &files->tensors[i];
+        if (t->n_dims == 2 && strcmp(t->name, "model.embed_tokens.weight") != 0 && t->dtype != ST_DTYPE_F32)
+            return true;
+    }
+    return false;
 }
 
 int tool_parse_model_opt(int argc, char **argv, int *i, tool_model_opts *o) {
@@ -177,6 +187,26 @@ int tool_parse_model_opt(int argc, char **argv, int *i, tool_model_opts *o) {
             fprintf(stderr, "strata: --kv-dtype takes bf16, fp8 or f32\n");
             return -1;
         }
+    } else if (strcmp(a, "--precise") == 0 || strcmp(a, "--fast-prefill") == 0) {
+        const int want = a[2] == 'p' ? -1 : 1;
+        if (o->prefill != 0 && o->prefill != want) {
+            fprintf(stderr, "strata: --precise and --fast-prefill exclude each other\n");
+            return -1;
+        }
+        o->prefill = want;
+        return 1; /* no value */
+#ifdef STRATA_TESTING
+    } else if (strcmp(a, "--test-fault") == 0) { /* test builds only: fault injection into the weight reader */
+        long long n = 0;
+        char tail = 0;
+        const bool ok = val && (sscanf(val, "read-error:%lld%c", &n, &tail) == 1 ||
+                                sscanf(val, "short-read:%lld%c", &n, &tail) == 1);
+        if (!ok || n < 1) {
+            fprintf(stderr, "strata: --test-fault takes read-error:N or short-read:N (N >= 1)\n");
+            return -1;
+        }
+        o->test_fault = val;
+#endif
     } else {
         return 0;
     }
@@ -197,6 +227,7 @@ bool tool_model_open(const char *path, const tool_model_opts *o, tool_model *tm)
         tool_model_close(tm);
         return false;
     }
+    tm->be->ops->set_fast_prefill(tm->be, tool_fast_prefill(o, tm->files));
     st_llama_params lp = tool_llama_params(o, &tm->files->config);
     if (st_llama_init(tm->files, tm->be, &lp, &tm->model) != STRATA_OK) {
         tool_print_error("model");

@@ -22,6 +22,9 @@ typedef struct {
     int ring_slots;      /* --ring-slots N (0: 2) */
     st_kv_dtype kv_dtype;  /* --kv-dtype bf16|fp8|f32 (default bf16) */
     int64_t kv_seqs;       /* not an option: sequences of --ctx tokens the KV pool holds (0: 1; bench --seqs) */
+    int prefill;         /* --precise: -1, --fast-prefill: 1, 0: chosen by the weights' dtype (tool_fast_prefill) */
+    const char *test_fault; /* --test-fault read-error:N | short-read:N: the Nth weight read fails or comes
+                               back short (a hidden option of test builds, -DSTRATA_TESTING=ON) */
 } tool_model_opts;
 
 #define TOOL_MODEL_OPTS_INIT {.kv_dtype = ST_KV_BF16}
@@ -39,7 +42,12 @@ typedef struct {
     "  --h2d-bw GB/s, --ssd-bw GB/s   bandwidths for the plan instead of measuring them\n"        \
     "  --ring-slots N           device slots streamed weight groups pass through (default 2)\n"   \
     "  --kv-dtype bf16|fp8|f32  KV cache element type (default bf16; fp8: e4m3 with a scale per\n" \
-    "                           token and kv head; f32 for reference checks)\n"
+    "                           token and kv head; f32 for reference checks)\n"                \
+    "  --precise                prefill matmuls and attention on the GPU with hi+lo split bf16\n"  \
+    "                           operands (~1e-5 of fp32 math; for reference checks); default for\n" \
+    "                           models stored in f32\n"                                           \
+    "  --fast-prefill           bf16 operands, fp32 accumulation (~1e-2 relative error on logits,\n" \
+    "                           about twice as fast); default for bf16, f16 and quantized models\n"
 
 /* If argv[*i] is one of the model options, consumes it (and its value) and
  * returns 1; returns 0 when it is not; -1 (message printed) on a bad value. */
@@ -64,9 +72,8 @@ bool tool_parse_f64(const char *s, double lo, double hi, const char *what, doubl
 bool tool_parse_size(const char *s, const char *what, size_t *out);
 
 /* The llama params these options ask for on a model of config c (budgets,
- * bandwidths, the KV pool's device bytes: kv_seqs sequences of the context),
- * and the STRATA_FAULT test hook: "read-error:N" or "short-read:N" makes the Nth
- * weight read fail or come back short). */
+ * bandwidths, the KV pool's device bytes: kv_seqs sequences of the context,
+ * and in test builds the --test-fault injection). */
 st_llama_params tool_llama_params(const tool_model_opts *o, const st_config *c);
 /* The engine params these options ask for (budgets, weights, KV dtype); the
  * caller sets the batch, lengths and pool size. */
@@ -75,6 +82,12 @@ st_engine_params tool_engine_params(const tool_model_opts *o, const st_config *c
 st_kv_pool_params tool_kv_params(const tool_model_opts *o, const st_llama *m);
 /* The backend these options ask for (device_mem included). */
 st_backend_params tool_backend_params(const tool_model_opts *o);
+/* Whether prefill runs in fast mode (the backend's set_fast_prefill): --fast-prefill
+ * or --precise when given, else true when a matrix of the model (a 2-D
+ * tensor other than the token embedding) is stored in bf16, f16 or a
+ * quantized type, false for f32 models (their f32 accuracy kept). CUDA only
+ * in effect: the CPU backend computes in fp32 either way. */
+bool tool_fast_prefill(const tool_model_opts *o, const st_model_files *files);
 
 typedef struct {
     st_model_files *files;
@@ -86,6 +99,9 @@ typedef struct {
 
 /* Opens `path`, creates the backend, the model and its KV pool. Prints errors
  * to stderr and returns false on failure (everything released). */
+/* Opens `path`, creates the backend (its prefill precision set by
+ * tool_fast_prefill) and the model. Prints errors to stderr and returns false
+ * on failure (everything released). */
 bool tool_model_open(const char *path, const tool_model_opts *o, tool_model *tm);
 void tool_model_close(tool_model *tm);
 

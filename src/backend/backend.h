@@ -115,6 +115,16 @@ typedef struct {
     int n_threads;        /* CPU: worker threads (<= 0: all cores) */
     size_t device_mem;    /* cap on device allocations (0: unlimited) */
     int device_index;     /* CUDA */
+    /* CUDA tuning, read once at init (zero / NULL: the measured defaults;
+     * benchmarks and checks set them, the tools do not) */
+    int gemm_min_n;       /* CUDA: tokens from which matmuls over plain (f32, f16, bf16) weights run as
+                             a GEMM instead of the GEMV (0: 4; values below 2 other than 0: invalid) */
+    int gemm_min_n_quant; /* CUDA: the same for quantized weights (0: 12) */
+    const char *attn_fa2; /* CUDA: configuration of the fast-mode FA2 prefill attention kernel:
+                             "b128w8", "b128w8r", "b128w4", "b256w8", or NULL / "auto" (per call,
+                             the one measured fastest); an unknown name fails init */
+    int pdl;              /* CUDA: programmatic dependent launch of the decode-path kernels:
+                             0 default (on), 1 on, -1 off */
 } st_backend_params;
 
 typedef struct {
@@ -216,11 +226,15 @@ typedef struct {
     void (*graph_destroy)(st_backend *be, st_graph *g); /* NULL is a no-op */
     /* Precision of the tensor-core paths that prefill-sized work takes
      * (matmul with n >= 4 tokens (12 for quantized weights), attention with more than 16 query rows per
-     * KV head). Default (false): each bf16 operand is split into two bf16
-     * parts (hi + lo), so results are within ~1e-5 of fp32 math, at 2 to 3
-     * times the tensor-core work. true: operands rounded to bf16 once (~1e-2
+     * KV head). false (the backend's initial state): each bf16 operand is
+     * split into two bf16 parts (hi + lo), so results are within ~1e-5 of
+     * fp32 math, at 2 to 3 times the tensor-core work. true: operands rounded
+     * to bf16 once, fp32 accumulation, as serving engines compute (~1e-2
      * relative error on logits, enough to flip close argmaxes), about twice
-     * as fast. No effect on the CPU backend (always fp32). */
+     * as fast. The tools turn it on for models stored in bf16, f16 or a
+     * quantized type and leave it off for f32 models (tool_fast_prefill in
+     * tools/common.c; --precise / --fast-prefill override). No effect on the
+     * CPU backend (always fp32). */
     void (*set_fast_prefill)(st_backend *be, bool on);
 
     /* ---- paged KV cache (continuous batching: a batch of sequences) ---- */

@@ -3,11 +3,11 @@
 # builds strata with the CUDA backend, prints each FA2 configuration's resources
 # (registers, spills, shared memory: ptxas), runs every op check of gpu_check_ops
 # (whose "-- prefill attention, fast mode" sections check the FA2 kernel in its
-# default configuration, in every configuration (STRATA_ATTN_FA2=b128w8, b128w8r,
-# b128w4, b256w8) and with STRATA_ATTN_PREFILL=old, against the CPU at 1e-2),
-# then the prefill attention section of the kernel bench (BENCH_ONLY_PREFILL_ATTN=1:
-# precise and fast mode at 512/4K/16K, then every configuration and the old
-# kernel side by side at 2K/4K/16K hd 128 and 16K hd 64, against a bf16 GEMM).
+# default configuration and in every configuration (b128w8, b128w8r, b128w4,
+# b256w8: st_backend_params.attn_fa2) against the CPU at 1e-2), then the
+# prefill attention section of the kernel bench (bench_cuda_ops --only
+# prefill-attn: precise and fast mode at 512/4K/16K, then every configuration
+# side by side at 2K/4K/16K hd 128 and 16K hd 64, against a bf16 GEMM).
 # Run from the repository root on a machine with an NVIDIA GPU. Exit status:
 # 0 when every check passed and the bench ran. Prints the failures, one
 # "PASS|FAIL fast attention <configuration>: N passed, M failed" line per
@@ -47,7 +47,7 @@ echo "(full log: $build/gpu_check_ops.log)"
 
 echo "== bench_cuda_ops (prefill attention)"
 brc=0
-BENCH_ONLY_PREFILL_ATTN=1 timeout 400 stdbuf -oL "$build/bench_cuda_ops" > "$build/bench_cuda_ops.log" 2>&1 || { brc=$?; echo "bench_cuda_ops failed or timed out (status $brc)"; }
+timeout 400 stdbuf -oL "$build/bench_cuda_ops" --only prefill-attn > "$build/bench_cuda_ops.log" 2>&1 || { brc=$?; echo "bench_cuda_ops failed or timed out (status $brc)"; }
 cat "$build/bench_cuda_ops.log"
 [ $rc -ne 0 ] && exit $rc
 [ $brc -ne 0 ] && exit 3

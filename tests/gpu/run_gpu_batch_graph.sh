@@ -2,7 +2,7 @@
 # On the GPU machine, from the repo root (carry .deps): recorded batched passes
 # (CUDA graphs of st_llama_forward_batch, model/llama.h) against direct runs.
 #   1. gpu_check_batch_graph on the test models (and the default model when
-#      present), default attention kernels and STRATA_ATTN=old: every pass's
+#      present): every pass's
 #      logits (and sampled ids) bitwise equal with and without graphs, graphs
 #      actually replayed;
 #   2. gpu_check_batch_graph --time on a Llama-3-8B-shaped bf16 model of
@@ -23,10 +23,8 @@ cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release > /tmp/cfg_bg.log 2>&1 || { c
 cmake --build build-gpu -j "$(nproc)" --target strata gpu_check_batch_graph > /tmp/build_bg.log 2>&1 ||
   { tail -40 /tmp/build_bg.log; exit 2; }
 
-echo "== correctness (default kernels)"
+echo "== correctness"
 build-gpu/gpu_check_batch_graph || rc=1
-echo "== correctness (STRATA_ATTN=old)"
-STRATA_ATTN=old build-gpu/gpu_check_batch_graph tests/data/models/llama3_bf16 || rc=1
 
 mp=$WORK/llama3_8b_${L}l_bf16
 [ -f "$mp/config.json" ] || build-gpu/strata mkmodel --config llama3-8b --layers "$L" "$mp" > /dev/null || exit 1

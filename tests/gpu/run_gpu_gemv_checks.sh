@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Decode GEMV kernels (src/backend/cuda/cuda_gemv.cu, issue 6): builds strata
-# with the CUDA backend, runs every op check of gpu_check_ops (which checks the
-# GEMV twice: the default staged kernels and STRATA_GEMV=old on a second
-# backend), then the kernel bench, whose "-- decode GEMV" section prints new
-# vs old times per dtype / shape / n side by side with the copy roofline.
+# with the CUDA backend, runs every op check of gpu_check_ops (the GEMV: the
+# staged kernels, and the older kernel for the types it keeps: f32, q8_0,
+# q6_k, odd rows), then the kernel bench's decode GEMV section alone
+# (bench_cuda_ops --only gemv: times per dtype / shape / n beside the copy
+# roofline).
 # Run from the repository root on a machine with an NVIDIA GPU. Exit status:
 # 0 when every check passed. Prints the GEMV lines of both logs.
 #   BUILD_DIR  build directory (default build-gpu)
@@ -15,15 +16,15 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DSTRATA_CUDA=ON > "$build.configure.log" 2>&1 || { cat "$build.configure.log"; exit 2; }
 cmake --build "$build" -j "$jobs" --target gpu_check_ops bench_cuda_ops > "$build.build.log" 2>&1 || { tail -50 "$build.build.log"; echo "build failed"; exit 2; }
 
-echo "== gpu_check_ops (GEMV: new and STRATA_GEMV=old)"
+echo "== gpu_check_ops"
 "$build/gpu_check_ops" > "$build/gpu_check_ops.log" 2>&1
 rc=$?
 grep -v '^PASS' "$build/gpu_check_ops.log"
-echo "GEMV checks: $(grep -cE '^PASS +matmul' "$build/gpu_check_ops.log") passed, $(grep -cE '^FAIL +matmul' "$build/gpu_check_ops.log") failed (matmul, matmul_multi, matmul_swiglu lines, both versions)"
+echo "GEMV checks: $(grep -cE '^PASS +matmul' "$build/gpu_check_ops.log") passed, $(grep -cE '^FAIL +matmul' "$build/gpu_check_ops.log") failed (matmul, matmul_multi, matmul_swiglu lines)"
 echo "(full log: $build/gpu_check_ops.log)"
 
 echo "== bench_cuda_ops (decode GEMV section)"
-timeout 300 stdbuf -oL "$build/bench_cuda_ops" > "$build/bench_cuda_ops.log" 2>&1 || echo "bench_cuda_ops failed or timed out"
+timeout 300 stdbuf -oL "$build/bench_cuda_ops" --only gemv > "$build/bench_cuda_ops.log" 2>&1 || echo "bench_cuda_ops failed or timed out"
 grep -E '^roofline|^-- decode GEMV|^gemv ' "$build/bench_cuda_ops.log"
 echo "(full log: $build/bench_cuda_ops.log)"
 exit $rc

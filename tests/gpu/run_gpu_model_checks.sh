@@ -2,10 +2,16 @@
 # On the GPU machine, from the repo root, with .deps carried (scripts/device-debs.sh):
 #   1. builds strata with CUDA;
 #   2. checks every op against the CPU backend (tests/gpu/run_gpu_checks.sh);
-#   3. checks the logits of every reference model on the GPU against HF (same
-#      tolerances as on the CPU);
+#   3. checks the logits of every reference model on the GPU against HF in both
+#      prefill modes (tests/gpu/check_logits_modes.py): precise (--precise: hi+lo
+#      split bf16 operands; tests/test_logits_ref.py with the CPU's f32-level
+#      tolerances), fast (--fast-prefill: bf16 operands, fp32 accumulation, the
+#      default for bf16/f16/quantized models; bf16-level bounds: rel error < 3e-2
+#      whole / chunked / GGUF f16, < 0.15 GGUF q8_0, argmax equal where the
+#      reference's top-2 margin is clear), and that with neither flag the f32
+#      models run precise and the bf16 ones fast (bit-identical logits);
 #   4. builds a Llama-3-8B-shaped 4-layer bf16 model with HF (tools/ref/make_refs.py
-#      --big) and checks it the same way;
+#      --big) and checks it the same way (precise and fast);
 #   5. (before 4, for bf16) generates a full 32-layer Llama-3-8B-shaped model with `strata mkmodel`
 #      (bf16 safetensors, 16 GB; then Q8_0 and Q4_0 GGUF) on the machine's disk
 #      and runs `strata bench MODEL --prompt 2048 --gen 128` on each: every
@@ -65,10 +71,13 @@ if [ "${SKIP_OPS:-0}" != 1 ]; then
 fi
 
 if [ "${SKIP_REFS:-0}" != 1 ]; then
-  stamp "reference models on the GPU vs HF"
-  STRATA_BIN=build-gpu/strata STRATA_DEVICE=cuda STRATA_TMP=$WORK/st timeout "${T_REFS:-150}" \
-    python3 tests/test_logits_ref.py > "$OUTDIR/refs.log" 2>&1 || rc=1
-  grep -E "FAIL|passed|^model|safetensors|gguf|chunk" "$OUTDIR/refs.log" | tail -70
+  for mode in precise fast default; do
+    stamp "reference models on the GPU vs HF, $mode prefill"
+    STRATA_BIN=build-gpu/strata STRATA_DEVICE=cuda STRATA_TMP=$WORK/st timeout "${T_REFS:-150}" \
+      python3 tests/gpu/check_logits_modes.py $mode > "$OUTDIR/refs_$mode.log" 2>&1 || rc=1
+    grep -E "FAIL|passed|^model|^precise|^fast|safetensors|whole|gguf|chunk|default ==" "$OUTDIR/refs_$mode.log" |
+      tail -70
+  done
 fi
 
 # the bf16 model first: decode and prefill figures of the main goal
@@ -81,12 +90,16 @@ if [ "${SKIP_BIG:-0}" != 1 ] && have_time 150 "HF 8B-shaped check"; then
   timeout "${T_BIG:-240}" python3 tools/ref/make_refs.py --big $WORK/big > $WORK/big.log 2>&1 ||
     { tail -20 $WORK/big.log; rc=1; }
   grep llama3_8b $WORK/big.log
-  STRATA_REF_DATA=$WORK/big STRATA_NO_GGUF=1 STRATA_BIN=build-gpu/strata STRATA_DEVICE=cuda STRATA_TMP=$WORK/st \
-    timeout "${T_REFS:-150}" python3 tests/test_logits_ref.py 2>&1 | tee "$OUTDIR/big.log" || rc=1
+  for mode in precise fast; do
+    stamp "Llama-3-8B-shaped vs HF, $mode prefill"
+    STRATA_REF_DATA=$WORK/big STRATA_NO_GGUF=1 STRATA_BIN=build-gpu/strata STRATA_DEVICE=cuda STRATA_TMP=$WORK/st \
+      timeout "${T_REFS:-150}" python3 tests/gpu/check_logits_modes.py $mode 2>&1 | tee "$OUTDIR/big_$mode.log" ||
+      rc=1
+  done
   if [ "${PROFILE:-0}" = 1 ] && command -v ncu > /dev/null && have_time 60 "profile"; then
     for mode in precise fast; do
       stamp "profile: one 2048-token prefill of the 4-layer model, $mode (ncu, kernel durations)"
-      flag=; [ $mode = fast ] && flag=--fast-prefill
+      flag=--precise; [ $mode = fast ] && flag=--fast-prefill
       timeout "${T_PROFILE:-120}" ncu --clock-control none --metrics gpu__time_duration.sum --csv \
         build-gpu/strata bench $WORK/big/models/llama3_8b_4layers_bf16 --device cuda --prompt 2048 --prefill-only \
         $flag > "$OUTDIR/ncu_prefill_$mode.csv" 2> "$OUTDIR/ncu_prefill.err" || echo "ncu failed (see ncu_prefill.err)"

@@ -15,8 +15,9 @@
 #      differ; random weights have close logits, so this is reported, not judged), and the
 #      same on the default model when $SMOLLM2 points at its GGUF (clear argmax: judged).
 # PASS/FAIL lines; exit status non-zero when a check failed. DEADLINE=S (default 470)
-# skips steps that would end later than S seconds after the start. FAST=1 adds a
-# concurrency-64 run with --fast-prefill (bf16-rounded matmul operands).
+# skips steps that would end later than S seconds after the start. PRECISE=1 adds a
+# concurrency-64 run with --precise (hi+lo split bf16 operands; the bf16 model's
+# default is fast prefill: bf16 operands, fp32 accumulation).
 # Logs and JSON go to $OUT (or /tmp/out). For a dry run elsewhere: STRATA_BIN (no build),
 # DEVICE (default cuda), MODEL, PROMPT / OUTPUT (default 512 / 128), KV_MEM (default 16G).
 set -uo pipefail
@@ -125,9 +126,9 @@ if have_time 120 "8B server" && start_server 8b "$M" "${SERVE_ARGS[@]}"; then
   fi
   stop_server
 fi
-if [ "${FAST:-0}" = 1 ] && have_time 150 "fast-prefill run" &&
-   start_server 8b_fast "$M" "${SERVE_ARGS[@]}" --fast-prefill; then
-  bench c64_fast 64 128 && TAGS="$TAGS c64_fast"
+if [ "${PRECISE:-0}" = 1 ] && have_time 150 "precise run" &&
+   start_server 8b_precise "$M" "${SERVE_ARGS[@]}" --precise; then
+  bench c64_precise 64 128 && TAGS="$TAGS c64_precise"
   stop_server
 fi
 

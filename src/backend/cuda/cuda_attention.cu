@@ -20,11 +20,10 @@
  *     The KV length is split so that the grid is exactly one wave: the
  *     blocks resident at once (occupancy, measured at init) spread evenly
  *     over the kv heads (memory bound: the whole K/V of the kv head is read
- *     once per split). STRATA_ATTN=old: ~3 blocks per SM, rounded up, which
- *     for 8 kv heads on 132 SMs made 400 blocks for 396 places: a second,
- *     nearly empty wave at the end. The splits are merged by
- *     attn_merge_fast_kernel (loads spread over the block; old: every
- *     thread walks every split serially).
+ *     once per split). (The previous sizing, ~3 blocks per SM, made for 8 kv
+ *     heads on 132 SMs 400 blocks for 396 places: a second, nearly empty
+ *     wave at the end.) The splits are merged by attn_merge_fast_kernel
+ *     (loads spread over the block).
  *   prefill (more rows, hd 64 or 128): tensor cores, mma.sync m16n8k16 bf16
  *     with fp32 accumulation (flash-attention style). 64 rows per block (4
  *     warps x 16); softmax statistics and the accumulator stay fp32 in
@@ -39,8 +38,7 @@
  *     the FlashAttention-2 style kernel of cuda_attn_prefill_fa2.cu (K/V
  *     rounded to bf16 by a pre-pass, 128 or 256 rows per block, K/V tiles of
  *     64 keys double-buffered by cp.async, ldmatrix fragments, P kept in
- *     registers; configurations chosen by STRATA_ATTN_FA2).
- *     STRATA_ATTN_PREFILL=old: the kernel above instead.
+ *     registers; configuration: st_backend_params.attn_fa2, auto by default).
  * Split lengths are derived on the device from the rows' positions
  * (split_range), the host choosing only the number of splits from n_kv, an
  * upper bound: a recorded decode step passes the cache's capacity as n_kv
@@ -63,35 +61,8 @@
 
 /* ---- split merge --------------------------------------------------------------------- */
 
-/* part_acc [nsplit][rows][hd], part_m/part_l [nsplit][rows]; one block per row. */
-static __global__ void __launch_bounds__(128) attn_merge_kernel(const float *__restrict__ part_acc,
-                                                               const float *__restrict__ part_m,
-                                                               const float *__restrict__ part_l, int nsplit,
-                                                               int64_t rows, int hd, float *__restrict__ out) {
-    st_pdl_wait();
-    st_pdl_trigger();
-    const int64_t row = blockIdx.x;
-    float M = -INFINITY;
-    for (int sp = 0; sp < nsplit; sp++) M = fmaxf(M, part_m[sp * rows + row]);
-    float L = 0.0f;
-    for (int sp = 0; sp < nsplit; sp++) {
-        const float m = part_m[sp * rows + row];
-        if (m != -INFINITY) L += exp2f(m - M) * part_l[sp * rows + row];
-    }
-    const float inv = 1.0f / L;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float o = 0.0f;
-        for (int sp = 0; sp < nsplit; sp++) {
-            const float m = part_m[sp * rows + row];
-            if (m != -INFINITY) o += exp2f(m - M) * part_acc[((size_t)sp * rows + row) * hd + d];
-        }
-        out[row * hd + d] = o * inv;
-    }
-}
-
-/* The same merge with the partials' loads spread over the block
- * (st_attn_merge_row; the default): the kernel above walks every split
- * serially in every thread, a few microseconds at 50 splits. */
+/* part_acc [nsplit][rows][HD], part_m/part_l [nsplit][rows]; one block per
+ * row, the partials' loads spread over the block (st_attn_merge_row). */
 template <int HD>
 static __global__ void __launch_bounds__(128) attn_merge_fast_kernel(const float *__restrict__ part_acc,
                                                                     const float *__restrict__ part_m,
@@ -513,20 +484,14 @@ static strata_status decode_bpsm(int *out) {
     return STRATA_OK;
 }
 
-/* Once per backend: kernel attributes, STRATA_ATTN (old: the previous split
- * sizing, merge and paged kernel; tile64: no decode variant of the paged
- * tile kernel), STRATA_ATTN_PREFILL (old: fast-mode prefill on
- * attn_prefill_kernel instead of the FA2 kernel), STRATA_ATTN_FA2 (the FA2
- * kernel's configuration: cuda_attn_prefill_fa2.cuh), and the decode kernel's
+/* Once per backend: kernel attributes, the FA2 kernel's configuration
+ * (params->attn_fa2: cuda_attn_prefill_fa2.cuh), and the decode kernel's
  * blocks per SM. */
-strata_status st_cuda_attention_setup(st_cuda *c) {
+strata_status st_cuda_attention_setup(st_cuda *c, const st_backend_params *params) {
     strata_status st;
-    const char *ver = getenv("STRATA_ATTN");
-    c->attn_old = ver && strcmp(ver, "old") == 0;
-    c->attn_tile64 = ver && strcmp(ver, "tile64") == 0;
-    const char *pver = getenv("STRATA_ATTN_PREFILL");
-    c->attn_prefill_old = pver && strcmp(pver, "old") == 0;
-    if ((st = st_attn_fa2_variant(getenv("STRATA_ATTN_FA2"), &c->attn_fa2)) != STRATA_OK) return st;
+    c->attn_old = false;    /* removed with the paged kernel's old variants */
+    c->attn_tile64 = false; /* removed with the paged kernel's old variants */
+    if ((st = st_attn_fa2_variant(params->attn_fa2, &c->attn_fa2)) != STRATA_OK) return st;
     if ((st = st_attn_fa2_setup()) != STRATA_OK) return st;
 #define SET(HD, RM)                                                                          \
     if ((st = set_decode_attr<HD, RM>()) != STRATA_OK) return st;
@@ -566,18 +531,13 @@ static strata_status alloc_parts(st_backend *be, st_cuda_stream *s, int nsplit, 
     return STRATA_OK;
 }
 
-static strata_status merge(cudaStream_t s, bool pdl, bool old, const attn_out *o, int64_t rows, int hd) {
-    if (!old && hd == 64)
-        ST_CUDA_TRY(st_launch(pdl, attn_merge_fast_kernel<64>, dim3((unsigned)rows), dim3(128), 0, s,
-                              (const float *)o->part_acc, (const float *)o->part_m, (const float *)o->part_l, o->nsplit,
-                              rows, o->out));
-    else if (!old && hd == 128)
-        ST_CUDA_TRY(st_launch(pdl, attn_merge_fast_kernel<128>, dim3((unsigned)rows), dim3(128), 0, s,
-                              (const float *)o->part_acc, (const float *)o->part_m, (const float *)o->part_l, o->nsplit,
-                              rows, o->out));
-    else
-        ST_CUDA_TRY(st_launch(pdl, attn_merge_kernel, dim3((unsigned)rows), dim3(128), 0, s, (const float *)o->part_acc,
-                              (const float *)o->part_m, (const float *)o->part_l, o->nsplit, rows, hd, o->out));
+/* Merges the splits of o into o->out; HD 64 or 128 (the only head dims of
+ * the split kernels). */
+template <int HD>
+static strata_status merge(cudaStream_t s, bool pdl, const attn_out *o, int64_t rows) {
+    ST_CUDA_TRY(st_launch(pdl, attn_merge_fast_kernel<HD>, dim3((unsigned)rows), dim3(128), 0, s,
+                          (const float *)o->part_acc, (const float *)o->part_m, (const float *)o->part_l, o->nsplit,
+                          rows, o->out));
     return STRATA_OK;
 }
 
@@ -587,23 +547,18 @@ static strata_status run_decode(st_backend *be, st_cuda_stream *s, const float *
                                 float *out) {
     st_cuda *c = st_cuda_of(be);
     attn_out o = {out, NULL, NULL, NULL, 1};
-    int64_t want;
-    if (c->attn_old) {
-        want = (3 * (int64_t)c->sm_count + Hkv - 1) / Hkv; /* ~3 blocks per SM: could exceed one wave */
-    } else {
-        /* exactly one wave: the most blocks that are resident at once, split
-         * evenly over the kv heads (a few more blocks than the GPU holds
-         * would run as a second, nearly empty wave at the end) */
-        const int bpsm = c->attn_dec_bpsm[HD == 64 ? 0 : 1][RMAX == 4 ? 0 : RMAX == 8 ? 1 : 2];
-        want = (int64_t)bpsm * c->sm_count / Hkv;
-        if (want < 1) want = 1;
-    }
+    /* exactly one wave: the most blocks that are resident at once, split
+     * evenly over the kv heads (a few more blocks than the GPU holds would
+     * run as a second, nearly empty wave at the end) */
+    const int bpsm = c->attn_dec_bpsm[HD == 64 ? 0 : 1][RMAX == 4 ? 0 : RMAX == 8 ? 1 : 2];
+    int64_t want = (int64_t)bpsm * c->sm_count / Hkv;
+    if (want < 1) want = 1;
     o.nsplit = pick_splits(n_kv, want, 128);
     strata_status st = alloc_parts(be, s, o.nsplit, n * H, HD, &o);
     if (st != STRATA_OK) return st;
     ST_CUDA_TRY(st_launch(c->pdl, attn_decode_kernel<HD, RMAX>, dim3((unsigned)o.nsplit, (unsigned)Hkv), dim3(AD_THREADS),
                           decode_smem_bytes<HD, RMAX>(), s->s, q, k, v, pos, (int)n, n_kv, (int)H, (int)Hkv, qscale, o));
-    return o.nsplit > 1 ? merge(s->s, c->pdl, c->attn_old, &o, n * H, HD) : STRATA_OK;
+    return o.nsplit > 1 ? merge<HD>(s->s, c->pdl, &o, n * H) : STRATA_OK;
 }
 
 template <int HD>
@@ -613,7 +568,7 @@ static strata_status run_prefill(st_backend *be, st_cuda_stream *s, const float 
     st_cuda *c = st_cuda_of(be);
     attn_out o = {out, NULL, NULL, NULL, 1};
     const int64_t G = H / Hkv;
-    if (c->fast_prefill && !c->attn_prefill_old && n * G >= ST_ATTN_FA2_MIN_ROWS) {
+    if (c->fast_prefill && n * G >= ST_ATTN_FA2_MIN_ROWS) {
         /* the FA2 kernel (cuda_attn_prefill_fa2.cu); split the KV length
          * while the grid is under two waves of resident blocks */
         const int var = st_attn_fa2_pick(c->attn_fa2, HD, n * G);
@@ -626,7 +581,7 @@ static strata_status run_prefill(st_backend *be, st_cuda_stream *s, const float 
         if (st != STRATA_OK) return st;
         st = st_attn_prefill_fa2(be, s, var, HD, q, k, v, pos, n, n_kv, H, Hkv, qscale, &o);
         if (st != STRATA_OK) return st;
-        return o.nsplit > 1 ? merge(s->s, false, c->attn_old, &o, n * H, HD) : STRATA_OK;
+        return o.nsplit > 1 ? merge<HD>(s->s, false, &o, n * H) : STRATA_OK;
     }
     const int64_t bx = (n * G + AP_BQ - 1) / AP_BQ;
     if (bx > INT32_MAX) return st_err(STRATA_ERR_INVALID_ARG, "cuda attention: n = %lld is too large", (long long)n);
@@ -643,7 +598,7 @@ static strata_status run_prefill(st_backend *be, st_cuda_stream *s, const float 
         attn_prefill_kernel<HD, true><<<grid, AP_THREADS, 0, s->s>>>(q, k, v, pos, (int)n, n_kv, (int)H, (int)Hkv,
                                                                      qscale, o);
     ST_CUDA_LAUNCHED("attn_prefill_kernel");
-    return o.nsplit > 1 ? merge(s->s, false, c->attn_old, &o, n * H, HD) : STRATA_OK;
+    return o.nsplit > 1 ? merge<HD>(s->s, false, &o, n * H) : STRATA_OK;
 }
 
 strata_status st_cuda_op_attention(st_backend *be, st_cuda_stream *s, const float *q, const float *k,

@@ -2,8 +2,8 @@
  * kernel (the op's contract: backend.h; the row layout, online softmax and
  * KV splits: cuda_attention.cu). Used by the contiguous attention op when
  * set_fast_prefill is on, the head dim is 64 or 128 and a kv head has at
- * least ST_ATTN_FA2_MIN_ROWS rows; STRATA_ATTN_PREFILL=old keeps the
- * previous kernel (attn_prefill_kernel<HD, false>).
+ * least ST_ATTN_FA2_MIN_ROWS rows (below, the previous kernel,
+ * attn_prefill_kernel<HD, false>).
  *
  * Two launches:
  *   1. attn_kv_bf16_kernel: K and V [n_kv, Hkv, hd] fp32 -> bf16 (round to
@@ -44,7 +44,7 @@
  *      Shared memory: 2 stages x (K + V) x TK keys x (hd + 8) bf16, plus
  *      BQ x (hd + 8) bf16 of Q when QS (else the Q staging reuses stage 1
  *      before the loop starts).
- *   The configurations (FA2_VARIANTS below; STRATA_ATTN_FA2=<name>):
+ *   The configurations (FA2_VARIANTS below; st_backend_params.attn_fa2):
  *      b128w8   8 warps x 16 rows, TK 64, Q in registers (the first version;
  *               hd 128: 68 KiB, 1 block per SM)
  *      b128w8r  b128w8, heaviest blocks first
@@ -62,7 +62,7 @@
 #include "backend/cuda/cuda_attn_prefill_fa2.cuh"
 #include "backend/cuda/cuda_common.cuh"
 
-/* The configurations (STRATA_ATTN_FA2=<name>, read at backend init; see
+/* The configurations (st_backend_params.attn_fa2, read at backend init; see
  * the top of the file): index, name, warps, m-tiles of 16 rows per warp,
  * keys per tile, Q from shared memory (else registers), heaviest blocks
  * first, blocks per SM at hd 64 and hd 128 (__launch_bounds__). Rows per
@@ -373,7 +373,7 @@ strata_status st_attn_fa2_variant(const char *name, int *variant) {
             return STRATA_OK;
         }
     return st_err(STRATA_ERR_INVALID_ARG,
-                  "cuda attention: STRATA_ATTN_FA2=%s is not one of auto, b128w8, b128w8r, b128w4, b256w8", name);
+                  "cuda backend init: attn_fa2 \"%s\" is not one of auto, b128w8, b128w8r, b128w4, b256w8", name);
 }
 
 /* The variant by name (the table's names are constants: never missing). */

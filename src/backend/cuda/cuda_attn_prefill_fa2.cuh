@@ -12,7 +12,7 @@
  * converts in its tiles). */
 #define ST_ATTN_FA2_MIN_ROWS 512
 
-/* Configurations of the kernel, chosen per backend by STRATA_ATTN_FA2=<name>
+/* Configurations of the kernel, chosen per backend by st_backend_params.attn_fa2
  * (read at init; the top of cuda_attn_prefill_fa2.cu describes them; auto,
  * the default: per call, st_attn_fa2_pick):
  *   b128w8   128 rows per block, 8 warps x 16 rows, Q fragments in registers

@@ -525,6 +525,12 @@ strata_status st_backend_cuda_init(const st_backend_params *params, st_backend *
     if (!out) return st_err(STRATA_ERR_INVALID_ARG, "cuda backend init: out is NULL");
     *out = NULL;
     if (!params) return st_err(STRATA_ERR_INVALID_ARG, "cuda backend init: params is NULL");
+    if (params->gemm_min_n < 0 || params->gemm_min_n == 1 || params->gemm_min_n_quant < 0 ||
+        params->gemm_min_n_quant == 1)
+        return st_err(STRATA_ERR_INVALID_ARG, "cuda backend init: gemm_min_n %d, gemm_min_n_quant %d (0: the "
+                      "default, else at least 2)", params->gemm_min_n, params->gemm_min_n_quant);
+    if (params->pdl < -1 || params->pdl > 1)
+        return st_err(STRATA_ERR_INVALID_ARG, "cuda backend init: pdl %d is not -1, 0 or 1", params->pdl);
     int n_dev = 0;
     cudaError_t e = cudaGetDeviceCount(&n_dev);
     if (e != cudaSuccess) {
@@ -593,12 +599,9 @@ strata_status st_backend_cuda_init(const st_backend_params *params, st_backend *
     } else
         st = st_cuda_pool_init(0, LAZY_CHUNK, LAZY_MARGIN, false, &c->pool);
     if (st != STRATA_OK) goto fail;
-    {
-        const char *pdl = getenv("STRATA_CUDA_PDL"); /* a tuning switch for measurements */
-        c->pdl = !(pdl && strcmp(pdl, "0") == 0);
-    }
-    if ((st = st_cuda_matmul_setup(c)) != STRATA_OK) goto fail;
-    if ((st = st_cuda_attention_setup(c)) != STRATA_OK) goto fail;
+    c->pdl = params->pdl >= 0; /* 0 (default) and 1: on; -1: off (a tuning switch for measurements) */
+    if ((st = st_cuda_matmul_setup(c, params)) != STRATA_OK) goto fail;
+    if ((st = st_cuda_attention_setup(c, params)) != STRATA_OK) goto fail;
     if ((st = st_cuda_sample_setup(c)) != STRATA_OK) goto fail;
     if ((st = st_cuda_attention_paged_setup(c)) != STRATA_OK) goto fail;
     *out = be;

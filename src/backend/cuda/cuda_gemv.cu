@@ -1,7 +1,7 @@
 /* Decode GEMV, staged version ("gemv2"): y[n, N] = x[n, K] @ w[N, K]^T for
  * n <= 8 tokens per pass (grid.y covers more), fp32 x and y, fp32
  * accumulation, weights bf16, f16, q8_0, q4_0, q4_1 or q4_k (cuda_gemv.cuh;
- * cuda_matmul.cu picks it over its older mmv_kernel unless STRATA_GEMV=old).
+ * cuda_matmul.cu picks it over its older mmv_kernel where it applies).
  *
  * Layout of the work. A row group is R rows of one weight (2R row slots in
  * SwiGLU mode: gate rows, then up rows) for NT tokens. A row is cut into
@@ -481,9 +481,9 @@ constexpr int g2_tidx(int T) {
 }
 
 /* setup: the variant's attributes and blocks per SM (into t); else a launch
- * of at most one wave (t->full_grid: one block per row group). Every slot of
- * the wave gets a block (blocks then walk ceil or floor of groups / blocks
- * groups): measured on the H200, a smaller grid of evenly loaded blocks
+ * of at most one wave for bf16 / f16 (one block per row group for the
+ * quantized types). Every slot of the wave gets a block (blocks then walk
+ * ceil or floor of groups / blocks groups): measured on the H200, a smaller grid of evenly loaded blocks
  * (bf16 4096 x 14336: 512 blocks of 2 groups for 660 places) lost more to
  * the idle places (75% of HBM vs 82%) than the balance gained. */
 template <int T, int NT, int R, bool SW, int V>
@@ -508,7 +508,7 @@ static strata_status g2_launch(cudaStream_t s, bool pdl, st_gemv_args a, bool se
     a.groups = (unsigned)groups;
     int64_t blocks = groups;
     const int64_t wave = (int64_t)bpsm * t->sm_count;
-    if (g2_plain(T) && !t->full_grid && wave > 0 && groups > wave) blocks = wave;
+    if (g2_plain(T) && wave > 0 && groups > wave) blocks = wave;
     ST_CUDA_TRY(st_launch(pdl, gemv2_kernel<T, NT, R, SW>, dim3((unsigned)blocks, (unsigned)gy), dim3(G2_THREADS),
                           0, s, a));
     return STRATA_OK;
@@ -549,7 +549,7 @@ static strata_status g2_dispatch(cudaStream_t s, bool pdl, const st_gemv_args &a
     strata_status st;
     if (setup) {
         if ((st = g2_launch<T, 1, RH, SW, 4>(s, pdl, a, true, t)) != STRATA_OK) return st;
-    } else if (g2_plain(T) && a.n == 1 && !t->full_grid) {
+    } else if (g2_plain(T) && a.n == 1) {
         const int ti = g2_tidx(T), sw = SW ? 1 : 0;
         if (g2_cost(g2_groups<RH, SW>(a), t->bpsm[ti][4][sw], t->sm_count, RH) <
             g2_cost(g2_groups<R1, SW>(a), t->bpsm[ti][0][sw], t->sm_count, R1))
@@ -608,10 +608,9 @@ strata_status st_cuda_gemv2(cudaStream_t s, bool pdl, int dtype, bool swiglu, co
     return g2_any(dtype, s, pdl, swiglu, a, false, (st_gemv2_tune *)t); /* read only when not setting up */
 }
 
-strata_status st_cuda_gemv2_setup(st_gemv2_tune *t, int sm_count, bool full_grid) {
+strata_status st_cuda_gemv2_setup(st_gemv2_tune *t, int sm_count) {
     memset(t, 0, sizeof *t);
     t->sm_count = sm_count;
-    t->full_grid = full_grid;
     st_gemv_args a = {};
     const int types[] = {ST_DTYPE_BF16, ST_DTYPE_F16, ST_DTYPE_Q8_0, ST_DTYPE_Q4_0, ST_DTYPE_Q4_1, ST_DTYPE_Q4_K};
     for (int i = 0; i < 6; i++) {

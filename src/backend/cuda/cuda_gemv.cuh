@@ -36,13 +36,12 @@ bool st_cuda_gemv2_supports(int dtype, size_t row_bytes);
 
 /* How the staged GEMV sizes its grid, measured once per backend
  * (st_cuda_gemv2_setup): resident blocks per SM of every kernel variant
- * [dtype][tokens 1, 2, <= 4, <= 8, 1 with half the rows per block][SwiGLU]. Unless full_grid, a launch has at
- * most one wave of blocks, each walking several row groups with one unbroken
- * copy pipeline (STRATA_GEMV=grid: one block per row group, the previous
- * launch shape, kept for comparison). */
+ * [dtype][tokens 1, 2, <= 4, <= 8, 1 with half the rows per block][SwiGLU].
+ * For bf16 / f16 a launch has at most one wave of blocks, each walking
+ * several row groups with one unbroken copy pipeline (the previous launch
+ * shape, one block per row group, timed in bench/RESULTS.md, was removed). */
 typedef struct {
     int sm_count;
-    bool full_grid;
     int bpsm[6][5][2];
 } st_gemv2_tune;
 
@@ -53,4 +52,4 @@ strata_status st_cuda_gemv2(cudaStream_t s, bool pdl, int dtype, bool swiglu, co
 
 /* One-time kernel attributes (shared-memory carveout) and t's blocks per SM,
  * at backend init. */
-strata_status st_cuda_gemv2_setup(st_gemv2_tune *t, int sm_count, bool full_grid);
+strata_status st_cuda_gemv2_setup(st_gemv2_tune *t, int sm_count);

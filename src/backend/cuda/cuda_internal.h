@@ -120,17 +120,13 @@ typedef struct {
     st_cuda_stream def;       /* used when an op is given a NULL stream */
     bool fast_prefill;        /* set_fast_prefill: bf16-rounded operands in GEMMs and prefill attention */
     bool pdl;                 /* launch the decode-path kernels with programmatic dependent launch
-                                 (STRATA_CUDA_PDL=0 turns it off) */
-    bool attn_old;            /* STRATA_ATTN=old (read at init): the previous attention kernels
-                                 (split sizing, merge, paged kernel), kept for comparison */
-    bool attn_prefill_old;    /* STRATA_ATTN_PREFILL=old (read at init): fast-mode prefill attention
-                                 on the previous tensor-core kernel instead of the FA2 kernel */
-    int attn_fa2;             /* STRATA_ATTN_FA2=<name> (read at init): the FA2 kernel's configuration
+                                 (st_backend_params.pdl = -1 turns it off) */
+    bool attn_old;            /* always false: removed with the paged kernel's old variants
+                                 (cuda_attention_paged.cu still reads it) */
+    bool attn_tile64;         /* always false: removed with the paged kernel's old variants
+                                 (cuda_attention_paged.cu still reads it) */
+    int attn_fa2;             /* st_backend_params.attn_fa2 (read at init): the FA2 kernel's configuration
                                  (cuda_attn_prefill_fa2.cuh; -1: auto, the default) */
-    bool attn_tile64;         /* STRATA_ATTN=tile64: the paged tile kernel's 64-row variant for
-                                 decode batches too (checks that both variants give the same bits) */
-    bool sample_old;          /* STRATA_SAMPLE=old (read at init): the sample kernel without the
-                                 candidate fast path, kept for comparison */
     size_t sample_smem;       /* dynamic shared memory the sample kernel may use (st_cuda_sample_setup) */
     int attn_dec_bpsm[2][3];  /* blocks per SM of the contiguous decode attention kernel
                                  [hd 64, 128][rows 4, 8, 16] (st_cuda_attention_setup) */
@@ -200,11 +196,12 @@ void st_cuda_graph_destroy(st_backend *be, st_graph *g);
  * st_backend_available. */
 bool st_backend_cuda_present(void);
 
-/* One-time setup of the ops (kernel attributes) and the matmul's plan cache. */
-strata_status st_cuda_attention_setup(st_cuda *c);
-strata_status st_cuda_sample_setup(st_cuda *c); /* reads STRATA_SAMPLE; sizes the kernel's shared memory */
+/* One-time setup of the ops (kernel attributes, the tuning fields of params)
+ * and the matmul's plan cache. */
+strata_status st_cuda_attention_setup(st_cuda *c, const st_backend_params *params); /* attn_fa2 */
+strata_status st_cuda_sample_setup(st_cuda *c); /* sizes the kernel's shared memory */
 strata_status st_cuda_attention_paged_setup(st_cuda *c);
-strata_status st_cuda_matmul_setup(st_cuda *c);
+strata_status st_cuda_matmul_setup(st_cuda *c, const st_backend_params *params); /* gemm_min_n* */
 void st_cuda_matmul_teardown(st_cuda *c);
 
 #ifdef __cplusplus

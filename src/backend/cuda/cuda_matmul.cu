@@ -8,8 +8,8 @@
  *     same n limits as below: weight bytes copied to shared memory with
  *     coalesced 16-byte cp.async several stages ahead (the first ones before
  *     the PDL wait), block scales factored out of the dot products. The
- *     kernel below stays for the other cases and for STRATA_GEMV=old (read
- *     once at backend init), which selects it everywhere.
+ *     kernel below stays for the other cases (f32, q8_0, where it is faster,
+ *     and other quantized types; rows not a multiple of 16 bytes).
  *   GEMV (n <= 8 for f32/f16/bf16, n <= 32 for quantized types): a custom
  *     kernel that reads each weight row once at HBM speed and decodes it in
  *     registers (st_unit: 8 to 32 elements per thread, packed bytes loaded
@@ -230,7 +230,7 @@ static strata_status launch_mmv(cudaStream_t s, bool pdl, mmv_args a) {
 }
 
 template <int T, bool SW>
-static strata_status gemv_old(cudaStream_t s, bool pdl, const mmv_args &a) {
+static strata_status gemv_mmv(cudaStream_t s, bool pdl, const mmv_args &a) {
     /* R rows per block: x is re-read from L1 once per R rows, which bounds
      * the speed for several tokens; plain types have registers to spare.
      * SwiGLU blocks hold 2R rows, so R is halved where registers are short. */
@@ -364,9 +364,9 @@ typedef struct {
 struct st_cuda_lt_cache {
     lt_plan plans[LT_PLANS];
     int next_evict;
-    bool gemv_old; /* STRATA_GEMV=old at init: the older GEMV kernel (mmv_kernel) only */
-    st_gemv2_tune gemv2; /* the staged GEMV's grid sizing (STRATA_GEMV=grid: one block per row group) */
-    int gemm_min_n, gemm_min_n_quant; /* token counts from which GEMMs replace the GEMV */
+    st_gemv2_tune gemv2; /* the staged GEMV's grid sizing */
+    int gemm_min_n, gemm_min_n_quant; /* token counts from which GEMMs replace the GEMV
+                                         (st_backend_params; 0 there: GEMM_MIN_N, GEMM_MIN_N_QUANT) */
 };
 
 static void plan_clear(lt_plan *p) {
@@ -377,17 +377,13 @@ static void plan_clear(lt_plan *p) {
     memset(p, 0, sizeof *p);
 }
 
-strata_status st_cuda_matmul_setup(st_cuda *c) {
+strata_status st_cuda_matmul_setup(st_cuda *c, const st_backend_params *params) {
     c->lt_cache = (st_cuda_lt_cache *)st_calloc(1, sizeof *c->lt_cache);
     if (!c->lt_cache) return st_err(STRATA_ERR_NOMEM, "cuda matmul: out of memory");
-    const char *g = getenv("STRATA_GEMV"); /* "old": keep the older GEMV kernel (measurements, fallback) */
-    c->lt_cache->gemv_old = g && strcmp(g, "old") == 0;
-    /* STRATA_GEMM_MIN_N / STRATA_GEMM_MIN_N_QUANT override the switch points (tuning, benchmarks) */
-    const char *e = getenv("STRATA_GEMM_MIN_N"), *q = getenv("STRATA_GEMM_MIN_N_QUANT");
-    c->lt_cache->gemm_min_n = e && atoi(e) >= 2 ? atoi(e) : GEMM_MIN_N;
-    c->lt_cache->gemm_min_n_quant = q && atoi(q) >= 2 ? atoi(q) : GEMM_MIN_N_QUANT;
-    return c->lt_cache->gemv_old ? STRATA_OK
-                                 : st_cuda_gemv2_setup(&c->lt_cache->gemv2, c->sm_count, g && strcmp(g, "grid") == 0);
+    /* params may move the switch points (tuning, benchmarks); checked by st_backend_cuda_init */
+    c->lt_cache->gemm_min_n = params->gemm_min_n >= 2 ? params->gemm_min_n : GEMM_MIN_N;
+    c->lt_cache->gemm_min_n_quant = params->gemm_min_n_quant >= 2 ? params->gemm_min_n_quant : GEMM_MIN_N_QUANT;
+    return st_cuda_gemv2_setup(&c->lt_cache->gemv2, c->sm_count);
 }
 
 void st_cuda_matmul_teardown(st_cuda *c) {
@@ -495,12 +491,12 @@ static strata_status lt_gemm(st_backend *be, st_cuda_stream *s, cudaDataType_t a
 /* ---- dispatch ------------------------------------------------------------------------ */
 
 /* The GEMV: the staged kernels (cuda_gemv.cu) where they apply (bf16, f16,
- * q8_0, q4_0, q4_1, q4_k with 16-byte multiple rows) unless STRATA_GEMV=old,
- * else mmv_kernel above. */
+ * q4_0, q4_1, q4_k with 16-byte multiple rows: st_cuda_gemv2_supports), else
+ * mmv_kernel above (f32, q8_0, the other quantized types, odd rows). */
 template <int T, bool SW>
 static strata_status gemv(st_cuda *c, cudaStream_t s, const mmv_args &a) {
-    if (!c->lt_cache->gemv_old && st_cuda_gemv2_supports(T, a.rb)) return st_cuda_gemv2(s, c->pdl, T, SW, a, &c->lt_cache->gemv2);
-    return gemv_old<T, SW>(s, c->pdl, a);
+    if (st_cuda_gemv2_supports(T, a.rb)) return st_cuda_gemv2(s, c->pdl, T, SW, a, &c->lt_cache->gemv2);
+    return gemv_mmv<T, SW>(s, c->pdl, a);
 }
 
 /* x [n, K] -> bf16 in scratch slot X, layout L (sizes: XL_HI n K, else 2 n K or 3 n K). */

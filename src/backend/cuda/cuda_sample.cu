@@ -33,7 +33,7 @@
  * Truncated draws first try the candidate fast path (sp_fast, below): steps
  * 2-6 over a list of the largest logits kept in dynamic shared memory, with
  * the same integer arithmetic, so the same token; rows it cannot prove take
- * the full path above. STRATA_SAMPLE=old (read at backend init): full path only. */
+ * the full path above (as do all rows when the device lacks the shared memory). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -275,7 +275,7 @@ ST_DEV sp_u64 sp_mass(const sp_prob &p, const sp_keep &k, float x, bool *tie) {
 }
 
 
-/* ---- the candidate fast path (default; STRATA_SAMPLE=old turns it off) ----
+/* ---- the candidate fast path ----
  * Every kept token of a truncated draw (top-k, top-p or min-p) lies among the
  * largest logits. With d = -(x - m) / T in sp_p's arithmetic (so p = expf(-d)),
  *   pass 2 (whole row): a histogram per warp of floor(16 d) for d < 16, and
@@ -827,7 +827,7 @@ strata_status st_cuda_op_sample(st_backend *be, st_cuda_stream *s, const float *
     const float scale = ldexpf(1.0f, 63 - bits);
     const bool vec = vocab % 4 == 0 && st_cuda_aligned(logits, 16);
     const st_cuda *c = st_cuda_of(be);
-    size_t dyn = c->sample_old ? 0 : c->sample_smem;
+    size_t dyn = c->sample_smem;
     if (n > c->sm_count && dyn > 64 * 1024) dyn = 64 * 1024; /* more rows than SMs: two blocks per SM */
     if (dyn < SP_WARPS * SP_NB * sizeof(uint32_t)) dyn = 0;
     const int cap = (int)(dyn / sizeof(int32_t));
@@ -837,10 +837,7 @@ strata_status st_cuda_op_sample(st_backend *be, st_cuda_stream *s, const float *
 }
 
 strata_status st_cuda_sample_setup(st_cuda *c) {
-    const char *e = getenv("STRATA_SAMPLE");
-    c->sample_old = e && strcmp(e, "old") == 0;
     c->sample_smem = 0;
-    if (c->sample_old) return STRATA_OK;
     cudaFuncAttributes fa;
     ST_CUDA_TRY(cudaFuncGetAttributes(&fa, sample_kernel));
     size_t dyn = c->smem_optin > fa.sharedSizeBytes ? (c->smem_optin - fa.sharedSizeBytes) & ~(size_t)15 : 0;
