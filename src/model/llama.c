@@ -335,7 +335,9 @@ static strata_status scratch_probe_run(probe_ctx *p, const st_config *c, const s
                               scale, y);
     }
     if (st == STRATA_OK && paged) {
-        const st_paged_kv pk = {.k_cache = kc, .v_cache = vc, .n_slots = max_blocks * bs, .block_size = bs,
+        const st_paged_kv pk = {.cache = {.k = (void *)kc, .v = (void *)vc, .dtype = ST_KV_F32,
+                                          .n_slots = max_blocks * bs, .n_kv_heads = c->n_kv_heads, .head_dim = hd},
+                                .block_size = bs,
                                 .block_tables = tables, .max_blocks = max_blocks, .ctx_lens = ctx_lens,
                                 .n_seqs = 1, .max_ctx = max_ctx};
         st = o->attention_paged(be, p->s, x, &pk, seq, pos_end, Ta, c->n_heads, c->n_kv_heads, hd, scale, y);
@@ -1136,7 +1138,9 @@ static strata_status batch_upload(st_llama *m, st_kv_cache *kv, const st_batch *
     d->pos = (const int32_t *)(dm + o_pos);
     d->seq = (const int32_t *)(dm + o_seq);
     d->logit_rows = (const int32_t *)(dm + o_lr);
-    d->pk = (st_paged_kv){.k_cache = NULL, .v_cache = NULL, .n_slots = kv->n_slots, .block_size = kv->block_size,
+    d->pk = (st_paged_kv){.cache = {.dtype = ST_KV_F32, .n_slots = kv->n_slots, .n_kv_heads = m->cfg.n_kv_heads,
+                                    .head_dim = m->cfg.head_dim},
+                          .block_size = kv->block_size,
                           .block_tables = (const int32_t *)(dm + o_tab), .max_blocks = B,
                           .ctx_lens = (const int32_t *)(dm + o_ctx), .n_seqs = T,
                           .max_ctx = batch_ctx_bucket(kv, max_len), .batch_seqs = S};
@@ -1152,7 +1156,7 @@ static strata_status attn_batch_ops(st_llama *m, const st_weight *w, st_kv_cache
     st_backend *be = m->be;
     const st_backend_ops *o = be->ops;
     const st_config *c = &m->cfg;
-    const int64_t H = c->hidden_size, hd = c->head_dim, kv_dim = c->n_kv_heads * hd;
+    const int64_t H = c->hidden_size, hd = c->head_dim;
     TRY(o->rmsnorm(be, m->stream, m->x, residual_pending ? m->tmp : NULL, &w[ST_WG_ATTN_NORM], c->rms_norm_eps, n,
                    H, m->xn));
     const st_weight wqkv[3] = {w[ST_WG_WQ], w[ST_WG_WK], w[ST_WG_WV]};
@@ -1160,9 +1164,9 @@ static strata_status attn_batch_ops(st_llama *m, const st_weight *w, st_kv_cache
     TRY(o->matmul_multi(be, m->stream, m->xn, wqkv, 3, n, yqkv));
     TRY(o->rope(be, m->stream, m->q, d->pos, n, c->n_heads, hd, m->inv_freq, c->rope_interleaved));
     TRY(o->rope(be, m->stream, m->k, d->pos, n, c->n_kv_heads, hd, m->inv_freq, c->rope_interleaved));
-    TRY(o->kv_store_paged(be, m->stream, kv->k[l], kv->v[l], kv->n_slots, m->k, m->v, d->slots, n, kv_dim));
-    d->pk.k_cache = kv->k[l];
-    d->pk.v_cache = kv->v[l];
+    d->pk.cache.k = kv->k[l];
+    d->pk.cache.v = kv->v[l];
+    TRY(o->kv_store_paged(be, m->stream, &d->pk.cache, m->k, m->v, d->slots, n));
     TRY(o->attention_paged(be, m->stream, m->q, &d->pk, d->seq, d->pos, n, c->n_heads, c->n_kv_heads, hd,
                            1.0f / sqrtf((float)hd), m->att));
     return o->matmul(be, m->stream, m->att, &w[ST_WG_WO], n, m->tmp);
