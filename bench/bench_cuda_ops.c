@@ -291,8 +291,9 @@ static void pa_fn(int i, void *p) {
                                  1.0f / sqrtf((float)a->hd), a->out));
 }
 
-/* One sequence of ctx keys in a shuffled pool of bs-slot blocks; the last n positions are queried. */
-static double bench_paged(int64_t n, int64_t ctx, int64_t H, int64_t Hkv, int64_t hd, int64_t bs) {
+/* One sequence of ctx keys in a shuffled pool of bs-slot blocks, cache type kt
+ * (arbitrary bytes: timing only); the last n positions are queried. */
+static double bench_paged_t(st_kv_dtype kt, int64_t n, int64_t ctx, int64_t H, int64_t Hkv, int64_t hd, int64_t bs) {
     pa_ctx a = {.n = n, .H = H, .Hkv = Hkv, .hd = hd};
     const int64_t nb = (ctx + bs - 1) / bs, n_slots = nb * bs;
     int32_t *tab = malloc((size_t)nb * 4), *hs = malloc((size_t)n * 4), *hp = malloc((size_t)n * 4);
@@ -305,15 +306,18 @@ static double bench_paged(int64_t n, int64_t ctx, int64_t H, int64_t Hkv, int64_
     }
     for (int64_t i = 0; i < n; i++) hs[i] = 0, hp[i] = (int32_t)(ctx - n + i);
     const int32_t cl = (int32_t)ctx;
-    a.kv = (st_paged_kv){dev_floats(n_slots * Hkv * hd, 1.0f), dev_floats(n_slots * Hkv * hd, 1.0f), n_slots, bs,
+    const int64_t nel = (n_slots * Hkv * hd * (int64_t)st_kv_dtype_size(kt) + 3) / 4; /* floats of bytes */
+    a.kv = (st_paged_kv){{dev_floats(nel, 1.0f), dev_floats(nel, 1.0f), NULL, NULL, kt, n_slots, Hkv, hd}, bs,
                          upload(tab, (size_t)nb * 4), nb, upload(&cl, 4), 1, ctx, 0};
+    if (kt == ST_KV_FP8) a.kv.cache.k_scale = dev_floats(n_slots * Hkv, 1.0f), a.kv.cache.v_scale = dev_floats(n_slots * Hkv, 1.0f);
     a.q = dev_floats(n * H * hd, 1.0f);
     a.seq = upload(hs, (size_t)n * 4);
     a.pos = upload(hp, (size_t)n * 4);
     TRY(be->ops->alloc(be, (size_t)(n * H * hd) * 4, (void **)&a.out));
     const double sec = time_op(pa_fn, &a, n == 1 ? 100 : 5);
-    be->ops->dealloc(be, (void *)a.kv.k_cache);
-    be->ops->dealloc(be, (void *)a.kv.v_cache);
+    be->ops->dealloc(be, a.kv.cache.k);
+    be->ops->dealloc(be, a.kv.cache.v);
+    if (a.kv.cache.k_scale) be->ops->dealloc(be, a.kv.cache.k_scale), be->ops->dealloc(be, a.kv.cache.v_scale);
     be->ops->dealloc(be, (void *)a.kv.block_tables);
     be->ops->dealloc(be, (void *)a.kv.ctx_lens);
     be->ops->dealloc(be, (void *)a.q);
@@ -322,6 +326,26 @@ static double bench_paged(int64_t n, int64_t ctx, int64_t H, int64_t Hkv, int64_
     be->ops->dealloc(be, a.out);
     free(tab), free(hs), free(hp);
     return sec;
+}
+
+static double bench_paged(int64_t n, int64_t ctx, int64_t H, int64_t Hkv, int64_t hd, int64_t bs) {
+    return bench_paged_t(ST_KV_F32, n, ctx, H, Hkv, hd, bs);
+}
+
+/* Paged attention per cache type (32/8 heads, hd 128, bs 16): a decode over
+ * 32K keys (GB/s of the type's K+V bytes) and a 2048-token prefill. */
+static void bench_paged_dtypes(double copy_bw) {
+    printf("-- attention_paged per KV cache type; 32/8 heads, hd 128, bs 16\n");
+    for (int kt = ST_KV_F32; kt <= ST_KV_FP8; kt++) {
+        const double dec = bench_paged_t((st_kv_dtype)kt, 1, 32768, 32, 8, 128, 16);
+        const double pre = bench_paged_t((st_kv_dtype)kt, 2048, 2048, 32, 8, 128, 16);
+        const double bytes = 2.0 * 32768.0 * 8 * 128 * (double)st_kv_dtype_size((st_kv_dtype)kt);
+        const double flops = 4.0 * 2048.0 * 2049.0 / 2.0 * 128 * 32;
+        printf("paged %-4s decode n_kv=32768 %8.1f us  %5.0f GB/s of K+V  %3.0f%% of copy bw | prefill n=2048 "
+               "%8.3f ms  %6.1f TFLOP/s\n",
+               st_kv_dtype_name((st_kv_dtype)kt), dec * 1e6, bytes / dec / 1e9, 100.0 * bytes / dec / copy_bw,
+               pre * 1e3, flops / pre / 1e12);
+    }
 }
 
 static double time_attention(int64_t n, int64_t n_kv, int64_t H, int64_t Hkv, int64_t hd) {
@@ -641,6 +665,7 @@ int main(int argc, char **argv) {
     bench_attention(1, 4096, 32, 8, 128, copy_bw);
     bench_prefill_attention(copy_bw);
     bench_attention_kernels(copy_bw);
+    bench_paged_dtypes(copy_bw);
     printf("peak device memory %.1f MiB\n", (double)be->device_budget.peak / 1048576.0);
 
     be->ops->stream_destroy(be, s);

@@ -313,7 +313,9 @@ typedef struct {
  *     INT32_MAX for argmax/sample, rope's even head_dim, matmul_multi's count
  *     in 1..4 and equal cols, matmul_swiglu's equal shapes and dtypes),
  *     st_backend_check_weight on every weight, rmsnorm's [1, d] weight,
- *     st_backend_check_heads, n_kv >= 1 for attention, st_paged_kv_check,
+ *     st_backend_check_heads, n_kv >= 1 for attention, st_kv_layer_check
+ *     (kv_store_paged's cache; attention_paged's against its n_kv_heads /
+ *     head_dim), st_paged_kv_check,
  *     NULL pointers, and y/out overlapping x (matmul, matmul_multi,
  *     matmul_swiglu). An op with n = 0 (after the shape checks) returns
  *     STRATA_OK without calling the device.
@@ -323,7 +325,7 @@ typedef struct {
  *     set_rows idx, kv_store_paged slots, attention pos, attention_paged's
  *     ctx_lens / block ids / seq / pos, sample args);
  *   CUDA: alignment (weight data 16 bytes, float pointers 4, sample args and
- *     slots 8), sizes that overflow its int32 / 65535 launch grids, shared
+ *     slots 8, KV caches their element's size, fp8 scales 4), sizes that overflow its int32 / 65535 launch grids, shared
  *     memory limits and unsupported dtypes (in the op's .cu file).
  * The device's functions may therefore assume the wrapper's checks passed
  * (st_backend_cpu_init / st_backend_cuda_init alone return an unwrapped

@@ -17,15 +17,16 @@
  * double-precision reference computed here. The decode-step ops (set_rows,
  * argmax, matmul_multi, matmul_swiglu) are checked against the CPU backend,
  * and a graph recorded once and replayed with new inputs against the same
- * ops run directly. The paged-KV ops: kv_store_paged exactly (with -1 and
- * out-of-range slots), attention_paged within 1e-5 of the CPU over shuffled
- * blocks (decodes among prefill chunks, block sizes 1, 7, 16, GQA 1 to 12,
- * head dims 32/64/80/128, 40000 keys with sub-batched partials) and bit-
- * identical on the GPU for a token alone, in a reversed batch and with a
- * larger max_ctx; the same attention checks (long decode, paged tiles of
- * 1/7/64/300 tokens with block sizes 16 and 32, GQA 4/1/12/96, a 42-sequence
- * batch) again on a second backend created with STRATA_ATTN=old (the
- * previous kernels); fast-mode prefill attention (bf16 operands, 1e-2) on the
+ * ops run directly. The paged-KV ops, for each cache type (f32, bf16, fp8):
+ * kv_store_paged stores the CPU's bytes and fp8 scales exactly (with -1 and
+ * out-of-range slots, a zero row, a NaN), attention_paged within 1e-5 of the
+ * CPU over shuffled blocks (decodes among prefill chunks, block sizes 1, 7,
+ * 16, GQA 1 to 12, head dims 32/64/80/128, 40000 keys with sub-batched
+ * partials), bf16 / fp8 bit-identical to the f32 path over the dequantized
+ * pool, and bit-identical on the GPU for a token alone, in a reversed batch
+ * and with a larger max_ctx; the attention kernels' checks (long decode,
+ * paged tiles of 1/7/64/300 tokens with block sizes 16 and 32, GQA
+ * 4/1/12/96, a 42-sequence batch); fast-mode prefill attention (bf16 operands, 1e-2) on the
  * FA2 kernel, in each of its configurations (STRATA_ATTN_FA2=<name>), and
  * again with STRATA_ATTN_PREFILL=old (check_attention_fast:
  * partial blocks, n_kv > n, GQA 1/3/4/8, hd 64/128, split and unsplit grids,
@@ -697,36 +698,116 @@ static void check_graph(void) {
 
 /* ---- paged KV cache: kv_store_paged, attention_paged, the batched forward ---- */
 
-static void check_kv_store_paged(int64_t n_slots, int64_t cols, int64_t n, int off) {
-    float *kc = rand_f(n_slots * cols + off, 1.0f), *vc = rand_f(n_slots * cols + off, 1.0f);
+/* Bytes of a layer's K (or V) and of its fp8 scales. */
+static size_t kv_bytes(st_kv_dtype t, int64_t n_slots, int64_t H, int64_t hd) {
+    return (size_t)(n_slots * H * hd) * st_kv_dtype_size(t);
+}
+static size_t kv_scale_bytes(st_kv_dtype t, int64_t n_slots, int64_t H) {
+    return t == ST_KV_FP8 ? (size_t)(n_slots * H) * 4 : 0;
+}
+
+/* The same layer (same dtype and shape) on the CPU (host memory) and the GPU;
+ * `off` elements into their allocations (an unaligned cache when off > 0).
+ * Both start from the same random bytes (fp8 scales 0.5). */
+typedef struct {
+    st_kv_layer c, g;
+    void *ck, *cv, *gk, *gv; /* the allocations */
+} kv_pair;
+
+static void kv_pair_make(kv_pair *p, st_kv_dtype t, int64_t n_slots, int64_t H, int64_t hd, int off) {
+    const size_t es = st_kv_dtype_size(t), nb = kv_bytes(t, n_slots, H, hd) + (size_t)off * es;
+    const size_t sb = kv_scale_bytes(t, n_slots, H);
+    uint8_t *init = xmalloc(nb);
+    for (size_t i = 0; i < nb; i++) init[i] = (uint8_t)rnd_u32();
+    if (t == ST_KV_F32) /* finite garbage */
+        for (size_t i = 0; i < nb / 4; i++) ((float *)init)[i] = rnd_f();
+    memset(p, 0, sizeof *p);
+    p->ck = xmalloc(nb), p->cv = xmalloc(nb);
+    memcpy(p->ck, init, nb), memcpy(p->cv, init, nb);
+    p->gk = g_up(init, nb), p->gv = g_up(init, nb);
+    const st_kv_layer base = {.dtype = t, .n_slots = n_slots, .n_kv_heads = H, .head_dim = hd};
+    p->c = base, p->g = base;
+    p->c.k = (char *)p->ck + off * es, p->c.v = (char *)p->cv + off * es;
+    p->g.k = (char *)p->gk + off * es, p->g.v = (char *)p->gv + off * es;
+    if (sb) {
+        float *half = xmalloc(sb);
+        for (size_t i = 0; i < sb / 4; i++) half[i] = 0.5f;
+        p->c.k_scale = xmalloc(sb), p->c.v_scale = xmalloc(sb);
+        memcpy(p->c.k_scale, half, sb), memcpy(p->c.v_scale, half, sb);
+        p->g.k_scale = g_up(half, sb), p->g.v_scale = g_up(half, sb);
+        free(half);
+    }
+    free(init);
+}
+
+static void kv_pair_free(kv_pair *p) {
+    free(p->ck), free(p->cv), free(p->c.k_scale), free(p->c.v_scale);
+    g_free(p->gk), g_free(p->gv);
+    if (p->g.k_scale) g_free(p->g.k_scale), g_free(p->g.v_scale);
+}
+
+/* The GPU layer's K, V (and scales) equal the CPU layer's byte for byte. */
+static bool kv_pair_same(const kv_pair *p) {
+    const st_kv_layer *c = &p->c;
+    const size_t nb = kv_bytes(c->dtype, c->n_slots, c->n_kv_heads, c->head_dim);
+    const size_t sb = kv_scale_bytes(c->dtype, c->n_slots, c->n_kv_heads);
+    uint8_t *h = xmalloc(nb > sb ? nb : sb);
+    bool same = true;
+    g_down(h, p->g.k, nb);
+    same = same && memcmp(h, c->k, nb) == 0;
+    g_down(h, p->g.v, nb);
+    same = same && memcmp(h, c->v, nb) == 0;
+    if (sb) {
+        g_down(h, p->g.k_scale, sb);
+        same = same && memcmp(h, c->k_scale, sb) == 0;
+        g_down(h, p->g.v_scale, sb);
+        same = same && memcmp(h, c->v_scale, sb) == 0;
+    }
+    free(h);
+    return same;
+}
+
+/* kv_store_paged on both backends from the same rows (-1 slots; on the GPU one
+ * more, out of range, which it skips; rows of mixed magnitudes, a zero row
+ * and a NaN): the stored bytes (and fp8 scales) are identical. */
+static void check_kv_store_paged(st_kv_dtype t, int64_t n_slots, int64_t H, int64_t hd, int64_t n, int off) {
+    const int64_t cols = H * hd;
+    kv_pair p;
+    kv_pair_make(&p, t, n_slots, H, hd, off);
     float *k = rand_f(n * cols + off, 1.0f), *v = rand_f(n * cols + off, 1.0f);
-    float *gk = xmalloc((size_t)(n_slots * cols) * 4), *gv = xmalloc((size_t)(n_slots * cols) * 4);
+    for (int64_t i = 0; i < n * cols; i++) k[off + i] *= (i / hd) % 3 == 0 ? 300.0f : (i / hd) % 3 == 1 ? 1e-3f : 1.0f;
+    for (int64_t d = 0; d < hd; d++) v[off + d] = 0.0f; /* token 0, head 0 of V: a zero row */
+    if (n * cols > 5) k[off + 5] = NAN;
     int64_t *slots = xmalloc((size_t)(n + 1) * 8);
     for (int64_t i = 0; i < n; i++) slots[i] = i % 5 == 3 ? -1 : (i * 7 + 3) % n_slots; /* distinct when n_slots >= 7n */
-    float *dk = g_up(kc, (size_t)(n_slots * cols + off) * 4), *dv = g_up(vc, (size_t)(n_slots * cols + off) * 4);
     float *dsk = g_up(k, (size_t)(n * cols + off) * 4), *dsv = g_up(v, (size_t)(n * cols + off) * 4);
     slots[n] = n_slots; /* out of range: the GPU skips it (the CPU rejects it, so it is not run there) */
     int64_t *dslots = g_up(slots, (size_t)(n + 1) * 8);
-    TRY(g_cpu->ops->kv_store_paged(g_cpu, NULL, kc + off, vc + off, n_slots, k + off, v + off, slots, n, cols));
-    strata_status st = g_gpu->ops->kv_store_paged(g_gpu, g_s, dk + off, dv + off, n_slots, dsk + off, dsv + off,
-                                                   dslots, n + 1, cols);
-    g_down(gk, dk + off, (size_t)(n_slots * cols) * 4);
-    g_down(gv, dv + off, (size_t)(n_slots * cols) * 4);
-    const bool ok = st == STRATA_OK && memcmp(gk, kc + off, (size_t)(n_slots * cols) * 4) == 0 &&
-                    memcmp(gv, vc + off, (size_t)(n_slots * cols) * 4) == 0;
-    check(ok, "kv_store_paged slots=%lld cols=%lld n=%lld%s (-1 slots, +1 out of range)  %s", (long long)n_slots,
-          (long long)cols, (long long)n, off ? " unaligned" : "", ok ? "exact" : "DIFFERS");
-    g_free(dk), g_free(dv), g_free(dsk), g_free(dsv), g_free(dslots);
-    free(kc), free(vc), free(k), free(v), free(gk), free(gv), free(slots);
+    TRY(g_cpu->ops->kv_store_paged(g_cpu, NULL, &p.c, k + off, v + off, slots, n));
+    strata_status st = g_gpu->ops->kv_store_paged(g_gpu, g_s, &p.g, dsk + off, dsv + off, dslots, n + 1);
+    if (st != STRATA_OK) fprintf(stderr, "  kv_store_paged: %s\n", st_last_error());
+    g_sync();
+    const bool ok = st == STRATA_OK && kv_pair_same(&p);
+    check(ok, "kv_store_paged %s slots=%lld heads=%lld hd=%lld n=%lld%s (-1 slots, +1 out of range, a zero row, "
+              "a NaN)  %s",
+          st_kv_dtype_name(t), (long long)n_slots, (long long)H, (long long)hd, (long long)n,
+          off ? " unaligned" : "", ok ? "same bytes" : "DIFFERS");
+    g_free(dsk), g_free(dsv), g_free(dslots);
+    kv_pair_free(&p);
+    free(k), free(v), free(slots);
 }
 
 /* A batch of n_seqs sequences (ctx[s] keys, the last nq[s] positions as
- * queries) over a pool of shuffled blocks, run on both backends. Checks: GPU
- * vs CPU (fp32 kernels: 1e-5); GPU batch invariance bit for bit: every token
- * alone, the batch in reverse order, and a larger max_ctx (more split slots
- * in the grid) give the same bits as the batch. */
-static void check_attention_paged(int64_t H, int64_t Hkv, int64_t hd, int64_t bs, int64_t n_seqs, const int32_t *ctx,
-                                  const int32_t *nq, const char *what) {
+ * queries) over a pool of shuffled blocks in the cache type t, run on both
+ * backends. The pool's fp32 rows are stored on each backend by its own
+ * kv_store_paged (bf16 / fp8: the stored bytes must match). Checks: GPU vs
+ * CPU (fp32 arithmetic over the same dequantized values: 1e-5); bf16 / fp8:
+ * the GPU's bits equal its f32 path over the dequantized pool; GPU batch
+ * invariance bit for bit: every token alone, the batch in reverse order,
+ * and a larger max_ctx (more split slots in the grid) give the same bits as
+ * the batch. */
+static void check_attention_paged_t(st_kv_dtype kt, int64_t H, int64_t Hkv, int64_t hd, int64_t bs, int64_t n_seqs,
+                                    const int32_t *ctx, const int32_t *nq, const char *what) {
     const int64_t kvd = Hkv * hd, row = H * hd;
     int64_t n = 0, max_blocks = 0, total_blocks = 3, max_ctx = 0;
     for (int64_t s = 0; s < n_seqs; s++) {
@@ -754,19 +835,59 @@ static void check_attention_paged(int64_t H, int64_t Hkv, int64_t hd, int64_t bs
         for (int64_t i = 0; i < nq[s]; i++, t++) seq[t] = (int32_t)s, pos[t] = ctx[s] - nq[s] + (int32_t)i;
     }
     const float scale = 1.0f / sqrtf((float)hd);
-    st_paged_kv ck = {kc, vc, n_slots, bs, tables, max_blocks, ctx, n_seqs, max_ctx, 0};
+    /* the pool in type kt on both backends, every slot stored by kv_store_paged */
+    kv_pair lp;
+    kv_pair_make(&lp, kt, n_slots, Hkv, hd, 0);
+    {
+        int64_t *sl = xmalloc((size_t)n_slots * 8);
+        for (int64_t i = 0; i < n_slots; i++) sl[i] = i;
+        float *dkc = g_up(kc, (size_t)(n_slots * kvd) * 4), *dvc = g_up(vc, (size_t)(n_slots * kvd) * 4);
+        int64_t *dsl = g_up(sl, (size_t)n_slots * 8);
+        TRY(g_cpu->ops->kv_store_paged(g_cpu, NULL, &lp.c, kc, vc, sl, n_slots));
+        TRY(g_gpu->ops->kv_store_paged(g_gpu, g_s, &lp.g, dkc, dvc, dsl, n_slots));
+        g_sync();
+        g_free(dkc), g_free(dvc), g_free(dsl);
+        free(sl);
+    }
+    const bool same_bytes = kv_pair_same(&lp);
+    /* the dequantized pool as f32 (what the bf16 / fp8 paths must compute over) */
+    float *dqk = xmalloc((size_t)(n_slots * kvd) * 4), *dqv = xmalloc((size_t)(n_slots * kvd) * 4);
+    for (int64_t i = 0; i < n_slots * kvd; i++) {
+        for (int w = 0; w < 2; w++) {
+            const void *b = w ? lp.c.v : lp.c.k;
+            float x;
+            switch (kt) {
+            case ST_KV_F32: x = ((const float *)b)[i]; break;
+            case ST_KV_BF16: x = st_kv_bf16_to_f32(((const uint16_t *)b)[i]); break;
+            default: x = st_kv_fp8_to_f32(((const uint8_t *)b)[i]) * (w ? lp.c.v_scale : lp.c.k_scale)[i / hd]; break;
+            }
+            (w ? dqv : dqk)[i] = x;
+        }
+    }
+    st_paged_kv ck = {lp.c, bs, tables, max_blocks, ctx, n_seqs, max_ctx, 0};
     float *ref = xmalloc((size_t)(n * row) * 4), *got = xmalloc((size_t)(n * row) * 4), *alt = xmalloc((size_t)(n * row) * 4);
     TRY(g_cpu->ops->attention_paged(g_cpu, NULL, q, &ck, seq, pos, n, H, Hkv, hd, scale, ref));
-    float *dk = g_up(kc, (size_t)(n_slots * kvd) * 4), *dv = g_up(vc, (size_t)(n_slots * kvd) * 4);
+    float *dk = g_up(dqk, (size_t)(n_slots * kvd) * 4), *dv = g_up(dqv, (size_t)(n_slots * kvd) * 4);
     float *dq = g_up(q, (size_t)(n * row) * 4);
     int32_t *dt = g_up(tables, (size_t)(n_seqs * max_blocks) * 4), *dc = g_up(ctx, (size_t)n_seqs * 4);
     int32_t *dsq = g_up(seq, (size_t)n * 4), *dp = g_up(pos, (size_t)n * 4);
     float *dout = g_poisoned((size_t)(n * row) * 4);
-    st_paged_kv gk = {dk, dv, n_slots, bs, dt, max_blocks, dc, n_seqs, max_ctx, 0};
+    st_paged_kv gk = {lp.g, bs, dt, max_blocks, dc, n_seqs, max_ctx, 0};
     strata_status st = g_gpu->ops->attention_paged(g_gpu, g_s, dq, &gk, dsq, dp, n, H, Hkv, hd, scale, dout);
     if (st != STRATA_OK) fprintf(stderr, "  attention_paged: %s\n", st_last_error());
     g_down(got, dout, (size_t)(n * row) * 4);
     const double e = st == STRATA_OK ? nerr(got, ref, n * row) : INFINITY;
+    /* bf16 / fp8: the f32 path over the dequantized pool gives the same bits */
+    bool as_f32 = true;
+    if (kt != ST_KV_F32) {
+        st_paged_kv gf = gk;
+        gf.cache = (st_kv_layer){.k = dk, .v = dv, .dtype = ST_KV_F32, .n_slots = n_slots, .n_kv_heads = Hkv,
+                                 .head_dim = hd};
+        g_poison(dout, (size_t)(n * row) * 4);
+        as_f32 = g_gpu->ops->attention_paged(g_gpu, g_s, dq, &gf, dsq, dp, n, H, Hkv, hd, scale, dout) == STRATA_OK;
+        g_down(alt, dout, (size_t)(n * row) * 4);
+        as_f32 = as_f32 && memcmp(alt, got, (size_t)(n * row) * 4) == 0;
+    }
     /* invariance: each token alone */
     bool alone = st == STRATA_OK;
     for (int64_t i = 0; i < n && alone; i++) {
@@ -795,20 +916,29 @@ static void check_attention_paged(int64_t H, int64_t Hkv, int64_t hd, int64_t bs
     bool wide = g_gpu->ops->attention_paged(g_gpu, g_s, dq, &gk2, dsq, dp, n, H, Hkv, hd, scale, dout) == STRATA_OK;
     g_down(alt, dout, (size_t)(n * row) * 4);
     wide = wide && memcmp(alt, got, (size_t)(n * row) * 4) == 0;
-    check(e <= 1e-5 && alone && rev && wide,
-          "attention_paged %s: heads %lld/%lld hd %lld bs %lld, %lld seqs, %lld tokens, max ctx %lld  err=%.2e "
-          "(thr 1e-5); bit-identical alone %s, reversed %s, wider max_ctx %s",
-          what, (long long)H, (long long)Hkv, (long long)hd, (long long)bs, (long long)n_seqs, (long long)n,
-          (long long)max_ctx, e, alone ? "yes" : "NO", rev ? "yes" : "NO", wide ? "yes" : "NO");
+    check(e <= 1e-5 && alone && rev && wide && same_bytes && as_f32,
+          "attention_paged %s %s: heads %lld/%lld hd %lld bs %lld, %lld seqs, %lld tokens, max ctx %lld  err=%.2e "
+          "(thr 1e-5); stored bytes %s; bit-identical alone %s, reversed %s, wider max_ctx %s, f32 over the "
+          "dequantized pool %s",
+          st_kv_dtype_name(kt), what, (long long)H, (long long)Hkv, (long long)hd, (long long)bs, (long long)n_seqs,
+          (long long)n, (long long)max_ctx, e, same_bytes ? "same" : "DIFFER", alone ? "yes" : "NO",
+          rev ? "yes" : "NO", wide ? "yes" : "NO", kt == ST_KV_F32 ? "-" : as_f32 ? "yes" : "NO");
+    kv_pair_free(&lp);
+    free(dqk), free(dqv);
     g_free(dk), g_free(dv), g_free(dq), g_free(dt), g_free(dc), g_free(dsq), g_free(dp), g_free(dout), g_free(drs),
         g_free(drp), g_free(drq);
     free(kc), free(vc), free(q), free(perm), free(tables), free(seq), free(pos), free(ref), free(got), free(alt),
         free(rs), free(rp), free(rq);
 }
 
+/* check_attention_paged_t for every cache type. */
+static void check_attention_paged(int64_t H, int64_t Hkv, int64_t hd, int64_t bs, int64_t n_seqs, const int32_t *ctx,
+                                  const int32_t *nq, const char *what) {
+    for (int kt = ST_KV_F32; kt <= ST_KV_FP8; kt++)
+        check_attention_paged_t((st_kv_dtype)kt, H, Hkv, hd, bs, n_seqs, ctx, nq, what);
+}
 
-/* The attention kernels of one backend version (the default, or STRATA_ATTN=old
- * on a second backend): contiguous decode over long KV (split sizing and
+/* The attention kernels of the backend (`ver` names it in the output): contiguous decode over long KV (split sizing and
  * merge), and attention_paged over batches whose sequences give the tile
  * kernel full, partial and single-token tiles (1, 7, 64, 300 tokens mixed
  * with decodes), block sizes 16 and 32, GQA 4, 1, 12 and 96 (head chunks):
@@ -1413,8 +1543,12 @@ int main(void) {
     check_graph();
 
     /* paged KV cache */
-    check_kv_store_paged(100, 576, 13, 0);
-    check_kv_store_paged(37, 19, 5, 1);
+    for (int kt = ST_KV_F32; kt <= ST_KV_FP8; kt++) {
+        check_kv_store_paged((st_kv_dtype)kt, 100, 9, 64, 13, 0);
+        check_kv_store_paged((st_kv_dtype)kt, 100, 8, 128, 13, 0);
+        check_kv_store_paged((st_kv_dtype)kt, 37, 1, 19, 5, 1);
+        check_kv_store_paged((st_kv_dtype)kt, 37, 3, 40, 5, 3);
+    }
     {
         const int32_t c4[4] = {1, 37, 300, 64}, q4[4] = {1, 5, 1, 64};
         const int64_t pcfg[][3] = {{4, 4, 64}, {9, 3, 64}, {8, 2, 128}, {32, 8, 128}, {24, 2, 128}, {8, 2, 80}, {6, 3, 32}};
@@ -1433,13 +1567,7 @@ int main(void) {
     on_backend_with_env("STRATA_GEMV", "old", check_gemv_version, "old (STRATA_GEMV=old)");
     /* the staged kernel with one block per row group (the previous grid) */
     on_backend_with_env("STRATA_GEMV", "grid", check_gemv_version, "grid (STRATA_GEMV=grid)");
-    check_attention_version("new (default)");
-    /* the previous attention kernels, kept selectable with STRATA_ATTN=old */
-    on_backend_with_env("STRATA_ATTN", "old", check_attention_version, "old (STRATA_ATTN=old)");
-    /* the paged tile kernel without its decode variant: every decode batch of
-     * check_attention_version then runs the 64-row variant, whose bits the
-     * "alone" comparisons already tie to the decode variant's */
-    on_backend_with_env("STRATA_ATTN", "tile64", check_attention_version, "tile64 (STRATA_ATTN=tile64)");
+    check_attention_version("default");
     /* fast-mode prefill attention: the FA2 kernel in its default
      * configuration, then in every configuration (STRATA_ATTN_FA2=<name>,
      * cuda_attn_prefill_fa2.cuh), then the previous kernel

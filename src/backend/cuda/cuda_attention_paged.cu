@@ -15,36 +15,42 @@
  *     writes (acc, m, l) per range and the merge kernel combines the ranges:
  *     out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, in an order
  *     fixed by the number of ranges.
- * Two kernels, chosen once per backend (STRATA_ATTN=old selects the first):
- *   pa_tiled_kernel (old): a block works on ONE token and the query heads of
- *     one kv head, so nothing of another token shares its arithmetic; a
- *     prefill re-reads its keys once per query;
- *   pa_tile_kernel (default): a block works on a TILE of consecutive tokens
- *     of one sequence (up to 64 rows of token x head) and stages each K/V
- *     tile once for all of them; every row's operations and their order are
- *     those it has alone (see the comment above the kernel: rows skip keys
- *     past their end instead of multiplying them by 0, and every sum has a
- *     fixed tree), so its bits do not depend on the tile.
+ * The kernel (pa_tile_kernel) works on a TILE of consecutive tokens of one
+ * sequence (up to 64 rows of token x head) and stages each K/V tile once for
+ * all of them; every row's operations and their order are those it has alone
+ * (see the comment above the kernel: rows skip keys past their end instead of
+ * multiplying them by 0, and every sum has a fixed tree), so its bits do not
+ * depend on the tile.
  * So a token's bits are the same alone or among any others, and for any
  * number of tokens per call (tokens are processed in sub-batches that bound
  * the partials' scratch, which changes nothing per token). What is NOT
  * claimed: equality with the contiguous `attention` op (a different kernel,
- * ~1e-6 apart), nor between the two kernels above, nor across head_dim/
- * alignment classes (hd 64/128 with 16-byte aligned pointers take a tiled
- * kernel; anything else a generic one, also batch-invariant).
+ * ~1e-6 apart), nor across head_dim/alignment classes (hd 64/128 with
+ * 16-byte aligned pointers take the tile kernel; anything else a generic
+ * one, also batch-invariant). The tile kernel's figures: bench_cuda_ops.
  *
- * Speed of the old kernel (H200, 32/8 heads, hd 128, bs 16, measured with a
- * throwaway timing harness, 2026-11-21): 32 decodes over 2048 keys each 0.23
- * ms (2.3 TB/s of K+V), over 8192 keys 0.82 ms (2.6 TB/s); one decode over
- * 32768 keys 0.19 ms; 512 queries over 2048 keys 2.8 ms against 0.42 ms for
- * the tensor-core kernel of `attention`. The tile kernel's figures:
- * bench_cuda_ops ("paged prefill new/old", "paged decode new/old").
+ * Cache element types (st_kv_layer): every K/V element is dequantized to
+ * fp32 exactly as the CPU does (bf16: bits << 16; fp8: its fp32 value, then
+ * __fmul_rn by the row's scale) and the arithmetic after that is the f32
+ * path's, so a bf16 / fp8 pool gives the bits of an f32 pool holding the
+ * dequantized values (same kernel variant). In the tile kernel the raw tile
+ * (bf16: 8 KB of K+V per 32 keys at hd 128, half the f32 bytes; fp8: a
+ * quarter, plus 32 scales each) is staged with 16-byte cp.async into its own
+ * shared buffer, converted once into the fp32 tile (16-byte shared reads of
+ * 8 bf16 / 8 fp8), and the next raw tile is loaded while this one is
+ * computed (one raw and one fp32 buffer, in both variants). Not measured (no
+ * GPU when this was written): whether the extra conversion pass and barrier
+ * cost more than the halved (quartered) loads save, and the occupancy
+ * change (prefill ~95 KB of shared memory instead of ~111 KB, decode ~61 KB
+ * instead of ~45 KB at hd 128).
  *
  * Invalid indices (the host cannot read them): a seq outside [0, n_seqs) or a
  * sequence with no keys gives a row of NaN; ctx_lens is clamped to
  * max_blocks * bs and pos to ctx_len - 1; a block id outside the pool reads
  * as zeros. No out-of-bounds access in any case. */
 #include <math.h>
+
+#include <cuda_fp8.h>
 
 #include "backend/cuda/cuda_attn_common.cuh"
 #include "backend/cuda/cuda_common.cuh"
@@ -84,6 +90,60 @@ ST_DEV pa_tok pa_token(const st_paged_kv &kv, const int32_t *seq, const int32_t 
 ST_DEV int64_t pa_slot(const pa_tok &tk, int64_t j, int64_t bs, int64_t n_blocks) {
     const int32_t b = __ldg(tk.table + j / bs);
     return b >= 0 && b < n_blocks ? (int64_t)b * bs + j % bs : -1;
+}
+
+/* ---- cache element types -------------------------------------------------------------- */
+
+/* Element idx of K or V (base) of the cache as fp32, exact (backend.h,
+ * st_kv_layer); sc: the row's fp8 scale (unused otherwise). */
+template <int KT>
+ST_DEV float pa_ld(const void *base, size_t idx, float sc) {
+    if constexpr (KT == ST_KV_F32) {
+        return __ldg((const float *)base + idx);
+    } else if constexpr (KT == ST_KV_BF16) {
+        return __uint_as_float((uint32_t)__ldg((const unsigned short *)base + idx) << 16);
+    } else {
+        const __nv_fp8_storage_t b = (__nv_fp8_storage_t)__ldg((const unsigned char *)base + idx);
+        return __fmul_rn(__half2float(__half(__nv_cvt_fp8_to_halfraw(b, __NV_E4M3))), sc);
+    }
+}
+
+/* The fp8 scale of (slot, kv head) of K (v = false) or V; 1 for other types. */
+template <int KT>
+ST_DEV float pa_scale(const st_kv_layer &c, bool v, int64_t row) {
+    if constexpr (KT == ST_KV_FP8) return __ldg((v ? c.v_scale : c.k_scale) + row);
+    return 1.0f;
+}
+
+/* 8 raw elements (16 bytes of bf16 / 8 bytes of fp8 in shared memory) to fp32. */
+template <int KT>
+ST_DEV void pa_cvt8(const unsigned char *raw, float sc, float4 &lo, float4 &hi) {
+    if constexpr (KT == ST_KV_BF16) {
+        const uint4 u = *(const uint4 *)raw;
+        lo = make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u),
+                         __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xffff0000u));
+        hi = make_float4(__uint_as_float(u.z << 16), __uint_as_float(u.z & 0xffff0000u),
+                         __uint_as_float(u.w << 16), __uint_as_float(u.w & 0xffff0000u));
+    } else {
+        const uint2 u = *(const uint2 *)raw;
+        float f[8];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const uint32_t w = i < 2 ? u.x : u.y;
+            const __nv_fp8x2_storage_t pair = (__nv_fp8x2_storage_t)((w >> (16 * (i & 1))) & 0xffffu);
+            const float2 x = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
+            f[2 * i] = __fmul_rn(x.x, sc), f[2 * i + 1] = __fmul_rn(x.y, sc);
+        }
+        lo = make_float4(f[0], f[1], f[2], f[3]);
+        hi = make_float4(f[4], f[5], f[6], f[7]);
+    }
+}
+
+/* cp.async of 4 bytes (the fp8 scales), zero-filled when !valid. */
+ST_DEV void pa_cp_async4(void *smem, const void *gmem, bool valid) {
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
+    const int n = valid ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(a), "l"(gmem), "r"(n));
 }
 
 /* ---- partial results and their merge ---------------------------------------------- */
@@ -127,132 +187,7 @@ static __global__ void __launch_bounds__(128)
     }
 }
 
-/* ---- the tiled kernel: hd 64 / 128, fp32 SIMT ----------------------------------------- */
-
-template <int HD, int RMAX>
-static size_t pa_smem_bytes() {
-    return sizeof(float) * ((size_t)RMAX * HD + 2 * ((size_t)PA_TK * (HD + 4) + (size_t)PA_TK * HD) +
-                            (size_t)RMAX * PA_TK + 3 * (size_t)RMAX);
-}
-
-/* grid (sub-batch tokens, Hkv * hchunks, ranges). Block (t, y, sp): token
- * tok0 + t, kv head y / hchunks, query heads (y % hchunks) * RMAX .. of its
- * group, keys of range sp. K/V tiles double-buffered with cp.async. */
-template <int HD, int RMAX>
-static __global__ void __launch_bounds__(PA_THREADS)
-    pa_tiled_kernel(const float *__restrict__ q, st_paged_kv kv, const int32_t *__restrict__ seq,
-                    const int32_t *__restrict__ pos, int H, int Hkv, int hchunks, int64_t max_nk, float qscale,
-                    pa_out o) {
-    constexpr int KP = HD + 4;                     /* padded K row: conflict-free float4 reads by key */
-    constexpr int RPW = RMAX / 4;                  /* rows per warp in the score phase */
-    constexpr int CG = 128 / HD;                   /* thread groups per column (1 or 2) */
-    constexpr int RPT = RMAX / CG;                 /* rows per thread in the PV phase */
-    constexpr int TILE = PA_TK * KP + PA_TK * HD;  /* floats of one K+V buffer */
-    extern __shared__ float4 pa_smem4[];
-    float *q_s = (float *)pa_smem4;                /* [RMAX][HD] */
-    float *kv_s = q_s + RMAX * HD;                 /* 2 x ([TK][KP] K, [TK][HD] V) */
-    float *p_s = kv_s + 2 * TILE;                  /* [RMAX][TK] */
-    float *alpha_s = p_s + RMAX * PA_TK;           /* [RMAX] */
-    float *m_s = alpha_s + RMAX;
-    float *l_s = m_s + RMAX;
-    st_pdl_wait();
-    st_pdl_trigger();
-
-    const int64_t t = o.tok0 + blockIdx.x;
-    const int kvh = blockIdx.y / hchunks, chunk = blockIdx.y % hchunks, sp = blockIdx.z;
-    const int G = H / Hkv, h0 = kvh * G + chunk * RMAX;
-    const int R = min(RMAX, G - chunk * RMAX);
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const pa_tok tk = pa_token(kv, seq, pos, t, max_nk);
-    if (tk.nk == 0) { /* invalid token: a NaN row, written by the first range's block */
-        if (sp == 0)
-            for (int i = tid; i < R * HD; i += PA_THREADS)
-                o.out[(t * H + h0 + i / HD) * HD + i % HD] = __int_as_float(0x7fc00000);
-        return;
-    }
-    const int ns = (int)((tk.nk + PA_SPLIT - 1) / PA_SPLIT);
-    if (sp >= ns) return;
-    const int64_t kv_begin = (int64_t)sp * PA_SPLIT;
-    const int64_t kv_end = min(tk.nk, kv_begin + PA_SPLIT);
-    const int64_t bs = kv.block_size, n_blocks = kv.n_slots / bs, kv_stride = (int64_t)Hkv * HD;
-
-    for (int i = tid; i < RMAX * HD / 4; i += PA_THREADS) {
-        const int r = i / (HD / 4), d4 = i % (HD / 4);
-        float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (r < R) {
-            x = __ldg((const float4 *)(q + (t * H + h0 + r) * HD) + d4);
-            x.x *= qscale, x.y *= qscale, x.z *= qscale, x.w *= qscale;
-        }
-        ((float4 *)q_s)[i] = x;
-    }
-    const int ntiles = (int)((kv_end - kv_begin + PA_TK - 1) / PA_TK);
-
-    /* tile tt -> buffer tt & 1; keys past kv_end and keys of invalid blocks are zero-filled */
-    auto stage = [&](int tt) {
-        float *ks = kv_s + (tt & 1) * TILE, *vs = ks + PA_TK * KP;
-        const int64_t kb = kv_begin + (int64_t)tt * PA_TK;
-        for (int i = tid; i < PA_TK * HD / 4; i += PA_THREADS) {
-            const int j = i / (HD / 4), d4 = i % (HD / 4);
-            const int64_t key = kb + j;
-            const int64_t slot = key < kv_end ? pa_slot(tk, key, bs, n_blocks) : -1;
-            const bool ok = slot >= 0;
-            const size_t off = ok ? (size_t)slot * kv_stride + (size_t)kvh * HD + 4 * d4 : 0;
-            st_cp_async16(ks + j * KP + 4 * d4, kv.k_cache + off, ok);
-            st_cp_async16(vs + j * HD + 4 * d4, kv.v_cache + off, ok);
-        }
-        st_cp_async_commit();
-    };
-
-    float m_r[RPW], l_r[RPW];
-#pragma unroll
-    for (int i = 0; i < RPW; i++) m_r[i] = -INFINITY, l_r[i] = 0.0f;
-    const int dcol = tid % HD, rg = tid / HD;
-    float acc[RPT];
-#pragma unroll
-    for (int i = 0; i < RPT; i++) acc[i] = 0.0f;
-
-    stage(0); /* ntiles >= 1: the range holds at least its first key */
-    for (int tt = 0; tt < ntiles; tt++) {
-        if (tt + 1 < ntiles) {
-            stage(tt + 1);
-            st_cp_async_wait<1>();
-        } else {
-            st_cp_async_wait<0>();
-        }
-        __syncthreads();
-        const float *k_s = kv_s + (tt & 1) * TILE, *v_s = k_s + PA_TK * KP;
-        st_attn_simt_tile<HD, RMAX>(q_s, k_s, v_s, p_s, alpha_s, R, kv_begin + (int64_t)tt * PA_TK,
-                                    [=](int r, int64_t key) { return key < kv_end; }, m_r, l_r, acc);
-        __syncthreads(); /* buffer tt & 1 and p_s are free again */
-    }
-    if (lane == 0) {
-#pragma unroll
-        for (int i = 0; i < RPW; i++) {
-            const int r = warp + 4 * i;
-            if (r < R) m_s[r] = m_r[i], l_s[r] = l_r[i];
-        }
-    }
-    __syncthreads();
-#pragma unroll
-    for (int i = 0; i < RPT; i++) {
-        const int r = rg + CG * i;
-        if (r < R) {
-            const int64_t grow = t * H + h0 + r;             /* row of the call */
-            const int64_t lrow = (t - o.tok0) * H + h0 + r;  /* row of the sub-batch */
-            if (ns == 1) {
-                o.out[grow * HD + dcol] = acc[i] / l_s[r];
-            } else {
-                o.part_acc[((size_t)sp * o.rows + lrow) * HD + dcol] = acc[i];
-                if (dcol == 0) {
-                    o.part_m[sp * o.rows + lrow] = m_s[r];
-                    o.part_l[sp * o.rows + lrow] = l_s[r];
-                }
-            }
-        }
-    }
-}
-
-/* ---- the tile kernel (default): tiles of consecutive tokens of one sequence ---------------
+/* ---- the tile kernel (hd 64 / 128): tiles of consecutive tokens of one sequence ---------------
  * A block takes a TILE of up to TQ consecutive tokens of the batch that
  * belong to the same sequence, the query heads of one kv head (GC of them:
  * the whole GQA group, or a chunk of PT_ROWS heads of a larger one), and one
@@ -290,7 +225,9 @@ static __global__ void __launch_bounds__(PA_THREADS)
 #define PT_ROWS_DEC 16
 #define PT_TK 32   /* keys per staged tile */
 
-template <int HD, int ROWS, int NBUF>
+/* KT: the cache's st_kv_dtype. bf16 / fp8 run with NBUF = 1 fp32 tile plus a
+ * raw tile (RAWB bytes: K then V rows of the type, then fp8's 2 x 32 scales). */
+template <int HD, int ROWS, int NBUF, int KT>
 struct pt_cfg {
     static constexpr int QP = HD + 4;       /* padded rows: conflict-free float4 reads */
     static constexpr int KP = HD + 4;
@@ -299,18 +236,24 @@ struct pt_cfg {
     static constexpr int PR = ROWS / 8;  /* PV phase: rows prg + 8 i of thread (prg, pdg) */
     static constexpr int PD = HD / 16;      /* PV phase: dims PD pdg .. PD pdg + PD - 1 */
     static constexpr int TILE = PT_TK * KP + PT_TK * HD; /* floats of one K+V buffer */
+    static constexpr int ES = KT == ST_KV_F32 ? 4 : KT == ST_KV_BF16 ? 2 : 1; /* bytes per element */
+    static constexpr int RROW = HD * ES;                 /* bytes of one raw row */
+    static constexpr size_t RAWB = KT == ST_KV_F32 ? 0
+                                                   : (size_t)2 * PT_TK * RROW +
+                                                         (KT == ST_KV_FP8 ? 2 * PT_TK * sizeof(float) : 0);
+    static_assert(KT == ST_KV_F32 || NBUF == 1, "bf16 / fp8: one fp32 tile (plus the raw one)");
     static constexpr size_t smem = sizeof(float) * ((size_t)ROWS * QP + NBUF * (size_t)TILE +
                                                     (size_t)ROWS * PP + 3 * (size_t)ROWS) +
-                                   sizeof(int) * 2 * ROWS;
+                                   sizeof(int) * 2 * ROWS + RAWB;
 };
 
 /* grid (sub-batch tokens, Hkv * hchunks, ranges); 128 threads. */
-template <int HD, int ROWS, int NBUF>
+template <int HD, int ROWS, int NBUF, int KT>
 static __global__ void __launch_bounds__(PA_THREADS)
     pa_tile_kernel(const float *__restrict__ q, st_paged_kv kv, const int32_t *__restrict__ seq,
                    const int32_t *__restrict__ pos, int H, int Hkv, int hchunks, int GC, int TQ, int64_t max_nk,
                    float qscale, pa_out o) {
-    using C = pt_cfg<HD, ROWS, NBUF>;
+    using C = pt_cfg<HD, ROWS, NBUF, KT>;
     extern __shared__ float4 pt_smem4[];
     float *q_s = (float *)pt_smem4;         /* [ROWS][QP] */
     float *kv_s = q_s + ROWS * C::QP;       /* NBUF x ([TK][KP] K, [TK][HD] V) */
@@ -320,6 +263,8 @@ static __global__ void __launch_bounds__(PA_THREADS)
     float *l_s = m_s + ROWS;
     int *cnt_s = (int *)(l_s + ROWS);       /* [ROWS] keys of the current tile the row takes */
     int *nk_s = cnt_s + ROWS;               /* [ROWS] the row sees keys [0, nk) */
+    unsigned char *raw_s = (unsigned char *)(nk_s + ROWS); /* bf16 / fp8: [TK][RROW] K, [TK][RROW] V */
+    float *rsc_s = (float *)(raw_s + 2 * PT_TK * C::RROW); /* fp8: [TK] K scales, [TK] V scales */
     __shared__ int ntok_s, maxnk_s;
     st_pdl_wait();
     st_pdl_trigger();
@@ -359,7 +304,7 @@ static __global__ void __launch_bounds__(PA_THREADS)
     const int64_t maxnk = maxnk_s;
     if (maxnk <= kv_begin) return; /* no row has keys in this range */
     const int64_t kv_end = min(maxnk, kv_begin + PA_SPLIT);
-    const int64_t bs = kv.block_size, n_blocks = kv.n_slots / bs, kv_stride = (int64_t)Hkv * HD;
+    const int64_t bs = kv.block_size, n_blocks = kv.cache.n_slots / bs, kv_stride = (int64_t)Hkv * HD;
 
     for (int i = tid; i < ROWS * HD / 4; i += PA_THREADS) {
         const int r = i / (HD / 4), d4 = i % (HD / 4);
@@ -383,10 +328,47 @@ static __global__ void __launch_bounds__(PA_THREADS)
             const int64_t slot = key < kv_end ? pa_slot(tk, key, bs, n_blocks) : -1;
             const bool ok = slot >= 0;
             const size_t off = ok ? (size_t)slot * kv_stride + (size_t)kvh * HD + 4 * d4 : 0;
-            st_cp_async16(ks + j * C::KP + 4 * d4, kv.k_cache + off, ok);
-            st_cp_async16(vs + j * HD + 4 * d4, kv.v_cache + off, ok);
+            st_cp_async16(ks + j * C::KP + 4 * d4, (const float *)kv.cache.k + off, ok);
+            st_cp_async16(vs + j * HD + 4 * d4, (const float *)kv.cache.v + off, ok);
         }
         st_cp_async_commit();
+    };
+    /* bf16 / fp8: raw tile tt -> raw_s (16-byte chunks; fp8 scales 4 bytes each),
+     * zero-filled like the fp32 tile (a zero scale: an fp8 zero times 0) */
+    auto stage_raw = [&](int tt) {
+        constexpr int CH = C::RROW / 16; /* chunks per row */
+        const int64_t kb = kv_begin + (int64_t)tt * PT_TK;
+        for (int i = tid; i < PT_TK * CH; i += PA_THREADS) {
+            const int j = i / CH, ch = i % CH;
+            const int64_t key = kb + j;
+            const int64_t slot = key < kv_end ? pa_slot(tk, key, bs, n_blocks) : -1;
+            const bool ok = slot >= 0;
+            const size_t off = ok ? ((size_t)slot * kv_stride + (size_t)kvh * HD) * C::ES + 16 * ch : 0;
+            st_cp_async16(raw_s + j * C::RROW + 16 * ch, (const unsigned char *)kv.cache.k + off, ok);
+            st_cp_async16(raw_s + (PT_TK + j) * C::RROW + 16 * ch, (const unsigned char *)kv.cache.v + off, ok);
+            if constexpr (KT == ST_KV_FP8) {
+                if (ch == 0) {
+                    const size_t r = ok ? (size_t)slot * Hkv + kvh : 0;
+                    pa_cp_async4(rsc_s + j, kv.cache.k_scale + r, ok);
+                    pa_cp_async4(rsc_s + PT_TK + j, kv.cache.v_scale + r, ok);
+                }
+            }
+        }
+        st_cp_async_commit();
+    };
+    /* bf16 / fp8: raw_s -> the fp32 tile (buffer 0), 8 elements per step */
+    auto convert = [&]() {
+        float *ks = kv_s, *vs = ks + PT_TK * C::KP;
+        for (int i = tid; i < 2 * PT_TK * HD / 8; i += PA_THREADS) {
+            const int jj = i / (HD / 8), g = i % (HD / 8); /* jj < TK: K row jj, else V row jj - TK */
+            float sc = 1.0f;
+            if constexpr (KT == ST_KV_FP8) sc = rsc_s[jj];
+            float4 lo, hi;
+            pa_cvt8<KT>(raw_s + jj * C::RROW + 8 * g * C::ES, sc, lo, hi);
+            float *dst = jj < PT_TK ? ks + jj * C::KP + 8 * g : vs + (jj - PT_TK) * HD + 8 * g;
+            *(float4 *)dst = lo;
+            *(float4 *)(dst + 4) = hi;
+        }
     };
 
     const int rg = tid >> 3, kg = tid & 7;    /* score phase */
@@ -400,19 +382,31 @@ static __global__ void __launch_bounds__(PA_THREADS)
 #pragma unroll
         for (int d = 0; d < C::PD; d++) acc[i][d] = 0.0f;
 
-    stage(0); /* ntiles >= 1 */
+    if constexpr (KT == ST_KV_F32) stage(0); /* ntiles >= 1 */
+    else stage_raw(0);
     for (int tt = 0; tt < ntiles; tt++) {
-        if (NBUF == 1) { /* one buffer: tile tt is loaded once tile tt - 1 is done (the
-                          * __syncthreads ending the previous iteration) */
+        if constexpr (KT != ST_KV_F32) {
+            /* raw tile tt has landed; the fp32 tile is free (the __syncthreads ending
+             * the previous iteration): convert, then load raw tile tt + 1 while
+             * tile tt is computed */
+            st_cp_async_wait<0>();
+            __syncthreads();
+            convert();
+            __syncthreads();
+            if (tt + 1 < ntiles) stage_raw(tt + 1);
+        } else if (NBUF == 1) { /* one buffer: tile tt is loaded once tile tt - 1 is done (the
+                                 * __syncthreads ending the previous iteration) */
             if (tt > 0) stage(tt);
             st_cp_async_wait<0>();
+            __syncthreads();
         } else if (tt + 1 < ntiles) {
             stage(tt + 1);
             st_cp_async_wait<1>();
+            __syncthreads();
         } else {
             st_cp_async_wait<0>();
+            __syncthreads();
         }
-        __syncthreads();
         const float *k_s = kv_s + (tt % NBUF) * C::TILE, *v_s = k_s + PT_TK * C::KP;
         const int64_t kb = kv_begin + (int64_t)tt * PT_TK;
 
@@ -568,12 +562,14 @@ static __global__ void __launch_bounds__(128)
     st_attn_merge_row<HD>(o.part_acc, o.part_m, o.part_l, o.rows, row, ns, o.out + (o.tok0 * H + row) * HD);
 }
 
-/* ---- generic: any head_dim or alignment, fp32, one block per (token, head) ---------- */
+/* ---- generic: any head_dim or alignment, one block per (token, head) ----------------- */
 
 #define PG_THREADS 128
 
 /* grid (sub-batch tokens * H, ranges); smem: q [hd], acc [hd], p [128]. Same
- * ranges and merge as the tiled kernel; keys 128 at a time within a range. */
+ * ranges and merge as the tile kernel; keys 128 at a time within a range;
+ * elements of the cache's type KT read one at a time (pa_ld). */
+template <int KT>
 static __global__ void __launch_bounds__(PG_THREADS)
     pa_generic_kernel(const float *__restrict__ q, st_paged_kv kv, const int32_t *__restrict__ seq,
                       const int32_t *__restrict__ pos, int H, int Hkv, int hd, int64_t max_nk, float qscale,
@@ -594,7 +590,7 @@ static __global__ void __launch_bounds__(PG_THREADS)
     const int ns = (int)((tk.nk + PA_SPLIT - 1) / PA_SPLIT);
     if (sp >= ns) return;
     const int64_t begin = (int64_t)sp * PA_SPLIT, end = min(tk.nk, begin + PA_SPLIT);
-    const int64_t bs = kv.block_size, n_blocks = kv.n_slots / bs, kv_stride = (int64_t)Hkv * hd;
+    const int64_t bs = kv.block_size, n_blocks = kv.cache.n_slots / bs, kv_stride = (int64_t)Hkv * hd;
     for (int d = threadIdx.x; d < hd; d += PG_THREADS) {
         q_s[d] = q[grow * hd + d] * qscale;
         acc_s[d] = 0.0f;
@@ -608,8 +604,9 @@ static __global__ void __launch_bounds__(PG_THREADS)
             const int64_t slot = pa_slot(tk, key, bs, n_blocks);
             float s = 0.0f;
             if (slot >= 0) {
-                const float *kr = kv.k_cache + (size_t)slot * kv_stride + (size_t)kvh * hd;
-                for (int d = 0; d < hd; d++) s = fmaf(q_s[d], __ldg(kr + d), s);
+                const size_t kr = (size_t)slot * kv_stride + (size_t)kvh * hd;
+                const float sc = pa_scale<KT>(kv.cache, false, slot * Hkv + kvh);
+                for (int d = 0; d < hd; d++) s = fmaf(q_s[d], pa_ld<KT>(kv.cache.k, kr + d, sc), s);
             }
             sv = s;
         }
@@ -628,7 +625,9 @@ static __global__ void __launch_bounds__(PG_THREADS)
             float a = acc_s[d] * alpha;
             for (int j = 0; j < nk; j++) {
                 const int64_t slot = pa_slot(tk, kb + j, bs, n_blocks);
-                const float vv = slot >= 0 ? __ldg(kv.v_cache + (size_t)slot * kv_stride + (size_t)kvh * hd + d) : 0.0f;
+                const float vv = slot >= 0 ? pa_ld<KT>(kv.cache.v, (size_t)slot * kv_stride + (size_t)kvh * hd + d,
+                                                       pa_scale<KT>(kv.cache, true, slot * Hkv + kvh))
+                                           : 0.0f;
                 a = fmaf(p_s[j], vv, a);
             }
             acc_s[d] = a;
@@ -650,54 +649,62 @@ static __global__ void __launch_bounds__(PG_THREADS)
 
 /* ---- dispatch ------------------------------------------------------------------------ */
 
-template <int HD, int RMAX>
-static strata_status pa_set_attr() {
-    ST_CUDA_TRY(cudaFuncSetAttribute(pa_tiled_kernel<HD, RMAX>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     (int)pa_smem_bytes<HD, RMAX>()));
+template <int HD, int ROWS, int NBUF, int KT>
+static strata_status pt_set_attr() {
+    ST_CUDA_TRY(cudaFuncSetAttribute(pa_tile_kernel<HD, ROWS, NBUF, KT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     (int)pt_cfg<HD, ROWS, NBUF, KT>::smem));
     return STRATA_OK;
+}
+
+/* The tile kernel's variants for one cache type: prefill (PT_ROWS rows; f32
+ * double-buffers its fp32 tiles, bf16 / fp8 have one plus the raw tile) and
+ * decode (PT_ROWS_DEC rows, one buffer). */
+template <int KT>
+static strata_status pt_set_attrs() {
+    constexpr int NB = KT == ST_KV_F32 ? 2 : 1;
+    strata_status st;
+    if ((st = pt_set_attr<64, PT_ROWS, NB, KT>()) != STRATA_OK) return st;
+    if ((st = pt_set_attr<128, PT_ROWS, NB, KT>()) != STRATA_OK) return st;
+    if ((st = pt_set_attr<64, PT_ROWS_DEC, 1, KT>()) != STRATA_OK) return st;
+    return pt_set_attr<128, PT_ROWS_DEC, 1, KT>();
 }
 
 strata_status st_cuda_attention_paged_setup(st_cuda *c) {
     strata_status st;
-#define SET(HD, RM)                                                                          \
-    if ((st = pa_set_attr<HD, RM>()) != STRATA_OK) return st;
-    SET(64, 4) SET(64, 8) SET(64, 16) SET(128, 4) SET(128, 8) SET(128, 16)
-#undef SET
-    ST_CUDA_TRY(cudaFuncSetAttribute(pa_tile_kernel<64, PT_ROWS, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     (int)pt_cfg<64, PT_ROWS, 2>::smem));
-    ST_CUDA_TRY(cudaFuncSetAttribute(pa_tile_kernel<128, PT_ROWS, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     (int)pt_cfg<128, PT_ROWS, 2>::smem));
-    ST_CUDA_TRY(cudaFuncSetAttribute(pa_tile_kernel<64, PT_ROWS_DEC, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     (int)pt_cfg<64, PT_ROWS_DEC, 1>::smem));
-    ST_CUDA_TRY(cudaFuncSetAttribute(pa_tile_kernel<128, PT_ROWS_DEC, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     (int)pt_cfg<128, PT_ROWS_DEC, 1>::smem));
-    return STRATA_OK;
+    if ((st = pt_set_attrs<ST_KV_F32>()) != STRATA_OK) return st;
+    if ((st = pt_set_attrs<ST_KV_BF16>()) != STRATA_OK) return st;
+    return pt_set_attrs<ST_KV_FP8>();
 }
 
-template <int HD, int ROWS, int NBUF>
+template <int HD, int ROWS, int NBUF, int KT>
 static strata_status pa_launch_tile(st_cuda *c, cudaStream_t s, const float *q, const st_paged_kv &kv,
                                     const int32_t *seq, const int32_t *pos, int64_t nt, int H, int Hkv, int nsplit,
                                     int64_t max_nk, float qscale, const pa_out &o) {
     const int G = H / Hkv, GC = G < ROWS ? G : ROWS, hchunks = (G + GC - 1) / GC, TQ = ROWS / GC;
-    ST_CUDA_TRY(st_launch(c->pdl, pa_tile_kernel<HD, ROWS, NBUF>,
+    ST_CUDA_TRY(st_launch(c->pdl, pa_tile_kernel<HD, ROWS, NBUF, KT>,
                           dim3((unsigned)nt, (unsigned)(Hkv * hchunks), (unsigned)nsplit), dim3(PA_THREADS),
-                          pt_cfg<HD, ROWS, NBUF>::smem, s, q, kv, seq, pos, H, Hkv, hchunks, GC, TQ, max_nk, qscale,
-                          o));
+                          pt_cfg<HD, ROWS, NBUF, KT>::smem, s, q, kv, seq, pos, H, Hkv, hchunks, GC, TQ, max_nk,
+                          qscale, o));
     if (nsplit > 1)
         ST_CUDA_TRY(st_launch(c->pdl, pa_merge_fast_kernel<HD>, dim3((unsigned)(nt * H)), dim3(128), 0, s, kv, seq,
                               pos, H, max_nk, o));
     return STRATA_OK;
 }
 
-template <int HD, int RMAX>
-static strata_status pa_launch_tiled(st_cuda *c, cudaStream_t s, const float *q, const st_paged_kv &kv,
-                                     const int32_t *seq, const int32_t *pos, int64_t nt, int H, int Hkv, int nsplit,
-                                     float qscale, const pa_out &o) {
-    const int G = H / Hkv, hchunks = (G + RMAX - 1) / RMAX;
-    ST_CUDA_TRY(st_launch(c->pdl, pa_tiled_kernel<HD, RMAX>, dim3((unsigned)nt, (unsigned)(Hkv * hchunks), (unsigned)nsplit),
-                          dim3(PA_THREADS), pa_smem_bytes<HD, RMAX>(), s, q, kv, seq, pos, H, Hkv, hchunks,
-                          (int64_t)nsplit * PA_SPLIT, qscale, o));
-    return STRATA_OK;
+/* The tile kernel for cache type KT: hd 64 or 128, the decode or the prefill variant. */
+template <int KT>
+static strata_status pa_tile_kt(st_cuda *c, cudaStream_t s, const float *q, const st_paged_kv &kv,
+                                const int32_t *seq, const int32_t *pos, int64_t nt, int H, int Hkv, int hd,
+                                bool dec, int nsplit, int64_t max_nk, float qscale, const pa_out &o) {
+    constexpr int NB = KT == ST_KV_F32 ? 2 : 1;
+    if (dec)
+        return hd == 64 ? pa_launch_tile<64, PT_ROWS_DEC, 1, KT>(c, s, q, kv, seq, pos, nt, H, Hkv, nsplit, max_nk,
+                                                                 qscale, o)
+                        : pa_launch_tile<128, PT_ROWS_DEC, 1, KT>(c, s, q, kv, seq, pos, nt, H, Hkv, nsplit, max_nk,
+                                                                  qscale, o);
+    return hd == 64 ? pa_launch_tile<64, PT_ROWS, NB, KT>(c, s, q, kv, seq, pos, nt, H, Hkv, nsplit, max_nk, qscale, o)
+                    : pa_launch_tile<128, PT_ROWS, NB, KT>(c, s, q, kv, seq, pos, nt, H, Hkv, nsplit, max_nk, qscale,
+                                                           o);
 }
 
 strata_status st_cuda_op_attention_paged(st_backend *be, st_cuda_stream *s, const float *q, const st_paged_kv *kv,
@@ -715,18 +722,25 @@ strata_status st_cuda_op_attention_paged(st_backend *be, st_cuda_stream *s, cons
         return st_err(STRATA_ERR_INVALID_ARG, "cuda attention_paged: max_ctx = %lld is too large (%d keys per range, "
                       "65535 ranges)", (long long)kv->max_ctx, PA_SPLIT);
     const int nsplit = (int)nsplit64;
-    const bool tiled = (hd == 64 || hd == 128) && st_cuda_aligned(q, 16) && st_cuda_aligned(kv->k_cache, 16) &&
-                       st_cuda_aligned(kv->v_cache, 16);
-    const bool tile = tiled && !c->attn_old && st_cuda_aligned(out, 4); /* the tile kernel (default) */
+    const st_kv_layer &L = kv->cache;
+    const size_t es = st_kv_dtype_size(L.dtype);
+    if (!st_cuda_aligned(L.k, es) || !st_cuda_aligned(L.v, es))
+        return st_err(STRATA_ERR_INVALID_ARG,
+                      "cuda attention_paged: cache.k = %p / cache.v = %p are not %zu-byte aligned (%s)", L.k, L.v, es,
+                      st_kv_dtype_name(L.dtype));
+    if (L.dtype == ST_KV_FP8 && (!st_cuda_aligned(L.k_scale, 4) || !st_cuda_aligned(L.v_scale, 4)))
+        return st_err(STRATA_ERR_INVALID_ARG, "cuda attention_paged: cache.k_scale / cache.v_scale are not 4-byte aligned");
+    /* the tile kernel: hd 64 / 128 with 16-byte aligned q and cache */
+    const bool tile = (hd == 64 || hd == 128) && st_cuda_aligned(q, 16) && st_cuda_aligned(L.k, 16) &&
+                      st_cuda_aligned(L.v, 16);
     /* its decode variant when the batch holds about one token per sequence
      * (decode steps); same bits either way (see PT_ROWS_DEC) */
     const int64_t in_call = kv->batch_seqs > 0 ? kv->batch_seqs : kv->n_seqs;
-    const bool dec = tile && G <= PT_ROWS_DEC && n <= 2 * in_call && !c->attn_tile64;
-    const int RMAX = tile ? PT_ROWS : G <= 4 ? 4 : G <= 8 ? 8 : 16;
-    if (tiled && (int64_t)Hkv * ((G + RMAX - 1) / RMAX) > 65535)
+    const bool dec = tile && G <= PT_ROWS_DEC && n <= 2 * in_call;
+    if (tile && (int64_t)Hkv * ((G + PT_ROWS - 1) / PT_ROWS) > 65535)
         return st_err(STRATA_ERR_INVALID_ARG, "cuda attention_paged: %d kv heads is too many", Hkv);
     const size_t gsmem = (size_t)(2 * hd + PG_THREADS) * sizeof(float);
-    if (!tiled && gsmem > 48 * 1024)
+    if (!tile && gsmem > 48 * 1024)
         return st_err(STRATA_ERR_UNSUPPORTED, "cuda attention_paged: head_dim %d is too large", hd);
 
     /* sub-batches of tokens whose partials fit PA_SCRATCH_CAP (at least one token) */
@@ -755,34 +769,34 @@ strata_status st_cuda_op_attention_paged(st_backend *be, st_cuda_stream *s, cons
         o.rows = nt * n_heads;
         strata_status st = STRATA_OK;
         if (tile) {
-            if (dec)
-                st = hd == 64 ? pa_launch_tile<64, PT_ROWS_DEC, 1>(c, s->s, q, *kv, seq, pos, nt, H, Hkv, nsplit,
-                                                                   max_nk, qscale, o)
-                              : pa_launch_tile<128, PT_ROWS_DEC, 1>(c, s->s, q, *kv, seq, pos, nt, H, Hkv, nsplit,
-                                                                    max_nk, qscale, o);
-            else
-                st = hd == 64 ? pa_launch_tile<64, PT_ROWS, 2>(c, s->s, q, *kv, seq, pos, nt, H, Hkv, nsplit, max_nk,
-                                                               qscale, o)
-                              : pa_launch_tile<128, PT_ROWS, 2>(c, s->s, q, *kv, seq, pos, nt, H, Hkv, nsplit,
-                                                                max_nk, qscale, o);
+            switch (L.dtype) {
+            case ST_KV_F32:
+                st = pa_tile_kt<ST_KV_F32>(c, s->s, q, *kv, seq, pos, nt, H, Hkv, hd, dec, nsplit, max_nk, qscale, o);
+                break;
+            case ST_KV_BF16:
+                st = pa_tile_kt<ST_KV_BF16>(c, s->s, q, *kv, seq, pos, nt, H, Hkv, hd, dec, nsplit, max_nk, qscale, o);
+                break;
+            case ST_KV_FP8:
+                st = pa_tile_kt<ST_KV_FP8>(c, s->s, q, *kv, seq, pos, nt, H, Hkv, hd, dec, nsplit, max_nk, qscale, o);
+                break;
+            }
             if (st != STRATA_OK) return st;
             continue;
         }
-        if (tiled) {
-#define TL(HDV, RM) st = pa_launch_tiled<HDV, RM>(c, s->s, q, *kv, seq, pos, nt, H, Hkv, nsplit, qscale, o)
-            if (hd == 64) {
-                if (RMAX == 4) TL(64, 4);
-                else if (RMAX == 8) TL(64, 8);
-                else TL(64, 16);
-            } else {
-                if (RMAX == 4) TL(128, 4);
-                else if (RMAX == 8) TL(128, 8);
-                else TL(128, 16);
-            }
-#undef TL
-        } else {
-            ST_CUDA_TRY(st_launch(c->pdl, pa_generic_kernel, dim3((unsigned)(nt * n_heads), (unsigned)nsplit),
-                                  dim3(PG_THREADS), gsmem, s->s, q, *kv, seq, pos, H, Hkv, hd, max_nk, qscale, o));
+        const dim3 ggrid((unsigned)(nt * n_heads), (unsigned)nsplit);
+        switch (L.dtype) {
+        case ST_KV_F32:
+            ST_CUDA_TRY(st_launch(c->pdl, pa_generic_kernel<ST_KV_F32>, ggrid, dim3(PG_THREADS), gsmem, s->s, q, *kv,
+                                  seq, pos, H, Hkv, hd, max_nk, qscale, o));
+            break;
+        case ST_KV_BF16:
+            ST_CUDA_TRY(st_launch(c->pdl, pa_generic_kernel<ST_KV_BF16>, ggrid, dim3(PG_THREADS), gsmem, s->s, q, *kv,
+                                  seq, pos, H, Hkv, hd, max_nk, qscale, o));
+            break;
+        case ST_KV_FP8:
+            ST_CUDA_TRY(st_launch(c->pdl, pa_generic_kernel<ST_KV_FP8>, ggrid, dim3(PG_THREADS), gsmem, s->s, q, *kv,
+                                  seq, pos, H, Hkv, hd, max_nk, qscale, o));
+            break;
         }
         if (st != STRATA_OK) return st;
         if (nsplit > 1)

@@ -429,17 +429,15 @@ static void cuda_set_fast_prefill(st_backend *be, bool on) { st_cuda_of(be)->fas
 /* ---- paged KV cache: slots, positions, block tables live on the device and
  * are not checked here (the kernels skip or clamp them, backend.h) ---- */
 
-static strata_status cuda_kv_store_paged(st_backend *be, st_stream *s, float *k_cache, float *v_cache,
-                                         int64_t n_slots, const float *k, const float *v, const int64_t *slots,
-                                         int64_t n, int64_t cols) {
+static strata_status cuda_kv_store_paged(st_backend *be, st_stream *s, const st_kv_layer *cache, const float *k,
+                                         const float *v, const int64_t *slots, int64_t n) {
     const char *op = "cuda kv_store_paged";
-    CHECK_F32(k_cache, op);
-    CHECK_F32(v_cache, op);
     CHECK_F32(k, op);
     CHECK_F32(v, op);
     if (!st_cuda_aligned(slots, 8))
         return st_err(STRATA_ERR_INVALID_ARG, "%s: slots = %p is not 8-byte aligned", op, (const void *)slots);
-    RUN(be, s, st_cuda_op_kv_store_paged(be, cs_, k_cache, v_cache, n_slots, k, v, slots, n, cols));
+    /* the cache's alignment (by its element type): st_cuda_op_kv_store_paged */
+    RUN(be, s, st_cuda_op_kv_store_paged(be, cs_, cache, k, v, slots, n));
 }
 
 static strata_status cuda_attention_paged(st_backend *be, st_stream *s, const float *q, const st_paged_kv *kv,
@@ -447,9 +445,7 @@ static strata_status cuda_attention_paged(st_backend *be, st_stream *s, const fl
                                           int64_t n_kv_heads, int64_t head_dim, float scale, float *out) {
     const char *op = "cuda attention_paged";
     CHECK_F32(q, op);
-    CHECK_F32(kv->k_cache, op);
-    CHECK_F32(kv->v_cache, op);
-    CHECK_F32(out, op);
+    CHECK_F32(out, op); /* the cache's alignment (by its element type): st_cuda_op_attention_paged */
     RUN(be, s, st_cuda_op_attention_paged(be, cs_, q, kv, seq, pos, n, n_heads, n_kv_heads, head_dim, scale, out));
 }
 

@@ -175,9 +175,8 @@ strata_status st_cuda_op_matmul_multi(st_backend *be, st_cuda_stream *s, const f
 strata_status st_cuda_op_matmul_swiglu(st_backend *be, st_cuda_stream *s, const float *x,
                                        const st_weight *w_gate, const st_weight *w_up, int64_t n, float *out);
 
-strata_status st_cuda_op_kv_store_paged(st_backend *be, st_cuda_stream *s, float *k_cache, float *v_cache,
-                                        int64_t n_slots, const float *k, const float *v, const int64_t *slots,
-                                        int64_t n, int64_t cols);
+strata_status st_cuda_op_kv_store_paged(st_backend *be, st_cuda_stream *s, const st_kv_layer *cache,
+                                        const float *k, const float *v, const int64_t *slots, int64_t n);
 strata_status st_cuda_op_attention_paged(st_backend *be, st_cuda_stream *s, const float *q, const st_paged_kv *kv,
                                          const int32_t *seq, const int32_t *pos, int64_t n, int64_t n_heads,
                                          int64_t n_kv_heads, int64_t head_dim, float scale, float *out);
