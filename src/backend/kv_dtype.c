@@ -51,13 +51,10 @@ static float f32_of(uint32_t u) {
 /* Round to nearest even on the upper 16 bits; NaN -> the canonical 0x7fff
  * (what cvt.rn.bf16.f32 gives). Infinities stay infinite; values past the
  * largest bf16 round to infinity, as IEEE rounding does. */
-uint16_t st_kv_f32_to_bf16(float x) {
-    const uint32_t u = f32_bits(x);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fff;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+/* core's round to nearest even, but every NaN becomes 0x7fff (CUDA's __float2bfloat16_rn) */
+uint16_t st_kv_f32_to_bf16(float x) { return x != x ? 0x7fff : st_f32_to_bf16(x); }
 
-float st_kv_bf16_to_f32(uint16_t b) { return f32_of((uint32_t)b << 16); }
+float st_kv_bf16_to_f32(uint16_t b) { return st_bf16_to_f32(b); }
 
 /* e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities, NaN =
  * S.1111.111; largest finite 448 (S.1111.110), smallest subnormal 2^-9.

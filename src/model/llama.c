@@ -195,6 +195,13 @@ strata_status st_llama_init(const st_model_files *files, st_backend *be, const s
         goto fail;
     m->h_sids = (int32_t *)(m->h_sargs + T);
     if ((st = init_rope(m))) goto fail;
+    /* backends that record graphs: the compute stream's scratch grown once to
+     * the largest shapes now, so that no later pass grows (moves) it under
+     * the recorded graphs */
+    if (be->kind == ST_BACKEND_CUDA && !m->bg_off && st_wm_all_resident(m->wm) &&
+        st_plan_presize(be, m->stream, c, m->groups, m->max_tokens, m->max_seq_len) != STRATA_OK)
+        st_log(STRATA_LOG_WARN, "compute stream scratch not pre-sized (%s): recorded passes may be re-recorded "
+               "when a larger shape first runs", st_last_error());
     *out = m;
     return STRATA_OK;
 fail:

@@ -207,23 +207,42 @@ static strata_status scratch_probe_run(probe_ctx *p, const st_config *c, const s
  * and the probe runs only when forced (tests). A probe that does not fit in
  * the budget leaves the estimate from the shapes alone. Without a device
  * budget nothing is reserved (every weight is resident). */
+/* Runs the probe on `stream` (NULL: a probe stream of its own, destroyed
+ * after, so that its scratch goes too); *scratch = the growth measured. */
+static strata_status probe_on(st_backend *be, st_stream *stream, const st_config *c, const st_wgroups *g, int64_t T,
+                              int64_t max_ctx, size_t *scratch) {
+    probe_ctx p = {be, stream, {0}, 0, NULL};
+    *scratch = 0;
+    strata_status st = STRATA_OK;
+    if (!(p.zeros = calloc(1, ZERO_BYTES))) st = st_err(STRATA_ERR_NOMEM, "scratch probe: out of memory");
+    if (st == STRATA_OK && !stream) st = be->ops->stream_create(be, false, &p.s);
+    if (st == STRATA_OK) st = scratch_probe_run(&p, c, g, T, max_ctx, scratch);
+    if (p.s) {
+        (void)be->ops->stream_sync(be, p.s);
+        probe_free(&p); /* the buffers, then (a stream of its own) the stream and its scratch */
+        if (!stream) be->ops->stream_destroy(be, p.s);
+    } else {
+        probe_free(&p);
+    }
+    return st;
+}
+
+strata_status st_plan_presize(st_backend *be, st_stream *stream, const st_config *c, const st_wgroups *g,
+                              int64_t max_tokens, int64_t max_seq_len) {
+    size_t scratch = 0;
+    strata_status st = probe_on(be, stream, c, g, max_tokens, max_seq_len, &scratch);
+    if (st == STRATA_OK)
+        st_log(STRATA_LOG_DEBUG, "compute stream scratch pre-sized: %zu bytes (batch %lld, context %lld)", scratch,
+               (long long)max_tokens, (long long)max_seq_len);
+    return st;
+}
+
 size_t st_plan_scratch(st_backend *be, const st_config *c, const st_wgroups *g, int64_t T, int64_t max_ctx,
                        bool force) {
     const bool cpu = be->kind == ST_BACKEND_CPU;
     if (!force && cpu) return 0;
-    probe_ctx p = {be, NULL, {0}, 0, NULL};
     size_t scratch = 0;
-    strata_status st = STRATA_OK;
-    if (!(p.zeros = calloc(1, ZERO_BYTES))) st = st_err(STRATA_ERR_NOMEM, "scratch probe: out of memory");
-    if (st == STRATA_OK) st = be->ops->stream_create(be, false, &p.s);
-    if (st == STRATA_OK) st = scratch_probe_run(&p, c, g, T, max_ctx, &scratch);
-    if (p.s) {
-        (void)be->ops->stream_sync(be, p.s);
-        probe_free(&p); /* the buffers, then the stream and its scratch */
-        be->ops->stream_destroy(be, p.s);
-    } else {
-        probe_free(&p);
-    }
+    const strata_status st = probe_on(be, NULL, c, g, T, max_ctx, &scratch);
     if (st == STRATA_OK) {
         st_log(STRATA_LOG_DEBUG, "backend scratch measured: %zu bytes (batch %lld, context %lld)", scratch,
                (long long)T, (long long)max_ctx);

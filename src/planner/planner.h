@@ -62,6 +62,14 @@ size_t st_plan_act_bytes(const st_config *c, int64_t max_tokens);
 size_t st_plan_scratch(st_backend *be, const st_config *c, const st_wgroups *g, int64_t max_tokens,
                        int64_t max_seq_len, bool force);
 
+/* Runs the same probe on `stream` and keeps what it grew: the backend's
+ * scratch buffers of that stream are then as large as any pass of at most
+ * max_tokens tokens over max_seq_len keys needs, so passes recorded as
+ * graphs on it are not invalidated by a later, larger shape growing them.
+ * The probe's own buffers are freed. */
+strata_status st_plan_presize(st_backend *be, st_stream *stream, const st_config *c, const st_wgroups *g,
+                              int64_t max_tokens, int64_t max_seq_len);
+
 /* Places the weight groups g of `files` on `be` within p's budgets: *plan
  * (the caller owns it: st_wplan_free; empty on error). Bandwidths not given
  * are measured when p->device_mem > 0 or a placement is forced. NOMEM with

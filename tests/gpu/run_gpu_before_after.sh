@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Before/after decode and prefill figures of one change, in one GPU run.
+# On the GPU machine, from the repo root, with .deps carried (scripts/device-debs.sh)
+# and the earlier tree unpacked in $BEFORE (e.g. `git archive COMMIT | tar -x -C .before`
+# here, .before carried):
+#   1. builds `strata` in both trees (build-gpu, $BEFORE/build-gpu), in parallel;
+#   2. generates Llama-3-8B-shaped models (32 layers) with the new tree's
+#      `strata mkmodel` for each of $DTYPES (default "bf16 q4_0");
+#   3. runs, per dtype, the same `strata bench MODEL --prompt $PROMPT --gen $GEN
+#      --seqs $SEQS` with the before binary then the after one (each prints its
+#      rooflines measured in the same run), logs in $OUT/ba_<dtype>_{before,after}.log;
+#   4. prints the decode and prefill lines of both side by side.
+# BUILD_ONLY=1 stops after 1; SKIP_BUILD=1 starts at 2 (both trees built).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+source scripts/device-env.sh
+BEFORE=${BEFORE:-.before}
+OUTDIR=${OUT:-/tmp/out}
+WORK=${WORK:-/tmp/strata-gpu}
+DTYPES=${DTYPES:-bf16 q4_0}
+PROMPT=${PROMPT:-512}
+GEN=${GEN:-128}
+SEQS=${SEQS:-1,8,64}
+mkdir -p "$OUTDIR" "$WORK"
+t0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+build() { # tree
+  (cd "$1" && cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release > build-gpu.cfg.log 2>&1 &&
+     cmake --build build-gpu -j 8 --target strata > build-gpu.log 2>&1) || { tail -30 "$1/build-gpu.log"; return 1; }
+}
+if [ "${SKIP_BUILD:-0}" != 1 ]; then
+  stamp "build before ($BEFORE) and after"
+  build "$BEFORE" & pb=$!
+  build . & pa=$!
+  wait $pb || { echo "before: build failed"; exit 2; }
+  wait $pa || { echo "after: build failed"; exit 2; }
+  stamp "built"
+fi
+[ "${BUILD_ONLY:-0}" = 1 ] && exit 0
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+rc=0
+for dt in $DTYPES; do
+  if [ "$dt" = bf16 ]; then m=$WORK/llama3_8b_bf16; else m=$WORK/llama3_8b_$dt.gguf; fi
+  if [ ! -e "$m" ]; then
+    stamp "mkmodel llama3-8b ($dt)"
+    build-gpu/strata mkmodel --config llama3-8b --dtype "$dt" "$m" > "$OUTDIR/mkmodel_$dt.log" 2>&1 ||
+      { tail -5 "$OUTDIR/mkmodel_$dt.log"; rc=1; continue; }
+  fi
+  for side in before after; do
+    bin=build-gpu/strata
+    [ $side = before ] && bin=$BEFORE/build-gpu/strata
+    stamp "bench $dt ($side)"
+    timeout 400 "$bin" bench "$m" --device cuda --prompt "$PROMPT" --gen "$GEN" --seqs "$SEQS" \
+      > "$OUTDIR/ba_${dt}_$side.log" 2>&1 || { rc=1; tail -5 "$OUTDIR/ba_${dt}_$side.log"; }
+    grep -E "^(prefill|decode|roofline|HBM)" "$OUTDIR/ba_${dt}_$side.log" | sed "s/^/  $dt $side: /"
+  done
+done
+stamp "done"
+exit $rc
