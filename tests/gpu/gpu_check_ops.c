@@ -1,42 +1,69 @@
 /* gpu_check_ops: every op of the CUDA backend against the CPU backend, on
  * random inputs of awkward sizes, plus the backend's memory, copies, streams
  * and events. Needs a GPU, so it is built with the CUDA backend but not
- * registered with CTest; tests/gpu/run_gpu_checks.sh runs it.
+ * registered with CTest; tests/gpu/run_gpu_checks.sh runs it (and
+ * tests/gpu/run_gpu_attn_prefill.sh, which sums up its "-- prefill
+ * attention, fast mode: <configuration>" sections). Paths of the test
+ * models: $STRATA_SRC/tests/data/models (default: the current directory).
  *
  * Error measure: max|gpu - cpu| / max|cpu| over the output (a NaN anywhere
  * fails). CUDA outputs are poisoned with 0xFF bytes (NaN) before each op, so
  * an element the op forgot to write fails the check. Thresholds per path:
  *   exact ops (get_rows, add):                    1e-6 (get_rows), 0 (add)
  *   fp32 ops (rmsnorm, rope, swiglu):             1e-5
- *   fp32 accumulation (GEMV path of matmul, f32
- *   GEMM, decode and generic attention):          1e-5
- *   bf16 tensor-core paths (matmul GEMM on bf16
- *   x for f16/bf16/quantized weights, n > 8 or
- *   n > 32 quantized; attention prefill kernel):  1e-2
+ *   fp32 accumulation (GEMV path of matmul below
+ *   the switch points, f32 GEMM, decode and
+ *   generic attention):                           1e-5
+ *   precise tensor-core paths (hi + lo bf16:
+ *   matmul GEMM from gemm_min_n tokens, 4 by
+ *   default, gemm_min_n_quant, 12, for quantized
+ *   weights; prefill attention kernel):           1e-4
+ *   fast mode (bf16 operands rounded once):       1e-2
  * RoPE at positions near 2^24, 2^26 and 2^31 is checked against a
  * double-precision reference computed here. The decode-step ops (set_rows,
  * argmax, matmul_multi, matmul_swiglu) are checked against the CPU backend,
  * and a graph recorded once and replayed with new inputs against the same
- * ops run directly. The paged-KV ops, for each cache type (f32, bf16, fp8):
- * kv_store_paged stores the CPU's bytes and fp8 scales exactly (with -1 and
- * out-of-range slots, a zero row, a NaN), attention_paged within 1e-5 of the
- * CPU over shuffled blocks (decodes among prefill chunks, block sizes 1, 7,
- * 16, GQA 1 to 12, head dims 32/64/80/128, 40000 keys with sub-batched
- * partials), bf16 / fp8 bit-identical to the f32 path over the dequantized
- * pool, and bit-identical on the GPU for a token alone, in a reversed batch
- * and with a larger max_ctx; the attention kernels' checks (long decode,
- * paged tiles of 1/7/64/300 tokens with block sizes 16 and 32, GQA
- * 4/1/12/96, a 42-sequence batch); fast-mode prefill attention (bf16 operands, 1e-2) on the
- * FA2 kernel, in each of its configurations (STRATA_ATTN_FA2=<name>), and
- * again with STRATA_ATTN_PREFILL=old (check_attention_fast:
- * partial blocks, n_kv > n, GQA 1/3/4/8, hd 64/128, split and unsplit grids,
- * keys past the last position poisoned, descending positions);
- * st_llama_forward_batch on both backends within 1e-4, and a
- * decode alone vs in a batch on the GPU. Last, the Llama forward pass (src/model/llama.c) runs on
- * both backends over the models of tests/data/models: logits of token-by-
- * token decoding (st_llama_decode's recorded graph after the first step; fp32
- * paths) within 1e-4, of a 12-token prefill (tensor-core GEMM and attention)
- * within 1e-4 (5e-2 in fast mode).
+ * ops run directly. The sample op against the CPU's (same rows, same u: a
+ * token may differ only within 1e-5 of a decision boundary). The paged-KV
+ * ops, for each cache type (f32, bf16, fp8): kv_store_paged stores the CPU's
+ * bytes and fp8 scales exactly (with -1 and out-of-range slots, a zero row,
+ * a NaN), attention_paged within 1e-5 of the CPU over shuffled blocks
+ * (decodes among prefill chunks, block sizes 1, 7, 16, GQA 1 to 12, head
+ * dims 32/64/80/128, 40000 keys with sub-batched partials), bf16 / fp8
+ * bit-identical to the f32 path over the dequantized pool, and
+ * bit-identical on the GPU for a token alone, in a reversed batch and with a
+ * larger max_ctx.
+ * The CUDA backend's tuning comes through st_backend_params (read at init),
+ * so the checks that depend on it run again on extra backends made with
+ * other values: the decode GEMV kernels (every dtype, n = 1..8); the
+ * GEMV / GEMM switch points (gemm_min_n, gemm_min_n_quant: the defaults, GEMM
+ * from 2 tokens, GEMV up to 15 / 32 tokens; each matmul checked at the
+ * threshold of the path its n takes); the decode-path kernels with
+ * programmatic dependent launch off (pdl = -1); init refusing bad values.
+ * The attention kernels (long decode, paged tiles of 1/7/64/300 tokens with
+ * block sizes 16 and 32, GQA 4/1/12/96, a 42-sequence batch); fast-mode
+ * prefill attention (bf16 operands, 1e-2) on the FA2 kernel in its default
+ * configuration (auto) and in each of the others (st_backend_params.attn_fa2
+ * = b128w8, b128w8r, b128w4, b256w8; check_attention_fast: partial blocks,
+ * n_kv > n, GQA 1/3/4/8, hd 64/128, split and unsplit grids, keys past the
+ * last position poisoned, descending positions, sizes below the FA2
+ * threshold).
+ * The model (src/model), each backend with its own paged KV pool (f32 unless
+ * said otherwise): st_llama_forward on a batch of 3 sequences (two prefill
+ * chunks and a decode, then three decodes) within 1e-4 of the CPU, and on the
+ * GPU a decode alone vs in the batch within 1e-5. Last, the whole forward
+ * pass over the models of tests/data/models: decoding one token per pass
+ * from an empty pool (st_llama_forward_sample, greedy, with the logits:
+ * GEMV and fp32 attention) within 1e-4, the CUDA token the argmax of its own
+ * logits and the CPU's wherever the CPU's top-2 gap is clear; a 12-token
+ * prefill from position 0 over the same pool (st_llama_forward_seq,
+ * overwriting it; tensor-core GEMM and attention) within 1e-4 (5e-2 in fast
+ * mode); decoding on top of it (one-token st_llama_forward_seq calls) within
+ * the same. Graphs are on (the default), so on CUDA the one-token passes
+ * after the second of a shape replay a recorded graph: the check wants
+ * replays in both decode phases (st_llama_get_graph_stats). The same again
+ * with the KV pool in bf16: both backends store the same bf16 bytes, so the
+ * difference stays at the f32 level and the f32 bounds apply.
  * Prints one line per check, then "N passed, M failed"; exits 1 on any
  * failure, 2 when a backend cannot be created. */
 #include <math.h>
@@ -53,6 +80,9 @@
 
 static st_backend *g_cpu, *g_gpu;
 static bool g_fast; /* the GPU backend is in fast-prefill mode */
+/* the GPU backend's GEMV / GEMM switch points (st_backend_params.gemm_min_n,
+ * gemm_min_n_quant; 0 there: these defaults of cuda_matmul.cu) */
+static int g_min_n = 4, g_min_n_quant = 12;
 static st_stream *g_s; /* a created GPU stream; some checks use NULL (the default) */
 static int g_pass, g_fail;
 static double g_t0;
@@ -321,13 +351,21 @@ static void check_rmsnorm(st_dtype wt, int64_t n, int64_t d, bool residual) {
 
 /* ---- matmul ---- */
 
-/* The path the CUDA backend takes (see cuda_matmul.cu) decides the threshold. */
+/* The path the CUDA backend takes (see cuda_matmul.cu): the GEMV (fp32 math)
+ * below the backend's switch points (g_min_n, g_min_n_quant), the fp32
+ * cuBLASLt GEMM for f32 weights, a scalar GEMV for plain rows whose K is not
+ * a multiple of 8; else the tensor-core GEMM. */
+static bool matmul_gemv(st_dtype t, int64_t n, int64_t K) {
+    if (t != ST_DTYPE_F32 && K % 8) return true;
+    return n < (st_dtype_get(t)->quantized ? g_min_n_quant : g_min_n);
+}
+/* ... which decides the threshold. */
 static double matmul_thr(st_dtype t, int64_t n, int64_t K) {
-    const bool quant = st_dtype_get(t)->quantized;
-    /* the GEMV (fp32 math) below the switch points of cuda_matmul.cu
-     * (GEMM_MIN_N 4, GEMM_MIN_N_QUANT 12); the tensor-core GEMM above */
-    if (t == ST_DTYPE_F32 || K % 8 || (!quant && n < 4) || (quant && n < 12)) return 1e-5;
+    if (t == ST_DTYPE_F32 || matmul_gemv(t, n, K)) return 1e-5;
     return g_fast ? 1e-2 : 1e-4;
+}
+static const char *matmul_path(st_dtype t, int64_t n, int64_t K) {
+    return matmul_gemv(t, n, K) ? "gemv" : t == ST_DTYPE_F32 ? "gemm f32" : g_fast ? "gemm fast" : "gemm hi+lo";
 }
 
 static void check_matmul_ex(st_dtype t, int64_t N, int64_t K, int64_t n, int x_off, st_stream *s) {
@@ -347,8 +385,8 @@ static void check_matmul_ex(st_dtype t, int64_t N, int64_t K, int64_t n, int x_o
     g_down(got, dy, (size_t)(n * N) * 4);
     const double e = st == STRATA_OK ? nerr(got, ref, n * N) : INFINITY;
     const double thr = matmul_thr(t, n, K);
-    check(e <= thr, "matmul %-5s N=%lld K=%lld n=%lld%s%s  err=%.2e (thr %.0e)", st_dtype_name(t), (long long)N,
-          (long long)K, (long long)n, x_off ? " x unaligned" : "", g_fast ? " fast" : "", e, thr);
+    check(e <= thr, "matmul %-5s N=%lld K=%lld n=%lld%s (%s)  err=%.2e (thr %.0e)", st_dtype_name(t), (long long)N,
+          (long long)K, (long long)n, x_off ? " x unaligned" : "", matmul_path(t, n, K), e, thr);
     g_free(dw), g_free(dx), g_free(dy);
     free(w), free(x), free(ref), free(got);
 }
@@ -427,7 +465,6 @@ static void check_rope_far(bool inter) {
  * upper bound, as in a recorded decode step), or descending from n_kv - 1
  * (ATT_POS_REVERSED: positions need not grow with the row). */
 enum { ATT_POS_END, ATT_POS_SLACK, ATT_POS_REVERSED };
-static bool g_prefill_old; /* the GPU backend was made with STRATA_ATTN_PREFILL=old */
 
 static void check_attention_ex(int64_t n, int64_t n_kv, int64_t H, int64_t Hkv, int64_t hd, int mode, int64_t slack) {
     const int64_t qn = n * H * hd, kn = n_kv * Hkv * hd;
@@ -447,9 +484,10 @@ static void check_attention_ex(int64_t n, int64_t n_kv, int64_t H, int64_t Hkv, 
     if (st != STRATA_OK) fprintf(stderr, "  attention: %s\n", st_last_error());
     g_down(got, dout, (size_t)qn * 4);
     const double e = st == STRATA_OK ? nerr(got, ref, qn) : INFINITY;
-    /* the path cuda_attention.cu takes (the FA2 kernel: fast mode, >= 512 rows per kv head) */
+    /* the path cuda_attention.cu takes (the FA2 kernel: fast mode, >= ST_ATTN_FA2_MIN_ROWS = 512 rows per kv
+     * head) */
     const bool tc = (hd == 64 || hd == 128) && n * (H / Hkv) > 16;
-    const bool fa2 = tc && g_fast && !g_prefill_old && n * (H / Hkv) >= 512;
+    const bool fa2 = tc && g_fast && n * (H / Hkv) >= 512;
     /* fp32 sums over more than 64K keys: reordering noise grows with the length */
     const double thr = tc ? (g_fast ? 1e-2 : 1e-4) : n_kv > 65536 ? 2e-5 : 1e-5;
     check(e <= thr, "attention n=%lld n_kv=%lld heads=%lld/%lld hd=%lld%s (%s)  err=%.2e (thr %.0e)", (long long)n,
@@ -465,12 +503,12 @@ static void check_attention(int64_t n, int64_t n_kv, int64_t H, int64_t Hkv, int
     check_attention_ex(n, n_kv, H, Hkv, hd, ATT_POS_END, 0);
 }
 
-/* Fast-mode prefill attention (bf16 operands), on the FA2 kernel by default
- * or the previous one (STRATA_ATTN_PREFILL=old): rows per kv head not a
- * multiple of 128 (the last block partly or mostly padding), n_kv > n, GQA
- * 1, 3, 4, 8, hd 64 and 128, grids split over the KV length and not, n_kv
+/* Fast-mode prefill attention (bf16 operands) on the backend g_gpu (`ver`
+ * names its FA2 configuration, st_backend_params.attn_fa2): rows per kv head
+ * not a multiple of 128 (the last block partly or mostly padding), n_kv > n,
+ * GQA 1, 3, 4, 8, hd 64 and 128, grids split over the KV length and not, n_kv
  * past the largest position (poisoned keys), descending positions, and the
- * sizes just below the FA2 threshold (the previous kernel either way).
+ * sizes just below the FA2 threshold (the mma prefill kernel in fast mode).
  * Blocks of 256 rows (b256w8): the 130-token case's last block holds 8 rows,
  * the 513-token one's a single row. */
 static void check_attention_fast(const char *ver) {
@@ -480,7 +518,7 @@ static void check_attention_fast(const char *ver) {
     check_attention(300, 300, 32, 8, 128);  /* G 4, 1200 rows: 10 blocks, split */
     check_attention(130, 130, 16, 4, 128);  /* 520 rows: the 5th block has 8 */
     check_attention(128, 4096, 32, 8, 128); /* a chunk over a long cache: 4 blocks per kv head, many splits */
-    check_attention(127, 4096, 32, 8, 128); /* 508 rows: below the FA2 threshold */
+    check_attention(127, 4096, 32, 8, 128); /* 508 rows: below the FA2 threshold (mma kernel) */
     check_attention(2100, 2100, 32, 8, 128); /* 528 blocks: no split */
     check_attention(1100, 1300, 32, 32, 128); /* G 1, 288 blocks: no split */
     check_attention(300, 350, 6, 2, 128);   /* G 3: tokens straddle warps and blocks */
@@ -493,7 +531,7 @@ static void check_attention_fast(const char *ver) {
     check_attention_ex(700, 1500, 16, 4, 64, ATT_POS_SLACK, 333);
     check_attention_ex(600, 600, 8, 2, 128, ATT_POS_REVERSED, 0);
     check_attention_ex(1000, 1000, 32, 32, 64, ATT_POS_REVERSED, 0);
-    check_attention(64, 4096, 32, 8, 128);  /* 256 rows: the previous kernel */
+    check_attention(64, 4096, 32, 8, 128);  /* 256 rows: the mma kernel */
     check_attention(64, 100, 4, 4, 64);
     g_gpu->ops->set_fast_prefill(g_gpu, false);
     g_fast = false;
@@ -938,14 +976,14 @@ static void check_attention_paged(int64_t H, int64_t Hkv, int64_t hd, int64_t bs
         check_attention_paged_t((st_kv_dtype)kt, H, Hkv, hd, bs, n_seqs, ctx, nq, what);
 }
 
-/* The attention kernels of the backend (`ver` names it in the output): contiguous decode over long KV (split sizing and
+/* The attention kernels: contiguous decode over long KV (split sizing and
  * merge), and attention_paged over batches whose sequences give the tile
  * kernel full, partial and single-token tiles (1, 7, 64, 300 tokens mixed
  * with decodes), block sizes 16 and 32, GQA 4, 1, 12 and 96 (head chunks):
  * each within 1e-5 of the CPU and bit-identical for a token alone, in the
  * reversed batch and with a wider max_ctx (check_attention_paged). */
-static void check_attention_version(const char *ver) {
-    printf("-- attention kernels: %s\n", ver);
+static void check_attention_kernels(void) {
+    printf("-- attention kernels\n");
     check_attention(1, 32768, 32, 8, 128);
     check_attention(1, 131072, 32, 8, 128);
     check_attention(1, 4096, 32, 8, 128);
@@ -955,44 +993,65 @@ static void check_attention_version(const char *ver) {
     const int64_t cfg[][3] = {{32, 8, 128}, {8, 8, 64}, {24, 2, 128}, {96, 1, 64}};
     const int64_t bss[2] = {16, 32};
     for (int c = 0; c < 4; c++)
-        for (int b = 0; b < 2; b++) {
-            char what[96];
-            snprintf(what, sizeof what, "%s, tiles 1/7/64/300 + decodes", ver);
-            check_attention_paged(cfg[c][0], cfg[c][1], cfg[c][2], bss[b], 6, ct, qt, what);
-        }
+        for (int b = 0; b < 2; b++)
+            check_attention_paged(cfg[c][0], cfg[c][1], cfg[c][2], bss[b], 6, ct, qt, "tiles 1/7/64/300 + decodes");
     /* a big batch: 40 decodes around two prefill chunks */
     int32_t cb[42], qb[42];
     for (int i = 0; i < 42; i++) cb[i] = (int32_t)(1 + rnd_u32() % 1500), qb[i] = 1;
     cb[7] = 513, qb[7] = 200;
     cb[30] = 300, qb[30] = 300;
-    char what[96];
-    snprintf(what, sizeof what, "%s, big batch (40 decodes, 2 chunks)", ver);
-    check_attention_paged(32, 8, 128, 16, 42, cb, qb, what);
+    check_attention_paged(32, 8, 128, 16, 42, cb, qb, "big batch (40 decodes, 2 chunks)");
 }
 
-/* st_llama_forward_batch on both backends: 3 sequences (two prefill chunks
- * and a decode, then three decodes), logits within 1e-4 of the CPU's; and on
- * the GPU, each sequence's decode logits alone vs in the batch (reported:
- * bitwise or the difference). */
+/* ---- the model: st_llama_forward, st_llama_forward_sample, st_llama_forward_seq ---- */
+
+/* The model over mf on `be` with params lp (its kv_bytes set here) and a KV
+ * pool of nb blocks of bs slots in type kt, sized for lp's max_tokens and
+ * max_seq_len. Both or neither: on failure *m and *kv stay NULL (the message
+ * in st_last_error). */
+static strata_status model_open(const st_model_files *mf, st_backend *be, st_llama_params lp, int64_t nb, int64_t bs,
+                                st_kv_dtype kt, st_llama **m, st_kv_pool **kv) {
+    *m = NULL;
+    *kv = NULL;
+    const st_kv_pool_params kp = st_llama_kv_params_for(&mf->config, lp.max_tokens, lp.max_seq_len, nb, bs, kt);
+    lp.kv_bytes = st_kv_pool_device_bytes(&kp);
+    strata_status st = st_llama_init(mf, be, &lp, m);
+    if (st == STRATA_OK && (st = st_kv_pool_init(be, &kp, kv)) != STRATA_OK) {
+        st_llama_free(*m);
+        *m = NULL;
+    }
+    return st;
+}
+
+/* Frees what model_open made (NULLs are no-ops): recordings over the pool first. */
+static void model_close(st_llama *m, st_kv_pool *kv) {
+    if (m && kv) st_llama_forget_pool(m, kv);
+    st_kv_pool_free(kv);
+    st_llama_free(m);
+}
+
+/* st_llama_forward on both backends (f32 KV pools of 16 blocks of 16 slots,
+ * shuffled block tables): 3 sequences (two prefill chunks and a decode, then
+ * three decodes), logits within 1e-4 of the CPU's; and on the GPU, each
+ * sequence's decode logits alone vs in the batch (reported: bitwise or the
+ * difference, within 1e-5). */
 static void check_forward_batch(const char *name) {
     const char *src = getenv("STRATA_SRC") ? getenv("STRATA_SRC") : ".";
     char path[1024];
     snprintf(path, sizeof path, "%s/tests/data/models/%s", src, name);
     st_model_files *mf = NULL;
     st_llama *mc = NULL, *mg = NULL;
-    st_kv_cache *kc = NULL, *kg = NULL;
+    st_kv_pool *kc = NULL, *kg = NULL;
     const int64_t bs = 16, nb = 16;
-    st_llama_params lp = {.max_ctx = 64, .max_batch = 64, .kv_pool_tokens = nb * bs, .no_seq_kv = true};
-    const st_kv_cache_params kp = {.num_blocks = nb, .block_size = bs};
-    if (st_model_open(path, &mf) != STRATA_OK || st_llama_init(mf, g_cpu, &lp, &mc) != STRATA_OK ||
-        st_llama_init(mf, g_gpu, &lp, &mg) != STRATA_OK || st_kv_cache_init(mc, &kp, &kc) != STRATA_OK ||
-        st_kv_cache_init(mg, &kp, &kg) != STRATA_OK) {
+    const st_llama_params lp = {.max_seq_len = 64, .max_tokens = 64};
+    if (st_model_open(path, &mf) != STRATA_OK || model_open(mf, g_cpu, lp, nb, bs, ST_KV_F32, &mc, &kc) != STRATA_OK ||
+        model_open(mf, g_gpu, lp, nb, bs, ST_KV_F32, &mg, &kg) != STRATA_OK) {
         check(false, "forward_batch %s: cannot load: %s", name, st_last_error());
         goto out;
     }
     {
         const int64_t V = mf->config.vocab_size;
-        /* sequence s uses blocks 4s .. 4s+3 (64 positions) */
+        /* sequence s uses 4 blocks (64 positions: the pools' max_blocks) */
         int32_t tables[3 * 4];
         for (int i = 0; i < 12; i++) tables[i] = (int32_t)((i * 5) % 16);
         int32_t tok[3][40];
@@ -1020,7 +1079,7 @@ static void check_forward_batch(const char *name) {
                                 .block_tables = tables, .max_blocks = 4, .ctx_lens = ctx, .logit_rows = lr,
                                 .n_logits = n_lr};
             float *lc = xmalloc((size_t)(n_lr * V) * 4), *lg = xmalloc((size_t)(n_lr * V) * 4);
-            if (st_llama_forward_batch(mc, kc, &b, lc) != STRATA_OK || st_llama_forward_batch(mg, kg, &b, lg) != STRATA_OK) {
+            if (st_llama_forward(mc, kc, &b, lc) != STRATA_OK || st_llama_forward(mg, kg, &b, lg) != STRATA_OK) {
                 fprintf(stderr, "  forward_batch: %s\n", st_last_error());
                 *(step ? &e2 : &e1) = INFINITY;
             } else {
@@ -1034,11 +1093,12 @@ static void check_forward_batch(const char *name) {
                                          .slots = &slots[s], .n_seqs = 1, .block_tables = tables + s * 4,
                                          .max_blocks = 4, .ctx_lens = &ctx1, .logit_rows = &lr0, .n_logits = 1};
                     float *one = xmalloc((size_t)V * 4);
-                    if (st_llama_forward_batch(mg, kg, &b1, one) == STRATA_OK) {
+                    if (st_llama_forward(mg, kg, &b1, one) == STRATA_OK) {
                         bitwise += memcmp(one, lg + s * V, (size_t)V * 4) == 0;
                         const double e = nerr(one, lg + s * V, V);
                         inv = e > inv || isnan(e) ? e : inv;
                     } else {
+                        fprintf(stderr, "  forward_batch (alone): %s\n", st_last_error());
                         inv = INFINITY;
                     }
                     free(one);
@@ -1052,74 +1112,162 @@ static void check_forward_batch(const char *name) {
               name, e1, e2, bitwise, inv);
     }
 out:
-    st_kv_cache_free(kc), st_kv_cache_free(kg);
-    st_llama_free(mc), st_llama_free(mg);
+    model_close(mc, kc);
+    model_close(mg, kg);
     st_model_close(mf);
 }
 
 /* ---- the whole forward pass ---- */
 
-static double logits_err(st_llama *mc, st_llama *mg, const int32_t *tok, int64_t n, int64_t past, bool all,
-                         int64_t V) {
+static double max_err(double acc, double e) { return e > acc || isnan(e) ? e : acc; }
+
+/* st_llama_forward_seq of tok[0..n) at n_past .. on both backends (each over
+ * its own pool): the logits' error (all n rows or the last one). */
+static double logits_err(st_llama *mc, st_kv_pool *kc, st_llama *mg, st_kv_pool *kg, const int32_t *tok, int64_t n,
+                         int64_t past, bool all, int64_t V) {
     const int64_t cnt = all ? n * V : V;
     float *lc = xmalloc((size_t)cnt * 4), *lg = xmalloc((size_t)cnt * 4);
     memset(lg, 0xff, (size_t)cnt * 4);
     double e = INFINITY;
-    if (st_llama_forward(mc, tok, n, past, all, lc) != STRATA_OK) fprintf(stderr, "  cpu: %s\n", st_last_error());
-    else if (st_llama_forward(mg, tok, n, past, all, lg) != STRATA_OK) fprintf(stderr, "  cuda: %s\n", st_last_error());
-    else e = nerr(lg, lc, cnt);
+    if (st_llama_forward_seq(mc, kc, tok, n, past, all, lc) != STRATA_OK)
+        fprintf(stderr, "  cpu: %s\n", st_last_error());
+    else if (st_llama_forward_seq(mg, kg, tok, n, past, all, lg) != STRATA_OK)
+        fprintf(stderr, "  cuda: %s\n", st_last_error());
+    else
+        e = nerr(lg, lc, cnt);
     free(lc), free(lg);
     return e;
 }
 
-static void check_model(const char *name) {
+/* One decode step: token tok at position pos of the one sequence that owns
+ * the pool, blocks 0, 1, ... in order (st_llama_forward_seq's layout, so the
+ * two mix), through st_llama_forward_sample with greedy args: *id and the
+ * logits [V]. */
+static strata_status decode_sample(st_llama *m, st_kv_pool *kv, int32_t tok, int64_t pos, int32_t *id,
+                                   float *logits) {
+    const int64_t mb = st_kv_pool_max_blocks(kv);
+    int32_t *table = xmalloc((size_t)mb * 4);
+    for (int64_t b = 0; b < mb; b++) table[b] = (int32_t)b;
+    const int32_t p = (int32_t)pos, sq = 0, ctx = (int32_t)(pos + 1), row = 0;
+    const int64_t slot = pos; /* table[b] = b: position pos is slot pos */
+    const st_batch b = {.n_tokens = 1, .tokens = &tok, .pos = &p, .seq = &sq, .slots = &slot, .n_seqs = 1,
+                        .block_tables = table, .max_blocks = mb, .ctx_lens = &ctx, .logit_rows = &row,
+                        .n_logits = 1};
+    const st_sample_args greedy = {.u = 0.0, .temperature = 0.0f, .top_k = 0, .top_p = 1.0f, .min_p = 0.0f};
+    *id = -2;
+    const strata_status st = st_llama_forward_sample(m, kv, &b, &greedy, id, logits);
+    free(table);
+    return st;
+}
+
+/* The first index of the largest of x[0..n) (the greedy token), and the gap
+ * to the second largest. */
+static int32_t top1(const float *x, int64_t n, double *gap) {
+    int64_t a = 0;
+    for (int64_t i = 1; i < n; i++)
+        if (x[i] > x[a]) a = i;
+    double second = -INFINITY;
+    for (int64_t i = 0; i < n; i++)
+        if (i != a && x[i] > second) second = x[i];
+    *gap = (double)x[a] - second;
+    return (int32_t)a;
+}
+
+/* The forward pass on both backends over model `name`, with pools of 4
+ * blocks of 16 slots in type kt (64 positions): decoding from an empty pool
+ * (10 steps of st_llama_forward_sample, greedy), a 12-token prefill from
+ * position 0 (st_llama_forward_seq, all logits; it overwrites the pool's
+ * first positions), then 8 one-token st_llama_forward_seq steps on top.
+ * Graphs on (the default): on CUDA the one-token passes replay a recorded
+ * graph from the second of their shape on. */
+static void check_model(const char *name, st_kv_dtype kt) {
     const char *src = getenv("STRATA_SRC") ? getenv("STRATA_SRC") : ".";
     char path[1024];
     snprintf(path, sizeof path, "%s/tests/data/models/%s", src, name);
     st_model_files *mf = NULL;
     st_llama *mc = NULL, *mg = NULL;
-    st_llama_params lp = {.max_ctx = 64, .max_batch = 32};
-    if (st_model_open(path, &mf) != STRATA_OK || st_llama_init(mf, g_cpu, &lp, &mc) != STRATA_OK ||
-        st_llama_init(mf, g_gpu, &lp, &mg) != STRATA_OK) {
-        check(false, "model %s: cannot load: %s", name, st_last_error());
-        st_llama_free(mc), st_llama_free(mg), st_model_close(mf);
-        return;
+    st_kv_pool *kc = NULL, *kg = NULL;
+    const st_llama_params lp = {.max_seq_len = 64, .max_tokens = 32};
+    if (st_model_open(path, &mf) != STRATA_OK || model_open(mf, g_cpu, lp, 4, 16, kt, &mc, &kc) != STRATA_OK ||
+        model_open(mf, g_gpu, lp, 4, 16, kt, &mg, &kg) != STRATA_OK) {
+        check(false, "model %s (kv %s): cannot load: %s", name, st_kv_dtype_name(kt), st_last_error());
+        goto out;
     }
-    const int64_t V = mf->config.vocab_size;
-    int32_t tok[16];
-    for (int i = 0; i < 16; i++) tok[i] = (int32_t)(rnd_u32() % (uint32_t)V);
-    double ed = 0, ep = 0, ep2 = 0;
-    for (int i = 0; i < 10; i++) { /* token by token from an empty cache: GEMV + fp32 attention */
-        const double e = logits_err(mc, mg, tok + i, 1, i, false, V);
-        ed = e > ed || isnan(e) ? e : ed;
+    {
+        const int64_t V = mf->config.vocab_size;
+        enum { N_DEC = 10, N_PRE = 12, N_ALL = 20 };
+        int32_t tok[N_ALL];
+        for (int i = 0; i < N_ALL; i++) tok[i] = (int32_t)(rnd_u32() % (uint32_t)V);
+        /* 1. one token per pass from an empty pool, sampled on the device (greedy): GEMV + fp32 attention */
+        float *lc = xmalloc((size_t)V * 4), *lg = xmalloc((size_t)V * 4);
+        double ed = 0;
+        int own = 0, same = 0, clear = 0, clear_same = 0;
+        for (int i = 0; i < N_DEC; i++) {
+            int32_t ic = -2, ig = -2;
+            memset(lg, 0xff, (size_t)V * 4);
+            if (decode_sample(mc, kc, tok[i], i, &ic, lc) != STRATA_OK) {
+                fprintf(stderr, "  cpu: %s\n", st_last_error());
+                ed = INFINITY;
+                continue;
+            }
+            if (decode_sample(mg, kg, tok[i], i, &ig, lg) != STRATA_OK) {
+                fprintf(stderr, "  cuda: %s\n", st_last_error());
+                ed = INFINITY;
+                continue;
+            }
+            ed = max_err(ed, nerr(lg, lc, V));
+            double gap_c, gap_g, amax = 0;
+            const int32_t want_c = top1(lc, V, &gap_c), want_g = top1(lg, V, &gap_g);
+            (void)gap_g;
+            for (int64_t j = 0; j < V; j++) amax = fmax(amax, fabs((double)lc[j]));
+            own += ig == want_g && ic == want_c; /* each backend's token: the argmax of its own logits */
+            same += ig == ic;
+            if (gap_c > 1e-3 * amax) { /* a clear top-2 gap: a 1e-4 error cannot flip it */
+                clear++;
+                clear_same += ig == ic;
+            }
+        }
+        free(lc), free(lg);
+        st_llama_graph_stats g1 = {0}, g2 = {0};
+        st_llama_get_graph_stats(mg, &g1);
+        /* 2. prefill from position 0 over the same pool: bf16 GEMM, tensor-core attention */
+        const double ep = logits_err(mc, kc, mg, kg, tok, N_PRE, 0, true, V);
+        /* 3. one token per st_llama_forward_seq call on top of that */
+        double ep2 = 0;
+        for (int i = N_PRE; i < N_ALL; i++) ep2 = max_err(ep2, logits_err(mc, kc, mg, kg, tok + i, 1, i, false, V));
+        st_llama_get_graph_stats(mg, &g2);
+        const bool f32 = mf->tensors[0].dtype == ST_DTYPE_F32;
+        const double thr = g_fast ? 5e-2 : 1e-4;
+        const bool ids_ok = own == N_DEC && clear_same == clear;
+        const bool graphs_ok = g1.replays > 0 && g2.replays > g1.replays;
+        check(ed <= 1e-4 && ep <= thr && ep2 <= thr && ids_ok && graphs_ok,
+              "model %s (%s, %lld layers, heads %lld/%lld, hd %lld, kv %s%s): decode err=%.2e (thr 1e-4), greedy "
+              "tokens: %d/%d the argmax of their logits, %d/%d equal to the CPU's (%d/%d where its top-2 gap is "
+              "clear); prefill err=%.2e, decode after prefill err=%.2e (thr %.0e); graphs: %lld replays in the "
+              "first decode, %lld after the prefill (%lld recorded, %lld direct, %lld failed)",
+              name, f32 ? "f32" : "bf16", (long long)mf->config.n_layers, (long long)mf->config.n_heads,
+              (long long)mf->config.n_kv_heads, (long long)mf->config.head_dim, st_kv_dtype_name(kt),
+              g_fast ? ", fast prefill" : "", ed, own, N_DEC, same, N_DEC, clear_same, clear, ep, ep2, thr,
+              (long long)g1.replays, (long long)(g2.replays - g1.replays), (long long)g2.recorded,
+              (long long)g2.direct, (long long)g2.failed);
     }
-    st_llama_reset(mc), st_llama_reset(mg);
-    ep = logits_err(mc, mg, tok, 12, 0, true, V); /* prefill: bf16 GEMM, tensor-core attention */
-    for (int i = 12; i < 16; i++) { /* decode on top of that cache */
-        const double e = logits_err(mc, mg, tok + i, 1, i, false, V);
-        ep2 = e > ep2 || isnan(e) ? e : ep2;
-    }
-    const bool f32 = mf->tensors[0].dtype == ST_DTYPE_F32;
-    const double thr = g_fast ? 5e-2 : 1e-4;
-    check(ed <= 1e-4 && ep <= thr && ep2 <= thr,
-          "model %s (%s, %lld layers, heads %lld/%lld, hd %lld%s): decode err=%.2e (thr 1e-4), prefill err=%.2e,"
-          " decode after prefill err=%.2e (thr %.0e)",
-          name, f32 ? "f32" : "bf16", (long long)mf->config.n_layers, (long long)mf->config.n_heads,
-          (long long)mf->config.n_kv_heads, (long long)mf->config.head_dim, g_fast ? ", fast prefill" : "", ed, ep,
-          ep2, thr);
-    st_llama_free(mc);
-    st_llama_free(mg);
+out:
+    model_close(mc, kc);
+    model_close(mg, kg);
     st_model_close(mf);
 }
 
-/* ---- decode GEMV kernels, one backend version ----
- * The default backend uses the staged GEMV (src/backend/cuda/cuda_gemv.cu) for
- * bf16, f16, q8_0, q4_0, q4_1, q4_k rows of a multiple of 16 bytes and the
- * older kernel for the rest; a second backend made with STRATA_GEMV=old uses
- * the older kernel everywhere. Every dtype, n = 1..8 tokens, row counts that
- * are not a multiple of the rows per block (13, 333), K from one block to
- * 4096 + a block (rows of 16-byte multiples or not, partial last stages),
- * matmul_multi and matmul_swiglu, against the CPU within 1e-5. */
+/* ---- decode GEMV kernels, switch points, decode path without PDL ----
+ * The decode GEMV kernels: the staged GEMV (src/backend/cuda/cuda_gemv.cu)
+ * for bf16, f16, q8_0, q4_0, q4_1, q4_k rows of a multiple of 16 bytes, the
+ * mmv kernel of cuda_matmul.cu for the rest: every dtype, n = 1..8 tokens,
+ * row counts that are not a multiple of the rows per block (13, 333), K from
+ * one block to 4096 + a block (rows of 16-byte multiples or not, partial last
+ * stages), more row groups than a wave of blocks, matmul_multi and
+ * matmul_swiglu, against the CPU within 1e-5 where n is below the backend's
+ * switch points (the rest at the GEMM's threshold: matmul_thr). `ver` names
+ * the backend (main runs it on the default one and on one with
+ * gemm_min_n = 9, where every n up to 8 takes the GEMV). */
 static void check_gemv_version(const char *ver) {
     printf("-- decode GEMV kernels: %s\n", ver);
     for (size_t ti = 0; ti < sizeof k_all / sizeof k_all[0]; ti++) {
@@ -1163,7 +1311,73 @@ static void check_gemv_version(const char *ver) {
         for (int i = 0; i < 4; i++) check_fused(ft[ti], ft[ti] == ST_DTYPE_Q4_K ? 1280 : 1024, fn[i]);
 }
 
-/* ---- main ---- */
+/* The GEMV / GEMM switch points of the backend g_gpu (g_min_n,
+ * g_min_n_quant: st_backend_params.gemm_min_n, gemm_min_n_quant): matmul,
+ * matmul_multi and matmul_swiglu on both sides of them and of the defaults
+ * (4, 12), each at the threshold of the path its n takes. */
+static void check_switch_points(const char *what) {
+    printf("-- matmul switch points: %s (GEMM from %d tokens, %d for quantized weights)\n", what, g_min_n,
+           g_min_n_quant);
+    const st_dtype ts[] = {ST_DTYPE_F32, ST_DTYPE_BF16, ST_DTYPE_F16, ST_DTYPE_Q8_0, ST_DTYPE_Q4_0, ST_DTYPE_Q4_K};
+    const int64_t ns[] = {1, 2, 3, 4, 5, 8, 9, 11, 12, 13, 15, 16, 17, 31, 32, 33};
+    for (size_t ti = 0; ti < sizeof ts / sizeof ts[0]; ti++) {
+        for (size_t i = 0; i < sizeof ns / sizeof ns[0]; i++) check_matmul(ts[ti], 333, 512, ns[i]);
+        const int64_t fn[] = {2, g_min_n - 1, g_min_n, g_min_n_quant - 1, g_min_n_quant};
+        for (int i = 0; i < 5; i++)
+            if (fn[i] >= 1) check_fused(ts[ti], 512, fn[i]);
+    }
+}
+
+/* The decode-path kernels (GEMV, fused GEMV, decode attention, paged decode
+ * attention, a recorded graph) on the backend g_gpu (`what` names it: main
+ * runs this on one made with pdl = -1, programmatic dependent launch off). */
+static void check_decode_path(const char *what) {
+    printf("-- decode-path kernels: %s\n", what);
+    for (size_t ti = 0; ti < sizeof k_all / sizeof k_all[0]; ti++) {
+        const st_dtype t = k_all[ti];
+        const int64_t K = st_dtype_get(t)->block_elems == 256 ? 1280 : 1024;
+        check_matmul(t, 333, K, 1);
+        check_matmul(t, 4096, K, 2);
+    }
+    check_fused(ST_DTYPE_BF16, 1024, 1);
+    check_fused(ST_DTYPE_Q4_0, 1024, 2);
+    check_fused(ST_DTYPE_Q8_0, 1024, 1);
+    check_attention(1, 4096, 32, 8, 128);
+    check_attention(1, 32768, 32, 8, 128);
+    check_attention(4, 1000, 16, 8, 64);
+    int32_t cd[32], qd[32];
+    for (int i = 0; i < 32; i++) cd[i] = (int32_t)(1 + rnd_u32() % 3000), qd[i] = 1;
+    check_attention_paged(32, 8, 128, 16, 32, cd, qd, "32 decodes");
+    check_graph();
+}
+
+/* st_backend_init refuses bad tuning values (INVALID_ARG, the message naming them, nothing made) and takes
+ * good ones. */
+static void check_backend_params(void) {
+    const struct {
+        st_backend_params p;
+        const char *what;
+    } bad[] = {
+        {{.kind = ST_BACKEND_CUDA, .attn_fa2 = "b64w2"}, "attn_fa2 \"b64w2\""},
+        {{.kind = ST_BACKEND_CUDA, .gemm_min_n = 1}, "gemm_min_n 1"},
+        {{.kind = ST_BACKEND_CUDA, .gemm_min_n_quant = -3}, "gemm_min_n_quant -3"},
+        {{.kind = ST_BACKEND_CUDA, .pdl = 2}, "pdl 2"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        st_backend *b = NULL;
+        const strata_status st = st_backend_init(&bad[i].p, &b);
+        const bool ok = st == STRATA_ERR_INVALID_ARG && b == NULL;
+        check(ok, "backend params: %s refused (%s)", bad[i].what, st_last_error());
+        if (st == STRATA_OK) st_backend_free(b);
+    }
+    st_backend_params good = {.kind = ST_BACKEND_CUDA, .attn_fa2 = "auto", .pdl = 1, .gemm_min_n = 2,
+                              .gemm_min_n_quant = 64};
+    st_backend *b = NULL;
+    const strata_status st = st_backend_init(&good, &b);
+    check(st == STRATA_OK && b, "backend params: attn_fa2 \"auto\", pdl 1, gemm_min_n 2, gemm_min_n_quant 64 "
+                                "accepted%s%s", st == STRATA_OK ? "" : ": ", st == STRATA_OK ? "" : st_last_error());
+    st_backend_free(b);
+}
 
 /* ---- sample: the CUDA op against the CPU op (same rows, same u) ----------------------
  * The CPU op computes in double (the host sampler's arithmetic); the CUDA op
@@ -1278,13 +1492,6 @@ static double smp_margin(const float *x, int64_t V, const st_sample_args *a) {
     return margin;
 }
 
-/* The sample kernel version under check ("new" or "old"), and, while the new
- * one is checked, a second backend made with STRATA_SAMPLE=old: its tokens
- * must equal the new kernel's exactly (same u, same fixed-point sums). */
-static const char *g_smp_ver = "new";
-static st_backend *g_smp_old;
-static st_stream *g_smp_old_s;
-
 static void check_sample(int64_t V, int64_t n, int off, const smp_mix *mixes, int n_mixes) {
     float *x = xmalloc((size_t)(n * V + off) * sizeof *x);
     st_sample_args *args = xmalloc((size_t)n * sizeof *args);
@@ -1307,23 +1514,6 @@ static void check_sample(int64_t V, int64_t n, int off, const smp_mix *mixes, in
     g_sync();
     const double dt = st_time_now() - t0;
     g_down(got, dout, (size_t)n * 4);
-    int64_t n_old_diff = -1; /* -1: not compared */
-    if (g_smp_old) {
-        int32_t *old = xmalloc((size_t)n * 4);
-        int32_t *dold = g_alloc((size_t)n * 4);
-        TRY(g_smp_old->ops->sample(g_smp_old, g_smp_old_s, dx + off, n, V, dargs, dold));
-        TRY(g_smp_old->ops->stream_sync(g_smp_old, g_smp_old_s));
-        g_down(old, dold, (size_t)n * 4);
-        n_old_diff = 0;
-        for (int64_t r = 0; r < n; r++) {
-            if (got[r] != old[r] && ++n_old_diff <= 3)
-                printf("      row %lld (T %g k %d p %g minp %g u %.9f): new kernel %d, old kernel %d\n", (long long)r,
-                       (double)args[r].temperature, args[r].top_k, (double)args[r].top_p, (double)args[r].min_p,
-                       args[r].u, got[r], old[r]);
-        }
-        g_free(dold);
-        free(old);
-    }
     int64_t same = 0, near = 0, bad = 0, greedy = 0, invalid = 0;
     double worst = INFINITY;
     for (int64_t r = 0; r < n; r++) {
@@ -1347,13 +1537,11 @@ static void check_sample(int64_t V, int64_t n, int off, const smp_mix *mixes, in
         }
         worst = fmin(worst, mg);
     }
-    char vs_old[64] = "";
-    if (n_old_diff >= 0) snprintf(vs_old, sizeof vs_old, "; vs old kernel: %lld differ", (long long)n_old_diff);
-    check(st == STRATA_OK && bad == 0 && n_old_diff <= 0,
-          "sample (%s) V=%lld n=%lld%s  %lld same (%lld greedy, %lld invalid rows), %lld differ within 1e-5 of a "
-          "boundary, %lld differ%s  (%.0f us incl. sync)",
-          g_smp_ver, (long long)V, (long long)n, off ? " unaligned" : "", (long long)same, (long long)greedy,
-          (long long)invalid, (long long)near, (long long)bad, vs_old, dt * 1e6);
+    check(st == STRATA_OK && bad == 0,
+          "sample V=%lld n=%lld%s  %lld same (%lld greedy, %lld invalid rows), %lld differ within 1e-5 of a "
+          "boundary, %lld differ  (%.0f us incl. sync)",
+          (long long)V, (long long)n, off ? " unaligned" : "", (long long)same, (long long)greedy, (long long)invalid,
+          (long long)near, (long long)bad, dt * 1e6);
     g_free(dx), g_free(dargs), g_free(dout);
     free(x), free(args), free(ref), free(got);
 }
@@ -1387,34 +1575,27 @@ static void check_sample_all(void) {
     g_free(dout), g_free(dx), g_free(da);
 }
 
-/* A second CUDA backend (and stream) made with the environment variable
- * `var` set to `val` for its init only (the kernels' version switches are
- * read at backend init): *be, *st. The caller frees them (backend_with_env_free). */
-static void backend_with_env(const char *var, const char *val, st_backend **be, st_stream **st) {
-    const char *prev = getenv(var);
-    char *saved = prev ? strdup(prev) : NULL;
-    setenv(var, val, 1);
-    st_backend_params p = {.kind = ST_BACKEND_CUDA, .device_mem = 0, .device_index = 0};
-    TRY(st_backend_init(&p, be));
-    TRY((*be)->ops->stream_create(*be, false, st));
-    if (saved) setenv(var, saved, 1);
-    else unsetenv(var);
-    free(saved);
-}
-static void backend_with_env_free(st_backend *be, st_stream *st) {
-    be->ops->stream_destroy(be, st);
-    st_backend_free(be);
+/* Runs fn(what) with g_gpu / g_s swapped for a second CUDA backend made with
+ * the tuning fields of p (st_backend_params: read at init) and a stream on
+ * it, g_min_n / g_min_n_quant set to its switch points; frees them after. */
+static void on_backend(const st_backend_params *p, void (*fn)(const char *), const char *what) {
+    st_backend *gpu0 = g_gpu;
+    st_stream *s0 = g_s;
+    const int mn0 = g_min_n, mq0 = g_min_n_quant;
+    st_backend_params bp = *p;
+    bp.kind = ST_BACKEND_CUDA;
+    TRY(st_backend_init(&bp, &g_gpu));
+    TRY(g_gpu->ops->stream_create(g_gpu, false, &g_s));
+    g_min_n = bp.gemm_min_n ? bp.gemm_min_n : 4;
+    g_min_n_quant = bp.gemm_min_n_quant ? bp.gemm_min_n_quant : 12;
+    fn(what);
+    g_gpu->ops->stream_destroy(g_gpu, g_s);
+    st_backend_free(g_gpu);
+    g_gpu = gpu0, g_s = s0;
+    g_min_n = mn0, g_min_n_quant = mq0;
 }
 
-/* Runs fn with g_gpu / g_s swapped for a backend made with var=val. */
-static void on_backend_with_env(const char *var, const char *val, void (*fn)(const char *), const char *what) {
-    st_backend *gpu_new = g_gpu;
-    st_stream *s_new = g_s;
-    backend_with_env(var, val, &g_gpu, &g_s);
-    fn(what);
-    backend_with_env_free(g_gpu, g_s);
-    g_gpu = gpu_new, g_s = s_new;
-}
+/* ---- main ---- */
 
 int main(void) {
     g_t0 = st_time_now();
@@ -1520,22 +1701,7 @@ int main(void) {
     check_argmax(1, 128256, 0);
     check_argmax(5, 1000, 1);
     check_argmax(3, 3, 0);
-    {
-        /* the sample op: the new kernel (checked against the CPU and, token for
-         * token, against the old one), then the old kernel alone
-         * (STRATA_SAMPLE=old, read at backend init) */
-        backend_with_env("STRATA_SAMPLE", "old", &g_smp_old, &g_smp_old_s);
-        g_smp_ver = "new";
-        check_sample_all();
-        st_backend *gpu_new = g_gpu, *gpu_old = g_smp_old;
-        st_stream *s_new = g_s;
-        g_gpu = gpu_old, g_s = g_smp_old_s, g_smp_old = NULL;
-        g_smp_ver = "old (STRATA_SAMPLE=old)";
-        check_sample_all();
-        backend_with_env_free(g_gpu, g_s);
-        g_gpu = gpu_new, g_s = s_new;
-        g_smp_ver = "new";
-    }
+    check_sample_all();
     const st_dtype fused_t[] = {ST_DTYPE_F32, ST_DTYPE_BF16, ST_DTYPE_F16, ST_DTYPE_Q8_0, ST_DTYPE_Q4_0, ST_DTYPE_Q4_K};
     const int64_t fused_n[] = {1, 3, 8, 40};
     for (size_t ti = 0; ti < sizeof fused_t / sizeof fused_t[0]; ti++)
@@ -1562,32 +1728,37 @@ int main(void) {
         const int32_t cl[2] = {5000, 40000}, ql[2] = {300, 1};
         check_attention_paged(32, 8, 128, 16, 2, cl, ql, "long (sub-batched partials)");
     }
-    check_gemv_version("new (default)");
-    /* the older GEMV kernel everywhere: STRATA_GEMV=old (read at backend init) */
-    on_backend_with_env("STRATA_GEMV", "old", check_gemv_version, "old (STRATA_GEMV=old)");
-    /* the staged kernel with one block per row group (the previous grid) */
-    on_backend_with_env("STRATA_GEMV", "grid", check_gemv_version, "grid (STRATA_GEMV=grid)");
-    check_attention_version("default");
-    /* fast-mode prefill attention: the FA2 kernel in its default
-     * configuration, then in every configuration (STRATA_ATTN_FA2=<name>,
-     * cuda_attn_prefill_fa2.cuh), then the previous kernel
-     * (STRATA_ATTN_PREFILL=old), each read at backend init, on the same cases */
-    check_attention_fast("fa2 (default)");
-    static const char *const fa2_vars[][2] = {{"b128w8", "fa2 b128w8 (STRATA_ATTN_FA2=b128w8)"},
-                                              {"b128w8r", "fa2 b128w8r (STRATA_ATTN_FA2=b128w8r)"},
-                                              {"b128w4", "fa2 b128w4 (STRATA_ATTN_FA2=b128w4)"},
-                                              {"b256w8", "fa2 b256w8 (STRATA_ATTN_FA2=b256w8)"}};
+    /* the decode GEMV kernels on the default backend, then on one where every n <= 8 takes the GEMV */
+    check_gemv_version("default");
+    on_backend(&(st_backend_params){.gemm_min_n = 9}, check_gemv_version, "gemm_min_n = 9");
+    /* the GEMV / GEMM switch points (st_backend_params.gemm_min_n, gemm_min_n_quant, read at init) */
+    check_switch_points("default");
+    on_backend(&(st_backend_params){.gemm_min_n = 2, .gemm_min_n_quant = 2}, check_switch_points,
+               "gemm_min_n = 2, gemm_min_n_quant = 2");
+    on_backend(&(st_backend_params){.gemm_min_n = 16, .gemm_min_n_quant = 33}, check_switch_points,
+               "gemm_min_n = 16, gemm_min_n_quant = 33");
+    /* programmatic dependent launch off (st_backend_params.pdl = -1) */
+    on_backend(&(st_backend_params){.pdl = -1}, check_decode_path, "pdl = -1 (off)");
+    check_backend_params();
+    check_attention_kernels();
+    /* fast-mode prefill attention: the FA2 kernel in its default configuration
+     * (auto: per call), then in every configuration (st_backend_params.attn_fa2,
+     * read at init; cuda_attn_prefill_fa2.cuh), on the same cases */
+    check_attention_fast("fa2 auto (default)");
+    static const char *const fa2_vars[][2] = {{"b128w8", "fa2 b128w8 (attn_fa2 = b128w8)"},
+                                              {"b128w8r", "fa2 b128w8r (attn_fa2 = b128w8r)"},
+                                              {"b128w4", "fa2 b128w4 (attn_fa2 = b128w4)"},
+                                              {"b256w8", "fa2 b256w8 (attn_fa2 = b256w8)"}};
     for (size_t i = 0; i < sizeof fa2_vars / sizeof fa2_vars[0]; i++)
-        on_backend_with_env("STRATA_ATTN_FA2", fa2_vars[i][0], check_attention_fast, fa2_vars[i][1]);
-    g_prefill_old = true;
-    on_backend_with_env("STRATA_ATTN_PREFILL", "old", check_attention_fast, "old (STRATA_ATTN_PREFILL=old)");
-    g_prefill_old = false;
+        on_backend(&(st_backend_params){.attn_fa2 = fa2_vars[i][0]}, check_attention_fast, fa2_vars[i][1]);
     const char *pmodels[] = {"gqa_f32", "llama3_bf16", "headdim_f32", "mha_tied_f32"};
     for (size_t i = 0; i < sizeof pmodels / sizeof pmodels[0]; i++) check_forward_batch(pmodels[i]);
 
     const char *models[] = {"llama3_f32", "llama3_bf16", "gqa_f32", "gqa_tied_bf16", "gqa_sharded_f32",
                             "headdim_f32", "mha_tied_f32"};
-    for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) check_model(models[i]);
+    for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) check_model(models[i], ST_KV_F32);
+    /* the KV pool in bf16: the same bytes on both backends, the same bounds */
+    for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) check_model(models[i], ST_KV_BF16);
 
     /* fast prefill mode: bf16 operands on the tensor cores */
     g_fast = true;
@@ -1597,8 +1768,8 @@ int main(void) {
         check_matmul(fast_t[ti], 1000, 512, 64);
         check_matmul(fast_t[ti], 300, 1024, 300);
     }
-    check_model("llama3_bf16");
-    check_model("gqa_f32");
+    check_model("llama3_bf16", ST_KV_F32);
+    check_model("gqa_f32", ST_KV_F32);
     g_gpu->ops->set_fast_prefill(g_gpu, false);
     g_fast = false;
 
