@@ -92,7 +92,8 @@ def main():
         # the model's step costs, from the SmolLM2-135M shape
         L, H, NH, NKV, HD, I, V = 30, 576, 9, 3, 64, 1536, 49152
         mat = L * (2 * H * NH * HD + 2 * H * NKV * HD + 3 * H * I) + V * H
-        check(d["kv_bytes_per_token"] == 2 * L * NKV * HD * 4, "KV bytes per token %d" % d["kv_bytes_per_token"])
+        # bf16 K and V (the default --kv-dtype)
+        check(d["kv_bytes_per_token"] == 2 * L * NKV * HD * 2, "KV bytes per token %d" % d["kv_bytes_per_token"])
         import urllib.request
         with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
             met = r.read().decode()

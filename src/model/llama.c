@@ -100,7 +100,8 @@ strata_status st_llama_plan(const st_model_files *files, st_backend *be, const s
     const st_llama_params *p = params ? params : &no_params;
     memset(plan, 0, sizeof *plan);
     *groups = NULL;
-    const st_plan_params pp = plan_params(&files->config, p);
+    st_plan_params pp = plan_params(&files->config, p);
+    pp.measure_bw = true; /* the predictions are what a plan is for */
     strata_status st = st_wgroups_build(files, groups);
     if (st == STRATA_OK) st = st_plan_make(files, be, *groups, &pp, plan);
     if (st != STRATA_OK) {

@@ -288,7 +288,7 @@ strata_status st_plan_make(const st_model_files *files, st_backend *be, const st
     pp.attn_flops = 4.0 * (double)c->n_heads * (double)c->head_dim * (double)c->n_layers;
     pp.bw = wo->bw;
     pp.force = wo->placement;
-    const bool measure = p->device_mem > 0 || wo->placement;
+    const bool measure = p->device_mem > 0 || wo->placement || p->measure_bw;
     if (measure && (pp.bw.h2d <= 0 || pp.bw.ssd <= 0 || pp.bw.dev_read <= 0 || pp.bw.gemm <= 0)) {
         strata_status st = st_wbw_measure(be, files, g, T, !wo->stream.no_direct, &pp.bw);
         if (st != STRATA_OK) return st;

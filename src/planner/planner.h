@@ -45,6 +45,8 @@ typedef struct {
     int64_t max_tokens;       /* tokens of one forward pass (>= 1) */
     int64_t max_seq_len;      /* positions of one sequence (>= 1) */
     size_t kv_bytes;          /* device bytes of the KV pool (kv/kv_pool.h st_kv_pool_device_bytes) */
+    bool measure_bw;          /* measure the bandwidths not given even without a budget (`strata plan`:
+                                 its predictions); with a budget they are always measured */
     st_weight_opts weights;
 } st_plan_params;
 

@@ -348,7 +348,7 @@ static void time_model(st_backend *be, const char *path, int64_t P, int64_t G) {
                 ms[mode] = G > 2 ? (st_time_now() - t0) * 1e3 / (double)(G - 2) : 0;
             }
             st_llama_graph_stats gs;
-            st_llama_batch_graph_stats(m, &gs);
+            st_llama_get_graph_stats(m, &gs);
             CHECK(st == STRATA_OK && errs == 0 && same == G && gs.replays >= G - 2,
                   "batch graph timing %s: batch %lld, prompt %lld: direct %.3f ms/step, graphs %.3f ms/step "
                   "(%.2fx); logits of %d/%lld steps bitwise equal; replays %lld",

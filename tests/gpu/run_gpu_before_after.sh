@@ -3,7 +3,7 @@
 # On the GPU machine, from the repo root, with .deps carried (scripts/device-debs.sh)
 # and the earlier tree unpacked in $BEFORE (e.g. `git archive COMMIT | tar -x -C .before`
 # here, .before carried):
-#   1. builds `strata` in both trees (build-gpu, $BEFORE/build-gpu), in parallel;
+#   1. builds `strata` from both trees (build-before, build-gpu), in parallel;
 #   2. generates Llama-3-8B-shaped models (32 layers) with the new tree's
 #      `strata mkmodel` for each of $DTYPES (default "bf16 q4_0");
 #   3. runs, per dtype, the same `strata bench MODEL --prompt $PROMPT --gen $GEN
@@ -24,14 +24,14 @@ SEQS=${SEQS:-1,8,64}
 mkdir -p "$OUTDIR" "$WORK"
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
-build() { # tree
-  (cd "$1" && cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release > build-gpu.cfg.log 2>&1 &&
-     cmake --build build-gpu -j 8 --target strata > build-gpu.log 2>&1) || { tail -30 "$1/build-gpu.log"; return 1; }
+build() { # source tree, build dir (outside a carried tree: carrying it again would wipe it)
+  (cmake -S "$1" -B "$2" -DCMAKE_BUILD_TYPE=Release > "$2.cfg.log" 2>&1 &&
+     cmake --build "$2" -j 8 --target strata > "$2.log" 2>&1) || { tail -30 "$2.log"; return 1; }
 }
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
   stamp "build before ($BEFORE) and after"
-  build "$BEFORE" & pb=$!
-  build . & pa=$!
+  build "$BEFORE" build-before & pb=$!
+  build . build-gpu & pa=$!
   wait $pb || { echo "before: build failed"; exit 2; }
   wait $pa || { echo "after: build failed"; exit 2; }
   stamp "built"
@@ -48,7 +48,7 @@ for dt in $DTYPES; do
   fi
   for side in before after; do
     bin=build-gpu/strata
-    [ $side = before ] && bin=$BEFORE/build-gpu/strata
+    [ $side = before ] && bin=build-before/strata
     stamp "bench $dt ($side)"
     timeout 400 "$bin" bench "$m" --device cuda --prompt "$PROMPT" --gen "$GEN" --seqs "$SEQS" \
       > "$OUTDIR/ba_${dt}_$side.log" 2>&1 || { rc=1; tail -5 "$OUTDIR/ba_${dt}_$side.log"; }
