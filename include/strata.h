@@ -1,7 +1,38 @@
-/* strata public C API: status codes, log callback, version.
- * Everything else is reached through the module headers for now; handles are
- * opaque and owned by whoever called their *_init / *_load function. */
+/* strata public C API: status codes, logging, and opaque handles for a model
+ * with its tokenizer, chat template and serving engine.
+ *
+ * Everything here uses only this header's own types; the implementation
+ * (src/api/strata_api.c, library strata_api) sits over the internal modules.
+ *
+ * Conventions, for every function below:
+ *   - a function that can fail returns a strata_status; on failure it records
+ *     a message (naming the bad argument / file / field) that
+ *     strata_last_error() returns on the same thread;
+ *   - every pointer argument is checked: NULL where one is required gives
+ *     STRATA_ERR_INVALID_ARG (never a crash); out parameters are set (to NULL
+ *     / 0) on failure too, where the function says so;
+ *   - "buffer too small": functions that write into a caller's buffer of
+ *     `cap` elements set the needed count (even when the buffer is too small,
+ *     and for a NULL buffer with cap 0, the way to ask for the size) and
+ *     return STRATA_ERR_NOMEM when it does not fit;
+ *   - the library never prints: messages go to the log callback.
+ *
+ * Minimal use:
+ *     strata_model *m;
+ *     strata_model_params mp = {.device = "cpu"};
+ *     if (strata_model_load(path, &mp, &m) != STRATA_OK) fail(strata_last_error());
+ *     strata_request_params rq = {.prompt_text = "Once upon a time", .max_tokens = 32};
+ *     strata_callbacks cb = {.on_text = print_text, .on_finish = done, .user = &state};
+ *     uint64_t id;
+ *     strata_submit(m, &rq, &cb, &id);
+ *     bool worked = true;
+ *     while (!state.done && worked) strata_step(m, &worked);
+ *     strata_model_free(m);
+ */
 #pragma once
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -30,6 +61,289 @@ typedef enum {
 typedef void (*strata_log_fn)(strata_log_level level, const char *msg, void *user);
 
 const char *strata_status_str(strata_status st);
+
+/* ==== errors and logging ===================================================== */
+
+/* The message of the last failure on the calling thread ("" when none). The
+ * string belongs to the library and stays valid until the next failing call
+ * on this thread. Thread-safe (per-thread storage). */
+const char *strata_last_error(void);
+
+/* Sends the library's log messages of `level` and above to fn(level, msg,
+ * user) (fn NULL: dropped, the default). Process-wide; call it before loading
+ * models (not synchronised with log calls on other threads). fn may be called
+ * from any thread the library runs on (the engine thread included). */
+void strata_set_log(strata_log_level level, strata_log_fn fn, void *user);
+
+/* ==== model ===================================================================== */
+
+typedef struct strata_model strata_model;
+
+/* Element type of the paged KV cache. Zero is the default (bf16). */
+typedef enum {
+    STRATA_KV_BF16 = 0,
+    STRATA_KV_FP8,  /* e4m3 with a scale per token and kv head */
+    STRATA_KV_F32,  /* reference checks */
+} strata_kv_dtype;
+
+/* Precision of prefill matmuls and attention on CUDA (no effect on the CPU,
+ * which computes in fp32). */
+typedef enum {
+    STRATA_PREFILL_AUTO = 0, /* fast for models stored in bf16, f16 or a quantized type; precise for f32 */
+    STRATA_PREFILL_PRECISE,  /* hi+lo split bf16 operands: ~1e-5 of fp32 math */
+    STRATA_PREFILL_FAST,     /* bf16 operands, fp32 accumulation: ~1e-2 relative error on logits */
+} strata_prefill;
+
+/* How to load a model. Zero-initialise it: every zero field is its default
+ * (a NULL params pointer means all defaults). */
+typedef struct {
+    const char *device;        /* "cpu", "cuda" or "auto" (NULL: auto = CUDA when built and a GPU is present) */
+    int threads;               /* CPU worker threads (0: all cores) */
+    size_t device_mem;         /* device budget in bytes: weights, KV cache, activations, scratch
+                                  (0: unlimited, every weight resident); weights that do not fit stream */
+    size_t host_mem;           /* pinned host bytes for streamed weights (0: 80% of available memory) */
+    strata_kv_dtype kv_dtype;  /* KV cache element type (default bf16) */
+    const char *kv_dtype_name; /* the same as a string, "bf16", "fp8" or "f32"; overrides kv_dtype when
+                                  not NULL */
+    int64_t max_batch;         /* sequences running at once (0: 32; at most 4096) */
+    int64_t max_seq_len;       /* tokens per sequence, prompt + output (0: the model's context length,
+                                  at most 4096) */
+    int64_t prefill_chunk;     /* prompts run in chunks of this many tokens (0: 256) */
+    int64_t max_waiting;       /* requests waiting for a slot before strata_submit refuses (0: 4096) */
+    bool disable_prefix_cache; /* false (default): prompt prefixes already computed are reused */
+    strata_prefill prefill;    /* CUDA prefill precision (default AUTO) */
+    int ring_slots;            /* device slots streamed weights pass through (0: 2) */
+    double h2d_gbps, ssd_gbps; /* bandwidths (GB/s) the weight plan uses instead of measuring (0: measure) */
+} strata_model_params;
+
+/* Opens a model (a Hugging Face directory with tokenizer.json, or a .gguf
+ * file): maps its files, creates the backend and the tokenizer, recognises
+ * the chat template; no engine yet. Tokenizer, chat and info functions work
+ * on the result; generation needs strata_model_create_engine. params is
+ * copied (NULL: defaults). The caller owns *out (strata_model_free); on error
+ * *out is NULL and strata_last_error() says why (the file, the key, the bad
+ * parameter). Thread-safe (separate models are independent). */
+strata_status strata_model_open(const char *path, const strata_model_params *params, strata_model **out);
+
+/* Builds the engine of an opened model with the params given to
+ * strata_model_open: the model weights on the device, the paged KV cache,
+ * the scheduler (not started: step it with strata_step or run its thread
+ * with strata_start). STRATA_OK without doing anything when it exists.
+ * Errors: MISMATCH when the tokenizer has more tokens than the model's
+ * vocabulary, NOMEM when a budget is too small, INVALID_ARG for a bad
+ * parameter...; the model stays open (without engine). Not thread-safe: call
+ * it before sharing the model. */
+strata_status strata_model_create_engine(strata_model *m);
+
+/* strata_model_open + strata_model_create_engine. Ownership and errors as
+ * for strata_model_open (on error nothing is left open). */
+strata_status strata_model_load(const char *path, const strata_model_params *params, strata_model **out);
+
+/* Stops the engine thread if it runs, finishes every pending request with
+ * STRATA_FINISH_ABORT (on_finish runs on the calling thread, before this
+ * returns), then frees everything. NULL: no-op. No other call on m may run
+ * concurrently or follow. */
+void strata_model_free(strata_model *m);
+
+/* Reads every page of the model's mapped files once, so that the first
+ * prompt is not timed with the page faults of reading the weights (useful on
+ * the CPU backend, which computes from the mapping). progress (may be NULL)
+ * is called on the calling thread every 4 MiB with the bytes read so far and
+ * the total. Errors: INVALID_ARG for a NULL model. Thread-safe. */
+strata_status strata_model_page_in(const strata_model *m, void (*progress)(void *user, uint64_t done, uint64_t total),
+                                   void *user);
+
+/* Architecture basics and what this model was opened with. */
+typedef struct {
+    int64_t vocab_size;           /* the model's vocabulary (embedding rows) */
+    int64_t tokenizer_vocab_size; /* the tokenizer's (<= vocab_size for a usable model) */
+    int64_t n_layers;
+    int64_t hidden_size;
+    int64_t intermediate_size;
+    int64_t n_heads;
+    int64_t n_kv_heads;
+    int64_t head_dim;
+    int64_t context_length;       /* positions the model was trained for (0: not given) */
+    int32_t bos_id, eos_id;       /* the tokenizer's (-1: none) */
+    const char *backend;          /* "cpu" or "cuda" */
+    const char *kv_dtype;         /* "bf16", "fp8" or "f32" */
+    /* the engine's, once created (0 before strata_model_create_engine) */
+    int64_t max_batch;
+    int64_t max_seq_len;          /* prompt + output tokens of one request */
+    /* the chat format strata_chat_apply uses: "chatml", "llama3", "llama2", or "none" (no template,
+       or one that is not recognised: strata_chat_template says which) */
+    const char *chat_template;
+    bool chat_wants_date;         /* the template names today's date (Llama-3.1+): see strata_chat_set_date */
+} strata_model_info;
+
+/* Fills *out. Strings point into m (valid until strata_model_free, or for
+ * chat_template until strata_chat_set_template). Errors: INVALID_ARG for
+ * NULL arguments. Thread-safe against everything but
+ * strata_model_create_engine / strata_chat_set_*. */
+strata_status strata_model_info_get(const strata_model *m, strata_model_info *out);
+
+/* ==== tokenizer ================================================================== */
+
+/* Encodes NUL-terminated UTF-8 text (invalid UTF-8 becomes U+FFFD).
+ * add_special: BOS / EOS added as the tokenizer says. parse_special: control
+ * token strings in the text (e.g. "<|im_start|>") become their ids; false:
+ * they are encoded as plain text. Writes up to cap ids to ids (may be NULL
+ * when cap is 0); *n is always the full count: NOMEM when it exceeds cap
+ * (nothing useful in ids then). Errors: INVALID_ARG (NULL m, text or n, NULL
+ * ids with cap > 0), NOMEM. Thread-safe. */
+strata_status strata_tokenize(const strata_model *m, const char *text, bool add_special, bool parse_special,
+                              int32_t *ids, size_t cap, size_t *n);
+
+/* Decodes ids[0..n) to UTF-8 text, special tokens included (the inverse of
+ * strata_tokenize with parse_special; a SentencePiece model's leading space
+ * dropped). Writes the text and a terminating NUL into buf when cap >= *len +
+ * 1, else returns NOMEM; *len is always the text's length (without the NUL).
+ * buf may be NULL when cap is 0. Errors: INVALID_ARG (NULL pointers, an id
+ * outside the tokenizer's vocabulary: the message names it), NOMEM.
+ * Thread-safe. */
+strata_status strata_detokenize(const strata_model *m, const int32_t *ids, size_t n, char *buf, size_t cap,
+                                size_t *len);
+
+/* ==== chat template ============================================================== */
+
+/* Formats a conversation with the model's chat format (strata_model_info's
+ * chat_template): messages i < n with roles[i] ("system", "user",
+ * "assistant", ...) and contents[i] (UTF-8 text), then the assistant's header
+ * when add_generation_prompt. The result is text: tokenize it with
+ * add_special = false (it holds BOS where the format wants one) and
+ * parse_special = true (its control tokens). Contents are copied as they are:
+ * a content holding control token strings becomes those tokens when so
+ * tokenized. Output as strata_detokenize (buf, cap, *len, NOMEM).
+ * Errors: INVALID_ARG (NULL pointers, n = 0, roles the format rejects, e.g.
+ * Llama-2's alternation), UNSUPPORTED (no chat format: the model has no
+ * template, or one that is not recognised: the message names its markers),
+ * NOMEM. Thread-safe against itself; not against strata_chat_set_*. */
+strata_status strata_chat_apply(const strata_model *m, const char *const *roles, const char *const *contents,
+                                size_t n, bool add_generation_prompt, char *buf, size_t cap, size_t *len);
+
+/* The chat format in use: *name = "chatml", "llama3", "llama2" or "none".
+ * Returns UNSUPPORTED (message: the template's markers, *name "none") when
+ * the model has a template that is not recognised and no format was set;
+ * else STRATA_OK (*name "none": the model has no template or "none" was
+ * set). INVALID_ARG for NULL arguments. */
+strata_status strata_chat_template(const strata_model *m, const char **name);
+
+/* Chooses the chat format: "chatml", "llama3" or "llama2" (a family: the
+ * model's template details, such as SmolLM2's default system message, are
+ * kept when its template is of that family), "none" (no chat format:
+ * strata_chat_apply fails), or NULL (the model's own template again).
+ * INVALID_ARG for another name. Not thread-safe: not while strata_chat_apply
+ * or strata_model_info_get run. */
+strata_status strata_chat_set_template(strata_model *m, const char *name);
+
+/* Llama-3.1+ templates name a date in their system turn ("26 Jul 2024" by
+ * default; transformers gives today's date when the template asks for it:
+ * strata_model_info's chat_wants_date). Sets it (e.g. strftime "%d %b %Y";
+ * the library never reads the clock). No effect (STRATA_OK) on formats
+ * without a date. INVALID_ARG for NULL arguments. Not thread-safe, as
+ * strata_chat_set_template. */
+strata_status strata_chat_set_date(strata_model *m, const char *date);
+
+/* ==== generation ================================================================= */
+
+/* Why a request ended. */
+typedef enum {
+    STRATA_FINISH_STOP = 0, /* an end token (EOS, end of turn) or a stop string */
+    STRATA_FINISH_LENGTH,   /* max_tokens reached, or the sequence filled max_seq_len */
+    STRATA_FINISH_ABORT,    /* strata_abort, strata_stop or strata_model_free */
+    STRATA_FINISH_ERROR,    /* the forward pass or the sampler failed (error says why) */
+} strata_finish_reason;
+
+/* How a request ended, as on_finish receives it (valid during the call
+ * only). Times are seconds from strata_submit. */
+typedef struct {
+    strata_finish_reason reason;
+    const char *detail;        /* "eos", "stop_string", "max_tokens", "context_full", "abort" or "error"
+                                  (a static string) */
+    int stop_string;           /* STOP by a stop string: its index in the request's list; else -1 */
+    int64_t prompt_tokens;
+    int64_t completion_tokens; /* tokens sampled (a final end token counts) */
+    int64_t cached_tokens;     /* prompt tokens served from the prefix cache instead of computed */
+    double queue_s;            /* until it got a slot */
+    double ttft_s;             /* until its first sampled token (< 0: none) */
+    double total_s;
+    const char *error;         /* ERROR: why; else NULL */
+} strata_finish;
+
+/* A request. Zero-initialise it: zero fields are greedy decoding without
+ * truncation or penalty, up to the context. Everything is copied by
+ * strata_submit. */
+typedef struct {
+    /* the prompt: token ids (ids in [0, tokenizer vocabulary)) or NUL-terminated text, not both */
+    const int32_t *prompt_ids;
+    size_t n_prompt_ids;
+    const char *prompt_text;   /* tokenized with parse_special (control token strings are tokens)
+                                  and BOS / EOS added as the tokenizer says, unless: */
+    bool text_no_add_special;  /* the text already holds BOS (strata_chat_apply's output) */
+    int64_t max_tokens;        /* > 0: at most this many sampled tokens; 0: until max_seq_len is full;
+                                  < 0: INVALID_ARG */
+    float temperature;         /* 0: greedy (deterministic); else > 0 */
+    int32_t top_k;             /* 0: off */
+    float top_p;               /* (0, 1]; 0 or 1: off */
+    float min_p;               /* [0, 1]; 0: off */
+    float repetition_penalty;  /* > 0, HF style; 0 or 1: off */
+    int64_t repeat_last_n;     /* history tokens the penalty looks at (0: the whole sequence) */
+    uint64_t seed;             /* random seed of a sampled (temperature > 0) request */
+    const char *const *stop;   /* [n_stop] stop strings (non-empty UTF-8): the output ends before one */
+    size_t n_stop;
+    bool ignore_eos;           /* end tokens do not end it (benchmarks) */
+} strata_request_params;
+
+/* A request's callbacks, called on the thread that steps the engine
+ * (strata_step's caller, or the engine thread), or for an abort by
+ * strata_stop / strata_model_free on their caller's thread. They must be
+ * quick and must not call strata_step, strata_stop or strata_model_free
+ * (strata_submit and strata_abort are fine). */
+typedef struct {
+    /* Each new piece of output text (complete UTF-8, len > 0, not NUL-terminated, valid during the
+       call; end tokens and stop strings are not included). May be NULL. */
+    void (*on_text)(void *user, const char *text, size_t len);
+    /* Exactly once per accepted request, last; after it `user` is never used again. May be NULL. */
+    void (*on_finish)(void *user, const strata_finish *fin);
+    void *user;
+} strata_callbacks;
+
+/* Queues a request (everything copied). On success *id (> 0) names it and
+ * on_finish will be called exactly once. Errors, with no callback ever
+ * called: INVALID_ARG for a bad request (NULL pointers, no prompt or both
+ * kinds, an empty prompt, a prompt of max_seq_len tokens or more, ids outside
+ * the vocabulary, negative max_tokens, bad sampling parameters, empty stop
+ * strings: the message names it) or a model without engine, NOMEM when the
+ * waiting queue is full, UNSUPPORTED after strata_stop. Thread-safe. */
+strata_status strata_submit(strata_model *m, const strata_request_params *params, const strata_callbacks *cb,
+                            uint64_t *id);
+
+/* Asks request `id` to end: at the start of the next step it leaves and gets
+ * on_finish(STRATA_FINISH_ABORT). NOT_FOUND when no such request is pending
+ * (unknown or already finished). Thread-safe; may be called from callbacks. */
+strata_status strata_abort(strata_model *m, uint64_t id);
+
+/* One engine step on the calling thread: admits queued requests, runs one
+ * batched forward pass, samples, streams text and finishes requests (their
+ * callbacks run here). *worked (may be NULL): whether there was anything to
+ * do. A request's failure finishes it with STRATA_FINISH_ERROR; the step
+ * itself fails only when misused: INVALID_ARG for NULL m, a model without
+ * engine, or while the engine thread runs (strata_start). Call it from one
+ * thread at a time. */
+strata_status strata_step(strata_model *m, bool *worked);
+
+/* Starts the engine thread, which steps while there is work and sleeps
+ * otherwise (callbacks then run on it). INVALID_ARG when already started, after
+ * strata_stop, or without engine. Not thread-safe against strata_step /
+ * strata_stop. */
+strata_status strata_start(strata_model *m);
+
+/* Stops and joins the engine thread (the step in progress completes), then
+ * finishes every pending request with STRATA_FINISH_ABORT on the calling
+ * thread. After it strata_submit refuses (UNSUPPORTED): the engine cannot be
+ * restarted. Safe when not started. INVALID_ARG for NULL m or a model
+ * without engine. */
+strata_status strata_stop(strata_model *m);
 
 #ifdef __cplusplus
 }

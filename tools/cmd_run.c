@@ -1,7 +1,7 @@
 /* strata run MODEL [-p PROMPT | -f FILE] [options]: text in, text out.
  *
- * The serving engine (engine/engine.h) with one request at a time, stepped on
- * this thread: one prompt (from -p, -f or a piped standard input) -> the
+ * Through the public C API (strata.h): the serving engine with one request
+ * at a time, stepped on this thread: one prompt (from -p, -f or a piped standard input) -> the
  * answer streamed to stdout (on_text), then one stats line on stderr (from
  * the request's finish info). With no prompt and a terminal on stdin: an
  * interactive chat; each turn sends the whole conversation again and the
@@ -14,12 +14,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "strata.h"
+
 #include "commands.h"
-#include "common.h"
-#include "engine/engine.h"
-#include "engine/sampler.h"
-#include "tokenizer/chat.h"
-#include "tokenizer/tokenizer.h"
+#include "common.h" /* the model options shared by the commands (tool_model_opts) */
 
 #define DEF_N_PREDICT 256
 #define DEF_TEMP 0.7
@@ -76,7 +74,7 @@ typedef struct {
     const char *model_path, *prompt, *prompt_file, *system, *chat_template;
     int chat; /* -1: auto, 0: no, 1: yes */
     int64_t n_predict;
-    st_sampler_params sp;
+    strata_request_params sp; /* the sampling fields: temperature .. seed */
     bool seed_given;
     const char *stop[MAX_STOP];
     int n_stop;
@@ -110,6 +108,22 @@ static void sb_clear(strbuf *b) {
     if (b->p) b->p[0] = '\0';
 }
 
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Prints "strata CMD: <strata_last_error()>" to stderr. */
+static void print_error(const char *cmd) {
+    const char *msg = strata_last_error();
+    fprintf(stderr, "strata %s: %s\n", cmd, msg && *msg ? msg : "failed");
+}
+
+static bool is_chat_format(const char *name) {
+    return !strcmp(name, "chatml") || !strcmp(name, "llama3") || !strcmp(name, "llama2");
+}
+
 /* ---- options ----------------------------------------------------------------------------*/
 /* 1: parsed, 0: --help shown, -1: usage error (message printed) */
 static int parse_args(int argc, char **argv, run_opts *o) {
@@ -117,12 +131,11 @@ static int parse_args(int argc, char **argv, run_opts *o) {
     o->mo = (tool_model_opts)TOOL_MODEL_OPTS_INIT;
     o->chat = -1;
     o->n_predict = DEF_N_PREDICT;
-    o->sp = st_sampler_params_default();
     o->sp.temperature = (float)DEF_TEMP;
     o->sp.top_k = DEF_TOP_K;
     o->sp.top_p = (float)DEF_TOP_P;
     o->sp.min_p = (float)DEF_MIN_P;
-    o->sp.repeat_penalty = (float)DEF_REPEAT_PENALTY;
+    o->sp.repetition_penalty = (float)DEF_REPEAT_PENALTY;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *val = i + 1 < argc ? argv[i + 1] : NULL;
@@ -162,8 +175,7 @@ static int parse_args(int argc, char **argv, run_opts *o) {
             o->chat = 0;
         } else if (!strcmp(a, "--chat-template")) {
             NEED_VALUE();
-            st_chat_kind k;
-            if (!st_chat_kind_from_name(val, &k) || k == ST_CHAT_NONE) {
+            if (!is_chat_format(val)) {
                 fprintf(stderr, "strata run: --chat-template: '%s' is not one of chatml, llama3, llama2\n", val);
                 return -1;
             }
@@ -197,7 +209,7 @@ static int parse_args(int argc, char **argv, run_opts *o) {
                 fprintf(stderr, "strata run: --repeat-penalty: must be > 0 (1: off)\n");
                 return -1;
             }
-            o->sp.repeat_penalty = (float)d;
+            o->sp.repetition_penalty = (float)d;
             i++;
         } else if (!strcmp(a, "--repeat-last-n")) {
             if (!tool_parse_i64(val, 0, INT32_MAX, a, &v)) return -1;
@@ -261,62 +273,55 @@ static int parse_args(int argc, char **argv, run_opts *o) {
 
 /* ---- the loaded model ---------------------------------------------------------------------*/
 typedef struct {
-    st_model_files *files;
-    st_backend *be;
-    st_tokenizer *tok;
-    st_engine *eng;       /* one sequence at a time, stepped on this thread */
-    st_chat_template tpl; /* kind NONE: plain text */
-    int64_t n_ctx;        /* the engine's max_model_len */
+    strata_model *m;      /* files, backend, tokenizer, chat format, engine (one sequence at a time,
+                             stepped on this thread) */
+    bool chat;            /* a chat format is in use (false: plain text) */
+    const char *chat_name;
+    int64_t n_ctx;        /* the engine's max_seq_len */
     double load_s;
 } runner;
+
+/* page-in progress on stderr: shown when paging in takes more than a second */
+typedef struct {
+    FILE *f;
+    double t0, last;
+    int last_pct;
+    uint64_t total;
+} page_progress;
+
+static void on_page_in(void *user, uint64_t done, uint64_t total) {
+    page_progress *p = user;
+    p->total = total;
+    double now = now_s();
+    int pct = (int)(done * 100 / (total ? total : 1));
+    if (now - p->t0 > 1.0 && now - p->last > 0.5 && pct != p->last_pct) {
+        fprintf(p->f, "\rstrata: paging in %.1f MB of weights ... %d%%", total / 1e6, pct);
+        fflush(p->f);
+        p->last = now;
+        p->last_pct = pct;
+    }
+}
 
 /* Touches every page of the mapped model files, so that the first prefill is
  * not timed with the page faults of reading the weights. When this takes more
  * than a second, shows a percentage on `progress`. */
-static void page_in(const st_model_files *files, FILE *progress) {
-    uint64_t total = 0, done = 0;
-    for (int f = 0; f < files->n_files; f++) total += files->files[f].size;
-    double t0 = st_time_now(), last = t0;
-    int last_pct = -1;
-    uint8_t acc = 0;
-    for (int f = 0; f < files->n_files; f++) {
-        const st_mapped_file *mf = &files->files[f];
-        if (!mf->data) continue;
-        for (uint64_t off = 0; off < mf->size; off += 4096) {
-            acc ^= ((const volatile uint8_t *)mf->data)[off];
-            if (progress && ((off >> 12) & 1023) == 0) {
-                double now = st_time_now();
-                int pct = (int)((done + off) * 100 / (total ? total : 1));
-                if (now - t0 > 1.0 && now - last > 0.5 && pct != last_pct) {
-                    fprintf(progress, "\rstrata: paging in %.1f MB of weights ... %d%%", total / 1e6, pct);
-                    fflush(progress);
-                    last = now;
-                    last_pct = pct;
-                }
-            }
-        }
-        done += mf->size;
-    }
-    if (last_pct >= 0) fprintf(progress, "\rstrata: paging in %.1f MB of weights ... 100%%\n", total / 1e6);
-    if (acc == 1 && progress) fflush(progress); /* uses acc: the reads stay */
+static void page_in(const runner *r, FILE *progress) {
+    page_progress pp = {progress, now_s(), 0, -1, 0};
+    pp.last = pp.t0;
+    strata_model_page_in(r->m, progress ? on_page_in : NULL, &pp);
+    if (pp.last_pct >= 0) fprintf(progress, "\rstrata: paging in %.1f MB of weights ... 100%%\n", pp.total / 1e6);
 }
 
 static void runner_close(runner *r) {
-    st_chat_template_clear(&r->tpl);
-    st_engine_free(r->eng);
-    st_tokenizer_free(r->tok);
-    st_backend_free(r->be);
-    st_model_close(r->files);
+    strata_model_free(r->m);
     memset(r, 0, sizeof *r);
 }
 
 /* The tokenizer must not produce ids the model does not have. */
-static bool check_vocab(const run_opts *o, runner *r) {
-    const st_config *cfg = &r->files->config;
-    const int64_t tv = st_tokenizer_vocab_size(r->tok);
-    if (tv > cfg->vocab_size) {
+static bool check_vocab(const run_opts *o, const strata_model_info *info) {
+    if (info->tokenizer_vocab_size > info->vocab_size) {
         fprintf(stderr, "strata run: %s: the tokenizer has %lld tokens, more than the model's vocabulary of %lld\n",
-                o->model_path, (long long)tv, (long long)cfg->vocab_size);
+                o->model_path, (long long)info->tokenizer_vocab_size, (long long)info->vocab_size);
         return false;
     }
     return true; /* padded embedding rows beyond the tokenizer are never drawn */
@@ -324,27 +329,24 @@ static bool check_vocab(const run_opts *o, runner *r) {
 
 /* Chooses the chat format: the model's template, --chat-template, or none. */
 static bool settle_chat(const run_opts *o, runner *r) {
-    if (o->chat == 0) return true;
-    const char *jinja = st_tokenizer_chat_template(r->tok);
-    st_chat_template found = {0};
-    strata_status dst = st_chat_detect(jinja, &found);
+    r->chat = false;
+    if (o->chat == 0) return strata_chat_set_template(r->m, "none") == STRATA_OK;
+    const char *name = "none";
+    strata_status dst = strata_chat_template(r->m, &name);
     if (o->chat_template) {
-        st_chat_kind k = ST_CHAT_NONE;
-        st_chat_kind_from_name(o->chat_template, &k);
-        if (dst == STRATA_OK && found.kind == k) {
-            r->tpl = found; /* same family: keep the template's details (default system, date) */
-        } else {
-            st_chat_template_clear(&found);
-            r->tpl.kind = k;
+        /* same family as the model's: its details (default system, date) kept */
+        if (strata_chat_set_template(r->m, o->chat_template) != STRATA_OK) {
+            print_error("run");
+            return false;
         }
     } else if (dst != STRATA_OK) {
         fprintf(stderr,
                 "strata run: %s: %s.\n"
                 "Pass --no-chat to use the prompt as plain text, or --chat-template chatml|llama3|llama2 to "
                 "choose a format.\n",
-                o->model_path, st_last_error());
+                o->model_path, strata_last_error());
         return false;
-    } else if (found.kind == ST_CHAT_NONE) {
+    } else if (!strcmp(name, "none")) {
         if (o->chat == 1) {
             fprintf(stderr, "strata run: %s has no chat template; pass --chat-template chatml|llama3|llama2 "
                             "or --no-chat\n", o->model_path);
@@ -356,22 +358,22 @@ static bool settle_chat(const run_opts *o, runner *r) {
                 return false;
         }
         return true; /* plain text */
-    } else {
-        r->tpl = found;
     }
-    if (r->tpl.date && r->tpl.date_from_clock) {
+    strata_model_info info;
+    if (strata_model_info_get(r->m, &info) != STRATA_OK) {
+        print_error("run");
+        return false;
+    }
+    if (info.chat_wants_date) {
         /* transformers gives such templates today's date, as strftime("%d %b %Y") */
         char buf[32];
         time_t now = time(NULL);
         struct tm tmv;
-        if (localtime_r(&now, &tmv) && strftime(buf, sizeof buf, "%d %b %Y", &tmv)) {
-            char *d = st_strdup(buf);
-            if (d) {
-                st_free(r->tpl.date);
-                r->tpl.date = d;
-            }
-        }
+        if (localtime_r(&now, &tmv) && strftime(buf, sizeof buf, "%d %b %Y", &tmv))
+            strata_chat_set_date(r->m, buf);
     }
+    r->chat = true;
+    r->chat_name = info.chat_template;
     return true;
 }
 
@@ -380,57 +382,57 @@ static bool settle_chat(const run_opts *o, runner *r) {
 static bool runner_open(const run_opts *o, runner *r) {
     memset(r, 0, sizeof *r);
     FILE *pg = o->quiet ? NULL : stderr;
-    double t0 = st_time_now();
+    double t0 = now_s();
     if (pg) {
         fprintf(pg, "strata: loading %s ...\n", o->model_path);
         fflush(pg);
     }
-    if (st_model_open(o->model_path, &r->files) != STRATA_OK) {
-        tool_print_error("load");
+    /* the context: --ctx, else the model's, at most 4096 (the API's default, as tools/common.h says) */
+    const tool_model_opts *mo = &o->mo;
+    strata_model_params mp = {
+        .device = mo->device,
+        .threads = mo->threads,
+        .device_mem = mo->device_mem,
+        .host_mem = mo->host_mem,
+        .kv_dtype = mo->kv_dtype == ST_KV_FP8 ? STRATA_KV_FP8 : mo->kv_dtype == ST_KV_F32 ? STRATA_KV_F32 : STRATA_KV_BF16,
+        .max_batch = 1,
+        .max_seq_len = mo->ctx,
+        .prefill_chunk = mo->batch > 0 ? mo->batch : 512, /* at most the context */
+        .max_waiting = 1,
+        .prefill = mo->prefill < 0 ? STRATA_PREFILL_PRECISE : mo->prefill > 0 ? STRATA_PREFILL_FAST : STRATA_PREFILL_AUTO,
+        .ring_slots = mo->ring_slots,
+        .h2d_gbps = mo->h2d_bw,
+        .ssd_gbps = mo->ssd_bw,
+    };
+    if (strata_model_open(o->model_path, &mp, &r->m) != STRATA_OK) {
+        print_error("load");
         return false;
     }
-    st_backend_params bp = tool_backend_params(&o->mo);
-    if (st_backend_init(&bp, &r->be) != STRATA_OK) {
-        tool_print_error("backend");
+    double t_tok = now_s();
+    strata_model_info info;
+    if (strata_model_info_get(r->m, &info) != STRATA_OK) {
+        print_error("run");
         runner_close(r);
         return false;
     }
-    if (st_tokenizer_load(r->files, &r->tok) != STRATA_OK) {
-        tool_print_error("run");
+    if (!settle_chat(o, r) || !check_vocab(o, &info)) {
         runner_close(r);
         return false;
     }
-    double t_tok = st_time_now();
-    if (!settle_chat(o, r) || !check_vocab(o, r)) {
+    if (strata_model_create_engine(r->m) != STRATA_OK || strata_model_info_get(r->m, &info) != STRATA_OK) {
+        print_error("model");
         runner_close(r);
         return false;
     }
-    /* the context: --ctx, else the model's, at most 4096 (tools/common.h) */
-    const st_config *cfg = &r->files->config;
-    int64_t ctx = o->mo.ctx;
-    if (ctx == 0) {
-        ctx = cfg->max_position_embeddings > 0 && cfg->max_position_embeddings < 4096 ? cfg->max_position_embeddings
-                                                                                       : 4096;
-    }
-    const int64_t chunk = o->mo.batch > 0 ? o->mo.batch : 512;
-    st_engine_params ep = tool_engine_params(&o->mo, cfg);
-    ep.max_batch = 1;
-    ep.max_model_len = ctx;
-    ep.prefill_chunk = chunk < ctx ? chunk : ctx;
-    ep.max_waiting = 1;
-    if (st_engine_init(r->files, r->be, r->tok, &ep, &r->eng) != STRATA_OK) {
-        tool_print_error("model");
-        runner_close(r);
-        return false;
-    }
-    double t_model = st_time_now();
-    if (r->be->kind == ST_BACKEND_CPU) page_in(r->files, pg);
-    double t_end = st_time_now();
+    double t_model = now_s();
+    const bool cpu = !strcmp(info.backend, "cpu");
+    if (cpu) page_in(r, pg);
+    double t_end = now_s();
     r->load_s = t_end - t0;
-    r->n_ctx = st_engine_get_params(r->eng)->max_model_len;
+    r->n_ctx = info.max_seq_len;
     if (pg)
         fprintf(pg, "strata: loaded in %.2f s (tokenizer %.2f s, model and engine %.2f s, paging in weights %.2f s; %s)\n",
-                r->load_s, t_tok - t0, t_model - t_tok, t_end - t_model, r->be->kind == ST_BACKEND_CPU ? "cpu" : "cuda");
+                r->load_s, t_tok - t0, t_model - t_tok, t_end - t_model, cpu ? "cpu" : "cuda");
     return true;
 }
 
@@ -438,7 +440,7 @@ static bool runner_open(const run_opts *o, runner *r) {
 typedef struct {
     strbuf answer;
     bool finished;
-    st_engine_finish fin;
+    strata_finish fin;
     char error[512];
 } out_state;
 
@@ -449,7 +451,7 @@ static void on_text(void *user, const char *t, size_t n) {
     sb_add(&s->answer, t, n);
 }
 
-static void on_finish(void *user, const st_engine_finish *f) {
+static void on_finish(void *user, const strata_finish *f) {
     out_state *s = user;
     s->fin = *f;
     snprintf(s->error, sizeof s->error, "%s", f->error ? f->error : "");
@@ -459,7 +461,7 @@ static void on_finish(void *user, const st_engine_finish *f) {
 
 /* The stats line from the request's finish info: the prompt part is the
  * tokens computed (the prefix cache's are not), timed up to the first token. */
-static void print_stats(const run_opts *o, const runner *r, const st_engine_finish *f) {
+static void print_stats(const run_opts *o, const runner *r, const strata_finish *f) {
     if (o->quiet) return;
     const int64_t computed = f->prompt_tokens - f->cached_tokens;
     const double prompt_s = f->ttft_s >= 0 ? f->ttft_s - f->queue_s : f->total_s - f->queue_s;
@@ -468,45 +470,92 @@ static void print_stats(const run_opts *o, const runner *r, const st_engine_fini
             "prompt: %lld tokens in %.3f s (%.1f tok/s), generated: %lld tokens in %.3f s (%.1f tok/s), "
             "load: %.3f s, stop: %s",
             (long long)computed, prompt_s, prompt_s > 0 ? computed / prompt_s : 0.0, (long long)f->completion_tokens,
-            gen_s, gen_s > 0 ? f->completion_tokens / gen_s : 0.0, r->load_s, st_finish_detail(f));
+            gen_s, gen_s > 0 ? f->completion_tokens / gen_s : 0.0, r->load_s, f->detail);
     if (o->sp.temperature > 0) fprintf(stderr, ", seed: %llu", (unsigned long long)o->sp.seed);
     if (f->cached_tokens > 0) fprintf(stderr, ", cached: %lld", (long long)f->cached_tokens);
     fputc('\n', stderr);
 }
 
+/* text -> *ids (malloc'd, the caller frees; NULL when *n is 0), control
+ * token strings parsed. Prints errors. */
 static bool encode(const runner *r, const char *text, bool add_special, int32_t **ids, int64_t *n) {
-    if (st_tokenizer_encode(r->tok, text, strlen(text), add_special, true, ids, n) != STRATA_OK) {
-        tool_print_error("run");
-        return false;
+    *ids = NULL;
+    *n = 0;
+    size_t cap = strlen(text) + 8, got = 0; /* at most a token per byte, plus BOS / EOS */
+    for (int tries = 0; tries < 2; tries++) {
+        int32_t *buf = malloc(cap * sizeof *buf);
+        if (!buf) {
+            fprintf(stderr, "strata run: out of memory\n");
+            return false;
+        }
+        strata_status st = strata_tokenize(r->m, text, add_special, true, buf, cap, &got);
+        if (st == STRATA_OK) {
+            if (got == 0) {
+                free(buf);
+                buf = NULL;
+            }
+            *ids = buf;
+            *n = (int64_t)got;
+            return true;
+        }
+        free(buf);
+        if (st != STRATA_ERR_NOMEM || got <= cap) break;
+        cap = got;
     }
-    return true;
+    print_error("run");
+    return false;
+}
+
+/* The chat format applied to msgs -> *out (malloc'd, the caller frees). Prints errors. */
+static bool chat_format(const runner *r, const char *const *roles, const char *const *contents, size_t n,
+                        char **out) {
+    *out = NULL;
+    size_t len = 0;
+    strata_status st = strata_chat_apply(r->m, roles, contents, n, true, NULL, 0, &len);
+    if (st == STRATA_ERR_NOMEM) {
+        char *buf = malloc(len + 1);
+        if (!buf) {
+            fprintf(stderr, "strata run: out of memory\n");
+            return false;
+        }
+        if ((st = strata_chat_apply(r->m, roles, contents, n, true, buf, len + 1, &len)) == STRATA_OK) {
+            *out = buf;
+            return true;
+        }
+        free(buf);
+    }
+    print_error("run");
+    return false;
 }
 
 /* Runs ids[0..n) as one request through the engine (stepped here until it
  * finishes); streams; stats. */
 static bool answer(const run_opts *o, runner *r, const int32_t *ids, int64_t n, out_state *os) {
-    const st_engine_request rq = {.prompt = ids, .n_prompt = n, .sampler = o->sp,
-                                  .max_tokens = o->n_predict > 0 ? o->n_predict : 0,
-                                  .stop = o->stop, .n_stop = o->n_stop};
-    const st_engine_callbacks cb = {on_text, on_finish, os};
+    strata_request_params rq = o->sp;
+    rq.prompt_ids = ids;
+    rq.n_prompt_ids = (size_t)n;
+    rq.max_tokens = o->n_predict > 0 ? o->n_predict : 0;
+    rq.stop = o->stop;
+    rq.n_stop = (size_t)o->n_stop;
+    const strata_callbacks cb = {on_text, on_finish, os};
     sb_clear(&os->answer);
     os->finished = false;
     uint64_t id;
-    if (st_engine_add(r->eng, &rq, &cb, &id) != STRATA_OK) {
-        tool_print_error("run");
+    if (strata_submit(r->m, &rq, &cb, &id) != STRATA_OK) {
+        print_error("run");
         return false;
     }
     bool worked = true;
     while (!os->finished && worked)
-        if (st_engine_step(r->eng, &worked) != STRATA_OK) {
-            tool_print_error("run");
+        if (strata_step(r->m, &worked) != STRATA_OK) {
+            print_error("run");
             return false;
         }
     if (os->answer.len > 0 && os->answer.p[os->answer.len - 1] != '\n') fputc('\n', stdout);
     fflush(stdout);
-    if (!os->finished || os->fin.reason == ST_FINISH_ERROR || os->fin.reason == ST_FINISH_ABORT) {
+    if (!os->finished || os->fin.reason == STRATA_FINISH_ERROR || os->fin.reason == STRATA_FINISH_ABORT) {
         fprintf(stderr, "strata run: %s\n", !os->finished ? "the request did not finish"
-                                             : os->fin.reason == ST_FINISH_ERROR ? os->error : "aborted");
+                                             : os->fin.reason == STRATA_FINISH_ERROR ? os->error : "aborted");
         return false;
     }
     print_stats(o, r, &os->fin);
@@ -539,16 +588,13 @@ static void chop_newlines(char *s) {
 static int run_once(const run_opts *o, runner *r, char *prompt) {
     char *text = NULL;
     bool add_special = true;
-    if (r->tpl.kind != ST_CHAT_NONE) {
+    if (r->chat) {
         chop_newlines(prompt);
-        st_chat_msg m[2];
-        int nm = 0;
-        if (o->system) m[nm++] = (st_chat_msg){"system", o->system};
-        m[nm++] = (st_chat_msg){"user", prompt};
-        if (st_chat_format(&r->tpl, m, nm, true, &text) != STRATA_OK) {
-            tool_print_error("run");
-            return 1;
-        }
+        const char *roles[2], *contents[2];
+        size_t nm = 0;
+        if (o->system) roles[nm] = "system", contents[nm++] = o->system;
+        roles[nm] = "user", contents[nm++] = prompt;
+        if (!chat_format(r, roles, contents, nm, &text)) return 1;
         add_special = false; /* the template holds BOS where it wants one */
     }
     int32_t *ids = NULL;
@@ -575,28 +621,33 @@ static int run_once(const run_opts *o, runner *r, char *prompt) {
 
 /* ---- interactive chat ----------------------------------------------------------------------------*/
 typedef struct {
-    st_chat_msg *m;
+    const char **roles; /* static strings */
+    char **contents;    /* owned copies */
     int64_t n, cap;
 } conv;
 
 static bool conv_add(conv *c, const char *role, const char *content) {
     if (c->n == c->cap) {
         int64_t cap = c->cap ? c->cap * 2 : 16;
-        st_chat_msg *nm = realloc(c->m, (size_t)cap * sizeof *nm);
-        if (!nm) return false;
-        c->m = nm;
+        const char **nr = realloc(c->roles, (size_t)cap * sizeof *nr);
+        if (!nr) return false;
+        c->roles = nr;
+        char **nc = realloc(c->contents, (size_t)cap * sizeof *nc);
+        if (!nc) return false;
+        c->contents = nc;
         c->cap = cap;
     }
     char *copy = strdup(content);
     if (!copy) return false;
-    c->m[c->n++] = (st_chat_msg){role, copy};
+    c->roles[c->n] = role;
+    c->contents[c->n++] = copy;
     return true;
 }
 
 /* Drops everything but the system message (index 0 when there is one). */
 static void conv_reset(conv *c, bool keep_system) {
-    int64_t keep = keep_system && c->n > 0 && !strcmp(c->m[0].role, "system") ? 1 : 0;
-    for (int64_t i = keep; i < c->n; i++) free((char *)c->m[i].content);
+    int64_t keep = keep_system && c->n > 0 && !strcmp(c->roles[0], "system") ? 1 : 0;
+    for (int64_t i = keep; i < c->n; i++) free(c->contents[i]);
     c->n = keep;
 }
 
@@ -609,7 +660,7 @@ static int run_interactive(const run_opts *o, runner *r) {
     out_state os = {0};
     int rc = 0;
     fprintf(stderr, "strata: chat with %s (%s, context %lld tokens). /exit or Ctrl-D quits, /reset starts over.\n",
-            o->model_path, r->tpl.kind == ST_CHAT_NONE ? "plain text, no chat template" : st_chat_kind_name(r->tpl.kind),
+            o->model_path, !r->chat ? "plain text, no chat template" : r->chat_name,
             (long long)r->n_ctx);
     for (;;) {
         fputs("> ", stdout);
@@ -636,11 +687,10 @@ static int run_interactive(const run_opts *o, runner *r) {
         bool fresh = false; /* the conversation was started over for this turn */
         for (;;) {
             char *full = NULL;
-            if (r->tpl.kind != ST_CHAT_NONE) {
+            if (r->chat) {
                 if (!conv_add(&c, "user", line)) { rc = 1; break; }
-                if (st_chat_format(&r->tpl, c.m, c.n, true, &full) != STRATA_OK) {
-                    tool_print_error("run");
-                    free((char *)c.m[--c.n].content);
+                if (!chat_format(r, c.roles, (const char *const *)c.contents, (size_t)c.n, &full)) {
+                    free(c.contents[--c.n]);
                     break;
                 }
             } else {
@@ -650,11 +700,11 @@ static int run_interactive(const run_opts *o, runner *r) {
                 full = b.p;
             }
             /* plain text: BOS as the tokenizer says; a template holds its own */
-            bool ok = encode(r, full, r->tpl.kind == ST_CHAT_NONE, &ids, &n);
+            bool ok = encode(r, full, !r->chat, &ids, &n);
             free(full);
             if (!ok) { rc = 1; break; }
             const int64_t reserve = o->n_predict > 0 && o->n_predict < r->n_ctx / 4 ? o->n_predict : r->n_ctx / 4;
-            const bool has_history = r->tpl.kind == ST_CHAT_NONE ? plain.len > 0 : c.n > 1 + (o->system != NULL);
+            const bool has_history = !r->chat ? plain.len > 0 : c.n > 1 + (o->system != NULL);
             if (n + reserve <= r->n_ctx || !has_history || fresh) break;
             /* too long: keep the system message and this question */
             fprintf(stderr, "strata: the context is full (%lld + %lld tokens of %lld): starting a new conversation\n",
@@ -678,10 +728,10 @@ static int run_interactive(const run_opts *o, runner *r) {
         bool ok = n > 0 && answer(o, r, ids, n, &os);
         free(ids);
         if (!ok) {
-            if (r->tpl.kind != ST_CHAT_NONE) free((char *)c.m[--c.n].content);
+            if (r->chat) free(c.contents[--c.n]);
             continue;
         }
-        if (r->tpl.kind != ST_CHAT_NONE) {
+        if (r->chat) {
             if (!conv_add(&c, "assistant", os.answer.p ? os.answer.p : "")) {
                 rc = 1;
                 break;
@@ -693,7 +743,8 @@ static int run_interactive(const run_opts *o, runner *r) {
         }
     }
     conv_reset(&c, false);
-    free(c.m);
+    free(c.roles);
+    free(c.contents);
     free(line);
     free(plain.p);
     free(os.answer.p);
@@ -713,9 +764,15 @@ int cmd_run(int argc, char **argv) {
     if (o.prompt) {
         prompt = strdup(o.prompt);
     } else if (o.prompt_file) {
-        size_t len;
-        if (st_file_read_all(o.prompt_file, &prompt, &len) != STRATA_OK) {
-            tool_print_error("run");
+        FILE *f = fopen(o.prompt_file, "rb");
+        if (!f) {
+            fprintf(stderr, "strata run: %s: cannot open: %s\n", o.prompt_file, strerror(errno));
+            return 1;
+        }
+        prompt = read_stream(f);
+        fclose(f);
+        if (!prompt) {
+            fprintf(stderr, "strata run: %s: read error\n", o.prompt_file);
             return 1;
         }
     } else if (isatty(STDIN_FILENO)) {

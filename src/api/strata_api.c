@@ -1,0 +1,479 @@
+/* The public C API (include/strata.h) over the internal modules: a model
+ * handle holds the mapped files, the backend, the tokenizer, the chat
+ * template in use and (once created) the engine. Requests map onto
+ * st_engine_add / abort / step / start / stop; each accepted request carries a
+ * small record with the caller's callbacks, freed after its on_finish. */
+#include <limits.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "strata.h"
+
+#include "backend/backend.h"
+#include "core/core.h"
+#include "engine/engine.h"
+#include "engine/runner.h"
+#include "engine/sampler.h"
+#include "loader/loader.h"
+#include "tokenizer/chat.h"
+#include "tokenizer/tokenizer.h"
+
+#define DEF_MAX_SEQ_CAP 4096
+
+struct strata_model {
+    st_model_files *files;
+    st_backend *be;
+    st_tokenizer *tok;
+    st_engine *eng;             /* NULL until strata_model_create_engine */
+    st_engine_params ep;        /* what the engine is built with (from the load params) */
+    /* chat: the model's own template as recognised at open, and the one in use */
+    st_chat_template own;       /* kind NONE when absent or not recognised */
+    strata_status own_status;   /* UNSUPPORTED: the model's template is not recognised */
+    char own_error[512];        /* its message */
+    st_chat_template tpl;       /* in use */
+    bool tpl_set;               /* chosen by strata_chat_set_template (not the model's own) */
+    atomic_bool thread_on;      /* strata_start .. strata_stop */
+};
+
+/* ---- errors and logging ---------------------------------------------------------------*/
+const char *strata_last_error(void) { return st_last_error(); }
+
+void strata_set_log(strata_log_level level, strata_log_fn fn, void *user) { st_log_set(fn, user, level); }
+
+/* ---- model -------------------------------------------------------------------------------*/
+static strata_status kv_dtype_of(const strata_model_params *p, st_kv_dtype *out) {
+    if (p->kv_dtype_name) {
+        if (!st_kv_dtype_parse(p->kv_dtype_name, out))
+            return st_err(STRATA_ERR_INVALID_ARG, "model params: kv_dtype_name '%s' (bf16, fp8 or f32)",
+                          p->kv_dtype_name);
+        return STRATA_OK;
+    }
+    switch (p->kv_dtype) {
+    case STRATA_KV_BF16: *out = ST_KV_BF16; return STRATA_OK;
+    case STRATA_KV_FP8: *out = ST_KV_FP8; return STRATA_OK;
+    case STRATA_KV_F32: *out = ST_KV_F32; return STRATA_OK;
+    }
+    return st_err(STRATA_ERR_INVALID_ARG, "model params: kv_dtype %d (STRATA_KV_BF16, _FP8 or _F32)", (int)p->kv_dtype);
+}
+
+/* Checks the load params and turns them into backend params (the engine's
+ * come later, from the model's config). */
+static strata_status check_params(const strata_model_params *p, st_backend_params *bp, st_kv_dtype *kvd) {
+    memset(bp, 0, sizeof *bp);
+    const char *dev = p->device ? p->device : "auto";
+    if (strcmp(dev, "cpu") && strcmp(dev, "cuda") && strcmp(dev, "auto"))
+        return st_err(STRATA_ERR_INVALID_ARG, "model params: device '%s' (cpu, cuda or auto)", dev);
+    bp->kind = ST_BACKEND_CPU;
+    if (!strcmp(dev, "cuda") || (!strcmp(dev, "auto") && st_backend_available(ST_BACKEND_CUDA)))
+        bp->kind = ST_BACKEND_CUDA;
+    if (p->threads < 0) return st_err(STRATA_ERR_INVALID_ARG, "model params: threads %d < 0", p->threads);
+    bp->n_threads = p->threads;
+    bp->device_mem = p->device_mem;
+    if (p->max_batch < 0 || p->max_seq_len < 0 || p->prefill_chunk < 0 || p->max_waiting < 0)
+        return st_err(STRATA_ERR_INVALID_ARG,
+                      "model params: negative max_batch %lld, max_seq_len %lld, prefill_chunk %lld or max_waiting %lld",
+                      (long long)p->max_batch, (long long)p->max_seq_len, (long long)p->prefill_chunk,
+                      (long long)p->max_waiting);
+    if (p->prefill != STRATA_PREFILL_AUTO && p->prefill != STRATA_PREFILL_PRECISE && p->prefill != STRATA_PREFILL_FAST)
+        return st_err(STRATA_ERR_INVALID_ARG, "model params: prefill %d", (int)p->prefill);
+    if (p->ring_slots < 0) return st_err(STRATA_ERR_INVALID_ARG, "model params: ring_slots %d < 0", p->ring_slots);
+    if (!(p->h2d_gbps >= 0) || !(p->ssd_gbps >= 0))
+        return st_err(STRATA_ERR_INVALID_ARG, "model params: bandwidths h2d %g, ssd %g GB/s (>= 0)", p->h2d_gbps,
+                      p->ssd_gbps);
+    return kv_dtype_of(p, kvd);
+}
+
+/* The prefill precision: AUTO is fast when a matrix of the model (a 2-D
+ * tensor other than the token embedding) is stored in bf16, f16 or a
+ * quantized type, precise for f32 models (as the tools choose). */
+static bool fast_prefill(strata_prefill pf, const st_model_files *files) {
+    if (pf != STRATA_PREFILL_AUTO) return pf == STRATA_PREFILL_FAST;
+    for (int64_t i = 0; i < files->n_tensors; i++) {
+        const st_tensor_desc *t = &files->tensors[i];
+        if (t->n_dims == 2 && strcmp(t->name, "model.embed_tokens.weight") != 0 && t->dtype != ST_DTYPE_F32)
+            return true;
+    }
+    return false;
+}
+
+static strata_status tpl_copy(const st_chat_template *src, st_chat_template *dst) {
+    memset(dst, 0, sizeof *dst);
+    dst->kind = src->kind;
+    dst->date_from_clock = src->date_from_clock;
+    if ((src->default_system && !(dst->default_system = st_strdup(src->default_system))) ||
+        (src->date && !(dst->date = st_strdup(src->date)))) {
+        st_chat_template_clear(dst);
+        return st_err(STRATA_ERR_NOMEM, "chat template: out of memory");
+    }
+    return STRATA_OK;
+}
+
+void strata_model_free(strata_model *m) {
+    if (!m) return;
+    st_engine_free(m->eng); /* stops the thread, aborts what is pending (their records freed) */
+    st_chat_template_clear(&m->tpl);
+    st_chat_template_clear(&m->own);
+    st_tokenizer_free(m->tok);
+    st_backend_free(m->be);
+    st_model_close(m->files);
+    st_free(m);
+}
+
+strata_status strata_model_open(const char *path, const strata_model_params *params, strata_model **out) {
+    if (!out) return st_err(STRATA_ERR_INVALID_ARG, "strata_model_open: out is NULL");
+    *out = NULL;
+    if (!path) return st_err(STRATA_ERR_INVALID_ARG, "strata_model_open: path is NULL");
+    const strata_model_params p = params ? *params : (strata_model_params){0};
+    st_backend_params bp;
+    st_kv_dtype kvd;
+    strata_status st = check_params(&p, &bp, &kvd);
+    if (st) return st;
+    strata_model *m = st_calloc(1, sizeof *m);
+    if (!m) return st_err(STRATA_ERR_NOMEM, "strata_model_open: out of memory");
+    atomic_init(&m->thread_on, false);
+    if ((st = st_model_open(path, &m->files)) || (st = st_backend_init(&bp, &m->be)) ||
+        (st = st_tokenizer_load(m->files, &m->tok))) {
+        strata_model_free(m);
+        return st;
+    }
+    m->be->ops->set_fast_prefill(m->be, fast_prefill(p.prefill, m->files));
+    /* the chat template: recognised now; an unknown one is not an error until used */
+    m->own_status = st_chat_detect(st_tokenizer_chat_template(m->tok), &m->own);
+    if (m->own_status != STRATA_OK) {
+        snprintf(m->own_error, sizeof m->own_error, "%s", st_last_error());
+        st_clear_error();
+    }
+    if ((st = tpl_copy(&m->own, &m->tpl))) {
+        strata_model_free(m);
+        return st;
+    }
+    /* the engine's parameters, built later */
+    const st_config *cfg = &m->files->config;
+    int64_t seq = p.max_seq_len;
+    if (seq == 0)
+        seq = cfg->max_position_embeddings > 0 && cfg->max_position_embeddings < DEF_MAX_SEQ_CAP
+                  ? cfg->max_position_embeddings
+                  : DEF_MAX_SEQ_CAP;
+    m->ep = (st_engine_params){.max_batch = p.max_batch,
+                               .max_model_len = seq,
+                               .prefill_chunk = p.prefill_chunk,
+                               .max_waiting = p.max_waiting,
+                               .disable_prefix_cache = p.disable_prefix_cache,
+                               .kv_dtype = kvd,
+                               .device_mem = p.device_mem};
+    m->ep.weights.host_mem = p.host_mem;
+    m->ep.weights.ring_slots = p.ring_slots;
+    m->ep.weights.bw.h2d = p.h2d_gbps * 1e9;
+    m->ep.weights.bw.ssd = p.ssd_gbps * 1e9;
+    *out = m;
+    return STRATA_OK;
+}
+
+strata_status strata_model_create_engine(strata_model *m) {
+    if (!m) return st_err(STRATA_ERR_INVALID_ARG, "strata_model_create_engine: model is NULL");
+    if (m->eng) return STRATA_OK;
+    const int64_t tv = st_tokenizer_vocab_size(m->tok);
+    if (tv > m->files->config.vocab_size)
+        return st_err(STRATA_ERR_MISMATCH, "%s: the tokenizer has %lld tokens, more than the model's vocabulary of %lld",
+                      m->files->path, (long long)tv, (long long)m->files->config.vocab_size);
+    return st_engine_init(m->files, m->be, m->tok, &m->ep, &m->eng);
+}
+
+strata_status strata_model_load(const char *path, const strata_model_params *params, strata_model **out) {
+    strata_status st = strata_model_open(path, params, out);
+    if (st) return st;
+    if ((st = strata_model_create_engine(*out))) {
+        strata_model_free(*out);
+        *out = NULL;
+    }
+    return st;
+}
+
+strata_status strata_model_page_in(const strata_model *m, void (*progress)(void *user, uint64_t done, uint64_t total),
+                                   void *user) {
+    if (!m) return st_err(STRATA_ERR_INVALID_ARG, "strata_model_page_in: model is NULL");
+    const st_model_files *files = m->files;
+    uint64_t total = 0, done = 0;
+    for (int f = 0; f < files->n_files; f++) total += files->files[f].size;
+    uint8_t acc = 0;
+    for (int f = 0; f < files->n_files; f++) {
+        const st_mapped_file *mf = &files->files[f];
+        if (!mf->data) continue;
+        for (uint64_t off = 0; off < mf->size; off += 4096) {
+            acc ^= ((const volatile uint8_t *)mf->data)[off];
+            if (progress && ((off >> 12) & 1023) == 0) progress(user, done + off, total);
+        }
+        done += mf->size;
+    }
+    volatile uint8_t sink = acc; /* the reads stay */
+    (void)sink;
+    return STRATA_OK;
+}
+
+strata_status strata_model_info_get(const strata_model *m, strata_model_info *out) {
+    if (!m || !out) return st_err(STRATA_ERR_INVALID_ARG, "strata_model_info_get: %s is NULL", m ? "out" : "model");
+    const st_config *c = &m->files->config;
+    memset(out, 0, sizeof *out);
+    out->vocab_size = c->vocab_size;
+    out->tokenizer_vocab_size = st_tokenizer_vocab_size(m->tok);
+    out->n_layers = c->n_layers;
+    out->hidden_size = c->hidden_size;
+    out->intermediate_size = c->intermediate_size;
+    out->n_heads = c->n_heads;
+    out->n_kv_heads = c->n_kv_heads;
+    out->head_dim = c->head_dim;
+    out->context_length = c->max_position_embeddings;
+    out->bos_id = st_tokenizer_bos(m->tok);
+    out->eos_id = st_tokenizer_eos(m->tok);
+    out->backend = m->be->kind == ST_BACKEND_CUDA ? "cuda" : "cpu";
+    out->kv_dtype = st_kv_dtype_name(m->ep.kv_dtype);
+    if (m->eng) {
+        const st_engine_params *ep = st_engine_get_params(m->eng);
+        out->max_batch = ep->max_batch;
+        out->max_seq_len = ep->max_model_len;
+    }
+    out->chat_template = st_chat_kind_name(m->tpl.kind);
+    out->chat_wants_date = m->tpl.date != NULL && m->tpl.date_from_clock;
+    return STRATA_OK;
+}
+
+/* ---- tokenizer ---------------------------------------------------------------------------*/
+/* Copies n bytes of src (+ a NUL) into buf[cap]; NOMEM (naming `fn`) when they do not fit. */
+static strata_status put_text(const char *fn, const char *src, size_t n, char *buf, size_t cap, size_t *len) {
+    *len = n;
+    if (cap < n + 1)
+        return st_err(STRATA_ERR_NOMEM, "%s: %zu bytes of text (+ 1 for the NUL) do not fit in %zu", fn, n, cap);
+    memcpy(buf, src, n);
+    buf[n] = '\0';
+    return STRATA_OK;
+}
+
+strata_status strata_tokenize(const strata_model *m, const char *text, bool add_special, bool parse_special,
+                              int32_t *ids, size_t cap, size_t *n) {
+    if (n) *n = 0;
+    if (!m || !text || !n || (!ids && cap > 0))
+        return st_err(STRATA_ERR_INVALID_ARG, "strata_tokenize: %s is NULL",
+                      !m ? "model" : !text ? "text" : !n ? "n" : "ids (with cap > 0)");
+    int32_t *got = NULL;
+    int64_t k = 0;
+    strata_status st = st_tokenizer_encode(m->tok, text, strlen(text), add_special, parse_special, &got, &k);
+    if (st) return st;
+    *n = (size_t)k;
+    if ((size_t)k > cap) st = st_err(STRATA_ERR_NOMEM, "strata_tokenize: %lld ids do not fit in %zu", (long long)k, cap);
+    else if (k > 0) memcpy(ids, got, (size_t)k * sizeof *ids);
+    st_free(got);
+    return st;
+}
+
+strata_status strata_detokenize(const strata_model *m, const int32_t *ids, size_t n, char *buf, size_t cap,
+                                size_t *len) {
+    if (len) *len = 0;
+    if (!m || !len || (!ids && n > 0) || (!buf && cap > 0))
+        return st_err(STRATA_ERR_INVALID_ARG, "strata_detokenize: %s is NULL",
+                      !m ? "model" : !len ? "len" : !buf && cap > 0 ? "buf (with cap > 0)" : "ids (with n > 0)");
+    if (n > (size_t)INT64_MAX) return st_err(STRATA_ERR_INVALID_ARG, "strata_detokenize: n %zu", n);
+    if (n == 0) return put_text("strata_detokenize", "", 0, buf, cap, len);
+    char *text = NULL;
+    size_t tl = 0;
+    strata_status st = st_tokenizer_decode_len(m->tok, ids, (int64_t)n, false, &text, &tl);
+    if (st) return st;
+    st = put_text("strata_detokenize", text, tl, buf, cap, len);
+    st_free(text);
+    return st;
+}
+
+/* ---- chat template ---------------------------------------------------------------------------*/
+strata_status strata_chat_template(const strata_model *m, const char **name) {
+    if (name) *name = "none";
+    if (!m || !name) return st_err(STRATA_ERR_INVALID_ARG, "strata_chat_template: %s is NULL", m ? "name" : "model");
+    *name = st_chat_kind_name(m->tpl.kind);
+    if (!m->tpl_set && m->own_status != STRATA_OK) return st_err(m->own_status, "%s", m->own_error);
+    return STRATA_OK;
+}
+
+strata_status strata_chat_set_template(strata_model *m, const char *name) {
+    if (!m) return st_err(STRATA_ERR_INVALID_ARG, "strata_chat_set_template: model is NULL");
+    st_chat_template next = {0};
+    strata_status st;
+    if (!name) {
+        if ((st = tpl_copy(&m->own, &next))) return st;
+    } else {
+        st_chat_kind k;
+        if (!st_chat_kind_from_name(name, &k))
+            return st_err(STRATA_ERR_INVALID_ARG, "strata_chat_set_template: '%s' is not one of chatml, llama3, llama2, none",
+                          name);
+        if (k != ST_CHAT_NONE && m->own.kind == k) {
+            if ((st = tpl_copy(&m->own, &next))) return st; /* same family: the template's details kept */
+        } else {
+            next.kind = k;
+        }
+    }
+    st_chat_template_clear(&m->tpl);
+    m->tpl = next;
+    m->tpl_set = name != NULL;
+    return STRATA_OK;
+}
+
+strata_status strata_chat_set_date(strata_model *m, const char *date) {
+    if (!m || !date) return st_err(STRATA_ERR_INVALID_ARG, "strata_chat_set_date: %s is NULL", m ? "date" : "model");
+    if (!m->tpl.date) return STRATA_OK;
+    char *d = st_strdup(date);
+    if (!d) return st_err(STRATA_ERR_NOMEM, "strata_chat_set_date: out of memory");
+    st_free(m->tpl.date);
+    m->tpl.date = d;
+    return STRATA_OK;
+}
+
+strata_status strata_chat_apply(const strata_model *m, const char *const *roles, const char *const *contents,
+                                size_t n, bool add_generation_prompt, char *buf, size_t cap, size_t *len) {
+    if (len) *len = 0;
+    if (!m || !roles || !contents || !len || (!buf && cap > 0))
+        return st_err(STRATA_ERR_INVALID_ARG, "strata_chat_apply: %s is NULL",
+                      !m ? "model" : !roles ? "roles" : !contents ? "contents" : !len ? "len" : "buf (with cap > 0)");
+    if (n == 0 || n > (size_t)INT32_MAX)
+        return st_err(STRATA_ERR_INVALID_ARG, "strata_chat_apply: %zu messages (1 or more)", n);
+    if (m->tpl.kind == ST_CHAT_NONE) {
+        if (!m->tpl_set && m->own_status != STRATA_OK) return st_err(m->own_status, "%s", m->own_error);
+        return st_err(STRATA_ERR_UNSUPPORTED, "strata_chat_apply: %s",
+                      m->tpl_set ? "the chat format is set to none" : "the model has no chat template");
+    }
+    for (size_t i = 0; i < n; i++)
+        if (!roles[i] || !contents[i])
+            return st_err(STRATA_ERR_INVALID_ARG, "strata_chat_apply: message %zu: %s is NULL", i,
+                          !roles[i] ? "role" : "content");
+    st_chat_msg *msgs = st_calloc(n, sizeof *msgs);
+    if (!msgs) return st_err(STRATA_ERR_NOMEM, "strata_chat_apply: out of memory");
+    for (size_t i = 0; i < n; i++) msgs[i] = (st_chat_msg){roles[i], contents[i]};
+    char *text = NULL;
+    strata_status st = st_chat_format(&m->tpl, msgs, (int64_t)n, add_generation_prompt, &text);
+    st_free(msgs);
+    if (st) return st;
+    st = put_text("strata_chat_apply", text, strlen(text), buf, cap, len);
+    st_free(text);
+    return st;
+}
+
+/* ---- generation ----------------------------------------------------------------------------------*/
+/* The record an accepted request carries: the caller's callbacks. Freed
+ * after its on_finish (which the engine calls exactly once, last). */
+typedef struct {
+    strata_callbacks cb;
+} req_rec;
+
+static void rec_on_text(void *user, const char *text, size_t len) {
+    req_rec *r = user;
+    if (r->cb.on_text) r->cb.on_text(r->cb.user, text, len);
+}
+
+static void rec_on_finish(void *user, const st_finish_info *f) {
+    req_rec *r = user;
+    if (r->cb.on_finish) {
+        const strata_finish fin = {
+            .reason = (strata_finish_reason)f->reason,
+            .detail = st_finish_detail(f),
+            .stop_string = f->stop_string,
+            .prompt_tokens = f->prompt_tokens,
+            .completion_tokens = f->completion_tokens,
+            .cached_tokens = f->cached_tokens,
+            .queue_s = f->queue_s,
+            .ttft_s = f->ttft_s,
+            .total_s = f->total_s,
+            .error = f->error,
+        };
+        r->cb.on_finish(r->cb.user, &fin);
+    }
+    st_free(r);
+}
+
+static strata_status need_engine(const strata_model *m, const char *fn) {
+    if (!m) return st_err(STRATA_ERR_INVALID_ARG, "%s: model is NULL", fn);
+    if (!m->eng)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: the model has no engine (strata_model_create_engine)", fn);
+    return STRATA_OK;
+}
+
+strata_status strata_submit(strata_model *m, const strata_request_params *params, const strata_callbacks *cb,
+                            uint64_t *id) {
+    if (id) *id = 0;
+    strata_status st = need_engine(m, "strata_submit");
+    if (st) return st;
+    if (!params || !cb || !id)
+        return st_err(STRATA_ERR_INVALID_ARG, "strata_submit: %s is NULL", !params ? "params" : !cb ? "callbacks" : "id");
+    const strata_request_params *p = params;
+    const bool has_ids = p->prompt_ids != NULL || p->n_prompt_ids > 0, has_text = p->prompt_text != NULL;
+    if (has_ids == has_text)
+        return st_err(STRATA_ERR_INVALID_ARG, "strata_submit: give the prompt as %s",
+                      has_ids ? "ids or text, not both" : "ids (prompt_ids) or text (prompt_text)");
+    if (has_ids && (!p->prompt_ids || p->n_prompt_ids == 0))
+        return st_err(STRATA_ERR_INVALID_ARG, "the prompt is empty (%s)", p->prompt_ids ? "n_prompt_ids 0" : "prompt_ids NULL");
+    if (p->n_prompt_ids > (size_t)INT64_MAX || p->n_stop > (size_t)INT_MAX)
+        return st_err(STRATA_ERR_INVALID_ARG, "strata_submit: n_prompt_ids %zu / n_stop %zu", p->n_prompt_ids, p->n_stop);
+    if (p->n_stop > 0 && !p->stop) return st_err(STRATA_ERR_INVALID_ARG, "stop: NULL list of %zu strings", p->n_stop);
+    if (p->max_tokens < 0) return st_err(STRATA_ERR_INVALID_ARG, "max_tokens %lld < 0", (long long)p->max_tokens);
+
+    int32_t *ids = NULL;
+    int64_t n_ids = (int64_t)p->n_prompt_ids;
+    if (has_text) {
+        st = st_tokenizer_encode(m->tok, p->prompt_text, strlen(p->prompt_text), !p->text_no_add_special, true, &ids,
+                                 &n_ids);
+        if (st) return st;
+    }
+    st_sampler_params sp = st_sampler_params_default();
+    sp.temperature = p->temperature;
+    sp.top_k = p->top_k;
+    sp.top_p = p->top_p == 0.0f ? 1.0f : p->top_p;
+    sp.min_p = p->min_p;
+    sp.repeat_penalty = p->repetition_penalty == 0.0f ? 1.0f : p->repetition_penalty;
+    sp.repeat_last_n = p->repeat_last_n;
+    sp.seed = p->seed;
+    const st_engine_request rq = {.prompt = has_text ? ids : p->prompt_ids,
+                                  .n_prompt = n_ids,
+                                  .sampler = sp,
+                                  .max_tokens = p->max_tokens,
+                                  .stop = p->stop,
+                                  .n_stop = (int)p->n_stop,
+                                  .ignore_eos = p->ignore_eos};
+    req_rec *rec = st_calloc(1, sizeof *rec);
+    if (!rec) {
+        st_free(ids);
+        return st_err(STRATA_ERR_NOMEM, "strata_submit: out of memory");
+    }
+    rec->cb = *cb;
+    const st_engine_callbacks ecb = {rec_on_text, rec_on_finish, rec};
+    st = st_engine_add(m->eng, &rq, &ecb, id);
+    st_free(ids);
+    if (st) st_free(rec); /* refused: no callback will ever run */
+    return st;
+}
+
+strata_status strata_abort(strata_model *m, uint64_t id) {
+    strata_status st = need_engine(m, "strata_abort");
+    return st ? st : st_engine_abort(m->eng, id);
+}
+
+strata_status strata_step(strata_model *m, bool *worked) {
+    if (worked) *worked = false;
+    strata_status st = need_engine(m, "strata_step");
+    if (st) return st;
+    if (atomic_load(&m->thread_on))
+        return st_err(STRATA_ERR_INVALID_ARG, "strata_step: the engine thread runs (strata_start); it steps the engine");
+    return st_engine_step(m->eng, worked);
+}
+
+strata_status strata_start(strata_model *m) {
+    strata_status st = need_engine(m, "strata_start");
+    if (st) return st;
+    if ((st = st_engine_start(m->eng))) return st;
+    atomic_store(&m->thread_on, true);
+    return STRATA_OK;
+}
+
+strata_status strata_stop(strata_model *m) {
+    strata_status st = need_engine(m, "strata_stop");
+    if (st) return st;
+    st_engine_stop(m->eng);
+    atomic_store(&m->thread_on, false);
+    return STRATA_OK;
+}
