@@ -16,9 +16,11 @@ struct st_kv_pool {
 
 static size_t r256(size_t x) { return (x + 255) / 256 * 256; }
 
-size_t st_kv_pool_meta_bytes(int64_t max_tokens, int64_t max_blocks) {
-    /* int64 slots[T] | int32 tokens, pos, seq, logit_rows, ctx_lens [T each] | tables [T * B] */
-    return (size_t)max_tokens * 8 + ((size_t)5 * max_tokens + (size_t)max_tokens * (size_t)max_blocks) * 4;
+size_t st_kv_pool_meta_bytes(int64_t max_tokens, int64_t max_blocks, int64_t block_size) {
+    /* int64 slots[T] | int32 tokens, pos, seq, logit_rows, ctx_lens [T each] | tables [T * B] |
+     * key slots [B * bs] */
+    return (size_t)max_tokens * 8 +
+           ((size_t)5 * max_tokens + (size_t)max_tokens * (size_t)max_blocks + (size_t)(max_blocks * block_size)) * 4;
 }
 
 static bool params_ok(const st_kv_pool_params *p) {
@@ -45,7 +47,7 @@ size_t st_kv_pool_device_bytes(const st_kv_pool_params *p) {
     if (!params_ok(p)) return 0;
     size_t data, scales;
     const int64_t B = (p->max_seq_len + p->block_size - 1) / p->block_size;
-    return (size_t)p->n_layers * layer_bytes(p, &data, &scales) + r256(st_kv_pool_meta_bytes(p->max_tokens, B));
+    return (size_t)p->n_layers * layer_bytes(p, &data, &scales) + r256(st_kv_pool_meta_bytes(p->max_tokens, B, p->block_size));
 }
 
 strata_status st_kv_pool_init(st_backend *be, const st_kv_pool_params *p, st_kv_pool **out) {
@@ -87,7 +89,7 @@ strata_status st_kv_pool_init(st_backend *be, const st_kv_pool_params *p, st_kv_
             goto fail;
         }
     }
-    kv->meta_bytes = st_kv_pool_meta_bytes(p->max_tokens, kv->max_blocks);
+    kv->meta_bytes = st_kv_pool_meta_bytes(p->max_tokens, kv->max_blocks, p->block_size);
     if ((st = be->ops->alloc(be, kv->meta_bytes, &kv->d_meta))) goto fail;
     if ((st = be->ops->host_alloc(be, kv->meta_bytes, &kv->h_meta))) goto fail;
     memset(kv->h_meta, 0, kv->meta_bytes); /* entries a batch does not write are never read, but defined */

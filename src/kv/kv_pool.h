@@ -82,8 +82,8 @@ void st_kv_pool_release(st_kv_pool *kv, int64_t layer, st_event *done);
  * buffer it is copied to (both owned by the pool). */
 void st_kv_pool_meta(st_kv_pool *kv, void **host, void **dev, size_t *bytes);
 /* Bytes the metadata of max_tokens tokens and tables of max_blocks entries
- * take (the layout is model/forward.c's). */
-size_t st_kv_pool_meta_bytes(int64_t max_tokens, int64_t max_blocks);
+ * of block_size-slot blocks take (the layout is model/forward.c's). */
+size_t st_kv_pool_meta_bytes(int64_t max_tokens, int64_t max_blocks, int64_t block_size);
 
 #ifdef __cplusplus
 }

@@ -7,7 +7,9 @@
  * pool's max_blocks), so that the device addresses of every field are the
  * same for every batch and a recorded pass (graphs.c) reads the new values:
  *   int64 slots[T] | int32 tokens[T] | pos[T] | seq[T] | logit_rows[T] |
- *   ctx_lens[T] | block_tables[T * B]
+ *   ctx_lens[T] | block_tables[T * B] | key_slots[B * bs]
+ * (key_slots: the slots of keys 0..ctx-1 of a gathered prefill chunk's
+ * sequence, written and copied only for such a batch: see gather_ctx)
  * Only the batch's entries are written (ctx_lens past its sequences are 0:
  * sequences with no keys, never referenced by a token); the copy covers the
  * table rows of its sequences. Attention is told n_seqs = T and a context
@@ -137,6 +139,11 @@ static int64_t batch_ctx_bucket(const st_kv_pool *kv, int64_t max_len) {
     return r * 256 < cap ? r * 256 : cap;
 }
 
+/* Tokens of one sequence from which a chunk's attention runs gathered
+ * (contiguous tensor-core kernels) rather than paged (SIMT tiles, one per
+ * (token, kv head) range): a decode-sized batch stays paged. */
+#define GATHER_MIN_TOKENS 16
+
 /* Packs b into the staging buffer (the fixed layout above), copies it to the
  * device and points d at it. */
 static strata_status batch_upload(st_llama *m, st_kv_pool *kv, const st_batch *b, batch_dev *d) {
@@ -161,6 +168,21 @@ static strata_status batch_upload(st_llama *m, st_kv_pool *kv, const st_batch *b
         memcpy(tab + s * B, b->block_tables + s * b->max_blocks, (size_t)b->max_blocks * 4);
     TRY(m->be->ops->copy_h2d(m->be, m->stream, dv, h, total));
     const uint8_t *dm = dv;
+    /* one sequence's prefill chunk, a pool the gather can read (get_rows: f32, bf16; int32 slot ids) */
+    d->gather_ctx = 0;
+    d->key_slots = NULL;
+    const st_kv_pool_params *kp = st_kv_pool_get_params(kv);
+    if (m->kg && S == 1 && n >= GATHER_MIN_TOKENS && (kp->dtype == ST_KV_F32 || kp->dtype == ST_KV_BF16) &&
+        kp->num_blocks * kp->block_size <= INT32_MAX) {
+        const int64_t ctx = b->ctx_lens[0], bs = kp->block_size;
+        const size_t o_key = o_tab + (size_t)(T * B) * 4;
+        ST_ASSERT(o_key + (size_t)ctx * 4 <= meta_bytes && ctx <= m->max_seq_len);
+        int32_t *keys = (int32_t *)(h + o_key);
+        for (int64_t j = 0; j < ctx; j++) keys[j] = (int32_t)(b->block_tables[j / bs] * bs + j % bs);
+        TRY(m->be->ops->copy_h2d(m->be, m->stream, (uint8_t *)dv + o_key, keys, (size_t)ctx * 4));
+        d->gather_ctx = ctx;
+        d->key_slots = (const int32_t *)(dm + o_key);
+    }
     int64_t max_len = 0;
     for (int64_t s = 0; s < S; s++)
         if (b->ctx_lens[s] > max_len) max_len = b->ctx_lens[s];

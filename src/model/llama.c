@@ -191,6 +191,9 @@ strata_status st_llama_init(const st_model_files *files, st_backend *be, const s
     if ((st = alloc_f32(m, T * V, &m->logits))) goto fail;
     if ((st = be->ops->alloc(be, (size_t)T * (sizeof(st_sample_args) + sizeof(int32_t)), (void **)&m->d_sargs)))
         goto fail;
+    if (st_plan_gather_bytes(be, c, m->max_seq_len) > 0 &&
+        ((st = alloc_f32(m, m->max_seq_len * kv_dim, &m->kg)) || (st = alloc_f32(m, m->max_seq_len * kv_dim, &m->vg))))
+        goto fail;
     m->d_sids = (int32_t *)(m->d_sargs + T);
     if ((st = be->ops->host_alloc(be, (size_t)T * (sizeof(st_sample_args) + sizeof(int32_t)), (void **)&m->h_sargs)))
         goto fail;
@@ -215,7 +218,8 @@ void st_llama_free(st_llama *m) {
     st_backend *be = m->be;
     if (m->stream) (void)be->ops->stream_sync(be, m->stream); /* nothing may still read a slot */
     st_llama_graphs_free(m);
-    void *bufs[] = {m->x, m->xn, m->tmp, m->q, m->att, m->k, m->v, m->gate, m->up, m->logits, m->inv_freq, m->d_sargs};
+    void *bufs[] = {m->x,      m->xn,     m->tmp, m->q,  m->att, m->k, m->v, m->gate, m->up, m->logits,
+                    m->inv_freq, m->d_sargs, m->kg, m->vg};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         if (bufs[i]) be->ops->dealloc(be, bufs[i]);
     if (m->h_sargs) be->ops->host_dealloc(be, m->h_sargs);
@@ -233,7 +237,11 @@ void st_llama_free(st_llama *m) {
  * added; on exit m->tmp holds o_proj's output. q, k and v in one
  * matmul_multi (one launch where the backend can: the same results as three
  * matmuls); the K/V rows are stored at the batch's slots in the pool's dtype
- * and attention reads every token's sequence through the block tables. */
+ * and attention reads every token's sequence through the block tables, or,
+ * for one sequence's prefill chunk (d->gather_ctx > 0), over its keys
+ * gathered from the pool into contiguous fp32 rows (get_rows dequantizes the
+ * pool's rows exactly) by the backend's contiguous attention, whose
+ * tensor-core kernels the paged op lacks. */
 strata_status st_llama_attn_ops(st_llama *m, const st_weight *w, const st_kv_layer *cache, batch_dev *d,
                                 int64_t n, bool residual_pending) {
     st_backend *be = m->be;
@@ -248,9 +256,21 @@ strata_status st_llama_attn_ops(st_llama *m, const st_weight *w, const st_kv_lay
     TRY(o->rope(be, m->stream, m->q, d->pos, n, c->n_heads, hd, m->inv_freq, c->rope_interleaved));
     TRY(o->rope(be, m->stream, m->k, d->pos, n, c->n_kv_heads, hd, m->inv_freq, c->rope_interleaved));
     TRY(o->kv_store_paged(be, m->stream, cache, m->k, m->v, d->slots, n));
+    const float scale = 1.0f / sqrtf((float)hd);
+    if (d->gather_ctx > 0) {
+        const st_dtype t = cache->dtype == ST_KV_BF16 ? ST_DTYPE_BF16 : ST_DTYPE_F32;
+        const int64_t kv_dim = c->n_kv_heads * hd;
+        const st_weight kw = {.data = cache->k, .dtype = t, .rows = cache->n_slots, .cols = kv_dim};
+        const st_weight vw = {.data = cache->v, .dtype = t, .rows = cache->n_slots, .cols = kv_dim};
+        TRY(o->get_rows(be, m->stream, &kw, d->key_slots, d->gather_ctx, m->kg));
+        TRY(o->get_rows(be, m->stream, &vw, d->key_slots, d->gather_ctx, m->vg));
+        TRY(o->attention(be, m->stream, m->q, m->kg, m->vg, d->pos, n, d->gather_ctx, c->n_heads, c->n_kv_heads, hd,
+                         scale, m->att));
+        return o->matmul(be, m->stream, m->att, &w[ST_WG_WO], n, m->tmp);
+    }
     d->pk.cache = *cache;
-    TRY(o->attention_paged(be, m->stream, m->q, &d->pk, d->seq, d->pos, n, c->n_heads, c->n_kv_heads, hd,
-                           1.0f / sqrtf((float)hd), m->att));
+    TRY(o->attention_paged(be, m->stream, m->q, &d->pk, d->seq, d->pos, n, c->n_heads, c->n_kv_heads, hd, scale,
+                           m->att));
     return o->matmul(be, m->stream, m->att, &w[ST_WG_WO], n, m->tmp);
 }
 

@@ -11,6 +11,12 @@ typedef struct {
     const int64_t *slots;
     const int32_t *tokens, *pos, *seq, *logit_rows;
     st_paged_kv pk;      /* .cache set per layer */
+    /* gathered attention (forward.c batch_upload): > 0 when the batch is one
+     * sequence's prefill chunk whose keys 0..gather_ctx-1 are gathered from
+     * the pool (key_slots: their slots) into m->kg / m->vg for the
+     * backend's contiguous tensor-core attention */
+    int64_t gather_ctx;
+    const int32_t *key_slots;
 } batch_dev;
 
 /* One shape of pass and its recording. A recording holds every pointer and
@@ -46,6 +52,8 @@ struct st_llama {
     /* activations, [max_tokens, ...] each (planner/planner.h st_plan_act_bytes) */
     float *x, *xn, *q, *k, *v, *att, *tmp, *gate, *up, *logits;
     float *inv_freq;        /* [head_dim/2] */
+    float *kg, *vg;         /* [max_seq_len, kv_dim] gathered keys / values of one sequence
+                               (NULL: not used on this backend: planner/planner.h st_plan_gather_bytes) */
     /* device sampling: args and ids, device / pinned host [max_tokens] each */
     st_sample_args *d_sargs, *h_sargs;
     int32_t *d_sids, *h_sids;

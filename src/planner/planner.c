@@ -12,7 +12,15 @@ static size_t r256(size_t x) { return (x + 255) / 256 * 256; }
 /* Block size of the probe's paged attention (the engines' default). */
 #define PLAN_KV_BLOCK 16
 
-size_t st_plan_act_bytes(const st_config *c, int64_t T) {
+#define GATHER_MAX_BYTES ((size_t)1 << 30)
+
+size_t st_plan_gather_bytes(const st_backend *be, const st_config *c, int64_t max_seq_len) {
+    if (be->kind != ST_BACKEND_CUDA) return 0;
+    const size_t one = r256((size_t)(max_seq_len * c->n_kv_heads * c->head_dim) * sizeof(float));
+    return 2 * one <= GATHER_MAX_BYTES ? 2 * one : 0;
+}
+
+size_t st_plan_act_bytes(const st_backend *be, const st_config *c, int64_t T, int64_t max_seq_len) {
     const int64_t H = c->hidden_size, q_dim = c->n_heads * c->head_dim, kv_dim = c->n_kv_heads * c->head_dim,
                   I = c->intermediate_size, V = c->vocab_size;
     size_t a = 3 * r256((size_t)(T * H) * 4);           /* x, xn, tmp */
@@ -22,7 +30,7 @@ size_t st_plan_act_bytes(const st_config *c, int64_t T) {
     a += r256((size_t)(T * V) * 4);                     /* logits */
     a += r256((size_t)(c->head_dim / 2) * 4);           /* inv_freq */
     a += r256((size_t)T * (sizeof(st_sample_args) + sizeof(int32_t))); /* sample args, ids */
-    return a;
+    return a + st_plan_gather_bytes(be, c, max_seq_len);                /* kg, vg */
 }
 
 /* ---- the backend's scratch, measured --------------------------------------------------
@@ -167,6 +175,8 @@ static strata_status scratch_probe_run(probe_ctx *p, const st_config *c, const s
             st = o->matmul(be, p->s, x, &w, ns[r], y);
         }
     const float scale = 1.0f / sqrtf((float)hd);
+    if (st == STRATA_OK) /* a gathered prefill chunk at the end of the context (model/forward.c) */
+        st = o->attention(be, p->s, x, kc, vc, pos_end, Ta, max_ctx, c->n_heads, c->n_kv_heads, hd, scale, y);
     if (st == STRATA_OK) {
         const st_paged_kv pk = {.cache = {.k = kc, .v = vc, .dtype = ST_KV_F32, .n_slots = max_blocks * bs,
                                           .n_kv_heads = c->n_kv_heads, .head_dim = hd},
@@ -272,7 +282,7 @@ strata_status st_plan_make(const st_model_files *files, st_backend *be, const st
     pp.device_mem = p->device_mem;
     pp.host_mem = wo->host_mem ? wo->host_mem : st_wplan_host_auto();
     pp.device_kv = p->kv_bytes;
-    pp.device_act = st_plan_act_bytes(c, T);
+    pp.device_act = st_plan_act_bytes(be, c, T, p->max_seq_len);
     pp.device_reserve = wo->device_reserve ? wo->device_reserve
                         : p->device_mem ? st_plan_scratch(be, c, g, T, p->max_seq_len, wo->probe_scratch) : 0;
     pp.ring_slots = wo->ring_slots;

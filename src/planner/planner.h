@@ -50,10 +50,17 @@ typedef struct {
     st_weight_opts weights;
 } st_plan_params;
 
+/* Device bytes of the two fp32 buffers [max_seq_len, kv_dim] into which a
+ * single-sequence prefill chunk gathers its keys and values from the paged
+ * pool, to run the backend's contiguous tensor-core attention (model/forward.c):
+ * CUDA only, and none when they would take more than 1 GiB (the paged kernel
+ * then serves every pass). */
+size_t st_plan_gather_bytes(const st_backend *be, const st_config *c, int64_t max_seq_len);
+
 /* Device bytes of the activations a model with these shapes allocates for
- * forward passes of max_tokens tokens (model/llama.c allocates exactly these
- * buffers), each rounded to 256 bytes. */
-size_t st_plan_act_bytes(const st_config *c, int64_t max_tokens);
+ * forward passes of max_tokens tokens on `be` (model/llama.c allocates exactly
+ * these buffers, st_plan_gather_bytes included), each rounded to 256 bytes. */
+size_t st_plan_act_bytes(const st_backend *be, const st_config *c, int64_t max_tokens, int64_t max_seq_len);
 
 /* The device bytes the backend takes for its own scratch while the model's
  * ops run, measured by running every op shape of a forward pass once over

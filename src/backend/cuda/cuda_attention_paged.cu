@@ -57,7 +57,9 @@
 #include "backend/cuda/cuda_internal.h"
 
 #define LOG2E 1.4426950408889634f
+#ifndef PA_SPLIT
 #define PA_SPLIT 256   /* keys per range: fixed, so a token's reduction order is its own */
+#endif
 #define PA_THREADS 128
 #define PA_TK 32       /* keys per tile */
 #define PA_SCRATCH_CAP ((size_t)64 << 20) /* partials of one sub-batch */
