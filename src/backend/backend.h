@@ -266,7 +266,7 @@ typedef struct {
      *     (scores by key, max, exp, sum in lanes, weighted sum by key), so the
      *     bits also equal `attention` over the same keys laid out contiguously;
      *   CUDA: one kernel for every token (decode or prefill alike); each
-     *     (token, kv head) splits its keys into fixed 256-key ranges and merges
+     *     (token, kv head) splits its keys into fixed 64-key ranges and merges
      *     them in order, so the reduction order depends only on its position.
      * The CPU backend checks every index (seq, pos, ctx_lens, the block ids
      * reached) and returns STRATA_ERR_INVALID_ARG; CUDA clamps them instead. */

@@ -121,7 +121,7 @@ static strata_status batch_check(const st_llama *m, const st_kv_pool *kv, const 
 }
 
 /* The attention context bound of a batch whose longest sequence holds
- * max_len keys: rounded up to 256-key ranges (the CUDA kernel's split), then
+ * max_len keys: rounded up to 256-key ranges (a multiple of the CUDA kernel's split), then
  * to a power of two up to 8 ranges and a multiple of 8 ranges above, capped
  * at the pool's table width. Recorded passes are keyed on it: a sequence that
  * grows changes the key every 2048 keys at most. */

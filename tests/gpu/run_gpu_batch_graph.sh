@@ -31,11 +31,4 @@ mp=$WORK/llama3_8b_${L}l_bf16
 echo "== timing ($L-layer Llama-3-8B shape, bf16)"
 build-gpu/gpu_check_batch_graph --time "$mp" 512 32 || rc=1
 
-if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  for mode in 0 1; do
-    echo "== strata bench --seqs, STRATA_BATCH_GRAPH=$mode"
-    STRATA_BATCH_GRAPH=$mode timeout 300 build-gpu/strata bench "$mp" --device cuda --prompt 16 --gen 64 --reps 1 \
-      --seqs 1,8,64 --seq-prompt 512 2>&1 | grep -E "decode (batch|step)|error" || echo "bench failed"
-  done
-fi
 exit $rc

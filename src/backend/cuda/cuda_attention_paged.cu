@@ -57,8 +57,13 @@
 #include "backend/cuda/cuda_internal.h"
 
 #define LOG2E 1.4426950408889634f
+/* Keys per range: fixed, so a token's reduction order is its own. 64 keys
+ * (two tiles) give a decode step of one sequence enough blocks: 8B shape on
+ * an H100, one sequence at context 576, bf16 KV: 256 -> 139.9 tok/s, 128 ->
+ * 155.3, 64 -> 162.3 (q4_0: 206, 240, 259); batched decode unchanged or
+ * better (bench/RESULTS.md). Overridable at build time for such measurements. */
 #ifndef PA_SPLIT
-#define PA_SPLIT 256   /* keys per range: fixed, so a token's reduction order is its own */
+#define PA_SPLIT 64
 #endif
 #define PA_THREADS 128
 #define PA_TK 32       /* keys per tile */
@@ -193,7 +198,7 @@ static __global__ void __launch_bounds__(128)
  * A block takes a TILE of up to TQ consecutive tokens of the batch that
  * belong to the same sequence, the query heads of one kv head (GC of them:
  * the whole GQA group, or a chunk of PT_ROWS heads of a larger one), and one
- * 256-key range; rows r = token (r / Gc) x head (r % Gc), at most PT_ROWS.
+ * PA_SPLIT-key range; rows r = token (r / Gc) x head (r % Gc), at most PT_ROWS.
  * Each 32-key tile of K/V is staged once in shared memory (cp.async, double-
  * buffered) and used by every row. Tiles are found on the device: token t
  * starts one when t is the sub-batch's first token, a multiple of TQ, or its
