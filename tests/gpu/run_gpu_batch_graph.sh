@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the repo root (carry .deps): recorded batched passes
-# (CUDA graphs of st_llama_forward_batch, model/llama.h) against direct runs.
+# (CUDA graphs of st_llama_forward, model/llama.h) against direct runs.
 #   1. gpu_check_batch_graph on the test models (and the default model when
 #      present): every pass's
 #      logits (and sampled ids) bitwise equal with and without graphs, graphs
@@ -8,9 +8,7 @@
 #   2. gpu_check_batch_graph --time on a Llama-3-8B-shaped bf16 model of
 #      $LAYERS layers (default 32; `strata mkmodel`, kept in $WORK): ms per
 #      decode step, graphs off vs on, batches 1, 8, 64 over 512-token prompts,
-#      logits of every step compared;
-#   3. `strata bench MODEL --device cuda --seqs 1,8,64 --seq-prompt 512` with
-#      STRATA_BATCH_GRAPH=0 and with graphs (SKIP_BENCH=1 skips it).
+#      logits of every step compared.
 # PASS / FAIL lines; exit status non-zero when a check failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
