@@ -1237,17 +1237,23 @@ static void check_model(const char *name, st_kv_dtype kt) {
         for (int i = N_PRE; i < N_ALL; i++) ep2 = max_err(ep2, logits_err(mc, kc, mg, kg, tok + i, 1, i, false, V));
         st_llama_get_graph_stats(mg, &g2);
         const bool f32 = mf->tensors[0].dtype == ST_DTYPE_F32;
-        const double thr = g_fast ? 5e-2 : 1e-4;
+        /* a bf16 pool rounds each backend's K/V rows, ~1e-6 apart in fp32,
+         * independently: a value near a rounding boundary goes to neighbouring
+         * bf16 codes (2^-8 relative), so the logits agree to the bf16 level
+         * (measured on an H100: up to 2.2e-3), not the f32 one; the stored bytes
+         * of one row are checked equal by the paged checks above */
+        const double dthr = kt == ST_KV_BF16 ? 1e-2 : 1e-4;
+        const double thr = g_fast ? 5e-2 : dthr;
         const bool ids_ok = own == N_DEC && clear_same == clear;
         const bool graphs_ok = g1.replays > 0 && g2.replays > g1.replays;
-        check(ed <= 1e-4 && ep <= thr && ep2 <= thr && ids_ok && graphs_ok,
-              "model %s (%s, %lld layers, heads %lld/%lld, hd %lld, kv %s%s): decode err=%.2e (thr 1e-4), greedy "
+        check(ed <= dthr && ep <= thr && ep2 <= thr && ids_ok && graphs_ok,
+              "model %s (%s, %lld layers, heads %lld/%lld, hd %lld, kv %s%s): decode err=%.2e (thr %.0e), greedy "
               "tokens: %d/%d the argmax of their logits, %d/%d equal to the CPU's (%d/%d where its top-2 gap is "
               "clear); prefill err=%.2e, decode after prefill err=%.2e (thr %.0e); graphs: %lld replays in the "
               "first decode, %lld after the prefill (%lld recorded, %lld direct, %lld failed)",
               name, f32 ? "f32" : "bf16", (long long)mf->config.n_layers, (long long)mf->config.n_heads,
               (long long)mf->config.n_kv_heads, (long long)mf->config.head_dim, st_kv_dtype_name(kt),
-              g_fast ? ", fast prefill" : "", ed, own, N_DEC, same, N_DEC, clear_same, clear, ep, ep2, thr,
+              g_fast ? ", fast prefill" : "", ed, dthr, own, N_DEC, same, N_DEC, clear_same, clear, ep, ep2, thr,
               (long long)g1.replays, (long long)(g2.replays - g1.replays), (long long)g2.recorded,
               (long long)g2.direct, (long long)g2.failed);
     }
