@@ -3,11 +3,20 @@
 (tests/data/smollm2, made by tools/ref/make_smollm2_refs.py on the GPU machine):
 logits of a 64-token English prompt. HF dequantizes the Q4_1/Q8_0 weights to
 float32; strata dequantizes inside its matmul, so the two should agree to float
-rounding, far inside the quantization error."""
+rounding, far inside the quantization error.
+
+One forward path: HF's 32 greedy tokens of the raw prompt come out of `strata
+run`, of `strata logits` (the argmax at every position of prompt + those tokens,
+one pass and --chunk 1) and of `strata serve` (a temperature-0 completion), all
+with the default bf16 KV cache."""
+import http.client
 import json
 import os
+import re
+import select
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -20,6 +29,31 @@ TMP = os.path.join(os.environ.get("STRATA_TMP", "/tmp/strata-test"), "smollm2_re
 REL_TOL = 1e-4
 BF16_KV_TOL = 2e-2
 DEV = ["--device", os.environ["STRATA_DEVICE"]] if os.environ.get("STRATA_DEVICE") else []
+
+
+def serve_completion(gguf, prompt, n):
+    """A temperature-0 completion of n tokens from a `strata serve` started here."""
+    log = open(os.path.join(TMP, "serve.log"), "wb")
+    proc = subprocess.Popen([BIN, "serve", gguf, "--port", "0", "--no-rooflines", *DEV], stdout=subprocess.PIPE,
+                            stderr=log)
+    try:
+        port, deadline = None, time.time() + 120
+        while port is None and time.time() < deadline and proc.poll() is None:
+            if select.select([proc.stdout], [], [], 0.5)[0]:
+                m = re.match(rb"listening on http://127\.0\.0\.1:(\d+)$", proc.stdout.readline().strip())
+                port = int(m.group(1)) if m else None
+        if port is None:
+            return None
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        body = {"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0}
+        c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        r = c.getresponse()
+        data = json.loads(r.read())
+        return data["choices"][0]["text"] if r.status == 200 else None
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
 
 
 def main():
@@ -86,6 +120,30 @@ def main():
             print("FAIL: greedy %s token counts differ from HF (%d prompt, %d generated): %s"
                   % (name, len(g["prompt_ids"]), len(g["tokens"]), p.stderr[-300:]))
             fails += 1
+    # the same greedy tokens through `strata logits` (teacher-forced: the argmax
+    # after each prefix is the next HF token) and `strata serve`
+    g = ref["greedy"]["raw"]
+    seq = g["prompt_ids"] + g["tokens"]
+    n_p = len(g["prompt_ids"])
+    for extra in ((), ("--chunk", "1")):
+        p = subprocess.run([BIN, "logits", gguf, "--tokens", " ".join(map(str, seq)), "--out", out, *DEV, *extra],
+                           capture_output=True, text=True)
+        checks += 1
+        am = (np.fromfile(out, dtype="<f4").reshape(len(seq), vocab).argmax(1).tolist() if p.returncode == 0 else [])
+        got = am[n_p - 1:len(seq) - 1]
+        same = got == g["tokens"]
+        print("greedy raw via strata logits %-10s: %s" % (" ".join(extra) or "one pass",
+                                                         "HF's 32 tokens" if same else "DIFFERENT: %s" % got))
+        if not same:
+            print("FAIL: strata logits %s greedy tokens differ from HF's: %s" % (" ".join(extra), p.stderr[-300:]))
+            fails += 1
+    checks += 1
+    text = serve_completion(gguf, g["text_in"], len(g["tokens"]))
+    want = g["text"].replace("<|im_end|>", "")
+    print("greedy raw via strata serve: %r (%s)" % (text, "same" if text == want else "DIFFERENT"))
+    if text != want:
+        print("FAIL: strata serve greedy completion differs from HF's: %r" % text)
+        fails += 1
     # strata inspect: architecture, tensor table, tokenizer kind, chat template
     p = subprocess.run([BIN, "inspect", gguf], capture_output=True, text=True)
     for want in ("llama: 30 layers, hidden 576", "bpe/smollm, 49152 tokens", "template detected: chatml",
