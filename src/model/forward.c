@@ -243,6 +243,64 @@ strata_status st_llama_batch_ops(st_llama *m, st_kv_pool *kv, batch_dev *d, cons
     return STRATA_OK;
 }
 
+/* ---- shape buckets ----------------------------------------------------------------------
+ * Recorded passes are keyed by their token count and logit-row count, so a
+ * scheduler producing every batch size from 1 to max_batch would record a
+ * graph for each. On a backend with graphs (CUDA; whether this pass is
+ * recorded or not, so that the numbers do not depend on it: a GEMM's row
+ * results may depend on its row count), a batch of more than 8 tokens is
+ * padded to its bucket (16, 24, 32, 48, 64, 96, 128, 192, 256) with dummy
+ * tokens (token 0 at position 0 of the batch's first sequence, slot -1: no
+ * K/V stored, nothing reads their output), and its logit rows likewise with
+ * rows of those dummies (as many as there are). A dummy changes no real
+ * token's arithmetic (attention is per token; every matmul row is computed
+ * alone), so padding only costs the dummies' compute. Up to 8 tokens the
+ * shapes stay exact (decode steps of a few sequences: the GEMV's sweet spot). A
+ * single sequence's prefill chunk of GATHER_MIN_TOKENS or more is never padded
+ * (it runs gathered and direct). */
+static int64_t shape_bucket(int64_t n) {
+    static const int64_t b[] = {16, 24, 32, 48, 64, 96, 128, 192, 256};
+    if (n <= 8) return n;
+    for (size_t i = 0; i < sizeof b / sizeof b[0]; i++)
+        if (n <= b[i]) return b[i];
+    return n;
+}
+
+/* *out = b padded to its bucket in m's pad arrays (args too, when given:
+ * dummies draw greedily); false when b runs as it is. */
+static bool pad_batch(st_llama *m, const st_batch *b, const st_sample_args *args, st_batch *out) {
+    const int64_t n = b->n_tokens, nl = b->n_logits;
+    if (n <= 8 || n > BG_MAX_TOKENS || (b->n_seqs == 1 && n >= GATHER_MIN_TOKENS) || m->be->kind != ST_BACKEND_CUDA)
+        return false;
+    const int64_t np = shape_bucket(n);
+    if (np == n || np > m->max_tokens) return false;
+    int64_t nlp = shape_bucket(nl);
+    if (nlp > nl + (np - n)) nlp = nl + (np - n);
+    memcpy(m->pad_tokens, b->tokens, (size_t)n * sizeof(int32_t));
+    memcpy(m->pad_pos, b->pos, (size_t)n * sizeof(int32_t));
+    memcpy(m->pad_seq, b->seq, (size_t)n * sizeof(int32_t));
+    memcpy(m->pad_slots, b->slots, (size_t)n * sizeof(int64_t));
+    for (int64_t i = n; i < np; i++) {
+        m->pad_tokens[i] = 0;
+        m->pad_pos[i] = 0;
+        m->pad_seq[i] = 0;
+        m->pad_slots[i] = -1;
+    }
+    if (nl) memcpy(m->pad_rows, b->logit_rows, (size_t)nl * sizeof(int32_t));
+    for (int64_t r = nl; r < nlp; r++) m->pad_rows[r] = (int32_t)(n + (r - nl));
+    if (args)
+        for (int64_t r = nl; r < nlp; r++) m->h_sargs[r] = (st_sample_args){.temperature = 0.0f, .top_p = 1.0f};
+    *out = *b;
+    out->n_tokens = np;
+    out->tokens = m->pad_tokens;
+    out->pos = m->pad_pos;
+    out->seq = m->pad_seq;
+    out->slots = m->pad_slots;
+    out->logit_rows = m->pad_rows;
+    out->n_logits = nlp;
+    return true;
+}
+
 /* Enqueues the whole pass (forward_batch below synchronizes). logits: host
  * [n_logits, V] or NULL (not copied); args: host [n_logits] or NULL: the
  * sample op's ids land in m->h_sids. */
@@ -253,10 +311,12 @@ static strata_status forward_enqueue(st_llama *m, st_kv_pool *kv, const st_batch
     const int64_t V = m->cfg.vocab_size;
     const bool sample = args && b->n_logits > 0;
     TRY(st_wm_begin(m->wm));
-    batch_dev d;
-    TRY(batch_upload(m, kv, b, &d));
     if (sample) memcpy(m->h_sargs, args, (size_t)b->n_logits * sizeof *args);
-    TRY(st_llama_batch_run(m, kv, &d, b, sample));
+    st_batch padded;
+    const st_batch *rb = pad_batch(m, b, sample ? args : NULL, &padded) ? &padded : b; /* the real rows first */
+    batch_dev d;
+    TRY(batch_upload(m, kv, rb, &d));
+    TRY(st_llama_batch_run(m, kv, &d, rb, sample));
     if (b->n_logits > 0 && logits)
         TRY(o->copy_d2h(be, m->stream, logits, m->logits, (size_t)(b->n_logits * V) * sizeof(float)));
     return STRATA_OK;

@@ -9,8 +9,6 @@
 
 #define BG_MAX_FAILS 3       /* failed recordings of a shape before it always runs directly */
 #define BG_MAX_DROPS 256     /* invalidations (device allocations between steps) before graphs are given up */
-#define BG_MAX_TOKENS 256    /* larger passes always run directly: their kernels are long enough to hide the
-                                launches, and their shapes (prefill chunks) seldom repeat */
 
 static void bg_drop(st_llama *m, batch_graph *e) {
     if (e->g) {

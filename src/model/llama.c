@@ -198,6 +198,15 @@ strata_status st_llama_init(const st_model_files *files, st_backend *be, const s
     if ((st = be->ops->host_alloc(be, (size_t)T * (sizeof(st_sample_args) + sizeof(int32_t)), (void **)&m->h_sargs)))
         goto fail;
     m->h_sids = (int32_t *)(m->h_sargs + T);
+    m->pad_tokens = st_malloc((size_t)T * sizeof(int32_t));
+    m->pad_pos = st_malloc((size_t)T * sizeof(int32_t));
+    m->pad_seq = st_malloc((size_t)T * sizeof(int32_t));
+    m->pad_rows = st_malloc((size_t)T * sizeof(int32_t));
+    m->pad_slots = st_malloc((size_t)T * sizeof(int64_t));
+    if (!m->pad_tokens || !m->pad_pos || !m->pad_seq || !m->pad_rows || !m->pad_slots) {
+        st = st_err(STRATA_ERR_NOMEM, "out of memory");
+        goto fail;
+    }
     if ((st = init_rope(m))) goto fail;
     /* backends that record graphs: the compute stream's scratch grown once to
      * the largest shapes now, so that no later pass grows (moves) it under
@@ -224,6 +233,11 @@ void st_llama_free(st_llama *m) {
         if (bufs[i]) be->ops->dealloc(be, bufs[i]);
     if (m->h_sargs) be->ops->host_dealloc(be, m->h_sargs);
     st_wm_free(m->wm);
+    st_free(m->pad_tokens);
+    st_free(m->pad_pos);
+    st_free(m->pad_seq);
+    st_free(m->pad_rows);
+    st_free(m->pad_slots);
     st_free(m->wshape);
     st_wgroups_free(m->groups);
     if (m->stream) be->ops->stream_destroy(be, m->stream);

@@ -123,7 +123,8 @@ strata_status st_llama_forward_seq(st_llama *m, st_kv_pool *kv, const int32_t *t
 
 /* Recorded passes. When every weight is device-resident and the backend has
  * graphs (CUDA), a pass of at most 256 tokens is recorded once per shape
- * (token count, logit rows, attention context bucket, device sampling or
+ * (token count and logit rows, both bucketed above 8 by padding the batch
+ * with dummy tokens (forward.c), attention context bucket, device sampling or
  * not, pool) and replayed: a step then costs a metadata copy, one graph
  * launch and one sync instead of ~25 launches per layer. The first pass of a
  * shape runs directly (it sizes the backend's scratch), the second is

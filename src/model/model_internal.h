@@ -25,6 +25,8 @@ typedef struct {
  * attention's bucketed context bound (its split count), whether the sample
  * op runs, and the KV pool. */
 #define BG_SLOTS 32
+#define BG_MAX_TOKENS 256    /* larger passes always run directly: their kernels are long enough to hide the
+                                launches, and their shapes (prefill chunks) seldom repeat */
 typedef struct {
     bool used;               /* the key is set: the shape ran directly at least once (its scratch is sized) */
     int64_t n, n_logits, max_ctx;
@@ -57,6 +59,10 @@ struct st_llama {
     /* device sampling: args and ids, device / pinned host [max_tokens] each */
     st_sample_args *d_sargs, *h_sargs;
     int32_t *d_sids, *h_sids;
+
+    /* a batch padded to its shape bucket (forward.c pad_batch): host [max_tokens] each */
+    int32_t *pad_tokens, *pad_pos, *pad_seq, *pad_rows;
+    int64_t *pad_slots;
 
     /* recorded passes (graphs.c) */
     batch_graph bg[BG_SLOTS];
