@@ -114,6 +114,16 @@ typedef struct {
     strata_prefill prefill;    /* CUDA prefill precision (default AUTO) */
     int ring_slots;            /* device slots streamed weights pass through (0: 2) */
     double h2d_gbps, ssd_gbps; /* bandwidths (GB/s) the weight plan uses instead of measuring (0: measure) */
+    /* serving knobs (zero: defaults) */
+    int64_t max_seq_len_cap;   /* when max_seq_len is 0: the model's context length capped at this many
+                                  tokens (0: 4096; e.g. 2048 for `strata serve`) */
+    int64_t step_tokens;       /* token budget of an engine step, decodes + prompt chunks (0:
+                                  prefill_chunk + max_batch); at least prefill_chunk */
+    int64_t kv_blocks;         /* paged KV cache size in blocks (0: from kv_mem) */
+    size_t kv_mem;             /* paged KV cache bytes when kv_blocks is 0 (0: room for max_batch
+                                  sequences of max_seq_len tokens, at most 1 GiB; never less than one
+                                  sequence) */
+    bool host_sample;          /* sample on the host even on CUDA (checks; default: on the device) */
 } strata_model_params;
 
 /* Opens a model (a Hugging Face directory with tokenizer.json, or a .gguf
@@ -181,6 +191,37 @@ typedef struct {
  * NULL arguments. Thread-safe against everything but
  * strata_model_create_engine / strata_chat_set_*. */
 strata_status strata_model_info_get(const strata_model *m, strata_model_info *out);
+
+/* The engine's parameters in force (defaults filled in, as it was built) and
+ * what one of its steps costs, for rooflines: a forward pass of n tokens over
+ * sequences holding c keys in all reads about weight_bytes + c *
+ * kv_bytes_per_token bytes and computes n * flops_per_token + (query, key)
+ * pairs * attn_flops_per_pair FLOPs. */
+typedef struct {
+    int64_t max_batch;            /* sequences running at once */
+    int64_t max_seq_len;          /* prompt + output tokens of one request */
+    int64_t prefill_chunk;        /* prompts run in chunks of this many tokens */
+    int64_t step_tokens;          /* token budget of a step (decodes + prompt chunks) */
+    int64_t max_waiting;          /* requests waiting for a slot before strata_submit refuses */
+    int64_t kv_block_size;        /* tokens per block of the paged KV cache */
+    int64_t kv_blocks;            /* blocks in the paged KV cache */
+    const char *kv_dtype;         /* "bf16", "fp8" or "f32" (a static string) */
+    bool prefix_cache;            /* prompt prefixes already computed are reused */
+    bool host_sample;             /* sampling on the host even on CUDA */
+    /* step costs (fixed when the engine is built) */
+    double weight_bytes;          /* weight bytes one forward pass reads (every layer matrix and norm,
+                                     the final norm and lm_head; embedding rows not counted unless
+                                     the table is lm_head) */
+    double kv_bytes_per_token;    /* K and V of every layer, as the cache stores them (kv_dtype) */
+    double flops_per_token;       /* 2 x the elements of every matrix a token goes through (lm_head
+                                     included) */
+    double attn_flops_per_pair;   /* 4 x heads x head_dim x layers: scores and the weighted sum */
+} strata_engine_info;
+
+/* Fills *out (zeroed on failure). Errors: INVALID_ARG for NULL arguments or a
+ * model without engine. Thread-safe (the values are fixed once the engine is
+ * built). */
+strata_status strata_engine_info_get(const strata_model *m, strata_engine_info *out);
 
 /* ==== tokenizer ================================================================== */
 
@@ -253,6 +294,11 @@ typedef enum {
     STRATA_FINISH_ABORT,    /* strata_abort, strata_stop or strata_model_free */
     STRATA_FINISH_ERROR,    /* the forward pass or the sampler failed (error says why) */
 } strata_finish_reason;
+
+#define STRATA_FINISH_COUNT 4 /* the reasons above */
+
+/* "stop", "length", "abort" or "error" (a static string; "?" for another value). */
+const char *strata_finish_reason_str(strata_finish_reason r);
 
 /* How a request ended, as on_finish receives it (valid during the call
  * only). Times are seconds from strata_submit. */
@@ -344,6 +390,58 @@ strata_status strata_start(strata_model *m);
  * restarted. Safe when not started. INVALID_ARG for NULL m or a model
  * without engine. */
 strata_status strata_stop(strata_model *m);
+
+/* ==== metrics ===================================================================== */
+
+/* A histogram with fixed upper bounds (Prometheus style): counts[i] holds the
+ * observations in (bounds[i-1], bounds[i]] (not cumulative), counts[n_bounds]
+ * those above the last bound (+Inf). */
+#define STRATA_HIST_MAX 24
+typedef struct {
+    int n_bounds;
+    double bounds[STRATA_HIST_MAX];
+    int64_t counts[STRATA_HIST_MAX + 1];
+    int64_t count;                    /* observations */
+    double sum;                       /* their sum */
+} strata_histogram;
+
+/* A snapshot of the engine's counters (cumulative since it was built, but
+ * for the gauges running, waiting and kv_blocks_used). */
+typedef struct {
+    int64_t running;                  /* sequences holding a slot */
+    int64_t waiting;                  /* requests waiting for a slot */
+    int64_t max_batch, max_seq_len;   /* the engine's limits (strata_engine_info) */
+    int64_t requests_added;           /* accepted by strata_submit */
+    int64_t requests_finished[STRATA_FINISH_COUNT]; /* by strata_finish_reason */
+    int64_t prompt_tokens;            /* prompt tokens computed (prefilled: recomputes after a preemption
+                                         count, prefix-cache hits do not) */
+    int64_t generation_tokens;        /* tokens sampled */
+    int64_t steps;                    /* steps that ran the model */
+    int64_t step_tokens;              /* tokens those steps' forward passes ran (prompt chunks + decodes) */
+    double step_seconds;              /* wall time of those steps (sampling and callbacks included; not
+                                         the idle time between steps) */
+    double forward_seconds;           /* of which in the forward passes (device sampling included) */
+    /* decode-only steps (every sequence of the batch ran one token, no prompt
+     * chunk): how many, their tokens (= sequences), the keys those sequences
+     * attended over (context lengths summed over sequences and steps), and
+     * their wall time */
+    int64_t decode_steps, decode_tokens, decode_kv_tokens;
+    double decode_seconds;
+    int64_t preemptions;              /* sequences sent back to waiting when KV blocks ran out */
+    /* the paged KV cache, in blocks of kv_block_size tokens: blocks held by
+     * live sequences (shared prefix blocks count once) and the cache size */
+    int64_t kv_block_size, kv_blocks_used, kv_blocks_total;
+    /* prefix cache, in prompt tokens: looked up / found already computed */
+    int64_t prefix_cache_queries, prefix_cache_hits;
+    strata_histogram ttft;            /* seconds from strata_submit to the first sampled token */
+    strata_histogram tbt;             /* seconds between consecutive sampled tokens of a request */
+    strata_histogram e2e;             /* seconds from strata_submit to the end */
+} strata_metrics;
+
+/* Copies the engine's counters into *out (zeroed on failure). Errors:
+ * INVALID_ARG for NULL arguments or a model without engine. Thread-safe (any
+ * thread, any time, callbacks included). */
+strata_status strata_metrics_get(strata_model *m, strata_metrics *out);
 
 #ifdef __cplusplus
 }

@@ -1,6 +1,7 @@
 /* The public C API (include/strata.h) on the default model (SmolLM2-135M-
  * Instruct Q4_1 GGUF), on the CPU: load, info, tokenize / detokenize round
- * trip, chat template, a streamed greedy completion (stepped on this thread,
+ * trip, chat template, the engine's parameters in force, step costs and
+ * metrics, a streamed greedy completion (stepped on this thread,
  * then the same on the engine thread), abort, argument errors with their
  * messages, and freeing everything (clean under ASan, leaks included).
  *
@@ -132,6 +133,10 @@ int main(void) {
         CHECK_ERR(strata_submit(m, &rq, &cb, &id), STRATA_ERR_INVALID_ARG, "engine");
         CHECK(id == 0);
         CHECK_ERR(strata_step(m, NULL), STRATA_ERR_INVALID_ARG, "engine");
+        strata_engine_info ei;
+        CHECK_ERR(strata_engine_info_get(m, &ei), STRATA_ERR_INVALID_ARG, "engine");
+        strata_metrics mt;
+        CHECK_ERR(strata_metrics_get(m, &mt), STRATA_ERR_INVALID_ARG, "engine");
         strata_model_free(m);
     }
 
@@ -161,6 +166,36 @@ int main(void) {
     CHECK(info.eos_id >= 0);
     CHECK_ERR(strata_model_info_get(NULL, &info), STRATA_ERR_INVALID_ARG, "model");
     CHECK_ERR(strata_model_info_get(m, NULL), STRATA_ERR_INVALID_ARG, "out");
+
+    /* ---- the engine's parameters in force and step costs */
+    strata_engine_info ei;
+    CHECK(strata_engine_info_get(m, &ei) == STRATA_OK);
+    printf("engine: batch %lld, seq %lld, prefill chunk %lld, step tokens %lld, waiting %lld, KV %lld x %lld (%s), "
+           "costs: %.0f weight bytes, %.0f KV bytes/token, %.0f FLOPs/token, %.0f attention FLOPs/pair\n",
+           (long long)ei.max_batch, (long long)ei.max_seq_len, (long long)ei.prefill_chunk, (long long)ei.step_tokens,
+           (long long)ei.max_waiting, (long long)ei.kv_blocks, (long long)ei.kv_block_size, ei.kv_dtype,
+           ei.weight_bytes, ei.kv_bytes_per_token, ei.flops_per_token, ei.attn_flops_per_pair);
+    CHECK(ei.max_batch == 2 && ei.max_seq_len == 256 && ei.prefill_chunk == 256 && ei.step_tokens == 258);
+    CHECK(ei.max_waiting == 4096 && ei.kv_block_size == 16 && ei.kv_blocks == 32); /* 2 sequences of 256 tokens */
+    CHECK(!strcmp(ei.kv_dtype, "bf16") && ei.prefix_cache && !ei.host_sample);
+    CHECK(ei.weight_bytes > 0 && ei.flops_per_token > 0 && ei.attn_flops_per_pair > 0);
+    CHECK(ei.kv_bytes_per_token == 2.0 * 30 * 3 * 64 * 2);  /* K and V, 30 layers, 3 kv heads x 64, bf16 */
+    CHECK(ei.attn_flops_per_pair == 4.0 * 9 * 64 * 30);
+    CHECK(ei.flops_per_token > 2.0 * 134e6 * 0.9);          /* ~2 x 135M parameters (the tied lm_head counts) */
+    CHECK_ERR(strata_engine_info_get(NULL, &ei), STRATA_ERR_INVALID_ARG, "model");
+    CHECK_ERR(strata_engine_info_get(m, NULL), STRATA_ERR_INVALID_ARG, "out");
+    strata_metrics mt;
+    CHECK(strata_metrics_get(m, &mt) == STRATA_OK);
+    CHECK(mt.requests_added == 0 && mt.steps == 0 && mt.running == 0 && mt.waiting == 0);
+    CHECK(mt.max_batch == 2 && mt.max_seq_len == 256 && mt.kv_block_size == 16 && mt.kv_blocks_total == 32);
+    CHECK(mt.kv_blocks_used == 0 && mt.ttft.count == 0 && mt.ttft.n_bounds > 0 && mt.ttft.n_bounds <= STRATA_HIST_MAX);
+    CHECK_ERR(strata_metrics_get(NULL, &mt), STRATA_ERR_INVALID_ARG, "model");
+    CHECK_ERR(strata_metrics_get(m, NULL), STRATA_ERR_INVALID_ARG, "out");
+    CHECK(!strcmp(strata_finish_reason_str(STRATA_FINISH_STOP), "stop") &&
+          !strcmp(strata_finish_reason_str(STRATA_FINISH_LENGTH), "length") &&
+          !strcmp(strata_finish_reason_str(STRATA_FINISH_ABORT), "abort") &&
+          !strcmp(strata_finish_reason_str(STRATA_FINISH_ERROR), "error") &&
+          !strcmp(strata_finish_reason_str((strata_finish_reason)STRATA_FINISH_COUNT), "?"));
 
     /* ---- tokenizer: sizes, too-small buffers, round trip */
     const char *text = "Hello, world! The capital of France is Paris. Ünïcödé ✓";
@@ -248,6 +283,29 @@ int main(void) {
     CHECK(strata_tokenize(m, a.text, false, false, ids, 512, &n2) == STRATA_OK);
     CHECK(strata_detokenize(m, ids, n2, buf, sizeof buf, &len) == STRATA_OK && !strcmp(buf, a.text));
     CHECK_ERR(strata_abort(m, id), STRATA_ERR_NOT_FOUND, NULL); /* finished */
+    /* the metrics after one completion: 16 tokens, the prompt in one chunk, then 15 decode-only steps */
+    CHECK(strata_metrics_get(m, &mt) == STRATA_OK);
+    printf("metrics: %lld steps (%lld tokens, %.3f s, forward %.3f s), %lld decode steps, ttft sum %.3f s\n",
+           (long long)mt.steps, (long long)mt.step_tokens, mt.step_seconds, mt.forward_seconds,
+           (long long)mt.decode_steps, mt.ttft.sum);
+    CHECK(mt.requests_added == 1 && mt.requests_finished[STRATA_FINISH_LENGTH] == 1 &&
+          mt.requests_finished[STRATA_FINISH_STOP] == 0 && mt.requests_finished[STRATA_FINISH_ABORT] == 0 &&
+          mt.requests_finished[STRATA_FINISH_ERROR] == 0);
+    CHECK(mt.running == 0 && mt.waiting == 0 && mt.kv_blocks_used == 0 && mt.preemptions == 0);
+    CHECK(mt.generation_tokens == 16 && mt.prompt_tokens == (int64_t)n_prompt);
+    CHECK(mt.steps == 16 && mt.step_tokens == (int64_t)n_prompt + 15);
+    CHECK(mt.decode_steps == 15 && mt.decode_tokens == 15 && mt.decode_kv_tokens > 15 * (int64_t)n_prompt);
+    CHECK(mt.step_seconds > 0 && mt.forward_seconds > 0 && mt.forward_seconds <= mt.step_seconds &&
+          mt.decode_seconds > 0 && mt.decode_seconds <= mt.step_seconds);
+    CHECK(mt.prefix_cache_queries > 0 && mt.prefix_cache_hits == 0);
+    CHECK(mt.ttft.count == 1 && mt.e2e.count == 1 && mt.tbt.count == 15);
+    CHECK(mt.ttft.sum > 0 && mt.e2e.sum >= mt.ttft.sum);
+    {
+        int64_t sum = 0;
+        for (int i = 0; i <= mt.tbt.n_bounds; i++) sum += mt.tbt.counts[i];
+        CHECK(sum == mt.tbt.count);
+        for (int i = 1; i < mt.tbt.n_bounds; i++) CHECK(mt.tbt.bounds[i] > mt.tbt.bounds[i - 1]);
+    }
     /* no more work */
     bool worked = true;
     CHECK(strata_step(m, &worked) == STRATA_OK && !worked);
@@ -361,6 +419,55 @@ int main(void) {
     CHECK_ERR(strata_submit(m, &rq, &cb, &id), STRATA_ERR_UNSUPPORTED, NULL);
     CHECK(strata_stop(m) == STRATA_OK); /* twice is fine */
     CHECK(atomic_load(&c.n_finish) == 1);
+    /* every request accepted so far, by how it ended; the metrics outlive the engine thread */
+    CHECK(strata_metrics_get(m, &mt) == STRATA_OK);
+    CHECK_MSG(mt.requests_added == 7 && mt.requests_finished[STRATA_FINISH_LENGTH] == 3 &&
+                  mt.requests_finished[STRATA_FINISH_STOP] == 1 && mt.requests_finished[STRATA_FINISH_ABORT] == 3 &&
+                  mt.requests_finished[STRATA_FINISH_ERROR] == 0 && mt.running == 0 && mt.waiting == 0,
+              "added %lld, finished %lld/%lld/%lld/%lld", (long long)mt.requests_added,
+              (long long)mt.requests_finished[0], (long long)mt.requests_finished[1],
+              (long long)mt.requests_finished[2], (long long)mt.requests_finished[3]);
+    CHECK(mt.prefix_cache_hits > 0 && mt.ttft.count >= 4 && mt.e2e.count == 7);
+
+    /* ---- the serving knobs: a context cap, step budget, KV cache size, host sampling */
+    strata_model_params knobs = mp;
+    knobs.max_seq_len = 0;
+    knobs.max_seq_len_cap = -1;
+    strata_model *m3 = (strata_model *)1;
+    CHECK_ERR(strata_model_load(path, &knobs, &m3), STRATA_ERR_INVALID_ARG, "max_seq_len_cap");
+    CHECK(m3 == NULL);
+    knobs.max_seq_len_cap = 512;
+    knobs.prefill_chunk = 64;
+    knobs.step_tokens = 100;
+    knobs.kv_blocks = 40;
+    knobs.host_sample = true;
+    knobs.max_waiting = 3;
+    CHECK(strata_model_load(path, &knobs, &m3) == STRATA_OK && m3);
+    if (m3) {
+        CHECK(strata_engine_info_get(m3, &ei) == STRATA_OK);
+        CHECK_MSG(ei.max_seq_len == 512 && ei.prefill_chunk == 64 && ei.step_tokens == 100 && ei.kv_blocks == 40 &&
+                      ei.host_sample && ei.max_waiting == 3 && ei.max_batch == 2,
+                  "seq %lld, chunk %lld, step %lld, blocks %lld", (long long)ei.max_seq_len, (long long)ei.prefill_chunk,
+                  (long long)ei.step_tokens, (long long)ei.kv_blocks);
+        CHECK(strata_model_info_get(m3, &info) == STRATA_OK && info.max_seq_len == 512);
+        CHECK(strata_metrics_get(m3, &mt) == STRATA_OK && mt.kv_blocks_total == 40 && mt.max_seq_len == 512);
+        strata_model_free(m3);
+    }
+    knobs.max_seq_len_cap = 0;
+    knobs.kv_mem = (size_t)16 * 23040 * 20; /* 20 blocks of 16 bf16 tokens */
+    knobs.kv_blocks = 0;
+    knobs.step_tokens = 0;
+    knobs.host_sample = false;
+    m3 = NULL;
+    CHECK(strata_model_load(path, &knobs, &m3) == STRATA_OK && m3);
+    if (m3) {
+        CHECK(strata_engine_info_get(m3, &ei) == STRATA_OK);
+        /* the model's context capped at 4096 (the default cap); 20 blocks asked, one sequence's 256 given */
+        CHECK_MSG(ei.max_seq_len == 4096 && ei.kv_blocks == 256 && ei.step_tokens == 64 + 2 && !ei.host_sample,
+                  "seq %lld, blocks %lld, step %lld", (long long)ei.max_seq_len, (long long)ei.kv_blocks,
+                  (long long)ei.step_tokens);
+        strata_model_free(m3);
+    }
 
     /* ---- free with a request pending: aborted on the way out */
     strata_model *m2 = NULL;

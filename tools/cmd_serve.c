@@ -1,16 +1,23 @@
 /* strata serve MODEL [options]: the OpenAI-compatible HTTP server.
  *
- * Loads the model files, the backend and the tokenizer, builds the engine
- * (max_batch sequence slots), starts its thread and the HTTP server, prints
- * "listening on http://HOST:PORT" on stdout when ready, and serves until
- * SIGINT or SIGTERM; then stops accepting, aborts what is in flight, and
- * frees everything.
+ * Through the public C API (strata.h): opens the model (files, backend,
+ * tokenizer, chat template), settles the chat format, builds the engine
+ * (max_batch sequence slots), starts its thread and the HTTP server
+ * (src/server, itself on strata.h), prints "listening on http://HOST:PORT"
+ * on stdout when ready, and serves until SIGINT or SIGTERM; then stops
+ * accepting, aborts what is in flight, and frees everything.
  *
  * On CUDA it first measures the device's rooflines (HBM bandwidth, GEMM
  * rate: tools/roofline.h) on a probe backend, before the model loads, and
  * publishes them in /metrics beside the engine's step costs, so that a
  * benchmark client (bench/bench_serve.py) can put the decode throughput it
- * measured beside the roofline of the batches it drove. */
+ * measured beside the roofline of the batches it drove.
+ *
+ * tools/common.h (shared with the other commands, over internal headers) is
+ * used for option parsing only (tool_model_opts, tool_parse_*), and with
+ * tools/roofline.h for the start-up probes (tool_backend_params ->
+ * tool_measure_device_rooflines); everything about the model goes through
+ * strata.h. */
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
@@ -19,13 +26,16 @@
 #include <string.h>
 #include <time.h>
 
+#include "strata.h"
+
 #include "commands.h"
-#include "common.h"
-#include "engine/engine.h"
-#include "roofline.h"
+#include "core/core.h" /* st_time_now */
+#include "common.h"   /* option parsing (tool_model_opts) and tool_backend_params for the probes */
+#include "roofline.h" /* start-up device probes */
 #include "server/server.h"
-#include "tokenizer/chat.h"
-#include "tokenizer/tokenizer.h"
+
+/* The model's context is capped at this many tokens when --max-model-len is not given. */
+#define SERVE_DEF_SEQ_CAP 2048
 
 static void serve_usage(FILE *f) {
     fprintf(f,
@@ -161,9 +171,13 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         fprintf(stderr, "strata serve: no MODEL given\n");
         return -1;
     }
+    if (o->mo.test_fault) {
+        fprintf(stderr, "strata serve: --test-fault is not supported by serve (strata run, bench)\n");
+        return -1;
+    }
     if (o->chat_template) {
-        st_chat_kind k;
-        if (!st_chat_kind_from_name(o->chat_template, &k) || k == ST_CHAT_NONE) {
+        if (strcmp(o->chat_template, "chatml") && strcmp(o->chat_template, "llama3") &&
+            strcmp(o->chat_template, "llama2")) {
             fprintf(stderr, "strata serve: --chat-template: '%s' is not one of chatml, llama3, llama2\n",
                     o->chat_template);
             return -1;
@@ -172,39 +186,41 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
     return 1;
 }
 
-/* The model's chat template, or --chat-template's; kind NONE when there is
- * none (chat completions are then refused). False (printed) on an
- * unrecognised template with no override. */
-static bool settle_chat(const serve_opts *o, const st_tokenizer *tok, st_chat_template *tpl) {
-    memset(tpl, 0, sizeof *tpl);
-    st_chat_template found = {0};
-    strata_status st = st_chat_detect(st_tokenizer_chat_template(tok), &found);
+static void print_error(const char *what) {
+    const char *msg = strata_last_error();
+    fprintf(stderr, "strata %s: %s\n", what, msg && *msg ? msg : "failed");
+}
+
+/* The model's chat template, or --chat-template's (a template of the same
+ * family keeps its details); "none" when there is none (chat completions are
+ * then refused). False (printed) on an unrecognised template with no
+ * override. A template that names a date gets today's, as transformers does. */
+static bool settle_chat(const serve_opts *o, strata_model *m) {
+    const char *name = "none";
+    const strata_status st = strata_chat_template(m, &name);
     if (o->chat_template) {
-        st_chat_kind k = ST_CHAT_NONE;
-        st_chat_kind_from_name(o->chat_template, &k);
-        if (st == STRATA_OK && found.kind == k) {
-            *tpl = found;
-        } else {
-            st_chat_template_clear(&found);
-            tpl->kind = k;
+        if (strata_chat_set_template(m, o->chat_template) != STRATA_OK) {
+            print_error("serve");
+            return false;
         }
     } else if (st != STRATA_OK) {
         fprintf(stderr, "strata serve: %s: %s.\nPass --chat-template chatml|llama3|llama2 to choose a format.\n",
-                o->model_path, st_last_error());
+                o->model_path, strata_last_error());
         return false;
-    } else {
-        *tpl = found;
     }
-    if (tpl->date && tpl->date_from_clock) { /* as transformers does: today's date */
+    strata_model_info info;
+    if (strata_model_info_get(m, &info) != STRATA_OK) {
+        print_error("serve");
+        return false;
+    }
+    if (info.chat_wants_date) {
         char buf[32];
         time_t now = time(NULL);
         struct tm tmv;
-        if (localtime_r(&now, &tmv) && strftime(buf, sizeof buf, "%d %b %Y", &tmv)) {
-            char *d = st_strdup(buf);
-            if (d) {
-                st_free(tpl->date);
-                tpl->date = d;
-            }
+        if (localtime_r(&now, &tmv) && strftime(buf, sizeof buf, "%d %b %Y", &tmv) &&
+            strata_chat_set_date(m, buf) != STRATA_OK) {
+            print_error("serve");
+            return false;
         }
     }
     return true;
@@ -236,42 +252,46 @@ int cmd_serve(int argc, char **argv) {
     signal(SIGPIPE, SIG_IGN);
 
     int rc = 1;
-    st_model_files *files = NULL;
-    st_backend *be = NULL;
-    st_tokenizer *tok = NULL;
-    st_chat_template tpl = {0};
-    st_engine *eng = NULL;
+    strata_model *m = NULL;
     st_server *srv = NULL;
     char *model_name = NULL;
+    const tool_model_opts *mo = &o.mo;
     double t0 = st_time_now();
     fprintf(stderr, "strata: loading %s ...\n", o.model_path);
-    if (st_model_open(o.model_path, &files) != STRATA_OK) {
-        tool_print_error("serve");
-        goto done;
-    }
-    st_backend_params bp = tool_backend_params(&o.mo);
-    /* device rooflines first, on a probe backend of their own (tools/roofline.h) */
+    /* device rooflines first, on a probe backend of their own (tools/roofline.h), before the
+     * model's backend exists */
+    const st_backend_params bp = tool_backend_params(mo);
     tool_rooflines roof = {0};
     if (!o.no_rooflines && !tool_measure_device_rooflines(&bp, &roof)) goto done;
     if (roof.copy_bw > 0)
         fprintf(stderr, "strata: device rooflines: HBM %.0f GB/s (copy, read + write), bf16 GEMM %.0f TFLOP/s "
                         "(precise path %.0f)\n", roof.copy_bw / 1e9, roof.gemm_fast / 1e12, roof.gemm_precise / 1e12);
-    if (st_backend_init(&bp, &be) != STRATA_OK || st_tokenizer_load(files, &tok) != STRATA_OK) {
-        tool_print_error("serve");
+    const strata_model_params mp = {
+        .device = mo->device,
+        .threads = mo->threads,
+        .device_mem = mo->device_mem,
+        .host_mem = mo->host_mem,
+        .kv_dtype = mo->kv_dtype == ST_KV_FP8 ? STRATA_KV_FP8 : mo->kv_dtype == ST_KV_F32 ? STRATA_KV_F32 : STRATA_KV_BF16,
+        .max_batch = o.max_batch,
+        .max_seq_len = o.max_model_len,
+        .max_seq_len_cap = SERVE_DEF_SEQ_CAP,
+        .prefill_chunk = o.prefill_chunk,
+        .step_tokens = o.step_tokens,
+        .kv_blocks = o.kv_blocks,
+        .kv_mem = o.kv_mem,
+        .host_sample = o.host_sample, /* tests/gpu/check_device_sample.py compares the two */
+        .prefill = mo->prefill < 0 ? STRATA_PREFILL_PRECISE : mo->prefill > 0 ? STRATA_PREFILL_FAST : STRATA_PREFILL_AUTO,
+        .ring_slots = mo->ring_slots,
+        .h2d_gbps = mo->h2d_bw,
+        .ssd_gbps = mo->ssd_bw,
+    };
+    if (strata_model_open(o.model_path, &mp, &m) != STRATA_OK) {
+        print_error("serve");
         goto done;
     }
-    be->ops->set_fast_prefill(be, tool_fast_prefill(&o.mo, files));
-    if (!settle_chat(&o, tok, &tpl)) goto done;
-    st_engine_params ep = tool_engine_params(&o.mo, &files->config);
-    ep.max_batch = o.max_batch;
-    ep.max_model_len = o.max_model_len;
-    ep.prefill_chunk = o.prefill_chunk;
-    ep.step_tokens = o.step_tokens;
-    ep.kv_blocks = o.kv_blocks;
-    ep.kv_mem = o.kv_mem;
-    ep.host_sample = o.host_sample; /* tests/gpu/check_device_sample.py compares the two */
-    if (st_engine_init(files, be, tok, &ep, &eng) != STRATA_OK || st_engine_start(eng) != STRATA_OK) {
-        tool_print_error("serve");
+    if (!settle_chat(&o, m)) goto done;
+    if (strata_model_create_engine(m) != STRATA_OK || strata_start(m) != STRATA_OK) {
+        print_error("serve");
         goto done;
     }
     if (o.model_name) {
@@ -281,22 +301,26 @@ int cmd_serve(int argc, char **argv) {
         size_t n = model_name ? strlen(model_name) : 0;
         if (n > 5 && !strcmp(model_name + n - 5, ".gguf")) model_name[n - 5] = 0;
     }
-    const st_engine_params *pp = st_engine_get_params(eng);
+    strata_model_info info;
+    strata_engine_info ei;
+    if (strata_model_info_get(m, &info) != STRATA_OK || strata_engine_info_get(m, &ei) != STRATA_OK) {
+        print_error("serve");
+        goto done;
+    }
     st_server_params sp = {.host = o.host, .port = (int)o.port, .api_key = o.api_key, .model_name = model_name,
                            .max_body = (size_t)o.max_body, .max_connections = (unsigned)o.max_conn,
                            .device_read_bw = roof.copy_bw, .gemm_rate = roof.gemm_fast,
                            .gemm_rate_precise = roof.gemm_precise};
-    if (st_server_start(eng, tok, &tpl, &sp, &srv) != STRATA_OK) {
-        tool_print_error("serve");
+    if (st_server_start(m, &sp, &srv) != STRATA_OK) {
+        print_error("serve");
         goto done;
     }
     fprintf(stderr,
             "strata: ready in %.2f s: model '%s' (%s, chat template %s), %lld sequences x %lld tokens, "
             "prefill chunk %lld, KV cache %lld blocks x %lld tokens (%.2f GiB)%s\n",
-            st_time_now() - t0, model_name ? model_name : "?", bp.kind == ST_BACKEND_CUDA ? "cuda" : "cpu",
-            st_chat_kind_name(tpl.kind), (long long)pp->max_batch, (long long)pp->max_model_len,
-            (long long)pp->prefill_chunk, (long long)pp->kv_blocks, (long long)pp->kv_block_size,
-            (double)(pp->kv_blocks * pp->kv_block_size) * st_engine_get_costs(eng)->kv_bytes_per_token / 1073741824.0,
+            st_time_now() - t0, model_name ? model_name : "?", info.backend, info.chat_template,
+            (long long)ei.max_batch, (long long)ei.max_seq_len, (long long)ei.prefill_chunk, (long long)ei.kv_blocks,
+            (long long)ei.kv_block_size, (double)(ei.kv_blocks * ei.kv_block_size) * ei.kv_bytes_per_token / 1073741824.0,
             o.api_key && o.api_key[0] ? ", API key required" : "");
     const bool v6 = strchr(o.host, ':') != NULL;
     printf("listening on http://%s%s%s:%d\n", v6 ? "[" : "", o.host, v6 ? "]" : "", st_server_port(srv));
@@ -309,11 +333,7 @@ int cmd_serve(int argc, char **argv) {
     rc = 0;
 done:
     st_server_stop(srv);   /* ends the connections, aborts their requests */
-    st_engine_free(eng);   /* stops the engine thread */
+    strata_model_free(m);  /* stops the engine thread */
     free(model_name);
-    st_chat_template_clear(&tpl);
-    st_tokenizer_free(tok);
-    st_backend_free(be);
-    st_model_close(files);
     return rc;
 }

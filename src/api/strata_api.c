@@ -42,6 +42,15 @@ const char *strata_last_error(void) { return st_last_error(); }
 
 void strata_set_log(strata_log_level level, strata_log_fn fn, void *user) { st_log_set(fn, user, level); }
 
+static strata_status need_engine(const strata_model *m, const char *fn);
+
+/* The public enums and limits mirror the internal ones. */
+_Static_assert(STRATA_FINISH_COUNT == ST_FINISH_COUNT_, "finish reasons");
+_Static_assert((int)STRATA_FINISH_STOP == (int)ST_FINISH_STOP && (int)STRATA_FINISH_LENGTH == (int)ST_FINISH_LENGTH &&
+                   (int)STRATA_FINISH_ABORT == (int)ST_FINISH_ABORT && (int)STRATA_FINISH_ERROR == (int)ST_FINISH_ERROR,
+               "finish reasons");
+_Static_assert(STRATA_HIST_MAX == ST_ENGINE_HIST_MAX, "histogram bounds");
+
 /* ---- model -------------------------------------------------------------------------------*/
 static strata_status kv_dtype_of(const strata_model_params *p, st_kv_dtype *out) {
     if (p->kv_dtype_name) {
@@ -79,6 +88,9 @@ static strata_status check_params(const strata_model_params *p, st_backend_param
     if (p->prefill != STRATA_PREFILL_AUTO && p->prefill != STRATA_PREFILL_PRECISE && p->prefill != STRATA_PREFILL_FAST)
         return st_err(STRATA_ERR_INVALID_ARG, "model params: prefill %d", (int)p->prefill);
     if (p->ring_slots < 0) return st_err(STRATA_ERR_INVALID_ARG, "model params: ring_slots %d < 0", p->ring_slots);
+    if (p->max_seq_len_cap < 0 || p->step_tokens < 0 || p->kv_blocks < 0)
+        return st_err(STRATA_ERR_INVALID_ARG, "model params: negative max_seq_len_cap %lld, step_tokens %lld or kv_blocks %lld",
+                      (long long)p->max_seq_len_cap, (long long)p->step_tokens, (long long)p->kv_blocks);
     if (!(p->h2d_gbps >= 0) || !(p->ssd_gbps >= 0))
         return st_err(STRATA_ERR_INVALID_ARG, "model params: bandwidths h2d %g, ssd %g GB/s (>= 0)", p->h2d_gbps,
                       p->ssd_gbps);
@@ -152,15 +164,19 @@ strata_status strata_model_open(const char *path, const strata_model_params *par
     /* the engine's parameters, built later */
     const st_config *cfg = &m->files->config;
     int64_t seq = p.max_seq_len;
+    const int64_t cap = p.max_seq_len_cap > 0 ? p.max_seq_len_cap : DEF_MAX_SEQ_CAP;
     if (seq == 0)
-        seq = cfg->max_position_embeddings > 0 && cfg->max_position_embeddings < DEF_MAX_SEQ_CAP
-                  ? cfg->max_position_embeddings
-                  : DEF_MAX_SEQ_CAP;
+        seq = cfg->max_position_embeddings > 0 && cfg->max_position_embeddings < cap ? cfg->max_position_embeddings
+                                                                                     : cap;
     m->ep = (st_engine_params){.max_batch = p.max_batch,
                                .max_model_len = seq,
                                .prefill_chunk = p.prefill_chunk,
+                               .step_tokens = p.step_tokens,
                                .max_waiting = p.max_waiting,
+                               .kv_blocks = p.kv_blocks,
+                               .kv_mem = p.kv_mem,
                                .disable_prefix_cache = p.disable_prefix_cache,
+                               .host_sample = p.host_sample,
                                .kv_dtype = kvd,
                                .device_mem = p.device_mem};
     m->ep.weights.host_mem = p.host_mem;
@@ -236,6 +252,30 @@ strata_status strata_model_info_get(const strata_model *m, strata_model_info *ou
     }
     out->chat_template = st_chat_kind_name(m->tpl.kind);
     out->chat_wants_date = m->tpl.date != NULL && m->tpl.date_from_clock;
+    return STRATA_OK;
+}
+
+strata_status strata_engine_info_get(const strata_model *m, strata_engine_info *out) {
+    if (out) memset(out, 0, sizeof *out);
+    if (!out) return st_err(STRATA_ERR_INVALID_ARG, "strata_engine_info_get: out is NULL");
+    strata_status st = need_engine(m, "strata_engine_info_get");
+    if (st) return st;
+    const st_engine_params *ep = st_engine_get_params(m->eng);
+    const st_engine_costs *c = st_engine_get_costs(m->eng);
+    out->max_batch = ep->max_batch;
+    out->max_seq_len = ep->max_model_len;
+    out->prefill_chunk = ep->prefill_chunk;
+    out->step_tokens = ep->step_tokens;
+    out->max_waiting = ep->max_waiting;
+    out->kv_block_size = ep->kv_block_size;
+    out->kv_blocks = ep->kv_blocks;
+    out->kv_dtype = st_kv_dtype_name(ep->kv_dtype);
+    out->prefix_cache = !ep->disable_prefix_cache;
+    out->host_sample = ep->host_sample;
+    out->weight_bytes = c->weight_bytes;
+    out->kv_bytes_per_token = c->kv_bytes_per_token;
+    out->flops_per_token = c->flops_per_token;
+    out->attn_flops_per_pair = c->attn_flops_per_pair;
     return STRATA_OK;
 }
 
@@ -475,5 +515,55 @@ strata_status strata_stop(strata_model *m) {
     if (st) return st;
     st_engine_stop(m->eng);
     atomic_store(&m->thread_on, false);
+    return STRATA_OK;
+}
+
+const char *strata_finish_reason_str(strata_finish_reason r) {
+    return (int)r >= 0 && (int)r < STRATA_FINISH_COUNT ? st_finish_reason_name((st_finish_reason)r) : "?";
+}
+
+/* ---- metrics -----------------------------------------------------------------------------------*/
+static void hist_copy(const st_engine_hist *h, strata_histogram *out) {
+    out->n_bounds = h->n_bounds;
+    memcpy(out->bounds, h->bounds, sizeof out->bounds);
+    memcpy(out->counts, h->counts, sizeof out->counts);
+    out->count = h->count;
+    out->sum = h->sum;
+}
+
+strata_status strata_metrics_get(strata_model *m, strata_metrics *out) {
+    if (out) memset(out, 0, sizeof *out);
+    if (!out) return st_err(STRATA_ERR_INVALID_ARG, "strata_metrics_get: out is NULL");
+    strata_status st = need_engine(m, "strata_metrics_get");
+    if (st) return st;
+    st_engine_metrics *e = st_malloc(sizeof *e); /* ~1.3 KB: not on a caller's (callback's) stack */
+    if (!e) return st_err(STRATA_ERR_NOMEM, "strata_metrics_get: out of memory");
+    st_engine_metrics_get(m->eng, e);
+    out->running = e->running;
+    out->waiting = e->waiting;
+    out->max_batch = e->max_batch;
+    out->max_seq_len = e->max_model_len;
+    out->requests_added = e->requests_added;
+    for (int i = 0; i < STRATA_FINISH_COUNT; i++) out->requests_finished[i] = e->requests_finished[i];
+    out->prompt_tokens = e->prompt_tokens;
+    out->generation_tokens = e->generation_tokens;
+    out->steps = e->steps;
+    out->step_tokens = e->step_tokens;
+    out->step_seconds = e->step_seconds;
+    out->forward_seconds = e->forward_seconds;
+    out->decode_steps = e->decode_steps;
+    out->decode_tokens = e->decode_tokens;
+    out->decode_kv_tokens = e->decode_kv_tokens;
+    out->decode_seconds = e->decode_seconds;
+    out->preemptions = e->preemptions;
+    out->kv_block_size = e->kv_block_size;
+    out->kv_blocks_used = e->kv_blocks_used;
+    out->kv_blocks_total = e->kv_blocks_total;
+    out->prefix_cache_queries = e->prefix_cache_queries;
+    out->prefix_cache_hits = e->prefix_cache_hits;
+    hist_copy(&e->ttft, &out->ttft);
+    hist_copy(&e->tbt, &out->tbt);
+    hist_copy(&e->e2e, &out->e2e);
+    st_free(e);
     return STRATA_OK;
 }

@@ -1,5 +1,6 @@
 /* OpenAI-compatible request parsing and answer building. See openai.h. */
 #include "server/openai.h"
+#include "core/core.h"
 #include "core/strbuf.h"
 
 #include <math.h>
@@ -8,7 +9,6 @@
 #include <string.h>
 
 #include "core/json.h"
-#include "tokenizer/tokenizer.h"
 
 #define INVALID "invalid_request_error"
 #define MAX_EXACT_INT 9007199254740992.0 /* 2^53 */
@@ -105,7 +105,7 @@ static bool parse_common(const cJSON *root, srv_gen *g, srv_error *e) {
         break;
     }
 
-    g->sp = st_sampler_params_default();
+    g->sp = (strata_request_params){.temperature = 1.0f, .top_p = 1.0f, .repetition_penalty = 1.0f};
     double d = 1.0;
     if (!get_number(root, "temperature", &d, &present, e)) return false;
     if (present && !(d >= 0 && d <= 2)) return out_of_range(e, "temperature", "in [0, 2]", d);
@@ -125,7 +125,7 @@ static bool parse_common(const cJSON *root, srv_gen *g, srv_error *e) {
     d = 1;
     if (!get_number(root, "repetition_penalty", &d, &present, e)) return false;
     if (present && !(d > 0 && d <= 2)) return out_of_range(e, "repetition_penalty", "in (0, 2]", d);
-    g->sp.repeat_penalty = (float)d;
+    g->sp.repetition_penalty = (float)d;
     int64_t seed = 0;
     if (!get_int(root, "seed", &seed, &g->seed_given, e)) return false;
     g->sp.seed = (uint64_t)seed;
@@ -227,7 +227,7 @@ oom:
 }
 
 /* ---- chat ------------------------------------------------------------------------------------*/
-static bool parse_messages(const cJSON *root, const st_chat_template *chat, srv_gen *g, srv_error *e) {
+static bool parse_messages(const cJSON *root, const strata_model *model, srv_gen *g, srv_error *e) {
     const cJSON *msgs = field(root, "messages");
     if (!msgs) {
         srv_error_set(e, 400, INVALID, "missing_required_parameter", "messages", "'messages' is required");
@@ -239,16 +239,18 @@ static bool parse_messages(const cJSON *root, const st_chat_template *chat, srv_
         srv_error_set(e, 400, INVALID, "invalid_value", "messages", "'messages' must not be empty");
         return false;
     }
-    if (!chat || chat->kind == ST_CHAT_NONE) {
+    const char *tpl = "none";
+    if (!model || strata_chat_template(model, &tpl) != STRATA_OK || !strcmp(tpl, "none")) {
         srv_error_set(e, 400, INVALID, "model_not_supported", "messages",
                       "the model has no chat template: use /v1/completions, or start the server with "
                       "--chat-template");
         return false;
     }
-    st_chat_msg *m = st_calloc((size_t)n, sizeof *m);
+    const char **roles = st_calloc((size_t)n, sizeof *roles);
+    const char **contents = st_calloc((size_t)n, sizeof *contents);
     char **owned = st_calloc((size_t)n, sizeof *owned);
     bool ok = false;
-    if (!m || !owned) {
+    if (!roles || !contents || !owned) {
         srv_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
         goto done;
     }
@@ -332,12 +334,23 @@ static bool parse_messages(const cJSON *root, const st_chat_template *chat, srv_
             wrong_type(e, name, "a string or an array of content parts", content);
             goto done;
         }
-        m[i] = (st_chat_msg){r, text};
+        roles[i] = r;
+        contents[i] = text;
         i++;
     }
-    if (st_chat_format(chat, m, n, true, &g->prompt_text) != STRATA_OK) {
-        srv_error_set(e, 400, INVALID, "invalid_value", "messages", "the conversation cannot be formatted: %s",
-                      st_last_error());
+    size_t len = 0;
+    strata_status st = strata_chat_apply(model, roles, contents, (size_t)n, true, NULL, 0, &len);
+    if (st == STRATA_ERR_NOMEM) { /* the size asked for: now the text */
+        if (!(g->prompt_text = st_malloc(len + 1))) {
+            srv_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+            goto done;
+        }
+        st = strata_chat_apply(model, roles, contents, (size_t)n, true, g->prompt_text, len + 1, &len);
+    }
+    if (st != STRATA_OK) {
+        srv_error_set(e, st == STRATA_ERR_NOMEM ? 500 : 400, st == STRATA_ERR_NOMEM ? "server_error" : INVALID,
+                      st == STRATA_ERR_NOMEM ? NULL : "invalid_value", st == STRATA_ERR_NOMEM ? NULL : "messages",
+                      "the conversation cannot be formatted: %s", strata_last_error());
         goto done;
     }
     g->prompt_special = true;
@@ -346,7 +359,8 @@ done:
     if (owned)
         for (int j = 0; j < n; j++) st_free(owned[j]);
     st_free(owned);
-    st_free(m);
+    st_free(roles);
+    st_free(contents);
     return ok;
 }
 
@@ -393,7 +407,7 @@ oom:
     return false;
 }
 
-bool srv_parse_gen(srv_kind kind, const char *body, size_t len, const st_chat_template *chat, srv_gen *g,
+bool srv_parse_gen(srv_kind kind, const char *body, size_t len, const strata_model *model, srv_gen *g,
                    srv_error *e) {
     memset(g, 0, sizeof *g);
     g->kind = kind;
@@ -408,7 +422,7 @@ bool srv_parse_gen(srv_kind kind, const char *body, size_t len, const st_chat_te
         srv_error_set(e, 400, INVALID, "invalid_json", NULL, "the request body must be a JSON object, got %s",
                       st_json_type_name(root));
     } else if (parse_common(root, g, e)) {
-        ok = kind == SRV_CHAT ? parse_messages(root, chat, g, e) : parse_prompt(root, g, e);
+        ok = kind == SRV_CHAT ? parse_messages(root, model, g, e) : parse_prompt(root, g, e);
     }
     cJSON_Delete(root);
     if (!ok) srv_gen_clear(g);
@@ -433,7 +447,7 @@ static cJSON *string_n(const char *text, size_t len) {
     return s;
 }
 
-static cJSON *usage_json(const st_engine_finish *u) {
+static cJSON *usage_json(const strata_finish *u) {
     cJSON *o = cJSON_CreateObject();
     if (!o) return NULL;
     cJSON_AddNumberToObject(o, "prompt_tokens", (double)u->prompt_tokens);
@@ -461,7 +475,7 @@ static void add_finish(cJSON *choice, const char *finish) {
 }
 
 char *srv_json_answer(const srv_answer_meta *m, const char *text, size_t len, const char *finish,
-                      const st_engine_finish *usage) {
+                      const strata_finish *usage) {
     cJSON *o = meta_json(m, false);
     if (!o) return NULL;
     cJSON *choices = cJSON_AddArrayToObject(o, "choices");
@@ -518,7 +532,7 @@ char *srv_json_chunk(const srv_answer_meta *m, bool role, const char *text, size
     return print_delete(o);
 }
 
-char *srv_json_usage_chunk(const srv_answer_meta *m, const st_engine_finish *usage) {
+char *srv_json_usage_chunk(const srv_answer_meta *m, const strata_finish *usage) {
     cJSON *o = meta_json(m, true);
     if (!o) return NULL;
     cJSON_AddArrayToObject(o, "choices");

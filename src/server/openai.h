@@ -29,8 +29,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
-#include "engine/engine.h"
-#include "tokenizer/chat.h"
+#include "strata.h"
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -46,7 +45,8 @@ typedef struct {
     int32_t *prompt_ids;    /* completions given token ids (else NULL) */
     int64_t n_prompt_ids;
     bool prompt_special;    /* chat: the text holds the template's special tokens (BOS etc.) */
-    st_sampler_params sp;
+    strata_request_params sp; /* the sampling fields only: temperature, top_k, top_p, min_p,
+                                 repetition_penalty, seed (prompt and stop are the fields above) */
     bool seed_given;
     int64_t max_tokens;     /* 0: not given */
     char *stop[SRV_MAX_STOP];
@@ -67,10 +67,11 @@ typedef struct {
 void srv_error_set(srv_error *e, int status, const char *type, const char *code, const char *param,
                    const char *fmt, ...) __attribute__((format(printf, 6, 7)));
 
-/* Parses a request body. chat: the model's template (kind NONE: chat is
- * refused). On success fills *g (caller clears it) and returns true; on a bad
+/* Parses a request body. model: formats chat conversations with its chat
+ * template (strata_chat_apply; NULL, or a template "none": chat is refused).
+ * On success fills *g (caller clears it) and returns true; on a bad
  * request returns false with *e filled (*g left cleared). */
-bool srv_parse_gen(srv_kind kind, const char *body, size_t len, const st_chat_template *chat, srv_gen *g,
+bool srv_parse_gen(srv_kind kind, const char *body, size_t len, const strata_model *model, srv_gen *g,
                    srv_error *e);
 void srv_gen_clear(srv_gen *g);
 
@@ -84,14 +85,14 @@ typedef struct {
 
 /* finish: "stop" / "length" (NULL: JSON null, for stream chunks) */
 char *srv_json_answer(const srv_answer_meta *m, const char *text, size_t len, const char *finish,
-                      const st_engine_finish *usage);
+                      const strata_finish *usage);
 /* One stream chunk. role: put "role":"assistant" in the delta (chat's first
  * chunk). text may be NULL (no content field in a chat delta). finish may be
  * NULL. with_usage_null: "usage": null (stream_options.include_usage). */
 char *srv_json_chunk(const srv_answer_meta *m, bool role, const char *text, size_t len, const char *finish,
                      bool with_usage_null);
 /* The last chunk of include_usage: empty choices and the usage. */
-char *srv_json_usage_chunk(const srv_answer_meta *m, const st_engine_finish *usage);
+char *srv_json_usage_chunk(const srv_answer_meta *m, const strata_finish *usage);
 char *srv_json_error(const srv_error *e);
 /* GET /v1/models */
 char *srv_json_models(const char *model, long long created, int64_t max_model_len);

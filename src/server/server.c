@@ -23,11 +23,12 @@
  *   strata_decode_seconds_total                     counters decode-only steps: how many, tokens
  *                                                            (= sequences), keys attended, wall time
  *   strata_model_weight_bytes_per_step, strata_model_kv_bytes_per_token,
- *   strata_model_flops_per_token, strata_model_attention_flops_per_pair   gauges (st_engine_costs)
+ *   strata_model_flops_per_token, strata_model_attention_flops_per_pair   gauges (strata_engine_info)
  *   strata_device_read_bytes_per_second, strata_gemm_flops_per_second,
  *   strata_gemm_precise_flops_per_second            gauges   measured at start-up (absent: unknown)
  */
 #include "server/server.h"
+#include "core/core.h"
 #include "core/strbuf.h"
 
 #include <errno.h>
@@ -60,9 +61,9 @@ static const int CODES[] = {200, 400, 401, 404, 405, 413, 429, 499, 500, 503};
 #define N_CODES ((int)(sizeof CODES / sizeof CODES[0]))
 
 struct st_server {
-    st_engine *engine;
-    const st_tokenizer *tok;
-    const st_chat_template *chat;
+    strata_model *model;
+    int64_t max_seq_len;          /* the engine's (strata_engine_info) */
+    strata_engine_info info;      /* the engine's parameters and step costs (fixed) */
     char *host, *api_key, *model_name;
     size_t max_body;
     int port;
@@ -105,7 +106,7 @@ typedef struct {
     /* filled by the engine thread, under mu */
     st_strbuf text;                  /* non-streamed: everything; streamed: not yet sent */
     bool finished;
-    st_engine_finish fin;
+    strata_finish fin;            /* detail: a static string; error: NULL (fin_error) */
     char *fin_error;
     /* streaming: owned by the connection thread */
     st_strbuf out;
@@ -184,11 +185,11 @@ static void on_text(void *user, const char *text, size_t len) {
     pthread_mutex_unlock(&r->mu);
 }
 
-static void on_finish(void *user, const st_engine_finish *f) {
+static void on_finish(void *user, const strata_finish *f) {
     req *r = user;
     st_server *s = r->srv;
     st_log(STRATA_LOG_INFO, "server: %s: %s (%s), %lld prompt + %lld completion tokens, queue %.3f s, ttft %.3f s, total %.3f s",
-           r->id, st_finish_reason_name(f->reason), st_finish_detail(f), (long long)f->prompt_tokens,
+           r->id, strata_finish_reason_str(f->reason), f->detail, (long long)f->prompt_tokens,
            (long long)f->completion_tokens, f->queue_s, f->ttft_s, f->total_s);
     pthread_mutex_lock(&r->mu);
     r->finished = true;
@@ -260,7 +261,7 @@ static enum MHD_Result error_reply(struct MHD_Connection *c, req *r, int status,
 }
 
 /* ---- /metrics ---------------------------------------------------------------------------------*/
-static bool hist_text(st_strbuf *b, const char *name, const char *help, const st_engine_hist *h) {
+static bool hist_text(st_strbuf *b, const char *name, const char *help, const strata_histogram *h) {
     bool ok = st_strbuf_printf(b, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
     int64_t cum = 0;
     for (int i = 0; i < h->n_bounds; i++) {
@@ -278,9 +279,12 @@ static bool metric(st_strbuf *b, const char *name, const char *type, const char 
 }
 
 static char *metrics_text(st_server *s) {
-    st_engine_metrics *m = st_malloc(sizeof *m);
+    strata_metrics *m = st_malloc(sizeof *m);
     if (!m) return NULL;
-    st_engine_metrics_get(s->engine, m);
+    if (strata_metrics_get(s->model, m) != STRATA_OK) {
+        st_free(m);
+        return NULL;
+    }
     int64_t http[R_COUNT_][N_CODES + 1];
     pthread_mutex_lock(&s->mu);
     memcpy(http, s->http, sizeof http);
@@ -307,9 +311,9 @@ static char *metrics_text(st_server *s) {
     ok = ok && metric(&b, "strata_requests_waiting", "gauge", "Requests waiting for a slot.", (double)m->waiting);
     ok = ok && st_strbuf_printf(&b, "# HELP strata_requests_finished_total Requests finished, by reason.\n"
                              "# TYPE strata_requests_finished_total counter\n");
-    for (int f = 0; f < ST_FINISH_COUNT_; f++)
+    for (int f = 0; f < STRATA_FINISH_COUNT; f++)
         ok = ok && st_strbuf_printf(&b, "strata_requests_finished_total{reason=\"%s\"} %lld\n",
-                             st_finish_reason_name((st_finish_reason)f), (long long)m->requests_finished[f]);
+                             strata_finish_reason_str((strata_finish_reason)f), (long long)m->requests_finished[f]);
     ok = ok && metric(&b, "strata_prompt_tokens_total", "counter", "Prompt tokens computed (prefilled).",
                       (double)m->prompt_tokens);
     ok = ok && metric(&b, "strata_generation_tokens_total", "counter", "Tokens generated (sampled).",
@@ -331,7 +335,7 @@ static char *metrics_text(st_server *s) {
     ok = ok && hist_text(&b, "strata_request_duration_seconds", "Time from a request's arrival at the engine to its end.", &m->e2e);
     ok = ok && metric(&b, "strata_max_batch", "gauge", "Sequences that can run at once.", (double)m->max_batch);
     ok = ok && metric(&b, "strata_max_model_len", "gauge", "Tokens per sequence (prompt and output).",
-                      (double)m->max_model_len);
+                      (double)m->max_seq_len);
     ok = ok && metric(&b, "strata_engine_step_tokens_total", "counter",
                       "Tokens the engine steps' forward passes ran (prompt chunks and decodes).", (double)m->step_tokens);
     ok = ok && metric(&b, "strata_engine_step_seconds_total", "counter",
@@ -350,7 +354,7 @@ static char *metrics_text(st_server *s) {
                       (double)m->decode_kv_tokens);
     ok = ok && metric(&b, "strata_decode_seconds_total", "counter", "Wall time of the decode-only steps.",
                       m->decode_seconds);
-    const st_engine_costs *c = st_engine_get_costs(s->engine);
+    const strata_engine_info *c = &s->info;
     ok = ok && metric(&b, "strata_model_weight_bytes_per_step", "gauge",
                       "Weight bytes one forward pass reads (every matrix once; embedding rows not counted).",
                       c->weight_bytes);
@@ -386,13 +390,13 @@ static bool sse_add(req *r, char *json /* freed */) {
     return ok;
 }
 
-static const char *finish_name(st_finish_reason f) { return f == ST_FINISH_LENGTH ? "length" : "stop"; }
+static const char *finish_name(strata_finish_reason f) { return f == STRATA_FINISH_LENGTH ? "length" : "stop"; }
 
 /* The client went away (or the server is stopping): abort the engine request. */
 static void client_gone(req *r) {
     st_server *s = r->srv;
     r->aborted = true;
-    st_engine_abort(s->engine, r->eid);
+    strata_abort(s->model, r->eid);
     const bool stopping = atomic_load(&s->stopping);
     if (!stopping) {
         pthread_mutex_lock(&s->mu);
@@ -434,7 +438,7 @@ static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
         piece = r->text; /* take the pending text */
         r->text = (st_strbuf){0};
         const bool fin = r->finished;
-        const st_engine_finish f = r->fin;
+        const strata_finish f = r->fin;
         char *ferr = fin && r->fin_error ? st_strdup(r->fin_error) : NULL;
         pthread_mutex_unlock(&r->mu);
 
@@ -447,10 +451,10 @@ static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
         if (ok && piece.len) ok = sse_add(r, srv_json_chunk(&r->meta, false, piece.p, piece.len, NULL, r->include_usage));
         st_free(piece.p);
         if (ok && fin) {
-            if (f.reason == ST_FINISH_ERROR || f.reason == ST_FINISH_ABORT) {
+            if (f.reason == STRATA_FINISH_ERROR || f.reason == STRATA_FINISH_ABORT) {
                 srv_error e;
                 srv_error_set(&e, 500, "server_error", NULL, NULL, "%s",
-                              f.reason == ST_FINISH_ABORT ? "the request was cancelled (the server is shutting down)"
+                              f.reason == STRATA_FINISH_ABORT ? "the request was cancelled (the server is shutting down)"
                                                           : ferr ? ferr : "generation failed");
                 ok = sse_add(r, srv_json_error(&e));
             } else {
@@ -464,7 +468,7 @@ static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
         st_free(ferr);
         if (!ok) {
             st_log(STRATA_LOG_ERROR, "server: %s: out of memory while streaming", r->id);
-            st_engine_abort(s->engine, r->eid);
+            strata_abort(s->model, r->eid);
             return MHD_CONTENT_READER_END_WITH_ERROR;
         }
     }
@@ -480,11 +484,37 @@ static uint64_t splitmix64(uint64_t x) {
     return x ^ (x >> 31);
 }
 
+/* text -> *ids (st_malloc'd; the caller frees), BOS / EOS as the tokenizer
+ * says when add_special, control token strings parsed. False (message set)
+ * when it cannot be tokenized. */
+static bool encode(const strata_model *m, const char *text, bool add_special, int32_t **ids, int64_t *n) {
+    *ids = NULL;
+    *n = 0;
+    size_t cap = strlen(text) + 8, got = 0; /* at most a token per byte, plus BOS / EOS */
+    for (int tries = 0; tries < 2; tries++) {
+        int32_t *buf = st_malloc(cap * sizeof *buf);
+        if (!buf) {
+            st_err(STRATA_ERR_NOMEM, "out of memory");
+            return false;
+        }
+        strata_status st = strata_tokenize(m, text, add_special, true, buf, cap, &got);
+        if (st == STRATA_OK) {
+            *ids = buf;
+            *n = (int64_t)got;
+            return true;
+        }
+        st_free(buf);
+        if (st != STRATA_ERR_NOMEM || got <= cap) return false;
+        cap = got;
+    }
+    return false;
+}
+
 static enum MHD_Result handle_generate(struct MHD_Connection *c, req *r, srv_kind kind) {
     st_server *s = r->srv;
     srv_gen g;
     srv_error e;
-    if (!srv_parse_gen(kind, r->body.p ? r->body.p : "", r->body.len, s->chat, &g, &e)) return reply_error(c, r, &e, NULL);
+    if (!srv_parse_gen(kind, r->body.p ? r->body.p : "", r->body.len, s->model, &g, &e)) return reply_error(c, r, &e, NULL);
     st_free(r->body.p);
     r->body = (st_strbuf){0};
 
@@ -494,15 +524,14 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *r, srv_kin
         ids = g.prompt_ids;
         n = g.n_prompt_ids;
         g.prompt_ids = NULL;
-    } else if (st_tokenizer_encode(s->tok, g.prompt_text, strlen(g.prompt_text), !g.prompt_special, true, &ids, &n) !=
-               STRATA_OK) {
+    } else if (!encode(s->model, g.prompt_text, !g.prompt_special, &ids, &n)) {
         srv_error_set(&e, 400, "invalid_request_error", "invalid_value", kind == SRV_CHAT ? "messages" : "prompt",
                       "the prompt cannot be tokenized: %s", st_last_error());
         srv_gen_clear(&g);
         return reply_error(c, r, &e, NULL);
     }
     const char *pname = kind == SRV_CHAT ? "messages" : "prompt";
-    const int64_t ctx = st_engine_get_params(s->engine)->max_model_len;
+    const int64_t ctx = s->max_seq_len;
     if (n == 0) {
         srv_error_set(&e, 400, "invalid_request_error", "invalid_value", pname, "the prompt is empty (no tokens)");
     } else if (n >= ctx) {
@@ -528,22 +557,20 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *r, srv_kin
     r->n_prompt = n;
     if (!g.seed_given) g.sp.seed = splitmix64(s->seed_base + num * 0x2545f4914f6cdd1dull);
 
-    st_engine_request er = {
-        .prompt = ids,
-        .n_prompt = n,
-        .sampler = g.sp,
-        .max_tokens = g.max_tokens,
-        .stop = (const char *const *)g.stop,
-        .n_stop = g.n_stop,
-        .ignore_eos = g.ignore_eos,
-    };
-    const st_engine_callbacks cb = {on_text, on_finish, r};
+    strata_request_params er = g.sp; /* the sampling fields */
+    er.prompt_ids = ids;
+    er.n_prompt_ids = (size_t)n;
+    er.max_tokens = g.max_tokens;
+    er.stop = (const char *const *)g.stop;
+    er.n_stop = (size_t)g.n_stop;
+    er.ignore_eos = g.ignore_eos;
+    const strata_callbacks cb = {on_text, on_finish, r};
     req_ref(r); /* the engine's */
     pthread_mutex_lock(&s->mu);
     s->n_engine++;
     pthread_mutex_unlock(&s->mu);
     strata_status st = atomic_load(&s->stopping) ? st_err(STRATA_ERR_UNSUPPORTED, "the server is shutting down")
-                                                 : st_engine_add(s->engine, &er, &cb, &r->eid);
+                                                 : strata_submit(s->model, &er, &cb, &r->eid);
     st_free(ids);
     srv_gen_clear(&g);
     if (st != STRATA_OK) {
@@ -564,7 +591,7 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *r, srv_kin
         struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 * 1024, stream_reader, r,
                                                                       stream_free);
         if (!resp) {
-            st_engine_abort(s->engine, r->eid);
+            strata_abort(s->model, r->eid);
             return MHD_NO;
         }
         req_ref(r); /* the response's */
@@ -589,11 +616,11 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *r, srv_kin
             return MHD_NO;
         }
     }
-    const st_engine_finish f = r->fin;
+    const strata_finish f = r->fin;
     pthread_mutex_unlock(&r->mu);
-    if (f.reason == ST_FINISH_ERROR || f.reason == ST_FINISH_ABORT) {
-        srv_error_set(&e, f.reason == ST_FINISH_ABORT ? 503 : 500, "server_error", NULL, NULL, "%s",
-                      f.reason == ST_FINISH_ABORT ? "the request was cancelled (the server is shutting down)"
+    if (f.reason == STRATA_FINISH_ERROR || f.reason == STRATA_FINISH_ABORT) {
+        srv_error_set(&e, f.reason == STRATA_FINISH_ABORT ? 503 : 500, "server_error", NULL, NULL, "%s",
+                      f.reason == STRATA_FINISH_ABORT ? "the request was cancelled (the server is shutting down)"
                                                   : r->fin_error ? r->fin_error : "generation failed");
         return reply_error(c, r, &e, NULL);
     }
@@ -643,7 +670,7 @@ static enum MHD_Result dispatch(struct MHD_Connection *c, req *r, const char *ur
                                "%s is not allowed on %s (use GET)", method, url);
         if (r->rt == R_MODELS)
             return reply_json(c, r, 200,
-                              srv_json_models(s->model_name, s->created, st_engine_get_params(s->engine)->max_model_len),
+                              srv_json_models(s->model_name, s->created, s->max_seq_len),
                               NULL);
         if (r->rt == R_HEALTH) {
             if (atomic_load(&s->stopping))
@@ -722,7 +749,7 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls, en
         const bool fin = r->finished;
         pthread_mutex_unlock(&r->mu);
         /* e.g. a write to a closed socket failed mid-stream */
-        if (!fin && st_engine_abort(s->engine, r->eid) == STRATA_OK) {
+        if (!fin && strata_abort(s->model, r->eid) == STRATA_OK) {
             st_log(STRATA_LOG_INFO, "server: %s: connection ended (code %d) before the answer; request aborted",
                    r->id, (int)toe);
             pthread_mutex_lock(&s->mu);
@@ -748,17 +775,19 @@ static void mhd_log(void *cls, const char *fmt, va_list ap) {
 }
 
 /* ---- start / stop ---------------------------------------------------------------------------------*/
-strata_status st_server_start(st_engine *engine, const st_tokenizer *tok, const st_chat_template *chat,
-                              const st_server_params *params, st_server **out) {
+strata_status st_server_start(strata_model *m, const st_server_params *params, st_server **out) {
+    if (!out) return st_err(STRATA_ERR_INVALID_ARG, "server: out is NULL");
     *out = NULL;
-    if (!engine || !tok || !params) return st_err(STRATA_ERR_INVALID_ARG, "server: no engine, tokenizer or params");
+    if (!m || !params) return st_err(STRATA_ERR_INVALID_ARG, "server: no model or params");
+    strata_engine_info info;
+    if (strata_engine_info_get(m, &info) != STRATA_OK) return STRATA_ERR_INVALID_ARG; /* no engine: message set */
     if (params->port < 0 || params->port > 65535)
         return st_err(STRATA_ERR_INVALID_ARG, "server: port %d is not in [0, 65535]", params->port);
     st_server *s = st_calloc(1, sizeof *s);
     if (!s) return st_err(STRATA_ERR_NOMEM, "server: out of memory");
-    s->engine = engine;
-    s->tok = tok;
-    s->chat = chat;
+    s->model = m;
+    s->info = info;
+    s->max_seq_len = info.max_seq_len;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
     s->host = st_strdup(params->host ? params->host : "127.0.0.1");

@@ -1,5 +1,5 @@
-/* server: the OpenAI-compatible HTTP front of an st_engine (libmicrohttpd +
- * cJSON).
+/* server: the OpenAI-compatible HTTP front of a model's engine (libmicrohttpd +
+ * cJSON), over the public C API (include/strata.h) only.
  *
  * Routes:
  *   POST /v1/chat/completions   messages -> the model's chat template -> tokens
@@ -32,9 +32,7 @@
 #pragma once
 #include <stddef.h>
 #include <stdint.h>
-#include "engine/engine.h"
-#include "tokenizer/chat.h"
-#include "tokenizer/tokenizer.h"
+#include "strata.h"
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -57,14 +55,16 @@ typedef struct {
     double gemm_rate_precise;/* FLOP/s of useful work on the backend's default (precise) matmul path */
 } st_server_params;
 
-/* Starts serving `engine` (whose thread the caller starts and stops) with
- * `tok` for prompts and `chat` for conversations (kind NONE: chat completions
- * are refused). Borrows engine, tok and chat: they must outlive the server.
- * Strings in params are copied. On success the server is listening and the
+/* Starts serving model `m` (strata_model_load'ed, its engine thread started
+ * and stopped by the caller: strata_start / strata_stop): its tokenizer for
+ * prompts, its chat template in use for conversations (strata_chat_template
+ * "none": chat completions are refused; the caller settles the template,
+ * and its date, before). Borrows m: it must outlive the server, and the
+ * chat template must not change while it serves. Strings in params are
+ * copied. On success the server is listening and the
  * caller owns *out (st_server_stop). On error (an address that does not
  * resolve, a port in use) *out is NULL and the message says why. */
-strata_status st_server_start(st_engine *engine, const st_tokenizer *tok, const st_chat_template *chat,
-                              const st_server_params *params, st_server **out);
+strata_status st_server_start(strata_model *m, const st_server_params *params, st_server **out);
 
 /* The port it listens on, and the host as given. */
 int st_server_port(const st_server *s);
