@@ -539,8 +539,12 @@ def test_load(srv):
           "/metrics counted every load request")
     growth = rss[1] - rss[0]
     tol = max(8 * 1024, rss[0] // 20)  # 8 MiB or 5%
-    check(growth <= tol, "resident memory after round 1 %d KiB, after round 2 %d KiB (growth %d KiB, tolerance %d)"
-          % (rss[0], rss[1], growth, tol))
+    if SAN:  # AddressSanitizer's quarantine holds freed memory: RSS says nothing there (the normal build checks it)
+        print("resident memory after round 1 %d KiB, after round 2 %d KiB: not asserted in a sanitizer build"
+              % (rss[0], rss[1]))
+    else:
+        check(growth <= tol, "resident memory after round 1 %d KiB, after round 2 %d KiB (growth %d KiB, tolerance %d)"
+              % (rss[0], rss[1], growth, tol))
 
 
 def test_api_key(model):
