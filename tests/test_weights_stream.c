@@ -367,7 +367,9 @@ static void check_batched(const char *name, st_model_files *files, pattern pat) 
     st_backend *be = cpu((size_t)1 << 30);
     lp.device_mem = (size_t)1 << 30;
     seq_run r = {NULL, NULL, V, bps, 0};
-    strata_status st = st_llama_init(files, be, &lp, &r.m);
+    strata_status st = st_llama_measure(files, be, &lp); /* the scratch probe runs (forced on the CPU: 0 bytes) */
+    CHECK_MSG(st == STRATA_OK, "%s batched %s: measure: %s", name, k_names[pat], st_last_error());
+    if (st == STRATA_OK) st = st_llama_init(files, be, &lp, &r.m);
     CHECK_MSG(st == STRATA_OK, "%s batched %s: init: %s", name, k_names[pat], st_last_error());
     if (st == STRATA_OK) st = st_kv_pool_init(be, &kp, &r.kv);
     CHECK_MSG(st == STRATA_OK, "%s batched %s: kv: %s", name, k_names[pat], st_last_error());

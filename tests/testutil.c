@@ -127,7 +127,8 @@ strata_status test_llama_open(const st_model_files *f, st_backend *be, st_llama_
     *kv = NULL;
     const st_kv_pool_params kp = test_kv_params(f, lp, kv_dtype);
     lp->kv_bytes = st_kv_pool_device_bytes(&kp);
-    strata_status st = st_llama_init(f, be, lp, m);
+    strata_status st = st_llama_measure(f, be, lp); /* what startup measures (nothing without a budget) */
+    if (st == STRATA_OK) st = st_llama_init(f, be, lp, m);
     if (st == STRATA_OK && (st = st_kv_pool_init(be, &kp, kv)) != STRATA_OK) {
         st_llama_free(*m);
         *m = NULL;

@@ -229,7 +229,8 @@ bool tool_model_open(const char *path, const tool_model_opts *o, tool_model *tm)
     }
     tm->be->ops->set_fast_prefill(tm->be, tool_fast_prefill(o, tm->files));
     st_llama_params lp = tool_llama_params(o, &tm->files->config);
-    if (st_llama_init(tm->files, tm->be, &lp, &tm->model) != STRATA_OK) {
+    if (st_llama_measure(tm->files, tm->be, &lp) != STRATA_OK || /* bandwidths, scratch (budgeted) */
+        st_llama_init(tm->files, tm->be, &lp, &tm->model) != STRATA_OK) {
         tool_print_error("model");
         tool_model_close(tm);
         return false;

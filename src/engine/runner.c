@@ -118,6 +118,7 @@ strata_status st_runner_init(const st_model_files *files, st_backend *be, const 
                                                             p.kv_block_size, p.kv_dtype);
         st_llama_params lp = {.max_seq_len = p.max_model_len, .max_tokens = batch_tokens, .weights = p.weights,
                               .device_mem = p.device_mem, .kv_bytes = st_kv_pool_device_bytes(&kp)};
+        if ((st = st_llama_measure(files, be, &lp))) goto fail; /* startup: bandwidths, scratch (budgeted) */
         if ((st = st_llama_init(files, be, &lp, &r->model))) goto fail;
         ST_ASSERT(st_llama_max_tokens(r->model) == batch_tokens);
         if ((st = st_kv_pool_init(be, &kp, &r->kv))) goto fail;

@@ -102,12 +102,20 @@ strata_status st_llama_plan(const st_model_files *files, st_backend *be, const s
     *groups = NULL;
     st_plan_params pp = plan_params(&files->config, p);
     pp.measure_bw = true; /* the predictions are what a plan is for */
-    strata_status st = st_wgroups_build(files, groups);
+    strata_status st = st_plan_measure(files, be, &pp);
+    if (st == STRATA_OK) st = st_wgroups_build(files, groups);
     if (st == STRATA_OK) st = st_plan_make(files, be, *groups, &pp, plan);
     if (st != STRATA_OK) {
         st_wgroups_free(*groups);
         *groups = NULL;
     }
+    return st;
+}
+
+strata_status st_llama_measure(const st_model_files *files, st_backend *be, st_llama_params *params) {
+    st_plan_params pp = plan_params(&files->config, params);
+    const strata_status st = st_plan_measure(files, be, &pp);
+    if (st == STRATA_OK) params->weights = pp.weights;
     return st;
 }
 

@@ -47,17 +47,24 @@ typedef struct {
     bool no_graphs;           /* never record passes as graphs (measurements, checks) */
 } st_llama_params;
 
+/* Startup: measures what the plan of these params needs and is not given
+ * (planner/planner.h st_plan_measure: bandwidths, scratch reserve under a
+ * budget), into params->weights. Call it before st_llama_init when
+ * params->device_mem > 0 (init measures nothing); takes seconds. */
+strata_status st_llama_measure(const st_model_files *files, st_backend *be, st_llama_params *params);
+
 /* Builds the model over the opened files on `be`. Borrows `files` and `be`
  * (both must outlive the model); the caller owns *out (st_llama_free). The
- * weights are placed by the planner (st_plan_make) from params->device_mem.
- * A budget too small for any placement fails with STRATA_ERR_NOMEM saying
- * how much is needed. */
+ * weights are placed by the planner (st_plan_make) from params->device_mem
+ * with the bandwidths in params->weights.bw (st_llama_measure; INVALID_ARG
+ * when a budget is set and they are missing). A budget too small for any
+ * placement fails with STRATA_ERR_NOMEM saying how much is needed. */
 strata_status st_llama_init(const st_model_files *files, st_backend *be, const st_llama_params *params,
                             st_llama **out);
 void st_llama_free(st_llama *m); /* NULL is a no-op */
 
 /* The placement st_llama_init would make with these params on `be`
- * (bandwidths not given are measured now). The caller owns *groups
+ * (bandwidths and scratch not given are measured now: st_llama_measure). The caller owns *groups
  * (st_wgroups_free) and *plan (st_wplan_free); on error both are empty. */
 strata_status st_llama_plan(const st_model_files *files, st_backend *be, const st_llama_params *params,
                             st_wgroups **groups, st_wplan *plan);

@@ -269,6 +269,8 @@ size_t st_plan_scratch(st_backend *be, const st_config *c, const st_wgroups *g, 
 }
 
 
+static bool bw_complete(const st_wbw *bw) { return bw->h2d > 0 && bw->ssd > 0 && bw->dev_read > 0 && bw->gemm > 0; }
+
 strata_status st_plan_make(const st_model_files *files, st_backend *be, const st_wgroups *g,
                            const st_plan_params *p, st_wplan *plan) {
     memset(plan, 0, sizeof *plan);
@@ -283,8 +285,7 @@ strata_status st_plan_make(const st_model_files *files, st_backend *be, const st
     pp.host_mem = wo->host_mem ? wo->host_mem : st_wplan_host_auto();
     pp.device_kv = p->kv_bytes;
     pp.device_act = st_plan_act_bytes(be, c, T, p->max_seq_len);
-    pp.device_reserve = wo->device_reserve ? wo->device_reserve
-                        : p->device_mem ? st_plan_scratch(be, c, g, T, p->max_seq_len, wo->probe_scratch) : 0;
+    pp.device_reserve = wo->device_reserve;
     pp.ring_slots = wo->ring_slots;
     pp.staging_chunk = wo->staging_chunk;
     pp.staging_chunks = wo->staging_chunks;
@@ -298,10 +299,24 @@ strata_status st_plan_make(const st_model_files *files, st_backend *be, const st
     pp.attn_flops = 4.0 * (double)c->n_heads * (double)c->head_dim * (double)c->n_layers;
     pp.bw = wo->bw;
     pp.force = wo->placement;
-    const bool measure = p->device_mem > 0 || wo->placement || p->measure_bw;
-    if (measure && (pp.bw.h2d <= 0 || pp.bw.ssd <= 0 || pp.bw.dev_read <= 0 || pp.bw.gemm <= 0)) {
-        strata_status st = st_wbw_measure(be, files, g, T, !wo->stream.no_direct, &pp.bw);
-        if (st != STRATA_OK) return st;
-    }
+    if ((p->device_mem > 0 || wo->placement) && !bw_complete(&pp.bw))
+        return st_err(STRATA_ERR_INVALID_ARG, "plan: a plan under a device budget needs the bandwidths (PCIe %.3g, "
+                      "SSD %.3g, device read %.3g B/s, GEMM %.3g FLOP/s): measure them at startup "
+                      "(st_plan_measure)", pp.bw.h2d, pp.bw.ssd, pp.bw.dev_read, pp.bw.gemm);
     return st_wplan_make(g, &pp, plan);
+}
+
+strata_status st_plan_measure(const st_model_files *files, st_backend *be, st_plan_params *p) {
+    st_weight_opts *wo = &p->weights;
+    const bool need_bw = (p->device_mem > 0 || wo->placement || p->measure_bw) && !bw_complete(&wo->bw);
+    const bool need_scratch = p->device_mem > 0 && wo->device_reserve == 0;
+    if (!need_bw && !need_scratch) return STRATA_OK;
+    const int64_t T = p->max_tokens > 0 ? p->max_tokens : 512;
+    st_wgroups *g = NULL;
+    strata_status st = st_wgroups_build(files, &g);
+    if (st == STRATA_OK && need_bw) st = st_wbw_measure(be, files, g, T, !wo->stream.no_direct, &wo->bw);
+    if (st == STRATA_OK && need_scratch)
+        wo->device_reserve = st_plan_scratch(be, &files->config, g, T, p->max_seq_len, wo->probe_scratch);
+    st_wgroups_free(g);
+    return st;
 }

@@ -8,9 +8,10 @@
  *            (measured: st_plan_scratch) + weights (resident groups and the
  *            ring streamed groups pass through: weights/plan.h);
  *   host   = pinned staging + host-tier weight groups.
- * It measures the bandwidths the placement needs (PCIe, SSD, device reads,
- * GEMM) when the budget is capped and they are not given: measuring belongs
- * to planning (startup, `strata plan`, `strata bench`), never to model init.
+ * The bandwidths the placement needs (PCIe, SSD, device reads, GEMM) and the
+ * scratch reserve are measured by st_plan_measure, which startup code calls
+ * (the engine's init, the tools, `strata plan`); the model's init only plans
+ * with them.
  * Who may include it: the model and everything above (it includes core,
  * loader, backend.h, weights and kv). */
 #pragma once
@@ -29,12 +30,13 @@ extern "C" {
 typedef struct {
     size_t host_mem;          /* pinned host memory for the weights (host tier + staging);
                                  0: 80% of MemAvailable */
-    size_t device_reserve;    /* device bytes kept for backend scratch (0: measured; none on CPU) */
+    size_t device_reserve;    /* device bytes kept for backend scratch (0: none; st_plan_measure fills it
+                                 in under a budget) */
     int ring_slots;           /* device slots streamed groups pass through (0: 2) */
     size_t staging_chunk;     /* pinned staging buffer bytes (0: 8 MiB) */
     int staging_chunks;       /* staging buffers = reads in flight at most (0: 16) */
     int64_t prefill_tokens;   /* prompt length of the plan's prefill prediction (0: 2048) */
-    st_wbw bw;                /* bandwidths given (0: measured when the device is capped) */
+    st_wbw bw;                /* bandwidths (0: unknown; st_plan_measure fills them in) */
     const st_tier *placement; /* fixed placement, [2 * n_layers + 2] in group order (tests); NULL: planned */
     st_wm_params stream;      /* reader options and test hooks (its host_mem is set from host_mem) */
     bool probe_scratch;       /* measure the backend's scratch on the CPU too (tests: the CPU's is 0) */
@@ -45,8 +47,8 @@ typedef struct {
     int64_t max_tokens;       /* tokens of one forward pass (>= 1) */
     int64_t max_seq_len;      /* positions of one sequence (>= 1) */
     size_t kv_bytes;          /* device bytes of the KV pool (kv/kv_pool.h st_kv_pool_device_bytes) */
-    bool measure_bw;          /* measure the bandwidths not given even without a budget (`strata plan`:
-                                 its predictions); with a budget they are always measured */
+    bool measure_bw;          /* st_plan_measure measures the missing bandwidths even without a budget
+                                 (`strata plan`: its predictions) */
     st_weight_opts weights;
 } st_plan_params;
 
@@ -79,10 +81,22 @@ size_t st_plan_scratch(st_backend *be, const st_config *c, const st_wgroups *g, 
 strata_status st_plan_presize(st_backend *be, st_stream *stream, const st_config *c, const st_wgroups *g,
                               int64_t max_tokens, int64_t max_seq_len);
 
+/* Measures what a plan with these params needs and is not given, in place:
+ * the bandwidths (p->weights.bw entries <= 0: PCIe, SSD, device reads, GEMM;
+ * weights/measure.h) when the plan places weights under a budget
+ * (p->device_mem > 0), checks a forced placement, or predicts times
+ * (p->measure_bw); and the backend scratch to reserve (p->weights.
+ * device_reserve when 0, st_plan_scratch) under a budget. Startup code (the
+ * engine's init, the tools, `strata plan`) calls it before the model is made;
+ * the model's init only plans with what p holds. Takes seconds. */
+strata_status st_plan_measure(const st_model_files *files, st_backend *be, st_plan_params *p);
+
 /* Places the weight groups g of `files` on `be` within p's budgets: *plan
- * (the caller owns it: st_wplan_free; empty on error). Bandwidths not given
- * are measured when p->device_mem > 0 or a placement is forced. NOMEM with
- * what is needed when no placement fits. */
+ * (the caller owns it: st_wplan_free; empty on error). A plan under a budget
+ * or with a forced placement needs every bandwidth in p->weights.bw
+ * (st_plan_measure): INVALID_ARG otherwise; the scratch reserve is
+ * p->weights.device_reserve as given. NOMEM with what is needed when
+ * no placement fits. */
 strata_status st_plan_make(const st_model_files *files, st_backend *be, const st_wgroups *g,
                            const st_plan_params *p, st_wplan *plan);
 
