@@ -104,6 +104,31 @@ strata_status st_gguf_open(const char *path, st_model_files **out);
  * Accepts transformers v4 `rope_scaling` and v5 `rope_parameters`. */
 strata_status st_config_parse_json(const char *text, const char *path, st_config *cfg);
 
+/* The names a format gives the config's keys, for st_config_check's messages. */
+typedef struct {
+    const char *vocab_size, *hidden_size, *intermediate_size, *n_layers, *n_heads, *n_kv_heads,
+        *head_dim, *max_position_embeddings, *rms_norm_eps, *rope_theta, *rope_factor, *rope_dim,
+        *bos_token_id, *eos_token_id;
+    const char *eos_keys[ST_MAX_EOS]; /* per end token, when they come from different keys (else NULL) */
+} st_config_keys;
+extern const st_config_keys st_config_keys_json; /* config.json (transformers' names) */
+extern const st_config_keys st_config_keys_gguf; /* GGUF llama.* / tokenizer.ggml.* keys */
+
+#define ST_CONFIG_MAX_CONTEXT ((int64_t)1 << 26) /* positions: more is taken as corrupt */
+#define ST_CONFIG_MAX_DIM INT32_MAX              /* any size or count */
+
+/* The one set of range and consistency rules both formats' hyperparameters
+ * must pass (config.json and GGUF alike; called by both readers): sizes and
+ * counts positive (and <= ST_CONFIG_MAX_DIM), num_attention_heads a multiple of
+ * num_key_value_heads, head_dim even, rope_dim (the dimensions per head RoPE
+ * rotates, < 0: not given) equal to head_dim (the forward pass rotates whole
+ * heads), max_position_embeddings in [2, ST_CONFIG_MAX_CONTEXT], rms_norm_eps
+ * in (0, 1), rope_theta (and a scaling factor) finite and positive, bos / eos
+ * ids inside the vocabulary. Errors: STRATA_ERR_FORMAT with a message naming
+ * `path` and the key (by its name in `keys`). */
+strata_status st_config_check(const st_config *c, const char *path, const st_config_keys *keys,
+                              int64_t rope_dim);
+
 /* Checks that every tensor a Llama model needs is present, with dtype and
  * shape consistent with the config (lm_head optional when tied). */
 strata_status st_model_validate(const st_model_files *m);
