@@ -129,6 +129,27 @@ extern const st_config_keys st_config_keys_gguf; /* GGUF llama.* / tokenizer.ggm
 strata_status st_config_check(const st_config *c, const char *path, const st_config_keys *keys,
                               int64_t rope_dim);
 
+/* The sampling settings a model recommends: a HF directory's
+ * generation_config.json (temperature, top_p, top_k, min_p,
+ * repetition_penalty; do_sample false means greedy: temperature 0), a GGUF
+ * file's general.sampling.* keys (temp, top_p, top_k, min_p, penalty_repeat).
+ * Only what is present is set (has_*). */
+typedef struct {
+    bool has_temperature, has_top_p, has_top_k, has_min_p, has_repetition_penalty;
+    double temperature;        /* >= 0 (0: greedy) */
+    double top_p;              /* (0, 1] */
+    int64_t top_k;             /* >= 0 (0: off) */
+    double min_p;              /* [0, 1] */
+    double repetition_penalty; /* > 0 */
+    char source[1100];         /* the file (GGUF: "FILE general.sampling.*"); "" when nothing was found */
+} st_sampling_defaults;
+
+/* Reads m's recommended sampling into *out (zeroed first). A missing
+ * generation_config.json (or no general.sampling.* key) is no error: nothing
+ * is set. A file that cannot be parsed, a value of the wrong type or out of
+ * range: STRATA_ERR_FORMAT (or IO) naming the file and the key. */
+strata_status st_sampling_defaults_read(const st_model_files *m, st_sampling_defaults *out);
+
 /* Checks that every tensor a Llama model needs is present, with dtype and
  * shape consistent with the config (lm_head optional when tied). */
 strata_status st_model_validate(const st_model_files *m);
