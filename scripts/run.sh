@@ -14,4 +14,10 @@ MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ $# -eq 0 ] && [ ! -t 0 ]; then
   set -- -p "What is the capital of France? Answer in one sentence."
 fi
-exec ./build/strata run "$MODEL" "$@"
+# SmolLM2-135M-Instruct's model card recommends temperature 0.2, top-p 0.9 (at
+# strata's generic 0.7 the 135M model rambles); options the caller gives win.
+SAMPLING=()
+has_opt() { local o; for o in "${@:2}"; do [ "$o" = "$1" ] && return 0; done; return 1; }
+has_opt --temp "$@" || has_opt --temperature "$@" || SAMPLING+=(--temp 0.2)
+has_opt --top-p "$@" || SAMPLING+=(--top-p 0.9)
+exec ./build/strata run "$MODEL" "${SAMPLING[@]}" "$@"

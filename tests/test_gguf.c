@@ -812,6 +812,102 @@ static void test_bad(void) {
 #undef FRESH
 }
 
+/* ---- hyperparameters: the rules config.json obeys (st_config_check) ----
+ * Each case replaces (or adds) one key; the file must be refused with
+ * STRATA_ERR_FORMAT and a message naming the file and the key. */
+static struct {
+    const char *key;
+    uint32_t type;  /* T_U32, T_I32 or T_F32 */
+    uint32_t u;
+    float f;
+} g_kv;
+
+static void extra_one(gb *b, int *n) {
+    kv_hdr(b, n, g_kv.key, g_kv.type);
+    if (g_kv.type == T_F32) gb_f32(b, g_kv.f);
+    else gb_u32(b, g_kv.u);
+}
+
+static strata_status open_with(const char *key, uint32_t type, uint32_t u, float f, const char *fname) {
+    mspec m;
+    std_model(&m, false);
+    m.omit_key = key; /* a standard key is replaced; others are added */
+    g_kv.key = key;
+    g_kv.type = type;
+    g_kv.u = u;
+    g_kv.f = f;
+    m.extra = extra_one;
+    return open_spec(&m, fname);
+}
+
+static void test_hparams(void) {
+    const char *eps = "llama.attention.layer_norm_rms_epsilon";
+    struct {
+        const char *key;
+        uint32_t type, u;
+        float f;
+        const char *what; /* in the message besides the key */
+    } bad[] = {
+        {eps, T_F32, 0, NAN, "out of range (0, 1)"},
+        {eps, T_F32, 0, -1.0f, "out of range (0, 1)"},
+        {eps, T_F32, 0, 0.0f, "out of range (0, 1)"},
+        {eps, T_F32, 0, 2.0f, "out of range (0, 1)"},
+        {eps, T_F32, 0, INFINITY, "out of range (0, 1)"},
+        {"llama.rope.dimension_count", T_U32, 63, 0, "whole head of 64"},
+        {"llama.rope.dimension_count", T_U32, 32, 0, "partial rotary"},
+        {"llama.rope.dimension_count", T_U32, 1000, 0, "1000"},
+        {"llama.rope.dimension_count", T_I32, (uint32_t)-2, 0, "rotary"},
+        {"tokenizer.ggml.eos_token_id", T_U32, 1000000000u, 0, "outside the vocabulary of 32"},
+        {"tokenizer.ggml.eos_token_id", T_U32, VOC, 0, "outside the vocabulary"},
+        {"tokenizer.ggml.eos_token_id", T_I32, (uint32_t)-7, 0, "not a valid token id"},
+        {"tokenizer.ggml.eot_token_id", T_U32, 4000, 0, "outside the vocabulary"},
+        {"tokenizer.ggml.eom_token_id", T_U32, 99, 0, "outside the vocabulary"},
+        {"tokenizer.ggml.bos_token_id", T_U32, VOC, 0, "outside the vocabulary"},
+        {"tokenizer.ggml.bos_token_id", T_I32, (uint32_t)-3, 0, "not a valid token id"},
+        {"llama.vocab_size", T_U32, 3, 0, "= 3 is not a valid token id: outside the vocabulary of 3"}, /* eos 2 ok, eot 3 not */
+        {"llama.context_length", T_U32, 1, 0, "out of range [2, "},
+        {"llama.context_length", T_U32, 0x7fffffffu, 0, "out of range [2, "},
+        {"llama.attention.head_count_kv", T_U32, 3, 0, "llama.attention.head_count=4"},
+        {"llama.attention.head_count_kv", T_U32, 8, 0, "not a multiple"},
+        {"llama.attention.key_length", T_U32, 63, 0, "even"},
+        {"llama.rope.freq_base", T_F32, 0, INFINITY, "positive and finite"},
+        {"llama.rope.freq_base", T_F32, 0, NAN, "positive and finite"},
+        {"llama.rope.freq_base", T_F32, 0, -5.0f, "positive and finite"},
+    };
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+        char fname[32];
+        snprintf(fname, sizeof fname, "hp%zu.gguf", k);
+        st_clear_error();
+        strata_status st = open_with(bad[k].key, bad[k].type, bad[k].u, bad[k].f, fname);
+        char quoted[96];
+        /* a vocabulary too small is reported at the first id outside it */
+        snprintf(quoted, sizeof quoted, "%s",
+                 strcmp(bad[k].key, "llama.vocab_size") ? bad[k].key : "tokenizer.ggml.eot_token_id");
+        CHECK_MSG(st == STRATA_ERR_FORMAT, "case %zu (%s): status %d: %s", k, bad[k].key, st,
+                  st_last_error());
+        CHECK_ERR(st, STRATA_ERR_FORMAT, tmp_path(fname), quoted, bad[k].what);
+    }
+    /* the values that pass: a full rotary dimension count, -1 as "no token" */
+    struct {
+        const char *key;
+        uint32_t type, u;
+        float f;
+    } good[] = {
+        {"llama.rope.dimension_count", T_U32, HD, 0},
+        {"tokenizer.ggml.bos_token_id", T_I32, (uint32_t)-1, 0},
+        {"tokenizer.ggml.eos_token_id", T_U32, VOC - 1, 0},
+        {"llama.context_length", T_U32, 2, 0},
+        {eps, T_F32, 0, 0.5f},
+    };
+    for (size_t k = 0; k < sizeof good / sizeof good[0]; k++) {
+        char fname[32];
+        snprintf(fname, sizeof fname, "hpok%zu.gguf", k);
+        st_clear_error();
+        strata_status st = open_with(good[k].key, good[k].type, good[k].u, good[k].f, fname);
+        CHECK_MSG(st == STRATA_OK, "good case %zu (%s): %s", k, good[k].key, st_last_error());
+    }
+}
+
 /* Every prefix of the header region and a sample of longer prefixes must fail
  * cleanly; random byte corruption must never crash. */
 static void test_truncation_and_fuzz(void) {
@@ -1148,6 +1244,7 @@ int main(void) {
     test_valid();
     test_variants();
     test_bad();
+    test_hparams();
     test_truncation_and_fuzz();
     test_writer();
     /* keep the files of a failing run for inspection */

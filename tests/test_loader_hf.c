@@ -467,6 +467,37 @@ static strata_status parse_min(const char *extra, st_config *c) {
     return st_config_parse_json(buf, "x/config.json", c);
 }
 
+/* generation_config.json: st_sampling_defaults_read */
+static void test_generation_config(void) {
+    const char *dir = test_tmpdir("genconf");
+    char path[1200];
+    snprintf(path, sizeof path, "%s/generation_config.json", dir);
+    st_model_files m = {.format = ST_FORMAT_SAFETENSORS, .path = (char *)dir};
+    st_sampling_defaults d;
+    /* absent: nothing, no error */
+    CHECK(st_sampling_defaults_read(&m, &d) == STRATA_OK && !d.has_temperature && !d.has_top_p &&
+          !d.source[0]);
+    const char *t1 = "{\"do_sample\": true, \"temperature\": 0.6, \"top_p\": 0.9, \"top_k\": 20, "
+                     "\"min_p\": null, \"repetition_penalty\": 1.1, \"eos_token_id\": [1, 2]}";
+    ST_ASSERT(test_write_file(path, t1, strlen(t1)));
+    CHECK(st_sampling_defaults_read(&m, &d) == STRATA_OK);
+    CHECK(d.has_temperature && d.temperature == 0.6 && d.has_top_p && d.top_p == 0.9 && d.has_top_k &&
+          d.top_k == 20 && !d.has_min_p && d.has_repetition_penalty && d.repetition_penalty == 1.1);
+    CHECK(strstr(d.source, "generation_config.json") != NULL);
+    const char *t2 = "{\"do_sample\": false, \"temperature\": 0.6}";
+    ST_ASSERT(test_write_file(path, t2, strlen(t2)));
+    CHECK(st_sampling_defaults_read(&m, &d) == STRATA_OK && d.has_temperature && d.temperature == 0);
+    const char *bad[][2] = {{"{\"temperature\": -1}", "'temperature'"},
+                            {"{\"top_p\": 0}", "'top_p'"},
+                            {"{\"top_k\": 2.5}", "top_k"},
+                            {"{\"temperature\": \"hot\"}", "temperature"},
+                            {"{\"top_p\": 0.9", "invalid JSON"}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        ST_ASSERT(test_write_file(path, bad[i][0], strlen(bad[i][0])));
+        CHECK_ERR(st_sampling_defaults_read(&m, &d), STRATA_ERR_FORMAT, path, bad[i][1]);
+    }
+}
+
 static void test_config(void) {
     st_config c;
     /* defaults */
@@ -546,6 +577,31 @@ static void test_config(void) {
               "eos_token_id", "9 ids");
     CHECK_ERR(parse_min(", \"max_position_embeddings\": 1e300", &c), STRATA_ERR_FORMAT,
               "max_position_embeddings", "out of range");
+    /* the rules shared with GGUF (st_config_check) */
+    CHECK_ERR(parse_min(", \"eos_token_id\": 100", &c), STRATA_ERR_FORMAT, "x/config.json",
+              "'eos_token_id'", "outside the vocabulary of 100");
+    CHECK_ERR(parse_min(", \"eos_token_id\": [2, 1000000000]", &c), STRATA_ERR_FORMAT,
+              "'eos_token_id'", "1000000000");
+    CHECK_ERR(parse_min(", \"bos_token_id\": 100", &c), STRATA_ERR_FORMAT, "'bos_token_id'",
+              "outside the vocabulary");
+    CHECK_ERR(parse_min(", \"max_position_embeddings\": 1", &c), STRATA_ERR_FORMAT,
+              "'max_position_embeddings'", "out of range [2, ");
+    CHECK_ERR(parse_min(", \"max_position_embeddings\": 1000000000000", &c), STRATA_ERR_FORMAT,
+              "'max_position_embeddings'", "out of range [2, ");
+    CHECK_ERR(parse_min(", \"rms_norm_eps\": -1", &c), STRATA_ERR_FORMAT, "'rms_norm_eps'",
+              "out of range (0, 1)");
+    CHECK_ERR(parse_min(", \"rms_norm_eps\": 1e-50", &c), STRATA_ERR_FORMAT, "'rms_norm_eps'");
+    CHECK_ERR(parse_min(", \"rope_theta\": 1e999", &c), STRATA_ERR_FORMAT, "'rope_theta'",
+              "finite");
+    CHECK_ERR(parse_min(", \"partial_rotary_factor\": 0.5", &c), STRATA_ERR_FORMAT,
+              "'partial_rotary_factor'", "whole head");
+    CHECK(parse_min(", \"partial_rotary_factor\": 1.0, \"eos_token_id\": 99", &c) == STRATA_OK);
+    CHECK_ERR(parse_min(", \"num_key_value_heads\": 16", &c), STRATA_ERR_FORMAT,
+              "num_attention_heads=8", "not a multiple");
+    CHECK_ERR(st_config_parse_json("{\"model_type\": \"llama\", \"vocab_size\": 8, \"hidden_size\": 8, "
+                                   "\"intermediate_size\": 0, \"num_hidden_layers\": 1, "
+                                   "\"num_attention_heads\": 2}", "i/config.json", &c),
+              STRATA_ERR_FORMAT, "i/config.json", "'intermediate_size'", "positive");
     CHECK_ERR(st_config_parse_json("{\"model_type\": \"mistral\"}", "q/config.json", &c),
               STRATA_ERR_UNSUPPORTED, "q/config.json", "mistral");
     CHECK_ERR(st_config_parse_json("{\"model_type\": \"llama\", \"architectures\": "
@@ -897,6 +953,7 @@ static void test_config_vs_tensors(void) {
 
 int main(void) {
     test_config();
+    test_generation_config();
     test_good_f32_single_untied_v4();
     test_good_bf16_sharded_tied_v5();
     test_good_f16_single_tied_linear();

@@ -8,6 +8,7 @@
  * engine's prefix cache serves the earlier turns' KV (only the new tokens
  * are prefilled). */
 #include <errno.h>
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -55,6 +56,11 @@ static void run_usage(FILE *f) {
             "  --min-p P               drop tokens less likely than P x the top one (default %.2g; 0: off)\n"
             "  --repeat-penalty R      penalise tokens already seen (this answer's prompt tokens and\n"
             "                          its output so far), HF style (default %.1f: off)\n"
+            "                          The model's own recommendations replace these defaults (not\n"
+            "                          options given here): generation_config.json in a Hugging Face\n"
+            "                          directory (temperature, top_p, top_k, min_p, repetition_penalty;\n"
+            "                          do_sample false: greedy), general.sampling.* keys in a GGUF file;\n"
+            "                          a line on stderr says which were taken\n"
             "  --repeat-last-n N       how many recent tokens the penalty looks at (default 0: all)\n"
             "  --seed S                random seed (default: a new one each run, shown in the stats)\n"
             "  --stop STR              stop when the output contains STR (not printed); repeatable\n"
@@ -76,6 +82,8 @@ typedef struct {
     int64_t n_predict;
     strata_request_params sp; /* the sampling fields: temperature .. seed */
     bool seed_given;
+    /* sampling options given on the command line (the model's defaults do not replace them) */
+    bool temp_given, top_k_given, top_p_given, min_p_given, rep_given;
     const char *stop[MAX_STOP];
     int n_stop;
     bool quiet;
@@ -186,10 +194,12 @@ static int parse_args(int argc, char **argv, run_opts *o) {
         } else if (!strcmp(a, "--temp") || !strcmp(a, "--temperature")) {
             if (!tool_parse_f64(val, 0, 100, a, &d)) return -1;
             o->sp.temperature = (float)d;
+            o->temp_given = true;
             i++;
         } else if (!strcmp(a, "--top-k")) {
             if (!tool_parse_i64(val, 0, INT32_MAX, a, &v)) return -1;
             o->sp.top_k = (int32_t)v;
+            o->top_k_given = true;
             i++;
         } else if (!strcmp(a, "--top-p")) {
             if (!tool_parse_f64(val, 0, 1, a, &d)) return -1;
@@ -198,10 +208,12 @@ static int parse_args(int argc, char **argv, run_opts *o) {
                 return -1;
             }
             o->sp.top_p = (float)d;
+            o->top_p_given = true;
             i++;
         } else if (!strcmp(a, "--min-p")) {
             if (!tool_parse_f64(val, 0, 1, a, &d)) return -1;
             o->sp.min_p = (float)d;
+            o->min_p_given = true;
             i++;
         } else if (!strcmp(a, "--repeat-penalty")) {
             if (!tool_parse_f64(val, 0, 100, a, &d)) return -1;
@@ -210,6 +222,7 @@ static int parse_args(int argc, char **argv, run_opts *o) {
                 return -1;
             }
             o->sp.repetition_penalty = (float)d;
+            o->rep_given = true;
             i++;
         } else if (!strcmp(a, "--repeat-last-n")) {
             if (!tool_parse_i64(val, 0, INT32_MAX, a, &v)) return -1;
@@ -269,6 +282,67 @@ static int parse_args(int argc, char **argv, run_opts *o) {
         o->sp.seed = ((uint64_t)ts.tv_sec * 1000000007ull) ^ (uint64_t)ts.tv_nsec ^ ((uint64_t)getpid() << 40);
     }
     return 1;
+}
+
+/* ---- before loading: the context against the model, its sampling defaults ----------------*/
+/* Opens the model's files (metadata only: nothing is read but headers) to
+ * check --ctx against the positions the model was trained for, and to take
+ * its recommended sampling settings for the options not given. 0: go on,
+ * 1: the model cannot be opened, 2: a usage error (messages printed). */
+static int precheck_model(run_opts *o) {
+    st_model_files *mf = NULL;
+    if (st_model_open(o->model_path, &mf) != STRATA_OK) {
+        fprintf(stderr, "strata load: %s\n", st_last_error());
+        return 1;
+    }
+    const st_config *c = &mf->config;
+    int64_t ctx = o->mo.ctx, trained = c->max_position_embeddings;
+    if (ctx > trained) {
+        /* linear scaling stretches positions by its factor (HF: max_position_embeddings is the
+           unscaled length); llama3 scaling's max_position_embeddings is already the scaled one */
+        double allowed = (double)trained;
+        if (c->rope_scaling == ST_ROPE_SCALING_LINEAR && c->rope_factor > 1) allowed *= c->rope_factor;
+        if ((double)ctx > allowed) {
+            fprintf(stderr,
+                    "strata run: --ctx %lld is more than the %lld positions %s was trained for "
+                    "(max_position_embeddings%s); give --ctx %lld or less\n",
+                    (long long)ctx, (long long)trained, o->model_path,
+                    allowed > (double)trained ? " with its RoPE scaling" : "", (long long)allowed);
+            st_model_close(mf);
+            return 2;
+        }
+        fprintf(stderr,
+                "strata run: warning: --ctx %lld is more than the %lld positions %s was trained for; "
+                "its linear RoPE scaling (factor %g) allows up to %lld\n",
+                (long long)ctx, (long long)trained, o->model_path, c->rope_factor, (long long)allowed);
+    }
+
+    st_sampling_defaults sd;
+    if (st_sampling_defaults_read(mf, &sd) != STRATA_OK) {
+        fprintf(stderr, "strata run: warning: the model's sampling settings are ignored: %s\n", st_last_error());
+        memset(&sd, 0, sizeof sd);
+    }
+    char took[256] = "";
+    size_t n = 0;
+#define TAKE(has, given, field, value, fmt, label)                                               \
+    do {                                                                                         \
+        if (sd.has && !o->given) {                                                               \
+            o->sp.field = value;                                                                 \
+            if (n < sizeof took)                                                                 \
+                n += (size_t)snprintf(took + n, sizeof took - n, "%s" label " " fmt, n ? ", " : "", \
+                                      sd.field);                                                 \
+        }                                                                                        \
+    } while (0)
+    TAKE(has_temperature, temp_given, temperature, (float)sd.temperature, "%g", "temperature");
+    TAKE(has_top_k, top_k_given, top_k, (int32_t)sd.top_k, "%" PRId64, "top-k");
+    TAKE(has_top_p, top_p_given, top_p, (float)sd.top_p, "%g", "top-p");
+    TAKE(has_min_p, min_p_given, min_p, (float)sd.min_p, "%g", "min-p");
+    TAKE(has_repetition_penalty, rep_given, repetition_penalty, (float)sd.repetition_penalty, "%g",
+         "repeat-penalty");
+#undef TAKE
+    if (took[0] && !o->quiet) fprintf(stderr, "strata: sampling from %s: %s\n", sd.source, took);
+    st_model_close(mf);
+    return 0;
 }
 
 /* ---- the loaded model ---------------------------------------------------------------------*/
@@ -334,6 +408,12 @@ static bool settle_chat(const run_opts *o, runner *r) {
     const char *name = "none";
     strata_status dst = strata_chat_template(r->m, &name);
     if (o->chat_template) {
+        /* a format other than the model's own: the model was not trained on it */
+        if (dst == STRATA_OK && strcmp(name, "none") != 0 && strcmp(name, o->chat_template) != 0)
+            fprintf(stderr,
+                    "strata run: warning: --chat-template %s differs from the model's own template (%s); "
+                    "expect poor answers\n",
+                    o->chat_template, name);
         /* same family as the model's: its details (default system, date) kept */
         if (strata_chat_set_template(r->m, o->chat_template) != STRATA_OK) {
             print_error("run");
@@ -787,6 +867,11 @@ int cmd_run(int argc, char **argv) {
     if (!interactive && !prompt) {
         fprintf(stderr, "strata run: out of memory\n");
         return 1;
+    }
+    int pc = precheck_model(&o);
+    if (pc != 0) {
+        free(prompt);
+        return pc;
     }
     runner r;
     if (!runner_open(&o, &r)) {

@@ -28,8 +28,13 @@ static const struct {
     {"serve", cmd_serve, "serve a model over an OpenAI-compatible HTTP API"},
 };
 
+#ifndef STRATA_VERSION
+#error "STRATA_VERSION is defined by CMakeLists.txt (project VERSION)"
+#endif
+
 static void usage(FILE *f) {
-    fprintf(f, "usage: strata COMMAND [ARGS...]   (strata COMMAND --help for its options)\n\ncommands:\n");
+    fprintf(f, "usage: strata COMMAND [ARGS...]   (strata COMMAND --help for its options)\n"
+               "       strata --version\n\ncommands:\n");
     for (size_t i = 0; i < sizeof g_cmds / sizeof g_cmds[0]; i++)
         fprintf(f, "  %-10s %s\n", g_cmds[i].name, g_cmds[i].help);
     fprintf(f, "\nSTRATA_LOG=debug|info|warn|error sets the log level (default warn).\n");
@@ -42,6 +47,10 @@ int main(int argc, char **argv) {
     }
     if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
         usage(stdout);
+        return 0;
+    }
+    if (!strcmp(argv[1], "--version") || !strcmp(argv[1], "-V") || !strcmp(argv[1], "version")) {
+        printf("strata %s\n", STRATA_VERSION);
         return 0;
     }
     strata_log_level lvl = STRATA_LOG_WARN;

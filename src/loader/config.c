@@ -37,6 +37,108 @@ static strata_status cfg_positive(const char *path, const char *key, int64_t v) 
     return STRATA_OK;
 }
 
+const st_config_keys st_config_keys_json = {
+    .vocab_size = "vocab_size",
+    .hidden_size = "hidden_size",
+    .intermediate_size = "intermediate_size",
+    .n_layers = "num_hidden_layers",
+    .n_heads = "num_attention_heads",
+    .n_kv_heads = "num_key_value_heads",
+    .head_dim = "head_dim",
+    .max_position_embeddings = "max_position_embeddings",
+    .rms_norm_eps = "rms_norm_eps",
+    .rope_theta = "rope_theta",
+    .rope_factor = "rope_scaling.factor",
+    .rope_dim = "partial_rotary_factor",
+    .bos_token_id = "bos_token_id",
+    .eos_token_id = "eos_token_id",
+};
+
+const st_config_keys st_config_keys_gguf = {
+    .vocab_size = "llama.vocab_size",
+    .hidden_size = "llama.embedding_length",
+    .intermediate_size = "llama.feed_forward_length",
+    .n_layers = "llama.block_count",
+    .n_heads = "llama.attention.head_count",
+    .n_kv_heads = "llama.attention.head_count_kv",
+    .head_dim = "llama.attention.key_length",
+    .max_position_embeddings = "llama.context_length",
+    .rms_norm_eps = "llama.attention.layer_norm_rms_epsilon",
+    .rope_theta = "llama.rope.freq_base",
+    .rope_factor = "llama.rope.scaling.factor",
+    .rope_dim = "llama.rope.dimension_count",
+    .bos_token_id = "tokenizer.ggml.bos_token_id",
+    .eos_token_id = "tokenizer.ggml.eos_token_id",
+};
+
+static strata_status chk_dim(const char *path, const char *key, int64_t v) {
+    if (v <= 0)
+        return st_err(STRATA_ERR_FORMAT, "%s: '%s' must be positive, got %lld", path, key,
+                      (long long)v);
+    if (v > ST_CONFIG_MAX_DIM)
+        return st_err(STRATA_ERR_FORMAT, "%s: '%s' = %lld is out of range (at most %lld)", path,
+                      key, (long long)v, (long long)ST_CONFIG_MAX_DIM);
+    return STRATA_OK;
+}
+
+static strata_status chk_token(const char *path, const char *key, int64_t id, int64_t vocab) {
+    if (id < 0 || id >= vocab)
+        return st_err(STRATA_ERR_FORMAT,
+                      "%s: '%s' = %lld is not a valid token id: outside the vocabulary of %lld "
+                      "tokens", path, key, (long long)id, (long long)vocab);
+    return STRATA_OK;
+}
+
+strata_status st_config_check(const st_config *c, const char *path, const st_config_keys *k,
+                              int64_t rope_dim) {
+    strata_status st;
+    if (!c || !k) return st_err(STRATA_ERR_INVALID_ARG, "st_config_check: NULL argument");
+    if (!path) path = "config";
+    if ((st = chk_dim(path, k->vocab_size, c->vocab_size)) ||
+        (st = chk_dim(path, k->hidden_size, c->hidden_size)) ||
+        (st = chk_dim(path, k->intermediate_size, c->intermediate_size)) ||
+        (st = chk_dim(path, k->n_layers, c->n_layers)) ||
+        (st = chk_dim(path, k->n_heads, c->n_heads)) ||
+        (st = chk_dim(path, k->n_kv_heads, c->n_kv_heads)) ||
+        (st = chk_dim(path, k->head_dim, c->head_dim)))
+        return st;
+    if (c->n_heads % c->n_kv_heads != 0)
+        return st_err(STRATA_ERR_FORMAT, "%s: %s=%lld is not a multiple of %s=%lld", path,
+                      k->n_heads, (long long)c->n_heads, k->n_kv_heads, (long long)c->n_kv_heads);
+    if (c->head_dim % 2 != 0)
+        return st_err(STRATA_ERR_FORMAT, "%s: %s=%lld must be even for RoPE", path, k->head_dim,
+                      (long long)c->head_dim);
+    if (rope_dim >= 0 && rope_dim != c->head_dim)
+        return st_err(STRATA_ERR_FORMAT,
+                      "%s: '%s' gives %lld rotary dimensions per head, but RoPE here rotates the "
+                      "whole head of %lld (%s): partial rotary embeddings are not supported",
+                      path, k->rope_dim, (long long)rope_dim, (long long)c->head_dim, k->head_dim);
+    if (c->max_position_embeddings < 2 || c->max_position_embeddings > ST_CONFIG_MAX_CONTEXT)
+        return st_err(STRATA_ERR_FORMAT, "%s: '%s' = %lld is out of range [2, %lld]", path,
+                      k->max_position_embeddings, (long long)c->max_position_embeddings,
+                      (long long)ST_CONFIG_MAX_CONTEXT);
+    if (!(c->rms_norm_eps > 0 && c->rms_norm_eps < 1))
+        return st_err(STRATA_ERR_FORMAT, "%s: '%s' = %g is out of range (0, 1)", path,
+                      k->rms_norm_eps, (double)c->rms_norm_eps);
+    if (!(c->rope_theta > 0) || !isfinite(c->rope_theta))
+        return st_err(STRATA_ERR_FORMAT, "%s: '%s' must be positive and finite, got %g", path,
+                      k->rope_theta, c->rope_theta);
+    if (c->rope_scaling != ST_ROPE_SCALING_NONE && (!(c->rope_factor > 0) || !isfinite(c->rope_factor)))
+        return st_err(STRATA_ERR_FORMAT, "%s: '%s' must be positive and finite, got %g", path,
+                      k->rope_factor, c->rope_factor);
+    if (c->bos_token_id != -1 &&
+        (st = chk_token(path, k->bos_token_id, c->bos_token_id, c->vocab_size)))
+        return st;
+    if (c->n_eos < 0 || c->n_eos > ST_MAX_EOS)
+        return st_err(STRATA_ERR_FORMAT, "%s: %d end tokens (at most %d)", path, c->n_eos,
+                      ST_MAX_EOS);
+    for (int i = 0; i < c->n_eos; i++)
+        if ((st = chk_token(path, k->eos_keys[i] ? k->eos_keys[i] : k->eos_token_id,
+                            c->eos_token_ids[i], c->vocab_size)))
+            return st;
+    return STRATA_OK;
+}
+
 static strata_status cfg_token_id(const char *path, const char *name, const cJSON *it, int32_t *out) {
     int64_t v;
     strata_status st = st_json_as_int64(path, name, it, &v);
@@ -131,7 +233,7 @@ static strata_status cfg_rope(const char *path, const char *objname, const cJSON
                   objname, type);
 }
 
-static strata_status cfg_parse(const cJSON *root, const char *path, st_config *c) {
+static strata_status cfg_parse(const cJSON *root, const char *path, st_config *c, int64_t *rope_dim) {
     st_json_where w = {path, NULL};
     strata_status st;
     if (!cJSON_IsObject(root))
@@ -145,22 +247,13 @@ static strata_status cfg_parse(const cJSON *root, const char *path, st_config *c
         (st = st_json_get_int64(&w, root, "num_hidden_layers", &c->n_layers)) ||
         (st = st_json_get_int64(&w, root, "num_attention_heads", &c->n_heads)))
         return st;
-    if ((st = cfg_positive(path, "vocab_size", c->vocab_size)) ||
-        (st = cfg_positive(path, "hidden_size", c->hidden_size)) ||
-        (st = cfg_positive(path, "intermediate_size", c->intermediate_size)) ||
-        (st = cfg_positive(path, "num_hidden_layers", c->n_layers)) ||
-        (st = cfg_positive(path, "num_attention_heads", c->n_heads)))
-        return st;
+    /* sizes are checked for range by st_config_check; here only what a
+       derivation needs */
+    if ((st = cfg_positive(path, "num_attention_heads", c->n_heads))) return st;
     if ((st = st_json_opt_int64(&w, root, "num_key_value_heads", c->n_heads, &c->n_kv_heads)))
         return st;
-    if ((st = cfg_positive(path, "num_key_value_heads", c->n_kv_heads))) return st;
-    if (c->n_heads % c->n_kv_heads != 0)
-        return st_err(STRATA_ERR_FORMAT,
-                      "%s: num_attention_heads=%lld is not a multiple of num_key_value_heads=%lld",
-                      path, (long long)c->n_heads, (long long)c->n_kv_heads);
     if (st_json_field(root, "head_dim")) {
         if ((st = st_json_get_int64(&w, root, "head_dim", &c->head_dim))) return st;
-        if ((st = cfg_positive(path, "head_dim", c->head_dim))) return st;
     } else {
         if (c->hidden_size % c->n_heads != 0)
             return st_err(STRATA_ERR_FORMAT,
@@ -169,19 +262,29 @@ static strata_status cfg_parse(const cJSON *root, const char *path, st_config *c
                           path, (long long)c->hidden_size, (long long)c->n_heads);
         c->head_dim = c->hidden_size / c->n_heads;
     }
-    if (c->head_dim % 2 != 0)
-        return st_err(STRATA_ERR_FORMAT, "%s: head_dim=%lld must be even for RoPE", path,
-                      (long long)c->head_dim);
     if ((st = st_json_opt_int64(&w, root, "max_position_embeddings", 2048,
-                                &c->max_position_embeddings)) ||
-        (st = cfg_positive(path, "max_position_embeddings", c->max_position_embeddings)))
+                                &c->max_position_embeddings)))
         return st;
 
     double eps;
     if ((st = st_json_opt_double(&w, root, "rms_norm_eps", 1e-6, &eps))) return st;
-    if (!(eps > 0 && eps < 1))
+    if (!(eps > 0 && eps < 1)) /* before the float conversion (1e-50 would become 0) */
         return st_err(STRATA_ERR_FORMAT, "%s: 'rms_norm_eps' = %g is out of range (0, 1)", path, eps);
     c->rms_norm_eps = (float)eps;
+    if (!(c->rms_norm_eps > 0))
+        return st_err(STRATA_ERR_FORMAT, "%s: 'rms_norm_eps' = %g is below float precision", path,
+                      eps);
+
+    /* partial rotary embeddings (other architectures' key): only 1.0 (the whole head) */
+    *rope_dim = -1;
+    if (st_json_field(root, "partial_rotary_factor")) {
+        double prf;
+        if ((st = st_json_get_double(&w, root, "partial_rotary_factor", &prf))) return st;
+        if (prf != 1.0)
+            return st_err(STRATA_ERR_FORMAT,
+                          "%s: 'partial_rotary_factor' = %g: partial rotary embeddings are not "
+                          "supported (RoPE here rotates the whole head)", path, prf);
+    }
 
     if ((st = st_json_opt_bool(&w, root, "tie_word_embeddings", false, &c->tie_word_embeddings)))
         return st;
@@ -208,9 +311,6 @@ static strata_status cfg_parse(const cJSON *root, const char *path, st_config *c
     else if (rs)
         st = cfg_rope(path, "rope_scaling", rs, c);
     if (st) return st;
-    if (!(c->rope_theta > 0))
-        return st_err(STRATA_ERR_FORMAT, "%s: 'rope_theta' must be positive, got %g", path,
-                      c->rope_theta);
     c->rope_interleaved = false;
 
     /* special tokens */
@@ -254,9 +354,14 @@ strata_status st_config_parse_json(const char *text, const char *path, st_config
     st_config c;
     memset(&c, 0, sizeof c);
     c.bos_token_id = -1;
-    st = cfg_parse(root, path, &c);
+    int64_t rope_dim = -1;
+    st = cfg_parse(root, path, &c, &rope_dim);
+    st_config_keys keys = st_config_keys_json;
+    if (cJSON_IsObject(root) && st_json_field(root, "rope_parameters"))
+        keys.rope_factor = "rope_parameters.factor";
     cJSON_Delete(root);
     if (st) return st;
+    if ((st = st_config_check(&c, path, &keys, rope_dim))) return st;
     *cfg = c;
     return STRATA_OK;
 }

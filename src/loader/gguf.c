@@ -833,10 +833,13 @@ static strata_status opt_token(const st_gguf_meta *g, const char *key, int32_t *
     return st_gguf_get_i32(g, key, out);
 }
 
-static void add_eos(st_config *c, int32_t id) {
+static void add_eos(st_config *c, int32_t id, const char *key, st_config_keys *keys) {
     for (int i = 0; i < c->n_eos; i++)
         if (c->eos_token_ids[i] == id) return;
-    if (c->n_eos < ST_MAX_EOS) c->eos_token_ids[c->n_eos++] = id;
+    if (c->n_eos < ST_MAX_EOS) {
+        keys->eos_keys[c->n_eos] = key;
+        c->eos_token_ids[c->n_eos++] = id;
+    }
 }
 
 static strata_status build_config(const st_gguf_meta *g, st_model_files *m) {
@@ -879,13 +882,15 @@ static strata_status build_config(const st_gguf_meta *g, st_model_files *m) {
     }
     if ((st = st_gguf_get_f32(g, "llama.attention.layer_norm_rms_epsilon", &c->rms_norm_eps)))
         return st;
+    int64_t rope_dim = -1;
+    if (st_gguf_find_key(g, "llama.rope.dimension_count") >= 0 &&
+        (st = st_gguf_get_i64(g, "llama.rope.dimension_count", &rope_dim)))
+        return st;
+    if (rope_dim < -1) rope_dim = INT64_MAX; /* negative: refused by st_config_check */
     c->rope_theta = 10000.0;
     if (st_gguf_find_key(g, "llama.rope.freq_base") >= 0 &&
         (st = st_gguf_get_f64(g, "llama.rope.freq_base", &c->rope_theta)))
         return st;
-    if (!(c->rope_theta > 0) || !isfinite(c->rope_theta))
-        return st_err(STRATA_ERR_FORMAT, "%s: llama.rope.freq_base = %g is not positive", path,
-                      c->rope_theta);
 
     c->rope_scaling = ST_ROPE_SCALING_NONE;
     if (st_gguf_find_key(g, "llama.rope.scaling.type") >= 0) {
@@ -942,21 +947,31 @@ static strata_status build_config(const st_gguf_meta *g, st_model_files *m) {
         c->vocab_size = e->shape[0];
     }
 
+    /* the vocabulary size's key: what it was taken from */
+    st_config_keys keys = st_config_keys_gguf;
+    if (!present)
+        keys.vocab_size = st_gguf_find_key(g, "tokenizer.ggml.tokens") >= 0
+                              ? "tokenizer.ggml.tokens (its length)"
+                              : "token_embd.weight (its rows)";
+    if (st_gguf_find_key(g, "llama.attention.key_length") < 0)
+        keys.head_dim = "llama.embedding_length / llama.attention.head_count";
+
     int32_t id;
     c->bos_token_id = -1;
     if ((st = opt_token(g, "tokenizer.ggml.bos_token_id", &id, &present))) return st;
-    if (present) c->bos_token_id = id;
+    if (present) c->bos_token_id = id; /* -1: none (llama.cpp's null token); other negatives refused */
     static const char *const eos_keys[] = {"tokenizer.ggml.eos_token_id",
                                            "tokenizer.ggml.eot_token_id",
                                            "tokenizer.ggml.eom_token_id"};
     for (size_t k = 0; k < sizeof eos_keys / sizeof eos_keys[0]; k++) {
         if ((st = opt_token(g, eos_keys[k], &id, &present))) return st;
-        if (present) add_eos(c, id);
+        if (present && id != -1) add_eos(c, id, eos_keys[k], &keys); /* -1: none */
     }
 
     c->tie_word_embeddings = st_model_find(m, "lm_head.weight") == NULL;
     c->rope_interleaved = true;
-    return STRATA_OK;
+    /* the same rules as config.json's */
+    return st_config_check(c, path, &keys, rope_dim);
 }
 
 static strata_status parse_file(st_model_files *m, st_gguf_meta *g) {

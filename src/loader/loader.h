@@ -104,6 +104,52 @@ strata_status st_gguf_open(const char *path, st_model_files **out);
  * Accepts transformers v4 `rope_scaling` and v5 `rope_parameters`. */
 strata_status st_config_parse_json(const char *text, const char *path, st_config *cfg);
 
+/* The names a format gives the config's keys, for st_config_check's messages. */
+typedef struct {
+    const char *vocab_size, *hidden_size, *intermediate_size, *n_layers, *n_heads, *n_kv_heads,
+        *head_dim, *max_position_embeddings, *rms_norm_eps, *rope_theta, *rope_factor, *rope_dim,
+        *bos_token_id, *eos_token_id;
+    const char *eos_keys[ST_MAX_EOS]; /* per end token, when they come from different keys (else NULL) */
+} st_config_keys;
+extern const st_config_keys st_config_keys_json; /* config.json (transformers' names) */
+extern const st_config_keys st_config_keys_gguf; /* GGUF llama.* / tokenizer.ggml.* keys */
+
+#define ST_CONFIG_MAX_CONTEXT ((int64_t)1 << 26) /* positions: more is taken as corrupt */
+#define ST_CONFIG_MAX_DIM INT32_MAX              /* any size or count */
+
+/* The one set of range and consistency rules both formats' hyperparameters
+ * must pass (config.json and GGUF alike; called by both readers): sizes and
+ * counts positive (and <= ST_CONFIG_MAX_DIM), num_attention_heads a multiple of
+ * num_key_value_heads, head_dim even, rope_dim (the dimensions per head RoPE
+ * rotates, < 0: not given) equal to head_dim (the forward pass rotates whole
+ * heads), max_position_embeddings in [2, ST_CONFIG_MAX_CONTEXT], rms_norm_eps
+ * in (0, 1), rope_theta (and a scaling factor) finite and positive, bos / eos
+ * ids inside the vocabulary. Errors: STRATA_ERR_FORMAT with a message naming
+ * `path` and the key (by its name in `keys`). */
+strata_status st_config_check(const st_config *c, const char *path, const st_config_keys *keys,
+                              int64_t rope_dim);
+
+/* The sampling settings a model recommends: a HF directory's
+ * generation_config.json (temperature, top_p, top_k, min_p,
+ * repetition_penalty; do_sample false means greedy: temperature 0), a GGUF
+ * file's general.sampling.* keys (temp, top_p, top_k, min_p, penalty_repeat).
+ * Only what is present is set (has_*). */
+typedef struct {
+    bool has_temperature, has_top_p, has_top_k, has_min_p, has_repetition_penalty;
+    double temperature;        /* >= 0 (0: greedy) */
+    double top_p;              /* (0, 1] */
+    int64_t top_k;             /* >= 0 (0: off) */
+    double min_p;              /* [0, 1] */
+    double repetition_penalty; /* > 0 */
+    char source[1100];         /* the file (GGUF: "FILE general.sampling.*"); "" when nothing was found */
+} st_sampling_defaults;
+
+/* Reads m's recommended sampling into *out (zeroed first). A missing
+ * generation_config.json (or no general.sampling.* key) is no error: nothing
+ * is set. A file that cannot be parsed, a value of the wrong type or out of
+ * range: STRATA_ERR_FORMAT (or IO) naming the file and the key. */
+strata_status st_sampling_defaults_read(const st_model_files *m, st_sampling_defaults *out);
+
 /* Checks that every tensor a Llama model needs is present, with dtype and
  * shape consistent with the config (lm_head optional when tied). */
 strata_status st_model_validate(const st_model_files *m);

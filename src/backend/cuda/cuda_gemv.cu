@@ -270,7 +270,7 @@ template <> struct g2<ST_DTYPE_Q4_K> {
  * decode of the 8B shape 80% vs 77%); for the quantized types they did not
  * (q4_0 decode 29% vs 32%, q4_k 14336 x 4096 23% vs 29%), which keep one
  * block per group of the full height. */
-constexpr bool g2_plain(int T) { return T == ST_DTYPE_BF16 || T == ST_DTYPE_F16; }
+__host__ __device__ constexpr bool g2_plain(int T) { return T == ST_DTYPE_BF16 || T == ST_DTYPE_F16; }
 
 /* Stages in a warp's ring for RR rows of SB bytes: about G2_WARP_SMEM bytes,
  * 2 to 4 (3 at most for the plain types, whose blocks are more numerous). */
