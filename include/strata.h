@@ -174,6 +174,9 @@ typedef struct {
     int64_t n_kv_heads;
     int64_t head_dim;
     int64_t context_length;       /* positions the model was trained for (0: not given) */
+    int64_t context_limit;        /* the longest context its RoPE allows: context_length, times the
+                                     factor of a linear RoPE scaling (rope_linear_factor) */
+    double rope_linear_factor;    /* that factor (1: no linear scaling) */
     int32_t bos_id, eos_id;       /* the tokenizer's (-1: none) */
     const char *backend;          /* "cpu" or "cuda" */
     const char *kv_dtype;         /* "bf16", "fp8" or "f32" */
@@ -185,6 +188,25 @@ typedef struct {
     const char *chat_template;
     bool chat_wants_date;         /* the template names today's date (Llama-3.1+): see strata_chat_set_date */
 } strata_model_info;
+
+/* The sampling settings the model recommends (a HF directory's
+ * generation_config.json, a GGUF file's general.sampling.* keys): only what
+ * is present is set (has_*); source names the file ("" when nothing was
+ * found). */
+typedef struct {
+    bool has_temperature, has_top_p, has_top_k, has_min_p, has_repetition_penalty;
+    double temperature;           /* >= 0 (0: greedy) */
+    double top_p;                 /* (0, 1] */
+    int64_t top_k;                /* >= 0 (0: off) */
+    double min_p;                 /* [0, 1] */
+    double repetition_penalty;    /* > 0 */
+    char source[1100];
+} strata_sampling_defaults;
+
+/* Reads them into *out (zeroed first). No recommendation is no error; a file
+ * that cannot be parsed or a value out of range: STRATA_ERR_FORMAT naming the
+ * file and the key (*out then zeroed). INVALID_ARG for NULLs. Thread-safe. */
+strata_status strata_model_sampling_defaults(const strata_model *m, strata_sampling_defaults *out);
 
 /* Fills *out. Strings point into m (valid until strata_model_free, or for
  * chat_template until strata_chat_set_template). Errors: INVALID_ARG for

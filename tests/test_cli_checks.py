@@ -18,6 +18,7 @@ GGUF variants are written here by rewriting the header of the tiny random
 model (`strata mkmodel`) or of the default model (SmolLM2-135M-Instruct).
 """
 import math
+import json
 import os
 import re
 import shutil
@@ -248,11 +249,12 @@ def test_run_checks():
           "-q: no sampling line; --top-k given: the file's top_k not taken (%s)" % p.stderr.strip()[-300:])
     os.remove(b)
 
-    # a HF directory's generation_config.json (the fixture has no tokenizer: the run stops there, after
-    # the sampling line)
+    # a HF directory's generation_config.json (the reference model with a byte-level tokenizer of its
+    # 256 tokens written here)
     d = os.path.join(TMP, "hf_genconf")
     shutil.rmtree(d, ignore_errors=True)
     shutil.copytree(os.path.join(SRC, "tests", "data", "models", "gqa_f32"), d)
+    write_byte_tokenizer(os.path.join(d, "tokenizer.json"))
     with open(os.path.join(d, "generation_config.json"), "w") as f:
         f.write('{"bos_token_id": 1, "do_sample": true, "temperature": 0.2, "top_p": 0.9, "top_k": 20}\n')
     p = run(["run", d, "-p", "hi", "-n", "1"] + th)
@@ -267,6 +269,28 @@ def test_run_checks():
     check(re.search(r"warning: .*generation_config\.json.*'temperature'", p.stderr) is not None and
           "sampling from" not in p.stderr,
           "a bad generation_config.json: a warning naming the file and the key (%s)" % p.stderr.strip()[-300:])
+
+
+def write_byte_tokenizer(path):
+    """A byte-level BPE tokenizer.json whose 256 tokens are the bytes (GPT-2's byte-to-unicode
+    mapping), no merges: enough for a model with a 256-token vocabulary to run."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1)) + \
+        list(range(ord("\u00ae"), ord("\u00ff") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    vocab = {chr(c): b for b, c in zip(bs, cs)}
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    tok = {"version": "1.0", "added_tokens": [], "normalizer": None, "pre_tokenizer": byte_level,
+           "post_processor": None, "decoder": byte_level,
+           "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                     "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "vocab": vocab,
+                     "merges": []}}
+    with open(path, "w") as f:
+        json.dump(tok, f)
 
 
 def main():

@@ -284,42 +284,33 @@ static int parse_args(int argc, char **argv, run_opts *o) {
     return 1;
 }
 
-/* ---- before loading: the context against the model, its sampling defaults ----------------*/
-/* Opens the model's files (metadata only: nothing is read but headers) to
- * check --ctx against the positions the model was trained for, and to take
- * its recommended sampling settings for the options not given. 0: go on,
- * 1: the model cannot be opened, 2: a usage error (messages printed). */
-static int precheck_model(run_opts *o) {
-    st_model_files *mf = NULL;
-    if (st_model_open(o->model_path, &mf) != STRATA_OK) {
-        fprintf(stderr, "strata load: %s\n", st_last_error());
-        return 1;
-    }
-    const st_config *c = &mf->config;
-    int64_t ctx = o->mo.ctx, trained = c->max_position_embeddings;
-    if (ctx > trained) {
+/* ---- the model's limits and recommendations -------------------------------------------------*/
+/* With the model's files open (no weights loaded yet): checks --ctx against
+ * the positions the model was trained for, and takes its recommended sampling
+ * settings for the options not given. 0: go on, 2: a usage error (messages
+ * printed). */
+static int precheck_model(run_opts *o, const strata_model *m, const strata_model_info *info) {
+    const int64_t ctx = o->mo.ctx, trained = info->context_length;
+    if (trained > 0 && ctx > trained) {
         /* linear scaling stretches positions by its factor (HF: max_position_embeddings is the
            unscaled length); llama3 scaling's max_position_embeddings is already the scaled one */
-        double allowed = (double)trained;
-        if (c->rope_scaling == ST_ROPE_SCALING_LINEAR && c->rope_factor > 1) allowed *= c->rope_factor;
-        if ((double)ctx > allowed) {
+        const int64_t allowed = info->context_limit;
+        if (ctx > allowed) {
             fprintf(stderr,
                     "strata run: --ctx %lld is more than the %lld positions %s was trained for "
                     "(max_position_embeddings%s); give --ctx %lld or less\n",
                     (long long)ctx, (long long)trained, o->model_path,
-                    allowed > (double)trained ? " with its RoPE scaling" : "", (long long)allowed);
-            st_model_close(mf);
+                    allowed > trained ? " with its RoPE scaling" : "", (long long)allowed);
             return 2;
         }
         fprintf(stderr,
                 "strata run: warning: --ctx %lld is more than the %lld positions %s was trained for; "
                 "its linear RoPE scaling (factor %g) allows up to %lld\n",
-                (long long)ctx, (long long)trained, o->model_path, c->rope_factor, (long long)allowed);
+                (long long)ctx, (long long)trained, o->model_path, info->rope_linear_factor, (long long)allowed);
     }
-
-    st_sampling_defaults sd;
-    if (st_sampling_defaults_read(mf, &sd) != STRATA_OK) {
-        fprintf(stderr, "strata run: warning: the model's sampling settings are ignored: %s\n", st_last_error());
+    strata_sampling_defaults sd;
+    if (strata_model_sampling_defaults(m, &sd) != STRATA_OK) {
+        fprintf(stderr, "strata run: warning: the model's sampling settings are ignored: %s\n", strata_last_error());
         memset(&sd, 0, sizeof sd);
     }
     char took[256] = "";
@@ -341,7 +332,6 @@ static int precheck_model(run_opts *o) {
          "repeat-penalty");
 #undef TAKE
     if (took[0] && !o->quiet) fprintf(stderr, "strata: sampling from %s: %s\n", sd.source, took);
-    st_model_close(mf);
     return 0;
 }
 
@@ -459,7 +449,9 @@ static bool settle_chat(const run_opts *o, runner *r) {
 
 /* Loads model + tokenizer, settles the chat format and builds the engine
  * (one sequence; KV pool of one context; prefix cache on). Prints errors. */
-static bool runner_open(const run_opts *o, runner *r) {
+/* Loads the model; false on failure with *rc the exit status (messages printed). */
+static bool runner_open(run_opts *o, runner *r, int *rc) {
+    *rc = 1;
     memset(r, 0, sizeof *r);
     FILE *pg = o->quiet ? NULL : stderr;
     double t0 = now_s();
@@ -495,6 +487,11 @@ static bool runner_open(const run_opts *o, runner *r) {
         runner_close(r);
         return false;
     }
+    if ((*rc = precheck_model(o, r->m, &info)) != 0) {
+        runner_close(r);
+        return false;
+    }
+    *rc = 1;
     if (!settle_chat(o, r) || !check_vocab(o, &info)) {
         runner_close(r);
         return false;
@@ -868,15 +865,11 @@ int cmd_run(int argc, char **argv) {
         fprintf(stderr, "strata run: out of memory\n");
         return 1;
     }
-    int pc = precheck_model(&o);
-    if (pc != 0) {
-        free(prompt);
-        return pc;
-    }
     runner r;
-    if (!runner_open(&o, &r)) {
+    int orc = 1;
+    if (!runner_open(&o, &r, &orc)) {
         free(prompt);
-        return 1;
+        return orc;
     }
     int rc = interactive ? run_interactive(&o, &r) : run_once(&o, &r, prompt);
     runner_close(&r);

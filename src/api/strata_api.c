@@ -241,6 +241,8 @@ strata_status strata_model_info_get(const strata_model *m, strata_model_info *ou
     out->n_kv_heads = c->n_kv_heads;
     out->head_dim = c->head_dim;
     out->context_length = c->max_position_embeddings;
+    out->rope_linear_factor = c->rope_scaling == ST_ROPE_SCALING_LINEAR && c->rope_factor > 1 ? c->rope_factor : 1.0;
+    out->context_limit = (int64_t)((double)c->max_position_embeddings * out->rope_linear_factor);
     out->bos_id = st_tokenizer_bos(m->tok);
     out->eos_id = st_tokenizer_eos(m->tok);
     out->backend = m->be->kind == ST_BACKEND_CUDA ? "cuda" : "cpu";
@@ -252,6 +254,27 @@ strata_status strata_model_info_get(const strata_model *m, strata_model_info *ou
     }
     out->chat_template = st_chat_kind_name(m->tpl.kind);
     out->chat_wants_date = m->tpl.date != NULL && m->tpl.date_from_clock;
+    return STRATA_OK;
+}
+
+strata_status strata_model_sampling_defaults(const strata_model *m, strata_sampling_defaults *out) {
+    if (!m || !out)
+        return st_err(STRATA_ERR_INVALID_ARG, "strata_model_sampling_defaults: %s is NULL", m ? "out" : "model");
+    memset(out, 0, sizeof *out);
+    st_sampling_defaults sd;
+    const strata_status st = st_sampling_defaults_read(m->files, &sd);
+    if (st != STRATA_OK) return st;
+    out->has_temperature = sd.has_temperature;
+    out->has_top_p = sd.has_top_p;
+    out->has_top_k = sd.has_top_k;
+    out->has_min_p = sd.has_min_p;
+    out->has_repetition_penalty = sd.has_repetition_penalty;
+    out->temperature = sd.temperature;
+    out->top_p = sd.top_p;
+    out->top_k = sd.top_k;
+    out->min_p = sd.min_p;
+    out->repetition_penalty = sd.repetition_penalty;
+    snprintf(out->source, sizeof out->source, "%s", sd.source);
     return STRATA_OK;
 }
 
