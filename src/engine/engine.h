@@ -19,7 +19,7 @@
  *      sequences, with a prefix cache (a prompt prefix already computed is not
  *      computed again); when blocks run out the newest running sequence is
  *      preempted (recompute) and resumes later with the same output;
- *   3. one batched forward pass (st_llama_forward_batch) runs every sequence's
+ *   3. one batched forward pass (st_llama_forward) runs every sequence's
  *      tokens of the step on one shared st_llama;
  *   4. each sequence that produced logits is sampled with its own sampler;
  *      the runner's postprocess (st_seq_postprocess, the one place) applies

@@ -301,7 +301,7 @@ static bool pad_batch(st_llama *m, const st_batch *b, const st_sample_args *args
     return true;
 }
 
-/* Enqueues the whole pass (forward_batch below synchronizes). logits: host
+/* Enqueues the whole pass (st_llama_forward below synchronizes). logits: host
  * [n_logits, V] or NULL (not copied); args: host [n_logits] or NULL: the
  * sample op's ids land in m->h_sids. */
 static strata_status forward_enqueue(st_llama *m, st_kv_pool *kv, const st_batch *b, float *logits,

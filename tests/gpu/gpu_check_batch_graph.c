@@ -12,7 +12,7 @@
  * non-contiguous blocks; chunked prefill (mixed chunks of several
  * sequences), then 300 decode steps whose batch size changes (8, 3, 1, 5,
  * ...) and whose contexts cross the attention buckets (256, 512 keys), a
- * stretch with device sampling (forward_batch_sample: ids and logits), and a
+ * stretch with device sampling (st_llama_forward_sample: ids and logits), and a
  * multi-token step. Every step's logits must be bitwise equal (memcmp), the
  * graph model must have replayed graphs, the direct one none.
  * Prints PASS / FAIL lines; exit status 1 on any failure. */
