@@ -3,9 +3,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "strata.h"
+
 #include "commands.h"
-#include "common.h"
-#include "tokenizer/tokenizer.h"
 
 static const char *const usage_text =
     "usage: strata tokenize MODEL TEXT [--special] [--decode]\n"
@@ -20,9 +20,9 @@ static char *read_stdin(size_t *len) {
     char *b = malloc(cap);
     if (!b) return NULL;
     size_t r;
-    while ((r = fread(b + n, 1, cap - n, stdin)) > 0) {
+    while ((r = fread(b + n, 1, cap - 1 - n, stdin)) > 0) { /* room for the NUL */
         n += r;
-        if (n == cap) {
+        if (n == cap - 1) {
             char *nb = realloc(b, cap *= 2);
             if (!nb) {
                 free(b);
@@ -31,6 +31,7 @@ static char *read_stdin(size_t *len) {
             b = nb;
         }
     }
+    b[n] = '\0';
     *len = n;
     return b;
 }
@@ -73,33 +74,39 @@ int cmd_tokenize(int argc, char **argv) {
         text = owned;
     }
     int rc = 1;
-    st_model_files *m = NULL;
-    st_tokenizer *t = NULL;
+    strata_model *m = NULL;
     int32_t *ids = NULL;
     char *back = NULL;
-    int64_t n = 0;
-    if (st_model_open(path, &m) || st_tokenizer_load(m, &t) ||
-        st_tokenizer_encode(t, text, len, special, special, &ids, &n)) {
-        tool_print_error("tokenize");
-        goto done;
+    size_t n = 0, cap = 0;
+    const strata_model_params mp = {.device = "cpu"}; /* the tokenizer alone: no device needed */
+    if (strata_model_open(path, &mp, &m) != STRATA_OK) goto fail;
+    /* the ids: ask for the count, then encode into a buffer of that size */
+    strata_status st = strata_tokenize(m, text, special, special, NULL, 0, &n);
+    if (st == STRATA_ERR_NOMEM && n > 0) {
+        cap = n;
+        if (!(ids = malloc(cap * sizeof *ids))) goto fail;
+        st = strata_tokenize(m, text, special, special, ids, cap, &n);
     }
-    for (int64_t i = 0; i < n; i++) printf(i ? " %d" : "%d", ids[i]);
+    if (st != STRATA_OK) goto fail;
+    for (size_t i = 0; i < n; i++) printf(i ? " %d" : "%d", ids[i]);
     printf("\n");
     if (decode) {
-        size_t bl;
-        if (st_tokenizer_decode_len(t, ids, n, false, &back, &bl)) {
-            tool_print_error("tokenize");
-            goto done;
-        }
+        size_t bl = 0;
+        st = strata_detokenize(m, ids, n, NULL, 0, &bl);
+        if (st == STRATA_ERR_NOMEM && (back = malloc(bl + 1)))
+            st = strata_detokenize(m, ids, n, back, bl + 1, &bl);
+        if (st != STRATA_OK) goto fail;
         fwrite(back, 1, bl, stdout);
         printf("\n");
     }
     rc = 0;
+    goto done;
+fail:
+    fprintf(stderr, "strata tokenize: %s\n", strata_last_error());
 done:
     free(back);
     free(ids);
     free(owned);
-    st_tokenizer_free(t);
-    st_model_close(m);
+    strata_model_free(m);
     return rc;
 }
