@@ -54,9 +54,10 @@ typedef struct {
 
 /* Device bytes of the two fp32 buffers [max_seq_len, kv_dim] into which a
  * single-sequence prefill chunk gathers its keys and values from the paged
- * pool, to run the backend's contiguous tensor-core attention (model/forward.c):
- * CUDA only, and none when they would take more than 1 GiB (the paged kernel
- * then serves every pass). */
+ * pool, to run the backend's contiguous attention (model/forward.c: CUDA's
+ * tensor-core kernels; on the CPU each key dequantized once per layer instead
+ * of once per query and head, the same bits); none when they would take more
+ * than 1 GiB (the paged kernel then serves every pass). */
 size_t st_plan_gather_bytes(const st_backend *be, const st_config *c, int64_t max_seq_len);
 
 /* Device bytes of the activations a model with these shapes allocates for
