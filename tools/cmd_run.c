@@ -583,23 +583,30 @@ static bool encode(const runner *r, const char *text, bool add_special, int32_t 
     return false;
 }
 
-/* The chat format applied to msgs -> *out (malloc'd, the caller frees). Prints errors. */
-static bool chat_format(const runner *r, const char *const *roles, const char *const *contents, size_t n,
-                        char **out) {
-    *out = NULL;
-    size_t len = 0;
-    strata_status st = strata_chat_apply(r->m, roles, contents, n, true, NULL, 0, &len);
-    if (st == STRATA_ERR_NOMEM) {
-        char *buf = malloc(len + 1);
+/* The chat format applied to msgs, tokenized: control tokens only from the
+ * template, the contents as plain text (strata_chat_tokenize) -> *ids
+ * (malloc'd, the caller frees). Prints errors. */
+static bool chat_encode(const runner *r, const char *const *roles, const char *const *contents, size_t n,
+                        int32_t **ids, int64_t *n_ids) {
+    *ids = NULL;
+    *n_ids = 0;
+    size_t cap = 64, got = 0;
+    for (size_t i = 0; i < n; i++) cap += strlen(roles[i]) + strlen(contents[i]) + 64;
+    for (int tries = 0; tries < 2; tries++) {
+        int32_t *buf = malloc(cap * sizeof *buf);
         if (!buf) {
             fprintf(stderr, "strata run: out of memory\n");
             return false;
         }
-        if ((st = strata_chat_apply(r->m, roles, contents, n, true, buf, len + 1, &len)) == STRATA_OK) {
-            *out = buf;
+        strata_status st = strata_chat_tokenize(r->m, roles, contents, n, true, buf, cap, &got);
+        if (st == STRATA_OK) {
+            *ids = buf;
+            *n_ids = (int64_t)got;
             return true;
         }
         free(buf);
+        if (st != STRATA_ERR_NOMEM || got <= cap) break;
+        cap = got;
     }
     print_error("run");
     return false;
@@ -663,21 +670,19 @@ static void chop_newlines(char *s) {
 
 /* One prompt -> one answer. */
 static int run_once(const run_opts *o, runner *r, char *prompt) {
-    char *text = NULL;
-    bool add_special = true;
+    int32_t *ids = NULL;
+    int64_t n = 0;
+    bool ok;
     if (r->chat) {
         chop_newlines(prompt);
         const char *roles[2], *contents[2];
         size_t nm = 0;
         if (o->system) roles[nm] = "system", contents[nm++] = o->system;
         roles[nm] = "user", contents[nm++] = prompt;
-        if (!chat_format(r, roles, contents, nm, &text)) return 1;
-        add_special = false; /* the template holds BOS where it wants one */
+        ok = chat_encode(r, roles, contents, nm, &ids, &n); /* the template holds BOS where it wants one */
+    } else {
+        ok = encode(r, prompt, true, &ids, &n);
     }
-    int32_t *ids = NULL;
-    int64_t n = 0;
-    bool ok = encode(r, text ? text : prompt, add_special, &ids, &n);
-    free(text);
     if (!ok) return 1;
     if (n == 0) {
         fprintf(stderr, "strata run: the prompt is empty\n");
@@ -763,10 +768,10 @@ static int run_interactive(const run_opts *o, runner *r) {
         int64_t n = 0;
         bool fresh = false; /* the conversation was started over for this turn */
         for (;;) {
-            char *full = NULL;
             if (r->chat) {
                 if (!conv_add(&c, "user", line)) { rc = 1; break; }
-                if (!chat_format(r, c.roles, (const char *const *)c.contents, (size_t)c.n, &full)) {
+                /* a template holds BOS where it wants one */
+                if (!chat_encode(r, c.roles, (const char *const *)c.contents, (size_t)c.n, &ids, &n)) {
                     free(c.contents[--c.n]);
                     break;
                 }
@@ -774,12 +779,11 @@ static int run_interactive(const run_opts *o, runner *r) {
                 strbuf b = {0};
                 if (!sb_add(&b, plain.p ? plain.p : "", plain.len) || !sb_add(&b, line, strlen(line)) ||
                     !sb_add(&b, "\n", 1)) { free(b.p); rc = 1; break; }
-                full = b.p;
+                /* plain text: BOS as the tokenizer says */
+                bool ok = encode(r, b.p, true, &ids, &n);
+                free(b.p);
+                if (!ok) { rc = 1; break; }
             }
-            /* plain text: BOS as the tokenizer says; a template holds its own */
-            bool ok = encode(r, full, !r->chat, &ids, &n);
-            free(full);
-            if (!ok) { rc = 1; break; }
             const int64_t reserve = o->n_predict > 0 && o->n_predict < r->n_ctx / 4 ? o->n_predict : r->n_ctx / 4;
             const bool has_history = !r->chat ? plain.len > 0 : c.n > 1 + (o->system != NULL);
             if (n + reserve <= r->n_ctx || !has_history || fresh) break;

@@ -338,14 +338,19 @@ static bool parse_messages(const cJSON *root, const strata_model *model, srv_gen
         contents[i] = text;
         i++;
     }
-    size_t len = 0;
-    strata_status st = strata_chat_apply(model, roles, contents, (size_t)n, true, NULL, 0, &len);
-    if (st == STRATA_ERR_NOMEM) { /* the size asked for: now the text */
-        if (!(g->prompt_text = st_malloc(len + 1))) {
+    /* the template's control tokens as such, the contents as plain text (turns cannot be forged) */
+    size_t cap = 64, got = 0;
+    for (int j = 0; j < n; j++) cap += strlen(contents[j]) + strlen(roles[j]) + 64;
+    strata_status st = STRATA_ERR_NOMEM;
+    for (int tries = 0; tries < 2 && st == STRATA_ERR_NOMEM; tries++) {
+        st_free(g->prompt_ids);
+        if (!(g->prompt_ids = st_malloc(cap * sizeof *g->prompt_ids))) {
             srv_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
             goto done;
         }
-        st = strata_chat_apply(model, roles, contents, (size_t)n, true, g->prompt_text, len + 1, &len);
+        st = strata_chat_tokenize(model, roles, contents, (size_t)n, true, g->prompt_ids, cap, &got);
+        if (st == STRATA_ERR_NOMEM && got > cap) cap = got;
+        else if (st == STRATA_ERR_NOMEM) break;
     }
     if (st != STRATA_OK) {
         srv_error_set(e, st == STRATA_ERR_NOMEM ? 500 : 400, st == STRATA_ERR_NOMEM ? "server_error" : INVALID,
@@ -353,7 +358,7 @@ static bool parse_messages(const cJSON *root, const strata_model *model, srv_gen
                       "the conversation cannot be formatted: %s", strata_last_error());
         goto done;
     }
-    g->prompt_special = true;
+    g->n_prompt_ids = (int64_t)got;
     ok = true;
 done:
     if (owned)

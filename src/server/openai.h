@@ -41,10 +41,10 @@ typedef enum { SRV_CHAT = 0, SRV_COMPLETIONS } srv_kind;
 /* A parsed generation request. Strings are owned (srv_gen_clear). */
 typedef struct {
     srv_kind kind;
-    char *prompt_text;      /* chat: the formatted conversation; completions: the prompt text */
-    int32_t *prompt_ids;    /* completions given token ids (else NULL) */
+    char *prompt_text;      /* completions: the prompt text (tokenized with its control tokens, BOS added) */
+    int32_t *prompt_ids;    /* chat: the conversation's tokens (strata_chat_tokenize: control tokens only
+                               from the template); completions given token ids (else NULL) */
     int64_t n_prompt_ids;
-    bool prompt_special;    /* chat: the text holds the template's special tokens (BOS etc.) */
     strata_request_params sp; /* the sampling fields only: temperature, top_k, top_p, min_p,
                                  repetition_penalty, seed (prompt and stop are the fields above) */
     bool seed_given;

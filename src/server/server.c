@@ -524,7 +524,7 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *r, srv_kin
         ids = g.prompt_ids;
         n = g.n_prompt_ids;
         g.prompt_ids = NULL;
-    } else if (!encode(s->model, g.prompt_text, !g.prompt_special, &ids, &n)) {
+    } else if (!encode(s->model, g.prompt_text, true, &ids, &n)) {
         srv_error_set(&e, 400, "invalid_request_error", "invalid_value", kind == SRV_CHAT ? "messages" : "prompt",
                       "the prompt cannot be tokenized: %s", st_last_error());
         srv_gen_clear(&g);
