@@ -354,6 +354,14 @@ typedef struct {
 /* A request. Zero-initialise it: zero fields are greedy decoding without
  * truncation or penalty, up to the context. Everything is copied by
  * strata_submit. */
+/* The sampling ranges the front ends (strata run, strata serve) accept, the
+ * same in both: temperature in [0, STRATA_TEMPERATURE_MAX] (OpenAI's range;
+ * 0: greedy), seed an integer in [0, STRATA_SEED_MAX] (exact in a JSON number)
+ * or -1 (as absent: a fresh seed). The engine itself takes any temperature
+ * >= 0 and any 64-bit seed. */
+#define STRATA_TEMPERATURE_MAX 2.0
+#define STRATA_SEED_MAX 9007199254740992LL /* 2^53 */
+
 typedef struct {
     /* the prompt: token ids (ids in [0, tokenizer vocabulary)) or NUL-terminated text, not both */
     const int32_t *prompt_ids;

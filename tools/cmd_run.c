@@ -50,7 +50,7 @@ static void run_usage(FILE *f) {
             "                          one of these)\n"
             "  --system TEXT           the system message (chat mode; default: the template's own,\n"
             "                          e.g. SmolLM2's, or none)\n"
-            "  --temp T                temperature (default %.2g; 0: greedy, deterministic)\n"
+            "  --temp T                temperature in [0, 2] (default %.2g; 0: greedy, deterministic)\n"
             "  --top-k K               keep the K most likely tokens (default %d; 0: off)\n"
             "  --top-p P               keep the smallest set holding probability P (default %.2g; 1: off)\n"
             "  --min-p P               drop tokens less likely than P x the top one (default %.2g; 0: off)\n"
@@ -62,7 +62,8 @@ static void run_usage(FILE *f) {
             "                          do_sample false: greedy), general.sampling.* keys in a GGUF file;\n"
             "                          a line on stderr says which were taken\n"
             "  --repeat-last-n N       how many recent tokens the penalty looks at (default 0: all)\n"
-            "  --seed S                random seed (default: a new one each run, shown in the stats)\n"
+            "  --seed S                random seed, an integer in [0, 2^53] (default, or -1: a new one\n"
+            "                          each run, shown in the stats); ranges as strata serve's\n"
             "  --stop STR              stop when the output contains STR (not printed); repeatable\n"
             "                          (up to %d). The model's end tokens always stop it.\n"
             "  -q, --quiet             no loading line and no stats line\n"
@@ -192,7 +193,7 @@ static int parse_args(int argc, char **argv, run_opts *o) {
             NEED_VALUE();
             o->system = val;
         } else if (!strcmp(a, "--temp") || !strcmp(a, "--temperature")) {
-            if (!tool_parse_f64(val, 0, 100, a, &d)) return -1;
+            if (!tool_parse_f64(val, 0, STRATA_TEMPERATURE_MAX, a, &d)) return -1; /* as strata serve */
             o->sp.temperature = (float)d;
             o->temp_given = true;
             i++;
@@ -229,15 +230,10 @@ static int parse_args(int argc, char **argv, run_opts *o) {
             o->sp.repeat_last_n = v;
             i++;
         } else if (!strcmp(a, "--seed")) {
-            errno = 0;
-            char *end = NULL;
-            unsigned long long s = val ? strtoull(val, &end, 10) : 0;
-            if (!val || errno || end == val || *end || val[0] == '-') {
-                fprintf(stderr, "strata run: --seed: '%s' is not an integer in [0, 2^64)\n", val ? val : "");
-                return -1;
-            }
-            o->sp.seed = s;
-            o->seed_given = true;
+            /* as strata serve: -1 (a fresh one, as without --seed) or [0, 2^53] */
+            if (!tool_parse_i64(val, -1, STRATA_SEED_MAX, a, &v)) return -1;
+            o->sp.seed = v < 0 ? 0 : (uint64_t)v;
+            o->seed_given = v >= 0;
             i++;
         } else if (!strcmp(a, "--stop")) {
             NEED_VALUE();
@@ -279,7 +275,8 @@ static int parse_args(int argc, char **argv, run_opts *o) {
     if (!o->seed_given) {
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
-        o->sp.seed = ((uint64_t)ts.tv_sec * 1000000007ull) ^ (uint64_t)ts.tv_nsec ^ ((uint64_t)getpid() << 40);
+        o->sp.seed = (((uint64_t)ts.tv_sec * 1000000007ull) ^ (uint64_t)ts.tv_nsec ^ ((uint64_t)getpid() << 40)) %
+                     ((uint64_t)STRATA_SEED_MAX + 1); /* a value --seed takes again */
     }
     return 1;
 }
