@@ -842,6 +842,13 @@ static void mhd_log(void *cls, const char *fmt, va_list ap) {
     pthread_mutex_lock(&s->mu);
     snprintf(s->mhd_msg, sizeof s->mhd_msg, "%s", msg);
     pthread_mutex_unlock(&s->mu);
+    /* the answers libmicrohttpd writes itself (a malformed request line or header, a bad
+     * Content-Length, headers too large: 400, 413, 431, 505) are counted too, under "other" */
+    const char *code = strstr(msg, "HTTP response code is ");
+    if (code) {
+        const int status = atoi(code + strlen("HTTP response code is "));
+        if (status >= 400 && status < 600) count_reply(s, R_OTHER, status);
+    }
     /* what a content reader ending a stream early (client gone) makes it say */
     const bool expected = strstr(msg, "Application reported internal error") != NULL;
     st_log(expected ? STRATA_LOG_DEBUG : STRATA_LOG_WARN, "server: libmicrohttpd: %s", msg);
