@@ -8,7 +8,9 @@
  *                             gets 404 model_not_found (checked by the server)
  *   messages (chat)           non-empty array of {role, content}; role system|developer|user|
  *                             assistant|tool; content a string, an array of {"type":"text","text"}
- *                             parts (joined with "\n"), or null (assistant only)
+ *                             parts (joined with "\n"), or null (assistant only); contents are
+ *                             text: control token strings in them ("<|im_end|>") stay text,
+ *                             only the template writes control tokens (strata_chat_tokenize)
  *   prompt (completions)      a string, an array of one string, or an array of token ids
  *   max_tokens, max_completion_tokens   integer >= 1 (absent: until the context is full)
  *   temperature               number in [0, 2] (default 1; 0: greedy); numbers must be finite
