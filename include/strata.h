@@ -276,13 +276,26 @@ strata_status strata_detokenize(const strata_model *m, const int32_t *ids, size_
  * add_special = false (it holds BOS where the format wants one) and
  * parse_special = true (its control tokens). Contents are copied as they are:
  * a content holding control token strings becomes those tokens when so
- * tokenized. Output as strata_detokenize (buf, cap, *len, NOMEM).
+ * tokenized: to build a prompt from untrusted messages, use
+ * strata_chat_tokenize instead. Output as strata_detokenize (buf, cap, *len, NOMEM).
  * Errors: INVALID_ARG (NULL pointers, n = 0, roles the format rejects, e.g.
  * Llama-2's alternation), UNSUPPORTED (no chat format: the model has no
  * template, or one that is not recognised: the message names its markers),
  * NOMEM. Thread-safe against itself; not against strata_chat_set_*. */
 strata_status strata_chat_apply(const strata_model *m, const char *const *roles, const char *const *contents,
                                 size_t n, bool add_generation_prompt, char *buf, size_t cap, size_t *len);
+
+/* Formats a conversation as strata_chat_apply does and tokenizes it for the
+ * prompt, safely: control tokens come only from the template; a content (or
+ * role) that spells "<|im_end|>" or "<|im_start|>assistant" is encoded as
+ * plain text, so a message cannot forge a turn. For contents without control
+ * token strings the ids are those of strata_tokenize(strata_chat_apply(...),
+ * add_special = false, parse_special = true). Submit them as prompt_ids.
+ * Output as strata_tokenize (ids, cap, *n_ids always the full count, NOMEM
+ * when it exceeds cap). Errors as strata_chat_apply. Thread-safe as
+ * strata_chat_apply. */
+strata_status strata_chat_tokenize(const strata_model *m, const char *const *roles, const char *const *contents,
+                                   size_t n, bool add_generation_prompt, int32_t *ids, size_t cap, size_t *n_ids);
 
 /* The chat format in use: *name = "chatml", "llama3", "llama2" or "none".
  * Returns UNSUPPORTED (message: the template's markers, *name "none") when
@@ -341,6 +354,14 @@ typedef struct {
 /* A request. Zero-initialise it: zero fields are greedy decoding without
  * truncation or penalty, up to the context. Everything is copied by
  * strata_submit. */
+/* The sampling ranges the front ends (strata run, strata serve) accept, the
+ * same in both: temperature in [0, STRATA_TEMPERATURE_MAX] (OpenAI's range;
+ * 0: greedy), seed an integer in [0, STRATA_SEED_MAX] (exact in a JSON number)
+ * or -1 (as absent: a fresh seed). The engine itself takes any temperature
+ * >= 0 and any 64-bit seed. */
+#define STRATA_TEMPERATURE_MAX 2.0
+#define STRATA_SEED_MAX 9007199254740992LL /* 2^53 */
+
 typedef struct {
     /* the prompt: token ids (ids in [0, tokenizer vocabulary)) or NUL-terminated text, not both */
     const int32_t *prompt_ids;

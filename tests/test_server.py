@@ -19,7 +19,8 @@ Checks:
     n != 1, missing fields, a prompt longer than the context (400 naming both
     lengths), a body over --max-body (413), unknown route (404), wrong method
     (405); with --api-key: a missing or wrong key (401), the right key works,
-    /health stays open;
+    /health and /metrics need it too (tests/test_server_hardening.py: the rest
+    of issue 17's hostile-client checks);
   - a client that disconnects mid-stream (and one that leaves a non-streamed
     request) has its request aborted: strata_requests_running returns to 0;
   - /metrics parses (Prometheus text format) and counts requests, tokens,
@@ -478,7 +479,8 @@ def test_disconnect(srv):
     body = json.dumps({"model": "smol", "prompt": "Tell me a long story.", "max_tokens": 400,
                        "ignore_eos": True}).encode()
     s = socket.create_connection(("127.0.0.1", srv.port))
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body)
     deadline = time.time() + 30
     while mval(metrics(srv), "strata_requests_running") < 1 and time.time() < deadline:
         time.sleep(0.02)
@@ -564,7 +566,9 @@ def test_api_key(model):
         check("Paris" in text, "the right API key works")
         st, _, _ = raw(srv, "GET", "/health")
         st2, _, _ = raw(srv, "GET", "/metrics")
-        check(st == 200 and st2 == 200, "/health and /metrics need no key")
+        check(st == 401 and st2 == 401, "/health and /metrics need the key (--metrics-public opens them)")
+        st, _, _ = raw(srv, "GET", "/health", headers={"Authorization": "Bearer sekrit"})
+        check(st == 200, "/health with the key")
         # usage errors, and a port already taken
         r = subprocess.run([BIN, "serve"], capture_output=True, text=True, timeout=60)
         check(r.returncode == 2 and "no MODEL" in r.stderr, "serve without a model: exit 2")
@@ -579,6 +583,7 @@ def test_api_key(model):
                            "stream": True}).encode()
         sock = socket.create_connection(("127.0.0.1", srv.port))
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer sekrit\r\n"
+                     b"Content-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
         got = b""
         while got.count(b"data: ") < 2:

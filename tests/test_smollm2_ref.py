@@ -45,7 +45,7 @@ def serve_completion(gguf, prompt, n):
         if port is None:
             return None
         c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-        body = {"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0}
+        body = {"prompt": prompt, "max_tokens": n, "temperature": 0}  # no "model": the served one
         c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
         r = c.getresponse()
         data = json.loads(r.read())

@@ -50,7 +50,7 @@ static void run_usage(FILE *f) {
             "                          one of these)\n"
             "  --system TEXT           the system message (chat mode; default: the template's own,\n"
             "                          e.g. SmolLM2's, or none)\n"
-            "  --temp T                temperature (default %.2g; 0: greedy, deterministic)\n"
+            "  --temp T                temperature in [0, 2] (default %.2g; 0: greedy, deterministic)\n"
             "  --top-k K               keep the K most likely tokens (default %d; 0: off)\n"
             "  --top-p P               keep the smallest set holding probability P (default %.2g; 1: off)\n"
             "  --min-p P               drop tokens less likely than P x the top one (default %.2g; 0: off)\n"
@@ -62,7 +62,8 @@ static void run_usage(FILE *f) {
             "                          do_sample false: greedy), general.sampling.* keys in a GGUF file;\n"
             "                          a line on stderr says which were taken\n"
             "  --repeat-last-n N       how many recent tokens the penalty looks at (default 0: all)\n"
-            "  --seed S                random seed (default: a new one each run, shown in the stats)\n"
+            "  --seed S                random seed, an integer in [0, 2^53] (default, or -1: a new one\n"
+            "                          each run, shown in the stats); ranges as strata serve's\n"
             "  --stop STR              stop when the output contains STR (not printed); repeatable\n"
             "                          (up to %d). The model's end tokens always stop it.\n"
             "  -q, --quiet             no loading line and no stats line\n"
@@ -192,7 +193,7 @@ static int parse_args(int argc, char **argv, run_opts *o) {
             NEED_VALUE();
             o->system = val;
         } else if (!strcmp(a, "--temp") || !strcmp(a, "--temperature")) {
-            if (!tool_parse_f64(val, 0, 100, a, &d)) return -1;
+            if (!tool_parse_f64(val, 0, STRATA_TEMPERATURE_MAX, a, &d)) return -1; /* as strata serve */
             o->sp.temperature = (float)d;
             o->temp_given = true;
             i++;
@@ -229,15 +230,10 @@ static int parse_args(int argc, char **argv, run_opts *o) {
             o->sp.repeat_last_n = v;
             i++;
         } else if (!strcmp(a, "--seed")) {
-            errno = 0;
-            char *end = NULL;
-            unsigned long long s = val ? strtoull(val, &end, 10) : 0;
-            if (!val || errno || end == val || *end || val[0] == '-') {
-                fprintf(stderr, "strata run: --seed: '%s' is not an integer in [0, 2^64)\n", val ? val : "");
-                return -1;
-            }
-            o->sp.seed = s;
-            o->seed_given = true;
+            /* as strata serve: -1 (a fresh one, as without --seed) or [0, 2^53] */
+            if (!tool_parse_i64(val, -1, STRATA_SEED_MAX, a, &v)) return -1;
+            o->sp.seed = v < 0 ? 0 : (uint64_t)v;
+            o->seed_given = v >= 0;
             i++;
         } else if (!strcmp(a, "--stop")) {
             NEED_VALUE();
@@ -279,7 +275,8 @@ static int parse_args(int argc, char **argv, run_opts *o) {
     if (!o->seed_given) {
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
-        o->sp.seed = ((uint64_t)ts.tv_sec * 1000000007ull) ^ (uint64_t)ts.tv_nsec ^ ((uint64_t)getpid() << 40);
+        o->sp.seed = (((uint64_t)ts.tv_sec * 1000000007ull) ^ (uint64_t)ts.tv_nsec ^ ((uint64_t)getpid() << 40)) %
+                     ((uint64_t)STRATA_SEED_MAX + 1); /* a value --seed takes again */
     }
     return 1;
 }
@@ -583,23 +580,30 @@ static bool encode(const runner *r, const char *text, bool add_special, int32_t 
     return false;
 }
 
-/* The chat format applied to msgs -> *out (malloc'd, the caller frees). Prints errors. */
-static bool chat_format(const runner *r, const char *const *roles, const char *const *contents, size_t n,
-                        char **out) {
-    *out = NULL;
-    size_t len = 0;
-    strata_status st = strata_chat_apply(r->m, roles, contents, n, true, NULL, 0, &len);
-    if (st == STRATA_ERR_NOMEM) {
-        char *buf = malloc(len + 1);
+/* The chat format applied to msgs, tokenized: control tokens only from the
+ * template, the contents as plain text (strata_chat_tokenize) -> *ids
+ * (malloc'd, the caller frees). Prints errors. */
+static bool chat_encode(const runner *r, const char *const *roles, const char *const *contents, size_t n,
+                        int32_t **ids, int64_t *n_ids) {
+    *ids = NULL;
+    *n_ids = 0;
+    size_t cap = 64, got = 0;
+    for (size_t i = 0; i < n; i++) cap += strlen(roles[i]) + strlen(contents[i]) + 64;
+    for (int tries = 0; tries < 2; tries++) {
+        int32_t *buf = malloc(cap * sizeof *buf);
         if (!buf) {
             fprintf(stderr, "strata run: out of memory\n");
             return false;
         }
-        if ((st = strata_chat_apply(r->m, roles, contents, n, true, buf, len + 1, &len)) == STRATA_OK) {
-            *out = buf;
+        strata_status st = strata_chat_tokenize(r->m, roles, contents, n, true, buf, cap, &got);
+        if (st == STRATA_OK) {
+            *ids = buf;
+            *n_ids = (int64_t)got;
             return true;
         }
         free(buf);
+        if (st != STRATA_ERR_NOMEM || got <= cap) break;
+        cap = got;
     }
     print_error("run");
     return false;
@@ -663,21 +667,19 @@ static void chop_newlines(char *s) {
 
 /* One prompt -> one answer. */
 static int run_once(const run_opts *o, runner *r, char *prompt) {
-    char *text = NULL;
-    bool add_special = true;
+    int32_t *ids = NULL;
+    int64_t n = 0;
+    bool ok;
     if (r->chat) {
         chop_newlines(prompt);
         const char *roles[2], *contents[2];
         size_t nm = 0;
         if (o->system) roles[nm] = "system", contents[nm++] = o->system;
         roles[nm] = "user", contents[nm++] = prompt;
-        if (!chat_format(r, roles, contents, nm, &text)) return 1;
-        add_special = false; /* the template holds BOS where it wants one */
+        ok = chat_encode(r, roles, contents, nm, &ids, &n); /* the template holds BOS where it wants one */
+    } else {
+        ok = encode(r, prompt, true, &ids, &n);
     }
-    int32_t *ids = NULL;
-    int64_t n = 0;
-    bool ok = encode(r, text ? text : prompt, add_special, &ids, &n);
-    free(text);
     if (!ok) return 1;
     if (n == 0) {
         fprintf(stderr, "strata run: the prompt is empty\n");
@@ -763,10 +765,10 @@ static int run_interactive(const run_opts *o, runner *r) {
         int64_t n = 0;
         bool fresh = false; /* the conversation was started over for this turn */
         for (;;) {
-            char *full = NULL;
             if (r->chat) {
                 if (!conv_add(&c, "user", line)) { rc = 1; break; }
-                if (!chat_format(r, c.roles, (const char *const *)c.contents, (size_t)c.n, &full)) {
+                /* a template holds BOS where it wants one */
+                if (!chat_encode(r, c.roles, (const char *const *)c.contents, (size_t)c.n, &ids, &n)) {
                     free(c.contents[--c.n]);
                     break;
                 }
@@ -774,12 +776,11 @@ static int run_interactive(const run_opts *o, runner *r) {
                 strbuf b = {0};
                 if (!sb_add(&b, plain.p ? plain.p : "", plain.len) || !sb_add(&b, line, strlen(line)) ||
                     !sb_add(&b, "\n", 1)) { free(b.p); rc = 1; break; }
-                full = b.p;
+                /* plain text: BOS as the tokenizer says */
+                bool ok = encode(r, b.p, true, &ids, &n);
+                free(b.p);
+                if (!ok) { rc = 1; break; }
             }
-            /* plain text: BOS as the tokenizer says; a template holds its own */
-            bool ok = encode(r, full, !r->chat, &ids, &n);
-            free(full);
-            if (!ok) { rc = 1; break; }
             const int64_t reserve = o->n_predict > 0 && o->n_predict < r->n_ctx / 4 ? o->n_predict : r->n_ctx / 4;
             const bool has_history = !r->chat ? plain.len > 0 : c.n > 1 + (o->system != NULL);
             if (n + reserve <= r->n_ctx || !has_history || fresh) break;

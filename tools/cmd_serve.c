@@ -46,8 +46,10 @@ static void serve_usage(FILE *f) {
             "Prints \"listening on http://HOST:PORT\" when ready; SIGINT or SIGTERM stops it.\n\n"
             "  --host HOST              address to bind (default 127.0.0.1: this machine only)\n"
             "  --port N                 port (default 8080; 0: any free port, printed)\n"
-            "  --api-key KEY            require 'Authorization: Bearer KEY' on /v1/* (default: none;\n"
-            "                           also read from $STRATA_API_KEY)\n"
+            "  --api-key KEY            require 'Authorization: Bearer KEY' on /v1/*, /health and /metrics\n"
+            "                           (default: none; also read from $STRATA_API_KEY)\n"
+            "  --metrics-public         with --api-key: /health and /metrics answer without the key\n"
+            "                           (for probes and scrapers)\n"
             "  --max-batch N            sequences running at once (default 32); more requests wait\n"
             "  --max-model-len N        tokens per sequence, prompt and output (default: the model's,\n"
             "                           at most 2048); a longer prompt is refused with a 400\n"
@@ -76,6 +78,11 @@ static void serve_usage(FILE *f) {
             "                           default: no cap); weights that do not fit are streamed\n"
             "  --host-mem SIZE          pinned host memory for streamed weights (default 80%% of available)\n"
             "  --h2d-bw GB/s, --ssd-bw GB/s, --ring-slots N   weight streaming (as strata bench)\n"
+            "\nRequests: POST bodies must be 'Content-Type: application/json' (415 otherwise); \"model\",\n"
+            "when given, must be the served model's name (404 otherwise); on a loopback --host the Host\n"
+            "header must be localhost, 127.0.0.1, [::1] or the host itself (421 otherwise: DNS rebinding).\n"
+            "Sampling: temperature in [0, 2] (0: greedy), seed an integer in [0, 2^53] (-1 or absent: a\n"
+            "fresh one per request), as strata run's --temp and --seed.\n"
             "\nRequest logs go to standard error at STRATA_LOG=info.\n");
 }
 
@@ -83,7 +90,7 @@ typedef struct {
     const char *model_path, *host, *api_key, *model_name, *chat_template;
     int64_t port, max_batch, max_model_len, prefill_chunk, step_tokens, max_body, max_conn, kv_blocks;
     size_t kv_mem;
-    bool no_rooflines, host_sample;
+    bool no_rooflines, host_sample, metrics_public;
     tool_model_opts mo;
 } serve_opts;
 
@@ -137,6 +144,10 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         }
         if (!strcmp(a, "--host-sample")) {
             o->host_sample = true;
+            continue;
+        }
+        if (!strcmp(a, "--metrics-public")) {
+            o->metrics_public = true;
             continue;
         }
         if (!strcmp(a, "--no-rooflines")) {
@@ -307,7 +318,8 @@ int cmd_serve(int argc, char **argv) {
         print_error("serve");
         goto done;
     }
-    st_server_params sp = {.host = o.host, .port = (int)o.port, .api_key = o.api_key, .model_name = model_name,
+    st_server_params sp = {.host = o.host, .port = (int)o.port, .api_key = o.api_key,
+                           .metrics_public = o.metrics_public, .model_name = model_name,
                            .max_body = (size_t)o.max_body, .max_connections = (unsigned)o.max_conn,
                            .device_read_bw = roof.copy_bw, .gemm_rate = roof.gemm_fast,
                            .gemm_rate_precise = roof.gemm_precise};

@@ -389,32 +389,64 @@ strata_status strata_chat_set_date(strata_model *m, const char *date) {
     return STRATA_OK;
 }
 
+/* The checks shared by strata_chat_apply and strata_chat_tokenize, then the
+ * formatting (*spans NULL: not wanted). */
+static strata_status chat_format(const char *fn, const strata_model *m, const char *const *roles,
+                                 const char *const *contents, size_t n, bool add_generation_prompt, char **text,
+                                 size_t **spans, int64_t *n_spans) {
+    if (n == 0 || n > (size_t)INT32_MAX) return st_err(STRATA_ERR_INVALID_ARG, "%s: %zu messages (1 or more)", fn, n);
+    if (m->tpl.kind == ST_CHAT_NONE) {
+        if (!m->tpl_set && m->own_status != STRATA_OK) return st_err(m->own_status, "%s", m->own_error);
+        return st_err(STRATA_ERR_UNSUPPORTED, "%s: %s", fn,
+                      m->tpl_set ? "the chat format is set to none" : "the model has no chat template");
+    }
+    for (size_t i = 0; i < n; i++)
+        if (!roles[i] || !contents[i])
+            return st_err(STRATA_ERR_INVALID_ARG, "%s: message %zu: %s is NULL", fn, i, !roles[i] ? "role" : "content");
+    st_chat_msg *msgs = st_calloc(n, sizeof *msgs);
+    if (!msgs) return st_err(STRATA_ERR_NOMEM, "%s: out of memory", fn);
+    for (size_t i = 0; i < n; i++) msgs[i] = (st_chat_msg){roles[i], contents[i]};
+    strata_status st = st_chat_format_spans(&m->tpl, msgs, (int64_t)n, add_generation_prompt, text, spans, n_spans);
+    st_free(msgs);
+    return st;
+}
+
 strata_status strata_chat_apply(const strata_model *m, const char *const *roles, const char *const *contents,
                                 size_t n, bool add_generation_prompt, char *buf, size_t cap, size_t *len) {
     if (len) *len = 0;
     if (!m || !roles || !contents || !len || (!buf && cap > 0))
         return st_err(STRATA_ERR_INVALID_ARG, "strata_chat_apply: %s is NULL",
                       !m ? "model" : !roles ? "roles" : !contents ? "contents" : !len ? "len" : "buf (with cap > 0)");
-    if (n == 0 || n > (size_t)INT32_MAX)
-        return st_err(STRATA_ERR_INVALID_ARG, "strata_chat_apply: %zu messages (1 or more)", n);
-    if (m->tpl.kind == ST_CHAT_NONE) {
-        if (!m->tpl_set && m->own_status != STRATA_OK) return st_err(m->own_status, "%s", m->own_error);
-        return st_err(STRATA_ERR_UNSUPPORTED, "strata_chat_apply: %s",
-                      m->tpl_set ? "the chat format is set to none" : "the model has no chat template");
-    }
-    for (size_t i = 0; i < n; i++)
-        if (!roles[i] || !contents[i])
-            return st_err(STRATA_ERR_INVALID_ARG, "strata_chat_apply: message %zu: %s is NULL", i,
-                          !roles[i] ? "role" : "content");
-    st_chat_msg *msgs = st_calloc(n, sizeof *msgs);
-    if (!msgs) return st_err(STRATA_ERR_NOMEM, "strata_chat_apply: out of memory");
-    for (size_t i = 0; i < n; i++) msgs[i] = (st_chat_msg){roles[i], contents[i]};
     char *text = NULL;
-    strata_status st = st_chat_format(&m->tpl, msgs, (int64_t)n, add_generation_prompt, &text);
-    st_free(msgs);
+    strata_status st = chat_format("strata_chat_apply", m, roles, contents, n, add_generation_prompt, &text, NULL, NULL);
     if (st) return st;
     st = put_text("strata_chat_apply", text, strlen(text), buf, cap, len);
     st_free(text);
+    return st;
+}
+
+strata_status strata_chat_tokenize(const strata_model *m, const char *const *roles, const char *const *contents,
+                                   size_t n, bool add_generation_prompt, int32_t *ids, size_t cap, size_t *n_ids) {
+    if (n_ids) *n_ids = 0;
+    if (!m || !roles || !contents || !n_ids || (!ids && cap > 0))
+        return st_err(STRATA_ERR_INVALID_ARG, "strata_chat_tokenize: %s is NULL",
+                      !m ? "model" : !roles ? "roles" : !contents ? "contents" : !n_ids ? "n_ids" : "ids (with cap > 0)");
+    char *text = NULL;
+    size_t *spans = NULL;
+    int64_t n_spans = 0;
+    strata_status st = chat_format("strata_chat_tokenize", m, roles, contents, n, add_generation_prompt, &text,
+                                   &spans, &n_spans);
+    if (st) return st;
+    int32_t *got = NULL;
+    int64_t k = 0;
+    st = st_tokenizer_encode_spans(m->tok, text, strlen(text), false, spans, n_spans, &got, &k);
+    st_free(text);
+    st_free(spans);
+    if (st) return st;
+    *n_ids = (size_t)k;
+    if ((size_t)k > cap) st = st_err(STRATA_ERR_NOMEM, "strata_chat_tokenize: %lld ids do not fit in %zu", (long long)k, cap);
+    else if (k > 0) memcpy(ids, got, (size_t)k * sizeof *ids);
+    st_free(got);
     return st;
 }
 

@@ -27,6 +27,7 @@ void srv_error_set(srv_error *e, int status, const char *type, const char *code,
 
 void srv_gen_clear(srv_gen *g) {
     if (!g) return;
+    st_free(g->model);
     st_free(g->prompt_text);
     st_free(g->prompt_ids);
     for (int i = 0; i < g->n_stop; i++) st_free(g->stop[i]);
@@ -45,12 +46,25 @@ static bool wrong_type(srv_error *e, const char *name, const char *want, const c
     return false;
 }
 
+/* A number that is not finite (1e999 parses as infinity) or not whole where an integer is wanted. */
+static bool bad_number(srv_error *e, const char *name, bool integer, double d) {
+    if (!isfinite(d))
+        srv_error_set(e, 400, INVALID, "invalid_value", name, "'%s' must be a finite number (got one too large to represent)",
+                      name);
+    else if (integer && fabs(d) > MAX_EXACT_INT)
+        srv_error_set(e, 400, INVALID, "invalid_value", name, "'%s' must be an integer in [-2^53, 2^53], got %g", name, d);
+    else
+        srv_error_set(e, 400, INVALID, "invalid_type", name, "'%s' must be an integer, got %.17g", name, d);
+    return false;
+}
+
 /* Optional number: *present false when absent. */
 static bool get_number(const cJSON *obj, const char *key, double *out, bool *present, srv_error *e) {
     const cJSON *it = field(obj, key);
     *present = it != NULL;
     if (!it) return true;
-    if (!cJSON_IsNumber(it) || !isfinite(it->valuedouble)) return wrong_type(e, key, "a number", it);
+    if (!cJSON_IsNumber(it)) return wrong_type(e, key, "a number", it);
+    if (!isfinite(it->valuedouble)) return bad_number(e, key, false, it->valuedouble);
     *out = it->valuedouble;
     return true;
 }
@@ -59,9 +73,9 @@ static bool get_int(const cJSON *obj, const char *key, int64_t *out, bool *prese
     const cJSON *it = field(obj, key);
     *present = it != NULL;
     if (!it) return true;
-    const double d = cJSON_IsNumber(it) ? it->valuedouble : 0;
-    if (!cJSON_IsNumber(it) || !isfinite(d) || d != floor(d) || fabs(d) > MAX_EXACT_INT)
-        return wrong_type(e, key, "an integer", it);
+    if (!cJSON_IsNumber(it)) return wrong_type(e, key, "an integer", it);
+    const double d = it->valuedouble;
+    if (!isfinite(d) || d != floor(d) || fabs(d) > MAX_EXACT_INT) return bad_number(e, key, true, d);
     *out = (int64_t)d;
     return true;
 }
@@ -93,6 +107,7 @@ static bool parse_common(const cJSON *root, srv_gen *g, srv_error *e) {
     bool present;
     const cJSON *it;
     if ((it = field(root, "model")) && !cJSON_IsString(it)) return wrong_type(e, "model", "a string", it);
+    if (it && !(g->model = st_strdup(it->valuestring))) goto oom;
 
     /* max_tokens / max_completion_tokens */
     const char *names[2] = {"max_completion_tokens", "max_tokens"};
@@ -108,7 +123,8 @@ static bool parse_common(const cJSON *root, srv_gen *g, srv_error *e) {
     g->sp = (strata_request_params){.temperature = 1.0f, .top_p = 1.0f, .repetition_penalty = 1.0f};
     double d = 1.0;
     if (!get_number(root, "temperature", &d, &present, e)) return false;
-    if (present && !(d >= 0 && d <= 2)) return out_of_range(e, "temperature", "in [0, 2]", d);
+    if (present && !(d >= 0 && d <= STRATA_TEMPERATURE_MAX))
+        return out_of_range(e, "temperature", "in [0, 2] (as strata run --temp)", d);
     g->sp.temperature = present ? (float)d : 1.0f;
     d = 1.0;
     if (!get_number(root, "top_p", &d, &present, e)) return false;
@@ -128,7 +144,11 @@ static bool parse_common(const cJSON *root, srv_gen *g, srv_error *e) {
     g->sp.repetition_penalty = (float)d;
     int64_t seed = 0;
     if (!get_int(root, "seed", &seed, &g->seed_given, e)) return false;
-    g->sp.seed = (uint64_t)seed;
+    if (g->seed_given && (seed < -1 || seed > STRATA_SEED_MAX))
+        return out_of_range(e, "seed", "an integer in [0, 2^53], or -1 for a fresh one (as strata run --seed)",
+                            (double)seed);
+    if (seed == -1) g->seed_given = false; /* a fresh seed, as when absent */
+    g->sp.seed = g->seed_given ? (uint64_t)seed : 0;
 
     const char *pen[2] = {"presence_penalty", "frequency_penalty"};
     for (int i = 0; i < 2; i++) {
@@ -338,14 +358,19 @@ static bool parse_messages(const cJSON *root, const strata_model *model, srv_gen
         contents[i] = text;
         i++;
     }
-    size_t len = 0;
-    strata_status st = strata_chat_apply(model, roles, contents, (size_t)n, true, NULL, 0, &len);
-    if (st == STRATA_ERR_NOMEM) { /* the size asked for: now the text */
-        if (!(g->prompt_text = st_malloc(len + 1))) {
+    /* the template's control tokens as such, the contents as plain text (turns cannot be forged) */
+    size_t cap = 64, got = 0;
+    for (int j = 0; j < n; j++) cap += strlen(contents[j]) + strlen(roles[j]) + 64;
+    strata_status st = STRATA_ERR_NOMEM;
+    for (int tries = 0; tries < 2 && st == STRATA_ERR_NOMEM; tries++) {
+        st_free(g->prompt_ids);
+        if (!(g->prompt_ids = st_malloc(cap * sizeof *g->prompt_ids))) {
             srv_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
             goto done;
         }
-        st = strata_chat_apply(model, roles, contents, (size_t)n, true, g->prompt_text, len + 1, &len);
+        st = strata_chat_tokenize(model, roles, contents, (size_t)n, true, g->prompt_ids, cap, &got);
+        if (st == STRATA_ERR_NOMEM && got > cap) cap = got;
+        else if (st == STRATA_ERR_NOMEM) break;
     }
     if (st != STRATA_OK) {
         srv_error_set(e, st == STRATA_ERR_NOMEM ? 500 : 400, st == STRATA_ERR_NOMEM ? "server_error" : INVALID,
@@ -353,7 +378,7 @@ static bool parse_messages(const cJSON *root, const strata_model *model, srv_gen
                       "the conversation cannot be formatted: %s", strata_last_error());
         goto done;
     }
-    g->prompt_special = true;
+    g->n_prompt_ids = (int64_t)got;
     ok = true;
 done:
     if (owned)

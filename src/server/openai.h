@@ -4,18 +4,22 @@
  * builders write the answers (whole or as stream chunks) and error bodies.
  *
  * Fields and their rules (both endpoints unless said):
- *   model                     string, optional (one model is served; any name is accepted)
+ *   model                     string, optional: absent is the served model; another name
+ *                             gets 404 model_not_found (checked by the server)
  *   messages (chat)           non-empty array of {role, content}; role system|developer|user|
  *                             assistant|tool; content a string, an array of {"type":"text","text"}
- *                             parts (joined with "\n"), or null (assistant only)
+ *                             parts (joined with "\n"), or null (assistant only); contents are
+ *                             text: control token strings in them ("<|im_end|>") stay text,
+ *                             only the template writes control tokens (strata_chat_tokenize)
  *   prompt (completions)      a string, an array of one string, or an array of token ids
  *   max_tokens, max_completion_tokens   integer >= 1 (absent: until the context is full)
- *   temperature               number in [0, 2] (default 1; 0: greedy)
+ *   temperature               number in [0, 2] (default 1; 0: greedy); numbers must be finite
  *   top_p                     number in (0, 1] (default 1)
  *   top_k                     integer >= -1 (0 or -1: off)       (extension, as vLLM)
  *   min_p                     number in [0, 1]                   (extension)
  *   repetition_penalty        number in (0, 2]                   (extension)
- *   seed                      integer (absent: a fresh seed per request)
+ *   seed                      integer in [0, 2^53]; -1 or absent: a fresh seed per request
+ *                             (ranges of seed and temperature as strata run's: strata.h)
  *   stop                      string or array of at most 16 non-empty strings
  *   n                         1 only
  *   stream                    boolean; stream_options {include_usage: boolean} only with stream
@@ -41,10 +45,11 @@ typedef enum { SRV_CHAT = 0, SRV_COMPLETIONS } srv_kind;
 /* A parsed generation request. Strings are owned (srv_gen_clear). */
 typedef struct {
     srv_kind kind;
-    char *prompt_text;      /* chat: the formatted conversation; completions: the prompt text */
-    int32_t *prompt_ids;    /* completions given token ids (else NULL) */
+    char *model;            /* the "model" field (NULL: absent) */
+    char *prompt_text;      /* completions: the prompt text (tokenized with its control tokens, BOS added) */
+    int32_t *prompt_ids;    /* chat: the conversation's tokens (strata_chat_tokenize: control tokens only
+                               from the template); completions given token ids (else NULL) */
     int64_t n_prompt_ids;
-    bool prompt_special;    /* chat: the text holds the template's special tokens (BOS etc.) */
     strata_request_params sp; /* the sampling fields only: temperature, top_k, top_p, min_p,
                                  repetition_penalty, seed (prompt and stop are the fields above) */
     bool seed_given;

@@ -41,6 +41,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/socket.h>
 #include <time.h>
 
@@ -57,7 +58,7 @@
 typedef enum { R_CHAT = 0, R_COMPLETIONS, R_MODELS, R_HEALTH, R_METRICS, R_OTHER, R_COUNT_ } route;
 static const char *const ROUTE_NAMES[R_COUNT_] = {"/v1/chat/completions", "/v1/completions", "/v1/models",
                                                   "/health", "/metrics", "other"};
-static const int CODES[] = {200, 400, 401, 404, 405, 413, 429, 499, 500, 503};
+static const int CODES[] = {200, 400, 401, 404, 405, 413, 415, 421, 429, 431, 499, 500, 503};
 #define N_CODES ((int)(sizeof CODES / sizeof CODES[0]))
 
 struct st_server {
@@ -66,6 +67,8 @@ struct st_server {
     strata_engine_info info;      /* the engine's parameters and step costs (fixed) */
     char *host, *api_key, *model_name;
     size_t max_body;
+    bool metrics_public;          /* /health and /metrics open even with an API key */
+    bool loopback;                /* bound to a loopback address: Host must name this machine */
     int port;
     long long created;
     double device_read_bw, gemm_rate, gemm_rate_precise;
@@ -517,6 +520,13 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *r, srv_kin
     if (!srv_parse_gen(kind, r->body.p ? r->body.p : "", r->body.len, s->model, &g, &e)) return reply_error(c, r, &e, NULL);
     st_free(r->body.p);
     r->body = (st_strbuf){0};
+    if (g.model && strcmp(g.model, s->model_name) != 0) {
+        srv_error_set(&e, 404, "invalid_request_error", "model_not_found", "model",
+                      "The model '%.200s' does not exist: this server serves '%.200s' (GET /v1/models)", g.model,
+                      s->model_name);
+        srv_gen_clear(&g);
+        return reply_error(c, r, &e, NULL);
+    }
 
     int32_t *ids = NULL;
     int64_t n = 0;
@@ -524,7 +534,7 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *r, srv_kin
         ids = g.prompt_ids;
         n = g.n_prompt_ids;
         g.prompt_ids = NULL;
-    } else if (!encode(s->model, g.prompt_text, !g.prompt_special, &ids, &n)) {
+    } else if (!encode(s->model, g.prompt_text, true, &ids, &n)) {
         srv_error_set(&e, 400, "invalid_request_error", "invalid_value", kind == SRV_CHAT ? "messages" : "prompt",
                       "the prompt cannot be tokenized: %s", st_last_error());
         srv_gen_clear(&g);
@@ -637,19 +647,76 @@ static route route_of(const char *url) {
 /* Constant-time comparison of the presented key with the server's. */
 static bool key_ok(const st_server *s, struct MHD_Connection *c) {
     const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
-    if (!h || strncmp(h, "Bearer ", 7) != 0) return false;
-    const char *k = h + 7;
+    /* the scheme is case-insensitive (RFC 9110 11.1), then one or more spaces */
+    if (!h || strncasecmp(h, "Bearer", 6) != 0 || (h[6] != ' ' && h[6] != '\t')) return false;
+    const char *k = h + 6;
+    while (*k == ' ' || *k == '\t') k++;
     const size_t n = strlen(s->api_key), m = strlen(k);
     unsigned diff = (unsigned)(n ^ m);
     for (size_t i = 0; i < n; i++) diff |= (unsigned char)s->api_key[i] ^ (unsigned char)(i < m ? k[i] : 0);
     return diff == 0;
 }
 
+/* Whether the value of a Host header names this machine: localhost, 127.0.0.1,
+ * [::1] or the bound host, with or without a port. */
+static bool host_ok(const st_server *s, const char *h) {
+    const size_t n = strlen(h);
+    size_t name_len = n;
+    if (h[0] == '[') { /* [v6]:port */
+        const char *e = strchr(h, ']');
+        if (!e) return false;
+        name_len = (size_t)(e - h) + 1;
+    } else {
+        const char *colon = strchr(h, ':');
+        if (colon) name_len = (size_t)(colon - h);
+    }
+    if (name_len < n) { /* a port: ':' and 1 to 5 digits */
+        if (h[name_len] != ':' || n - name_len < 2 || n - name_len > 6) return false;
+        for (size_t i = name_len + 1; i < n; i++)
+            if (h[i] < '0' || h[i] > '9') return false;
+    }
+    if (name_len && h[name_len - 1] == '.' && h[0] != '[') name_len--; /* "localhost." */
+    static const char *const names[] = {"localhost", "127.0.0.1", "[::1]"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (strlen(names[i]) == name_len && !strncasecmp(h, names[i], name_len)) return true;
+    const size_t hl = strlen(s->host);
+    if (strchr(s->host, ':')) /* an IPv6 literal: bracketed in Host */
+        return name_len == hl + 2 && h[0] == '[' && !strncasecmp(h + 1, s->host, hl);
+    return name_len == hl && !strncasecmp(h, s->host, hl);
+}
+
+/* Whether the address the server binds is a loopback one (then only local
+ * clients reach it, and a Host naming another site is a DNS-rebinding page). */
+static bool loopback_host(const char *host) {
+    return !strcasecmp(host, "localhost") || !strncmp(host, "127.", 4) || !strcmp(host, "::1") ||
+           !strcasecmp(host, "::ffff:127.0.0.1");
+}
+
+/* Whether a Content-Type names application/json (parameters such as charset allowed). */
+static bool json_ctype(const char *ct) {
+    if (!ct) return false;
+    while (*ct == ' ' || *ct == '\t') ct++;
+    static const char want[] = "application/json";
+    if (strncasecmp(ct, want, sizeof want - 1) != 0) return false;
+    const char *rest = ct + sizeof want - 1;
+    while (*rest == ' ' || *rest == '\t') rest++;
+    return *rest == '\0' || *rest == ';';
+}
+
 static enum MHD_Result dispatch(struct MHD_Connection *c, req *r, const char *url, const char *method) {
     st_server *s = r->srv;
     const bool get = !strcmp(method, "GET") || !strcmp(method, "HEAD");
     const bool post = !strcmp(method, "POST");
-    if (s->api_key && !strncmp(url, "/v1/", 4) && !key_ok(s, c)) {
+    if (s->loopback) {
+        const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_HOST);
+        if (h && !host_ok(s, h))
+            return error_reply(c, r, 421, "invalid_request_error", "invalid_host", NULL,
+                               "the Host header '%.100s' does not name this server (it listens on %s: use "
+                               "localhost or 127.0.0.1)", h, s->host);
+    }
+    const bool open_probe = (r->rt == R_HEALTH || r->rt == R_METRICS) && s->metrics_public;
+    if (s->api_key && (!strncmp(url, "/v1/", 4) || r->rt == R_HEALTH || r->rt == R_METRICS) && !open_probe &&
+        !key_ok(s, c)) {
         const bool missing = !MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
         return error_reply(c, r, 401, "invalid_request_error", "invalid_api_key", NULL, "%s",
                            missing ? "You didn't provide an API key: pass it as 'Authorization: Bearer KEY'."
@@ -661,6 +728,12 @@ static enum MHD_Result dispatch(struct MHD_Connection *c, req *r, const char *ur
         if (!post)
             return error_reply(c, r, 405, "invalid_request_error", "method_not_allowed", "POST",
                                "%s is not allowed on %s (use POST)", method, url);
+        if (!json_ctype(MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_TYPE))) {
+            const char *ct = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_TYPE);
+            return error_reply(c, r, 415, "invalid_request_error", "unsupported_media_type", NULL,
+                               "the request body must be JSON with 'Content-Type: application/json' (got %s%.100s%s)",
+                               ct ? "'" : "", ct ? ct : "none", ct ? "'" : "");
+        }
         return handle_generate(c, r, r->rt == R_CHAT ? SRV_CHAT : SRV_COMPLETIONS);
     case R_MODELS:
     case R_HEALTH:
@@ -769,6 +842,13 @@ static void mhd_log(void *cls, const char *fmt, va_list ap) {
     pthread_mutex_lock(&s->mu);
     snprintf(s->mhd_msg, sizeof s->mhd_msg, "%s", msg);
     pthread_mutex_unlock(&s->mu);
+    /* the answers libmicrohttpd writes itself (a malformed request line or header, a bad
+     * Content-Length, headers too large: 400, 413, 431, 505) are counted too, under "other" */
+    const char *code = strstr(msg, "HTTP response code is ");
+    if (code) {
+        const int status = atoi(code + strlen("HTTP response code is "));
+        if (status >= 400 && status < 600) count_reply(s, R_OTHER, status);
+    }
     /* what a content reader ending a stream early (client gone) makes it say */
     const bool expected = strstr(msg, "Application reported internal error") != NULL;
     st_log(expected ? STRATA_LOG_DEBUG : STRATA_LOG_WARN, "server: libmicrohttpd: %s", msg);
@@ -794,6 +874,7 @@ strata_status st_server_start(strata_model *m, const st_server_params *params, s
     s->model_name = st_strdup(params->model_name ? params->model_name : "strata");
     s->api_key = params->api_key && params->api_key[0] ? st_strdup(params->api_key) : NULL;
     s->max_body = params->max_body ? params->max_body : DEF_MAX_BODY;
+    s->metrics_public = params->metrics_public;
     s->created = (long long)time(NULL);
     s->device_read_bw = params->device_read_bw;
     s->gemm_rate = params->gemm_rate;
@@ -803,6 +884,7 @@ strata_status st_server_start(strata_model *m, const st_server_params *params, s
     s->seed_base = splitmix64((uint64_t)ts.tv_sec * 1000000007ull ^ (uint64_t)ts.tv_nsec ^ (uint64_t)(uintptr_t)s);
     atomic_init(&s->stopping, false);
     atomic_init(&s->counter, 0);
+    if (s->host) s->loopback = loopback_host(s->host);
     if (!s->host || !s->model_name || (params->api_key && params->api_key[0] && !s->api_key)) {
         st_server_stop(s);
         return st_err(STRATA_ERR_NOMEM, "server: out of memory");

@@ -10,11 +10,19 @@
  *   GET  /v1/models             the one model served
  *   GET  /health                200 {"status":"ok"} (503 while shutting down)
  *   GET  /metrics               Prometheus text format (names in server.c; stable)
- * An API key, when set, is required on every /v1/ route as `Authorization: Bearer KEY`
- * (401 otherwise); /health and /metrics stay open for probes and scrapers.
+ * An API key, when set, is required on every /v1/ route, /health and /metrics as
+ * `Authorization: Bearer KEY` (the scheme in any case; 401 otherwise), unless
+ * metrics_public opens /health and /metrics for probes and scrapers.
+ * Generation requests need `Content-Type: application/json` (415 otherwise: a
+ * web page cannot post a form or text/plain body across sites without it).
+ * Served on a loopback address, a Host header must name this machine
+ * (localhost, 127.0.0.1, [::1] or the bound host, any port; 421 otherwise), so
+ * that a page whose name was rebound to 127.0.0.1 cannot use the server.
+ * A request naming a model other than the one served gets 404
+ * (model_not_found); one without "model" is served.
  * Errors are OpenAI-style JSON {"error": {"message", "type", "param", "code"}}
- * with 400 (bad request), 401, 404 (no such route), 405 (wrong method, with
- * Allow), 413 (body over max_body), 500, 503 (queue full, shutting down).
+ * with 400 (bad request), 401, 404 (no such route or model), 405 (wrong method, with
+ * Allow), 413 (body over max_body), 415, 421, 500, 503 (queue full, shutting down).
  *
  * Threads: libmicrohttpd runs one thread per connection (plus its listening
  * thread). A request's thread parses and tokenizes the request, adds it to
@@ -43,6 +51,7 @@ typedef struct {
     const char *host;        /* address to bind (NULL: "127.0.0.1"); a name or an IPv4/IPv6 literal */
     int port;                /* 0: any free port (st_server_port tells which) */
     const char *api_key;     /* NULL or "": no key required */
+    bool metrics_public;     /* with an API key: /health and /metrics still answer without it */
     const char *model_name;  /* the id in /v1/models and in answers (NULL: "strata") */
     size_t max_body;         /* request body limit in bytes (0: 1 MiB) */
     unsigned max_connections;/* simultaneous connections (0: 1024) */

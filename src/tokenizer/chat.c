@@ -11,6 +11,9 @@ typedef struct {
     char *p;
     size_t len, cap;
     bool oom;
+    /* the template's own text: [start, end) pairs (sb_tpl), adjacent ones merged */
+    size_t *spans;
+    int64_t n_spans, cap_spans;
 } sbuf;
 
 static void sb_add(sbuf *b, const char *s, size_t n) {
@@ -32,6 +35,30 @@ static void sb_add(sbuf *b, const char *s, size_t n) {
 }
 
 static void sb_puts(sbuf *b, const char *s) { sb_add(b, s, strlen(s)); }
+
+/* Appends text of the template itself (its control tokens count as such). */
+static void sb_tpl(sbuf *b, const char *s) {
+    const size_t start = b->len;
+    sb_puts(b, s);
+    if (b->oom || b->len == start) return;
+    if (b->n_spans > 0 && b->spans[2 * b->n_spans - 1] == start) {
+        b->spans[2 * b->n_spans - 1] = b->len;
+        return;
+    }
+    if (b->n_spans == b->cap_spans) {
+        int64_t cap = b->cap_spans ? b->cap_spans * 2 : 16;
+        size_t *np = st_realloc(b->spans, (size_t)cap * 2 * sizeof *np);
+        if (!np) {
+            b->oom = true;
+            return;
+        }
+        b->spans = np;
+        b->cap_spans = cap;
+    }
+    b->spans[2 * b->n_spans] = start;
+    b->spans[2 * b->n_spans + 1] = b->len;
+    b->n_spans++;
+}
 
 /* Appends Python's s.strip(). */
 static void sb_add_stripped(sbuf *b, const char *s) {
@@ -321,48 +348,48 @@ strata_status st_chat_detect(const char *jinja, st_chat_template *out) {
 static void format_chatml(const st_chat_template *t, const st_chat_msg *m, int64_t n, bool gen,
                           sbuf *b) {
     if (n > 0 && t->default_system && strcmp(m[0].role, "system") != 0) {
-        sb_puts(b, "<|im_start|>system\n");
-        sb_puts(b, t->default_system);
-        sb_puts(b, "<|im_end|>\n");
+        sb_tpl(b, "<|im_start|>system\n");
+        sb_tpl(b, t->default_system);
+        sb_tpl(b, "<|im_end|>\n");
     }
     for (int64_t i = 0; i < n; i++) {
-        sb_puts(b, "<|im_start|>");
+        sb_tpl(b, "<|im_start|>");
         sb_puts(b, m[i].role);
-        sb_puts(b, "\n");
+        sb_tpl(b, "\n");
         sb_puts(b, m[i].content);
-        sb_puts(b, "<|im_end|>\n");
+        sb_tpl(b, "<|im_end|>\n");
     }
-    if (gen) sb_puts(b, "<|im_start|>assistant\n");
+    if (gen) sb_tpl(b, "<|im_start|>assistant\n");
 }
 
 static strata_status format_llama3(const st_chat_template *t, const st_chat_msg *m, int64_t n,
                                    bool gen, sbuf *b) {
-    sb_puts(b, "<|begin_of_text|>");
+    sb_tpl(b, "<|begin_of_text|>");
     int64_t i = 0;
     if (t->date) {
         /* Llama-3.1+: the system turn is always there */
-        sb_puts(b, "<|start_header_id|>system<|end_header_id|>\n\n"
+        sb_tpl(b, "<|start_header_id|>system<|end_header_id|>\n\n"
                    "Cutting Knowledge Date: December 2023\nToday Date: ");
         sb_puts(b, t->date);
-        sb_puts(b, "\n\n");
+        sb_tpl(b, "\n\n");
         if (n > 0 && !strcmp(m[0].role, "system")) {
             sb_add_stripped(b, m[0].content);
             i = 1;
         }
-        sb_puts(b, "<|eot_id|>");
+        sb_tpl(b, "<|eot_id|>");
     }
     for (; i < n; i++) {
         if (t->date && (!strcmp(m[i].role, "tool") || !strcmp(m[i].role, "ipython")))
             return st_err(STRATA_ERR_UNSUPPORTED,
                           "chat: message %lld: role '%s' (tool output) is not supported by the llama3 format",
                           (long long)i, m[i].role);
-        sb_puts(b, "<|start_header_id|>");
+        sb_tpl(b, "<|start_header_id|>");
         sb_puts(b, m[i].role);
-        sb_puts(b, "<|end_header_id|>\n\n");
+        sb_tpl(b, "<|end_header_id|>\n\n");
         sb_add_stripped(b, m[i].content);
-        sb_puts(b, "<|eot_id|>");
+        sb_tpl(b, "<|eot_id|>");
     }
-    if (gen) sb_puts(b, "<|start_header_id|>assistant<|end_header_id|>\n\n");
+    if (gen) sb_tpl(b, "<|start_header_id|>assistant<|end_header_id|>\n\n");
     return STRATA_OK;
 }
 
@@ -382,7 +409,7 @@ static strata_status format_llama2(const st_chat_msg *m, int64_t n, sbuf *b) {
                           "user/assistant/user/... (after an optional first system message)",
                           (long long)i, m[i].role);
         if (user) {
-            sb_puts(b, "<s>[INST] ");
+            sb_tpl(b, "<s>[INST] ");
             if (k == 0 && system) {
                 /* strip() applies to the whole "<<SYS>>\n...\n<</SYS>>\n\n" + content */
                 sbuf c = {0};
@@ -400,11 +427,11 @@ static strata_status format_llama2(const st_chat_msg *m, int64_t n, sbuf *b) {
             } else {
                 sb_add_stripped(b, m[i].content);
             }
-            sb_puts(b, " [/INST]");
+            sb_tpl(b, " [/INST]");
         } else if (!strcmp(m[i].role, "assistant")) {
-            sb_puts(b, " ");
+            sb_tpl(b, " ");
             sb_add_stripped(b, m[i].content);
-            sb_puts(b, " </s>");
+            sb_tpl(b, " </s>");
         }
         /* other roles at odd positions: the template writes nothing */
     }
@@ -413,7 +440,14 @@ static strata_status format_llama2(const st_chat_msg *m, int64_t n, sbuf *b) {
 
 strata_status st_chat_format(const st_chat_template *t, const st_chat_msg *msgs, int64_t n,
                              bool add_generation_prompt, char **out) {
+    return st_chat_format_spans(t, msgs, n, add_generation_prompt, out, NULL, NULL);
+}
+
+strata_status st_chat_format_spans(const st_chat_template *t, const st_chat_msg *msgs, int64_t n,
+                                   bool add_generation_prompt, char **out, size_t **spans, int64_t *n_spans) {
     *out = NULL;
+    if (spans) *spans = NULL;
+    if (n_spans) *n_spans = 0;
     if (!t || t->kind == ST_CHAT_NONE)
         return st_err(STRATA_ERR_INVALID_ARG, "chat: no chat template to format with");
     if (n < 1 || !msgs) return st_err(STRATA_ERR_INVALID_ARG, "chat: no messages to format");
@@ -434,8 +468,15 @@ strata_status st_chat_format(const st_chat_template *t, const st_chat_msg *msgs,
     if (!st && b.oom) st = st_err(STRATA_ERR_NOMEM, "chat: out of memory");
     if (st) {
         st_free(b.p);
+        st_free(b.spans);
         return st;
     }
     *out = b.p;
+    if (spans && n_spans) {
+        *spans = b.spans;
+        *n_spans = b.n_spans;
+    } else {
+        st_free(b.spans);
+    }
     return STRATA_OK;
 }

@@ -92,6 +92,15 @@ void st_chat_template_clear(st_chat_template *t);
 strata_status st_chat_format(const st_chat_template *t, const st_chat_msg *msgs, int64_t n,
                              bool add_generation_prompt, char **out);
 
+/* The same, and where the template's own text is: *spans (malloc'd, the
+ * caller frees; NULL when none) holds *n_spans sorted, disjoint [start, end)
+ * byte ranges of *out written by the template (its markers, control tokens,
+ * default system message), not taken from the messages (roles, contents) or
+ * the date. Tokenize with st_tokenizer_encode_spans so that control token
+ * strings inside contents stay text. */
+strata_status st_chat_format_spans(const st_chat_template *t, const st_chat_msg *msgs, int64_t n,
+                                   bool add_generation_prompt, char **out, size_t **spans, int64_t *n_spans);
+
 /* Python's str.strip() on UTF-8 s[0..len): *start / *end delimit the result. */
 void st_chat_strip(const char *s, size_t len, size_t *start, size_t *end);
 

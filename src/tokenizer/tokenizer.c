@@ -453,11 +453,19 @@ static strata_status encode_text(const st_tokenizer *t, const char *s, size_t le
     return st;
 }
 
-strata_status st_tokenizer_encode(const st_tokenizer *t, const char *text, size_t len,
-                                  bool add_special, bool parse_special, int32_t **ids, int64_t *n) {
+/* Whether [pos, pos + tl) lies inside one of the sorted, disjoint spans
+ * (pairs of [start, end) offsets); *k is a cursor that only moves forward. */
+static bool in_spans(const size_t *spans, int64_t n_spans, int64_t *k, size_t pos, size_t tl) {
+    while (*k < n_spans && spans[2 * *k + 1] <= pos) (*k)++;
+    return *k < n_spans && spans[2 * *k] <= pos && pos + tl <= spans[2 * *k + 1];
+}
+
+static strata_status encode_impl(const st_tokenizer *t, const char *text, size_t len, bool add_special,
+                                 bool parse_special, const size_t *spans, int64_t n_spans, int32_t **ids,
+                                 int64_t *n) {
     if (ids) *ids = NULL;
     if (n) *n = 0;
-    if (!t || !ids || !n || (!text && len))
+    if (!t || !ids || !n || (!text && len) || (spans && n_spans < 0) || (!spans && n_spans > 0))
         return st_err(STRATA_ERR_INVALID_ARG, "st_tokenizer_encode: NULL argument");
     char *clean = NULL;
     strata_status st = STRATA_OK;
@@ -476,6 +484,7 @@ strata_status st_tokenizer_encode(const st_tokenizer *t, const char *text, size_
     uint8_t mask = parse_special ? ST_TA_CONTROL : 0;
     if (t->type == ST_TOK_BPE) mask |= ST_TA_USER; /* SPM matches user tokens itself */
     size_t last = 0, pos = 0;
+    int64_t span_k = 0;
     while (pos < len) {
         uint8_t b = (uint8_t)text[pos];
         int32_t hit = -1;
@@ -483,7 +492,8 @@ strata_status st_tokenizer_encode(const st_tokenizer *t, const char *text, size_
             int32_t id = t->split_ids[k];
             size_t tl = t->text_len[id];
             if ((t->attr[id] & mask) && tl <= len - pos &&
-                memcmp(text + pos, t->pool + t->text_off[id], tl) == 0) {
+                memcmp(text + pos, t->pool + t->text_off[id], tl) == 0 &&
+                (!spans || !(t->attr[id] & ST_TA_CONTROL) || in_spans(spans, n_spans, &span_k, pos, tl))) {
                 hit = id;
                 break;
             }
@@ -510,6 +520,62 @@ done:
     *ids = out.v;
     *n = out.n;
     return STRATA_OK;
+}
+
+strata_status st_tokenizer_encode(const st_tokenizer *t, const char *text, size_t len,
+                                  bool add_special, bool parse_special, int32_t **ids, int64_t *n) {
+    return encode_impl(t, text, len, add_special, parse_special, NULL, 0, ids, n);
+}
+
+strata_status st_tokenizer_encode_spans(const st_tokenizer *t, const char *text, size_t len, bool add_special,
+                                        const size_t *spans, int64_t n_spans, int32_t **ids, int64_t *n) {
+    static const size_t none[2] = {0, 0};
+    if (ids) *ids = NULL;
+    if (n) *n = 0;
+    if (!spans) n_spans = 0;
+    if (!t || !ids || !n || (!text && len) || n_spans < 0)
+        return st_err(STRATA_ERR_INVALID_ARG, "st_tokenizer_encode_spans: NULL argument");
+    for (int64_t k = 0; k < n_spans; k++)
+        if (spans[2 * k] > spans[2 * k + 1] || spans[2 * k + 1] > len || (k > 0 && spans[2 * k] < spans[2 * k - 1]))
+            return st_err(STRATA_ERR_INVALID_ARG, "st_tokenizer_encode_spans: span %lld is out of order or range",
+                          (long long)k);
+    if (!len || st_utf8_valid(text, len))
+        return encode_impl(t, text, len, add_special, true, n_spans ? spans : none, n_spans, ids, n);
+    /* invalid UTF-8: each piece (inside and outside the spans) is sanitized on its own, so
+     * that the spans still delimit the same text */
+    strata_status st = STRATA_OK;
+    char *clean = NULL, *piece = NULL;
+    size_t *ns = st_malloc((size_t)(n_spans ? n_spans : 1) * 2 * sizeof *ns);
+    size_t cap = len * 3 + 1, used = 0; /* each bad byte becomes at most 3 */
+    if (!ns || !(clean = st_malloc(cap))) {
+        st = st_err(STRATA_ERR_NOMEM, "tokenizer: out of memory");
+        goto out;
+    }
+    size_t pos = 0;
+    for (int64_t k = 0; k <= n_spans && !st; k++) {
+        const size_t bounds[2][2] = {{pos, k < n_spans ? spans[2 * k] : len},
+                                     {k < n_spans ? spans[2 * k] : len, k < n_spans ? spans[2 * k + 1] : len}};
+        for (int j = 0; j < 2 && !st; j++) {
+            const size_t a = bounds[j][0], e = bounds[j][1];
+            size_t pl = 0;
+            if (j == 1 && k < n_spans) ns[2 * k] = used;
+            if (e > a) {
+                if ((st = st_utf8_sanitize(text + a, e - a, &piece, &pl))) break;
+                memcpy(clean + used, piece, pl);
+                used += pl;
+                st_free(piece);
+                piece = NULL;
+            }
+            if (j == 1 && k < n_spans) ns[2 * k + 1] = used;
+        }
+        if (k < n_spans) pos = spans[2 * k + 1];
+    }
+    if (!st) st = encode_impl(t, clean, used, add_special, true, n_spans ? ns : none, n_spans, ids, n);
+out:
+    st_free(piece);
+    st_free(clean);
+    st_free(ns);
+    return st;
 }
 
 /* ---- accessors -------------------------------------------------------------------------*/

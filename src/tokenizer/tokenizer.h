@@ -61,6 +61,18 @@ void st_tokenizer_free(st_tokenizer *t); /* NULL: no-op */
 strata_status st_tokenizer_encode(const st_tokenizer *t, const char *text, size_t len,
                                   bool add_special, bool parse_special, int32_t **ids, int64_t *n);
 
+/* As st_tokenizer_encode with parse_special, but a special (control) token
+ * string becomes its id only where it lies wholly inside one of the spans:
+ * n_spans sorted, disjoint [spans[2k], spans[2k+1]) byte ranges of text (the
+ * parts a chat template wrote; the rest, e.g. message contents, is plain
+ * text even when it spells "<|im_end|>"). The text between the recognised
+ * control tokens is encoded as one piece, so a text without forged tokens
+ * gets exactly the ids of st_tokenizer_encode. Invalid UTF-8 becomes U+FFFD
+ * inside each piece (in a span or between spans) on its own. INVALID_ARG for
+ * spans out of order or beyond len. */
+strata_status st_tokenizer_encode_spans(const st_tokenizer *t, const char *text, size_t len, bool add_special,
+                                        const size_t *spans, int64_t n_spans, int32_t **ids, int64_t *n);
+
 int64_t st_tokenizer_vocab_size(const st_tokenizer *t);
 int32_t st_tokenizer_bos(const st_tokenizer *t); /* -1 if none */
 int32_t st_tokenizer_eos(const st_tokenizer *t); /* -1 if none */
