@@ -53,7 +53,7 @@ def start(model, extra_args):
 
 
 def complete(port, prompt, seed, extra):
-    body = dict(model="m", prompt=prompt, max_tokens=48, seed=seed, **extra)
+    body = dict(prompt=prompt, max_tokens=48, seed=seed, **extra)  # no model name: the served one
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
     c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     r = c.getresponse()
