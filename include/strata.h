@@ -257,6 +257,12 @@ strata_status strata_engine_info_get(const strata_model *m, strata_engine_info *
 strata_status strata_tokenize(const strata_model *m, const char *text, bool add_special, bool parse_special,
                               int32_t *ids, size_t cap, size_t *n);
 
+/* As strata_tokenize, into an array it allocates: *ids (malloc'd: the caller
+ * frees it with free(); NULL when *n is 0) of *n ids. Errors: INVALID_ARG
+ * (NULL m, text, ids or n), NOMEM; *ids NULL and *n 0 on error. Thread-safe. */
+strata_status strata_tokenize_alloc(const strata_model *m, const char *text, bool add_special, bool parse_special,
+                                    int32_t **ids, size_t *n);
+
 /* Decodes ids[0..n) to UTF-8 text, special tokens included (the inverse of
  * strata_tokenize with parse_special; a SentencePiece model's leading space
  * dropped). Writes the text and a terminating NUL into buf when cap >= *len +

@@ -553,31 +553,13 @@ static void print_stats(const run_opts *o, const runner *r, const strata_finish 
 /* text -> *ids (malloc'd, the caller frees; NULL when *n is 0), control
  * token strings parsed. Prints errors. */
 static bool encode(const runner *r, const char *text, bool add_special, int32_t **ids, int64_t *n) {
-    *ids = NULL;
-    *n = 0;
-    size_t cap = strlen(text) + 8, got = 0; /* at most a token per byte, plus BOS / EOS */
-    for (int tries = 0; tries < 2; tries++) {
-        int32_t *buf = malloc(cap * sizeof *buf);
-        if (!buf) {
-            fprintf(stderr, "strata run: out of memory\n");
-            return false;
-        }
-        strata_status st = strata_tokenize(r->m, text, add_special, true, buf, cap, &got);
-        if (st == STRATA_OK) {
-            if (got == 0) {
-                free(buf);
-                buf = NULL;
-            }
-            *ids = buf;
-            *n = (int64_t)got;
-            return true;
-        }
-        free(buf);
-        if (st != STRATA_ERR_NOMEM || got <= cap) break;
-        cap = got;
+    size_t got = 0;
+    if (strata_tokenize_alloc(r->m, text, add_special, true, ids, &got) != STRATA_OK) {
+        print_error("run");
+        return false;
     }
-    print_error("run");
-    return false;
+    *n = (int64_t)got;
+    return true;
 }
 
 /* The chat format applied to msgs, tokenized: control tokens only from the

@@ -77,16 +77,10 @@ int cmd_tokenize(int argc, char **argv) {
     strata_model *m = NULL;
     int32_t *ids = NULL;
     char *back = NULL;
-    size_t n = 0, cap = 0;
+    size_t n = 0;
     const strata_model_params mp = {.device = "cpu"}; /* the tokenizer alone: no device needed */
     if (strata_model_open(path, &mp, &m) != STRATA_OK) goto fail;
-    /* the ids: ask for the count, then encode into a buffer of that size */
-    strata_status st = strata_tokenize(m, text, special, special, NULL, 0, &n);
-    if (st == STRATA_ERR_NOMEM && n > 0) {
-        cap = n;
-        if (!(ids = malloc(cap * sizeof *ids))) goto fail;
-        st = strata_tokenize(m, text, special, special, ids, cap, &n);
-    }
+    strata_status st = strata_tokenize_alloc(m, text, special, special, &ids, &n);
     if (st != STRATA_OK) goto fail;
     for (size_t i = 0; i < n; i++) printf(i ? " %d" : "%d", ids[i]);
     printf("\n");

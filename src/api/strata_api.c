@@ -330,6 +330,26 @@ strata_status strata_tokenize(const strata_model *m, const char *text, bool add_
     return st;
 }
 
+strata_status strata_tokenize_alloc(const strata_model *m, const char *text, bool add_special, bool parse_special,
+                                    int32_t **ids, size_t *n) {
+    if (ids) *ids = NULL;
+    if (n) *n = 0;
+    if (!m || !text || !ids || !n)
+        return st_err(STRATA_ERR_INVALID_ARG, "strata_tokenize_alloc: %s is NULL",
+                      !m ? "model" : !text ? "text" : !ids ? "ids" : "n");
+    int32_t *got = NULL; /* st_malloc'd: plain malloc (core.h), so the caller's free() releases it */
+    int64_t k = 0;
+    strata_status st = st_tokenizer_encode(m->tok, text, strlen(text), add_special, parse_special, &got, &k);
+    if (st) return st;
+    if (k == 0) {
+        st_free(got);
+        got = NULL;
+    }
+    *ids = got;
+    *n = (size_t)k;
+    return STRATA_OK;
+}
+
 strata_status strata_detokenize(const strata_model *m, const int32_t *ids, size_t n, char *buf, size_t cap,
                                 size_t *len) {
     if (len) *len = 0;

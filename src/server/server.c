@@ -487,30 +487,14 @@ static uint64_t splitmix64(uint64_t x) {
     return x ^ (x >> 31);
 }
 
-/* text -> *ids (st_malloc'd; the caller frees), BOS / EOS as the tokenizer
+/* text -> *ids (malloc'd: the caller frees; NULL when *n is 0), BOS / EOS as the tokenizer
  * says when add_special, control token strings parsed. False (message set)
  * when it cannot be tokenized. */
 static bool encode(const strata_model *m, const char *text, bool add_special, int32_t **ids, int64_t *n) {
-    *ids = NULL;
-    *n = 0;
-    size_t cap = strlen(text) + 8, got = 0; /* at most a token per byte, plus BOS / EOS */
-    for (int tries = 0; tries < 2; tries++) {
-        int32_t *buf = st_malloc(cap * sizeof *buf);
-        if (!buf) {
-            st_err(STRATA_ERR_NOMEM, "out of memory");
-            return false;
-        }
-        strata_status st = strata_tokenize(m, text, add_special, true, buf, cap, &got);
-        if (st == STRATA_OK) {
-            *ids = buf;
-            *n = (int64_t)got;
-            return true;
-        }
-        st_free(buf);
-        if (st != STRATA_ERR_NOMEM || got <= cap) return false;
-        cap = got;
-    }
-    return false;
+    size_t got = 0;
+    const bool ok = strata_tokenize_alloc(m, text, add_special, true, ids, &got) == STRATA_OK;
+    *n = (int64_t)got;
+    return ok;
 }
 
 static enum MHD_Result handle_generate(struct MHD_Connection *c, req *r, srv_kind kind) {
