@@ -206,6 +206,17 @@ int main(void) {
     size_t n2 = 0;
     CHECK(strata_tokenize(m, text, false, true, ids, n - 1, &n2) == STRATA_ERR_NOMEM && n2 == n);
     CHECK(strata_tokenize(m, text, false, true, ids, sizeof ids / sizeof ids[0], &n2) == STRATA_OK && n2 == n);
+    {   /* the allocating form: the same ids; empty text: NULL and 0; bad arguments */
+        int32_t *a = NULL;
+        size_t na = 0;
+        CHECK(strata_tokenize_alloc(m, text, false, true, &a, &na) == STRATA_OK && na == n && a &&
+              !memcmp(a, ids, n * sizeof *a));
+        free(a);
+        a = (int32_t *)&na;
+        CHECK(strata_tokenize_alloc(m, "", false, true, &a, &na) == STRATA_OK && na == 0 && a == NULL);
+        CHECK_ERR(strata_tokenize_alloc(m, text, false, true, NULL, &na), STRATA_ERR_INVALID_ARG, "ids");
+        CHECK_ERR(strata_tokenize_alloc(NULL, text, false, true, &a, &na), STRATA_ERR_INVALID_ARG, "model");
+    }
     char buf[4096];
     size_t len = 0;
     CHECK(strata_detokenize(m, ids, n, buf, sizeof buf, &len) == STRATA_OK);
