@@ -4,8 +4,10 @@
  * tokenizer, chat template), settles the chat format, builds the engine
  * (max_batch sequence slots), starts its thread and the HTTP server
  * (src/server, itself on strata.h), prints "listening on http://HOST:PORT"
- * on stdout when ready, and serves until SIGINT or SIGTERM; then stops
- * accepting, aborts what is in flight, and frees everything.
+ * on stdout when ready, and serves until SIGINT or SIGTERM; then refuses new
+ * requests (503), lets those in flight finish for up to --shutdown-timeout
+ * seconds, aborts the rest (streams end with an error event and [DONE]),
+ * frees everything and exits 0.
  *
  * On CUDA it first measures the device's rooflines (HBM bandwidth, GEMM
  * rate: tools/roofline.h) on a probe backend, before the model loads, and
@@ -36,6 +38,8 @@
 
 /* The model's context is capped at this many tokens when --max-model-len is not given. */
 #define SERVE_DEF_SEQ_CAP 2048
+/* --shutdown-timeout's default: seconds running requests have to finish on SIGTERM / SIGINT. */
+#define SERVE_DEF_SHUTDOWN_TIMEOUT 10.0
 
 static void serve_usage(FILE *f) {
     fprintf(f,
@@ -43,7 +47,8 @@ static void serve_usage(FILE *f) {
             "Serves a model (a Hugging Face directory with tokenizer.json, or a .gguf file) over an\n"
             "OpenAI-compatible HTTP API: POST /v1/chat/completions, POST /v1/completions (streamed\n"
             "with server-sent events or not), GET /v1/models, GET /health, GET /metrics (Prometheus).\n"
-            "Prints \"listening on http://HOST:PORT\" when ready; SIGINT or SIGTERM stops it.\n\n"
+            "Prints \"listening on http://HOST:PORT\" when ready; SIGINT or SIGTERM stops it (see\n"
+            "--shutdown-timeout).\n\n"
             "  --host HOST              address to bind (default 127.0.0.1: this machine only)\n"
             "  --port N                 port (default 8080; 0: any free port, printed)\n"
             "  --api-key KEY            require 'Authorization: Bearer KEY' on /v1/*, /health and /metrics\n"
@@ -72,6 +77,10 @@ static void serve_usage(FILE *f) {
             "  --model-name NAME        the model id in /v1/models and answers (default: the file name)\n"
             "  --chat-template NAME     chatml, llama3 or llama2 instead of the model's own template\n"
             "  --max-connections N      simultaneous connections (default 1024)\n"
+            "  --shutdown-timeout SECS  on SIGTERM or SIGINT: new requests get 503 while running ones\n"
+            "                           have up to SECS seconds to finish (default 10); then the rest\n"
+            "                           are aborted (a stream ends with an error event and [DONE]) and\n"
+            "                           the server exits 0\n"
             "  --device cpu|cuda|auto   backend (default auto: CUDA when built and a GPU is present)\n"
             "  --threads N              CPU worker threads (default: all cores)\n"
             "  --device-mem SIZE        device memory budget (weights, KV cache, activations, scratch;\n"
@@ -90,6 +99,7 @@ typedef struct {
     const char *model_path, *host, *api_key, *model_name, *chat_template;
     int64_t port, max_batch, max_model_len, prefill_chunk, step_tokens, max_body, max_conn, kv_blocks;
     size_t kv_mem;
+    double shutdown_timeout;
     bool no_rooflines, host_sample, metrics_public;
     tool_model_opts mo;
 } serve_opts;
@@ -100,6 +110,7 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
     o->mo = (tool_model_opts)TOOL_MODEL_OPTS_INIT;
     o->host = "127.0.0.1";
     o->port = 8080;
+    o->shutdown_timeout = SERVE_DEF_SHUTDOWN_TIMEOUT;
     o->api_key = getenv("STRATA_API_KEY");
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -139,6 +150,11 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
                 if (!val) fprintf(stderr, "strata serve: --kv-mem needs a value\n");
                 return -1;
             }
+            i++;
+            continue;
+        }
+        if (!strcmp(a, "--shutdown-timeout")) {
+            if (!tool_parse_f64(val, 0, 86400, a, &o->shutdown_timeout)) return -1;
             i++;
             continue;
         }
@@ -341,7 +357,10 @@ int cmd_serve(int argc, char **argv) {
     int sig = 0;
     while (sigwait(&sigs, &sig) != 0) {
     }
-    fprintf(stderr, "strata: %s: shutting down\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
+    fprintf(stderr, "strata: %s: shutting down (new requests refused; running ones have %g s to finish)\n",
+            sig == SIGINT ? "SIGINT" : "SIGTERM", o.shutdown_timeout);
+    const int64_t aborted = st_server_shutdown(srv, o.shutdown_timeout);
+    if (aborted) fprintf(stderr, "strata: %lld request(s) aborted at the shutdown timeout\n", (long long)aborted);
     rc = 0;
 done:
     st_server_stop(srv);   /* ends the connections, aborts their requests */

@@ -51,6 +51,10 @@
 #define DEF_MAX_CONN 1024
 #define DEF_IDLE_TIMEOUT 300
 #define WAIT_SLICE_MS 100
+/* After a shutdown aborts a request, how long its connection waits for the
+ * engine's on_finish (the abort takes effect at the next engine step) before
+ * ending the answer without it. */
+#define ABORT_GRACE_S 5.0
 /* An oversized body without a Content-Length is read and dropped up to this
  * many times the limit before the connection is simply closed. */
 #define DISCARD_FACTOR 16
@@ -74,12 +78,14 @@ struct st_server {
     double device_read_bw, gemm_rate, gemm_rate_precise;
     uint64_t seed_base;
     struct MHD_Daemon *d;
-    atomic_bool stopping;
+    atomic_bool draining;         /* shutting down: new generation requests (and /health) get 503 */
+    atomic_bool stopping;         /* requests in flight are aborted (streams end with an error event) */
     atomic_uint_fast64_t counter; /* request numbers: ids and default seeds */
 
     pthread_mutex_t mu;           /* guards what follows */
-    pthread_cond_t cv;            /* n_engine dropped */
+    pthread_cond_t cv;            /* n_engine or n_active dropped (CLOCK_MONOTONIC) */
     int64_t n_engine;             /* requests whose on_finish has not come yet */
+    int64_t n_active;             /* generation requests submitted and not yet answered (until on_completed) */
     int64_t http[R_COUNT_][N_CODES + 1]; /* the last column: other codes */
     int64_t disconnects;
     char mhd_msg[256];            /* libmicrohttpd's last log line (for start errors) */
@@ -116,6 +122,8 @@ typedef struct {
     size_t out_pos;
     bool role_sent, done;
     bool aborted;               /* this side aborted it (client gone, shutdown) */
+    bool active;                /* counted in srv->n_active */
+    double abort_t;             /* when a shutdown aborted it (st_time_now) */
 } req;
 
 static req *req_new(st_server *s) {
@@ -226,6 +234,8 @@ static enum MHD_Result reply(struct MHD_Connection *c, req *r, int status, const
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, ctype);
     if (allow) MHD_add_response_header(resp, MHD_HTTP_HEADER_ALLOW, allow);
     if (status == 401) MHD_add_response_header(resp, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
+    /* shutting down: keep-alive clients are sent elsewhere */
+    if (atomic_load(&r->srv->draining)) MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
     enum MHD_Result ok = MHD_queue_response(c, (unsigned)status, resp);
     MHD_destroy_response(resp);
     count_reply(r->srv, r->rt, status);
@@ -410,6 +420,20 @@ static void client_gone(req *r) {
            stopping ? "the server is stopping" : "the client went away");
 }
 
+/* The server is shutting down and its drain time is over: abort the engine
+ * request, whose on_finish (reason abort) then ends the answer with an error
+ * (an error event and [DONE] on a stream, a 503 otherwise). */
+static void cancel(req *r) {
+    r->aborted = true;
+    r->abort_t = st_time_now();
+    strata_abort(r->srv->model, r->eid);
+    st_log(STRATA_LOG_INFO, "server: %s: the server is shutting down; request aborted", r->id);
+}
+
+/* Whether a request cancelled by a shutdown has waited for its on_finish
+ * longer than ABORT_GRACE_S (the engine is not stepping). */
+static bool cancel_overdue(const req *r) { return r->aborted && st_time_now() - r->abort_t > ABORT_GRACE_S; }
+
 /* libmicrohttpd's content reader for a streamed answer: blocks until the
  * engine has something, then hands out SSE bytes. */
 static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
@@ -426,16 +450,22 @@ static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
             return (ssize_t)n;
         }
         if (r->done) return MHD_CONTENT_READER_END_OF_STREAM;
+        if (!r->aborted && atomic_load(&s->stopping)) cancel(r);
 
         st_strbuf piece = {0};
         pthread_mutex_lock(&r->mu);
         while (r->role_sent && r->text.len == 0 && !r->finished) {
             req_wait_slice(r);
             if (r->text.len || r->finished) break;
-            if (atomic_load(&s->stopping) || peer_gone(r->fd)) {
+            if (peer_gone(r->fd) || cancel_overdue(r)) {
                 pthread_mutex_unlock(&r->mu);
-                client_gone(r);
+                if (!r->aborted) client_gone(r);
                 return MHD_CONTENT_READER_END_WITH_ERROR;
+            }
+            if (!r->aborted && atomic_load(&s->stopping)) {
+                pthread_mutex_unlock(&r->mu);
+                cancel(r);
+                pthread_mutex_lock(&r->mu);
             }
         }
         piece = r->text; /* take the pending text */
@@ -456,9 +486,10 @@ static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
         if (ok && fin) {
             if (f.reason == STRATA_FINISH_ERROR || f.reason == STRATA_FINISH_ABORT) {
                 srv_error e;
-                srv_error_set(&e, 500, "server_error", NULL, NULL, "%s",
-                              f.reason == STRATA_FINISH_ABORT ? "the request was cancelled (the server is shutting down)"
-                                                          : ferr ? ferr : "generation failed");
+                const bool ab = f.reason == STRATA_FINISH_ABORT;
+                srv_error_set(&e, ab ? 503 : 500, "server_error", ab ? "server_shutting_down" : NULL, NULL, "%s",
+                              ab ? "the request was cancelled (the server is shutting down)"
+                                 : ferr ? ferr : "generation failed");
                 ok = sse_add(r, srv_json_error(&e));
             } else {
                 ok = sse_add(r, srv_json_chunk(&r->meta, false, chat ? NULL : "", 0, finish_name(f.reason),
@@ -501,6 +532,9 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *r, srv_kin
     st_server *s = r->srv;
     srv_gen g;
     srv_error e;
+    if (atomic_load(&s->draining))
+        return error_reply(c, r, 503, "server_error", "server_shutting_down", NULL,
+                           "the server is shutting down and takes no new requests");
     if (!srv_parse_gen(kind, r->body.p ? r->body.p : "", r->body.len, s->model, &g, &e)) return reply_error(c, r, &e, NULL);
     st_free(r->body.p);
     r->body = (st_strbuf){0};
@@ -560,16 +594,26 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *r, srv_kin
     er.ignore_eos = g.ignore_eos;
     const strata_callbacks cb = {on_text, on_finish, r};
     req_ref(r); /* the engine's */
+    /* counted under s->mu with the draining check, so that a shutdown waits for every request it let in */
     pthread_mutex_lock(&s->mu);
-    s->n_engine++;
+    const bool refuse = atomic_load(&s->draining);
+    if (!refuse) {
+        s->n_engine++;
+        s->n_active++;
+        r->active = true;
+    }
     pthread_mutex_unlock(&s->mu);
-    strata_status st = atomic_load(&s->stopping) ? st_err(STRATA_ERR_UNSUPPORTED, "the server is shutting down")
-                                                 : strata_submit(s->model, &er, &cb, &r->eid);
+    strata_status st = refuse ? st_err(STRATA_ERR_UNSUPPORTED, "the server is shutting down")
+                              : strata_submit(s->model, &er, &cb, &r->eid);
     st_free(ids);
     srv_gen_clear(&g);
     if (st != STRATA_OK) {
         pthread_mutex_lock(&s->mu);
-        s->n_engine--;
+        if (!refuse) {
+            s->n_engine--;
+            s->n_active--;
+            r->active = false;
+        }
         pthread_cond_broadcast(&s->cv);
         pthread_mutex_unlock(&s->mu);
         req_unref(r);
@@ -603,17 +647,27 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *r, srv_kin
     while (!r->finished) {
         req_wait_slice(r);
         if (r->finished) break;
-        if (atomic_load(&s->stopping) || peer_gone(r->fd)) {
+        if (peer_gone(r->fd) || cancel_overdue(r)) {
             pthread_mutex_unlock(&r->mu);
-            client_gone(r);
-            count_reply(s, r->rt, 499);
-            return MHD_NO;
+            if (!r->aborted) {
+                client_gone(r);
+                count_reply(s, r->rt, 499);
+                return MHD_NO;
+            }
+            return error_reply(c, r, 503, "server_error", "server_shutting_down", NULL,
+                               "the request was cancelled (the server is shutting down)");
+        }
+        if (!r->aborted && atomic_load(&s->stopping)) {
+            pthread_mutex_unlock(&r->mu);
+            cancel(r);
+            pthread_mutex_lock(&r->mu);
         }
     }
     const strata_finish f = r->fin;
     pthread_mutex_unlock(&r->mu);
     if (f.reason == STRATA_FINISH_ERROR || f.reason == STRATA_FINISH_ABORT) {
-        srv_error_set(&e, f.reason == STRATA_FINISH_ABORT ? 503 : 500, "server_error", NULL, NULL, "%s",
+        srv_error_set(&e, f.reason == STRATA_FINISH_ABORT ? 503 : 500, "server_error",
+                      f.reason == STRATA_FINISH_ABORT ? "server_shutting_down" : NULL, NULL, "%s",
                       f.reason == STRATA_FINISH_ABORT ? "the request was cancelled (the server is shutting down)"
                                                   : r->fin_error ? r->fin_error : "generation failed");
         return reply_error(c, r, &e, NULL);
@@ -730,8 +784,9 @@ static enum MHD_Result dispatch(struct MHD_Connection *c, req *r, const char *ur
                               srv_json_models(s->model_name, s->created, s->max_seq_len),
                               NULL);
         if (r->rt == R_HEALTH) {
-            if (atomic_load(&s->stopping))
-                return error_reply(c, r, 503, "server_error", "unavailable", NULL, "the server is shutting down");
+            if (atomic_load(&s->draining))
+                return error_reply(c, r, 503, "server_error", "server_shutting_down", NULL,
+                                   "the server is shutting down");
             static const char ok[] = "{\"status\":\"ok\"}";
             return reply(c, r, 200, "application/json", ok, sizeof ok - 1, NULL);
         }
@@ -814,6 +869,13 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls, en
             pthread_mutex_unlock(&s->mu);
         }
     }
+    if (r->active) { /* answered (or the connection ended): a shutdown's drain waits for this */
+        pthread_mutex_lock(&s->mu);
+        s->n_active--;
+        r->active = false;
+        pthread_cond_broadcast(&s->cv);
+        pthread_mutex_unlock(&s->mu);
+    }
     req_unref(r);
 }
 
@@ -853,7 +915,13 @@ strata_status st_server_start(strata_model *m, const st_server_params *params, s
     s->info = info;
     s->max_seq_len = info.max_seq_len;
     pthread_mutex_init(&s->mu, NULL);
-    pthread_cond_init(&s->cv, NULL);
+    {
+        pthread_condattr_t ca;
+        pthread_condattr_init(&ca);
+        pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+        pthread_cond_init(&s->cv, &ca);
+        pthread_condattr_destroy(&ca);
+    }
     s->host = st_strdup(params->host ? params->host : "127.0.0.1");
     s->model_name = st_strdup(params->model_name ? params->model_name : "strata");
     s->api_key = params->api_key && params->api_key[0] ? st_strdup(params->api_key) : NULL;
@@ -866,6 +934,7 @@ strata_status st_server_start(strata_model *m, const st_server_params *params, s
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     s->seed_base = splitmix64((uint64_t)ts.tv_sec * 1000000007ull ^ (uint64_t)ts.tv_nsec ^ (uint64_t)(uintptr_t)s);
+    atomic_init(&s->draining, false);
     atomic_init(&s->stopping, false);
     atomic_init(&s->counter, 0);
     if (s->host) s->loopback = loopback_host(s->host);
@@ -916,8 +985,56 @@ strata_status st_server_start(strata_model *m, const st_server_params *params, s
 int st_server_port(const st_server *s) { return s->port; }
 const char *st_server_host(const st_server *s) { return s->host; }
 
+/* Waits on s->cv (s->mu held) until n_active is 0 or the monotonic time `until`; whether it is 0. */
+static bool wait_active(st_server *s, const struct timespec *until) {
+    while (s->n_active > 0)
+        if (pthread_cond_timedwait(&s->cv, &s->mu, until) == ETIMEDOUT) break;
+    return s->n_active == 0;
+}
+
+static struct timespec mono_after(double secs) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    if (!(secs >= 0)) secs = 0;
+    if (secs > 1e9) secs = 1e9;
+    const time_t whole = (time_t)secs;
+    ts.tv_sec += whole;
+    ts.tv_nsec += (long)((secs - (double)whole) * 1e9);
+    if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000L;
+    }
+    return ts;
+}
+
+int64_t st_server_shutdown(st_server *s, double timeout_s) {
+    if (!s) return 0;
+    pthread_mutex_lock(&s->mu); /* with handle_generate's count: no request slips in after the drain began */
+    atomic_store(&s->draining, true);
+    const int64_t running = s->n_active;
+    pthread_mutex_unlock(&s->mu);
+    st_log(STRATA_LOG_INFO, "server: shutting down: %lld request(s) in flight, up to %g s to finish",
+           (long long)running, timeout_s);
+    struct timespec until = mono_after(timeout_s);
+    pthread_mutex_lock(&s->mu);
+    const bool drained = wait_active(s, &until);
+    const int64_t left = s->n_active;
+    pthread_mutex_unlock(&s->mu);
+    if (drained) return 0;
+    st_log(STRATA_LOG_INFO, "server: shutting down: aborting %lld request(s) still in flight", (long long)left);
+    atomic_store(&s->stopping, true); /* the connections' waits abort their requests within WAIT_SLICE_MS */
+    until = mono_after(ABORT_GRACE_S + 1.0);
+    pthread_mutex_lock(&s->mu);
+    if (!wait_active(s, &until))
+        st_log(STRATA_LOG_WARN, "server: shutting down: %lld request(s) did not end after the abort",
+               (long long)s->n_active);
+    pthread_mutex_unlock(&s->mu);
+    return left;
+}
+
 void st_server_stop(st_server *s) {
     if (!s) return;
+    atomic_store(&s->draining, true);
     atomic_store(&s->stopping, true);
     if (s->d) MHD_stop_daemon(s->d); /* ends the connections: their waits see `stopping` and abort */
     s->d = NULL;

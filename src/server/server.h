@@ -24,6 +24,10 @@
  * with 400 (bad request), 401, 404 (no such route or model), 405 (wrong method, with
  * Allow), 413 (body over max_body), 415, 421, 500, 503 (queue full, shutting down).
  *
+ * Shutdown (st_server_shutdown): new requests get 503, running ones may
+ * finish for a while, then are aborted (streams end with an error event and
+ * [DONE]).
+ *
  * Threads: libmicrohttpd runs one thread per connection (plus its listening
  * thread). A request's thread parses and tokenizes the request, adds it to
  * the engine, and then waits on the request's condition variable: the engine
@@ -78,6 +82,16 @@ strata_status st_server_start(strata_model *m, const st_server_params *params, s
 /* The port it listens on, and the host as given. */
 int st_server_port(const st_server *s);
 const char *st_server_host(const st_server *s);
+
+/* Graceful shutdown (SIGTERM): from now on generation requests and /health
+ * are answered 503 (JSON error, code "server_shutting_down"; "Connection:
+ * close"); the requests in flight get up to timeout_s seconds to finish
+ * normally; what is left then is aborted: an open stream gets an error event
+ * (`data: {"error": {...}}`) and `data: [DONE]`, a whole answer a 503 JSON
+ * error. Returns when every generation request has been answered (at most
+ * a few seconds after the abort; the engine must still be stepping), with
+ * the number aborted. Call st_server_stop afterwards. NULL: 0. */
+int64_t st_server_shutdown(st_server *s, double timeout_s);
 
 /* Stops accepting, ends every connection (their engine requests are aborted
  * and waited for: the engine must still be stepping, or stopped), and frees
