@@ -11,6 +11,8 @@ Checks:
     /health turns 503, a new completion request during the drain gets a 503
     JSON error (code "server_shutting_down"), the stream completes normally
     (finish_reason "length", [DONE], no error event) and the server exits 0;
+  - a second signal during the drain (SIGINT after SIGTERM) aborts the
+    stream at once (error event, [DONE]), exit 0;
   - --shutdown-timeout is in --help and refuses a bad value (exit 2).
 Every wait is bounded; about 10-20 s on 2 cores.
 """
@@ -242,6 +244,40 @@ def test_drain(model):
             print("---- server log (tail) ----\n" + srv.tail())
 
 
+def test_again(model):
+    """A second signal during the drain aborts what runs at once."""
+    srv = Server(model, "again", "--shutdown-timeout", "60")
+    st = None
+    try:
+        st = Stream(srv, 200)
+        first = st.next_event()
+        check(st.status == 200 and first is not None and first != b"[DONE]", "stream: a first chunk")
+        t = time.time()
+        srv.proc.send_signal(signal.SIGTERM)
+        health = None
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            health, _ = get(srv, "/health")
+            if health == 503:
+                break
+            time.sleep(0.05)
+        check(health == 503, "draining: /health answers 503")
+        srv.proc.send_signal(signal.SIGINT)
+        st.rest()
+        rc = srv.wait(30)
+        el = time.time() - t
+        ev = st.events
+        check(len(ev) >= 2 and ev[-1] == b"[DONE]" and is_error_event(ev[-2]),
+              "a second signal: the stream ends with an error event then [DONE] (%r)" % ev[-2:])
+        check(rc == 0 and el < 15, "the server exits 0 (status %s) in %.1f s" % (rc, el))
+    finally:
+        if st:
+            st.close()
+        srv.kill()
+        if failures:
+            print("---- server log (tail) ----\n" + srv.tail())
+
+
 def test_option(model):
     r = subprocess.run([BIN, "serve", "--help"], capture_output=True, text=True, timeout=30)
     check(r.returncode == 0 and "--shutdown-timeout" in r.stdout, "--shutdown-timeout is in serve --help")
@@ -255,7 +291,8 @@ def main():
         return 1
     model = default_model.path()
     t0 = time.time()
-    for name, fn in [("option", test_option), ("abort", test_abort), ("drain", test_drain)]:
+    for name, fn in [("option", test_option), ("abort", test_abort), ("drain", test_drain),
+                     ("again", test_again)]:
         t = time.time()
         try:
             fn(model)

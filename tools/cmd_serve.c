@@ -6,8 +6,8 @@
  * (src/server, itself on strata.h), prints "listening on http://HOST:PORT"
  * on stdout when ready, and serves until SIGINT or SIGTERM; then refuses new
  * requests (503), lets those in flight finish for up to --shutdown-timeout
- * seconds, aborts the rest (streams end with an error event and [DONE]),
- * frees everything and exits 0.
+ * seconds (SIGTERM; SIGINT or a second signal: none), aborts the rest (streams
+ * end with an error event and [DONE]), frees everything and exits 0.
  *
  * On CUDA it first measures the device's rooflines (HBM bandwidth, GEMM
  * rate: tools/roofline.h) on a probe backend, before the model loads, and
@@ -23,6 +23,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -77,10 +78,11 @@ static void serve_usage(FILE *f) {
             "  --model-name NAME        the model id in /v1/models and answers (default: the file name)\n"
             "  --chat-template NAME     chatml, llama3 or llama2 instead of the model's own template\n"
             "  --max-connections N      simultaneous connections (default 1024)\n"
-            "  --shutdown-timeout SECS  on SIGTERM or SIGINT: new requests get 503 while running ones\n"
-            "                           have up to SECS seconds to finish (default 10); then the rest\n"
-            "                           are aborted (a stream ends with an error event and [DONE]) and\n"
-            "                           the server exits 0\n"
+            "  --shutdown-timeout SECS  on SIGTERM: new requests get 503 while running ones have up\n"
+            "                           to SECS seconds to finish (default 10); then the rest are\n"
+            "                           aborted (a stream ends with an error event and [DONE], a whole\n"
+            "                           answer is a 503) and the server exits 0. SIGINT (Ctrl-C), or a\n"
+            "                           second signal, aborts at once\n"
             "  --device cpu|cuda|auto   backend (default auto: CUDA when built and a GPU is present)\n"
             "  --threads N              CPU worker threads (default: all cores)\n"
             "  --device-mem SIZE        device memory budget (weights, KV cache, activations, scratch;\n"
@@ -253,6 +255,26 @@ static bool settle_chat(const serve_opts *o, strata_model *m) {
     return true;
 }
 
+/* Watches for a second SIGTERM / SIGINT during a drain: aborts what runs. */
+typedef struct {
+    st_server *srv;
+    const sigset_t *sigs;
+    pthread_t thread;
+    atomic_bool done; /* the drain is over: the signal that ends sigwait is ours */
+} serve_watch;
+
+static void *serve_watch_main(void *arg) {
+    serve_watch *w = arg;
+    int sig = 0;
+    while (sigwait(w->sigs, &sig) != 0) {
+    }
+    if (!atomic_load(&w->done)) {
+        fprintf(stderr, "strata: %s again: aborting the requests in flight now\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
+        st_server_abort(w->srv);
+    }
+    return NULL;
+}
+
 static const char *base_name(const char *path) {
     size_t n = strlen(path);
     while (n > 1 && path[n - 1] == '/') n--;
@@ -357,10 +379,20 @@ int cmd_serve(int argc, char **argv) {
     int sig = 0;
     while (sigwait(&sigs, &sig) != 0) {
     }
+    /* SIGTERM drains for --shutdown-timeout; SIGINT (Ctrl-C) aborts at once, and so does a second
+     * signal during the drain (taken by a watcher thread) */
+    const double grace = sig == SIGINT ? 0.0 : o.shutdown_timeout;
     fprintf(stderr, "strata: %s: shutting down (new requests refused; running ones have %g s to finish)\n",
-            sig == SIGINT ? "SIGINT" : "SIGTERM", o.shutdown_timeout);
-    const int64_t aborted = st_server_shutdown(srv, o.shutdown_timeout);
-    if (aborted) fprintf(stderr, "strata: %lld request(s) aborted at the shutdown timeout\n", (long long)aborted);
+            sig == SIGINT ? "SIGINT" : "SIGTERM", grace);
+    serve_watch w = {.srv = srv, .sigs = &sigs};
+    const bool watching = grace > 0 && pthread_create(&w.thread, NULL, serve_watch_main, &w) == 0;
+    const int64_t aborted = st_server_shutdown(srv, grace);
+    if (watching) {
+        atomic_store(&w.done, true);
+        pthread_kill(w.thread, SIGTERM); /* ends its sigwait (directed at it; blocked everywhere) */
+        pthread_join(w.thread, NULL);
+    }
+    if (aborted) fprintf(stderr, "strata: %lld request(s) aborted at shutdown\n", (long long)aborted);
     rc = 0;
 done:
     st_server_stop(srv);   /* ends the connections, aborts their requests */

@@ -992,6 +992,13 @@ static bool wait_active(st_server *s, const struct timespec *until) {
     return s->n_active == 0;
 }
 
+/* wait_active, ending early when st_server_abort was called. */
+static bool wait_active_or_abort(st_server *s, const struct timespec *until) {
+    while (s->n_active > 0 && !atomic_load(&s->stopping))
+        if (pthread_cond_timedwait(&s->cv, &s->mu, until) == ETIMEDOUT) break;
+    return s->n_active == 0;
+}
+
 static struct timespec mono_after(double secs) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -1017,7 +1024,7 @@ int64_t st_server_shutdown(st_server *s, double timeout_s) {
            (long long)running, timeout_s);
     struct timespec until = mono_after(timeout_s);
     pthread_mutex_lock(&s->mu);
-    const bool drained = wait_active(s, &until);
+    const bool drained = wait_active_or_abort(s, &until);
     const int64_t left = s->n_active;
     pthread_mutex_unlock(&s->mu);
     if (drained) return 0;
@@ -1030,6 +1037,15 @@ int64_t st_server_shutdown(st_server *s, double timeout_s) {
                (long long)s->n_active);
     pthread_mutex_unlock(&s->mu);
     return left;
+}
+
+void st_server_abort(st_server *s) {
+    if (!s) return;
+    pthread_mutex_lock(&s->mu);
+    atomic_store(&s->draining, true);
+    atomic_store(&s->stopping, true);
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
 }
 
 void st_server_stop(st_server *s) {

@@ -93,6 +93,10 @@ const char *st_server_host(const st_server *s);
  * the number aborted. Call st_server_stop afterwards. NULL: 0. */
 int64_t st_server_shutdown(st_server *s, double timeout_s);
 
+/* Ends a shutdown's drain now (thread-safe; e.g. on a second signal): the
+ * requests in flight are aborted as at the end of the timeout. */
+void st_server_abort(st_server *s);
+
 /* Stops accepting, ends every connection (their engine requests are aborted
  * and waited for: the engine must still be stepping, or stopped), and frees
  * the server. NULL is a no-op. */
