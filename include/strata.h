@@ -135,6 +135,16 @@ typedef struct {
  * parameter). Thread-safe (separate models are independent). */
 strata_status strata_model_open(const char *path, const strata_model_params *params, strata_model **out);
 
+/* Checks the memory budgets of params against what this machine has now
+ * (MemAvailable of /proc/meminfo): host_mem (pinned host memory, on any
+ * backend) and, on the CPU backend (device "cpu", or "auto" without a GPU),
+ * kv_mem when kv_blocks is 0 (the KV cache lives in host memory there; the
+ * weights' file mapping is not counted). STRATA_ERR_INVALID_ARG when one is
+ * larger, with a message naming its option (--host-mem, --kv-mem), the size
+ * asked and what the machine has; STRATA_OK otherwise, or when MemAvailable
+ * is unknown. strata_model_open calls it first. NULL: defaults (OK). */
+strata_status strata_check_memory(const strata_model_params *params);
+
 /* Builds the engine of an opened model with the params given to
  * strata_model_open: the model weights on the device, the paged KV cache,
  * the scheduler (not started: step it with strata_step or run its thread

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The CLI's first impression and its checks of model metadata (issue 17,
-items 7 and 10):
+items 3, 7 and 10):
 
   - `strata --version` / `strata version` print the version of CMakeLists.txt;
   - GGUF hyperparameters out of range (rms_norm_eps NaN / -1, a rope dimension
@@ -11,6 +11,8 @@ items 7 and 10):
     naming both numbers; with linear RoPE scaling up to the scaled length:
     a warning, and it runs;
   - `--chat-template` other than the model's template: a warning naming both;
+  - memory budgets above the machine's MemAvailable are refused (item 3):
+    `serve --kv-mem` on the CPU backend, `run` / `bench --host-mem`;
   - sampling defaults: a GGUF's general.sampling.* keys and a HF directory's
     generation_config.json replace the built-in defaults, options on the
     command line win, and a line on stderr says what was taken.
@@ -293,10 +295,51 @@ def write_byte_tokenizer(path):
         json.dump(tok, f)
 
 
+def mem_available():
+    """MemAvailable of /proc/meminfo in bytes (None: unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def test_memory_budgets():
+    """Budgets above what the machine has are refused (issue 17, item 3): on the
+    CPU backend --kv-mem (the KV cache is host memory), on any backend --host-mem
+    (pinned host memory); quickly, naming the option, the size and MemAvailable."""
+    if mem_available() is None:
+        print("ok    (no MemAvailable in /proc/meminfo: budget checks not run)")
+        return
+    model = default_model.path()
+    twice = "%dM" % (2 * mem_available() // (1 << 20))  # what starts today on a big enough machine
+    cases = [(["serve", model, "--device", "cpu", "--port", "0", "--no-rooflines", "--kv-mem", "100T"], "--kv-mem"),
+             (["serve", model, "--device", "cpu", "--port", "0", "--no-rooflines", "--kv-mem", twice], "--kv-mem"),
+             (["run", model, "--host-mem", "100T", "-p", "hi", "-n", "1"], "--host-mem"),
+             (["bench", model, "--host-mem", "100T"], "--host-mem")]
+    for args, opt in cases:
+        try:
+            p = run(args, timeout=60)
+            rc, err = p.returncode, p.stderr
+        except subprocess.TimeoutExpired:
+            rc, err = None, "(still running after 60 s)"
+        last = err.strip().splitlines()[-1:] if err.strip() else []
+        check(rc in (1, 2) and opt in err and "MemAvailable" in err and re.search(r"\d+(\.\d+)? [KMGTP]iB", err),
+              "%s %s: exit %s naming %s, the size and MemAvailable: %r" % (args[0], " ".join(args[2:]), rc, opt,
+                                                                            last))
+    # within the machine: accepted (the model loads and runs a token)
+    p = run(["run", model, "--host-mem", "64M", "-p", "hi", "-n", "1", "--temp", "0"], timeout=120)
+    check(p.returncode == 0, "run --host-mem 64M: runs (exit %s)" % p.returncode)
+
+
 def main():
     test_version()
     test_bad_metadata()
     test_run_checks()
+    test_memory_budgets()
     return testlib.summary("test_cli_checks")
 
 

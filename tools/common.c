@@ -217,6 +217,12 @@ int tool_parse_model_opt(int argc, char **argv, int *i, tool_model_opts *o) {
 bool tool_model_open(const char *path, const tool_model_opts *o, tool_model *tm) {
     memset(tm, 0, sizeof *tm);
     double t0 = st_time_now();
+    /* budgets above what the machine has (the check strata_model_open makes for run and serve) */
+    const strata_model_params mp = {.device = o->device, .host_mem = o->host_mem};
+    if (strata_check_memory(&mp) != STRATA_OK) {
+        tool_print_error("load");
+        return false;
+    }
     if (st_model_open(path, &tm->files) != STRATA_OK) {
         tool_print_error("load");
         return false;

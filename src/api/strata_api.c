@@ -133,6 +133,52 @@ void strata_model_free(strata_model *m) {
     st_free(m);
 }
 
+/* MemAvailable of /proc/meminfo in bytes; 0 when unknown. */
+static size_t mem_available(void) {
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (!f) return 0;
+    char line[256];
+    unsigned long long kb = 0;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) break;
+    fclose(f);
+    return kb > (unsigned long long)(SIZE_MAX / 1024) ? SIZE_MAX : (size_t)(kb * 1024ull);
+}
+
+/* "1.5 GiB" (powers of 1024, as the size options read them). */
+static const char *mem_str(char *buf, size_t n, size_t bytes) {
+    static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+    double v = (double)bytes;
+    int u = 0;
+    while (v >= 1024.0 && u < 6) {
+        v /= 1024.0;
+        u++;
+    }
+    if (u == 0) snprintf(buf, n, "%zu B", bytes);
+    else snprintf(buf, n, "%.1f %s", v, units[u]);
+    return buf;
+}
+
+strata_status strata_check_memory(const strata_model_params *params) {
+    const strata_model_params p = params ? *params : (strata_model_params){0};
+    const size_t avail = mem_available();
+    if (!avail) return STRATA_OK; /* unknown: not checked */
+    char want[32], have[32];
+    if (p.host_mem > avail)
+        return st_err(STRATA_ERR_INVALID_ARG,
+                      "--host-mem %s (pinned host memory for streamed weights) is more than this machine has "
+                      "available: MemAvailable %s (/proc/meminfo)",
+                      mem_str(want, sizeof want, p.host_mem), mem_str(have, sizeof have, avail));
+    const char *dev = p.device ? p.device : "auto";
+    const bool cpu = !strcmp(dev, "cpu") || (!strcmp(dev, "auto") && !st_backend_available(ST_BACKEND_CUDA));
+    if (cpu && p.kv_blocks == 0 && p.kv_mem > avail)
+        return st_err(STRATA_ERR_INVALID_ARG,
+                      "--kv-mem %s (the KV cache: in host memory on the CPU backend) is more than this machine "
+                      "has available: MemAvailable %s (/proc/meminfo)",
+                      mem_str(want, sizeof want, p.kv_mem), mem_str(have, sizeof have, avail));
+    return STRATA_OK;
+}
+
 strata_status strata_model_open(const char *path, const strata_model_params *params, strata_model **out) {
     if (!out) return st_err(STRATA_ERR_INVALID_ARG, "strata_model_open: out is NULL");
     *out = NULL;
@@ -142,6 +188,7 @@ strata_status strata_model_open(const char *path, const strata_model_params *par
     st_kv_dtype kvd;
     strata_status st = check_params(&p, &bp, &kvd);
     if (st) return st;
+    if ((st = strata_check_memory(&p))) return st; /* budgets above what the machine has */
     strata_model *m = st_calloc(1, sizeof *m);
     if (!m) return st_err(STRATA_ERR_NOMEM, "strata_model_open: out of memory");
     atomic_init(&m->thread_on, false);
