@@ -426,7 +426,10 @@ static void client_gone(req *r) {
 static void cancel(req *r) {
     r->aborted = true;
     r->abort_t = st_time_now();
-    strata_abort(r->srv->model, r->eid);
+    pthread_mutex_lock(&r->mu);
+    const bool fin = r->finished;
+    pthread_mutex_unlock(&r->mu);
+    if (fin || strata_abort(r->srv->model, r->eid) != STRATA_OK) return; /* it ended on its own */
     st_log(STRATA_LOG_INFO, "server: %s: the server is shutting down; request aborted", r->id);
 }
 
