@@ -171,9 +171,17 @@ def test_abort(model):
         check(st.status == 200, "stream: 200")
         first = st.next_event()
         check(first is not None and first != b"[DONE]" and not is_error_event(first), "stream: a first chunk")
-        # let the whole request reach the engine too (it started first; a few tokens later it runs)
-        for _ in range(2):
-            st.next_event()
+        # both in the engine before the signal (bounded)
+        running = 0
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            _, text = get(srv, "/metrics")
+            m = re.search(rb"^strata_requests_running (\S+)$", text, re.M)
+            running = float(m.group(1)) if m else 0
+            if running >= 2:
+                break
+            time.sleep(0.02)
+        check(running >= 2, "the stream and the whole request are running (%g)" % running)
         t = time.time()
         srv.proc.send_signal(signal.SIGTERM)
         st.rest()
