@@ -129,11 +129,6 @@ st_llama_params tool_llama_params(const tool_model_opts *o, const st_config *c) 
     return lp;
 }
 
-st_engine_params tool_engine_params(const tool_model_opts *o, const st_config *c) {
-    const st_llama_params lp = tool_llama_params(o, c);
-    return (st_engine_params){.weights = lp.weights, .device_mem = o->device_mem, .kv_dtype = o->kv_dtype};
-}
-
 st_backend_params tool_backend_params(const tool_model_opts *o) {
     st_backend_params bp = {.kind = ST_BACKEND_CPU, .n_threads = o->threads, .device_mem = o->device_mem};
     const char *dev = o->device ? o->device : "auto";

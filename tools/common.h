@@ -6,7 +6,6 @@
 #include <stdint.h>
 #include "backend/backend.h"
 #include "loader/loader.h"
-#include "engine/runner.h"
 #include "model/llama.h"
 
 /* Options every command that loads a model accepts; start from TOOL_MODEL_OPTS_INIT. */
@@ -75,9 +74,6 @@ bool tool_parse_size(const char *s, const char *what, size_t *out);
  * bandwidths, the KV pool's device bytes: kv_seqs sequences of the context,
  * and in test builds the --test-fault injection). */
 st_llama_params tool_llama_params(const tool_model_opts *o, const st_config *c);
-/* The engine params these options ask for (budgets, weights, KV dtype); the
- * caller sets the batch, lengths and pool size. */
-st_engine_params tool_engine_params(const tool_model_opts *o, const st_config *c);
 /* The KV pool of those options for model m (kv_seqs sequences of its max_seq_len). */
 st_kv_pool_params tool_kv_params(const tool_model_opts *o, const st_llama *m);
 /* The backend these options ask for (device_mem included). */
