@@ -19,7 +19,10 @@
  *  - attention_paged over a bf16 / fp8 pool gives the bits of the f32 path
  *    over the dequantized values (the naive reference over them within 1e-5,
  *    the contiguous op bit for bit), is batch invariant as above, and stays
- *    within a stated bound of the attention over the unrounded fp32 keys.
+ *    within a stated bound of the attention over the unrounded fp32 keys
+ *    (max|err| / max|out| per token, worst case over these batches: bf16
+ *    measured 3.9e-3, bound 1e-2; fp8 measured 5.8e-2, bound 8e-2: e4m3
+ *    keeps 3 mantissa bits, a relative step of up to 1/16 per value).
  * The CUDA backend runs the same ops against this one in
  * tests/gpu/gpu_check_ops.c. */
 #include <float.h>
