@@ -20,7 +20,6 @@ import http.client
 import json
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
@@ -29,39 +28,19 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import default_model  # noqa: E402
+import test_server as ts  # noqa: E402  (Server, raw)
 import testlib  # noqa: E402
 from testlib import BIN, TMP, check, failures  # noqa: E402
 
 IO_TIMEOUT = 30  # seconds any one read or request may take
 
 
-class Server:
-    def __init__(self, model, tag, *extra):
-        os.makedirs(TMP, exist_ok=True)
-        self.log_path = os.path.join(TMP, "test_server_shutdown_%s.log" % tag)
-        self.log = open(self.log_path, "w")
-        cmd = [BIN, "serve", model, "--port", "0", "--max-batch", "4", "--max-model-len", "256",
-               "--no-rooflines"] + list(extra)
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log,
-                                     env=dict(os.environ, STRATA_LOG="info"))
-        self.port = None
-        deadline = time.time() + 60
-        while time.time() < deadline and self.proc.poll() is None:
-            r, _, _ = select.select([self.proc.stdout], [], [], 0.5)
-            if r:
-                m = re.match(rb"listening on http://127\.0\.0\.1:(\d+)$", self.proc.stdout.readline().strip())
-                if m:
-                    self.port = int(m.group(1))
-                    break
-        if self.port is None:
-            self.kill()
-            raise RuntimeError("the server did not start; log: %s" % self.tail())
+class Server(ts.Server):
+    """test_server's server (a small batch and context here), and waits that never hang."""
 
-    def tail(self):
-        if not self.log.closed:
-            self.log.flush()
-        with open(self.log_path, errors="replace") as f:
-            return f.read()[-3000:]
+    def __init__(self, model, tag, *extra):
+        super().__init__(model, "--max-batch", "4", "--max-model-len", "256", "--no-rooflines", *extra,
+                         tag="shutdown_" + tag)
 
     def wait(self, timeout):
         """The exit status, or None when it is still running after timeout seconds (then killed)."""
@@ -76,34 +55,40 @@ class Server:
             self.proc.kill()
             self.proc.wait()
 
+    def finish(self, stream):
+        """The end of a case: its stream closed, the server gone, its log shown on a failure."""
+        if stream:
+            stream.close()
+        self.kill()
+        if failures:
+            print("---- server log (tail) ----\n" + self.tail())
+
 
 def conn(srv):
     return http.client.HTTPConnection("127.0.0.1", srv.port, timeout=IO_TIMEOUT)
 
 
 def post(srv, body):
-    """(status, parsed JSON or the raw text) of a whole POST /v1/completions."""
-    c = conn(srv)
-    try:
-        c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-        r = c.getresponse()
-        data = r.read()
-        try:
-            return r.status, json.loads(data)
-        except ValueError:
-            return r.status, data
-    finally:
-        c.close()
+    """(status, parsed JSON or text) of a whole POST /v1/completions."""
+    status, obj, _ = ts.raw(srv, "POST", "/v1/completions", body, timeout=IO_TIMEOUT)
+    return status, obj
 
 
 def get(srv, path):
-    c = conn(srv)
-    try:
-        c.request("GET", path)
-        r = c.getresponse()
-        return r.status, r.read()
-    finally:
-        c.close()
+    status, obj, _ = ts.raw(srv, "GET", path, timeout=IO_TIMEOUT)
+    return status, obj
+
+
+def wait_draining(srv):
+    """Once a signal is taken /health answers 503: its status after at most 10 s of polling."""
+    health = None
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        health, _ = get(srv, "/health")
+        if health == 503:
+            break
+        time.sleep(0.05)
+    return health
 
 
 class Stream:
@@ -176,7 +161,7 @@ def test_abort(model):
         deadline = time.time() + 20
         while time.time() < deadline:
             _, text = get(srv, "/metrics")
-            m = re.search(rb"^strata_requests_running (\S+)$", text, re.M)
+            m = re.search(r"^strata_requests_running (\S+)$", text, re.M)
             running = float(m.group(1)) if m else 0
             if running >= 2:
                 break
@@ -203,11 +188,7 @@ def test_abort(model):
         check(rc == 0, "the server exits 0 (status %s)" % rc)
         check(el < 15, "... in %.1f s" % el)
     finally:
-        if st:
-            st.close()
-        srv.kill()
-        if failures:
-            print("---- server log (tail) ----\n" + srv.tail())
+        srv.finish(st)
 
 
 def test_drain(model):
@@ -220,14 +201,7 @@ def test_drain(model):
         check(st.status == 200 and first is not None and first != b"[DONE]", "stream: a first chunk")
         t = time.time()
         srv.proc.send_signal(signal.SIGTERM)
-        # /health turns 503 once the signal is taken (bounded)
-        health = None
-        deadline = time.time() + 10
-        while time.time() < deadline:
-            health, _ = get(srv, "/health")
-            if health == 503:
-                break
-            time.sleep(0.05)
+        health = wait_draining(srv)
         check(health == 503, "draining: /health answers 503")
         status, body = post(srv, {"prompt": "Hello", "max_tokens": 4})
         check(status == 503 and isinstance(body, dict) and body.get("error", {}).get("code") == "server_shutting_down",
@@ -245,11 +219,7 @@ def test_drain(model):
         check(rc == 0, "the server exits 0 after the drain (status %s)" % rc)
         check(el < 40, "... in %.1f s" % el)
     finally:
-        if st:
-            st.close()
-        srv.kill()
-        if failures:
-            print("---- server log (tail) ----\n" + srv.tail())
+        srv.finish(st)
 
 
 def test_again(model):
@@ -262,13 +232,7 @@ def test_again(model):
         check(st.status == 200 and first is not None and first != b"[DONE]", "stream: a first chunk")
         t = time.time()
         srv.proc.send_signal(signal.SIGTERM)
-        health = None
-        deadline = time.time() + 10
-        while time.time() < deadline:
-            health, _ = get(srv, "/health")
-            if health == 503:
-                break
-            time.sleep(0.05)
+        health = wait_draining(srv)
         check(health == 503, "draining: /health answers 503")
         srv.proc.send_signal(signal.SIGINT)
         st.rest()
@@ -279,11 +243,7 @@ def test_again(model):
               "a second signal: the stream ends with an error event then [DONE] (%r)" % ev[-2:])
         check(rc == 0 and el < 15, "the server exits 0 (status %s) in %.1f s" % (rc, el))
     finally:
-        if st:
-            st.close()
-        srv.kill()
-        if failures:
-            print("---- server log (tail) ----\n" + srv.tail())
+        srv.finish(st)
 
 
 def test_option(model):
