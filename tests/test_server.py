@@ -613,17 +613,11 @@ def test_api_key(model):
     check(b"[DONE]" not in rest or b"cancelled" in rest, "the in-flight stream was ended, not completed")
 
 
-def main():
-    if not os.path.isfile(BIN):
-        print("FAIL  no strata binary at %s" % BIN)
-        return 1
-    model = default_model.path()
-    t0 = time.time()
-    print("strata serve on %s%s" % (model, " (sanitizer build: smaller load)" if SAN else ""), flush=True)
-    srv = Server(model)
+def run_cases(srv, cases):
+    """Runs each (name, fn(srv)) on one server (an exception fails the case, a dead server ends the
+    run), then stops it with SIGTERM: it must exit 0. Prints each case's time, and the log on a failure."""
     try:
-        for name, fn in [("basic", test_basic), ("stop", test_stop), ("concurrent", test_concurrent),
-                         ("bad requests", test_bad_requests), ("disconnect", test_disconnect), ("load", test_load)]:
+        for name, fn in cases:
             t = time.time()
             try:
                 fn(srv)
@@ -641,6 +635,18 @@ def main():
         check(alive and rc == 0, "SIGTERM: the server exits 0 (status %s)" % rc)
         if failures:
             print("---- server log (tail) ----\n" + srv.tail())
+
+
+def main():
+    if not os.path.isfile(BIN):
+        print("FAIL  no strata binary at %s" % BIN)
+        return 1
+    model = default_model.path()
+    t0 = time.time()
+    print("strata serve on %s%s" % (model, " (sanitizer build: smaller load)" if SAN else ""), flush=True)
+    run_cases(Server(model), [("basic", test_basic), ("stop", test_stop), ("concurrent", test_concurrent),
+                              ("bad requests", test_bad_requests), ("disconnect", test_disconnect),
+                              ("load", test_load)])
     test_api_key(model)
     print("test_server: %.1f s" % (time.time() - t0))
     return testlib.summary("test_server")

@@ -250,28 +250,10 @@ def main():
         return 1
     model = default_model.path()
     t0 = time.time()
-    srv = ts.Server(model, tag="hardening")
-    try:
-        for name, fn in [("forged turns", lambda: test_forged_turns(srv, model)),
-                         ("model name", lambda: test_model_name(srv)),
-                         ("content type", lambda: test_content_type(srv)), ("host", lambda: test_host(srv)),
-                         ("validation", lambda: test_validation(srv, model)),
-                         ("protocol", lambda: test_protocol(srv))]:
-            try:
-                fn()
-            except Exception as e:
-                import traceback
-                traceback.print_exc()
-                check(False, "%s: %r" % (name, e))
-            if srv.proc.poll() is not None:
-                check(False, "the server died during '%s'" % name)
-                break
-    finally:
-        alive = srv.proc.poll() is None
-        rc = srv.stop()
-        check(alive and rc == 0, "SIGTERM: the server exits 0 (status %s)" % rc)
-        if testlib.failures:
-            print("---- server log (tail) ----\n" + srv.tail())
+    ts.run_cases(ts.Server(model, tag="hardening"),
+                 [("forged turns", lambda srv: test_forged_turns(srv, model)), ("model name", test_model_name),
+                  ("content type", test_content_type), ("host", test_host),
+                  ("validation", lambda srv: test_validation(srv, model)), ("protocol", test_protocol)])
     test_api_key(model)
     print("test_server_hardening: %.1f s" % (time.time() - t0))
     return testlib.summary("test_server_hardening")
