@@ -133,18 +133,6 @@ void strata_model_free(strata_model *m) {
     st_free(m);
 }
 
-/* MemAvailable of /proc/meminfo in bytes; 0 when unknown. */
-static size_t mem_available(void) {
-    FILE *f = fopen("/proc/meminfo", "r");
-    if (!f) return 0;
-    char line[256];
-    unsigned long long kb = 0;
-    while (fgets(line, sizeof line, f))
-        if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) break;
-    fclose(f);
-    return kb > (unsigned long long)(SIZE_MAX / 1024) ? SIZE_MAX : (size_t)(kb * 1024ull);
-}
-
 /* "1.5 GiB" (powers of 1024, as the size options read them). */
 static const char *mem_str(char *buf, size_t n, size_t bytes) {
     static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
@@ -161,7 +149,7 @@ static const char *mem_str(char *buf, size_t n, size_t bytes) {
 
 strata_status strata_check_memory(const strata_model_params *params) {
     const strata_model_params p = params ? *params : (strata_model_params){0};
-    const size_t avail = mem_available();
+    const size_t avail = st_mem_available();
     if (!avail) return STRATA_OK; /* unknown: not checked */
     char want[32], have[32];
     if (p.host_mem > avail)

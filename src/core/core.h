@@ -73,6 +73,9 @@ static inline bool st_add_ovf_u64(uint64_t a, uint64_t b, uint64_t *r) {
 }
 
 /* Monotonic time in seconds. */
+/* MemAvailable of /proc/meminfo in bytes (what the machine can still give without
+ * swapping); 0 when unknown. */
+size_t st_mem_available(void);
 double st_time_now(void);
 
 #ifdef __cplusplus

@@ -34,16 +34,7 @@ const char *st_fmt_bytes(double b, char *buf, size_t n) {
     return buf;
 }
 
-size_t st_wplan_host_auto(void) {
-    FILE *f = fopen("/proc/meminfo", "r");
-    if (!f) return 0;
-    char line[256];
-    unsigned long long kb = 0;
-    while (fgets(line, sizeof line, f))
-        if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) break;
-    fclose(f);
-    return (size_t)(kb * 1024ull / 10 * 8);
-}
+size_t st_wplan_host_auto(void) { return st_mem_available() / 10 * 8; }
 
 static size_t round256(size_t x) { return (x + 255) / 256 * 256; }
 
