@@ -262,8 +262,9 @@ void st_llama_free(st_llama *m) {
  * and attention reads every token's sequence through the block tables, or,
  * for one sequence's prefill chunk (d->gather_ctx > 0), over its keys
  * gathered from the pool into contiguous fp32 rows (get_rows dequantizes the
- * pool's rows exactly) by the backend's contiguous attention, whose
- * tensor-core kernels the paged op lacks. */
+ * pool's rows exactly) by the backend's contiguous attention: CUDA's
+ * tensor-core kernels, which the paged op lacks; on the CPU the same bits as
+ * the paged op, each key widened once per layer instead of once per query. */
 strata_status st_llama_attn_ops(st_llama *m, const st_weight *w, const st_kv_layer *cache, batch_dev *d,
                                 int64_t n, bool residual_pending) {
     st_backend *be = m->be;
