@@ -124,6 +124,16 @@ typedef struct {
                                   sequences of max_seq_len tokens, at most 1 GiB; never less than one
                                   sequence) */
     bool host_sample;          /* sample on the host even on CUDA (checks; default: on the device) */
+    /* KV tiers below the device's paged cache (they need the prefix cache) */
+    int64_t kv_host_mem;       /* host tier bytes (pinned on CUDA, allocated as it fills): 0: 1/8 of the
+                                  memory available at startup, at most 32 GiB; -1: no host tier (and so
+                                  no SSD tier); more than the machine has available: refused */
+    bool kv_offload_lazy;      /* blocks go to the host tier only when the device evicts them (default:
+                                  as they fill) */
+    const char *kv_ssd_dir;    /* SSD tier directory (NULL: none): blocks persist there across restarts
+                                  of the same model; another model's files there are ignored */
+    uint64_t kv_ssd_size;      /* SSD tier bytes (0: 64 GiB, fewer when the disk has less room) */
+    int64_t kv_ssd_fail_write_nth; /* tests: the Nth SSD write fails as on a full disk (0: never) */
 } strata_model_params;
 
 /* Opens a model (a Hugging Face directory with tokenizer.json, or a .gguf
@@ -239,6 +249,10 @@ typedef struct {
     int64_t kv_blocks;            /* blocks in the paged KV cache */
     const char *kv_dtype;         /* "bf16", "fp8" or "f32" (a static string) */
     bool prefix_cache;            /* prompt prefixes already computed are reused */
+    /* KV tiers: blocks of kv_block_bytes each in the host tier and SSD tier (0: the tier is off) */
+    int64_t kv_host_blocks, kv_ssd_blocks, kv_ssd_found; /* found: blocks of earlier runs on the SSD tier */
+    double kv_block_bytes;
+    const char *kv_offload;       /* "eager" or "lazy" (a static string) */
     bool host_sample;             /* sampling on the host even on CUDA */
     /* step costs (fixed when the engine is built) */
     double weight_bytes;          /* weight bytes one forward pass reads (every layer matrix and norm,
@@ -490,8 +504,19 @@ typedef struct {
     /* the paged KV cache, in blocks of kv_block_size tokens: blocks held by
      * live sequences (shared prefix blocks count once) and the cache size */
     int64_t kv_block_size, kv_blocks_used, kv_blocks_total;
-    /* prefix cache, in prompt tokens: looked up / found already computed */
+    /* prefix cache, in prompt tokens: looked up / found already computed (any tier), and the
+     * hits by tier */
     int64_t prefix_cache_queries, prefix_cache_hits;
+    int64_t prefix_cache_hits_device, prefix_cache_hits_host, prefix_cache_hits_ssd;
+    /* KV blocks by tier and state: used (held by sequences / being copied or written), cached
+     * (kept for prefix hits), free */
+    int64_t kv_device_used, kv_device_cached, kv_device_free;
+    int64_t kv_host_used, kv_host_cached, kv_host_free;
+    int64_t kv_ssd_used, kv_ssd_cached, kv_ssd_free;
+    /* bytes moved between the tiers, and swaps (preempted sequences whose KV came back from a
+     * lower tier instead of being recomputed) */
+    int64_t kv_bytes_device_to_host, kv_bytes_host_to_device, kv_bytes_host_to_ssd, kv_bytes_ssd_to_host;
+    int64_t kv_swaps;
     strata_histogram ttft;            /* seconds from strata_submit to the first sampled token */
     strata_histogram tbt;             /* seconds between consecutive sampled tokens of a request */
     strata_histogram e2e;             /* seconds from strata_submit to the end */

@@ -334,18 +334,33 @@ static void test_dedup(void) {
 typedef struct {
     int32_t blocks[64];
     int32_t first_tok[64];
+    uint64_t hash[64], parent[64];
     int n;
+    int32_t reg_blocks[64];
+    uint64_t reg_hash[64], reg_parent[64];
+    int n_reg;
 } evict_log;
-static void on_evict(int32_t block, uint64_t hash, const int32_t *tokens, int64_t n, void *user) {
-    (void)hash, (void)n;
+static void on_evict(int32_t block, uint64_t hash, uint64_t parent, const int32_t *tokens, int64_t n, void *user) {
+    (void)n;
     evict_log *l = user;
     l->first_tok[l->n] = tokens[0];
+    l->hash[l->n] = hash;
+    l->parent[l->n] = parent;
     l->blocks[l->n++] = block;
+}
+static void on_register(int32_t block, uint64_t hash, uint64_t parent, const int32_t *tokens, int64_t n,
+                        void *user) {
+    (void)tokens, (void)n;
+    evict_log *l = user;
+    l->reg_hash[l->n_reg] = hash;
+    l->reg_parent[l->n_reg] = parent;
+    l->reg_blocks[l->n_reg++] = block;
 }
 
 static void test_eviction_lru(void) {
     evict_log log = {0};
-    st_bm_params p = {.num_blocks = 6, .block_size = 2, .on_evict = on_evict, .evict_user = &log};
+    st_bm_params p = {.num_blocks = 6, .block_size = 2, .hash_seed = 77, .on_evict = on_evict,
+                      .on_register = on_register, .tier_user = &log};
     st_block_manager *bm = NULL;
     CHECK(st_bm_init(&p, &bm) == STRATA_OK);
     st_block_table a, b, c;
@@ -357,6 +372,13 @@ static void test_eviction_lru(void) {
     run_seq(bm, &a, ta, 5, NULL);
     run_seq(bm, &b, tb, 5, NULL);
     CHECK(st_bm_num_allocatable(bm) == 0);
+    /* registrations: a0 a1 b3 b4 (full blocks only), each naming its chain's parent */
+    const uint64_t ha0 = st_kv_hash_tokens(ta, 2, 77), ha1 = st_kv_hash_tokens(ta + 2, 2, ha0);
+    const uint64_t hb3 = st_kv_hash_tokens(tb, 2, 77), hb4 = st_kv_hash_tokens(tb + 2, 2, hb3);
+    CHECK(log.n_reg == 4 && log.reg_blocks[0] == 0 && log.reg_blocks[1] == 1 && log.reg_blocks[2] == 3 &&
+          log.reg_blocks[3] == 4);
+    CHECK(log.reg_hash[0] == ha0 && log.reg_parent[0] == 77 && log.reg_hash[1] == ha1 && log.reg_parent[1] == ha0);
+    CHECK(log.reg_hash[3] == hb4 && log.reg_parent[3] == hb3);
     /* release a, then b: LRU = a1 a0 b4 b3 (tail blocks of a prompt first); free: 2, 5 */
     st_bm_seq_free(bm, &a);
     st_bm_seq_free(bm, &b);
@@ -380,6 +402,8 @@ static void test_eviction_lru(void) {
     CHECK(c.blocks[2] == 1 && c.blocks[3] == 4 && c.blocks[4] == 3);
     CHECK(log.n == 3 && log.blocks[0] == 1 && log.blocks[1] == 4 && log.blocks[2] == 3);
     CHECK(log.first_tok[0] == 3 && log.first_tok[1] == 13 && log.first_tok[2] == 11);
+    CHECK(log.hash[0] == ha1 && log.parent[0] == ha0 && log.hash[1] == hb4 && log.parent[1] == hb3 &&
+          log.hash[2] == hb3 && log.parent[2] == 77);
     st_bm_get_stats(bm, &s);
     CHECK(s.evictions == 3 && s.cached == 1 && s.free == 0 && s.registered == 1);
     CHECK(!registered(bm, 1) && !registered(bm, 3) && !registered(bm, 4) && registered(bm, 0));

@@ -9,6 +9,8 @@
 
 #include "commands.h"
 #include "common.h"
+#include "engine/runner.h"
+#include "kv/kv_tiers.h"
 
 static void plan_usage(FILE *f) {
     fprintf(f,
@@ -122,6 +124,34 @@ int cmd_plan(int argc, char **argv) {
            (long long)p.prefill_tokens, p.t_prefill,
            (long long)((p.prefill_tokens + p.prefill_chunk - 1) / p.prefill_chunk), (long long)p.prefill_chunk,
            st_wbound_name(p.prefill_bound), p.t_prefill_stream, p.t_prefill_compute);
+    {   /* the KV cache's tiers, as run and serve would make them with these options */
+        st_engine_params ep = {.kv_dtype = mo.kv_dtype, .kv_host_mem = mo.kv_host_mem,
+                               .kv_ssd_dir = mo.kv_ssd_dir, .kv_ssd_size = mo.kv_ssd_size};
+        if (st_engine_params_resolve(&ep, c) != STRATA_OK) {
+            tool_print_error("plan");
+        } else {
+            const double tok = st_kv_pool_bytes_per_token(c->n_layers, c->n_kv_heads, c->head_dim, mo.kv_dtype);
+            const st_kv_pool_params kp = {.n_layers = c->n_layers, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim,
+                                          .num_blocks = 1, .block_size = ep.kv_block_size, .dtype = mo.kv_dtype,
+                                          .max_tokens = 1, .max_seq_len = 1};
+            const double blk = (double)st_kv_tiers_block_bytes(&kp);
+            const int64_t host_blocks = ep.kv_host_mem > 0 ? (int64_t)((double)ep.kv_host_mem / blk) : 0;
+            const int64_t ssd_blocks = ep.kv_ssd_dir ? (int64_t)((double)ep.kv_ssd_size / (blk + 4096.0)) : 0;
+            printf("kv cache   %s per token (%s), blocks of %lld tokens: device %s (%.0f tokens); host tier ",
+                   B(0, tok), st_kv_dtype_name(mo.kv_dtype), (long long)ep.kv_block_size, B(1, p.device_kv),
+                   (double)p.device_kv / tok);
+            if (host_blocks)
+                printf("%s (%lld tokens%s); ", B(2, host_blocks * blk), (long long)(host_blocks * ep.kv_block_size),
+                       mo.kv_host_mem ? "" : ", 1/8 of available memory");
+            else
+                printf("off; ");
+            if (ssd_blocks)
+                printf("SSD tier %s in %s (%lld tokens, fewer if the disk has less room)\n",
+                       B(3, ssd_blocks * (blk + 4096.0)), ep.kv_ssd_dir, (long long)(ssd_blocks * ep.kv_block_size));
+            else
+                printf("SSD tier off (--kv-ssd-dir)\n");
+        }
+    }
     if (list) {
         printf("groups\n");
         for (int i = 0; i < g->n; i++)

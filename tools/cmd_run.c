@@ -472,6 +472,11 @@ static bool runner_open(run_opts *o, runner *r, int *rc) {
         .ring_slots = mo->ring_slots,
         .h2d_gbps = mo->h2d_bw,
         .ssd_gbps = mo->ssd_bw,
+        .kv_host_mem = mo->kv_host_mem,
+        .kv_offload_lazy = mo->kv_offload_lazy,
+        .kv_ssd_dir = mo->kv_ssd_dir,
+        .kv_ssd_size = mo->kv_ssd_size,
+        .kv_ssd_fail_write_nth = tool_kv_ssd_fault(mo),
     };
     if (strata_model_open(o->model_path, &mp, &r->m) != STRATA_OK) {
         print_error("load");

@@ -200,8 +200,8 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         fprintf(stderr, "strata serve: no MODEL given\n");
         return -1;
     }
-    if (o->mo.test_fault) {
-        fprintf(stderr, "strata serve: --test-fault is not supported by serve (strata run, bench)\n");
+    if (o->mo.test_fault && !tool_kv_ssd_fault(&o->mo)) {
+        fprintf(stderr, "strata serve: --test-fault takes only kv-ssd-write:N here (weight faults: strata run, bench)\n");
         return -1;
     }
     if (o->chat_template) {
@@ -329,6 +329,11 @@ int cmd_serve(int argc, char **argv) {
         .kv_blocks = o.kv_blocks,
         .kv_mem = o.kv_mem,
         .host_sample = o.host_sample, /* tests/gpu/check_device_sample.py compares the two */
+        .kv_host_mem = mo->kv_host_mem,
+        .kv_offload_lazy = mo->kv_offload_lazy,
+        .kv_ssd_dir = mo->kv_ssd_dir,
+        .kv_ssd_size = mo->kv_ssd_size,
+        .kv_ssd_fail_write_nth = tool_kv_ssd_fault(mo),
         .prefill = mo->prefill < 0 ? STRATA_PREFILL_PRECISE : mo->prefill > 0 ? STRATA_PREFILL_FAST : STRATA_PREFILL_AUTO,
         .ring_slots = mo->ring_slots,
         .h2d_gbps = mo->h2d_bw,
@@ -372,6 +377,15 @@ int cmd_serve(int argc, char **argv) {
             (long long)ei.max_batch, (long long)ei.max_seq_len, (long long)ei.prefill_chunk, (long long)ei.kv_blocks,
             (long long)ei.kv_block_size, (double)(ei.kv_blocks * ei.kv_block_size) * ei.kv_bytes_per_token / 1073741824.0,
             o.api_key && o.api_key[0] ? ", API key required" : "");
+    if (ei.kv_host_blocks > 0)
+        fprintf(stderr, "strata: KV tiers: device %.2f GiB, host %.2f GiB (%lld blocks, %s offload)%s",
+                (double)(ei.kv_blocks * ei.kv_block_size) * ei.kv_bytes_per_token / 1073741824.0,
+                (double)ei.kv_host_blocks * ei.kv_block_bytes / 1073741824.0, (long long)ei.kv_host_blocks,
+                ei.kv_offload, ei.kv_ssd_blocks > 0 ? "" : ", no SSD tier\n");
+    if (ei.kv_host_blocks > 0 && ei.kv_ssd_blocks > 0)
+        fprintf(stderr, ", SSD %.2f GiB in %s (%lld blocks, %lld found from earlier runs)\n",
+                (double)ei.kv_ssd_blocks * ei.kv_block_bytes / 1073741824.0, mo->kv_ssd_dir,
+                (long long)ei.kv_ssd_blocks, (long long)ei.kv_ssd_found);
     const bool v6 = strchr(o.host, ':') != NULL;
     printf("listening on http://%s%s%s:%d\n", v6 ? "[" : "", o.host, v6 ? "]" : "", st_server_port(srv));
     fflush(stdout);

@@ -7,6 +7,7 @@ int cmd_convert(int argc, char **argv);
 int cmd_tokenize(int argc, char **argv);
 int cmd_run(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
+int cmd_bench_kv(int argc, char **argv);
 int cmd_serve(int argc, char **argv);
 int cmd_mkmodel(int argc, char **argv);
 int cmd_plan(int argc, char **argv);

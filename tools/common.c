@@ -129,6 +129,11 @@ st_llama_params tool_llama_params(const tool_model_opts *o, const st_config *c) 
     return lp;
 }
 
+int64_t tool_kv_ssd_fault(const tool_model_opts *o) {
+    long long n = 0;
+    return o->test_fault && sscanf(o->test_fault, "kv-ssd-write:%lld", &n) == 1 ? (int64_t)n : 0;
+}
+
 st_backend_params tool_backend_params(const tool_model_opts *o) {
     st_backend_params bp = {.kind = ST_BACKEND_CPU, .n_threads = o->threads, .device_mem = o->device_mem};
     const char *dev = o->device ? o->device : "auto";
@@ -190,14 +195,41 @@ int tool_parse_model_opt(int argc, char **argv, int *i, tool_model_opts *o) {
         }
         o->prefill = want;
         return 1; /* no value */
+    } else if (strcmp(a, "--kv-host-mem") == 0) {
+        size_t n = 0;
+        if (!tool_parse_size(val, a, &n)) return -1;
+        if (n > (size_t)INT64_MAX) {
+            fprintf(stderr, "strata: --kv-host-mem %s is too large\n", val);
+            return -1;
+        }
+        o->kv_host_mem = n == 0 ? -1 : (int64_t)n;
+    } else if (strcmp(a, "--kv-offload") == 0) {
+        if (!val || (strcmp(val, "eager") && strcmp(val, "lazy"))) {
+            fprintf(stderr, "strata: --kv-offload takes eager or lazy\n");
+            return -1;
+        }
+        o->kv_offload_lazy = strcmp(val, "lazy") == 0;
+    } else if (strcmp(a, "--kv-ssd-dir") == 0) {
+        if (!val || !val[0]) {
+            fprintf(stderr, "strata: --kv-ssd-dir needs a directory\n");
+            return -1;
+        }
+        o->kv_ssd_dir = val;
+    } else if (strcmp(a, "--kv-ssd-size") == 0) {
+        if (!tool_parse_size(val, a, &o->kv_ssd_size)) return -1;
+        if (o->kv_ssd_size == 0) {
+            fprintf(stderr, "strata: --kv-ssd-size must be > 0 (leave out --kv-ssd-dir for no SSD tier)\n");
+            return -1;
+        }
 #ifdef STRATA_TESTING
     } else if (strcmp(a, "--test-fault") == 0) { /* test builds only: fault injection into the weight reader */
         long long n = 0;
         char tail = 0;
         const bool ok = val && (sscanf(val, "read-error:%lld%c", &n, &tail) == 1 ||
-                                sscanf(val, "short-read:%lld%c", &n, &tail) == 1);
+                                sscanf(val, "short-read:%lld%c", &n, &tail) == 1 ||
+                                sscanf(val, "kv-ssd-write:%lld%c", &n, &tail) == 1);
         if (!ok || n < 1) {
-            fprintf(stderr, "strata: --test-fault takes read-error:N or short-read:N (N >= 1)\n");
+            fprintf(stderr, "strata: --test-fault takes read-error:N, short-read:N or kv-ssd-write:N (N >= 1)\n");
             return -1;
         }
         o->test_fault = val;

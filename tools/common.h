@@ -23,8 +23,17 @@ typedef struct {
     int64_t kv_seqs;       /* not an option: sequences of --ctx tokens the KV pool holds (0: 1; bench --seqs) */
     int prefill;         /* --precise: -1, --fast-prefill: 1, 0: chosen by the weights' dtype (tool_fast_prefill) */
     const char *test_fault; /* --test-fault read-error:N | short-read:N: the Nth weight read fails or comes
-                               back short (a hidden option of test builds, -DSTRATA_TESTING=ON) */
+                               back short; kv-ssd-write:N: the Nth KV SSD-tier write fails as on a full
+                               disk (a hidden option of test builds, -DSTRATA_TESTING=ON) */
+    /* KV tiers (engine commands: run, serve; plan shows them) */
+    int64_t kv_host_mem;   /* --kv-host-mem SIZE: 0 (unset): default share; -1 (--kv-host-mem 0): off */
+    bool kv_offload_lazy;  /* --kv-offload lazy */
+    const char *kv_ssd_dir; /* --kv-ssd-dir DIR */
+    size_t kv_ssd_size;    /* --kv-ssd-size SIZE (0: 64 GiB) */
 } tool_model_opts;
+
+/* The Nth SSD-tier write that --test-fault kv-ssd-write:N fails (0: none). */
+int64_t tool_kv_ssd_fault(const tool_model_opts *o);
 
 #define TOOL_MODEL_OPTS_INIT {.kv_dtype = ST_KV_BF16}
 
@@ -46,7 +55,17 @@ typedef struct {
     "                           operands (~1e-5 of fp32 math; for reference checks); default for\n" \
     "                           models stored in f32\n"                                           \
     "  --fast-prefill           bf16 operands, fp32 accumulation (~1e-2 relative error on logits,\n" \
-    "                           about twice as fast); default for bf16, f16 and quantized models\n"
+    "                           about twice as fast); default for bf16, f16 and quantized models\n" \
+    "  --kv-host-mem SIZE       host tier of the KV cache: full blocks are kept in (pinned) host\n"  \
+    "                           memory and prompts that share a prefix load them back instead of\n" \
+    "                           recomputing (default 1/8 of the available memory, at most 32G;\n"  \
+    "                           0: off); more than the machine has available is refused\n"          \
+    "  --kv-offload eager|lazy  blocks go to the host tier as they fill (eager, default) or when\n"  \
+    "                           the device evicts them (lazy)\n"                                      \
+    "  --kv-ssd-dir DIR         SSD tier under the host tier: blocks are written to DIR and found\n" \
+    "                           again after a restart of the same model (another model's files\n"  \
+    "                           there are ignored); needs the host tier\n"                            \
+    "  --kv-ssd-size SIZE       SSD tier size (default 64G; less when the disk has less room)\n"
 
 /* If argv[*i] is one of the model options, consumes it (and its value) and
  * returns 1; returns 0 when it is not; -1 (message printed) on a bad value. */

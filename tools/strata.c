@@ -23,6 +23,7 @@ static const struct {
     {"tokenize", cmd_tokenize, "print the token ids of a text"},
     {"run", cmd_run, "generate text from a prompt, or chat (streams to stdout)"},
     {"bench", cmd_bench, "time prefill and decode beside their measured rooflines"},
+    {"bench-kv", cmd_bench_kv, "time the first token of a long prompt from each KV tier beside its floor"},
     {"plan", cmd_plan, "show where the weights would live for given memory budgets, and the predicted speed"},
     {"mkmodel", cmd_mkmodel, "write a random Llama model of a known shape (benchmarks, tests)"},
     {"serve", cmd_serve, "serve a model over an OpenAI-compatible HTTP API"},

@@ -35,6 +35,7 @@ struct strata_model {
     st_chat_template tpl;       /* in use */
     bool tpl_set;               /* chosen by strata_chat_set_template (not the model's own) */
     atomic_bool thread_on;      /* strata_start .. strata_stop */
+    char *kv_ssd_dir;           /* the params' copy (ep.kv_ssd_dir points here) */
 };
 
 /* ---- errors and logging ---------------------------------------------------------------*/
@@ -94,6 +95,9 @@ static strata_status check_params(const strata_model_params *p, st_backend_param
     if (!(p->h2d_gbps >= 0) || !(p->ssd_gbps >= 0))
         return st_err(STRATA_ERR_INVALID_ARG, "model params: bandwidths h2d %g, ssd %g GB/s (>= 0)", p->h2d_gbps,
                       p->ssd_gbps);
+    if (p->kv_host_mem < -1)
+        return st_err(STRATA_ERR_INVALID_ARG, "model params: kv_host_mem %lld (-1: off, 0: default, or bytes)",
+                      (long long)p->kv_host_mem);
     return kv_dtype_of(p, kvd);
 }
 
@@ -130,6 +134,7 @@ void strata_model_free(strata_model *m) {
     st_tokenizer_free(m->tok);
     st_backend_free(m->be);
     st_model_close(m->files);
+    st_free(m->kv_ssd_dir);
     st_free(m);
 }
 
@@ -212,8 +217,22 @@ strata_status strata_model_open(const char *path, const strata_model_params *par
                                .kv_mem = p.kv_mem,
                                .disable_prefix_cache = p.disable_prefix_cache,
                                .host_sample = p.host_sample,
+                               .kv_host_mem = p.kv_host_mem < 0 ? ST_KV_HOST_OFF : p.kv_host_mem,
+                               .kv_offload = p.kv_offload_lazy ? ST_KV_OFFLOAD_LAZY : ST_KV_OFFLOAD_EAGER,
+                               .kv_ssd_dir = NULL, /* below: the model's copy */
+                               .kv_ssd_size = p.kv_ssd_size,
+                               .kv_ssd_fail_write_nth = p.kv_ssd_fail_write_nth,
                                .kv_dtype = kvd,
                                .device_mem = p.device_mem};
+    if (p.kv_ssd_dir && p.kv_ssd_dir[0]) {
+        m->kv_ssd_dir = st_malloc(strlen(p.kv_ssd_dir) + 1);
+        if (!m->kv_ssd_dir) {
+            strata_model_free(m);
+            return st_err(STRATA_ERR_NOMEM, "strata_model_open: out of memory");
+        }
+        memcpy(m->kv_ssd_dir, p.kv_ssd_dir, strlen(p.kv_ssd_dir) + 1);
+        m->ep.kv_ssd_dir = m->kv_ssd_dir;
+    }
     m->ep.weights.host_mem = p.host_mem;
     m->ep.weights.ring_slots = p.ring_slots;
     m->ep.weights.bw.h2d = p.h2d_gbps * 1e9;
@@ -330,6 +349,17 @@ strata_status strata_engine_info_get(const strata_model *m, strata_engine_info *
     out->kv_dtype = st_kv_dtype_name(ep->kv_dtype);
     out->prefix_cache = !ep->disable_prefix_cache;
     out->host_sample = ep->host_sample;
+    out->kv_offload = st_kv_offload_name(ep->kv_offload);
+    st_engine_metrics *em = st_malloc(sizeof *em);
+    if (!em) return st_err(STRATA_ERR_NOMEM, "strata_engine_info_get: out of memory");
+    st_engine_metrics_get(m->eng, em);
+    if (em->kv_tiers) {
+        out->kv_host_blocks = em->kv_tier.host_blocks;
+        out->kv_ssd_blocks = em->kv_tier.ssd_slots;
+        out->kv_ssd_found = em->kv_tier.ssd_found_at_start;
+        out->kv_block_bytes = (double)em->kv_tier.block_bytes;
+    }
+    st_free(em);
     out->weight_bytes = c->weight_bytes;
     out->kv_bytes_per_token = c->kv_bytes_per_token;
     out->flops_per_token = c->flops_per_token;
@@ -671,6 +701,26 @@ strata_status strata_metrics_get(strata_model *m, strata_metrics *out) {
     out->kv_blocks_total = e->kv_blocks_total;
     out->prefix_cache_queries = e->prefix_cache_queries;
     out->prefix_cache_hits = e->prefix_cache_hits;
+    out->prefix_cache_hits_device = e->prefix_hits_device;
+    out->prefix_cache_hits_host = e->prefix_hits_host;
+    out->prefix_cache_hits_ssd = e->prefix_hits_ssd;
+    out->kv_device_used = e->kv_blocks_used;
+    out->kv_device_cached = e->kv_blocks_cached;
+    out->kv_device_free = e->kv_blocks_free;
+    if (e->kv_tiers) {
+        const st_kv_tiers_stats *t = &e->kv_tier;
+        out->kv_host_used = t->host_busy;
+        out->kv_host_cached = t->host_cached - t->host_busy > 0 ? t->host_cached - t->host_busy : 0;
+        out->kv_host_free = t->host_blocks - t->host_cached;
+        out->kv_ssd_used = t->ssd_busy;
+        out->kv_ssd_cached = t->ssd_cached;
+        out->kv_ssd_free = t->ssd_slots - t->ssd_cached - t->ssd_busy - t->ssd_bad;
+        out->kv_bytes_device_to_host = (int64_t)t->bytes_d2h;
+        out->kv_bytes_host_to_device = (int64_t)t->bytes_h2d;
+        out->kv_bytes_host_to_ssd = (int64_t)t->bytes_h2ssd;
+        out->kv_bytes_ssd_to_host = (int64_t)t->bytes_ssd2h;
+    }
+    out->kv_swaps = e->kv_swaps;
     hist_copy(&e->ttft, &out->ttft);
     hist_copy(&e->tbt, &out->tbt);
     hist_copy(&e->e2e, &out->e2e);

@@ -132,8 +132,9 @@ strata_status st_backend_check_heads(const char *op, int64_t n, int64_t n_kv, in
  * no allocation, no device access, and the op's name is a table lookup. */
 
 #define CHECKED_NAMES(X)                                                                     \
-    X(alloc) X(host_alloc) X(upload) X(copy_h2d) X(copy_d2h) X(copy_d2d) X(stream_create)    \
-    X(event_create) X(event_record) X(stream_wait_event) X(event_sync) X(get_rows)           \
+    X(alloc) X(host_alloc) X(upload) X(copy_h2d) X(copy_d2h) X(copy_d2d) X(copy_2d)          \
+    X(stream_create) X(event_create) X(event_record) X(stream_wait_event) X(event_sync)      \
+    X(event_query) X(get_rows)                                                               \
     X(rmsnorm) X(matmul) X(rope) X(attention) X(swiglu) X(add) X(set_rows) X(argmax)         \
     X(matmul_multi) X(matmul_swiglu) X(kv_store_paged) X(attention_paged) X(sample)
 
@@ -215,6 +216,18 @@ CHK_COPY(d2h)
 CHK_COPY(d2d)
 #undef CHK_COPY
 
+static strata_status chk_copy_2d(st_backend *be, st_stream *s, void *dst, size_t dpitch, const void *src,
+                                  size_t spitch, size_t width, size_t height) {
+    const char *op = OPNAME(be, copy_2d);
+    if (width == 0 || height == 0) return STRATA_OK;
+    CHECK_PTR(dst, op);
+    CHECK_PTR(src, op);
+    if (dpitch < width || spitch < width)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: pitches %zu / %zu below the row width %zu", op, dpitch, spitch,
+                      width);
+    return be->dev_ops->copy_2d(be, s, dst, dpitch, src, spitch, width, height);
+}
+
 static strata_status chk_stream_create(st_backend *be, bool high_priority, st_stream **out) {
     CHECK_PTR(out, OPNAME(be, stream_create));
     return be->dev_ops->stream_create(be, high_priority, out);
@@ -238,6 +251,11 @@ static strata_status chk_stream_wait_event(st_backend *be, st_stream *s, st_even
 static strata_status chk_event_sync(st_backend *be, st_event *e) {
     if (!e) return st_err(STRATA_ERR_INVALID_ARG, "%s: event is NULL", OPNAME(be, event_sync));
     return be->dev_ops->event_sync(be, e);
+}
+
+static strata_status chk_event_query(st_backend *be, st_event *e, bool *done) {
+    if (!e || !done) return st_err(STRATA_ERR_INVALID_ARG, "%s: event or done is NULL", OPNAME(be, event_query));
+    return be->dev_ops->event_query(be, e, done);
 }
 
 /* ops */

@@ -143,6 +143,13 @@ typedef struct {
     strata_status (*copy_h2d)(st_backend *be, st_stream *s, void *dst, const void *src, size_t n);
     strata_status (*copy_d2h)(st_backend *be, st_stream *s, void *dst, const void *src, size_t n);
     strata_status (*copy_d2d)(st_backend *be, st_stream *s, void *dst, const void *src, size_t n);
+    /* A strided copy, in any direction (host or device on either side; pinned
+     * host memory overlaps): `height` rows of `width` bytes, row r from
+     * src + r * spitch to dst + r * dpitch (pitches >= width). One DMA
+     * operation on CUDA (cudaMemcpy2DAsync): the KV tiers move many blocks of
+     * a layer in one call this way. */
+    strata_status (*copy_2d)(st_backend *be, st_stream *s, void *dst, size_t dpitch, const void *src,
+                             size_t spitch, size_t width, size_t height);
 
     /* streams and events */
     strata_status (*stream_create)(st_backend *be, bool high_priority, st_stream **out);
@@ -153,6 +160,9 @@ typedef struct {
     strata_status (*event_record)(st_backend *be, st_event *e, st_stream *s);
     strata_status (*stream_wait_event)(st_backend *be, st_stream *s, st_event *e);
     strata_status (*event_sync)(st_backend *be, st_event *e);
+    /* Non-blocking: *done = whether everything before the event's last record
+     * has completed (an event never recorded counts as completed). */
+    strata_status (*event_query)(st_backend *be, st_event *e, bool *done);
 
     /* ops */
     /* out[i,:] = dequant(w[ids[i], :]) for i < n.   ids: [n] int32, out: [n, w.cols] */
@@ -308,7 +318,8 @@ typedef struct {
  * and the bad parameter. Every backend gets from the wrapper:
  *   memory: NULL out parameters (alloc, host_alloc, upload, stream_create,
  *     event_create), NULL host with n > 0 (upload), NULL dst/src of copies
- *     (n = 0 returns STRATA_OK without calling the device), NULL events;
+ *     (n = 0 returns STRATA_OK without calling the device; copy_2d: pitches
+ *     >= width, width or height 0 is a no-op), NULL events (event_query: and done);
  *   ops: counts and shapes (n >= 0, d/cols/vocab > 0, cols and vocab <=
  *     INT32_MAX for argmax/sample, rope's even head_dim, matmul_multi's count
  *     in 1..4 and equal cols, matmul_swiglu's equal shapes and dtypes),

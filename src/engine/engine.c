@@ -400,7 +400,15 @@ static void sync_metrics_locked(st_engine *e) {
     e->m.forward_seconds = rs.forward_s;
     e->m.kv_blocks_used = rs.kv.used;
     e->m.prefix_cache_queries = rs.kv.queried_tokens;
-    e->m.prefix_cache_hits = rs.kv.hit_tokens;
+    e->m.prefix_cache_hits = rs.sched.cached_tokens;
+    e->m.prefix_hits_device = rs.kv.hit_tokens;
+    e->m.prefix_hits_host = rs.tiers ? rs.tier.hit_tokens_host : 0;
+    e->m.prefix_hits_ssd = rs.tiers ? rs.tier.hit_tokens_ssd : 0;
+    e->m.kv_blocks_cached = rs.kv.cached;
+    e->m.kv_blocks_free = rs.kv.free;
+    e->m.kv_tiers = rs.tiers;
+    e->m.kv_tier = rs.tier;
+    e->m.kv_swaps = rs.sched.swaps;
     e->n_running = st_runner_num_running(e->runner);
     e->n_waiting = st_runner_num_waiting(e->runner) + e->n_pending;
 }

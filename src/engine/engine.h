@@ -128,8 +128,14 @@ typedef struct {
     /* The paged KV pool, in blocks of kv_block_size tokens: blocks held by
      * live sequences (shared prefix blocks count once), and the pool size. */
     int64_t kv_block_size, kv_blocks_used, kv_blocks_total;
-    /* Prefix cache, in prompt tokens: looked up / found already computed. */
+    /* Prefix cache, in prompt tokens: looked up / found already computed (in any
+     * tier), and the hits by tier (device, host, SSD). */
     int64_t prefix_cache_queries, prefix_cache_hits;
+    int64_t prefix_hits_device, prefix_hits_host, prefix_hits_ssd;
+    int64_t kv_blocks_cached, kv_blocks_free; /* device pool: unheld blocks kept for prefix hits / empty */
+    bool kv_tiers;                   /* a host tier (maybe an SSD tier) runs: kv_tier is filled */
+    st_kv_tiers_stats kv_tier;
+    int64_t kv_swaps;                /* preempted sequences whose KV came back from a lower tier */
     st_engine_hist ttft;             /* seconds from add to the first sampled token */
     st_engine_hist tbt;              /* seconds between consecutive sampled tokens of a request */
     st_engine_hist e2e;              /* seconds from add to finish */

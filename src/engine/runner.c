@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <xxhash.h>
 
 #define DEF_MAX_BATCH 32
 #define DEF_MAX_MODEL_LEN 2048
@@ -26,6 +27,7 @@ struct st_runner {
     st_llama *model;
     st_kv_pool *kv;
     st_block_manager *bm;
+    st_kv_tiers *tiers;      /* NULL: the device tier alone */
     st_scheduler *sched;
     int64_t model_vocab;
     int64_t table_w;         /* widest block-table row: ceil(max_model_len / block_size) */
@@ -46,6 +48,54 @@ struct st_runner {
 };
 
 /* ---- init / free -------------------------------------------------------------------*/
+
+static int64_t tiers_lookup(void *user, const int32_t *tokens, int64_t n_tokens, int64_t from_block) {
+    return st_kv_tiers_lookup(user, tokens, n_tokens, from_block);
+}
+static int64_t tiers_load(void *user, const int32_t *tokens, int64_t n_tokens, int64_t from_block, int64_t n_blocks,
+                          const int32_t *dev_blocks) {
+    return st_kv_tiers_load(user, tokens, n_tokens, from_block, n_blocks, dev_blocks);
+}
+
+/* The model's identity for the SSD tier: the files' sizes, their leading bytes
+ * up to the first tensor's data (the header and tensor table; at most 16 MiB
+ * each), the tensor table as parsed, the config's shape, and the KV layout. */
+uint64_t st_runner_model_identity(const st_model_files *f, const st_kv_pool_params *kp, char **text) {
+    XXH3_state_t *x = XXH3_createState();
+    if (!x) return 0;
+    XXH3_64bits_reset(x);
+    for (int i = 0; i < f->n_files; i++) {
+        uint64_t first = f->files[i].size;
+        for (int64_t k = 0; k < f->n_tensors; k++)
+            if (f->tensors[k].file == i && f->tensors[k].offset < first) first = f->tensors[k].offset;
+        if (first > ((uint64_t)16 << 20)) first = (uint64_t)16 << 20;
+        XXH3_64bits_update(x, &f->files[i].size, sizeof f->files[i].size);
+        if (f->files[i].data && first) XXH3_64bits_update(x, f->files[i].data, (size_t)first);
+    }
+    for (int64_t k = 0; k < f->n_tensors; k++) {
+        const st_tensor_desc *d = &f->tensors[k];
+        XXH3_64bits_update(x, d->name, strlen(d->name));
+        const int64_t v[] = {d->dtype, d->n_dims, d->shape[0], d->n_dims > 1 ? d->shape[1] : 0, d->file,
+                             (int64_t)d->offset, (int64_t)d->nbytes};
+        XXH3_64bits_update(x, v, sizeof v);
+    }
+    const st_config *c = &f->config;
+    const int64_t v[] = {c->vocab_size, c->hidden_size, c->n_layers, c->n_heads, c->n_kv_heads, c->head_dim,
+                         kp->dtype, kp->block_size, kp->n_layers, kp->n_kv_heads, kp->head_dim};
+    XXH3_64bits_update(x, v, sizeof v);
+    const uint64_t h = XXH3_64bits_digest(x);
+    XXH3_freeState(x);
+    if (text) {
+        char buf[1024];
+        snprintf(buf, sizeof buf, "model %s (%d files, %lld tensors); KV %s, block %lld tokens, %lld layers x %lld "
+                 "kv heads x %lld; identity %016llx\n", f->path ? f->path : "?", f->n_files,
+                 (long long)f->n_tensors, st_kv_dtype_name(kp->dtype), (long long)kp->block_size,
+                 (long long)kp->n_layers, (long long)kp->n_kv_heads, (long long)kp->head_dim, (unsigned long long)h);
+        *text = st_malloc(strlen(buf) + 1);
+        if (*text) memcpy(*text, buf, strlen(buf) + 1);
+    }
+    return h;
+}
 
 strata_status st_engine_params_resolve(st_engine_params *p, const st_config *cfg) {
     if (p->max_batch < 0 || p->max_model_len < 0 || p->prefill_chunk < -1 || p->step_tokens < 0 ||
@@ -73,6 +123,26 @@ strata_status st_engine_params_resolve(st_engine_params *p, const st_config *cfg
         return st_err(STRATA_ERR_INVALID_ARG, "engine params: step_tokens %lld < prefill_chunk %lld",
                       (long long)p->step_tokens, (long long)p->prefill_chunk);
     if (p->max_waiting == 0) p->max_waiting = DEF_MAX_WAITING;
+    if (p->kv_host_mem < ST_KV_HOST_OFF)
+        return st_err(STRATA_ERR_INVALID_ARG, "engine params: kv_host_mem %lld", (long long)p->kv_host_mem);
+    if (p->kv_host_mem == 0) {
+        const int64_t avail = (int64_t)(st_mem_available() / 8);
+        p->kv_host_mem = avail < ST_KV_HOST_DEFAULT_CAP ? avail : ST_KV_HOST_DEFAULT_CAP;
+        if (p->kv_host_mem <= 0) p->kv_host_mem = ST_KV_HOST_OFF;
+    } else if (p->kv_host_mem > 0) {
+        const size_t avail = st_mem_available();
+        if (avail > 0 && (size_t)p->kv_host_mem > avail)
+            return st_err(STRATA_ERR_INVALID_ARG, "--kv-host-mem %.1f GiB is more than this machine can pin "
+                          "(%.1f GiB available)", (double)p->kv_host_mem / 1073741824.0, (double)avail / 1073741824.0);
+    }
+    if (p->disable_prefix_cache) p->kv_host_mem = ST_KV_HOST_OFF; /* blocks are named by the prefix cache */
+    if (p->kv_ssd_dir && !p->kv_ssd_dir[0]) p->kv_ssd_dir = NULL;
+    if (p->kv_ssd_dir && p->kv_host_mem == ST_KV_HOST_OFF)
+        return st_err(STRATA_ERR_INVALID_ARG, "--kv-ssd-dir %s needs the host tier (--kv-host-mem > 0) and the "
+                      "prefix cache", p->kv_ssd_dir);
+    if (p->kv_ssd_dir && p->kv_ssd_size == 0) p->kv_ssd_size = ST_KV_SSD_DEFAULT;
+    if (p->kv_offload != ST_KV_OFFLOAD_EAGER && p->kv_offload != ST_KV_OFFLOAD_LAZY)
+        return st_err(STRATA_ERR_INVALID_ARG, "engine params: kv_offload %d", (int)p->kv_offload);
     if (p->kv_block_size == 0) p->kv_block_size = DEF_BLOCK;
     const size_t tok_bytes =
         (size_t)st_kv_pool_bytes_per_token(cfg->n_layers, cfg->n_kv_heads, cfg->head_dim, p->kv_dtype);
@@ -122,12 +192,28 @@ strata_status st_runner_init(const st_model_files *files, st_backend *be, const 
         if ((st = st_llama_init(files, be, &lp, &r->model))) goto fail;
         ST_ASSERT(st_llama_max_tokens(r->model) == batch_tokens);
         if ((st = st_kv_pool_init(be, &kp, &r->kv))) goto fail;
+        const uint64_t seed = 0;
+        if (p.kv_host_mem > 0) {
+            char *id_text = NULL;
+            const st_kv_tiers_params tp = {.host_bytes = (size_t)p.kv_host_mem, .offload = p.kv_offload,
+                                           .hash_seed = seed, .ssd_dir = p.kv_ssd_dir, .ssd_bytes = p.kv_ssd_size,
+                                           .identity = st_runner_model_identity(files, &kp, &id_text),
+                                           .identity_text = id_text,
+                                           .ssd_fail_write_nth = p.kv_ssd_fail_write_nth};
+            st = st_kv_tiers_init(r->kv, &tp, &r->tiers);
+            st_free(id_text);
+            if (st) goto fail;
+        }
         const st_bm_params bp = {.num_blocks = p.kv_blocks, .block_size = p.kv_block_size,
-                                 .disable_prefix_cache = p.disable_prefix_cache};
+                                 .disable_prefix_cache = p.disable_prefix_cache, .hash_seed = seed,
+                                 .on_register = r->tiers ? st_kv_tiers_on_register : NULL,
+                                 .on_evict = r->tiers ? st_kv_tiers_on_evict : NULL, .tier_user = r->tiers};
         if ((st = st_bm_init(&bp, &r->bm))) goto fail;
         const st_scheduler_params sp = {.max_num_batched_tokens = batch_tokens, .max_batch = p.max_batch,
                                         .max_model_len = p.max_model_len,
-                                        .prefill_chunk = p.prefill_chunk > 0 ? p.prefill_chunk : 0};
+                                        .prefill_chunk = p.prefill_chunk > 0 ? p.prefill_chunk : 0,
+                                        .lower = {.lookup = r->tiers ? tiers_lookup : NULL,
+                                                  .load = r->tiers ? tiers_load : NULL, .user = r->tiers}};
         if ((st = st_scheduler_init(&sp, r->bm, &r->sched))) goto fail;
     }
     const size_t T = (size_t)batch_tokens, B = (size_t)p.max_batch;
@@ -162,6 +248,7 @@ void st_runner_free(st_runner *r) {
     if (!r) return;
     st_scheduler_free(r->sched);
     st_bm_free(r->bm);
+    st_kv_tiers_free(r->tiers); /* writes what the SSD tier lacks, so a restart finds it */
     if (r->model && r->kv) st_llama_forget_pool(r->model, r->kv);
     st_kv_pool_free(r->kv);
     st_llama_free(r->model);
@@ -241,7 +328,10 @@ strata_status st_runner_step(st_runner *r, st_runner_step_info *out) {
     strata_status st = st_scheduler_schedule(r->sched, &d);
     if (st) return st;
     out->n_preempted = d->n_preempted;
-    if (d->n_items == 0) return STRATA_OK;
+    if (d->n_items == 0) { /* copies the schedule queued still go (none when nothing ran) */
+        if (r->tiers && (st = st_kv_tiers_before_forward(r->tiers, st_llama_stream(r->model)))) return st;
+        return r->tiers ? st_kv_tiers_after_step(r->tiers, st_llama_stream(r->model)) : STRATA_OK;
+    }
     out->n_tokens = d->n_tokens;
     out->n_seqs = d->n_items;
     out->n_decodes = d->n_decodes;
@@ -266,6 +356,7 @@ strata_status st_runner_step(st_runner *r, st_runner_step_info *out) {
             }
         }
     double t0 = st_time_now();
+    if (r->tiers && (st = st_kv_tiers_before_forward(r->tiers, st_llama_stream(r->model)))) return st;
     if (dev) st = st_llama_forward_sample(r->model, r->kv, &b, r->sargs, r->sids, need_logits ? r->logits : NULL);
     else st = st_llama_forward(r->model, r->kv, &b, r->logits);
     if (st) return st;
@@ -315,6 +406,8 @@ strata_status st_runner_step(st_runner *r, st_runner_step_info *out) {
     st_seq *const *fin = NULL;
     int64_t n_fin = 0;
     if ((st = st_scheduler_update(r->sched, r->next, &fin, &n_fin))) return st;
+    /* the blocks this step completed go down to the host tier (eager) */
+    if (r->tiers && (st = st_kv_tiers_after_step(r->tiers, st_llama_stream(r->model)))) return st;
     /* (d and its items are stale from here) */
     /* 6: stop ids, stop strings and the new text, in one place */
     for (int64_t k = 0; k < n_ev; k++) {
@@ -354,4 +447,12 @@ void st_runner_get_stats(const st_runner *r, st_runner_stats *out) {
     *out = r->stats;
     st_scheduler_get_stats(r->sched, &out->sched);
     st_bm_get_stats(r->bm, &out->kv);
+    out->tiers = r->tiers != NULL;
+    if (r->tiers) st_kv_tiers_get_stats(r->tiers, &out->tier);
+}
+
+st_kv_tiers *st_runner_tiers(st_runner *r) { return r ? r->tiers : NULL; }
+
+void st_runner_clear_device_cache(st_runner *r) {
+    if (r) st_bm_clear_cache(r->bm);
 }

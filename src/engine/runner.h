@@ -45,6 +45,7 @@
 #include "engine/scheduler.h"
 #include "engine/seq.h"
 #include "kv/block_manager.h"
+#include "kv/kv_tiers.h"
 #include "loader/loader.h"
 #include "model/llama.h"
 #ifdef __cplusplus
@@ -52,6 +53,10 @@ extern "C" {
 #endif
 
 typedef struct st_runner st_runner;
+
+#define ST_KV_HOST_OFF (-1)
+#define ST_KV_HOST_DEFAULT_CAP ((int64_t)32 << 30)
+#define ST_KV_SSD_DEFAULT ((uint64_t)64 << 30)
 
 /* The engine's parameters — one struct, one set of defaults, used by the
  * runner and the engine alike (resolved by st_engine_params_resolve). */
@@ -71,7 +76,15 @@ typedef struct {
     size_t kv_mem;           /* pool bytes when kv_blocks is 0 (0: room for max_batch sequences of
                                 max_model_len tokens in kv_dtype, capped at 1 GiB); never less than
                                 one sequence of max_model_len tokens */
-    bool disable_prefix_cache; /* every prompt is computed in full */
+    bool disable_prefix_cache; /* every prompt is computed in full (and no KV tiers) */
+    /* KV tiers below the device pool (kv/kv_tiers.h; they need the prefix cache) */
+    int64_t kv_host_mem;     /* host tier bytes (0: 1/8 of the memory available at startup, at most
+                                ST_KV_HOST_DEFAULT_CAP; ST_KV_HOST_OFF: no host tier, so no tiers) */
+    st_kv_offload kv_offload; /* full blocks go to the host tier as they fill (eager, the default) or
+                                 when the device evicts them (lazy) */
+    const char *kv_ssd_dir;  /* SSD tier directory (NULL: none); needs the host tier */
+    uint64_t kv_ssd_size;    /* SSD tier bytes (0: ST_KV_SSD_DEFAULT; fewer when the disk has less room) */
+    int64_t kv_ssd_fail_write_nth; /* tests: the Nth SSD write fails as on a full disk */
     bool host_sample;        /* sample on the host even on CUDA (no device sampling) */
     st_kv_dtype kv_dtype;    /* KV cache element type (0 = ST_KV_F32; the tools default to bf16) */
     size_t device_mem;       /* the device budget the planner fills (0: unlimited: every weight resident) */
@@ -109,7 +122,9 @@ typedef struct {
 
 typedef struct {
     st_scheduler_stats sched;      /* prefill / decode tokens, cached tokens, preemptions, ... */
-    st_bm_stats kv;                /* blocks used / cached / free, prefix-cache hits */
+    st_bm_stats kv;                /* blocks used / cached / free, prefix-cache hits (device tier) */
+    bool tiers;                    /* a host tier (and maybe an SSD tier) runs: `tier` is filled */
+    st_kv_tiers_stats tier;        /* host and SSD tiers: blocks, hits, bytes moved */
     int64_t steps;                 /* steps that ran a forward pass */
     double forward_s, sample_s;    /* time in forward passes and in sampling */
 } st_runner_stats;
@@ -123,6 +138,15 @@ strata_status st_runner_init(const st_model_files *files, st_backend *be, const 
 /* Takes every live sequence out (blocks released, no events; the records
  * stay their creators') and frees everything. NULL: no-op. */
 void st_runner_free(st_runner *r);
+/* The model identity the SSD tier checks (a hash of the files' sizes,
+ * headers and tensor tables, the config's shape, the KV layout); *text (may
+ * be NULL) gets a readable line (st_free). */
+uint64_t st_runner_model_identity(const st_model_files *f, const st_kv_pool_params *kp, char **text);
+/* The KV tiers (NULL when none): benchmarks and tests drain or drop them. */
+st_kv_tiers *st_runner_tiers(st_runner *r);
+/* Drops every block of the device prefix cache that no sequence holds
+ * (benchmarks: the next prompt hits a lower tier or nothing). */
+void st_runner_clear_device_cache(st_runner *r);
 
 /* The limits a request is checked against for this runner (st_seq_create):
  * max_model_len, vocab (the tokenizer's when tok is given, else the model's)

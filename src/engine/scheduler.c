@@ -249,26 +249,50 @@ static void plan_add(st_scheduler *s, st_seq *q, int64_t n, bool decode, int64_t
 static strata_status admit_head(st_scheduler *s, int64_t budget, int64_t *used, bool *admitted) {
     *admitted = false;
     st_seq *q = s->waiting[0];
+    const int64_t bs = st_bm_block_size(s->bm);
     const int64_t cached = st_bm_lookup(s->bm, q->tokens, q->n_tokens, NULL);
-    const int64_t chunk = chunk_for(s, cached, q->n_tokens, budget);
+    /* blocks the lower tiers hold after the device prefix */
+    int64_t lower = 0;
+    if (s->p.lower.lookup && cached % bs == 0)
+        lower = s->p.lower.lookup(s->p.lower.user, q->tokens, q->n_tokens, cached / bs);
+    int64_t have = cached + lower * bs;
+    int64_t chunk = chunk_for(s, have, q->n_tokens, budget);
     if (chunk == 0) return STRATA_OK;
-    if (!st_bm_can_allocate(s->bm, q->tokens, q->n_tokens, cached + chunk)) return STRATA_OK;
+    if (!st_bm_can_allocate(s->bm, q->tokens, q->n_tokens, have + chunk)) return STRATA_OK;
     strata_status st;
-    if (cached + chunk == q->n_tokens && (st = st_seq_reserve(q, q->n_tokens + 1))) return st;
+    if ((have + chunk == q->n_tokens || lower > 0) && (st = st_seq_reserve(q, q->n_tokens + 1))) return st;
     int64_t got = 0;
     if ((st = st_bm_seq_start(s->bm, &q->kv, q->tokens, q->n_tokens, &got))) return st;
     ST_ASSERT(got == cached);
-    if ((st = st_bm_append_slots(s->bm, &q->kv, chunk))) {
+    if ((st = st_bm_append_slots(s->bm, &q->kv, have - cached + chunk))) {
         st_bm_seq_free(s->bm, &q->kv);
         return st;
+    }
+    if (lower > 0) {
+        const int64_t n_ok =
+            s->p.lower.load(s->p.lower.user, q->tokens, q->n_tokens, cached / bs, lower, q->kv.blocks + cached / bs);
+        ST_ASSERT(n_ok >= 0 && n_ok <= lower);
+        if (n_ok < lower) { /* the rest is computed: the chunk starts earlier (its slots are there) */
+            have = cached + n_ok * bs;
+            const int64_t slots = q->kv.n_slots;
+            chunk = chunk_for(s, have, q->n_tokens, budget);
+            if (have + chunk > slots) chunk = slots - have;
+        }
+        if (n_ok > 0) {
+            /* the loaded blocks count as computed and enter the device prefix cache */
+            st = st_bm_commit(s->bm, &q->kv, q->tokens, have);
+            ST_ASSERT(st == STRATA_OK);
+            s->stats.lower_tokens += n_ok * bs;
+            if (q->n_preemptions > 0) s->stats.swaps++;
+        }
     }
     memmove(s->waiting, s->waiting + 1, (size_t)(s->n_waiting - 1) * sizeof *s->waiting);
     s->n_waiting--;
     q->status = ST_SEQ_RUNNING;
     insert_sorted(s->running, &s->n_running, q);
-    if (q->n_cached < 0) q->n_cached = got;
-    s->stats.cached_tokens += got;
-    plan_add(s, q, chunk, false, got);
+    if (q->n_cached < 0) q->n_cached = have;
+    s->stats.cached_tokens += have;
+    if (chunk > 0) plan_add(s, q, chunk, false, have); /* 0: an aligned chunk waits for the next step */
     *used = chunk;
     *admitted = true;
     return STRATA_OK;

@@ -88,6 +88,19 @@ typedef struct {
      * invariant numerics). Requires max_num_batched_tokens >= prefill_chunk +
      * max_batch - 1, so the oldest prefill always fits beside the decodes. */
     int64_t prefill_chunk;
+    /* The KV tiers below the device (kv/kv_tiers.h through the runner; NULL
+     * functions: none). At an admission, after the device prefix of c blocks:
+     * lookup says how many more blocks (c, c+1, ...) they hold; load brings n of
+     * them into the device blocks the sequence was just given and returns how
+     * many leading ones will be there before the step's pass (fewer when a
+     * block turns out unreadable). Those count as cached: the first chunk
+     * starts after them, and they enter the device prefix cache. */
+    struct {
+        int64_t (*lookup)(void *user, const int32_t *tokens, int64_t n_tokens, int64_t from_block);
+        int64_t (*load)(void *user, const int32_t *tokens, int64_t n_tokens, int64_t from_block, int64_t n_blocks,
+                        const int32_t *dev_blocks);
+        void *user;
+    } lower;
 } st_scheduler_params;
 
 /* One sequence's work in a step: run tokens[0..n) at positions pos0 .. pos0+n-1. */
@@ -135,7 +148,10 @@ typedef struct {
     int64_t decode_tokens;     /* tokens run by decodes, committed */
     int64_t generated_tokens;  /* tokens appended by update */
     int64_t cached_tokens;     /* tokens taken from the prefix cache at admissions (readmissions after
-                                  a preemption included) */
+                                  a preemption included), every tier */
+    int64_t lower_tokens;      /* of those, loaded from the lower tiers */
+    int64_t swaps;             /* readmissions of preempted sequences whose KV came back from the lower
+                                  tiers (at least one block) instead of being recomputed */
     int64_t preemptions;
     int64_t added, rejected, finished, aborted;
 } st_scheduler_stats;

@@ -27,8 +27,8 @@ struct st_block_manager {
     uint64_t hash_seed;
     st_kv_hash_fn hash_fn;
     void *hash_user;
-    st_kv_evict_fn on_evict;
-    void *evict_user;
+    st_kv_block_fn on_register, on_evict;
+    void *tier_user;
 
     int32_t *ref;
     uint8_t *reg;
@@ -104,7 +104,8 @@ strata_status st_bm_init(const st_bm_params *p, st_block_manager **out) {
     bm->hash_fn = p->hash_fn ? p->hash_fn : default_hash;
     bm->hash_user = p->hash_user;
     bm->on_evict = p->on_evict;
-    bm->evict_user = p->evict_user;
+    bm->on_register = p->on_register;
+    bm->tier_user = p->tier_user;
 
     uint64_t nbuckets = 1;
     while (nbuckets < (uint64_t)N * 2) nbuckets <<= 1;
@@ -254,7 +255,11 @@ static int32_t block_take(st_block_manager *bm) {
         b = bm->lru_head;
         ST_ASSERT(b != NIL);
         lru_remove(bm, b);
-        if (bm->on_evict) bm->on_evict(b, bm->hash[b], block_tokens(bm, b), bm->block_size, bm->evict_user);
+        if (bm->on_evict) {
+            const int32_t pb = bm->parent[b]; /* registered: descendants are evicted before their ancestors */
+            bm->on_evict(b, bm->hash[b], pb != NIL ? bm->hash[pb] : bm->hash_seed, block_tokens(bm, b), bm->block_size,
+                         bm->tier_user);
+        }
         hash_remove(bm, b);
         bm->evictions++;
     }
@@ -397,6 +402,7 @@ strata_status st_bm_commit(st_block_manager *bm, st_block_table *t, const int32_
             bm->dedups++;
         } else {
             hash_insert(bm, own, h, blk, parent);
+            if (bm->on_register) bm->on_register(own, h, t->chain, blk, bs, bm->tier_user);
         }
         t->chain = h;
         t->n_hashed = i + 1;

@@ -68,10 +68,16 @@ extern "C" {
 /* The block hash: tokens[0..n) (ids), seed = the previous block's hash. */
 typedef uint64_t (*st_kv_hash_fn)(const int32_t *tokens, int64_t n, uint64_t seed, void *user);
 
-/* Called when a CACHED block is evicted (just before it is handed to a new
- * owner; its KV in the pool is still intact until the step's forward runs), so
- * that a host tier can copy it out. tokens[0..n_tokens): its ids (borrowed). */
-typedef void (*st_kv_evict_fn)(int32_t block, uint64_t hash, const int32_t *tokens,
+/* The lower KV tiers' hooks (kv/kv_tiers.h), both NULL-able:
+ * on_register: a block was registered in the prefix cache by st_bm_commit
+ *   (its KV is the pool's once the step that computed it completes; a block
+ *   swapped for its registered twin is not reported);
+ * on_evict: a CACHED block is evicted (just before it is handed to a new
+ *   owner; its KV in the pool is still intact until the step's forward runs),
+ *   so that a host tier can copy it out.
+ * hash: the block's chained hash, parent_hash: its predecessor's (hash_seed for
+ * a first block), tokens[0..n_tokens): its ids (borrowed). */
+typedef void (*st_kv_block_fn)(int32_t block, uint64_t hash, uint64_t parent_hash, const int32_t *tokens,
                                int64_t n_tokens, void *user);
 
 /* The default block hash: XXH3_64bits_withSeed over n int32 ids (native byte
@@ -85,8 +91,9 @@ typedef struct {
     uint64_t hash_seed;        /* h_{-1}: lets distinct models / tokenizers never share a chain */
     st_kv_hash_fn hash_fn;     /* NULL: st_kv_hash_tokens */
     void *hash_user;
-    st_kv_evict_fn on_evict;   /* NULL: none */
-    void *evict_user;
+    st_kv_block_fn on_register; /* NULL: none */
+    st_kv_block_fn on_evict;    /* NULL: none */
+    void *tier_user;            /* passed to both */
 } st_bm_params;
 
 /* One sequence's block table. Owned by the sequence (st_block_table_init /

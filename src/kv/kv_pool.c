@@ -12,6 +12,8 @@ struct st_kv_pool {
     size_t meta_bytes;
     void *h_meta;           /* pinned host staging of one batch's metadata */
     void *d_meta;           /* its device copy */
+    st_event **ready;       /* [n_layers] set by the tiers for one pass (NULL: resident) */
+    int64_t n_ready;        /* layers with a ready event */
 };
 
 static size_t r256(size_t x) { return (x + 255) / 256 * 256; }
@@ -68,7 +70,8 @@ strata_status st_kv_pool_init(st_backend *be, const st_kv_pool_params *p, st_kv_
     kv->max_blocks = (p->max_seq_len + p->block_size - 1) / p->block_size;
     strata_status st = STRATA_OK;
     kv->layers = st_calloc((size_t)p->n_layers, sizeof *kv->layers);
-    if (!kv->layers) {
+    kv->ready = st_calloc((size_t)p->n_layers, sizeof *kv->ready);
+    if (!kv->layers || !kv->ready) {
         st = st_err(STRATA_ERR_NOMEM, "kv pool: out of memory");
         goto fail;
     }
@@ -111,6 +114,7 @@ void st_kv_pool_free(st_kv_pool *kv) {
     if (kv->d_meta) be->ops->dealloc(be, kv->d_meta);
     if (kv->h_meta) be->ops->host_dealloc(be, kv->h_meta);
     st_free(kv->layers);
+    st_free(kv->ready);
     st_free(kv);
 }
 
@@ -125,7 +129,7 @@ strata_status st_kv_pool_acquire(st_kv_pool *kv, int64_t layer, st_kv_layer *out
         return st_err(STRATA_ERR_INVALID_ARG, "kv pool: layer %lld of %lld", (long long)layer,
                       (long long)kv->p.n_layers);
     *out = kv->layers[layer];
-    *ready = NULL; /* the device tier: always resident */
+    *ready = kv->ready[layer]; /* NULL: nothing is moving into the layer's blocks */
     return STRATA_OK;
 }
 
@@ -134,6 +138,24 @@ void st_kv_pool_release(st_kv_pool *kv, int64_t layer, st_event *done) {
     (void)layer;
     (void)done; /* nothing moves the device tier's blocks */
 }
+
+const st_kv_layer *st_kv_pool_layer(const st_kv_pool *kv, int64_t layer) {
+    return layer >= 0 && layer < kv->p.n_layers ? &kv->layers[layer] : NULL;
+}
+
+void st_kv_pool_set_ready(st_kv_pool *kv, int64_t layer, st_event *ready) {
+    ST_ASSERT(layer >= 0 && layer < kv->p.n_layers);
+    if (!kv->ready[layer] && ready) kv->n_ready++;
+    if (kv->ready[layer] && !ready) kv->n_ready--;
+    kv->ready[layer] = ready;
+}
+
+void st_kv_pool_clear_ready(st_kv_pool *kv) {
+    for (int64_t l = 0; l < kv->p.n_layers; l++) kv->ready[l] = NULL;
+    kv->n_ready = 0;
+}
+
+bool st_kv_pool_has_ready(const st_kv_pool *kv) { return kv->n_ready > 0; }
 
 void st_kv_pool_meta(st_kv_pool *kv, void **host, void **dev, size_t *bytes) {
     *host = kv->h_meta;

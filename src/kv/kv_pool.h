@@ -13,13 +13,15 @@
  * positions, so that a recorded graph reads every batch's values at the same
  * addresses; model/forward.c packs them).
  *
- * How the model gets a layer's KV (the interface the host and SSD tiers will
- * serve): st_kv_pool_acquire(pool, layer) gives the layer's st_kv_layer and
- * an event; the compute stream waits on the event (NULL: already on the
- * device) before it reads or writes the layer, and st_kv_pool_release(pool,
- * layer, done) hands back the event recorded after the layer's last op, so a
- * tier may move the layer's blocks once it completed. With the device tier
- * alone both are trivial (ready NULL, release a no-op).
+ * How the model gets a layer's KV: st_kv_pool_acquire(pool, layer) gives the
+ * layer's st_kv_layer and an event; the compute stream waits on the event
+ * (NULL: nothing moving) before it reads or writes the layer. The lower tiers
+ * (kv/kv_tiers.h) set these events for one pass when they load blocks into
+ * the pool (st_kv_pool_set_ready: layer l's copies are done when the event
+ * is), so that layer l's KV arrives while layer l-1 computes; the runner
+ * clears them after the pass. st_kv_pool_release(pool, layer, done) hands
+ * back the event recorded after the layer's last op (unused so far: nothing
+ * moves a layer's blocks out during a pass).
  *
  * Every allocation is counted in the backend's device budget. Not thread
  * safe: the stepping thread owns it. */
@@ -77,6 +79,16 @@ strata_status st_kv_pool_acquire(st_kv_pool *kv, int64_t layer, st_kv_layer *out
 /* Ends the use of `layer` started by acquire; done (may be NULL) is recorded
  * on the compute stream after the layer's last op. */
 void st_kv_pool_release(st_kv_pool *kv, int64_t layer, st_event *done);
+
+/* Layer `layer`'s arrays (NULL when out of range), for the tiers' copies. */
+const st_kv_layer *st_kv_pool_layer(const st_kv_pool *kv, int64_t layer);
+/* The event acquire hands out for `layer` until st_kv_pool_clear_ready (NULL:
+ * none). The events are the caller's (they must outlive the pass). */
+void st_kv_pool_set_ready(st_kv_pool *kv, int64_t layer, st_event *ready);
+void st_kv_pool_clear_ready(st_kv_pool *kv);
+/* Whether some layer has a ready event (a pass that waits on them is not
+ * recorded as a graph: it runs directly, layer by layer). */
+bool st_kv_pool_has_ready(const st_kv_pool *kv);
 
 /* The batch metadata buffers: `bytes` of pinned host staging and the device
  * buffer it is copied to (both owned by the pool). */

@@ -54,8 +54,10 @@ strata_status st_llama_batch_run(st_llama *m, st_kv_pool *kv, batch_dev *d, cons
     st_backend *be = m->be;
     const st_backend_ops *o = be->ops;
     const int64_t n = b->n_tokens, nl = b->n_logits;
-    /* a gathered prefill passes its context length by value: never recorded */
-    if (m->bg_off || n > BG_MAX_TOKENS || !st_wm_all_resident(m->wm) || d->gather_ctx > 0) {
+    /* a gathered prefill passes its context length by value: never recorded;
+     * nor a pass whose layers wait on KV arriving from the lower tiers */
+    if (m->bg_off || n > BG_MAX_TOKENS || !st_wm_all_resident(m->wm) || d->gather_ctx > 0 ||
+        st_kv_pool_has_ready(kv)) {
         m->bg_stats.direct++;
         return st_llama_batch_ops(m, kv, d, b->tokens, n, nl, sample);
     }

@@ -122,6 +122,7 @@ strata_status st_llama_measure(const st_model_files *files, st_backend *be, st_l
 st_wm *st_llama_weights(st_llama *m) { return m->wm; }
 const st_config *st_llama_config(const st_llama *m) { return &m->cfg; }
 int64_t st_llama_max_tokens(const st_llama *m) { return m->max_tokens; }
+st_stream *st_llama_stream(const st_llama *m) { return m->stream; }
 int64_t st_llama_max_seq_len(const st_llama *m) { return m->max_seq_len; }
 
 st_kv_pool_params st_llama_kv_params_for(const st_config *c, int64_t max_tokens, int64_t max_seq_len,

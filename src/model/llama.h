@@ -72,6 +72,7 @@ strata_status st_llama_plan(const st_model_files *files, st_backend *be, const s
 st_wm *st_llama_weights(st_llama *m);
 const st_config *st_llama_config(const st_llama *m);
 int64_t st_llama_max_tokens(const st_llama *m);  /* tokens per forward pass */
+st_stream *st_llama_stream(const st_llama *m);   /* the compute stream (the KV tiers order their copies with it) */
 int64_t st_llama_max_seq_len(const st_llama *m); /* positions of one sequence */
 
 /* The KV pool params this model's passes need, for a pool of num_blocks

@@ -11,6 +11,13 @@
  *   strata_kv_blocks_used / _total, strata_kv_block_size_tokens   gauges
  *   strata_prefix_cache_queries_total / _hits_total counters (prompt tokens)
  *   strata_prefix_cache_hit_rate                    gauge    hits / queries (0 before any)
+ *   strata_prefix_cache_hit_tokens_total{tier}      counter  hits by KV tier: device, host, ssd
+ *   strata_kv_blocks{tier,state}                    gauge    blocks per tier (device, host, ssd) and
+ *                                                            state (used, cached, free)
+ *   strata_kv_transfer_bytes_total{direction}       counter  device_to_host, host_to_device,
+ *                                                            host_to_ssd, ssd_to_host
+ *   strata_kv_swaps_total                           counter  preempted sequences whose KV came back
+ *                                                            from a lower tier
  *   strata_time_to_first_token_seconds              histogram
  *   strata_time_between_tokens_seconds              histogram
  *   strata_request_duration_seconds                 histogram (engine add -> finish)
@@ -343,6 +350,40 @@ static char *metrics_text(st_server *s) {
                       (double)m->prefix_cache_hits);
     ok = ok && metric(&b, "strata_prefix_cache_hit_rate", "gauge", "Prefix cache hits / queries (tokens).",
                       m->prefix_cache_queries ? (double)m->prefix_cache_hits / (double)m->prefix_cache_queries : 0.0);
+    ok = ok && st_strbuf_printf(&b, "# HELP strata_prefix_cache_hit_tokens_total Prompt tokens found in the prefix "
+                                    "cache, by the KV tier they came from.\n"
+                                    "# TYPE strata_prefix_cache_hit_tokens_total counter\n"
+                                    "strata_prefix_cache_hit_tokens_total{tier=\"device\"} %lld\n"
+                                    "strata_prefix_cache_hit_tokens_total{tier=\"host\"} %lld\n"
+                                    "strata_prefix_cache_hit_tokens_total{tier=\"ssd\"} %lld\n",
+                                (long long)m->prefix_cache_hits_device, (long long)m->prefix_cache_hits_host,
+                                (long long)m->prefix_cache_hits_ssd);
+    {
+        const char *tier[3] = {"device", "host", "ssd"};
+        const int64_t v[3][3] = {{m->kv_device_used, m->kv_device_cached, m->kv_device_free},
+                                 {m->kv_host_used, m->kv_host_cached, m->kv_host_free},
+                                 {m->kv_ssd_used, m->kv_ssd_cached, m->kv_ssd_free}};
+        ok = ok && st_strbuf_printf(&b, "# HELP strata_kv_blocks KV cache blocks by tier and state (used: held by "
+                                        "sequences or being moved; cached: kept for prefix hits).\n"
+                                        "# TYPE strata_kv_blocks gauge\n");
+        for (int t = 0; t < 3; t++)
+            ok = ok && st_strbuf_printf(&b, "strata_kv_blocks{tier=\"%s\",state=\"used\"} %lld\n"
+                                            "strata_kv_blocks{tier=\"%s\",state=\"cached\"} %lld\n"
+                                            "strata_kv_blocks{tier=\"%s\",state=\"free\"} %lld\n",
+                                        tier[t], (long long)v[t][0], tier[t], (long long)v[t][1], tier[t],
+                                        (long long)v[t][2]);
+    }
+    ok = ok && st_strbuf_printf(&b, "# HELP strata_kv_transfer_bytes_total KV cache bytes moved between tiers.\n"
+                                    "# TYPE strata_kv_transfer_bytes_total counter\n"
+                                    "strata_kv_transfer_bytes_total{direction=\"device_to_host\"} %lld\n"
+                                    "strata_kv_transfer_bytes_total{direction=\"host_to_device\"} %lld\n"
+                                    "strata_kv_transfer_bytes_total{direction=\"host_to_ssd\"} %lld\n"
+                                    "strata_kv_transfer_bytes_total{direction=\"ssd_to_host\"} %lld\n",
+                                (long long)m->kv_bytes_device_to_host, (long long)m->kv_bytes_host_to_device,
+                                (long long)m->kv_bytes_host_to_ssd, (long long)m->kv_bytes_ssd_to_host);
+    ok = ok && metric(&b, "strata_kv_swaps_total", "counter",
+                      "Preempted sequences whose KV came back from a lower tier instead of being recomputed.",
+                      (double)m->kv_swaps);
     ok = ok && hist_text(&b, "strata_time_to_first_token_seconds", "Time from a request's arrival at the engine to its first token.", &m->ttft);
     ok = ok && hist_text(&b, "strata_time_between_tokens_seconds", "Time between consecutive tokens of a request.", &m->tbt);
     ok = ok && hist_text(&b, "strata_request_duration_seconds", "Time from a request's arrival at the engine to its end.", &m->e2e);

@@ -113,6 +113,12 @@ static strata_status cpu_copy(st_backend *be, st_stream *s, void *dst, const voi
     return STRATA_OK;
 }
 
+static strata_status cpu_copy_2d(st_backend *be, st_stream *s, void *dst, size_t dpitch, const void *src,
+                                  size_t spitch, size_t width, size_t height) {
+    for (size_t r = 0; r < height; r++) memmove((char *)dst + r * dpitch, (const char *)src + r * spitch, width);
+    return STRATA_OK;
+}
+
 /* ---- streams and events ---- */
 
 static strata_status cpu_stream_create(st_backend *be, bool high_priority, st_stream **out) {
@@ -158,6 +164,11 @@ static strata_status cpu_event_record(st_backend *be, st_event *e, st_stream *s)
 static strata_status cpu_stream_wait_event(st_backend *be, st_stream *s, st_event *e) { return STRATA_OK; }
 
 static strata_status cpu_event_sync(st_backend *be, st_event *e) { return STRATA_OK; }
+
+static strata_status cpu_event_query(st_backend *be, st_event *e, bool *done) {
+    *done = true; /* every op ran when it was called */
+    return STRATA_OK;
+}
 
 /* ---- ops: the kernel under op_mu ----
  * backend.c's validating layer has checked shapes, weights and pointers
@@ -383,6 +394,7 @@ static const st_backend_ops g_cpu_ops = {
     .upload = cpu_upload,
     .copy_h2d = cpu_copy,
     .copy_d2h = cpu_copy,
+    .copy_2d = cpu_copy_2d,
     .copy_d2d = cpu_copy,
     .stream_create = cpu_stream_create,
     .stream_destroy = cpu_stream_destroy,
@@ -392,6 +404,7 @@ static const st_backend_ops g_cpu_ops = {
     .event_record = cpu_event_record,
     .stream_wait_event = cpu_stream_wait_event,
     .event_sync = cpu_event_sync,
+    .event_query = cpu_event_query,
     .get_rows = cpu_get_rows,
     .rmsnorm = cpu_rmsnorm,
     .matmul = cpu_matmul,

@@ -236,6 +236,14 @@ static strata_status cuda_copy_d2d(st_backend *be, st_stream *s, void *dst, cons
     return cuda_copy(be, s, dst, src, n, cudaMemcpyDeviceToDevice);
 }
 
+static strata_status cuda_copy_2d(st_backend *be, st_stream *s, void *dst, size_t dpitch, const void *src,
+                                   size_t spitch, size_t width, size_t height) {
+    st_cuda_stream *cs = st_cuda_stream_get(be, s);
+    ST_CUDA_TRY(cudaSetDevice(st_cuda_of(be)->device));
+    ST_CUDA_TRY(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, cudaMemcpyDefault, cs->s));
+    return STRATA_OK;
+}
+
 /* ---- events ---- */
 
 static cuda_event *event_get(st_event *e) {
@@ -280,6 +288,17 @@ static strata_status cuda_stream_wait_event(st_backend *be, st_stream *s, st_eve
 
 static strata_status cuda_event_sync(st_backend *be, st_event *e) {
     ST_CUDA_TRY(cudaEventSynchronize(event_get(e)->e));
+    return STRATA_OK;
+}
+
+static strata_status cuda_event_query(st_backend *be, st_event *e, bool *done) {
+    const cudaError_t r = cudaEventQuery(event_get(e)->e);
+    if (r == cudaErrorNotReady) {
+        *done = false;
+        return STRATA_OK;
+    }
+    *done = true;
+    ST_CUDA_TRY(r);
     return STRATA_OK;
 }
 
@@ -485,6 +504,7 @@ static const st_backend_ops g_cuda_ops = {
     .upload = cuda_upload,
     .copy_h2d = cuda_copy_h2d,
     .copy_d2h = cuda_copy_d2h,
+    .copy_2d = cuda_copy_2d,
     .copy_d2d = cuda_copy_d2d,
     .stream_create = cuda_stream_create,
     .stream_destroy = cuda_stream_destroy,
@@ -494,6 +514,7 @@ static const st_backend_ops g_cuda_ops = {
     .event_record = cuda_event_record,
     .stream_wait_event = cuda_stream_wait_event,
     .event_sync = cuda_event_sync,
+    .event_query = cuda_event_query,
     .get_rows = cuda_get_rows,
     .rmsnorm = cuda_rmsnorm,
     .matmul = cuda_matmul,

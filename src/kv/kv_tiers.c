@@ -1,0 +1,817 @@
+/* kv/kv_tiers: see kv_tiers.h.
+ *
+ * Bookkeeping:
+ *   entries   one per block the tiers know: hash, parent hash, token ids,
+ *             host block (NIL: none), SSD slot holding it (NIL: none), SSD
+ *             slot being written (NIL: none), pins (loads of this step), and
+ *             the links of the host LRU (entries with a host block) and the
+ *             SSD LRU (entries with a slot). An entry lives while it has a
+ *             host block, a slot or a write in flight.
+ *   tickets   every batch of copies on the copy stream ends with an event and
+ *             gets the next ticket; done_ticket is the newest whose event has
+ *             completed (polled with event_query, in order). host_busy[h]: the
+ *             ticket after which no copy touches host block h any more.
+ *   host pool chunks of host blocks allocated when the free ones run out,
+ *             up to the capacity; free blocks are never busy.
+ *   SSD FIFO  entries whose host copy must be written to the SSD tier, in the
+ *             order their device copies were issued (so their tickets grow). */
+#include "kv/kv_tiers.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kv/block_manager.h"
+#include "kv/kv_ssd.h"
+
+#define NIL (-1)
+#define RING 64                         /* copy batches in flight before the oldest is waited for */
+#define CHUNK_BYTES ((size_t)256 << 20) /* host pool growth step */
+#define ALIGN 4096
+
+typedef struct {
+    uint64_t hash, parent;
+    int64_t host;        /* host block or NIL */
+    int64_t ssd;         /* slot holding the block, or NIL */
+    int64_t ssd_pending; /* slot being written, or NIL */
+    int32_t pins;        /* loads of this step */
+    bool live, to_ssd;   /* to_ssd: in the SSD FIFO */
+    uint64_t ready;      /* ticket after which the host copy is complete */
+    int64_t hprev, hnext, sprev, snext, bnext;
+} entry;
+
+typedef struct {
+    int32_t dev;
+    int64_t host;
+} xfer;
+
+typedef struct {
+    st_event *e;
+    uint64_t ticket;
+} ring_ev;
+
+struct st_kv_tiers {
+    st_kv_tiers_params p;
+    st_kv_pool *pool;
+    st_backend *be;
+    st_stream *cs;            /* copy stream */
+    int64_t L, bs, n_planes;  /* planes per layer: K, V (+ K, V scales) */
+    size_t plane_row[4];      /* bytes of one slot in each plane */
+    size_t plane_off[4];      /* offset of each plane inside a layer's part of a block */
+    size_t layer_bytes;       /* one layer's part of a block */
+    size_t B;                 /* block bytes, rounded to ALIGN */
+
+    /* entries and their index */
+    entry *ent;
+    int32_t *tok;             /* [cap_ent * bs] */
+    int64_t cap_ent, *free_ent, n_free_ent;
+    int64_t *bucket;
+    uint64_t bucket_mask;
+    int64_t hlru_head, hlru_tail, slru_head, slru_tail;
+
+    /* host pool */
+    int64_t n_host, n_alloc;  /* capacity, blocks with memory */
+    int64_t chunk_blocks;
+    void **chunks;            /* [ceil(n_host / chunk_blocks)] raw allocations */
+    uint8_t **chunk_base;     /* aligned bases */
+    int64_t *host_ent;        /* [n_host] entry or NIL */
+    uint64_t *host_busy;      /* [n_host] */
+    int64_t *free_host, n_free_host;
+    bool grow_failed;
+
+    /* copy tickets */
+    ring_ev ring[RING];
+    int64_t ring_head, ring_n;
+    uint64_t next_ticket, done_ticket, last_d2h;
+    st_event *ev_compute, *ev_d2h, **ev_layer;
+
+    /* this step's work */
+    xfer *d2h, *h2d;
+    int64_t n_d2h, n_h2d, cap_xfer;
+    int64_t *pinned, n_pinned;
+
+    /* SSD tier */
+    st_kv_ssd *ssd;
+    int64_t n_slots, *slot_ent, *free_slot, n_free_slot, n_bad;
+    int64_t *fifo, fifo_head, fifo_n; /* ring of entries, capacity n_host */
+    int64_t ssd_busy;
+    st_kv_ssd_done *done_buf;
+
+    st_kv_tiers_stats st;
+};
+
+const char *st_kv_offload_name(st_kv_offload m) { return m == ST_KV_OFFLOAD_LAZY ? "lazy" : "eager"; }
+
+bool st_kv_offload_parse(const char *s, st_kv_offload *out) {
+    if (!s) return false;
+    if (!strcmp(s, "eager")) *out = ST_KV_OFFLOAD_EAGER;
+    else if (!strcmp(s, "lazy")) *out = ST_KV_OFFLOAD_LAZY;
+    else return false;
+    return true;
+}
+
+static void layout(const st_kv_pool_params *p, size_t row[4], size_t off[4], int64_t *n_planes, size_t *lb) {
+    const size_t bs = (size_t)p->block_size;
+    const size_t data = (size_t)(p->n_kv_heads * p->head_dim) * st_kv_dtype_size(p->dtype);
+    const size_t sc = p->dtype == ST_KV_FP8 ? (size_t)p->n_kv_heads * sizeof(float) : 0;
+    *n_planes = sc ? 4 : 2;
+    row[0] = row[1] = data;
+    row[2] = row[3] = sc;
+    size_t o = 0;
+    for (int i = 0; i < *n_planes; i++) {
+        off[i] = o;
+        o += bs * row[i];
+    }
+    *lb = o;
+}
+
+size_t st_kv_tiers_block_bytes(const st_kv_pool_params *p) {
+    size_t row[4], off[4], lb;
+    int64_t np;
+    layout(p, row, off, &np, &lb);
+    const size_t b = lb * (size_t)p->n_layers;
+    return (b + ALIGN - 1) / ALIGN * ALIGN;
+}
+
+/* ---- entries ---------------------------------------------------------------------*/
+
+static uint64_t bucket_of(const st_kv_tiers *t, uint64_t h) { return (h * 0x9E3779B97F4A7C15ull) >> 20 & t->bucket_mask; }
+
+static int64_t find(const st_kv_tiers *t, uint64_t h, uint64_t parent, const int32_t *tokens) {
+    for (int64_t e = t->bucket[bucket_of(t, h)]; e != NIL; e = t->ent[e].bnext)
+        if (t->ent[e].hash == h && t->ent[e].parent == parent &&
+            !memcmp(t->tok + e * t->bs, tokens, (size_t)t->bs * sizeof(int32_t)))
+            return e;
+    return NIL;
+}
+
+static int64_t ent_new(st_kv_tiers *t, uint64_t h, uint64_t parent, const int32_t *tokens) {
+    if (t->n_free_ent == 0) return NIL;
+    const int64_t e = t->free_ent[--t->n_free_ent];
+    t->ent[e] = (entry){.hash = h, .parent = parent, .host = NIL, .ssd = NIL, .ssd_pending = NIL, .live = true,
+                        .hprev = NIL, .hnext = NIL, .sprev = NIL, .snext = NIL};
+    memcpy(t->tok + e * t->bs, tokens, (size_t)t->bs * sizeof(int32_t));
+    const uint64_t b = bucket_of(t, h);
+    t->ent[e].bnext = t->bucket[b];
+    t->bucket[b] = e;
+    return e;
+}
+
+static void ent_free(st_kv_tiers *t, int64_t e) {
+    entry *x = &t->ent[e];
+    ST_ASSERT(x->live && x->host == NIL && x->ssd == NIL && x->ssd_pending == NIL && !x->to_ssd && x->pins == 0);
+    int64_t *pp = &t->bucket[bucket_of(t, x->hash)];
+    while (*pp != e) pp = &t->ent[*pp].bnext;
+    *pp = x->bnext;
+    x->live = false;
+    t->free_ent[t->n_free_ent++] = e;
+}
+
+#define LRU_FNS(name, head, tail, prev, next)                                                \
+    static void name##_push(st_kv_tiers *t, int64_t e) {                                     \
+        t->ent[e].prev = t->tail;                                                            \
+        t->ent[e].next = NIL;                                                                \
+        if (t->tail != NIL) t->ent[t->tail].next = e;                                        \
+        else t->head = e;                                                                    \
+        t->tail = e;                                                                         \
+    }                                                                                        \
+    static void name##_remove(st_kv_tiers *t, int64_t e) {                                   \
+        const int64_t p = t->ent[e].prev, n = t->ent[e].next;                                \
+        if (p != NIL) t->ent[p].next = n;                                                    \
+        else t->head = n;                                                                    \
+        if (n != NIL) t->ent[n].prev = p;                                                    \
+        else t->tail = p;                                                                    \
+        t->ent[e].prev = t->ent[e].next = NIL;                                               \
+    }                                                                                        \
+    static void name##_touch(st_kv_tiers *t, int64_t e) {                                    \
+        name##_remove(t, e);                                                                 \
+        name##_push(t, e);                                                                   \
+    }
+LRU_FNS(hlru, hlru_head, hlru_tail, hprev, hnext)
+LRU_FNS(slru, slru_head, slru_tail, sprev, snext)
+
+/* ---- host pool -------------------------------------------------------------------*/
+
+static uint8_t *host_ptr(const st_kv_tiers *t, int64_t h) {
+    return t->chunk_base[h / t->chunk_blocks] + (size_t)(h % t->chunk_blocks) * t->B;
+}
+
+static bool grow(st_kv_tiers *t) {
+    if (t->n_alloc >= t->n_host || t->grow_failed) return false;
+    const int64_t c = t->n_alloc / t->chunk_blocks;
+    int64_t nb = t->n_host - t->n_alloc;
+    if (nb > t->chunk_blocks) nb = t->chunk_blocks;
+    void *raw = NULL;
+    if (t->be->ops->host_alloc(t->be, (size_t)nb * t->B + ALIGN, &raw) != STRATA_OK) {
+        st_log(STRATA_LOG_WARN, "kv host tier: could not allocate more host memory after %lld of %lld blocks "
+               "(%.1f of %.1f MiB): %s; the tier stays this size", (long long)t->n_alloc, (long long)t->n_host,
+               (double)t->n_alloc * (double)t->B / 1048576.0, (double)t->n_host * (double)t->B / 1048576.0,
+               st_last_error());
+        t->grow_failed = true;
+        return false;
+    }
+    t->chunks[c] = raw;
+    t->chunk_base[c] = (uint8_t *)(((uintptr_t)raw + ALIGN - 1) / ALIGN * ALIGN);
+    for (int64_t h = t->n_alloc + nb - 1; h >= t->n_alloc; h--) t->free_host[t->n_free_host++] = h; /* pops ascend */
+    t->n_alloc += nb;
+    t->st.host_allocated = t->n_alloc;
+    return true;
+}
+
+/* The host block of entry e goes back to the pool (not busy: callers check). */
+static void host_release(st_kv_tiers *t, int64_t e) {
+    entry *x = &t->ent[e];
+    const int64_t h = x->host;
+    ST_ASSERT(h != NIL && t->host_busy[h] <= t->done_ticket);
+    hlru_remove(t, e);
+    t->host_ent[h] = NIL;
+    t->free_host[t->n_free_host++] = h;
+    x->host = NIL;
+    t->st.host_cached--;
+    if (x->ssd == NIL && x->ssd_pending == NIL) ent_free(t, e);
+}
+
+static bool evictable(const st_kv_tiers *t, int64_t e) {
+    const entry *x = &t->ent[e];
+    return x->pins == 0 && !x->to_ssd && x->ssd_pending == NIL && t->host_busy[x->host] <= t->done_ticket;
+}
+
+/* A free host block (not busy): a free one, a new chunk, or the least
+ * recently used evictable block. NIL when none can be had. */
+static int64_t host_take(st_kv_tiers *t) {
+    if (t->n_free_host == 0 && !grow(t)) {
+        int64_t e = t->hlru_head;
+        while (e != NIL && !evictable(t, e)) e = t->ent[e].hnext;
+        if (e == NIL) return NIL;
+        host_release(t, e);
+    }
+    return t->free_host[--t->n_free_host];
+}
+
+static void host_attach(st_kv_tiers *t, int64_t e, int64_t h) {
+    t->ent[e].host = h;
+    t->host_ent[h] = e;
+    hlru_push(t, e);
+    t->st.host_cached++;
+}
+
+/* ---- copies and tickets ----------------------------------------------------------*/
+
+static strata_status poll_copies(st_kv_tiers *t) {
+    while (t->ring_n > 0) {
+        ring_ev *r = &t->ring[t->ring_head];
+        bool done = false;
+        strata_status st = t->be->ops->event_query(t->be, r->e, &done);
+        if (st) return st;
+        if (!done) break;
+        t->done_ticket = r->ticket;
+        t->ring_head = (t->ring_head + 1) % RING;
+        t->ring_n--;
+    }
+    return STRATA_OK;
+}
+
+/* Ends a batch of copies on the copy stream: its ticket. */
+static strata_status end_batch(st_kv_tiers *t, uint64_t *ticket) {
+    strata_status st;
+    if (t->ring_n == RING) { /* many batches in flight: wait for the oldest */
+        ring_ev *r = &t->ring[t->ring_head];
+        if ((st = t->be->ops->event_sync(t->be, r->e))) return st;
+        t->done_ticket = r->ticket;
+        t->ring_head = (t->ring_head + 1) % RING;
+        t->ring_n--;
+    }
+    ring_ev *r = &t->ring[(t->ring_head + t->ring_n) % RING];
+    if ((st = t->be->ops->event_record(t->be, r->e, t->cs))) return st;
+    r->ticket = *ticket = t->next_ticket++;
+    t->ring_n++;
+    return STRATA_OK;
+}
+
+/* The device pointer of plane p of layer l at block `block`. */
+static uint8_t *dev_ptr(const st_kv_tiers *t, int64_t l, int p, int64_t block) {
+    const st_kv_layer *L = st_kv_pool_layer(t->pool, l);
+    void *base = p == 0 ? L->k : p == 1 ? L->v : p == 2 ? (void *)L->k_scale : (void *)L->v_scale;
+    return (uint8_t *)base + (size_t)block * (size_t)t->bs * t->plane_row[p];
+}
+
+/* Length of the run starting at x[i]: consecutive device blocks landing in
+ * consecutive host blocks of one chunk. */
+static int64_t run_len(const st_kv_tiers *t, const xfer *x, int64_t i, int64_t n) {
+    int64_t j = i + 1;
+    while (j < n && x[j].dev == x[j - 1].dev + 1 && x[j].host == x[j - 1].host + 1 &&
+           x[j].host / t->chunk_blocks == x[i].host / t->chunk_blocks)
+        j++;
+    return j - i;
+}
+
+/* Copies of layer l's planes for x[0..n): to the host (to_host) or the device. */
+static strata_status copy_layer(st_kv_tiers *t, const xfer *x, int64_t n, int64_t l, bool to_host, int64_t *calls) {
+    const st_backend_ops *o = t->be->ops;
+    for (int64_t i = 0; i < n;) {
+        const int64_t k = run_len(t, x, i, n);
+        for (int p = 0; p < t->n_planes; p++) {
+            const size_t w = (size_t)t->bs * t->plane_row[p];
+            uint8_t *h = host_ptr(t, x[i].host) + (size_t)l * t->layer_bytes + t->plane_off[p];
+            uint8_t *d = dev_ptr(t, l, p, x[i].dev);
+            strata_status st = to_host ? o->copy_2d(t->be, t->cs, h, t->B, d, w, w, (size_t)k)
+                                       : o->copy_2d(t->be, t->cs, d, w, h, t->B, w, (size_t)k);
+            if (st) return st;
+            (*calls)++;
+        }
+        i += k;
+    }
+    return STRATA_OK;
+}
+
+/* The queued device -> host copies, after everything `compute` has enqueued. */
+static strata_status flush_d2h(st_kv_tiers *t, st_stream *compute) {
+    if (t->n_d2h == 0) return STRATA_OK;
+    const st_backend_ops *o = t->be->ops;
+    strata_status st;
+    if ((st = o->event_record(t->be, t->ev_compute, compute))) return st;
+    if ((st = o->stream_wait_event(t->be, t->cs, t->ev_compute))) return st;
+    for (int64_t l = 0; l < t->L; l++)
+        if ((st = copy_layer(t, t->d2h, t->n_d2h, l, true, &t->st.copies_d2h))) return st;
+    uint64_t ticket;
+    if ((st = end_batch(t, &ticket))) return st;
+    if ((st = o->event_record(t->be, t->ev_d2h, t->cs))) return st;
+    t->last_d2h = ticket;
+    for (int64_t i = 0; i < t->n_d2h; i++) {
+        const int64_t h = t->d2h[i].host, e = t->host_ent[h];
+        t->host_busy[h] = ticket;
+        t->ent[e].ready = ticket;
+        if (t->ssd && !t->ent[e].to_ssd && t->ent[e].ssd == NIL && t->ent[e].ssd_pending == NIL) {
+            ST_ASSERT(t->fifo_n < t->n_host);
+            t->fifo[(t->fifo_head + t->fifo_n++) % t->n_host] = e;
+            t->ent[e].to_ssd = true;
+        }
+    }
+    t->st.bytes_d2h += (uint64_t)t->n_d2h * (uint64_t)(t->layer_bytes * (size_t)t->L);
+    t->n_d2h = 0;
+    return STRATA_OK;
+}
+
+/* ---- the SSD tier ----------------------------------------------------------------*/
+
+static void ssd_free_slot(st_kv_tiers *t, int64_t e) {
+    entry *x = &t->ent[e];
+    slru_remove(t, e);
+    t->slot_ent[x->ssd] = NIL;
+    t->free_slot[t->n_free_slot++] = x->ssd;
+    x->ssd = NIL;
+    t->st.ssd_cached--;
+    if (x->host == NIL && x->ssd_pending == NIL && x->pins == 0) ent_free(t, e);
+}
+
+/* A slot to write: a free one, or the least recently used block's. */
+static int64_t ssd_take(st_kv_tiers *t) {
+    if (t->n_free_slot == 0) {
+        int64_t e = t->slru_head;
+        while (e != NIL && t->ent[e].pins > 0) e = t->ent[e].snext;
+        if (e == NIL) return NIL;
+        ssd_free_slot(t, e);
+    }
+    return t->free_slot[--t->n_free_slot];
+}
+
+static void ssd_poll(st_kv_tiers *t) {
+    if (!t->ssd) return;
+    int64_t n;
+    while ((n = st_kv_ssd_poll(t->ssd, t->done_buf, 64)) > 0) {
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t slot = t->done_buf[i].slot, e = t->slot_ent[slot];
+            ST_ASSERT(e != NIL && t->ent[e].ssd_pending == slot);
+            entry *x = &t->ent[e];
+            x->ssd_pending = NIL;
+            t->ssd_busy--;
+            if (t->done_buf[i].ok) {
+                x->ssd = slot;
+                slru_push(t, e);
+                t->st.ssd_cached++;
+                t->st.bytes_h2ssd += t->B;
+            } else {
+                t->slot_ent[slot] = NIL; /* given up: a full disk means fewer slots */
+                t->n_bad++;
+                t->st.ssd_write_failures++;
+                if (x->host == NIL && x->pins == 0) ent_free(t, e);
+            }
+        }
+    }
+}
+
+/* Writes the FIFO's entries whose host copy is complete, while the writer takes them. */
+static void ssd_feed(st_kv_tiers *t) {
+    while (t->fifo_n > 0) {
+        const int64_t e = t->fifo[t->fifo_head];
+        entry *x = &t->ent[e];
+        if (x->ready > t->done_ticket) break; /* its device copy is still in flight */
+        const int64_t slot = ssd_take(t);
+        if (slot == NIL) break;
+        const strata_status st = st_kv_ssd_write(t->ssd, slot, x->hash, x->parent, t->tok + e * t->bs,
+                                                 host_ptr(t, x->host));
+        if (st != STRATA_OK) { /* the writer's queue is full: later */
+            t->free_slot[t->n_free_slot++] = slot;
+            break;
+        }
+        x->ssd_pending = slot;
+        t->slot_ent[slot] = e;
+        t->ssd_busy++;
+        x->to_ssd = false;
+        t->fifo_head = (t->fifo_head + 1) % t->n_host;
+        t->fifo_n--;
+    }
+}
+
+static void on_scan(int64_t slot, uint64_t hash, uint64_t parent, const int32_t *tokens, int64_t n_tokens,
+                    void *user) {
+    st_kv_tiers *t = user;
+    if (n_tokens != t->bs || slot < 0 || slot >= t->n_slots || t->slot_ent[slot] != NIL) return;
+    if (find(t, hash, parent, tokens) != NIL) return; /* a duplicate: its slot stays free */
+    const int64_t e = ent_new(t, hash, parent, tokens);
+    if (e == NIL) return;
+    t->ent[e].ssd = slot;
+    t->slot_ent[slot] = e;
+    slru_push(t, e);
+    t->st.ssd_cached++;
+    t->st.ssd_found_at_start++;
+}
+
+/* ---- init / free -----------------------------------------------------------------*/
+
+strata_status st_kv_tiers_init(st_kv_pool *pool, const st_kv_tiers_params *p, st_kv_tiers **out) {
+    if (!out) return st_err(STRATA_ERR_INVALID_ARG, "kv tiers: out is NULL");
+    *out = NULL;
+    if (!pool || !p) return st_err(STRATA_ERR_INVALID_ARG, "kv tiers: no pool or params");
+    const st_kv_pool_params *pp = st_kv_pool_get_params(pool);
+    const size_t B = st_kv_tiers_block_bytes(pp);
+    const bool want_ssd = p->ssd_dir && p->ssd_dir[0];
+    if (p->host_bytes < B)
+        return st_err(STRATA_ERR_INVALID_ARG, "--kv-host-mem %zu bytes is less than one KV block (%zu bytes)%s",
+                      p->host_bytes, B, want_ssd ? "; the SSD tier (--kv-ssd-dir) needs the host tier" : "");
+    if (want_ssd && p->ssd_bytes == 0)
+        return st_err(STRATA_ERR_INVALID_ARG, "--kv-ssd-size must be > 0 with --kv-ssd-dir %s", p->ssd_dir);
+    st_kv_tiers *t = st_calloc(1, sizeof *t);
+    if (!t) return st_err(STRATA_ERR_NOMEM, "kv tiers: out of memory");
+    strata_status st = STRATA_OK;
+    t->p = *p;
+    t->p.ssd_dir = NULL;
+    t->p.identity_text = NULL;
+    t->pool = pool;
+    t->be = st_kv_pool_backend(pool);
+    t->L = pp->n_layers;
+    t->bs = pp->block_size;
+    layout(pp, t->plane_row, t->plane_off, &t->n_planes, &t->layer_bytes);
+    t->B = B;
+    t->n_host = (int64_t)(p->host_bytes / B);
+    t->chunk_blocks = (int64_t)(CHUNK_BYTES / B);
+    if (t->chunk_blocks < 1) t->chunk_blocks = 1;
+    t->hlru_head = t->hlru_tail = t->slru_head = t->slru_tail = NIL;
+    t->next_ticket = 1;
+    t->st.block_bytes = (int64_t)B;
+    t->st.block_tokens = t->bs;
+    t->st.host_blocks = t->n_host;
+
+    if (want_ssd) {
+        const st_kv_ssd_params sp = {.dir = p->ssd_dir, .max_bytes = p->ssd_bytes, .payload_bytes = B,
+                                     .block_tokens = t->bs, .identity = p->identity,
+                                     .identity_text = p->identity_text ? p->identity_text : "",
+                                     .force_pread = p->ssd_force_pread, .fail_write_nth = p->ssd_fail_write_nth};
+        if ((st = st_kv_ssd_open(&sp, &t->ssd))) goto fail;
+        t->n_slots = st_kv_ssd_slots(t->ssd);
+        t->st.ssd_slots = t->n_slots;
+    }
+    t->cap_ent = t->n_host + t->n_slots;
+    uint64_t nb = 16;
+    while (nb < (uint64_t)t->cap_ent * 2) nb <<= 1;
+    t->bucket_mask = nb - 1;
+    const int64_t n_chunks = (t->n_host + t->chunk_blocks - 1) / t->chunk_blocks;
+    t->cap_xfer = t->n_host; /* one step never moves more blocks than the host tier holds */
+    t->ent = st_calloc((size_t)t->cap_ent, sizeof *t->ent);
+    t->tok = st_malloc((size_t)t->cap_ent * (size_t)t->bs * sizeof *t->tok);
+    t->free_ent = st_malloc((size_t)t->cap_ent * sizeof *t->free_ent);
+    t->bucket = st_malloc(nb * sizeof *t->bucket);
+    t->chunks = st_calloc((size_t)n_chunks, sizeof *t->chunks);
+    t->chunk_base = st_calloc((size_t)n_chunks, sizeof *t->chunk_base);
+    t->host_ent = st_malloc((size_t)t->n_host * sizeof *t->host_ent);
+    t->host_busy = st_calloc((size_t)t->n_host, sizeof *t->host_busy);
+    t->free_host = st_malloc((size_t)t->n_host * sizeof *t->free_host);
+    t->d2h = st_malloc((size_t)t->cap_xfer * sizeof *t->d2h);
+    t->h2d = st_malloc((size_t)t->cap_xfer * sizeof *t->h2d);
+    t->pinned = st_malloc((size_t)t->cap_xfer * sizeof *t->pinned);
+    t->ev_layer = st_calloc((size_t)t->L, sizeof *t->ev_layer);
+    t->fifo = st_malloc((size_t)t->n_host * sizeof *t->fifo);
+    if (t->n_slots) {
+        t->slot_ent = st_malloc((size_t)t->n_slots * sizeof *t->slot_ent);
+        t->free_slot = st_malloc((size_t)t->n_slots * sizeof *t->free_slot);
+        t->done_buf = st_malloc(64 * sizeof *t->done_buf);
+    }
+    if (!t->ent || !t->tok || !t->free_ent || !t->bucket || !t->chunks || !t->chunk_base || !t->host_ent ||
+        !t->host_busy || !t->free_host || !t->d2h || !t->h2d || !t->pinned || !t->ev_layer || !t->fifo ||
+        (t->n_slots && (!t->slot_ent || !t->free_slot || !t->done_buf))) {
+        st = st_err(STRATA_ERR_NOMEM, "kv tiers: out of memory for the index of %lld blocks", (long long)t->cap_ent);
+        goto fail;
+    }
+    for (int64_t e = t->cap_ent - 1; e >= 0; e--) t->free_ent[t->n_free_ent++] = e;
+    for (uint64_t b = 0; b < nb; b++) t->bucket[b] = NIL;
+    for (int64_t h = 0; h < t->n_host; h++) t->host_ent[h] = NIL;
+    for (int64_t s = 0; s < t->n_slots; s++) t->slot_ent[s] = NIL;
+    const st_backend_ops *o = t->be->ops;
+    if ((st = o->stream_create(t->be, false, &t->cs))) goto fail;
+    if ((st = o->event_create(t->be, &t->ev_compute)) || (st = o->event_create(t->be, &t->ev_d2h))) goto fail;
+    for (int i = 0; i < RING; i++)
+        if ((st = o->event_create(t->be, &t->ring[i].e))) goto fail;
+    for (int64_t l = 0; l < t->L; l++)
+        if ((st = o->event_create(t->be, &t->ev_layer[l]))) goto fail;
+    if (t->ssd) {
+        int64_t found = 0;
+        if ((st = st_kv_ssd_scan(t->ssd, on_scan, t, &found))) goto fail;
+        for (int64_t s = t->n_slots - 1; s >= 0; s--)
+            if (t->slot_ent[s] == NIL) t->free_slot[t->n_free_slot++] = s;
+        if (t->st.ssd_found_at_start > 0)
+            st_log(STRATA_LOG_INFO, "kv SSD tier: %lld blocks (%lld tokens) of earlier runs found in %s",
+                   (long long)t->st.ssd_found_at_start, (long long)(t->st.ssd_found_at_start * t->bs), p->ssd_dir);
+    }
+    *out = t;
+    return STRATA_OK;
+fail:;
+    char msg[640];
+    snprintf(msg, sizeof msg, "%s", st_last_error());
+    st_kv_tiers_free(t);
+    return st_err(st, "%s", msg);
+}
+
+void st_kv_tiers_free(st_kv_tiers *t) {
+    if (!t) return;
+    if (t->cs) (void)st_kv_tiers_drain(t);
+    st_kv_ssd_close(t->ssd);
+    st_kv_pool_clear_ready(t->pool);
+    const st_backend_ops *o = t->be->ops;
+    if (t->cs) o->stream_destroy(t->be, t->cs);
+    if (t->ev_compute) o->event_destroy(t->be, t->ev_compute);
+    if (t->ev_d2h) o->event_destroy(t->be, t->ev_d2h);
+    for (int i = 0; i < RING; i++)
+        if (t->ring[i].e) o->event_destroy(t->be, t->ring[i].e);
+    for (int64_t l = 0; t->ev_layer && l < t->L; l++)
+        if (t->ev_layer[l]) o->event_destroy(t->be, t->ev_layer[l]);
+    const int64_t n_chunks = (t->n_host + t->chunk_blocks - 1) / t->chunk_blocks;
+    for (int64_t c = 0; t->chunks && c < n_chunks; c++)
+        if (t->chunks[c]) o->host_dealloc(t->be, t->chunks[c]);
+    st_free(t->ent);
+    st_free(t->tok);
+    st_free(t->free_ent);
+    st_free(t->bucket);
+    st_free(t->chunks);
+    st_free(t->chunk_base);
+    st_free(t->host_ent);
+    st_free(t->host_busy);
+    st_free(t->free_host);
+    st_free(t->d2h);
+    st_free(t->h2d);
+    st_free(t->pinned);
+    st_free(t->ev_layer);
+    st_free(t->fifo);
+    st_free(t->slot_ent);
+    st_free(t->free_slot);
+    st_free(t->done_buf);
+    st_free(t);
+}
+
+/* ---- block manager hooks ---------------------------------------------------------*/
+
+/* Makes sure device block `block` (hash, parent, tokens) has a host copy:
+ * queues its device -> host copy into a new host block. */
+static void ensure(st_kv_tiers *t, int32_t block, uint64_t hash, uint64_t parent, const int32_t *tokens) {
+    int64_t e = find(t, hash, parent, tokens);
+    if (e != NIL && t->ent[e].host != NIL) {
+        hlru_touch(t, e);
+        return;
+    }
+    if (e != NIL && t->ent[e].ssd != NIL) { /* on the SSD only: that copy serves */
+        slru_touch(t, e);
+        return;
+    }
+    if (t->n_d2h == t->cap_xfer) {
+        t->st.offloads_skipped++;
+        return;
+    }
+    const int64_t h = host_take(t);
+    if (h == NIL) {
+        t->st.offloads_skipped++;
+        return;
+    }
+    if (e == NIL && (e = ent_new(t, hash, parent, tokens)) == NIL) { /* cannot happen: one entry per block */
+        t->free_host[t->n_free_host++] = h;
+        t->st.offloads_skipped++;
+        return;
+    }
+    host_attach(t, e, h);
+    t->host_busy[h] = UINT64_MAX; /* until its copy is issued (flush_d2h): never evicted before */
+    t->ent[e].ready = UINT64_MAX;
+    t->d2h[t->n_d2h++] = (xfer){.dev = block, .host = h};
+}
+
+void st_kv_tiers_on_register(int32_t block, uint64_t hash, uint64_t parent_hash, const int32_t *tokens,
+                             int64_t n_tokens, void *tiers) {
+    st_kv_tiers *t = tiers;
+    ST_ASSERT(n_tokens == t->bs);
+    if (t->p.offload == ST_KV_OFFLOAD_EAGER) {
+        ensure(t, block, hash, parent_hash, tokens);
+        return;
+    }
+    const int64_t e = find(t, hash, parent_hash, tokens); /* lazy: only refresh what the tiers hold */
+    if (e != NIL && t->ent[e].host != NIL) hlru_touch(t, e);
+}
+
+void st_kv_tiers_on_evict(int32_t block, uint64_t hash, uint64_t parent_hash, const int32_t *tokens,
+                          int64_t n_tokens, void *tiers) {
+    st_kv_tiers *t = tiers;
+    ST_ASSERT(n_tokens == t->bs);
+    ensure(t, block, hash, parent_hash, tokens);
+}
+
+/* ---- admissions ------------------------------------------------------------------*/
+
+static uint64_t chain_to(const st_kv_tiers *t, const int32_t *tokens, int64_t n_blocks) {
+    uint64_t h = t->p.hash_seed;
+    for (int64_t i = 0; i < n_blocks; i++) h = st_kv_hash_tokens(tokens + i * t->bs, t->bs, h);
+    return h;
+}
+
+int64_t st_kv_tiers_lookup(const st_kv_tiers *t, const int32_t *tokens, int64_t n_tokens, int64_t from_block) {
+    if (!t || !tokens || from_block < 0) return 0;
+    const int64_t bs = t->bs, max_blocks = n_tokens > 0 ? (n_tokens - 1) / bs : 0;
+    uint64_t h = chain_to(t, tokens, from_block);
+    int64_t n = 0;
+    for (int64_t i = from_block; i < max_blocks; i++) {
+        const uint64_t hi = st_kv_hash_tokens(tokens + i * bs, bs, h);
+        const int64_t e = find(t, hi, h, tokens + i * bs);
+        if (e == NIL || (t->ent[e].host == NIL && t->ent[e].ssd == NIL)) break;
+        n++;
+        h = hi;
+    }
+    return n;
+}
+
+int64_t st_kv_tiers_load(st_kv_tiers *t, const int32_t *tokens, int64_t n_tokens, int64_t from_block,
+                         int64_t n_blocks, const int32_t *dev_blocks) {
+    if (!t || n_blocks <= 0) return 0;
+    const int64_t bs = t->bs, avail = st_kv_tiers_lookup(t, tokens, n_tokens, from_block);
+    if (n_blocks > avail) n_blocks = avail;
+    if (n_blocks > t->cap_xfer - t->n_h2d) n_blocks = t->cap_xfer - t->n_h2d;
+    if (n_blocks <= 0) return 0;
+    /* the entries, pinned until the step's copies are issued (nothing evicts them) */
+    int64_t *ents = t->pinned + t->n_pinned;
+    uint64_t h = chain_to(t, tokens, from_block);
+    int64_t n_rd = 0;
+    for (int64_t k = 0; k < n_blocks; k++) {
+        const int32_t *blk = tokens + (from_block + k) * bs;
+        const uint64_t hi = st_kv_hash_tokens(blk, bs, h);
+        ents[k] = find(t, hi, h, blk);
+        ST_ASSERT(ents[k] != NIL);
+        t->ent[ents[k]].pins++;
+        if (t->ent[ents[k]].host == NIL) n_rd++;
+        h = hi;
+    }
+    t->n_pinned += n_blocks;
+    int64_t n_ok = n_blocks, m = 0;
+    int64_t *rk = NULL, *slots = NULL;
+    uint64_t *hashes = NULL;
+    void **bufs = NULL;
+    bool *ok = NULL;
+    if (n_rd > 0) { /* SSD-only blocks: host blocks for them, then one batch of reads */
+        rk = st_malloc((size_t)n_rd * sizeof *rk);
+        slots = st_malloc((size_t)n_rd * sizeof *slots);
+        hashes = st_malloc((size_t)n_rd * sizeof *hashes);
+        bufs = st_malloc((size_t)n_rd * sizeof *bufs);
+        ok = st_malloc((size_t)n_rd * sizeof *ok);
+        const bool mem = rk && slots && hashes && bufs && ok;
+        for (int64_t k = 0; k < n_blocks; k++) {
+            entry *x = &t->ent[ents[k]];
+            if (x->host != NIL) continue;
+            const int64_t hb = mem ? host_take(t) : NIL;
+            if (hb == NIL) { /* no host block to read it into: the rest is computed */
+                n_ok = k;
+                break;
+            }
+            host_attach(t, ents[k], hb);
+            x->ready = 0; /* the read below is synchronous */
+            rk[m] = k;
+            slots[m] = x->ssd;
+            hashes[m] = x->hash;
+            bufs[m] = host_ptr(t, hb);
+            m++;
+        }
+        if (m > 0 && st_kv_ssd_read(t->ssd, slots, hashes, bufs, m, ok) != STRATA_OK)
+            for (int64_t i = 0; i < m; i++) ok[i] = false;
+        for (int64_t i = 0; i < m; i++) {
+            if (ok[i]) {
+                t->st.bytes_ssd2h += t->B;
+                continue;
+            }
+            /* corrupt, torn or unreadable: a miss from this block on; its copies are dropped */
+            const int64_t e = ents[rk[i]];
+            t->st.ssd_read_failures++;
+            if (rk[i] < n_ok) n_ok = rk[i];
+            ents[rk[i]] = NIL; /* not unpinned again */
+            t->ent[e].pins--;
+            host_release(t, e); /* keeps the entry: it still has its slot */
+            ssd_free_slot(t, e);
+        }
+    }
+    /* this step's loads: host block -> device block, issued by before_forward */
+    for (int64_t k = 0; k < n_ok; k++) {
+        entry *x = &t->ent[ents[k]];
+        t->h2d[t->n_h2d++] = (xfer){.dev = dev_blocks[k], .host = x->host};
+        hlru_touch(t, ents[k]);
+        if (x->ssd != NIL) slru_touch(t, ents[k]);
+    }
+    int64_t from_ssd = 0;
+    for (int64_t i = 0; i < m; i++) from_ssd += ok[i] && rk[i] < n_ok;
+    t->st.hit_tokens_host += (n_ok - from_ssd) * bs;
+    t->st.hit_tokens_ssd += from_ssd * bs;
+    st_free(rk);
+    st_free(slots);
+    st_free(hashes);
+    st_free(bufs);
+    st_free(ok);
+    return n_ok;
+}
+
+/* ---- around a pass ---------------------------------------------------------------*/
+
+strata_status st_kv_tiers_before_forward(st_kv_tiers *t, st_stream *compute) {
+    const st_backend_ops *o = t->be->ops;
+    strata_status st;
+    if ((st = flush_d2h(t, compute))) return st; /* blocks evicted by this step's allocations */
+    if ((st = poll_copies(t))) return st;
+    /* the pass may write into blocks whose copy out is still running */
+    if (t->last_d2h > t->done_ticket && (st = o->stream_wait_event(t->be, compute, t->ev_d2h))) return st;
+    if (t->n_h2d > 0) {
+        if ((st = o->event_record(t->be, t->ev_compute, compute))) return st;
+        if ((st = o->stream_wait_event(t->be, t->cs, t->ev_compute))) return st;
+        for (int64_t l = 0; l < t->L; l++) {
+            if ((st = copy_layer(t, t->h2d, t->n_h2d, l, false, &t->st.copies_h2d))) return st;
+            if ((st = o->event_record(t->be, t->ev_layer[l], t->cs))) return st;
+            st_kv_pool_set_ready(t->pool, l, t->ev_layer[l]);
+        }
+        uint64_t ticket;
+        if ((st = end_batch(t, &ticket))) return st;
+        for (int64_t i = 0; i < t->n_h2d; i++) t->host_busy[t->h2d[i].host] = ticket;
+        t->st.bytes_h2d += (uint64_t)t->n_h2d * (uint64_t)(t->layer_bytes * (size_t)t->L);
+        t->n_h2d = 0;
+    }
+    for (int64_t i = 0; i < t->n_pinned; i++)
+        if (t->pinned[i] != NIL) t->ent[t->pinned[i]].pins--;
+    t->n_pinned = 0;
+    return STRATA_OK;
+}
+
+strata_status st_kv_tiers_after_step(st_kv_tiers *t, st_stream *compute) {
+    st_kv_pool_clear_ready(t->pool);
+    strata_status st;
+    if ((st = flush_d2h(t, compute))) return st; /* blocks registered by this step (eager) */
+    if ((st = poll_copies(t))) return st;
+    if (t->ssd) {
+        ssd_poll(t);
+        ssd_feed(t);
+    }
+    return STRATA_OK;
+}
+
+strata_status st_kv_tiers_drain(st_kv_tiers *t) {
+    if (!t) return STRATA_OK;
+    strata_status st = t->be->ops->stream_sync(t->be, t->cs);
+    if (st) return st;
+    if ((st = poll_copies(t))) return st;
+    t->done_ticket = t->next_ticket - 1;
+    t->ring_n = 0;
+    while (t->ssd) {
+        ssd_poll(t);
+        ssd_feed(t);
+        if (t->fifo_n == 0 && t->ssd_busy == 0) break;
+        const int64_t before = t->fifo_n + t->ssd_busy;
+        st_kv_ssd_flush(t->ssd);
+        ssd_poll(t);
+        if (t->fifo_n + t->ssd_busy == before && t->fifo_n > 0 && t->n_free_slot == 0 && t->slru_head == NIL)
+            break; /* no slot can be had (every one failed): the rest stays host-only */
+    }
+    return STRATA_OK;
+}
+
+void st_kv_tiers_drop_host(st_kv_tiers *t, bool all) {
+    if (!t) return;
+    (void)st_kv_tiers_drain(t);
+    for (int64_t e = t->hlru_head; e != NIL;) {
+        const int64_t next = t->ent[e].hnext;
+        if ((all || t->ent[e].ssd != NIL) && evictable(t, e)) host_release(t, e);
+        e = next;
+    }
+}
+
+void st_kv_tiers_get_stats(const st_kv_tiers *t, st_kv_tiers_stats *out) {
+    *out = t->st;
+    out->host_busy = t->fifo_n + t->ssd_busy + t->n_pinned; /* waiting for / under an SSD write, loading */
+    out->ssd_busy = t->ssd_busy;
+    out->ssd_bad = t->n_bad;
+}
