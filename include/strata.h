@@ -48,6 +48,7 @@ typedef enum {
     STRATA_ERR_MISMATCH,      /* two sources of truth disagree (config vs shapes) */
     STRATA_ERR_BACKEND,       /* a device call failed */
     STRATA_ERR_INTERNAL,
+    STRATA_ERR_BUSY,          /* a bounded queue is full: try later, or do without */
 } strata_status;
 
 typedef enum {

@@ -24,6 +24,7 @@ const char *strata_status_str(strata_status st) {
     case STRATA_ERR_MISMATCH: return "mismatch";
     case STRATA_ERR_BACKEND: return "backend error";
     case STRATA_ERR_INTERNAL: return "internal error";
+    case STRATA_ERR_BUSY: return "busy";
     }
     return "unknown status";
 }

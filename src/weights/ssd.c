@@ -1,4 +1,5 @@
-/* weights/ssd: O_DIRECT reads through io_uring, with a pread fallback (ssd.h). */
+/* weights/ssd: the model files opened for O_DIRECT reads, and a read queue
+ * over core/aio with the files' fault injection (ssd.h). */
 #include "weights/ssd.h"
 
 #include <errno.h>
@@ -9,11 +10,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "core/aio.h"
 #include "weights/groups.h"
 
-#ifdef STRATA_HAVE_URING
-#include <liburing.h>
-#endif
+_Static_assert(ST_WG_ALIGN == ST_AIO_ALIGN, "the weight groups' alignment is the aio queue's");
 
 typedef struct {
     int fd;
@@ -128,236 +128,71 @@ bool st_ssd_files_direct(const st_ssd_files *s) {
 
 int64_t st_ssd_files_reads(const st_ssd_files *s) { return atomic_load(&s->reads); }
 
-/* ---- queue ---- */
-
-typedef struct {
-    bool busy;
-    bool inject_short;
-    int file;
-    uint64_t off, len, need, done;
-    uint8_t *dst;
-    uint64_t tag;
-    int err;          /* errno of a failed read, 0 */
-    bool finished;    /* result ready (pread mode, injected failure) */
-} ssd_req;
+/* ---- queue: core/aio with the files' identity and fault counter ---- */
 
 struct st_ssd_queue {
     st_ssd_files *files;
-    int depth;
-    int inflight;    /* requests busy */
-    ssd_req *req;    /* [depth] */
-    bool uring;
-#ifdef STRATA_HAVE_URING
-    struct io_uring ring;
-#endif
+    st_aio *aio;
 };
 
 strata_status st_ssd_queue_init(st_ssd_files *f, int depth, bool force_pread, st_ssd_queue **out) {
     if (!out) return st_err(STRATA_ERR_INVALID_ARG, "ssd queue: out is NULL");
     *out = NULL;
-    if (depth < 1) depth = 1;
-    if (depth > 4096) depth = 4096;
     st_ssd_queue *q = st_calloc(1, sizeof *q);
     if (!q) return st_err(STRATA_ERR_NOMEM, "ssd queue: out of memory");
-    q->req = st_calloc((size_t)depth, sizeof *q->req);
-    if (!q->req) {
+    strata_status st = st_aio_init(depth, force_pread, "weights", &q->aio);
+    if (st) {
         st_free(q);
-        return st_err(STRATA_ERR_NOMEM, "ssd queue: out of memory");
+        return st;
     }
     q->files = f;
-    q->depth = depth;
-#ifdef STRATA_HAVE_URING
-    if (!force_pread) {
-        int e = io_uring_queue_init((unsigned)depth, &q->ring, 0);
-        if (e == 0)
-            q->uring = true;
-        else
-            st_log(STRATA_LOG_WARN, "io_uring unavailable (%s): weights are read with pread, one request at a time",
-                   strerror(-e));
-    }
-#else
-    if (!force_pread)
-        st_log(STRATA_LOG_WARN, "built without liburing: weights are read with pread, one request at a time");
-#endif
     *out = q;
     return STRATA_OK;
 }
 
-bool st_ssd_queue_uring(const st_ssd_queue *q) { return q->uring; }
-int st_ssd_queue_inflight(const st_ssd_queue *q) { return q->inflight; }
-int st_ssd_queue_depth(const st_ssd_queue *q) { return q->depth; }
-
-static strata_status req_error(st_ssd_queue *q, ssd_req *r) {
-    const char *path = q->files->f[r->file].path;
-    if (r->err)
-        return st_err(STRATA_ERR_IO, "read of %s at offset %llu (%llu bytes) failed: %s", path,
-                      (unsigned long long)r->off, (unsigned long long)r->len, strerror(r->err));
-    return st_err(STRATA_ERR_IO,
-                  "short read of %s at offset %llu: %llu of %llu bytes came back (the file ends early: "
-                  "truncated or changed while in use?)",
-                  path, (unsigned long long)r->off, (unsigned long long)r->done, (unsigned long long)r->need);
-}
-
-/* pread until `need` bytes are in (or an error / end of file). */
-static void do_pread(st_ssd_queue *q, ssd_req *r) {
-    const int fd = q->files->f[r->file].fd;
-    while (r->done < r->need) {
-        ssize_t k = pread(fd, r->dst + r->done, (size_t)(r->len - r->done), (off_t)(r->off + r->done));
-        if (k < 0) {
-            if (errno == EINTR) continue;
-            r->err = errno;
-            break;
-        }
-        if (k == 0) break;
-        if (r->inject_short) {
-            r->done = (r->need / 2) / ST_WG_ALIGN * ST_WG_ALIGN;
-            break;
-        }
-        r->done += (uint64_t)k;
-    }
-    r->finished = true;
-}
-
-#ifdef STRATA_HAVE_URING
-static strata_status uring_queue(st_ssd_queue *q, ssd_req *r) {
-    struct io_uring_sqe *sqe = io_uring_get_sqe(&q->ring);
-    if (!sqe) return st_err(STRATA_ERR_INTERNAL, "io_uring: no submission entry free");
-    io_uring_prep_read(sqe, q->files->f[r->file].fd, r->dst + r->done, (unsigned)(r->len - r->done),
-                       r->off + r->done);
-    io_uring_sqe_set_data(sqe, r);
-    int e = io_uring_submit(&q->ring);
-    if (e < 0) {
-        r->err = -e;
-        return req_error(q, r);
-    }
-    return STRATA_OK;
-}
-#endif
+bool st_ssd_queue_uring(const st_ssd_queue *q) { return st_aio_uring(q->aio); }
+int st_ssd_queue_inflight(const st_ssd_queue *q) { return st_aio_inflight(q->aio); }
+int st_ssd_queue_depth(const st_ssd_queue *q) { return st_aio_depth(q->aio); }
 
 strata_status st_ssd_submit(st_ssd_queue *q, int file, uint64_t off, uint64_t len, uint64_t need, void *dst,
                             uint64_t tag) {
     if (file < 0 || file >= q->files->n)
         return st_err(STRATA_ERR_INVALID_ARG, "ssd read: file %d of %d", file, q->files->n);
+    const ssd_file *f = &q->files->f[file];
     if (len == 0 || len > ((uint64_t)1 << 30) || need > len || !dst)
         return st_err(STRATA_ERR_INVALID_ARG, "ssd read: %llu bytes (need %llu) of %s", (unsigned long long)len,
-                      (unsigned long long)need, q->files->f[file].path);
-    if (q->files->f[file].direct &&
-        (off % ST_WG_ALIGN || len % ST_WG_ALIGN || (uintptr_t)dst % ST_WG_ALIGN))
+                      (unsigned long long)need, f->path);
+    if (f->direct && (off % ST_WG_ALIGN || len % ST_WG_ALIGN || (uintptr_t)dst % ST_WG_ALIGN))
         return st_err(STRATA_ERR_INVALID_ARG, "ssd read of %s: offset %llu, length %llu or buffer %p not aligned to %u",
-                      q->files->f[file].path, (unsigned long long)off, (unsigned long long)len, dst, ST_WG_ALIGN);
-    ssd_req *r = NULL;
-    for (int i = 0; i < q->depth && !r; i++)
-        if (!q->req[i].busy) r = &q->req[i];
-    if (!r) return st_err(STRATA_ERR_INTERNAL, "ssd read: %d reads already in flight", q->depth);
-    memset(r, 0, sizeof *r);
-    r->busy = true;
-    r->file = file;
-    r->off = off;
-    r->len = len;
-    r->need = need;
-    r->dst = dst;
-    r->tag = tag;
-    q->inflight++;
+                      f->path, (unsigned long long)off, (unsigned long long)len, dst, ST_WG_ALIGN);
+    if (st_aio_inflight(q->aio) >= st_aio_depth(q->aio))
+        return st_err(STRATA_ERR_INTERNAL, "ssd read: %d reads already in flight", st_aio_depth(q->aio));
     const long long nth = atomic_fetch_add(&q->files->reads, 1) + 1;
-    if (q->files->faults.fail_nth == nth) { /* injected I/O error: never reaches the disk */
-        r->err = EIO;
-        r->finished = true;
-        return STRATA_OK;
-    }
-    r->inject_short = q->files->faults.short_nth == nth;
-#ifdef STRATA_HAVE_URING
-    if (q->uring) {
-        strata_status st = uring_queue(q, r);
-        if (st != STRATA_OK) {
-            r->busy = false;
-            q->inflight--;
-        }
-        return st;
-    }
-#endif
-    do_pread(q, r);
-    return STRATA_OK;
-}
-
-/* Finishes r: frees its entry, returns its status. */
-static strata_status finish(st_ssd_queue *q, ssd_req *r, uint64_t *tag) {
-    *tag = r->tag;
-    strata_status st = (r->err || r->done < r->need) ? req_error(q, r) : STRATA_OK;
-    r->busy = false;
-    q->inflight--;
-    return st;
+    const st_aio_req r = {
+        .fd = f->fd,
+        .name = f->path,
+        .direct = f->direct,
+        .off = off,
+        .len = len,
+        .need = need,
+        .buf = dst,
+        .tag = tag,
+        .fail_errno = q->files->faults.fail_nth == nth ? EIO : 0, /* injected I/O error: never reaches the disk */
+        .fail_short = q->files->faults.short_nth == nth,
+    };
+    return st_aio_submit(q->aio, &r);
 }
 
 strata_status st_ssd_reap(st_ssd_queue *q, bool wait, bool *got, uint64_t *tag) {
-    *got = false;
-    *tag = 0;
-    for (int i = 0; i < q->depth; i++) /* pread results and injected failures first */
-        if (q->req[i].busy && q->req[i].finished) {
-            *got = true;
-            return finish(q, &q->req[i], tag);
-        }
-#ifdef STRATA_HAVE_URING
-    if (!q->uring) return STRATA_OK;
-    for (;;) {
-        bool any = false;
-        for (int i = 0; i < q->depth; i++) any = any || q->req[i].busy;
-        if (!any) return STRATA_OK;
-        struct io_uring_cqe *cqe = NULL;
-        int e = wait ? io_uring_wait_cqe(&q->ring, &cqe) : io_uring_peek_cqe(&q->ring, &cqe);
-        if (e == -EAGAIN || (!wait && e == -EINTR)) return STRATA_OK;
-        if (e == -EINTR) continue;
-        if (e < 0) return st_err(STRATA_ERR_IO, "io_uring wait failed: %s", strerror(-e));
-        ssd_req *r = io_uring_cqe_get_data(cqe);
-        const int res = cqe->res;
-        io_uring_cqe_seen(&q->ring, cqe);
-        ST_ASSERT(r && r->busy);
-        if (res < 0) {
-            if (res == -EAGAIN || res == -EINTR) { /* retry as it was */
-                strata_status st = uring_queue(q, r);
-                if (st) {
-                    *got = true;
-                    finish(q, r, tag);
-                    return st;
-                }
-                continue;
-            }
-            r->err = -res;
-        } else if (r->inject_short) {
-            r->done = (r->need / 2) / ST_WG_ALIGN * ST_WG_ALIGN;
-        } else {
-            r->done += (uint64_t)res;
-            const bool direct = q->files->f[r->file].direct;
-            if (res > 0 && r->done < r->need && (!direct || r->done % ST_WG_ALIGN == 0)) {
-                strata_status st = uring_queue(q, r); /* a partial read: continue where it stopped */
-                if (st) {
-                    *got = true;
-                    finish(q, r, tag);
-                    return st;
-                }
-                continue;
-            }
-        }
-        *got = true;
-        return finish(q, r, tag);
-    }
-#else
-    (void)wait;
-    return STRATA_OK;
-#endif
+    st_aio_result res;
+    strata_status st = st_aio_reap(q->aio, wait, got, &res);
+    *tag = res.tag;
+    return st;
 }
 
 void st_ssd_queue_free(st_ssd_queue *q) {
     if (!q) return;
-    while (q->inflight > 0) {
-        bool got = false;
-        uint64_t tag;
-        (void)st_ssd_reap(q, true, &got, &tag);
-        if (!got) break;
-    }
-#ifdef STRATA_HAVE_URING
-    if (q->uring) io_uring_queue_exit(&q->ring);
-#endif
-    st_free(q->req);
+    st_aio_free(q->aio); /* waits for reads in flight */
     st_free(q);
 }
 
@@ -368,7 +203,7 @@ strata_status st_ssd_read(st_ssd_queue *q, int file, uint64_t off, uint64_t len,
     char msg[1024] = "";
     uint64_t pos = 0;
     for (;;) {
-        while (first == STRATA_OK && pos < len && q->inflight < q->depth) {
+        while (first == STRATA_OK && pos < len && st_ssd_queue_inflight(q) < st_ssd_queue_depth(q)) {
             const uint64_t k = len - pos < piece ? len - pos : piece;
             const uint64_t nd = need > pos ? (need - pos < k ? need - pos : k) : 0;
             strata_status st = st_ssd_submit(q, file, off + pos, k, nd, (uint8_t *)dst + pos, pos);
@@ -379,7 +214,7 @@ strata_status st_ssd_read(st_ssd_queue *q, int file, uint64_t off, uint64_t len,
             }
             pos += k;
         }
-        if (q->inflight == 0 && (first != STRATA_OK || pos >= len)) break;
+        if (st_ssd_queue_inflight(q) == 0 && (first != STRATA_OK || pos >= len)) break;
         bool got = false;
         uint64_t tag;
         strata_status st = st_ssd_reap(q, true, &got, &tag);
@@ -387,7 +222,7 @@ strata_status st_ssd_read(st_ssd_queue *q, int file, uint64_t off, uint64_t len,
             first = st;
             snprintf(msg, sizeof msg, "%s", st_last_error());
         }
-        if (!got && q->inflight == 0) break;
+        if (!got && st_ssd_queue_inflight(q) == 0) break;
     }
     if (first != STRATA_OK) return st_err(first, "%s", msg);
     return STRATA_OK;

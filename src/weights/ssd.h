@@ -11,7 +11,8 @@
  * st_ssd_queue issues reads with many requests in flight through io_uring
  * (liburing); when io_uring is not available (kernel, seccomp, or built
  * without liburing) it falls back to pread, one request at a time, and logs
- * that. A queue belongs to one thread.
+ * that. It is core/aio's queue (shared with the KV cache's SSD tier) plus the
+ * files' table and fault counter. A queue belongs to one thread.
  *
  * Reads: file offset, length and buffer aligned to ST_WG_ALIGN (4096), as
  * O_DIRECT requires. `need` <= len says how many bytes must come back: an
