@@ -139,8 +139,9 @@ static void test_tiers(const char *name, const st_model_files *mf, st_backend *b
     int32_t *a = malloc((size_t)n_prompt * sizeof *a);
     for (int64_t i = 0; i < n_prompt; i++) a[i] = (int32_t)(test_rand_u32(&rng) % (uint32_t)V);
     results *cold = calloc(1, sizeof *cold), *rs = calloc(1, sizeof *rs);
-    char dir[512];
-    snprintf(dir, sizeof dir, "%s", test_tmpdir("kv_tiers_ssd"));
+    char dir[512], tag[128], bf[1024];
+    snprintf(tag, sizeof tag, "kv_tiers_ssd_%s", name);
+    snprintf(dir, sizeof dir, "%s", test_tmpdir(tag));
 
     /* the reference: a cold run, no prefix cache, no tiers */
     st_runner *rn = runner_new(mf, be, (st_engine_params){.disable_prefix_cache = true}, cold);
@@ -184,6 +185,7 @@ static void test_tiers(const char *name, const st_model_files *mf, st_backend *b
     CHECK_MSG(rs->r[0].n_cached == hit && s.hit_tokens_ssd == hit, "%s: SSD-tier hit of %lld tokens (%lld counted)",
               name, (long long)rs->r[0].n_cached, (long long)s.hit_tokens_ssd);
     CHECK_MSG(same(&rs->r[0], &cold->r[0]), "%s: an SSD-tier hit changed the output or the logits", name);
+    snprintf(bf, sizeof bf, "%s", blocks_file(dir)); /* the only one yet */
     printf("  (b) %s: SSD-tier hit of %lld tokens (%llu bytes read); same tokens and logits as cold\n", name,
            (long long)hit, (unsigned long long)s.bytes_ssd2h);
     st_runner_free(rn);
@@ -210,7 +212,6 @@ static void test_tiers(const char *name, const st_model_files *mf, st_backend *b
     }
 
     /* (d) one corrupted block: the hit ends before it */
-    const char *bf = blocks_file(dir);
     CHECK_MSG(bf[0], "%s: no block file in %s", name, dir);
     const int64_t bad = 2; /* the third block of the prompt was the third written */
     {
@@ -240,7 +241,8 @@ static void test_tiers(const char *name, const st_model_files *mf, st_backend *b
 
     /* (e) a full disk: the 3rd write fails; the request is fine, fewer blocks cached */
     char dir2[512];
-    snprintf(dir2, sizeof dir2, "%s", test_tmpdir("kv_tiers_full"));
+    snprintf(tag, sizeof tag, "kv_tiers_full_%s", name);
+    snprintf(dir2, sizeof dir2, "%s", test_tmpdir(tag));
     st_engine_params pf = ps;
     pf.kv_ssd_dir = dir2;
     pf.kv_ssd_fail_write_nth = 3;

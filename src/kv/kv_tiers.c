@@ -475,8 +475,8 @@ strata_status st_kv_tiers_init(st_kv_pool *pool, const st_kv_tiers_params *p, st
     if (want_ssd) {
         const st_kv_ssd_params sp = {.dir = p->ssd_dir, .max_bytes = p->ssd_bytes, .payload_bytes = B,
                                      .block_tokens = t->bs, .identity = p->identity,
-                                     .identity_text = p->identity_text ? p->identity_text : "",
-                                     .force_pread = p->ssd_force_pread, .fail_write_nth = p->ssd_fail_write_nth};
+                                     .identity_text = p->identity_text, .force_pread = p->ssd_force_pread,
+                                     .max_writes = 1024, .fail_write_nth = p->ssd_fail_write_nth};
         if ((st = st_kv_ssd_open(&sp, &t->ssd))) goto fail;
         t->n_slots = st_kv_ssd_slots(t->ssd);
         t->st.ssd_slots = t->n_slots;
@@ -587,10 +587,7 @@ static void ensure(st_kv_tiers *t, int32_t block, uint64_t hash, uint64_t parent
         hlru_touch(t, e);
         return;
     }
-    if (e != NIL && t->ent[e].ssd != NIL) { /* on the SSD only: that copy serves */
-        slru_touch(t, e);
-        return;
-    }
+    if (e != NIL && t->ent[e].ssd != NIL) slru_touch(t, e); /* on the SSD only: a host copy too (no rewrite) */
     if (t->n_d2h == t->cap_xfer) {
         t->st.offloads_skipped++;
         return;
