@@ -629,6 +629,11 @@ void st_kv_tiers_on_evict(int32_t block, uint64_t hash, uint64_t parent_hash, co
 
 /* ---- admissions ------------------------------------------------------------------*/
 
+static int cmp_i64(const void *a, const void *b) {
+    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
 static uint64_t chain_to(const st_kv_tiers *t, const int32_t *tokens, int64_t n_blocks) {
     uint64_t h = t->p.hash_seed;
     for (int64_t i = 0; i < n_blocks; i++) h = st_kv_hash_tokens(tokens + i * t->bs, t->bs, h);
@@ -672,7 +677,7 @@ int64_t st_kv_tiers_load(st_kv_tiers *t, const int32_t *tokens, int64_t n_tokens
     }
     t->n_pinned += n_blocks;
     int64_t n_ok = n_blocks, m = 0;
-    int64_t *rk = NULL, *slots = NULL;
+    int64_t *rk = NULL, *slots = NULL, *hbs = NULL;
     uint64_t *hashes = NULL;
     void **bufs = NULL;
     bool *ok = NULL;
@@ -682,15 +687,25 @@ int64_t st_kv_tiers_load(st_kv_tiers *t, const int32_t *tokens, int64_t n_tokens
         hashes = st_malloc((size_t)n_rd * sizeof *hashes);
         bufs = st_malloc((size_t)n_rd * sizeof *bufs);
         ok = st_malloc((size_t)n_rd * sizeof *ok);
+        hbs = st_malloc((size_t)n_rd * sizeof *hbs);
         const bool mem = rk && slots && hashes && bufs && ok;
+        /* the host blocks first, ascending, so that consecutive blocks land in
+         * consecutive host blocks (long runs, few copies up) */
+        int64_t n_hb = 0;
+        while (mem && hbs && n_hb < n_rd) {
+            const int64_t hb = host_take(t);
+            if (hb == NIL) break;
+            hbs[n_hb++] = hb;
+        }
+        if (n_hb > 1) qsort(hbs, (size_t)n_hb, sizeof *hbs, cmp_i64);
         for (int64_t k = 0; k < n_blocks; k++) {
             entry *x = &t->ent[ents[k]];
             if (x->host != NIL) continue;
-            const int64_t hb = mem ? host_take(t) : NIL;
-            if (hb == NIL) { /* no host block to read it into: the rest is computed */
+            if (m == n_hb) { /* no host block to read it into: the rest is computed */
                 n_ok = k;
                 break;
             }
+            const int64_t hb = hbs[m];
             host_attach(t, ents[k], hb);
             x->ready = 0; /* the read below is synchronous */
             rk[m] = k;
@@ -728,6 +743,7 @@ int64_t st_kv_tiers_load(st_kv_tiers *t, const int32_t *tokens, int64_t n_tokens
     t->st.hit_tokens_host += (n_ok - from_ssd) * bs;
     t->st.hit_tokens_ssd += from_ssd * bs;
     st_free(rk);
+    st_free(hbs);
     st_free(slots);
     st_free(hashes);
     st_free(bufs);
@@ -799,8 +815,8 @@ strata_status st_kv_tiers_drain(st_kv_tiers *t) {
 void st_kv_tiers_drop_host(st_kv_tiers *t, bool all) {
     if (!t) return;
     (void)st_kv_tiers_drain(t);
-    for (int64_t e = t->hlru_head; e != NIL;) {
-        const int64_t next = t->ent[e].hnext;
+    for (int64_t e = t->hlru_tail; e != NIL;) { /* most recent first: the free blocks pop oldest first */
+        const int64_t next = t->ent[e].hprev;
         if ((all || t->ent[e].ssd != NIL) && evictable(t, e)) host_release(t, e);
         e = next;
     }
