@@ -14,6 +14,8 @@ struct st_kv_pool {
     void *d_meta;           /* its device copy */
     st_event **ready;       /* [n_layers] set by the tiers for one pass (NULL: resident) */
     int64_t n_ready;        /* layers with a ready event */
+    st_kv_pool_pass_fn pass_fn;
+    void *pass_user;
 };
 
 static size_t r256(size_t x) { return (x + 255) / 256 * 256; }
@@ -156,6 +158,13 @@ void st_kv_pool_clear_ready(st_kv_pool *kv) {
 }
 
 bool st_kv_pool_has_ready(const st_kv_pool *kv) { return kv->n_ready > 0; }
+
+void st_kv_pool_set_pass_hook(st_kv_pool *kv, st_kv_pool_pass_fn fn, void *user) {
+    kv->pass_fn = fn;
+    kv->pass_user = user;
+}
+
+strata_status st_kv_pool_begin_pass(st_kv_pool *kv) { return kv->pass_fn ? kv->pass_fn(kv->pass_user) : STRATA_OK; }
 
 void st_kv_pool_meta(st_kv_pool *kv, void **host, void **dev, size_t *bytes) {
     *host = kv->h_meta;

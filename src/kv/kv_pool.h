@@ -90,6 +90,13 @@ void st_kv_pool_clear_ready(st_kv_pool *kv);
  * recorded as a graph: it runs directly, layer by layer). */
 bool st_kv_pool_has_ready(const st_kv_pool *kv);
 
+/* A hook the model calls once per pass, after it enqueued the batch
+ * metadata upload and before the layers (the tiers issue their loads there).
+ * NULL fn: none. */
+typedef strata_status (*st_kv_pool_pass_fn)(void *user);
+void st_kv_pool_set_pass_hook(st_kv_pool *kv, st_kv_pool_pass_fn fn, void *user);
+strata_status st_kv_pool_begin_pass(st_kv_pool *kv);
+
 /* The batch metadata buffers: `bytes` of pinned host staging and the device
  * buffer it is copied to (both owned by the pool). */
 void st_kv_pool_meta(st_kv_pool *kv, void **host, void **dev, size_t *bytes);

@@ -109,6 +109,7 @@ struct st_kv_tiers {
     int64_t ssd_busy;
     st_kv_ssd_done *done_buf;
 
+    st_stream *compute;       /* the model's stream (before_forward's) */
     st_kv_tiers_stats st;
 };
 
@@ -481,6 +482,8 @@ static void on_scan(int64_t slot, uint64_t hash, uint64_t parent, const int32_t 
 
 /* ---- init / free -----------------------------------------------------------------*/
 
+static strata_status issue_loads(void *user);
+
 strata_status st_kv_tiers_init(st_kv_pool *pool, const st_kv_tiers_params *p, st_kv_tiers **out) {
     if (!out) return st_err(STRATA_ERR_INVALID_ARG, "kv tiers: out is NULL");
     *out = NULL;
@@ -565,6 +568,7 @@ strata_status st_kv_tiers_init(st_kv_pool *pool, const st_kv_tiers_params *p, st
         goto fail;
     }
     t->pinner_on = true;
+    st_kv_pool_set_pass_hook(pool, issue_loads, t);
     const st_backend_ops *o = t->be->ops;
     if ((st = o->stream_create(t->be, false, &t->cs))) goto fail;
     if ((st = o->event_create(t->be, &t->ev_compute)) || (st = o->event_create(t->be, &t->ev_d2h))) goto fail;
@@ -595,6 +599,7 @@ void st_kv_tiers_free(st_kv_tiers *t) {
     if (t->cs) (void)st_kv_tiers_drain(t);
     st_kv_ssd_close(t->ssd);
     st_kv_pool_clear_ready(t->pool);
+    st_kv_pool_set_pass_hook(t->pool, NULL, NULL);
     const st_backend_ops *o = t->be->ops;
     if (t->cs) o->stream_destroy(t->be, t->cs);
     if (t->ev_compute) o->event_destroy(t->be, t->ev_compute);
@@ -808,15 +813,15 @@ int64_t st_kv_tiers_load(st_kv_tiers *t, const int32_t *tokens, int64_t n_tokens
 
 /* ---- around a pass ---------------------------------------------------------------*/
 
-strata_status st_kv_tiers_before_forward(st_kv_tiers *t, st_stream *compute) {
+/* This step's loads, layer by layer, each layer's event handed to the pool;
+ * then the entries are unpinned. Called by the model once the pass's metadata
+ * upload is enqueued (the pool's pass hook), or by after_step when no pass ran. */
+static strata_status issue_loads(void *user) {
+    st_kv_tiers *t = user;
     const st_backend_ops *o = t->be->ops;
     strata_status st;
-    if ((st = flush_d2h(t, compute))) return st; /* blocks evicted by this step's allocations */
-    if ((st = poll_copies(t))) return st;
-    /* the pass may write into blocks whose copy out is still running */
-    if (t->last_d2h > t->done_ticket && (st = o->stream_wait_event(t->be, compute, t->ev_d2h))) return st;
     if (t->n_h2d > 0) {
-        if ((st = o->event_record(t->be, t->ev_compute, compute))) return st;
+        if ((st = o->event_record(t->be, t->ev_compute, t->compute))) return st;
         if ((st = o->stream_wait_event(t->be, t->cs, t->ev_compute))) return st;
         for (int64_t l = 0; l < t->L; l++) {
             if ((st = copy_layer(t, t->h2d, t->n_h2d, l, false, &t->st.copies_h2d))) return st;
@@ -835,9 +840,21 @@ strata_status st_kv_tiers_before_forward(st_kv_tiers *t, st_stream *compute) {
     return STRATA_OK;
 }
 
-strata_status st_kv_tiers_after_step(st_kv_tiers *t, st_stream *compute) {
-    st_kv_pool_clear_ready(t->pool);
+strata_status st_kv_tiers_before_forward(st_kv_tiers *t, st_stream *compute) {
     strata_status st;
+    t->compute = compute;
+    if ((st = flush_d2h(t, compute))) return st; /* blocks evicted by this step's allocations */
+    if ((st = poll_copies(t))) return st;
+    /* the pass may write into blocks whose copy out is still running */
+    if (t->last_d2h > t->done_ticket && (st = t->be->ops->stream_wait_event(t->be, compute, t->ev_d2h))) return st;
+    return STRATA_OK; /* the loads: issue_loads, from the pass */
+}
+
+strata_status st_kv_tiers_after_step(st_kv_tiers *t, st_stream *compute) {
+    strata_status st;
+    t->compute = compute;
+    if ((t->n_h2d > 0 || t->n_pinned > 0) && (st = issue_loads(t))) return st; /* no pass ran: the KV still lands */
+    st_kv_pool_clear_ready(t->pool);
     if ((st = flush_d2h(t, compute))) return st; /* blocks registered by this step (eager) */
     if ((st = poll_copies(t))) return st;
     if (t->ssd) {

@@ -35,9 +35,12 @@
  *     compute stream recorded after the pass that computed the blocks; a pass
  *     that could overwrite a device block whose copy has not completed waits
  *     for it on the device (st_kv_tiers_before_forward);
- *   - host -> device loads are issued layer by layer before the pass, one
- *     event per layer handed to the pool (st_kv_pool_set_ready): layer l's
- *     blocks arrive while layer l-1 computes;
+ *   - host -> device loads are issued layer by layer when the pass begins
+ *     (the pool's pass hook, called by the model right after it enqueued the
+ *     batch metadata upload: queued behind 4 GB of loads on the copy engine,
+ *     that upload would hold the whole pass back), one event per layer handed
+ *     to the pool (st_kv_pool_set_ready): layer l's blocks arrive while layer
+ *     l-1 computes;
  *   - completion is polled with event_query; a host block is rewritten (SSD
  *     read, new offload) only after every copy reading it completed, and is
  *     handed to the SSD writer only after its device copy completed.
@@ -115,13 +118,15 @@ int64_t st_kv_tiers_load(st_kv_tiers *t, const int32_t *tokens, int64_t n_tokens
 
 /* ---- runner: around one pass ------------------------------------------------------
  * Before the pass, on `compute` (the model's stream): issues the device ->
- * host copies of blocks the device evicted this step (lazy offload), makes
- * the stream wait for copies out of blocks it may now overwrite, and issues
- * this step's loads layer by layer with their events in the pool. */
+ * host copies of blocks the device evicted this step (lazy offload) and makes
+ * the stream wait for copies out of blocks it may now overwrite. This step's
+ * loads are issued by the pass itself (the pool's pass hook), layer by layer
+ * with their events in the pool. */
 strata_status st_kv_tiers_before_forward(st_kv_tiers *t, st_stream *compute);
 /* After the pass (its results are on the host: the stream has completed):
- * clears the pool's events, issues the offload of blocks registered in this
- * step (eager), polls copy and SSD completions, queues SSD writes. */
+ * issues the loads if no pass did, clears the pool's events, issues the
+ * offload of blocks registered in this step (eager), polls copy and SSD
+ * completions, queues SSD writes. */
 strata_status st_kv_tiers_after_step(st_kv_tiers *t, st_stream *compute);
 
 typedef struct {

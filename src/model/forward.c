@@ -316,6 +316,9 @@ static strata_status forward_enqueue(st_llama *m, st_kv_pool *kv, const st_batch
     const st_batch *rb = pad_batch(m, b, sample ? args : NULL, &padded) ? &padded : b; /* the real rows first */
     batch_dev d;
     TRY(batch_upload(m, kv, rb, &d));
+    /* the lower KV tiers' loads go after the metadata upload (one copy engine
+     * serves both: queued behind them, the pass would start when they end) */
+    TRY(st_kv_pool_begin_pass(kv));
     TRY(st_llama_batch_run(m, kv, &d, rb, sample));
     if (b->n_logits > 0 && logits)
         TRY(o->copy_d2h(be, m->stream, logits, m->logits, (size_t)(b->n_logits * V) * sizeof(float)));
