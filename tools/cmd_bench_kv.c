@@ -38,7 +38,7 @@ static void usage(FILE *f) {
             "                    pool, tiers on and off\n"
             "  --prefix-len N    tokens of each shared prefix (default 2048)\n"
             "  --requests N      requests of the serving run (default 256)\n"
-            "  --concurrency N   requests at once (default 16)\n" TOOL_MODEL_OPTS_HELP);
+            "  --concurrency N   requests at once (default 16)\n" TOOL_MODEL_OPTS_HELP TOOL_KV_TIER_OPTS_HELP);
 }
 
 typedef struct {
@@ -165,7 +165,7 @@ out:
 }
 
 int cmd_bench_kv(int argc, char **argv) {
-    tool_model_opts mo = TOOL_MODEL_OPTS_INIT;
+    tool_model_opts mo = TOOL_ENGINE_OPTS_INIT;
     const char *path = NULL;
     int64_t prompt = 32768, chunk = 2048, prefix_len = 2048, n_req = 256, conc = 16;
     bool serve = false;

@@ -67,7 +67,7 @@ static void run_usage(FILE *f) {
             "  --stop STR              stop when the output contains STR (not printed); repeatable\n"
             "                          (up to %d). The model's end tokens always stop it.\n"
             "  -q, --quiet             no loading line and no stats line\n"
-            TOOL_MODEL_OPTS_HELP
+            TOOL_MODEL_OPTS_HELP TOOL_KV_TIER_OPTS_HELP
             "\nStats line (stderr), one per answer:\n"
             "  prompt: P tokens in S s (R tok/s), generated: G tokens in S s (R tok/s), load: S s, stop: WHY[, seed: S][, cached: C]\n"
             "where P counts the prompt tokens computed (C more came from the prefix cache: the earlier\n"
@@ -137,7 +137,7 @@ static bool is_chat_format(const char *name) {
 /* 1: parsed, 0: --help shown, -1: usage error (message printed) */
 static int parse_args(int argc, char **argv, run_opts *o) {
     memset(o, 0, sizeof *o);
-    o->mo = (tool_model_opts)TOOL_MODEL_OPTS_INIT;
+    o->mo = (tool_model_opts)TOOL_ENGINE_OPTS_INIT;
     o->chat = -1;
     o->n_predict = DEF_N_PREDICT;
     o->sp.temperature = (float)DEF_TEMP;

@@ -72,6 +72,7 @@ static void serve_usage(FILE *f) {
             "  --precise                hi+lo split bf16 operands instead (~1e-5 of fp32 math): the\n"
             "                           default for models stored in f32\n"
             "  --kv-dtype bf16|fp8|f32  KV cache element type (default bf16)\n"
+            TOOL_KV_TIER_OPTS_HELP
             "  --host-sample            sample on the host even on CUDA (checks; default: on the device)\n"
             "  --no-rooflines           skip the start-up probes of HBM bandwidth and GEMM rate (CUDA)\n"
             "  --max-body BYTES         request body limit (default 1048576); larger bodies get a 413\n"
@@ -109,7 +110,7 @@ typedef struct {
 /* 1: run, 0: exit 0 (help), -1: usage error (printed). */
 static int parse_args(int argc, char **argv, serve_opts *o) {
     memset(o, 0, sizeof *o);
-    o->mo = (tool_model_opts)TOOL_MODEL_OPTS_INIT;
+    o->mo = (tool_model_opts)TOOL_ENGINE_OPTS_INIT;
     o->host = "127.0.0.1";
     o->port = 8080;
     o->shutdown_timeout = SERVE_DEF_SHUTDOWN_TIMEOUT;

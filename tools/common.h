@@ -25,7 +25,9 @@ typedef struct {
     const char *test_fault; /* --test-fault read-error:N | short-read:N: the Nth weight read fails or comes
                                back short; kv-ssd-write:N: the Nth KV SSD-tier write fails as on a full
                                disk (a hidden option of test builds, -DSTRATA_TESTING=ON) */
-    /* KV tiers (engine commands: run, serve; plan shows them) */
+    /* KV tiers: options of the commands that build an engine (run, serve, bench-kv) or plan one
+     * (plan); they set kv_tier_opts before parsing, the others refuse these options */
+    bool kv_tier_opts;
     int64_t kv_host_mem;   /* --kv-host-mem SIZE: 0 (unset): default share; -1 (--kv-host-mem 0): off */
     bool kv_offload_lazy;  /* --kv-offload lazy */
     const char *kv_ssd_dir; /* --kv-ssd-dir DIR */
@@ -36,6 +38,8 @@ typedef struct {
 int64_t tool_kv_ssd_fault(const tool_model_opts *o);
 
 #define TOOL_MODEL_OPTS_INIT {.kv_dtype = ST_KV_BF16}
+/* TOOL_MODEL_OPTS_INIT for the commands that take the KV tier options */
+#define TOOL_ENGINE_OPTS_INIT {.kv_dtype = ST_KV_BF16, .kv_tier_opts = true}
 
 #define TOOL_MODEL_OPTS_HELP \
     "  --device cpu|cuda|auto   backend (default auto: CUDA when built and a GPU is present)\n" \
@@ -55,7 +59,10 @@ int64_t tool_kv_ssd_fault(const tool_model_opts *o);
     "                           operands (~1e-5 of fp32 math; for reference checks); default for\n" \
     "                           models stored in f32\n"                                           \
     "  --fast-prefill           bf16 operands, fp32 accumulation (~1e-2 relative error on logits,\n" \
-    "                           about twice as fast); default for bf16, f16 and quantized models\n" \
+    "                           about twice as fast); default for bf16, f16 and quantized models\n"
+
+/* The KV tier options (run, serve, plan, bench-kv). */
+#define TOOL_KV_TIER_OPTS_HELP \
     "  --kv-host-mem SIZE       host tier of the KV cache: full blocks are kept in (pinned) host\n"  \
     "                           memory and prompts that share a prefix load them back instead of\n" \
     "                           recomputing (default 1/8 of the available memory, at most 32G;\n"  \
