@@ -258,6 +258,51 @@ static void test_tiers(const char *name, const st_model_files *mf, st_backend *b
            (long long)s.ssd_cached, (long long)(hit / bs));
     st_runner_free(rn);
 
+    /* (i) tiers smaller than the data: LRU in the host tier (4 blocks) and the SSD tier (6
+     * slots) while two prompts go through; the last prompt's tail blocks stay hits, outputs
+     * unchanged */
+    {
+        char dir3[512];
+        snprintf(tag, sizeof tag, "kv_tiers_small_%s", name);
+        snprintf(dir3, sizeof dir3, "%s", test_tmpdir(tag));
+        const int64_t bb = s.block_bytes;
+        st_engine_params pm = {.kv_host_mem = 4 * bb, .kv_ssd_dir = dir3, .kv_ssd_size = (uint64_t)(6 * (bb + 4096))};
+        rn = runner_new(mf, be, pm, rs);
+        int32_t *b = malloc((size_t)n_prompt * sizeof *b);
+        for (int64_t i = 0; i < n_prompt; i++) b[i] = (int32_t)(test_rand_u32(&rng) % (uint32_t)V);
+        run1(rn, rs, a, n_prompt, max_tokens);
+        CHECK(st_kv_tiers_drain(st_runner_tiers(rn)) == STRATA_OK);
+        run1(rn, rs, b, n_prompt, max_tokens);
+        CHECK(st_kv_tiers_drain(st_runner_tiers(rn)) == STRATA_OK);
+        s = tier_stats(rn);
+        CHECK_MSG(s.host_blocks == 4 && s.host_cached <= 4 && s.ssd_slots == 6 && s.ssd_cached == 6,
+                  "%s: small tiers: host %lld of %lld, SSD %lld of %lld", name, (long long)s.host_cached,
+                  (long long)s.host_blocks, (long long)s.ssd_cached, (long long)s.ssd_slots);
+        /* b, the most recent prompt, kept its chain's head in the tiers (blocks go before their
+         * parents): a hit of at least the host tier's 4 blocks (a block stays pinned in the host
+         * tier until its SSD write completes, so a 4-block host tier skips some offloads) */
+        st_runner_clear_device_cache(rn);
+        results *rb = calloc(1, sizeof *rb);
+        st_runner *ref = runner_new(mf, be, (st_engine_params){.disable_prefix_cache = true}, rb);
+        run1(ref, rb, b, n_prompt, max_tokens);
+        st_runner_free(ref);
+        run1(rn, rs, b, n_prompt, max_tokens);
+        const int64_t b_hit = rs->r[0].n_cached;
+        CHECK_MSG(b_hit >= 4 * bs && same(&rs->r[0], &rb->r[0]), "%s: small tiers: the last prompt hit %lld tokens",
+                  name, (long long)b_hit);
+        st_runner_clear_device_cache(rn);
+        run1(rn, rs, a, n_prompt, max_tokens); /* what is left of a's chain (its head, if anything) */
+        CHECK_MSG(same(&rs->r[0], &cold->r[0]) && rs->r[0].n_cached < b_hit, "%s: small tiers: a hit %lld", name,
+                  (long long)rs->r[0].n_cached);
+        printf("  (i) %s: host tier of 4 blocks, SSD tier of 6 slots, two %lld-token prompts through them: "
+               "LRU keeps them full (%lld / %lld), heads of chains kept (the last prompt hits %lld tokens), "
+               "outputs unchanged\n",
+               name, (long long)n_prompt, (long long)s.host_cached, (long long)s.ssd_cached, (long long)b_hit);
+        free(rb);
+        free(b);
+        st_runner_free(rn);
+    }
+
     /* (f) lazy: nothing goes down until the device evicts */
     {
         const int64_t nb = (n_prompt + max_tokens + bs) / bs + 1; /* one prompt's blocks, about */

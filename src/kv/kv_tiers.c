@@ -203,6 +203,39 @@ static void ent_free(st_kv_tiers *t, int64_t e) {
 LRU_FNS(hlru, hlru_head, hlru_tail, hprev, hnext)
 LRU_FNS(slru, slru_head, slru_tail, sprev, snext)
 
+/* Chains: a block is useful only with all its ancestors, so within a tier a
+ * block is evicted before its parent. A block entering a tier (or refreshed
+ * there) is placed right before its parent in the LRU order when the parent is
+ * in that tier, at the most recent end when it is a first block, and at the
+ * least recent end when its parent is not there (it cannot be hit anyway). A
+ * hit refreshes its chain last block first, so the chain's head ends most
+ * recent. */
+static int64_t parent_in(const st_kv_tiers *t, int64_t e, bool ssd) {
+    const uint64_t ph = t->ent[e].parent;
+    for (int64_t p = t->bucket[bucket_of(t, ph)]; p != NIL; p = t->ent[p].bnext)
+        if (p != e && t->ent[p].hash == ph && (ssd ? t->ent[p].ssd : t->ent[p].host) != NIL) return p;
+    return NIL;
+}
+
+#define LRU_PLACE(name, head, tail, prev, next, ssd)                                         \
+    static void name##_place(st_kv_tiers *t, int64_t e) {                                    \
+        if (t->ent[e].parent == t->p.hash_seed) {                                            \
+            name##_push(t, e);                                                               \
+            return;                                                                          \
+        }                                                                                    \
+        const int64_t p = parent_in(t, e, ssd);                                              \
+        const int64_t before = p != NIL ? t->ent[p].prev : NIL; /* insert between before and p */ \
+        const int64_t after = p != NIL ? p : t->head;                                        \
+        t->ent[e].prev = before;                                                             \
+        t->ent[e].next = after;                                                              \
+        if (before != NIL) t->ent[before].next = e;                                          \
+        else t->head = e;                                                                    \
+        if (after != NIL) t->ent[after].prev = e;                                            \
+        else t->tail = e;                                                                    \
+    }
+LRU_PLACE(hlru, hlru_head, hlru_tail, hprev, hnext, false)
+LRU_PLACE(slru, slru_head, slru_tail, sprev, snext, true)
+
 /* ---- host pool -------------------------------------------------------------------*/
 
 static uint8_t *host_ptr(const st_kv_tiers *t, int64_t h) {
@@ -294,7 +327,7 @@ static int64_t host_take(st_kv_tiers *t) {
 static void host_attach(st_kv_tiers *t, int64_t e, int64_t h) {
     t->ent[e].host = h;
     t->host_ent[h] = e;
-    hlru_push(t, e);
+    hlru_place(t, e);
     t->st.host_cached++;
 }
 
@@ -430,7 +463,7 @@ static void ssd_poll(st_kv_tiers *t) {
             t->ssd_busy--;
             if (t->done_buf[i].ok) {
                 x->ssd = slot;
-                slru_push(t, e);
+                slru_place(t, e);
                 t->st.ssd_cached++;
                 t->st.bytes_h2ssd += t->B;
             } else {
@@ -450,19 +483,34 @@ static void ssd_feed(st_kv_tiers *t) {
         entry *x = &t->ent[e];
         if (x->ready > t->done_ticket) break; /* its device copy is still in flight */
         const int64_t slot = ssd_take(t);
-        if (slot == NIL) break;
+        if (slot == NIL) {
+            if (t->ssd_busy == 0 && t->n_free_slot == 0 && t->slru_head == NIL) {
+                /* every slot failed (a full disk): nothing more goes to the SSD tier */
+                while (t->fifo_n > 0) {
+                    t->ent[t->fifo[t->fifo_head]].to_ssd = false;
+                    t->fifo_head = (t->fifo_head + 1) % t->n_host;
+                    t->fifo_n--;
+                }
+            }
+            break;
+        }
         const strata_status st = st_kv_ssd_write(t->ssd, slot, x->hash, x->parent, t->tok + e * t->bs,
                                                  host_ptr(t, x->host));
-        if (st != STRATA_OK) { /* the writer's queue is full: later */
+        if (st == STRATA_ERR_BUSY) { /* the writer's queue is full: later */
             t->free_slot[t->n_free_slot++] = slot;
             break;
+        }
+        x->to_ssd = false;
+        t->fifo_head = (t->fifo_head + 1) % t->n_host;
+        t->fifo_n--;
+        if (st != STRATA_OK) { /* cannot happen (slot, buffer and alignment are ours): not cached */
+            st_log(STRATA_LOG_WARN, "kv SSD tier: %s", st_last_error());
+            t->free_slot[t->n_free_slot++] = slot;
+            continue;
         }
         x->ssd_pending = slot;
         t->slot_ent[slot] = e;
         t->ssd_busy++;
-        x->to_ssd = false;
-        t->fifo_head = (t->fifo_head + 1) % t->n_host;
-        t->fifo_n--;
     }
 }
 
@@ -524,6 +572,10 @@ strata_status st_kv_tiers_init(st_kv_pool *pool, const st_kv_tiers_params *p, st
                                      .max_writes = 1024, .fail_write_nth = p->ssd_fail_write_nth};
         if ((st = st_kv_ssd_open(&sp, &t->ssd))) goto fail;
         t->n_slots = st_kv_ssd_slots(t->ssd);
+        if (t->n_slots == 0) { /* no room on the disk (the store warned): no SSD tier */
+            st_kv_ssd_close(t->ssd);
+            t->ssd = NULL;
+        }
         t->st.ssd_slots = t->n_slots;
     }
     t->cap_ent = t->n_host + t->n_slots;
@@ -644,10 +696,14 @@ void st_kv_tiers_free(st_kv_tiers *t) {
 static void ensure(st_kv_tiers *t, int32_t block, uint64_t hash, uint64_t parent, const int32_t *tokens) {
     int64_t e = find(t, hash, parent, tokens);
     if (e != NIL && t->ent[e].host != NIL) {
-        hlru_touch(t, e);
+        hlru_remove(t, e);
+        hlru_place(t, e);
         return;
     }
-    if (e != NIL && t->ent[e].ssd != NIL) slru_touch(t, e); /* on the SSD only: a host copy too (no rewrite) */
+    if (e != NIL && t->ent[e].ssd != NIL) { /* on the SSD only: a host copy too (no rewrite) */
+        slru_remove(t, e);
+        slru_place(t, e);
+    }
     if (t->n_d2h == t->cap_xfer) {
         t->st.offloads_skipped++;
         return;
@@ -677,7 +733,10 @@ void st_kv_tiers_on_register(int32_t block, uint64_t hash, uint64_t parent_hash,
         return;
     }
     const int64_t e = find(t, hash, parent_hash, tokens); /* lazy: only refresh what the tiers hold */
-    if (e != NIL && t->ent[e].host != NIL) hlru_touch(t, e);
+    if (e != NIL && t->ent[e].host != NIL) {
+        hlru_remove(t, e);
+        hlru_place(t, e);
+    }
 }
 
 void st_kv_tiers_on_evict(int32_t block, uint64_t hash, uint64_t parent_hash, const int32_t *tokens,
@@ -792,11 +851,10 @@ int64_t st_kv_tiers_load(st_kv_tiers *t, const int32_t *tokens, int64_t n_tokens
         }
     }
     /* this step's loads: host block -> device block, issued by before_forward */
-    for (int64_t k = 0; k < n_ok; k++) {
-        entry *x = &t->ent[ents[k]];
-        t->h2d[t->n_h2d++] = (xfer){.dev = dev_blocks[k], .host = x->host};
+    for (int64_t k = 0; k < n_ok; k++) t->h2d[t->n_h2d++] = (xfer){.dev = dev_blocks[k], .host = t->ent[ents[k]].host};
+    for (int64_t k = n_ok - 1; k >= 0; k--) { /* the chain refreshed last block first: its head most recent */
         hlru_touch(t, ents[k]);
-        if (x->ssd != NIL) slru_touch(t, ents[k]);
+        if (t->ent[ents[k]].ssd != NIL) slru_touch(t, ents[k]);
     }
     int64_t from_ssd = 0;
     for (int64_t i = 0; i < m; i++) from_ssd += ok[i] && rk[i] < n_ok;
