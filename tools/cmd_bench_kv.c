@@ -59,28 +59,35 @@ static int cmp_d(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
-/* Runs to completion; records each request's first-token time. */
-static bool drain(st_runner *rn, req_t *rq) {
-    while (st_runner_has_work(rn)) {
-        st_runner_step_info si;
-        if (st_runner_step(rn, &si) != STRATA_OK) {
-            tool_print_error("bench-kv");
-            return false;
+/* One step; records each request's first-token time and counts the tokens
+ * sampled (*n_tok, may be NULL). */
+static bool step(st_runner *rn, req_t *rq, int64_t *n_tok) {
+    st_runner_step_info si;
+    if (st_runner_step(rn, &si) != STRATA_OK) {
+        tool_print_error("bench-kv");
+        return false;
+    }
+    const double now = st_time_now();
+    for (int64_t k = 0; k < si.n_events; k++) {
+        const st_runner_event *e = &si.events[k];
+        req_t *r = &rq[e->seq->id];
+        if (!r->t_first) {
+            r->t_first = now;
+            r->first = e->token;
         }
-        const double now = st_time_now();
-        for (int64_t k = 0; k < si.n_events; k++) {
-            const st_runner_event *e = &si.events[k];
-            req_t *r = &rq[e->seq->id];
-            if (!r->t_first) {
-                r->t_first = now;
-                r->first = e->token;
-            }
-            if (e->finished) {
-                r->done = true;
-                st_seq_free(e->seq);
-            }
+        if (n_tok) (*n_tok)++;
+        if (e->finished) {
+            r->done = true;
+            st_seq_free(e->seq);
         }
     }
+    return true;
+}
+
+/* Runs to completion. */
+static bool drain(st_runner *rn, req_t *rq) {
+    while (st_runner_has_work(rn))
+        if (!step(rn, rq, NULL)) return false;
     return true;
 }
 
@@ -375,19 +382,7 @@ int cmd_bench_kv(int argc, char **argv) {
                     if (!add(rn, (uint64_t)added, buf, prefix_len + suffix, gen, rq)) goto out;
                     added++;
                 }
-                st_runner_step_info si;
-                if (st_runner_step(rn, &si) != STRATA_OK) {
-                    tool_print_error("bench-kv");
-                    goto out;
-                }
-                const double now = st_time_now();
-                for (int64_t k = 0; k < si.n_events; k++) {
-                    const st_runner_event *e = &si.events[k];
-                    req_t *r = &rq[e->seq->id];
-                    if (!r->t_first) r->t_first = now;
-                    gen_tok++;
-                    if (e->finished) st_seq_free(e->seq);
-                }
+                if (!step(rn, rq, &gen_tok)) goto out;
             }
             const double wall = st_time_now() - t0;
             for (int64_t i = 0; i < n_req; i++) tt[i] = rq[i].t_first - rq[i].t_add;
