@@ -52,6 +52,9 @@ struct st_runner {
 static int64_t tiers_lookup(void *user, const int32_t *tokens, int64_t n_tokens, int64_t from_block) {
     return st_kv_tiers_lookup(user, tokens, n_tokens, from_block);
 }
+static int64_t tiers_prefetch(void *user, const int32_t *tokens, int64_t n_tokens, int64_t from_block) {
+    return st_kv_tiers_prefetch(user, tokens, n_tokens, from_block);
+}
 static int64_t tiers_load(void *user, const int32_t *tokens, int64_t n_tokens, int64_t from_block, int64_t n_blocks,
                           const int32_t *dev_blocks) {
     return st_kv_tiers_load(user, tokens, n_tokens, from_block, n_blocks, dev_blocks);
@@ -213,6 +216,7 @@ strata_status st_runner_init(const st_model_files *files, st_backend *be, const 
                                         .max_model_len = p.max_model_len,
                                         .prefill_chunk = p.prefill_chunk > 0 ? p.prefill_chunk : 0,
                                         .lower = {.lookup = r->tiers ? tiers_lookup : NULL,
+                                                  .prefetch = r->tiers ? tiers_prefetch : NULL,
                                                   .load = r->tiers ? tiers_load : NULL, .user = r->tiers}};
         if ((st = st_scheduler_init(&sp, r->bm, &r->sched))) goto fail;
     }
@@ -329,8 +333,13 @@ strata_status st_runner_step(st_runner *r, st_runner_step_info *out) {
     if (st) return st;
     out->n_preempted = d->n_preempted;
     if (d->n_items == 0) { /* copies the schedule queued still go (none when nothing ran) */
-        if (r->tiers && (st = st_kv_tiers_before_forward(r->tiers, st_llama_stream(r->model)))) return st;
-        return r->tiers ? st_kv_tiers_after_step(r->tiers, st_llama_stream(r->model)) : STRATA_OK;
+        if (!r->tiers) return STRATA_OK;
+        if ((st = st_kv_tiers_before_forward(r->tiers, st_llama_stream(r->model))) ||
+            (st = st_kv_tiers_after_step(r->tiers, st_llama_stream(r->model))))
+            return st;
+        /* nothing runnable while a waiting prompt's blocks come from the SSD tier: wait for them */
+        if (st_kv_tiers_reading(r->tiers)) st_kv_tiers_wait_reads(r->tiers);
+        return STRATA_OK;
     }
     out->n_tokens = d->n_tokens;
     out->n_seqs = d->n_items;

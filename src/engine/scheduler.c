@@ -253,8 +253,12 @@ static strata_status admit_head(st_scheduler *s, int64_t budget, int64_t *used, 
     const int64_t cached = st_bm_lookup(s->bm, q->tokens, q->n_tokens, NULL);
     /* blocks the lower tiers hold after the device prefix */
     int64_t lower = 0;
-    if (s->p.lower.lookup && cached % bs == 0)
+    if (s->p.lower.lookup && cached % bs == 0) {
         lower = s->p.lower.lookup(s->p.lower.user, q->tokens, q->n_tokens, cached / bs);
+        /* more of its prefix on its way from the SSD tier: the head waits for it */
+        if (s->p.lower.prefetch && s->p.lower.prefetch(s->p.lower.user, q->tokens, q->n_tokens, cached / bs + lower) > 0)
+            return STRATA_OK;
+    }
     int64_t have = cached + lower * bs;
     int64_t chunk = chunk_for(s, have, q->n_tokens, budget);
     if (chunk == 0) return STRATA_OK;

@@ -90,13 +90,17 @@ typedef struct {
     int64_t prefill_chunk;
     /* The KV tiers below the device (kv/kv_tiers.h through the runner; NULL
      * functions: none). At an admission, after the device prefix of c blocks:
-     * lookup says how many more blocks (c, c+1, ...) they hold; load brings n of
-     * them into the device blocks the sequence was just given and returns how
-     * many leading ones will be there before the step's pass (fewer when a
-     * block turns out unreadable). Those count as cached: the first chunk
-     * starts after them, and they enter the device prefix cache. */
+     * lookup says how many more blocks (c, c+1, ...) the host tier holds;
+     * prefetch, how many after those are on their way from the SSD tier (it
+     * starts their reads): then the head waits (nobody overtakes it; running
+     * sequences go on) and tries again at the next step; load brings n blocks
+     * into the device blocks the sequence was just given and returns how many
+     * leading ones will be there before the step's pass. Those count as cached:
+     * the first chunk starts after them, and they enter the device prefix
+     * cache. */
     struct {
         int64_t (*lookup)(void *user, const int32_t *tokens, int64_t n_tokens, int64_t from_block);
+        int64_t (*prefetch)(void *user, const int32_t *tokens, int64_t n_tokens, int64_t from_block);
         int64_t (*load)(void *user, const int32_t *tokens, int64_t n_tokens, int64_t from_block, int64_t n_blocks,
                         const int32_t *dev_blocks);
         void *user;

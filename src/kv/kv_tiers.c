@@ -39,6 +39,8 @@ typedef struct {
     int64_t ssd_pending; /* slot being written, or NIL */
     int32_t pins;        /* loads of this step */
     bool live, to_ssd;   /* to_ssd: in the SSD FIFO */
+    bool reading;        /* its host block is being read from its slot (the reader thread) */
+    bool fetched;        /* its host copy came from the SSD tier for a hit not yet taken (counts as an SSD hit) */
     uint64_t ready;      /* ticket after which the host copy is complete */
     int64_t hprev, hnext, sprev, snext, bnext;
 } entry;
@@ -52,6 +54,16 @@ typedef struct {
     st_event *e;
     uint64_t ticket;
 } ring_ev;
+
+/* One batch of SSD reads for the reader thread. */
+typedef struct read_job {
+    int64_t n;
+    int64_t *ent, *slot;
+    uint64_t *hash;
+    void **buf;
+    bool *ok;
+    struct read_job *next;
+} read_job;
 
 struct st_kv_tiers {
     st_kv_tiers_params p;
@@ -113,6 +125,16 @@ struct st_kv_tiers {
     st_kv_ssd_done *done_buf;
 
     st_stream *compute;       /* the model's stream (before_forward's) */
+    /* the reader: a thread that reads SSD-tier blocks into host blocks for
+     * st_kv_tiers_prefetch; jobs go in `todo`, come back in `done` (rmu) */
+    pthread_t reader;
+    bool reader_on, reader_stop;
+    pthread_mutex_t rmu;
+    pthread_cond_t rcv, rdone_cv;
+    struct read_job *todo, *done;
+    int64_t reads_in_flight;  /* blocks in jobs not yet taken back (stepping thread) */
+    int64_t *fetched, n_fetched; /* entries read for an admission that has not taken them yet: kept from
+                                    eviction until the next admission's load */
     st_kv_tiers_stats st;
 };
 
@@ -320,7 +342,8 @@ static void host_release(st_kv_tiers *t, int64_t e) {
 
 static bool evictable(const st_kv_tiers *t, int64_t e) {
     const entry *x = &t->ent[e];
-    return x->pins == 0 && !x->to_ssd && x->ssd_pending == NIL && t->host_busy[x->host] <= t->done_ticket;
+    return x->pins == 0 && !x->to_ssd && !x->reading && !x->fetched && x->ssd_pending == NIL &&
+           t->host_busy[x->host] <= t->done_ticket;
 }
 
 /* A free host block (not busy): a free one, a new chunk, or the least
@@ -539,6 +562,160 @@ static void on_scan(int64_t slot, uint64_t hash, uint64_t parent, const int32_t 
     t->st.ssd_found_at_start++;
 }
 
+/* ---- SSD reads in the background -----------------------------------------------*/
+
+static int cmp_i64(const void *a, const void *b) {
+    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+static uint64_t chain_to(const st_kv_tiers *t, const int32_t *tokens, int64_t n_blocks) {
+    uint64_t h = t->p.hash_seed;
+    for (int64_t i = 0; i < n_blocks; i++) h = st_kv_hash_tokens(tokens + i * t->bs, t->bs, h);
+    return h;
+}
+
+
+static void job_free(read_job *j) {
+    if (!j) return;
+    st_free(j->ent);
+    st_free(j->slot);
+    st_free(j->hash);
+    st_free(j->buf);
+    st_free(j->ok);
+    st_free(j);
+}
+
+static void *reader_main(void *arg) {
+    st_kv_tiers *t = arg;
+    pthread_mutex_lock(&t->rmu);
+    for (;;) {
+        while (!t->todo && !t->reader_stop) pthread_cond_wait(&t->rcv, &t->rmu);
+        if (!t->todo) break; /* stopping, nothing left */
+        read_job *j = t->todo;
+        t->todo = j->next;
+        pthread_mutex_unlock(&t->rmu);
+        if (st_kv_ssd_read(t->ssd, j->slot, j->hash, j->buf, j->n, j->ok) != STRATA_OK)
+            for (int64_t i = 0; i < j->n; i++) j->ok[i] = false;
+        pthread_mutex_lock(&t->rmu);
+        j->next = t->done;
+        t->done = j;
+        pthread_cond_broadcast(&t->rdone_cv);
+    }
+    pthread_mutex_unlock(&t->rmu);
+    return NULL;
+}
+
+/* Takes the finished reads back: a block read whole becomes a host-tier block;
+ * a torn, corrupt or unreadable one is dropped (its slot freed). `wait`:
+ * blocks until at least one job is back when reads are in flight. */
+static void reads_poll(st_kv_tiers *t, bool wait) {
+    if (!t->reader_on) return;
+    pthread_mutex_lock(&t->rmu);
+    if (wait && t->reads_in_flight > 0 && !t->done) pthread_cond_wait(&t->rdone_cv, &t->rmu);
+    read_job *j = t->done;
+    t->done = NULL;
+    pthread_mutex_unlock(&t->rmu);
+    while (j) {
+        read_job *next = j->next;
+        for (int64_t i = 0; i < j->n; i++) {
+            const int64_t e = j->ent[i];
+            entry *x = &t->ent[e];
+            x->reading = false;
+            x->pins--;
+            t->host_busy[x->host] = 0;
+            if (j->ok[i]) {
+                t->st.bytes_ssd2h += t->B;
+                x->fetched = true;
+                t->fetched[t->n_fetched++] = e;
+                continue;
+            }
+            t->st.ssd_read_failures++;
+            host_release(t, e); /* keeps the entry: it still has its slot */
+            ssd_free_slot(t, e);
+        }
+        t->reads_in_flight -= j->n;
+        job_free(j);
+        j = next;
+    }
+}
+
+int64_t st_kv_tiers_prefetch(st_kv_tiers *t, const int32_t *tokens, int64_t n_tokens, int64_t from_block) {
+    if (!t || !t->reader_on || !tokens || from_block < 0) return 0;
+    reads_poll(t, false);
+    const int64_t bs = t->bs, max_blocks = n_tokens > 0 ? (n_tokens - 1) / bs : 0;
+    uint64_t h = chain_to(t, tokens, from_block);
+    int64_t pending = 0, n_new = 0;
+    /* count what the chain holds from here: blocks being read, SSD-only blocks to read */
+    for (int64_t i = from_block; i < max_blocks; i++) {
+        const uint64_t hi = st_kv_hash_tokens(tokens + i * bs, bs, h);
+        const int64_t e = find(t, hi, h, tokens + i * bs);
+        if (e == NIL) break;
+        const entry *x = &t->ent[e];
+        if (x->reading) pending++;
+        else if (x->host == NIL && x->ssd != NIL) n_new++;
+        else if (x->host == NIL) break;
+        h = hi;
+    }
+    if (n_new == 0) return pending;
+    read_job *j = st_calloc(1, sizeof *j);
+    if (j) {
+        j->ent = st_malloc((size_t)n_new * sizeof *j->ent);
+        j->slot = st_malloc((size_t)n_new * sizeof *j->slot);
+        j->hash = st_malloc((size_t)n_new * sizeof *j->hash);
+        j->buf = st_malloc((size_t)n_new * sizeof *j->buf);
+        j->ok = st_malloc((size_t)n_new * sizeof *j->ok);
+    }
+    if (!j || !j->ent || !j->slot || !j->hash || !j->buf || !j->ok) {
+        job_free(j);
+        return pending;
+    }
+    /* the host blocks first, ascending (long runs up later), then the entries in chain order */
+    int64_t n_hb = 0;
+    while (n_hb < n_new) {
+        const int64_t hb = host_take(t);
+        if (hb == NIL) break;
+        j->slot[n_hb++] = hb; /* the host blocks for now; slots are filled below */
+    }
+    if (n_hb > 1) qsort(j->slot, (size_t)n_hb, sizeof *j->slot, cmp_i64);
+    h = chain_to(t, tokens, from_block);
+    int64_t m = 0;
+    for (int64_t i = from_block; i < max_blocks && m < n_hb; i++) {
+        const uint64_t hi = st_kv_hash_tokens(tokens + i * bs, bs, h);
+        const int64_t e = find(t, hi, h, tokens + i * bs);
+        h = hi;
+        if (e == NIL) break;
+        entry *x = &t->ent[e];
+        if (x->reading || x->host != NIL) continue;
+        const int64_t hb = j->slot[m];
+        host_attach(t, e, hb);
+        t->host_busy[hb] = UINT64_MAX; /* written by the reader: no copy reads it before it is back */
+        x->reading = true;
+        x->pins++;
+        j->ent[m] = e;
+        j->buf[m] = host_ptr(t, hb);
+        m++;
+    }
+    for (int64_t k = m; k < n_hb; k++) t->free_host[t->n_free_host++] = j->slot[k]; /* not needed after all */
+    for (int64_t k = 0; k < m; k++) {
+        j->slot[k] = t->ent[j->ent[k]].ssd;
+        j->hash[k] = t->ent[j->ent[k]].hash;
+    }
+    j->n = m;
+    if (m == 0) {
+        job_free(j);
+        return pending;
+    }
+    t->reads_in_flight += m;
+    pthread_mutex_lock(&t->rmu);
+    read_job **tail = &t->todo;
+    while (*tail) tail = &(*tail)->next;
+    *tail = j;
+    pthread_cond_signal(&t->rcv);
+    pthread_mutex_unlock(&t->rmu);
+    return pending + m;
+}
+
 /* ---- init / free -----------------------------------------------------------------*/
 
 static strata_status issue_loads(void *user);
@@ -609,13 +786,14 @@ strata_status st_kv_tiers_init(st_kv_pool *pool, const st_kv_tiers_params *p, st
     t->pinned = st_malloc((size_t)t->cap_xfer * sizeof *t->pinned);
     t->ev_layer = st_calloc((size_t)t->L, sizeof *t->ev_layer);
     t->fifo = st_malloc((size_t)t->n_host * sizeof *t->fifo);
+    t->fetched = st_malloc((size_t)t->n_host * sizeof *t->fetched);
     if (t->n_slots) {
         t->slot_ent = st_malloc((size_t)t->n_slots * sizeof *t->slot_ent);
         t->free_slot = st_malloc((size_t)t->n_slots * sizeof *t->free_slot);
         t->done_buf = st_malloc(64 * sizeof *t->done_buf);
     }
     if (!t->ent || !t->tok || !t->free_ent || !t->bucket || !t->chunks || !t->chunk_base || !t->host_ent ||
-        !t->host_busy || !t->free_host || !t->d2h || !t->h2d || !t->pinned || !t->ev_layer || !t->fifo ||
+        !t->host_busy || !t->free_host || !t->d2h || !t->h2d || !t->pinned || !t->ev_layer || !t->fifo || !t->fetched ||
         (t->n_slots && (!t->slot_ent || !t->free_slot || !t->done_buf))) {
         st = st_err(STRATA_ERR_NOMEM, "kv tiers: out of memory for the index of %lld blocks", (long long)t->cap_ent);
         goto fail;
@@ -644,6 +822,17 @@ strata_status st_kv_tiers_init(st_kv_pool *pool, const st_kv_tiers_params *p, st
         if ((st = st_kv_ssd_scan(t->ssd, on_scan, t, &found))) goto fail;
         for (int64_t s = t->n_slots - 1; s >= 0; s--)
             if (t->slot_ent[s] == NIL) t->free_slot[t->n_free_slot++] = s;
+        pthread_mutex_init(&t->rmu, NULL);
+        pthread_cond_init(&t->rcv, NULL);
+        pthread_cond_init(&t->rdone_cv, NULL);
+        if (pthread_create(&t->reader, NULL, reader_main, t) != 0) {
+            st = st_err(STRATA_ERR_INTERNAL, "kv SSD tier: cannot start its reader thread");
+            pthread_mutex_destroy(&t->rmu);
+            pthread_cond_destroy(&t->rcv);
+            pthread_cond_destroy(&t->rdone_cv);
+            goto fail;
+        }
+        t->reader_on = true;
         if (t->st.ssd_found_at_start > 0)
             st_log(STRATA_LOG_INFO, "kv SSD tier: %lld blocks (%lld tokens) of earlier runs found in %s",
                    (long long)t->st.ssd_found_at_start, (long long)(t->st.ssd_found_at_start * t->bs), p->ssd_dir);
@@ -660,6 +849,18 @@ fail:;
 void st_kv_tiers_free(st_kv_tiers *t) {
     if (!t) return;
     if (t->cs) (void)st_kv_tiers_drain(t);
+    if (t->reader_on) {
+        pthread_mutex_lock(&t->rmu);
+        t->reader_stop = true;
+        pthread_cond_broadcast(&t->rcv);
+        pthread_mutex_unlock(&t->rmu);
+        pthread_join(t->reader, NULL);
+        for (read_job *j = t->done, *n; j; j = n) n = j->next, job_free(j);
+        for (read_job *j = t->todo, *n; j; j = n) n = j->next, job_free(j);
+        pthread_mutex_destroy(&t->rmu);
+        pthread_cond_destroy(&t->rcv);
+        pthread_cond_destroy(&t->rdone_cv);
+    }
     st_kv_ssd_close(t->ssd);
     st_kv_pool_clear_ready(t->pool);
     st_kv_pool_set_pass_hook(t->pool, NULL, NULL);
@@ -697,6 +898,7 @@ void st_kv_tiers_free(st_kv_tiers *t) {
     st_free(t->pinned);
     st_free(t->ev_layer);
     st_free(t->fifo);
+    st_free(t->fetched);
     st_free(t->slot_ent);
     st_free(t->free_slot);
     st_free(t->done_buf);
@@ -762,17 +964,6 @@ void st_kv_tiers_on_evict(int32_t block, uint64_t hash, uint64_t parent_hash, co
 
 /* ---- admissions ------------------------------------------------------------------*/
 
-static int cmp_i64(const void *a, const void *b) {
-    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
-    return x < y ? -1 : x > y;
-}
-
-static uint64_t chain_to(const st_kv_tiers *t, const int32_t *tokens, int64_t n_blocks) {
-    uint64_t h = t->p.hash_seed;
-    for (int64_t i = 0; i < n_blocks; i++) h = st_kv_hash_tokens(tokens + i * t->bs, t->bs, h);
-    return h;
-}
-
 int64_t st_kv_tiers_lookup(const st_kv_tiers *t, const int32_t *tokens, int64_t n_tokens, int64_t from_block) {
     if (!t || !tokens || from_block < 0) return 0;
     const int64_t bs = t->bs, max_blocks = n_tokens > 0 ? (n_tokens - 1) / bs : 0;
@@ -781,7 +972,7 @@ int64_t st_kv_tiers_lookup(const st_kv_tiers *t, const int32_t *tokens, int64_t 
     for (int64_t i = from_block; i < max_blocks; i++) {
         const uint64_t hi = st_kv_hash_tokens(tokens + i * bs, bs, h);
         const int64_t e = find(t, hi, h, tokens + i * bs);
-        if (e == NIL || (t->ent[e].host == NIL && t->ent[e].ssd == NIL)) break;
+        if (e == NIL || t->ent[e].host == NIL || t->ent[e].reading) break; /* SSD-only: st_kv_tiers_prefetch */
         n++;
         h = hi;
     }
@@ -795,92 +986,30 @@ int64_t st_kv_tiers_load(st_kv_tiers *t, const int32_t *tokens, int64_t n_tokens
     if (n_blocks > avail) n_blocks = avail;
     if (n_blocks > t->cap_xfer - t->n_h2d) n_blocks = t->cap_xfer - t->n_h2d;
     if (n_blocks <= 0) return 0;
-    /* the entries, pinned until the step's copies are issued (nothing evicts them) */
+    /* the entries (all in the host tier), pinned until the step's copies are issued */
     int64_t *ents = t->pinned + t->n_pinned;
     uint64_t h = chain_to(t, tokens, from_block);
-    int64_t n_rd = 0;
     for (int64_t k = 0; k < n_blocks; k++) {
         const int32_t *blk = tokens + (from_block + k) * bs;
         const uint64_t hi = st_kv_hash_tokens(blk, bs, h);
         ents[k] = find(t, hi, h, blk);
-        ST_ASSERT(ents[k] != NIL);
+        ST_ASSERT(ents[k] != NIL && t->ent[ents[k]].host != NIL && !t->ent[ents[k]].reading);
         t->ent[ents[k]].pins++;
-        if (t->ent[ents[k]].host == NIL) n_rd++;
+        t->h2d[t->n_h2d++] = (xfer){.dev = dev_blocks[k], .host = t->ent[ents[k]].host};
         h = hi;
     }
     t->n_pinned += n_blocks;
-    int64_t n_ok = n_blocks, m = 0;
-    int64_t *rk = NULL, *slots = NULL, *hbs = NULL;
-    uint64_t *hashes = NULL;
-    void **bufs = NULL;
-    bool *ok = NULL;
-    if (n_rd > 0) { /* SSD-only blocks: host blocks for them, then one batch of reads */
-        rk = st_malloc((size_t)n_rd * sizeof *rk);
-        slots = st_malloc((size_t)n_rd * sizeof *slots);
-        hashes = st_malloc((size_t)n_rd * sizeof *hashes);
-        bufs = st_malloc((size_t)n_rd * sizeof *bufs);
-        ok = st_malloc((size_t)n_rd * sizeof *ok);
-        hbs = st_malloc((size_t)n_rd * sizeof *hbs);
-        const bool mem = rk && slots && hashes && bufs && ok;
-        /* the host blocks first, ascending, so that consecutive blocks land in
-         * consecutive host blocks (long runs, few copies up) */
-        int64_t n_hb = 0;
-        while (mem && hbs && n_hb < n_rd) {
-            const int64_t hb = host_take(t);
-            if (hb == NIL) break;
-            hbs[n_hb++] = hb;
-        }
-        if (n_hb > 1) qsort(hbs, (size_t)n_hb, sizeof *hbs, cmp_i64);
-        for (int64_t k = 0; k < n_blocks; k++) {
-            entry *x = &t->ent[ents[k]];
-            if (x->host != NIL) continue;
-            if (m == n_hb) { /* no host block to read it into: the rest is computed */
-                n_ok = k;
-                break;
-            }
-            const int64_t hb = hbs[m];
-            host_attach(t, ents[k], hb);
-            x->ready = 0; /* the read below is synchronous */
-            rk[m] = k;
-            slots[m] = x->ssd;
-            hashes[m] = x->hash;
-            bufs[m] = host_ptr(t, hb);
-            m++;
-        }
-        if (m > 0 && st_kv_ssd_read(t->ssd, slots, hashes, bufs, m, ok) != STRATA_OK)
-            for (int64_t i = 0; i < m; i++) ok[i] = false;
-        for (int64_t i = 0; i < m; i++) {
-            if (ok[i]) {
-                t->st.bytes_ssd2h += t->B;
-                continue;
-            }
-            /* corrupt, torn or unreadable: a miss from this block on; its copies are dropped */
-            const int64_t e = ents[rk[i]];
-            t->st.ssd_read_failures++;
-            if (rk[i] < n_ok) n_ok = rk[i];
-            ents[rk[i]] = NIL; /* not unpinned again */
-            t->ent[e].pins--;
-            host_release(t, e); /* keeps the entry: it still has its slot */
-            ssd_free_slot(t, e);
-        }
-    }
-    /* this step's loads: host block -> device block, issued by before_forward */
-    for (int64_t k = 0; k < n_ok; k++) t->h2d[t->n_h2d++] = (xfer){.dev = dev_blocks[k], .host = t->ent[ents[k]].host};
-    for (int64_t k = n_ok - 1; k >= 0; k--) { /* the chain refreshed last block first: its head most recent */
+    for (int64_t k = n_blocks - 1; k >= 0; k--) { /* the chain refreshed last block first: its head most recent */
+        entry *x = &t->ent[ents[k]];
         hlru_touch(t, ents[k]);
-        if (t->ent[ents[k]].ssd != NIL) slru_touch(t, ents[k]);
+        if (x->ssd != NIL) slru_touch(t, ents[k]);
+        if (x->fetched) t->st.hit_tokens_ssd += bs;
+        else t->st.hit_tokens_host += bs;
+        x->fetched = false;
     }
-    int64_t from_ssd = 0;
-    for (int64_t i = 0; i < m; i++) from_ssd += ok[i] && rk[i] < n_ok;
-    t->st.hit_tokens_host += (n_ok - from_ssd) * bs;
-    t->st.hit_tokens_ssd += from_ssd * bs;
-    st_free(rk);
-    st_free(hbs);
-    st_free(slots);
-    st_free(hashes);
-    st_free(bufs);
-    st_free(ok);
-    return n_ok;
+    for (int64_t i = 0; i < t->n_fetched; i++) t->ent[t->fetched[i]].fetched = false; /* the rest: evictable again */
+    t->n_fetched = 0;
+    return n_blocks;
 }
 
 /* ---- around a pass ---------------------------------------------------------------*/
@@ -930,10 +1059,17 @@ strata_status st_kv_tiers_after_step(st_kv_tiers *t, st_stream *compute) {
     if ((st = flush_d2h(t, compute))) return st; /* blocks registered by this step (eager) */
     if ((st = poll_copies(t))) return st;
     if (t->ssd) {
+        reads_poll(t, false);
         ssd_poll(t);
         ssd_feed(t);
     }
     return STRATA_OK;
+}
+
+bool st_kv_tiers_reading(const st_kv_tiers *t) { return t && t->reads_in_flight > 0; }
+
+void st_kv_tiers_wait_reads(st_kv_tiers *t) {
+    if (t) reads_poll(t, true);
 }
 
 strata_status st_kv_tiers_drain(st_kv_tiers *t) {
@@ -943,6 +1079,7 @@ strata_status st_kv_tiers_drain(st_kv_tiers *t) {
     if ((st = poll_copies(t))) return st;
     t->done_ticket = t->next_ticket - 1;
     t->ring_n = 0;
+    while (t->reads_in_flight > 0) reads_poll(t, true);
     while (t->ssd) {
         ssd_poll(t);
         ssd_feed(t);

@@ -13,8 +13,9 @@
  *              from the host tier in the background as blocks arrive there
  *              (so a restart finds them: the file persists, its headers are
  *              scanned at init); LRU over its slots; a hit is read back into
- *              host blocks, then loaded like a host hit. A corrupt or torn
- *              block is a miss; a full disk means fewer slots.
+ *              host blocks by a reader thread (the admission waits for it;
+ *              other sequences keep running), then loaded like a host hit. A
+ *              corrupt or torn block is a miss; a full disk means fewer slots.
  *
  * One index covers both: chained hash -> entry {parent hash, token ids, host
  * block, SSD slot}. A lookup of block i matches an entry only when the hash,
@@ -48,9 +49,11 @@
  *
  * Who calls what:
  *   block manager  st_kv_tiers_on_register / st_kv_tiers_on_evict (its hooks);
- *   scheduler      st_kv_tiers_lookup and st_kv_tiers_load at an admission
- *                  (after the device prefix: how many more blocks the lower
- *                  tiers hold, then "bring these into these device blocks");
+ *   scheduler      st_kv_tiers_lookup, st_kv_tiers_prefetch and
+ *                  st_kv_tiers_load at an admission (after the device prefix:
+ *                  how many more blocks the host tier holds, whether more are
+ *                  coming from the SSD tier (then the admission waits), then
+ *                  "bring these into these device blocks");
  *   runner         st_kv_tiers_before_forward / st_kv_tiers_after_step around
  *                  each pass.
  * Not thread safe (the stepping thread owns it; the SSD writer thread is
@@ -103,16 +106,24 @@ void st_kv_tiers_on_evict(int32_t block, uint64_t hash, uint64_t parent_hash, co
                           int64_t n_tokens, void *tiers);
 
 /* ---- scheduler: admissions -------------------------------------------------------
- * Blocks from_block, from_block+1, ... of tokens[0..n_tokens) that the host or
- * SSD tier holds, continuing the chain (the last token is never counted, like
+ * Blocks from_block, from_block+1, ... of tokens[0..n_tokens) that the host
+ * tier holds now, continuing the chain (the last token is never counted, like
  * st_bm_lookup). No side effects. */
 int64_t st_kv_tiers_lookup(const st_kv_tiers *t, const int32_t *tokens, int64_t n_tokens, int64_t from_block);
-/* Brings blocks [from_block, from_block + n_blocks) of tokens into device
- * blocks dev_blocks[0..n_blocks) before this step's pass: SSD-tier blocks are
- * read into host blocks now (synchronously), the host -> device copies are
- * issued by st_kv_tiers_before_forward. Returns how many leading blocks will
- * be there (fewer when an SSD block turns out corrupt or a host block cannot
- * be had; those are computed instead). */
+/* The chain's blocks from from_block on that only the SSD tier holds start
+ * coming into host blocks, read by the tiers' reader thread (the stepping
+ * thread never waits for the disk); returns how many blocks of the chain from
+ * there are on their way (0: nothing to wait for). A block that reads back
+ * torn or corrupt is dropped (the chain's hit ends before it). */
+int64_t st_kv_tiers_prefetch(st_kv_tiers *t, const int32_t *tokens, int64_t n_tokens, int64_t from_block);
+/* Whether SSD reads are in flight; st_kv_tiers_wait_reads blocks until one
+ * batch is back (a runner with nothing else to do waits there, not spinning). */
+bool st_kv_tiers_reading(const st_kv_tiers *t);
+void st_kv_tiers_wait_reads(st_kv_tiers *t);
+/* Brings blocks [from_block, from_block + n_blocks) of tokens, host-tier
+ * blocks (st_kv_tiers_lookup), into device blocks dev_blocks[0..n_blocks)
+ * before this step's pass: the copies are issued by the pass (the pool's pass
+ * hook). Returns how many leading blocks will be there. */
 int64_t st_kv_tiers_load(st_kv_tiers *t, const int32_t *tokens, int64_t n_tokens, int64_t from_block,
                          int64_t n_blocks, const int32_t *dev_blocks);
 
