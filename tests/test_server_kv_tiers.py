@@ -32,13 +32,12 @@ Checks:
     strata-kv-*.blocks file after the first, and the second run's stats line
     says its whole-block prefix was cached.
 test_server.py's Server / raw / metrics are reused (as test_server_shutdown.py
-does). About 15 s on 2 cores; a sanitizer build runs the same requests.
+does). About 7 s on 2 cores; a sanitizer build runs the same requests (~45 s).
 """
 import glob
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -61,7 +60,8 @@ P1 = ("The history of the lighthouse begins with simple fires lit on hilltops to
       "Over the centuries these beacons grew into towers of stone, and keepers tended lamps of oil, then of gas, "
       "and finally of electricity. ") * 6 + "In one sentence, the lighthouse is"
 P2 = ("Bread baking is an old craft: flour, water, salt and yeast are mixed, kneaded and left to rise, "
-      "then shaped and baked in a hot oven until the crust turns golden brown and sounds hollow. ") * 7 + "The best bread is"
+      "then shaped and baked in a hot oven until the crust turns golden brown and sounds hollow. ") * 7 \
+    + "The best bread is"
 RUN_PROMPT = ("The history of the lighthouse begins with simple fires lit on hilltops to guide sailors home. "
               "Over the centuries these beacons grew into towers of stone, and keepers tended lamps.")
 
@@ -77,6 +77,7 @@ class Server(ts.Server):
     def __init__(self, model, tag, *extra):
         super().__init__(model, "--max-batch", "1", "--max-model-len", str(MAX_MODEL_LEN), "--kv-blocks",
                          str(KV_BLOCKS), "--no-rooflines", *extra, tag="kv_tiers_" + tag)
+        self.n_fail0 = len(failures)
 
     def log_text(self):
         """The whole stderr so far (Server.tail gives only its end)."""
@@ -88,10 +89,9 @@ class Server(ts.Server):
     def finish(self, what):
         """SIGTERM: exit 0; the log shown when something failed."""
         alive = self.proc.poll() is None
-        n_fail = len(failures)
         rc = self.stop()
         check(alive and rc == 0, "%s: SIGTERM, the server exits 0 (status %s)" % (what, rc))
-        if len(failures) > n_fail or (failures and what == "A"):
+        if len(failures) > self.n_fail0:
             print("---- server %s log (tail) ----\n%s" % (what, self.tail()))
 
 
@@ -119,6 +119,12 @@ def hit(m, tier):
 
 def blocks(m, tier, state):
     return ts.mval(m, "strata_kv_blocks", '{tier="%s",state="%s"}' % (tier, state))
+
+
+def held(m, tier):
+    """Blocks a tier holds: cached, and used (being written to the SSD tier: its completion is polled at the
+    engine's next step, which an idle server does not take)."""
+    return blocks(m, tier, "cached") + blocks(m, tier, "used")
 
 
 def xfer(m, direction):
@@ -149,7 +155,7 @@ def block_files(d):
 
 # ---- 1: host tier (server A) --------------------------------------------------------------
 def test_host_tier(model, d):
-    """-> {"texts": (P1's, P2's), "pt1", "host_cached"} for the later checks."""
+    """-> {"texts": (P1's, P2's), "pt1": P1's prompt tokens, "host_held": blocks} for the later checks."""
     srv = Server(model, "A", "--kv-ssd-dir", d)
     out = {}
     try:
@@ -186,14 +192,14 @@ def test_host_tier(model, d):
         h2d = xfer(m2, "host_to_device") - xfer(m1, "host_to_device")
         check(xfer(m1, "host_to_device") == 0 and h2d == want // BLOCK * bb,
               "A: host -> device %d bytes == the %d hit blocks" % (h2d, want // BLOCK))
-        check(blocks(m2, "host", "cached") >= n_prompt_blocks and blocks(m2, "host", "used") == 0,
-              "A: host tier: %d blocks cached (>= %d), %d used"
-              % (blocks(m2, "host", "cached"), n_prompt_blocks, blocks(m2, "host", "used")))
+        check(blocks(m2, "host", "cached") > 0 and held(m2, "host") >= n_prompt_blocks,
+              "A: host tier: %d blocks cached, %d held (>= the prompts' %d)"
+              % (blocks(m2, "host", "cached"), held(m2, "host"), n_prompt_blocks))
         check(xfer(m2, "host_to_ssd") > 0 and blocks(m2, "ssd", "cached") > 0,
               "A: written through to the SSD tier: %d bytes, %d blocks"
               % (xfer(m2, "host_to_ssd"), blocks(m2, "ssd", "cached")))
         check(ts.mval(m2, "strata_kv_swaps_total") == 0, "A: no swaps (one sequence at a time)")
-        out = {"texts": (t1, t2), "pt1": pt1, "host_cached": int(blocks(m2, "host", "cached"))}
+        out = {"texts": (t1, t2), "pt1": pt1, "host_held": int(held(m2, "host"))}
     finally:
         srv.finish("A")
     return out
@@ -207,8 +213,8 @@ def test_ssd_restart(model, d, a):
         check(line is not None and line[2] == d and int(line[4]) > 0,
               "B: the startup line says blocks were found from earlier runs: %r" % (line,))
         found = found_in_log(srv)
-        check(found == a["host_cached"], "B: the SSD store found %d blocks == those A's host tier held (%d)"
-              % (found, a["host_cached"]))
+        check(found == a["host_held"], "B: the SSD store found %d blocks == those A's host tier held (%d)"
+              % (found, a["host_held"]))
         m0 = ts.metrics(srv)
         bb = block_bytes(m0)
         check(blocks(m0, "ssd", "cached") == found and blocks(m0, "host", "cached") == 0,
@@ -255,7 +261,7 @@ def test_other_identity(model, d, a):
 # ---- 4: a full disk ----------------------------------------------------------------------------
 def test_full_disk(model, d2, a):
     srv = Server(model, "F", "--kv-ssd-dir", d2, "--test-fault", "kv-ssd-write:2")
-    host_cached = -1
+    host_held = -1
     try:
         r = [complete(srv, p) for p in (P1, P2, P1)]
         check(all(x[0] == 200 for x in r), "full disk: every request answered 200 (%r)" % [x[0] for x in r])
@@ -264,22 +270,20 @@ def test_full_disk(model, d2, a):
         check(r[2][3] == prefix(a["pt1"]), "full disk: P1 again still hits the host tier: cached_tokens %d == %d"
               % (r[2][3], prefix(a["pt1"])))
         m = ts.metrics(srv)
-        host_cached = int(blocks(m, "host", "cached"))
-        check(blocks(m, "ssd", "cached") == host_cached - 1,
-              "full disk: the SSD tier holds one block fewer (%d) than the host tier (%d)"
-              % (blocks(m, "ssd", "cached"), host_cached))
+        host_held = int(held(m, "host"))
+        check(held(m, "ssd") == host_held - 1,
+              "full disk: the SSD tier holds one block fewer (%d) than the host tier (%d)" % (held(m, "ssd"), host_held))
         log = srv.log_text()
-        warn = re.findall(r"KV cache on SSD: writing the block of slot (\d+) failed: .*", log)
-        check(len(warn) == 1 and "No space left on device" in warn[0] if False else
-              len(warn) == 1 and re.search(r"writing the block of slot \d+ failed: .*No space left on device", log),
-              "full disk: the store warns once that a slot's write failed (%d warnings)" % len(warn))
+        warn = re.findall(r"KV cache on SSD: writing the block of slot \d+ failed: .*", log)
+        check(len(warn) == 1 and "No space left on device" in warn[0],
+              "full disk: the store warns once that a slot's write failed (No space left on device): %r" % warn)
     finally:
         srv.finish("full disk")
     # a restart finds every block but the one whose write failed; P1's chain breaks there (block 1)
     srv = Server(model, "F2", "--kv-ssd-dir", d2)
     try:
         found = found_in_log(srv)
-        check(found == host_cached - 1, "full disk, restart: %d blocks found == %d - 1" % (found, host_cached))
+        check(found == host_held - 1, "full disk, restart: %d blocks found == %d - 1" % (found, host_held))
         st, t, pt, c = complete(srv, P1)
         check(st == 200 and t == a["texts"][0] and c == BLOCK,
               "full disk, restart: P1 answers A's text, cached_tokens %d == %d (the 2nd write, block 1, failed)"
@@ -300,6 +304,7 @@ def serve_fails(model, *args):
 
 
 def test_bad_options(model, d):
+    """d: a directory that must not be made."""
     rc, err = serve_fails(model, "--kv-ssd-dir", d, "--kv-host-mem", "0")
     last = err.strip().splitlines()[-1:] if err else []
     check(rc not in (0, None) and "--kv-ssd-dir" in err,
@@ -311,6 +316,7 @@ def test_bad_options(model, d):
     rc, err = serve_fails(model, "--kv-offload", "sometimes")
     last = err.strip().splitlines()[:1] if err else []
     check(rc == 2 and "--kv-offload" in err, "--kv-offload sometimes: exit %s naming --kv-offload: %r" % (rc, last))
+    check(not os.path.exists(d), "no SSD directory was made by the refused servers")
 
 
 # ---- 6: strata run -------------------------------------------------------------------------------
@@ -344,34 +350,36 @@ def main():
         print("FAIL  no strata binary at %s" % BIN)
         return 1
     model = default_model.path()
-    base = os.path.join(testlib.TMP, "kv_tiers")
-    shutil.rmtree(base, ignore_errors=True)
+    shutil.rmtree(os.path.join(testlib.TMP, "kv_tiers"), ignore_errors=True)
     d, d2, d3 = (testlib.tmp_dir(os.path.join("kv_tiers", x)) for x in ("D", "D2", "D3"))
     t0 = time.time()
     print("KV tiers through strata serve on %s%s" % (model, " (sanitizer build)" if SAN else ""), flush=True)
-    steps = [("host tier", lambda: test_host_tier(model, d))]
-    a = {}
-    for name, fn in [("host tier (A)", None), ("SSD after a restart (B)", test_ssd_restart),
-                     ("another identity (C)", test_other_identity), ("full disk", test_full_disk),
-                     ("bad options", None), ("strata run", None)]:
+    a = {}  # server A's answers, which the later servers must repeat
+
+    def after_a(fn, *args):
+        if a:
+            fn(model, *args, a)
+        else:
+            check(False, "skipped: server A's checks did not complete")
+
+    cases = [("host tier (A)", lambda: a.update(test_host_tier(model, d))),
+             ("SSD tier after a restart (B)", lambda: after_a(test_ssd_restart, d)),
+             ("another identity (C)", lambda: after_a(test_other_identity, d)),
+             ("full disk", lambda: after_a(test_full_disk, d2)),
+             ("bad options", lambda: test_bad_options(model, os.path.join(testlib.TMP, "kv_tiers", "Dbad"))),
+             ("strata run", lambda: test_run(model, d3))]
+    for name, fn in cases:
         t = time.time()
         try:
-            if fn is None and name.startswith("host"):
-                a = steps[0][1]()
-            elif name == "bad options":
-                test_bad_options(model, d)
-            elif name == "strata run":
-                test_run(model, d3)
-            elif not a:
-                check(False, "%s: skipped, the host tier check did not complete" % name)
-            else:
-                fn(model, d2 if name == "full disk" else d, a)
+            fn()
         except Exception as e:
             import traceback
             traceback.print_exc()
             check(False, "%s: %r" % (name, e))
         print("   (%s: %.1f s)" % (name, time.time() - t), flush=True)
     print("test_server_kv_tiers: %.1f s" % (time.time() - t0))
+    if not failures:  # the block files (tens of MB); the logs stay
+        shutil.rmtree(os.path.join(testlib.TMP, "kv_tiers"), ignore_errors=True)
     return testlib.summary("test_server_kv_tiers")
 
 

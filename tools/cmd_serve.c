@@ -385,7 +385,7 @@ int cmd_serve(int argc, char **argv) {
                 ei.kv_offload, ei.kv_ssd_blocks > 0 ? "" : ", no SSD tier\n");
     if (ei.kv_host_blocks > 0 && ei.kv_ssd_blocks > 0)
         fprintf(stderr, ", SSD %.2f GiB in %s (%lld blocks, %lld found from earlier runs)\n",
-                (double)ei.kv_ssd_blocks * ei.kv_block_bytes / 1073741824.0, mo->kv_ssd_dir,
+                (double)ei.kv_ssd_blocks * (ei.kv_block_bytes + 4096.0) / 1073741824.0, mo->kv_ssd_dir,
                 (long long)ei.kv_ssd_blocks, (long long)ei.kv_ssd_found);
     const bool v6 = strchr(o.host, ':') != NULL;
     printf("listening on http://%s%s%s:%d\n", v6 ? "[" : "", o.host, v6 ? "]" : "", st_server_port(srv));

@@ -125,6 +125,8 @@ static strata_status costs_init(const st_model_files *files, st_kv_dtype kv_dtyp
     return STRATA_OK;
 }
 
+static void sync_metrics_locked(st_engine *e);
+
 strata_status st_engine_init(const st_model_files *files, st_backend *be, const st_tokenizer *tok,
                              const st_engine_params *params, st_engine **out) {
     *out = NULL;
@@ -132,7 +134,11 @@ strata_status st_engine_init(const st_model_files *files, st_backend *be, const 
     st_engine_params p = params ? *params : (st_engine_params){0};
     const st_config *cfg = &files->config;
     strata_status st = st_engine_params_resolve(&p, cfg);
-    if (st) return st_err(st, "engine: %s", st_last_error());
+    if (st) {
+        char msg[512]; /* st_err must not read the buffer it writes */
+        snprintf(msg, sizeof msg, "%s", st_last_error());
+        return st_err(st, "engine: %s", msg);
+    }
     if (cfg->max_position_embeddings > 0 && p.max_model_len > cfg->max_position_embeddings)
         st_log(STRATA_LOG_WARN, "engine: max_model_len %lld is beyond the model's %lld positions",
                (long long)p.max_model_len, (long long)cfg->max_position_embeddings);
@@ -182,6 +188,9 @@ strata_status st_engine_init(const st_model_files *files, st_backend *be, const 
     e->m.max_model_len = p.max_model_len;
     e->m.kv_block_size = p.kv_block_size;
     e->m.kv_blocks_total = p.kv_blocks;
+    pthread_mutex_lock(&e->mu);
+    sync_metrics_locked(e); /* the tiers' sizes and what the SSD tier found, before any step */
+    pthread_mutex_unlock(&e->mu);
     *out = e;
     return STRATA_OK;
 }
