@@ -463,5 +463,7 @@ void st_runner_get_stats(const st_runner *r, st_runner_stats *out) {
 st_kv_tiers *st_runner_tiers(st_runner *r) { return r ? r->tiers : NULL; }
 
 void st_runner_clear_device_cache(st_runner *r) {
-    if (r) st_bm_clear_cache(r->bm);
+    if (!r) return;
+    st_bm_clear_cache(r->bm);
+    st_kv_tiers_device_dropped(r->tiers);
 }

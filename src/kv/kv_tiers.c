@@ -110,6 +110,8 @@ struct st_kv_tiers {
     ring_ev ring[RING];
     int64_t ring_head, ring_n;
     uint64_t next_ticket, done_ticket, last_d2h;
+    uint64_t *dev_ticket;     /* [device blocks] the batch copying each device block down (0: none) */
+    bool must_wait;           /* a device block with a copy down in flight was handed to new content */
     st_event *ev_compute, *ev_d2h, **ev_layer;
 
     /* this step's work */
@@ -449,6 +451,7 @@ static strata_status flush_d2h(st_kv_tiers *t, st_stream *compute) {
     t->last_d2h = ticket;
     for (int64_t i = 0; i < t->n_d2h; i++) {
         const int64_t h = t->d2h[i].host, e = t->host_ent[h];
+        t->dev_ticket[t->d2h[i].dev] = ticket;
         t->host_busy[h] = ticket;
         t->ent[e].ready = ticket;
         if (t->ssd && !t->ent[e].to_ssd && t->ent[e].ssd == NIL && t->ent[e].ssd_pending == NIL) {
@@ -787,13 +790,14 @@ strata_status st_kv_tiers_init(st_kv_pool *pool, const st_kv_tiers_params *p, st
     t->ev_layer = st_calloc((size_t)t->L, sizeof *t->ev_layer);
     t->fifo = st_malloc((size_t)t->n_host * sizeof *t->fifo);
     t->fetched = st_malloc((size_t)t->n_host * sizeof *t->fetched);
+    t->dev_ticket = st_calloc((size_t)pp->num_blocks, sizeof *t->dev_ticket);
     if (t->n_slots) {
         t->slot_ent = st_malloc((size_t)t->n_slots * sizeof *t->slot_ent);
         t->free_slot = st_malloc((size_t)t->n_slots * sizeof *t->free_slot);
         t->done_buf = st_malloc(64 * sizeof *t->done_buf);
     }
     if (!t->ent || !t->tok || !t->free_ent || !t->bucket || !t->chunks || !t->chunk_base || !t->host_ent ||
-        !t->host_busy || !t->free_host || !t->d2h || !t->h2d || !t->pinned || !t->ev_layer || !t->fifo || !t->fetched ||
+        !t->host_busy || !t->free_host || !t->d2h || !t->h2d || !t->pinned || !t->ev_layer || !t->fifo || !t->fetched || !t->dev_ticket ||
         (t->n_slots && (!t->slot_ent || !t->free_slot || !t->done_buf))) {
         st = st_err(STRATA_ERR_NOMEM, "kv tiers: out of memory for the index of %lld blocks", (long long)t->cap_ent);
         goto fail;
@@ -899,6 +903,7 @@ void st_kv_tiers_free(st_kv_tiers *t) {
     st_free(t->ev_layer);
     st_free(t->fifo);
     st_free(t->fetched);
+    st_free(t->dev_ticket);
     st_free(t->slot_ent);
     st_free(t->free_slot);
     st_free(t->done_buf);
@@ -959,7 +964,12 @@ void st_kv_tiers_on_evict(int32_t block, uint64_t hash, uint64_t parent_hash, co
                           int64_t n_tokens, void *tiers) {
     st_kv_tiers *t = tiers;
     ST_ASSERT(n_tokens == t->bs);
+    if (t->dev_ticket[block] > t->done_ticket) t->must_wait = true; /* its copy down may still be running */
     ensure(t, block, hash, parent_hash, tokens);
+}
+
+void st_kv_tiers_device_dropped(st_kv_tiers *t) {
+    if (t) t->must_wait = true;
 }
 
 /* ---- admissions ------------------------------------------------------------------*/
@@ -1044,10 +1054,15 @@ static strata_status issue_loads(void *user) {
 strata_status st_kv_tiers_before_forward(st_kv_tiers *t, st_stream *compute) {
     strata_status st;
     t->compute = compute;
-    if ((st = flush_d2h(t, compute))) return st; /* blocks evicted by this step's allocations */
+    const bool evicted = t->n_d2h > 0; /* lazy: blocks this step's allocations evicted, copied down now */
+    if ((st = flush_d2h(t, compute))) return st;
     if ((st = poll_copies(t))) return st;
-    /* the pass may write into blocks whose copy out is still running */
-    if (t->last_d2h > t->done_ticket && (st = t->be->ops->stream_wait_event(t->be, compute, t->ev_d2h))) return st;
+    /* the pass writes into blocks whose copy down may still be running: it waits for the copies (a pass
+     * that only writes fresh blocks does not: eager copies overlap the next chunk's pass) */
+    if ((evicted || t->must_wait) && t->last_d2h > t->done_ticket &&
+        (st = t->be->ops->stream_wait_event(t->be, compute, t->ev_d2h)))
+        return st;
+    t->must_wait = false;
     return STRATA_OK; /* the loads: issue_loads, from the pass */
 }
 

@@ -34,8 +34,9 @@
  * Streams and events (no host synchronisation on the step's path):
  *   - device -> host copies run on the tiers' copy stream after an event the
  *     compute stream recorded after the pass that computed the blocks; a pass
- *     that could overwrite a device block whose copy has not completed waits
- *     for it on the device (st_kv_tiers_before_forward);
+ *     that hands such a block to new content (an eviction) before its copy
+ *     completed waits for it on the device (st_kv_tiers_before_forward); a
+ *     pass that writes only fresh blocks overlaps the copies;
  *   - host -> device loads are issued layer by layer when the pass begins
  *     (the pool's pass hook, called by the model right after it enqueued the
  *     batch metadata upload: queued behind 4 GB of loads on the copy engine,
@@ -104,6 +105,10 @@ void st_kv_tiers_on_register(int32_t block, uint64_t hash, uint64_t parent_hash,
                              int64_t n_tokens, void *tiers);
 void st_kv_tiers_on_evict(int32_t block, uint64_t hash, uint64_t parent_hash, const int32_t *tokens,
                           int64_t n_tokens, void *tiers);
+/* The device cache was dropped without evictions (st_bm_clear_cache): its
+ * blocks may be rewritten by the next pass, which then waits for their copies
+ * down. */
+void st_kv_tiers_device_dropped(st_kv_tiers *t);
 
 /* ---- scheduler: admissions -------------------------------------------------------
  * Blocks from_block, from_block+1, ... of tokens[0..n_tokens) that the host
