@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """End-to-end: `strata logits` against reference logits from HF transformers
 (tests/data/refs, made by tools/ref/make_refs.py), from the safetensors form
-and from GGUF conversions (f32, f16, q8_0) made by `strata convert`.
+and from GGUF conversions (f32, f16, q8_0) made by `strata convert`; and
+with --pos-offset (RoPE positions from 2^24 - 5, 2^26 + 3 and 2^31 - n: RoPE
+sees only distances, so the logits are HF's at position 0 within the same
+tolerance, and those of offset 0 within POS_TOL).
 
 Error measure: rel = max|ours - ref| / max|ref| over the whole [n, vocab] array.
 """
@@ -44,6 +47,11 @@ QUANT_VS_DEQUANT_TOL = 1e-4
 # the same argmax wherever the top-2 margin exceeds twice the bound (these
 # random models have near-ties that any rounding flips); errors in the table.
 KV_TOL = {"bf16": 2e-2, "fp8": 0.25}
+# --pos-offset N against offset 0 (same model, same path): only the rounding
+# of the rotated q and k differs (~1e-6 on the CPU). On CUDA the f32 models'
+# split-bf16 prefill adds its own ~1e-5; bf16 models run bf16 operands, where
+# such a change can flip roundings.
+POS_TOL = {"float32": 1e-4, "bfloat16": 2e-2} if DEVICE == "cuda" else {"float32": 1e-5, "bfloat16": 1e-5}
 
 failures = []
 rows = []
@@ -129,6 +137,27 @@ def main():
             check(rc < CHUNK_TOL, "%s: --chunk %s differs from one pass by %.3g" % (name, chunk, rc))
             check(bool((c.argmax(1) == ours.argmax(1)).all()), "%s: --chunk %s argmax differs" % (name, chunk))
 
+        # RoPE positions far out: HF's logits of position 0 still hold (RoPE is
+        # relative), which float32 angles miss by ~1 (tests/test_rope_positions.c)
+        # (the big model of STRATA_REF_DATA: one offset, each run loads it again)
+        for off in (2**26 + 3,) if os.environ.get("STRATA_REF_DATA") else (2**24 - 5, 2**26 + 3, 2**31 - n):
+            p = run(["logits", mdir, "--tokens-file", tok, "--out", os.path.join(TMP, "off.f32"),
+                     "--kv-dtype", "f32", "--pos-offset", str(off)] + (["--device", DEVICE] if DEVICE else []))
+            if p.returncode != 0:
+                continue
+            c = np.fromfile(os.path.join(TMP, "off.f32"), dtype="<f4").reshape(n, vocab)
+            check("note: RoPE positions %d .. %d" % (off, off + n - 1) in p.stderr,
+                  "%s: --pos-offset %d: no note about max_position_embeddings: %r" % (name, off, p.stderr))
+            ro, rh = rel(c, ours), rel(c, ref)
+            top2 = np.sort(ours, axis=1)[:, -2:]
+            clear = (top2[:, 1] - top2[:, 0]) > 2 * POS_TOL[e["dtype"]] * np.abs(ours).max()
+            agree = bool((c.argmax(1) == ours.argmax(1))[clear].all())
+            rows.append((name, "pos-offset %d vs 0" % off, e["dtype"], ro, POS_TOL[e["dtype"]], agree))
+            rows.append((name, "pos-offset %d vs HF" % off, e["dtype"], rh, TOL[e["dtype"]], True))
+            check(ro < POS_TOL[e["dtype"]], "%s: --pos-offset %d differs from offset 0 by %.3g" % (name, off, ro))
+            check(agree, "%s: --pos-offset %d: argmax differs" % (name, off))
+            check(rh < TOL[e["dtype"]], "%s: --pos-offset %d: rel error vs HF %.3g" % (name, off, rh))
+
         # GGUF forms of the same weights
         for gt, tol in ({} if NO_GGUF else GGUF_TOL).items():
             g = os.path.join(TMP, "%s.%s.gguf" % (name, gt))
@@ -159,9 +188,9 @@ def main():
                              bool((og.argmax(1) == od.argmax(1)).all())))
                 check(rd < QUANT_VS_DEQUANT_TOL, "%s gguf %s: differs from its f32 dequantization by %.3g" % (name, gt, rd))
 
-    print("%-16s %-22s %-9s %10s %9s %s" % ("model", "form", "weights", "rel err", "bound", "argmax"))
+    print("%-16s %-29s %-9s %10s %9s %s" % ("model", "form", "weights", "rel err", "bound", "argmax"))
     for r in rows:
-        print("%-16s %-22s %-9s %10.3g %9.3g %s" % (r[0], r[1], r[2], r[3], r[4], "same" if r[5] else "DIFF"))
+        print("%-16s %-29s %-9s %10.3g %9.3g %s" % (r[0], r[1], r[2], r[3], r[4], "same" if r[5] else "DIFF"))
     if os.environ.get("STRATA_REF_DATA"):
         print("%d passed, %d failed" % (len(rows) - len(failures), len(failures)))
         return 1 if failures else 0
@@ -179,7 +208,15 @@ def main():
     p = run(["logits", m0, "--tokens", "1 2", "--out", "/nonexistent-dir/x.f32"], expect_ok=False)
     check(p.returncode == 1 and "/nonexistent-dir/x.f32" in p.stderr, "unwritable out: %r" % p.stderr)
 
-    n_checks = len(rows) + 4
+    p = run(["logits", m0, "--tokens", "1 2", "--out", out, "--pos-offset", "-1"], expect_ok=False)
+    check(p.returncode == 2 and "--pos-offset" in p.stderr, "negative --pos-offset: rc %d, %r" % (p.returncode, p.stderr))
+    p = run(["logits", m0, "--tokens", "1 2", "--out", out, "--pos-offset", "2147483647"], expect_ok=False)
+    check(p.returncode == 2 and "2147483648" in p.stderr and "2^31 - 1" in p.stderr,
+          "--pos-offset past int32: rc %d, %r" % (p.returncode, p.stderr))
+    p = run(["logits", m0, "--tokens", "1 2", "--out", out, "--pos-offset", "2147483646"])
+    check(p.returncode == 0, "--pos-offset to the last int32 position: rc %d, %r" % (p.returncode, p.stderr))
+
+    n_checks = len(rows) + 7
     print("%d passed, %d failed" % (n_checks - len(failures), len(failures)))
     return 1 if failures else 0
 

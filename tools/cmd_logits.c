@@ -1,5 +1,6 @@
 /* strata logits MODEL --tokens "1 2 3" --out FILE: float32 logits [n, vocab]
- * of every position, little-endian, no header. */
+ * of every position, little-endian, no header. --pos-offset N shifts the
+ * RoPE positions (st_llama_forward_seq_at). */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,6 +18,12 @@ static void logits_usage(FILE *f) {
             "  --tokens-file FILE      the same, read from a file\n"
             "  --out FILE              where to write the logits\n"
             "  --chunk N               feed the tokens N at a time (1: token-by-token decode)\n"
+            "  --pos-offset N          RoPE positions start at N instead of 0 (N + n_tokens - 1 <= 2^31 - 1);\n"
+            "                          the KV cache and --ctx still count the tokens from 0. Positions past\n"
+            "                          the model's max_position_embeddings are allowed (with a note): RoPE\n"
+            "                          sees only the distances between tokens, so the logits should equal\n"
+            "                          those at --pos-offset 0 up to rounding; a check that the angles stay\n"
+            "                          exact far out (float32 angles would be off by radians past 2^24)\n"
             TOOL_MODEL_OPTS_HELP);
 }
 
@@ -63,7 +70,7 @@ static bool parse_tokens(const char *s, int32_t **out, int64_t *n_out) {
 int cmd_logits(int argc, char **argv) {
     tool_model_opts mo = TOOL_MODEL_OPTS_INIT;
     const char *model_path = NULL, *tokens_arg = NULL, *tokens_file = NULL, *out_path = NULL;
-    int64_t chunk = 0;
+    int64_t chunk = 0, pos_offset = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *val = i + 1 < argc ? argv[i + 1] : NULL;
@@ -81,6 +88,9 @@ int cmd_logits(int argc, char **argv) {
             out_path = val; i++;
         } else if (!strcmp(a, "--chunk")) {
             if (!tool_parse_i64(val, 1, 1 << 20, "--chunk", &chunk)) return 2;
+            i++;
+        } else if (!strcmp(a, "--pos-offset")) {
+            if (!tool_parse_i64(val, 0, INT32_MAX, "--pos-offset", &pos_offset)) return 2;
             i++;
         } else if (!tool_take_positional("logits", a, &model_path, logits_usage)) {
             return 2;
@@ -104,6 +114,13 @@ int cmd_logits(int argc, char **argv) {
     bool ok = parse_tokens(tokens_arg, &ids, &n);
     st_free(file_text);
     if (!ok) return 2;
+    if (pos_offset > (int64_t)INT32_MAX - (n - 1)) {
+        fprintf(stderr, "strata logits: --pos-offset %lld with %lld tokens puts the last at position %lld, past "
+                "2^31 - 1 (RoPE positions are int32)\n", (long long)pos_offset, (long long)n,
+                (long long)(pos_offset + n - 1));
+        free(ids);
+        return 2;
+    }
 
     if (mo.ctx == 0) mo.ctx = n;
     if (chunk > 0 && mo.batch == 0) mo.batch = chunk;
@@ -112,7 +129,12 @@ int cmd_logits(int argc, char **argv) {
         free(ids);
         return 1;
     }
-    const int64_t vocab = tm.files->config.vocab_size;
+    const int64_t vocab = tm.files->config.vocab_size, trained = tm.files->config.max_position_embeddings;
+    if (pos_offset > 0 && pos_offset + n > trained)
+        fprintf(stderr, "strata logits: note: RoPE positions %lld .. %lld go past the %lld positions of %s "
+                "(max_position_embeddings); RoPE sees only distances, so the logits should equal those at "
+                "--pos-offset 0 up to rounding\n", (long long)pos_offset, (long long)(pos_offset + n - 1),
+                (long long)trained, model_path);
     float *logits = malloc((size_t)(n * vocab) * sizeof(float));
     int rc = 1;
     if (!logits) {
@@ -122,7 +144,8 @@ int cmd_logits(int argc, char **argv) {
     int64_t step = chunk > 0 ? chunk : n;
     for (int64_t done = 0; done < n; done += step) {
         int64_t k = n - done < step ? n - done : step;
-        if (st_llama_forward_seq(tm.model, tm.kv, ids + done, k, done, true, logits + done * vocab) != STRATA_OK) {
+        if (st_llama_forward_seq_at(tm.model, tm.kv, ids + done, k, done, pos_offset, true, logits + done * vocab) !=
+            STRATA_OK) {
             tool_print_error("logits");
             goto done;
         }

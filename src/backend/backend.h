@@ -176,9 +176,10 @@ typedef struct {
     strata_status (*matmul)(st_backend *be, st_stream *s, const float *x, const st_weight *w,
                             int64_t n, float *y);
     /* Rotates x: [n, n_heads, head_dim] in place. Token i sits at position pos[i];
-     * pair j (< head_dim/2) turns by angle pos*inv_freq[j] (computed in double so
-     * that positions far past 2^24 stay exact). interleaved: pairs (2j, 2j+1);
-     * else rotate-half pairs (j, j + head_dim/2). */
+     * pair j (< head_dim/2) turns by the angle pos*inv_freq[j], exact for
+     * every int32 position: every backend forms it as backend/rope_angle.h says
+     * (double hi + lo, cos/sin in double, only they rounded to float).
+     * interleaved: pairs (2j, 2j+1); else rotate-half pairs (j, j + head_dim/2). */
     strata_status (*rope)(st_backend *be, st_stream *s, float *x, const int32_t *pos, int64_t n,
                           int64_t n_heads, int64_t head_dim, const float *inv_freq, bool interleaved);
     /* Causal grouped-query attention of one sequence.

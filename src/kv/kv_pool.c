@@ -21,10 +21,10 @@ struct st_kv_pool {
 static size_t r256(size_t x) { return (x + 255) / 256 * 256; }
 
 size_t st_kv_pool_meta_bytes(int64_t max_tokens, int64_t max_blocks, int64_t block_size) {
-    /* int64 slots[T] | int32 tokens, pos, seq, logit_rows, ctx_lens [T each] | tables [T * B] |
+    /* int64 slots[T] | int32 tokens, pos, seq, logit_rows, ctx_lens, rope_pos [T each] | tables [T * B] |
      * key slots [B * bs] */
     return (size_t)max_tokens * 8 +
-           ((size_t)5 * max_tokens + (size_t)max_tokens * (size_t)max_blocks + (size_t)(max_blocks * block_size)) * 4;
+           ((size_t)6 * max_tokens + (size_t)max_tokens * (size_t)max_blocks + (size_t)(max_blocks * block_size)) * 4;
 }
 
 static bool params_ok(const st_kv_pool_params *p) {

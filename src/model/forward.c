@@ -7,7 +7,9 @@
  * pool's max_blocks), so that the device addresses of every field are the
  * same for every batch and a recorded pass (graphs.c) reads the new values:
  *   int64 slots[T] | int32 tokens[T] | pos[T] | seq[T] | logit_rows[T] |
- *   ctx_lens[T] | block_tables[T * B] | key_slots[B * bs]
+ *   ctx_lens[T] | rope_pos[T] | block_tables[T * B] | key_slots[B * bs]
+ * (rope_pos: pos + the batch's pos_offset, always written, so that a
+ * recorded pass reads the shift of the batch it replays)
  * (key_slots: the slots of keys 0..ctx-1 of a gathered prefill chunk's
  * sequence, written and copied only for such a batch: see gather_ctx)
  * Only the batch's entries are written (ctx_lens past its sequences are 0:
@@ -86,6 +88,8 @@ static strata_status batch_check(const st_llama *m, const st_kv_pool *kv, const 
         BAD("max_blocks = %lld (1 to %lld: max_seq_len %lld / block_size %lld)", (long long)b->max_blocks,
             (long long)max_blocks, (long long)m->max_seq_len, (long long)bs);
     if (b->n_logits < 0 || b->n_logits > n) BAD("n_logits = %lld of %lld tokens", (long long)b->n_logits, (long long)n);
+    if (b->pos_offset < 0 || b->pos_offset > INT32_MAX)
+        BAD("pos_offset = %lld (0 to 2^31 - 1: RoPE positions are int32)", (long long)b->pos_offset);
     if (!b->tokens || !b->pos || !b->seq || !b->slots || !b->block_tables || !b->ctx_lens ||
         (b->n_logits > 0 && !b->logit_rows))
         BAD("a NULL array");
@@ -109,6 +113,9 @@ static strata_status batch_check(const st_llama *m, const st_kv_pool *kv, const 
         const int64_t p = b->pos[i], len = b->ctx_lens[b->seq[i]];
         if (p < 0 || p >= len)
             BAD("pos[%lld] = %lld is outside its sequence's %lld keys", (long long)i, (long long)p, (long long)len);
+        if (p + b->pos_offset > INT32_MAX)
+            BAD("pos[%lld] + pos_offset = %lld + %lld is past 2^31 - 1 (RoPE positions are int32)", (long long)i,
+                (long long)p, (long long)b->pos_offset);
         const int64_t want = (int64_t)b->block_tables[b->seq[i] * b->max_blocks + p / bs] * bs + p % bs;
         if (b->slots[i] != -1 && b->slots[i] != want)
             BAD("slots[%lld] = %lld, but position %lld of its sequence is slot %lld", (long long)i,
@@ -153,8 +160,8 @@ static strata_status batch_upload(st_llama *m, st_kv_pool *kv, const st_batch *b
     st_kv_pool_meta(kv, &hv, &dv, &meta_bytes);
     uint8_t *h = hv;
     const size_t o_tok = (size_t)T * 8, o_pos = o_tok + (size_t)T * 4, o_seq = o_pos + (size_t)T * 4,
-                 o_lr = o_seq + (size_t)T * 4, o_ctx = o_lr + (size_t)T * 4, o_tab = o_ctx + (size_t)T * 4,
-                 total = o_tab + (size_t)(S * B) * 4;
+                 o_lr = o_seq + (size_t)T * 4, o_ctx = o_lr + (size_t)T * 4, o_rpos = o_ctx + (size_t)T * 4,
+                 o_tab = o_rpos + (size_t)T * 4, total = o_tab + (size_t)(S * B) * 4;
     ST_ASSERT(o_tab + (size_t)(T * B) * 4 <= meta_bytes && S <= T && b->max_blocks <= B);
     memcpy(h, b->slots, (size_t)n * 8);
     memcpy(h + o_tok, b->tokens, (size_t)n * 4);
@@ -163,6 +170,8 @@ static strata_status batch_upload(st_llama *m, st_kv_pool *kv, const st_batch *b
     if (b->n_logits) memcpy(h + o_lr, b->logit_rows, (size_t)b->n_logits * 4);
     memcpy(h + o_ctx, b->ctx_lens, (size_t)S * 4);
     memset(h + o_ctx + (size_t)S * 4, 0, (size_t)(T - S) * 4);
+    int32_t *rpos = (int32_t *)(h + o_rpos);
+    for (int64_t i = 0; i < n; i++) rpos[i] = (int32_t)(b->pos[i] + b->pos_offset); /* in range: batch_check */
     int32_t *tab = (int32_t *)(h + o_tab);
     for (int64_t s = 0; s < S; s++) /* the rest of a row is never read (past its sequence's blocks) */
         memcpy(tab + s * B, b->block_tables + s * b->max_blocks, (size_t)b->max_blocks * 4);
@@ -189,6 +198,7 @@ static strata_status batch_upload(st_llama *m, st_kv_pool *kv, const st_batch *b
     d->slots = (const int64_t *)dm;
     d->tokens = (const int32_t *)(dm + o_tok);
     d->pos = (const int32_t *)(dm + o_pos);
+    d->rope_pos = (const int32_t *)(dm + o_rpos);
     d->seq = (const int32_t *)(dm + o_seq);
     d->logit_rows = (const int32_t *)(dm + o_lr);
     d->pk = (st_paged_kv){.block_size = st_kv_pool_block_size(kv),
@@ -355,6 +365,11 @@ strata_status st_llama_forward_sample(st_llama *m, st_kv_pool *kv, const st_batc
 
 strata_status st_llama_forward_seq(st_llama *m, st_kv_pool *kv, const int32_t *tokens, int64_t n, int64_t n_past,
                                    bool all_logits, float *logits) {
+    return st_llama_forward_seq_at(m, kv, tokens, n, n_past, 0, all_logits, logits);
+}
+
+strata_status st_llama_forward_seq_at(st_llama *m, st_kv_pool *kv, const int32_t *tokens, int64_t n, int64_t n_past,
+                                      int64_t pos_offset, bool all_logits, float *logits) {
     if (!m || !kv || !tokens || n < 1 || n_past < 0 || !logits)
         return st_err(STRATA_ERR_INVALID_ARG, "forward_seq: no model, pool, tokens or logits, or n = %lld, n_past = %lld",
                       (long long)n, (long long)n_past);
@@ -364,6 +379,10 @@ strata_status st_llama_forward_seq(st_llama *m, st_kv_pool *kv, const int32_t *t
         return st_err(STRATA_ERR_INVALID_ARG,
                       "forward_seq: %lld tokens after %lld exceed the context of %lld tokens (--ctx)", (long long)n,
                       (long long)n_past, (long long)cap);
+    if (pos_offset < 0 || pos_offset > (int64_t)INT32_MAX - (end - 1))
+        return st_err(STRATA_ERR_INVALID_ARG,
+                      "forward_seq: pos_offset = %lld puts RoPE positions %lld .. %lld outside 0 .. 2^31 - 1",
+                      (long long)pos_offset, (long long)(pos_offset + n_past), (long long)(pos_offset + end - 1));
     const int64_t T = m->max_tokens, nb = (end + bs - 1) / bs, V = m->cfg.vocab_size;
     int32_t *table = st_malloc((size_t)nb * sizeof *table), *pos = st_malloc((size_t)T * sizeof *pos);
     int32_t *seq = st_calloc((size_t)T, sizeof *seq), *rows = st_malloc((size_t)T * sizeof *rows);
@@ -383,7 +402,8 @@ strata_status st_llama_forward_seq(st_llama *m, st_kv_pool *kv, const int32_t *t
         const int64_t n_logits = all_logits ? k : last ? 1 : 0;
         const st_batch b = {.n_tokens = k, .tokens = tokens + done, .pos = pos, .seq = seq, .slots = slots,
                             .n_seqs = 1, .block_tables = table, .max_blocks = (ctx + bs - 1) / bs, .ctx_lens = &ctx,
-                            .logit_rows = all_logits ? rows : rows + k - 1, .n_logits = n_logits};
+                            .logit_rows = all_logits ? rows : rows + k - 1, .n_logits = n_logits,
+                            .pos_offset = pos_offset};
         st = st_llama_forward(m, kv, &b, all_logits ? logits + done * V : logits);
     }
     st_free(table);

@@ -277,8 +277,8 @@ strata_status st_llama_attn_ops(st_llama *m, const st_weight *w, const st_kv_lay
     const st_weight wqkv[3] = {w[ST_WG_WQ], w[ST_WG_WK], w[ST_WG_WV]};
     float *const yqkv[3] = {m->q, m->k, m->v};
     TRY(o->matmul_multi(be, m->stream, m->xn, wqkv, 3, n, yqkv));
-    TRY(o->rope(be, m->stream, m->q, d->pos, n, c->n_heads, hd, m->inv_freq, c->rope_interleaved));
-    TRY(o->rope(be, m->stream, m->k, d->pos, n, c->n_kv_heads, hd, m->inv_freq, c->rope_interleaved));
+    TRY(o->rope(be, m->stream, m->q, d->rope_pos, n, c->n_heads, hd, m->inv_freq, c->rope_interleaved));
+    TRY(o->rope(be, m->stream, m->k, d->rope_pos, n, c->n_kv_heads, hd, m->inv_freq, c->rope_interleaved));
     TRY(o->kv_store_paged(be, m->stream, cache, m->k, m->v, d->slots, n));
     const float scale = 1.0f / sqrtf((float)hd);
     if (d->gather_ctx > 0) {

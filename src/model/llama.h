@@ -85,7 +85,12 @@ st_kv_pool_params st_llama_kv_params_for(const st_config *c, int64_t max_tokens,
 /* One forward pass's batch, all host memory (borrowed for the call). Token i
  * runs tokens[i] at position pos[i] of sequence seq[i]; its K/V row goes to
  * slot slots[i] of the pool (-1: not stored), and it attends over keys
- * 0..pos[i] of its sequence, found through row seq[i] of block_tables. */
+ * 0..pos[i] of its sequence, found through row seq[i] of block_tables.
+ * RoPE turns it by the angles of position pos[i] + pos_offset (0 unless set:
+ * the positions and the KV layout stay pos[i]). RoPE depends only on the
+ * distance between a query and a key, so a shift changes the logits by
+ * rounding alone, however far: the angles are exact for every int32
+ * position (backend/rope_angle.h); `strata logits --pos-offset` checks it. */
 typedef struct {
     int64_t n_tokens;             /* 1 .. the model's max_tokens */
     const int32_t *tokens;        /* [n_tokens] ids in [0, vocab) */
@@ -100,6 +105,8 @@ typedef struct {
                                      (its last position + 1), <= the model's max_seq_len */
     const int32_t *logit_rows;    /* [n_logits] tokens whose logits are wanted, increasing */
     int64_t n_logits;             /* 0 .. n_tokens */
+    int64_t pos_offset;           /* added to every position for RoPE only; pos[i] + pos_offset in
+                                     [0, 2^31 - 1] (RoPE positions are int32) */
 } st_batch;
 
 /* Runs batch b over pool kv: stores every token's K/V at its slot, and writes
@@ -128,6 +135,14 @@ strata_status st_llama_forward_sample(st_llama *m, st_kv_pool *kv, const st_batc
  * INVALID_ARG when n_past + n exceeds the pool or max_seq_len. */
 strata_status st_llama_forward_seq(st_llama *m, st_kv_pool *kv, const int32_t *tokens, int64_t n, int64_t n_past,
                                    bool all_logits, float *logits);
+/* The same with RoPE positions shifted by pos_offset (st_batch.pos_offset:
+ * token i turns by the angles of position pos_offset + n_past + i; the KV
+ * and the context check stay those of n_past + i). INVALID_ARG naming
+ * pos_offset when it is negative or n_past + n - 1 + pos_offset exceeds
+ * 2^31 - 1. Positions past the model's max_position_embeddings are allowed:
+ * the shift is the point (strata logits --pos-offset). */
+strata_status st_llama_forward_seq_at(st_llama *m, st_kv_pool *kv, const int32_t *tokens, int64_t n, int64_t n_past,
+                                      int64_t pos_offset, bool all_logits, float *logits);
 
 /* Recorded passes. When every weight is device-resident and the backend has
  * graphs (CUDA), a pass of at most 256 tokens is recorded once per shape

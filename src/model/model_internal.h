@@ -10,6 +10,7 @@
 typedef struct {
     const int64_t *slots;
     const int32_t *tokens, *pos, *seq, *logit_rows;
+    const int32_t *rope_pos; /* pos + the batch's pos_offset: the positions RoPE turns by */
     st_paged_kv pk;      /* .cache set per layer */
     /* gathered attention (forward.c batch_upload): > 0 when the batch is one
      * sequence's prefill chunk whose keys 0..gather_ctx-1 are gathered from

@@ -19,8 +19,9 @@
  *   default, gemm_min_n_quant, 12, for quantized
  *   weights; prefill attention kernel):           1e-4
  *   fast mode (bf16 operands rounded once):       1e-2
- * RoPE at positions near 2^24, 2^26 and 2^31 is checked against a
- * double-precision reference computed here. The decode-step ops (set_rows,
+ * RoPE at positions near 2^24, 2^26, 2^30 and 2^31 is checked against the
+ * exact angle (computed here in double, independently of
+ * backend/rope_angle.h), and the angle each backend used within 6e-8 rad. The decode-step ops (set_rows,
  * argmax, matmul_multi, matmul_swiglu) are checked against the CPU backend,
  * and a graph recorded once and replayed with new inputs against the same
  * ops run directly. The sample op against the CPU's (same rows, same u: a
@@ -417,12 +418,26 @@ static void check_rope(int64_t n, int64_t heads, int64_t hd, bool inter) {
     free(x), free(ref), free(got), free(f), free(pos);
 }
 
-/* Positions around 2^24, 2^26 and 2^31 against a double-precision reference;
- * also reports what an fp32 angle (pos * inv_freq in float) would give. */
+/* cos and sin of the exact angle pos * f: pos = ph * 2^16 + pl, both parts
+ * times f exact in double, joined by the addition formulas (independent of
+ * backend/rope_angle.h, which both backends use). */
+static void rope_ref_cos_sin(int64_t pos, float f, double *c, double *s) {
+    const double a = (double)(pos >> 16) * 65536.0 * (double)f, b = (double)(pos & 0xffff) * (double)f;
+    const double ca = cos(a), sa = sin(a), cb = cos(b), sb = sin(b);
+    *c = ca * cb - sa * sb;
+    *s = sa * cb + ca * sb;
+}
+
+/* Positions around 2^24, 2^26 and 2^31 against the exact angle in double;
+ * also reports what an fp32 angle (pos * inv_freq in float) would give. Then
+ * the angle itself: pairs (1, 0) rotate to (cos, sin) as floats, whose atan2
+ * must be within 6e-8 rad (float rounding of cos / sin) of the exact angle on
+ * both backends, and the two backends' bits are compared (counted: CUDA's
+ * double sincos and glibc's may round a value the other way). */
 static void check_rope_far(bool inter) {
     const int64_t hd = 128, heads = 2;
     const int32_t ps[] = {(1 << 24) - 1, 1 << 24, (1 << 24) + 1, (1 << 24) + 3, (1 << 26) - 1, (1 << 26) + 5,
-                          (1 << 26) + 77, 2147483647};
+                          (1 << 26) + 77, (1 << 30) + 12345, 2147483645, 2147483647};
     const int64_t n = (int64_t)(sizeof ps / sizeof ps[0]);
     float *x = rand_f(n * heads * hd, 1.0f), *got = xmalloc((size_t)(n * heads * hd) * 4);
     float *ref = xmalloc((size_t)(n * heads * hd) * 4), *naive = xmalloc((size_t)(n * heads * hd) * 4);
@@ -435,10 +450,11 @@ static void check_rope_far(bool inter) {
             for (int64_t j = 0; j < half; j++) {
                 const int64_t o0 = inter ? 2 * j : j, o1 = inter ? 2 * j + 1 : j + half;
                 const float *v = x + (i * heads + h) * hd;
-                const double a = (double)ps[i] * (double)f[j];
+                double ca, sa;
+                rope_ref_cos_sin(ps[i], f[j], &ca, &sa);
                 const double x0 = v[o0], x1 = v[o1];
-                ref[(i * heads + h) * hd + o0] = (float)(x0 * cos(a) - x1 * sin(a));
-                ref[(i * heads + h) * hd + o1] = (float)(x0 * sin(a) + x1 * cos(a));
+                ref[(i * heads + h) * hd + o0] = (float)(x0 * ca - x1 * sa);
+                ref[(i * heads + h) * hd + o1] = (float)(x0 * sa + x1 * ca);
                 const float af = (float)ps[i] * f[j];
                 naive[(i * heads + h) * hd + o0] = v[o0] * cosf(af) - v[o1] * sinf(af);
                 naive[(i * heads + h) * hd + o1] = v[o0] * sinf(af) + v[o1] * cosf(af);
@@ -451,8 +467,40 @@ static void check_rope_far(bool inter) {
     g_down(got, dx, (size_t)(n * heads * hd) * 4);
     const double e = st == STRATA_OK ? nerr(got, ref, n * heads * hd) : INFINITY;
     const double ec = nerr(cpu, ref, n * heads * hd), en = nerr(naive, ref, n * heads * hd);
-    check(e <= 1e-5, "rope far positions (2^24-1 .. 2^31-1) %s vs double reference  err=%.2e (thr 1e-5; cpu %.2e;"
+    check(e <= 1e-5, "rope far positions (2^24-1 .. 2^31-1) %s vs exact reference  err=%.2e (thr 1e-5; cpu %.2e;"
           " an fp32 angle would give %.2e)", inter ? "interleaved" : "rotate-half", e, ec, en);
+    g_free(dx), g_free(dp);
+    /* the angles: rotate (1, 0) */
+    for (int64_t i = 0; i < n * heads; i++)
+        for (int64_t j = 0; j < half; j++) {
+            x[i * hd + (inter ? 2 * j : j)] = 1.0f;
+            x[i * hd + (inter ? 2 * j + 1 : j + half)] = 0.0f;
+        }
+    memcpy(cpu, x, (size_t)(n * heads * hd) * 4);
+    TRY(g_cpu->ops->rope(g_cpu, NULL, cpu, ps, n, heads, hd, f, inter));
+    dx = g_up(x, (size_t)(n * heads * hd) * 4);
+    dp = g_up(ps, (size_t)n * 4);
+    st = g_gpu->ops->rope(g_gpu, g_s, dx, dp, n, heads, hd, df, inter);
+    g_down(got, dx, (size_t)(n * heads * hd) * 4);
+    double ag = st == STRATA_OK ? 0 : INFINITY, ac = 0;
+    int64_t differ = 0;
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t h = 0; h < heads; h++)
+            for (int64_t j = 0; j < half; j++) {
+                const int64_t o0 = (i * heads + h) * hd + (inter ? 2 * j : j),
+                              o1 = (i * heads + h) * hd + (inter ? 2 * j + 1 : j + half);
+                double rc, rs;
+                rope_ref_cos_sin(ps[i], f[j], &rc, &rs);
+                const double r = atan2(rs, rc);
+                double dg = fabs(remainder(atan2((double)got[o1], (double)got[o0]) - r, 2 * M_PI));
+                double dc = fabs(remainder(atan2((double)cpu[o1], (double)cpu[o0]) - r, 2 * M_PI));
+                if (!(dg <= ag)) ag = dg;
+                if (dc > ac) ac = dc;
+                differ += got[o0] != cpu[o0] || got[o1] != cpu[o1];
+            }
+    check(ag <= 6e-8 && ac <= 6e-8, "rope far positions %s: angle error gpu %.2e cpu %.2e rad (thr 6e-8); "
+          "%lld of %lld pairs differ in bits between them", inter ? "interleaved" : "rotate-half", ag, ac,
+          (long long)differ, (long long)(n * heads * half));
     g_free(dx), g_free(df), g_free(dp);
     free(x), free(got), free(ref), free(naive), free(cpu);
 }

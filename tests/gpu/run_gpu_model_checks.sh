@@ -75,7 +75,7 @@ if [ "${SKIP_REFS:-0}" != 1 ]; then
     stamp "reference models on the GPU vs HF, $mode prefill"
     STRATA_BIN=build-gpu/strata STRATA_DEVICE=cuda STRATA_TMP=$WORK/st timeout "${T_REFS:-150}" \
       python3 tests/gpu/check_logits_modes.py $mode > "$OUTDIR/refs_$mode.log" 2>&1 || rc=1
-    grep -E "FAIL|passed|^model|^precise|^fast|safetensors|whole|gguf|chunk|default ==" "$OUTDIR/refs_$mode.log" |
+    grep -E "FAIL|passed|^model|^precise|^fast|safetensors|whole|gguf|chunk|pos-offset|default ==" "$OUTDIR/refs_$mode.log" |
       tail -70
   done
 fi

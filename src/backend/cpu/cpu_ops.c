@@ -6,6 +6,7 @@
 
 #include "backend/cpu/cpu_internal.h"
 #include "backend/cpu/cpu_simd.h"
+#include "backend/rope_angle.h"
 
 /* Splits [0, n) into items of at least ~`work` scalar operations each. */
 static int64_t grain_for(int64_t work_per_item) {
@@ -101,11 +102,13 @@ static void rope_fn(void *ctx, int64_t b, int64_t e, int ti) {
     const int64_t hd = r->head_dim, half = hd / 2;
     float *cs = r->scratch[ti], *sn = cs + half;
     for (int64_t i = b; i < e; i++) {
-        const double p = (double)r->pos[i];
-        for (int64_t j = 0; j < half; j++) {
-            const double theta = p * (double)r->inv_freq[j];
-            cs[j] = (float)cos(theta);
-            sn[j] = (float)sin(theta);
+        for (int64_t j = 0; j < half; j++) { /* the angle: backend/rope_angle.h */
+            double hi, lo;
+            st_rope_angle(r->pos[i], r->inv_freq[j], &hi, &lo);
+            double c = cos(hi), s = sin(hi);
+            st_rope_fix(lo, &c, &s);
+            cs[j] = (float)c;
+            sn[j] = (float)s;
         }
         for (int64_t h = 0; h < r->n_heads; h++) {
             float *v = r->x + (i * r->n_heads + h) * hd;

@@ -1,19 +1,21 @@
 /* rope: rotates x [n, n_heads, head_dim] in place; token i at position pos[i],
  * pair j (< head_dim/2) by the angle pos[i] * inv_freq[j].
  *
- * Precision: the angle is formed and reduced in double precision
- * ((double)pos * (double)inv_freq[j], then CUDA's double sincos, which reduces
- * the argument exactly), and only cos/sin are rounded to float. The product of
- * a 31-bit integer and a 24-bit mantissa is exact to 2^-53 relative, so the
- * angle is right to ~1e-7 rad even at pos = 2^31 - 1; an fp32 angle would be
- * off by whole radians past 2^24. Hopper runs fp64 at half the fp32 rate and
- * each (token, pair) computes its sincos once per block of heads, so this
- * costs nothing measurable. The rotation itself is fp32 without fused multiply-adds,
- * as on the CPU backend:
+ * Precision: the angle is the one every backend uses (backend/rope_angle.h):
+ * the exact product pos * inv_freq as hi + lo in double (hi the rounded
+ * product, lo its error by fma; lo = 0 below pos = 2^29), CUDA's double
+ * sincos of hi (it reduces the argument exactly, however large), lo added to
+ * first order; only cos/sin are rounded to float. So the angle is exact for
+ * every int32 position; an fp32 angle would be off by whole radians past
+ * 2^24. Hopper runs fp64 at half the fp32 rate and each (token, pair)
+ * computes its sincos once per block of heads, so this costs nothing
+ * measurable. The rotation itself is fp32 without fused multiply-adds, as on
+ * the CPU backend:
  *   interleaved:  (x[2j], x[2j+1]);  rotate-half: (x[j], x[j + head_dim/2])
  *   x0' = x0*cos - x1*sin;  x1' = x0*sin + x1*cos. */
 #include "backend/cuda/cuda_common.cuh"
 #include "backend/cuda/cuda_internal.h"
+#include "backend/rope_angle.h"
 
 /* grid (n, ceil(n_heads / hpb)): block (i, b) rotates heads [b hpb, +hpb) of
  * token i. Its first `half` threads compute cos/sin of the token's angles
@@ -28,9 +30,10 @@ static __global__ void __launch_bounds__(1024) rope_kernel(float *x, const int32
     st_pdl_trigger();
     const int64_t i = blockIdx.x;
     if (threadIdx.x < half) {
-        const double theta = (double)__ldg(pos + i) * (double)__ldg(inv_freq + threadIdx.x);
-        double sd, cd;
-        sincos(theta, &sd, &cd);
+        double hi, lo, sd, cd;
+        st_rope_angle(__ldg(pos + i), __ldg(inv_freq + threadIdx.x), &hi, &lo);
+        sincos(hi, &sd, &cd);
+        st_rope_fix(lo, &cd, &sd);
         cs[threadIdx.x] = (float)cd;
         cs[half + threadIdx.x] = (float)sd;
     }
