@@ -15,7 +15,9 @@ Checks:
   - keep-alive: a second request on the same connection within
     --idle-timeout is served; an idle keep-alive connection is closed at
     --idle-timeout; a later request whose request line arrived but whose
-    headers trickle is closed at --header-timeout from its request line;
+    headers trickle is closed at --header-timeout from its request line; a
+    body that stalls is closed at --idle-timeout + 1 (libmicrohttpd's
+    inactivity timeout);
   - --max-connections-per-client 4: a fifth connection from 127.0.0.2 is
     closed at once while four are open; 127.0.0.1 has its own four (a fifth
     is closed too); a slot freed from 127.0.0.2 is usable again; /metrics
@@ -216,6 +218,16 @@ def test_keepalive(model):
         check(got.startswith(b"HTTP/1.1 200") and closed and H - 0.3 <= dt <= H + 3,
               "keep-alive: a later request whose headers trickle is closed at --header-timeout %d s from its "
               "request line (after %.2f s)" % (H, dt))
+        # a body that stalls: libmicrohttpd's inactivity timeout, --idle-timeout + 1
+        s = open_socket(srv.port)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        t = time.time()
+        closed = closed_by_peer(s, IDLE + 6)
+        dt = time.time() - t
+        s.close()
+        check(closed and IDLE + 0.7 <= dt <= IDLE + 4, "a request whose body stalls is closed at --idle-timeout + 1 "
+              "= %d s (after %.2f s)" % (IDLE + 1, dt))
         m1 = ts.metrics(srv)
         n_idle = ts.mval(m1, "strata_http_connections_timed_out_total", '{phase="idle"}') - \
             ts.mval(m0, "strata_http_connections_timed_out_total", '{phase="idle"}')

@@ -1322,7 +1322,9 @@ strata_status st_server_start(strata_model *m, const st_server_params *params, s
                             MHD_OPTION_NOTIFY_COMPLETED, on_completed, s,
                             MHD_OPTION_NOTIFY_CONNECTION, on_connection, s,
                             MHD_OPTION_URI_LOG_CALLBACK, on_uri, s,
-                            MHD_OPTION_CONNECTION_TIMEOUT, s->idle_timeout,
+                            /* stalls while a body is read or an answer written; a second more than the
+                             * watcher's idle deadline, which it leaves to the watcher (counted there) */
+                            MHD_OPTION_CONNECTION_TIMEOUT, s->idle_timeout + 1,
                             MHD_OPTION_CONNECTION_LIMIT, max_conn,
                             MHD_OPTION_ARRAY, more,
                             MHD_OPTION_END);

@@ -55,9 +55,9 @@
  *                     trickling bytes does not extend it (slow loris);
  *   idle_timeout_s    a keep-alive connection must send its next request line
  *                     within this many seconds of the previous answer's end;
- *                     also libmicrohttpd's inactivity timeout while a body is
- *                     read or an answer written (a connection waiting for the
- *                     engine is suspended and has none).
+ *                     plus one second: libmicrohttpd's inactivity timeout while
+ *                     a body is read or an answer written (a connection waiting
+ *                     for the engine is suspended and has none).
  * Limits: max_connections in all (libmicrohttpd splits them between its pool
  * threads; a thread at its share stops accepting and the others take the
  * next ones), max_connections_per_client from one remote address
