@@ -78,7 +78,24 @@ static void serve_usage(FILE *f) {
             "  --max-body BYTES         request body limit (default 1048576); larger bodies get a 413\n"
             "  --model-name NAME        the model id in /v1/models and answers (default: the file name)\n"
             "  --chat-template NAME     chatml, llama3 or llama2 instead of the model's own template\n"
-            "  --max-connections N      simultaneous connections (default 1024)\n"
+            "  --max-connections N      simultaneous connections (default 1024); libmicrohttpd splits them\n"
+            "                           between its threads, and one at its share leaves new ones to the others\n"
+            "  --max-connections-per-client N\n"
+            "                           simultaneous connections from one remote address; more are closed\n"
+            "                           at once (default 32; on a loopback --host, where every client is\n"
+            "                           this machine, no cap unless given; 0: no cap). Behind a reverse\n"
+            "                           proxy every connection comes from the proxy's address\n"
+            "  --http-threads N         threads polling the connections (epoll; default 4, at most\n"
+            "                           --max-connections); a request waiting for the engine, streamed or\n"
+            "                           not, holds no thread\n"
+            "  --header-timeout SECS    a connection's request line and headers must have arrived within\n"
+            "                           SECS of its accept (a later request on a keep-alive connection: of\n"
+            "                           its request line), however slowly they trickle in; otherwise the\n"
+            "                           connection is closed (default 10)\n"
+            "  --idle-timeout SECS      a keep-alive connection must send its next request line within SECS of\n"
+            "                           the previous answer, and one reading a body or writing an answer\n"
+            "                           may stall for SECS + 1 at most (not while the engine works on its\n"
+            "                           request); otherwise it is closed (default 60)\n"
             "  --shutdown-timeout SECS  on SIGTERM: new requests get 503 while running ones have up\n"
             "                           to SECS seconds to finish (default 10); then the rest are\n"
             "                           aborted (a stream ends with an error event and [DONE], a whole\n"
@@ -101,6 +118,7 @@ static void serve_usage(FILE *f) {
 typedef struct {
     const char *model_path, *host, *api_key, *model_name, *chat_template;
     int64_t port, max_batch, max_model_len, prefill_chunk, step_tokens, max_body, max_conn, kv_blocks;
+    int64_t max_per_client, http_threads, header_timeout, idle_timeout;
     size_t kv_mem;
     double shutdown_timeout;
     bool no_rooflines, host_sample, metrics_public;
@@ -114,6 +132,7 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
     o->host = "127.0.0.1";
     o->port = 8080;
     o->shutdown_timeout = SERVE_DEF_SHUTDOWN_TIMEOUT;
+    o->max_per_client = -1; /* the server's default */
     o->api_key = getenv("STRATA_API_KEY");
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -183,6 +202,10 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         INT_OPT("--prefill-chunk", prefill_chunk, 1, 1 << 20)
         INT_OPT("--max-body", max_body, 64, (int64_t)1 << 32)
         INT_OPT("--max-connections", max_conn, 1, 1 << 16)
+        INT_OPT("--max-connections-per-client", max_per_client, 0, 1 << 16)
+        INT_OPT("--http-threads", http_threads, 1, 256)
+        INT_OPT("--header-timeout", header_timeout, 1, 86400)
+        INT_OPT("--idle-timeout", idle_timeout, 1, 86400)
         INT_OPT("--kv-blocks", kv_blocks, 1, INT32_MAX)
         INT_OPT("--step-tokens", step_tokens, 1, 1 << 20)
 #undef STR_OPT
@@ -365,6 +388,11 @@ int cmd_serve(int argc, char **argv) {
     st_server_params sp = {.host = o.host, .port = (int)o.port, .api_key = o.api_key,
                            .metrics_public = o.metrics_public, .model_name = model_name,
                            .max_body = (size_t)o.max_body, .max_connections = (unsigned)o.max_conn,
+                           /* server: 0 = its default, negative = no cap; here -1 = not given, 0 = no cap */
+                           .max_connections_per_client = o.max_per_client < 0 ? 0
+                                                         : o.max_per_client == 0 ? -1 : (int)o.max_per_client,
+                           .threads = (unsigned)o.http_threads, .header_timeout_s = (unsigned)o.header_timeout,
+                           .idle_timeout_s = (unsigned)o.idle_timeout,
                            .device_read_bw = roof.copy_bw, .gemm_rate = roof.gemm_fast,
                            .gemm_rate_precise = roof.gemm_precise};
     if (st_server_start(m, &sp, &srv) != STRATA_OK) {

@@ -90,14 +90,6 @@ strata_status st_sampler_init(const st_sampler_params *p, int64_t vocab, st_samp
     if (!s) return st_err(STRATA_ERR_NOMEM, "sampler: out of memory");
     s->p = *p;
     s->vocab = vocab;
-    s->x = st_malloc((size_t)vocab * sizeof *s->x);
-    s->seen = st_calloc((size_t)vocab, sizeof *s->seen);
-    s->c = st_malloc((size_t)vocab * sizeof *s->c);
-    s->sel = st_malloc((size_t)vocab * sizeof *s->sel);
-    if (!s->x || !s->seen || !s->c || !s->sel) {
-        st_sampler_free(s);
-        return st_err(STRATA_ERR_NOMEM, "sampler: out of memory for a vocabulary of %lld", (long long)vocab);
-    }
     st_sampler_reseed(s, p->seed);
     *out = s;
     return STRATA_OK;
@@ -152,6 +144,30 @@ static float kth_largest(float *v, int64_t n, int64_t k) {
     return v[want];
 }
 
+/* The vocabulary-sized work buffers, allocated at the first draw on the host
+ * rather than by st_sampler_init: that runs on the submitting thread (one of
+ * the HTTP server's few pool threads, whose malloc arenas then held the
+ * buffers of every queued request), a request waiting for a slot holds none,
+ * and one sampled on the device never needs them. */
+static strata_status sampler_buffers(st_sampler *s) {
+    if (s->x) return STRATA_OK;
+    const size_t V = (size_t)s->vocab;
+    s->seen = st_calloc(V, sizeof *s->seen);
+    s->c = st_malloc(V * sizeof *s->c);
+    s->sel = st_malloc(V * sizeof *s->sel);
+    s->x = st_malloc(V * sizeof *s->x); /* last: set means all are */
+    if (s->x && s->seen && s->c && s->sel) return STRATA_OK;
+    st_free(s->x);
+    st_free(s->seen);
+    st_free(s->c);
+    st_free(s->sel);
+    s->x = NULL;
+    s->seen = NULL;
+    s->c = NULL;
+    s->sel = NULL;
+    return st_err(STRATA_ERR_NOMEM, "sampler: out of memory for a vocabulary of %lld", (long long)s->vocab);
+}
+
 /* Runs steps 1-5. Greedy: *greedy_id >= 0 and nothing else. Otherwise
  * s->c[0..*n_out) are the surviving candidates in increasing id, prob =
  * exp(logit - top) (not normalised). */
@@ -163,6 +179,8 @@ static strata_status prepare(st_sampler *s, const float *logits, const int32_t *
     *n_out = 0;
     if (n_hist < 0 || (n_hist > 0 && !hist))
         return st_err(STRATA_ERR_INVALID_ARG, "sampler: bad history (%lld ids)", (long long)n_hist);
+    strata_status st = sampler_buffers(s);
+    if (st) return st;
     float *x = s->x;
     for (int64_t i = 0; i < V; i++) {
         if (isnan(logits[i]))

@@ -52,8 +52,9 @@ st_sampler_params st_sampler_params_default(void);
 typedef struct st_sampler st_sampler;
 
 /* Checks the parameters (INVALID_ARG naming the bad one) and allocates the
- * state for a vocabulary of `vocab` tokens. The caller owns *out
- * (st_sampler_free); *out is NULL on error. */
+ * state for a vocabulary of `vocab` tokens; its vocabulary-sized work buffers
+ * come at the first host draw (st_sampler_sample, _sample_u, _probs: NOMEM
+ * there). The caller owns *out (st_sampler_free); *out is NULL on error. */
 strata_status st_sampler_init(const st_sampler_params *p, int64_t vocab, st_sampler **out);
 void st_sampler_free(st_sampler *s); /* NULL: no-op */
 

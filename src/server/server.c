@@ -1,8 +1,14 @@
-/* The HTTP server over libmicrohttpd (thread per connection). See server.h.
+/* The HTTP server over libmicrohttpd (epoll, a pool of threads, suspended
+ * connections). See server.h.
  *
  * Prometheus metrics (names are stable):
  *   strata_http_requests_total{route,code}          counter
  *   strata_http_stream_disconnects_total            counter  clients gone before the end
+ *   strata_http_connections_open                    gauge    connections accepted and not yet closed
+ *   strata_http_connections_refused_total           counter  closed at accept: over max_connections or
+ *                                                            max_connections_per_client
+ *   strata_http_connections_timed_out_total{phase}  counter  closed by a deadline: headers (header_timeout_s),
+ *                                                            idle (idle_timeout_s, keep-alive)
  *   strata_requests_running / _waiting              gauges   sequences in slots / queued
  *   strata_requests_finished_total{reason}          counter  stop, length, abort, error
  *   strata_prompt_tokens_total                      counter  prompt tokens computed
@@ -33,6 +39,13 @@
  *   strata_model_flops_per_token, strata_model_attention_flops_per_pair   gauges (strata_engine_info)
  *   strata_device_read_bytes_per_second, strata_gemm_flops_per_second,
  *   strata_gemm_precise_flops_per_second            gauges   measured at start-up (absent: unknown)
+ *
+ * Locks, in the order they may be taken: s->mu (connections, requests, counts
+ * of requests in flight), a request's r->mu (its text and state),
+ * libmicrohttpd's own (MHD_resume_connection, MHD_suspend_connection), the
+ * engine's (strata_abort). s->stat_mu and s->log_mu are leaves: nothing is
+ * taken under them, so that libmicrohttpd may log while it holds its locks.
+ * The engine calls on_text / on_finish holding none of its locks.
  */
 #include "server/server.h"
 #include "core/core.h"
@@ -41,7 +54,6 @@
 #include <errno.h>
 #include <microhttpd.h>
 #include <netdb.h>
-#include <poll.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -49,28 +61,40 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "server/openai.h"
 
 #define DEF_MAX_BODY (1u << 20)
 #define DEF_MAX_CONN 1024
-#define DEF_IDLE_TIMEOUT 300
-#define WAIT_SLICE_MS 100
-/* After a shutdown aborts a request, how long its connection waits for the
+#define DEF_PER_CLIENT 32
+#define DEF_THREADS 4
+#define DEF_HEADER_TIMEOUT 10
+#define DEF_IDLE_TIMEOUT 60
+/* After a shutdown aborts the requests in flight, how long it waits for the
  * engine's on_finish (the abort takes effect at the next engine step) before
- * ending the answer without it. */
+ * ending the answers without it. */
 #define ABORT_GRACE_S 5.0
 /* An oversized body without a Content-Length is read and dropped up to this
  * many times the limit before the connection is simply closed. */
 #define DISCARD_FACTOR 16
+/* "no deadline" for the watcher */
+#define NO_DEADLINE 1e300
+/* refused connections are logged as a warning at most this often (seconds) */
+#define REFUSED_LOG_EVERY 10.0
 
 typedef enum { R_CHAT = 0, R_COMPLETIONS, R_MODELS, R_HEALTH, R_METRICS, R_OTHER, R_COUNT_ } route;
 static const char *const ROUTE_NAMES[R_COUNT_] = {"/v1/chat/completions", "/v1/completions", "/v1/models",
                                                   "/health", "/metrics", "other"};
 static const int CODES[] = {200, 400, 401, 404, 405, 413, 415, 421, 429, 431, 499, 500, 503};
 #define N_CODES ((int)(sizeof CODES / sizeof CODES[0]))
+
+typedef struct req req;
+typedef struct conn conn;
 
 struct st_server {
     strata_model *model;
@@ -81,33 +105,75 @@ struct st_server {
     bool metrics_public;          /* /health and /metrics open even with an API key */
     bool loopback;                /* bound to a loopback address: Host must name this machine */
     int port;
+    unsigned header_timeout, idle_timeout; /* seconds */
     long long created;
     double device_read_bw, gemm_rate, gemm_rate_precise;
     uint64_t seed_base;
     struct MHD_Daemon *d;
     atomic_bool draining;         /* shutting down: new generation requests (and /health) get 503 */
-    atomic_bool stopping;         /* requests in flight are aborted (streams end with an error event) */
+    atomic_bool stopping;         /* requests in flight are being aborted (streams end with an error event) */
+    atomic_bool ending;           /* answers end now, without waiting for the engine (no more suspending) */
     atomic_uint_fast64_t counter; /* request numbers: ids and default seeds */
 
     pthread_mutex_t mu;           /* guards what follows */
     pthread_cond_t cv;            /* n_engine or n_active dropped (CLOCK_MONOTONIC) */
     int64_t n_engine;             /* requests whose on_finish has not come yet */
     int64_t n_active;             /* generation requests submitted and not yet answered (until on_completed) */
+    req *reqs;                    /* requests on their connections: from their headers to on_completed */
+    conn *conns;                  /* connections: from accept to close */
+    int64_t n_conns;
+    uint64_t next_serial;         /* request serials (the watcher's epoll data; 0: its wake-up) */
+    double watch_until;           /* when the watcher wakes next (NO_DEADLINE: only when woken) */
+    bool watch_quit;
+
+    /* the watcher thread: peers of requests in flight (EPOLLRDHUP, one-shot) and deadlines */
+    int ep, wake_fd;              /* epoll; eventfd (in ep, data 0) that wakes it */
+    pthread_t watcher;
+    bool watcher_started;
+
+    pthread_mutex_t stat_mu;      /* a leaf: guards the counters below */
     int64_t http[R_COUNT_][N_CODES + 1]; /* the last column: other codes */
     int64_t disconnects;
+    int64_t timed_out_headers, timed_out_idle;
+    int64_t refused;
+    double refused_logged;        /* when a refusal was last logged as a warning */
+    pthread_mutex_t log_mu;       /* a leaf: guards mhd_msg */
     char mhd_msg[256];            /* libmicrohttpd's last log line (for start errors) */
+};
+
+/* ---- connections ------------------------------------------------------------------------------
+ * One per accepted socket (libmicrohttpd's socket context), from its accept
+ * (notify_connection, started) to its close (closed), in s->conns. Its
+ * deadline, when set, is kept by the watcher thread, which shuts the socket
+ * down when it passes (libmicrohttpd then sees the end of the stream and
+ * closes the connection; the socket stays open until notify_connection says
+ * closed, which takes s->mu). */
+typedef enum { CONN_HEAD = 0, CONN_BUSY, CONN_IDLE } conn_phase;
+
+struct conn {
+    conn *prev, *next;            /* s->conns, under s->mu */
+    int fd;
+    conn_phase phase;             /* under s->mu: waiting for a request's head, serving one, idle (keep-alive) */
+    double deadline;              /* under s->mu: st_time_now() seconds; 0: none */
+    char addr[64];                /* the peer's address, for logs */
 };
 
 /* ---- one HTTP request ------------------------------------------------------------------------
  * References: the connection (until libmicrohttpd's request-completed
  * notice), the streaming response (until its free callback), the engine
  * (until on_finish). */
-typedef struct {
+struct req {
     st_server *srv;
+    req *prev, *next;           /* s->reqs, under s->mu (listed from the first call to on_completed) */
+    bool listed;
+    uint64_t serial;            /* set when listed: the watcher's name for it */
     pthread_mutex_t mu;
-    pthread_cond_t cv;          /* text arrived, or the end */
     int refs;                   /* under mu */
     route rt;
+    struct MHD_Connection *c;   /* the connection (until on_completed) */
+    conn *k;                    /* its socket context (NULL: not tracked) */
+    int fd;                     /* the connection's socket */
+    bool watched;               /* fd is in s->ep (the connection's thread only) */
     /* body */
     st_strbuf body;
     bool too_large;
@@ -116,22 +182,23 @@ typedef struct {
     srv_answer_meta meta;
     char id[48];
     bool stream, include_usage;
-    uint64_t eid;               /* engine id (0: not added) */
+    bool waiting;               /* a whole answer: submitted, waiting for the end (the connection's thread) */
     int64_t n_prompt;
-    int fd;                     /* the connection's socket, for disconnect checks */
-    /* filled by the engine thread, under mu */
-    st_strbuf text;                  /* non-streamed: everything; streamed: not yet sent */
+    bool active;                /* counted in srv->n_active (under srv->mu) */
+    /* under mu */
+    uint64_t eid;               /* engine id (0: not added) */
+    bool suspended;             /* its connection is suspended: whoever clears this resumes it */
+    bool peer_closed;           /* the watcher saw the peer go (EPOLLRDHUP / HUP / ERR) */
+    bool aborted;               /* this side aborted it (client gone, shutdown) */
+    st_strbuf text;             /* filled by the engine thread: non-streamed: everything; streamed: not yet sent */
     bool finished;
-    strata_finish fin;            /* detail: a static string; error: NULL (fin_error) */
+    strata_finish fin;          /* detail: a static string; error: NULL (fin_error) */
     char *fin_error;
-    /* streaming: owned by the connection thread */
+    /* streaming: owned by the connection's thread (the content reader) */
     st_strbuf out;
     size_t out_pos;
     bool role_sent, done;
-    bool aborted;               /* this side aborted it (client gone, shutdown) */
-    bool active;                /* counted in srv->n_active */
-    double abort_t;             /* when a shutdown aborted it (st_time_now) */
-} req;
+};
 
 static req *req_new(st_server *s) {
     req *r = st_calloc(1, sizeof *r);
@@ -140,11 +207,6 @@ static req *req_new(st_server *s) {
     r->refs = 1;
     r->fd = -1;
     pthread_mutex_init(&r->mu, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&r->cv, &ca);
-    pthread_condattr_destroy(&ca);
     return r;
 }
 
@@ -159,7 +221,6 @@ static void req_unref(req *r) {
     const bool last = --r->refs == 0;
     pthread_mutex_unlock(&r->mu);
     if (!last) return;
-    pthread_cond_destroy(&r->cv);
     pthread_mutex_destroy(&r->mu);
     st_free(r->body.p);
     st_free(r->text.p);
@@ -168,30 +229,134 @@ static void req_unref(req *r) {
     st_free(r);
 }
 
-/* Waits up to WAIT_SLICE_MS on r->cv (r->mu held). */
-static void req_wait_slice(req *r) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    ts.tv_nsec += WAIT_SLICE_MS * 1000000L;
-    if (ts.tv_nsec >= 1000000000L) {
-        ts.tv_sec++;
-        ts.tv_nsec -= 1000000000L;
-    }
-    pthread_cond_timedwait(&r->cv, &r->mu, &ts);
+/* Resumes r's connection if it is suspended (r->mu held). Any thread. */
+static void req_wake_locked(req *r) {
+    if (!r->suspended) return;
+    r->suspended = false;
+    MHD_resume_connection(r->c);
 }
 
-/* Whether the peer of `fd` has closed or reset the connection. */
-static bool peer_gone(int fd) {
-    if (fd < 0) return false;
-    struct pollfd p = {.fd = fd, .events = POLLIN | POLLRDHUP};
-    if (poll(&p, 1, 0) <= 0) return false;
-    if (p.revents & (POLLERR | POLLHUP | POLLRDHUP | POLLNVAL)) return true;
-    if (p.revents & POLLIN) {
-        char c;
-        ssize_t k = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
-        return k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+/* Suspends r's connection (r->mu held; the connection's thread, from the
+ * access handler or the content reader, which then return without an answer
+ * or with 0 bytes). Whoever changes what the reader or handler waits for
+ * does so under r->mu and then calls req_wake_locked. */
+static void req_suspend_locked(req *r) {
+    r->suspended = true;
+    MHD_suspend_connection(r->c);
+}
+
+/* ---- the watcher thread -------------------------------------------------------------------------*/
+static void watcher_wake(st_server *s) {
+    const uint64_t one = 1;
+    if (write(s->wake_fd, &one, sizeof one) < 0 && errno != EAGAIN)
+        st_log(STRATA_LOG_WARN, "server: cannot wake the watcher thread: %s", strerror(errno));
+}
+
+/* Sets connection k's phase and its deadline `secs` from now (0: none) (s->mu held). */
+static void conn_phase_locked(st_server *s, conn *k, conn_phase ph, unsigned secs) {
+    k->phase = ph;
+    k->deadline = secs ? st_time_now() + (double)secs : 0;
+    if (k->deadline > 0 && k->deadline < s->watch_until) {
+        s->watch_until = k->deadline;
+        watcher_wake(s);
     }
-    return false;
+}
+
+/* Counts a reply in /metrics. */
+static void count_reply(st_server *s, route rt, int status) {
+    int col = N_CODES;
+    for (int i = 0; i < N_CODES; i++)
+        if (CODES[i] == status) col = i;
+    pthread_mutex_lock(&s->stat_mu);
+    s->http[rt][col]++;
+    pthread_mutex_unlock(&s->stat_mu);
+}
+
+/* Ends connection k, whose deadline passed (s->mu held). */
+static void conn_expire_locked(st_server *s, conn *k) {
+    const conn_phase ph = k->phase;
+    k->deadline = 0;
+    shutdown(k->fd, SHUT_RDWR);
+    pthread_mutex_lock(&s->stat_mu);
+    if (ph == CONN_IDLE) s->timed_out_idle++;
+    else s->timed_out_headers++;
+    pthread_mutex_unlock(&s->stat_mu);
+    if (ph == CONN_IDLE)
+        st_log(STRATA_LOG_DEBUG, "server: connection from %s: no request within %u s; closed", k->addr,
+               s->idle_timeout);
+    else
+        st_log(STRATA_LOG_INFO, "server: connection from %s: request headers not complete within %u s; closed",
+               k->addr, s->header_timeout);
+}
+
+/* The peer of request `serial` went away: resume its connection, whose
+ * handler or reader then aborts it. */
+static void peer_closed(st_server *s, uint64_t serial) {
+    pthread_mutex_lock(&s->mu);
+    for (req *r = s->reqs; r; r = r->next)
+        if (r->serial == serial) {
+            pthread_mutex_lock(&r->mu);
+            r->peer_closed = true;
+            req_wake_locked(r);
+            pthread_mutex_unlock(&r->mu);
+            break;
+        }
+    pthread_mutex_unlock(&s->mu);
+}
+
+static void *watcher_main(void *arg) {
+    st_server *s = arg;
+    struct epoll_event ev[64];
+    for (;;) {
+        pthread_mutex_lock(&s->mu);
+        if (s->watch_quit) {
+            pthread_mutex_unlock(&s->mu);
+            break;
+        }
+        const double now = st_time_now();
+        double next = NO_DEADLINE;
+        for (conn *k = s->conns; k; k = k->next) {
+            if (k->deadline <= 0) continue;
+            if (k->deadline <= now) conn_expire_locked(s, k);
+            else if (k->deadline < next) next = k->deadline;
+        }
+        s->watch_until = next;
+        pthread_mutex_unlock(&s->mu);
+        int ms = -1;
+        if (next < NO_DEADLINE) {
+            const double wait_ms = (next - now) * 1000.0 + 1.0;
+            ms = wait_ms > 3600e3 ? 3600000 : (int)wait_ms + 1;
+        }
+        const int n = epoll_wait(s->ep, ev, (int)(sizeof ev / sizeof ev[0]), ms);
+        if (n < 0 && errno != EINTR) {
+            st_log(STRATA_LOG_ERROR, "server: watcher: epoll_wait: %s", strerror(errno));
+            break;
+        }
+        for (int i = 0; i < n; i++) {
+            if (ev[i].data.u64 == 0) {
+                uint64_t v;
+                while (read(s->wake_fd, &v, sizeof v) > 0) {
+                }
+                continue;
+            }
+            peer_closed(s, ev[i].data.u64);
+        }
+    }
+    return NULL;
+}
+
+/* Watches r's peer for going away (the connection's thread). */
+static void watch_peer(st_server *s, req *r) {
+    if (r->fd < 0 || r->watched) return;
+    struct epoll_event e = {.events = EPOLLRDHUP | EPOLLONESHOT, .data.u64 = r->serial};
+    if (epoll_ctl(s->ep, EPOLL_CTL_ADD, r->fd, &e) == 0) r->watched = true;
+    else st_log(STRATA_LOG_WARN, "server: %s: cannot watch the connection: %s", r->id, strerror(errno));
+}
+
+static void unwatch_peer(st_server *s, req *r) {
+    if (!r->watched) return;
+    epoll_ctl(s->ep, EPOLL_CTL_DEL, r->fd, NULL);
+    r->watched = false;
 }
 
 /* ---- engine callbacks (engine thread) ------------------------------------------------------*/
@@ -199,7 +364,7 @@ static void on_text(void *user, const char *text, size_t len) {
     req *r = user;
     pthread_mutex_lock(&r->mu);
     if (!st_strbuf_add(&r->text, text, len)) st_log(STRATA_LOG_ERROR, "server: %s: out of memory for the answer", r->id);
-    pthread_cond_signal(&r->cv);
+    if (r->stream) req_wake_locked(r); /* a whole answer waits for the end */
     pthread_mutex_unlock(&r->mu);
 }
 
@@ -214,7 +379,7 @@ static void on_finish(void *user, const strata_finish *f) {
     r->fin = *f;
     r->fin.error = NULL;
     if (f->error) r->fin_error = st_strdup(f->error);
-    pthread_cond_broadcast(&r->cv);
+    req_wake_locked(r);
     pthread_mutex_unlock(&r->mu);
     req_unref(r);
     pthread_mutex_lock(&s->mu);
@@ -224,15 +389,6 @@ static void on_finish(void *user, const strata_finish *f) {
 }
 
 /* ---- replies ------------------------------------------------------------------------------------*/
-static void count_reply(st_server *s, route rt, int status) {
-    int col = N_CODES;
-    for (int i = 0; i < N_CODES; i++)
-        if (CODES[i] == status) col = i;
-    pthread_mutex_lock(&s->mu);
-    s->http[rt][col]++;
-    pthread_mutex_unlock(&s->mu);
-}
-
 /* Queues a whole answer (the body is copied). */
 static enum MHD_Result reply(struct MHD_Connection *c, req *r, int status, const char *ctype, const char *body,
                              size_t len, const char *allow) {
@@ -306,9 +462,13 @@ static char *metrics_text(st_server *s) {
         return NULL;
     }
     int64_t http[R_COUNT_][N_CODES + 1];
-    pthread_mutex_lock(&s->mu);
+    pthread_mutex_lock(&s->stat_mu);
     memcpy(http, s->http, sizeof http);
-    const int64_t disconnects = s->disconnects;
+    const int64_t disconnects = s->disconnects, refused = s->refused;
+    const int64_t to_headers = s->timed_out_headers, to_idle = s->timed_out_idle;
+    pthread_mutex_unlock(&s->stat_mu);
+    pthread_mutex_lock(&s->mu);
+    const int64_t n_conns = s->n_conns;
     pthread_mutex_unlock(&s->mu);
 
     st_strbuf b = {0};
@@ -327,6 +487,17 @@ static char *metrics_text(st_server *s) {
     ok = ok && metric(&b, "strata_http_stream_disconnects_total", "counter",
                       "Requests whose client went away before the answer ended (their sequences are aborted).",
                       (double)disconnects);
+    ok = ok && metric(&b, "strata_http_connections_open", "gauge", "HTTP connections accepted and not yet closed.",
+                      (double)n_conns);
+    ok = ok && metric(&b, "strata_http_connections_refused_total", "counter",
+                      "HTTP connections closed at accept: over the connection limit, in all or from one client.",
+                      (double)refused);
+    ok = ok && st_strbuf_printf(&b, "# HELP strata_http_connections_timed_out_total HTTP connections closed by a "
+                                    "deadline: request headers not complete in time, or idle (keep-alive) too long.\n"
+                                    "# TYPE strata_http_connections_timed_out_total counter\n"
+                                    "strata_http_connections_timed_out_total{phase=\"headers\"} %lld\n"
+                                    "strata_http_connections_timed_out_total{phase=\"idle\"} %lld\n",
+                                (long long)to_headers, (long long)to_idle);
     ok = ok && metric(&b, "strata_requests_running", "gauge", "Sequences holding a slot (running).", (double)m->running);
     ok = ok && metric(&b, "strata_requests_waiting", "gauge", "Requests waiting for a slot.", (double)m->waiting);
     ok = ok && st_strbuf_printf(&b, "# HELP strata_requests_finished_total Requests finished, by reason.\n"
@@ -446,40 +617,39 @@ static bool sse_add(req *r, char *json /* freed */) {
 
 static const char *finish_name(strata_finish_reason f) { return f == STRATA_FINISH_LENGTH ? "length" : "stop"; }
 
+/* Aborts r's engine request unless it ended or was aborted already; whether
+ * this call aborted it. Any thread; r->mu not held. */
+static bool req_abort(req *r) {
+    pthread_mutex_lock(&r->mu);
+    const uint64_t eid = r->aborted || r->finished ? 0 : r->eid;
+    if (eid) r->aborted = true;
+    pthread_mutex_unlock(&r->mu);
+    return eid && strata_abort(r->srv->model, eid) == STRATA_OK;
+}
+
 /* The client went away (or the server is stopping): abort the engine request. */
-static void client_gone(req *r) {
+static void client_gone(req *r, const char *how) {
     st_server *s = r->srv;
-    r->aborted = true;
-    strata_abort(s->model, r->eid);
+    if (!req_abort(r)) return;
     const bool stopping = atomic_load(&s->stopping);
     if (!stopping) {
-        pthread_mutex_lock(&s->mu);
+        pthread_mutex_lock(&s->stat_mu);
         s->disconnects++;
-        pthread_mutex_unlock(&s->mu);
+        pthread_mutex_unlock(&s->stat_mu);
     }
-    st_log(STRATA_LOG_INFO, "server: %s: %s; request aborted", r->id,
-           stopping ? "the server is stopping" : "the client went away");
+    st_log(STRATA_LOG_INFO, "server: %s: %s; request aborted", r->id, stopping ? "the server is stopping" : how);
 }
 
 /* The server is shutting down and its drain time is over: abort the engine
  * request, whose on_finish (reason abort) then ends the answer with an error
  * (an error event and [DONE] on a stream, a 503 otherwise). */
 static void cancel(req *r) {
-    r->aborted = true;
-    r->abort_t = st_time_now();
-    pthread_mutex_lock(&r->mu);
-    const bool fin = r->finished;
-    pthread_mutex_unlock(&r->mu);
-    if (fin || strata_abort(r->srv->model, r->eid) != STRATA_OK) return; /* it ended on its own */
-    st_log(STRATA_LOG_INFO, "server: %s: the server is shutting down; request aborted", r->id);
+    if (req_abort(r)) st_log(STRATA_LOG_INFO, "server: %s: the server is shutting down; request aborted", r->id);
 }
 
-/* Whether a request cancelled by a shutdown has waited for its on_finish
- * longer than ABORT_GRACE_S (the engine is not stepping). */
-static bool cancel_overdue(const req *r) { return r->aborted && st_time_now() - r->abort_t > ABORT_GRACE_S; }
-
-/* libmicrohttpd's content reader for a streamed answer: blocks until the
- * engine has something, then hands out SSE bytes. */
+/* libmicrohttpd's content reader for a streamed answer (the connection's
+ * thread): hands out SSE bytes, or, when the engine has nothing new,
+ * suspends the connection and returns 0; the engine's callbacks resume it. */
 static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
     (void)pos;
     req *r = cls;
@@ -494,25 +664,25 @@ static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
             return (ssize_t)n;
         }
         if (r->done) return MHD_CONTENT_READER_END_OF_STREAM;
-        if (!r->aborted && atomic_load(&s->stopping)) cancel(r);
+        if (atomic_load(&s->stopping)) cancel(r);
 
-        st_strbuf piece = {0};
         pthread_mutex_lock(&r->mu);
-        while (r->role_sent && r->text.len == 0 && !r->finished) {
-            req_wait_slice(r);
-            if (r->text.len || r->finished) break;
-            if (peer_gone(r->fd) || cancel_overdue(r)) {
-                pthread_mutex_unlock(&r->mu);
-                if (!r->aborted) client_gone(r);
-                return MHD_CONTENT_READER_END_WITH_ERROR;
-            }
-            if (!r->aborted && atomic_load(&s->stopping)) {
+        if (r->peer_closed && !r->finished) {
+            pthread_mutex_unlock(&r->mu);
+            client_gone(r, "the client went away");
+            return MHD_CONTENT_READER_END_WITH_ERROR;
+        }
+        if (r->role_sent && r->text.len == 0 && !r->finished) {
+            if (atomic_load(&s->ending)) { /* the engine did not end it in time, or the server stops */
                 pthread_mutex_unlock(&r->mu);
                 cancel(r);
-                pthread_mutex_lock(&r->mu);
+                return MHD_CONTENT_READER_END_WITH_ERROR;
             }
+            req_suspend_locked(r);
+            pthread_mutex_unlock(&r->mu);
+            return 0;
         }
-        piece = r->text; /* take the pending text */
+        st_strbuf piece = r->text; /* take the pending text */
         r->text = (st_strbuf){0};
         const bool fin = r->finished;
         const strata_finish f = r->fin;
@@ -546,7 +716,7 @@ static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
         st_free(ferr);
         if (!ok) {
             st_log(STRATA_LOG_ERROR, "server: %s: out of memory while streaming", r->id);
-            strata_abort(s->model, r->eid);
+            req_abort(r);
             return MHD_CONTENT_READER_END_WITH_ERROR;
         }
     }
@@ -571,6 +741,8 @@ static bool encode(const strata_model *m, const char *text, bool add_special, in
     *n = (int64_t)got;
     return ok;
 }
+
+static enum MHD_Result whole_continue(struct MHD_Connection *c, req *r);
 
 static enum MHD_Result handle_generate(struct MHD_Connection *c, req *r, srv_kind kind) {
     st_server *s = r->srv;
@@ -647,8 +819,12 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *r, srv_kin
         r->active = true;
     }
     pthread_mutex_unlock(&s->mu);
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+    r->fd = ci ? ci->connect_fd : -1;
+    r->c = c;
+    uint64_t eid = 0;
     strata_status st = refuse ? st_err(STRATA_ERR_UNSUPPORTED, "the server is shutting down")
-                              : strata_submit(s->model, &er, &cb, &r->eid);
+                              : strata_submit(s->model, &er, &cb, &eid);
     st_free(ids);
     srv_gen_clear(&g);
     if (st != STRATA_OK) {
@@ -666,14 +842,18 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *r, srv_kin
                            st_last_error());
         return reply_error(c, r, &e, NULL);
     }
-    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
-    r->fd = ci ? ci->connect_fd : -1;
+    pthread_mutex_lock(&r->mu);
+    r->eid = eid;
+    pthread_mutex_unlock(&r->mu);
+    watch_peer(s, r);
+    /* a shutdown that began aborting before r->eid was set did not see it */
+    if (atomic_load(&s->stopping)) cancel(r);
 
     if (r->stream) {
         struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 * 1024, stream_reader, r,
                                                                       stream_free);
         if (!resp) {
-            strata_abort(s->model, r->eid);
+            req_abort(r);
             return MHD_NO;
         }
         req_ref(r); /* the response's */
@@ -685,28 +865,37 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *r, srv_kin
         count_reply(s, r->rt, 200);
         return ok;
     }
+    r->waiting = true;
+    return whole_continue(c, r);
+}
 
-    /* whole answer: wait here (this connection's own thread) */
+/* A whole answer (the connection's thread, at the request's final call and at
+ * each one after a resume): queues it once the engine has finished it, or
+ * ends the connection when the client went away; otherwise suspends the
+ * connection until on_finish (or the watcher, or a shutdown) resumes it. */
+static enum MHD_Result whole_continue(struct MHD_Connection *c, req *r) {
+    st_server *s = r->srv;
+    srv_error e;
+    if (atomic_load(&s->stopping)) cancel(r);
     pthread_mutex_lock(&r->mu);
-    while (!r->finished) {
-        req_wait_slice(r);
-        if (r->finished) break;
-        if (peer_gone(r->fd) || cancel_overdue(r)) {
+    if (!r->finished) {
+        if (r->peer_closed) {
             pthread_mutex_unlock(&r->mu);
-            if (!r->aborted) {
-                client_gone(r);
-                count_reply(s, r->rt, 499);
-                return MHD_NO;
-            }
+            client_gone(r, "the client went away");
+            count_reply(s, r->rt, 499);
+            return MHD_NO;
+        }
+        if (atomic_load(&s->ending)) { /* the engine did not end it in time, or the server stops */
+            pthread_mutex_unlock(&r->mu);
+            cancel(r);
             return error_reply(c, r, 503, "server_error", "server_shutting_down", NULL,
                                "the request was cancelled (the server is shutting down)");
         }
-        if (!r->aborted && atomic_load(&s->stopping)) {
-            pthread_mutex_unlock(&r->mu);
-            cancel(r);
-            pthread_mutex_lock(&r->mu);
-        }
+        req_suspend_locked(r);
+        pthread_mutex_unlock(&r->mu);
+        return MHD_YES;
     }
+    r->waiting = false;
     const strata_finish f = r->fin;
     pthread_mutex_unlock(&r->mu);
     if (f.reason == STRATA_FINISH_ERROR || f.reason == STRATA_FINISH_ABORT) {
@@ -855,6 +1044,16 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *c, const char
         if (!(r = req_new(s))) return MHD_NO;
         *con_cls = r;
         r->rt = route_of(url);
+        const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+        r->k = ci ? ci->socket_context : NULL;
+        pthread_mutex_lock(&s->mu);
+        r->serial = ++s->next_serial;
+        r->next = s->reqs;
+        if (s->reqs) s->reqs->prev = r;
+        s->reqs = r;
+        r->listed = true;
+        if (r->k) conn_phase_locked(s, r->k, CONN_BUSY, 0); /* the head is in: no deadline while it is served */
+        pthread_mutex_unlock(&s->mu);
         const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
         if (cl) {
             char *end = NULL;
@@ -888,50 +1087,126 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *c, const char
         }
         return st_strbuf_add(&r->body, upload, n) ? MHD_YES : MHD_NO;
     }
+    if (r->waiting) return whole_continue(c, r); /* resumed */
     if (r->too_large)
         return error_reply(c, r, 413, "invalid_request_error", "request_too_large", NULL,
                            "the request body is over the limit of %zu bytes", s->max_body);
     return dispatch(c, r, url, method);
 }
 
+/* libmicrohttpd is done with a request: answered, or its connection ended. */
 static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_RequestTerminationCode toe) {
     (void)c;
     st_server *s = cls;
     req *r = *con_cls;
     if (!r) return;
     *con_cls = NULL;
-    if (r->eid && !r->aborted) {
-        pthread_mutex_lock(&r->mu);
-        const bool fin = r->finished;
-        pthread_mutex_unlock(&r->mu);
-        /* e.g. a write to a closed socket failed mid-stream */
-        if (!fin && strata_abort(s->model, r->eid) == STRATA_OK) {
-            st_log(STRATA_LOG_INFO, "server: %s: connection ended (code %d) before the answer; request aborted",
-                   r->id, (int)toe);
-            pthread_mutex_lock(&s->mu);
-            s->disconnects++;
-            pthread_mutex_unlock(&s->mu);
-        }
-    }
+    unwatch_peer(s, r);
+    pthread_mutex_lock(&r->mu);
+    const bool fin = r->finished, running = r->eid && !r->aborted && !fin;
+    if (r->suspended) /* cannot be: libmicrohttpd completes no suspended connection */
+        st_log(STRATA_LOG_ERROR, "server: %s: completed while suspended", r->id);
+    r->suspended = false;
+    r->c = NULL;
+    pthread_mutex_unlock(&r->mu);
+    if (running) /* e.g. a write to a closed socket failed mid-stream, or the server stops */
+        client_gone(r, toe == MHD_REQUEST_TERMINATED_TIMEOUT_REACHED ? "the connection timed out"
+                                                                     : "the connection ended before the answer");
+    pthread_mutex_lock(&s->mu);
     if (r->active) { /* answered (or the connection ended): a shutdown's drain waits for this */
-        pthread_mutex_lock(&s->mu);
         s->n_active--;
         r->active = false;
         pthread_cond_broadcast(&s->cv);
-        pthread_mutex_unlock(&s->mu);
     }
+    if (r->listed) {
+        if (r->prev) r->prev->next = r->next;
+        else s->reqs = r->next;
+        if (r->next) r->next->prev = r->prev;
+        r->prev = r->next = NULL;
+        r->listed = false;
+    }
+    /* keep-alive: the next request line is due within idle_timeout */
+    if (r->k && toe == MHD_REQUEST_TERMINATED_COMPLETED_OK) conn_phase_locked(s, r->k, CONN_IDLE, s->idle_timeout);
+    pthread_mutex_unlock(&s->mu);
     req_unref(r);
 }
 
+/* A connection is accepted (started) or closed (its socket is closed after this). */
+static void on_connection(void *cls, struct MHD_Connection *c, void **socket_context,
+                          enum MHD_ConnectionNotificationCode code) {
+    st_server *s = cls;
+    if (code == MHD_CONNECTION_NOTIFY_STARTED) {
+        conn *k = st_calloc(1, sizeof *k);
+        *socket_context = k;
+        if (!k) return; /* not tracked: libmicrohttpd's inactivity timeout still applies */
+        const union MHD_ConnectionInfo *fi = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+        const union MHD_ConnectionInfo *ai = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
+        k->fd = fi ? fi->connect_fd : -1;
+        snprintf(k->addr, sizeof k->addr, "?");
+        if (ai && ai->client_addr) {
+            const socklen_t len = ai->client_addr->sa_family == AF_INET6 ? (socklen_t)sizeof(struct sockaddr_in6)
+                                                                         : (socklen_t)sizeof(struct sockaddr_in);
+            getnameinfo(ai->client_addr, len, k->addr, sizeof k->addr, NULL, 0, NI_NUMERICHOST);
+        }
+        pthread_mutex_lock(&s->mu);
+        k->next = s->conns;
+        if (s->conns) s->conns->prev = k;
+        s->conns = k;
+        s->n_conns++;
+        if (k->fd >= 0) conn_phase_locked(s, k, CONN_HEAD, s->header_timeout);
+        pthread_mutex_unlock(&s->mu);
+        return;
+    }
+    conn *k = *socket_context;
+    if (!k) return;
+    *socket_context = NULL;
+    pthread_mutex_lock(&s->mu);
+    if (k->prev) k->prev->next = k->next;
+    else s->conns = k->next;
+    if (k->next) k->next->prev = k->prev;
+    s->n_conns--;
+    pthread_mutex_unlock(&s->mu);
+    st_free(k);
+}
+
+/* A request line has arrived (before its headers): a request on a keep-alive
+ * connection now has header_timeout for its head. */
+static void *on_uri(void *cls, const char *uri, struct MHD_Connection *c) {
+    (void)uri;
+    st_server *s = cls;
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+    conn *k = ci ? ci->socket_context : NULL;
+    if (k) {
+        pthread_mutex_lock(&s->mu);
+        if (k->phase == CONN_IDLE) conn_phase_locked(s, k, CONN_HEAD, s->header_timeout);
+        pthread_mutex_unlock(&s->mu);
+    }
+    return NULL; /* *con_cls stays NULL until the access handler's first call */
+}
+
+/* libmicrohttpd's messages; it may hold its locks here: only leaf locks are taken. */
 static void mhd_log(void *cls, const char *fmt, va_list ap) {
     st_server *s = cls;
     char msg[256];
     vsnprintf(msg, sizeof msg, fmt, ap);
     size_t n = strlen(msg);
     while (n > 0 && (msg[n - 1] == '\n' || msg[n - 1] == '\r')) msg[--n] = 0;
-    pthread_mutex_lock(&s->mu);
+    pthread_mutex_lock(&s->log_mu);
     snprintf(s->mhd_msg, sizeof s->mhd_msg, "%s", msg);
-    pthread_mutex_unlock(&s->mu);
+    pthread_mutex_unlock(&s->log_mu);
+    /* over max_connections (a pool thread's share) or max_connections_per_client: closed at accept */
+    if (strstr(msg, "reached connection limit")) {
+        const double now = st_time_now();
+        pthread_mutex_lock(&s->stat_mu);
+        const int64_t refused = ++s->refused;
+        const bool say = now - s->refused_logged >= REFUSED_LOG_EVERY;
+        if (say) s->refused_logged = now;
+        pthread_mutex_unlock(&s->stat_mu);
+        st_log(say ? STRATA_LOG_WARN : STRATA_LOG_DEBUG,
+               "server: a connection was refused: over --max-connections or --max-connections-per-client "
+               "(%lld refused so far)", (long long)refused);
+        return;
+    }
     /* the answers libmicrohttpd writes itself (a malformed request line or header, a bad
      * Content-Length, headers too large: 400, 413, 431, 505) are counted too, under "other" */
     const char *code = strstr(msg, "HTTP response code is ");
@@ -939,8 +1214,13 @@ static void mhd_log(void *cls, const char *fmt, va_list ap) {
         const int status = atoi(code + strlen("HTTP response code is "));
         if (status >= 400 && status < 600) count_reply(s, R_OTHER, status);
     }
-    /* what a content reader ending a stream early (client gone) makes it say */
-    const bool expected = strstr(msg, "Application reported internal error") != NULL;
+    /* what a content reader ending a stream early (client gone) makes it say, and a client's
+     * closing mid-request (or a deadline's shutdown, logged by the watcher): routine, and a flood
+     * of warnings under a slow-loris attack */
+    const bool expected = strstr(msg, "Application reported internal error") != NULL ||
+                          strstr(msg, "application error generating response") != NULL ||
+                          strstr(msg, "Connection socket is closed when reading request") != NULL ||
+                          strstr(msg, "closed by remote side with incomplete request") != NULL;
     st_log(expected ? STRATA_LOG_DEBUG : STRATA_LOG_WARN, "server: libmicrohttpd: %s", msg);
 }
 
@@ -959,6 +1239,8 @@ strata_status st_server_start(strata_model *m, const st_server_params *params, s
     s->info = info;
     s->max_seq_len = info.max_seq_len;
     pthread_mutex_init(&s->mu, NULL);
+    pthread_mutex_init(&s->stat_mu, NULL);
+    pthread_mutex_init(&s->log_mu, NULL);
     {
         pthread_condattr_t ca;
         pthread_condattr_init(&ca);
@@ -966,6 +1248,8 @@ strata_status st_server_start(strata_model *m, const st_server_params *params, s
         pthread_cond_init(&s->cv, &ca);
         pthread_condattr_destroy(&ca);
     }
+    s->ep = s->wake_fd = -1;
+    s->watch_until = NO_DEADLINE;
     s->host = st_strdup(params->host ? params->host : "127.0.0.1");
     s->model_name = st_strdup(params->model_name ? params->model_name : "strata");
     s->api_key = params->api_key && params->api_key[0] ? st_strdup(params->api_key) : NULL;
@@ -980,12 +1264,35 @@ strata_status st_server_start(strata_model *m, const st_server_params *params, s
     s->seed_base = splitmix64((uint64_t)ts.tv_sec * 1000000007ull ^ (uint64_t)ts.tv_nsec ^ (uint64_t)(uintptr_t)s);
     atomic_init(&s->draining, false);
     atomic_init(&s->stopping, false);
+    atomic_init(&s->ending, false);
     atomic_init(&s->counter, 0);
+    s->header_timeout = params->header_timeout_s ? params->header_timeout_s : DEF_HEADER_TIMEOUT;
+    s->idle_timeout = params->idle_timeout_s ? params->idle_timeout_s : DEF_IDLE_TIMEOUT;
+    const unsigned max_conn = params->max_connections ? params->max_connections : DEF_MAX_CONN;
+    unsigned threads = params->threads ? params->threads : DEF_THREADS;
+    if (threads > max_conn) threads = max_conn; /* each pool thread takes a share of the connections */
     if (s->host) s->loopback = loopback_host(s->host);
+    /* on a loopback address every client is this machine (a benchmark, a proxy): no cap unless asked */
+    const unsigned per_client = params->max_connections_per_client < 0 ? 0
+                                : params->max_connections_per_client > 0 ? (unsigned)params->max_connections_per_client
+                                : s->loopback ? 0 : DEF_PER_CLIENT;
     if (!s->host || !s->model_name || (params->api_key && params->api_key[0] && !s->api_key)) {
         st_server_stop(s);
         return st_err(STRATA_ERR_NOMEM, "server: out of memory");
     }
+    s->ep = epoll_create1(EPOLL_CLOEXEC);
+    s->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    struct epoll_event wev = {.events = EPOLLIN, .data.u64 = 0};
+    if (s->ep < 0 || s->wake_fd < 0 || epoll_ctl(s->ep, EPOLL_CTL_ADD, s->wake_fd, &wev) != 0) {
+        strata_status st = st_err(STRATA_ERR_IO, "server: epoll / eventfd: %s", strerror(errno));
+        st_server_stop(s);
+        return st;
+    }
+    if (pthread_create(&s->watcher, NULL, watcher_main, s) != 0) {
+        st_server_stop(s);
+        return st_err(STRATA_ERR_IO, "server: cannot start the watcher thread");
+    }
+    s->watcher_started = true;
 
     char port[16];
     snprintf(port, sizeof port, "%d", params->port);
@@ -999,17 +1306,27 @@ strata_status st_server_start(strata_model *m, const st_server_params *params, s
         st_server_stop(s);
         return st;
     }
-    unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL |
-                     MHD_USE_ERROR_LOG;
+    /* epoll in a pool of threads; connections are suspended while the engine works on their requests */
+    unsigned flags = (MHD_is_feature_supported(MHD_FEATURE_EPOLL) == MHD_YES ? MHD_USE_EPOLL_INTERNAL_THREAD
+                                                                              : MHD_USE_POLL_INTERNAL_THREAD) |
+                     MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG;
     if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
+    struct MHD_OptionItem more[3];
+    int n_more = 0;
+    if (threads > 1) more[n_more++] = (struct MHD_OptionItem){MHD_OPTION_THREAD_POOL_SIZE, (intptr_t)threads, NULL};
+    if (per_client) more[n_more++] = (struct MHD_OptionItem){MHD_OPTION_PER_IP_CONNECTION_LIMIT, (intptr_t)per_client, NULL};
+    more[n_more] = (struct MHD_OptionItem){MHD_OPTION_END, 0, NULL};
     s->d = MHD_start_daemon(flags, (uint16_t)params->port, NULL, NULL, on_access, s,
                             MHD_OPTION_EXTERNAL_LOGGER, mhd_log, s, /* first, to catch every message */
                             MHD_OPTION_SOCK_ADDR, ai->ai_addr,
                             MHD_OPTION_NOTIFY_COMPLETED, on_completed, s,
-                            MHD_OPTION_CONNECTION_TIMEOUT,
-                            (unsigned)(params->idle_timeout_s ? params->idle_timeout_s : DEF_IDLE_TIMEOUT),
-                            MHD_OPTION_CONNECTION_LIMIT,
-                            (unsigned)(params->max_connections ? params->max_connections : DEF_MAX_CONN),
+                            MHD_OPTION_NOTIFY_CONNECTION, on_connection, s,
+                            MHD_OPTION_URI_LOG_CALLBACK, on_uri, s,
+                            /* stalls while a body is read or an answer written; a second more than the
+                             * watcher's idle deadline, which it leaves to the watcher (counted there) */
+                            MHD_OPTION_CONNECTION_TIMEOUT, s->idle_timeout + 1,
+                            MHD_OPTION_CONNECTION_LIMIT, max_conn,
+                            MHD_OPTION_ARRAY, more,
                             MHD_OPTION_END);
     freeaddrinfo(ai);
     if (!s->d) {
@@ -1020,8 +1337,10 @@ strata_status st_server_start(strata_model *m, const st_server_params *params, s
     }
     const union MHD_DaemonInfo *di = MHD_get_daemon_info(s->d, MHD_DAEMON_INFO_BIND_PORT);
     s->port = di && di->port ? di->port : params->port;
-    st_log(STRATA_LOG_INFO, "server: listening on %s port %d (model '%s'%s)", s->host, s->port, s->model_name,
-           s->api_key ? ", API key required" : "");
+    st_log(STRATA_LOG_INFO, "server: listening on %s port %d (model '%s'%s), %u thread(s), %u connections (%u per "
+           "client%s), header timeout %u s, idle timeout %u s", s->host, s->port, s->model_name,
+           s->api_key ? ", API key required" : "", threads, max_conn, per_client, per_client ? "" : ": no cap",
+           s->header_timeout, s->idle_timeout);
     *out = s;
     return STRATA_OK;
 }
@@ -1058,6 +1377,24 @@ static struct timespec mono_after(double secs) {
     return ts;
 }
 
+/* Aborts every request in flight (a shutdown's drain is over). */
+static void cancel_all(st_server *s) {
+    pthread_mutex_lock(&s->mu);
+    for (req *r = s->reqs; r; r = r->next) cancel(r);
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* Resumes every suspended connection (s->ending is set: none suspends again). */
+static void resume_all(st_server *s) {
+    pthread_mutex_lock(&s->mu);
+    for (req *r = s->reqs; r; r = r->next) {
+        pthread_mutex_lock(&r->mu);
+        req_wake_locked(r);
+        pthread_mutex_unlock(&r->mu);
+    }
+    pthread_mutex_unlock(&s->mu);
+}
+
 int64_t st_server_shutdown(st_server *s, double timeout_s) {
     if (!s) return 0;
     pthread_mutex_lock(&s->mu); /* with handle_generate's count: no request slips in after the drain began */
@@ -1073,13 +1410,24 @@ int64_t st_server_shutdown(st_server *s, double timeout_s) {
     pthread_mutex_unlock(&s->mu);
     if (drained) return 0;
     st_log(STRATA_LOG_INFO, "server: shutting down: aborting %lld request(s) still in flight", (long long)left);
-    atomic_store(&s->stopping, true); /* the connections' waits abort their requests within WAIT_SLICE_MS */
-    until = mono_after(ABORT_GRACE_S + 1.0);
+    /* their on_finish (reason abort) comes at the next engine step and resumes their
+     * connections: a stream ends with an error event and [DONE], a whole answer is a 503 */
+    atomic_store(&s->stopping, true);
+    cancel_all(s);
+    until = mono_after(ABORT_GRACE_S);
     pthread_mutex_lock(&s->mu);
-    if (!wait_active(s, &until))
-        st_log(STRATA_LOG_WARN, "server: shutting down: %lld request(s) did not end after the abort",
-               (long long)s->n_active);
+    const bool ended = wait_active(s, &until);
     pthread_mutex_unlock(&s->mu);
+    if (!ended) { /* the engine is not stepping: answer without it */
+        atomic_store(&s->ending, true);
+        resume_all(s);
+        until = mono_after(1.0);
+        pthread_mutex_lock(&s->mu);
+        if (!wait_active(s, &until))
+            st_log(STRATA_LOG_WARN, "server: shutting down: %lld request(s) did not end after the abort",
+                   (long long)s->n_active);
+        pthread_mutex_unlock(&s->mu);
+    }
     return left;
 }
 
@@ -1096,14 +1444,31 @@ void st_server_stop(st_server *s) {
     if (!s) return;
     atomic_store(&s->draining, true);
     atomic_store(&s->stopping, true);
-    if (s->d) MHD_stop_daemon(s->d); /* ends the connections: their waits see `stopping` and abort */
+    atomic_store(&s->ending, true);
+    if (s->d) {
+        /* libmicrohttpd must not be stopped with suspended connections: resume them all; with
+         * `ending` set none suspends again (handlers and readers check it under r->mu) */
+        resume_all(s);
+        MHD_stop_daemon(s->d); /* ends the connections: on_completed aborts their requests */
+    }
     s->d = NULL;
+    if (s->watcher_started) {
+        pthread_mutex_lock(&s->mu);
+        s->watch_quit = true;
+        pthread_mutex_unlock(&s->mu);
+        watcher_wake(s);
+        pthread_join(s->watcher, NULL);
+    }
     /* the engine calls on_finish for every aborted request at its next step */
     pthread_mutex_lock(&s->mu);
     while (s->n_engine > 0) pthread_cond_wait(&s->cv, &s->mu);
     pthread_mutex_unlock(&s->mu);
+    if (s->ep >= 0) close(s->ep);
+    if (s->wake_fd >= 0) close(s->wake_fd);
     pthread_cond_destroy(&s->cv);
     pthread_mutex_destroy(&s->mu);
+    pthread_mutex_destroy(&s->stat_mu);
+    pthread_mutex_destroy(&s->log_mu);
     st_free(s->host);
     st_free(s->model_name);
     st_free(s->api_key);

@@ -28,18 +28,41 @@
  * finish for a while, then are aborted (streams end with an error event and
  * [DONE]).
  *
- * Threads: libmicrohttpd runs one thread per connection (plus its listening
- * thread). A request's thread parses and tokenizes the request, adds it to
- * the engine, and then waits on the request's condition variable: the engine
- * thread's callbacks append text and mark the end. A streamed answer is
- * produced by the response's content-reader callback on the same connection
- * thread, which blocks (in 100 ms slices) until the engine has more text.
- * While waiting, the connection's socket is polled for the peer having gone
- * (POLLRDHUP, or a zero-byte peek); a client that disconnects mid-request or
- * mid-stream has its engine request aborted, which frees its sequence slot at
- * the next engine step. Each request object is reference-counted between the
- * connection, the streaming response and the engine (on_finish drops the
- * engine's reference), so whichever finishes last frees it.
+ * Threads: libmicrohttpd polls the sockets with epoll in a pool of `threads`
+ * threads (MHD_USE_EPOLL_INTERNAL_THREAD + MHD_OPTION_THREAD_POOL_SIZE), each
+ * owning the connections it accepted; no thread waits for a connection. A
+ * pool thread parses and tokenizes a request and adds it to the engine; then
+ * the connection is suspended (MHD_suspend_connection), and the engine
+ * thread's callbacks, which append text and mark the end, resume it
+ * (MHD_resume_connection): a whole answer is queued once the engine has
+ * finished it; a stream's content reader hands out what the engine has
+ * produced and suspends the connection again when nothing is left (it never
+ * returns 0 without suspending: no busy loop). One watcher thread of the
+ * server's own does what a suspended connection cannot: it waits (epoll,
+ * EPOLLRDHUP, one-shot) for the peers of requests in flight to go away,
+ * resuming their connections so that their engine requests are aborted
+ * (their sequence slots are freed at the next engine step), and it ends the
+ * connections that miss a deadline (below) by shutting their sockets down.
+ * Each request object is reference-counted between the connection, the
+ * streaming response and the engine (on_finish drops the engine's
+ * reference), so whichever finishes last frees it.
+ *
+ * Deadlines (each connection's, kept by the watcher thread):
+ *   header_timeout_s  the request line and headers of a connection's first
+ *                     request must have arrived within this many seconds of
+ *                     its accept, and those of a later request on a keep-alive
+ *                     connection within this many seconds of its request line;
+ *                     trickling bytes does not extend it (slow loris);
+ *   idle_timeout_s    a keep-alive connection must send its next request line
+ *                     within this many seconds of the previous answer's end;
+ *                     plus one second: libmicrohttpd's inactivity timeout while
+ *                     a body is read or an answer written (a connection waiting
+ *                     for the engine is suspended and has none).
+ * Limits: max_connections in all (libmicrohttpd splits them between its pool
+ * threads; a thread at its share stops accepting and the others take the
+ * next ones), max_connections_per_client from one remote address
+ * (MHD_OPTION_PER_IP_CONNECTION_LIMIT: a connection over it is closed at
+ * once).
  */
 #pragma once
 #include <stddef.h>
@@ -59,7 +82,11 @@ typedef struct {
     const char *model_name;  /* the id in /v1/models and in answers (NULL: "strata") */
     size_t max_body;         /* request body limit in bytes (0: 1 MiB) */
     unsigned max_connections;/* simultaneous connections (0: 1024) */
-    unsigned idle_timeout_s; /* an idle keep-alive connection is closed after this (0: 300) */
+    int max_connections_per_client; /* simultaneous connections from one remote address (0: 32, or no cap
+                                     * when host is a loopback address; negative: no cap) */
+    unsigned threads;        /* libmicrohttpd's pool of polling threads (0: 4; at most max_connections) */
+    unsigned header_timeout_s; /* request line + headers deadline (0: 10), see above */
+    unsigned idle_timeout_s; /* keep-alive wait for the next request, and inactivity (0: 60), see above */
     /* Device rates the caller measured at start-up, published in /metrics
      * beside the engine's step costs so that a benchmark client can compute
      * the roofline of the batches it drove (0: unknown, not published). */
