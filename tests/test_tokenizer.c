@@ -495,6 +495,32 @@ static void check_errors(void) {
     CHECK_ERR(st_tokenizer_load_json(p, NULL, &t), STRATA_ERR_UNSUPPORTED, "wordpiece.json",
               "WordPiece");
 
+    /* a few tokens with huge ids (dense tables: gigabytes) are refused; gaps up to
+       the token count + 65536 are not */
+    snprintf(p, sizeof p, "%s/hugeid.json", dir);
+    const char *hi = "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 94444443}, \"merges\": []}, "
+                     "\"pre_tokenizer\": {\"type\": \"ByteLevel\"}}";
+    test_write_file(p, hi, strlen(hi));
+    CHECK_ERR(st_tokenizer_load_json(p, NULL, &t), STRATA_ERR_FORMAT, "hugeid.json", "model.vocab[\"b\"]",
+              "94444443", "2 tokens");
+    CHECK(t == NULL);
+    snprintf(p, sizeof p, "%s/hugeadded.json", dir);
+    const char *ha = "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []}, "
+                     "\"pre_tokenizer\": {\"type\": \"ByteLevel\"}, "
+                     "\"added_tokens\": [{\"id\": 70000, \"content\": \"<x>\", \"special\": true}]}";
+    test_write_file(p, ha, strlen(ha));
+    CHECK_ERR(st_tokenizer_load_json(p, NULL, &t), STRATA_ERR_FORMAT, "hugeadded.json", "added_tokens[0].id",
+              "70000");
+    snprintf(p, sizeof p, "%s/gaps.json", dir);
+    const char *gp = "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []}, "
+                     "\"pre_tokenizer\": {\"type\": \"ByteLevel\"}, "
+                     "\"added_tokens\": [{\"id\": 65537, \"content\": \"<x>\", \"special\": true}]}";
+    test_write_file(p, gp, strlen(gp));
+    CHECK_MSG(st_tokenizer_load_json(p, NULL, &t) == STRATA_OK, "gaps.json: %s", st_last_error());
+    if (t) CHECK(st_tokenizer_vocab_size(t) == 65538 && st_tokenizer_find(t, "<x>") == 65537);
+    st_tokenizer_free(t);
+    t = NULL;
+
     /* config naming a token the vocabulary lacks */
     snprintf(p, sizeof p, "%s/ok.json", dir);
     const char *ok = "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1, \"ab\": 2}, "
