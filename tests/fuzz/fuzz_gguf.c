@@ -21,7 +21,8 @@ static volatile uint8_t g_sink;
 static void walk_keys(const st_gguf_meta *g) {
     for (int64_t i = 0; i < st_gguf_n_keys(g); i++) {
         const char *key = st_gguf_key_name(g, i);
-        FUZZ_CHECK(st_gguf_find_key(g, key) == i, "key '%s' found at another index", key);
+        if (i < 256) /* a linear search: not for every key of a file of thousands */
+            FUZZ_CHECK(st_gguf_find_key(g, key) == i, "key '%s' found at another index", key);
         const uint8_t *raw;
         uint64_t raw_len;
         st_gguf_key_raw(g, i, &raw, &raw_len);
