@@ -974,6 +974,49 @@ static void test_truncation_and_fuzz(void) {
     free(b.p);
 }
 
+/* st_gguf_open_mem: the same model as from the file, the buffer borrowed
+ * (never freed or unmapped), every prefix refused naming the given name. */
+static void test_open_mem(void) {
+    mspec m;
+    gb b;
+    std_model(&m, false);
+    build(&m, &b);
+    st_model_files *ff = NULL, *mf = NULL;
+    CHECK(open_bytes(tmp_path("mem.gguf"), b.p, b.n, &ff) == STRATA_OK);
+    st_clear_error();
+    strata_status st = st_gguf_open_mem(b.p, b.n, "image.gguf", &mf);
+    CHECK_MSG(st == STRATA_OK, "%s", st_last_error());
+    if (ff && mf) {
+        CHECK(!strcmp(mf->path, "image.gguf") && mf->n_files == 1 && mf->files[0].data == b.p &&
+              mf->files[0].size == b.n && mf->files[0].fd == -1 && mf->files[0].borrowed);
+        CHECK(!memcmp(&mf->config, &ff->config, sizeof mf->config));
+        CHECK(mf->n_tensors == ff->n_tensors);
+        for (int64_t i = 0; i < mf->n_tensors && i < ff->n_tensors; i++) {
+            const st_tensor_desc *a = &mf->tensors[i], *c = &ff->tensors[i];
+            CHECK(!strcmp(a->name, c->name) && a->offset == c->offset && a->nbytes == c->nbytes &&
+                  !memcmp(st_tensor_data(mf, a), st_tensor_data(ff, c), (size_t)a->nbytes));
+        }
+        CHECK(st_gguf_n_keys(mf->gguf) == st_gguf_n_keys(ff->gguf));
+    }
+    st_model_close(mf);
+    st_model_close(ff);
+    CHECK(b.p[0] == 'G'); /* still the caller's */
+    int bad = 0;
+    for (size_t len = 0; len < m.data_start + 64; len++) {
+        mf = NULL;
+        st_clear_error();
+        st = st_gguf_open_mem(b.p, len, "image.gguf", &mf);
+        if (st == STRATA_OK || mf || !strstr(st_last_error(), "image.gguf")) bad++;
+        st_model_close(mf);
+    }
+    CHECK_MSG(bad == 0, "%d prefixes opened or named no file", bad);
+    mf = NULL;
+    CHECK_ERR(st_gguf_open_mem(NULL, 0, "empty.gguf", &mf), STRATA_ERR_FORMAT, "empty.gguf", "not a GGUF file");
+    CHECK(mf == NULL);
+    CHECK_ERR(st_gguf_open_mem(NULL, 8, "null.gguf", &mf), STRATA_ERR_INVALID_ARG, "null.gguf");
+    free(b.p);
+}
+
 /* ---- writer round trip through a HF directory ---- */
 
 #define R_HID 64
@@ -1246,6 +1289,7 @@ int main(void) {
     test_bad();
     test_hparams();
     test_truncation_and_fuzz();
+    test_open_mem();
     test_writer();
     /* keep the files of a failing run for inspection */
     if (!g_test_failures) nftw(test_tmpdir("gguf"), rm_entry, 16, FTW_DEPTH | FTW_PHYS);

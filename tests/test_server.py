@@ -265,6 +265,9 @@ def test_basic(srv):
     sctext, scfinish, scusage = comp_stream(cl, prompt, temperature=0, max_tokens=12, ignore_eos=True,
                                             stream_options={"include_usage": True})
     check(sctext == ctext and scfinish == cfinish and usage_eq(scusage, cusage), "streamed completion == whole")
+    # top_p below the float range keeps the most likely token only (it once rounded to 0, read as "off")
+    ttext = comp(cl, prompt, temperature=1.5, top_p=1e-300, seed=7, max_tokens=12, ignore_eos=True)[0]
+    check(ttext == ctext, "top_p 1e-300 samples as greedy: %r" % ttext)
     # seeded sampling repeats; max_completion_tokens is accepted
     a = chat(cl, FRANCE, temperature=0.9, top_p=0.95, seed=1234, max_tokens=16)[0]
     b = chat(cl, FRANCE, temperature=0.9, top_p=0.95, seed=1234, max_tokens=16)[0]

@@ -21,6 +21,7 @@
 #include "core/json.h"
 #include "loader/loader.h"
 #include "testutil.h"
+#include "tokenizer/tok_internal.h"
 #include "tokenizer/tokenizer.h"
 
 #define DATA "tests/data/tokenizer/"
@@ -494,6 +495,32 @@ static void check_errors(void) {
     CHECK_ERR(st_tokenizer_load_json(p, NULL, &t), STRATA_ERR_UNSUPPORTED, "wordpiece.json",
               "WordPiece");
 
+    /* a few tokens with huge ids (dense tables: gigabytes) are refused; gaps up to
+       the token count + 65536 are not */
+    snprintf(p, sizeof p, "%s/hugeid.json", dir);
+    const char *hi = "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 94444443}, \"merges\": []}, "
+                     "\"pre_tokenizer\": {\"type\": \"ByteLevel\"}}";
+    test_write_file(p, hi, strlen(hi));
+    CHECK_ERR(st_tokenizer_load_json(p, NULL, &t), STRATA_ERR_FORMAT, "hugeid.json", "model.vocab[\"b\"]",
+              "94444443", "2 tokens");
+    CHECK(t == NULL);
+    snprintf(p, sizeof p, "%s/hugeadded.json", dir);
+    const char *ha = "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []}, "
+                     "\"pre_tokenizer\": {\"type\": \"ByteLevel\"}, "
+                     "\"added_tokens\": [{\"id\": 70000, \"content\": \"<x>\", \"special\": true}]}";
+    test_write_file(p, ha, strlen(ha));
+    CHECK_ERR(st_tokenizer_load_json(p, NULL, &t), STRATA_ERR_FORMAT, "hugeadded.json", "added_tokens[0].id",
+              "70000");
+    snprintf(p, sizeof p, "%s/gaps.json", dir);
+    const char *gp = "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []}, "
+                     "\"pre_tokenizer\": {\"type\": \"ByteLevel\"}, "
+                     "\"added_tokens\": [{\"id\": 65537, \"content\": \"<x>\", \"special\": true}]}";
+    test_write_file(p, gp, strlen(gp));
+    CHECK_MSG(st_tokenizer_load_json(p, NULL, &t) == STRATA_OK, "gaps.json: %s", st_last_error());
+    if (t) CHECK(st_tokenizer_vocab_size(t) == 65538 && st_tokenizer_find(t, "<x>") == 65537);
+    st_tokenizer_free(t);
+    t = NULL;
+
     /* config naming a token the vocabulary lacks */
     snprintf(p, sizeof p, "%s/ok.json", dir);
     const char *ok = "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1, \"ab\": 2}, "
@@ -540,6 +567,42 @@ static void check_errors(void) {
               STRATA_ERR_IO, "does-not-exist.json");
     st_tokenizer_free(NULL);
     st_detok_free(NULL);
+}
+
+/* SentencePiece byte tokens decode to their byte only when exactly "<0xHH>",
+ * the last token of the text pool included (the pool is not NUL-terminated:
+ * the decoder must not read past the token's 6 bytes). */
+static void check_spm_byte_tokens(void) {
+    static const char *const texts[] = {"<unk>", "\u2581a", "<0x 4>", "<0x4g>", "<0x+4>", "<0x7e>", "<0x41>"};
+    const int n = (int)(sizeof texts / sizeof texts[0]);
+    size_t pool = 0;
+    for (int i = 0; i < n; i++) pool += strlen(texts[i]);
+    st_tokenizer *t = NULL;
+    CHECK(st_tok_alloc(&t, ST_TOK_SPM, n, pool, "bytes") == STRATA_OK);
+    if (!t) return;
+    size_t pos = 0;
+    for (int i = 0; i < n; i++) {
+        st_tok_set_text(t, i, texts[i], strlen(texts[i]), &pos);
+        t->attr[i] = i == 0 ? ST_TA_UNKNOWN : i == 1 ? 0 : ST_TA_BYTE;
+    }
+    t->unk = 0;
+    CHECK(st_tok_finish(t, "bytes") == STRATA_OK);
+    static const struct {
+        int32_t id;
+        const char *want;
+        size_t len;
+    } cases[] = {{6, "A", 1}, {5, "~", 1}, {2, "<0x 4>", 6}, {3, "<0x4g>", 6}, {4, "<0x+4>", 6}, {1, " a", 2}};
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        char *out = NULL;
+        size_t len = 0;
+        /* after "\xE2\x96\x81a", which decodes to "a" at the start (the encoder's space dropped) */
+        const int32_t ids[2] = {1, cases[k].id};
+        CHECK(st_tokenizer_decode_len(t, ids, 2, false, &out, &len) == STRATA_OK);
+        CHECK_MSG(out && len == 1 + cases[k].len && out[0] == 'a' && !memcmp(out + 1, cases[k].want, cases[k].len),
+                  "id %d decodes to %zu bytes '%.*s'", cases[k].id, len, (int)len, out ? out : "");
+        free(out);
+    }
+    st_tokenizer_free(t);
 }
 
 /* st_tokenizer_load on a HF directory: the tiny test model's weights (linked)
@@ -589,6 +652,7 @@ int main(void) {
     check_sanitize();
     check_splits();
     check_nfc();
+    check_spm_byte_tokens();
 
     const char *tmp = test_tmpdir("tokenizer");
     const cJSON *e;

@@ -141,7 +141,7 @@ strata_status st_file_map(const char *path, st_mapped_file *f) {
 
 void st_file_unmap(st_mapped_file *f) {
     if (!f) return;
-    if (f->data) munmap((void *)f->data, (size_t)f->size);
+    if (f->data && !f->borrowed) munmap((void *)f->data, (size_t)f->size);
     if (f->fd >= 0) close(f->fd);
     st_free(f->path);
     memset(f, 0, sizeof *f);

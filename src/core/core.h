@@ -55,6 +55,8 @@ typedef struct {
     int fd;              /* -1 when closed */
     uint64_t size;
     const uint8_t *data; /* mmap of the whole file (NULL for an empty file) */
+    bool borrowed;       /* data is the caller's memory, not a mapping (fd -1): never unmapped
+                            (st_gguf_open_mem) */
 } st_mapped_file;
 
 /* Maps `path` read-only. On error: a message naming the path, *f zeroed. */

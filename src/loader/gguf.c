@@ -1034,9 +1034,8 @@ static strata_status parse_file(st_model_files *m, st_gguf_meta *g) {
     return build_config(g, m);
 }
 
-strata_status st_gguf_open(const char *path, st_model_files **out) {
-    *out = NULL;
-    if (!path) return st_err(STRATA_ERR_INVALID_ARG, "st_gguf_open: path is NULL");
+/* The two openers: a file to map (path), or a borrowed image (mem, size). */
+static strata_status gguf_open(const char *path, const void *mem, size_t size, st_model_files **out) {
     st_model_files *m = st_calloc(1, sizeof *m);
     st_gguf_meta *g = st_calloc(1, sizeof *g);
     strata_status st = STRATA_OK;
@@ -1049,7 +1048,16 @@ strata_status st_gguf_open(const char *path, st_model_files **out) {
     m->gguf = g;
     g = NULL;
     m->files[0].fd = -1;
-    if ((st = st_file_map(path, &m->files[0]))) goto fail;
+    if (mem) {
+        m->files[0] = (st_mapped_file){.path = st_strdup(path), .fd = -1, .size = size, .data = mem,
+                                       .borrowed = true};
+        if (!m->files[0].path) {
+            st = st_err(STRATA_ERR_NOMEM, "%s: out of memory", path);
+            goto fail;
+        }
+    } else if ((st = st_file_map(path, &m->files[0]))) {
+        goto fail;
+    }
     m->n_files = 1;
     if ((st = parse_file(m, m->gguf))) goto fail;
     if ((st = st_model_validate(m))) goto fail;
@@ -1060,4 +1068,18 @@ fail:
     st_gguf_meta_free(g);
     if (m) st_model_close(m);
     return st;
+}
+
+strata_status st_gguf_open(const char *path, st_model_files **out) {
+    *out = NULL;
+    if (!path) return st_err(STRATA_ERR_INVALID_ARG, "st_gguf_open: path is NULL");
+    return gguf_open(path, NULL, 0, out);
+}
+
+strata_status st_gguf_open_mem(const void *data, size_t size, const char *name, st_model_files **out) {
+    *out = NULL;
+    if (!name) return st_err(STRATA_ERR_INVALID_ARG, "st_gguf_open_mem: name is NULL");
+    if (!data && size) return st_err(STRATA_ERR_INVALID_ARG, "%s: st_gguf_open_mem: data is NULL", name);
+    static const uint8_t empty[1];
+    return gguf_open(name, data ? data : empty, size, out); /* an empty image is refused by its size */
 }

@@ -99,6 +99,13 @@ void st_model_close(st_model_files *m); /* NULL is a no-op */
 /* The format-specific openers behind st_model_open (they validate too). */
 strata_status st_safetensors_open_dir(const char *dir, st_model_files **out);
 strata_status st_gguf_open(const char *path, st_model_files **out);
+/* st_gguf_open of a GGUF file image already in memory: data[0..size) is
+ * borrowed (it must outlive *out and is never freed or unmapped), `name`
+ * stands for the path (messages, m->path). The model's file has no descriptor,
+ * so its weights cannot be streamed from disk: for tests and fuzzing (where
+ * the sanitizers see a read past the end of the buffer, as they cannot past
+ * the end of a file inside its mapping's last page). */
+strata_status st_gguf_open_mem(const void *data, size_t size, const char *name, st_model_files **out);
 
 /* Parses a HF config.json text into *cfg. `path` is only used in messages.
  * Accepts transformers v4 `rope_scaling` and v5 `rope_parameters`. */

@@ -370,9 +370,10 @@ strata_status st_tok_load_json_file(const char *json_path, const char *config_pa
         st = st_err(STRATA_ERR_FORMAT, "%s: 'added_tokens' must be an array", path);
         goto done;
     }
-    int64_t n_vocab = 0;
+    int64_t n_vocab = 0, n_tokens = 0;
     size_t pool = 0;
     const cJSON *it;
+    char top_name[64] = ""; /* the entry with the largest id, for the message below */
     cJSON_ArrayForEach(it, vocab) {
         int64_t id;
         char name[64];
@@ -382,8 +383,12 @@ strata_status st_tok_load_json_file(const char *json_path, const char *config_pa
             st = st_err(STRATA_ERR_FORMAT, "%s: '%s' = %lld is out of range", path, name, (long long)id);
             goto done;
         }
-        if (id + 1 > n_vocab) n_vocab = id + 1;
+        if (id + 1 > n_vocab) {
+            n_vocab = id + 1;
+            snprintf(top_name, sizeof top_name, "%s", name);
+        }
         pool += strlen(it->string);
+        n_tokens++;
     }
     int ai = 0;
     cJSON_ArrayForEach(it, added) {
@@ -399,11 +404,23 @@ strata_status st_tok_load_json_file(const char *json_path, const char *config_pa
             st = st_err(STRATA_ERR_FORMAT, "%s: '%s.id' = %lld is out of range", path, pre_s, (long long)id);
             goto done;
         }
-        if (id + 1 > n_vocab) n_vocab = id + 1;
+        if (id + 1 > n_vocab) {
+            n_vocab = id + 1;
+            snprintf(top_name, sizeof top_name, "%s.id", pre_s);
+        }
         pool += strlen(content);
+        n_tokens++;
     }
     if (n_vocab == 0) {
         st = st_err(STRATA_ERR_FORMAT, "%s: 'model.vocab' is empty", path);
+        goto done;
+    }
+    /* Ids index dense tables (tens of bytes per id): a few tokens with huge ids
+     * would take gigabytes. Gaps are allowed, up to the token count + 65536. */
+    if (n_vocab > 2 * n_tokens + 65536) {
+        st = st_err(STRATA_ERR_FORMAT, "%s: '%s' = %lld is too large for %lld tokens: the ids below it "
+                    "would hold more gaps than tokens + 65536", path, top_name, (long long)(n_vocab - 1),
+                    (long long)n_tokens);
         goto done;
     }
     if ((st = st_tok_alloc(&t, ST_TOK_BPE, n_vocab, pool, path))) goto done;

@@ -194,6 +194,10 @@ void st_tok_set_text(st_tokenizer *t, int32_t id, const char *s, size_t len, siz
     *pool_pos += len;
 }
 
+static int hex_digit(char c) {
+    return c >= '0' && c <= '9' ? c - '0' : c >= 'A' && c <= 'F' ? c - 'A' + 10 : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+}
+
 /* Bytes a token decodes to; writes them to out when not NULL; returns the count. */
 static size_t token_decoded(const st_tokenizer *t, int64_t id, char *out) {
     const char *s = t->pool + t->text_off[id];
@@ -201,9 +205,13 @@ static size_t token_decoded(const st_tokenizer *t, int64_t id, char *out) {
     uint8_t a = t->attr[id];
     if (t->type == ST_TOK_SPM) {
         if (a & ST_TA_BYTE) {
-            unsigned v;
-            if (n == 6 && sscanf(s, "<0x%2X>", &v) == 1) {
-                if (out) out[0] = (char)v;
+            /* exactly "<0xHH>" (the pool is not NUL-terminated: no sscanf, whose
+             * input is a C string, read past the token to the end of the pool
+             * and beyond it) */
+            int hi, lo;
+            if (n == 6 && !memcmp(s, "<0x", 3) && s[5] == '>' && (hi = hex_digit(s[3])) >= 0 &&
+                (lo = hex_digit(s[4])) >= 0) {
+                if (out) out[0] = (char)(hi << 4 | lo);
                 return 1;
             }
         } else if (!(a & (ST_TA_CONTROL | ST_TA_UNKNOWN))) {
