@@ -48,9 +48,9 @@ for n in "${NAMES[@]}"; do
      "$bin" -max_total_time="$SECS" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
        -error_exitcode=77 -timeout_exitcode=78 -artifact_prefix="$work/" "$work/corpus" "$seeds" \
        >"$work/log.txt" 2>&1; then
-    line=$(grep -E '^#[0-9]+ +DONE' "$work/log.txt" | tail -n 1 || true)
+    done_line=$(grep -E '^#[0-9]+[[:space:]]+DONE' "$work/log.txt" | tail -n 1 | sed -E 's/.*DONE[[:space:]]+//' || true)
     runs=$(grep -E '^stat::number_of_executed_units' "$work/log.txt" | awk '{print $2}' || true)
-    echo "fuzz: $n ok in $(( $(date +%s) - start ))s: ${runs:-?} runs; ${line#* DONE }"
+    echo "fuzz: $n ok in $(( $(date +%s) - start ))s: ${runs:-?} runs; $done_line"
   else
     rc=$?
     echo "fuzz: $n FAILED (exit $rc); the end of $work/log.txt:" >&2
