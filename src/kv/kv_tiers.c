@@ -300,18 +300,30 @@ static void *pinner_main(void *arg) {
     return NULL;
 }
 
-/* The next chunk's blocks onto the free stack (waiting for the pinner when
- * it is behind); false when the pool cannot grow. */
+/* The next chunk's blocks onto the free stack; false when the pool cannot
+ * grow. */
 static bool grow(st_kv_tiers *t) {
     if (t->n_alloc >= t->n_host || t->grow_failed) return false;
     const int64_t c = t->n_alloc / t->chunk_blocks, nb = chunk_nb(t, c);
-    pthread_mutex_lock(&t->pmu);
-    while (t->chunks_ready <= c && !t->pinner_done) pthread_cond_wait(&t->pcv, &t->pmu);
-    const bool ok = t->chunks_ready > c;
-    pthread_mutex_unlock(&t->pmu);
-    if (!ok) {
-        t->grow_failed = true;
-        return false;
+    if (!t->pinner_on) { /* plain host memory (the CPU backend): allocated when needed, here */
+        void *raw = NULL;
+        if (t->be->ops->host_alloc(t->be, (size_t)nb * t->B + ALIGN, &raw) != STRATA_OK) {
+            st_log(STRATA_LOG_WARN, "kv host tier: could not allocate more host memory after %lld of %lld blocks: "
+                   "%s; the tier stays this size", (long long)t->n_alloc, (long long)t->n_host, st_last_error());
+            t->grow_failed = true;
+            return false;
+        }
+        t->chunks[c] = raw;
+        t->chunk_base[c] = (uint8_t *)(((uintptr_t)raw + ALIGN - 1) / ALIGN * ALIGN);
+    } else { /* the pinner's next chunk, waiting for it when it is behind */
+        pthread_mutex_lock(&t->pmu);
+        while (t->chunks_ready <= c && !t->pinner_done) pthread_cond_wait(&t->pcv, &t->pmu);
+        const bool ok = t->chunks_ready > c;
+        pthread_mutex_unlock(&t->pmu);
+        if (!ok) {
+            t->grow_failed = true;
+            return false;
+        }
     }
     for (int64_t h = t->n_alloc + nb - 1; h >= t->n_alloc; h--) t->free_host[t->n_free_host++] = h; /* pops ascend */
     t->n_alloc += nb;
@@ -796,13 +808,17 @@ strata_status st_kv_tiers_init(st_kv_pool *pool, const st_kv_tiers_params *p, st
     for (uint64_t b = 0; b < nb; b++) t->bucket[b] = NIL;
     for (int64_t h = 0; h < t->n_host; h++) t->host_ent[h] = NIL;
     for (int64_t s = 0; s < t->n_slots; s++) t->slot_ent[s] = NIL;
-    pthread_mutex_init(&t->pmu, NULL);
-    pthread_cond_init(&t->pcv, NULL);
-    if (pthread_create(&t->pinner, NULL, pinner_main, t) != 0) {
-        st = st_err(STRATA_ERR_INTERNAL, "kv host tier: cannot start its allocation thread");
-        goto fail;
+    if (t->be->kind != ST_BACKEND_CPU) { /* pinned memory: pinned ahead by a thread (slow to pin) */
+        pthread_mutex_init(&t->pmu, NULL);
+        pthread_cond_init(&t->pcv, NULL);
+        if (pthread_create(&t->pinner, NULL, pinner_main, t) != 0) {
+            pthread_mutex_destroy(&t->pmu);
+            pthread_cond_destroy(&t->pcv);
+            st = st_err(STRATA_ERR_INTERNAL, "kv host tier: cannot start its allocation thread");
+            goto fail;
+        }
+        t->pinner_on = true;
     }
-    t->pinner_on = true;
     st_kv_pool_set_pass_hook(pool, issue_loads, t);
     const st_backend_ops *o = t->be->ops;
     if ((st = o->stream_create(t->be, false, &t->cs))) goto fail;
