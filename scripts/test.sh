@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Builds strata and runs every test: once in a normal build (CUDA code compiled
-# too when nvcc is present), once under AddressSanitizer + UndefinedBehaviorSanitizer.
-# Both are test builds (-DSTRATA_TESTING=ON: the tools' hidden fault-injection option).
-# Then the fuzz harnesses (tests/fuzz: clang + libFuzzer, CPU only), 30 s each.
+# too when nvcc is present), once under AddressSanitizer + UndefinedBehaviorSanitizer;
+# then the threaded parts (pool, weight streaming, KV tiers, engine, server)
+# under ThreadSanitizer. All are test builds (-DSTRATA_TESTING=ON: the tools'
+# hidden fault-injection option). Then the fuzz harnesses (tests/fuzz: clang +
+# libFuzzer, CPU only), 30 s each.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
@@ -19,6 +21,20 @@ cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DSTRATA_SANITIZE=ON -DSTRATA_
 cmake --build build-asan -j "$JOBS"
 (cd build-asan && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
   ctest --output-on-failure -j "$JOBS")
+
+# ThreadSanitizer: CPU code only, the tests that run threads: the CPU backend's
+# pool (test_backend_*: its kernels instrumented there, see CMakeLists.txt), the
+# weight manager's reader / copier / pinner, the KV host tier's pinner and the
+# SSD tier's writer, the engine thread and its callers, the HTTP server's
+# threads (test_server*.py drive build-tsan/strata, passed to them by CTest).
+# A report fails its test: exit 66 (halt_on_error), or a server that does not
+# exit 0. No suppressions: none has been needed (third-party code only, ever).
+# About 4 minutes on 2 cores, the build included.
+cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DSTRATA_TSAN=ON -DSTRATA_TESTING=ON >/dev/null
+cmake --build build-tsan -j "$JOBS"
+TSAN_TESTS='^(test_backend_cpu|test_backend_paged|test_scheduler|test_runner|test_engine|test_weights_stream|test_kv_ssd|test_kv_tiers|test_api|test_server.*)$'
+(cd build-tsan && TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
+  ctest --output-on-failure -j "$JOBS" --timeout 400 -R "$TSAN_TESTS")
 
 # Fuzzing: the libFuzzer harnesses of tests/fuzz, built with clang (install-deps
 # installs it and the libFuzzer runtime; configuring fails when either is

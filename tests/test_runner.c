@@ -199,6 +199,7 @@ static void run_work(const st_model_files *mf, st_backend *be, st_engine_params 
     p.on_logits = on_logits;
     p.hook_user = w;
     p.max_model_len = w->max_model_len;
+    if (!p.kv_host_mem) p.kv_host_mem = TEST_KV_HOST_MEM;
     st_runner *rn = NULL;
     strata_status st = st_runner_init(mf, be, &p, &rn);
     CHECK_MSG(st == STRATA_OK, "runner init: %s", st_last_error());
@@ -587,6 +588,7 @@ static void test_stop_abort(const st_model_files *mf, st_backend *be) {
     /* abort mid-run, a context-limited request, bad requests */
     p.max_model_len = 16;
     p.on_logits = NULL;
+    p.kv_host_mem = TEST_KV_HOST_MEM;
     st_runner *rn = NULL;
     CHECK(st_runner_init(mf, be, &p, &rn) == STRATA_OK);
     if (!rn) goto out;

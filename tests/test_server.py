@@ -544,7 +544,7 @@ def test_load(srv):
           "/metrics counted every load request")
     growth = rss[1] - rss[0]
     tol = max(8 * 1024, rss[0] // 20)  # 8 MiB or 5%
-    if SAN:  # AddressSanitizer's quarantine holds freed memory: RSS says nothing there (the normal build checks it)
+    if SAN:  # ASan's quarantine holds freed memory, TSan's shadow grows: RSS says nothing there (the normal build checks it)
         print("resident memory after round 1 %d KiB, after round 2 %d KiB: not asserted in a sanitizer build"
               % (rss[0], rss[1]))
     else:

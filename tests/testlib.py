@@ -35,10 +35,12 @@ def tmp_dir(name):
 
 
 def sanitized_build():
-    """Whether BUILD was configured with STRATA_SANITIZE (slower: tests scale their loads down)."""
+    """Whether BUILD was configured with a sanitizer: STRATA_SANITIZE (AddressSanitizer + UBSan) or
+    STRATA_TSAN (ThreadSanitizer). Slower, and resident memory means little there (ASan's quarantine,
+    TSan's shadow): tests scale their loads down and skip memory checks."""
     try:
         with open(os.path.join(BUILD, "CMakeCache.txt")) as f:
-            return re.search(r"^STRATA_SANITIZE:BOOL=ON", f.read(), re.M) is not None
+            return re.search(r"^STRATA_(SANITIZE|TSAN):BOOL=ON", f.read(), re.M) is not None
     except OSError:
         return False
 

@@ -36,6 +36,24 @@ float test_rand_f(uint64_t *state); /* uniform in [-1, 1) */
 float *test_rand_floats(uint64_t *state, int64_t n, float scale);
 int test_finish(const char *name);
 
+/* 1 in a ThreadSanitizer build (-DSTRATA_TSAN=ON), where tests scale their
+ * loads down (as tests/testlib.py's sanitized_build() does for the Python tests). */
+#if defined(__SANITIZE_THREAD__)
+#define TEST_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define TEST_TSAN 1
+#endif
+#endif
+#ifndef TEST_TSAN
+#define TEST_TSAN 0
+#endif
+/* The KV host tier of runners in tests that are not about the tiers: the
+ * default (0: 1/8 of the memory), but 64 MiB under TSan, where a runner's
+ * GiBs of host chunks take about a second to free (TSan clears its metadata of
+ * every freed byte) and the tier's index of that many blocks is slow to fill. */
+#define TEST_KV_HOST_MEM (TEST_TSAN ? (int64_t)64 << 20 : 0)
+
 /* ---- models through the one forward path ----------------------------------------------- */
 #include "model/llama.h"
 /* Builds model *m on be with *lp (its kv_bytes set first to the pool's
