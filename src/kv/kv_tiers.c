@@ -11,8 +11,13 @@
  *             gets the next ticket; done_ticket is the newest whose event has
  *             completed (polled with event_query, in order). host_busy[h]: the
  *             ticket after which no copy touches host block h any more.
- *   host pool chunks of host blocks allocated when the free ones run out,
- *             up to the capacity; free blocks are never busy.
+ *   host pool chunks of host blocks taken when the free ones run out, up to
+ *             the capacity (pinned ahead by the pinner thread on CUDA,
+ *             allocated there and then on the CPU); free blocks are never busy.
+ *   reads     SSD-only blocks of a waiting prompt are read by the reader
+ *             thread into host blocks attached to their entries (`reading`:
+ *             not evictable, no copy reads them) and taken back by
+ *             reads_poll on the stepping thread.
  *   SSD FIFO  entries whose host copy must be written to the SSD tier, in the
  *             order their device copies were issued (so their tickets grow). */
 #include "kv/kv_tiers.h"

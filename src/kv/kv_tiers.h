@@ -4,8 +4,9 @@
  * the block manager's chained hashes (kv/block_manager.h). This module keeps
  * copies of full, computed blocks further down:
  *
- *   host tier  a pool of host blocks (pinned on CUDA, grown in chunks as it
- *              fills, up to host_bytes). A block enters it when it is
+ *   host tier  a pool of host blocks, up to host_bytes, in 256 MiB chunks:
+ *              on CUDA pinned by a thread from init on, on the CPU backend
+ *              allocated as the tier fills. A block enters it when it is
  *              registered in the device prefix cache (eager offload, the
  *              default) or only when the device evicts it (lazy). Its LRU
  *              drops the least recently used unpinned block when full.
@@ -57,8 +58,9 @@
  *                  "bring these into these device blocks");
  *   runner         st_kv_tiers_before_forward / st_kv_tiers_after_step around
  *                  each pass.
- * Not thread safe (the stepping thread owns it; the SSD writer thread is
- * kv_ssd's). */
+ * Not thread safe: the stepping thread calls every function. Its own threads
+ * (the pinner on CUDA, the SSD reader) touch only the chunk list and the read
+ * jobs, under their locks; the SSD writer thread is kv_ssd's. */
 #pragma once
 #include <stdbool.h>
 #include <stddef.h>
