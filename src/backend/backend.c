@@ -135,7 +135,7 @@ strata_status st_backend_check_heads(const char *op, int64_t n, int64_t n_kv, in
     X(alloc) X(host_alloc) X(upload) X(copy_h2d) X(copy_d2h) X(copy_d2d) X(copy_2d)          \
     X(stream_create) X(event_create) X(event_record) X(stream_wait_event) X(event_sync)      \
     X(event_query) X(get_rows)                                                               \
-    X(rmsnorm) X(matmul) X(rope) X(attention) X(swiglu) X(add) X(set_rows) X(argmax)         \
+    X(rmsnorm) X(matmul) X(rope) X(attention) X(attention_part) X(swiglu) X(add) X(set_rows) X(argmax)         \
     X(matmul_multi) X(matmul_swiglu) X(kv_store_paged) X(attention_paged) X(sample)
 
 enum {
@@ -325,6 +325,27 @@ static strata_status chk_attention(st_backend *be, st_stream *s, const float *q,
     CHECK_PTR(pos, op);
     CHECK_PTR(out, op);
     return be->dev_ops->attention(be, s, q, k, v, pos, n, n_kv, n_heads, n_kv_heads, head_dim, scale, out);
+}
+
+static strata_status chk_attention_part(st_backend *be, st_stream *s, const float *q, const float *k,
+                                        const float *v, const int32_t *pos, int64_t n, int64_t key0, int64_t n_kv,
+                                        int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, float scale,
+                                        bool merge, float *out, float *lse) {
+    const char *op = OPNAME(be, attention_part);
+    TRY(st_backend_check_heads(op, n, n_kv, n_heads, n_kv_heads, head_dim));
+    if (key0 < 0 || key0 % ST_ATTN_RANGE)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: key0 = %lld (a multiple of ST_ATTN_RANGE = %d, >= 0)", op,
+                      (long long)key0, ST_ATTN_RANGE);
+    if (n == 0) return STRATA_OK;
+    if (n_kv == 0) return st_err(STRATA_ERR_INVALID_ARG, "%s: no keys in the piece (n_kv = 0)", op);
+    CHECK_PTR(q, op);
+    CHECK_PTR(k, op);
+    CHECK_PTR(v, op);
+    CHECK_PTR(pos, op);
+    CHECK_PTR(out, op);
+    if (merge) CHECK_PTR(lse, op);
+    return be->dev_ops->attention_part(be, s, q, k, v, pos, n, key0, n_kv, n_heads, n_kv_heads, head_dim, scale,
+                                       merge, out, lse);
 }
 
 static strata_status chk_swiglu(st_backend *be, st_stream *s, const float *gate, const float *up, int64_t n,

@@ -57,6 +57,12 @@ size_t st_kv_dtype_size(st_kv_dtype t);
  *     (infinities too), NaN -> 0x7f.
  * Reads (attention_paged) dequantize exactly: bf16 -> fp32 bits << 16; fp8 ->
  * its fp32 value times the row's scale (one fp32 multiply). */
+/* Keys per attention range: the CPU backend splits every query's keys at
+ * its multiples and merges the ranges in order (attention_part), so that
+ * attending a long context piece by piece gives the bits of one call. A
+ * piece of keys starts at a multiple of it. */
+#define ST_ATTN_RANGE 256
+
 typedef struct {
     void *k, *v;               /* [n_slots, n_kv_heads, head_dim] */
     float *k_scale, *v_scale;  /* ST_KV_FP8: [n_slots, n_kv_heads]; else NULL */
@@ -186,11 +192,45 @@ typedef struct {
      * q: [n, n_heads, hd]; k, v: [n_kv, n_kv_heads, hd] (the cache, keys at
      * positions 0..n_kv-1); query i sits at position pos[i] and sees keys
      * 0..pos[i]; head h reads kv head h / (n_heads / n_kv_heads).
-     * out: [n, n_heads, hd] = softmax(q k^T * scale) v. */
+     * out: [n, n_heads, hd] = softmax(q k^T * scale) v. (= attention_part
+     * with key0 = 0 and merge false; the CPU computes it so, bit for bit.) */
     strata_status (*attention)(st_backend *be, st_stream *s, const float *q, const float *k,
                                const float *v, const int32_t *pos, int64_t n, int64_t n_kv,
                                int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, float scale,
                                float *out);
+    /* Attention of one sequence's queries over one piece of its keys, merged
+     * into a running result: how a context longer than any one buffer is
+     * attended, piece by piece (model/forward.c: keys gathered from the pool
+     * or streamed from host memory in pieces of a bounded size).
+     * k, v: [n_kv, n_kv_heads, hd] fp32 hold keys key0 .. key0 + n_kv - 1
+     * (key0 >= 0, a multiple of ST_ATTN_RANGE); query i (q: [n, n_heads, hd])
+     * sits at position pos[i] >= key0 (pos: [n] int32 on the device) and sees
+     * keys key0 .. min(pos[i], key0 + n_kv - 1); head h reads kv head
+     * h / (n_heads / n_kv_heads). With s_j = scale q . k_j over those keys:
+     * out_p = softmax(s) v ([n, n_heads, hd]) and lse_p = log(sum_j exp(s_j))
+     * (natural log, [n, n_heads] fp32).
+     *   merge false: out = out_p, lse = lse_p (lse may be NULL: not written);
+     *   merge true: out and lse hold the result over earlier keys (all before
+     *     key0) and become the result over those and this piece's:
+     *       M = max(lse, lse_p), a = exp(lse - M), b = exp(lse_p - M),
+     *       out = (out a + out_p b) / (a + b), lse = M + log(a + b).
+     * CPU: every query's keys are cut into ranges at the multiples of
+     * ST_ATTN_RANGE counted from key 0 (so a piece holds whole ranges but
+     * perhaps the last); each range is computed as `attention` computes an
+     * item (two passes in fp32) and the ranges are merged in increasing
+     * order by the rule above. `attention` and `attention_paged` compute the
+     * same ranges the same way, so the bits of calls over consecutive pieces
+     * (merge after the first) equal those of one call over all the keys, of
+     * `attention`, and of `attention_paged` over the same keys.
+     * CUDA: hd 64 or 128 with 16-byte aligned q, k, v, out (else
+     * STRATA_ERR_UNSUPPORTED); the kernels of `attention` (precise or fast
+     * mode, the same error); results within fp32 rounding of the CPU's in
+     * precise mode, not bit-equal. The CPU backend checks pos (>= key0, and
+     * < 2^31) and returns STRATA_ERR_INVALID_ARG; CUDA clamps instead. */
+    strata_status (*attention_part)(st_backend *be, st_stream *s, const float *q, const float *k,
+                                    const float *v, const int32_t *pos, int64_t n, int64_t key0, int64_t n_kv,
+                                    int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, float scale,
+                                    bool merge, float *out, float *lse);
     /* out[i] = silu(gate[i]) * up[i] for i < n. */
     strata_status (*swiglu)(st_backend *be, st_stream *s, const float *gate, const float *up,
                             int64_t n, float *out);
@@ -274,7 +314,8 @@ typedef struct {
      * position and its sequence's keys, never on the other tokens of the
      * batch, their number or the thread count:
      *   CPU: one work item per (token, head) in the order of `attention`
-     *     (scores by key, max, exp, sum in lanes, weighted sum by key), so the
+     *     (ranges of ST_ATTN_RANGE keys, each: scores by key, max, exp, sum in
+     *     lanes, weighted sum by key; merged in order: attention_part), so the
      *     bits also equal `attention` over the same keys laid out contiguously;
      *   CUDA: one kernel for every token (decode or prefill alike); each
      *     (token, kv head) splits its keys into fixed 64-key ranges and merges

@@ -1,16 +1,24 @@
 /* CPU causal grouped-query attention: of one sequence over a contiguous
- * cache (attention), or of a batch of sequences over a paged cache
+ * cache (attention), over one piece of its keys merged into a running
+ * result (attention_part), or of a batch of sequences over a paged cache
  * (attention_paged: the same items, each key's row found through its
  * sequence's block table, so the same bits for the same keys).
  *
  * Work item = (token i, head h), numbered i * n_heads + h so that the heads
- * sharing a KV head are neighbours (their keys stay in cache). Two-pass
- * softmax in fp32 per item, in the thread's scratch:
- *   s[j] = scale * dot(q_i,h, k_j)            j = 0..pos[i]
+ * sharing a KV head are neighbours (their keys stay in cache). An item's
+ * keys are cut into ranges at the multiples of ST_ATTN_RANGE (from key 0);
+ * each range [r0, r1) is a two-pass softmax in fp32, in the thread's scratch:
+ *   s[j] = scale * dot(q_i,h, k_j)            j = r0..r1-1
  *   p[j] = exp(s[j] - max s);  Z = sum p      (lane order of cpu_simd.h)
- *   out  = (sum_j p[j] v_j) / Z               (accumulated in increasing j)
- * Each item runs on one thread in this fixed order: results do not depend
- * on the thread count.
+ *   o    = (sum_j p[j] v_j) * (1 / Z)         (accumulated in increasing j)
+ *   lse  = max s + log Z
+ * and the ranges are merged in increasing order (backend.h, attention_part):
+ *   M = max(lse, lse_r), a = exp(lse - M), b = exp(lse_r - M),
+ *   o = (o a + o_r b) * (1 / (a + b)), lse = M + log(a + b).
+ * The first range of a call without merge is assigned, not merged. So a
+ * sequence of attention_part calls over consecutive pieces performs exactly
+ * the operations of one call over all keys: the same bits. Each item runs on
+ * one thread in this fixed order: results do not depend on the thread count.
  *
  * A paged cache in bf16 or fp8 (st_kv_layer): each key's K (then V) row of
  * the item's kv head is dequantized into the thread's scratch (exactly:
@@ -63,19 +71,20 @@ ST_AI const float *kv_row(const kv_src *src, const void *base, const float *scal
     return (const float *)base + r * hd;
 }
 
-/* One work item: query qv (hd floats) against keys 0..nk-1 of kv head
- * src->kvh. Key j's K and V rows are rows row(j) of the cache, with row(j)
- * = j when table is NULL (a contiguous cache), else the paged slot
- * table[j / bs] * bs + j % bs. s: [nk] scores, acc, buf: [hd] scratch, o:
- * [hd] output. The arithmetic, and so the bits, do not depend on the layout
+/* Keys [r0, r1) of one work item (one range): query qv (hd floats)
+ * against kv head src->kvh; key j's K and V rows are rows row(j) of the
+ * cache, row(j) = j - base when table is NULL (a contiguous piece starting at
+ * key `base`), else the paged slot table[j / bs] * bs + j % bs. s: [r1 - r0]
+ * scores, acc, buf: [hd] scratch; o: [hd] output (normalized), *lse its
+ * log-sum-exp. The arithmetic, and so the bits, do not depend on the layout
  * or on the element type (the values once dequantized). */
-ST_AI void attn_one(const float *qv, const kv_src *src, int64_t nk, const int32_t *table, int64_t bs, float scale,
-                    float *s, float *acc, float *buf, float *o) {
-#define ROW(j) (table ? (int64_t)table[(j) / bs] * bs + (j) % bs : (j))
-    const int64_t hd = src->hd;
+ST_AI void attn_range(const float *qv, const kv_src *src, int64_t r0, int64_t r1, int64_t base, const int32_t *table,
+                      int64_t bs, float scale, float *s, float *acc, float *buf, float *o, float *lse) {
+#define ROW(j) (table ? (int64_t)table[(j) / bs] * bs + (j) % bs : (j) - base)
+    const int64_t hd = src->hd, nk = r1 - r0;
     float mx = -INFINITY;
     for (int64_t j = 0; j < nk; j++) {
-        s[j] = st_dot_f32(qv, kv_row(src, src->k, src->k_scale, ROW(j), buf), hd) * scale;
+        s[j] = st_dot_f32(qv, kv_row(src, src->k, src->k_scale, ROW(r0 + j), buf), hd) * scale;
         mx = s[j] > mx ? s[j] : mx;
     }
     st_v8f zs = st_v8f_splat(0.0f);
@@ -90,11 +99,43 @@ ST_AI void attn_one(const float *qv, const kv_src *src, int64_t nk, const int32_
         s[j + l] = expf(s[j + l] - mx);
         zs[l] += s[j + l];
     }
-    const float inv_z = 1.0f / st_v8f_hsum(&zs);
+    const float z = st_v8f_hsum(&zs), inv_z = 1.0f / z;
     for (int64_t d = 0; d < hd; d++) acc[d] = 0.0f;
-    for (j = 0; j < nk; j++) st_axpy_f32(acc, s[j], kv_row(src, src->v, src->v_scale, ROW(j), buf), hd);
+    for (j = 0; j < nk; j++) st_axpy_f32(acc, s[j], kv_row(src, src->v, src->v_scale, ROW(r0 + j), buf), hd);
     for (int64_t d = 0; d < hd; d++) o[d] = acc[d] * inv_z;
+    *lse = mx + logf(z);
 #undef ROW
+}
+
+/* (o, *lse) <- the merge of (o, *lse) with a later range's (o_r, lse_r). */
+ST_AI void attn_merge(float *o, float *lse, const float *o_r, float lse_r, int64_t hd) {
+    const float m = *lse > lse_r ? *lse : lse_r, a = expf(*lse - m), b = expf(lse_r - m), inv = 1.0f / (a + b);
+    for (int64_t d = 0; d < hd; d++) o[d] = (o[d] * a + o_r[d] * b) * inv;
+    *lse = m + logf(a + b);
+}
+
+/* One work item over keys [k0, k1) (k0 a multiple of ST_ATTN_RANGE, or 0):
+ * its ranges, merged into (o, *lse) when `merge` (they hold the result over
+ * the keys before k0), else the first one assigned. lse may be NULL when
+ * !merge. s: [ST_ATTN_RANGE] scores; acc, buf, tmp: [hd] scratch. */
+ST_AI void attn_one(const float *qv, const kv_src *src, int64_t k0, int64_t k1, int64_t base, const int32_t *table,
+                    int64_t bs, float scale, bool merge, float *s, float *acc, float *buf, float *tmp, float *o,
+                    float *lse) {
+    float l = merge ? *lse : 0.0f;
+    bool have = merge;
+    for (int64_t r0 = k0; r0 < k1;) {
+        const int64_t r1 = (r0 / ST_ATTN_RANGE + 1) * ST_ATTN_RANGE < k1 ? (r0 / ST_ATTN_RANGE + 1) * ST_ATTN_RANGE : k1;
+        if (!have) {
+            attn_range(qv, src, r0, r1, base, table, bs, scale, s, acc, buf, o, &l);
+            have = true;
+        } else {
+            float lr;
+            attn_range(qv, src, r0, r1, base, table, bs, scale, s, acc, buf, tmp, &lr);
+            attn_merge(o, &l, tmp, lr, src->hd);
+        }
+        r0 = r1;
+    }
+    if (lse) *lse = l;
 }
 
 typedef struct {
@@ -106,8 +147,11 @@ typedef struct {
     int64_t n_heads, n_kv_heads, group, hd;
     float scale;
     float *out;
-    float *const *scratch;
-    int64_t acc_off; /* offset of the hd accumulator in a scratch buffer (then hd floats for a dequantized row) */
+    float *lse;                     /* [n, n_heads] or NULL (attention_part) */
+    int64_t key0;                   /* the first key of a contiguous piece (0 for `attention`) */
+    int64_t key_end;                /* keys past the piece (key0 + n_kv; INT64_MAX when paged) */
+    bool merge;                     /* attention_part: merge into out / lse */
+    float *const *scratch;          /* per thread: ST_ATTN_RANGE scores | acc | buf | tmp (hd each) */
     /* paged (attention_paged): NULL tables for the contiguous op */
     const int32_t *seq;          /* [n] token -> sequence */
     const int32_t *tables;       /* [n_seqs, max_blocks] */
@@ -118,13 +162,14 @@ typedef struct {
 ST_AI void attn_items(const attn_ctx *a, int64_t begin, int64_t end, int ti) {
     const int64_t hd = a->hd;
     float *s = a->scratch[ti];
-    float *acc = s + a->acc_off, *buf = acc + hd;
+    float *acc = s + ST_ATTN_RANGE, *buf = acc + hd, *tmp = buf + hd;
     for (int64_t it = begin; it < end; it++) {
         const int64_t i = it / a->n_heads, h = it % a->n_heads;
         const kv_src src = {a->k, a->v, a->k_scale, a->v_scale, a->fp8_lut, a->t, h / a->group, a->n_kv_heads, hd};
         const int32_t *table = a->tables ? a->tables + (int64_t)a->seq[i] * a->max_blocks : NULL;
-        attn_one(a->q + it * hd, &src, (int64_t)a->pos[i] + 1, table, a->bs, a->scale, s, acc, buf,
-                 a->out + it * hd);
+        const int64_t k1 = (int64_t)a->pos[i] + 1 < a->key_end ? (int64_t)a->pos[i] + 1 : a->key_end;
+        attn_one(a->q + it * hd, &src, a->key0, k1, a->key0, table, a->bs, a->scale, a->merge, s, acc, buf, tmp,
+                 a->out + it * hd, a->lse ? a->lse + it : NULL);
     }
 }
 
@@ -151,17 +196,25 @@ static void attn_run(st_cpu *c, attn_ctx *a, int64_t n, int64_t max_keys) {
     st_pool_parallel_for(c->pool, n * a->n_heads, grain, attn_fn_generic, a);
 }
 
+/* Scratch floats per thread: the scores of one range, then acc, buf, tmp. */
+static size_t attn_scratch(int64_t hd) { return (size_t)(ST_ATTN_RANGE + 3 * hd); }
+
+strata_status st_cpu_attention_part(st_cpu *c, const float *q, const float *k, const float *v, const int32_t *pos,
+                                    int64_t n, int64_t key0, int64_t n_kv, int64_t n_heads, int64_t n_kv_heads,
+                                    int64_t head_dim, float scale, bool merge, float *out, float *lse) {
+    strata_status st = st_cpu_scratch_reserve(c, attn_scratch(head_dim));
+    if (st != STRATA_OK) return st;
+    attn_ctx a = {.q = q, .k = k, .v = v, .t = ST_KV_F32, .pos = pos, .n_heads = n_heads, .n_kv_heads = n_kv_heads,
+                  .group = n_heads / n_kv_heads, .hd = head_dim, .scale = scale, .out = out, .lse = lse,
+                  .key0 = key0, .key_end = key0 + n_kv, .merge = merge, .scratch = c->scratch, .bs = 1};
+    attn_run(c, &a, n, n_kv);
+    return STRATA_OK;
+}
+
 strata_status st_cpu_attention(st_cpu *c, const float *q, const float *k, const float *v,
                                const int32_t *pos, int64_t n, int64_t n_kv, int64_t n_heads,
                                int64_t n_kv_heads, int64_t head_dim, float scale, float *out) {
-    const int64_t acc_off = (n_kv + 15) & ~(int64_t)15;
-    strata_status st = st_cpu_scratch_reserve(c, (size_t)(acc_off + 2 * head_dim));
-    if (st != STRATA_OK) return st;
-    attn_ctx a = {.q = q, .k = k, .v = v, .t = ST_KV_F32, .pos = pos, .n_heads = n_heads, .n_kv_heads = n_kv_heads,
-                  .group = n_heads / n_kv_heads, .hd = head_dim, .scale = scale, .out = out, .scratch = c->scratch,
-                  .acc_off = acc_off, .bs = 1};
-    attn_run(c, &a, n, n_kv);
-    return STRATA_OK;
+    return st_cpu_attention_part(c, q, k, v, pos, n, 0, n_kv, n_heads, n_kv_heads, head_dim, scale, false, out, NULL);
 }
 
 strata_status st_cpu_attention_paged(st_cpu *c, const float *q, const st_paged_kv *kv, const int32_t *seq,
@@ -170,13 +223,12 @@ strata_status st_cpu_attention_paged(st_cpu *c, const float *q, const st_paged_k
     int64_t max_nk = 1;
     for (int64_t i = 0; i < n; i++)
         if ((int64_t)pos[i] + 1 > max_nk) max_nk = (int64_t)pos[i] + 1;
-    const int64_t acc_off = (max_nk + 15) & ~(int64_t)15;
-    strata_status st = st_cpu_scratch_reserve(c, (size_t)(acc_off + 2 * head_dim));
+    strata_status st = st_cpu_scratch_reserve(c, attn_scratch(head_dim));
     if (st != STRATA_OK) return st;
     const st_kv_layer *L = &kv->cache;
     attn_ctx a = {.q = q, .k = L->k, .v = L->v, .k_scale = L->k_scale, .v_scale = L->v_scale, .t = L->dtype,
                   .pos = pos, .n_heads = n_heads, .n_kv_heads = n_kv_heads, .group = n_heads / n_kv_heads,
-                  .hd = head_dim, .scale = scale, .out = out, .scratch = c->scratch, .acc_off = acc_off,
+                  .hd = head_dim, .scale = scale, .out = out, .key_end = INT64_MAX, .scratch = c->scratch,
                   .seq = seq, .tables = kv->block_tables, .max_blocks = kv->max_blocks, .bs = kv->block_size};
     if (L->dtype == ST_KV_FP8)
         for (int b = 0; b < 256; b++) a.fp8_lut[b] = st_kv_fp8_to_f32((uint8_t)b);

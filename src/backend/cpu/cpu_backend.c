@@ -318,6 +318,19 @@ static strata_status cpu_kv_store_paged(st_backend *be, st_stream *s, const st_k
     return STRATA_OK;
 }
 
+static strata_status cpu_attention_part(st_backend *be, st_stream *s, const float *q, const float *k,
+                                        const float *v, const int32_t *pos, int64_t n, int64_t key0, int64_t n_kv,
+                                        int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, float scale,
+                                        bool merge, float *out, float *lse) {
+    for (int64_t i = 0; i < n; i++)
+        if (pos[i] < key0)
+            return st_err(STRATA_ERR_INVALID_ARG,
+                          "cpu attention_part: pos[%lld] = %d is before the piece's first key %lld", (long long)i,
+                          pos[i], (long long)key0);
+    RUN_LOCKED(be, st_cpu_attention_part(c_, q, k, v, pos, n, key0, n_kv, n_heads, n_kv_heads, head_dim, scale,
+                                         merge, out, lse));
+}
+
 static strata_status cpu_attention_paged(st_backend *be, st_stream *s, const float *q, const st_paged_kv *kv,
                                          const int32_t *seq, const int32_t *pos, int64_t n, int64_t n_heads,
                                          int64_t n_kv_heads, int64_t head_dim, float scale, float *out) {
@@ -423,6 +436,7 @@ static const st_backend_ops g_cpu_ops = {
     .set_fast_prefill = cpu_set_fast_prefill,
     .kv_store_paged = cpu_kv_store_paged,
     .attention_paged = cpu_attention_paged,
+    .attention_part = cpu_attention_part,
     .sample = cpu_sample,
 };
 

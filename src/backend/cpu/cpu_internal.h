@@ -45,6 +45,9 @@ strata_status st_cpu_matmul(st_cpu *c, const float *x, const st_weight *w, int64
 strata_status st_cpu_attention(st_cpu *c, const float *q, const float *k, const float *v,
                                const int32_t *pos, int64_t n, int64_t n_kv, int64_t n_heads,
                                int64_t n_kv_heads, int64_t head_dim, float scale, float *out);
+strata_status st_cpu_attention_part(st_cpu *c, const float *q, const float *k, const float *v, const int32_t *pos,
+                                    int64_t n, int64_t key0, int64_t n_kv, int64_t n_heads, int64_t n_kv_heads,
+                                    int64_t head_dim, float scale, bool merge, float *out, float *lse);
 strata_status st_cpu_attention_paged(st_cpu *c, const float *q, const st_paged_kv *kv, const int32_t *seq,
                                      const int32_t *pos, int64_t n, int64_t n_heads, int64_t n_kv_heads,
                                      int64_t head_dim, float scale, float *out);

@@ -633,3 +633,10 @@ strata_status st_cuda_op_attention(st_backend *be, st_cuda_stream *s, const floa
     ST_CUDA_LAUNCHED("attn_generic_kernel");
     return STRATA_OK;
 }
+
+strata_status st_cuda_op_attention_part(st_backend *be, st_cuda_stream *s, const float *q, const float *k,
+                                        const float *v, const int32_t *pos, int64_t n, int64_t key0, int64_t n_kv,
+                                        int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, float scale,
+                                        bool merge, float *out, float *lse) {
+    return st_err(STRATA_ERR_UNSUPPORTED, "cuda attention_part: not implemented yet");
+}

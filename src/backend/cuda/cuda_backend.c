@@ -383,6 +383,20 @@ static strata_status cuda_attention(st_backend *be, st_stream *s, const float *q
                                     scale, out));
 }
 
+static strata_status cuda_attention_part(st_backend *be, st_stream *s, const float *q, const float *k,
+                                         const float *v, const int32_t *pos, int64_t n, int64_t key0, int64_t n_kv,
+                                         int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, float scale,
+                                         bool merge, float *out, float *lse) {
+    const char *op = "cuda attention_part";
+    CHECK_F32(q, op);
+    CHECK_F32(k, op);
+    CHECK_F32(v, op);
+    CHECK_F32(out, op);
+    if (lse) CHECK_F32(lse, op);
+    RUN(be, s, st_cuda_op_attention_part(be, cs_, q, k, v, pos, n, key0, n_kv, n_heads, n_kv_heads, head_dim,
+                                         scale, merge, out, lse));
+}
+
 static strata_status cuda_swiglu(st_backend *be, st_stream *s, const float *gate, const float *up,
                                  int64_t n, float *out) {
     const char *op = "cuda swiglu";
@@ -520,6 +534,7 @@ static const st_backend_ops g_cuda_ops = {
     .matmul = cuda_matmul,
     .rope = cuda_rope,
     .attention = cuda_attention,
+    .attention_part = cuda_attention_part,
     .swiglu = cuda_swiglu,
     .add = cuda_add,
     .set_rows = cuda_set_rows,

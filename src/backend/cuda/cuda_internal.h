@@ -159,6 +159,11 @@ strata_status st_cuda_op_matmul(st_backend *be, st_cuda_stream *s, const float *
 strata_status st_cuda_op_rope(st_backend *be, st_cuda_stream *s, float *x, const int32_t *pos,
                               int64_t n, int64_t n_heads, int64_t head_dim, const float *inv_freq,
                               bool interleaved);
+/* attention_part (backend.h): cuda_attention.cu */
+strata_status st_cuda_op_attention_part(st_backend *be, st_cuda_stream *s, const float *q, const float *k,
+                                        const float *v, const int32_t *pos, int64_t n, int64_t key0, int64_t n_kv,
+                                        int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, float scale,
+                                        bool merge, float *out, float *lse);
 strata_status st_cuda_op_attention(st_backend *be, st_cuda_stream *s, const float *q, const float *k,
                                    const float *v, const int32_t *pos, int64_t n, int64_t n_kv,
                                    int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, float scale,
