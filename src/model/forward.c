@@ -180,8 +180,9 @@ static strata_status batch_upload(st_llama *m, st_kv_pool *kv, const st_batch *b
     /* one sequence's prefill chunk, a pool the gather can read (get_rows: f32, bf16; int32 slot ids) */
     d->gather_ctx = 0;
     d->key_slots = NULL;
+    d->ks = NULL;
     const st_kv_pool_params *kp = st_kv_pool_get_params(kv);
-    if (m->kg && S == 1 && n >= GATHER_MIN_TOKENS && (kp->dtype == ST_KV_F32 || kp->dtype == ST_KV_BF16) &&
+    if (S == 1 && n >= GATHER_MIN_TOKENS && (kp->dtype == ST_KV_F32 || kp->dtype == ST_KV_BF16) &&
         kp->num_blocks * kp->block_size <= INT32_MAX) {
         const int64_t ctx = b->ctx_lens[0], bs = kp->block_size;
         const size_t o_key = o_tab + (size_t)(T * B) * 4;
@@ -229,13 +230,13 @@ strata_status st_llama_batch_ops(st_llama *m, st_kv_pool *kv, batch_dev *d, cons
     }
     bound_group g;
     for (int64_t l = 0; l < c->n_layers; l++) {
-        st_kv_layer cache;
+        st_kv_layer cache = {0};
         st_event *kv_ready = NULL;
-        TRY(st_kv_pool_acquire(kv, l, &cache, &kv_ready));
+        if (kv) TRY(st_kv_pool_acquire(kv, l, &cache, &kv_ready)); /* else a streamed sequence (d->ks) */
         strata_status st = kv_ready ? o->stream_wait_event(be, m->stream, kv_ready) : STRATA_OK;
         if (st == STRATA_OK && (st = group_acquire(m, st_wg_attn_id((int)l), &g)) == STRATA_OK)
-            st = group_release(m, &g, st_llama_attn_ops(m, g.w, &cache, d, n, l > 0));
-        st_kv_pool_release(kv, l, NULL); /* the device tier moves nothing: no done event needed yet */
+            st = group_release(m, &g, st_llama_attn_ops(m, g.w, &cache, d, n, l));
+        if (kv) st_kv_pool_release(kv, l, NULL); /* the device tier moves nothing: no done event needed yet */
         TRY(st);
         TRY(group_acquire(m, st_wg_ffn_id((int)l), &g));
         TRY(group_release(m, &g, st_llama_ffn_ops(m, g.w, n)));
@@ -412,4 +413,81 @@ strata_status st_llama_forward_seq_at(st_llama *m, st_kv_pool *kv, const int32_t
     st_free(rows);
     st_free(slots);
     return st;
+}
+
+/* ---- one streamed sequence ----------------------------------------------------------- */
+
+/* The metadata of a streamed pass of k tokens at positions p0.. (tail start
+ * ts) in ks's buffer, copied to the device: int64 slots[T] | int32 tokens[T] |
+ * pos[T] | rope_pos[T] | logit_rows[T] (T = max_tokens; 32 bytes a token). */
+static strata_status stream_upload(st_llama *m, st_kv_stream *ks, const int32_t *tokens, int64_t k, int64_t p0,
+                                   int64_t pos_offset, int64_t n_logits, batch_dev *d) {
+    const int64_t T = m->max_tokens, ts = st_kv_stream_tail_start(ks);
+    void *hv, *dv;
+    size_t bytes;
+    st_kv_stream_meta(ks, &hv, &dv, &bytes);
+    ST_ASSERT(bytes >= (size_t)T * 24 + (size_t)T * 8);
+    uint8_t *h = hv;
+    const size_t o_tok = (size_t)T * 8, o_pos = o_tok + (size_t)T * 4, o_rpos = o_pos + (size_t)T * 4,
+                 o_lr = o_rpos + (size_t)T * 4;
+    int64_t *slots = (int64_t *)h;
+    int32_t *pos = (int32_t *)(h + o_pos), *rpos = (int32_t *)(h + o_rpos), *rows = (int32_t *)(h + o_lr);
+    memcpy(h + o_tok, tokens, (size_t)k * 4);
+    for (int64_t i = 0; i < k; i++) {
+        slots[i] = p0 - ts + i;
+        pos[i] = (int32_t)(p0 + i);
+        rpos[i] = (int32_t)(p0 + i + pos_offset);
+    }
+    for (int64_t r = 0; r < n_logits; r++) rows[r] = (int32_t)(k - n_logits + r);
+    TRY(m->be->ops->copy_h2d(m->be, m->stream, dv, h, o_lr + (size_t)T * 4));
+    const uint8_t *dm = dv;
+    *d = (batch_dev){.slots = (const int64_t *)dm, .tokens = (const int32_t *)(dm + o_tok),
+                     .pos = (const int32_t *)(dm + o_pos), .rope_pos = (const int32_t *)(dm + o_rpos),
+                     .logit_rows = (const int32_t *)(dm + o_lr), .ks = ks};
+    return STRATA_OK;
+}
+
+strata_status st_llama_forward_stream(st_llama *m, st_kv_stream *ks, const int32_t *tokens, int64_t n,
+                                      int64_t pos_offset, bool all_logits, float *logits) {
+    if (!m || !ks || !tokens || n < 1 || !logits)
+        return st_err(STRATA_ERR_INVALID_ARG, "forward_stream: no model, stream, tokens or logits, or n = %lld",
+                      (long long)n);
+    const st_kv_stream_params *p = st_kv_stream_get_params(ks);
+    const st_config *c = &m->cfg;
+    if (p->n_layers != c->n_layers || p->n_kv_heads != c->n_kv_heads || p->head_dim != c->head_dim ||
+        p->piece != m->piece || p->max_tokens != m->max_tokens)
+        return st_err(STRATA_ERR_INVALID_ARG, "forward_stream: the KV stream was not made for this model (use "
+                      "st_llama_stream_params)");
+    const int64_t len = st_kv_stream_len(ks), cap = p->max_len < m->max_seq_len ? p->max_len : m->max_seq_len;
+    if (len + n > cap)
+        return st_err(STRATA_ERR_INVALID_ARG, "forward_stream: %lld tokens after %lld exceed the context of %lld "
+                      "tokens (--ctx)", (long long)n, (long long)len, (long long)cap);
+    if (pos_offset < 0 || pos_offset > (int64_t)INT32_MAX - (len + n - 1))
+        return st_err(STRATA_ERR_INVALID_ARG, "forward_stream: pos_offset = %lld puts RoPE positions past 2^31 - 1",
+                      (long long)pos_offset);
+    const int64_t T = m->max_tokens, V = c->vocab_size;
+    st_backend *be = m->be;
+    for (int64_t done = 0; done < n;) {
+        const int64_t k = n - done < T ? n - done : T, p0 = st_kv_stream_len(ks);
+        const bool last = done + k == n;
+        const int64_t n_logits = all_logits ? k : last ? 1 : 0;
+        batch_dev d;
+        strata_status st = st_wm_begin(m->wm);
+        if (st == STRATA_OK) st = st_kv_stream_begin(ks, m->stream, k);
+        if (st != STRATA_OK) return st;
+        st = stream_upload(m, ks, tokens + done, k, p0, pos_offset, n_logits, &d);
+        if (st == STRATA_OK) st = st_llama_batch_ops(m, NULL, &d, tokens + done, k, n_logits, false);
+        if (st == STRATA_OK && n_logits > 0)
+            st = be->ops->copy_d2h(be, m->stream, all_logits ? logits + done * V : logits, m->logits,
+                                   (size_t)(n_logits * V) * sizeof(float));
+        const strata_status s2 = be->ops->stream_sync(be, m->stream); /* the pass's one host sync */
+        if (st == STRATA_OK) st = s2;
+        if (st != STRATA_OK) {
+            st_kv_stream_abort(ks);
+            return st;
+        }
+        TRY(st_kv_stream_commit(ks));
+        done += k;
+    }
+    return STRATA_OK;
 }

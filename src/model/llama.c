@@ -90,6 +90,7 @@ static st_plan_params plan_params(const st_config *c, const st_llama_params *p) 
     return (st_plan_params){.device_mem = p->device_mem,
                             .max_tokens = p->max_tokens > 0 ? p->max_tokens : 512,
                             .max_seq_len = default_seq_len(c, p),
+                            .attn_piece = p->attn_piece,
                             .kv_bytes = p->kv_bytes,
                             .weights = p->weights};
 }
@@ -130,6 +131,12 @@ st_kv_pool_params st_llama_kv_params_for(const st_config *c, int64_t max_tokens,
     return (st_kv_pool_params){.n_layers = c->n_layers, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim,
                                .num_blocks = num_blocks, .block_size = block_size, .dtype = dtype,
                                .max_tokens = max_tokens, .max_seq_len = max_seq_len};
+}
+
+st_kv_stream_params st_llama_stream_params(const st_llama *m, int64_t max_len, st_kv_dtype dtype, size_t host_mem) {
+    return (st_kv_stream_params){.n_layers = m->cfg.n_layers, .n_kv_heads = m->cfg.n_kv_heads,
+                                 .head_dim = m->cfg.head_dim, .dtype = dtype, .piece = m->piece,
+                                 .max_tokens = m->max_tokens, .max_len = max_len, .host_mem = host_mem};
 }
 
 st_kv_pool_params st_llama_kv_params(const st_llama *m, int64_t num_blocks, int64_t block_size, st_kv_dtype dtype) {
@@ -200,8 +207,10 @@ strata_status st_llama_init(const st_model_files *files, st_backend *be, const s
     if ((st = alloc_f32(m, T * V, &m->logits))) goto fail;
     if ((st = be->ops->alloc(be, (size_t)T * (sizeof(st_sample_args) + sizeof(int32_t)), (void **)&m->d_sargs)))
         goto fail;
-    if (st_plan_gather_bytes(be, c, m->max_seq_len) > 0 &&
-        ((st = alloc_f32(m, m->max_seq_len * kv_dim, &m->kg)) || (st = alloc_f32(m, m->max_seq_len * kv_dim, &m->vg))))
+    m->piece = st_plan_attn_piece(opts->attn_piece);
+    m->gather_rows = st_plan_gather_rows(T, m->max_seq_len, m->piece);
+    if ((st = alloc_f32(m, T * c->n_heads, &m->lse)) || (st = alloc_f32(m, m->gather_rows * kv_dim, &m->kg)) ||
+        (st = alloc_f32(m, m->gather_rows * kv_dim, &m->vg)))
         goto fail;
     m->d_sids = (int32_t *)(m->d_sargs + T);
     if ((st = be->ops->host_alloc(be, (size_t)T * (sizeof(st_sample_args) + sizeof(int32_t)), (void **)&m->h_sargs)))
@@ -237,7 +246,7 @@ void st_llama_free(st_llama *m) {
     if (m->stream) (void)be->ops->stream_sync(be, m->stream); /* nothing may still read a slot */
     st_llama_graphs_free(m);
     void *bufs[] = {m->x,      m->xn,     m->tmp, m->q,  m->att, m->k, m->v, m->gate, m->up, m->logits,
-                    m->inv_freq, m->d_sargs, m->kg, m->vg};
+                    m->inv_freq, m->d_sargs, m->kg, m->vg, m->lse};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         if (bufs[i]) be->ops->dealloc(be, bufs[i]);
     if (m->h_sargs) be->ops->host_dealloc(be, m->h_sargs);
@@ -256,42 +265,86 @@ void st_llama_free(st_llama *m) {
 /* ---- the ops of each group -------------------------------------------------------- */
 
 /* Attention group over the batch. On entry m->x is the residual stream and
- * m->tmp (when residual_pending) the previous group's output still to be
- * added; on exit m->tmp holds o_proj's output. q, k and v in one
- * matmul_multi (one launch where the backend can: the same results as three
- * matmuls); the K/V rows are stored at the batch's slots in the pool's dtype
- * and attention reads every token's sequence through the block tables, or,
- * for one sequence's prefill chunk (d->gather_ctx > 0), over its keys
- * gathered from the pool into contiguous fp32 rows (get_rows dequantizes the
- * pool's rows exactly) by the backend's contiguous attention: CUDA's
- * tensor-core kernels, which the paged op lacks; on the CPU the same bits as
- * the paged op, each key widened once per layer instead of once per query. */
+ * m->tmp (for layer > 0) the previous group's output still to be added; on
+ * exit m->tmp holds o_proj's output. q, k and v in one matmul_multi (one
+ * launch where the backend can: the same results as three matmuls); the K/V
+ * rows are stored at the batch's slots in the cache's dtype. Attention:
+ *   - a batch of sequences, or a decode step: every token's sequence read
+ *     through the block tables (attention_paged);
+ *   - one sequence's prefill chunk (d->gather_ctx > 0): its keys gathered
+ *     from the pool into contiguous fp32 rows (get_rows dequantizes the
+ *     pool's rows exactly), m->piece keys at a time, attended piece by piece
+ *     by attention_part (CUDA: its tensor-core kernels, which the paged op
+ *     lacks; on the CPU each key widened once per layer instead of once per
+ *     query, the same bits as the paged op);
+ *   - a streamed sequence (d->ks): the same pieces, coming up from host
+ *     memory through the stream's ring, then the last range and the pass's
+ *     own keys from the stream's area (kv/kv_stream.h). */
+static strata_status gather_piece(st_llama *m, const st_kv_layer *cache, const int32_t *ids, int64_t n_keys) {
+    st_backend *be = m->be;
+    const st_dtype t = cache->dtype == ST_KV_BF16 ? ST_DTYPE_BF16 : ST_DTYPE_F32;
+    const int64_t kv_dim = cache->n_kv_heads * cache->head_dim;
+    const st_weight kw = {.data = cache->k, .dtype = t, .rows = cache->n_slots, .cols = kv_dim};
+    const st_weight vw = {.data = cache->v, .dtype = t, .rows = cache->n_slots, .cols = kv_dim};
+    TRY(be->ops->get_rows(be, m->stream, &kw, ids, n_keys, m->kg));
+    return be->ops->get_rows(be, m->stream, &vw, ids, n_keys, m->vg);
+}
+
+static strata_status attend_piece(st_llama *m, const batch_dev *d, int64_t n, int64_t key0, int64_t n_keys,
+                                  bool merge) {
+    const st_config *c = &m->cfg;
+    const float scale = 1.0f / sqrtf((float)c->head_dim);
+    return m->be->ops->attention_part(m->be, m->stream, m->q, m->kg, m->vg, d->pos, n, key0, n_keys, c->n_heads,
+                                      c->n_kv_heads, c->head_dim, scale, merge, m->att, m->lse);
+}
+
+static strata_status attn_streamed(st_llama *m, batch_dev *d, int64_t n, int64_t layer) {
+    st_kv_stream *ks = d->ks;
+    st_kv_layer area;
+    TRY(st_kv_stream_layer_begin(ks, layer, &area));
+    TRY(m->be->ops->kv_store_paged(m->be, m->stream, &area, m->k, m->v, d->slots, n));
+    const int64_t np = st_kv_stream_n_pieces(ks), ts = st_kv_stream_tail_start(ks);
+    for (int64_t k = 0; k < np; k++) {
+        st_kv_layer slot;
+        int64_t key0, n_keys;
+        TRY(st_kv_stream_piece(ks, layer, k, &slot, &key0, &n_keys));
+        TRY(gather_piece(m, &slot, st_kv_stream_iota(ks), n_keys));
+        TRY(st_kv_stream_piece_read(ks));
+        TRY(attend_piece(m, d, n, key0, n_keys, k > 0));
+    }
+    const int64_t end = st_kv_stream_len(ks) + n;
+    TRY(gather_piece(m, &area, st_kv_stream_iota(ks), end - ts));
+    TRY(st_kv_stream_layer_end(ks, layer));
+    return attend_piece(m, d, n, ts, end - ts, np > 0);
+}
+
 strata_status st_llama_attn_ops(st_llama *m, const st_weight *w, const st_kv_layer *cache, batch_dev *d,
-                                int64_t n, bool residual_pending) {
+                                int64_t n, int64_t layer) {
     st_backend *be = m->be;
     const st_backend_ops *o = be->ops;
     const st_config *c = &m->cfg;
     const int64_t H = c->hidden_size, hd = c->head_dim;
-    TRY(o->rmsnorm(be, m->stream, m->x, residual_pending ? m->tmp : NULL, &w[ST_WG_ATTN_NORM], c->rms_norm_eps, n,
-                   H, m->xn));
+    TRY(o->rmsnorm(be, m->stream, m->x, layer > 0 ? m->tmp : NULL, &w[ST_WG_ATTN_NORM], c->rms_norm_eps, n, H,
+                   m->xn));
     const st_weight wqkv[3] = {w[ST_WG_WQ], w[ST_WG_WK], w[ST_WG_WV]};
     float *const yqkv[3] = {m->q, m->k, m->v};
     TRY(o->matmul_multi(be, m->stream, m->xn, wqkv, 3, n, yqkv));
     TRY(o->rope(be, m->stream, m->q, d->rope_pos, n, c->n_heads, hd, m->inv_freq, c->rope_interleaved));
     TRY(o->rope(be, m->stream, m->k, d->rope_pos, n, c->n_kv_heads, hd, m->inv_freq, c->rope_interleaved));
-    TRY(o->kv_store_paged(be, m->stream, cache, m->k, m->v, d->slots, n));
-    const float scale = 1.0f / sqrtf((float)hd);
-    if (d->gather_ctx > 0) {
-        const st_dtype t = cache->dtype == ST_KV_BF16 ? ST_DTYPE_BF16 : ST_DTYPE_F32;
-        const int64_t kv_dim = c->n_kv_heads * hd;
-        const st_weight kw = {.data = cache->k, .dtype = t, .rows = cache->n_slots, .cols = kv_dim};
-        const st_weight vw = {.data = cache->v, .dtype = t, .rows = cache->n_slots, .cols = kv_dim};
-        TRY(o->get_rows(be, m->stream, &kw, d->key_slots, d->gather_ctx, m->kg));
-        TRY(o->get_rows(be, m->stream, &vw, d->key_slots, d->gather_ctx, m->vg));
-        TRY(o->attention(be, m->stream, m->q, m->kg, m->vg, d->pos, n, d->gather_ctx, c->n_heads, c->n_kv_heads, hd,
-                         scale, m->att));
+    if (d->ks) {
+        TRY(attn_streamed(m, d, n, layer));
         return o->matmul(be, m->stream, m->att, &w[ST_WG_WO], n, m->tmp);
     }
+    TRY(o->kv_store_paged(be, m->stream, cache, m->k, m->v, d->slots, n));
+    if (d->gather_ctx > 0) {
+        for (int64_t a = 0; a < d->gather_ctx; a += m->piece) {
+            const int64_t len = d->gather_ctx - a < m->piece ? d->gather_ctx - a : m->piece;
+            TRY(gather_piece(m, cache, d->key_slots + a, len));
+            TRY(attend_piece(m, d, n, a, len, a > 0));
+        }
+        return o->matmul(be, m->stream, m->att, &w[ST_WG_WO], n, m->tmp);
+    }
+    const float scale = 1.0f / sqrtf((float)hd);
     d->pk.cache = *cache;
     TRY(o->attention_paged(be, m->stream, m->q, &d->pk, d->seq, d->pos, n, c->n_heads, c->n_kv_heads, hd, scale,
                            m->att));

@@ -28,6 +28,7 @@
 #include <stdint.h>
 #include "backend/backend.h"
 #include "kv/kv_pool.h"
+#include "kv/kv_stream.h"
 #include "loader/loader.h"
 #include "planner/planner.h"
 #include "weights/manager.h"
@@ -45,6 +46,8 @@ typedef struct {
     size_t kv_bytes;          /* device bytes the caller's KV pool takes (kept out of the weights' room) */
     st_weight_opts weights;   /* placement and streaming (planner/planner.h) */
     bool no_graphs;           /* never record passes as graphs (measurements, checks) */
+    int64_t attn_piece;       /* keys per attention piece of one sequence (planner.h st_plan_attn_piece;
+                                 0: the default): the gather buffers' size and a streamed KV's ring slot */
 } st_llama_params;
 
 /* Startup: measures what the plan of these params needs and is not given
@@ -81,6 +84,11 @@ st_kv_pool_params st_llama_kv_params(const st_llama *m, int64_t num_blocks, int6
 /* The same from the files alone (before a model exists: sizing the pool for the plan). */
 st_kv_pool_params st_llama_kv_params_for(const st_config *c, int64_t max_tokens, int64_t max_seq_len,
                                          int64_t num_blocks, int64_t block_size, st_kv_dtype dtype);
+
+/* The params of a kv_stream (kv/kv_stream.h) for one sequence of up to
+ * max_len keys in `dtype` run by this model (its layers, heads, pass size
+ * and attention piece); host_mem: the cap on its host bytes (0: none). */
+st_kv_stream_params st_llama_stream_params(const st_llama *m, int64_t max_len, st_kv_dtype dtype, size_t host_mem);
 
 /* One forward pass's batch, all host memory (borrowed for the call). Token i
  * runs tokens[i] at position pos[i] of sequence seq[i]; its K/V row goes to
@@ -179,6 +187,22 @@ void st_llama_forget_pool(st_llama *m, const st_kv_pool *kv);
  * float32 (default, linear and llama3 scaling), divided element-wise by
  * `freq_divisors` when given (GGUF's rope_freqs tensor). */
 void st_llama_rope_inv_freq(const st_config *c, const float *freq_divisors, float *inv_freq);
+
+/* One sequence whose KV lives in host memory (kv/kv_stream.h: longer than
+ * the device pool, or than device memory): runs tokens[0..n) at positions
+ * len .. len + n - 1 (len = st_kv_stream_len(ks) on entry) in passes of at
+ * most max_tokens tokens, each layer's keys streamed up piece by piece
+ * while the previous piece is attended and the pass's own K/V going down to
+ * ks; len grows by n. RoPE positions shifted by pos_offset as in
+ * st_llama_forward_seq_at. logits (host): [n, vocab] when all_logits, else
+ * [vocab] of the last token. On the CPU the logits are bit-identical to
+ * st_llama_forward_seq's over a pool that holds the sequence (same chunking
+ * by max_tokens, same attention ranges). INVALID_ARG when ks was not made
+ * for this model (st_llama_stream_params) or len + n exceeds its max_len
+ * or max_seq_len; NOMEM naming --kv-host-mem when its host rows do not fit.
+ * One host synchronization per pass. */
+strata_status st_llama_forward_stream(st_llama *m, st_kv_stream *ks, const int32_t *tokens, int64_t n,
+                                      int64_t pos_offset, bool all_logits, float *logits);
 
 #ifdef __cplusplus
 }

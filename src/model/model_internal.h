@@ -18,6 +18,9 @@ typedef struct {
      * backend's contiguous tensor-core attention */
     int64_t gather_ctx;
     const int32_t *key_slots;
+    /* a streamed sequence (st_llama_forward_stream): its keys before the
+     * pass live in ks (kv/kv_stream.h); slots are rows of its area */
+    st_kv_stream *ks;
 } batch_dev;
 
 /* One shape of pass and its recording. A recording holds every pointer and
@@ -55,8 +58,10 @@ struct st_llama {
     /* activations, [max_tokens, ...] each (planner/planner.h st_plan_act_bytes) */
     float *x, *xn, *q, *k, *v, *att, *tmp, *gate, *up, *logits;
     float *inv_freq;        /* [head_dim/2] */
-    float *kg, *vg;         /* [max_seq_len, kv_dim] gathered keys / values of one sequence
-                               (NULL: not used on this backend: planner/planner.h st_plan_gather_bytes) */
+    float *lse;             /* [max_tokens, n_heads]: attention_part's running log-sum-exp */
+    float *kg, *vg;         /* [gather_rows, kv_dim] one piece of one sequence's gathered keys / values
+                               (planner/planner.h st_plan_gather_bytes) */
+    int64_t piece, gather_rows; /* keys per attention piece; rows of kg / vg */
     /* device sampling: args and ids, device / pinned host [max_tokens] each */
     st_sample_args *d_sargs, *h_sargs;
     int32_t *d_sids, *h_sids;
@@ -77,7 +82,7 @@ struct st_llama {
 
 /* llama.c: the ops of one group over n tokens (the Llama-specific math). */
 strata_status st_llama_attn_ops(st_llama *m, const st_weight *w, const st_kv_layer *cache, batch_dev *d,
-                                int64_t n, bool residual_pending);
+                                int64_t n, int64_t layer);
 strata_status st_llama_ffn_ops(st_llama *m, const st_weight *w, int64_t n);
 strata_status st_llama_output_ops(st_llama *m, const st_weight *w, const batch_dev *d, int64_t n, int64_t n_out);
 

@@ -1,6 +1,7 @@
 /* planner: see planner.h. */
 #include "planner/planner.h"
 
+#include "kv/kv_stream.h"
 #include "weights/measure.h"
 
 #include <math.h>
@@ -9,28 +10,40 @@
 
 static size_t r256(size_t x) { return (x + 255) / 256 * 256; }
 
+/* Keys of the probe's attention at most (its K/V buffers are that long). */
+#define PROBE_MAX_CTX 131072
 /* Block size of the probe's paged attention (the engines' default). */
 #define PLAN_KV_BLOCK 16
 
-#define GATHER_MAX_BYTES ((size_t)1 << 30)
-
-size_t st_plan_gather_bytes(const st_backend *be, const st_config *c, int64_t max_seq_len) {
-    (void)be; /* every backend: CUDA for its tensor cores, the CPU to dequantize each key once */
-    const size_t one = r256((size_t)(max_seq_len * c->n_kv_heads * c->head_dim) * sizeof(float));
-    return 2 * one <= GATHER_MAX_BYTES ? 2 * one : 0;
+int64_t st_plan_attn_piece(int64_t want) {
+    int64_t p = ST_ATTN_RANGE;
+    const int64_t w = want > 0 ? want : ST_PLAN_ATTN_PIECE;
+    while (p < w && p < ST_KV_STREAM_SEG) p *= 2; /* ST_ATTN_RANGE and the segment are powers of two */
+    return p;
 }
 
-size_t st_plan_act_bytes(const st_backend *be, const st_config *c, int64_t T, int64_t max_seq_len) {
+int64_t st_plan_gather_rows(int64_t max_tokens, int64_t max_seq_len, int64_t piece) {
+    const int64_t tail = ST_ATTN_RANGE + max_tokens, r = piece > tail ? piece : tail;
+    return r < max_seq_len ? r : max_seq_len;
+}
+
+size_t st_plan_gather_bytes(const st_config *c, int64_t max_tokens, int64_t max_seq_len, int64_t piece) {
+    const int64_t rows = st_plan_gather_rows(max_tokens, max_seq_len, piece);
+    return 2 * r256((size_t)(rows * c->n_kv_heads * c->head_dim) * sizeof(float));
+}
+
+size_t st_plan_act_bytes(const st_backend *be, const st_config *c, int64_t T, int64_t max_seq_len, int64_t piece) {
     const int64_t H = c->hidden_size, q_dim = c->n_heads * c->head_dim, kv_dim = c->n_kv_heads * c->head_dim,
                   I = c->intermediate_size, V = c->vocab_size;
     size_t a = 3 * r256((size_t)(T * H) * 4);           /* x, xn, tmp */
     a += 2 * r256((size_t)(T * q_dim) * 4);             /* q, att */
+    a += r256((size_t)(T * c->n_heads) * 4);            /* lse */
     a += 2 * r256((size_t)(T * kv_dim) * 4);            /* k, v */
     a += 2 * r256((size_t)(T * I) * 4);                 /* gate, up */
     a += r256((size_t)(T * V) * 4);                     /* logits */
     a += r256((size_t)(c->head_dim / 2) * 4);           /* inv_freq */
     a += r256((size_t)T * (sizeof(st_sample_args) + sizeof(int32_t))); /* sample args, ids */
-    return a + st_plan_gather_bytes(be, c, max_seq_len);                /* kg, vg */
+    return a + st_plan_gather_bytes(c, T, max_seq_len, piece);           /* kg, vg */
 }
 
 /* ---- the backend's scratch, measured --------------------------------------------------
@@ -175,8 +188,15 @@ static strata_status scratch_probe_run(probe_ctx *p, const st_config *c, const s
             st = o->matmul(be, p->s, x, &w, ns[r], y);
         }
     const float scale = 1.0f / sqrtf((float)hd);
-    if (st == STRATA_OK) /* a gathered prefill chunk at the end of the context (model/forward.c) */
-        st = o->attention(be, p->s, x, kc, vc, pos_end, Ta, max_ctx, c->n_heads, c->n_kv_heads, hd, scale, y);
+    if (st == STRATA_OK) { /* a gathered prefill chunk's last piece, at the end of the context (model/forward.c) */
+        const int64_t rows = st_plan_gather_rows(T, max_ctx, st_plan_attn_piece(0)), key0 = (max_ctx - rows) /
+                             ST_ATTN_RANGE * ST_ATTN_RANGE;
+        float *lse = NULL;
+        st = probe_alloc(p, (size_t)(Ta * c->n_heads) * 4, (void **)&lse);
+        if (st == STRATA_OK)
+            st = o->attention_part(be, p->s, x, kc, vc, pos_end, Ta, key0, max_ctx - key0, c->n_heads,
+                                   c->n_kv_heads, hd, scale, key0 > 0, y, lse);
+    }
     if (st == STRATA_OK) {
         const st_paged_kv pk = {.cache = {.k = kc, .v = vc, .dtype = ST_KV_F32, .n_slots = max_blocks * bs,
                                           .n_kv_heads = c->n_kv_heads, .head_dim = hd},
@@ -223,6 +243,8 @@ static strata_status probe_on(st_backend *be, st_stream *stream, const st_config
                               int64_t max_ctx, size_t *scratch) {
     probe_ctx p = {be, stream, {0}, 0, NULL};
     *scratch = 0;
+    if (max_ctx > PROBE_MAX_CTX) max_ctx = PROBE_MAX_CTX; /* longer contexts take the same scratch (bounded pieces
+                                                           and split-KV partials) */
     strata_status st = STRATA_OK;
     if (!(p.zeros = calloc(1, ZERO_BYTES))) st = st_err(STRATA_ERR_NOMEM, "scratch probe: out of memory");
     if (st == STRATA_OK && !stream) st = be->ops->stream_create(be, false, &p.s);
@@ -284,7 +306,7 @@ strata_status st_plan_make(const st_model_files *files, st_backend *be, const st
     pp.device_mem = p->device_mem;
     pp.host_mem = wo->host_mem ? wo->host_mem : st_wplan_host_auto();
     pp.device_kv = p->kv_bytes;
-    pp.device_act = st_plan_act_bytes(be, c, T, p->max_seq_len);
+    pp.device_act = st_plan_act_bytes(be, c, T, p->max_seq_len, st_plan_attn_piece(p->attn_piece));
     pp.device_reserve = wo->device_reserve;
     pp.ring_slots = wo->ring_slots;
     pp.staging_chunk = wo->staging_chunk;

@@ -46,24 +46,35 @@ typedef struct {
     size_t device_mem;        /* the device budget (0: unlimited: every weight resident) */
     int64_t max_tokens;       /* tokens of one forward pass (>= 1) */
     int64_t max_seq_len;      /* positions of one sequence (>= 1) */
+    int64_t attn_piece;       /* keys per attention piece (st_plan_attn_piece; 0: the default) */
     size_t kv_bytes;          /* device bytes of the KV pool (kv/kv_pool.h st_kv_pool_device_bytes) */
     bool measure_bw;          /* st_plan_measure measures the missing bandwidths even without a budget
                                  (`strata plan`: its predictions) */
     st_weight_opts weights;
 } st_plan_params;
 
-/* Device bytes of the two fp32 buffers [max_seq_len, kv_dim] into which a
- * single-sequence prefill chunk gathers its keys and values from the paged
- * pool, to run the backend's contiguous attention (model/forward.c: CUDA's
- * tensor-core kernels; on the CPU each key dequantized once per layer instead
- * of once per query and head, the same bits); none when they would take more
- * than 1 GiB (the paged kernel then serves every pass). */
-size_t st_plan_gather_bytes(const st_backend *be, const st_config *c, int64_t max_seq_len);
+/* Keys per piece of a single sequence's attention (model/forward.c): its
+ * keys are gathered from the paged pool, or streamed from host memory
+ * (kv/kv_stream.h), into two fp32 buffers of bounded size, piece by piece,
+ * and attended by the backend's attention_part (CUDA: its tensor-core
+ * kernels; on the CPU each key dequantized once per layer instead of once
+ * per query and head, the same bits). want: 0 for the default
+ * (ST_PLAN_ATTN_PIECE), else rounded up to a multiple of ST_ATTN_RANGE and
+ * then to a divisor of ST_KV_STREAM_SEG (a power of two). */
+#define ST_PLAN_ATTN_PIECE 16384
+int64_t st_plan_attn_piece(int64_t want);
+/* Rows of those buffers: a piece, or the keys of a streamed pass's last
+ * range and its tokens (ST_ATTN_RANGE + max_tokens) when larger, never more
+ * than max_seq_len. */
+int64_t st_plan_gather_rows(int64_t max_tokens, int64_t max_seq_len, int64_t piece);
+/* Their device bytes: 2 x rows x kv_dim x 4, each rounded to 256. */
+size_t st_plan_gather_bytes(const st_config *c, int64_t max_tokens, int64_t max_seq_len, int64_t piece);
 
 /* Device bytes of the activations a model with these shapes allocates for
  * forward passes of max_tokens tokens on `be` (model/llama.c allocates exactly
  * these buffers, st_plan_gather_bytes included), each rounded to 256 bytes. */
-size_t st_plan_act_bytes(const st_backend *be, const st_config *c, int64_t max_tokens, int64_t max_seq_len);
+size_t st_plan_act_bytes(const st_backend *be, const st_config *c, int64_t max_tokens, int64_t max_seq_len,
+                         int64_t piece);
 
 /* The device bytes the backend takes for its own scratch while the model's
  * ops run, measured by running every op shape of a forward pass once over

@@ -1,0 +1,112 @@
+/* kv/kv_stream: the KV cache of one sequence longer than the device, kept in
+ * host memory and streamed through the device layer by layer (issue 13:
+ * streaming chunked prefill and decode over host KV).
+ *
+ * Host: per layer, a K and a V plane of rows in the cache's dtype (row =
+ * n_kv_heads x head_dim elements, key j at row j: layer-major, so that a
+ * piece of keys of one layer is one contiguous copy), held in segments of
+ * ST_KV_STREAM_SEG keys allocated (pinned) as the sequence grows, counted
+ * against params.host_mem.
+ *
+ * Device, all independent of the sequence's length:
+ *   - a ring of two slots of `piece` keys (K and V): the keys of earlier
+ *     pieces of a layer come up through it, slot (g mod 2) for the g-th
+ *     piece of the pass, the copy of piece g + 2 issued when the compute
+ *     stream has read piece g (its event), so that a copy always overlaps the
+ *     attention of the piece before it, across layer boundaries too;
+ *   - two areas (by layer parity) of ST_ATTN_RANGE + max_tokens keys: the
+ *     keys of the pass's last range start (tail_start = len rounded down to
+ *     ST_ATTN_RANGE) up to len come up into rows 0.., the pass's own keys are
+ *     stored after them (slot = position - tail_start) and go down to the
+ *     host once the layer stored them;
+ *   - an int32 iota (0, 1, 2, ...) the model gathers rows with, and the
+ *     pass's metadata buffer.
+ * Attention per layer (model/llama.c): pieces [0, tail_start) from the ring,
+ * then the area's keys [tail_start, len + n), merged in order by the
+ * backend's attention_part: the ranges of ST_ATTN_RANGE keys are those of a
+ * sequence whose KV fits the pool, so the bits on the CPU are the same.
+ *
+ * One pass (model/forward.c), all asynchronous on the compute stream and
+ * the stream's own copy stream, ordered by events (no host sync):
+ *   begin(n) -> per layer: layer_begin (the area's tail comes up), the model
+ *   stores the layer's K/V in the area; per piece: piece() (the compute
+ *   stream waits for it) then piece_read() once gathered; the model gathers
+ *   the area, then layer_end() (the pass's rows go down) -> after the pass's host sync:
+ *   commit() (len += n). A pass that failed is dropped with abort().
+ *
+ * Not thread safe: the stepping thread owns it. */
+#pragma once
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include "backend/backend.h"
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Keys per host segment (a multiple of every piece size used). */
+#define ST_KV_STREAM_SEG 65536
+
+typedef struct st_kv_stream st_kv_stream;
+
+typedef struct {
+    int64_t n_layers, n_kv_heads, head_dim; /* >= 1 */
+    st_kv_dtype dtype;   /* ST_KV_BF16 or ST_KV_F32 (pieces are gathered to fp32 by get_rows) */
+    int64_t piece;       /* keys per ring slot: a multiple of ST_ATTN_RANGE dividing ST_KV_STREAM_SEG */
+    int64_t max_tokens;  /* tokens of one pass, >= 1 */
+    int64_t max_len;     /* keys the sequence may hold, >= 1 */
+    size_t host_mem;     /* cap on the host bytes (0: none) */
+} st_kv_stream_params;
+
+/* Device bytes init takes (ring, areas, iota, each rounded to 256). */
+size_t st_kv_stream_device_bytes(const st_kv_stream_params *p);
+/* Host bytes of a sequence of len keys (whole segments). */
+size_t st_kv_stream_host_bytes(const st_kv_stream_params *p, int64_t len);
+
+/* INVALID_ARG naming the parameter; UNSUPPORTED for fp8; NOMEM (device
+ * budget). The caller owns *out. */
+strata_status st_kv_stream_init(st_backend *be, const st_kv_stream_params *p, st_kv_stream **out);
+void st_kv_stream_free(st_kv_stream *ks); /* waits for its copies; NULL is a no-op */
+
+const st_kv_stream_params *st_kv_stream_get_params(const st_kv_stream *ks);
+int64_t st_kv_stream_len(const st_kv_stream *ks);   /* keys stored on the host */
+size_t st_kv_stream_host_used(const st_kv_stream *ks);
+void st_kv_stream_reset(st_kv_stream *ks);          /* len = 0 (the host segments are kept) */
+/* A pass's metadata buffers (model/forward.c packs them): `bytes` of pinned
+ * host staging and the device buffer it is copied to, max_tokens x
+ * ST_KV_STREAM_META_PER_TOKEN bytes each. */
+#define ST_KV_STREAM_META_PER_TOKEN 32
+void st_kv_stream_meta(st_kv_stream *ks, void **host, void **dev, size_t *bytes);
+/* Bytes moved up / down since init. */
+void st_kv_stream_bytes(const st_kv_stream *ks, uint64_t *h2d, uint64_t *d2h);
+
+/* ---- one pass of n tokens at positions len .. len + n - 1 (model/forward.c) ---- */
+/* Reserves the host rows (NOMEM naming host_mem when they do not fit;
+ * INVALID_ARG past max_len or n > max_tokens) and issues the first pieces.
+ * `compute` is the stream the model's ops run on. */
+strata_status st_kv_stream_begin(st_kv_stream *ks, st_stream *compute, int64_t n);
+int64_t st_kv_stream_tail_start(const st_kv_stream *ks); /* the area's first key */
+int64_t st_kv_stream_n_pieces(const st_kv_stream *ks);   /* ring pieces per layer */
+const int32_t *st_kv_stream_iota(const st_kv_stream *ks); /* device [piece or more] = 0, 1, ... */
+/* Layer l's area (*area: rows of keys tail_start..): the compute stream
+ * waits until its tail rows arrived (and its previous use went down). */
+strata_status st_kv_stream_layer_begin(st_kv_stream *ks, int64_t l, st_kv_layer *area);
+/* Piece k of layer l: *slot holds keys *key0 .. *key0 + *n - 1 in rows 0..;
+ * the compute stream waits for its copy. */
+strata_status st_kv_stream_piece(st_kv_stream *ks, int64_t l, int64_t k, st_kv_layer *slot, int64_t *key0,
+                                 int64_t *n);
+/* After the compute stream's last read of the current piece: its slot
+ * takes the next piece of the pass. */
+strata_status st_kv_stream_piece_read(st_kv_stream *ks);
+/* After the compute stream's last use of layer l's area (its rows stored
+ * and gathered): the pass's new rows go down to the host, and the area is
+ * free for layer l + 2 once they are. */
+strata_status st_kv_stream_layer_end(st_kv_stream *ks, int64_t l);
+/* After the pass completed (the host synced the compute stream): len += n. */
+strata_status st_kv_stream_commit(st_kv_stream *ks);
+/* After a failed pass: waits for the copies; len unchanged. */
+void st_kv_stream_abort(st_kv_stream *ks);
+
+#ifdef __cplusplus
+}
+#endif
