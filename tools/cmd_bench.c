@@ -27,6 +27,10 @@ static void bench_usage(FILE *f) {
             "  --seqs B[,B...]  then decode B sequences at once (e.g. 1,8,32), one token each per pass:\n"
             "                   --gen steps each (the first a warm-up), tok/s beside the bound\n"
             "  --seq-prompt N   prompt tokens of each of those sequences (default 32)\n"
+            "  --kv-stream      the sequence's KV in host memory, streamed through the device layer by\n"
+            "                   layer (contexts longer than the device, up to 1M tokens): one prefill\n"
+            "                   and --gen decode steps, beside their rooflines, and the device memory peak\n"
+            "  --kv-host-mem SIZE   with --kv-stream: cap on the host memory the KV takes (default: none)\n"
             "  (here --batch defaults to the prompt length, up to 4096: the prompt in one chunk;\n"
             "  on CUDA the prefill is also timed in the other precision, --precise or --fast-prefill)\n"
             TOOL_MODEL_OPTS_HELP);
@@ -295,8 +299,96 @@ static bool parse_list(const char *v, int64_t *list, int *n) {
     return *n > 0;
 }
 
+/* ---- --kv-stream: one sequence whose KV lives in host memory ------------------------- */
+
+static double matrix_flops(const st_model_files *f) {
+    double mat = 0;
+    for (int64_t i = 0; i < f->n_tensors; i++) {
+        const st_tensor_desc *t = &f->tensors[i];
+        if (t->n_dims == 2 && strcmp(t->name, "model.embed_tokens.weight") && strcmp(t->name, "lm_head.weight"))
+            mat += 2.0 * (double)t->shape[0] * (double)t->shape[1];
+    }
+    return mat;
+}
+
+/* Prefill n_prompt tokens, then n_gen greedy decode steps, through
+ * st_llama_forward_stream; a warm-up pass of one chunk first (on a stream
+ * reset afterwards). Prints each beside its floor: prefill FLOPs / the GEMM
+ * rate; a decode step max(KV bytes from the host / H2D, weights / HBM), all
+ * measured in this run; and the device memory peak. */
+static bool stream_bench(tool_model *tm, const tool_model_opts *mo, int32_t *ids, int64_t n_prompt, int64_t n_gen,
+                         const tool_rooflines *roof, uint64_t weight_bytes) {
+    st_backend *be = tm->be;
+    const st_config *c = &tm->files->config;
+    const int64_t V = c->vocab_size;
+    const size_t host_cap = mo->kv_host_mem > 0 ? (size_t)mo->kv_host_mem : 0;
+    const st_kv_stream_params sp = st_llama_stream_params(tm->model, n_prompt + n_gen, mo->kv_dtype, host_cap);
+    st_kv_stream *ks = NULL;
+    float *logits = malloc((size_t)V * sizeof(float));
+    bool ok = false;
+    if (!logits || st_kv_stream_init(be, &sp, &ks) != STRATA_OK) goto out;
+    const double h2d = be->kind == ST_BACKEND_CPU ? 0 : tool_measure_h2d_bw(be, 0, 0);
+    const int64_t T = st_llama_max_tokens(tm->model);
+    if (st_llama_forward_stream(tm->model, ks, ids, n_prompt < T ? n_prompt : T, 0, false, logits) != STRATA_OK)
+        goto out;
+    st_kv_stream_reset(ks);
+    be->device_budget.peak = be->device_budget.used;
+    fprintf(stderr, "strata bench: prefilling %lld tokens (KV to host memory: %.1f GB)...\n", (long long)n_prompt,
+            st_kv_stream_host_bytes(&sp, n_prompt + n_gen) / 1e9);
+    double t0 = st_time_now();
+    if (st_llama_forward_stream(tm->model, ks, ids, n_prompt, 0, false, logits) != STRATA_OK) goto out;
+    const double t_prefill = st_time_now() - t0;
+    uint64_t up0 = 0, up1 = 0;
+    st_kv_stream_bytes(ks, &up0, NULL);
+    t0 = st_time_now();
+    for (int64_t g = 0; g < n_gen; g++) {
+        int32_t next = argmax(logits, V);
+        if (st_llama_forward_stream(tm->model, ks, &next, 1, 0, false, logits) != STRATA_OK) goto out;
+    }
+    const double t_decode = st_time_now() - t0;
+    st_kv_stream_bytes(ks, &up1, NULL);
+    const size_t peak = be->device_budget.peak;
+    const double attn = 2.0 * 2.0 * (double)c->n_heads * (double)c->head_dim * (double)n_prompt *
+                        ((double)n_prompt + 1.0) / 2.0 * (double)c->n_layers;
+    const double flops = (double)n_prompt * matrix_flops(tm->files) + 2.0 * (double)V * c->hidden_size + attn;
+    const bool fast = tool_fast_prefill(mo, tm->files);
+    const double rate = fast ? roof->gemm_fast : roof->gemm_precise;
+    printf("model        %s (%s, KV %s streamed from host memory, pieces of %lld keys, passes of %lld tokens)\n",
+           tm->files->path, be->ops->name, st_kv_dtype_name(sp.dtype), (long long)sp.piece, (long long)T);
+    printf("context      %lld prompt + %lld generated tokens: %.2f GB of KV in host memory\n", (long long)n_prompt,
+           (long long)n_gen, st_kv_stream_host_used(ks) / 1e9);
+    if (rate > 0) {
+        const double floor = flops / rate;
+        printf("prefill      %lld tokens in %.2f s: %.0f tok/s (%s); floor %.2f s = %.1f TFLOP (attention %.1f) / "
+               "%.0f TFLOP/s (GEMM, measured now): reached %.0f%%\n",
+               (long long)n_prompt, t_prefill, n_prompt / t_prefill, fast ? "fast" : "precise", floor, flops / 1e12,
+               attn / 1e12, rate / 1e12, 100.0 * floor / t_prefill);
+    } else {
+        printf("prefill      %lld tokens in %.2f s: %.1f tok/s\n", (long long)n_prompt, t_prefill,
+               n_prompt / t_prefill);
+    }
+    const double step = t_decode / (double)n_gen, kv_step = (double)(up1 - up0) / (double)n_gen;
+    printf("decode       %lld tokens in %.3f s: %.3f s/token, %.2f tok/s; %.1f MB of KV up per token\n",
+           (long long)n_gen, t_decode, step, 1.0 / step, kv_step / 1e6);
+    if (h2d > 0 && roof->copy_bw > 0) {
+        const double f_kv = kv_step / h2d, f_w = (double)weight_bytes / roof->copy_bw;
+        const double bound = f_kv > f_w ? f_kv : f_w;
+        printf("roofline     decode bound %.3f s/token = max(KV %.1f MB / H2D %.1f GB/s, weights %.1f MB / HBM "
+               "%.0f GB/s), measured now: %.2fx of it\n",
+               bound, kv_step / 1e6, h2d / 1e9, weight_bytes / 1e6, roof->copy_bw / 1e9, step / bound);
+    }
+    printf("device mem   peak %.1f MB of backend allocations (weights, KV ring and areas %.1f MB, activations, "
+           "scratch): independent of the context\n", peak / 1e6, st_kv_stream_device_bytes(&sp) / 1e6);
+    ok = true;
+out:
+    if (!ok) tool_print_error("bench");
+    st_kv_stream_free(ks);
+    free(logits);
+    return ok;
+}
+
 int cmd_bench(int argc, char **argv) {
-    tool_model_opts mo = TOOL_MODEL_OPTS_INIT;
+    tool_model_opts mo = TOOL_ENGINE_OPTS_INIT; /* --kv-host-mem (with --kv-stream) */
     const char *path = NULL;
     int64_t n_prompt = 128, n_gen = 64, reps = 3;
     bool prefill_only = false;
@@ -320,6 +412,8 @@ int cmd_bench(int argc, char **argv) {
         } else if (!strcmp(a, "--reps")) {
             if (!tool_parse_i64(val, 1, 1000, "--reps", &reps)) return 2;
             i++;
+        } else if (!strcmp(a, "--kv-stream")) {
+            mo.kv_stream = true;
         } else if (!strcmp(a, "--prefill-only")) {
             prefill_only = true;
         } else if (!strcmp(a, "--seqs")) {
@@ -334,6 +428,15 @@ int cmd_bench(int argc, char **argv) {
     }
     if (!path) {
         bench_usage(stderr);
+        return 2;
+    }
+    if (mo.kv_ssd_dir || mo.kv_offload_lazy || (mo.kv_host_mem && !mo.kv_stream)) {
+        fprintf(stderr, "strata bench: --kv-ssd-dir and --kv-offload are for run and serve; --kv-host-mem needs "
+                        "--kv-stream\n");
+        return 2;
+    }
+    if (mo.kv_stream && (n_seqs > 0 || prefill_only)) {
+        fprintf(stderr, "strata bench: --kv-stream runs one sequence: not with --seqs or --prefill-only\n");
         return 2;
     }
     if (mo.ctx == 0) mo.ctx = n_prompt + (n_gen > 2 ? n_gen : 2);
@@ -393,6 +496,10 @@ int cmd_bench(int argc, char **argv) {
     for (int64_t i = 0; i < n_prompt; i++) {
         s = s * 1664525u + 1013904223u;
         ids[i] = (int32_t)((s >> 8) % (uint32_t)V);
+    }
+    if (mo.kv_stream) {
+        rc = stream_bench(&tm, &mo, ids, n_prompt, n_gen, &roof, weight_bytes) ? 0 : 1;
+        goto done;
     }
     if (prefill_only) {
         double t0 = st_time_now();

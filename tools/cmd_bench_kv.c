@@ -23,6 +23,7 @@
 #include "commands.h"
 #include "common.h"
 #include "engine/runner.h"
+#include "roofline.h"
 #include "kv/kv_tiers.h"
 #include "core/aio.h"
 #include <xxhash.h>
@@ -106,33 +107,6 @@ static bool add(st_runner *rn, uint64_t id, const int32_t *p, int64_t n, int64_t
     return true;
 }
 
-/* Pinned host -> device bandwidth: best of 4 copies of 1 GiB; with width > 0,
- * of 2-D copies in the host tier's shape instead (rows of `width` bytes every
- * `pitch` bytes of the host buffer, packed on the device: one layer plane of
- * consecutive blocks). */
-static double h2d_bw(st_backend *be, size_t width, size_t pitch) {
-    const size_t n = (size_t)1 << 30;
-    const size_t rows = width ? n / pitch : 0, bytes = width ? rows * width : n;
-    void *h = NULL, *d = NULL;
-    st_stream *s = NULL;
-    double best = 0;
-    if (be->ops->host_alloc(be, n, &h) || be->ops->alloc(be, bytes, &d) || be->ops->stream_create(be, false, &s))
-        goto out;
-    memset(h, 1, n);
-    for (int i = 0; i < 4; i++) {
-        const double t0 = st_time_now();
-        const strata_status st = width ? be->ops->copy_2d(be, s, d, width, h, pitch, width, rows)
-                                       : be->ops->copy_h2d(be, s, d, h, n);
-        if (st || be->ops->stream_sync(be, s)) goto out;
-        const double bw = (double)bytes / (st_time_now() - t0);
-        if (bw > best) best = bw;
-    }
-out:
-    if (s) be->ops->stream_destroy(be, s);
-    if (d) be->ops->dealloc(be, d);
-    if (h) be->ops->host_dealloc(be, h);
-    return best;
-}
 
 /* O_DIRECT read bandwidth of `path`'s first `bytes`: 8 MiB requests, 8 in
  * flight through core/aio (io_uring), the page cache dropped first. */
@@ -232,7 +206,7 @@ int cmd_bench_kv(int argc, char **argv) {
     const int64_t bs = 16, V = c->vocab_size;
     const int64_t hit = (prompt - 1) / bs * bs;
     const double hit_bytes = (double)hit * tok_bytes;
-    const double bw_h2d = h2d_bw(be, 0, 0);
+    const double bw_h2d = tool_measure_h2d_bw(be, 0, 0);
     const size_t plane_row = (size_t)bs * (size_t)(c->n_kv_heads * c->head_dim) * st_kv_dtype_size(mo.kv_dtype);
     size_t blk_bytes = 0;
     {
@@ -241,7 +215,7 @@ int cmd_bench_kv(int argc, char **argv) {
                                       .max_seq_len = 1};
         blk_bytes = st_kv_tiers_block_bytes(&kp);
     }
-    const double bw_h2d_2d = h2d_bw(be, plane_row, blk_bytes);
+    const double bw_h2d_2d = tool_measure_h2d_bw(be, plane_row, blk_bytes);
     uint64_t rng = 0x2545F4914F6CDD1Dull;
     tok = malloc((size_t)prompt * sizeof *tok);
     rq = calloc((size_t)n_req + 64, sizeof *rq);

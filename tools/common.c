@@ -117,7 +117,7 @@ st_llama_params tool_llama_params(const tool_model_opts *o, const st_config *c) 
     lp.max_tokens = o->batch > 0 ? o->batch : 512;
     lp.device_mem = o->device_mem;
     const st_kv_pool_params kp = kv_params_for(o, c, lp.max_tokens, lp.max_seq_len);
-    lp.kv_bytes = st_kv_pool_device_bytes(&kp);
+    lp.kv_bytes = o->kv_stream ? 0 : st_kv_pool_device_bytes(&kp);
     lp.weights.host_mem = o->host_mem;
     lp.weights.ring_slots = o->ring_slots;
     lp.weights.bw.h2d = o->h2d_bw * 1e9;
@@ -273,7 +273,7 @@ bool tool_model_open(const char *path, const tool_model_opts *o, tool_model *tm)
         return false;
     }
     const st_kv_pool_params kp = tool_kv_params(o, tm->model);
-    if (st_kv_pool_init(tm->be, &kp, &tm->kv) != STRATA_OK) {
+    if (!o->kv_stream && st_kv_pool_init(tm->be, &kp, &tm->kv) != STRATA_OK) {
         tool_print_error("kv cache");
         tool_model_close(tm);
         return false;

@@ -21,6 +21,7 @@ typedef struct {
     int ring_slots;      /* --ring-slots N (0: 2) */
     st_kv_dtype kv_dtype;  /* --kv-dtype bf16|fp8|f32 (default bf16) */
     int64_t kv_seqs;       /* not an option: sequences of --ctx tokens the KV pool holds (0: 1; bench --seqs) */
+    bool kv_stream;        /* not an option: no KV pool (bench --kv-stream: the sequence's KV in a kv_stream) */
     int prefill;         /* --precise: -1, --fast-prefill: 1, 0: chosen by the weights' dtype (tool_fast_prefill) */
     const char *test_fault; /* --test-fault read-error:N | short-read:N: the Nth weight read fails or comes
                                back short; kv-ssd-write:N: the Nth KV SSD-tier write fails as on a full

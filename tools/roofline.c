@@ -97,3 +97,27 @@ out:
     st_backend_free(be);
     return ok;
 }
+
+double tool_measure_h2d_bw(st_backend *be, size_t width, size_t pitch) {
+    const size_t n = (size_t)1 << 30;
+    const size_t rows = width ? n / pitch : 0, bytes = width ? rows * width : n;
+    void *h = NULL, *d = NULL;
+    st_stream *s = NULL;
+    double best = 0;
+    if (be->ops->host_alloc(be, n, &h) || be->ops->alloc(be, bytes, &d) || be->ops->stream_create(be, false, &s))
+        goto out;
+    memset(h, 1, n);
+    for (int i = 0; i < 4; i++) {
+        const double t0 = st_time_now();
+        const strata_status st = width ? be->ops->copy_2d(be, s, d, width, h, pitch, width, rows)
+                                       : be->ops->copy_h2d(be, s, d, h, n);
+        if (st || be->ops->stream_sync(be, s)) goto out;
+        const double bw = (double)bytes / (st_time_now() - t0);
+        if (bw > best) best = bw;
+    }
+out:
+    if (s) be->ops->stream_destroy(be, s);
+    if (d) be->ops->dealloc(be, d);
+    if (h) be->ops->host_dealloc(be, h);
+    return best;
+}

@@ -25,3 +25,8 @@ double tool_measure_matmul_rate(st_backend *be, st_stream *s, int64_t dim, int64
  * pool on bp's device. Nothing to measure on the CPU: *out zeroed, true.
  * false (message printed to stderr) when a probe failed. */
 bool tool_measure_device_rooflines(const st_backend_params *bp, tool_rooflines *out);
+/* Pinned host -> device bandwidth: best of 4 copies of 1 GiB; with width > 0,
+ * of 2-D copies instead (rows of `width` bytes every `pitch` bytes of the
+ * host buffer, packed on the device: the KV host tier's shape). 0 when it
+ * cannot run. */
+double tool_measure_h2d_bw(st_backend *be, size_t width, size_t pitch);
