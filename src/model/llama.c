@@ -290,12 +290,14 @@ static strata_status gather_piece(st_llama *m, const st_kv_layer *cache, const i
     return be->ops->get_rows(be, m->stream, &vw, ids, n_keys, m->vg);
 }
 
+/* `last`: no piece follows (its log-sum-exp is not needed unless merging) */
 static strata_status attend_piece(st_llama *m, const batch_dev *d, int64_t n, int64_t key0, int64_t n_keys,
-                                  bool merge) {
+                                  bool merge, bool last) {
     const st_config *c = &m->cfg;
     const float scale = 1.0f / sqrtf((float)c->head_dim);
     return m->be->ops->attention_part(m->be, m->stream, m->q, m->kg, m->vg, d->pos, n, key0, n_keys, c->n_heads,
-                                      c->n_kv_heads, c->head_dim, scale, merge, m->att, m->lse);
+                                      c->n_kv_heads, c->head_dim, scale, merge, m->att,
+                                      merge || !last ? m->lse : NULL);
 }
 
 static strata_status attn_streamed(st_llama *m, batch_dev *d, int64_t n, int64_t layer) {
@@ -310,12 +312,12 @@ static strata_status attn_streamed(st_llama *m, batch_dev *d, int64_t n, int64_t
         TRY(st_kv_stream_piece(ks, layer, k, &slot, &key0, &n_keys));
         TRY(gather_piece(m, &slot, st_kv_stream_iota(ks), n_keys));
         TRY(st_kv_stream_piece_read(ks));
-        TRY(attend_piece(m, d, n, key0, n_keys, k > 0));
+        TRY(attend_piece(m, d, n, key0, n_keys, k > 0, false));
     }
     const int64_t end = st_kv_stream_len(ks) + n;
     TRY(gather_piece(m, &area, st_kv_stream_iota(ks), end - ts));
     TRY(st_kv_stream_layer_end(ks, layer));
-    return attend_piece(m, d, n, ts, end - ts, np > 0);
+    return attend_piece(m, d, n, ts, end - ts, np > 0, true);
 }
 
 strata_status st_llama_attn_ops(st_llama *m, const st_weight *w, const st_kv_layer *cache, batch_dev *d,
@@ -340,7 +342,7 @@ strata_status st_llama_attn_ops(st_llama *m, const st_weight *w, const st_kv_lay
         for (int64_t a = 0; a < d->gather_ctx; a += m->piece) {
             const int64_t len = d->gather_ctx - a < m->piece ? d->gather_ctx - a : m->piece;
             TRY(gather_piece(m, cache, d->key_slots + a, len));
-            TRY(attend_piece(m, d, n, a, len, a > 0));
+            TRY(attend_piece(m, d, n, a, len, a > 0, a + len == d->gather_ctx));
         }
         return o->matmul(be, m->stream, m->att, &w[ST_WG_WO], n, m->tmp);
     }
