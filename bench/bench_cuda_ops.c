@@ -10,11 +10,13 @@
  * the fewest the op must move: the weight once (decode matmul), K and V once
  * (decode attention).
  *
- * Usage: bench_cuda_ops [--device N] [--only prefill-attn|sample|gemv|batch]
+ * Usage: bench_cuda_ops [--device N] [--only prefill-attn|attn-part|sample|gemv|batch]
  *                       [--gemm-min-n N] [--gemm-min-n-quant N] [--no-pdl]
- *   --only SECTION      one section alone: the prefill attention kernels, the
- *                       sample op, the decode GEMV over every dtype and shape,
- *                       or the batched decode matmuls (GEMV / GEMM switch)
+ *   --only SECTION      one section alone: the prefill attention kernels,
+ *                       attention_part (a context attended piece by piece,
+ *                       beside one attention call over it), the sample op,
+ *                       the decode GEMV over every dtype and shape, or the
+ *                       batched decode matmuls (GEMV / GEMM switch)
  *   --gemm-min-n N, --gemm-min-n-quant N   st_backend_params' GEMV / GEMM switch
  *                       points (2: time the GEMM at every n of the batch section)
  *   --no-pdl            kernels launched without programmatic dependent launch
@@ -367,6 +369,112 @@ static double time_attention(int64_t n, int64_t n_kv, int64_t H, int64_t Hkv, in
     return sec;
 }
 
+/* ---- attention_part: a context in pieces, beside attention ----
+ * The queries (the last n positions of ctx keys) attend the context piece by
+ * piece (piece starts `step` apart, the last piece holding the queries'
+ * positions: attention_part, merging from the second piece on), timed as one
+ * op, beside `attention` over the same pieces (positions shifted on the host
+ * beforehand, no lse, no merge: the same kernels and work, so the difference
+ * is attention_part's own cost) and `attention` over the whole context (one
+ * call). The per-piece pair is timed twice, alternating, so that a drift of
+ * the clocks shows. */
+#define AP_MAXP 64
+typedef struct {
+    at_ctx a;
+    float *lse;
+    int64_t step;
+    int np;
+    int32_t *ppos[AP_MAXP]; /* per piece: min(pos - k0, len - 1) */
+} ap_ctx;
+static int64_t ap_k0(const ap_ctx *c, int pi) { return pi * c->step; }
+static int64_t ap_len(const ap_ctx *c, int pi) { return pi + 1 < c->np ? c->step : c->a.n_kv - ap_k0(c, pi); }
+static void ap_fn(int i, void *p) {
+    ap_ctx *c = p;
+    at_ctx *a = &c->a;
+    const int64_t row = a->Hkv * a->hd;
+    for (int pi = 0; pi < c->np; pi++) {
+        const int64_t k0 = ap_k0(c, pi);
+        TRY(be->ops->attention_part(be, s, a->q, a->k + k0 * row, a->v + k0 * row, a->pos, a->n, k0, ap_len(c, pi),
+                                    a->H, a->Hkv, a->hd, 1.0f / sqrtf((float)a->hd), pi > 0, a->out, c->lse));
+    }
+}
+static void ap_att_fn(int i, void *p) {
+    ap_ctx *c = p;
+    at_ctx *a = &c->a;
+    const int64_t row = a->Hkv * a->hd;
+    for (int pi = 0; pi < c->np; pi++) {
+        const int64_t k0 = ap_k0(c, pi);
+        TRY(be->ops->attention(be, s, a->q, a->k + k0 * row, a->v + k0 * row, c->ppos[pi], a->n, ap_len(c, pi), a->H,
+                               a->Hkv, a->hd, 1.0f / sqrtf((float)a->hd), a->out));
+    }
+}
+
+static void bench_attn_part_one(int64_t n, int64_t ctx, int64_t step, int64_t H, int64_t Hkv, int64_t hd,
+                                double copy_bw) {
+    ap_ctx c = {.a = {.n = n, .n_kv = ctx, .H = H, .Hkv = Hkv, .hd = hd}, .step = step};
+    at_ctx *a = &c.a;
+    for (int64_t k0 = 0; k0 <= ctx - n && c.np < AP_MAXP; k0 += step) c.np++;
+    a->q = dev_floats(n * H * hd, 1.0f);
+    a->k = dev_floats(ctx * Hkv * hd, 1.0f);
+    a->v = dev_floats(ctx * Hkv * hd, 1.0f);
+    int32_t *hp = malloc((size_t)n * 4), *hq = malloc((size_t)n * 4);
+    for (int64_t i = 0; i < n; i++) hp[i] = (int32_t)(ctx - n + i);
+    a->pos = upload(hp, (size_t)n * 4);
+    for (int pi = 0; pi < c.np; pi++) {
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t r = hp[i] - ap_k0(&c, pi), last = ap_len(&c, pi) - 1;
+            hq[i] = (int32_t)(r < last ? r : last);
+        }
+        c.ppos[pi] = upload(hq, (size_t)n * 4);
+    }
+    free(hp), free(hq);
+    TRY(be->ops->alloc(be, (size_t)(n * H * hd) * 4, (void **)&a->out));
+    TRY(be->ops->alloc(be, (size_t)(n * H) * 4, (void **)&c.lse));
+    const int iters = n == 1 ? 100 : 5;
+    const double t_one = time_op(at_fn, a, iters);
+    const double t_att1 = time_op(ap_att_fn, &c, iters), t_part1 = time_op(ap_fn, &c, iters);
+    const double t_att2 = time_op(ap_att_fn, &c, iters), t_part2 = time_op(ap_fn, &c, iters);
+    const double t_att = t_att1 < t_att2 ? t_att1 : t_att2, t_part = t_part1 < t_part2 ? t_part1 : t_part2;
+    const double kv_bytes = 2.0 * (double)ctx * Hkv * hd * 4;
+    double keys = 0;
+    for (int64_t i = 0; i < n; i++) keys += (double)(ctx - n + i + 1);
+    const double flops = 4.0 * keys * hd * H;
+    printf("n=%-5lld ctx=%-6lld hd %-3lld %d x %-5lld: attention one call %8.1f us | pieces: attention %8.1f / %8.1f us, "
+           "attention_part %8.1f / %8.1f us (%+5.1f%%)  ",
+           (long long)n, (long long)ctx, (long long)hd, c.np, (long long)step, t_one * 1e6, t_att1 * 1e6, t_att2 * 1e6,
+           t_part1 * 1e6, t_part2 * 1e6, 100.0 * (t_part / t_att - 1.0));
+    if (n <= 16) printf("%.0f GB/s of K+V (copy bw %.0f)\n", kv_bytes / t_part / 1e9, copy_bw / 1e9);
+    else printf("%.1f TFLOP/s\n", flops / t_part / 1e12);
+    be->ops->dealloc(be, (void *)a->q);
+    be->ops->dealloc(be, (void *)a->k);
+    be->ops->dealloc(be, (void *)a->v);
+    be->ops->dealloc(be, (void *)a->pos);
+    for (int pi = 0; pi < c.np; pi++) be->ops->dealloc(be, c.ppos[pi]);
+    be->ops->dealloc(be, a->out);
+    be->ops->dealloc(be, c.lse);
+}
+
+static void bench_attn_part(double copy_bw) {
+    printf("-- attention_part: a context in pieces (attention_part, beside attention over the same pieces, each\n"
+           "   timed twice, and one attention call over it); 32/8 heads; (%%): the better of each pair\n");
+    bench_attn_part_one(1, 32768, 32768, 32, 8, 128, copy_bw); /* one piece: lse only */
+    bench_attn_part_one(1, 32768, 16384, 32, 8, 128, copy_bw);
+    bench_attn_part_one(1, 131072, 16384, 32, 8, 128, copy_bw);
+    bench_attn_part_one(4, 32768, 16384, 32, 8, 128, copy_bw);
+    bench_attn_part_one(1, 32768, 16384, 32, 8, 64, copy_bw);
+    for (int fast = 0; fast < 2; fast++) {
+        be->ops->set_fast_prefill(be, fast);
+        printf("-- attention_part, prefill, %s\n", fast ? "fast (bf16 operands)" : "precise (hi+lo bf16 operands)");
+        bench_attn_part_one(4096, 4096, 4096, 32, 8, 128, copy_bw);   /* one piece: lse only */
+        bench_attn_part_one(2048, 16384, 4096, 32, 8, 128, copy_bw);  /* 4 pieces */
+        bench_attn_part_one(2048, 32768, 16384, 32, 8, 128, copy_bw); /* 2 pieces */
+        bench_attn_part_one(512, 32768, 16384, 32, 8, 128, copy_bw);
+        bench_attn_part_one(2048, 16384, 4096, 32, 8, 64, copy_bw);
+        bench_attn_part_one(4096, 4096, 4096, 32, 8, 64, copy_bw);
+    }
+    be->ops->set_fast_prefill(be, false);
+}
+
 static void bench_attention_kernels(double copy_bw) {
     double dec[3], pre[2], cpre[2];
     const int64_t dkv[3] = {4096, 32768, 131072}, pn[2] = {512, 2048};
@@ -537,7 +645,7 @@ static void bench_sample(double copy_bw) {
 }
 
 static void usage(FILE *f) {
-    fprintf(f, "usage: bench_cuda_ops [--device N] [--only prefill-attn|sample|gemv|batch] [--gemm-min-n N]\n"
+    fprintf(f, "usage: bench_cuda_ops [--device N] [--only prefill-attn|attn-part|sample|gemv|batch] [--gemm-min-n N]\n"
                "                      [--gemm-min-n-quant N] [--no-pdl]\n");
 }
 
@@ -563,8 +671,9 @@ int main(int argc, char **argv) {
         } else if (!strcmp(a, "--device")) {
             g_params.device_index = int_arg(a, v, 0, 1024), i++;
         } else if (!strcmp(a, "--only")) {
-            if (!v || (strcmp(v, "prefill-attn") && strcmp(v, "sample") && strcmp(v, "gemv") && strcmp(v, "batch"))) {
-                fprintf(stderr, "bench_cuda_ops: --only takes prefill-attn, sample, gemv or batch\n");
+            if (!v || (strcmp(v, "prefill-attn") && strcmp(v, "attn-part") && strcmp(v, "sample") && strcmp(v, "gemv") &&
+                       strcmp(v, "batch"))) {
+                fprintf(stderr, "bench_cuda_ops: --only takes prefill-attn, attn-part, sample, gemv or batch\n");
                 return 2;
             }
             only = v, i++;
@@ -595,6 +704,11 @@ int main(int argc, char **argv) {
     be->ops->dealloc(be, c.b);
     if (only && !strcmp(only, "prefill-attn")) {
         bench_prefill_attention(copy_bw);
+        st_backend_free(be);
+        return 0;
+    }
+    if (only && !strcmp(only, "attn-part")) {
+        bench_attn_part(copy_bw);
         st_backend_free(be);
         return 0;
     }
@@ -665,6 +779,7 @@ int main(int argc, char **argv) {
     bench_attention(1, 4096, 32, 8, 128, copy_bw);
     bench_prefill_attention(copy_bw);
     bench_attention_kernels(copy_bw);
+    bench_attn_part(copy_bw);
     bench_paged_dtypes(copy_bw);
     printf("peak device memory %.1f MiB\n", (double)be->device_budget.peak / 1048576.0);
 

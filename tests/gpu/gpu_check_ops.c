@@ -49,6 +49,14 @@
  * n_kv > n, GQA 1/3/4/8, hd 64/128, split and unsplit grids, keys past the
  * last position poisoned, descending positions, sizes below the FA2
  * threshold).
+ * attention_part (check_attention_part, precise then fast mode): a context
+ * of up to 40000 keys attended piece by piece (pieces of 1024 / 16384 keys
+ * or uneven multiples of ST_ATTN_RANGE, the last holding the queries'
+ * positions causally; merge from the second piece on) by 1, 4, 64, 600 and
+ * 2048 queries, hd 64 and 128, GQA 32/8, against the CPU's single
+ * `attention` over all keys at the attention thresholds above, and each
+ * row's lse against a double-precision value (2e-5 on the fp32 decode
+ * kernel, 1e-4 precise, 1e-2 fast).
  * The model (src/model), each backend with its own paged KV pool (f32 unless
  * said otherwise): st_llama_forward on a batch of 3 sequences (two prefill
  * chunks and a decode, then three decodes) within 1e-4 of the CPU, and on the
@@ -66,7 +74,9 @@
  * with the KV pool in bf16: both backends store the same bf16 bytes, so the
  * difference stays at the f32 level and the f32 bounds apply.
  * Prints one line per check, then "N passed, M failed"; exits 1 on any
- * failure, 2 when a backend cannot be created. */
+ * failure, 2 when a backend cannot be created. --only-attention: the
+ * attention ops alone (attention, attention_part, kv_store_paged and
+ * attention_paged, the fast-mode FA2 configurations). */
 #include <math.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -581,6 +591,153 @@ static void check_attention_fast(const char *ver) {
     check_attention_ex(1000, 1000, 32, 32, 64, ATT_POS_REVERSED, 0);
     check_attention(64, 4096, 32, 8, 128);  /* 256 rows: the mma kernel */
     check_attention(64, 100, 4, 4, 64);
+    g_gpu->ops->set_fast_prefill(g_gpu, false);
+    g_fast = false;
+}
+
+/* ---- attention_part: a context attended piece by piece ---- */
+
+/* The log-sum-exp of query token t, head h over keys 0..pos (q [n, H, hd], k
+ * [ctx, Hkv, hd]), in double from the float inputs: ln sum_j e^(scale q.k_j). */
+static double lse_ref(const float *q, const float *k, int64_t t, int64_t h, int64_t pos, int64_t H, int64_t Hkv,
+                      int64_t hd, float scale) {
+    const float *qv = q + (t * H + h) * hd;
+    const int64_t kvh = h / (H / Hkv);
+    double mx = -INFINITY, sum = 0;
+    double *sc = xmalloc((size_t)(pos + 1) * sizeof(double));
+    for (int64_t j = 0; j <= pos; j++) {
+        const float *kr = k + (j * Hkv + kvh) * hd;
+        double d = 0;
+        for (int64_t c = 0; c < hd; c++) d += (double)qv[c] * (double)kr[c];
+        sc[j] = d * (double)scale;
+        if (sc[j] > mx) mx = sc[j];
+    }
+    for (int64_t j = 0; j <= pos; j++) sum += exp(sc[j] - mx);
+    free(sc);
+    return mx + log(sum);
+}
+
+/* attention_part on the GPU over a context of ctx keys cut into pieces
+ * starting at starts[0] = 0 < starts[1] < ... (multiples of ST_ATTN_RANGE, the
+ * last <= ctx - n: it holds the queries' own positions ctx - n .. ctx - 1,
+ * causally), the first call with merge false, the others merging into its
+ * (out, lse); k and v of a piece are views into the context's buffers (a key
+ * read past a piece would be another piece's). out against the CPU's single
+ * `attention` over all keys, at the thresholds of the attention checks; lse
+ * against a double-precision value (every query for n <= 16, else 16 of them
+ * spread over the chunk, every head): 2e-5 absolute on the fp32 decode
+ * kernel, 1e-4 on the precise tensor-core kernel, 1e-2 in fast mode.
+ * lse_null: one piece, merge false, lse NULL (out only, as `attention`). */
+static void check_attention_part_ex(int64_t n, int64_t ctx, int64_t H, int64_t Hkv, int64_t hd, const int64_t *starts,
+                                    int np, bool lse_null, const char *what) {
+    const int64_t qn = n * H * hd, kn = ctx * Hkv * hd, row = Hkv * hd;
+    float *q = rand_f(qn, 2.0f), *k = rand_f(kn, 1.0f), *v = rand_f(kn, 1.0f);
+    float *ref = xmalloc((size_t)qn * 4), *got = xmalloc((size_t)qn * 4), *lse = xmalloc((size_t)(n * H) * 4);
+    int32_t *pos = xmalloc((size_t)n * 4);
+    for (int64_t i = 0; i < n; i++) pos[i] = (int32_t)(ctx - n + i);
+    const float scale = 1.0f / sqrtf((float)hd);
+    TRY(g_cpu->ops->attention(g_cpu, NULL, q, k, v, pos, n, ctx, H, Hkv, hd, scale, ref));
+    float *dq = g_up(q, (size_t)qn * 4), *dk = g_up(k, (size_t)kn * 4), *dv = g_up(v, (size_t)kn * 4);
+    int32_t *dp = g_up(pos, (size_t)n * 4);
+    float *dout = g_poisoned((size_t)qn * 4), *dlse = g_poisoned((size_t)(n * H) * 4);
+    strata_status st = STRATA_OK;
+    char cuts[160];
+    int cl = 0;
+    for (int p = 0; p < np && st == STRATA_OK; p++) {
+        const int64_t k0 = starts[p], k1 = p + 1 < np ? starts[p + 1] : ctx;
+        cl += snprintf(cuts + cl, sizeof cuts - (size_t)cl, "%s%lld", p ? "," : "", (long long)(k1 - k0));
+        if (cl >= (int)sizeof cuts) cl = (int)sizeof cuts - 1;
+        st = g_gpu->ops->attention_part(g_gpu, g_s, dq, dk + k0 * row, dv + k0 * row, dp, n, k0, k1 - k0, H, Hkv, hd,
+                                        scale, p > 0, dout, lse_null ? NULL : dlse);
+        if (st != STRATA_OK) fprintf(stderr, "  attention_part: %s\n", st_last_error());
+    }
+    g_down(got, dout, (size_t)qn * 4);
+    g_down(lse, dlse, (size_t)(n * H) * 4);
+    const double e = st == STRATA_OK ? nerr(got, ref, qn) : INFINITY;
+    double le = 0;
+    if (st != STRATA_OK) le = INFINITY;
+    else if (!lse_null) {
+        const int64_t nt = n <= 16 ? n : 16;
+        for (int64_t s = 0; s < nt; s++) {
+            const int64_t t = n <= 16 ? s : s * (n - 1) / (nt - 1);
+            for (int64_t h = 0; h < H; h++) {
+                const double r = lse_ref(q, k, t, h, pos[t], H, Hkv, hd, scale);
+                const double d = fabs((double)lse[t * H + h] - r);
+                if (!(d <= le)) le = isnan(d) ? INFINITY : d;
+            }
+        }
+    }
+    const int64_t rows = n * (H / Hkv);
+    const bool tc = rows > 16;
+    const bool fa2 = tc && g_fast && rows >= 512;
+    const double thr = tc ? (g_fast ? 1e-2 : 1e-4) : 1e-5;
+    const double lthr = tc ? (g_fast ? 1e-2 : 1e-4) : 2e-5;
+    check(e <= thr && le <= lthr,
+          "attention_part n=%lld ctx=%lld heads=%lld/%lld hd=%lld pieces %s%s%s (%s)  err=%.2e (thr %.0e)  lse err=%.2e "
+          "(thr %.0e)",
+          (long long)n, (long long)ctx, (long long)H, (long long)Hkv, (long long)hd, cuts, lse_null ? ", lse NULL" : "",
+          what, fa2 ? "tensor cores, fast, fa2" : tc ? (g_fast ? "tensor cores, fast" : "tensor cores, hi+lo") : "fp32",
+          e, thr, le, lthr);
+    g_free(dq), g_free(dk), g_free(dv), g_free(dp), g_free(dout), g_free(dlse);
+    free(q), free(k), free(v), free(ref), free(got), free(lse), free(pos);
+}
+
+/* Piece starts for a context of ctx keys and n queries at its end: every
+ * `step` keys (a multiple of ST_ATTN_RANGE), or at the given uneven starts,
+ * keeping those <= ctx - n (the queries' positions lie in the last piece). */
+static int part_starts(int64_t ctx, int64_t n, int64_t step, const int64_t *uneven, int nu, int64_t *out) {
+    int np = 0;
+    if (step > 0) {
+        for (int64_t b = 0; b <= ctx - n && np < 64; b += step) out[np++] = b;
+    } else {
+        for (int i = 0; i < nu && np < 64; i++)
+            if (uneven[i] <= ctx - n) out[np++] = uneven[i];
+    }
+    return np;
+}
+
+/* attention_part (backend.h) on the kernels of the current mode (g_fast):
+ * decode (n 1, 4: fp32 kernel, split, and unsplit for a last piece of 60
+ * keys), prefill chunks (n 64: split grids; 600, 2048: unsplit or split as
+ * the kernels size them, FA2 in fast mode), hd 64 and 128, GQA 32/8, a
+ * context of 4096 keys in pieces of 1024 and in uneven pieces (multiples of
+ * ST_ATTN_RANGE), contexts of 3900 / 3000 keys (a short last piece), a long
+ * decode (40000 keys in pieces of 16384), a single piece with lse NULL. */
+static void check_attention_part(void) {
+    printf("-- attention_part, %s mode\n", g_fast ? "fast" : "precise");
+    const int64_t uneven[] = {0, 768, 1792, 2304, 3328, 3840};
+    const int64_t ns[] = {1, 4, 64, 600, 2048};
+    int64_t st[64];
+    for (int hi = 0; hi < 2; hi++) {
+        const int64_t hd = hi ? 128 : 64;
+        for (int i = 0; i < 5; i++) {
+            int np = part_starts(4096, ns[i], 1024, NULL, 0, st);
+            check_attention_part_ex(ns[i], 4096, 32, 8, hd, st, np, false, "");
+            np = part_starts(4096, ns[i], 0, uneven, 6, st);
+            check_attention_part_ex(ns[i], 4096, 32, 8, hd, st, np, false, " (uneven)");
+        }
+    }
+    int64_t st5[] = {0, 1024, 2048, 3072, 3840};
+    check_attention_part_ex(1, 3900, 32, 8, 128, st5, 5, false, " (last piece unsplit)");
+    check_attention_part_ex(4, 3900, 32, 8, 64, st5, 5, false, " (last piece unsplit)");
+    int64_t st3[] = {0, 1280, 2560};
+    check_attention_part_ex(64, 3000, 32, 8, 128, st3, 3, false, "");
+    int64_t st3b[] = {0, 512, 2304};
+    check_attention_part_ex(600, 3000, 32, 8, 64, st3b, 3, false, "");
+    int64_t stl[] = {0, 16384, 32768};
+    check_attention_part_ex(1, 40000, 32, 8, 128, stl, 3, false, " (long decode)");
+    int64_t st1[] = {0};
+    check_attention_part_ex(64, 700, 32, 8, 128, st1, 1, true, "");
+    check_attention_part_ex(600, 700, 32, 8, 128, st1, 1, true, "");
+    check_attention_part_ex(600, 700, 32, 8, 128, st1, 1, false, " (one piece)");
+}
+
+/* The attention_part checks in precise, then fast mode. */
+static void check_attention_part_modes(void) {
+    check_attention_part();
+    g_fast = true;
+    g_gpu->ops->set_fast_prefill(g_gpu, true);
+    check_attention_part();
     g_gpu->ops->set_fast_prefill(g_gpu, false);
     g_fast = false;
 }
@@ -1651,7 +1808,13 @@ static void on_backend(const st_backend_params *p, void (*fn)(const char *), con
 
 /* ---- main ---- */
 
-int main(void) {
+int main(int argc, char **argv) {
+    /* --only-attention: the attention ops alone (attention, attention_part, attention_paged) */
+    const bool only_attn = argc > 1 && !strcmp(argv[1], "--only-attention");
+    if (argc > 1 && !only_attn) {
+        fprintf(stderr, "usage: gpu_check_ops [--only-attention]\n");
+        return 2;
+    }
     g_t0 = st_time_now();
     st_backend_params cpu_p = {.kind = ST_BACKEND_CPU, .n_threads = 0};
     st_backend_params gpu_p = {.kind = ST_BACKEND_CUDA, .device_mem = 0, .device_index = 0};
@@ -1659,69 +1822,71 @@ int main(void) {
     TRY(st_backend_init(&gpu_p, &g_gpu));
     TRY(g_gpu->ops->stream_create(g_gpu, false, &g_s));
 
-    check_memory();
-    check_streams();
+    if (!only_attn) {
+        check_memory();
+        check_streams();
 
-    for (size_t ti = 0; ti < sizeof k_all / sizeof k_all[0]; ti++) {
-        const st_dtype t = k_all[ti];
-        const int64_t be = st_dtype_get(t)->block_elems;
-        const int64_t cols_plain[] = {96, 1000, 1001}, cols_q[] = {96, 288, 576}, cols_k[] = {256, 768};
-        const int64_t *cols = be == 1 ? cols_plain : be == 32 ? cols_q : cols_k;
-        const int nc = be == 256 ? 2 : 3;
-        const int64_t gn[] = {1, 17, 300};
-        for (int c = 0; c < nc; c++)
-            for (int i = 0; i < 3; i++) check_get_rows(t, 300, cols[c], gn[i]);
-    }
-
-    const int64_t rn[] = {1, 3, 17, 300};
-    const int64_t rd[] = {96, 288, 1000, 4096};
-    for (int a = 0; a < 4; a++)
-        for (int b = 0; b < 4; b++) check_rmsnorm(ST_DTYPE_F32, rn[a], rd[b], (a + b) % 2 == 0);
-    check_rmsnorm(ST_DTYPE_F32, 17, 1000, false);
-    check_rmsnorm(ST_DTYPE_F32, 17, 1000, true);
-    check_rmsnorm(ST_DTYPE_BF16, 3, 4096, true);
-    check_rmsnorm(ST_DTYPE_F16, 17, 576, false);
-    check_rmsnorm(ST_DTYPE_Q8_0, 3, 288, true);
-
-    const int64_t mn[] = {1, 3, 8, 17, 64, 300};
-    for (size_t ti = 0; ti < sizeof k_all / sizeof k_all[0]; ti++) {
-        const st_dtype t = k_all[ti];
-        const int64_t be = st_dtype_get(t)->block_elems;
-        int64_t shapes[3][2];
-        if (be == 1) {
-            int64_t s[3][2] = {{96, 288}, {1000, 576}, {288, 1000}};
-            memcpy(shapes, s, sizeof s);
-        } else if (be == 32) {
-            int64_t s[3][2] = {{96, 288}, {1000, 576}, {300, 1024}};
-            memcpy(shapes, s, sizeof s);
-        } else {
-            int64_t s[3][2] = {{96, 256}, {300, 768}, {1000, 512}};
-            memcpy(shapes, s, sizeof s);
+        for (size_t ti = 0; ti < sizeof k_all / sizeof k_all[0]; ti++) {
+            const st_dtype t = k_all[ti];
+            const int64_t be = st_dtype_get(t)->block_elems;
+            const int64_t cols_plain[] = {96, 1000, 1001}, cols_q[] = {96, 288, 576}, cols_k[] = {256, 768};
+            const int64_t *cols = be == 1 ? cols_plain : be == 32 ? cols_q : cols_k;
+            const int nc = be == 256 ? 2 : 3;
+            const int64_t gn[] = {1, 17, 300};
+            for (int c = 0; c < nc; c++)
+                for (int i = 0; i < 3; i++) check_get_rows(t, 300, cols[c], gn[i]);
         }
-        for (int sh = 0; sh < 3; sh++)
-            for (int i = 0; i < 6; i++) check_matmul(t, shapes[sh][0], shapes[sh][1], mn[i]);
-    }
-    /* odd K for plain types (scalar path), unaligned x, the default stream, decode-sized weights */
-    check_matmul(ST_DTYPE_F32, 64, 1001, 3);
-    check_matmul(ST_DTYPE_F32, 64, 1001, 17);
-    check_matmul(ST_DTYPE_BF16, 64, 1001, 17);
-    check_matmul(ST_DTYPE_F16, 64, 1001, 5);
-    check_matmul_ex(ST_DTYPE_BF16, 288, 576, 3, 1, g_s);
-    check_matmul_ex(ST_DTYPE_Q4_0, 288, 576, 3, 1, g_s);
-    check_matmul_ex(ST_DTYPE_Q8_0, 288, 576, 64, 1, g_s);
-    check_matmul_ex(ST_DTYPE_BF16, 288, 576, 64, 0, NULL);
-    check_matmul(ST_DTYPE_BF16, 4096, 4096, 1);
-    check_matmul(ST_DTYPE_Q4_K, 4096, 4096, 1);
-    check_matmul(ST_DTYPE_Q8_0, 4096, 4096, 2);
-    check_matmul(ST_DTYPE_BF16, 1024, 4096, 512);
 
-    const int64_t pn[] = {1, 17, 300};
-    for (int a = 0; a < 3; a++)
-        for (int hdi = 0; hdi < 2; hdi++)
-            for (int inter = 0; inter < 2; inter++) check_rope(pn[a], a == 1 ? 3 : 8, hdi ? 128 : 64, inter);
-    check_rope(5, 4, 96, false);
-    check_rope_far(false);
-    check_rope_far(true);
+        const int64_t rn[] = {1, 3, 17, 300};
+        const int64_t rd[] = {96, 288, 1000, 4096};
+        for (int a = 0; a < 4; a++)
+            for (int b = 0; b < 4; b++) check_rmsnorm(ST_DTYPE_F32, rn[a], rd[b], (a + b) % 2 == 0);
+        check_rmsnorm(ST_DTYPE_F32, 17, 1000, false);
+        check_rmsnorm(ST_DTYPE_F32, 17, 1000, true);
+        check_rmsnorm(ST_DTYPE_BF16, 3, 4096, true);
+        check_rmsnorm(ST_DTYPE_F16, 17, 576, false);
+        check_rmsnorm(ST_DTYPE_Q8_0, 3, 288, true);
+
+        const int64_t mn[] = {1, 3, 8, 17, 64, 300};
+        for (size_t ti = 0; ti < sizeof k_all / sizeof k_all[0]; ti++) {
+            const st_dtype t = k_all[ti];
+            const int64_t be = st_dtype_get(t)->block_elems;
+            int64_t shapes[3][2];
+            if (be == 1) {
+                int64_t s[3][2] = {{96, 288}, {1000, 576}, {288, 1000}};
+                memcpy(shapes, s, sizeof s);
+            } else if (be == 32) {
+                int64_t s[3][2] = {{96, 288}, {1000, 576}, {300, 1024}};
+                memcpy(shapes, s, sizeof s);
+            } else {
+                int64_t s[3][2] = {{96, 256}, {300, 768}, {1000, 512}};
+                memcpy(shapes, s, sizeof s);
+            }
+            for (int sh = 0; sh < 3; sh++)
+                for (int i = 0; i < 6; i++) check_matmul(t, shapes[sh][0], shapes[sh][1], mn[i]);
+        }
+        /* odd K for plain types (scalar path), unaligned x, the default stream, decode-sized weights */
+        check_matmul(ST_DTYPE_F32, 64, 1001, 3);
+        check_matmul(ST_DTYPE_F32, 64, 1001, 17);
+        check_matmul(ST_DTYPE_BF16, 64, 1001, 17);
+        check_matmul(ST_DTYPE_F16, 64, 1001, 5);
+        check_matmul_ex(ST_DTYPE_BF16, 288, 576, 3, 1, g_s);
+        check_matmul_ex(ST_DTYPE_Q4_0, 288, 576, 3, 1, g_s);
+        check_matmul_ex(ST_DTYPE_Q8_0, 288, 576, 64, 1, g_s);
+        check_matmul_ex(ST_DTYPE_BF16, 288, 576, 64, 0, NULL);
+        check_matmul(ST_DTYPE_BF16, 4096, 4096, 1);
+        check_matmul(ST_DTYPE_Q4_K, 4096, 4096, 1);
+        check_matmul(ST_DTYPE_Q8_0, 4096, 4096, 2);
+        check_matmul(ST_DTYPE_BF16, 1024, 4096, 512);
+
+        const int64_t pn[] = {1, 17, 300};
+        for (int a = 0; a < 3; a++)
+            for (int hdi = 0; hdi < 2; hdi++)
+                for (int inter = 0; inter < 2; inter++) check_rope(pn[a], a == 1 ? 3 : 8, hdi ? 128 : 64, inter);
+        check_rope(5, 4, 96, false);
+        check_rope_far(false);
+        check_rope_far(true);
+    }
 
     /* attention: (heads, kv heads, head_dim) with GQA ratios 1, 3, 4, 8 */
     const int64_t cfg[][3] = {{4, 4, 64}, {6, 2, 128}, {8, 2, 128}, {12, 4, 64}, {32, 8, 128}, {16, 2, 128}};
@@ -1741,26 +1906,28 @@ int main(void) {
     check_attention(17, 100, 6, 3, 32);
     check_attention(1, 5000, 4, 1, 96);
 
-    const int64_t sn[] = {1, 3, 17, 1000, 12345, 1 << 20};
-    for (int i = 0; i < 6; i++) {
-        check_swiglu(sn[i], 0, false);
-        check_add(sn[i], 0);
-    }
-    check_swiglu(12345, 1, false);
-    check_swiglu(12345, 0, true);
-    check_add(12345, 3);
+    if (!only_attn) {
+        const int64_t sn[] = {1, 3, 17, 1000, 12345, 1 << 20};
+        for (int i = 0; i < 6; i++) {
+            check_swiglu(sn[i], 0, false);
+            check_add(sn[i], 0);
+        }
+        check_swiglu(12345, 1, false);
+        check_swiglu(12345, 0, true);
+        check_add(12345, 3);
 
-    check_set_rows(100, 1024, 3, 0);
-    check_set_rows(37, 19, 5, 1);
-    check_argmax(1, 128256, 0);
-    check_argmax(5, 1000, 1);
-    check_argmax(3, 3, 0);
-    check_sample_all();
-    const st_dtype fused_t[] = {ST_DTYPE_F32, ST_DTYPE_BF16, ST_DTYPE_F16, ST_DTYPE_Q8_0, ST_DTYPE_Q4_0, ST_DTYPE_Q4_K};
-    const int64_t fused_n[] = {1, 3, 8, 40};
-    for (size_t ti = 0; ti < sizeof fused_t / sizeof fused_t[0]; ti++)
-        for (int i = 0; i < 4; i++) check_fused(fused_t[ti], 512, fused_n[i]);
-    check_graph();
+        check_set_rows(100, 1024, 3, 0);
+        check_set_rows(37, 19, 5, 1);
+        check_argmax(1, 128256, 0);
+        check_argmax(5, 1000, 1);
+        check_argmax(3, 3, 0);
+        check_sample_all();
+        const st_dtype fused_t[] = {ST_DTYPE_F32, ST_DTYPE_BF16, ST_DTYPE_F16, ST_DTYPE_Q8_0, ST_DTYPE_Q4_0, ST_DTYPE_Q4_K};
+        const int64_t fused_n[] = {1, 3, 8, 40};
+        for (size_t ti = 0; ti < sizeof fused_t / sizeof fused_t[0]; ti++)
+            for (int i = 0; i < 4; i++) check_fused(fused_t[ti], 512, fused_n[i]);
+        check_graph();
+    }
 
     /* paged KV cache */
     for (int kt = ST_KV_F32; kt <= ST_KV_FP8; kt++) {
@@ -1782,19 +1949,23 @@ int main(void) {
         const int32_t cl[2] = {5000, 40000}, ql[2] = {300, 1};
         check_attention_paged(32, 8, 128, 16, 2, cl, ql, "long (sub-batched partials)");
     }
-    /* the decode GEMV kernels on the default backend, then on one where every n <= 8 takes the GEMV */
-    check_gemv_version("default");
-    on_backend(&(st_backend_params){.gemm_min_n = 9}, check_gemv_version, "gemm_min_n = 9");
-    /* the GEMV / GEMM switch points (st_backend_params.gemm_min_n, gemm_min_n_quant, read at init) */
-    check_switch_points("default");
-    on_backend(&(st_backend_params){.gemm_min_n = 2, .gemm_min_n_quant = 2}, check_switch_points,
-               "gemm_min_n = 2, gemm_min_n_quant = 2");
-    on_backend(&(st_backend_params){.gemm_min_n = 16, .gemm_min_n_quant = 33}, check_switch_points,
-               "gemm_min_n = 16, gemm_min_n_quant = 33");
-    /* programmatic dependent launch off (st_backend_params.pdl = -1) */
-    on_backend(&(st_backend_params){.pdl = -1}, check_decode_path, "pdl = -1 (off)");
-    check_backend_params();
+    if (!only_attn) {
+        /* the decode GEMV kernels on the default backend, then on one where every n <= 8 takes the GEMV */
+        check_gemv_version("default");
+        on_backend(&(st_backend_params){.gemm_min_n = 9}, check_gemv_version, "gemm_min_n = 9");
+        /* the GEMV / GEMM switch points (st_backend_params.gemm_min_n, gemm_min_n_quant, read at init) */
+        check_switch_points("default");
+        on_backend(&(st_backend_params){.gemm_min_n = 2, .gemm_min_n_quant = 2}, check_switch_points,
+                   "gemm_min_n = 2, gemm_min_n_quant = 2");
+        on_backend(&(st_backend_params){.gemm_min_n = 16, .gemm_min_n_quant = 33}, check_switch_points,
+                   "gemm_min_n = 16, gemm_min_n_quant = 33");
+        /* programmatic dependent launch off (st_backend_params.pdl = -1) */
+        on_backend(&(st_backend_params){.pdl = -1}, check_decode_path, "pdl = -1 (off)");
+        check_backend_params();
+    }
+
     check_attention_kernels();
+    check_attention_part_modes();
     /* fast-mode prefill attention: the FA2 kernel in its default configuration
      * (auto: per call), then in every configuration (st_backend_params.attn_fa2,
      * read at init; cuda_attn_prefill_fa2.cuh), on the same cases */
@@ -1805,27 +1976,29 @@ int main(void) {
                                               {"b256w8", "fa2 b256w8 (attn_fa2 = b256w8)"}};
     for (size_t i = 0; i < sizeof fa2_vars / sizeof fa2_vars[0]; i++)
         on_backend(&(st_backend_params){.attn_fa2 = fa2_vars[i][0]}, check_attention_fast, fa2_vars[i][1]);
-    const char *pmodels[] = {"gqa_f32", "llama3_bf16", "headdim_f32", "mha_tied_f32"};
-    for (size_t i = 0; i < sizeof pmodels / sizeof pmodels[0]; i++) check_forward_batch(pmodels[i]);
+    if (!only_attn) {
+        const char *pmodels[] = {"gqa_f32", "llama3_bf16", "headdim_f32", "mha_tied_f32"};
+        for (size_t i = 0; i < sizeof pmodels / sizeof pmodels[0]; i++) check_forward_batch(pmodels[i]);
 
-    const char *models[] = {"llama3_f32", "llama3_bf16", "gqa_f32", "gqa_tied_bf16", "gqa_sharded_f32",
-                            "headdim_f32", "mha_tied_f32"};
-    for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) check_model(models[i], ST_KV_F32);
-    /* the KV pool in bf16: the same bytes on both backends, the same bounds */
-    for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) check_model(models[i], ST_KV_BF16);
+        const char *models[] = {"llama3_f32", "llama3_bf16", "gqa_f32", "gqa_tied_bf16", "gqa_sharded_f32",
+                                "headdim_f32", "mha_tied_f32"};
+        for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) check_model(models[i], ST_KV_F32);
+        /* the KV pool in bf16: the same bytes on both backends, the same bounds */
+        for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) check_model(models[i], ST_KV_BF16);
 
-    /* fast prefill mode: bf16 operands on the tensor cores */
-    g_fast = true;
-    g_gpu->ops->set_fast_prefill(g_gpu, true);
-    const st_dtype fast_t[] = {ST_DTYPE_BF16, ST_DTYPE_F16, ST_DTYPE_Q8_0, ST_DTYPE_Q4_K};
-    for (size_t ti = 0; ti < sizeof fast_t / sizeof fast_t[0]; ti++) {
-        check_matmul(fast_t[ti], 1000, 512, 64);
-        check_matmul(fast_t[ti], 300, 1024, 300);
+        /* fast prefill mode: bf16 operands on the tensor cores */
+        g_fast = true;
+        g_gpu->ops->set_fast_prefill(g_gpu, true);
+        const st_dtype fast_t[] = {ST_DTYPE_BF16, ST_DTYPE_F16, ST_DTYPE_Q8_0, ST_DTYPE_Q4_K};
+        for (size_t ti = 0; ti < sizeof fast_t / sizeof fast_t[0]; ti++) {
+            check_matmul(fast_t[ti], 1000, 512, 64);
+            check_matmul(fast_t[ti], 300, 1024, 300);
+        }
+        check_model("llama3_bf16", ST_KV_F32);
+        check_model("gqa_f32", ST_KV_F32);
+        g_gpu->ops->set_fast_prefill(g_gpu, false);
+        g_fast = false;
     }
-    check_model("llama3_bf16", ST_KV_F32);
-    check_model("gqa_f32", ST_KV_F32);
-    g_gpu->ops->set_fast_prefill(g_gpu, false);
-    g_fast = false;
 
     g_gpu->ops->stream_destroy(g_gpu, g_s);
     /* what remains is the default stream's scratch (one matmul ran on it) */

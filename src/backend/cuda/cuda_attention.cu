@@ -1,6 +1,10 @@
 /* attention: causal grouped-query attention of one sequence (backend.h):
  * q [n, H, hd], k/v [n_kv, Hkv, hd] fp32; query i sees keys 0..pos[i];
  * head h reads kv head h / (H / Hkv); out [n, H, hd] = softmax(q k^T scale) v.
+ * attention_part: the same over one piece of the sequence's keys (k/v hold
+ * keys key0 .. key0 + n_kv - 1; query i sees key0 .. min(pos[i], key0 +
+ * n_kv - 1)), giving also each row's natural-log log-sum-exp, or merging
+ * the piece's result into a running (out, lse) (backend.h's rule).
  *
  * A block works on rows of one kv head: row r of kv head g is the pair
  * (token r / G, head g G + r % G) with G = H / Hkv, so the K/V tiles it loads
@@ -47,7 +51,28 @@
  *     (token, head) row, keys 128 at a time. Slow; for odd shapes only.
  * Keys a row must not see (beyond its position, or beyond n_kv) get -inf;
  * K/V rows beyond the block's range are zero-filled in shared memory, so
- * garbage never reaches the accumulators (0 * NaN). */
+ * garbage never reaches the accumulators (0 * NaN).
+ *
+ * attention_part runs the same kernels with the same launches, sizing and
+ * splits (hd 64 / 128, aligned; anything else: STRATA_ERR_UNSUPPORTED, no
+ * generic kernel), in instantiations of their own (template flag PART, so
+ * that `attention`'s code, registers and speed stay as they were), told
+ * through attn_out (cuda_attn_common.cuh):
+ *   - positions: every kernel reads a query's position as pos - key0,
+ *     clamped to >= 0 (st_attn_qpos), so the piece's keys count from 0 and
+ *     a row sees min(pos - key0, n_kv - 1) + 1 of them; no extra launch;
+ *   - unsplit grids: the epilogue that normalizes a row also writes its
+ *     lse = (m + log2 l) ln 2, or, with merge, reads the row's (out, lse)
+ *     and writes out_old a' + acc b' and the merged lse (st_attn_finish:
+ *     M = max(lse, lse_p), a = e^(lse - M), b = e^(lse_p - M)): one pass;
+ *   - split grids: the splits' partials (acc, m, l in log2 units) are
+ *     merged by attn_merge_fast_kernel, which then does the same with the
+ *     splits' combined (acc, M, L) (st_attn_merge_row).
+ * So a call costs what `attention` over n_kv keys costs; the partials use
+ * the same ST_CUDA_SCRATCH_ATTN buffer (no other buffer is live meanwhile,
+ * the FA2 kernel's bf16 K/V being ST_CUDA_SCRATCH_ATTN_BF16). In precise
+ * mode the results are within fp32 rounding of the CPU's (not bit-equal:
+ * the GPU's ranges are its splits and tiles, not ST_ATTN_RANGE). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -62,16 +87,20 @@
 /* ---- split merge --------------------------------------------------------------------- */
 
 /* part_acc [nsplit][rows][HD], part_m/part_l [nsplit][rows]; one block per
- * row, the partials' loads spread over the block (st_attn_merge_row). */
-template <int HD>
+ * row, the partials' loads spread over the block (st_attn_merge_row). PART
+ * (attention_part): lse (or NULL) [rows] gets each row's log-sum-exp,
+ * written or (merge) merged into with out. */
+template <int HD, bool PART>
 static __global__ void __launch_bounds__(128) attn_merge_fast_kernel(const float *__restrict__ part_acc,
                                                                     const float *__restrict__ part_m,
                                                                     const float *__restrict__ part_l, int nsplit,
-                                                                    int64_t rows, float *__restrict__ out) {
+                                                                    int64_t rows, float *__restrict__ out,
+                                                                    float *__restrict__ lse, bool merge) {
     st_pdl_wait();
     st_pdl_trigger();
     const int64_t row = blockIdx.x;
-    st_attn_merge_row<HD>(part_acc, part_m, part_l, rows, row, nsplit, out + row * HD);
+    st_attn_merge_row<HD>(part_acc, part_m, part_l, rows, row, nsplit, out + row * HD,
+                          PART && lse ? lse + row : nullptr, PART && merge);
 }
 
 /* ---- decode: fp32 SIMT --------------------------------------------------------------- */
@@ -87,8 +116,9 @@ static size_t decode_smem_bytes() {
 }
 
 /* grid (nsplit, Hkv); rows R = n G <= RMAX. K/V tiles are double-buffered:
- * cp.async brings tile t+1 while tile t is computed. */
-template <int HD, int RMAX>
+ * cp.async brings tile t+1 while tile t is computed. PART: attention_part's
+ * instantiation (attn_out: positions from key0, the rows' lse). */
+template <int HD, int RMAX, bool PART>
 static __global__ void __launch_bounds__(AD_THREADS)
     attn_decode_kernel(const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
                        const int32_t *__restrict__ pos, int n, int64_t n_kv, int H, int Hkv, float qscale,
@@ -122,7 +152,7 @@ static __global__ void __launch_bounds__(AD_THREADS)
         }
         ((float4 *)q_s)[i] = x;
     }
-    if (tid < RMAX) pos_s[tid] = tid < R ? __ldg(pos + tid / G) : -1;
+    if (tid < RMAX) pos_s[tid] = tid < R ? st_attn_qpos<PART>(o, pos, tid / G) : -1;
     __syncthreads();
     int maxpos = -1;
     for (int r = 0; r < R; r++) maxpos = max(maxpos, pos_s[r]);
@@ -176,13 +206,26 @@ static __global__ void __launch_bounds__(AD_THREADS)
         }
     }
     __syncthreads();
+    const bool fin = PART && o.nsplit == 1 && o.lse; /* attention_part, unsplit: lse (and merge) here */
+    if (fin) { /* block-uniform; alpha_s and p_s are free: the rows' weights (st_attn_finish) */
+        if (tid < R) {
+            const int64_t orow = (int64_t)(tid / G) * H + kvh * G + tid % G;
+            const attn_fin f = st_attn_finish(m_s[tid], l_s[tid], o.merge, o.merge ? o.lse[orow] : 0.0f);
+            alpha_s[tid] = f.wa, p_s[tid] = f.wb;
+            o.lse[orow] = f.lse;
+        }
+        __syncthreads();
+    }
     const int64_t rows = (int64_t)n * H;
 #pragma unroll
     for (int i = 0; i < RPT; i++) {
         const int r = rg + CG * i;
         if (r < R) {
             const int64_t orow = (int64_t)(r / G) * H + kvh * G + r % G;
-            if (o.nsplit == 1) {
+            if (fin) {
+                float *d = o.out + orow * HD + dcol;
+                *d = o.merge ? fmaf(*d, alpha_s[r], acc[i] * p_s[r]) : acc[i] * p_s[r];
+            } else if (o.nsplit == 1) {
                 o.out[orow * HD + dcol] = acc[i] / l_s[r];
             } else {
                 o.part_acc[((size_t)split * rows + orow) * HD + dcol] = acc[i];
@@ -226,8 +269,9 @@ ST_DEV uint32_t pack_bf16x2_lo(float a, float b) {
  * dropped lo*lo term is ~2^-16 of the product), so scores and outputs are
  * within ~1e-5 of fp32 math; tiles of 32 keys so that the four bf16 tiles
  * (K, K lo, V, V lo) fit the same shared memory. Otherwise everything is
- * rounded to bf16 once (~1e-3 relative error), tiles of 64 keys. */
-template <int HD, bool PRECISE>
+ * rounded to bf16 once (~1e-3 relative error), tiles of 64 keys. PART:
+ * attention_part's instantiation (attn_out: positions from key0, lse). */
+template <int HD, bool PRECISE, bool PART>
 static __global__ void __launch_bounds__(AP_THREADS)
     attn_prefill_kernel(const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
                         const int32_t *__restrict__ pos, int n, int64_t n_kv, int H, int Hkv, float qscale,
@@ -263,7 +307,7 @@ static __global__ void __launch_bounds__(AP_THREADS)
     }
     if (tid < AP_BQ) {
         const int64_t P = rbase + tid;
-        pos_s[tid] = P < RT ? __ldg(pos + P / G) : -1;
+        pos_s[tid] = P < RT ? st_attn_qpos<PART>(o, pos, P / G) : -1;
     }
     __syncthreads();
     const int r_lo = warp * 16 + g, r_hi = r_lo + 8;
@@ -411,7 +455,7 @@ static __global__ void __launch_bounds__(AP_THREADS)
         const int64_t P = rbase + (half ? r_hi : r_lo);
         if (P >= RT) continue;
         const int64_t orow = (P / G) * H + kvh * G + P % G;
-        st_attn_store_row<HD>(o, split, rows, orow, t4, acc, 2 * half, half ? m_hi : m_lo, half ? l_hi : l_lo);
+        st_attn_store_row<HD, PART>(o, split, rows, orow, t4, acc, 2 * half, half ? m_hi : m_lo, half ? l_hi : l_lo);
     }
 }
 
@@ -471,14 +515,16 @@ static __global__ void __launch_bounds__(AG_THREADS)
 
 template <int HD, int RMAX>
 static strata_status set_decode_attr() {
-    ST_CUDA_TRY(cudaFuncSetAttribute(attn_decode_kernel<HD, RMAX>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    ST_CUDA_TRY(cudaFuncSetAttribute(attn_decode_kernel<HD, RMAX, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     (int)decode_smem_bytes<HD, RMAX>()));
+    ST_CUDA_TRY(cudaFuncSetAttribute(attn_decode_kernel<HD, RMAX, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      (int)decode_smem_bytes<HD, RMAX>()));
     return STRATA_OK;
 }
 
-template <int HD, int RMAX>
+template <int HD, int RMAX, bool PART>
 static strata_status decode_bpsm(int *out) {
-    ST_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(out, attn_decode_kernel<HD, RMAX>, AD_THREADS,
+    ST_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(out, attn_decode_kernel<HD, RMAX, PART>, AD_THREADS,
                                                               decode_smem_bytes<HD, RMAX>()));
     if (*out < 1) *out = 1;
     return STRATA_OK;
@@ -486,7 +532,7 @@ static strata_status decode_bpsm(int *out) {
 
 /* Once per backend: kernel attributes, the FA2 kernel's configuration
  * (params->attn_fa2: cuda_attn_prefill_fa2.cuh), and the decode kernel's
- * blocks per SM. */
+ * blocks per SM (attention's and attention_part's instantiations). */
 strata_status st_cuda_attention_setup(st_cuda *c, const st_backend_params *params) {
     strata_status st;
     c->attn_old = false;    /* removed with the paged kernel's old variants */
@@ -498,7 +544,8 @@ strata_status st_cuda_attention_setup(st_cuda *c, const st_backend_params *param
     SET(64, 4) SET(64, 8) SET(64, 16) SET(128, 4) SET(128, 8) SET(128, 16)
 #undef SET
 #define OCC(I, HD, J, RM)                                                                    \
-    if ((st = decode_bpsm<HD, RM>(&c->attn_dec_bpsm[I][J])) != STRATA_OK) return st;
+    if ((st = decode_bpsm<HD, RM, false>(&c->attn_dec_bpsm[0][I][J])) != STRATA_OK) return st; \
+    if ((st = decode_bpsm<HD, RM, true>(&c->attn_dec_bpsm[1][I][J])) != STRATA_OK) return st;
     OCC(0, 64, 0, 4) OCC(0, 64, 1, 8) OCC(0, 64, 2, 16) OCC(1, 128, 0, 4) OCC(1, 128, 1, 8) OCC(1, 128, 2, 16)
 #undef OCC
     return STRATA_OK;
@@ -531,42 +578,40 @@ static strata_status alloc_parts(st_backend *be, st_cuda_stream *s, int nsplit, 
     return STRATA_OK;
 }
 
-/* Merges the splits of o into o->out; HD 64 or 128 (the only head dims of
- * the split kernels). */
-template <int HD>
-static strata_status merge(cudaStream_t s, bool pdl, const attn_out *o, int64_t rows) {
-    ST_CUDA_TRY(st_launch(pdl, attn_merge_fast_kernel<HD>, dim3((unsigned)rows), dim3(128), 0, s,
+/* Merges the splits of o into o->out (and o->lse: attention_part); HD 64 or
+ * 128 (the only head dims of the split kernels). */
+template <int HD, bool PART>
+static strata_status merge_splits(cudaStream_t s, bool pdl, const attn_out *o, int64_t rows) {
+    ST_CUDA_TRY(st_launch(pdl, attn_merge_fast_kernel<HD, PART>, dim3((unsigned)rows), dim3(128), 0, s,
                           (const float *)o->part_acc, (const float *)o->part_m, (const float *)o->part_l, o->nsplit,
-                          rows, o->out));
+                          rows, o->out, o->lse, o->merge));
     return STRATA_OK;
 }
 
-template <int HD, int RMAX>
+template <int HD, int RMAX, bool PART>
 static strata_status run_decode(st_backend *be, st_cuda_stream *s, const float *q, const float *k, const float *v,
                                 const int32_t *pos, int64_t n, int64_t n_kv, int64_t H, int64_t Hkv, float qscale,
-                                float *out) {
+                                attn_out o) {
     st_cuda *c = st_cuda_of(be);
-    attn_out o = {out, NULL, NULL, NULL, 1};
     /* exactly one wave: the most blocks that are resident at once, split
      * evenly over the kv heads (a few more blocks than the GPU holds would
      * run as a second, nearly empty wave at the end) */
-    const int bpsm = c->attn_dec_bpsm[HD == 64 ? 0 : 1][RMAX == 4 ? 0 : RMAX == 8 ? 1 : 2];
+    const int bpsm = c->attn_dec_bpsm[PART][HD == 64 ? 0 : 1][RMAX == 4 ? 0 : RMAX == 8 ? 1 : 2];
     int64_t want = (int64_t)bpsm * c->sm_count / Hkv;
     if (want < 1) want = 1;
     o.nsplit = pick_splits(n_kv, want, 128);
     strata_status st = alloc_parts(be, s, o.nsplit, n * H, HD, &o);
     if (st != STRATA_OK) return st;
-    ST_CUDA_TRY(st_launch(c->pdl, attn_decode_kernel<HD, RMAX>, dim3((unsigned)o.nsplit, (unsigned)Hkv), dim3(AD_THREADS),
+    ST_CUDA_TRY(st_launch(c->pdl, attn_decode_kernel<HD, RMAX, PART>, dim3((unsigned)o.nsplit, (unsigned)Hkv), dim3(AD_THREADS),
                           decode_smem_bytes<HD, RMAX>(), s->s, q, k, v, pos, (int)n, n_kv, (int)H, (int)Hkv, qscale, o));
-    return o.nsplit > 1 ? merge<HD>(s->s, c->pdl, &o, n * H) : STRATA_OK;
+    return o.nsplit > 1 ? merge_splits<HD, PART>(s->s, c->pdl, &o, n * H) : STRATA_OK;
 }
 
-template <int HD>
+template <int HD, bool PART>
 static strata_status run_prefill(st_backend *be, st_cuda_stream *s, const float *q, const float *k, const float *v,
                                  const int32_t *pos, int64_t n, int64_t n_kv, int64_t H, int64_t Hkv, float qscale,
-                                 float *out) {
+                                 attn_out o) {
     st_cuda *c = st_cuda_of(be);
-    attn_out o = {out, NULL, NULL, NULL, 1};
     const int64_t G = H / Hkv;
     if (c->fast_prefill && n * G >= ST_ATTN_FA2_MIN_ROWS) {
         /* the FA2 kernel (cuda_attn_prefill_fa2.cu); split the KV length
@@ -579,9 +624,9 @@ static strata_status run_prefill(st_backend *be, st_cuda_stream *s, const float 
         o.nsplit = pick_splits(n_kv, want, 256);
         strata_status st = alloc_parts(be, s, o.nsplit, n * H, HD, &o);
         if (st != STRATA_OK) return st;
-        st = st_attn_prefill_fa2(be, s, var, HD, q, k, v, pos, n, n_kv, H, Hkv, qscale, &o);
+        st = st_attn_prefill_fa2(be, s, var, HD, q, k, v, pos, n, n_kv, H, Hkv, qscale, &o, PART);
         if (st != STRATA_OK) return st;
-        return o.nsplit > 1 ? merge<HD>(s->s, false, &o, n * H) : STRATA_OK;
+        return o.nsplit > 1 ? merge_splits<HD, PART>(s->s, false, &o, n * H) : STRATA_OK;
     }
     const int64_t bx = (n * G + AP_BQ - 1) / AP_BQ;
     if (bx > INT32_MAX) return st_err(STRATA_ERR_INVALID_ARG, "cuda attention: n = %lld is too large", (long long)n);
@@ -592,38 +637,54 @@ static strata_status run_prefill(st_backend *be, st_cuda_stream *s, const float 
     if (st != STRATA_OK) return st;
     const dim3 grid((unsigned)bx, (unsigned)Hkv, (unsigned)o.nsplit);
     if (c->fast_prefill)
-        attn_prefill_kernel<HD, false><<<grid, AP_THREADS, 0, s->s>>>(q, k, v, pos, (int)n, n_kv, (int)H, (int)Hkv,
+        attn_prefill_kernel<HD, false, PART><<<grid, AP_THREADS, 0, s->s>>>(q, k, v, pos, (int)n, n_kv, (int)H, (int)Hkv,
                                                                       qscale, o);
     else
-        attn_prefill_kernel<HD, true><<<grid, AP_THREADS, 0, s->s>>>(q, k, v, pos, (int)n, n_kv, (int)H, (int)Hkv,
+        attn_prefill_kernel<HD, true, PART><<<grid, AP_THREADS, 0, s->s>>>(q, k, v, pos, (int)n, n_kv, (int)H, (int)Hkv,
                                                                      qscale, o);
     ST_CUDA_LAUNCHED("attn_prefill_kernel");
-    return o.nsplit > 1 ? merge<HD>(s->s, false, &o, n * H) : STRATA_OK;
+    return o.nsplit > 1 ? merge_splits<HD, PART>(s->s, false, &o, n * H) : STRATA_OK;
+}
+
+/* The kernels of hd 64 / 128 with 16-byte aligned pointers (decode, prefill,
+ * FA2), o: where the rows go (o.nsplit 1: the run sizes the split); PART:
+ * attention_part's instantiations. */
+template <bool PART>
+static strata_status run_aligned(st_backend *be, st_cuda_stream *s, const float *q, const float *k, const float *v,
+                                 const int32_t *pos, int64_t n, int64_t n_kv, int64_t n_heads, int64_t n_kv_heads,
+                                 int64_t head_dim, float qscale, const attn_out &o) {
+    const int64_t R = n * (n_heads / n_kv_heads);
+    if (R <= 16) {
+#define DEC(HD)                                                                                        \
+    if (R <= 4) return run_decode<HD, 4, PART>(be, s, q, k, v, pos, n, n_kv, n_heads, n_kv_heads, qscale, o); \
+    if (R <= 8) return run_decode<HD, 8, PART>(be, s, q, k, v, pos, n, n_kv, n_heads, n_kv_heads, qscale, o); \
+    return run_decode<HD, 16, PART>(be, s, q, k, v, pos, n, n_kv, n_heads, n_kv_heads, qscale, o);
+        if (head_dim == 64) { DEC(64) }
+        DEC(128)
+#undef DEC
+    }
+    if (head_dim == 64) return run_prefill<64, PART>(be, s, q, k, v, pos, n, n_kv, n_heads, n_kv_heads, qscale, o);
+    return run_prefill<128, PART>(be, s, q, k, v, pos, n, n_kv, n_heads, n_kv_heads, qscale, o);
+}
+
+static bool too_large(int64_t n, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim) {
+    return n > INT32_MAX / n_heads || n_heads > 65535 || n_kv_heads > 65535 || head_dim > 4096;
 }
 
 strata_status st_cuda_op_attention(st_backend *be, st_cuda_stream *s, const float *q, const float *k,
                                    const float *v, const int32_t *pos, int64_t n, int64_t n_kv,
                                    int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, float scale,
                                    float *out) {
-    if (n > INT32_MAX / n_heads || n_heads > 65535 || n_kv_heads > 65535 || head_dim > 4096)
+    if (too_large(n, n_heads, n_kv_heads, head_dim))
         return st_err(STRATA_ERR_INVALID_ARG, "cuda attention: n = %lld, n_heads = %lld, head_dim = %lld: too large",
                       (long long)n, (long long)n_heads, (long long)head_dim);
     const float qscale = scale * LOG2E;
-    const int64_t R = n * (n_heads / n_kv_heads);
     const bool aligned = st_cuda_aligned(q, 16) && st_cuda_aligned(k, 16) && st_cuda_aligned(v, 16) &&
                          st_cuda_aligned(out, 16);
     if (aligned && (head_dim == 64 || head_dim == 128)) {
-        if (R <= 16) {
-#define DEC(HD)                                                                                        \
-    if (R <= 4) return run_decode<HD, 4>(be, s, q, k, v, pos, n, n_kv, n_heads, n_kv_heads, qscale, out); \
-    if (R <= 8) return run_decode<HD, 8>(be, s, q, k, v, pos, n, n_kv, n_heads, n_kv_heads, qscale, out); \
-    return run_decode<HD, 16>(be, s, q, k, v, pos, n, n_kv, n_heads, n_kv_heads, qscale, out);
-            if (head_dim == 64) { DEC(64) }
-            DEC(128)
-#undef DEC
-        }
-        if (head_dim == 64) return run_prefill<64>(be, s, q, k, v, pos, n, n_kv, n_heads, n_kv_heads, qscale, out);
-        return run_prefill<128>(be, s, q, k, v, pos, n, n_kv, n_heads, n_kv_heads, qscale, out);
+        attn_out o = {};
+        o.out = out, o.nsplit = 1;
+        return run_aligned<false>(be, s, q, k, v, pos, n, n_kv, n_heads, n_kv_heads, head_dim, qscale, o);
     }
     const size_t smem = (size_t)(2 * head_dim + AG_THREADS) * sizeof(float);
     if (smem > 48 * 1024)
@@ -634,9 +695,27 @@ strata_status st_cuda_op_attention(st_backend *be, st_cuda_stream *s, const floa
     return STRATA_OK;
 }
 
+/* attention_part: the kernels of `attention` over the piece (positions
+ * shifted by key0 on the device, st_attn_qpos); unsplit, each kernel's
+ * epilogue writes the rows' lse or merges them into (out, lse); split, the
+ * merge of the splits does (st_attn_merge_row). The same launches as
+ * `attention` over n_kv keys. */
 strata_status st_cuda_op_attention_part(st_backend *be, st_cuda_stream *s, const float *q, const float *k,
                                         const float *v, const int32_t *pos, int64_t n, int64_t key0, int64_t n_kv,
                                         int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, float scale,
                                         bool merge, float *out, float *lse) {
-    return st_err(STRATA_ERR_UNSUPPORTED, "cuda attention_part: not implemented yet");
+    if (too_large(n, n_heads, n_kv_heads, head_dim) || n_kv > INT32_MAX)
+        return st_err(STRATA_ERR_INVALID_ARG,
+                      "cuda attention_part: n = %lld, n_kv = %lld, n_heads = %lld, head_dim = %lld: too large",
+                      (long long)n, (long long)n_kv, (long long)n_heads, (long long)head_dim);
+    const bool aligned = st_cuda_aligned(q, 16) && st_cuda_aligned(k, 16) && st_cuda_aligned(v, 16) &&
+                         st_cuda_aligned(out, 16);
+    if (!aligned || (head_dim != 64 && head_dim != 128))
+        return st_err(STRATA_ERR_UNSUPPORTED,
+                      "cuda attention_part: head_dim %lld%s (hd 64 or 128 with 16-byte aligned q, k, v, out only)",
+                      (long long)head_dim, aligned ? "" : ", unaligned pointers");
+    attn_out o = {};
+    o.out = out, o.nsplit = 1;
+    o.key0 = key0 < INT32_MAX ? (int)key0 : INT32_MAX, o.lse = lse, o.merge = merge;
+    return run_aligned<true>(be, s, q, k, v, pos, n, n_kv, n_heads, n_kv_heads, head_dim, scale * LOG2E, o);
 }

@@ -3,7 +3,9 @@
  * cuda_attention_paged.cu): cp.async staging, split-KV ranges and outputs,
  * bf16 tensor-core helpers (mma, ldmatrix), the fp32 SIMT tile of the decode
  * kernels (online softmax + PV over one staged tile of keys), and the merge
- * of split-KV partial results. CUDA C only.
+ * of split-KV partial results, and the row epilogue of attention_part
+ * (positions counted from the piece's first key, the row's log-sum-exp,
+ * the merge into a running (out, lse)). CUDA C only.
  *
  * Online softmax per row (both files): running max m, sum l and an
  * unnormalized accumulator acc; scores are pre-scaled by scale * log2(e) and
@@ -27,26 +29,97 @@ template <int N>
 ST_DEV void st_cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 /* ---- split-KV bookkeeping (cuda_attention.cu, cuda_attn_prefill_fa2.cu) ---------------- */
-/* Where a block puts its rows' results: final output (nsplit == 1) or partials. */
+/* Where a block puts its rows' results: final output (nsplit == 1) or partials.
+ * The fields after nsplit serve attention_part (backend.h), read only by
+ * the kernels' PART instantiations (template flag PART: `attention` runs
+ * the others, compiled as before, and leaves these zero):
+ *   key0: the kernel's keys are one piece of the sequence's, starting at key
+ *     key0: a query at position p sees the piece's keys 0 .. p - key0 (p is
+ *     clamped to >= key0: CUDA clamps instead of checking, backend.h);
+ *   lse: when not NULL, each row's natural-log log-sum-exp goes to lse[orow]
+ *     (orow = token * H + head, as out's rows);
+ *   merge: (out, lse) hold the result over earlier keys; the row's result is
+ *     merged into them (st_attn_finish) instead of written (lse not NULL). */
 struct attn_out {
     float *out;      /* [n, H, hd] */
     float *part_acc; /* [nsplit][n H][hd] */
     float *part_m;   /* [nsplit][n H] */
     float *part_l;
     int nsplit;
+    bool merge;      /* attention_part: merge into (out, lse) */
+    int key0;        /* attention_part: the piece's first key (min(key0, INT32_MAX): positions are int32) */
+    float *lse;      /* attention_part: [n H] natural log, or NULL */
 };
+
+/* The position of query token t as the kernels use it: pos[t], or for a
+ * piece (PART) pos[t] - key0 clamped to >= 0, so that every row sees at
+ * least the piece's first key (max(pos, 0) - key0 cannot overflow: both
+ * are in [0, 2^31)). */
+template <bool PART>
+ST_DEV int st_attn_qpos(const attn_out &o, const int32_t *__restrict__ pos, int64_t t) {
+    const int p = __ldg(pos + t);
+    return PART ? max(max(p, 0) - o.key0, 0) : p;
+}
+
+#define ST_ATTN_LOG2E 1.4426950408889634f
+#define ST_ATTN_LN2 0.6931471805599453f
+
+/* How a row's unnormalized result over its keys (acc, m, l: log2 units, as
+ * the kernels keep them: sum_j 2^(s_j log2(e) - m) = l, acc the same
+ * weighted sum of V) becomes its output: out = out_old wa + acc wb, and its
+ * log-sum-exp (natural log). Without merge: wa = 0, wb = 1 / l, lse =
+ * (m + log2 l) ln 2. With merge, (out_old, lse_old) the result over earlier
+ * keys, by backend.h's rule: lse_p = (m + log2 l) ln 2, M = max(lse_old,
+ * lse_p), a = e^(lse_old - M), b = e^(lse_p - M): wa = a / (a + b),
+ * wb = b / ((a + b) l), lse = M + ln(a + b). */
+struct attn_fin {
+    float wa, wb, lse;
+};
+ST_DEV attn_fin st_attn_finish(float m, float l, bool merge, float lse_old) {
+    /* (__fdividef: ~2 ulp, no call to the IEEE division's slow path, which
+     * costs the kernels registers; l >= 1 (the row's largest term is 1) and
+     * a + b is in [1, 2], far from its range limits) */
+    const float lp = (m + log2f(l)) * ST_ATTN_LN2;
+    attn_fin f;
+    if (!merge) {
+        f.wa = 0.0f, f.wb = __fdividef(1.0f, l), f.lse = lp;
+        return f;
+    }
+    const float M = fmaxf(lse_old, lp);
+    const float a = expf(lse_old - M), b = expf(lp - M), inv = __fdividef(1.0f, a + b);
+    f.wa = a * inv, f.wb = __fdividef(b * inv, l), f.lse = M + logf(a + b);
+    return f;
+}
 
 /* One row's result from a tensor-core kernel's accumulator fragments: lane
  * t4 (of 4 sharing the row) holds columns 8 dt + 2 t4 + {0, 1} of the row in
  * acc[dt][h], acc[dt][h + 1]. Row orow of rows (n H): o.out scaled by 1 / l
  * when unsplit, else the unnormalized partials of split `split` and, from
- * lane t4 = 0, the row's (m, l). */
-template <int HD>
+ * lane t4 = 0, the row's (m, l). PART (attention_part), unsplit, o.lse not
+ * NULL: also the row's lse (lane t4 = 0), and with o.merge the merge into
+ * (out, lse) (st_attn_finish; the 4 lanes read the old lse before lane 0
+ * writes the new one: the quad must call this together, as its lanes share
+ * the row). */
+template <int HD, bool PART = false>
 ST_DEV void st_attn_store_row(const attn_out &o, int split, int64_t rows, int64_t orow, int t4,
                               const float (*acc)[4], int h, float m, float l) {
     if (o.nsplit == 1) {
-        const float inv = 1.0f / l;
         float *dst = o.out + orow * HD + 2 * t4;
+        if (PART && o.lse) {
+            const attn_fin f = st_attn_finish(m, l, o.merge, o.merge ? o.lse[orow] : 0.0f);
+            __syncwarp(0xfu << (threadIdx.x & 28)); /* the quad's reads of lse[orow] are done */
+            if (t4 == 0) o.lse[orow] = f.lse;
+            if (o.merge) {
+#pragma unroll
+                for (int dt = 0; dt < HD / 8; dt++) {
+                    const float2 x = *(const float2 *)(dst + dt * 8);
+                    *(float2 *)(dst + dt * 8) =
+                        make_float2(fmaf(x.x, f.wa, acc[dt][h] * f.wb), fmaf(x.y, f.wa, acc[dt][h + 1] * f.wb));
+                }
+                return;
+            }
+        }
+        const float inv = 1.0f / l;
 #pragma unroll
         for (int dt = 0; dt < HD / 8; dt++)
             *(float2 *)(dst + dt * 8) = make_float2(acc[dt][h] * inv, acc[dt][h + 1] * inv);
@@ -192,16 +265,21 @@ ST_DEV void st_attn_simt_tile(const float *q_s, const float *k_s, const float *v
  * alone (thread strides, then a fixed tree), so the bits depend only on the
  * row's own partials: deterministic and batch-invariant. Loads of the
  * partials are spread over the threads (the previous merge walked every
- * split serially in each thread). */
+ * split serially in each thread). attention_part: lse (not NULL) gets the
+ * row's natural-log log-sum-exp, (base + log2 L) ln 2; with merge, (dst,
+ * lse) hold the result over earlier keys and the row's is merged into them
+ * (st_attn_finish). */
 template <int HD>
 ST_DEV void st_attn_merge_row(const float *__restrict__ part_acc, const float *__restrict__ part_m,
                               const float *__restrict__ part_l, int64_t stride, int64_t row, int ns,
-                              float *__restrict__ dst) {
+                              float *__restrict__ dst, float *__restrict__ lse = nullptr, bool merge = false) {
     constexpr int D4 = HD / 4;      /* float4 columns */
     constexpr int SG = 128 / D4;    /* split groups (4 for hd 128, 8 for hd 64) */
     __shared__ float red[32];
     __shared__ __align__(16) float4 part_s[SG][D4];
     const int tid = threadIdx.x;
+    /* (read before the barriers below: thread 0 writes the new lse at the end) */
+    const float lse_old = lse && merge ? *lse : 0.0f;
     float mx = -INFINITY;
     for (int sp = tid; sp < ns; sp += 128) mx = fmaxf(mx, part_m[sp * stride + row]);
     const float M = st_block_max(mx, red);
@@ -231,6 +309,14 @@ ST_DEV void st_attn_merge_row(const float *__restrict__ part_acc, const float *_
             o.x = __fadd_rn(o.x, y.x), o.y = __fadd_rn(o.y, y.y), o.z = __fadd_rn(o.z, y.z), o.w = __fadd_rn(o.w, y.w);
         }
         float *d = dst + 4 * tid; /* scalar stores: dst needs no alignment */
-        d[0] = __fdiv_rn(o.x, L), d[1] = __fdiv_rn(o.y, L), d[2] = __fdiv_rn(o.z, L), d[3] = __fdiv_rn(o.w, L);
+        if (lse && merge) { /* (acc, m, l) = (o, base, L): merged into (dst, lse) */
+            const attn_fin f = st_attn_finish(base, L, true, lse_old);
+            d[0] = fmaf(d[0], f.wa, o.x * f.wb), d[1] = fmaf(d[1], f.wa, o.y * f.wb);
+            d[2] = fmaf(d[2], f.wa, o.z * f.wb), d[3] = fmaf(d[3], f.wa, o.w * f.wb);
+            if (tid == 0) *lse = f.lse;
+        } else {
+            d[0] = __fdiv_rn(o.x, L), d[1] = __fdiv_rn(o.y, L), d[2] = __fdiv_rn(o.z, L), d[3] = __fdiv_rn(o.w, L);
+            if (lse && tid == 0) *lse = (base + log2f(L)) * ST_ATTN_LN2;
+        }
     }
 }

@@ -10,7 +10,7 @@
  *      nearest) into the stream's ST_CUDA_SCRATCH_ATTN_BF16 buffer, same
  *      layout, so that every tile row of the main kernel is hd * 2 bytes of
  *      16-byte cp.async copies.
- *   2. attn_prefill_fa2_kernel<HD, WARPS, MT, TK, QS, REV, MINB>: grid
+ *   2. attn_prefill_fa2_kernel<HD, WARPS, MT, TK, QS, REV, MINB, PART>: grid
  *      (ceil(n G / BQ), Hkv, nsplit), WARPS x 32 threads. A block owns
  *      BQ = WARPS x 16 MT rows (token, head) of one kv head (row r: token
  *      r / G, head kvh G + r % G); warp w owns rows 16 MT w .. + 16 MT - 1,
@@ -53,6 +53,11 @@
  *      b256w8   8 warps x 32 rows, TK 32, Q from shared memory, heaviest
  *               first (hd 128: 102 KiB, 1 block per SM; half the K/V
  *               traffic from L2 per row)
+ * PART: attention_part's instantiation of each (the op's contract:
+ * backend.h; cuda_attention.cu): positions count from the piece's first
+ * key, and an unsplit grid's epilogue also writes each row's log-sum-exp or
+ * merges the row into a running (out, lse) (st_attn_store_row); the
+ * instantiations for `attention` (PART false) are compiled as before.
  * Precision: Q (scaled), K, V and P rounded to bf16 once, fp32 accumulation:
  * the fast mode's contract (~1e-3 of the output's scale). */
 #include <limits.h>
@@ -110,9 +115,10 @@ static constexpr size_t fa2_smem_bytes() {
  * owning MT m-tiles of 16 rows (rows 16 MT w .. 16 MT w + 16 MT - 1); QS: the
  * Q fragments are read from shared memory for every tile (else held in
  * registers); REV: block x takes the rows of block gridDim.x - 1 - x (the
- * causal heaviest first, so that the grid's last wave holds the lightest).
- * See the top of the file. */
-template <int HD, int WARPS, int MT, int TK, bool QS, bool REV, int MINB>
+ * causal heaviest first, so that the grid's last wave holds the lightest);
+ * PART: attention_part's instantiation (attn_out: positions from key0, the
+ * rows' lse). See the top of the file. */
+template <int HD, int WARPS, int MT, int TK, bool QS, bool REV, int MINB, bool PART>
 static __global__ void __launch_bounds__(WARPS * 32, MINB)
     attn_prefill_fa2_kernel(const float *__restrict__ q, const __nv_bfloat16 *__restrict__ kb,
                             const __nv_bfloat16 *__restrict__ vb, const int32_t *__restrict__ pos, int n,
@@ -146,7 +152,7 @@ static __global__ void __launch_bounds__(WARPS * 32, MINB)
 #pragma unroll
     for (int i = 0; i < NR; i++) {
         const unsigned P = rbase + warp * WR + (i >> 1) * 16 + (i & 1) * 8 + g;
-        prow[i] = P < RT ? __ldg(pos + P / G) : -1;
+        prow[i] = P < RT ? st_attn_qpos<PART>(o, pos, P / G) : -1;
         wmax = max(wmax, prow[i]);
         if (prow[i] >= 0) wmin = min(wmin, prow[i]);
     }
@@ -154,7 +160,7 @@ static __global__ void __launch_bounds__(WARPS * 32, MINB)
 #pragma unroll
     for (int i = 0; i < BQ / 32; i++) {
         const unsigned P = rbase + lane + 32 * i;
-        if (P < RT) maxpos = max(maxpos, __ldg(pos + P / G));
+        if (P < RT) maxpos = max(maxpos, st_attn_qpos<PART>(o, pos, P / G));
     }
 #pragma unroll
     for (int sh = 16; sh > 0; sh >>= 1) {
@@ -345,7 +351,7 @@ static __global__ void __launch_bounds__(WARPS * 32, MINB)
         const unsigned P = rbase + warp * WR + mt * 16 + (i & 1) * 8 + g;
         if (P >= RT) continue;
         const int64_t orow = (int64_t)(P / G) * H + kvh * G + P % G;
-        st_attn_store_row<HD>(o, split, rows, orow, t4, acc[mt], h, m[i], l[i]);
+        st_attn_store_row<HD, PART>(o, split, rows, orow, t4, acc[mt], h, m[i], l[i]);
     }
 }
 
@@ -404,7 +410,10 @@ int st_attn_fa2_bpsm(int variant, int hd) {
 
 template <int HD, int W, int MT, int TK, bool QS, bool REV, int MINB>
 static strata_status fa2_set_attr() {
-    ST_CUDA_TRY(cudaFuncSetAttribute(attn_prefill_fa2_kernel<HD, W, MT, TK, QS, REV, MINB>,
+    ST_CUDA_TRY(cudaFuncSetAttribute(attn_prefill_fa2_kernel<HD, W, MT, TK, QS, REV, MINB, false>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     (int)fa2_smem_bytes<HD, W * 16 * MT, TK, QS>()));
+    ST_CUDA_TRY(cudaFuncSetAttribute(attn_prefill_fa2_kernel<HD, W, MT, TK, QS, REV, MINB, true>,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      (int)fa2_smem_bytes<HD, W * 16 * MT, TK, QS>()));
     return STRATA_OK;
@@ -421,21 +430,25 @@ strata_status st_attn_fa2_setup(void) {
 }
 
 template <int HD, int W, int MT, int TK, bool QS, bool REV, int MINB>
-static strata_status launch_fa2(cudaStream_t s, const float *q, const __nv_bfloat16 *kb, const __nv_bfloat16 *vb,
-                                const int32_t *pos, int64_t n, int64_t n_kv, int64_t H, int64_t Hkv, float qscale,
-                                const attn_out *o) {
+static strata_status launch_fa2(cudaStream_t s, bool part, const float *q, const __nv_bfloat16 *kb,
+                                const __nv_bfloat16 *vb, const int32_t *pos, int64_t n, int64_t n_kv, int64_t H,
+                                int64_t Hkv, float qscale, const attn_out *o) {
     constexpr int BQ = W * 16 * MT;
     const int64_t bx = (n * (H / Hkv) + BQ - 1) / BQ;
     const dim3 grid((unsigned)bx, (unsigned)Hkv, (unsigned)o->nsplit);
-    attn_prefill_fa2_kernel<HD, W, MT, TK, QS, REV, MINB><<<grid, W * 32, fa2_smem_bytes<HD, BQ, TK, QS>(), s>>>(
-        q, kb, vb, pos, (int)n, n_kv, (int)H, (int)Hkv, qscale, *o);
+    if (part)
+        attn_prefill_fa2_kernel<HD, W, MT, TK, QS, REV, MINB, true><<<grid, W * 32, fa2_smem_bytes<HD, BQ, TK, QS>(), s>>>(
+            q, kb, vb, pos, (int)n, n_kv, (int)H, (int)Hkv, qscale, *o);
+    else
+        attn_prefill_fa2_kernel<HD, W, MT, TK, QS, REV, MINB, false><<<grid, W * 32, fa2_smem_bytes<HD, BQ, TK, QS>(), s>>>(
+            q, kb, vb, pos, (int)n, n_kv, (int)H, (int)Hkv, qscale, *o);
     ST_CUDA_LAUNCHED("attn_prefill_fa2_kernel");
     return STRATA_OK;
 }
 
 strata_status st_attn_prefill_fa2(st_backend *be, st_cuda_stream *s, int variant, int hd, const float *q,
                                   const float *k, const float *v, const int32_t *pos, int64_t n, int64_t n_kv,
-                                  int64_t H, int64_t Hkv, float qscale, const attn_out *o) {
+                                  int64_t H, int64_t Hkv, float qscale, const attn_out *o, bool part) {
     if (hd != 64 && hd != 128)
         return st_err(STRATA_ERR_INVALID_ARG, "cuda attention (fa2 prefill): head_dim %d is not 64 or 128", hd);
     if (variant < 0 || variant >= FA2_NVAR)
@@ -458,8 +471,9 @@ strata_status st_attn_prefill_fa2(st_backend *be, st_cuda_stream *s, int variant
     switch (variant) {
 #define CASE(I, NAME, W, MT, TK, QS, REV, B64, B128)                                                          \
     case I:                                                                                                \
-        if (hd == 64) return launch_fa2<64, W, MT, TK, QS, REV, B64>(s->s, q, kb, vb, pos, n, n_kv, H, Hkv, qscale, o); \
-        return launch_fa2<128, W, MT, TK, QS, REV, B128>(s->s, q, kb, vb, pos, n, n_kv, H, Hkv, qscale, o);
+        if (hd == 64)                                                                                      \
+            return launch_fa2<64, W, MT, TK, QS, REV, B64>(s->s, part, q, kb, vb, pos, n, n_kv, H, Hkv, qscale, o); \
+        return launch_fa2<128, W, MT, TK, QS, REV, B128>(s->s, part, q, kb, vb, pos, n, n_kv, H, Hkv, qscale, o);
         FA2_VARIANTS(CASE)
 #undef CASE
     }

@@ -45,7 +45,10 @@ int st_attn_fa2_bpsm(int variant, int hd);
  * converts k and v to bf16 into the stream's ST_CUDA_SCRATCH_ATTN_BF16
  * buffer, then runs the kernel on grid (ceil(n G / rows), Hkv, o->nsplit)
  * (rows: st_attn_fa2_rows), writing o->out (nsplit 1) or the partials of o
- * (the caller merges them). qscale = scale * log2(e). */
+ * (the caller merges them). qscale = scale * log2(e). part: the kernel's
+ * attention_part instantiation (k, v one piece of keys from o->key0):
+ * positions count from key0, and unsplit rows also write (or merge into)
+ * o->lse (cuda_attn_common.cuh: st_attn_qpos, st_attn_store_row). */
 strata_status st_attn_prefill_fa2(st_backend *be, st_cuda_stream *s, int variant, int hd, const float *q,
                                   const float *k, const float *v, const int32_t *pos, int64_t n, int64_t n_kv,
-                                  int64_t H, int64_t Hkv, float qscale, const attn_out *o);
+                                  int64_t H, int64_t Hkv, float qscale, const attn_out *o, bool part);

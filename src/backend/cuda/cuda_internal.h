@@ -128,8 +128,9 @@ typedef struct {
     int attn_fa2;             /* st_backend_params.attn_fa2 (read at init): the FA2 kernel's configuration
                                  (cuda_attn_prefill_fa2.cuh; -1: auto, the default) */
     size_t sample_smem;       /* dynamic shared memory the sample kernel may use (st_cuda_sample_setup) */
-    int attn_dec_bpsm[2][3];  /* blocks per SM of the contiguous decode attention kernel
-                                 [hd 64, 128][rows 4, 8, 16] (st_cuda_attention_setup) */
+    int attn_dec_bpsm[2][2][3]; /* blocks per SM of the contiguous decode attention kernel
+                                   [attention, attention_part][hd 64, 128][rows 4, 8, 16]
+                                   (st_cuda_attention_setup) */
 } st_cuda;
 
 static inline st_cuda *st_cuda_of(st_backend *be) { return (st_cuda *)be->impl; }
