@@ -181,12 +181,14 @@ static void test_errors(st_backend *be, st_model_files *f) {
     st_llama_free(m);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+    const bool cuda_only = argc > 1 && !strcmp(argv[1], "--cuda-only"); /* the GPU script: the CPU half ran in CI */
     st_backend *be = NULL;
     CHECK(st_backend_init(&(st_backend_params){.kind = ST_BACKEND_CPU, .n_threads = 2}, &be) == STRATA_OK);
     st_model_files *f = NULL;
     CHECK(st_model_open(test_src_path("tests/data/models/llama3_f32"), &f) == STRATA_OK);
     if (!be || !f) return test_finish("test_long_context");
+    if (cuda_only) goto cuda;
     run_both(be, f, &(run_cfg){.prompt = 700, .dec = 5, .max_tokens = 64, .piece = 256, .dtype = ST_KV_F32,
                                .all_logits = true},
              "short, f32 KV, passes of 64, pieces of 256");
@@ -194,6 +196,7 @@ int main(void) {
                                .dtype = ST_KV_BF16},
              "long, bf16 KV, passes of 512, pieces of 4096");
     test_errors(be, f);
+cuda:
     st_backend_free(be);
     /* on a GPU machine (tests/gpu/run_gpu_long_context.sh): the same runs on CUDA, within a tolerance (the
      * fitting run's decode takes the paged kernel, the streamed one the contiguous kernels) */
