@@ -222,9 +222,9 @@ typedef struct {
      * same ranges the same way, so the bits of calls over consecutive pieces
      * (merge after the first) equal those of one call over all the keys, of
      * `attention`, and of `attention_paged` over the same keys.
-     * CUDA: hd 64 or 128 with 16-byte aligned q, k, v, out (else
-     * STRATA_ERR_UNSUPPORTED); the kernels of `attention` (precise or fast
-     * mode, the same error); results within fp32 rounding of the CPU's in
+     * CUDA: the kernels of `attention` (precise or fast mode, the same
+     * error; other head dims or unaligned pointers: its generic fp32
+     * kernel); results within fp32 rounding of the CPU's in
      * precise mode, not bit-equal. The CPU backend checks pos (>= key0, and
      * < 2^31) and returns STRATA_ERR_INVALID_ARG; CUDA clamps instead. */
     strata_status (*attention_part)(st_backend *be, st_stream *s, const float *q, const float *k,

@@ -179,12 +179,9 @@ static strata_status issue(st_kv_stream *ks, int64_t g) {
     return o->event_record(be, ks->ready[slot], ks->copy);
 }
 
-strata_status st_kv_stream_begin(st_kv_stream *ks, st_stream *compute, int64_t n) {
-    if (n < 1 || n > ks->p.max_tokens)
-        BAD("%lld tokens in a pass (1 to max_tokens = %lld)", (long long)n, (long long)ks->p.max_tokens);
-    const int64_t end = ks->len + n;
+strata_status st_kv_stream_reserve(st_kv_stream *ks, int64_t end) {
     if (end > ks->p.max_len)
-        BAD("%lld keys after this pass, past the sequence's %lld", (long long)end, (long long)ks->p.max_len);
+        BAD("%lld keys, past the sequence's %lld", (long long)end, (long long)ks->p.max_len);
     const int64_t segs = (end + ST_KV_STREAM_SEG - 1) / ST_KV_STREAM_SEG;
     if (segs > ks->n_segs) {
         const size_t want = st_kv_stream_host_bytes(&ks->p, end);
@@ -205,6 +202,13 @@ strata_status st_kv_stream_begin(st_kv_stream *ks, st_stream *compute, int64_t n
             }
         ks->n_segs = segs;
     }
+    return STRATA_OK;
+}
+
+strata_status st_kv_stream_begin(st_kv_stream *ks, st_stream *compute, int64_t n) {
+    if (n < 1 || n > ks->p.max_tokens)
+        BAD("%lld tokens in a pass (1 to max_tokens = %lld)", (long long)n, (long long)ks->p.max_tokens);
+    TRY(st_kv_stream_reserve(ks, ks->len + n));
     ks->compute = compute;
     ks->n = n;
     ks->ts = ks->len / ST_ATTN_RANGE * ST_ATTN_RANGE;

@@ -463,11 +463,14 @@ static __global__ void __launch_bounds__(AP_THREADS)
 
 #define AG_THREADS 128
 
-/* grid (n H): one block per (token, head) row; smem: q [hd], acc [hd], p [128]. */
+/* grid (n H): one block per (token, head) row; smem: q [hd], acc [hd], p [128].
+ * attention_part (key0 >= 0): the query sees keys 0..pos - key0 of the piece;
+ * the epilogue writes its natural-log lse (when lse) or merges into (out, lse)
+ * (backend.h); key0 < 0: plain attention. */
 static __global__ void __launch_bounds__(AG_THREADS)
     attn_generic_kernel(const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
                         const int32_t *__restrict__ pos, int64_t n_kv, int H, int Hkv, int hd, float qscale,
-                        float *__restrict__ out) {
+                        float *__restrict__ out, int64_t key0, float *__restrict__ lse, bool merge) {
     extern __shared__ float sm[];
     float *q_s = sm, *acc_s = sm + hd, *p_s = acc_s + hd;
     __shared__ float red[32];
@@ -478,7 +481,8 @@ static __global__ void __launch_bounds__(AG_THREADS)
         q_s[d] = q[row * hd + d] * qscale;
         acc_s[d] = 0.0f;
     }
-    const int64_t end = min(n_kv, (int64_t)__ldg(pos + t) + 1);
+    const int64_t qp = (int64_t)__ldg(pos + t) - (key0 > 0 ? key0 : 0);
+    const int64_t end = min(n_kv, (qp > 0 ? qp : 0) + 1);
     float m = -INFINITY, l = 0.0f;
     __syncthreads();
     for (int64_t kb = 0; kb < end; kb += AG_THREADS) {
@@ -508,7 +512,21 @@ static __global__ void __launch_bounds__(AG_THREADS)
         }
         __syncthreads();
     }
-    for (int d = threadIdx.x; d < hd; d += AG_THREADS) out[row * hd + d] = acc_s[d] / l;
+    if (key0 < 0 || (!merge && !lse)) {
+        for (int d = threadIdx.x; d < hd; d += AG_THREADS) out[row * hd + d] = acc_s[d] / l;
+        return;
+    }
+    const float lp = (m + log2f(l)) * 0.6931471805599453f; /* m, scores in log2 units: natural log */
+    if (!merge) {
+        for (int d = threadIdx.x; d < hd; d += AG_THREADS) out[row * hd + d] = acc_s[d] / l;
+        if (threadIdx.x == 0) lse[row] = lp;
+        return;
+    }
+    const float lo = lse[row], M = fmaxf(lo, lp), a = expf(lo - M), b = expf(lp - M), inv = 1.0f / (a + b);
+    __syncthreads(); /* every thread read lse[row] before thread 0 rewrites it */
+    for (int d = threadIdx.x; d < hd; d += AG_THREADS)
+        out[row * hd + d] = (out[row * hd + d] * a + acc_s[d] / l * b) * inv;
+    if (threadIdx.x == 0) lse[row] = M + logf(a + b);
 }
 
 /* ---- dispatch ----------------------------------------------------------------------- */
@@ -690,7 +708,7 @@ strata_status st_cuda_op_attention(st_backend *be, st_cuda_stream *s, const floa
     if (smem > 48 * 1024)
         return st_err(STRATA_ERR_UNSUPPORTED, "cuda attention: head_dim %lld is too large", (long long)head_dim);
     attn_generic_kernel<<<(unsigned)(n * n_heads), AG_THREADS, smem, s->s>>>(
-        q, k, v, pos, n_kv, (int)n_heads, (int)n_kv_heads, (int)head_dim, qscale, out);
+        q, k, v, pos, n_kv, (int)n_heads, (int)n_kv_heads, (int)head_dim, qscale, out, -1, nullptr, false);
     ST_CUDA_LAUNCHED("attn_generic_kernel");
     return STRATA_OK;
 }
@@ -710,10 +728,16 @@ strata_status st_cuda_op_attention_part(st_backend *be, st_cuda_stream *s, const
                       (long long)n, (long long)n_kv, (long long)n_heads, (long long)head_dim);
     const bool aligned = st_cuda_aligned(q, 16) && st_cuda_aligned(k, 16) && st_cuda_aligned(v, 16) &&
                          st_cuda_aligned(out, 16);
-    if (!aligned || (head_dim != 64 && head_dim != 128))
-        return st_err(STRATA_ERR_UNSUPPORTED,
-                      "cuda attention_part: head_dim %lld%s (hd 64 or 128 with 16-byte aligned q, k, v, out only)",
-                      (long long)head_dim, aligned ? "" : ", unaligned pointers");
+    if (!aligned || (head_dim != 64 && head_dim != 128)) { /* the generic kernel, fp32 (odd shapes only) */
+        const size_t smem = (size_t)(2 * head_dim + AG_THREADS) * sizeof(float);
+        if (smem > 48 * 1024)
+            return st_err(STRATA_ERR_UNSUPPORTED, "cuda attention_part: head_dim %lld is too large",
+                          (long long)head_dim);
+        attn_generic_kernel<<<(unsigned)(n * n_heads), AG_THREADS, smem, s->s>>>(
+            q, k, v, pos, n_kv, (int)n_heads, (int)n_kv_heads, (int)head_dim, scale * LOG2E, out, key0, lse, merge);
+        ST_CUDA_LAUNCHED("attn_generic_kernel");
+        return STRATA_OK;
+    }
     attn_out o = {};
     o.out = out, o.nsplit = 1;
     o.key0 = key0 < INT32_MAX ? (int)key0 : INT32_MAX, o.lse = lse, o.merge = merge;
