@@ -29,8 +29,9 @@ static void bench_usage(FILE *f) {
             "  --seq-prompt N   prompt tokens of each of those sequences (default 32)\n"
             "  --kv-stream      the sequence's KV in host memory, streamed through the device layer by\n"
             "                   layer (contexts longer than the device, up to 1M tokens): one prefill\n"
-            "                   and --gen decode steps, beside their rooflines, and the device memory peak\n"
-            "  --kv-host-mem SIZE   with --kv-stream: cap on the host memory the KV takes (default: none)\n"
+            "                   and --gen decode steps, beside their rooflines, and the device memory peak;\n"
+            "                   also chosen when the KV of --ctx tokens takes over half of --device-mem\n"
+            "  --kv-host-mem SIZE   with a streamed KV: cap on the host memory it takes (default: none)\n"
             "  (here --batch defaults to the prompt length, up to 4096: the prompt in one chunk;\n"
             "  on CUDA the prefill is also timed in the other precision, --precise or --fast-prefill)\n"
             TOOL_MODEL_OPTS_HELP);
@@ -372,7 +373,7 @@ static bool stream_bench(tool_model *tm, const tool_model_opts *mo, int32_t *ids
                n_prompt / t_prefill);
     }
     const double step = t_decode / (double)n_gen, kv_step = (double)(up1 - up0) / (double)n_gen;
-    printf("decode       %lld tokens in %.3f s: %.3f s/token, %.2f tok/s; %.1f MB of KV up per token\n",
+    printf("decode       %lld tokens in %.3f s: %.3f s/token, %.2f tok/s; %.3f MB of KV up per token\n",
            (long long)n_gen, t_decode, step, 1.0 / step, kv_step / 1e6);
     if (h2d > 0 && roof->copy_bw > 0) {
         const double f_kv = kv_step / h2d, f_w = (double)weight_bytes / roof->copy_bw;
@@ -434,9 +435,8 @@ int cmd_bench(int argc, char **argv) {
         bench_usage(stderr);
         return 2;
     }
-    if (mo.kv_ssd_dir || mo.kv_offload_lazy || (mo.kv_host_mem && !mo.kv_stream)) {
-        fprintf(stderr, "strata bench: --kv-ssd-dir and --kv-offload are for run and serve; --kv-host-mem needs "
-                        "--kv-stream\n");
+    if (mo.kv_ssd_dir || mo.kv_offload_lazy) {
+        fprintf(stderr, "strata bench: --kv-ssd-dir and --kv-offload are for run and serve\n");
         return 2;
     }
     if (mo.kv_stream && (n_seqs > 0 || prefill_only)) {
@@ -501,8 +501,13 @@ int cmd_bench(int argc, char **argv) {
         s = s * 1664525u + 1013904223u;
         ids[i] = (int32_t)((s >> 8) % (uint32_t)V);
     }
-    if (mo.kv_stream) {
+    if (tool_kv_streamed(&mo, c)) { /* --kv-stream, or a --device-mem the KV would take half of */
         rc = stream_bench(&tm, &mo, ids, n_prompt, n_gen, &roof, weight_bytes) ? 0 : 1;
+        goto done;
+    }
+    if (mo.kv_host_mem) {
+        fprintf(stderr, "strata bench: --kv-host-mem is for a sequence whose KV is streamed from host memory "
+                        "(--kv-stream)\n");
         goto done;
     }
     if (prefill_only) {

@@ -10,6 +10,7 @@
 #include "commands.h"
 #include "common.h"
 #include "engine/runner.h"
+#include "kv/kv_stream.h"
 #include "kv/kv_tiers.h"
 
 static void plan_usage(FILE *f) {
@@ -150,6 +151,20 @@ int cmd_plan(int argc, char **argv) {
                        B(3, ssd_blocks * (blk + 4096.0)), ep.kv_ssd_dir, (long long)(ssd_blocks * ep.kv_block_size));
             else
                 printf("SSD tier off (--kv-ssd-dir)\n");
+            /* where one sequence of --ctx tokens keeps its KV */
+            const int64_t ctx = mo.ctx > 0 ? mo.ctx : 4096;
+            const double need = (double)ctx * tok;
+            if (!tool_kv_streamed(&mo, c)) {
+                printf("context    %lld tokens: KV %s, in the device pool\n", (long long)ctx, B(0, need));
+            } else {
+                const st_kv_stream_params sp = tool_stream_params(&mo, c);
+                printf("context    %lld tokens: KV %s, over half the device budget: streamed from host memory "
+                       "(%s pinned, layer by layer through a device ring of %s, counted above as the KV cache; "
+                       "strata bench; run and serve do not stream yet)%s\n",
+                       (long long)ctx, B(0, need), B(1, (double)st_kv_stream_host_bytes(&sp, ctx)),
+                       B(2, (double)st_kv_stream_device_bytes(&sp)),
+                       mo.kv_dtype == ST_KV_FP8 ? "; not with --kv-dtype fp8 yet" : "");
+            }
         }
     }
     if (list) {

@@ -110,6 +110,21 @@ st_kv_pool_params tool_kv_params(const tool_model_opts *o, const st_llama *m) {
     return kv_params_for(o, st_llama_config(m), st_llama_max_tokens(m), st_llama_max_seq_len(m));
 }
 
+bool tool_kv_streamed(const tool_model_opts *o, const st_config *c) {
+    if (o->kv_stream) return true;
+    if (!o->device_mem || o->kv_seqs > 1) return false;
+    const int64_t T = o->batch > 0 ? o->batch : 512;
+    const st_kv_pool_params kp = kv_params_for(o, c, T, tool_seq_len(o, c));
+    return st_kv_pool_device_bytes(&kp) > o->device_mem / 2;
+}
+
+st_kv_stream_params tool_stream_params(const tool_model_opts *o, const st_config *c) {
+    return (st_kv_stream_params){.n_layers = c->n_layers, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim,
+                                 .dtype = o->kv_dtype, .piece = st_plan_attn_piece(0),
+                                 .max_tokens = o->batch > 0 ? o->batch : 512, .max_len = tool_seq_len(o, c),
+                                 .host_mem = o->kv_host_mem > 0 ? (size_t)o->kv_host_mem : 0};
+}
+
 st_llama_params tool_llama_params(const tool_model_opts *o, const st_config *c) {
     st_llama_params lp;
     memset(&lp, 0, sizeof lp);
@@ -117,7 +132,12 @@ st_llama_params tool_llama_params(const tool_model_opts *o, const st_config *c) 
     lp.max_tokens = o->batch > 0 ? o->batch : 512;
     lp.device_mem = o->device_mem;
     const st_kv_pool_params kp = kv_params_for(o, c, lp.max_tokens, lp.max_seq_len);
-    lp.kv_bytes = o->kv_stream ? 0 : st_kv_pool_device_bytes(&kp);
+    if (tool_kv_streamed(o, c)) {
+        const st_kv_stream_params sp = tool_stream_params(o, c);
+        lp.kv_bytes = st_kv_stream_device_bytes(&sp);
+    } else {
+        lp.kv_bytes = st_kv_pool_device_bytes(&kp);
+    }
     lp.weights.host_mem = o->host_mem;
     lp.weights.ring_slots = o->ring_slots;
     lp.weights.bw.h2d = o->h2d_bw * 1e9;
@@ -273,7 +293,7 @@ bool tool_model_open(const char *path, const tool_model_opts *o, tool_model *tm)
         return false;
     }
     const st_kv_pool_params kp = tool_kv_params(o, tm->model);
-    if (!o->kv_stream && st_kv_pool_init(tm->be, &kp, &tm->kv) != STRATA_OK) {
+    if (!tool_kv_streamed(o, &tm->files->config) && st_kv_pool_init(tm->be, &kp, &tm->kv) != STRATA_OK) {
         tool_print_error("kv cache");
         tool_model_close(tm);
         return false;

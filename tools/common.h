@@ -21,7 +21,8 @@ typedef struct {
     int ring_slots;      /* --ring-slots N (0: 2) */
     st_kv_dtype kv_dtype;  /* --kv-dtype bf16|fp8|f32 (default bf16) */
     int64_t kv_seqs;       /* not an option: sequences of --ctx tokens the KV pool holds (0: 1; bench --seqs) */
-    bool kv_stream;        /* not an option: no KV pool (bench --kv-stream: the sequence's KV in a kv_stream) */
+    bool kv_stream;        /* not an option: no KV pool (bench --kv-stream: the sequence's KV in a kv_stream;
+                              tool_kv_streamed) */
     int prefill;         /* --precise: -1, --fast-prefill: 1, 0: chosen by the weights' dtype (tool_fast_prefill) */
     const char *test_fault; /* --test-fault read-error:N | short-read:N: the Nth weight read fails or comes
                                back short; kv-ssd-write:N: the Nth KV SSD-tier write fails as on a full
@@ -100,6 +101,15 @@ bool tool_parse_size(const char *s, const char *what, size_t *out);
 /* The llama params these options ask for on a model of config c (budgets,
  * bandwidths, the KV pool's device bytes: kv_seqs sequences of the context,
  * and in test builds the --test-fault injection). */
+/* Whether one sequence's KV goes to host memory, streamed through the device
+ * (kv/kv_stream.h) instead of a device pool: bench --kv-stream, or a device
+ * budget (--device-mem) of which the KV of one --ctx sequence would take more
+ * than half. tool_model_open then makes no pool (tm->kv NULL); the planner
+ * counts the stream's ring instead. */
+bool tool_kv_streamed(const tool_model_opts *o, const st_config *c);
+/* The kv_stream params of such a sequence of --ctx tokens (--batch passes,
+ * --kv-dtype, --kv-host-mem as its cap; the model's piece is the default). */
+st_kv_stream_params tool_stream_params(const tool_model_opts *o, const st_config *c);
 st_llama_params tool_llama_params(const tool_model_opts *o, const st_config *c);
 /* The KV pool of those options for model m (kv_seqs sequences of its max_seq_len). */
 st_kv_pool_params tool_kv_params(const tool_model_opts *o, const st_llama *m);

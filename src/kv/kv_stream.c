@@ -187,17 +187,18 @@ strata_status st_kv_stream_reserve(st_kv_stream *ks, int64_t end) {
         const size_t want = st_kv_stream_host_bytes(&ks->p, end);
         if (ks->p.host_mem && want > ks->p.host_mem)
             return st_err(STRATA_ERR_NOMEM,
-                          "kv_stream: %lld tokens of KV take %.2f GiB of host memory, more than the %.2f GiB "
-                          "allowed (--kv-host-mem)", (long long)end, want / 1073741824.0,
-                          ks->p.host_mem / 1073741824.0);
+                          "kv_stream: %lld tokens of KV take %.1f MB of host memory (segments of %d tokens), "
+                          "more than the %.1f MB allowed (--kv-host-mem)", (long long)end, want / 1e6,
+                          ST_KV_STREAM_SEG, ks->p.host_mem / 1e6);
         const size_t bytes = (size_t)ST_KV_STREAM_SEG * ks->row;
         for (int64_t s = ks->n_segs; s < segs; s++)
             for (int64_t i = 0; i < 2 * ks->p.n_layers; i++) {
                 void **slot = &ks->seg[i * ks->max_segs + s];
                 strata_status st = ks->be->ops->host_alloc(ks->be, bytes, slot);
                 if (st != STRATA_OK)
-                    return st_err(STRATA_ERR_NOMEM, "kv_stream: pinning %.2f GiB of host memory for %lld tokens "
-                                  "of KV failed: %s", want / 1073741824.0, (long long)end, st_last_error());
+                    return st_err(STRATA_ERR_NOMEM, "kv_stream: pinning %.1f MB of host memory for %lld tokens "
+                                  "of KV failed (--kv-host-mem caps it): %s", want / 1e6, (long long)end,
+                                  st_last_error());
                 ks->host_used += bytes;
             }
         ks->n_segs = segs;

@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+"""Contexts longer than the device from the command line (issue 13, item 5):
+
+  - `strata plan --ctx N --device-mem B`: a context whose KV takes over half
+    the budget is placed in host memory, streamed (the line names the pinned
+    host bytes and the device ring); a short one stays in the device pool;
+  - `strata bench --kv-stream` on the tiny model: prefill and decode of a
+    1500-token sequence whose KV lives in host memory, the device peak and
+    the KV moved per token printed; `--kv-host-mem` too small fails naming
+    the option (exit 1, no traceback); `--kv-host-mem` without a streamed KV
+    is refused.
+"""
+import os
+import re
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import testlib  # noqa: E402
+from testlib import BIN, check  # noqa: E402
+
+TMP = testlib.tmp_dir("long_context_cli")
+
+
+def run(args):
+    return subprocess.run([BIN] + args, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300)
+
+
+def main():
+    tiny = os.path.join(TMP, "tiny")
+    if not os.path.isdir(tiny):
+        p = run(["mkmodel", "--config", "tiny", tiny])
+        if not check(p.returncode == 0, "mkmodel tiny (%s)" % p.stderr.strip()[-300:]):
+            return testlib.summary("test_long_context_cli")
+
+    p = run(["plan", tiny, "--device", "cpu", "--ctx", "2000000", "--device-mem", "200M"])
+    check(p.returncode == 0, "plan --ctx 2000000 --device-mem 200M exits 0 (%s)" % p.stderr.strip()[-300:])
+    m = re.search(r"context +2000000 tokens: KV ([0-9.]+ [KMG]?B), over half the device budget: streamed from "
+                  r"host memory \(([0-9.]+ [KMG]?B) pinned, layer by layer through a device ring of ([0-9.]+ [KMG]?B)",
+                  p.stdout)
+    check(m is not None, "plan names the streamed placement: %s" % p.stdout[-600:])
+    p = run(["plan", tiny, "--device", "cpu", "--ctx", "20000", "--device-mem", "200M"])
+    check(p.returncode == 0 and re.search(r"context +20000 tokens: KV .*, in the device pool", p.stdout) is not None,
+          "plan --ctx 20000 keeps the KV in the device pool: %s" % p.stdout[-300:])
+
+    p = run(["bench", tiny, "--device", "cpu", "--kv-stream", "--prompt", "1500", "--gen", "3", "--batch", "256",
+             "--threads", "2"])
+    check(p.returncode == 0, "bench --kv-stream exits 0 (%s)" % p.stderr.strip()[-300:])
+    check(re.search(r"KV bf16 streamed from host memory", p.stdout) is not None, "bench says the KV is streamed")
+    check(re.search(r"prefill +1500 tokens in [0-9.]+ s", p.stdout) is not None, "bench prints the prefill")
+    m = re.search(r"decode +3 tokens in [0-9.]+ s: .*; ([0-9.]+) MB of KV up per token", p.stdout)
+    # the tiny model: 2 layers x 2 kv heads x 32 x 2 bytes (bf16) x K and V = 1024 bytes a token; the decode steps
+    # read keys 0..1500+i of every layer
+    check(m is not None and abs(float(m.group(1)) - 1501 * 512 / 1e6) < 0.01,
+          "bench prints the KV moved up per decode token (%s)" % (m.group(1) if m else p.stdout[-400:]))
+    check(re.search(r"device mem +peak [0-9.]+ MB .* independent of the context", p.stdout) is not None,
+          "bench prints the device peak")
+
+    p = run(["bench", tiny, "--device", "cpu", "--kv-stream", "--kv-host-mem", "1K", "--prompt", "300", "--gen",
+             "2", "--batch", "256"])
+    check(p.returncode == 1 and "--kv-host-mem" in p.stderr and "Traceback" not in p.stderr,
+          "bench --kv-host-mem 1K fails naming the option (rc %d: %s)" % (p.returncode, p.stderr.strip()[-300:]))
+    p = run(["bench", tiny, "--device", "cpu", "--kv-host-mem", "1G", "--prompt", "64", "--gen", "2"])
+    check(p.returncode != 0 and "--kv-stream" in p.stderr,
+          "bench --kv-host-mem without a streamed KV is refused (rc %d: %s)" % (p.returncode, p.stderr.strip()[-300:]))
+    return testlib.summary("test_long_context_cli")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
