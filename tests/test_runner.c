@@ -19,6 +19,11 @@
  *      aligned chunks) gives the tokens and logits of one pass;
  *  (e) preemption: a pool too small for the load preempts (recompute), and
  *      every request still produces exactly its solo output;
+ *  (f) streamed sequences (kv_stream): with a pool of 16 blocks, two requests
+ *      too long for it (900 and 700 prompt tokens, one greedy, one sampled)
+ *      run with their KV in host memory, one after the other, beside short
+ *      requests that use the pool; every request gives the tokens and logits
+ *      (bit for bit) of a run whose pool holds them all, with no preemption;
  *  plus stop ids, max_tokens, abort mid-run, and every block back at the end.
  * STRATA_RUNNER_BENCH=1 also prints the runner's throughput on SmolLM2 at 1,
  * 8 and 32 concurrent sequences. */
@@ -557,6 +562,48 @@ static void test_preemption(const char *name, const st_model_files *mf, st_backe
     work_free(&w);
 }
 
+/* ---- (f) streamed sequences ----------------------------------------------------------------*/
+
+static void test_streamed(const char *name, const st_model_files *mf, st_backend *be) {
+    const int64_t V = mf->config.vocab_size, mml = 1024;
+    work w;
+    work_init(&w, mml);
+    int32_t *buf = malloc(1000 * sizeof(int32_t));
+    random_prompt(buf, 900, V);
+    work_add(&w, buf, 900, 6, true, 11, 0);   /* streams */
+    random_prompt(buf, 40, V);
+    work_add(&w, buf, 40, 8, true, 12, 0);    /* fits */
+    random_prompt(buf, 700, V);
+    work_add(&w, buf, 700, 5, false, 13, 1);  /* streams, after the first */
+    random_prompt(buf, 60, V);
+    work_add(&w, buf, 60, 30, false, 14, 2);  /* fits */
+    random_prompt(buf, 100, V);
+    work_add(&w, buf, 100, 20, true, 15, 3);  /* 120 tokens: fits 16 blocks of 16 */
+    free(buf);
+    st_engine_params p = {.max_batch = 4, .prefill_chunk = 64, .kv_block_size = 16, .kv_dtype = ST_KV_BF16};
+    run_info roomy, streamed;
+    run_work(mf, be, p, &w, -1, false, &roomy);
+    work ref;
+    snapshot(&w, &ref);
+    work_reset_results(&w);
+    p.kv_blocks = 16, p.kv_stream = true;
+    run_work(mf, be, p, &w, -1, false, &streamed);
+    int same = 0;
+    for (int i = 0; i < w.n; i++) {
+        const bool ok = same_req(&w.r[i], &ref.r[i], mml);
+        CHECK_MSG(ok, "%s: request %d (prompt %lld) streamed differs from the roomy run", name, i + 1,
+                  (long long)w.r[i].n_prompt);
+        same += ok;
+    }
+    CHECK(streamed.stats.sched.preemptions == 0);
+    /* (the long ones cannot have used the pool: 57 and 45 blocks of its 16) */
+    printf("  (f) %s: pool of 16 blocks x 16, two requests of 906 and 705 tokens streamed from host memory beside "
+           "three that fit: %d/%d outputs and logits equal a roomy pool's (%lld steps vs %lld)\n",
+           name, same, w.n, (long long)streamed.steps, (long long)roomy.steps);
+    work_free(&ref);
+    work_free(&w);
+}
+
 /* ---- stop ids, abort -------------------------------------------------------------------*/
 
 static void test_stop_abort(const st_model_files *mf, st_backend *be) {
@@ -713,6 +760,7 @@ int main(void) {
             test_preemption(tiny[i], mf, be, 12, 40, 30, 40, 4);
             test_stop_abort(mf, be);
         }
+        if (i == 1) test_streamed(tiny[i], mf, be); /* llama3_bf16: hd 16 */
         if (i == 1) test_prefix(tiny[i], mf, be, 6); /* 512 positions */
         st_model_close(mf);
     }

@@ -32,6 +32,7 @@ static void bench_usage(FILE *f) {
             "                   and --gen decode steps, beside their rooflines, and the device memory peak;\n"
             "                   also chosen when the KV of --ctx tokens takes over half of --device-mem\n"
             "  --kv-host-mem SIZE   with a streamed KV: cap on the host memory it takes (default: none)\n"
+            "  (--kv-offload, --kv-ssd-dir and --kv-ssd-size are for run and serve)\n"
             "  (here --batch defaults to the prompt length, up to 4096: the prompt in one chunk;\n"
             "  on CUDA the prefill is also timed in the other precision, --precise or --fast-prefill)\n"
             TOOL_MODEL_OPTS_HELP);
@@ -417,8 +418,6 @@ int cmd_bench(int argc, char **argv) {
         } else if (!strcmp(a, "--reps")) {
             if (!tool_parse_i64(val, 1, 1000, "--reps", &reps)) return 2;
             i++;
-        } else if (!strcmp(a, "--kv-stream")) {
-            mo.kv_stream = true;
         } else if (!strcmp(a, "--prefill-only")) {
             prefill_only = true;
         } else if (!strcmp(a, "--seqs")) {

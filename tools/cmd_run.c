@@ -476,6 +476,7 @@ static bool runner_open(run_opts *o, runner *r, int *rc) {
         .kv_offload_lazy = mo->kv_offload_lazy,
         .kv_ssd_dir = mo->kv_ssd_dir,
         .kv_ssd_size = mo->kv_ssd_size,
+        .kv_stream = mo->kv_stream,
         .kv_ssd_fail_write_nth = tool_kv_ssd_fault(mo),
     };
     if (strata_model_open(o->model_path, &mp, &r->m) != STRATA_OK) {

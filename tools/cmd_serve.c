@@ -357,6 +357,7 @@ int cmd_serve(int argc, char **argv) {
         .kv_offload_lazy = mo->kv_offload_lazy,
         .kv_ssd_dir = mo->kv_ssd_dir,
         .kv_ssd_size = mo->kv_ssd_size,
+        .kv_stream = mo->kv_stream,
         .kv_ssd_fail_write_nth = tool_kv_ssd_fault(mo),
         .prefill = mo->prefill < 0 ? STRATA_PREFILL_PRECISE : mo->prefill > 0 ? STRATA_PREFILL_FAST : STRATA_PREFILL_AUTO,
         .ring_slots = mo->ring_slots,

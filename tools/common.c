@@ -216,9 +216,14 @@ int tool_parse_model_opt(int argc, char **argv, int *i, tool_model_opts *o) {
         o->prefill = want;
         return 1; /* no value */
     } else if (!o->kv_tier_opts && (!strcmp(a, "--kv-host-mem") || !strcmp(a, "--kv-offload") ||
-                                    !strcmp(a, "--kv-ssd-dir") || !strcmp(a, "--kv-ssd-size"))) {
-        fprintf(stderr, "strata: %s is an option of run, serve, plan and bench-kv (the KV cache's tiers)\n", a);
+                                    !strcmp(a, "--kv-ssd-dir") || !strcmp(a, "--kv-ssd-size") ||
+                                    !strcmp(a, "--kv-stream"))) {
+        fprintf(stderr, "strata: %s is an option of run, serve, plan, bench and bench-kv (the KV cache's tiers)\n",
+                a);
         return -1;
+    } else if (strcmp(a, "--kv-stream") == 0) {
+        o->kv_stream = true;
+        return 1; /* no value */
     } else if (strcmp(a, "--kv-host-mem") == 0) {
         size_t n = 0;
         if (!tool_parse_size(val, a, &n)) return -1;

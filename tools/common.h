@@ -21,7 +21,8 @@ typedef struct {
     int ring_slots;      /* --ring-slots N (0: 2) */
     st_kv_dtype kv_dtype;  /* --kv-dtype bf16|fp8|f32 (default bf16) */
     int64_t kv_seqs;       /* not an option: sequences of --ctx tokens the KV pool holds (0: 1; bench --seqs) */
-    bool kv_stream;        /* not an option: no KV pool (bench --kv-stream: the sequence's KV in a kv_stream;
+    bool kv_stream;        /* --kv-stream: a sequence too long for the device pool keeps its KV in host
+                              memory, streamed through the device (run, serve; bench and plan:
                               tool_kv_streamed) */
     int prefill;         /* --precise: -1, --fast-prefill: 1, 0: chosen by the weights' dtype (tool_fast_prefill) */
     const char *test_fault; /* --test-fault read-error:N | short-read:N: the Nth weight read fails or comes
@@ -74,7 +75,12 @@ int64_t tool_kv_ssd_fault(const tool_model_opts *o);
     "  --kv-ssd-dir DIR         SSD tier under the host tier: blocks are written to DIR and found\n" \
     "                           again after a restart of the same model (another model's files\n"  \
     "                           there are ignored); needs the host tier\n"                            \
-    "  --kv-ssd-size SIZE       SSD tier size (default 64G; less when the disk has less room)\n"
+    "  --kv-ssd-size SIZE       SSD tier size (default 64G; less when the disk has less room)\n"  \
+    "  --kv-stream              a sequence too long for the device KV pool keeps its KV in host\n"  \
+    "                           memory, streamed through the device layer by layer (one such\n"     \
+    "                           sequence at a time; bf16 or f32 KV): a sequence may then be\n"       \
+    "                           longer than the pool instead of the pool growing to hold one\n"     \
+    "                           sequence of the full context\n"
 
 /* If argv[*i] is one of the model options, consumes it (and its value) and
  * returns 1; returns 0 when it is not; -1 (message printed) on a bad value. */

@@ -217,6 +217,7 @@ strata_status strata_model_open(const char *path, const strata_model_params *par
                                .kv_mem = p.kv_mem,
                                .disable_prefix_cache = p.disable_prefix_cache,
                                .host_sample = p.host_sample,
+                               .kv_stream = p.kv_stream,
                                .kv_host_mem = p.kv_host_mem < 0 ? ST_KV_HOST_OFF : p.kv_host_mem,
                                .kv_offload = p.kv_offload_lazy ? ST_KV_OFFLOAD_LAZY : ST_KV_OFFLOAD_EAGER,
                                .kv_ssd_dir = NULL, /* below: the model's copy */

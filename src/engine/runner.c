@@ -36,13 +36,15 @@ struct st_runner {
     int32_t *tokens, *pos, *seq, *logit_rows; /* [batch_tokens] */
     int32_t *tables;         /* [max_batch * table_w] */
     int32_t *ctx_lens;       /* [max_batch] */
-    int32_t *next;           /* [max_batch] sampled token per item (-1: none) */
+    int32_t *next;           /* [max_batch + 1] sampled token per item, then the streamed one's (-1: none) */
     int64_t *logit_item;     /* [max_batch] item of each logit row */
     float *logits;           /* [max_batch, model vocab] */
     bool dev_sample;         /* CUDA: draw on the device the tokens of samplers without a penalty */
     st_sample_args *sargs;   /* [max_batch] the sample op's args, one per logit row */
     int32_t *sids;           /* [max_batch] the tokens it drew */
-    st_runner_event *events; /* [max_batch] */
+    st_runner_event *events; /* [max_batch + 1]: the items', then the streamed sequence's */
+    st_kv_stream *ks;        /* the streamed sequence's KV (made at its first pass; NULL: none yet) */
+    float *stream_logits;    /* [model vocab] */
 
     st_runner_stats stats;
 };
@@ -157,8 +159,11 @@ strata_status st_engine_params_resolve(st_engine_params *p, const st_config *cfg
             mem = want < (double)DEF_KV_CAP ? (size_t)want : DEF_KV_CAP;
         }
         p->kv_blocks = (int64_t)(mem / (tok_bytes * (size_t)p->kv_block_size));
-        if (p->kv_blocks < seq_blocks) p->kv_blocks = seq_blocks;
+        if (p->kv_blocks < seq_blocks && !p->kv_stream) p->kv_blocks = seq_blocks;
+        if (p->kv_blocks < 1) p->kv_blocks = 1;
     }
+    if (p->kv_stream && p->kv_dtype == ST_KV_FP8)
+        return st_err(STRATA_ERR_UNSUPPORTED, "--kv-stream needs a bf16 or f32 KV cache (--kv-dtype), not fp8");
     return STRATA_OK;
 }
 
@@ -215,6 +220,7 @@ strata_status st_runner_init(const st_model_files *files, st_backend *be, const 
         const st_scheduler_params sp = {.max_num_batched_tokens = batch_tokens, .max_batch = p.max_batch,
                                         .max_model_len = p.max_model_len,
                                         .prefill_chunk = p.prefill_chunk > 0 ? p.prefill_chunk : 0,
+                                        .stream_tokens = p.kv_stream ? batch_tokens : 0,
                                         .lower = {.lookup = r->tiers ? tiers_lookup : NULL,
                                                   .prefetch = r->tiers ? tiers_prefetch : NULL,
                                                   .load = r->tiers ? tiers_load : NULL, .user = r->tiers}};
@@ -227,15 +233,16 @@ strata_status st_runner_init(const st_model_files *files, st_backend *be, const 
     r->logit_rows = st_malloc(T * sizeof *r->logit_rows);
     r->tables = st_malloc(B * (size_t)r->table_w * sizeof *r->tables);
     r->ctx_lens = st_malloc(B * sizeof *r->ctx_lens);
-    r->next = st_malloc(B * sizeof *r->next);
+    r->next = st_malloc((B + 1) * sizeof *r->next);
     r->logit_item = st_malloc(B * sizeof *r->logit_item);
     r->logits = st_malloc(B * (size_t)r->model_vocab * sizeof *r->logits);
-    r->events = st_calloc(B, sizeof *r->events);
+    r->events = st_calloc(B + 1, sizeof *r->events);
+    r->stream_logits = p.kv_stream ? st_malloc((size_t)r->model_vocab * sizeof *r->stream_logits) : NULL;
     r->sargs = st_malloc(B * sizeof *r->sargs);
     r->sids = st_malloc(B * sizeof *r->sids);
     r->dev_sample = be->kind == ST_BACKEND_CUDA && !p.host_sample; /* and per row: the sampler's width */
     if (!r->tokens || !r->pos || !r->seq || !r->logit_rows || !r->tables || !r->ctx_lens || !r->next ||
-        !r->logit_item || !r->logits || !r->events || !r->sargs || !r->sids) {
+        !r->logit_item || !r->logits || !r->events || !r->sargs || !r->sids || (p.kv_stream && !r->stream_logits)) {
         st = st_err(STRATA_ERR_NOMEM, "runner: out of memory for the batch arrays");
         goto fail;
     }
@@ -253,6 +260,8 @@ void st_runner_free(st_runner *r) {
     st_scheduler_free(r->sched);
     st_bm_free(r->bm);
     st_kv_tiers_free(r->tiers); /* writes what the SSD tier lacks, so a restart finds it */
+    st_kv_stream_free(r->ks);
+    st_free(r->stream_logits);
     if (r->model && r->kv) st_llama_forget_pool(r->model, r->kv);
     st_kv_pool_free(r->kv);
     st_llama_free(r->model);
@@ -324,6 +333,63 @@ static void build_batch(st_runner *r, const st_sched_decision *d, st_batch *b) {
                     .n_logits = n_out};
 }
 
+/* The streamed sequence's pass of this step (d->stream): its tokens through
+ * its host KV (st_llama_forward_stream; the stream is made at the first such
+ * pass, reset when a new sequence starts), then its token sampled on the
+ * host into r->next[d->n_items] and an event. A pass its host memory cannot
+ * hold (NOMEM: the machine's, or the cap) ends that sequence with an error
+ * naming what was exceeded; other errors are the step's. */
+static strata_status stream_pass(st_runner *r, const st_sched_decision *d, int64_t *n_ev) {
+    const st_sched_item *it = d->stream;
+    st_seq *q = it->seq;
+    r->next[d->n_items] = -1;
+    strata_status st = STRATA_OK;
+    if (!r->ks) {
+        const size_t avail = st_mem_available(); /* what pinning may take: 3/4 of what the machine has */
+        const st_kv_stream_params sp =
+            st_llama_stream_params(r->model, r->p.max_model_len, r->p.kv_dtype, avail ? avail / 4 * 3 : 0);
+        if ((st = st_kv_stream_init(r->be, &sp, &r->ks))) return st;
+    }
+    if (it->pos0 == 0) st_kv_stream_reset(r->ks);
+    ST_ASSERT(st_kv_stream_len(r->ks) == it->pos0);
+    const double t0 = st_time_now();
+    st = st_llama_forward_stream(r->model, r->ks, it->tokens, it->n, 0, false, r->stream_logits);
+    r->stats.forward_s += st_time_now() - t0;
+    st_runner_event *e = &r->events[(*n_ev)++];
+    *e = (st_runner_event){.seq = q, .token = -1};
+    if (st == STRATA_ERR_NOMEM) {
+        char msg[512];
+        snprintf(msg, sizeof msg, "the context of %lld tokens does not fit: %s",
+                 (long long)(it->pos0 + it->n), st_last_error());
+        st_log(STRATA_LOG_WARN, "runner: sequence %llu: %s", (unsigned long long)q->id, msg);
+        ST_ASSERT(st_scheduler_finish(r->sched, q->id, ST_FINISH_ERROR) == STRATA_OK);
+        st_seq_set_finished(q, ST_FINISH_ERROR, msg);
+        q->n_text = 0;
+        e->finished = true;
+        return STRATA_OK;
+    }
+    if (st) return st;
+    if (!it->need_logits) {
+        (*n_ev)--; /* no token: no event */
+        return STRATA_OK;
+    }
+    if (r->p.on_logits) r->p.on_logits(r->p.hook_user, it->seq_id, it->pos0 + it->n - 1, r->stream_logits,
+                                       r->model_vocab);
+    int32_t t = -1;
+    if (st_sampler_sample(q->sampler, r->stream_logits, q->tokens, q->n_tokens, &t) != STRATA_OK) {
+        char msg[256];
+        snprintf(msg, sizeof msg, "the sampler rejected the logits: %s", st_last_error());
+        ST_ASSERT(st_scheduler_finish(r->sched, q->id, ST_FINISH_ERROR) == STRATA_OK);
+        st_seq_set_finished(q, ST_FINISH_ERROR, msg);
+        q->n_text = 0;
+        e->finished = true;
+        return STRATA_OK;
+    }
+    r->next[d->n_items] = t;
+    e->token = t;
+    return STRATA_OK;
+}
+
 strata_status st_runner_step(st_runner *r, st_runner_step_info *out) {
     if (!r || !out) return st_err(STRATA_ERR_INVALID_ARG, "runner step: no runner or out");
     memset(out, 0, sizeof *out);
@@ -332,7 +398,7 @@ strata_status st_runner_step(st_runner *r, st_runner_step_info *out) {
     strata_status st = st_scheduler_schedule(r->sched, &d);
     if (st) return st;
     out->n_preempted = d->n_preempted;
-    if (d->n_items == 0) { /* copies the schedule queued still go (none when nothing ran) */
+    if (d->n_items == 0 && !d->stream) { /* copies the schedule queued still go (none when nothing ran) */
         if (!r->tiers) return STRATA_OK;
         if ((st = st_kv_tiers_before_forward(r->tiers, st_llama_stream(r->model))) ||
             (st = st_kv_tiers_after_step(r->tiers, st_llama_stream(r->model))))
@@ -341,9 +407,16 @@ strata_status st_runner_step(st_runner *r, st_runner_step_info *out) {
         if (st_kv_tiers_reading(r->tiers)) st_kv_tiers_wait_reads(r->tiers);
         return STRATA_OK;
     }
-    out->n_tokens = d->n_tokens;
-    out->n_seqs = d->n_items;
-    out->n_decodes = d->n_decodes;
+    out->n_tokens = d->n_tokens + (d->stream ? d->stream->n : 0);
+    out->n_seqs = d->n_items + (d->stream != NULL);
+    out->n_decodes = d->n_decodes + (d->stream && d->stream->is_decode);
+    int64_t n_ev = 0;
+    strata_status sst0 = STRATA_OK;
+    if (d->n_items == 0) { /* the streamed sequence alone */
+        if ((st = stream_pass(r, d, &n_ev))) return st;
+        r->stats.steps++;
+        goto update;
+    }
 
     /* 2-3: the batch through the model */
     st_batch b;
@@ -375,7 +448,6 @@ strata_status st_runner_step(st_runner *r, st_runner_step_info *out) {
 
     /* 4: sample every item that needs logits, with its own sampler */
     const int64_t V = r->model_vocab;
-    int64_t n_ev = 0;
     for (int64_t i = 0; i < d->n_items; i++) r->next[i] = -1;
     for (int64_t k = 0; k < b.n_logits; k++) {
         const int64_t i = r->logit_item[k];
@@ -410,7 +482,10 @@ strata_status st_runner_step(st_runner *r, st_runner_step_info *out) {
         e->token = t;
     }
     r->stats.sample_s += st_time_now() - t1;
+    /* the streamed sequence's pass, after the batch's (one at a time, beside it) */
+    if (d->stream && (sst0 = stream_pass(r, d, &n_ev))) return sst0;
 
+update:;
     /* 5: the scheduler appends, commits, finishes at max_tokens / max_model_len */
     st_seq *const *fin = NULL;
     int64_t n_fin = 0;

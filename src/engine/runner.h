@@ -75,7 +75,7 @@ typedef struct {
     int64_t kv_blocks;       /* blocks of the paged KV pool (0: from kv_mem) */
     size_t kv_mem;           /* pool bytes when kv_blocks is 0 (0: room for max_batch sequences of
                                 max_model_len tokens in kv_dtype, capped at 1 GiB); never less than
-                                one sequence of max_model_len tokens */
+                                one sequence of max_model_len tokens unless kv_stream */
     bool disable_prefix_cache; /* every prompt is computed in full (and no KV tiers) */
     /* KV tiers below the device pool (kv/kv_tiers.h; they need the prefix cache) */
     int64_t kv_host_mem;     /* host tier bytes (0: 1/8 of the memory available at startup, at most
@@ -86,6 +86,11 @@ typedef struct {
     uint64_t kv_ssd_size;    /* SSD tier bytes (0: ST_KV_SSD_DEFAULT; fewer when the disk has less room) */
     int64_t kv_ssd_fail_write_nth; /* tests: the Nth SSD write fails as on a full disk */
     bool host_sample;        /* sample on the host even on CUDA (no device sampling) */
+    /* A sequence too long for the device pool alone runs with its KV in host
+     * memory, streamed through the device layer by layer (kv/kv_stream.h;
+     * one at a time: scheduler.h stream_tokens), instead of the pool being
+     * raised to one max_model_len sequence. Needs a bf16 or f32 KV. */
+    bool kv_stream;
     st_kv_dtype kv_dtype;    /* KV cache element type (0 = ST_KV_F32; the tools default to bf16) */
     size_t device_mem;       /* the device budget the planner fills (0: unlimited: every weight resident) */
     st_weight_opts weights;  /* weight placement and streaming (planner/planner.h; zero: defaults) */

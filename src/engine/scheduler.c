@@ -46,8 +46,14 @@ struct st_scheduler {
     uint64_t *preempted;   /* [max_batch] */
     bool pending;          /* dec awaits st_scheduler_update */
 
-    st_seq **fin;          /* [max_batch] sequences finished by the last update */
+    st_seq **fin;          /* [max_batch + 1] sequences finished by the last update */
     int64_t n_fin;
+
+    /* the streamed sequence (params.stream_tokens): running, not in `running`, no blocks */
+    st_seq *streamed;
+    int64_t stream_done;   /* its tokens whose KV is in host memory */
+    st_sched_item stream_item;
+    st_seq *stream_seq;    /* the stream item's sequence (NULL once finished / aborted) */
 
     st_scheduler_stats stats;
 };
@@ -75,9 +81,12 @@ strata_status st_scheduler_init(const st_scheduler_params *p, st_block_manager *
                       (long long)p->max_num_batched_tokens, (long long)p->prefill_chunk, (long long)p->max_batch);
     const int64_t bs = st_bm_block_size(bm);
     const int64_t seq_blocks = (p->max_model_len - 1 + bs - 1) / bs;
-    if (seq_blocks > st_bm_num_blocks(bm))
+    if (p->stream_tokens < 0)
+        return st_err(STRATA_ERR_INVALID_ARG, "scheduler: stream_tokens %lld < 0", (long long)p->stream_tokens);
+    if (seq_blocks > st_bm_num_blocks(bm) && p->stream_tokens == 0)
         return st_err(STRATA_ERR_INVALID_ARG,
-                      "scheduler: one sequence of max_model_len %lld tokens needs %lld KV blocks of %lld, the pool has %lld",
+                      "scheduler: one sequence of max_model_len %lld tokens needs %lld KV blocks of %lld, the pool has %lld "
+                      "(--kv-stream runs longer sequences from host memory)",
                       (long long)p->max_model_len, (long long)seq_blocks, (long long)bs,
                       (long long)st_bm_num_blocks(bm));
     st_scheduler *s = st_calloc(1, sizeof *s);
@@ -91,7 +100,7 @@ strata_status st_scheduler_init(const st_scheduler_params *p, st_block_manager *
     s->item_seq = st_calloc(B, sizeof *s->item_seq);
     s->slots = st_calloc((size_t)p->max_num_batched_tokens, sizeof *s->slots);
     s->preempted = st_calloc(B, sizeof *s->preempted);
-    s->fin = st_calloc(B, sizeof *s->fin);
+    s->fin = st_calloc(B + 1, sizeof *s->fin);
     if (!s->running || !s->plan || !s->items || !s->item_seq || !s->slots || !s->preempted || !s->fin) {
         st_scheduler_free(s);
         return st_err(STRATA_ERR_NOMEM, "scheduler: out of memory");
@@ -140,7 +149,16 @@ static bool remove_from(st_seq **arr, int64_t *n, const st_seq *q) {
     return false;
 }
 
+bool st_scheduler_must_stream(const st_scheduler *s, const st_seq *q) {
+    if (s->p.stream_tokens == 0) return false;
+    int64_t len = q->max_tokens > 0 ? q->n_prompt + q->max_tokens : s->p.max_model_len;
+    if (len > s->p.max_model_len) len = s->p.max_model_len;
+    const int64_t bs = st_bm_block_size(s->bm);
+    return (len - 1 + bs - 1) / bs > st_bm_num_blocks(s->bm); /* its last token is never run */
+}
+
 static st_seq *find_live(const st_scheduler *s, uint64_t id) {
+    if (s->streamed && s->streamed->id == id) return s->streamed;
     for (int64_t i = 0; i < s->n_running; i++)
         if (s->running[i]->id == id) return s->running[i];
     for (int64_t i = 0; i < s->n_waiting; i++)
@@ -380,12 +398,38 @@ strata_status st_scheduler_schedule(st_scheduler *s, const st_sched_decision **o
         budget -= chunk;
     }
     /* 3. admissions, strictly FCFS, only in a step that preempted nobody */
-    while (!blocked && d->n_preempted == 0 && s->n_waiting > 0 && s->n_running < s->p.max_batch && budget > 0) {
+    while (!blocked && d->n_preempted == 0 && s->n_waiting > 0 && s->n_running < s->p.max_batch && budget > 0 &&
+           !st_scheduler_must_stream(s, s->waiting[0])) {
         bool admitted;
         int64_t used = 0;
         if ((st = admit_head(s, budget, &used, &admitted))) goto fail;
         if (!admitted) break;
         budget -= used;
+    }
+    /* 4. the streamed sequence: the head that must stream is admitted when none runs (FCFS: it is the head) */
+    if (!s->streamed && s->n_waiting > 0 && st_scheduler_must_stream(s, s->waiting[0])) {
+        st_seq *q = s->waiting[0];
+        if ((st = st_seq_reserve(q, q->n_tokens + 1))) goto fail;
+        memmove(s->waiting, s->waiting + 1, (size_t)(s->n_waiting - 1) * sizeof *s->waiting);
+        s->n_waiting--;
+        q->status = ST_SEQ_RUNNING;
+        if (q->n_cached < 0) q->n_cached = 0;
+        s->streamed = q;
+        s->stream_done = 0;
+    }
+    d->stream = NULL;
+    s->stream_seq = NULL;
+    if (s->streamed) {
+        st_seq *q = s->streamed;
+        const int64_t pending = q->n_tokens - s->stream_done;
+        ST_ASSERT(pending >= 1);
+        if (pending == 1 && (st = st_seq_reserve(q, q->n_tokens + 1))) goto fail;
+        const int64_t n = pending < s->p.stream_tokens ? pending : s->p.stream_tokens;
+        s->stream_item = (st_sched_item){.seq_id = q->id, .seq = q, .pos0 = s->stream_done, .n = n,
+                                         .tokens = q->tokens + s->stream_done, .is_decode = pending == 1,
+                                         .need_logits = s->stream_done + n == q->n_tokens};
+        s->stream_seq = q;
+        d->stream = &s->stream_item;
     }
     if ((st = build_decision(s))) goto fail;
     s->pending = true;
@@ -395,6 +439,7 @@ fail:
     /* Slots reserved so far stay with their sequences (they are reused by the
      * next schedule); nothing is marked computed. */
     d->n_items = d->n_decodes = d->n_tokens = 0;
+    d->stream = NULL;
     return st;
 }
 
@@ -403,7 +448,11 @@ fail:
 /* Removes live q (blocks released; the record stays its creator's, FINISHED
  * for `reason`); forgets it in the pending decision. */
 static void drop_seq(st_scheduler *s, st_seq *q, st_finish_reason reason) {
-    if (q->status == ST_SEQ_RUNNING) {
+    if (q == s->streamed) {
+        s->streamed = NULL;
+        s->stream_done = 0;
+        if (s->stream_seq == q) s->stream_seq = NULL;
+    } else if (q->status == ST_SEQ_RUNNING) {
         ST_ASSERT(remove_from(s->running, &s->n_running, q));
         st_bm_seq_free(s->bm, &q->kv);
     } else {
@@ -432,8 +481,30 @@ strata_status st_scheduler_update(st_scheduler *s, const int32_t *next_tokens,
             return st_err(STRATA_ERR_INVALID_ARG, "scheduler: item %lld (seq %llu) needs a sampled token, got %d",
                           (long long)i, (unsigned long long)d->items[i].seq_id, next_tokens ? next_tokens[i] : -1);
     }
+    if (d->stream && s->stream_seq && d->stream->need_logits && (!next_tokens || next_tokens[d->n_items] < 0))
+        return st_err(STRATA_ERR_INVALID_ARG, "scheduler: the streamed sequence %llu needs a sampled token, got %d",
+                      (unsigned long long)d->stream->seq_id, next_tokens ? next_tokens[d->n_items] : -1);
     s->pending = false;
     s->n_fin = 0;
+    if (d->stream && s->stream_seq) {
+        st_seq *q = s->stream_seq;
+        const st_sched_item *it = d->stream;
+        ST_ASSERT(s->stream_done == it->pos0);
+        s->stream_done += it->n;
+        if (it->is_decode) s->stats.decode_tokens += it->n;
+        else s->stats.prefill_tokens += it->n;
+        if (it->need_logits) {
+            st_seq_append(q, next_tokens[d->n_items]);
+            s->stats.generated_tokens++;
+            const bool at_max = q->max_tokens > 0 && st_seq_n_generated(q) >= q->max_tokens;
+            if (at_max || q->n_tokens >= s->p.max_model_len) {
+                q->fin.context_full = !at_max;
+                s->fin[s->n_fin++] = q;
+                s->stats.finished++;
+                drop_seq(s, q, ST_FINISH_LENGTH);
+            }
+        }
+    }
     for (int64_t i = 0; i < d->n_items; i++) {
         st_seq *q = s->item_seq[i];
         if (!q) continue;
@@ -487,13 +558,13 @@ const st_seq *st_scheduler_waiting(const st_scheduler *s, int64_t i) {
 
 int64_t st_scheduler_num_running(const st_scheduler *s) { return s->n_running; }
 int64_t st_scheduler_num_waiting(const st_scheduler *s) { return s->n_waiting; }
-bool st_scheduler_has_work(const st_scheduler *s) { return s->n_running + s->n_waiting > 0; }
+bool st_scheduler_has_work(const st_scheduler *s) { return s->n_running + s->n_waiting > 0 || s->streamed; }
 const st_scheduler_params *st_scheduler_get_params(const st_scheduler *s) { return &s->p; }
 
 void st_scheduler_get_stats(const st_scheduler *s, st_scheduler_stats *out) {
     *out = s->stats;
     out->n_waiting = s->n_waiting;
-    out->n_running = s->n_running;
+    out->n_running = s->n_running + (s->streamed != NULL);
 }
 
 #define SFAIL(...) return st_err(STRATA_ERR_INTERNAL, "scheduler invariant: " __VA_ARGS__)

@@ -40,6 +40,10 @@
  *      admission in a step that preempted (the blocks are scarce; do not
  *      thrash), nor in one where an aligned chunk of a running sequence had
  *      to wait for budget.
+ *   4. The streamed sequence (params.stream_tokens): the head of the waiting
+ *      queue, when it cannot fit the pool alone and none streams now, is
+ *      admitted without blocks; each step it runs one pass of at most
+ *      stream_tokens tokens (d->stream), beside the batch.
  *   KV blocks for each chunk / decode come from the block manager. When a
  *   running sequence's tokens do not fit, the most recently arrived running
  *   sequence is preempted (by recompute: its blocks are released, full
@@ -53,7 +57,9 @@
  * running sequence is never preempted by a newer one and always gets budget
  * (decodes take at most max_batch - 1 tokens of the budget beside it), and a
  * sequence alone always fits the pool (checked at init: ceil((max_model_len -
- * 1) / block_size) <= num_blocks), so the oldest always progresses; every
+ * 1) / block_size) <= num_blocks; with stream_tokens, a sequence that would
+ * not runs streamed instead and holds no blocks), so the oldest always
+ * progresses; every
  * sequence finishes within max_model_len tokens; hence every request
  * eventually finishes, and a waiting request is never overtaken by a newer one.
  *
@@ -105,6 +111,17 @@ typedef struct {
                         const int32_t *dev_blocks);
         void *user;
     } lower;
+    /* Sequences longer than the device pool (model/llama.h
+     * st_llama_forward_stream). 0: none: every sequence of max_model_len
+     * tokens must fit the pool (checked at init). > 0: a sequence whose
+     * longest possible length (prompt + max_tokens, at most max_model_len)
+     * does not fit the pool alone runs *streamed*: its KV lives in host
+     * memory and holds no device blocks; one at a time, in passes of at most
+     * stream_tokens tokens, one pass per step beside the batch (the
+     * decision's `stream` item). Admission stays first come first served: a
+     * head that must stream waits while another streamed sequence runs, and
+     * nobody overtakes it. A streamed sequence is never preempted. */
+    int64_t stream_tokens;
 } st_scheduler_params;
 
 /* One sequence's work in a step: run tokens[0..n) at positions pos0 .. pos0+n-1. */
@@ -143,6 +160,11 @@ typedef struct {
     uint64_t *preempted;       /* [n_preempted] sequences sent back to waiting in this step */
     int64_t n_preempted;
     int64_t block_size;
+    /* the streamed sequence's pass (params.stream_tokens), NULL when none:
+     * tokens [pos0, pos0 + n) through its host KV (no block table, no slots,
+     * not counted in n_tokens); pos0 == 0 starts a new streamed sequence.
+     * Its sampled token goes to next_tokens[n_items] in update. */
+    const st_sched_item *stream;
 } st_sched_decision;
 
 typedef struct {
@@ -202,6 +224,9 @@ strata_status st_scheduler_schedule(st_scheduler *s, const st_sched_decision **o
  * negative. */
 strata_status st_scheduler_update(st_scheduler *s, const int32_t *next_tokens,
                                   st_seq *const **finished, int64_t *n_finished);
+/* Whether a sequence of this record's longest possible length must stream
+ * (params.stream_tokens > 0 and it does not fit the pool alone). */
+bool st_scheduler_must_stream(const st_scheduler *s, const st_seq *q);
 
 /* Ends a live sequence now (waiting or running; blocks released; the record
  * FINISHED for `reason`, with its fin counters, and the caller's again: the
