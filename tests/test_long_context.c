@@ -20,7 +20,12 @@
  * within 1e-4 of the largest logit instead of bit for bit.
  * (3) Errors: a stream not made for the model, a context past max_len, host
  *     memory past its cap (NOMEM naming --kv-host-mem, nothing stored), fp8
- *     (UNSUPPORTED naming --kv-dtype). */
+ *     (UNSUPPORTED naming --kv-dtype).
+ * (4) Bounded activations: one pass of 6000 tokens (its FFN in sub-chunks of
+ *     ST_PLAN_FFN_ROWS = 4096 rows) gives the logits of passes of 512, bit for
+ *     bit, and the planner's activation bytes grow from passes of 4096 to
+ *     16384 tokens by the same amount whatever the FFN's width.
+ */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -182,6 +187,41 @@ static void test_errors(st_backend *be, st_model_files *f) {
     st_llama_free(m);
 }
 
+static void test_ffn_chunks(st_backend *be, st_model_files *f) {
+    const int64_t N = 6000, V = f->config.vocab_size;
+    int32_t *tok = malloc((size_t)N * sizeof *tok);
+    float *a = malloc((size_t)V * sizeof(float)), *b = malloc((size_t)V * sizeof(float));
+    uint64_t rng = 77;
+    for (int64_t i = 0; i < N; i++) tok[i] = (int32_t)(test_rand_u32(&rng) % (uint32_t)V);
+    const int64_t T[2] = {N, 512};
+    float *out[2] = {a, b};
+    for (int r = 0; r < 2; r++) {
+        st_llama_params lp = {.max_seq_len = N, .max_tokens = T[r]};
+        st_llama *m = NULL;
+        st_kv_pool *kv = NULL;
+        CHECK(test_llama_open(f, be, &lp, ST_KV_BF16, &m, &kv) == STRATA_OK);
+        if (m) CHECK_MSG(st_llama_forward_seq(m, kv, tok, N, 0, false, out[r]) == STRATA_OK, "%s", st_last_error());
+        test_llama_close(m, kv);
+    }
+    CHECK_MSG(memcmp(a, b, (size_t)V * sizeof(float)) == 0,
+              "one pass of %lld tokens (FFN in sub-chunks of %d) differs from passes of 512", (long long)N,
+              ST_PLAN_FFN_ROWS);
+    /* the growth from 4096 to 16384 tokens a pass does not depend on the intermediate size: the FFN's
+     * buffers stay at 4096 rows (with an intermediate of 2^20 they would grow by 100 GB) */
+    st_config c = f->config, big = f->config;
+    big.intermediate_size = (int64_t)1 << 20;
+    const size_t a4 = st_plan_act_bytes(be, &c, 4096, 16384, 0), a16 = st_plan_act_bytes(be, &c, 16384, 16384, 0);
+    const size_t b4 = st_plan_act_bytes(be, &big, 4096, 16384, 0), b16 = st_plan_act_bytes(be, &big, 16384, 16384, 0);
+    CHECK_MSG(a16 - a4 == b16 - b4, "activations grow by %zu bytes from 4096 to 16384 tokens a pass, %zu with an "
+              "intermediate of 2^20: the FFN grows with the pass", a16 - a4, b16 - b4);
+    printf("bounded activations: a pass of %lld tokens (FFN in sub-chunks of %d rows) gives the logits of passes "
+           "of 512 bit for bit; from 4096 to 16384 tokens a pass the activations grow by %zu bytes whatever the "
+           "FFN's width\n", (long long)N, ST_PLAN_FFN_ROWS, a16 - a4);
+    free(tok);
+    free(a);
+    free(b);
+}
+
 int main(int argc, char **argv) {
     const bool cuda_only = argc > 1 && !strcmp(argv[1], "--cuda-only"); /* the GPU script: the CPU half ran in CI */
     st_backend *be = NULL;
@@ -197,6 +237,7 @@ int main(int argc, char **argv) {
                                .dtype = ST_KV_BF16},
              "long, bf16 KV, passes of 512, pieces of 4096");
     test_errors(be, f);
+    test_ffn_chunks(be, f);
 cuda:
     st_backend_free(be);
     /* on a GPU machine (tests/gpu/run_gpu_long_context.sh): the same runs on CUDA, within a tolerance (the

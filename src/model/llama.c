@@ -202,8 +202,9 @@ strata_status st_llama_init(const st_model_files *files, st_backend *be, const s
     if ((st = alloc_f32(m, T * q_dim, &m->att))) goto fail;
     if ((st = alloc_f32(m, T * kv_dim, &m->k))) goto fail;
     if ((st = alloc_f32(m, T * kv_dim, &m->v))) goto fail;
-    if ((st = alloc_f32(m, T * I, &m->gate))) goto fail;
-    if ((st = alloc_f32(m, T * I, &m->up))) goto fail;
+    m->ffn_rows = st_plan_ffn_rows(T);
+    if ((st = alloc_f32(m, m->ffn_rows * I, &m->gate))) goto fail;
+    if ((st = alloc_f32(m, m->ffn_rows * I, &m->up))) goto fail;
     if ((st = alloc_f32(m, T * V, &m->logits))) goto fail;
     if ((st = be->ops->alloc(be, (size_t)T * (sizeof(st_sample_args) + sizeof(int32_t)), (void **)&m->d_sargs)))
         goto fail;
@@ -354,23 +355,31 @@ strata_status st_llama_attn_ops(st_llama *m, const st_weight *w, const st_kv_lay
 }
 
 /* FFN group: x += tmp (attention output); xn = norm(x); tmp = down(silu(gate)
- * * up). Gate, up and SwiGLU as one matmul_swiglu for fewer than 4 tokens
- * (one GEMV launch on CUDA; the same results; above, CUDA's matmul_swiglu
- * would need a scratch copy of up). */
+ * * up), in sub-chunks of at most m->ffn_rows rows (planner.h
+ * ST_PLAN_FFN_ROWS: the intermediate does not grow with a larger pass; each
+ * row's arithmetic is its own, so on the CPU the bits do not depend on it).
+ * Gate, up and SwiGLU as one matmul_swiglu for fewer than 4 tokens (one GEMV
+ * launch on CUDA; the same results; above, CUDA's matmul_swiglu would need a
+ * scratch copy of up). */
 strata_status st_llama_ffn_ops(st_llama *m, const st_weight *w, int64_t n) {
     st_backend *be = m->be;
     const st_backend_ops *o = be->ops;
     const st_config *c = &m->cfg;
     const int64_t H = c->hidden_size, I = c->intermediate_size;
     TRY(o->rmsnorm(be, m->stream, m->x, m->tmp, &w[ST_WG_FFN_NORM], c->rms_norm_eps, n, H, m->xn));
-    if (n < 4) {
-        TRY(o->matmul_swiglu(be, m->stream, m->xn, &w[ST_WG_GATE], &w[ST_WG_UP], n, m->gate));
-    } else {
-        TRY(o->matmul(be, m->stream, m->xn, &w[ST_WG_GATE], n, m->gate));
-        TRY(o->matmul(be, m->stream, m->xn, &w[ST_WG_UP], n, m->up));
-        TRY(o->swiglu(be, m->stream, m->gate, m->up, n * I, m->gate));
+    for (int64_t r0 = 0; r0 < n; r0 += m->ffn_rows) {
+        const int64_t k = n - r0 < m->ffn_rows ? n - r0 : m->ffn_rows;
+        const float *xn = m->xn + r0 * H;
+        if (k < 4) {
+            TRY(o->matmul_swiglu(be, m->stream, xn, &w[ST_WG_GATE], &w[ST_WG_UP], k, m->gate));
+        } else {
+            TRY(o->matmul(be, m->stream, xn, &w[ST_WG_GATE], k, m->gate));
+            TRY(o->matmul(be, m->stream, xn, &w[ST_WG_UP], k, m->up));
+            TRY(o->swiglu(be, m->stream, m->gate, m->up, k * I, m->gate));
+        }
+        TRY(o->matmul(be, m->stream, m->gate, &w[ST_WG_DOWN], k, m->tmp + r0 * H));
     }
-    return o->matmul(be, m->stream, m->gate, &w[ST_WG_DOWN], n, m->tmp);
+    return STRATA_OK;
 }
 
 /* Output group: x += tmp; xn = norm(x); logits[n_out, V] = the rows

@@ -55,13 +55,14 @@ struct st_llama {
                                                down [H, I]]; output [norm 1 x H, lm_head [V, H]] */
     st_wm *wm;              /* where the weights live: device, pinned host, SSD */
 
-    /* activations, [max_tokens, ...] each (planner/planner.h st_plan_act_bytes) */
+    /* activations, [max_tokens, ...] each but gate / up [ffn_rows, ...] (planner/planner.h st_plan_act_bytes) */
     float *x, *xn, *q, *k, *v, *att, *tmp, *gate, *up, *logits;
     float *inv_freq;        /* [head_dim/2] */
     float *lse;             /* [max_tokens, n_heads]: attention_part's running log-sum-exp */
     float *kg, *vg;         /* [gather_rows, kv_dim] one piece of one sequence's gathered keys / values
                                (planner/planner.h st_plan_gather_bytes) */
     int64_t piece, gather_rows; /* keys per attention piece; rows of kg / vg */
+    int64_t ffn_rows;       /* rows of gate / up: a pass's FFN runs in sub-chunks of at most this many */
     /* device sampling: args and ids, device / pinned host [max_tokens] each */
     st_sample_args *d_sargs, *h_sargs;
     int32_t *d_sids, *h_sids;

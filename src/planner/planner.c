@@ -22,6 +22,8 @@ int64_t st_plan_attn_piece(int64_t want) {
     return p;
 }
 
+int64_t st_plan_ffn_rows(int64_t max_tokens) { return max_tokens < ST_PLAN_FFN_ROWS ? max_tokens : ST_PLAN_FFN_ROWS; }
+
 int64_t st_plan_gather_rows(int64_t max_tokens, int64_t max_seq_len, int64_t piece) {
     const int64_t tail = ST_ATTN_RANGE + max_tokens, r = piece > tail ? piece : tail;
     return r < max_seq_len ? r : max_seq_len;
@@ -39,7 +41,7 @@ size_t st_plan_act_bytes(const st_backend *be, const st_config *c, int64_t T, in
     a += 2 * r256((size_t)(T * q_dim) * 4);             /* q, att */
     a += r256((size_t)(T * c->n_heads) * 4);            /* lse */
     a += 2 * r256((size_t)(T * kv_dim) * 4);            /* k, v */
-    a += 2 * r256((size_t)(T * I) * 4);                 /* gate, up */
+    a += 2 * r256((size_t)(st_plan_ffn_rows(T) * I) * 4); /* gate, up */
     a += r256((size_t)(T * V) * 4);                     /* logits */
     a += r256((size_t)(c->head_dim / 2) * 4);           /* inv_freq */
     a += r256((size_t)T * (sizeof(st_sample_args) + sizeof(int32_t))); /* sample args, ids */

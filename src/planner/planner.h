@@ -63,6 +63,12 @@ typedef struct {
  * then to a divisor of ST_KV_STREAM_SEG (a power of two). */
 #define ST_PLAN_ATTN_PIECE 16384
 int64_t st_plan_attn_piece(int64_t want);
+/* Tokens of a pass whose FFN intermediate (gate, up: rows x intermediate
+ * size fp32, 2 x 470 MB at 4096 rows for Llama-3-8B) is computed at once: a
+ * larger pass runs its FFN in sub-chunks of this many rows (model/llama.c),
+ * so the activations do not grow with the chunk past it. */
+#define ST_PLAN_FFN_ROWS 4096
+int64_t st_plan_ffn_rows(int64_t max_tokens);
 /* Rows of those buffers: a piece, or the keys of a streamed pass's last
  * range and its tokens (ST_ATTN_RANGE + max_tokens) when larger, never more
  * than max_seq_len. */
