@@ -333,6 +333,18 @@ static void build_batch(st_runner *r, const st_sched_decision *d, st_batch *b) {
                     .n_logits = n_out};
 }
 
+/* Ends sequence q with an error during a step (safe between schedule and
+ * update: update skips its item), its event finished, no text. */
+static void fail_seq(st_runner *r, st_seq *q, st_runner_event *e, const char *what) {
+    char msg[512];
+    snprintf(msg, sizeof msg, "%s: %s", what, st_last_error());
+    st_log(STRATA_LOG_WARN, "runner: sequence %llu: %s", (unsigned long long)q->id, msg);
+    ST_ASSERT(st_scheduler_finish(r->sched, q->id, ST_FINISH_ERROR) == STRATA_OK);
+    st_seq_set_finished(q, ST_FINISH_ERROR, msg);
+    q->n_text = 0;
+    e->finished = true;
+}
+
 /* The streamed sequence's pass of this step (d->stream): its tokens through
  * its host KV (st_llama_forward_stream; the stream is made at the first such
  * pass, reset when a new sequence starts), then its token sampled on the
@@ -358,14 +370,9 @@ static strata_status stream_pass(st_runner *r, const st_sched_decision *d, int64
     st_runner_event *e = &r->events[(*n_ev)++];
     *e = (st_runner_event){.seq = q, .token = -1};
     if (st == STRATA_ERR_NOMEM) {
-        char msg[512];
-        snprintf(msg, sizeof msg, "the context of %lld tokens does not fit: %s",
-                 (long long)(it->pos0 + it->n), st_last_error());
-        st_log(STRATA_LOG_WARN, "runner: sequence %llu: %s", (unsigned long long)q->id, msg);
-        ST_ASSERT(st_scheduler_finish(r->sched, q->id, ST_FINISH_ERROR) == STRATA_OK);
-        st_seq_set_finished(q, ST_FINISH_ERROR, msg);
-        q->n_text = 0;
-        e->finished = true;
+        char what[96];
+        snprintf(what, sizeof what, "the context of %lld tokens does not fit", (long long)(it->pos0 + it->n));
+        fail_seq(r, q, e, what);
         return STRATA_OK;
     }
     if (st) return st;
@@ -377,12 +384,7 @@ static strata_status stream_pass(st_runner *r, const st_sched_decision *d, int64
                                        r->model_vocab);
     int32_t t = -1;
     if (st_sampler_sample(q->sampler, r->stream_logits, q->tokens, q->n_tokens, &t) != STRATA_OK) {
-        char msg[256];
-        snprintf(msg, sizeof msg, "the sampler rejected the logits: %s", st_last_error());
-        ST_ASSERT(st_scheduler_finish(r->sched, q->id, ST_FINISH_ERROR) == STRATA_OK);
-        st_seq_set_finished(q, ST_FINISH_ERROR, msg);
-        q->n_text = 0;
-        e->finished = true;
+        fail_seq(r, q, e, "the sampler rejected the logits");
         return STRATA_OK;
     }
     r->next[d->n_items] = t;
@@ -468,14 +470,7 @@ strata_status st_runner_step(st_runner *r, st_runner_step_info *out) {
             sst = st_sampler_sample(q->sampler, row, q->tokens, q->n_tokens, &t);
         }
         if (sst != STRATA_OK) {
-            st_log(STRATA_LOG_WARN, "runner: sequence %llu: %s", (unsigned long long)q->id, st_last_error());
-            char msg[256];
-            snprintf(msg, sizeof msg, "the sampler rejected the logits: %s", st_last_error());
-            /* safe between schedule and update: update skips its item */
-            ST_ASSERT(st_scheduler_finish(r->sched, q->id, ST_FINISH_ERROR) == STRATA_OK);
-            st_seq_set_finished(q, ST_FINISH_ERROR, msg);
-            q->n_text = 0;
-            e->finished = true;
+            fail_seq(r, q, e, "the sampler rejected the logits");
             continue;
         }
         r->next[i] = t;
