@@ -239,6 +239,24 @@ static void test_kv_store(st_backend *be, st_kv_dtype t) {
         CHECK(L.v_scale[0 * H + 1] == 1.0f);
         for (int64_t d = 0; d < hd; d++) CHECK(((const uint8_t *)L.v)[(0 * H + 1) * hd + d] == 0);
     }
+    {   /* kv_gather: rows of any slots (repeats too) back as fp32, the values attention reads, bit for bit */
+        const int32_t ids[6] = {39, 0, 17, 5, 39, 18};
+        float *gk = malloc(6 * (size_t)cols * sizeof(float)), *gv = malloc(6 * (size_t)cols * sizeof(float));
+        CHECK(be->ops->kv_gather(be, NULL, &L, ids, 6, gk, gv) == STRATA_OK);
+        int bad_at = -1;
+        for (int64_t i = 0; i < 6 && bad_at < 0; i++)
+            for (int64_t c = 0; c < cols; c++) {
+                const int64_t e = (int64_t)ids[i] * cols + c;
+                const float wk = layer_get(&L, false, e), wv = layer_get(&L, true, e);
+                if (memcmp(&gk[i * cols + c], &wk, 4) || memcmp(&gv[i * cols + c], &wv, 4)) bad_at = (int)i;
+            }
+        CHECK_MSG(bad_at < 0, "%s: kv_gather row %d differs from the dequantized cache", st_kv_dtype_name(t), bad_at);
+        const int32_t out[2] = {3, 40};
+        memset(gk, 0, 6 * (size_t)cols * sizeof(float));
+        CHECK_ERR(be->ops->kv_gather(be, NULL, &L, out, 2, gk, gv), STRATA_ERR_INVALID_ARG, "ids[1] = 40");
+        CHECK(gk[0] == 0.0f); /* nothing written */
+        free(gk), free(gv);
+    }
     memcpy(k0, L.k, bytes);
     const int64_t bad[2] = {3, 40};
     CHECK_ERR(be->ops->kv_store_paged(be, NULL, &L, k, v, bad, 2), STRATA_ERR_INVALID_ARG, "slots[1] = 40");

@@ -136,7 +136,7 @@ strata_status st_backend_check_heads(const char *op, int64_t n, int64_t n_kv, in
     X(stream_create) X(event_create) X(event_record) X(stream_wait_event) X(event_sync)      \
     X(event_query) X(get_rows)                                                               \
     X(rmsnorm) X(matmul) X(rope) X(attention) X(attention_part) X(swiglu) X(add) X(set_rows) X(argmax)         \
-    X(matmul_multi) X(matmul_swiglu) X(kv_store_paged) X(attention_paged) X(sample)
+    X(matmul_multi) X(matmul_swiglu) X(kv_store_paged) X(kv_gather) X(attention_paged) X(sample)
 
 enum {
 #define X(o) OPN_##o,
@@ -443,6 +443,19 @@ static strata_status chk_kv_store_paged(st_backend *be, st_stream *s, const st_k
     CHECK_PTR(v, op);
     CHECK_PTR(slots, op);
     return be->dev_ops->kv_store_paged(be, s, cache, k, v, slots, n);
+}
+
+static strata_status chk_kv_gather(st_backend *be, st_stream *s, const st_kv_layer *cache, const int32_t *ids,
+                                   int64_t n, float *k, float *v) {
+    const char *op = OPNAME(be, kv_gather);
+    CHECK_PTR(cache, op);
+    TRY(st_kv_layer_check(cache, 0, 0, op));
+    CHECK_N(n, op);
+    if (n == 0) return STRATA_OK;
+    CHECK_PTR(ids, op);
+    CHECK_PTR(k, op);
+    CHECK_PTR(v, op);
+    return be->dev_ops->kv_gather(be, s, cache, ids, n, k, v);
 }
 
 static strata_status chk_attention_paged(st_backend *be, st_stream *s, const float *q, const st_paged_kv *kv,

@@ -300,6 +300,15 @@ typedef struct {
      * stored bytes are the same on every backend. */
     strata_status (*kv_store_paged)(st_backend *be, st_stream *s, const st_kv_layer *cache,
                                     const float *k, const float *v, const int64_t *slots, int64_t n);
+    /* k[i, :] and v[i, :] = the K and V rows of slot ids[i] of `cache`,
+     * dequantized to fp32 exactly (st_kv_layer's rules: the values
+     * attention_paged reads), for i < n; rows of n_kv_heads x head_dim
+     * floats. ids: [n] int32 on the device. An id outside [0, n_slots): the
+     * CPU backend returns STRATA_ERR_INVALID_ARG before writing anything;
+     * CUDA writes a row of NaN. (How one sequence's keys are gathered into
+     * contiguous pieces for attention_part, model/llama.c.) */
+    strata_status (*kv_gather)(st_backend *be, st_stream *s, const st_kv_layer *cache, const int32_t *ids,
+                               int64_t n, float *k, float *v);
     /* Causal grouped-query attention of a batch of sequences over a paged KV
      * cache (st_paged_kv above). q: [n, n_heads, hd]; token i belongs to
      * sequence seq[i] (< kv->n_seqs), sits at position pos[i]

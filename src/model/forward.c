@@ -177,13 +177,12 @@ static strata_status batch_upload(st_llama *m, st_kv_pool *kv, const st_batch *b
         memcpy(tab + s * B, b->block_tables + s * b->max_blocks, (size_t)b->max_blocks * 4);
     TRY(m->be->ops->copy_h2d(m->be, m->stream, dv, h, total));
     const uint8_t *dm = dv;
-    /* one sequence's prefill chunk, a pool the gather can read (get_rows: f32, bf16; int32 slot ids) */
+    /* one sequence's prefill chunk (any pool dtype: kv_gather; int32 slot ids) */
     d->gather_ctx = 0;
     d->key_slots = NULL;
     d->ks = NULL;
     const st_kv_pool_params *kp = st_kv_pool_get_params(kv);
-    if (S == 1 && n >= GATHER_MIN_TOKENS && (kp->dtype == ST_KV_F32 || kp->dtype == ST_KV_BF16) &&
-        kp->num_blocks * kp->block_size <= INT32_MAX) {
+    if (S == 1 && n >= GATHER_MIN_TOKENS && kp->num_blocks * kp->block_size <= INT32_MAX) {
         const int64_t ctx = b->ctx_lens[0], bs = kp->block_size;
         const size_t o_key = o_tab + (size_t)(T * B) * 4;
         ST_ASSERT(o_key + (size_t)ctx * 4 <= meta_bytes && ctx <= m->max_seq_len);

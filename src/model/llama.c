@@ -282,13 +282,7 @@ void st_llama_free(st_llama *m) {
  *     memory through the stream's ring, then the last range and the pass's
  *     own keys from the stream's area (kv/kv_stream.h). */
 static strata_status gather_piece(st_llama *m, const st_kv_layer *cache, const int32_t *ids, int64_t n_keys) {
-    st_backend *be = m->be;
-    const st_dtype t = cache->dtype == ST_KV_BF16 ? ST_DTYPE_BF16 : ST_DTYPE_F32;
-    const int64_t kv_dim = cache->n_kv_heads * cache->head_dim;
-    const st_weight kw = {.data = cache->k, .dtype = t, .rows = cache->n_slots, .cols = kv_dim};
-    const st_weight vw = {.data = cache->v, .dtype = t, .rows = cache->n_slots, .cols = kv_dim};
-    TRY(be->ops->get_rows(be, m->stream, &kw, ids, n_keys, m->kg));
-    return be->ops->get_rows(be, m->stream, &vw, ids, n_keys, m->vg);
+    return m->be->ops->kv_gather(m->be, m->stream, cache, ids, n_keys, m->kg, m->vg);
 }
 
 /* `last`: no piece follows (its log-sum-exp is not needed unless merging) */
@@ -339,7 +333,7 @@ strata_status st_llama_attn_ops(st_llama *m, const st_weight *w, const st_kv_lay
         return o->matmul(be, m->stream, m->att, &w[ST_WG_WO], n, m->tmp);
     }
     TRY(o->kv_store_paged(be, m->stream, cache, m->k, m->v, d->slots, n));
-    if (d->gather_ctx > 0) {
+    if (d->gather_ctx > 0) { /* any pool dtype: kv_gather dequantizes exactly */
         for (int64_t a = 0; a < d->gather_ctx; a += m->piece) {
             const int64_t len = d->gather_ctx - a < m->piece ? d->gather_ctx - a : m->piece;
             TRY(gather_piece(m, cache, d->key_slots + a, len));

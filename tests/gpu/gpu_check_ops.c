@@ -1035,6 +1035,28 @@ static void check_kv_store_paged(st_kv_dtype t, int64_t n_slots, int64_t H, int6
               "a NaN)  %s",
           st_kv_dtype_name(t), (long long)n_slots, (long long)H, (long long)hd, (long long)n,
           off ? " unaligned" : "", ok ? "same bytes" : "DIFFERS");
+    {   /* kv_gather of every slot (and, on the GPU, one out of range: a NaN row) from the same bytes: same bits */
+        const int64_t ng = n_slots + 1;
+        int32_t *ids = xmalloc((size_t)ng * 4);
+        for (int64_t i = 0; i < n_slots; i++) ids[i] = (int32_t)((i * 5 + 1) % n_slots);
+        ids[n_slots] = (int32_t)n_slots;
+        float *ck = xmalloc((size_t)(ng * cols) * 4), *cv = xmalloc((size_t)(ng * cols) * 4);
+        float *hk = xmalloc((size_t)(ng * cols) * 4), *hv = xmalloc((size_t)(ng * cols) * 4);
+        int32_t *dids = g_up(ids, (size_t)ng * 4);
+        float *dk = g_up(hk, (size_t)(ng * cols) * 4), *dv = g_up(hv, (size_t)(ng * cols) * 4);
+        TRY(g_cpu->ops->kv_gather(g_cpu, NULL, &p.c, ids, n_slots, ck, cv));
+        strata_status sg = g_gpu->ops->kv_gather(g_gpu, g_s, &p.g, dids, ng, dk, dv);
+        g_sync();
+        g_down(hk, dk, (size_t)(ng * cols) * 4), g_down(hv, dv, (size_t)(ng * cols) * 4);
+        bool same = sg == STRATA_OK && memcmp(hk, ck, (size_t)(n_slots * cols) * 4) == 0 &&
+                    memcmp(hv, cv, (size_t)(n_slots * cols) * 4) == 0;
+        for (int64_t c = 0; c < cols; c++) same = same && isnan(hk[n_slots * cols + c]) && isnan(hv[n_slots * cols + c]);
+        check(same, "kv_gather %s slots=%lld heads=%lld hd=%lld%s: every slot, +1 out of range (NaN)  %s",
+              st_kv_dtype_name(t), (long long)n_slots, (long long)H, (long long)hd, off ? " unaligned" : "",
+              same ? "same bits" : "DIFFERS");
+        g_free(dids), g_free(dk), g_free(dv);
+        free(ids), free(ck), free(cv), free(hk), free(hv);
+    }
     g_free(dsk), g_free(dsv), g_free(dslots);
     kv_pair_free(&p);
     free(k), free(v), free(slots);

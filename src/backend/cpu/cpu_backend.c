@@ -318,6 +318,33 @@ static strata_status cpu_kv_store_paged(st_backend *be, st_stream *s, const st_k
     return STRATA_OK;
 }
 
+static strata_status cpu_kv_gather(st_backend *be, st_stream *s, const st_kv_layer *c, const int32_t *ids, int64_t n,
+                                   float *k, float *v) {
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= c->n_slots)
+            return st_err(STRATA_ERR_INVALID_ARG, "cpu kv_gather: ids[%lld] = %d is outside [0, %lld)", (long long)i,
+                          ids[i], (long long)c->n_slots);
+    const int64_t H = c->n_kv_heads, hd = c->head_dim, cols = H * hd;
+    for (int64_t i = 0; i < n; i++)
+        for (int pl = 0; pl < 2; pl++) {
+            const void *base = pl ? c->v : c->k;
+            const float *scales = pl ? c->v_scale : c->k_scale;
+            float *o = (pl ? v : k) + i * cols;
+            const int64_t r0 = (int64_t)ids[i] * H; /* its first (slot, head) row */
+            switch (c->dtype) {
+            case ST_KV_F32: memcpy(o, (const float *)base + r0 * hd, (size_t)cols * sizeof(float)); break;
+            case ST_KV_BF16:
+                for (int64_t d = 0; d < cols; d++) o[d] = st_kv_bf16_to_f32(((const uint16_t *)base)[r0 * hd + d]);
+                break;
+            case ST_KV_FP8: /* the value times its (slot, head) row's scale: the attention's arithmetic */
+                for (int64_t d = 0; d < cols; d++)
+                    o[d] = st_kv_fp8_to_f32(((const uint8_t *)base)[r0 * hd + d]) * scales[r0 + d / hd];
+                break;
+            }
+        }
+    return STRATA_OK;
+}
+
 static strata_status cpu_attention_part(st_backend *be, st_stream *s, const float *q, const float *k,
                                         const float *v, const int32_t *pos, int64_t n, int64_t key0, int64_t n_kv,
                                         int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, float scale,
@@ -437,6 +464,7 @@ static const st_backend_ops g_cpu_ops = {
     .kv_store_paged = cpu_kv_store_paged,
     .attention_paged = cpu_attention_paged,
     .attention_part = cpu_attention_part,
+    .kv_gather = cpu_kv_gather,
     .sample = cpu_sample,
 };
 

@@ -473,6 +473,14 @@ static strata_status cuda_kv_store_paged(st_backend *be, st_stream *s, const st_
     RUN(be, s, st_cuda_op_kv_store_paged(be, cs_, cache, k, v, slots, n));
 }
 
+static strata_status cuda_kv_gather(st_backend *be, st_stream *s, const st_kv_layer *cache, const int32_t *ids,
+                                    int64_t n, float *k, float *v) {
+    const char *op = "cuda kv_gather";
+    CHECK_F32(k, op);
+    CHECK_F32(v, op);
+    RUN(be, s, st_cuda_op_kv_gather(be, cs_, cache, ids, n, k, v));
+}
+
 static strata_status cuda_attention_paged(st_backend *be, st_stream *s, const float *q, const st_paged_kv *kv,
                                           const int32_t *seq, const int32_t *pos, int64_t n, int64_t n_heads,
                                           int64_t n_kv_heads, int64_t head_dim, float scale, float *out) {
@@ -547,6 +555,7 @@ static const st_backend_ops g_cuda_ops = {
     .graph_destroy = st_cuda_graph_destroy,
     .set_fast_prefill = cuda_set_fast_prefill,
     .kv_store_paged = cuda_kv_store_paged,
+    .kv_gather = cuda_kv_gather,
     .attention_paged = cuda_attention_paged,
     .sample = cuda_sample,
 };

@@ -183,6 +183,8 @@ strata_status st_cuda_op_matmul_swiglu(st_backend *be, st_cuda_stream *s, const 
 
 strata_status st_cuda_op_kv_store_paged(st_backend *be, st_cuda_stream *s, const st_kv_layer *cache,
                                         const float *k, const float *v, const int64_t *slots, int64_t n);
+strata_status st_cuda_op_kv_gather(st_backend *be, st_cuda_stream *s, const st_kv_layer *cache, const int32_t *ids,
+                                   int64_t n, float *k, float *v);
 strata_status st_cuda_op_attention_paged(st_backend *be, st_cuda_stream *s, const float *q, const st_paged_kv *kv,
                                          const int32_t *seq, const int32_t *pos, int64_t n, int64_t n_heads,
                                          int64_t n_kv_heads, int64_t head_dim, float scale, float *out);

@@ -14,7 +14,11 @@
  *     then __nv_cvt_float_to_fp8(__fdiv_rn(x, scale), __NV_SATFINITE, __NV_E4M3)
  *     (round to nearest even, saturating, NaN -> 0x7f): the same fp32
  *     operations as the CPU reference (st_kv_fp8_row_scale, st_kv_f32_to_fp8 of
- *     x / scale), so the same bytes and scales. */
+ *     x / scale), so the same bytes and scales.
+ * kv_gather (the reverse, into fp32 rows): one block per id, threads over the
+ * row's elements; each value converted exactly as attention_paged reads it
+ * (bf16: bits << 16; fp8: its fp32 value __fmul_rn its (slot, head) row's
+ * scale); an id outside [0, n_slots) gives rows of NaN. */
 #include <cuda_fp8.h>
 
 #include "backend/cuda/cuda_common.cuh"
@@ -132,6 +136,69 @@ strata_status st_cuda_op_kv_store_paged(st_backend *be, st_cuda_stream *s, const
         ST_CUDA_TRY(st_launch(pdl, kv_store_paged_fp8_kernel, grid, dim3(128), 0, s->s, (uint8_t *)c->k,
                               (uint8_t *)c->v, c->k_scale, c->v_scale, c->n_slots, k, v, slots, (int)c->n_kv_heads,
                               (int)c->head_dim));
+        break;
+    }
+    return STRATA_OK;
+}
+
+template <int KT>
+static __global__ void __launch_bounds__(128)
+    kv_gather_kernel(const void *__restrict__ kc, const void *__restrict__ vc, const float *__restrict__ ks,
+                     const float *__restrict__ vs, int64_t n_slots, const int32_t *__restrict__ ids, int heads,
+                     int hd, float *__restrict__ k, float *__restrict__ v) {
+    st_pdl_wait();
+    st_pdl_trigger();
+    const int64_t i = blockIdx.x, cols = (int64_t)heads * hd;
+    const int32_t id = __ldg(ids + i);
+    for (int64_t d = threadIdx.x; d < cols; d += blockDim.x) {
+        float a, b;
+        if (id < 0 || id >= n_slots) {
+            a = b = __int_as_float(0x7fc00000);
+        } else {
+            const size_t e = (size_t)id * cols + d;
+            if constexpr (KT == ST_KV_F32) {
+                a = __ldg((const float *)kc + e), b = __ldg((const float *)vc + e);
+            } else if constexpr (KT == ST_KV_BF16) {
+                a = __uint_as_float((uint32_t)__ldg((const unsigned short *)kc + e) << 16);
+                b = __uint_as_float((uint32_t)__ldg((const unsigned short *)vc + e) << 16);
+            } else {
+                const int64_t r = (int64_t)id * heads + d / hd;
+                const __nv_fp8_storage_t x = (__nv_fp8_storage_t)__ldg((const unsigned char *)kc + e);
+                const __nv_fp8_storage_t y = (__nv_fp8_storage_t)__ldg((const unsigned char *)vc + e);
+                a = __fmul_rn(__half2float(__half(__nv_cvt_fp8_to_halfraw(x, __NV_E4M3))), __ldg(ks + r));
+                b = __fmul_rn(__half2float(__half(__nv_cvt_fp8_to_halfraw(y, __NV_E4M3))), __ldg(vs + r));
+            }
+        }
+        k[i * cols + d] = a;
+        v[i * cols + d] = b;
+    }
+}
+
+strata_status st_cuda_op_kv_gather(st_backend *be, st_cuda_stream *s, const st_kv_layer *c, const int32_t *ids,
+                                   int64_t n, float *k, float *v) {
+    if (n > INT32_MAX || c->n_kv_heads > INT32_MAX || c->head_dim > INT32_MAX)
+        return st_err(STRATA_ERR_INVALID_ARG, "cuda kv_gather: n = %lld is too large", (long long)n);
+    const size_t es = st_kv_dtype_size(c->dtype);
+    if (!st_cuda_aligned(c->k, es) || !st_cuda_aligned(c->v, es))
+        return st_err(STRATA_ERR_INVALID_ARG, "cuda kv_gather: cache.k / cache.v are not %zu-byte aligned", es);
+    const bool pdl = st_cuda_of(be)->pdl;
+    const dim3 grid((unsigned)n);
+    const int H = (int)c->n_kv_heads, hd = (int)c->head_dim;
+    switch (c->dtype) {
+    case ST_KV_F32:
+        ST_CUDA_TRY(st_launch(pdl, kv_gather_kernel<ST_KV_F32>, grid, dim3(128), 0, s->s, (const void *)c->k,
+                              (const void *)c->v, (const float *)nullptr, (const float *)nullptr, c->n_slots, ids, H,
+                              hd, k, v));
+        break;
+    case ST_KV_BF16:
+        ST_CUDA_TRY(st_launch(pdl, kv_gather_kernel<ST_KV_BF16>, grid, dim3(128), 0, s->s, (const void *)c->k,
+                              (const void *)c->v, (const float *)nullptr, (const float *)nullptr, c->n_slots, ids, H,
+                              hd, k, v));
+        break;
+    case ST_KV_FP8:
+        ST_CUDA_TRY(st_launch(pdl, kv_gather_kernel<ST_KV_FP8>, grid, dim3(128), 0, s->s, (const void *)c->k,
+                              (const void *)c->v, (const float *)c->k_scale, (const float *)c->v_scale, c->n_slots,
+                              ids, H, hd, k, v));
         break;
     }
     return STRATA_OK;
