@@ -137,7 +137,7 @@ typedef struct {
     int64_t kv_ssd_fail_write_nth; /* tests: the Nth SSD write fails as on a full disk (0: never) */
     bool kv_stream;            /* a request too long for the device KV pool runs with its KV in host
                                   memory, streamed through the device layer by layer (one such request
-                                  at a time; bf16 or f32 KV): max_seq_len may exceed the pool */
+                                  at a time): max_seq_len may exceed the pool */
 } strata_model_params;
 
 /* Opens a model (a Hugging Face directory with tokenizer.json, or a .gguf

@@ -18,9 +18,12 @@
  *     all logits of every position compared.
  * On a GPU machine the same runs (short, and 20K tokens) also on CUDA,
  * within 1e-4 of the largest logit instead of bit for bit.
+ * (2b) fp8 KV: 3000 tokens, the K/V scales streamed with the rows: the same
+ *     bits as the fitting fp8 pool (whose prefill chunks gather with kv_gather
+ *     and whose decodes read the pool through attention_paged).
  * (3) Errors: a stream not made for the model, a context past max_len, host
- *     memory past its cap (NOMEM naming --kv-host-mem, nothing stored), fp8
- *     (UNSUPPORTED naming --kv-dtype).
+ *     memory past its cap (NOMEM naming --kv-host-mem, nothing stored), a
+ *     piece size that is not a multiple of ST_ATTN_RANGE.
  * (4) Bounded activations: one pass of 6000 tokens (its FFN in sub-chunks of
  *     ST_PLAN_FFN_ROWS = 4096 rows) gives the logits of passes of 512, bit for
  *     bit, and the planner's activation bytes grow from passes of 4096 to
@@ -119,7 +122,8 @@ static void run_both(st_backend *be, st_model_files *f, const run_cfg *rc, const
     /* what crossed: every pass reads keys [0, len) of every layer (pieces, then the tail range) and writes
      * its own rows; K and V */
     uint64_t up = 0, down = 0, want_up = 0;
-    const size_t row = (size_t)(sp.n_kv_heads * sp.head_dim) * st_kv_dtype_size(sp.dtype);
+    const size_t row = (size_t)(sp.n_kv_heads * sp.head_dim) * st_kv_dtype_size(sp.dtype) +
+                       (sp.dtype == ST_KV_FP8 ? (size_t)sp.n_kv_heads * 4 : 0); /* fp8: its scales too */
     for (int64_t len = 0; len < rc->prompt; len += rc->max_tokens) want_up += (uint64_t)len;
     for (int64_t i = 0; i < rc->dec; i++) want_up += (uint64_t)(rc->prompt + i);
     want_up *= 2 * (uint64_t)sp.n_layers * row;
@@ -178,9 +182,6 @@ static void test_errors(st_backend *be, st_model_files *f) {
     CHECK(st_kv_stream_len(ks) == 0 && st_kv_stream_host_used(ks) == 0);
     st_kv_stream_free(ks);
     ks = NULL;
-    sp = st_llama_stream_params(m, 100, ST_KV_FP8, 0);
-    CHECK_ERR(st_kv_stream_init(be, &sp, &ks), STRATA_ERR_UNSUPPORTED, "--kv-dtype");
-    CHECK(ks == NULL);
     sp = st_llama_stream_params(m, 100, ST_KV_BF16, 0);
     sp.piece = 300;
     CHECK_ERR(st_kv_stream_init(be, &sp, &ks), STRATA_ERR_INVALID_ARG, "piece");
@@ -234,6 +235,8 @@ int main(int argc, char **argv) {
     run_both(be, f, &(run_cfg){.prompt = 700, .dec = 5, .max_tokens = 64, .piece = 256, .dtype = ST_KV_F32,
                                .all_logits = true},
              "short, f32 KV, passes of 64, pieces of 256");
+    run_both(be, f, &(run_cfg){.prompt = 3000, .dec = 4, .max_tokens = 256, .piece = 1024, .dtype = ST_KV_FP8},
+             "fp8 KV (scales streamed too), passes of 256, pieces of 1024");
     run_both(be, f, &(run_cfg){.prompt = N_LONG, .dec = N_DEC, .max_tokens = 512, .piece = 4096,
                                .dtype = ST_KV_BF16},
              "long, bf16 KV, passes of 512, pieces of 4096");

@@ -9,7 +9,7 @@
     the short one in the pool), and a streamed request and a short one sent
     together both finish with R's texts;
   - without --kv-stream the same pool refuses to start, naming --kv-stream;
-    --kv-stream with --kv-dtype fp8 is refused naming --kv-dtype;
+    with --kv-dtype fp8 (scales streamed too) the long prompt answers;
   - a prompt past --max-model-len is still a 400 context_length_exceeded.
 test_server.py's Server / raw are reused. About 20 s on 2 cores.
 """
@@ -76,11 +76,11 @@ def main():
                         "--no-rooflines"], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     check(p.returncode != 0 and "--kv-stream" in p.stderr, "a pool smaller than one sequence without --kv-stream: "
           "refused naming it (rc %d: %s)" % (p.returncode, p.stderr.strip()[-200:]))
-    p = subprocess.run([BIN, "serve", model, "--port", "0", "--max-model-len", "2048", "--kv-blocks", "16",
-                        "--kv-stream", "--kv-dtype", "fp8", "--no-rooflines"], capture_output=True, text=True,
-                       timeout=120, stdin=subprocess.DEVNULL)
-    check(p.returncode != 0 and "--kv-dtype" in p.stderr, "--kv-stream with fp8: refused naming --kv-dtype (rc %d: %s)"
-          % (p.returncode, p.stderr.strip()[-200:]))
+    f8 = ts.Server(model, "--max-model-len", "2048", "--max-batch", "2", "--kv-blocks", "16", "--kv-stream",
+                   "--kv-dtype", "fp8", "--no-rooflines", tag="kv_stream_fp8")
+    st, text, n = complete(f8, LONG)
+    check(st == 200 and n == want_long[2] and text, "fp8 KV streamed: the long prompt answers (%d, %r)" % (st, text))
+    check(f8.stop() == 0, "fp8 server: SIGTERM, exit 0")
     return testlib.summary("test_server_kv_stream")
 
 

@@ -161,9 +161,8 @@ int cmd_plan(int argc, char **argv) {
                 const size_t host = st_kv_stream_host_bytes(&sp, ctx), avail = st_mem_available();
                 printf("context    %lld tokens: KV %s, over half the device budget: streamed from host memory "
                        "(%s pinned, layer by layer through a device ring of %s, counted above as the KV cache; "
-                       "bench, and run / serve with --kv-stream)%s%s%s\n",
+                       "bench, and run / serve with --kv-stream)%s%s\n",
                        (long long)ctx, B(0, need), B(1, (double)host), B(2, (double)st_kv_stream_device_bytes(&sp)),
-                       mo.kv_dtype == ST_KV_FP8 ? "; not with --kv-dtype fp8 yet" : "",
                        avail && host > avail ? "; MORE than the host memory available now: " : "",
                        avail && host > avail ? B(3, (double)avail) : "");
             }

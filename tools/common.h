@@ -78,7 +78,7 @@ int64_t tool_kv_ssd_fault(const tool_model_opts *o);
     "  --kv-ssd-size SIZE       SSD tier size (default 64G; less when the disk has less room)\n"  \
     "  --kv-stream              a sequence too long for the device KV pool keeps its KV in host\n"  \
     "                           memory, streamed through the device layer by layer (one such\n"     \
-    "                           sequence at a time; bf16 or f32 KV): a sequence may then be\n"       \
+    "                           sequence at a time): a sequence may then be\n"                         \
     "                           longer than the pool instead of the pool growing to hold one\n"     \
     "                           sequence of the full context\n"
 

@@ -162,8 +162,6 @@ strata_status st_engine_params_resolve(st_engine_params *p, const st_config *cfg
         if (p->kv_blocks < seq_blocks && !p->kv_stream) p->kv_blocks = seq_blocks;
         if (p->kv_blocks < 1) p->kv_blocks = 1;
     }
-    if (p->kv_stream && p->kv_dtype == ST_KV_FP8)
-        return st_err(STRATA_ERR_UNSUPPORTED, "--kv-stream needs a bf16 or f32 KV cache (--kv-dtype), not fp8");
     return STRATA_OK;
 }
 

@@ -89,7 +89,7 @@ typedef struct {
     /* A sequence too long for the device pool alone runs with its KV in host
      * memory, streamed through the device layer by layer (kv/kv_stream.h;
      * one at a time: scheduler.h stream_tokens), instead of the pool being
-     * raised to one max_model_len sequence. Needs a bf16 or f32 KV. */
+     * raised to one max_model_len sequence. */
     bool kv_stream;
     st_kv_dtype kv_dtype;    /* KV cache element type (0 = ST_KV_F32; the tools default to bf16) */
     size_t device_mem;       /* the device budget the planner fills (0: unlimited: every weight resident) */

@@ -11,15 +11,16 @@
 struct st_kv_stream {
     st_backend *be;
     st_kv_stream_params p;
-    size_t row;                 /* bytes of one key's row in one plane */
+    size_t prow[4];             /* bytes of one key's row in each plane: K, V (then, fp8: K and V scales) */
+    int np_;                    /* planes: 2, or 4 with fp8's scales */
     int64_t area_rows;          /* ST_ATTN_RANGE + max_tokens */
     /* host: seg[(l * 2 + plane) * max_segs + s] */
     void **seg;
     int64_t max_segs, n_segs;   /* segments allocated per (layer, plane) */
     size_t host_used;
     /* device */
-    void *ring[2][2];           /* [slot][plane] */
-    void *area[2][2];           /* [layer parity][plane] */
+    void *ring[2][4];           /* [slot][plane] */
+    void *area[2][4];           /* [layer parity][plane] */
     int32_t *iota;
     void *meta_h, *meta_d;      /* a pass's metadata: pinned host staging and its device copy */
     size_t meta_bytes;
@@ -35,20 +36,33 @@ struct st_kv_stream {
 
 static size_t r256(size_t x) { return (x + 255) / 256 * 256; }
 
-static size_t row_bytes(const st_kv_stream_params *p) {
-    return (size_t)(p->n_kv_heads * p->head_dim) * st_kv_dtype_size(p->dtype);
+/* Bytes of one key's row in plane pl (K, V, then fp8's K and V scales: a float per kv head), 0 past the
+ * planes of the dtype. */
+static size_t plane_row(const st_kv_stream_params *p, int pl) {
+    if (pl < 2) return (size_t)(p->n_kv_heads * p->head_dim) * st_kv_dtype_size(p->dtype);
+    return p->dtype == ST_KV_FP8 ? (size_t)p->n_kv_heads * sizeof(float) : 0;
+}
+
+/* Bytes of one key in every plane. */
+static size_t key_bytes(const st_kv_stream_params *p) {
+    size_t b = 0;
+    for (int pl = 0; pl < 4; pl++) b += plane_row(p, pl);
+    return b;
 }
 
 size_t st_kv_stream_device_bytes(const st_kv_stream_params *p) {
-    const size_t row = row_bytes(p), area = (size_t)(ST_ATTN_RANGE + p->max_tokens);
+    const size_t area = (size_t)(ST_ATTN_RANGE + p->max_tokens);
     const size_t ids = (size_t)p->piece > area ? (size_t)p->piece : area;
-    return 4 * r256((size_t)p->piece * row) + 4 * r256(area * row) + r256(ids * 4) +
+    size_t b = 0;
+    for (int pl = 0; pl < 4; pl++)
+        if (plane_row(p, pl)) b += 2 * r256((size_t)p->piece * plane_row(p, pl)) + 2 * r256(area * plane_row(p, pl));
+    return b + r256(ids * 4) +
            r256((size_t)p->max_tokens * ST_KV_STREAM_META_PER_TOKEN);
 }
 
 size_t st_kv_stream_host_bytes(const st_kv_stream_params *p, int64_t len) {
     const int64_t segs = (len + ST_KV_STREAM_SEG - 1) / ST_KV_STREAM_SEG;
-    return (size_t)(segs * 2 * p->n_layers) * ST_KV_STREAM_SEG * row_bytes(p);
+    return (size_t)(segs * p->n_layers) * ST_KV_STREAM_SEG * key_bytes(p);
 }
 
 #define BAD(...) return st_err(STRATA_ERR_INVALID_ARG, "kv_stream: " __VA_ARGS__)
@@ -57,10 +71,7 @@ static strata_status check_params(const st_kv_stream_params *p) {
     if (p->n_layers < 1 || p->n_kv_heads < 1 || p->head_dim < 1)
         BAD("n_layers = %lld, n_kv_heads = %lld, head_dim = %lld (>= 1 each)", (long long)p->n_layers,
             (long long)p->n_kv_heads, (long long)p->head_dim);
-    if (p->dtype == ST_KV_FP8)
-        return st_err(STRATA_ERR_UNSUPPORTED, "kv_stream: a sequence longer than the device pool needs a bf16 or "
-                      "f32 KV cache (--kv-dtype), not fp8");
-    if (p->dtype != ST_KV_BF16 && p->dtype != ST_KV_F32) BAD("dtype %d", (int)p->dtype);
+    if (p->dtype != ST_KV_BF16 && p->dtype != ST_KV_F32 && p->dtype != ST_KV_FP8) BAD("dtype %d", (int)p->dtype);
     if (p->piece < ST_ATTN_RANGE || p->piece % ST_ATTN_RANGE || ST_KV_STREAM_SEG % p->piece)
         BAD("piece = %lld (a multiple of %d dividing %d)", (long long)p->piece, ST_ATTN_RANGE, ST_KV_STREAM_SEG);
     if (p->max_tokens < 1) BAD("max_tokens = %lld", (long long)p->max_tokens);
@@ -76,16 +87,17 @@ strata_status st_kv_stream_init(st_backend *be, const st_kv_stream_params *p, st
     if (!ks) return st_err(STRATA_ERR_NOMEM, "kv_stream: out of memory");
     ks->be = be;
     ks->p = *p;
-    ks->row = row_bytes(p);
+    ks->np_ = p->dtype == ST_KV_FP8 ? 4 : 2;
+    for (int pl = 0; pl < 4; pl++) ks->prow[pl] = plane_row(p, pl);
     ks->area_rows = ST_ATTN_RANGE + p->max_tokens;
     ks->max_segs = (p->max_len + ST_KV_STREAM_SEG - 1) / ST_KV_STREAM_SEG;
-    ks->seg = st_calloc((size_t)(ks->max_segs * 2 * p->n_layers), sizeof *ks->seg);
+    ks->seg = st_calloc((size_t)(ks->max_segs * 4 * p->n_layers), sizeof *ks->seg);
     const st_backend_ops *o = be->ops;
     strata_status st = ks->seg ? STRATA_OK : st_err(STRATA_ERR_NOMEM, "kv_stream: out of memory");
     for (int s = 0; s < 2 && st == STRATA_OK; s++)
-        for (int pl = 0; pl < 2 && st == STRATA_OK; pl++) {
-            st = o->alloc(be, (size_t)p->piece * ks->row, &ks->ring[s][pl]);
-            if (st == STRATA_OK) st = o->alloc(be, (size_t)ks->area_rows * ks->row, &ks->area[s][pl]);
+        for (int pl = 0; pl < ks->np_ && st == STRATA_OK; pl++) {
+            st = o->alloc(be, (size_t)p->piece * ks->prow[pl], &ks->ring[s][pl]);
+            if (st == STRATA_OK) st = o->alloc(be, (size_t)ks->area_rows * ks->prow[pl], &ks->area[s][pl]);
         }
     const int64_t ids = p->piece > ks->area_rows ? p->piece : ks->area_rows;
     int32_t *h = st == STRATA_OK ? st_malloc((size_t)ids * 4) : NULL;
@@ -125,7 +137,7 @@ void st_kv_stream_free(st_kv_stream *ks) {
     for (size_t i = 0; i < sizeof evs / sizeof evs[0]; i++)
         if (evs[i]) o->event_destroy(be, evs[i]);
     for (int s = 0; s < 2; s++)
-        for (int pl = 0; pl < 2; pl++) {
+        for (int pl = 0; pl < 4; pl++) {
             if (ks->ring[s][pl]) o->dealloc(be, ks->ring[s][pl]);
             if (ks->area[s][pl]) o->dealloc(be, ks->area[s][pl]);
         }
@@ -133,7 +145,7 @@ void st_kv_stream_free(st_kv_stream *ks) {
     if (ks->meta_d) o->dealloc(be, ks->meta_d);
     if (ks->meta_h) o->host_dealloc(be, ks->meta_h);
     if (ks->seg)
-        for (int64_t i = 0; i < ks->max_segs * 2 * ks->p.n_layers; i++)
+        for (int64_t i = 0; i < ks->max_segs * 4 * ks->p.n_layers; i++)
             if (ks->seg[i]) o->host_dealloc(be, ks->seg[i]);
     st_free(ks->seg);
     st_free(ks);
@@ -155,13 +167,29 @@ void st_kv_stream_bytes(const st_kv_stream *ks, uint64_t *h2d, uint64_t *d2h) {
 
 /* Host row of key j of (layer l, plane pl). */
 static uint8_t *host_row(st_kv_stream *ks, int64_t l, int pl, int64_t j) {
-    uint8_t *s = ks->seg[(l * 2 + pl) * ks->max_segs + j / ST_KV_STREAM_SEG];
-    return s + (size_t)(j % ST_KV_STREAM_SEG) * ks->row;
+    uint8_t *s = ks->seg[(l * 4 + pl) * ks->max_segs + j / ST_KV_STREAM_SEG];
+    return s + (size_t)(j % ST_KV_STREAM_SEG) * ks->prow[pl];
 }
 
-static st_kv_layer view(const st_kv_stream *ks, void *k, void *v, int64_t rows) {
-    return (st_kv_layer){.k = k, .v = v, .dtype = ks->p.dtype, .n_slots = rows, .n_kv_heads = ks->p.n_kv_heads,
+static st_kv_layer view(const st_kv_stream *ks, void *const *planes, int64_t rows) {
+    return (st_kv_layer){.k = planes[0], .v = planes[1], .k_scale = planes[2], .v_scale = planes[3],
+                         .dtype = ks->p.dtype, .n_slots = rows, .n_kv_heads = ks->p.n_kv_heads,
                          .head_dim = ks->p.head_dim};
+}
+
+/* Copies keys [a, e) of layer l between the host and `dev` planes (rows from dev_row0), up or down. */
+static strata_status move_rows(st_kv_stream *ks, int64_t l, int64_t a, int64_t e, void *const *dev, int64_t dev_row0,
+                               bool up) {
+    st_backend *be = ks->be;
+    for (int pl = 0; pl < ks->np_; pl++) {
+        uint8_t *d = (uint8_t *)dev[pl] + (size_t)dev_row0 * ks->prow[pl];
+        const size_t n = (size_t)(e - a) * ks->prow[pl];
+        TRY(up ? be->ops->copy_h2d(be, ks->copy, d, host_row(ks, l, pl, a), n)
+               : be->ops->copy_d2h(be, ks->copy, host_row(ks, l, pl, a), d, n));
+        if (up) ks->h2d += n;
+        else ks->d2h += n;
+    }
+    return STRATA_OK;
 }
 
 /* Issues item g of the pass (layer g / np, piece g % np) into slot g % 2 once
@@ -173,9 +201,7 @@ static strata_status issue(st_kv_stream *ks, int64_t g) {
     const int64_t l = g / ks->np, k = g % ks->np, a = k * ks->p.piece;
     const int64_t e = a + ks->p.piece < ks->ts ? a + ks->p.piece : ks->ts;
     TRY(o->stream_wait_event(be, ks->copy, ks->freed[slot]));
-    for (int pl = 0; pl < 2; pl++)
-        TRY(o->copy_h2d(be, ks->copy, ks->ring[slot][pl], host_row(ks, l, pl, a), (size_t)(e - a) * ks->row));
-    ks->h2d += 2 * (uint64_t)(e - a) * ks->row;
+    TRY(move_rows(ks, l, a, e, ks->ring[slot], 0, true));
     return o->event_record(be, ks->ready[slot], ks->copy);
 }
 
@@ -190,9 +216,10 @@ strata_status st_kv_stream_reserve(st_kv_stream *ks, int64_t end) {
                           "kv_stream: %lld tokens of KV take %.1f MB of host memory (segments of %d tokens), "
                           "more than the %.1f MB allowed (--kv-host-mem)", (long long)end, want / 1e6,
                           ST_KV_STREAM_SEG, ks->p.host_mem / 1e6);
-        const size_t bytes = (size_t)ST_KV_STREAM_SEG * ks->row;
         for (int64_t s = ks->n_segs; s < segs; s++)
-            for (int64_t i = 0; i < 2 * ks->p.n_layers; i++) {
+            for (int64_t i = 0; i < 4 * ks->p.n_layers; i++) {
+                const size_t bytes = (size_t)ST_KV_STREAM_SEG * ks->prow[i % 4];
+                if (!bytes) continue;
                 void **slot = &ks->seg[i * ks->max_segs + s];
                 strata_status st = ks->be->ops->host_alloc(ks->be, bytes, slot);
                 if (st != STRATA_OK)
@@ -232,14 +259,11 @@ strata_status st_kv_stream_layer_begin(st_kv_stream *ks, int64_t l, st_kv_layer 
     /* the area's previous layer went down before its rows are overwritten */
     TRY(o->stream_wait_event(be, ks->copy, ks->area_free[a]));
     if (ks->len > ks->ts) {
-        for (int pl = 0; pl < 2; pl++)
-            TRY(o->copy_h2d(be, ks->copy, ks->area[a][pl], host_row(ks, l, pl, ks->ts),
-                            (size_t)(ks->len - ks->ts) * ks->row));
-        ks->h2d += 2 * (uint64_t)(ks->len - ks->ts) * ks->row;
+        TRY(move_rows(ks, l, ks->ts, ks->len, ks->area[a], 0, true));
     }
     TRY(o->event_record(be, ks->tail_ready, ks->copy));
     TRY(o->stream_wait_event(be, ks->compute, ks->tail_ready));
-    *area = view(ks, ks->area[a][0], ks->area[a][1], ks->area_rows);
+    *area = view(ks, ks->area[a], ks->area_rows);
     return STRATA_OK;
 }
 
@@ -250,7 +274,7 @@ strata_status st_kv_stream_piece(st_kv_stream *ks, int64_t l, int64_t k, st_kv_l
     const int s = (int)(g % 2);
     TRY(ks->be->ops->stream_wait_event(ks->be, ks->compute, ks->ready[s]));
     const int64_t a = k * ks->p.piece, e = a + ks->p.piece < ks->ts ? a + ks->p.piece : ks->ts;
-    *slot = view(ks, ks->ring[s][0], ks->ring[s][1], ks->p.piece);
+    *slot = view(ks, ks->ring[s], ks->p.piece);
     *key0 = a;
     *n = e - a;
     return STRATA_OK;
@@ -270,11 +294,7 @@ strata_status st_kv_stream_layer_end(st_kv_stream *ks, int64_t l) {
     const int a = (int)(l % 2);
     TRY(o->event_record(be, ks->stored[a], ks->compute));
     TRY(o->stream_wait_event(be, ks->copy, ks->stored[a]));
-    const size_t off = (size_t)(ks->len - ks->ts) * ks->row;
-    for (int pl = 0; pl < 2; pl++)
-        TRY(o->copy_d2h(be, ks->copy, host_row(ks, l, pl, ks->len), (uint8_t *)ks->area[a][pl] + off,
-                        (size_t)ks->n * ks->row));
-    ks->d2h += 2 * (uint64_t)ks->n * ks->row;
+    TRY(move_rows(ks, l, ks->len, ks->len + ks->n, ks->area[a], ks->len - ks->ts, false));
     return o->event_record(be, ks->area_free[a], ks->copy);
 }
 

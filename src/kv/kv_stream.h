@@ -4,7 +4,8 @@
  *
  * Host: per layer, a K and a V plane of rows in the cache's dtype (row =
  * n_kv_heads x head_dim elements, key j at row j: layer-major, so that a
- * piece of keys of one layer is one contiguous copy), held in segments of
+ * piece of keys of one layer is one contiguous copy; fp8 also a K and a V
+ * scale plane), held in segments of
  * ST_KV_STREAM_SEG keys allocated (pinned) as the sequence grows, counted
  * against params.host_mem.
  *
@@ -51,7 +52,8 @@ typedef struct st_kv_stream st_kv_stream;
 
 typedef struct {
     int64_t n_layers, n_kv_heads, head_dim; /* >= 1 */
-    st_kv_dtype dtype;   /* ST_KV_BF16 or ST_KV_F32 (pieces are gathered to fp32 by get_rows) */
+    st_kv_dtype dtype;   /* the pool's element type (pieces are gathered to fp32 by kv_gather); fp8 adds
+                            two planes of scales (a float per key and kv head) */
     int64_t piece;       /* keys per ring slot: a multiple of ST_ATTN_RANGE dividing ST_KV_STREAM_SEG */
     int64_t max_tokens;  /* tokens of one pass, >= 1 */
     int64_t max_len;     /* keys the sequence may hold, >= 1 */
@@ -63,8 +65,8 @@ size_t st_kv_stream_device_bytes(const st_kv_stream_params *p);
 /* Host bytes of a sequence of len keys (whole segments). */
 size_t st_kv_stream_host_bytes(const st_kv_stream_params *p, int64_t len);
 
-/* INVALID_ARG naming the parameter; UNSUPPORTED for fp8; NOMEM (device
- * budget). The caller owns *out. */
+/* INVALID_ARG naming the parameter; NOMEM (device budget). The caller owns
+ * *out. */
 strata_status st_kv_stream_init(st_backend *be, const st_kv_stream_params *p, st_kv_stream **out);
 void st_kv_stream_free(st_kv_stream *ks); /* waits for its copies; NULL is a no-op */
 
