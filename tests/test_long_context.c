@@ -16,7 +16,7 @@
  * (2) Short, f32 KV, odd lengths and small passes: prompt 700 in passes of
  *     64 (the tail range and the pass straddle range boundaries), decode 5,
  *     all logits of every position compared.
- * On a GPU machine the same runs (short, and 20K tokens) also on CUDA,
+ * On a GPU machine the same runs (short, 20K tokens, fp8) also on CUDA,
  * within 1e-4 of the largest logit instead of bit for bit.
  * (2b) fp8 KV: 3000 tokens, the K/V scales streamed with the rows: the same
  *     bits as the fitting fp8 pool (whose prefill chunks gather with kv_gather
@@ -255,6 +255,9 @@ cuda:
         run_both(be, f, &(run_cfg){.prompt = 20000, .dec = 3, .max_tokens = 2048, .piece = 4096,
                                    .dtype = ST_KV_BF16, .tol = 1e-4},
                  "cuda: 20K, bf16 KV");
+        run_both(be, f, &(run_cfg){.prompt = 3000, .dec = 3, .max_tokens = 256, .piece = 1024, .dtype = ST_KV_FP8,
+                                   .tol = 1e-4},
+                 "cuda: fp8 KV");
         st_backend_free(be);
     }
     st_model_close(f);
