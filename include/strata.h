@@ -395,6 +395,16 @@ typedef struct {
  * >= 0 and any 64-bit seed. */
 #define STRATA_TEMPERATURE_MAX 2.0
 #define STRATA_SEED_MAX 9007199254740992LL /* 2^53 */
+/* ... and, in both: top_p in (0, 1], min_p in [0, 1], top_k >= -1 (0 and -1:
+ * off), repetition_penalty in (0, STRATA_REPETITION_PENALTY_MAX]. */
+#define STRATA_REPETITION_PENALTY_MAX 2.0
+
+/* A sampling value the front ends read as a double (top_p,
+ * repetition_penalty, min_p) as the float of strata_request_params: the
+ * nearest float, except that a value > 0 below the float range becomes the
+ * smallest positive float instead of 0, which those fields read as "off"
+ * (top_p 1e-300 keeps only the most likely token, as asked). */
+float strata_sampling_float(double v);
 
 typedef struct {
     /* the prompt: token ids (ids in [0, tokenizer vocabulary)) or NUL-terminated text, not both */

@@ -141,6 +141,8 @@ def test_validation(srv, model):
         ("seed 2^53 + 2", P, {"prompt": "hi", "max_tokens": 1, "seed": 2 ** 53 + 2}, 400, "seed"),
         ("seed 1.5", P, {"prompt": "hi", "max_tokens": 1, "seed": 1.5}, 400, "integer"),
         ("temperature 2.01", P, {"prompt": "hi", "max_tokens": 1, "temperature": 2.01}, 400, "[0, 2]"),
+        ("repetition_penalty 2.5", P, {"prompt": "hi", "max_tokens": 1, "repetition_penalty": 2.5}, 400, "(0, 2]"),
+        ("top_k -2", P, {"prompt": "hi", "max_tokens": 1, "top_k": -2}, 400, "top_k"),
     ]:
         st, obj, _ = ts.raw(srv, "POST", path, body)
         msg = obj["error"]["message"] if ts.error_shape(obj) else ""
@@ -155,18 +157,31 @@ def test_validation(srv, model):
                               capture_output=True, text=True, timeout=120)
     for args, ok in [(["--temp", "2.5"], False), (["--temp", "100"], False), (["--seed", "-2"], False),
                      (["--seed", str(2 ** 53 + 1)], False), (["--seed", "-1", "--temp", "2"], True),
-                     (["--seed", str(2 ** 53)], True)]:
+                     (["--seed", str(2 ** 53)], True), (["--repeat-penalty", "2.5"], False),
+                     (["--repeat-penalty", "2"], True), (["--top-k", "-1"], True), (["--top-k", "-2"], False),
+                     (["--top-p", "0"], False), (["--top-p", "1.01"], False)]:
         r = run(*args)
         check((r.returncode == 0) == ok and (ok or r.returncode == 2),
               "strata run %s -> %s (exit %d: %s)" % (" ".join(args), "ok" if ok else "usage error", r.returncode,
                                                       r.stderr.strip()[-200:]))
+    # a tiny top_p keeps only the most likely token, in run as in serve (it rounded to 0, read as off)
+    def answer(*args):
+        return subprocess.run([BIN, "run", model, "-p", "Name a color.", "-n", "12", "-q", "--threads", "2"]
+                              + list(args), capture_output=True, text=True, timeout=120)
+    greedy = answer("--temp", "0")
+    tiny = [answer("--temp", "1.5", "--seed", str(seed), "--top-p", "1e-300") for seed in (1, 2, 3)]
+    check(greedy.returncode == 0 and greedy.stdout and all(t.returncode == 0 and t.stdout == greedy.stdout
+                                                          for t in tiny),
+          "strata run --top-p 1e-300 (temperature 1.5, 3 seeds) gives the greedy answer %r: %r"
+          % (greedy.stdout, [t.stdout for t in tiny]))
     r = run("--temp", "0.5")
     m = re.search(r"seed: (\d+)", r.stderr)
     check(r.returncode == 0 and m and int(m.group(1)) <= 2 ** 53,
           "strata run: the random seed it shows is one --seed takes (%s)" % (m.group(1) if m else r.stderr[-200:]))
     h = subprocess.run([BIN, "serve", "--help"], capture_output=True, text=True).stdout
     h2 = subprocess.run([BIN, "run", "--help"], capture_output=True, text=True).stdout
-    check("[0, 2]" in h and "2^53" in h and "[0, 2]" in h2 and "2^53" in h2, "both --help texts give the ranges")
+    check("[0, 2]" in h and "2^53" in h and "[0, 2]" in h2 and "2^53" in h2 and "(0, 2]" in h2,
+          "both --help texts give the ranges")
 
 
 def test_api_key(model):

@@ -3,6 +3,7 @@
  * template in use and (once created) the engine. Requests map onto
  * st_engine_add / abort / step / start / stop; each accepted request carries a
  * small record with the caller's callbacks, freed after its on_finish. */
+#include <float.h>
 #include <limits.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -40,6 +41,11 @@ struct strata_model {
 
 /* ---- errors and logging ---------------------------------------------------------------*/
 const char *strata_last_error(void) { return st_last_error(); }
+
+float strata_sampling_float(double v) {
+    const float f = (float)v;
+    return v > 0 && !(f > 0) ? FLT_TRUE_MIN : f;
+}
 
 void strata_set_log(strata_log_level level, strata_log_fn fn, void *user) { st_log_set(fn, user, level); }
 
