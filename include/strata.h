@@ -138,6 +138,13 @@ typedef struct {
     bool kv_stream;            /* a request too long for the device KV pool runs with its KV in host
                                   memory, streamed through the device layer by layer (one such request
                                   at a time): max_seq_len may exceed the pool */
+    /* tests: faults injected into weight streaming and allocations (0: none) */
+    int64_t weight_read_fail_nth;  /* the Nth weight read from the file fails with EIO */
+    int64_t weight_read_short_nth; /* the Nth weight read comes back short, as if the file ended */
+    int weight_read_delay_ms;      /* every weight read lands this many milliseconds late (its buffer
+                                      holds poison until then) */
+    int64_t device_alloc_fail_nth; /* the Nth device allocation of the backend fails */
+    int64_t host_alloc_fail_nth;   /* the Nth pinned host allocation of the backend fails */
 } strata_model_params;
 
 /* Opens a model (a Hugging Face directory with tokenizer.json, or a .gguf

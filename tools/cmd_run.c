@@ -479,8 +479,8 @@ static bool runner_open(run_opts *o, runner *r, int *rc) {
         .kv_ssd_dir = mo->kv_ssd_dir,
         .kv_ssd_size = mo->kv_ssd_size,
         .kv_stream = mo->kv_stream,
-        .kv_ssd_fail_write_nth = tool_kv_ssd_fault(mo),
     };
+    tool_test_faults(mo, &mp); /* --test-fault (test builds) */
     if (strata_model_open(o->model_path, &mp, &r->m) != STRATA_OK) {
         print_error("load");
         return false;

@@ -224,10 +224,6 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         fprintf(stderr, "strata serve: no MODEL given\n");
         return -1;
     }
-    if (o->mo.test_fault && !tool_kv_ssd_fault(&o->mo)) {
-        fprintf(stderr, "strata serve: --test-fault takes only kv-ssd-write:N here (weight faults: strata run, bench)\n");
-        return -1;
-    }
     if (o->chat_template) {
         if (strcmp(o->chat_template, "chatml") && strcmp(o->chat_template, "llama3") &&
             strcmp(o->chat_template, "llama2")) {
@@ -339,7 +335,7 @@ int cmd_serve(int argc, char **argv) {
     if (roof.copy_bw > 0)
         fprintf(stderr, "strata: device rooflines: HBM %.0f GB/s (copy, read + write), bf16 GEMM %.0f TFLOP/s "
                         "(precise path %.0f)\n", roof.copy_bw / 1e9, roof.gemm_fast / 1e12, roof.gemm_precise / 1e12);
-    const strata_model_params mp = {
+    strata_model_params mp = {
         .device = mo->device,
         .threads = mo->threads,
         .device_mem = mo->device_mem,
@@ -358,12 +354,12 @@ int cmd_serve(int argc, char **argv) {
         .kv_ssd_dir = mo->kv_ssd_dir,
         .kv_ssd_size = mo->kv_ssd_size,
         .kv_stream = mo->kv_stream,
-        .kv_ssd_fail_write_nth = tool_kv_ssd_fault(mo),
         .prefill = mo->prefill < 0 ? STRATA_PREFILL_PRECISE : mo->prefill > 0 ? STRATA_PREFILL_FAST : STRATA_PREFILL_AUTO,
         .ring_slots = mo->ring_slots,
         .h2d_gbps = mo->h2d_bw,
         .ssd_gbps = mo->ssd_bw,
     };
+    tool_test_faults(mo, &mp); /* --test-fault (test builds) */
     if (strata_model_open(o.model_path, &mp, &m) != STRATA_OK) {
         print_error("serve");
         goto done;
