@@ -248,6 +248,12 @@ static bool settle_chat(const serve_opts *o, strata_model *m) {
     const char *name = "none";
     const strata_status st = strata_chat_template(m, &name);
     if (o->chat_template) {
+        /* a format other than the model's own (as strata run warns): the model was not trained on it */
+        if (st == STRATA_OK && strcmp(name, "none") != 0 && strcmp(name, o->chat_template) != 0)
+            fprintf(stderr,
+                    "strata serve: warning: --chat-template %s differs from the model's own template (%s); "
+                    "expect poor answers\n",
+                    o->chat_template, name);
         if (strata_chat_set_template(m, o->chat_template) != STRATA_OK) {
             print_error("serve");
             return false;
