@@ -26,8 +26,8 @@ sent: TTFT (to the first text chunk), TBT (between text chunks), end to end;
 p50 / p99 / max of each over all requests (the warm-up included).
 
 RSS (VmRSS of the server, from /proc) is sampled every --rss-every seconds;
-the report lists it over time and compares the end with the sample at the
-end of the warm-up (--warmup seconds, default 20% of the duration):
+the report lists it over time and compares the last sample of the duration
+(under load) with the first one after the warm-up (--warmup seconds, default 20% of the duration):
 "RSS flat" when it grew by at most --max-rss-growth MiB. Exit status 1 on
 any error, a growth above that, or a server that did not exit 0; --json
 writes the figures.
@@ -199,12 +199,14 @@ def main():
         print("  %7.1f s  %8.1f MiB  %7d requests done" % (t, m, done))
     after_warm = [m for t, m, _ in rss if t >= warmup]
     base = after_warm[0] if after_warm else float("nan")
-    end = rss[-1][1]
+    # under load: the last sample of the duration (the one after every client ended comes after the drain)
+    end = [m for t, m, _ in rss if t <= args.duration + 0.5][-1]
     growth = end - base
     peak = max((m for _, m, _ in rss if m == m), default=float("nan"))
     flat = growth <= args.max_rss_growth if pid else True
-    print("RSS          after the warm-up (%.0f s) %.1f MiB, end %.1f MiB, growth %+.1f MiB, peak %.1f MiB: %s"
-          % (warmup, base, end, growth, peak,
+    print("RSS          after the warm-up (%.0f s) %.1f MiB, at the end of the duration %.1f MiB, growth %+.1f MiB, "
+          "peak %.1f MiB, after the last request %.1f MiB: %s"
+          % (warmup, base, end, growth, peak, rss[-1][1],
              "flat (within %.0f MiB)" % args.max_rss_growth if flat else "GREW (more than %.0f MiB)"
              % args.max_rss_growth))
     if proc:

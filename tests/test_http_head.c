@@ -120,6 +120,10 @@ int main(void) {
         strcpy(s + 512 - 4, "\r\n\r\n");
         CHECK(strlen(s) == 512);
         expect_ok(s);
+        /* ... after the empty lines allowed before it too (the limit counts from the request line) */
+        char t[1200] = "\r\n\r\n\r\n\r\n";
+        strcat(t, s);
+        expect_ok(t);
     }
 
     /* partial input: MORE while nothing is wrong, for every prefix of good heads */

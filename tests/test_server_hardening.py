@@ -310,6 +310,11 @@ def test_protocol(srv):
     check(got.count(b"HTTP/1.1 200 OK") == 2, "two pipelined requests: two answers (%r)" % got[:200])
     got, _ = raw_exchange(srv.port, b"\r\nGET /health HTTP/1.1\nHost: localhost\nConnection: close\n\n", timeout=5)
     check(got.startswith(b"HTTP/1.1 200 OK"), "bare LF line ends, an empty line first: served (%r)" % got[:60])
+    # a head just under the limit (16 KiB), after empty lines, passes
+    big = b"\r\n\r\nGET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nX-Pad: "
+    big += b"p" * (16384 - (len(big) - 4) - 4) + b"\r\n\r\n"
+    got, _ = raw_exchange(srv.port, big, timeout=5)
+    check(got.startswith(b"HTTP/1.1 200 OK"), "a head of 16384 bytes after empty lines: served (%r)" % got[:60])
     # a head sent a byte at a time (within the header timeout) passes
     s = socket.create_connection(("127.0.0.1", srv.port))
     for b in b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n":

@@ -94,6 +94,9 @@
  * out of file descriptors */
 #define HEAD_MAX 16384
 #define HEAD_FIELDS 100
+/* what the front door peeks at: a head of HEAD_MAX after the empty lines http_head.h allows
+ * before it, and one byte more */
+#define HEAD_PEEK (HEAD_MAX + 16)
 #define LINGER_S 2.0
 #define ACCEPT_PAUSE_S 0.1
 /* libmicrohttpd's memory per connection: room for a HEAD_MAX head, its fields and the answer's
@@ -122,7 +125,7 @@ struct st_server {
     bool metrics_public;          /* /health and /metrics open even with an API key */
     unsigned max_conn, per_client; /* connections in all, from one address (0: no cap) */
     int listen_fd;                /* the listening socket (the front door accepts) */
-    char *peek;                   /* [HEAD_MAX + 1]: the front door's view of a head (the watcher's) */
+    char *peek;                   /* [HEAD_PEEK]: the front door's view of a head (the watcher's) */
     bool loopback;                /* bound to a loopback address: Host must name this machine */
     int port;
     unsigned header_timeout, idle_timeout; /* seconds */
@@ -476,7 +479,7 @@ static void front_event(st_server *s, uint64_t id, uint32_t events) {
         if (!front_drain(k) || hup) front_close(s, k);
         return;
     }
-    const ssize_t n = recv(k->fd, s->peek, HEAD_MAX + 1, MSG_PEEK | MSG_DONTWAIT);
+    const ssize_t n = recv(k->fd, s->peek, HEAD_PEEK, MSG_PEEK | MSG_DONTWAIT);
     if (n < 0) {
         if ((errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) && !hup) return;
         front_close(s, k);
@@ -1548,7 +1551,7 @@ strata_status st_server_start(strata_model *m, const st_server_params *params, s
                                 : s->loopback ? 0 : DEF_PER_CLIENT;
     s->max_conn = max_conn;
     s->per_client = per_client;
-    s->peek = st_malloc(HEAD_MAX + 1);
+    s->peek = st_malloc(HEAD_PEEK);
     if (!s->host || !s->model_name || !s->peek || (params->api_key && params->api_key[0] && !s->api_key)) {
         st_server_stop(s);
         return st_err(STRATA_ERR_NOMEM, "server: out of memory");
