@@ -138,6 +138,13 @@ typedef struct {
     bool kv_stream;            /* a request too long for the device KV pool runs with its KV in host
                                   memory, streamed through the device layer by layer (one such request
                                   at a time): max_seq_len may exceed the pool */
+    /* tests: faults injected into weight streaming and allocations (0: none) */
+    int64_t weight_read_fail_nth;  /* the Nth weight read from the file fails with EIO */
+    int64_t weight_read_short_nth; /* the Nth weight read comes back short, as if the file ended */
+    int weight_read_delay_ms;      /* every weight read lands this many milliseconds late (its buffer
+                                      holds poison until then) */
+    int64_t device_alloc_fail_nth; /* the Nth device allocation of the backend fails */
+    int64_t host_alloc_fail_nth;   /* the Nth pinned host allocation of the backend fails */
 } strata_model_params;
 
 /* Opens a model (a Hugging Face directory with tokenizer.json, or a .gguf
@@ -395,6 +402,16 @@ typedef struct {
  * >= 0 and any 64-bit seed. */
 #define STRATA_TEMPERATURE_MAX 2.0
 #define STRATA_SEED_MAX 9007199254740992LL /* 2^53 */
+/* ... and, in both: top_p in (0, 1], min_p in [0, 1], top_k >= -1 (0 and -1:
+ * off), repetition_penalty in (0, STRATA_REPETITION_PENALTY_MAX]. */
+#define STRATA_REPETITION_PENALTY_MAX 2.0
+
+/* A sampling value the front ends read as a double (top_p,
+ * repetition_penalty, min_p) as the float of strata_request_params: the
+ * nearest float, except that a value > 0 below the float range becomes the
+ * smallest positive float instead of 0, which those fields read as "off"
+ * (top_p 1e-300 keeps only the most likely token, as asked). */
+float strata_sampling_float(double v);
 
 typedef struct {
     /* the prompt: token ids (ids in [0, tokenizer vocabulary)) or NUL-terminated text, not both */

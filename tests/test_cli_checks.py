@@ -10,7 +10,8 @@ items 3, 7 and 10):
   - `strata run --ctx N` above the model's max_position_embeddings: exit 2
     naming both numbers; with linear RoPE scaling up to the scaled length:
     a warning, and it runs;
-  - `--chat-template` other than the model's template: a warning naming both;
+  - `--chat-template` other than the model's template: a warning naming both
+    (run and serve);
   - memory budgets above the machine's MemAvailable are refused (item 3):
     `serve --kv-mem` on the CPU backend, `run` / `bench --host-mem`;
   - sampling defaults: a GGUF's general.sampling.* keys and a HF directory's
@@ -23,10 +24,13 @@ import math
 import json
 import os
 import re
+import select
 import shutil
+import signal
 import struct
 import subprocess
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import default_model  # noqa: E402
@@ -41,6 +45,24 @@ SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 def run(args, **kw):
     p = subprocess.run([BIN] + args, capture_output=True, text=True, stdin=subprocess.DEVNULL, **kw)
     return p
+
+
+def serve_start_stderr(model, extra):
+    """Starts `strata serve` on a free port, waits for its listening line and stops it: -> its stderr
+    (None when it did not start)."""
+    err = open(os.path.join(TMP, "serve.err"), "w+")
+    proc = subprocess.Popen([BIN, "serve", model, "--port", "0", "--max-batch", "1", "--max-model-len", "256"]
+                            + extra, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL)
+    started = False
+    deadline = time.time() + 60
+    while not started and proc.poll() is None and time.time() < deadline:
+        r, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if r:
+            started = proc.stdout.readline().startswith(b"listening on ")
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    err.seek(0)
+    return err.read() if started else None
 
 
 # ---- a GGUF header rewriter: replace or add keys, tensor data copied as is ----
@@ -207,6 +229,11 @@ def test_run_checks():
     p = run(["run", model, "--chat-template", "chatml", "-p", q, "-n", "2", "--temp", "0"] + th)
     check(p.returncode == 0 and "warning" not in p.stderr,
           "--chat-template chatml on a ChatML model: no warning (%s)" % p.stderr.strip()[-300:])
+    for tpl, warned in (("llama3", True), ("chatml", False)):  # strata serve: the same warning
+        err = serve_start_stderr(model, ["--chat-template", tpl] + th)
+        check(err is not None and (re.search(r"serve: warning: .*llama3.*chatml", err) is not None) == warned,
+              "serve --chat-template %s on a ChatML model: %s (%s)" % (tpl, "a warning naming both" if warned
+                                                                      else "no warning", (err or "")[-300:]))
 
     # the reference: greedy
     g = run(["run", model, "-p", q, "-n", "12", "--temp", "0"] + th)

@@ -51,11 +51,13 @@ static void run_usage(FILE *f) {
             "  --system TEXT           the system message (chat mode; default: the template's own,\n"
             "                          e.g. SmolLM2's, or none)\n"
             "  --temp T                temperature in [0, 2] (default %.2g; 0: greedy, deterministic)\n"
-            "  --top-k K               keep the K most likely tokens (default %d; 0: off)\n"
-            "  --top-p P               keep the smallest set holding probability P (default %.2g; 1: off)\n"
-            "  --min-p P               drop tokens less likely than P x the top one (default %.2g; 0: off)\n"
+            "  --top-k K               keep the K most likely tokens (default %d; 0 or -1: off)\n"
+            "  --top-p P               keep the smallest set holding probability P, in (0, 1] (default\n"
+            "                          %.2g; 1: off)\n"
+            "  --min-p P               drop tokens less likely than P x the top one, in [0, 1] (default\n"
+            "                          %.2g; 0: off)\n"
             "  --repeat-penalty R      penalise tokens already seen (this answer's prompt tokens and\n"
-            "                          its output so far), HF style (default %.1f: off)\n"
+            "                          its output so far), HF style, in (0, 2] (default %.1f: off)\n"
             "                          The model's own recommendations replace these defaults (not\n"
             "                          options given here): generation_config.json in a Hugging Face\n"
             "                          directory (temperature, top_p, top_k, min_p, repetition_penalty;\n"
@@ -198,8 +200,8 @@ static int parse_args(int argc, char **argv, run_opts *o) {
             o->temp_given = true;
             i++;
         } else if (!strcmp(a, "--top-k")) {
-            if (!tool_parse_i64(val, 0, INT32_MAX, a, &v)) return -1;
-            o->sp.top_k = (int32_t)v;
+            if (!tool_parse_i64(val, -1, INT32_MAX, a, &v)) return -1; /* as strata serve: -1 is off too */
+            o->sp.top_k = v < 0 ? 0 : (int32_t)v;
             o->top_k_given = true;
             i++;
         } else if (!strcmp(a, "--top-p")) {
@@ -208,21 +210,21 @@ static int parse_args(int argc, char **argv, run_opts *o) {
                 fprintf(stderr, "strata run: --top-p: must be > 0 (1: off)\n");
                 return -1;
             }
-            o->sp.top_p = (float)d;
+            o->sp.top_p = strata_sampling_float(d); /* as strata serve: 1e-300 is not 0 (off) */
             o->top_p_given = true;
             i++;
         } else if (!strcmp(a, "--min-p")) {
             if (!tool_parse_f64(val, 0, 1, a, &d)) return -1;
-            o->sp.min_p = (float)d;
+            o->sp.min_p = strata_sampling_float(d);
             o->min_p_given = true;
             i++;
         } else if (!strcmp(a, "--repeat-penalty")) {
-            if (!tool_parse_f64(val, 0, 100, a, &d)) return -1;
+            if (!tool_parse_f64(val, 0, STRATA_REPETITION_PENALTY_MAX, a, &d)) return -1; /* as strata serve */
             if (d <= 0) {
                 fprintf(stderr, "strata run: --repeat-penalty: must be > 0 (1: off)\n");
                 return -1;
             }
-            o->sp.repetition_penalty = (float)d;
+            o->sp.repetition_penalty = strata_sampling_float(d);
             o->rep_given = true;
             i++;
         } else if (!strcmp(a, "--repeat-last-n")) {
@@ -323,9 +325,9 @@ static int precheck_model(run_opts *o, const strata_model *m, const strata_model
     } while (0)
     TAKE(has_temperature, temp_given, temperature, (float)sd.temperature, "%g", "temperature");
     TAKE(has_top_k, top_k_given, top_k, (int32_t)sd.top_k, "%" PRId64, "top-k");
-    TAKE(has_top_p, top_p_given, top_p, (float)sd.top_p, "%g", "top-p");
-    TAKE(has_min_p, min_p_given, min_p, (float)sd.min_p, "%g", "min-p");
-    TAKE(has_repetition_penalty, rep_given, repetition_penalty, (float)sd.repetition_penalty, "%g",
+    TAKE(has_top_p, top_p_given, top_p, strata_sampling_float(sd.top_p), "%g", "top-p");
+    TAKE(has_min_p, min_p_given, min_p, strata_sampling_float(sd.min_p), "%g", "min-p");
+    TAKE(has_repetition_penalty, rep_given, repetition_penalty, strata_sampling_float(sd.repetition_penalty), "%g",
          "repeat-penalty");
 #undef TAKE
     if (took[0] && !o->quiet) fprintf(stderr, "strata: sampling from %s: %s\n", sd.source, took);
@@ -477,8 +479,8 @@ static bool runner_open(run_opts *o, runner *r, int *rc) {
         .kv_ssd_dir = mo->kv_ssd_dir,
         .kv_ssd_size = mo->kv_ssd_size,
         .kv_stream = mo->kv_stream,
-        .kv_ssd_fail_write_nth = tool_kv_ssd_fault(mo),
     };
+    tool_test_faults(mo, &mp); /* --test-fault (test builds) */
     if (strata_model_open(o->model_path, &mp, &r->m) != STRATA_OK) {
         print_error("load");
         return false;

@@ -78,8 +78,8 @@ static void serve_usage(FILE *f) {
             "  --max-body BYTES         request body limit (default 1048576); larger bodies get a 413\n"
             "  --model-name NAME        the model id in /v1/models and answers (default: the file name)\n"
             "  --chat-template NAME     chatml, llama3 or llama2 instead of the model's own template\n"
-            "  --max-connections N      simultaneous connections (default 1024); libmicrohttpd splits them\n"
-            "                           between its threads, and one at its share leaves new ones to the others\n"
+            "  --max-connections N      simultaneous connections (default 1024), those still sending their\n"
+            "                           first request head included; more are closed at once\n"
             "  --max-connections-per-client N\n"
             "                           simultaneous connections from one remote address; more are closed\n"
             "                           at once (default 32; on a loopback --host, where every client is\n"
@@ -224,10 +224,6 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         fprintf(stderr, "strata serve: no MODEL given\n");
         return -1;
     }
-    if (o->mo.test_fault && !tool_kv_ssd_fault(&o->mo)) {
-        fprintf(stderr, "strata serve: --test-fault takes only kv-ssd-write:N here (weight faults: strata run, bench)\n");
-        return -1;
-    }
     if (o->chat_template) {
         if (strcmp(o->chat_template, "chatml") && strcmp(o->chat_template, "llama3") &&
             strcmp(o->chat_template, "llama2")) {
@@ -252,6 +248,12 @@ static bool settle_chat(const serve_opts *o, strata_model *m) {
     const char *name = "none";
     const strata_status st = strata_chat_template(m, &name);
     if (o->chat_template) {
+        /* a format other than the model's own (as strata run warns): the model was not trained on it */
+        if (st == STRATA_OK && strcmp(name, "none") != 0 && strcmp(name, o->chat_template) != 0)
+            fprintf(stderr,
+                    "strata serve: warning: --chat-template %s differs from the model's own template (%s); "
+                    "expect poor answers\n",
+                    o->chat_template, name);
         if (strata_chat_set_template(m, o->chat_template) != STRATA_OK) {
             print_error("serve");
             return false;
@@ -339,7 +341,7 @@ int cmd_serve(int argc, char **argv) {
     if (roof.copy_bw > 0)
         fprintf(stderr, "strata: device rooflines: HBM %.0f GB/s (copy, read + write), bf16 GEMM %.0f TFLOP/s "
                         "(precise path %.0f)\n", roof.copy_bw / 1e9, roof.gemm_fast / 1e12, roof.gemm_precise / 1e12);
-    const strata_model_params mp = {
+    strata_model_params mp = {
         .device = mo->device,
         .threads = mo->threads,
         .device_mem = mo->device_mem,
@@ -358,12 +360,12 @@ int cmd_serve(int argc, char **argv) {
         .kv_ssd_dir = mo->kv_ssd_dir,
         .kv_ssd_size = mo->kv_ssd_size,
         .kv_stream = mo->kv_stream,
-        .kv_ssd_fail_write_nth = tool_kv_ssd_fault(mo),
         .prefill = mo->prefill < 0 ? STRATA_PREFILL_PRECISE : mo->prefill > 0 ? STRATA_PREFILL_FAST : STRATA_PREFILL_AUTO,
         .ring_slots = mo->ring_slots,
         .h2d_gbps = mo->h2d_bw,
         .ssd_gbps = mo->ssd_bw,
     };
+    tool_test_faults(mo, &mp); /* --test-fault (test builds) */
     if (strata_model_open(o.model_path, &mp, &m) != STRATA_OK) {
         print_error("serve");
         goto done;

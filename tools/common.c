@@ -1,6 +1,9 @@
 #include "common.h"
+#include "api/faults.h"
 
 #include <errno.h>
+#include <limits.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -142,16 +145,55 @@ st_llama_params tool_llama_params(const tool_model_opts *o, const st_config *c) 
     lp.weights.ring_slots = o->ring_slots;
     lp.weights.bw.h2d = o->h2d_bw * 1e9;
     lp.weights.bw.ssd = o->ssd_bw * 1e9;
-    long long n = 0; /* --test-fault, checked when parsed (test builds only) */
-    if (o->test_fault && sscanf(o->test_fault, "read-error:%lld", &n) == 1) lp.weights.stream.faults.fail_nth = n;
-    else if (o->test_fault && sscanf(o->test_fault, "short-read:%lld", &n) == 1)
-        lp.weights.stream.faults.short_nth = n;
+    strata_model_params mp = {0}; /* --test-fault (test builds only) */
+    tool_test_faults(o, &mp);
+    lp.weights.stream.faults = (st_ssd_faults){.fail_nth = mp.weight_read_fail_nth,
+                                               .short_nth = mp.weight_read_short_nth,
+                                               .delay_ms = mp.weight_read_delay_ms};
     return lp;
 }
 
-int64_t tool_kv_ssd_fault(const tool_model_opts *o) {
+/* --test-fault KIND:N, checked when parsed: the kinds and the field each sets */
+static const struct {
+    const char *kind;
+    size_t field; /* offsetof in strata_model_params (an int64_t, or delay_ms's int) */
+} FAULTS[] = {
+    {"read-error", offsetof(strata_model_params, weight_read_fail_nth)},
+    {"short-read", offsetof(strata_model_params, weight_read_short_nth)},
+    {"slow-read", offsetof(strata_model_params, weight_read_delay_ms)},
+    {"device-alloc", offsetof(strata_model_params, device_alloc_fail_nth)},
+    {"host-alloc", offsetof(strata_model_params, host_alloc_fail_nth)},
+    {"kv-ssd-write", offsetof(strata_model_params, kv_ssd_fail_write_nth)},
+};
+
+/* The fault of a --test-fault value ("KIND:N", N >= 1): its index in FAULTS and N; -1 if malformed. */
+static int fault_parse(const char *val, long long *n) {
+    if (!val) return -1;
+    for (size_t i = 0; i < sizeof FAULTS / sizeof FAULTS[0]; i++) {
+        const size_t k = strlen(FAULTS[i].kind);
+        if (strncmp(val, FAULTS[i].kind, k) != 0 || val[k] != ':') continue;
+        char *end = NULL;
+        errno = 0;
+        *n = strtoll(val + k + 1, &end, 10);
+        const long long cap = FAULTS[i].field == offsetof(strata_model_params, weight_read_delay_ms) ? 60000 : LLONG_MAX;
+        return !errno && end != val + k + 1 && !*end && *n >= 1 && *n <= cap ? (int)i : -1;
+    }
+    return -1;
+}
+
+void tool_test_faults(const tool_model_opts *o, strata_model_params *mp) {
     long long n = 0;
-    return o->test_fault && sscanf(o->test_fault, "kv-ssd-write:%lld", &n) == 1 ? (int64_t)n : 0;
+    const int i = fault_parse(o->test_fault, &n);
+    if (i < 0) return;
+    char *f = (char *)mp + FAULTS[i].field;
+    if (FAULTS[i].field == offsetof(strata_model_params, weight_read_delay_ms)) *(int *)f = (int)n;
+    else *(int64_t *)f = n;
+}
+
+bool tool_test_fault_is(const tool_model_opts *o, const char *kind) {
+    long long n;
+    const int i = fault_parse(o->test_fault, &n);
+    return i >= 0 && !strcmp(FAULTS[i].kind, kind);
 }
 
 st_backend_params tool_backend_params(const tool_model_opts *o) {
@@ -251,14 +293,11 @@ int tool_parse_model_opt(int argc, char **argv, int *i, tool_model_opts *o) {
             return -1;
         }
 #ifdef STRATA_TESTING
-    } else if (strcmp(a, "--test-fault") == 0) { /* test builds only: fault injection into the weight reader */
+    } else if (strcmp(a, "--test-fault") == 0) { /* test builds only: fault injection */
         long long n = 0;
-        char tail = 0;
-        const bool ok = val && (sscanf(val, "read-error:%lld%c", &n, &tail) == 1 ||
-                                sscanf(val, "short-read:%lld%c", &n, &tail) == 1 ||
-                                sscanf(val, "kv-ssd-write:%lld%c", &n, &tail) == 1);
-        if (!ok || n < 1) {
-            fprintf(stderr, "strata: --test-fault takes read-error:N, short-read:N or kv-ssd-write:N (N >= 1)\n");
+        if (fault_parse(val, &n) < 0) {
+            fprintf(stderr, "strata: --test-fault takes read-error:N, short-read:N, slow-read:MS (at most 60000), "
+                            "device-alloc:N, host-alloc:N or kv-ssd-write:N (N >= 1)\n");
             return -1;
         }
         o->test_fault = val;
@@ -289,6 +328,9 @@ bool tool_model_open(const char *path, const tool_model_opts *o, tool_model *tm)
         tool_model_close(tm);
         return false;
     }
+    strata_model_params fp = {0}; /* --test-fault device-alloc:N / host-alloc:N (test builds) */
+    tool_test_faults(o, &fp);
+    st_backend_inject_alloc_faults(tm->be, fp.device_alloc_fail_nth, fp.host_alloc_fail_nth);
     tm->be->ops->set_fast_prefill(tm->be, tool_fast_prefill(o, tm->files));
     st_llama_params lp = tool_llama_params(o, &tm->files->config);
     if (st_llama_measure(tm->files, tm->be, &lp) != STRATA_OK || /* bandwidths, scratch (budgeted) */

@@ -4,6 +4,7 @@
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdint.h>
+#include "strata.h"
 #include "backend/backend.h"
 #include "loader/loader.h"
 #include "model/llama.h"
@@ -25,9 +26,11 @@ typedef struct {
                               memory, streamed through the device (run, serve; bench and plan:
                               tool_kv_streamed) */
     int prefill;         /* --precise: -1, --fast-prefill: 1, 0: chosen by the weights' dtype (tool_fast_prefill) */
-    const char *test_fault; /* --test-fault read-error:N | short-read:N: the Nth weight read fails or comes
-                               back short; kv-ssd-write:N: the Nth KV SSD-tier write fails as on a full
-                               disk (a hidden option of test builds, -DSTRATA_TESTING=ON) */
+    const char *test_fault; /* --test-fault KIND:N, a hidden option of test builds (-DSTRATA_TESTING=ON):
+                               read-error:N | short-read:N: the Nth weight read fails or comes back
+                               short; slow-read:MS: every weight read lands MS ms late; device-alloc:N
+                               | host-alloc:N: the Nth device / pinned host allocation fails;
+                               kv-ssd-write:N: the Nth KV SSD-tier write fails as on a full disk */
     /* KV tiers: options of the commands that build an engine (run, serve, bench-kv) or plan one
      * (plan); they set kv_tier_opts before parsing, the others refuse these options */
     bool kv_tier_opts;
@@ -37,8 +40,10 @@ typedef struct {
     size_t kv_ssd_size;    /* --kv-ssd-size SIZE (0: 64 GiB) */
 } tool_model_opts;
 
-/* The Nth SSD-tier write that --test-fault kv-ssd-write:N fails (0: none). */
-int64_t tool_kv_ssd_fault(const tool_model_opts *o);
+/* Sets the test fields of *mp that --test-fault asks for (none without it). */
+void tool_test_faults(const tool_model_opts *o, strata_model_params *mp);
+/* Whether --test-fault names this kind ("read-error", "kv-ssd-write", ...). */
+bool tool_test_fault_is(const tool_model_opts *o, const char *kind);
 
 #define TOOL_MODEL_OPTS_INIT {.kv_dtype = ST_KV_BF16}
 /* TOOL_MODEL_OPTS_INIT for the commands that take the KV tier options */

@@ -3,6 +3,7 @@
  * template in use and (once created) the engine. Requests map onto
  * st_engine_add / abort / step / start / stop; each accepted request carries a
  * small record with the caller's callbacks, freed after its on_finish. */
+#include <float.h>
 #include <limits.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -10,6 +11,7 @@
 #include <string.h>
 
 #include "strata.h"
+#include "api/faults.h"
 
 #include "backend/backend.h"
 #include "core/core.h"
@@ -40,6 +42,11 @@ struct strata_model {
 
 /* ---- errors and logging ---------------------------------------------------------------*/
 const char *strata_last_error(void) { return st_last_error(); }
+
+float strata_sampling_float(double v) {
+    const float f = (float)v;
+    return v > 0 && !(f > 0) ? FLT_TRUE_MIN : f;
+}
 
 void strata_set_log(strata_log_level level, strata_log_fn fn, void *user) { st_log_set(fn, user, level); }
 
@@ -190,6 +197,7 @@ strata_status strata_model_open(const char *path, const strata_model_params *par
         strata_model_free(m);
         return st;
     }
+    st_backend_inject_alloc_faults(m->be, p.device_alloc_fail_nth, p.host_alloc_fail_nth); /* tests */
     m->be->ops->set_fast_prefill(m->be, fast_prefill(p.prefill, m->files));
     /* the chat template: recognised now; an unknown one is not an error until used */
     m->own_status = st_chat_detect(st_tokenizer_chat_template(m->tok), &m->own);
@@ -238,6 +246,9 @@ strata_status strata_model_open(const char *path, const strata_model_params *par
     m->ep.weights.ring_slots = p.ring_slots;
     m->ep.weights.bw.h2d = p.h2d_gbps * 1e9;
     m->ep.weights.bw.ssd = p.ssd_gbps * 1e9;
+    m->ep.weights.stream.faults = (st_ssd_faults){.fail_nth = p.weight_read_fail_nth,
+                                                  .short_nth = p.weight_read_short_nth,
+                                                  .delay_ms = p.weight_read_delay_ms};
     *out = m;
     return STRATA_OK;
 }

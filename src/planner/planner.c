@@ -324,9 +324,12 @@ strata_status st_plan_make(const st_model_files *files, st_backend *be, const st
     pp.bw = wo->bw;
     pp.force = wo->placement;
     if ((p->device_mem > 0 || wo->placement) && !bw_complete(&pp.bw))
-        return st_err(STRATA_ERR_INVALID_ARG, "plan: a plan under a device budget needs the bandwidths (PCIe %.3g, "
-                      "SSD %.3g, device read %.3g B/s, GEMM %.3g FLOP/s): measure them at startup "
-                      "(st_plan_measure)", pp.bw.h2d, pp.bw.ssd, pp.bw.dev_read, pp.bw.gemm);
+        return pp.bw.skipped[0] /* the probe had no memory: say so, not that nobody measured */
+                   ? st_err(STRATA_ERR_NOMEM, "plan: the matmul probe that a plan under a device budget needs "
+                            "could not run: %s", pp.bw.skipped)
+                   : st_err(STRATA_ERR_INVALID_ARG, "plan: a plan under a device budget needs the bandwidths "
+                            "(PCIe %.3g, SSD %.3g, device read %.3g B/s, GEMM %.3g FLOP/s): measure them at "
+                            "startup (st_plan_measure)", pp.bw.h2d, pp.bw.ssd, pp.bw.dev_read, pp.bw.gemm);
     return st_wplan_make(g, &pp, plan);
 }
 

@@ -90,14 +90,6 @@ static bool get_bool(const cJSON *obj, const char *key, bool *out, bool *present
     return true;
 }
 
-/* A value > 0 as a float that stays > 0: below the float range it would round to
- * 0, which strata_request_params reads as "the default" (top_p and
- * repetition_penalty 1: off), the opposite of what a tiny value asks for. */
-static float positive_float(double d) {
-    const float f = (float)d;
-    return f > 0 ? f : FLT_TRUE_MIN;
-}
-
 static bool out_of_range(srv_error *e, const char *name, const char *range, double v) {
     srv_error_set(e, 400, INVALID, "invalid_value", name, "'%s' must be %s, got %g", name, range, v);
     return false;
@@ -138,7 +130,7 @@ static bool parse_common(const cJSON *root, srv_gen *g, srv_error *e) {
     d = 1.0;
     if (!get_number(root, "top_p", &d, &present, e)) return false;
     if (present && !(d > 0 && d <= 1)) return out_of_range(e, "top_p", "in (0, 1]", d);
-    g->sp.top_p = positive_float(d);
+    g->sp.top_p = strata_sampling_float(d); /* 1e-300: not 0 (off) */
     int64_t k = 0;
     if (!get_int(root, "top_k", &k, &present, e)) return false;
     if (present && (k < -1 || k > INT32_MAX)) return out_of_range(e, "top_k", "-1, 0 (off) or a positive integer", (double)k);
@@ -146,11 +138,12 @@ static bool parse_common(const cJSON *root, srv_gen *g, srv_error *e) {
     d = 0;
     if (!get_number(root, "min_p", &d, &present, e)) return false;
     if (present && !(d >= 0 && d <= 1)) return out_of_range(e, "min_p", "in [0, 1]", d);
-    g->sp.min_p = (float)d;
+    g->sp.min_p = strata_sampling_float(d);
     d = 1;
     if (!get_number(root, "repetition_penalty", &d, &present, e)) return false;
-    if (present && !(d > 0 && d <= 2)) return out_of_range(e, "repetition_penalty", "in (0, 2]", d);
-    g->sp.repetition_penalty = positive_float(d);
+    if (present && !(d > 0 && d <= STRATA_REPETITION_PENALTY_MAX))
+        return out_of_range(e, "repetition_penalty", "in (0, 2] (as strata run --repeat-penalty)", d);
+    g->sp.repetition_penalty = strata_sampling_float(d);
     int64_t seed = 0;
     if (!get_int(root, "seed", &seed, &g->seed_given, e)) return false;
     if (g->seed_given && (seed < -1 || seed > STRATA_SEED_MAX))

@@ -19,7 +19,8 @@
  *   min_p                     number in [0, 1]                   (extension)
  *   repetition_penalty        number in (0, 2]                   (extension)
  *   seed                      integer in [0, 2^53]; -1 or absent: a fresh seed per request
- *                             (ranges of seed and temperature as strata run's: strata.h)
+ *                             (every range as strata run's: strata.h; a positive top_p or
+ *                             repetition_penalty below the float range is the smallest float)
  *   stop                      string or array of at most 16 non-empty strings
  *   n                         1 only
  *   stream                    boolean; stream_options {include_usage: boolean} only with stream

@@ -54,6 +54,7 @@
 #include <errno.h>
 #include <microhttpd.h>
 #include <netdb.h>
+#include <netinet/in.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -67,6 +68,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "server/http_head.h"
 #include "server/openai.h"
 
 #define DEF_MAX_BODY (1u << 20)
@@ -86,11 +88,29 @@
 #define NO_DEADLINE 1e300
 /* refused connections are logged as a warning at most this often (seconds) */
 #define REFUSED_LOG_EVERY 10.0
+/* the front door (a connection's first request head, checked before libmicrohttpd parses it):
+ * the largest head and the most header fields it lets through, how long a connection refused
+ * there may still send before it is closed, and how long accepting pauses when the process is
+ * out of file descriptors */
+#define HEAD_MAX 16384
+#define HEAD_FIELDS 100
+/* what the front door peeks at: a head of HEAD_MAX after the empty lines http_head.h allows
+ * before it, and one byte more */
+#define HEAD_PEEK (HEAD_MAX + 16)
+#define LINGER_S 2.0
+#define ACCEPT_PAUSE_S 0.1
+/* libmicrohttpd's memory per connection: room for a HEAD_MAX head, its fields and the answer's
+ * headers (its default, 32 KiB, is not: a head it cannot hold gets its own HTML 431) */
+#define MHD_CONN_MEMORY (64 * 1024)
+/* the watcher's epoll data: 0 its wake-up; request serials (peers of requests in flight);
+ * the listening socket; connections in the front door (EV_FRONT | their id) */
+#define EV_LISTEN (1ull << 63)
+#define EV_FRONT (1ull << 62)
 
 typedef enum { R_CHAT = 0, R_COMPLETIONS, R_MODELS, R_HEALTH, R_METRICS, R_OTHER, R_COUNT_ } route;
 static const char *const ROUTE_NAMES[R_COUNT_] = {"/v1/chat/completions", "/v1/completions", "/v1/models",
                                                   "/health", "/metrics", "other"};
-static const int CODES[] = {200, 400, 401, 404, 405, 413, 415, 421, 429, 431, 499, 500, 503};
+static const int CODES[] = {200, 400, 401, 404, 405, 413, 414, 415, 421, 429, 431, 499, 500, 501, 503, 505};
 #define N_CODES ((int)(sizeof CODES / sizeof CODES[0]))
 
 typedef struct req req;
@@ -103,6 +123,9 @@ struct st_server {
     char *host, *api_key, *model_name;
     size_t max_body;
     bool metrics_public;          /* /health and /metrics open even with an API key */
+    unsigned max_conn, per_client; /* connections in all, from one address (0: no cap) */
+    int listen_fd;                /* the listening socket (the front door accepts) */
+    char *peek;                   /* [HEAD_PEEK]: the front door's view of a head (the watcher's) */
     bool loopback;                /* bound to a loopback address: Host must name this machine */
     int port;
     unsigned header_timeout, idle_timeout; /* seconds */
@@ -123,6 +146,8 @@ struct st_server {
     conn *conns;                  /* connections: from accept to close */
     int64_t n_conns;
     uint64_t next_serial;         /* request serials (the watcher's epoll data; 0: its wake-up) */
+    uint64_t next_conn_id;        /* front-door connection ids (the watcher's epoll data with EV_FRONT) */
+    double accept_resume;         /* out of file descriptors: accepting resumes then (0: accepting) */
     double watch_until;           /* when the watcher wakes next (NO_DEADLINE: only when woken) */
     bool watch_quit;
 
@@ -142,12 +167,20 @@ struct st_server {
 };
 
 /* ---- connections ------------------------------------------------------------------------------
- * One per accepted socket (libmicrohttpd's socket context), from its accept
- * (notify_connection, started) to its close (closed), in s->conns. Its
- * deadline, when set, is kept by the watcher thread, which shuts the socket
- * down when it passes (libmicrohttpd then sees the end of the stream and
- * closes the connection; the socket stays open until notify_connection says
- * closed, which takes s->mu). */
+ * One per accepted socket, in s->conns from its accept to its close. The
+ * watcher thread accepts it and holds it in the front door (`front`: the
+ * server owns the socket) until its first request head has arrived and
+ * passed the check of http_head.h; then it hands the socket to libmicrohttpd
+ * (MHD_add_connection: `handed`) and the connection becomes libmicrohttpd's
+ * socket context at its notify_connection (started) until its close
+ * (closed). A head refused in the front door gets the server's own JSON
+ * error and the socket lingers (`lingering`: input read and dropped) for
+ * LINGER_S before it is closed, so that the client reads the answer. Its
+ * deadline, when set, is kept by the watcher thread: in the front door it
+ * closes the socket; for libmicrohttpd's it shuts the socket down
+ * (libmicrohttpd then sees the end of the stream and closes the connection;
+ * the socket stays open until notify_connection says closed, which takes
+ * s->mu). */
 typedef enum { CONN_HEAD = 0, CONN_BUSY, CONN_IDLE } conn_phase;
 
 struct conn {
@@ -155,7 +188,14 @@ struct conn {
     int fd;
     conn_phase phase;             /* under s->mu: waiting for a request's head, serving one, idle (keep-alive) */
     double deadline;              /* under s->mu: st_time_now() seconds; 0: none */
-    char addr[64];                /* the peer's address, for logs */
+    char addr[64];                /* the peer's address, for logs and the per-client cap */
+    /* the front door (under s->mu; the socket's I/O there is the watcher thread's) */
+    bool front;                   /* the server owns the socket: its first head is awaited */
+    bool lingering;               /* front: refused, its answer sent; input dropped until the close */
+    bool handed;                  /* given to libmicrohttpd, whose notify_connection has not come yet */
+    uint64_t id;                  /* front: the watcher's epoll data (with EV_FRONT) */
+    struct sockaddr_storage sa;   /* the peer's address, for MHD_add_connection */
+    socklen_t salen;
 };
 
 /* ---- one HTTP request ------------------------------------------------------------------------
@@ -272,8 +312,33 @@ static void count_reply(st_server *s, route rt, int status) {
     pthread_mutex_unlock(&s->stat_mu);
 }
 
+/* Unlinks connection k and frees it (s->mu held); closes its socket when the server owns it. */
+static void conn_drop_locked(st_server *s, conn *k) {
+    if (k->front && k->fd >= 0) close(k->fd); /* also out of the watcher's epoll */
+    if (k->prev) k->prev->next = k->next;
+    else s->conns = k->next;
+    if (k->next) k->next->prev = k->prev;
+    s->n_conns--;
+    st_free(k);
+}
+
 /* Ends connection k, whose deadline passed (s->mu held). */
 static void conn_expire_locked(st_server *s, conn *k) {
+    if (k->handed) { /* libmicrohttpd took the socket and never started it (it closed it): forget it */
+        conn_drop_locked(s, k);
+        return;
+    }
+    if (k->front) {
+        if (!k->lingering) {
+            pthread_mutex_lock(&s->stat_mu);
+            s->timed_out_headers++;
+            pthread_mutex_unlock(&s->stat_mu);
+            st_log(STRATA_LOG_INFO, "server: connection from %s: request headers not complete within %u s; closed",
+                   k->addr, s->header_timeout);
+        }
+        conn_drop_locked(s, k);
+        return;
+    }
     const conn_phase ph = k->phase;
     k->deadline = 0;
     shutdown(k->fd, SHUT_RDWR);
@@ -304,6 +369,204 @@ static void peer_closed(st_server *s, uint64_t serial) {
     pthread_mutex_unlock(&s->mu);
 }
 
+
+/* ---- the front door (the watcher thread) ------------------------------------------------------
+ * Accepts connections and holds each until its first request head has
+ * arrived (read with MSG_PEEK: the bytes stay for libmicrohttpd) and passed
+ * srv_head_check; then hands the socket to libmicrohttpd. A refused head
+ * gets a JSON error here (libmicrohttpd's own would be HTML), counted in
+ * /metrics under the route "other". */
+
+static void count_refused(st_server *s) {
+    const double now = st_time_now();
+    pthread_mutex_lock(&s->stat_mu);
+    const int64_t refused = ++s->refused;
+    const bool say = now - s->refused_logged >= REFUSED_LOG_EVERY;
+    if (say) s->refused_logged = now;
+    pthread_mutex_unlock(&s->stat_mu);
+    st_log(say ? STRATA_LOG_WARN : STRATA_LOG_DEBUG,
+           "server: a connection was refused: over --max-connections or --max-connections-per-client "
+           "(%lld refused so far)", (long long)refused);
+}
+
+/* The front-door connection with this id (s->mu held), or NULL when it is gone. */
+static conn *front_find_locked(st_server *s, uint64_t id) {
+    for (conn *k = s->conns; k; k = k->next)
+        if (k->front && k->id == id) return k;
+    return NULL;
+}
+
+/* Closes front-door connection k (the watcher thread). */
+static void front_close(st_server *s, conn *k) {
+    pthread_mutex_lock(&s->mu);
+    conn_drop_locked(s, k);
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* Reads and drops what k's peer sends (a refused connection lingering); false at its end. */
+static bool front_drain(conn *k) {
+    char buf[4096];
+    for (;;) {
+        const ssize_t n = recv(k->fd, buf, sizeof buf, MSG_DONTWAIT);
+        if (n > 0) continue;
+        return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR);
+    }
+}
+
+/* Answers k's refused head with the OpenAI-style error, then lets the socket linger. */
+static void front_refuse(st_server *s, conn *k, const srv_head *h) {
+    srv_error e;
+    srv_error_set(&e, h->status, "invalid_request_error", h->code, NULL, "%s", h->message);
+    char *json = srv_json_error(&e);
+    char head[256];
+    const size_t body = json ? strlen(json) : 0;
+    const int hn = snprintf(head, sizeof head,
+                            "HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %zu\r\n"
+                            "Connection: close\r\n\r\n", h->status, srv_head_reason(h->status), body);
+    struct iovec iov[2] = {{head, (size_t)hn}, {json, body}};
+    struct msghdr mh = {.msg_iov = iov, .msg_iovlen = json ? 2 : 1};
+    if (sendmsg(k->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT) < 0)
+        st_log(STRATA_LOG_DEBUG, "server: connection from %s: cannot send the %d answer: %s", k->addr, h->status,
+               strerror(errno));
+    free(json); /* cJSON's allocator */
+    count_reply(s, R_OTHER, h->status);
+    st_log(STRATA_LOG_DEBUG, "server: connection from %s: %d %s", k->addr, h->status, h->message);
+    shutdown(k->fd, SHUT_WR);
+    const bool open = front_drain(k);
+    pthread_mutex_lock(&s->mu);
+    if (!open) {
+        conn_drop_locked(s, k);
+    } else {
+        k->lingering = true;
+        k->deadline = st_time_now() + LINGER_S;
+        if (k->deadline < s->watch_until) s->watch_until = k->deadline;
+    }
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* Gives k's socket to libmicrohttpd (its head passed). */
+static void front_hand_over(st_server *s, conn *k) {
+    pthread_mutex_lock(&s->mu);
+    epoll_ctl(s->ep, EPOLL_CTL_DEL, k->fd, NULL);
+    k->front = false;
+    k->handed = true; /* notify_connection (started) attaches it, on a pool thread */
+    const int fd = k->fd;
+    const struct sockaddr_storage sa = k->sa;
+    const socklen_t salen = k->salen;
+    pthread_mutex_unlock(&s->mu);
+    if (MHD_add_connection(s->d, fd, (const struct sockaddr *)&sa, salen) != MHD_YES) {
+        /* libmicrohttpd closed the socket (over its limit, out of memory) */
+        st_log(STRATA_LOG_WARN, "server: libmicrohttpd did not take a connection: %s", strerror(errno));
+        pthread_mutex_lock(&s->mu);
+        for (conn *c = s->conns; c; c = c->next)
+            if (c == k && c->handed) {
+                conn_drop_locked(s, c);
+                break;
+            }
+        pthread_mutex_unlock(&s->mu);
+    }
+}
+
+/* Looks at what front-door connection `id` has received (the watcher thread). */
+static void front_event(st_server *s, uint64_t id, uint32_t events) {
+    pthread_mutex_lock(&s->mu);
+    conn *k = front_find_locked(s, id);
+    const bool lingering = k && k->lingering;
+    pthread_mutex_unlock(&s->mu);
+    if (!k) return;
+    const bool hup = (events & (EPOLLRDHUP | EPOLLHUP | EPOLLERR)) != 0;
+    if (lingering) {
+        if (!front_drain(k) || hup) front_close(s, k);
+        return;
+    }
+    const ssize_t n = recv(k->fd, s->peek, HEAD_PEEK, MSG_PEEK | MSG_DONTWAIT);
+    if (n < 0) {
+        if ((errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) && !hup) return;
+        front_close(s, k);
+        return;
+    }
+    if (n == 0) { /* gone before sending a request */
+        front_close(s, k);
+        return;
+    }
+    srv_head h;
+    const srv_head_limits lim = {.max_head = HEAD_MAX, .max_fields = HEAD_FIELDS};
+    switch (srv_head_check(s->peek, (size_t)n, &lim, &h)) {
+    case SRV_HEAD_OK:
+        front_hand_over(s, k);
+        break;
+    case SRV_HEAD_BAD:
+        front_refuse(s, k, &h);
+        break;
+    case SRV_HEAD_MORE:
+        if (hup) front_close(s, k); /* the peer stopped sending with the head incomplete */
+        break;
+    }
+}
+
+/* Accepts the connections waiting on the listening socket (the watcher thread). */
+static void front_accept(st_server *s) {
+    for (;;) {
+        struct sockaddr_storage sa;
+        socklen_t salen = sizeof sa;
+        const int fd = accept4(s->listen_fd, (struct sockaddr *)&sa, &salen, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0) {
+            if (errno == EINTR || errno == ECONNABORTED) continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+            /* out of descriptors or memory: pause accepting (the listening socket stays readable) */
+            st_log(STRATA_LOG_WARN, "server: accept: %s; accepting again in %.1f s", strerror(errno), ACCEPT_PAUSE_S);
+            pthread_mutex_lock(&s->mu);
+            epoll_ctl(s->ep, EPOLL_CTL_DEL, s->listen_fd, NULL);
+            s->accept_resume = st_time_now() + ACCEPT_PAUSE_S;
+            pthread_mutex_unlock(&s->mu);
+            return;
+        }
+        char addr[64] = "?";
+        getnameinfo((struct sockaddr *)&sa, salen, addr, sizeof addr, NULL, 0, NI_NUMERICHOST);
+        conn *k = st_calloc(1, sizeof *k);
+        pthread_mutex_lock(&s->mu);
+        int64_t same = 0;
+        for (conn *c = s->conns, *nc; c; c = nc) {
+            nc = c->next;
+            if (c->handed && c->fd == fd) { /* libmicrohttpd dropped it before starting it: the number is free */
+                conn_drop_locked(s, c);
+                continue;
+            }
+            if (s->per_client && !strcmp(c->addr, addr)) same++;
+        }
+        const bool refuse = !k || s->n_conns >= (int64_t)s->max_conn || (s->per_client && same >= s->per_client);
+        if (!refuse) {
+            k->fd = fd;
+            k->front = true;
+            k->id = ++s->next_conn_id;
+            k->sa = sa;
+            k->salen = salen;
+            snprintf(k->addr, sizeof k->addr, "%s", addr);
+            k->next = s->conns;
+            if (s->conns) s->conns->prev = k;
+            s->conns = k;
+            s->n_conns++;
+            conn_phase_locked(s, k, CONN_HEAD, s->header_timeout);
+            /* edge-triggered: each arrival of bytes is an event, though the peeked ones stay unread */
+            struct epoll_event e = {.events = EPOLLIN | EPOLLRDHUP | EPOLLET, .data.u64 = EV_FRONT | k->id};
+            if (epoll_ctl(s->ep, EPOLL_CTL_ADD, fd, &e) != 0) {
+                st_log(STRATA_LOG_WARN, "server: cannot watch a new connection: %s", strerror(errno));
+                conn_drop_locked(s, k);
+                k = NULL;
+            }
+        }
+        const uint64_t id = k && !refuse ? k->id : 0;
+        pthread_mutex_unlock(&s->mu);
+        if (refuse) {
+            close(fd);
+            st_free(k);
+            count_refused(s);
+            continue;
+        }
+        if (id) front_event(s, id, 0); /* the head may be there already */
+    }
+}
+
 static void *watcher_main(void *arg) {
     st_server *s = arg;
     struct epoll_event ev[64];
@@ -315,10 +578,18 @@ static void *watcher_main(void *arg) {
         }
         const double now = st_time_now();
         double next = NO_DEADLINE;
-        for (conn *k = s->conns; k; k = k->next) {
+        for (conn *k = s->conns, *nk; k; k = nk) {
+            nk = k->next; /* k may be freed */
             if (k->deadline <= 0) continue;
             if (k->deadline <= now) conn_expire_locked(s, k);
             else if (k->deadline < next) next = k->deadline;
+        }
+        if (s->accept_resume > 0 && s->accept_resume <= now) { /* out of descriptors a while ago: try again */
+            s->accept_resume = 0;
+            struct epoll_event le = {.events = EPOLLIN, .data.u64 = EV_LISTEN};
+            epoll_ctl(s->ep, EPOLL_CTL_ADD, s->listen_fd, &le);
+        } else if (s->accept_resume > 0 && s->accept_resume < next) {
+            next = s->accept_resume;
         }
         s->watch_until = next;
         pthread_mutex_unlock(&s->mu);
@@ -333,13 +604,16 @@ static void *watcher_main(void *arg) {
             break;
         }
         for (int i = 0; i < n; i++) {
-            if (ev[i].data.u64 == 0) {
+            const uint64_t d = ev[i].data.u64;
+            if (d == 0) {
                 uint64_t v;
                 while (read(s->wake_fd, &v, sizeof v) > 0) {
                 }
                 continue;
             }
-            peer_closed(s, ev[i].data.u64);
+            if (d == EV_LISTEN) front_accept(s);
+            else if (d & EV_FRONT) front_event(s, d & ~EV_FRONT, ev[i].events);
+            else peer_closed(s, d);
         }
     }
     return NULL;
@@ -1131,23 +1405,34 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls, en
     req_unref(r);
 }
 
-/* A connection is accepted (started) or closed (its socket is closed after this). */
+/* libmicrohttpd starts a connection the front door handed over, or closes one
+ * (its socket is closed after this). */
 static void on_connection(void *cls, struct MHD_Connection *c, void **socket_context,
                           enum MHD_ConnectionNotificationCode code) {
     st_server *s = cls;
     if (code == MHD_CONNECTION_NOTIFY_STARTED) {
-        conn *k = st_calloc(1, sizeof *k);
+        const union MHD_ConnectionInfo *fi = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+        const int fd = fi ? fi->connect_fd : -1;
+        pthread_mutex_lock(&s->mu);
+        conn *k = NULL;
+        for (conn *x = s->conns; x && fd >= 0; x = x->next)
+            if (x->handed && x->fd == fd) {
+                k = x;
+                break;
+            }
+        if (k) { /* its header deadline, from the accept, goes on: the head is in already */
+            k->handed = false;
+            *socket_context = k;
+            pthread_mutex_unlock(&s->mu);
+            return;
+        }
+        pthread_mutex_unlock(&s->mu);
+        /* not from the front door (cannot be): tracked from now on */
+        k = st_calloc(1, sizeof *k);
         *socket_context = k;
         if (!k) return; /* not tracked: libmicrohttpd's inactivity timeout still applies */
-        const union MHD_ConnectionInfo *fi = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
-        const union MHD_ConnectionInfo *ai = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
-        k->fd = fi ? fi->connect_fd : -1;
+        k->fd = fd;
         snprintf(k->addr, sizeof k->addr, "?");
-        if (ai && ai->client_addr) {
-            const socklen_t len = ai->client_addr->sa_family == AF_INET6 ? (socklen_t)sizeof(struct sockaddr_in6)
-                                                                         : (socklen_t)sizeof(struct sockaddr_in);
-            getnameinfo(ai->client_addr, len, k->addr, sizeof k->addr, NULL, 0, NI_NUMERICHOST);
-        }
         pthread_mutex_lock(&s->mu);
         k->next = s->conns;
         if (s->conns) s->conns->prev = k;
@@ -1161,12 +1446,8 @@ static void on_connection(void *cls, struct MHD_Connection *c, void **socket_con
     if (!k) return;
     *socket_context = NULL;
     pthread_mutex_lock(&s->mu);
-    if (k->prev) k->prev->next = k->next;
-    else s->conns = k->next;
-    if (k->next) k->next->prev = k->prev;
-    s->n_conns--;
+    conn_drop_locked(s, k);
     pthread_mutex_unlock(&s->mu);
-    st_free(k);
 }
 
 /* A request line has arrived (before its headers): a request on a keep-alive
@@ -1195,16 +1476,8 @@ static void mhd_log(void *cls, const char *fmt, va_list ap) {
     snprintf(s->mhd_msg, sizeof s->mhd_msg, "%s", msg);
     pthread_mutex_unlock(&s->log_mu);
     /* over max_connections (a pool thread's share) or max_connections_per_client: closed at accept */
-    if (strstr(msg, "reached connection limit")) {
-        const double now = st_time_now();
-        pthread_mutex_lock(&s->stat_mu);
-        const int64_t refused = ++s->refused;
-        const bool say = now - s->refused_logged >= REFUSED_LOG_EVERY;
-        if (say) s->refused_logged = now;
-        pthread_mutex_unlock(&s->stat_mu);
-        st_log(say ? STRATA_LOG_WARN : STRATA_LOG_DEBUG,
-               "server: a connection was refused: over --max-connections or --max-connections-per-client "
-               "(%lld refused so far)", (long long)refused);
+    if (strstr(msg, "reached connection limit")) { /* a pool thread at its share (the front door counts all) */
+        count_refused(s);
         return;
     }
     /* the answers libmicrohttpd writes itself (a malformed request line or header, a bad
@@ -1248,7 +1521,7 @@ strata_status st_server_start(strata_model *m, const st_server_params *params, s
         pthread_cond_init(&s->cv, &ca);
         pthread_condattr_destroy(&ca);
     }
-    s->ep = s->wake_fd = -1;
+    s->ep = s->wake_fd = s->listen_fd = -1;
     s->watch_until = NO_DEADLINE;
     s->host = st_strdup(params->host ? params->host : "127.0.0.1");
     s->model_name = st_strdup(params->model_name ? params->model_name : "strata");
@@ -1276,7 +1549,10 @@ strata_status st_server_start(strata_model *m, const st_server_params *params, s
     const unsigned per_client = params->max_connections_per_client < 0 ? 0
                                 : params->max_connections_per_client > 0 ? (unsigned)params->max_connections_per_client
                                 : s->loopback ? 0 : DEF_PER_CLIENT;
-    if (!s->host || !s->model_name || (params->api_key && params->api_key[0] && !s->api_key)) {
+    s->max_conn = max_conn;
+    s->per_client = per_client;
+    s->peek = st_malloc(HEAD_PEEK);
+    if (!s->host || !s->model_name || !s->peek || (params->api_key && params->api_key[0] && !s->api_key)) {
         st_server_stop(s);
         return st_err(STRATA_ERR_NOMEM, "server: out of memory");
     }
@@ -1306,19 +1582,36 @@ strata_status st_server_start(strata_model *m, const st_server_params *params, s
         st_server_stop(s);
         return st;
     }
+    /* the listening socket: the front door (the watcher thread) accepts, libmicrohttpd gets the
+     * connections whose first head passed */
+    s->listen_fd = socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    const int one = 1;
+    if (s->listen_fd < 0 || setsockopt(s->listen_fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) != 0 ||
+        (ai->ai_family == AF_INET6 && setsockopt(s->listen_fd, IPPROTO_IPV6, IPV6_V6ONLY, &one, sizeof one) != 0) ||
+        bind(s->listen_fd, ai->ai_addr, ai->ai_addrlen) != 0 || listen(s->listen_fd, SOMAXCONN) != 0) {
+        strata_status st = st_err(STRATA_ERR_IO, "server: cannot listen on %s port %d: %s", s->host, params->port,
+                                  strerror(errno));
+        freeaddrinfo(ai);
+        st_server_stop(s);
+        return st;
+    }
+    freeaddrinfo(ai);
+    struct sockaddr_storage bound;
+    socklen_t blen = sizeof bound;
+    s->port = params->port;
+    if (getsockname(s->listen_fd, (struct sockaddr *)&bound, &blen) == 0)
+        s->port = ntohs(bound.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&bound)->sin6_port
+                                                    : ((struct sockaddr_in *)&bound)->sin_port);
     /* epoll in a pool of threads; connections are suspended while the engine works on their requests */
     unsigned flags = (MHD_is_feature_supported(MHD_FEATURE_EPOLL) == MHD_YES ? MHD_USE_EPOLL_INTERNAL_THREAD
                                                                               : MHD_USE_POLL_INTERNAL_THREAD) |
-                     MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG;
-    if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
-    struct MHD_OptionItem more[3];
+                     MHD_USE_NO_LISTEN_SOCKET | MHD_USE_ITC | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG;
+    struct MHD_OptionItem more[2];
     int n_more = 0;
     if (threads > 1) more[n_more++] = (struct MHD_OptionItem){MHD_OPTION_THREAD_POOL_SIZE, (intptr_t)threads, NULL};
-    if (per_client) more[n_more++] = (struct MHD_OptionItem){MHD_OPTION_PER_IP_CONNECTION_LIMIT, (intptr_t)per_client, NULL};
     more[n_more] = (struct MHD_OptionItem){MHD_OPTION_END, 0, NULL};
-    s->d = MHD_start_daemon(flags, (uint16_t)params->port, NULL, NULL, on_access, s,
+    s->d = MHD_start_daemon(flags, 0, NULL, NULL, on_access, s,
                             MHD_OPTION_EXTERNAL_LOGGER, mhd_log, s, /* first, to catch every message */
-                            MHD_OPTION_SOCK_ADDR, ai->ai_addr,
                             MHD_OPTION_NOTIFY_COMPLETED, on_completed, s,
                             MHD_OPTION_NOTIFY_CONNECTION, on_connection, s,
                             MHD_OPTION_URI_LOG_CALLBACK, on_uri, s,
@@ -1326,17 +1619,21 @@ strata_status st_server_start(strata_model *m, const st_server_params *params, s
                              * watcher's idle deadline, which it leaves to the watcher (counted there) */
                             MHD_OPTION_CONNECTION_TIMEOUT, s->idle_timeout + 1,
                             MHD_OPTION_CONNECTION_LIMIT, max_conn,
+                            MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)MHD_CONN_MEMORY,
                             MHD_OPTION_ARRAY, more,
                             MHD_OPTION_END);
-    freeaddrinfo(ai);
     if (!s->d) {
-        strata_status st = st_err(STRATA_ERR_IO, "server: cannot listen on %s port %d%s%s", s->host, params->port,
-                                  s->mhd_msg[0] ? ": " : "", s->mhd_msg);
+        strata_status st = st_err(STRATA_ERR_IO, "server: cannot start libmicrohttpd on %s port %d%s%s", s->host,
+                                  s->port, s->mhd_msg[0] ? ": " : "", s->mhd_msg);
         st_server_stop(s);
         return st;
     }
-    const union MHD_DaemonInfo *di = MHD_get_daemon_info(s->d, MHD_DAEMON_INFO_BIND_PORT);
-    s->port = di && di->port ? di->port : params->port;
+    struct epoll_event le = {.events = EPOLLIN, .data.u64 = EV_LISTEN};
+    if (epoll_ctl(s->ep, EPOLL_CTL_ADD, s->listen_fd, &le) != 0) {
+        strata_status st = st_err(STRATA_ERR_IO, "server: epoll: %s", strerror(errno));
+        st_server_stop(s);
+        return st;
+    }
     st_log(STRATA_LOG_INFO, "server: listening on %s port %d (model '%s'%s), %u thread(s), %u connections (%u per "
            "client%s), header timeout %u s, idle timeout %u s", s->host, s->port, s->model_name,
            s->api_key ? ", API key required" : "", threads, max_conn, per_client, per_client ? "" : ": no cap",
@@ -1445,6 +1742,23 @@ void st_server_stop(st_server *s) {
     atomic_store(&s->draining, true);
     atomic_store(&s->stopping, true);
     atomic_store(&s->ending, true);
+    /* the watcher first: it hands connections to libmicrohttpd, which is stopped next */
+    if (s->watcher_started) {
+        pthread_mutex_lock(&s->mu);
+        s->watch_quit = true;
+        pthread_mutex_unlock(&s->mu);
+        watcher_wake(s);
+        pthread_join(s->watcher, NULL);
+        s->watcher_started = false;
+    }
+    if (s->listen_fd >= 0) close(s->listen_fd);
+    s->listen_fd = -1;
+    pthread_mutex_lock(&s->mu); /* the front door's connections, and those handed over and never started */
+    for (conn *k = s->conns, *nk; k; k = nk) {
+        nk = k->next;
+        if (k->front || k->handed) conn_drop_locked(s, k);
+    }
+    pthread_mutex_unlock(&s->mu);
     if (s->d) {
         /* libmicrohttpd must not be stopped with suspended connections: resume them all; with
          * `ending` set none suspends again (handlers and readers check it under r->mu) */
@@ -1452,13 +1766,6 @@ void st_server_stop(st_server *s) {
         MHD_stop_daemon(s->d); /* ends the connections: on_completed aborts their requests */
     }
     s->d = NULL;
-    if (s->watcher_started) {
-        pthread_mutex_lock(&s->mu);
-        s->watch_quit = true;
-        pthread_mutex_unlock(&s->mu);
-        watcher_wake(s);
-        pthread_join(s->watcher, NULL);
-    }
     /* the engine calls on_finish for every aborted request at its next step */
     pthread_mutex_lock(&s->mu);
     while (s->n_engine > 0) pthread_cond_wait(&s->cv, &s->mu);
@@ -1472,5 +1779,6 @@ void st_server_stop(st_server *s) {
     st_free(s->host);
     st_free(s->model_name);
     st_free(s->api_key);
+    st_free(s->peek);
     st_free(s);
 }

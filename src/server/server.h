@@ -22,15 +22,29 @@
  * (model_not_found); one without "model" is served.
  * Errors are OpenAI-style JSON {"error": {"message", "type", "param", "code"}}
  * with 400 (bad request), 401, 404 (no such route or model), 405 (wrong method, with
- * Allow), 413 (body over max_body), 415, 421, 500, 503 (queue full, shutting down).
+ * Allow), 413 (body over max_body), 415, 421, 500, 503 (queue full, shutting down);
+ * a connection's first request head that is not well-formed HTTP/1.x (the
+ * front door below) gets 400, 413, 414, 431, 501 or 505 in the same shape,
+ * then the connection is closed. libmicrohttpd's own answers (HTML) remain
+ * only for a malformed chunked body and for the heads of later requests on a
+ * keep-alive connection; all are counted in /metrics.
  *
  * Shutdown (st_server_shutdown): new requests get 503, running ones may
  * finish for a while, then are aborted (streams end with an error event and
  * [DONE]).
  *
+ * Front door: the server's watcher thread (below) owns the listening socket.
+ * It accepts, applies the connection limits, and holds each new connection
+ * until its first request head has arrived, looking at it with MSG_PEEK (the
+ * bytes stay on the socket) and checking it (http_head.h: request line,
+ * fields, Content-Length / Transfer-Encoding, at most 16 KiB and 100 fields);
+ * a head that passes goes to libmicrohttpd with the socket
+ * (MHD_USE_NO_LISTEN_SOCKET, MHD_add_connection), a refused one gets its JSON
+ * error from the watcher. A connection in the front door costs no thread.
+ *
  * Threads: libmicrohttpd polls the sockets with epoll in a pool of `threads`
  * threads (MHD_USE_EPOLL_INTERNAL_THREAD + MHD_OPTION_THREAD_POOL_SIZE), each
- * owning the connections it accepted; no thread waits for a connection. A
+ * owning the connections handed to it; no thread waits for a connection. A
  * pool thread parses and tokenizes a request and adds it to the engine; then
  * the connection is suspended (MHD_suspend_connection), and the engine
  * thread's callbacks, which append text and mark the end, resume it
@@ -58,11 +72,9 @@
  *                     plus one second: libmicrohttpd's inactivity timeout while
  *                     a body is read or an answer written (a connection waiting
  *                     for the engine is suspended and has none).
- * Limits: max_connections in all (libmicrohttpd splits them between its pool
- * threads; a thread at its share stops accepting and the others take the
- * next ones), max_connections_per_client from one remote address
- * (MHD_OPTION_PER_IP_CONNECTION_LIMIT: a connection over it is closed at
- * once).
+ * Limits, applied by the front door at accept (a connection over one is closed
+ * at once and counted as refused): max_connections in all, those in the front
+ * door included; max_connections_per_client from one remote address.
  */
 #pragma once
 #include <stddef.h>
@@ -81,7 +93,7 @@ typedef struct {
     bool metrics_public;     /* with an API key: /health and /metrics still answer without it */
     const char *model_name;  /* the id in /v1/models and in answers (NULL: "strata") */
     size_t max_body;         /* request body limit in bytes (0: 1 MiB) */
-    unsigned max_connections;/* simultaneous connections (0: 1024) */
+    unsigned max_connections;/* simultaneous connections, the front door's included (0: 1024) */
     int max_connections_per_client; /* simultaneous connections from one remote address (0: 32, or no cap
                                      * when host is a loopback address; negative: no cap) */
     unsigned threads;        /* libmicrohttpd's pool of polling threads (0: 4; at most max_connections) */

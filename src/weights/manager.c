@@ -16,6 +16,7 @@
  * release of sequence k - ring_slots). */
 #include "weights/manager.h"
 
+#include <stdarg.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
@@ -128,6 +129,20 @@ static void wm_fail(st_wm *wm, strata_status st) {
 
 /* Under the lock: the sticky failure as this thread's error. */
 static strata_status failed_err(st_wm *wm) { return st_err(wm->failed, "%s", wm->errmsg); }
+
+/* The calling thread's last error prefixed with what it was allocating
+ * ("weights: ring slot 2 of 2 (1.7 MB): <the backend's message>"). */
+static strata_status alloc_failed(strata_status st, size_t n, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static strata_status alloc_failed(strata_status st, size_t n, const char *fmt, ...) {
+    char msg[768], what[160], b[32];
+    snprintf(msg, sizeof msg, "%s", st_last_error());
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(what, sizeof what, fmt, ap);
+    va_end(ap);
+    return st_err(st, "weights: %s (%s): %s", what, st_fmt_bytes((double)n, b, sizeof b), msg);
+}
 
 static strata_status host_take(st_wm *wm, size_t n, const char *what) {
     pthread_mutex_lock(&wm->mu);
@@ -499,7 +514,8 @@ static strata_status load_resident(st_wm *wm) {
             for (int t = 0; t < g->n_tensors; t++) wm->res_ptr[i][t] = st_tensor_data(wm->files, g->t[t].desc);
             continue;
         }
-        if ((st = be->ops->alloc(be, g->slot_bytes, &wm->res_block[i])) != STRATA_OK) return st;
+        if ((st = be->ops->alloc(be, g->slot_bytes, &wm->res_block[i])) != STRATA_OK)
+            return alloc_failed(st, g->slot_bytes, "device block of the resident weight group %s", g->name);
         uint8_t *blk = wm->res_block[i];
         for (int t = 0; t < g->n_tensors; t++) {
             if ((st = be->ops->copy_h2d(be, wm->copy, blk + g->t[t].slot_off, st_tensor_data(wm->files, g->t[t].desc),
@@ -539,7 +555,9 @@ static strata_status init_streaming(st_wm *wm) {
     if (!wm->slot || !wm->slot_ready || !wm->slot_done || !wm->slot_used || !wm->slot_src || !wm->ch)
         return st_err(STRATA_ERR_NOMEM, "weight manager: out of memory");
     for (int s = 0; s < wm->n_slots; s++) {
-        if ((st = o->alloc(be, wm->plan.slot_bytes, &wm->slot[s])) != STRATA_OK) return st;
+        if ((st = o->alloc(be, wm->plan.slot_bytes, &wm->slot[s])) != STRATA_OK)
+            return alloc_failed(st, wm->plan.slot_bytes, "device ring slot %d of %d for streamed weights", s + 1,
+                                wm->n_slots);
         if ((st = o->event_create(be, &wm->slot_ready[s])) != STRATA_OK) return st;
         if ((st = o->event_create(be, &wm->slot_done[s])) != STRATA_OK) return st;
     }
@@ -547,7 +565,8 @@ static strata_status init_streaming(st_wm *wm) {
     if ((st = host_take(wm, stg, "pinned staging")) != STRATA_OK) return st;
     if ((st = o->host_alloc(be, stg, &wm->stg_raw)) != STRATA_OK) {
         host_give(wm, stg);
-        return st;
+        return alloc_failed(st, stg, "pinned staging buffers for weight reads (%d x %zu bytes)", wm->n_chunks,
+                            wm->chunk_bytes);
     }
     wm->stg = align_ptr(wm->stg_raw);
     for (int c = 0; c < wm->n_chunks; c++)
@@ -563,14 +582,17 @@ static strata_status init_rows(st_wm *wm) {
     const int64_t T = wm->plan.prefill_chunk;
     const size_t rb = (size_t)wm->groups->embed_row_bytes;
     strata_status st;
-    if ((st = o->alloc(be, ((size_t)T * rb + 255) / 256 * 256, &wm->rows_dev)) != STRATA_OK) return st;
-    if ((st = o->alloc(be, ((size_t)T * 4 + 255) / 256 * 256, (void **)&wm->ids_dev)) != STRATA_OK) return st;
+    if ((st = o->alloc(be, ((size_t)T * rb + 255) / 256 * 256, &wm->rows_dev)) != STRATA_OK)
+        return alloc_failed(st, ((size_t)T * rb + 255) / 256 * 256, "device buffer of embedding rows");
+    if ((st = o->alloc(be, ((size_t)T * 4 + 255) / 256 * 256, (void **)&wm->ids_dev)) != STRATA_OK)
+        return alloc_failed(st, ((size_t)T * 4 + 255) / 256 * 256, "device buffer of embedding row ids");
     wm->rows_host_bytes = 2 * (size_t)T * rb;
     if ((st = host_take(wm, wm->rows_host_bytes, "pinned embedding rows")) != STRATA_OK) {
         wm->rows_host_bytes = 0;
         return st;
     }
-    if ((st = o->host_alloc(be, wm->rows_host_bytes, &wm->rows_host)) != STRATA_OK) return st;
+    if ((st = o->host_alloc(be, wm->rows_host_bytes, &wm->rows_host)) != STRATA_OK)
+        return alloc_failed(st, wm->rows_host_bytes, "pinned embedding rows");
     for (int b = 0; b < 2; b++)
         if ((st = o->event_create(be, &wm->rows_ev[b])) != STRATA_OK) return st;
     int32_t *iota = wm->rows_host; /* staging for the ids: [0, T) */

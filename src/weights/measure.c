@@ -1,6 +1,7 @@
 /* weights/measure: start-up bandwidth probes (measure.h). */
 #include "weights/measure.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -172,6 +173,7 @@ strata_status st_wbw_measure(st_backend *be, const st_model_files *files, const 
         st = measure_matmul(be, s, g, batch, &r, &f);
         if (st == STRATA_ERR_NOMEM) { /* the backend's scratch did not fit beside the probe: unknown */
             st_log(STRATA_LOG_INFO, "matmul probe skipped: %s", st_last_error());
+            snprintf(bw->skipped, sizeof bw->skipped, "%s", st_last_error()); /* for the plan's message */
             st = STRATA_OK;
             r = f = 0;
         }

@@ -58,6 +58,7 @@ typedef struct {
     double gemm;       /* FLOP/s of the backend's matmul at a prefill batch */
     bool ssd_direct;   /* the SSD figure was measured with O_DIRECT (false: page cache) */
     bool measured[4];  /* h2d, ssd, dev_read, gemm: measured now (false: given) */
+    char skipped[192]; /* why the matmul probe did not run (no memory for it), or "" */
 } st_wbw;
 
 typedef struct {

@@ -8,6 +8,7 @@
 #include <stdatomic.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "core/aio.h"
@@ -130,9 +131,17 @@ int64_t st_ssd_files_reads(const st_ssd_files *s) { return atomic_load(&s->reads
 
 /* ---- queue: core/aio with the files' identity and fault counter ---- */
 
+/* A read held back by the slow-read fault: issued to the aio queue at `due`. */
+typedef struct {
+    st_aio_req r;
+    double due; /* st_time_now() seconds */
+} deferred_read;
+
 struct st_ssd_queue {
     st_ssd_files *files;
     st_aio *aio;
+    deferred_read *def; /* [depth] FIFO ring of slow reads not yet issued (faults.delay_ms) */
+    int def_head, n_def;
 };
 
 strata_status st_ssd_queue_init(st_ssd_files *f, int depth, bool force_pread, st_ssd_queue **out) {
@@ -146,12 +155,16 @@ strata_status st_ssd_queue_init(st_ssd_files *f, int depth, bool force_pread, st
         return st;
     }
     q->files = f;
+    if (f->faults.delay_ms > 0 && !(q->def = st_calloc((size_t)st_aio_depth(q->aio), sizeof *q->def))) {
+        st_ssd_queue_free(q);
+        return st_err(STRATA_ERR_NOMEM, "ssd queue: out of memory");
+    }
     *out = q;
     return STRATA_OK;
 }
 
 bool st_ssd_queue_uring(const st_ssd_queue *q) { return st_aio_uring(q->aio); }
-int st_ssd_queue_inflight(const st_ssd_queue *q) { return st_aio_inflight(q->aio); }
+int st_ssd_queue_inflight(const st_ssd_queue *q) { return st_aio_inflight(q->aio) + q->n_def; }
 int st_ssd_queue_depth(const st_ssd_queue *q) { return st_aio_depth(q->aio); }
 
 strata_status st_ssd_submit(st_ssd_queue *q, int file, uint64_t off, uint64_t len, uint64_t need, void *dst,
@@ -165,7 +178,7 @@ strata_status st_ssd_submit(st_ssd_queue *q, int file, uint64_t off, uint64_t le
     if (f->direct && (off % ST_WG_ALIGN || len % ST_WG_ALIGN || (uintptr_t)dst % ST_WG_ALIGN))
         return st_err(STRATA_ERR_INVALID_ARG, "ssd read of %s: offset %llu, length %llu or buffer %p not aligned to %u",
                       f->path, (unsigned long long)off, (unsigned long long)len, dst, ST_WG_ALIGN);
-    if (st_aio_inflight(q->aio) >= st_aio_depth(q->aio))
+    if (st_ssd_queue_inflight(q) >= st_aio_depth(q->aio))
         return st_err(STRATA_ERR_INTERNAL, "ssd read: %d reads already in flight", st_aio_depth(q->aio));
     const long long nth = atomic_fetch_add(&q->files->reads, 1) + 1;
     const st_aio_req r = {
@@ -180,19 +193,53 @@ strata_status st_ssd_submit(st_ssd_queue *q, int file, uint64_t off, uint64_t le
         .fail_errno = q->files->faults.fail_nth == nth ? EIO : 0, /* injected I/O error: never reaches the disk */
         .fail_short = q->files->faults.short_nth == nth,
     };
+    if (q->def) { /* slow reads: the buffer holds poison until the read is issued, delay_ms from now */
+        memset(dst, 0xA5, len);
+        const int depth = st_aio_depth(q->aio);
+        q->def[(q->def_head + q->n_def) % depth] =
+            (deferred_read){.r = r, .due = st_time_now() + q->files->faults.delay_ms * 1e-3};
+        q->n_def++;
+        return STRATA_OK;
+    }
     return st_aio_submit(q->aio, &r);
 }
 
+/* Issues the oldest held-back read (slow-read fault), after sleeping until it
+ * is due when `wait`; false when it is not due yet (and !wait). */
+static bool issue_deferred(st_ssd_queue *q, bool wait, strata_status *st) {
+    deferred_read *d = &q->def[q->def_head];
+    const double left = d->due - st_time_now();
+    if (left > 0) {
+        if (!wait) return false;
+        struct timespec ts = {(time_t)left, (long)((left - (double)(time_t)left) * 1e9)};
+        while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+        }
+    }
+    const st_aio_req r = d->r;
+    q->def_head = (q->def_head + 1) % st_aio_depth(q->aio);
+    q->n_def--;
+    *st = st_aio_submit(q->aio, &r);
+    return true;
+}
+
 strata_status st_ssd_reap(st_ssd_queue *q, bool wait, bool *got, uint64_t *tag) {
-    st_aio_result res;
-    strata_status st = st_aio_reap(q->aio, wait, got, &res);
+    st_aio_result res = {0};
+    *got = false;
+    *tag = 0;
+    strata_status st = STRATA_OK;
+    /* slow reads: issue those that are due; with nothing else in flight, wait for the next one */
+    while (q->n_def > 0 && (st_aio_inflight(q->aio) == 0 || q->def[q->def_head].due <= st_time_now()))
+        if (!issue_deferred(q, wait, &st) || st != STRATA_OK) break;
+    if (st != STRATA_OK) return st;
+    st = st_aio_reap(q->aio, wait, got, &res);
     *tag = res.tag;
     return st;
 }
 
 void st_ssd_queue_free(st_ssd_queue *q) {
     if (!q) return;
-    st_aio_free(q->aio); /* waits for reads in flight */
+    st_aio_free(q->aio); /* waits for reads in flight (held-back slow reads are dropped) */
+    st_free(q->def);
     st_free(q);
 }
 

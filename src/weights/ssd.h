@@ -22,7 +22,11 @@
  *
  * Faults (tests): st_ssd_faults makes the Nth read (counted from 1 over all
  * queues of a files object, in submission order) fail with EIO, or come back
- * short as if the file ended in its middle. */
+ * short as if the file ended in its middle; or every read slow: its buffer is
+ * filled with a poison pattern (0xA5 bytes) at submission and the read itself
+ * is issued `delay_ms` later (at the first st_ssd_reap from then on, which
+ * sleeps when it waits), so that a reader of the buffer before the read is
+ * reaped sees the poison instead of the weights. */
 #pragma once
 #include <stdbool.h>
 #include <stdint.h>
@@ -34,6 +38,7 @@ extern "C" {
 typedef struct {
     int64_t fail_nth;  /* 0: never; N: the Nth read fails with EIO */
     int64_t short_nth; /* 0: never; N: the Nth read returns half of its bytes, then end of file */
+    int delay_ms;      /* 0: none; every read lands this many milliseconds after its submission */
 } st_ssd_faults;
 
 typedef struct st_ssd_files st_ssd_files;

@@ -299,6 +299,21 @@ def openai_seeds():
     put(name, "numbers", b'\x00{"prompt":"x","temperature":1e999,"top_p":1e-300,"seed":9007199254740993}')
 
 
+def http_head_seeds():
+    name = "http_head"
+    put(name, "chat", b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost:8080\r\nContent-Type: application/json"
+                      b"\r\nAuthorization: Bearer k\r\nContent-Length: 57\r\n\r\n{\"messages\":[]}")
+    put(name, "get-lf", b"\r\nGET /metrics HTTP/1.0\nAccept: */*\n\n")
+    put(name, "chunked", b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n")
+    put(name, "pipelined", b"GET /health HTTP/1.1\r\nHost: a\r\n\r\nGET /health HTTP/1.1\r\nHost: a\r\n\r\n")
+    put(name, "bad-content-length", b"POST / HTTP/1.1\r\nContent-Length: 12\r\ncontent-length: 13\r\n\r\n")
+    put(name, "bad-line", b"GARBAGE\r\n\r\n")
+    put(name, "bad-fold", b"GET / HTTP/1.1\r\nA: b\r\n\tc\r\n\r\n")
+    put(name, "version", b"GET / HTTP/2.0\r\n\r\n")
+    put(name, "partial", b"GET /v1/models HTTP/1.1\r\nHost: loc")
+    put(name, "tls", b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03")
+
+
 def main():
     if len(sys.argv) != 2:
         sys.exit("usage: make_corpus.py BUILD/strata")
@@ -308,6 +323,7 @@ def main():
     tokenize_seeds()
     chat_seeds()
     openai_seeds()
+    http_head_seeds()
 
 
 if __name__ == "__main__":
