@@ -19,7 +19,7 @@ static void plan_usage(FILE *f) {
             "Prints the weight placement for these budgets (bytes and groups per tier), the predicted\n"
             "decode time per token and prefill time, and the bound limiting each.\n\n"
             "  --prompt N   prompt length of the prefill prediction (default 2048)\n"
-            "  --groups     also list every group with its tier\n" TOOL_MODEL_OPTS_HELP TOOL_KV_TIER_OPTS_HELP);
+            "  --groups     also list every group with its tier\n" TOOL_MODEL_OPTS_HELP TOOL_KV_TIER_OPTS_HELP TOOL_KV_STREAM_OPT_HELP);
 }
 
 static const char *bw_src(const st_wbw *bw, int i) { return bw->measured[i] ? "measured" : "given"; }

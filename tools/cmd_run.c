@@ -69,7 +69,7 @@ static void run_usage(FILE *f) {
             "  --stop STR              stop when the output contains STR (not printed); repeatable\n"
             "                          (up to %d). The model's end tokens always stop it.\n"
             "  -q, --quiet             no loading line and no stats line\n"
-            TOOL_MODEL_OPTS_HELP TOOL_KV_TIER_OPTS_HELP
+            TOOL_MODEL_OPTS_HELP TOOL_KV_TIER_OPTS_HELP TOOL_KV_STREAM_OPT_HELP
             "\nStats line (stderr), one per answer:\n"
             "  prompt: P tokens in S s (R tok/s), generated: G tokens in S s (R tok/s), load: S s, stop: WHY[, seed: S][, cached: C]\n"
             "where P counts the prompt tokens computed (C more came from the prefix cache: the earlier\n"

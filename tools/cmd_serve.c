@@ -72,7 +72,7 @@ static void serve_usage(FILE *f) {
             "  --precise                hi+lo split bf16 operands instead (~1e-5 of fp32 math): the\n"
             "                           default for models stored in f32\n"
             "  --kv-dtype bf16|fp8|f32  KV cache element type (default bf16)\n"
-            TOOL_KV_TIER_OPTS_HELP
+            TOOL_KV_TIER_OPTS_HELP TOOL_KV_STREAM_OPT_HELP
             "  --host-sample            sample on the host even on CUDA (checks; default: on the device)\n"
             "  --no-rooflines           skip the start-up probes of HBM bandwidth and GEMM rate (CUDA)\n"
             "  --max-body BYTES         request body limit (default 1048576); larger bodies get a 413\n"

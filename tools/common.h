@@ -80,7 +80,9 @@ bool tool_test_fault_is(const tool_model_opts *o, const char *kind);
     "  --kv-ssd-dir DIR         SSD tier under the host tier: blocks are written to DIR and found\n" \
     "                           again after a restart of the same model (another model's files\n"  \
     "                           there are ignored); needs the host tier\n"                            \
-    "  --kv-ssd-size SIZE       SSD tier size (default 64G; less when the disk has less room)\n"  \
+    "  --kv-ssd-size SIZE       SSD tier size (default 64G; less when the disk has less room)\n"
+/* --kv-stream (run, serve, plan; bench lists it in its own words) */
+#define TOOL_KV_STREAM_OPT_HELP \
     "  --kv-stream              a sequence too long for the device KV pool keeps its KV in host\n"  \
     "                           memory, streamed through the device layer by layer (one such\n"     \
     "                           sequence at a time): a sequence may then be\n"                         \
