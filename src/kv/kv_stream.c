@@ -295,13 +295,15 @@ strata_status st_kv_stream_layer_end(st_kv_stream *ks, int64_t l) {
     TRY(o->event_record(be, ks->stored[a], ks->compute));
     TRY(o->stream_wait_event(be, ks->copy, ks->stored[a]));
     TRY(move_rows(ks, l, ks->len, ks->len + ks->n, ks->area[a], ks->len - ks->ts, false));
-    return o->event_record(be, ks->area_free[a], ks->copy);
+    TRY(o->event_record(be, ks->area_free[a], ks->copy));
+    /* the last layer: the compute stream waits for the copy stream's last copy (its FIFO: every copy of the
+     * pass), so the pass's own host sync also covers the rows going down; commit needs no sync of its own */
+    return l == ks->p.n_layers - 1 ? o->stream_wait_event(be, ks->compute, ks->area_free[a]) : STRATA_OK;
 }
 
 strata_status st_kv_stream_commit(st_kv_stream *ks) {
     if (ks->n == 0) BAD("commit without a pass");
-    TRY(ks->be->ops->stream_sync(ks->be, ks->copy)); /* the pass's rows are on the host */
-    ks->len += ks->n;
+    ks->len += ks->n; /* its rows are on the host: the last layer_end made the compute stream wait for them */
     ks->n = 0;
     return STRATA_OK;
 }

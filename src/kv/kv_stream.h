@@ -109,7 +109,8 @@ strata_status st_kv_stream_piece_read(st_kv_stream *ks);
  * and gathered): the pass's new rows go down to the host, and the area is
  * free for layer l + 2 once they are. */
 strata_status st_kv_stream_layer_end(st_kv_stream *ks, int64_t l);
-/* After the pass completed (the host synced the compute stream): len += n. */
+/* After the pass completed (the host synced the compute stream, which the
+ * last layer_end made wait for the copy stream): len += n. */
 strata_status st_kv_stream_commit(st_kv_stream *ks);
 /* After a failed pass: waits for the copies; len unchanged. */
 void st_kv_stream_abort(st_kv_stream *ks);

@@ -273,8 +273,8 @@ void st_llama_free(st_llama *m) {
  *   - a batch of sequences, or a decode step: every token's sequence read
  *     through the block tables (attention_paged);
  *   - one sequence's prefill chunk (d->gather_ctx > 0): its keys gathered
- *     from the pool into contiguous fp32 rows (get_rows dequantizes the
- *     pool's rows exactly), m->piece keys at a time, attended piece by piece
+ *     from the pool into contiguous fp32 rows (kv_gather dequantizes the
+ *     pool's rows exactly, any dtype), m->piece keys at a time, attended piece by piece
  *     by attention_part (CUDA: its tensor-core kernels, which the paged op
  *     lacks; on the CPU each key widened once per layer instead of once per
  *     query, the same bits as the paged op);
