@@ -1,0 +1,126 @@
+/* disagg/pd_xfer: the KV data path between a prefill node and a decode node,
+ * over UCX active messages (UCP: shared memory / TCP between processes of one
+ * host, whatever UCX finds between hosts). No home-made sockets: UCX moves
+ * the bytes, this module names them and checks them.
+ *
+ * Unit of transfer: one MESSAGE = one layer of a run of consecutive blocks of
+ * one transfer ("ticket"). Its payload is n_blocks regions of layer_bytes
+ * each, block after block (block b's region of layer l, as a host-tier block
+ * lays it out at offset l * layer_bytes: K rows, V rows, fp8 scales). The
+ * header (pd_msg) travels as the AM header; the payload as the AM data
+ * (eager or rendezvous: UCX decides by size).
+ *
+ * Receiver (decode node): pd_xfer_expect registers a ticket with the memory
+ * each block's layers land in (block k of the ticket at dst[k], its layer l at
+ * dst[k] + l * layer_bytes; dst are the engine's reserved host-tier blocks).
+ * A message is accepted only when ALL hold, else it is rejected (counted, its
+ * data dropped, never written anywhere; the ticket's state is set to FAILED
+ * if the ticket is known):
+ *   magic and version; the ticket is expected and not cancelled; attempt >=
+ *   the ticket's current attempt (a higher attempt restarts the count: a
+ *   retry from another prefill node; lower ones are dropped silently, not a
+ *   failure); layer < n_layers; first_block, n_blocks inside
+ *   [from_block, from_block + ticket's n_blocks); bytes == n_blocks *
+ *   layer_bytes and equal to the AM data length; after the data landed,
+ *   XXH3-64 of the payload == checksum (a mismatch: FAILED).
+ * Data lands straight in the destination blocks (ucp_am_recv_data_nbx with an
+ * IOV datatype for rendezvous; a copy for eager data). The ticket completes
+ * when every (layer, block) was received once: its on_done(user, ticket,
+ * STRATA_OK) runs on the transport thread (must be quick: it posts to the
+ * engine). FAILED tickets call on_done(user, ticket, STRATA_ERR_IO) once.
+ * pd_xfer_forget drops a ticket: it returns only when no receive into its
+ * memory is in flight, so the caller may reuse that memory afterwards.
+ *
+ * Sender (prefill node): pd_xfer_connect opens (or reuses: one endpoint per
+ * distinct address) an endpoint to a receiver's worker address;
+ * pd_xfer_send queues one message; the data buffer is the caller's until its
+ * done callback (transport thread) says the send completed or failed. A peer
+ * that dies fails the pending sends (done with STRATA_ERR_IO) and the
+ * endpoint is dropped (the next connect makes a new one).
+ *
+ * Threads: one transport thread per pd_xfer owns the UCP worker (progress,
+ * AM handlers, sends); every function below may be called from any thread
+ * (commands go to it through a locked queue and a wakeup of the worker).
+ */
+#pragma once
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include "strata.h"
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define PD_MSG_MAGIC 0x5354504456u /* "STPDV" */
+#define PD_MSG_VERSION 1u
+
+/* The AM header of one message (little-endian, as laid out here; 64 bytes). */
+typedef struct {
+    uint32_t magic, version;
+    uint64_t ticket;
+    uint32_t attempt;     /* the router's attempt number for this ticket (>= 1) */
+    uint32_t layer;
+    int64_t first_block;  /* block index in the prompt (not a pool block id) */
+    int64_t n_blocks;
+    uint64_t bytes;       /* payload bytes = n_blocks * layer_bytes */
+    uint64_t checksum;    /* XXH3-64 of the payload, seed 0 */
+    uint64_t reserved;
+} pd_msg;
+
+typedef struct pd_xfer pd_xfer;
+
+typedef struct {
+    int64_t messages_sent, messages_received, messages_rejected;
+    int64_t blocks_sent, blocks_received;      /* block-layers / n_layers: whole blocks */
+    uint64_t bytes_sent, bytes_received;
+    int64_t tickets_done, tickets_failed;
+    /* per message: seconds from pd_xfer_send to its completion (sender) /
+     * from the AM's arrival to its data landing (receiver) */
+    double send_seconds, recv_seconds;
+    int64_t send_hist[12], recv_hist[12];  /* counts of message times <= PD_XFER_HIST_BOUNDS[i]; last: above */
+} pd_xfer_stats;
+extern const double PD_XFER_HIST_BOUNDS[11]; /* seconds: 1e-4 .. 10 */
+
+/* Makes the UCP context + worker and starts the transport thread. IO with a
+ * message when UCX cannot start. */
+strata_status pd_xfer_create(pd_xfer **out);
+/* Stops the thread (pending sends fail with STRATA_ERR_IO, their done
+ * callbacks run), closes endpoints, frees. NULL: no-op. */
+void pd_xfer_destroy(pd_xfer *x);
+
+/* This worker's address (for a sender's pd_xfer_connect), valid until destroy. */
+const void *pd_xfer_address(const pd_xfer *x, size_t *len);
+
+/* ---- receiver ---- */
+typedef void (*pd_xfer_done_fn)(void *user, uint64_t ticket, strata_status st);
+/* Expects blocks [from_block, from_block + n_blocks) of `ticket`, n_layers
+ * layers of layer_bytes each, block k landing at dst[k] (copied array; the
+ * memory is the caller's and must stay valid until on_done or
+ * pd_xfer_forget). INVALID_ARG for a ticket already expected or bad sizes. */
+strata_status pd_xfer_expect(pd_xfer *x, uint64_t ticket, int64_t n_layers, size_t layer_bytes, int64_t from_block,
+                             int64_t n_blocks, void *const *dst, pd_xfer_done_fn on_done, void *user);
+/* Drops a ticket (cancelled, expired, or taken after on_done); returns once no
+ * receive into its memory is in flight. Unknown tickets: no-op. */
+void pd_xfer_forget(pd_xfer *x, uint64_t ticket);
+
+/* ---- sender ---- */
+typedef struct pd_peer pd_peer;
+/* An endpoint to the worker at addr[0..len) (one per address, reused; a dead
+ * one is replaced). IO when the address is malformed or unreachable. */
+strata_status pd_xfer_connect(pd_xfer *x, const void *addr, size_t len, pd_peer **out);
+typedef void (*pd_xfer_sent_fn)(void *user, strata_status st);
+/* Queues one message: hdr (copied; magic, version, bytes and checksum are
+ * filled in here from data/len), data[0..len) sent as the AM data, the
+ * caller's until sent(user, st) runs on the transport thread. */
+strata_status pd_xfer_send(pd_xfer *x, pd_peer *peer, const pd_msg *hdr, const void *data, size_t len,
+                           pd_xfer_sent_fn sent, void *user);
+/* Sends a message exactly as given: no field filled in (tests: malformed
+ * and truncated messages). data may be shorter than hdr->bytes. */
+strata_status pd_xfer_send_raw(pd_xfer *x, pd_peer *peer, const pd_msg *hdr, const void *data, size_t len,
+                               pd_xfer_sent_fn sent, void *user);
+
+void pd_xfer_get_stats(pd_xfer *x, pd_xfer_stats *out);
+
+#ifdef __cplusplus
+}
+#endif
