@@ -273,6 +273,12 @@ typedef struct {
     double flops_per_token;       /* 2 x the elements of every matrix a token goes through (lm_head
                                      included) */
     double attn_flops_per_pair;   /* 4 x heads x head_dim x layers: scores and the weighted sum */
+    /* the KV layout P-D transfers carry (strata_kv_piece): layers, bytes of one layer of one block,
+     * and an identity of the model files, config shape and KV layout (equal on two nodes: their
+     * blocks are interchangeable) */
+    int64_t kv_layers;
+    size_t kv_layer_bytes;
+    uint64_t kv_identity;
 } strata_engine_info;
 
 /* Fills *out (zeroed on failure). Errors: INVALID_ARG for NULL arguments or a
@@ -432,7 +438,27 @@ typedef struct {
     const char *const *stop;   /* [n_stop] stop strings (non-empty UTF-8): the output ends before one */
     size_t n_stop;
     bool ignore_eos;           /* end tokens do not end it (benchmarks) */
+    /* Prefill/decode disaggregation (see strata_kv_reserve):
+     * prefill_only: the prompt's KV is computed, nothing is sampled; the request ends
+     *   (STOP, detail "eos" does not apply: completion_tokens 0) once the whole prompt is in the cache.
+     * export_kv (with prefill_only): after each engine step, every layer of the full
+     *   prompt blocks from export_from_block on that became computed goes to the
+     *   callbacks' on_kv, in a buffer from their kv_buffer (block order per layer).
+     * kv_ticket: the request waits, holding no KV, until that reservation is resolved
+     *   (its blocks adopted: found as a prefix hit; or cancelled: the prompt is computed here). */
+    bool prefill_only;
+    bool export_kv;
+    int64_t export_from_block;
+    uint64_t kv_ticket;
 } strata_request_params;
+
+/* One layer of a run of blocks of a prompt (block i = tokens [i * kv_block_size, (i + 1) *
+ * kv_block_size)): block k's part at data + k * kv_layer_bytes (K rows, V rows, fp8 scales). */
+typedef struct {
+    int64_t layer, first_block, n_blocks; /* n_blocks 0: the export failed (data is still handed over) */
+    void *data;                           /* the callee's (from kv_buffer) */
+    size_t bytes;                         /* n_blocks * kv_layer_bytes */
+} strata_kv_piece;
 
 /* A request's callbacks, called on the thread that steps the engine
  * (strata_step's caller, or the engine thread), or for an abort by
@@ -446,6 +472,10 @@ typedef struct {
     /* Exactly once per accepted request, last; after it `user` is never used again. May be NULL. */
     void (*on_finish)(void *user, const strata_finish *fin);
     void *user;
+    /* export_kv requests only: memory for one piece (NULL: the request ends with an error), and the
+       filled piece, which is the callee's from then on (free it when done with it) */
+    void *(*kv_buffer)(void *user, size_t bytes);
+    void (*on_kv)(void *user, const strata_kv_piece *piece);
 } strata_callbacks;
 
 /* Queues a request (everything copied). On success *id (> 0) names it and
@@ -484,6 +514,37 @@ strata_status strata_start(strata_model *m);
  * restarted. Safe when not started. INVALID_ARG for NULL m or a model
  * without engine. */
 strata_status strata_stop(strata_model *m);
+
+/* ==== prefill / decode disaggregation ============================================= */
+
+/* A decode node's reservation for blocks a prefill node will push: the full
+ * blocks of the prompt before its last token that neither its device nor its
+ * host KV tier holds, as host-tier blocks the transfer writes into. */
+typedef struct {
+    uint64_t ticket;          /* 0: nothing to receive (n_blocks 0) */
+    int64_t n_tokens, block_tokens;
+    int64_t cached_blocks;    /* leading full blocks held here already */
+    int64_t n_blocks;         /* blocks [cached_blocks, cached_blocks + n_blocks) to receive */
+    int64_t n_layers;
+    size_t layer_bytes;
+    void *const *blocks;      /* [n_blocks]: block k's layer l at blocks[k] + l * layer_bytes; valid until
+                                 the ticket is resolved */
+} strata_kv_reservation;
+
+/* Queues a reservation for the prompt ids[0..n) (copied); fn runs on the
+ * engine's stepping thread at its next step, with the reservation or an
+ * error (NOMEM: the host tier cannot hold them now; the message says so;
+ * res NULL). Errors now: INVALID_ARG (bad ids), UNSUPPORTED (no KV host tier,
+ * or the engine stopped). Thread-safe. */
+strata_status strata_kv_reserve(strata_model *m, const int32_t *ids, size_t n,
+                                void (*fn)(void *user, strata_status st, const strata_kv_reservation *res),
+                                void *user);
+/* Ends a reservation: adopt (every block landed, nothing writes them any
+ * more: they become host-tier blocks, found by the admission) or cancel
+ * (nothing writes them any more: given back; waiting requests compute their
+ * prompt). Requests waiting for the ticket go on at the next step. Unknown
+ * tickets are ignored. Thread-safe. */
+strata_status strata_kv_resolve(strata_model *m, uint64_t ticket, bool adopt);
 
 /* ==== metrics ===================================================================== */
 
@@ -538,6 +599,7 @@ typedef struct {
      * lower tier instead of being recomputed) */
     int64_t kv_bytes_device_to_host, kv_bytes_host_to_device, kv_bytes_host_to_ssd, kv_bytes_ssd_to_host;
     int64_t kv_swaps;
+    int64_t pd_adopted, pd_cancelled; /* P-D reservations adopted / cancelled */
     strata_histogram ttft;            /* seconds from strata_submit to the first sampled token */
     strata_histogram tbt;             /* seconds between consecutive sampled tokens of a request */
     strata_histogram e2e;             /* seconds from strata_submit to the end */

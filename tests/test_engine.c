@@ -361,7 +361,7 @@ static void test_invariance(tiny *t, job *jobs) {
     for (int i = 0; i < NJOBS; i++) {
         st_engine_request r;
         job_request(&jobs[i], &r);
-        cb[i] = (st_engine_callbacks){on_text, on_finish, &res[i]};
+        cb[i] = (st_engine_callbacks){.on_text = on_text, .on_finish = on_finish, .user = &res[i]};
         CHECK(st_engine_add(e, &r, &cb[i], &ids[i]) == STRATA_OK);
         CHECK(ids[i] > 0 && (i == 0 || ids[i] > ids[i - 1]));
         sum_prompt += jobs[i].n_prompt;
@@ -453,7 +453,7 @@ static void test_chunks(tiny *t, job *jobs) {
     const job *lj = &jobs[2]; /* the long prompt */
     CHECK_MSG(lj->n_prompt > 3 * CHUNK, "long prompt: %lld tokens", (long long)lj->n_prompt);
     result r1 = {0}, r2 = {0};
-    st_engine_callbacks c1 = {on_text, on_finish, &r1}, c2 = {on_text, on_finish, &r2};
+    st_engine_callbacks c1 = {.on_text = on_text, .on_finish = on_finish, .user = &r1}, c2 = {.on_text = on_text, .on_finish = on_finish, .user = &r2};
     st_engine_request rq;
     job_request(lj, &rq);
     uint64_t id1, id2;
@@ -499,7 +499,7 @@ static void test_chunks(tiny *t, job *jobs) {
         for (int i = 0; i < NJOBS; i++) {
             st_engine_request r;
             job_request(&jobs[i], &r);
-            cb[i] = (st_engine_callbacks){on_text, on_finish, &res[i]};
+            cb[i] = (st_engine_callbacks){.on_text = on_text, .on_finish = on_finish, .user = &res[i]};
             uint64_t id;
             CHECK(st_engine_add(e, &r, &cb[i], &id) == STRATA_OK);
             sum_prompt += jobs[i].n_prompt;
@@ -539,7 +539,7 @@ static void test_stops(tiny *t, job *jobs) {
             CHECK(js.reason == ST_FINISH_STOP && !strcmp(js.detail, "stop_string"));
             CHECK(js.len == (size_t)(strstr(j.text, stop) - j.text));
             result r = {0};
-            st_engine_callbacks cb = {on_text, on_finish, &r};
+            st_engine_callbacks cb = {.on_text = on_text, .on_finish = on_finish, .user = &r};
             st_engine_request rq;
             job_request(&js, &rq);
             uint64_t id;
@@ -554,7 +554,7 @@ static void test_stops(tiny *t, job *jobs) {
         int64_t n = 0;
         CHECK(st_tokenizer_encode(t->tok, j.text, j.len, false, false, &ids, &n) == STRATA_OK);
         result r = {0};
-        st_engine_callbacks cb = {on_text, on_finish, &r};
+        st_engine_callbacks cb = {.on_text = on_text, .on_finish = on_finish, .user = &r};
         st_engine_request rq;
         job_request(&j, &rq);
         if (n >= 3) {
@@ -575,7 +575,7 @@ static void test_stops(tiny *t, job *jobs) {
     {
         job jc = jobs[0];
         result r = {0};
-        st_engine_callbacks cb = {on_text, on_finish, &r};
+        st_engine_callbacks cb = {.on_text = on_text, .on_finish = on_finish, .user = &r};
         st_engine_request rq;
         job_request(&jc, &rq);
         rq.max_tokens = 0;
@@ -610,7 +610,7 @@ static void test_abort(tiny *t, job *jobs) {
         job_request(&jobs[1], &rq); /* a short prompt: all four start in the first step */
         rq.max_tokens = 0;
         rq.ignore_eos = true;
-        cb[i] = (st_engine_callbacks){on_text, on_finish, &r[i]};
+        cb[i] = (st_engine_callbacks){.on_text = on_text, .on_finish = on_finish, .user = &r[i]};
         CHECK(st_engine_add(e, &rq, &cb[i], &ids[i]) == STRATA_OK);
     }
     for (int k = 0; k < 4; k++) CHECK(st_engine_step(e, NULL) == STRATA_OK);
@@ -641,7 +641,7 @@ static void test_abort(tiny *t, job *jobs) {
     /* a slot used by an aborted request gives the same output as a fresh one */
     {
         result rr = {0};
-        st_engine_callbacks c = {on_text, on_finish, &rr};
+        st_engine_callbacks c = {.on_text = on_text, .on_finish = on_finish, .user = &rr};
         st_engine_request rq;
         job_request(&jobs[3], &rq);
         uint64_t id;
@@ -652,7 +652,7 @@ static void test_abort(tiny *t, job *jobs) {
 
     /* bad requests: refused, no callback */
     result bad = {0};
-    st_engine_callbacks bcb = {on_text, on_finish, &bad};
+    st_engine_callbacks bcb = {.on_text = on_text, .on_finish = on_finish, .user = &bad};
     st_engine_request rq;
     uint64_t id = 5;
     job_request(&jobs[0], &rq);
@@ -689,7 +689,7 @@ static void test_abort(tiny *t, job *jobs) {
     st_engine_callbacks pcb[3];
     for (int i = 0; i < 3; i++) {
         job_request(&jobs[i], &rq);
-        pcb[i] = (st_engine_callbacks){on_text, on_finish, &p[i]};
+        pcb[i] = (st_engine_callbacks){.on_text = on_text, .on_finish = on_finish, .user = &p[i]};
         CHECK(st_engine_add(e, &rq, &pcb[i], &id) == STRATA_OK);
     }
     CHECK(st_engine_step(e, NULL) == STRATA_OK);
@@ -738,7 +738,7 @@ static void test_thread(tiny *t, job *jobs) {
     for (int i = 0; i < NJOBS; i++) {
         res[i].mu = &mu;
         res[i].cv = &cv;
-        cb[i] = (st_engine_callbacks){on_text, on_finish, &res[i]};
+        cb[i] = (st_engine_callbacks){.on_text = on_text, .on_finish = on_finish, .user = &res[i]};
     }
     CHECK(st_engine_start(e) == STRATA_OK);
     CHECK_ERR(st_engine_start(e), STRATA_ERR_INVALID_ARG, "already");
@@ -770,7 +770,7 @@ static void test_thread(tiny *t, job *jobs) {
         job_request(&jobs[0], &rq);
         rq.max_tokens = 0;
         rq.ignore_eos = true;
-        pcb[i] = (st_engine_callbacks){on_text, on_finish, &p[i]};
+        pcb[i] = (st_engine_callbacks){.on_text = on_text, .on_finish = on_finish, .user = &p[i]};
         uint64_t id;
         CHECK(st_engine_add(e, &rq, &pcb[i], &id) == STRATA_OK);
     }
@@ -783,7 +783,7 @@ static void test_thread(tiny *t, job *jobs) {
     job_request(&jobs[0], &rq);
     uint64_t id;
     result late = {0};
-    st_engine_callbacks lcb = {on_text, on_finish, &late};
+    st_engine_callbacks lcb = {.on_text = on_text, .on_finish = on_finish, .user = &late};
     CHECK_ERR(st_engine_add(e, &rq, &lcb, &id), STRATA_ERR_UNSUPPORTED, "stopped");
     st_engine_metrics m;
     st_engine_metrics_get(e, &m);

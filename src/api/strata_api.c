@@ -376,7 +376,48 @@ strata_status strata_engine_info_get(const strata_model *m, strata_engine_info *
     out->kv_bytes_per_token = c->kv_bytes_per_token;
     out->flops_per_token = c->flops_per_token;
     out->attn_flops_per_pair = c->attn_flops_per_pair;
+    st_engine_kv_layout(m->eng, &out->kv_layers, &out->kv_layer_bytes, &out->kv_identity);
     return STRATA_OK;
+}
+
+/* ---- prefill / decode disaggregation ------------------------------------------------------------*/
+typedef struct {
+    void (*fn)(void *user, strata_status st, const strata_kv_reservation *res);
+    void *user;
+} reserve_rec;
+
+static void on_reserved(void *user, strata_status st, const st_engine_kv_reservation *r) {
+    reserve_rec *rr = user;
+    if (st || !r) {
+        rr->fn(rr->user, st ? st : STRATA_ERR_INTERNAL, NULL);
+    } else {
+        const strata_kv_reservation out = {.ticket = r->ticket, .n_tokens = r->n_tokens,
+                                           .block_tokens = r->block_tokens, .cached_blocks = r->cached_blocks,
+                                           .n_blocks = r->n_blocks, .n_layers = r->n_layers,
+                                           .layer_bytes = r->layer_bytes, .blocks = r->blocks};
+        rr->fn(rr->user, STRATA_OK, &out);
+    }
+    st_free(rr);
+}
+
+strata_status strata_kv_reserve(strata_model *m, const int32_t *ids, size_t n,
+                                void (*fn)(void *user, strata_status st, const strata_kv_reservation *res),
+                                void *user) {
+    strata_status st = need_engine(m, "strata_kv_reserve");
+    if (st) return st;
+    if (!ids || n == 0 || n > (size_t)INT64_MAX || !fn)
+        return st_err(STRATA_ERR_INVALID_ARG, "strata_kv_reserve: no ids or callback");
+    reserve_rec *rr = st_malloc(sizeof *rr);
+    if (!rr) return st_err(STRATA_ERR_NOMEM, "strata_kv_reserve: out of memory");
+    *rr = (reserve_rec){fn, user};
+    st = st_engine_kv_reserve(m->eng, ids, (int64_t)n, on_reserved, rr);
+    if (st) st_free(rr);
+    return st;
+}
+
+strata_status strata_kv_resolve(strata_model *m, uint64_t ticket, bool adopt) {
+    strata_status st = need_engine(m, "strata_kv_resolve");
+    return st ? st : st_engine_kv_resolve(m->eng, ticket, adopt);
 }
 
 /* ---- tokenizer ---------------------------------------------------------------------------*/
@@ -579,6 +620,18 @@ static void rec_on_finish(void *user, const st_finish_info *f) {
     st_free(r);
 }
 
+static void *rec_kv_buffer(void *user, size_t bytes) {
+    req_rec *r = user;
+    return r->cb.kv_buffer ? r->cb.kv_buffer(r->cb.user, bytes) : NULL;
+}
+
+static void rec_on_kv(void *user, const st_kv_piece *p) {
+    req_rec *r = user;
+    const strata_kv_piece pc = {.layer = p->layer, .first_block = p->first_block, .n_blocks = p->n_blocks,
+                                .data = p->data, .bytes = p->bytes};
+    r->cb.on_kv(r->cb.user, &pc);
+}
+
 static strata_status need_engine(const strata_model *m, const char *fn) {
     if (!m) return st_err(STRATA_ERR_INVALID_ARG, "%s: model is NULL", fn);
     if (!m->eng)
@@ -626,14 +679,24 @@ strata_status strata_submit(strata_model *m, const strata_request_params *params
                                   .max_tokens = p->max_tokens,
                                   .stop = p->stop,
                                   .n_stop = (int)p->n_stop,
-                                  .ignore_eos = p->ignore_eos};
+                                  .ignore_eos = p->ignore_eos,
+                                  .prefill_only = p->prefill_only,
+                                  .export_kv = p->export_kv,
+                                  .export_from_block = p->export_from_block,
+                                  .kv_ticket = p->kv_ticket};
+    if (p->export_kv && (!cb->kv_buffer || !cb->on_kv)) {
+        st_free(ids);
+        return st_err(STRATA_ERR_INVALID_ARG, "export_kv: the callbacks need kv_buffer and on_kv");
+    }
     req_rec *rec = st_calloc(1, sizeof *rec);
     if (!rec) {
         st_free(ids);
         return st_err(STRATA_ERR_NOMEM, "strata_submit: out of memory");
     }
     rec->cb = *cb;
-    const st_engine_callbacks ecb = {rec_on_text, rec_on_finish, rec};
+    const st_engine_callbacks ecb = {.on_text = rec_on_text, .on_finish = rec_on_finish, .user = rec,
+                                     .kv_buffer = p->export_kv ? rec_kv_buffer : NULL,
+                                     .on_kv = p->export_kv ? rec_on_kv : NULL};
     st = st_engine_add(m->eng, &rq, &ecb, id);
     st_free(ids);
     if (st) st_free(rec); /* refused: no callback will ever run */
@@ -733,6 +796,8 @@ strata_status strata_metrics_get(strata_model *m, strata_metrics *out) {
         out->kv_bytes_ssd_to_host = (int64_t)t->bytes_ssd2h;
     }
     out->kv_swaps = e->kv_swaps;
+    out->pd_adopted = e->pd_adopted;
+    out->pd_cancelled = e->pd_cancelled;
     hist_copy(&e->ttft, &out->ttft);
     hist_copy(&e->tbt, &out->tbt);
     hist_copy(&e->e2e, &out->e2e);

@@ -18,6 +18,28 @@
 #include "model/llama.h"
 #include "weights/groups.h"
 
+/* P-D: a command for the stepping thread (the KV tiers are its alone). */
+typedef struct kv_cmd {
+    enum { CMD_RESERVE, CMD_ADOPT, CMD_CANCEL } kind;
+    int32_t *tokens;                /* RESERVE: owned copy */
+    int64_t n_tokens;
+    uint64_t ticket;                /* ADOPT / CANCEL */
+    st_engine_reserve_fn fn;
+    void *user;
+    struct kv_cmd *next;
+} kv_cmd;
+
+/* P-D: a reservation of host-tier blocks for blocks [from, from + n) of
+ * tokens, until adopted or cancelled (stepping thread only). */
+typedef struct kv_ticket {
+    uint64_t id;
+    int32_t *tokens;
+    int64_t n_tokens, from, n;
+    int64_t *hb;                    /* [n] host blocks */
+    void **ptrs;                    /* [n] their memory */
+    struct kv_ticket *next;
+} kv_ticket;
+
 struct st_engine {
     const st_model_files *files;
     st_backend *be;
@@ -42,6 +64,14 @@ struct st_engine {
     bool thread_on, thread_stop;
     pthread_t thread;
     st_engine_metrics m;  /* counters (running/waiting filled on read) */
+    /* P-D */
+    kv_cmd *cmd_head, *cmd_tail;    /* under mu */
+    int64_t n_cmds;                 /* under mu */
+    st_seq *parked;                 /* requests waiting for their ticket (under mu) */
+    int64_t n_parked;               /* under mu */
+    bool parked_abort;              /* one of them was aborted (under mu) */
+    kv_ticket *tickets;             /* stepping thread */
+    uint64_t next_ticket;           /* stepping thread */
 };
 
 /* ---- histograms --------------------------------------------------------------------*/
@@ -209,6 +239,17 @@ static void finish_all(st_engine *e, bool stop_adds, st_finish_reason reason, co
     }
     e->wait_head = e->wait_tail = NULL;
     e->n_pending = 0;
+    while (e->parked) {
+        st_seq *s = e->parked;
+        e->parked = s->next;
+        st_seq_set_finished(s, reason, error);
+        s->next = list;
+        list = s;
+    }
+    e->n_parked = 0;
+    kv_cmd *cmds = e->cmd_head; /* reservations not made are refused */
+    e->cmd_head = e->cmd_tail = NULL;
+    e->n_cmds = 0;
     while (e->live) {
         st_seq *s = e->live;
         live_unlink_locked(e, s);
@@ -224,6 +265,14 @@ static void finish_all(st_engine *e, bool stop_adds, st_finish_reason reason, co
         e->m.kv_blocks_used = rs.kv.used;
     }
     pthread_mutex_unlock(&e->mu);
+    while (cmds) {
+        kv_cmd *nx = cmds->next;
+        if (cmds->kind == CMD_RESERVE)
+            cmds->fn(cmds->user, st_err(STRATA_ERR_UNSUPPORTED, "the engine is stopped"), NULL);
+        st_free(cmds->tokens);
+        st_free(cmds);
+        cmds = nx;
+    }
     /* oldest first */
     st_seq *rev = NULL;
     while (list) {
@@ -242,9 +291,22 @@ static void finish_all(st_engine *e, bool stop_adds, st_finish_reason reason, co
 
 static void abort_all(st_engine *e) { finish_all(e, true, ST_FINISH_ABORT, NULL); }
 
+static void ticket_free(kv_ticket *t) {
+    if (!t) return;
+    st_free(t->tokens);
+    st_free(t->hb);
+    st_free(t->ptrs);
+    st_free(t);
+}
+
 void st_engine_free(st_engine *e) {
     if (!e) return;
     st_engine_stop(e);
+    while (e->tickets) { /* the tiers go with the runner: nothing to give back */
+        kv_ticket *t = e->tickets;
+        e->tickets = t->next;
+        ticket_free(t);
+    }
     st_runner_free(e->runner);
     st_free(e->ev);
     pthread_cond_destroy(&e->cv);
@@ -298,12 +360,17 @@ strata_status st_engine_abort(st_engine *e, uint64_t id) {
         if (s->id == id) s->abort = found = true;
     for (st_seq *s = e->live; s && !found; s = s->next)
         if (s->id == id) s->abort = found = true;
+    for (st_seq *s = e->parked; s && !found; s = s->next)
+        if (s->id == id) s->abort = found = e->parked_abort = true;
     if (found) pthread_cond_signal(&e->cv);
     pthread_mutex_unlock(&e->mu);
     return found ? STRATA_OK : st_err(STRATA_ERR_NOT_FOUND, "no pending request %llu", (unsigned long long)id);
 }
 
-static bool has_work_locked(const st_engine *e) { return e->n_pending > 0 || e->n_live > 0; }
+static bool has_work_locked(const st_engine *e) {
+    /* parked requests wait for a command (adopt / cancel), which wakes the thread */
+    return e->n_pending > 0 || e->n_live > 0 || e->n_cmds > 0 || (e->n_parked > 0 && e->parked_abort);
+}
 
 bool st_engine_has_work(st_engine *e) {
     pthread_mutex_lock(&e->mu);
@@ -318,6 +385,167 @@ void st_engine_metrics_get(st_engine *e, st_engine_metrics *out) {
     out->running = e->n_running;
     out->waiting = e->n_waiting;
     pthread_mutex_unlock(&e->mu);
+}
+
+/* ---- P-D: reservations of blocks pushed by a prefill node ---------------------------------*/
+
+void st_engine_kv_layout(const st_engine *e, int64_t *n_layers, size_t *layer_bytes, uint64_t *identity) {
+    st_runner_kv_layout(e->runner, n_layers, layer_bytes);
+    *identity = st_runner_kv_identity(e->runner);
+}
+
+static kv_ticket *ticket_find(st_engine *e, uint64_t id) {
+    for (kv_ticket *t = e->tickets; t; t = t->next)
+        if (t->id == id) return t;
+    return NULL;
+}
+
+static strata_status cmd_push(st_engine *e, kv_cmd *c) {
+    pthread_mutex_lock(&e->mu);
+    if (e->stopped) {
+        pthread_mutex_unlock(&e->mu);
+        st_free(c->tokens);
+        st_free(c);
+        return st_err(STRATA_ERR_UNSUPPORTED, "the engine is stopped");
+    }
+    if (e->cmd_tail) e->cmd_tail->next = c;
+    else e->cmd_head = c;
+    e->cmd_tail = c;
+    e->n_cmds++;
+    pthread_cond_signal(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+    return STRATA_OK;
+}
+
+strata_status st_engine_kv_reserve(st_engine *e, const int32_t *tokens, int64_t n_tokens, st_engine_reserve_fn fn,
+                                   void *user) {
+    if (!e || !tokens || n_tokens < 1 || !fn) return st_err(STRATA_ERR_INVALID_ARG, "kv reserve: bad arguments");
+    if (!st_runner_tiers(e->runner))
+        return st_err(STRATA_ERR_UNSUPPORTED, "kv reserve: blocks from a prefill node land in the KV host tier, "
+                                              "and this engine has none (--kv-host-mem)");
+    for (int64_t i = 0; i < n_tokens; i++)
+        if (tokens[i] < 0 || tokens[i] >= e->vocab)
+            return st_err(STRATA_ERR_INVALID_ARG, "kv reserve: token %lld: id %d is outside the vocabulary",
+                          (long long)i, tokens[i]);
+    kv_cmd *c = st_calloc(1, sizeof *c);
+    if (c) c->tokens = st_malloc((size_t)n_tokens * sizeof *tokens);
+    if (!c || !c->tokens) {
+        if (c) st_free(c);
+        return st_err(STRATA_ERR_NOMEM, "kv reserve: out of memory");
+    }
+    memcpy(c->tokens, tokens, (size_t)n_tokens * sizeof *tokens);
+    c->kind = CMD_RESERVE;
+    c->n_tokens = n_tokens;
+    c->fn = fn;
+    c->user = user;
+    return cmd_push(e, c);
+}
+
+strata_status st_engine_kv_resolve(st_engine *e, uint64_t ticket, bool adopt) {
+    if (!e || !ticket) return st_err(STRATA_ERR_INVALID_ARG, "kv resolve: no engine or ticket");
+    kv_cmd *c = st_calloc(1, sizeof *c);
+    if (!c) return st_err(STRATA_ERR_NOMEM, "kv resolve: out of memory");
+    c->kind = adopt ? CMD_ADOPT : CMD_CANCEL;
+    c->ticket = ticket;
+    return cmd_push(e, c);
+}
+
+/* A reservation (stepping thread): the blocks the device and host tiers
+ * hold already, host blocks for the rest of the full blocks before the last
+ * token. */
+static void do_reserve(st_engine *e, kv_cmd *c) {
+    st_kv_tiers *tiers = st_runner_tiers(e->runner);
+    const int64_t bs = e->p.kv_block_size, full = (c->n_tokens - 1) / bs;
+    st_engine_kv_reservation res = {.n_tokens = c->n_tokens, .block_tokens = bs};
+    st_runner_kv_layout(e->runner, &res.n_layers, &res.layer_bytes);
+    const int64_t dev = st_runner_prefix_blocks(e->runner, c->tokens, c->n_tokens);
+    res.cached_blocks = dev + st_kv_tiers_lookup(tiers, c->tokens, c->n_tokens, dev);
+    res.n_blocks = full - res.cached_blocks;
+    if (res.n_blocks <= 0) { /* everything is here already: no transfer, no ticket */
+        res.n_blocks = 0;
+        c->fn(c->user, STRATA_OK, &res);
+        return;
+    }
+    kv_ticket *t = st_calloc(1, sizeof *t);
+    strata_status st = STRATA_OK;
+    if (!t || !(t->hb = st_malloc((size_t)res.n_blocks * sizeof *t->hb)) ||
+        !(t->ptrs = st_malloc((size_t)res.n_blocks * sizeof *t->ptrs)))
+        st = st_err(STRATA_ERR_NOMEM, "kv reserve: out of memory");
+    else
+        st = st_kv_tiers_reserve(tiers, res.n_blocks, t->hb);
+    if (st) {
+        ticket_free(t);
+        c->fn(c->user, st, NULL);
+        return;
+    }
+    for (int64_t k = 0; k < res.n_blocks; k++) t->ptrs[k] = st_kv_tiers_host_block(tiers, t->hb[k]);
+    t->id = ++e->next_ticket;
+    t->tokens = c->tokens;
+    c->tokens = NULL;
+    t->n_tokens = c->n_tokens;
+    t->from = res.cached_blocks;
+    t->n = res.n_blocks;
+    t->next = e->tickets;
+    e->tickets = t;
+    res.ticket = t->id;
+    res.blocks = t->ptrs;
+    c->fn(c->user, STRATA_OK, &res);
+}
+
+/* Adopt (the blocks all landed) or cancel a ticket; its parked requests go
+ * to the head of the pending queue, in the order they came. */
+static void do_resolve(st_engine *e, kv_cmd *c) {
+    kv_ticket **pp = &e->tickets;
+    while (*pp && (*pp)->id != c->ticket) pp = &(*pp)->next;
+    kv_ticket *t = *pp;
+    if (!t) return; /* resolved already, or never was */
+    *pp = t->next;
+    st_kv_tiers *tiers = st_runner_tiers(e->runner);
+    if (c->kind == CMD_ADOPT) st_kv_tiers_adopt(tiers, t->tokens, t->n_tokens, t->from, t->n, t->hb);
+    else st_kv_tiers_unreserve(tiers, t->hb, t->n);
+    pthread_mutex_lock(&e->mu);
+    if (c->kind == CMD_ADOPT) e->m.pd_adopted++;
+    else e->m.pd_cancelled++;
+    st_seq *mine = NULL, **mtail = &mine; /* newest first, like parked: pushed below, they end oldest first */
+    for (st_seq **sp = &e->parked; *sp;) {
+        st_seq *s = *sp;
+        if (s->kv_ticket != t->id) {
+            sp = &s->next;
+            continue;
+        }
+        *sp = s->next;
+        e->n_parked--;
+        s->kv_ticket = 0;
+        s->next = NULL;
+        *mtail = s;
+        mtail = &s->next;
+    }
+    while (mine) {
+        st_seq *s = mine;
+        mine = s->next;
+        s->next = e->wait_head;
+        e->wait_head = s;
+        if (!e->wait_tail) e->wait_tail = s;
+        e->n_pending++;
+    }
+    pthread_mutex_unlock(&e->mu);
+    ticket_free(t);
+}
+
+static void step_commands(st_engine *e) {
+    pthread_mutex_lock(&e->mu);
+    kv_cmd *c = e->cmd_head;
+    e->cmd_head = e->cmd_tail = NULL;
+    e->n_cmds = 0;
+    pthread_mutex_unlock(&e->mu);
+    while (c) {
+        kv_cmd *nx = c->next;
+        if (c->kind == CMD_RESERVE) do_reserve(e, c);
+        else do_resolve(e, c);
+        st_free(c->tokens);
+        st_free(c);
+        c = nx;
+    }
 }
 
 /* ---- one step ------------------------------------------------------------------------*/
@@ -340,7 +568,24 @@ static st_seq *step_intake(st_engine *e) {
         }
         s = nx;
     }
-    /* the pending queue: aborted ones leave, the rest join the runner */
+    /* parked ones (waiting for a transfer) that were aborted leave */
+    if (e->parked_abort) {
+        e->parked_abort = false;
+        for (st_seq **pp = &e->parked; *pp;) {
+            st_seq *s = *pp;
+            if (!s->abort) {
+                pp = &s->next;
+                continue;
+            }
+            *pp = s->next;
+            e->n_parked--;
+            st_seq_set_finished(s, ST_FINISH_ABORT, NULL);
+            s->next = NULL;
+            *otail = s;
+            otail = &s->next;
+        }
+    }
+    /* the pending queue: aborted ones leave, those waiting for a transfer park, the rest join the runner */
     st_seq *s = e->wait_head;
     e->wait_head = e->wait_tail = NULL;
     e->n_pending = 0;
@@ -354,6 +599,14 @@ static st_seq *step_intake(st_engine *e) {
             s = nx;
             continue;
         }
+        if (s->kv_ticket && ticket_find(e, s->kv_ticket)) {
+            s->next = e->parked;
+            e->parked = s;
+            e->n_parked++;
+            s = nx;
+            continue;
+        }
+        s->kv_ticket = 0; /* adopted or cancelled already (or unknown): runs now */
         if (st_runner_add(e->runner, s) != STRATA_OK) {
             /* not expected (ids are unique; NOMEM): it fails alone */
             st_log(STRATA_LOG_ERROR, "engine: request %llu: %s", (unsigned long long)s->id, st_last_error());
@@ -371,7 +624,7 @@ static st_seq *step_intake(st_engine *e) {
         s = nx;
     }
     e->n_running = st_runner_num_running(e->runner);
-    e->n_waiting = st_runner_num_waiting(e->runner);
+    e->n_waiting = st_runner_num_waiting(e->runner) + e->n_parked;
     pthread_mutex_unlock(&e->mu);
     return out;
 }
@@ -419,12 +672,13 @@ static void sync_metrics_locked(st_engine *e) {
     e->m.kv_tier = rs.tier;
     e->m.kv_swaps = rs.sched.swaps;
     e->n_running = st_runner_num_running(e->runner);
-    e->n_waiting = st_runner_num_waiting(e->runner) + e->n_pending;
+    e->n_waiting = st_runner_num_waiting(e->runner) + e->n_pending + e->n_parked;
 }
 
 strata_status st_engine_step(st_engine *e, bool *worked) {
     if (worked) *worked = false;
     const double t_step = st_time_now();
+    step_commands(e);
     st_seq *gone = step_intake(e);
     while (gone) {
         st_seq *nx = gone->next;

@@ -136,6 +136,7 @@ typedef struct {
     bool kv_tiers;                   /* a host tier (maybe an SSD tier) runs: kv_tier is filled */
     st_kv_tiers_stats kv_tier;
     int64_t kv_swaps;                /* preempted sequences whose KV came back from a lower tier */
+    int64_t pd_adopted, pd_cancelled; /* P-D tickets resolved each way */
     st_engine_hist ttft;             /* seconds from add to the first sampled token */
     st_engine_hist tbt;              /* seconds between consecutive sampled tokens of a request */
     st_engine_hist e2e;              /* seconds from add to finish */
@@ -193,6 +194,41 @@ strata_status st_engine_start(st_engine *e);
  * finishes every pending request with ST_FINISH_ABORT on the calling thread.
  * After it, st_engine_add refuses (UNSUPPORTED). Safe when not started. */
 void st_engine_stop(st_engine *e);
+
+/* ---- P-D: KV blocks computed by a prefill node ---------------------------------------------
+ * A decode node reserves host-tier blocks (kv/kv_tiers.h) for the full
+ * blocks of a prompt that neither its device nor its host tier holds (all
+ * but the blocks of the last token, which it computes itself), lets the
+ * transfer write them, then adopts them (they enter the host tier's index:
+ * the admission of the request finds them as a prefix hit) or cancels the
+ * reservation (the request computes its prompt itself). A request added
+ * with kv_ticket waits, holding nothing, until its ticket is resolved. */
+typedef struct {
+    uint64_t ticket;          /* 0: nothing to transfer (n_blocks 0), no ticket */
+    int64_t n_tokens, block_tokens;
+    int64_t cached_blocks;    /* leading full blocks the node holds (device, then host tier) */
+    int64_t n_blocks;         /* blocks [cached_blocks, cached_blocks + n_blocks) to receive */
+    int64_t n_layers;
+    size_t layer_bytes;       /* one layer of one block (kv/kv_pool.h st_kv_block_layout) */
+    void *const *blocks;      /* [n_blocks]: block k's layer l at blocks[k] + l * layer_bytes; valid until
+                                 the ticket is resolved */
+} st_engine_kv_reservation;
+/* Called on the stepping thread: st != OK (NOMEM: the host tier is full;
+ * the message says so) with res NULL, or the reservation. */
+typedef void (*st_engine_reserve_fn)(void *user, strata_status st, const st_engine_kv_reservation *res);
+/* Queues a reservation for tokens[0..n_tokens) (copied), made at the start
+ * of the next step. UNSUPPORTED without a host tier or once stopped,
+ * INVALID_ARG for ids outside the vocabulary. Thread-safe. */
+strata_status st_engine_kv_reserve(st_engine *e, const int32_t *tokens, int64_t n_tokens, st_engine_reserve_fn fn,
+                                   void *user);
+/* Queues the end of a ticket: adopt (every block landed; nothing may write
+ * them any more) or cancel (the caller made sure nothing writes them any
+ * more). Unknown tickets are ignored. Thread-safe. */
+strata_status st_engine_kv_resolve(st_engine *e, uint64_t ticket, bool adopt);
+
+/* The KV layout of a transfer: layers, bytes of one layer of one block, and
+ * the model + KV layout identity (st_runner_model_identity). */
+void st_engine_kv_layout(const st_engine *e, int64_t *n_layers, size_t *layer_bytes, uint64_t *identity);
 
 /* Copies the counters. Thread-safe. */
 void st_engine_metrics_get(st_engine *e, st_engine_metrics *out);

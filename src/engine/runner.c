@@ -47,6 +47,7 @@ struct st_runner {
     float *stream_logits;    /* [model vocab] */
 
     st_runner_stats stats;
+    uint64_t identity;       /* st_runner_model_identity of the files and the pool */
 };
 
 /* ---- init / free -------------------------------------------------------------------*/
@@ -199,6 +200,7 @@ strata_status st_runner_init(const st_model_files *files, st_backend *be, const 
         ST_ASSERT(st_llama_max_tokens(r->model) == batch_tokens);
         if ((st = st_kv_pool_init(be, &kp, &r->kv))) goto fail;
         const uint64_t seed = 0;
+        r->identity = st_runner_model_identity(files, &kp, NULL);
         if (p.kv_host_mem > 0) {
             char *id_text = NULL;
             const st_kv_tiers_params tp = {.host_bytes = (size_t)p.kv_host_mem, .offload = p.kv_offload,
@@ -343,6 +345,48 @@ static void fail_seq(st_runner *r, st_seq *q, st_runner_event *e, const char *wh
     e->finished = true;
 }
 
+/* P-D: blocks [exported, full) of item `it`'s sequence, full being the full
+ * prompt blocks computed once this pass's tokens count, go to its on_kv, one
+ * piece per layer (the pass has completed: its KV is in the pool). A failure
+ * (no buffer, a copy error) ends that sequence with an error (its event in
+ * *e, counted in *n_ev). */
+static void export_blocks(st_runner *r, const st_sched_item *it, st_runner_event *e, int64_t *n_ev) {
+    st_seq *q = it->seq;
+    const int64_t bs = r->p.kv_block_size, done = it->pos0 + it->n;
+    const int64_t full = (done < q->n_prompt ? done : q->n_prompt) / bs;
+    if (full <= q->exported) return;
+    const int64_t b0 = q->exported, nb = full - b0;
+    const st_kv_pool_params *kp = st_kv_pool_get_params(r->kv);
+    st_kv_block_layout lo;
+    st_kv_block_layout_get(kp, &lo);
+    const size_t bytes = (size_t)nb * lo.layer_bytes;
+    void **bufs = st_calloc((size_t)kp->n_layers, sizeof *bufs);
+    strata_status st = bufs ? STRATA_OK : st_err(STRATA_ERR_NOMEM, "KV export: out of memory");
+    st_stream *s = st_llama_stream(r->model);
+    for (int64_t l = 0; l < kp->n_layers && !st; l++) {
+        if (!(bufs[l] = q->cb.kv_buffer(q->cb.user, bytes)))
+            st = st_err(STRATA_ERR_NOMEM, "KV export: no buffer for %zu bytes", bytes);
+        else
+            st = st_kv_pool_export_layer(r->kv, s, l, it->block_table + b0, nb, bufs[l]);
+    }
+    if (!st) st = r->be->ops->stream_sync(r->be, s);
+    for (int64_t l = 0; l < kp->n_layers && bufs; l++) {
+        if (!bufs[l]) continue;
+        /* handed over even on failure: the callee owns (and frees) what kv_buffer gave */
+        const st_kv_piece pc = {.layer = l, .first_block = b0, .n_blocks = st ? 0 : nb, .data = bufs[l],
+                                .bytes = st ? 0 : bytes};
+        q->cb.on_kv(q->cb.user, &pc);
+    }
+    st_free(bufs);
+    if (st) {
+        *e = (st_runner_event){.seq = q, .token = -1};
+        (*n_ev)++;
+        fail_seq(r, q, e, "the KV export failed");
+        return;
+    }
+    q->exported = full;
+}
+
 /* The streamed sequence's pass of this step (d->stream): its tokens through
  * its host KV (st_llama_forward_stream; the stream is made at the first such
  * pass, reset when a new sequence starts), then its token sampled on the
@@ -478,11 +522,21 @@ strata_status st_runner_step(st_runner *r, st_runner_step_info *out) {
     /* the streamed sequence's pass, after the batch's (one at a time, beside it) */
     if (d->stream && (sst0 = stream_pass(r, d, &n_ev))) return sst0;
 
+    /* P-D: the full prompt blocks this pass completed go out, layer by layer */
+    for (int64_t i = 0; i < d->n_items; i++)
+        if (d->items[i].seq->export_from >= 0) export_blocks(r, &d->items[i], &r->events[n_ev], &n_ev);
+
 update:;
     /* 5: the scheduler appends, commits, finishes at max_tokens / max_model_len */
     st_seq *const *fin = NULL;
     int64_t n_fin = 0;
     if ((st = st_scheduler_update(r->sched, r->next, &fin, &n_fin))) return st;
+    /* sequences it finished without sampling (a prefill-only prompt done) get their event */
+    for (int64_t j = 0; j < n_fin; j++) {
+        bool seen = false;
+        for (int64_t k = 0; k < n_ev && !seen; k++) seen = r->events[k].seq == fin[j];
+        if (!seen) r->events[n_ev++] = (st_runner_event){.seq = fin[j], .token = -1, .finished = true};
+    }
     /* the blocks this step completed go down to the host tier (eager) */
     if (r->tiers && (st = st_kv_tiers_after_step(r->tiers, st_llama_stream(r->model)))) return st;
     /* (d and its items are stale from here) */
@@ -535,3 +589,17 @@ void st_runner_clear_device_cache(st_runner *r) {
     st_bm_clear_cache(r->bm);
     st_kv_tiers_device_dropped(r->tiers);
 }
+
+int64_t st_runner_prefix_blocks(const st_runner *r, const int32_t *tokens, int64_t n_tokens) {
+    return st_bm_lookup(r->bm, tokens, n_tokens, NULL) / r->p.kv_block_size;
+}
+
+void st_runner_kv_layout(const st_runner *r, int64_t *n_layers, size_t *layer_bytes) {
+    const st_kv_pool_params *kp = st_kv_pool_get_params(r->kv);
+    st_kv_block_layout lo;
+    st_kv_block_layout_get(kp, &lo);
+    *n_layers = kp->n_layers;
+    *layer_bytes = lo.layer_bytes;
+}
+
+uint64_t st_runner_kv_identity(const st_runner *r) { return r->identity; }

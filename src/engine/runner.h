@@ -149,6 +149,13 @@ void st_runner_free(st_runner *r);
 uint64_t st_runner_model_identity(const st_model_files *f, const st_kv_pool_params *kp, char **text);
 /* The KV tiers (NULL when none): benchmarks and tests drain or drop them. */
 st_kv_tiers *st_runner_tiers(st_runner *r);
+/* P-D: full blocks of tokens[0..n_tokens) the device prefix cache holds
+ * (st_bm_lookup / block size; no side effects), and the shape of a block's
+ * layer (layers, bytes: kv/kv_pool.h st_kv_block_layout). */
+int64_t st_runner_prefix_blocks(const st_runner *r, const int32_t *tokens, int64_t n_tokens);
+void st_runner_kv_layout(const st_runner *r, int64_t *n_layers, size_t *layer_bytes);
+/* st_runner_model_identity of this runner's files and pool (computed at init). */
+uint64_t st_runner_kv_identity(const st_runner *r);
 /* Drops every block of the device prefix cache that no sequence holds
  * (benchmarks: the next prompt hits a lower tier or nothing). */
 void st_runner_clear_device_cache(st_runner *r);

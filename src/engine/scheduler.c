@@ -337,7 +337,7 @@ static strata_status build_decision(st_scheduler *s) {
                 .n = e->n,
                 .tokens = q->tokens + e->pos0,
                 .is_decode = e->decode,
-                .need_logits = e->pos0 + e->n == q->n_tokens,
+                .need_logits = e->pos0 + e->n == q->n_tokens && !q->prefill_only,
                 .n_cached = e->n_cached,
                 .block_table = q->kv.blocks,
                 .n_blocks = q->kv.n_blocks,
@@ -514,6 +514,12 @@ strata_status st_scheduler_update(st_scheduler *s, const int32_t *next_tokens,
         ST_ASSERT(st == STRATA_OK);
         if (it->is_decode) s->stats.decode_tokens += it->n;
         else s->stats.prefill_tokens += it->n;
+        if (q->prefill_only && q->kv.n_computed == q->n_tokens) { /* P-D: the prompt's KV is all there */
+            s->fin[s->n_fin++] = q;
+            s->stats.finished++;
+            drop_seq(s, q, ST_FINISH_STOP);
+            continue;
+        }
         if (!it->need_logits) continue;
         st_seq_append(q, next_tokens[i]);
         s->stats.generated_tokens++;

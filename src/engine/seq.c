@@ -50,6 +50,13 @@ strata_status st_seq_create(const st_request *req, const st_seq_limits *lim, con
         return st_err(STRATA_ERR_INVALID_ARG, "stop: bad list (%d strings)", req->n_stop);
     if (req->n_stop > 0 && !lim->tok)
         return st_err(STRATA_ERR_INVALID_ARG, "stop: stop strings need a tokenizer");
+    if (req->export_kv && !req->prefill_only)
+        return st_err(STRATA_ERR_INVALID_ARG, "export_kv: only a prefill-only request exports its KV");
+    if (req->export_kv && (!cb || !cb->kv_buffer || !cb->on_kv))
+        return st_err(STRATA_ERR_INVALID_ARG, "export_kv: the KV export needs kv_buffer and on_kv callbacks");
+    if (req->export_kv && (req->export_from_block < 0 || req->export_from_block > req->n_prompt))
+        return st_err(STRATA_ERR_INVALID_ARG, "export_from_block %lld: outside the prompt",
+                      (long long)req->export_from_block);
 
     st_seq *s = st_calloc(1, sizeof *s);
     if (!s) return st_err(STRATA_ERR_NOMEM, "request: out of memory");
@@ -60,6 +67,10 @@ strata_status st_seq_create(const st_request *req, const st_seq_limits *lim, con
     s->max_tokens = req->max_tokens;
     s->n_cached = -1;
     s->plan = -1;
+    s->prefill_only = req->prefill_only;
+    s->export_from = req->export_kv ? req->export_from_block : -1;
+    s->exported = s->export_from;
+    s->kv_ticket = req->kv_ticket;
     s->fin = (st_finish_info){.stop_id = -1, .stop_string = -1, .ttft_s = -1.0};
     if (cb) s->cb = *cb;
     st_block_table_init(&s->kv);

@@ -78,6 +78,15 @@ typedef struct {
  * "context_full", "abort" or "error". Static string. */
 const char *st_finish_detail(const st_finish_info *f);
 
+/* P-D: one layer of a run of blocks of a prefill-only request's prompt, on its
+ * way to a decode node (kv/kv_pool.h st_kv_block_layout: block k's part at
+ * data + k * layer_bytes). */
+typedef struct {
+    int64_t layer, first_block, n_blocks; /* blocks of the prompt (block i = tokens [i*bs, (i+1)*bs)) */
+    void *data;                           /* from kv_buffer: the callee's from on_kv on */
+    size_t bytes;                         /* n_blocks * layer_bytes */
+} st_kv_piece;
+
 /* The caller's callbacks (the engine calls them on its stepping thread).
  * on_text gets each new piece of output text (complete UTF-8, len > 0, not
  * NUL-terminated, valid during the call); on_finish is called exactly once,
@@ -86,6 +95,11 @@ typedef struct {
     void (*on_text)(void *user, const char *text, size_t len);
     void (*on_finish)(void *user, const st_finish_info *fin);
     void *user;
+    /* A request with export_kv: kv_buffer gives memory for one
+     * piece (NULL: the request ends with an error), on_kv hands the filled
+     * piece over (its data is the callee's from then on). */
+    void *(*kv_buffer)(void *user, size_t bytes);
+    void (*on_kv)(void *user, const st_kv_piece *piece);
 } st_seq_callbacks;
 
 /* A request, as a caller gives it (everything is copied by st_seq_create). */
@@ -99,6 +113,17 @@ typedef struct {
     const int32_t *stop_ids;   /* ids that end the request (beside the tokenizer's) */
     int n_stop_ids;
     bool ignore_eos;           /* the tokenizer's stop ids do not end it (benchmarks); stop_ids still do */
+    /* P-D. prefill_only: the prompt's KV is computed (prefix cache, chunks as
+     * usual), nothing is sampled; the request ends STOP once the whole prompt
+     * is computed. export_kv (prefill_only only): after
+     * each step, every layer of the full prompt blocks from that one on that
+     * became computed goes to on_kv (callbacks), in block order per layer.
+     * kv_ticket != 0: the request waits, holding nothing, until the engine's
+     * transfer `kv_ticket` is adopted or cancelled (engine.h). */
+    bool prefill_only;
+    bool export_kv;
+    int64_t export_from_block;
+    uint64_t kv_ticket;
 } st_request;
 
 /* What a request is checked against at admission. */
@@ -140,6 +165,11 @@ typedef struct st_seq {
     double t_add, t_admit, t_first, t_last; /* engine timing (st_time_now) */
     struct st_seq *next, *prev;             /* engine lists */
     bool abort;                             /* engine: abort asked (under its lock) */
+    /* P-D (st_request) */
+    bool prefill_only;
+    int64_t export_from;                    /* -1: none */
+    int64_t exported;                       /* runner: blocks [export_from, exported) went to on_kv */
+    uint64_t kv_ticket;                     /* engine: the transfer it waits for (0: none) */
 } st_seq;
 
 /* Checks req against lim — the only validation of a request (INVALID_ARG

@@ -171,3 +171,45 @@ void st_kv_pool_meta(st_kv_pool *kv, void **host, void **dev, size_t *bytes) {
     *dev = kv->d_meta;
     *bytes = kv->meta_bytes;
 }
+
+void st_kv_block_layout_get(const st_kv_pool_params *p, st_kv_block_layout *out) {
+    const size_t bs = (size_t)p->block_size;
+    const size_t data = (size_t)(p->n_kv_heads * p->head_dim) * st_kv_dtype_size(p->dtype);
+    const size_t sc = p->dtype == ST_KV_FP8 ? (size_t)p->n_kv_heads * sizeof(float) : 0;
+    memset(out, 0, sizeof *out);
+    out->n_planes = sc ? 4 : 2;
+    out->row[0] = out->row[1] = data;
+    out->row[2] = out->row[3] = sc;
+    size_t o = 0;
+    for (int64_t i = 0; i < out->n_planes; i++) {
+        out->off[i] = o;
+        o += bs * out->row[i];
+    }
+    out->layer_bytes = o;
+}
+
+strata_status st_kv_pool_export_layer(st_kv_pool *kv, st_stream *stream, int64_t layer, const int32_t *blocks,
+                                      int64_t n, void *dst) {
+    if (!kv || !blocks || !dst || layer < 0 || layer >= kv->p.n_layers || n < 0)
+        return st_err(STRATA_ERR_INVALID_ARG, "kv pool export: bad arguments");
+    st_kv_block_layout lo;
+    st_kv_block_layout_get(&kv->p, &lo);
+    const st_kv_layer *L = &kv->layers[layer];
+    const size_t bs = (size_t)kv->p.block_size;
+    for (int64_t i = 0; i < n;) {
+        int64_t k = 1; /* a run of consecutive device blocks */
+        while (i + k < n && blocks[i + k] == blocks[i + k - 1] + 1) k++;
+        if (blocks[i] < 0 || blocks[i] + k > kv->p.num_blocks)
+            return st_err(STRATA_ERR_INVALID_ARG, "kv pool export: block %d outside the pool", blocks[i]);
+        for (int64_t p = 0; p < lo.n_planes; p++) {
+            const void *base = p == 0 ? L->k : p == 1 ? L->v : p == 2 ? (const void *)L->k_scale : (const void *)L->v_scale;
+            const size_t w = bs * lo.row[p];
+            const uint8_t *src = (const uint8_t *)base + (size_t)blocks[i] * w;
+            uint8_t *d = (uint8_t *)dst + (size_t)i * lo.layer_bytes + lo.off[p];
+            strata_status st = kv->be->ops->copy_2d(kv->be, stream, d, lo.layer_bytes, src, w, w, (size_t)k);
+            if (st) return st;
+        }
+        i += k;
+    }
+    return STRATA_OK;
+}

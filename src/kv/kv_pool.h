@@ -48,6 +48,18 @@ typedef struct {
                               block_size) entries, >= 1 */
 } st_kv_pool_params;
 
+/* How one block's KV of one layer lies in host memory (the host tier's
+ * blocks, the SSD payload, P-D transfers): `n_planes` planes (K rows, V rows,
+ * then with fp8 the K and V scales), plane i at off[i], block_size rows of
+ * row[i] bytes each; layer_bytes in all. A host block is n_layers such parts,
+ * layer l at l * layer_bytes. */
+typedef struct {
+    int64_t n_planes;
+    size_t row[4], off[4];
+    size_t layer_bytes;
+} st_kv_block_layout;
+void st_kv_block_layout_get(const st_kv_pool_params *p, st_kv_block_layout *out);
+
 /* Device bytes st_kv_pool_init takes for these params (K and V of every
  * layer, fp8 scales, the batch metadata), each allocation rounded to 256
  * bytes. 0 for invalid params. */
@@ -85,6 +97,12 @@ const st_kv_layer *st_kv_pool_layer(const st_kv_pool *kv, int64_t layer);
 /* The event acquire hands out for `layer` until st_kv_pool_clear_ready (NULL:
  * none). The events are the caller's (they must outlive the pass). */
 void st_kv_pool_set_ready(st_kv_pool *kv, int64_t layer, st_event *ready);
+/* Exports layer `layer` of device blocks blocks[0..n) into host memory dst:
+ * block k's part (st_kv_block_layout) at dst + k * layout.layer_bytes; copies
+ * enqueued on `stream` (copy_2d per plane and run of consecutive blocks), the
+ * caller synchronizes. (P-D: a prefill node's blocks on their way out.) */
+strata_status st_kv_pool_export_layer(st_kv_pool *kv, st_stream *stream, int64_t layer, const int32_t *blocks,
+                                      int64_t n, void *dst);
 void st_kv_pool_clear_ready(st_kv_pool *kv);
 /* Whether some layer has a ready event (a pass that waits on them is not
  * recorded as a graph: it runs directly, layer by layer). */

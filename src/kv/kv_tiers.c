@@ -96,6 +96,7 @@ struct st_kv_tiers {
     int64_t *host_ent;        /* [n_host] entry or NIL */
     uint64_t *host_busy;      /* [n_host] */
     int64_t *free_host, n_free_host;
+    int64_t n_reserved;       /* host blocks taken by st_kv_tiers_reserve, not adopted or given back */
     bool grow_failed;
     /* the pinner: a thread that allocates the whole host pool, chunk by chunk,
      * from init on (pinning runs at ~1.5 GB/s on the H100 machine, slower than
@@ -154,18 +155,12 @@ bool st_kv_offload_parse(const char *s, st_kv_offload *out) {
 }
 
 static void layout(const st_kv_pool_params *p, size_t row[4], size_t off[4], int64_t *n_planes, size_t *lb) {
-    const size_t bs = (size_t)p->block_size;
-    const size_t data = (size_t)(p->n_kv_heads * p->head_dim) * st_kv_dtype_size(p->dtype);
-    const size_t sc = p->dtype == ST_KV_FP8 ? (size_t)p->n_kv_heads * sizeof(float) : 0;
-    *n_planes = sc ? 4 : 2;
-    row[0] = row[1] = data;
-    row[2] = row[3] = sc;
-    size_t o = 0;
-    for (int i = 0; i < *n_planes; i++) {
-        off[i] = o;
-        o += bs * row[i];
-    }
-    *lb = o;
+    st_kv_block_layout lo;
+    st_kv_block_layout_get(p, &lo);
+    memcpy(row, lo.row, sizeof lo.row);
+    memcpy(off, lo.off, sizeof lo.off);
+    *n_planes = lo.n_planes;
+    *lb = lo.layer_bytes;
 }
 
 size_t st_kv_tiers_block_bytes(const st_kv_pool_params *p) {
@@ -1033,6 +1028,71 @@ int64_t st_kv_tiers_load(st_kv_tiers *t, const int32_t *tokens, int64_t n_tokens
     return n_blocks;
 }
 
+/* ---- P-D: blocks that arrive from another node ---------------------------------*/
+
+strata_status st_kv_tiers_reserve(st_kv_tiers *t, int64_t n, int64_t *host_blocks) {
+    if (!t || n < 0 || (n > 0 && !host_blocks)) return st_err(STRATA_ERR_INVALID_ARG, "kv tiers reserve: bad arguments");
+    for (int64_t k = 0; k < n; k++) {
+        const int64_t h = host_take(t);
+        if (h == NIL) {
+            st_kv_tiers_unreserve(t, host_blocks, k);
+            return st_err(STRATA_ERR_NOMEM,
+                          "the KV host tier has no room for %lld more blocks (%lld blocks, %lld of them busy or "
+                          "reserved; --kv-host-mem)",
+                          (long long)n, (long long)t->n_host, (long long)(t->n_host - t->n_free_host));
+        }
+        host_blocks[k] = h;
+        t->n_reserved++;
+    }
+    return STRATA_OK;
+}
+
+void st_kv_tiers_unreserve(st_kv_tiers *t, const int64_t *host_blocks, int64_t n) {
+    if (!t) return;
+    for (int64_t k = n - 1; k >= 0; k--) {
+        ST_ASSERT(host_blocks[k] >= 0 && host_blocks[k] < t->n_alloc && t->host_ent[host_blocks[k]] == NIL);
+        t->free_host[t->n_free_host++] = host_blocks[k];
+        t->n_reserved--;
+    }
+}
+
+void *st_kv_tiers_host_block(const st_kv_tiers *t, int64_t host_block) {
+    return t && host_block >= 0 && host_block < t->n_alloc ? host_ptr(t, host_block) : NULL;
+}
+
+int64_t st_kv_tiers_adopt(st_kv_tiers *t, const int32_t *tokens, int64_t n_tokens, int64_t from_block, int64_t n,
+                          const int64_t *host_blocks) {
+    if (!t || n <= 0) return 0;
+    const int64_t bs = t->bs;
+    ST_ASSERT(from_block >= 0 && (from_block + n) * bs <= n_tokens);
+    uint64_t h = chain_to(t, tokens, from_block);
+    int64_t adopted = 0;
+    for (int64_t k = 0; k < n; k++) {
+        const int32_t *blk = tokens + (from_block + k) * bs;
+        const uint64_t hi = st_kv_hash_tokens(blk, bs, h);
+        const int64_t hb = host_blocks[k];
+        ST_ASSERT(hb >= 0 && hb < t->n_alloc && t->host_ent[hb] == NIL);
+        t->n_reserved--;
+        int64_t e = find(t, hi, h, blk);
+        if ((e != NIL && t->ent[e].host != NIL) || (e == NIL && (e = ent_new(t, hi, h, blk)) == NIL)) {
+            t->free_host[t->n_free_host++] = hb; /* held already (or no entry left): the copy is not needed */
+        } else {
+            host_attach(t, e, hb);
+            t->host_busy[hb] = 0;
+            t->ent[e].ready = 0;
+            if (t->ssd && !t->ent[e].to_ssd && t->ent[e].ssd == NIL && t->ent[e].ssd_pending == NIL) {
+                ST_ASSERT(t->fifo_n < t->n_host);
+                t->fifo[(t->fifo_head + t->fifo_n++) % t->n_host] = e;
+                t->ent[e].to_ssd = true;
+            }
+            adopted++;
+        }
+        h = hi;
+    }
+    t->st.blocks_adopted += adopted;
+    return adopted;
+}
+
 /* ---- around a pass ---------------------------------------------------------------*/
 
 /* This step's loads, layer by layer, each layer's event handed to the pool;
@@ -1134,4 +1194,5 @@ void st_kv_tiers_get_stats(const st_kv_tiers *t, st_kv_tiers_stats *out) {
     out->host_busy = t->fifo_n + t->ssd_busy + t->n_pinned; /* waiting for / under an SSD write, loading */
     out->ssd_busy = t->ssd_busy;
     out->ssd_bad = t->n_bad;
+    out->host_reserved = t->n_reserved;
 }

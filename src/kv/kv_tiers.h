@@ -134,6 +134,25 @@ void st_kv_tiers_wait_reads(st_kv_tiers *t);
 int64_t st_kv_tiers_load(st_kv_tiers *t, const int32_t *tokens, int64_t n_tokens, int64_t from_block,
                          int64_t n_blocks, const int32_t *dev_blocks);
 
+/* ---- P-D: blocks computed by another node (a prefill node) ------------------------
+ * A decode node reserves host blocks for the blocks a prefill node will push
+ * (taken off the free list: never evicted, never handed out, not in the
+ * index), lets the transfer write them (st_kv_tiers_host_block: layer l of a
+ * block at l * layout.layer_bytes, st_kv_block_layout), then adopts them:
+ * they enter the index as blocks [from_block, from_block + n) of tokens, as
+ * if offloaded from the device (so an admission finds them like any host
+ * hit; the SSD tier writes them through). Stepping thread only, like the rest.
+ * reserve: NOMEM naming --kv-host-mem when the tier cannot give n blocks now
+ * (none taken then). adopt returns how many entered the index (a block the
+ * tier already holds goes back to the free list instead). unreserve gives
+ * reserved blocks back (a cancelled transfer: the caller makes sure nothing
+ * writes them any more). */
+strata_status st_kv_tiers_reserve(st_kv_tiers *t, int64_t n, int64_t *host_blocks);
+void st_kv_tiers_unreserve(st_kv_tiers *t, const int64_t *host_blocks, int64_t n);
+void *st_kv_tiers_host_block(const st_kv_tiers *t, int64_t host_block);
+int64_t st_kv_tiers_adopt(st_kv_tiers *t, const int32_t *tokens, int64_t n_tokens, int64_t from_block, int64_t n,
+                          const int64_t *host_blocks);
+
 /* ---- runner: around one pass ------------------------------------------------------
  * Before the pass, on `compute` (the model's stream): issues the device ->
  * host copies of blocks the device evicted this step (lazy offload) and makes
@@ -164,6 +183,8 @@ typedef struct {
     int64_t offloads_skipped;   /* blocks not offloaded: every host block was busy */
     int64_t ssd_read_failures;  /* corrupt / torn / unreadable blocks (misses) */
     int64_t ssd_write_failures;
+    int64_t host_reserved;      /* host blocks reserved for transfers from a prefill node */
+    int64_t blocks_adopted;     /* blocks that came from a prefill node into the index */
 } st_kv_tiers_stats;
 
 void st_kv_tiers_get_stats(const st_kv_tiers *t, st_kv_tiers_stats *out);
