@@ -307,7 +307,7 @@ int main(void) {
     reset(&a);
     strata_request_params rq = {.prompt_text = prompt, .text_no_add_special = true, .max_tokens = 16,
                                 .ignore_eos = true};
-    strata_callbacks cb = {on_text, on_finish, &a};
+    strata_callbacks cb = {.on_text = on_text, .on_finish = on_finish, .user = &a};
     uint64_t id = 0;
     st = strata_submit(m, &rq, &cb, &id);
     CHECK_MSG(st == STRATA_OK && id > 0, "submit: %s", strata_last_error());

@@ -608,7 +608,7 @@ static bool answer(const run_opts *o, runner *r, const int32_t *ids, int64_t n, 
     rq.max_tokens = o->n_predict > 0 ? o->n_predict : 0;
     rq.stop = o->stop;
     rq.n_stop = (size_t)o->n_stop;
-    const strata_callbacks cb = {on_text, on_finish, os};
+    const strata_callbacks cb = {.on_text = on_text, .on_finish = on_finish, .user = os};
     sb_clear(&os->answer);
     os->finished = false;
     uint64_t id;

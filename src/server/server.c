@@ -1082,7 +1082,7 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *r, srv_kin
     er.stop = (const char *const *)g.stop;
     er.n_stop = (size_t)g.n_stop;
     er.ignore_eos = g.ignore_eos;
-    const strata_callbacks cb = {on_text, on_finish, r};
+    const strata_callbacks cb = {.on_text = on_text, .on_finish = on_finish, .user = r};
     req_ref(r); /* the engine's */
     /* counted under s->mu with the draining check, so that a shutdown waits for every request it let in */
     pthread_mutex_lock(&s->mu);
