@@ -73,6 +73,14 @@ static void serve_usage(FILE *f) {
             "                           default for models stored in f32\n"
             "  --kv-dtype bf16|fp8|f32  KV cache element type (default bf16)\n"
             TOOL_KV_TIER_OPTS_HELP TOOL_KV_STREAM_OPT_HELP
+            "  --role both|prefill|decode\n"
+            "                           prefill/decode disaggregation behind `strata router` (default both:\n"
+            "                           a single server). prefill: serves /pd/prefill, pushing each layer's\n"
+            "                           KV to a decode node over UCX as it is computed; decode: serves\n"
+            "                           /pd/reserve and /pd/cancel, receives that KV into its host tier and\n"
+            "                           generates. Every role still serves the OpenAI routes\n"
+            "  --pd-timeout SECS        decode role: how long a request waits for its prompt's KV before\n"
+            "                           computing the prompt itself (default 60)\n"
             "  --host-sample            sample on the host even on CUDA (checks; default: on the device)\n"
             "  --no-rooflines           skip the start-up probes of HBM bandwidth and GEMM rate (CUDA)\n"
             "  --max-body BYTES         request body limit (default 1048576); larger bodies get a 413\n"
@@ -120,7 +128,8 @@ typedef struct {
     int64_t port, max_batch, max_model_len, prefill_chunk, step_tokens, max_body, max_conn, kv_blocks;
     int64_t max_per_client, http_threads, header_timeout, idle_timeout;
     size_t kv_mem;
-    double shutdown_timeout;
+    double shutdown_timeout, pd_timeout;
+    pd_role role;
     bool no_rooflines, host_sample, metrics_public;
     tool_model_opts mo;
 } serve_opts;
@@ -177,6 +186,19 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         }
         if (!strcmp(a, "--shutdown-timeout")) {
             if (!tool_parse_f64(val, 0, 86400, a, &o->shutdown_timeout)) return -1;
+            i++;
+            continue;
+        }
+        if (!strcmp(a, "--role")) {
+            if (!val || !pd_role_parse(val, &o->role)) {
+                fprintf(stderr, "strata serve: --role: '%s' is not one of both, prefill, decode\n", val ? val : "");
+                return -1;
+            }
+            i++;
+            continue;
+        }
+        if (!strcmp(a, "--pd-timeout")) {
+            if (!tool_parse_f64(val, 0.001, 86400, a, &o->pd_timeout)) return -1;
             i++;
             continue;
         }
@@ -397,7 +419,8 @@ int cmd_serve(int argc, char **argv) {
                            .threads = (unsigned)o.http_threads, .header_timeout_s = (unsigned)o.header_timeout,
                            .idle_timeout_s = (unsigned)o.idle_timeout,
                            .device_read_bw = roof.copy_bw, .gemm_rate = roof.gemm_fast,
-                           .gemm_rate_precise = roof.gemm_precise};
+                           .gemm_rate_precise = roof.gemm_precise, .role = o.role,
+                           .pd_timeout_s = o.pd_timeout};
     if (st_server_start(m, &sp, &srv) != STRATA_OK) {
         print_error("serve");
         goto done;
@@ -409,6 +432,8 @@ int cmd_serve(int argc, char **argv) {
             (long long)ei.max_batch, (long long)ei.max_seq_len, (long long)ei.prefill_chunk, (long long)ei.kv_blocks,
             (long long)ei.kv_block_size, (double)(ei.kv_blocks * ei.kv_block_size) * ei.kv_bytes_per_token / 1073741824.0,
             o.api_key && o.api_key[0] ? ", API key required" : "");
+    if (o.role != PD_ROLE_BOTH)
+        fprintf(stderr, "strata: P-D role %s (KV over UCX)\n", pd_role_name(o.role));
     if (ei.kv_host_blocks > 0)
         fprintf(stderr, "strata: KV tiers: device %.2f GiB, host %.2f GiB (%lld blocks, %s offload)%s",
                 (double)(ei.kv_blocks * ei.kv_block_size) * ei.kv_bytes_per_token / 1073741824.0,

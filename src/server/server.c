@@ -49,8 +49,10 @@
  */
 #include "server/server.h"
 #include "core/core.h"
+#include "core/json.h"
 #include "core/strbuf.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <microhttpd.h>
 #include <netdb.h>
@@ -69,6 +71,7 @@
 #include <unistd.h>
 
 #include "server/http_head.h"
+#include "server/pd_node.h"
 #include "server/openai.h"
 
 #define DEF_MAX_BODY (1u << 20)
@@ -107,9 +110,12 @@
 #define EV_LISTEN (1ull << 63)
 #define EV_FRONT (1ull << 62)
 
-typedef enum { R_CHAT = 0, R_COMPLETIONS, R_MODELS, R_HEALTH, R_METRICS, R_OTHER, R_COUNT_ } route;
+typedef enum {
+    R_CHAT = 0, R_COMPLETIONS, R_MODELS, R_HEALTH, R_METRICS, R_PD_RESERVE, R_PD_PREFILL, R_PD_CANCEL, R_OTHER, R_COUNT_
+} route;
 static const char *const ROUTE_NAMES[R_COUNT_] = {"/v1/chat/completions", "/v1/completions", "/v1/models",
-                                                  "/health", "/metrics", "other"};
+                                                  "/health", "/metrics", "/pd/reserve", "/pd/prefill",
+                                                  "/pd/cancel", "other"};
 static const int CODES[] = {200, 400, 401, 404, 405, 413, 414, 415, 421, 429, 431, 499, 500, 501, 503, 505};
 #define N_CODES ((int)(sizeof CODES / sizeof CODES[0]))
 
@@ -118,6 +124,7 @@ typedef struct conn conn;
 
 struct st_server {
     strata_model *model;
+    pd_node *pd;                  /* P-D role prefill or decode (NULL: both, a single server) */
     int64_t max_seq_len;          /* the engine's (strata_engine_info) */
     strata_engine_info info;      /* the engine's parameters and step costs (fixed) */
     char *host, *api_key, *model_name;
@@ -238,6 +245,16 @@ struct req {
     st_strbuf out;
     size_t out_pos;
     bool role_sent, done;
+    /* P-D: a /pd/ request waiting for the engine (reserve) or a prefill (the connection's thread
+     * suspends it; pd_ready under mu) */
+    int pd_wait;                /* 0: none, 1: reserve, 2: prefill */
+    bool pd_ready;
+    strata_status pd_st;
+    char pd_err[256];
+    strata_kv_reservation pd_res;
+    int32_t *pd_ids;
+    int64_t pd_n;
+    pd_prefill_result pd_pre;
 };
 
 static req *req_new(st_server *s) {
@@ -266,6 +283,7 @@ static void req_unref(req *r) {
     st_free(r->text.p);
     st_free(r->out.p);
     st_free(r->fin_error);
+    st_free(r->pd_ids);
     st_free(r);
 }
 
@@ -873,6 +891,7 @@ static char *metrics_text(st_server *s) {
     if (s->gemm_rate_precise > 0)
         ok = ok && metric(&b, "strata_gemm_precise_flops_per_second", "gauge",
                           "Useful FLOP/s of the default (precise, hi + lo) matmul path, same GEMM.", s->gemm_rate_precise);
+    if (s->pd) ok = ok && pd_node_metrics(s->pd, &b);
     st_free(m);
     if (!ok) {
         st_free(b.p);
@@ -1018,6 +1037,50 @@ static bool encode(const strata_model *m, const char *text, bool add_special, in
 
 static enum MHD_Result whole_continue(struct MHD_Connection *c, req *r);
 
+/* A generation request's body -> its parsed fields and prompt ids (*g
+ * filled, *ids the caller's), or false with *e set (nothing to free): the
+ * one place both the generation routes and a decode node's /pd/reserve check
+ * a request, so that they refuse it alike. */
+static bool gen_prepare(st_server *s, srv_kind kind, const char *body, size_t len, srv_gen *g, int32_t **ids,
+                        int64_t *n, srv_error *e) {
+    *ids = NULL;
+    *n = 0;
+    if (!srv_parse_gen(kind, body, len, s->model, g, e)) return false;
+    if (g->model && strcmp(g->model, s->model_name) != 0) {
+        srv_error_set(e, 404, "invalid_request_error", "model_not_found", "model",
+                      "The model '%.200s' does not exist: this server serves '%.200s' (GET /v1/models)", g->model,
+                      s->model_name);
+        srv_gen_clear(g);
+        return false;
+    }
+    if (g->prompt_ids) {
+        *ids = g->prompt_ids;
+        *n = g->n_prompt_ids;
+        g->prompt_ids = NULL;
+    } else if (!encode(s->model, g->prompt_text, true, ids, n)) {
+        srv_error_set(e, 400, "invalid_request_error", "invalid_value", kind == SRV_CHAT ? "messages" : "prompt",
+                      "the prompt cannot be tokenized: %s", st_last_error());
+        srv_gen_clear(g);
+        return false;
+    }
+    const char *pname = kind == SRV_CHAT ? "messages" : "prompt";
+    const int64_t ctx = s->max_seq_len;
+    if (*n == 0) {
+        srv_error_set(e, 400, "invalid_request_error", "invalid_value", pname, "the prompt is empty (no tokens)");
+    } else if (*n >= ctx) {
+        srv_error_set(e, 400, "invalid_request_error", "context_length_exceeded", pname,
+                      "This model's maximum context length is %lld tokens, but the prompt has %lld tokens "
+                      "(prompt and completion must fit together, with at least 1 completion token).",
+                      (long long)ctx, (long long)*n);
+    } else {
+        return true;
+    }
+    st_free(*ids);
+    *ids = NULL;
+    srv_gen_clear(g);
+    return false;
+}
+
 static enum MHD_Result handle_generate(struct MHD_Connection *c, req *r, srv_kind kind) {
     st_server *s = r->srv;
     srv_gen g;
@@ -1025,45 +1088,25 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *r, srv_kin
     if (atomic_load(&s->draining))
         return error_reply(c, r, 503, "server_error", "server_shutting_down", NULL,
                            "the server is shutting down and takes no new requests");
-    if (!srv_parse_gen(kind, r->body.p ? r->body.p : "", r->body.len, s->model, &g, &e)) return reply_error(c, r, &e, NULL);
-    st_free(r->body.p);
-    r->body = (st_strbuf){0};
-    if (g.model && strcmp(g.model, s->model_name) != 0) {
-        srv_error_set(&e, 404, "invalid_request_error", "model_not_found", "model",
-                      "The model '%.200s' does not exist: this server serves '%.200s' (GET /v1/models)", g.model,
-                      s->model_name);
-        srv_gen_clear(&g);
-        return reply_error(c, r, &e, NULL);
-    }
-
     int32_t *ids = NULL;
     int64_t n = 0;
-    if (g.prompt_ids) {
-        ids = g.prompt_ids;
-        n = g.n_prompt_ids;
-        g.prompt_ids = NULL;
-    } else if (!encode(s->model, g.prompt_text, true, &ids, &n)) {
-        srv_error_set(&e, 400, "invalid_request_error", "invalid_value", kind == SRV_CHAT ? "messages" : "prompt",
-                      "the prompt cannot be tokenized: %s", st_last_error());
-        srv_gen_clear(&g);
-        return reply_error(c, r, &e, NULL);
-    }
-    const char *pname = kind == SRV_CHAT ? "messages" : "prompt";
-    const int64_t ctx = s->max_seq_len;
-    if (n == 0) {
-        srv_error_set(&e, 400, "invalid_request_error", "invalid_value", pname, "the prompt is empty (no tokens)");
-    } else if (n >= ctx) {
-        srv_error_set(&e, 400, "invalid_request_error", "context_length_exceeded", pname,
-                      "This model's maximum context length is %lld tokens, but the prompt has %lld tokens "
-                      "(prompt and completion must fit together, with at least 1 completion token).",
-                      (long long)ctx, (long long)n);
-    } else {
-        e.status = 0;
-    }
-    if (e.status) {
-        st_free(ids);
-        srv_gen_clear(&g);
-        return reply_error(c, r, &e, NULL);
+    const bool ok = gen_prepare(s, kind, r->body.p ? r->body.p : "", r->body.len, &g, &ids, &n, &e);
+    st_free(r->body.p);
+    r->body = (st_strbuf){0};
+    if (!ok) return reply_error(c, r, &e, NULL);
+    /* P-D: a decode node's request whose prompt blocks a prefill node pushes (decimal ticket) */
+    uint64_t ticket = 0;
+    const char *tk = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "X-Strata-PD-Ticket");
+    if (tk && pd_node_role(s->pd) == PD_ROLE_DECODE) {
+        char *end = NULL;
+        errno = 0;
+        ticket = strtoull(tk, &end, 10);
+        if (errno || end == tk || *end) {
+            st_free(ids);
+            srv_gen_clear(&g);
+            return error_reply(c, r, 400, "invalid_request_error", "invalid_value", NULL,
+                               "X-Strata-PD-Ticket '%.40s' is not a ticket number", tk);
+        }
     }
 
     const uint64_t num = atomic_fetch_add(&s->counter, 1) + 1;
@@ -1082,6 +1125,7 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *r, srv_kin
     er.stop = (const char *const *)g.stop;
     er.n_stop = (size_t)g.n_stop;
     er.ignore_eos = g.ignore_eos;
+    er.kv_ticket = ticket;
     const strata_callbacks cb = {.on_text = on_text, .on_finish = on_finish, .user = r};
     req_ref(r); /* the engine's */
     /* counted under s->mu with the draining check, so that a shutdown waits for every request it let in */
@@ -1182,6 +1226,260 @@ static enum MHD_Result whole_continue(struct MHD_Connection *c, req *r) {
     return reply_json(c, r, 200, srv_json_answer(&r->meta, r->text.p, r->text.len, finish_name(f.reason), &f), NULL);
 }
 
+/* ---- P-D: the /pd/ routes of a prefill or decode node (docs/ARCHITECTURE.md) -------------------
+ * A handler that waits (a reservation made by the engine at its next step, a
+ * prefill) suspends its connection; the callback fills r->pd_* under r->mu
+ * and resumes it; on_access then calls pd_continue. */
+
+static void pd_wake(req *r) {
+    pthread_mutex_lock(&r->mu);
+    r->pd_ready = true;
+    req_wake_locked(r);
+    pthread_mutex_unlock(&r->mu);
+}
+
+static void pd_on_reserved(void *user, strata_status st, const strata_kv_reservation *res) {
+    req *r = user;
+    pthread_mutex_lock(&r->mu);
+    r->pd_st = st;
+    if (st) snprintf(r->pd_err, sizeof r->pd_err, "%s", st_last_error());
+    else r->pd_res = *res;
+    pthread_mutex_unlock(&r->mu);
+    pd_wake(r);
+    req_unref(r); /* the engine's */
+}
+
+static void pd_on_prefilled(void *user, const pd_prefill_result *res) {
+    req *r = user;
+    pthread_mutex_lock(&r->mu);
+    r->pd_pre = *res;
+    pthread_mutex_unlock(&r->mu);
+    pd_wake(r);
+    req_unref(r); /* the prefill's */
+}
+
+/* Suspends until pd_ready (the connection's thread). */
+static enum MHD_Result pd_wait(req *r, int what) {
+    r->pd_wait = what;
+    pthread_mutex_lock(&r->mu);
+    if (!r->pd_ready) req_suspend_locked(r);
+    pthread_mutex_unlock(&r->mu);
+    return MHD_YES;
+}
+
+static bool hex_decode(const char *h, uint8_t **out, size_t *n) {
+    const size_t len = strlen(h);
+    if (len == 0 || len % 2) return false;
+    uint8_t *b = st_malloc(len / 2);
+    if (!b) return false;
+    for (size_t i = 0; i < len / 2; i++) {
+        unsigned v;
+        if (sscanf(h + 2 * i, "%2x", &v) != 1 || !isxdigit((unsigned char)h[2 * i]) ||
+            !isxdigit((unsigned char)h[2 * i + 1])) {
+            st_free(b);
+            return false;
+        }
+        b[i] = (uint8_t)v;
+    }
+    *out = b;
+    *n = len / 2;
+    return true;
+}
+
+static bool parse_ticket(const cJSON *it, uint64_t *out) {
+    if (!cJSON_IsString(it) || !it->valuestring[0]) return false;
+    char *end = NULL;
+    errno = 0;
+    *out = strtoull(it->valuestring, &end, 10);
+    return !errno && !*end && *out != 0;
+}
+
+/* POST /pd/reserve {"route", "request"} (decode) */
+static enum MHD_Result handle_pd_reserve(struct MHD_Connection *c, req *r) {
+    st_server *s = r->srv;
+    if (atomic_load(&s->draining))
+        return error_reply(c, r, 503, "server_error", "server_shutting_down", NULL,
+                           "the server is shutting down and takes no new requests");
+    cJSON *root = NULL;
+    if (st_json_parse(r->body.p ? r->body.p : "", r->body.len, "request body", &root) != STRATA_OK)
+        return error_reply(c, r, 400, "invalid_request_error", "invalid_json", NULL, "%s", st_last_error());
+    const cJSON *route_it = st_json_field(root, "route"), *rq = st_json_field(root, "request");
+    srv_kind kind;
+    if (cJSON_IsString(route_it) && !strcmp(route_it->valuestring, "/v1/chat/completions")) kind = SRV_CHAT;
+    else if (cJSON_IsString(route_it) && !strcmp(route_it->valuestring, "/v1/completions")) kind = SRV_COMPLETIONS;
+    else {
+        cJSON_Delete(root);
+        return error_reply(c, r, 400, "invalid_request_error", "invalid_value", "route",
+                           "'route' must be \"/v1/completions\" or \"/v1/chat/completions\"");
+    }
+    char *body = rq ? cJSON_PrintUnformatted(rq) : NULL;
+    cJSON_Delete(root);
+    if (!body) return error_reply(c, r, 400, "invalid_request_error", "invalid_value", "request", "'request' is missing");
+    srv_gen g;
+    srv_error e;
+    int32_t *ids = NULL;
+    int64_t n = 0;
+    const bool ok = gen_prepare(s, kind, body, strlen(body), &g, &ids, &n, &e);
+    cJSON_free(body);
+    if (!ok) return reply_error(c, r, &e, NULL);
+    srv_gen_clear(&g);
+    r->pd_ids = ids;
+    r->pd_n = n;
+    req_ref(r); /* the engine's, until pd_on_reserved */
+    strata_status st = strata_kv_reserve(s->model, ids, (size_t)n, pd_on_reserved, r);
+    if (st) {
+        req_unref(r);
+        return error_reply(c, r, 503, "server_error", "unavailable", NULL, "%s", st_last_error());
+    }
+    return pd_wait(r, 1);
+}
+
+static enum MHD_Result reserve_continue(struct MHD_Connection *c, req *r) {
+    st_server *s = r->srv;
+    if (r->pd_st == STRATA_ERR_NOMEM)
+        return error_reply(c, r, 503, "server_error", "kv_blocks_exhausted", NULL, "%s", r->pd_err);
+    if (r->pd_st) return error_reply(c, r, 503, "server_error", "unavailable", NULL, "%s", r->pd_err);
+    const strata_kv_reservation *res = &r->pd_res;
+    if (res->ticket && pd_node_expect(s->pd, res) != STRATA_OK)
+        return error_reply(c, r, 500, "server_error", NULL, NULL, "%s", st_last_error());
+    st_strbuf b = {0};
+    bool ok = st_strbuf_printf(&b, "{\"ticket\":\"%llu\",\"tokens\":[", (unsigned long long)res->ticket);
+    for (int64_t i = 0; i < r->pd_n && ok; i++) ok = st_strbuf_printf(&b, i ? ",%d" : "%d", r->pd_ids[i]);
+    ok = ok && st_strbuf_printf(&b,
+                                "],\"block_tokens\":%lld,\"cached_blocks\":%lld,\"blocks\":%lld,\"layers\":%lld,"
+                                "\"layer_bytes\":%zu,\"identity\":\"%s\",\"address\":\"%s\"}",
+                                (long long)res->block_tokens, (long long)res->cached_blocks, (long long)res->n_blocks,
+                                (long long)res->n_layers, res->layer_bytes, pd_node_identity_hex(s->pd),
+                                pd_node_address_hex(s->pd));
+    if (!ok) {
+        st_strbuf_free(&b);
+        if (res->ticket) pd_node_cancel(s->pd, res->ticket);
+        return error_reply(c, r, 500, "server_error", NULL, NULL, "out of memory");
+    }
+    return reply_json(c, r, 200, b.p, NULL);
+}
+
+/* POST /pd/prefill (prefill) */
+static enum MHD_Result handle_pd_prefill(struct MHD_Connection *c, req *r) {
+    st_server *s = r->srv;
+    if (atomic_load(&s->draining))
+        return error_reply(c, r, 503, "server_error", "server_shutting_down", NULL,
+                           "the server is shutting down and takes no new requests");
+    cJSON *root = NULL;
+    if (st_json_parse(r->body.p ? r->body.p : "", r->body.len, "request body", &root) != STRATA_OK)
+        return error_reply(c, r, 400, "invalid_request_error", "invalid_json", NULL, "%s", st_last_error());
+    const st_json_where w = {.path = "request body"};
+    int64_t attempt = 0, bt = 0, from = 0, nb = 0;
+    const char *identity = NULL, *address = NULL;
+    uint64_t ticket = 0;
+    const cJSON *toks = st_json_field(root, "tokens");
+    strata_status st = STRATA_OK;
+    const char *bad = NULL;
+    if (!parse_ticket(st_json_field(root, "ticket"), &ticket)) bad = "ticket";
+    else if (st_json_get_int64(&w, root, "attempt", &attempt) || attempt < 1 || attempt > UINT32_MAX) bad = "attempt";
+    else if (st_json_get_int64(&w, root, "block_tokens", &bt)) bad = "block_tokens";
+    else if (st_json_get_int64(&w, root, "from_block", &from) || from < 0) bad = "from_block";
+    else if (st_json_get_int64(&w, root, "blocks", &nb) || nb < 1) bad = "blocks";
+    else if (st_json_get_string(&w, root, "identity", &identity)) bad = "identity";
+    else if (st_json_get_string(&w, root, "address", &address)) bad = "address";
+    else if (!cJSON_IsArray(toks)) bad = "tokens";
+    if (bad) {
+        cJSON_Delete(root);
+        return error_reply(c, r, 400, "invalid_request_error", "invalid_value", bad,
+                           "'%s' is missing or invalid", bad);
+    }
+    if (strcmp(identity, pd_node_identity_hex(s->pd)) != 0 || bt != s->info.kv_block_size) {
+        const enum MHD_Result rr = error_reply(
+            c, r, 409, "invalid_request_error", "kv_layout_mismatch", "identity",
+            "the decode node's model or KV layout (identity %.40s, blocks of %lld tokens) is not this node's (%s, %lld)",
+            identity, (long long)bt, pd_node_identity_hex(s->pd), (long long)s->info.kv_block_size);
+        cJSON_Delete(root);
+        return rr;
+    }
+    const int64_t need = (from + nb) * bt, have = cJSON_GetArraySize(toks);
+    if (have < need || need >= s->max_seq_len) {
+        cJSON_Delete(root);
+        return error_reply(c, r, 400, "invalid_request_error", "invalid_value", "tokens",
+                           "'tokens' has %lld ids; blocks %lld..%lld need %lld (and fewer than %lld)", (long long)have,
+                           (long long)from, (long long)(from + nb), (long long)need, (long long)s->max_seq_len);
+    }
+    int32_t *ids = st_malloc((size_t)need * sizeof *ids);
+    uint8_t *addr = NULL;
+    size_t addr_len = 0;
+    if (!ids) st = st_err(STRATA_ERR_NOMEM, "out of memory");
+    int64_t i = 0;
+    for (const cJSON *it = toks ? toks->child : NULL; it && i < need && !st; it = it->next, i++) {
+        if (!cJSON_IsNumber(it) || it->valuedouble < 0 || it->valuedouble >= 2147483647.0 ||
+            it->valuedouble != (double)(int32_t)it->valuedouble)
+            st = st_err(STRATA_ERR_INVALID_ARG, "tokens[%lld] is not a token id", (long long)i);
+        else ids[i] = (int32_t)it->valuedouble;
+    }
+    if (!st && !hex_decode(address, &addr, &addr_len))
+        st = st_err(STRATA_ERR_INVALID_ARG, "'address' is not an even number of hex digits");
+    cJSON_Delete(root);
+    if (st) {
+        st_free(ids);
+        st_free(addr);
+        return error_reply(c, r, 400, "invalid_request_error", "invalid_value", NULL, "%s", st_last_error());
+    }
+    const pd_prefill_args a = {.ticket = ticket, .attempt = (uint32_t)attempt, .tokens = ids, .from_block = from,
+                               .n_blocks = nb, .address = addr, .address_len = addr_len};
+    req_ref(r); /* the prefill's, until pd_on_prefilled */
+    st = pd_node_prefill(s->pd, &a, pd_on_prefilled, r);
+    st_free(ids);
+    st_free(addr);
+    if (st) {
+        req_unref(r);
+        const int code = st == STRATA_ERR_INVALID_ARG ? 400 : 502;
+        return error_reply(c, r, code, code == 400 ? "invalid_request_error" : "server_error",
+                           code == 400 ? "invalid_value" : "kv_transfer_failed", NULL, "%s", st_last_error());
+    }
+    return pd_wait(r, 2);
+}
+
+static enum MHD_Result prefill_continue(struct MHD_Connection *c, req *r) {
+    const pd_prefill_result *p = &r->pd_pre;
+    if (p->st)
+        return error_reply(c, r, 502, "server_error", "kv_transfer_failed", NULL, "%s", p->error);
+    char *b = NULL;
+    st_strbuf sb = {0};
+    if (st_strbuf_printf(&sb, "{\"bytes\":%llu,\"messages\":%lld,\"seconds\":%.6f}", (unsigned long long)p->bytes,
+                         (long long)p->messages, p->seconds))
+        b = sb.p;
+    if (!b) return error_reply(c, r, 500, "server_error", NULL, NULL, "out of memory");
+    return reply_json(c, r, 200, b, NULL);
+}
+
+/* POST /pd/cancel {"ticket"} (decode) */
+static enum MHD_Result handle_pd_cancel(struct MHD_Connection *c, req *r) {
+    st_server *s = r->srv;
+    cJSON *root = NULL;
+    if (st_json_parse(r->body.p ? r->body.p : "", r->body.len, "request body", &root) != STRATA_OK)
+        return error_reply(c, r, 400, "invalid_request_error", "invalid_json", NULL, "%s", st_last_error());
+    uint64_t ticket = 0;
+    const bool ok = parse_ticket(st_json_field(root, "ticket"), &ticket);
+    cJSON_Delete(root);
+    if (!ok) return error_reply(c, r, 400, "invalid_request_error", "invalid_value", "ticket", "'ticket' is missing or invalid");
+    pd_node_cancel(s->pd, ticket);
+    static const char empty[] = "{}";
+    return reply(c, r, 200, "application/json", empty, sizeof empty - 1, NULL);
+}
+
+static enum MHD_Result pd_continue(struct MHD_Connection *c, req *r) {
+    pthread_mutex_lock(&r->mu);
+    const bool ready = r->pd_ready, ending = atomic_load(&r->srv->ending);
+    if (!ready && !ending) req_suspend_locked(r); /* resumed by something else: wait on */
+    pthread_mutex_unlock(&r->mu);
+    if (!ready && ending) {
+        r->pd_wait = 0;
+        return error_reply(c, r, 503, "server_error", "server_shutting_down", NULL, "the server is shutting down");
+    }
+    if (!ready) return MHD_YES;
+    const int what = r->pd_wait;
+    r->pd_wait = 0;
+    return what == 1 ? reserve_continue(c, r) : prefill_continue(c, r);
+}
+
 /* ---- routing ------------------------------------------------------------------------------------*/
 static route route_of(const char *url) {
     for (int i = 0; i < R_OTHER; i++)
@@ -1260,7 +1558,8 @@ static enum MHD_Result dispatch(struct MHD_Connection *c, req *r, const char *ur
                                "localhost or 127.0.0.1)", h, s->host);
     }
     const bool open_probe = (r->rt == R_HEALTH || r->rt == R_METRICS) && s->metrics_public;
-    if (s->api_key && (!strncmp(url, "/v1/", 4) || r->rt == R_HEALTH || r->rt == R_METRICS) && !open_probe &&
+    if (s->api_key && (!strncmp(url, "/v1/", 4) || !strncmp(url, "/pd/", 4) || r->rt == R_HEALTH || r->rt == R_METRICS) &&
+        !open_probe &&
         !key_ok(s, c)) {
         const bool missing = !MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
         return error_reply(c, r, 401, "invalid_request_error", "invalid_api_key", NULL, "%s",
@@ -1294,8 +1593,22 @@ static enum MHD_Result dispatch(struct MHD_Connection *c, req *r, const char *ur
             if (atomic_load(&s->draining))
                 return error_reply(c, r, 503, "server_error", "server_shutting_down", NULL,
                                    "the server is shutting down");
-            static const char ok[] = "{\"status\":\"ok\"}";
-            return reply(c, r, 200, "application/json", ok, sizeof ok - 1, NULL);
+            strata_metrics *mm = st_malloc(sizeof *mm);
+            if (!mm || strata_metrics_get(s->model, mm) != STRATA_OK) {
+                st_free(mm);
+                return error_reply(c, r, 500, "server_error", NULL, NULL, "the engine's metrics are unavailable");
+            }
+            st_strbuf hb = {0};
+            const bool hok = st_strbuf_printf(
+                &hb,
+                "{\"status\":\"ok\",\"role\":\"%s\",\"running\":%lld,\"waiting\":%lld,\"kv_blocks_free\":%lld,"
+                "\"kv_blocks_total\":%lld,\"queued_prompt_tokens\":%lld}",
+                pd_role_name(pd_node_role(s->pd)), (long long)mm->running, (long long)mm->waiting,
+                (long long)(mm->kv_device_free + mm->kv_device_cached), (long long)mm->kv_blocks_total,
+                (long long)pd_node_queued_tokens(s->pd));
+            st_free(mm);
+            if (!hok) return error_reply(c, r, 500, "server_error", NULL, NULL, "out of memory");
+            return reply_json(c, r, 200, hb.p, NULL);
         }
         {
             char *text = metrics_text(s);
@@ -1304,6 +1617,21 @@ static enum MHD_Result dispatch(struct MHD_Connection *c, req *r, const char *ur
             st_free(text);
             return ok;
         }
+    case R_PD_RESERVE:
+    case R_PD_PREFILL:
+    case R_PD_CANCEL: {
+        const pd_role need = r->rt == R_PD_PREFILL ? PD_ROLE_PREFILL : PD_ROLE_DECODE;
+        if (pd_node_role(s->pd) != need)
+            return error_reply(c, r, 404, "invalid_request_error", "not_found", NULL,
+                               "no route %s %s: this node's role is %s (%s needs --role %s)", method, url,
+                               pd_role_name(pd_node_role(s->pd)), url, pd_role_name(need));
+        if (!post)
+            return error_reply(c, r, 405, "invalid_request_error", "method_not_allowed", "POST",
+                               "%s is not allowed on %s (use POST)", method, url);
+        return r->rt == R_PD_RESERVE ? handle_pd_reserve(c, r)
+               : r->rt == R_PD_PREFILL ? handle_pd_prefill(c, r)
+                                       : handle_pd_cancel(c, r);
+    }
     default:
         return error_reply(c, r, 404, "invalid_request_error", "not_found", NULL, "no route %s %s", method, url);
     }
@@ -1362,6 +1690,7 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *c, const char
         return st_strbuf_add(&r->body, upload, n) ? MHD_YES : MHD_NO;
     }
     if (r->waiting) return whole_continue(c, r); /* resumed */
+    if (r->pd_wait) return pd_continue(c, r);
     if (r->too_large)
         return error_reply(c, r, 413, "invalid_request_error", "request_too_large", NULL,
                            "the request body is over the limit of %zu bytes", s->max_body);
@@ -1511,6 +1840,14 @@ strata_status st_server_start(strata_model *m, const st_server_params *params, s
     s->model = m;
     s->info = info;
     s->max_seq_len = info.max_seq_len;
+    if (params->role != PD_ROLE_BOTH) {
+        strata_status pst = pd_node_create(m, params->role, params->pd_timeout_s > 0 ? params->pd_timeout_s : 60.0,
+                                           &s->pd);
+        if (pst) {
+            st_free(s);
+            return pst;
+        }
+    }
     pthread_mutex_init(&s->mu, NULL);
     pthread_mutex_init(&s->stat_mu, NULL);
     pthread_mutex_init(&s->log_mu, NULL);
@@ -1770,6 +2107,8 @@ void st_server_stop(st_server *s) {
     pthread_mutex_lock(&s->mu);
     while (s->n_engine > 0) pthread_cond_wait(&s->cv, &s->mu);
     pthread_mutex_unlock(&s->mu);
+    pd_node_destroy(s->pd); /* its prefills aborted and waited for, its tickets cancelled */
+    s->pd = NULL;
     if (s->ep >= 0) close(s->ep);
     if (s->wake_fd >= 0) close(s->wake_fd);
     pthread_cond_destroy(&s->cv);

@@ -79,6 +79,7 @@
 #pragma once
 #include <stddef.h>
 #include <stdint.h>
+#include "server/pd_node.h"
 #include "strata.h"
 #ifdef __cplusplus
 extern "C" {
@@ -105,6 +106,11 @@ typedef struct {
     double device_read_bw;   /* bytes per second the device's memory streams (HBM; a large copy) */
     double gemm_rate;        /* FLOP/s of a large bf16 GEMM on the tensor cores */
     double gemm_rate_precise;/* FLOP/s of useful work on the backend's default (precise) matmul path */
+    /* Prefill/decode disaggregation (server/pd_node.h): PD_ROLE_PREFILL serves /pd/prefill, PD_ROLE_DECODE
+     * /pd/reserve, /pd/cancel and generation requests with X-Strata-PD-Ticket; both still serve the
+     * OpenAI routes. pd_timeout_s: a decode node's wait for a reservation's blocks (0: 60). */
+    pd_role role;
+    double pd_timeout_s;
 } st_server_params;
 
 /* Starts serving model `m` (strata_model_load'ed, its engine thread started
