@@ -51,7 +51,7 @@
 extern "C" {
 #endif
 
-#define PD_MSG_MAGIC 0x5354504456u /* "STPDV" */
+#define PD_MSG_MAGIC 0x44505453u /* "STPD" as little-endian bytes (the field is 32 bits) */
 #define PD_MSG_VERSION 1u
 
 /* The AM header of one message (little-endian, as laid out here; 64 bytes). */
@@ -78,6 +78,8 @@ typedef struct {
      * from the AM's arrival to its data landing (receiver) */
     double send_seconds, recv_seconds;
     int64_t send_hist[12], recv_hist[12];  /* counts of message times <= PD_XFER_HIST_BOUNDS[i]; last: above */
+    int64_t messages_eager, messages_rndv; /* receiver: messages_received by UCX's protocol (data copied
+                                              from UCX's buffer / received straight into the blocks) */
 } pd_xfer_stats;
 extern const double PD_XFER_HIST_BOUNDS[11]; /* seconds: 1e-4 .. 10 */
 
