@@ -1259,12 +1259,10 @@ static void pd_on_prefilled(void *user, const pd_prefill_result *res) {
 }
 
 /* Suspends until pd_ready (the connection's thread). */
-static enum MHD_Result pd_wait(req *r, int what) {
+static enum MHD_Result pd_continue(struct MHD_Connection *c, req *r);
+static enum MHD_Result pd_wait(struct MHD_Connection *c, req *r, int what) {
     r->pd_wait = what;
-    pthread_mutex_lock(&r->mu);
-    if (!r->pd_ready) req_suspend_locked(r);
-    pthread_mutex_unlock(&r->mu);
-    return MHD_YES;
+    return pd_continue(c, r); /* answers now when the callback came already, else suspends */
 }
 
 static bool hex_decode(const char *h, uint8_t **out, size_t *n) {
@@ -1325,13 +1323,14 @@ static enum MHD_Result handle_pd_reserve(struct MHD_Connection *c, req *r) {
     srv_gen_clear(&g);
     r->pd_ids = ids;
     r->pd_n = n;
+    r->c = c;
     req_ref(r); /* the engine's, until pd_on_reserved */
     strata_status st = strata_kv_reserve(s->model, ids, (size_t)n, pd_on_reserved, r);
     if (st) {
         req_unref(r);
         return error_reply(c, r, 503, "server_error", "unavailable", NULL, "%s", st_last_error());
     }
-    return pd_wait(r, 1);
+    return pd_wait(c, r, 1);
 }
 
 static enum MHD_Result reserve_continue(struct MHD_Connection *c, req *r) {
@@ -1424,6 +1423,7 @@ static enum MHD_Result handle_pd_prefill(struct MHD_Connection *c, req *r) {
     }
     const pd_prefill_args a = {.ticket = ticket, .attempt = (uint32_t)attempt, .tokens = ids, .from_block = from,
                                .n_blocks = nb, .address = addr, .address_len = addr_len};
+    r->c = c;
     req_ref(r); /* the prefill's, until pd_on_prefilled */
     st = pd_node_prefill(s->pd, &a, pd_on_prefilled, r);
     st_free(ids);
@@ -1434,7 +1434,7 @@ static enum MHD_Result handle_pd_prefill(struct MHD_Connection *c, req *r) {
         return error_reply(c, r, code, code == 400 ? "invalid_request_error" : "server_error",
                            code == 400 ? "invalid_value" : "kv_transfer_failed", NULL, "%s", st_last_error());
     }
-    return pd_wait(r, 2);
+    return pd_wait(c, r, 2);
 }
 
 static enum MHD_Result prefill_continue(struct MHD_Connection *c, req *r) {
