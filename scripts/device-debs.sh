@@ -4,7 +4,7 @@
 # machine) and unpacked there with scripts/device-env.sh. Run here, once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PKGS=(libcjson1 libcjson-dev liburing2 liburing-dev libxxhash0 libxxhash-dev libmicrohttpd12 libmicrohttpd-dev pkgconf pkgconf-bin libpkgconf3)
+PKGS=(libcjson1 libcjson-dev liburing2 liburing-dev libxxhash0 libxxhash-dev libmicrohttpd12 libmicrohttpd-dev libcurl4 libcurl4-openssl-dev pkgconf pkgconf-bin libpkgconf3)
 mkdir -p .deps
 cd .deps
 missing=()

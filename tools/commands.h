@@ -9,5 +9,6 @@ int cmd_run(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
 int cmd_bench_kv(int argc, char **argv);
 int cmd_serve(int argc, char **argv);
+int cmd_router(int argc, char **argv);
 int cmd_mkmodel(int argc, char **argv);
 int cmd_plan(int argc, char **argv);

@@ -27,6 +27,7 @@ static const struct {
     {"plan", cmd_plan, "show where the weights would live for given memory budgets, and the predicted speed"},
     {"mkmodel", cmd_mkmodel, "write a random Llama model of a known shape (benchmarks, tests)"},
     {"serve", cmd_serve, "serve a model over an OpenAI-compatible HTTP API"},
+    {"router", cmd_router, "route OpenAI API requests to prefill and decode nodes (disaggregation)"},
 };
 
 #ifndef STRATA_VERSION
