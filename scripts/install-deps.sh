@@ -3,7 +3,7 @@
 # Debian packages with apt-get, Python packages with pip. Safe to run twice.
 set -euo pipefail
 
-DEB_PKGS=(cmake gcc make pkg-config libcjson-dev libxxhash-dev liburing-dev libmicrohttpd-dev libcurl4-openssl-dev clang libclang-rt-14-dev)
+DEB_PKGS=(cmake gcc make pkg-config libcjson-dev libxxhash-dev liburing-dev libmicrohttpd-dev libcurl4-openssl-dev libucx-dev clang libclang-rt-14-dev)
 PY_PKGS=(numpy gguf openai)
 
 missing=()
