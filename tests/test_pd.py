@@ -228,7 +228,9 @@ def main():
     st2, body2, _ = raw(single.port, "POST", "/v1/completions", {"prompt": "Tell me", "max_tokens": -3})
     check(st == st2 == 400 and body == body2, "an invalid request gets the single server's error from /pd/reserve")
     st, res, _ = raw(d1.port, "POST", "/pd/reserve", {"route": "/v1/completions",
-                                                      "request": {"prompt": SYSTEM + " Something new?"}})
+                                                      "request": {"prompt": "A prompt nobody sent before. " * 12}})
+    check(st == 200 and res["blocks"] > 0 and res["ticket"] != "0", "a new prompt: a ticket and blocks to push (%s)"
+          % {k: res.get(k) for k in ("ticket", "blocks", "cached_blocks")})
     good = {"ticket": res["ticket"], "attempt": 1, "tokens": res["tokens"], "block_tokens": res["block_tokens"],
             "from_block": res["cached_blocks"], "blocks": max(res["blocks"], 1), "identity": res["identity"],
             "address": res["address"]}
