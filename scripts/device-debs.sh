@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 # UCX (disagg/pd_xfer): libucx0 needs libnuma1; its InfiniBand / RDMA-CM
 # transports (plugins UCX loads when present) need libibverbs1, librdmacm1,
 # ibverbs-providers and libnl-3-200 / libnl-route-3-200.
-PKGS=(libcjson1 libcjson-dev liburing2 liburing-dev libxxhash0 libxxhash-dev libmicrohttpd12 libmicrohttpd-dev libcurl4 libcurl4-openssl-dev pkgconf pkgconf-bin libpkgconf3
+PKGS=(libcjson1 libcjson-dev liburing2 liburing-dev libxxhash0 libxxhash-dev libmicrohttpd12 libmicrohttpd-dev libcurl4-openssl-dev pkgconf pkgconf-bin libpkgconf3
       libucx0 libucx-dev libnuma1 libibverbs1 librdmacm1 ibverbs-providers libnl-3-200 libnl-route-3-200)
 mkdir -p .deps
 cd .deps

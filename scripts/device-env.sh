@@ -2,6 +2,13 @@
 # packages under /tmp/sys and points pkg-config, the compiler and the loader at them.
 #   source scripts/device-env.sh
 for f in .deps/*.deb; do dpkg -x "$f" /tmp/sys; done
+# libcurl (the router): only its -dev package travels; it links against the
+# machine's own libcurl.so.4 (a carried runtime would need the matching libssh2,
+# nghttp2, ... of Debian).
+rm -f /tmp/sys/usr/lib/x86_64-linux-gnu/libcurl.so.4*
+for d in /usr/lib/x86_64-linux-gnu /lib/x86_64-linux-gnu; do
+  if [ -e $d/libcurl.so.4 ]; then ln -sf $d/libcurl.so.4 /tmp/sys/usr/lib/x86_64-linux-gnu/libcurl.so; break; fi
+done
 export PKG_CONFIG_PATH=/tmp/sys/usr/lib/x86_64-linux-gnu/pkgconfig:/tmp/sys/usr/share/pkgconfig
 export PKG_CONFIG_SYSROOT_DIR=/tmp/sys
 export LD_LIBRARY_PATH=/tmp/sys/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
