@@ -146,6 +146,8 @@ struct pd_xfer {
     bool stopping;     /* destroy began: no new command */
     pd_ticket *tickets;
     pd_xfer_stats stats;
+    int64_t sends_open;         /* sends queued and not yet reported (mu) */
+    double busy_t0;             /* when sends_open last became 1 (mu) */
 
     /* transport thread only */
     bool closing;      /* shutdown: callbacks report nothing more to the user */
@@ -496,6 +498,7 @@ static void send_report(pd_xfer *x, pd_send *s, strata_status st) {
     if (s->reported) return;
     s->reported = true;
     pthread_mutex_lock(&x->mu);
+    if (--x->sends_open == 0) x->stats.send_busy_seconds += st_time_now() - x->busy_t0;
     if (st == STRATA_OK) {
         const double secs = st_time_now() - s->t0;
         x->stats.messages_sent++;
@@ -1055,7 +1058,13 @@ static strata_status send_common(pd_xfer *x, pd_peer *peer, const pd_msg *hdr, c
     s->t0 = st_time_now();
     c->type = CMD_SEND;
     c->send = s;
+    pthread_mutex_lock(&x->mu);
+    if (x->sends_open++ == 0) x->busy_t0 = s->t0; /* the sender's busy time: the union of messages in flight */
+    pthread_mutex_unlock(&x->mu);
     if (!enqueue(x, c)) {
+        pthread_mutex_lock(&x->mu);
+        if (--x->sends_open == 0) x->stats.send_busy_seconds += st_time_now() - x->busy_t0;
+        pthread_mutex_unlock(&x->mu);
         st_free(s);
         st_free(c);
         return st_err(STRATA_ERR_IO, "%s: the transport is shutting down", fn);

@@ -77,7 +77,10 @@ typedef struct {
     /* per message: seconds from pd_xfer_send to its completion (sender) /
      * from the AM's arrival to its data landing (receiver) */
     double send_seconds, recv_seconds;
-    int64_t send_hist[12], recv_hist[12];  /* counts of message times <= PD_XFER_HIST_BOUNDS[i]; last: above */
+    int64_t send_hist[12], recv_hist[12];
+    /* sender: seconds with at least one message in flight (bytes_sent / this: the rate the
+     * transfer ran at while it ran) */
+    double send_busy_seconds;  /* counts of message times <= PD_XFER_HIST_BOUNDS[i]; last: above */
     int64_t messages_eager, messages_rndv; /* receiver: messages_received by UCX's protocol (data copied
                                               from UCX's buffer / received straight into the blocks) */
 } pd_xfer_stats;

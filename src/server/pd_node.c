@@ -482,11 +482,15 @@ bool pd_node_metrics(pd_node *n, st_strbuf *b) {
         "strata_pd_prefills_total{result=\"ok\"} %lld\nstrata_pd_prefills_total{result=\"failed\"} %lld\n"
         "# HELP strata_pd_queued_prompt_tokens prefill node: prompt tokens of the prefills in flight\n"
         "# TYPE strata_pd_queued_prompt_tokens gauge\nstrata_pd_queued_prompt_tokens %lld\n"
+        "# HELP strata_pd_send_busy_seconds_total prefill node: seconds with a KV message in flight (bytes sent / "
+        "this: the transfer's rate while it ran)\n# TYPE strata_pd_send_busy_seconds_total counter\n"
+        "strata_pd_send_busy_seconds_total %.6f\n"
         "# HELP strata_pd_layer_seconds time of one layer's KV message (sent: queued to completed; "
         "received: arrival to landed)\n# TYPE strata_pd_layer_seconds histogram\n",
         (unsigned long long)xs.bytes_sent, (unsigned long long)xs.bytes_received, (long long)xs.blocks_sent,
         (long long)xs.blocks_received, (long long)xs.messages_rejected, (long long)adopted, (long long)cancelled,
-        (long long)expired, (long long)broken, (long long)pok, (long long)pfail, (long long)queued);
+        (long long)expired, (long long)broken, (long long)pok, (long long)pfail, (long long)queued,
+        xs.send_busy_seconds);
     return ok && hist(b, "strata_pd_layer_seconds", "sent", xs.send_hist, xs.send_seconds) &&
            hist(b, "strata_pd_layer_seconds", "received", xs.recv_hist, xs.recv_seconds);
 }
