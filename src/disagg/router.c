@@ -31,6 +31,7 @@
 #define BETWEEN_BYTES_S 300.0   /* then between bytes */
 #define DEF_MAX_BODY ((size_t)1 << 20)
 #define MAX_NODES 64
+#define DISCARD_FACTOR 16 /* a body over the limit is read and dropped up to this many times the limit */
 
 /* ---- routes and metrics ------------------------------------------------------------------------*/
 typedef enum { R_CHAT, R_COMPLETIONS, R_MODELS, R_HEALTH, R_METRICS, R_OTHER, R_COUNT_ } route;
@@ -143,7 +144,8 @@ struct st_router {
     pthread_t health;
     bool health_started;
     atomic_bool stopping;
-    int64_t jobs; /* prefill threads running (under mu) */
+    int64_t jobs;   /* prefill threads running (under mu) */
+    int64_t active; /* generation requests being handled or streamed (under mu) */
     /* metrics (under mu) */
     int64_t requests[R_COUNT_][600];
     int64_t retries[STAGE_COUNT_];
@@ -379,11 +381,11 @@ static void poll_all(st_router *r) {
     curl_multi_cleanup(m);
 }
 
+/* Polls every health_interval seconds (the first poll was st_router_start's). */
 static void *health_main(void *arg) {
     st_router *r = arg;
+    double t0 = now_s();
     while (!atomic_load(&r->stopping)) {
-        const double t0 = now_s();
-        poll_all(r);
         double wait = r->p.health_interval - (now_s() - t0);
         if (wait < 0.05) wait = 0.05;
         struct timespec ts;
@@ -394,6 +396,9 @@ static void *health_main(void *arg) {
         pthread_mutex_lock(&r->mu);
         if (!atomic_load(&r->stopping)) pthread_cond_timedwait(&r->cv, &r->mu, &ts);
         pthread_mutex_unlock(&r->mu);
+        if (atomic_load(&r->stopping)) break;
+        t0 = now_s();
+        poll_all(r);
     }
     return NULL;
 }
@@ -520,6 +525,8 @@ static void *pjob_main(void *arg) {
         r->nodes[p].inflight_tokens -= j->n_tokens;
         pthread_mutex_unlock(&r->mu);
         if (res == CURLE_OK && rb.status == 200) {
+            st_log(STRATA_LOG_INFO, "router: ticket %s: prefill done on %s (%.3f s)", j->ticket, r->nodes[p].url,
+                   now_s() - t0);
             done = true;
         } else if (res == CURLE_ABORTED_BY_CALLBACK) {
             why = NULL;
@@ -563,6 +570,7 @@ typedef struct {
     route rt;
     st_strbuf body;
     bool too_large;
+    size_t discarded; /* body bytes dropped past the limit */
 } req;
 
 static void count(st_router *r, route rt, int status) {
@@ -693,9 +701,14 @@ static void gen_release(gen *g, bool cancel) {
 }
 
 static void gen_free(gen *g) {
+    st_router *r = g->r;
     gen_release(g, !g->xfer_done || g->res != CURLE_OK);
     st_strbuf_free(&g->rb.body);
     st_free(g);
+    pthread_mutex_lock(&r->mu);
+    r->active--;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
 }
 
 static bool gen_start_transfer(gen *g) {
@@ -840,6 +853,9 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *q) {
     g->r = r;
     g->q = q;
     g->c = c;
+    pthread_mutex_lock(&r->mu);
+    r->active++;
+    pthread_mutex_unlock(&r->mu);
     conn_timeout(c, 0);
     const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
     g->client_fd = ci ? ci->connect_fd : -1;
@@ -1268,9 +1284,16 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *c, const char
             char *end = NULL;
             errno = 0;
             const unsigned long long v = strtoull(cl, &end, 10);
-            if (!errno && end != cl && v > r->p.max_body)
-                return error_reply(c, q, 413, "invalid_request_error", "request_too_large", NULL,
-                                   "the request body has %llu bytes; the limit is %zu", v, r->p.max_body);
+            if (!errno && end != cl && v > r->p.max_body) {
+                /* as the server: a client waiting for "100 Continue", or one with a huge body, gets
+                 * the answer now; otherwise the body is read and dropped first, so that a client
+                 * still sending does not see a reset before it reads the answer */
+                if (MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_EXPECT) ||
+                    v > (unsigned long long)DISCARD_FACTOR * r->p.max_body)
+                    return error_reply(c, q, 413, "invalid_request_error", "request_too_large", NULL,
+                                       "the request body has %llu bytes; the limit is %zu", v, r->p.max_body);
+                q->too_large = true;
+            }
         }
         return MHD_YES;
     }
@@ -1281,7 +1304,10 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *c, const char
             q->too_large = true;
             st_strbuf_free(&q->body);
         }
-        if (q->too_large) return MHD_YES;
+        if (q->too_large) {
+            q->discarded += n;
+            return q->discarded > DISCARD_FACTOR * r->p.max_body ? MHD_NO : MHD_YES;
+        }
         return st_strbuf_add(&q->body, upload, n) ? MHD_YES : MHD_NO;
     }
     if (q->too_large)
@@ -1417,7 +1443,15 @@ void st_router_stop(st_router *r) {
     pthread_mutex_lock(&r->mu);
     pthread_cond_broadcast(&r->cv);
     pthread_mutex_unlock(&r->mu);
-    /* requests see `stopping` within 100 ms: streams end with an error event, waits end */
+    /* requests see `stopping` within 100 ms: streams end with an error event, waits with a
+     * 503; they get 2 s to be written before the connections are closed */
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += 2;
+    pthread_mutex_lock(&r->mu);
+    while (r->active > 0)
+        if (pthread_cond_timedwait(&r->cv, &r->mu, &ts) != 0) break;
+    pthread_mutex_unlock(&r->mu);
     MHD_stop_daemon(r->d);
     if (r->health_started) pthread_join(r->health, NULL);
     pthread_mutex_lock(&r->mu);
