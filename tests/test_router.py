@@ -27,6 +27,7 @@ Checks:
     chunks so far, an error event and [DONE]; a D that never answers -> an
     error within --pd-timeout + 30 s;
   - /health, /metrics, /v1/models through, 401 without the key, 405 / 404 / 415;
+  - a client leaving mid-stream closes the decode node's request and cancels its ticket;
   - SIGTERM with a stream in flight: the stream ends with an error event and
     [DONE], exit 0, promptly.
 About 35 s (the hanging node's bound runs beside the rest).
@@ -216,6 +217,8 @@ class FakeNode:
                     h.wfile.write(b"%x\r\n%s\r\n" % (len(c), c))
                     h.wfile.flush()
                 except OSError:
+                    with self.lock:
+                        self.records.append(("!aborted", {}, body))
                     return
                 if self.stop.wait(delay):
                     return
@@ -520,6 +523,22 @@ def test_main(P1, P2, D1, D2):
               m.get('strata_router_node_inflight{role="decode",node="%s"}' % D1.url) == 0 and
               m.get('strata_router_node_up{role="prefill",node="%s"}' % P1.url) == 1,
               "/metrics: kv_blocks_free, inflight, node_up")
+        # a client leaving mid-stream: the upstream request is closed, the ticket cancelled
+        D1.mode["delay"] = 0.3
+        D1.clear()
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        c.request("POST", "/v1/completions", body=json.dumps(dict(sbody, prompt="leave" * 8)).encode(),
+                  headers=dict(AUTH, **{"Content-Type": "application/json"}))
+        resp = c.getresponse()
+        first = resp.readline()
+        resp.close()
+        c.close()
+        check(first == CHUNKS[0].split(b"\n")[0] + b"\n", "a client that leaves got the first chunk")
+        check(D1.wait_for("!aborted", 1, 3), "the client left: the decode node's stream was closed")
+        check(D1.wait_for("/pd/cancel", 1, 3) and D1.recs("/pd/cancel")[0][2] == {"ticket": "%d%03d" % (D1.port, D1.tickets)},
+              "the client left: its ticket cancelled")
+        check(wait_until(lambda: metrics(port, AUTH).get('strata_router_node_inflight{role="decode",node="%s"}' %
+                                                         D1.url) == 0, 3), "the client left: nothing in flight")
         # SIGTERM with a stream in flight
         D1.mode["delay"] = 0.5
         res = {}

@@ -489,11 +489,14 @@ static void *pjob_main(void *arg) {
             why = NULL; /* the generation's side cancels */
             break;
         }
-        const double left = budget - (now_s() - t0);
+        double left = budget - (now_s() - t0);
         if (left <= 0) {
             why = "the prefill time budget (2 x --pd-timeout) is spent";
             break;
         }
+        /* one attempt may take pd_timeout (the decode node computes the prompt itself after
+         * that), all of them together 2 x pd_timeout */
+        if (left > r->p.pd_timeout) left = r->p.pd_timeout;
         int64_t aff = 0;
         const int p = pick_prefill(r, j->hashes, j->from_block + j->blocks, j->block_tokens, j->n_tokens, tried, &aff);
         if (p < 0) {

@@ -36,8 +36,9 @@
  * seconds (timeout 1 s, all nodes at once); a node that fails a poll or a
  * request (connection refused or reset, timeout) is down until a poll
  * succeeds.
- * Timeouts: connect 2 s; reserve 30 s; prefill: all attempts of a ticket
- * together 2 x pd_timeout; the generation: its first byte within pd_timeout
+ * Timeouts: connect 2 s; reserve 30 s; prefill: one attempt pd_timeout (the
+ * decode node's ticket expires then), all attempts of a ticket together 2 x
+ * pd_timeout; the generation: its first byte within pd_timeout
  * + 30 s, then at most 300 s between bytes. A client that goes away aborts
  * the upstream requests (and cancels the ticket).
  * Threads: libmicrohttpd, one thread per connection (a request blocks its own
