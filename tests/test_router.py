@@ -26,7 +26,11 @@ Checks:
     request served by D2 (retries{stage="decode"}); D dying mid-stream -> the
     chunks so far, an error event and [DONE]; a D that never answers -> an
     error within --pd-timeout + 30 s;
-  - /health, /metrics, /v1/models through, 401 without the key, 405 / 404 / 415;
+  - a 5xx from a prefill node: attempt 2 on the next, all failing: cancelled; a 4xx
+    (409): cancelled, not retried;
+  - /health, /metrics, /v1/models through, 401 without the key, 405 / 404 / 415 /
+    413 / malformed JSON answered as the server does; $STRATA_API_KEY and
+    --metrics-public;
   - a client leaving mid-stream closes the decode node's request and cancels its ticket;
   - SIGTERM with a stream in flight: the stream ends with an error event and
     [DONE], exit 0, promptly.
@@ -490,6 +494,33 @@ def test_main(P1, P2, D1, D2):
               "affinity: an unrelated prompt goes to the less loaded node")
         pa.health["queued_prompt_tokens"] = 0
 
+        # a 5xx from a prefill node: the next one with attempt 2; both failing: cancelled on D
+        P1.mode["prefill"] = P2.mode["prefill"] = "500"
+        P1.clear(), P2.clear(), D1.clear()
+        st, _, out = request(port, "POST", "/v1/completions", {"prompt": "e" * 40}, AUTH)
+        check(st == 200 and out == WHOLE, "prefill nodes answering 500: the answer arrives")
+        tk = "%d%03d" % (D1.port, D1.tickets)
+        check(D1.wait_for("/pd/cancel") and D1.recs("/pd/cancel")[0][2] == {"ticket": tk},
+              "both prefill nodes 500: the ticket cancelled on D")
+        check(sorted(x[2]["attempt"] for x in P1.recs("/pd/prefill") + P2.recs("/pd/prefill")) == [1, 2] and
+              len(P1.recs("/pd/prefill")) == 1, "500: attempt 1 on one prefill node, attempt 2 on the other")
+        # a 4xx (409 kv_layout_mismatch): not retried elsewhere, cancelled
+        P1.mode["prefill"] = P2.mode["prefill"] = "409"
+        P1.clear(), P2.clear(), D1.clear()
+        st, _, out = request(port, "POST", "/v1/completions", {"prompt": "o" * 40}, AUTH)
+        tk = "%d%03d" % (D1.port, D1.tickets)
+        check(st == 200 and D1.wait_for("/pd/cancel") and D1.recs("/pd/cancel")[0][2] == {"ticket": tk},
+              "409 from the prefill node: the ticket cancelled on D, the answer arrives")
+        time.sleep(0.2)
+        check(len(P1.recs("/pd/prefill") + P2.recs("/pd/prefill")) == 1, "409: not retried on another prefill node")
+        P1.mode.pop("prefill"), P2.mode.pop("prefill")
+        m = metrics(port, AUTH)
+        check(m.get('strata_router_retries_total{stage="prefill"}') == 1 and
+              m.get("strata_router_prefill_cancelled_total") == 2,
+              "retries{prefill} = 1, prefill_cancelled_total = 2 (%r, %r)" %
+              (m.get('strata_router_retries_total{stage="prefill"}'), m.get("strata_router_prefill_cancelled_total")))
+        wait_until(lambda: json.loads(request(port, "GET", "/health", headers=AUTH)[2]).get("prefill_up") == 2, 3)
+
         # D1 dies before its answer -> cancel there, served by D2
         D1.mode["gen"] = "reset"
         D1.clear(), D2.clear()
@@ -648,13 +679,18 @@ def start_hang():
     D = FakeNode("decode", "Dh")
     D.mode["gen"] = "hang"
     P = FakeNode("prefill", "Ph")
-    r = Router([P.url], [D.url], "--pd-timeout", "1", tag="hang")
+    os.environ["STRATA_API_KEY"] = KEY  # the key from the environment, probes open
+    try:
+        r = Router([P.url], [D.url], "--pd-timeout", "1", "--metrics-public", tag="hang")
+    finally:
+        del os.environ["STRATA_API_KEY"]
     res = {}
 
     def go():
         t0 = time.time()
         try:
-            res["r"] = request(r.port, "POST", "/v1/completions", {"prompt": "w" * 40, "stream": True}, timeout=60)
+            res["r"] = request(r.port, "POST", "/v1/completions", {"prompt": "w" * 40, "stream": True}, AUTH,
+                               timeout=60)
         except Exception as e:  # noqa: BLE001
             res["r"] = (0, {}, repr(e).encode())
         res["t"] = time.time() - t0
@@ -664,6 +700,14 @@ def start_hang():
 
 
 def finish_hang(D, P, r, t, res):
+    st, _, out = request(r.port, "GET", "/health")
+    check(st == 200, "--metrics-public: /health without the key")
+    st, _, out = request(r.port, "GET", "/metrics")
+    check(st == 200 and b"strata_router_node_up" in out, "--metrics-public: /metrics without the key")
+    st, _, out = request(r.port, "GET", "/v1/models")
+    check(st == 401 and error_shape(out), "$STRATA_API_KEY: /v1/models needs the key")
+    check(D.recs("/pd/reserve") and D.recs("/pd/reserve")[0][1].get("Authorization") == "Bearer " + KEY,
+          "$STRATA_API_KEY forwarded to the nodes")
     t.join(45)
     st, _, out = res.get("r", (0, {}, b""))
     check(st == 503 and error_shape(out) and res.get("t", 99) < 36,

@@ -504,6 +504,11 @@ static void *pjob_main(void *arg) {
             break;
         }
         tried[p] = true;
+        if (attempt > 1) { /* a retry: counted once it has a node */
+            pthread_mutex_lock(&r->mu);
+            r->retries[STAGE_PREFILL]++;
+            pthread_mutex_unlock(&r->mu);
+        }
         cJSON *b = cJSON_CreateObject();
         cJSON_AddStringToObject(b, "ticket", j->ticket);
         cJSON_AddNumberToObject(b, "attempt", attempt);
@@ -545,9 +550,6 @@ static void *pjob_main(void *arg) {
             if (res != CURLE_OK) node_down(r, p, curl_easy_strerror(res));
             st_log(STRATA_LOG_WARN, "router: ticket %s: prefill on %s failed (%s): trying another prefill node",
                    j->ticket, r->nodes[p].url, res != CURLE_OK ? curl_easy_strerror(res) : "a 5xx answer");
-            pthread_mutex_lock(&r->mu);
-            r->retries[STAGE_PREFILL]++;
-            pthread_mutex_unlock(&r->mu);
         }
         st_strbuf_free(&rb.body);
     }
@@ -870,6 +872,7 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *q) {
 
     bool tried[2 * MAX_NODES] = {false};
     char last_err[512] = "no decode node is up";
+    int retry_stage = -1; /* the stage whose failure the next attempt retries */
     enum MHD_Result ret = MHD_NO;
     hop_guard guard = {.r = r, .cancel = NULL, .client_fd = g->client_fd};
     for (;;) {
@@ -881,6 +884,12 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *q) {
         const int d = pick_decode(r, tried);
         if (d < 0) break;
         tried[d] = true;
+        if (retry_stage >= 0) { /* a retry: counted once it has a node */
+            pthread_mutex_lock(&r->mu);
+            r->retries[retry_stage]++;
+            pthread_mutex_unlock(&r->mu);
+            retry_stage = -1;
+        }
         g->d = d;
         pthread_mutex_lock(&r->mu);
         r->nodes[d].inflight++;
@@ -942,9 +951,7 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *q) {
             cJSON_Delete(rj);
             st_strbuf_free(&rv.body);
             gen_release(g, false);
-            pthread_mutex_lock(&r->mu);
-            r->retries[STAGE_RESERVE]++;
-            pthread_mutex_unlock(&r->mu);
+            retry_stage = STAGE_RESERVE;
             continue;
         }
         snprintf(g->ticket, sizeof g->ticket, "%s", ticket);
@@ -1055,9 +1062,7 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *q) {
         node_down(r, d, g->timed_out ? "no answer in time" : curl_easy_strerror(g->res));
         gen_release(g, true);
         st_strbuf_free(&g->rb.body);
-        pthread_mutex_lock(&r->mu);
-        r->retries[STAGE_DECODE]++;
-        pthread_mutex_unlock(&r->mu);
+        retry_stage = STAGE_DECODE;
     }
     ret = error_reply(c, q, 503, "server_error", "no_decode_node", NULL, "no decode node could take the request (%s)",
                       last_err);
