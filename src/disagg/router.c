@@ -31,6 +31,8 @@
 #define BETWEEN_BYTES_S 300.0   /* then between bytes */
 #define DEF_MAX_BODY ((size_t)1 << 20)
 #define MAX_NODES 64
+#define MAX_BLOCK_TOKENS 65536        /* bounds of a /pd/reserve answer's counts */
+#define MAX_PROMPT_BLOCKS ((int64_t)1 << 24)
 #define DISCARD_FACTOR 16 /* a body over the limit is read and dropped up to this many times the limit */
 
 /* ---- routes and metrics ------------------------------------------------------------------------*/
@@ -908,6 +910,7 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *q) {
             goto out;
         }
         cJSON *rj = NULL;
+        st_clear_error();
         if (res == CURLE_OK && rv.body.len) st_json_parse(rv.body.p, rv.body.len, "/pd/reserve answer", &rj);
         if (res != CURLE_OK) {
             snprintf(last_err, sizeof last_err, "%s: /pd/reserve: %s", r->nodes[d].url, curl_easy_strerror(res));
@@ -936,7 +939,9 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *q) {
                  st_json_get_int64(&w, rj, "block_tokens", &block_tokens) == STRATA_OK &&
                  st_json_get_int64(&w, rj, "cached_blocks", &cached) == STRATA_OK &&
                  st_json_get_int64(&w, rj, "blocks", &blocks) == STRATA_OK && strlen(ticket) < sizeof g->ticket &&
-                 block_tokens > 0 && cached >= 0 && blocks >= 0;
+                 block_tokens > 0 && block_tokens <= MAX_BLOCK_TOKENS && cached >= 0 && blocks >= 0 &&
+                 cached + blocks <= MAX_PROMPT_BLOCKS;
+            if (!ok && !st_last_error()[0]) st_err(STRATA_ERR_FORMAT, "a count out of range, or a ticket too long");
             if (ok && blocks > 0)
                 ok = st_json_get_string(&w, rj, "identity", &identity) == STRATA_OK &&
                      st_json_get_string(&w, rj, "address", &address) == STRATA_OK && cJSON_IsArray(tokens) &&
@@ -977,7 +982,7 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *q) {
                 jok = jok && ids;
                 const cJSON *t = tokens->child;
                 for (int64_t i = 0; jok && i < nt; i++, t = t->next) {
-                    jok = cJSON_IsNumber(t);
+                    jok = cJSON_IsNumber(t) && t->valuedouble >= 0 && t->valuedouble <= INT32_MAX;
                     if (!jok) break;
                     ids[i] = (int32_t)t->valuedouble;
                     cJSON *num = cJSON_CreateNumber(t->valuedouble);

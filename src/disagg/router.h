@@ -29,7 +29,7 @@
  *     the prompt tokens the router has sent there and not yet seen answered,
  *     and affinity_blocks = how many leading blocks of this prompt the router
  *     sent there before (chained XXH3 hashes of each block's token ids, block
- *     i seeded with block i-1's hash, as the nodes' block managers name them;
+ *     i seeded with block i-1's hash, block 0 with 0: the block managers' scheme;
  *     an LRU of ST_ROUTER_AFFINITY_HASHES per node); ties: fewest prefill
  *     requests in flight, then the order given.
  * Health: a thread polls every node's GET /health every health_interval
