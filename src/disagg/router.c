@@ -31,6 +31,9 @@
 #define BETWEEN_BYTES_S 300.0   /* then between bytes */
 #define DEF_MAX_BODY ((size_t)1 << 20)
 #define MAX_NODES 64
+#define MAX_BLOCK_TOKENS 65536        /* bounds of a /pd/reserve answer's counts */
+#define MAX_PROMPT_BLOCKS ((int64_t)1 << 24)
+#define DISCARD_FACTOR 16 /* a body over the limit is read and dropped up to this many times the limit */
 
 /* ---- routes and metrics ------------------------------------------------------------------------*/
 typedef enum { R_CHAT, R_COMPLETIONS, R_MODELS, R_HEALTH, R_METRICS, R_OTHER, R_COUNT_ } route;
@@ -143,7 +146,8 @@ struct st_router {
     pthread_t health;
     bool health_started;
     atomic_bool stopping;
-    int64_t jobs; /* prefill threads running (under mu) */
+    int64_t jobs;   /* prefill threads running (under mu) */
+    int64_t active; /* generation requests being handled or streamed (under mu) */
     /* metrics (under mu) */
     int64_t requests[R_COUNT_][600];
     int64_t retries[STAGE_COUNT_];
@@ -379,11 +383,11 @@ static void poll_all(st_router *r) {
     curl_multi_cleanup(m);
 }
 
+/* Polls every health_interval seconds (the first poll was st_router_start's). */
 static void *health_main(void *arg) {
     st_router *r = arg;
+    double t0 = now_s();
     while (!atomic_load(&r->stopping)) {
-        const double t0 = now_s();
-        poll_all(r);
         double wait = r->p.health_interval - (now_s() - t0);
         if (wait < 0.05) wait = 0.05;
         struct timespec ts;
@@ -394,6 +398,9 @@ static void *health_main(void *arg) {
         pthread_mutex_lock(&r->mu);
         if (!atomic_load(&r->stopping)) pthread_cond_timedwait(&r->cv, &r->mu, &ts);
         pthread_mutex_unlock(&r->mu);
+        if (atomic_load(&r->stopping)) break;
+        t0 = now_s();
+        poll_all(r);
     }
     return NULL;
 }
@@ -484,11 +491,14 @@ static void *pjob_main(void *arg) {
             why = NULL; /* the generation's side cancels */
             break;
         }
-        const double left = budget - (now_s() - t0);
+        double left = budget - (now_s() - t0);
         if (left <= 0) {
             why = "the prefill time budget (2 x --pd-timeout) is spent";
             break;
         }
+        /* one attempt may take pd_timeout (the decode node computes the prompt itself after
+         * that), all of them together 2 x pd_timeout */
+        if (left > r->p.pd_timeout) left = r->p.pd_timeout;
         int64_t aff = 0;
         const int p = pick_prefill(r, j->hashes, j->from_block + j->blocks, j->block_tokens, j->n_tokens, tried, &aff);
         if (p < 0) {
@@ -496,6 +506,11 @@ static void *pjob_main(void *arg) {
             break;
         }
         tried[p] = true;
+        if (attempt > 1) { /* a retry: counted once it has a node */
+            pthread_mutex_lock(&r->mu);
+            r->retries[STAGE_PREFILL]++;
+            pthread_mutex_unlock(&r->mu);
+        }
         cJSON *b = cJSON_CreateObject();
         cJSON_AddStringToObject(b, "ticket", j->ticket);
         cJSON_AddNumberToObject(b, "attempt", attempt);
@@ -520,6 +535,8 @@ static void *pjob_main(void *arg) {
         r->nodes[p].inflight_tokens -= j->n_tokens;
         pthread_mutex_unlock(&r->mu);
         if (res == CURLE_OK && rb.status == 200) {
+            st_log(STRATA_LOG_INFO, "router: ticket %s: prefill done on %s (%.3f s)", j->ticket, r->nodes[p].url,
+                   now_s() - t0);
             done = true;
         } else if (res == CURLE_ABORTED_BY_CALLBACK) {
             why = NULL;
@@ -535,9 +552,6 @@ static void *pjob_main(void *arg) {
             if (res != CURLE_OK) node_down(r, p, curl_easy_strerror(res));
             st_log(STRATA_LOG_WARN, "router: ticket %s: prefill on %s failed (%s): trying another prefill node",
                    j->ticket, r->nodes[p].url, res != CURLE_OK ? curl_easy_strerror(res) : "a 5xx answer");
-            pthread_mutex_lock(&r->mu);
-            r->retries[STAGE_PREFILL]++;
-            pthread_mutex_unlock(&r->mu);
         }
         st_strbuf_free(&rb.body);
     }
@@ -563,6 +577,7 @@ typedef struct {
     route rt;
     st_strbuf body;
     bool too_large;
+    size_t discarded; /* body bytes dropped past the limit */
 } req;
 
 static void count(st_router *r, route rt, int status) {
@@ -693,9 +708,14 @@ static void gen_release(gen *g, bool cancel) {
 }
 
 static void gen_free(gen *g) {
+    st_router *r = g->r;
     gen_release(g, !g->xfer_done || g->res != CURLE_OK);
     st_strbuf_free(&g->rb.body);
     st_free(g);
+    pthread_mutex_lock(&r->mu);
+    r->active--;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
 }
 
 static bool gen_start_transfer(gen *g) {
@@ -840,6 +860,9 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *q) {
     g->r = r;
     g->q = q;
     g->c = c;
+    pthread_mutex_lock(&r->mu);
+    r->active++;
+    pthread_mutex_unlock(&r->mu);
     conn_timeout(c, 0);
     const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
     g->client_fd = ci ? ci->connect_fd : -1;
@@ -851,6 +874,7 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *q) {
 
     bool tried[2 * MAX_NODES] = {false};
     char last_err[512] = "no decode node is up";
+    int retry_stage = -1; /* the stage whose failure the next attempt retries */
     enum MHD_Result ret = MHD_NO;
     hop_guard guard = {.r = r, .cancel = NULL, .client_fd = g->client_fd};
     for (;;) {
@@ -862,6 +886,12 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *q) {
         const int d = pick_decode(r, tried);
         if (d < 0) break;
         tried[d] = true;
+        if (retry_stage >= 0) { /* a retry: counted once it has a node */
+            pthread_mutex_lock(&r->mu);
+            r->retries[retry_stage]++;
+            pthread_mutex_unlock(&r->mu);
+            retry_stage = -1;
+        }
         g->d = d;
         pthread_mutex_lock(&r->mu);
         r->nodes[d].inflight++;
@@ -880,6 +910,7 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *q) {
             goto out;
         }
         cJSON *rj = NULL;
+        st_clear_error();
         if (res == CURLE_OK && rv.body.len) st_json_parse(rv.body.p, rv.body.len, "/pd/reserve answer", &rj);
         if (res != CURLE_OK) {
             snprintf(last_err, sizeof last_err, "%s: /pd/reserve: %s", r->nodes[d].url, curl_easy_strerror(res));
@@ -908,7 +939,9 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *q) {
                  st_json_get_int64(&w, rj, "block_tokens", &block_tokens) == STRATA_OK &&
                  st_json_get_int64(&w, rj, "cached_blocks", &cached) == STRATA_OK &&
                  st_json_get_int64(&w, rj, "blocks", &blocks) == STRATA_OK && strlen(ticket) < sizeof g->ticket &&
-                 block_tokens > 0 && cached >= 0 && blocks >= 0;
+                 block_tokens > 0 && block_tokens <= MAX_BLOCK_TOKENS && cached >= 0 && blocks >= 0 &&
+                 cached + blocks <= MAX_PROMPT_BLOCKS;
+            if (!ok && !st_last_error()[0]) st_err(STRATA_ERR_FORMAT, "a count out of range, or a ticket too long");
             if (ok && blocks > 0)
                 ok = st_json_get_string(&w, rj, "identity", &identity) == STRATA_OK &&
                      st_json_get_string(&w, rj, "address", &address) == STRATA_OK && cJSON_IsArray(tokens) &&
@@ -923,9 +956,7 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *q) {
             cJSON_Delete(rj);
             st_strbuf_free(&rv.body);
             gen_release(g, false);
-            pthread_mutex_lock(&r->mu);
-            r->retries[STAGE_RESERVE]++;
-            pthread_mutex_unlock(&r->mu);
+            retry_stage = STAGE_RESERVE;
             continue;
         }
         snprintf(g->ticket, sizeof g->ticket, "%s", ticket);
@@ -951,7 +982,7 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *q) {
                 jok = jok && ids;
                 const cJSON *t = tokens->child;
                 for (int64_t i = 0; jok && i < nt; i++, t = t->next) {
-                    jok = cJSON_IsNumber(t);
+                    jok = cJSON_IsNumber(t) && t->valuedouble >= 0 && t->valuedouble <= INT32_MAX;
                     if (!jok) break;
                     ids[i] = (int32_t)t->valuedouble;
                     cJSON *num = cJSON_CreateNumber(t->valuedouble);
@@ -1036,9 +1067,7 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *q) {
         node_down(r, d, g->timed_out ? "no answer in time" : curl_easy_strerror(g->res));
         gen_release(g, true);
         st_strbuf_free(&g->rb.body);
-        pthread_mutex_lock(&r->mu);
-        r->retries[STAGE_DECODE]++;
-        pthread_mutex_unlock(&r->mu);
+        retry_stage = STAGE_DECODE;
     }
     ret = error_reply(c, q, 503, "server_error", "no_decode_node", NULL, "no decode node could take the request (%s)",
                       last_err);
@@ -1268,9 +1297,16 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *c, const char
             char *end = NULL;
             errno = 0;
             const unsigned long long v = strtoull(cl, &end, 10);
-            if (!errno && end != cl && v > r->p.max_body)
-                return error_reply(c, q, 413, "invalid_request_error", "request_too_large", NULL,
-                                   "the request body has %llu bytes; the limit is %zu", v, r->p.max_body);
+            if (!errno && end != cl && v > r->p.max_body) {
+                /* as the server: a client waiting for "100 Continue", or one with a huge body, gets
+                 * the answer now; otherwise the body is read and dropped first, so that a client
+                 * still sending does not see a reset before it reads the answer */
+                if (MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_EXPECT) ||
+                    v > (unsigned long long)DISCARD_FACTOR * r->p.max_body)
+                    return error_reply(c, q, 413, "invalid_request_error", "request_too_large", NULL,
+                                       "the request body has %llu bytes; the limit is %zu", v, r->p.max_body);
+                q->too_large = true;
+            }
         }
         return MHD_YES;
     }
@@ -1281,7 +1317,10 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *c, const char
             q->too_large = true;
             st_strbuf_free(&q->body);
         }
-        if (q->too_large) return MHD_YES;
+        if (q->too_large) {
+            q->discarded += n;
+            return q->discarded > DISCARD_FACTOR * r->p.max_body ? MHD_NO : MHD_YES;
+        }
         return st_strbuf_add(&q->body, upload, n) ? MHD_YES : MHD_NO;
     }
     if (q->too_large)
@@ -1417,7 +1456,15 @@ void st_router_stop(st_router *r) {
     pthread_mutex_lock(&r->mu);
     pthread_cond_broadcast(&r->cv);
     pthread_mutex_unlock(&r->mu);
-    /* requests see `stopping` within 100 ms: streams end with an error event, waits end */
+    /* requests see `stopping` within 100 ms: streams end with an error event, waits with a
+     * 503; they get 2 s to be written before the connections are closed */
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += 2;
+    pthread_mutex_lock(&r->mu);
+    while (r->active > 0)
+        if (pthread_cond_timedwait(&r->cv, &r->mu, &ts) != 0) break;
+    pthread_mutex_unlock(&r->mu);
     MHD_stop_daemon(r->d);
     if (r->health_started) pthread_join(r->health, NULL);
     pthread_mutex_lock(&r->mu);

@@ -29,15 +29,16 @@
  *     the prompt tokens the router has sent there and not yet seen answered,
  *     and affinity_blocks = how many leading blocks of this prompt the router
  *     sent there before (chained XXH3 hashes of each block's token ids, block
- *     i seeded with block i-1's hash, as the nodes' block managers name them;
+ *     i seeded with block i-1's hash, block 0 with 0: the block managers' scheme;
  *     an LRU of ST_ROUTER_AFFINITY_HASHES per node); ties: fewest prefill
  *     requests in flight, then the order given.
  * Health: a thread polls every node's GET /health every health_interval
  * seconds (timeout 1 s, all nodes at once); a node that fails a poll or a
  * request (connection refused or reset, timeout) is down until a poll
  * succeeds.
- * Timeouts: connect 2 s; reserve 30 s; prefill: all attempts of a ticket
- * together 2 x pd_timeout; the generation: its first byte within pd_timeout
+ * Timeouts: connect 2 s; reserve 30 s; prefill: one attempt pd_timeout (the
+ * decode node's ticket expires then), all attempts of a ticket together 2 x
+ * pd_timeout; the generation: its first byte within pd_timeout
  * + 30 s, then at most 300 s between bytes. A client that goes away aborts
  * the upstream requests (and cancels the ticket).
  * Threads: libmicrohttpd, one thread per connection (a request blocks its own
