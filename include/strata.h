@@ -472,8 +472,11 @@ typedef struct {
     /* Exactly once per accepted request, last; after it `user` is never used again. May be NULL. */
     void (*on_finish)(void *user, const strata_finish *fin);
     void *user;
-    /* export_kv requests only: memory for one piece (NULL: the request ends with an error), and the
-       filled piece, which is the callee's from then on (free it when done with it) */
+    /* export_kv requests only: memory for one piece (NULL: the request ends with an error; called on
+       the stepping thread before a pass), and the filled piece, which is the callee's from then on.
+       on_kv runs on the engine's export thread while the pass still computes (layer l is handed over
+       once its copy completed, as the next layers run), every piece of a step before that step ends;
+       it must be quick and thread-safe. */
     void *(*kv_buffer)(void *user, size_t bytes);
     void (*on_kv)(void *user, const strata_kv_piece *piece);
 } strata_callbacks;
@@ -545,6 +548,12 @@ strata_status strata_kv_reserve(strata_model *m, const int32_t *ids, size_t n,
  * prompt). Requests waiting for the ticket go on at the next step. Unknown
  * tickets are ignored. Thread-safe. */
 strata_status strata_kv_resolve(strata_model *m, uint64_t ticket, bool adopt);
+
+/* Host memory that device copies reach fastest (pinned on CUDA; plain on the
+ * CPU backend), e.g. for the KV pieces of kv_buffer. NOMEM when it cannot be
+ * had. strata_host_free(NULL) is a no-op. Thread-safe. */
+strata_status strata_host_alloc(strata_model *m, size_t bytes, void **out);
+void strata_host_free(strata_model *m, void *p);
 
 /* ==== metrics ===================================================================== */
 

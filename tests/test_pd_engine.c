@@ -3,7 +3,8 @@
  * 64), blocks of 4 tokens, CPU backend:
  *  - a prefill-only request with export_kv hands every layer of its full
  *    prompt blocks to on_kv, block ranges in order per layer, as the chunks
- *    complete; it ends STOP with no completion token; a second one over the
+ *    complete, from the runner's export thread (layer by layer during the
+ *    pass); it ends STOP with no completion token; a second one over the
  *    same prompt (a prefix hit on that node) exports the same bytes;
  *  - a decode engine reserves host blocks for the prompt, the pieces are
  *    copied into them (what the UCX transfer does), the reservation is
@@ -17,6 +18,7 @@
  *    logits; reserved blocks go back (host_reserved 0);
  *  - a host tier too small: NOMEM naming --kv-host-mem; an aborted waiting
  *    request; export_kv without prefill_only refused. */
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -59,7 +61,10 @@ typedef struct {
     int64_t first_block;
     int pieces;
     bool order_ok;
+    bool on_stepping_thread; /* a piece came on the thread that steps (not the export thread) */
 } result;
+
+static pthread_t g_main;
 
 static void on_text(void *user, const char *t, size_t n) {
     result *r = user;
@@ -82,6 +87,7 @@ static void *kv_buffer(void *user, size_t bytes) {
 static void on_kv(void *user, const st_kv_piece *p) {
     result *r = user;
     r->pieces++;
+    if (pthread_equal(pthread_self(), g_main)) r->on_stepping_thread = true;
     if (p->layer < 0 || p->layer >= 8 || p->n_blocks <= 0 || p->bytes != (size_t)p->n_blocks * g_layer_bytes) {
         r->order_ok = false;
         free(p->data);
@@ -201,6 +207,7 @@ static bool logits_equal(const float *a, const float *b, int64_t from, int64_t t
 
 int main(void) {
     tiny t;
+    g_main = pthread_self();
     if (!tiny_open(&t)) return 1;
     int32_t prompt[MAXP];
     uint64_t rs = 0x1234567;
@@ -222,6 +229,7 @@ int main(void) {
     run_prefill(P, prompt, N, 0, &pr);
     for (int64_t l = 0; l < n_layers; l++) CHECK_MSG(pr.layer_blocks[l] == FULL, "layer %lld: %lld blocks", (long long)l, (long long)pr.layer_blocks[l]);
     CHECK_MSG(pr.pieces > n_layers, "%d pieces: the chunks' blocks went out as they completed", pr.pieces);
+    CHECK_MSG(!pr.on_stepping_thread, "each layer's piece is handed over by the export thread, during the pass");
     /* again: a prefix hit on P, the same bytes from block 3 on */
     result pr2 = {0};
     run_prefill(P, prompt, N, 3, &pr2);

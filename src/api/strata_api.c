@@ -381,6 +381,16 @@ strata_status strata_engine_info_get(const strata_model *m, strata_engine_info *
 }
 
 /* ---- prefill / decode disaggregation ------------------------------------------------------------*/
+strata_status strata_host_alloc(strata_model *m, size_t bytes, void **out) {
+    if (out) *out = NULL;
+    if (!m || !out || bytes == 0) return st_err(STRATA_ERR_INVALID_ARG, "strata_host_alloc: bad arguments");
+    return m->be->ops->host_alloc(m->be, bytes, out);
+}
+
+void strata_host_free(strata_model *m, void *p) {
+    if (m && p) m->be->ops->host_dealloc(m->be, p);
+}
+
 typedef struct {
     void (*fn)(void *user, strata_status st, const strata_kv_reservation *res);
     void *user;

@@ -7,6 +7,7 @@
  * blocks), so a step allocates nothing. */
 #include "engine/runner.h"
 
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -48,9 +49,34 @@ struct st_runner {
 
     st_runner_stats stats;
     uint64_t identity;       /* st_runner_model_identity of the files and the pool */
+    size_t x_layer_bytes;    /* one layer of one block */
+
+    /* P-D export (made at the first pass that exports): this pass's exports, a copy stream,
+     * per-layer events, and the export thread that hands each layer's pieces to on_kv once
+     * their copies completed, while the next layers compute */
+    struct xjob *xj;         /* [max_batch] */
+    int64_t n_xj;
+    st_stream *xs;
+    st_event **xev_c, **xev; /* [n_layers]: compute reached layer l / its copies are done */
+    pthread_t xthr;
+    bool xthr_on, xstop;
+    pthread_mutex_t xmu;
+    pthread_cond_t xcv;
+    int64_t xnext, xhanded;  /* layers queued / handed over this pass (xmu) */
+    strata_status xst;       /* the first copy failure of this pass (xmu) */
 };
 
+/* One sequence's export in a pass: layer l of prompt blocks [b0, b0 + nb) into bufs[l]. */
+typedef struct xjob {
+    st_seq *q;
+    int64_t b0, nb, full;
+    const int32_t *blocks;
+    void **bufs;             /* [n_layers] */
+} xjob;
+
 /* ---- init / free -------------------------------------------------------------------*/
+
+static void export_free(st_runner *r);
 
 static int64_t tiers_lookup(void *user, const int32_t *tokens, int64_t n_tokens, int64_t from_block) {
     return st_kv_tiers_lookup(user, tokens, n_tokens, from_block);
@@ -257,6 +283,7 @@ fail:;
 
 void st_runner_free(st_runner *r) {
     if (!r) return;
+    export_free(r);
     st_scheduler_free(r->sched);
     st_bm_free(r->bm);
     st_kv_tiers_free(r->tiers); /* writes what the SSD tier lacks, so a restart finds it */
@@ -345,48 +372,6 @@ static void fail_seq(st_runner *r, st_seq *q, st_runner_event *e, const char *wh
     e->finished = true;
 }
 
-/* P-D: blocks [exported, full) of item `it`'s sequence, full being the full
- * prompt blocks computed once this pass's tokens count, go to its on_kv, one
- * piece per layer (the pass has completed: its KV is in the pool). A failure
- * (no buffer, a copy error) ends that sequence with an error (its event in
- * *e, counted in *n_ev). */
-static void export_blocks(st_runner *r, const st_sched_item *it, st_runner_event *e, int64_t *n_ev) {
-    st_seq *q = it->seq;
-    const int64_t bs = r->p.kv_block_size, done = it->pos0 + it->n;
-    const int64_t full = (done < q->n_prompt ? done : q->n_prompt) / bs;
-    if (full <= q->exported) return;
-    const int64_t b0 = q->exported, nb = full - b0;
-    const st_kv_pool_params *kp = st_kv_pool_get_params(r->kv);
-    st_kv_block_layout lo;
-    st_kv_block_layout_get(kp, &lo);
-    const size_t bytes = (size_t)nb * lo.layer_bytes;
-    void **bufs = st_calloc((size_t)kp->n_layers, sizeof *bufs);
-    strata_status st = bufs ? STRATA_OK : st_err(STRATA_ERR_NOMEM, "KV export: out of memory");
-    st_stream *s = st_llama_stream(r->model);
-    for (int64_t l = 0; l < kp->n_layers && !st; l++) {
-        if (!(bufs[l] = q->cb.kv_buffer(q->cb.user, bytes)))
-            st = st_err(STRATA_ERR_NOMEM, "KV export: no buffer for %zu bytes", bytes);
-        else
-            st = st_kv_pool_export_layer(r->kv, s, l, it->block_table + b0, nb, bufs[l]);
-    }
-    if (!st) st = r->be->ops->stream_sync(r->be, s);
-    for (int64_t l = 0; l < kp->n_layers && bufs; l++) {
-        if (!bufs[l]) continue;
-        /* handed over even on failure: the callee owns (and frees) what kv_buffer gave */
-        const st_kv_piece pc = {.layer = l, .first_block = b0, .n_blocks = st ? 0 : nb, .data = bufs[l],
-                                .bytes = st ? 0 : bytes};
-        q->cb.on_kv(q->cb.user, &pc);
-    }
-    st_free(bufs);
-    if (st) {
-        *e = (st_runner_event){.seq = q, .token = -1};
-        (*n_ev)++;
-        fail_seq(r, q, e, "the KV export failed");
-        return;
-    }
-    q->exported = full;
-}
-
 /* The streamed sequence's pass of this step (d->stream): its tokens through
  * its host KV (st_llama_forward_stream; the stream is made at the first such
  * pass, reset when a new sequence starts), then its token sampled on the
@@ -432,6 +417,181 @@ static strata_status stream_pass(st_runner *r, const st_sched_decision *d, int64
     r->next[d->n_items] = t;
     e->token = t;
     return STRATA_OK;
+}
+
+/* ---- P-D: every layer of the prompt blocks a pass completes leaves as soon as that layer is
+ * stored (kv_pool's layer hook), copied on a stream of its own, handed to on_kv by the export
+ * thread once the copy completed: the transfer of layer l overlaps layers l+1.. */
+
+static void *export_main(void *arg) {
+    st_runner *r = arg;
+    const int64_t L = st_kv_pool_get_params(r->kv)->n_layers;
+    pthread_mutex_lock(&r->xmu);
+    for (;;) {
+        while (!r->xstop && r->xhanded >= r->xnext) pthread_cond_wait(&r->xcv, &r->xmu);
+        if (r->xstop) break;
+        const int64_t l = r->xhanded;
+        pthread_mutex_unlock(&r->xmu);
+        strata_status st = r->be->ops->event_sync(r->be, r->xev[l]);
+        for (int64_t j = 0; j < r->n_xj; j++) {
+            xjob *x = &r->xj[j];
+            const st_kv_piece pc = {.layer = l, .first_block = x->b0, .n_blocks = st ? 0 : x->nb,
+                                    .data = x->bufs[l], .bytes = st ? 0 : (size_t)x->nb * r->x_layer_bytes};
+            x->bufs[l] = NULL; /* the callee's now */
+            x->q->cb.on_kv(x->q->cb.user, &pc);
+        }
+        pthread_mutex_lock(&r->xmu);
+        if (st && !r->xst) r->xst = st;
+        r->xhanded = l + 1;
+        if (r->xhanded == L) pthread_cond_broadcast(&r->xcv);
+    }
+    pthread_mutex_unlock(&r->xmu);
+    return NULL;
+}
+
+static strata_status export_layer(void *user, int64_t l, st_stream *compute) {
+    st_runner *r = user;
+    const st_backend_ops *o = r->be->ops;
+    strata_status st = o->event_record(r->be, r->xev_c[l], compute);
+    if (!st) st = o->stream_wait_event(r->be, r->xs, r->xev_c[l]);
+    for (int64_t j = 0; j < r->n_xj && !st; j++)
+        st = st_kv_pool_export_layer(r->kv, r->xs, l, r->xj[j].blocks, r->xj[j].nb, r->xj[j].bufs[l]);
+    if (!st) st = o->event_record(r->be, r->xev[l], r->xs);
+    if (st) return st;
+    pthread_mutex_lock(&r->xmu);
+    r->xnext = l + 1;
+    pthread_cond_signal(&r->xcv);
+    pthread_mutex_unlock(&r->xmu);
+    return STRATA_OK;
+}
+
+/* The copy stream, the events and the thread, at the first export. */
+static strata_status export_init(st_runner *r) {
+    if (r->xthr_on) return STRATA_OK;
+    const st_backend_ops *o = r->be->ops;
+    const int64_t L = st_kv_pool_get_params(r->kv)->n_layers;
+    strata_status st = STRATA_OK;
+    if (!(r->xj = st_calloc((size_t)r->p.max_batch, sizeof *r->xj)) ||
+        !(r->xev_c = st_calloc((size_t)L, sizeof *r->xev_c)) || !(r->xev = st_calloc((size_t)L, sizeof *r->xev)))
+        return st_err(STRATA_ERR_NOMEM, "KV export: out of memory");
+    if ((st = o->stream_create(r->be, false, &r->xs))) return st;
+    for (int64_t l = 0; l < L && !st; l++)
+        if (!(st = o->event_create(r->be, &r->xev_c[l]))) st = o->event_create(r->be, &r->xev[l]);
+    if (st) return st;
+    st_kv_block_layout lo;
+    st_kv_block_layout_get(st_kv_pool_get_params(r->kv), &lo);
+    r->x_layer_bytes = lo.layer_bytes;
+    pthread_mutex_init(&r->xmu, NULL);
+    pthread_cond_init(&r->xcv, NULL);
+    if (pthread_create(&r->xthr, NULL, export_main, r) != 0) {
+        pthread_cond_destroy(&r->xcv);
+        pthread_mutex_destroy(&r->xmu);
+        return st_err(STRATA_ERR_INTERNAL, "KV export: cannot start its thread");
+    }
+    r->xthr_on = true;
+    return STRATA_OK;
+}
+
+static void export_free(st_runner *r) {
+    if (r->xthr_on) {
+        pthread_mutex_lock(&r->xmu);
+        r->xstop = true;
+        pthread_cond_broadcast(&r->xcv);
+        pthread_mutex_unlock(&r->xmu);
+        pthread_join(r->xthr, NULL);
+        pthread_cond_destroy(&r->xcv);
+        pthread_mutex_destroy(&r->xmu);
+    }
+    const int64_t L = r->kv ? st_kv_pool_get_params(r->kv)->n_layers : 0;
+    for (int64_t l = 0; l < L; l++) {
+        if (r->xev_c && r->xev_c[l]) r->be->ops->event_destroy(r->be, r->xev_c[l]);
+        if (r->xev && r->xev[l]) r->be->ops->event_destroy(r->be, r->xev[l]);
+    }
+    if (r->xs) r->be->ops->stream_destroy(r->be, r->xs);
+    st_free(r->xev_c);
+    st_free(r->xev);
+    st_free(r->xj);
+}
+
+/* Before the pass: the exports of its items (the full prompt blocks it completes that went
+ * nowhere yet), their buffers (kv_buffer), and the layer hook. A sequence whose buffers
+ * cannot be had ends with an error (its event in r->events, counted in *n_ev). */
+static strata_status export_begin(st_runner *r, const st_sched_decision *d, int64_t *n_ev) {
+    r->n_xj = 0;
+    const int64_t bs = r->p.kv_block_size;
+    for (int64_t i = 0; i < d->n_items; i++) {
+        const st_sched_item *it = &d->items[i];
+        st_seq *q = it->seq;
+        if (q->export_from < 0) continue;
+        const int64_t done = it->pos0 + it->n, full = (done < q->n_prompt ? done : q->n_prompt) / bs;
+        if (full <= q->exported) continue;
+        strata_status st = export_init(r);
+        if (st) return st;
+        const int64_t L = st_kv_pool_get_params(r->kv)->n_layers;
+        xjob *x = &r->xj[r->n_xj];
+        *x = (xjob){.q = q, .b0 = q->exported, .nb = full - q->exported, .full = full,
+                    .blocks = it->block_table + q->exported, .bufs = st_calloc((size_t)L, sizeof(void *))};
+        const size_t bytes = (size_t)x->nb * r->x_layer_bytes;
+        bool ok = x->bufs != NULL;
+        for (int64_t l = 0; l < L && ok; l++) ok = (x->bufs[l] = q->cb.kv_buffer(q->cb.user, bytes)) != NULL;
+        if (!ok) {
+            for (int64_t l = 0; l < L && x->bufs; l++) /* handed back, as failed pieces */
+                if (x->bufs[l]) {
+                    const st_kv_piece pc = {.layer = l, .first_block = x->b0, .data = x->bufs[l]};
+                    q->cb.on_kv(q->cb.user, &pc);
+                }
+            st_free(x->bufs);
+            st_err(STRATA_ERR_NOMEM, "no buffer for %zu bytes", bytes);
+            st_runner_event *e = &r->events[(*n_ev)++];
+            *e = (st_runner_event){.seq = q, .token = -1};
+            fail_seq(r, q, e, "the KV export failed");
+            continue;
+        }
+        r->n_xj++;
+    }
+    if (r->n_xj == 0) return STRATA_OK;
+    pthread_mutex_lock(&r->xmu);
+    r->xnext = r->xhanded = 0;
+    r->xst = STRATA_OK;
+    pthread_mutex_unlock(&r->xmu);
+    st_kv_pool_set_layer_hook(r->kv, export_layer, r);
+    return STRATA_OK;
+}
+
+/* After the pass (it ran: pass_st OK; or failed): waits until every layer enqueued was handed
+ * over, hands over (as failed) what was not, clears the hook; the sequences whose export
+ * failed end with an error; the others count their blocks as exported. */
+static void export_end(st_runner *r, strata_status pass_st, int64_t *n_ev) {
+    if (r->n_xj == 0) return;
+    st_kv_pool_set_layer_hook(r->kv, NULL, NULL);
+    const int64_t L = st_kv_pool_get_params(r->kv)->n_layers;
+    pthread_mutex_lock(&r->xmu);
+    while (r->xhanded < r->xnext) pthread_cond_wait(&r->xcv, &r->xmu);
+    strata_status st = r->xst ? r->xst : pass_st;
+    if (r->xnext < L && !st) st = st_err(STRATA_ERR_INTERNAL, "KV export: %lld of %lld layers", (long long)r->xnext,
+                                          (long long)L);
+    pthread_mutex_unlock(&r->xmu);
+    for (int64_t j = 0; j < r->n_xj; j++) {
+        xjob *x = &r->xj[j];
+        for (int64_t l = 0; l < L; l++) /* layers the pass never reached */
+            if (x->bufs[l]) {
+                const st_kv_piece pc = {.layer = l, .first_block = x->b0, .data = x->bufs[l]};
+                x->bufs[l] = NULL;
+                x->q->cb.on_kv(x->q->cb.user, &pc);
+            }
+        st_free(x->bufs);
+        x->bufs = NULL;
+        if (st) {
+            if (pass_st) continue; /* the step fails: every sequence ends with its error */
+            st_runner_event *e = &r->events[(*n_ev)++];
+            *e = (st_runner_event){.seq = x->q, .token = -1};
+            st_err(st, "a copy failed");
+            fail_seq(r, x->q, e, "the KV export failed");
+        } else {
+            x->q->exported = x->full;
+        }
+    }
+    r->n_xj = 0;
 }
 
 strata_status st_runner_step(st_runner *r, st_runner_step_info *out) {
@@ -483,8 +643,10 @@ strata_status st_runner_step(st_runner *r, st_runner_step_info *out) {
         }
     double t0 = st_time_now();
     if (r->tiers && (st = st_kv_tiers_before_forward(r->tiers, st_llama_stream(r->model)))) return st;
+    if ((st = export_begin(r, d, &n_ev))) return st;
     if (dev) st = st_llama_forward_sample(r->model, r->kv, &b, r->sargs, r->sids, need_logits ? r->logits : NULL);
     else st = st_llama_forward(r->model, r->kv, &b, r->logits);
+    export_end(r, st, &n_ev);
     if (st) return st;
     double t1 = st_time_now();
     r->stats.forward_s += t1 - t0;
@@ -521,10 +683,6 @@ strata_status st_runner_step(st_runner *r, st_runner_step_info *out) {
     r->stats.sample_s += st_time_now() - t1;
     /* the streamed sequence's pass, after the batch's (one at a time, beside it) */
     if (d->stream && (sst0 = stream_pass(r, d, &n_ev))) return sst0;
-
-    /* P-D: the full prompt blocks this pass completed go out, layer by layer */
-    for (int64_t i = 0; i < d->n_items; i++)
-        if (d->items[i].seq->export_from >= 0) export_blocks(r, &d->items[i], &r->events[n_ev], &n_ev);
 
 update:;
     /* 5: the scheduler appends, commits, finishes at max_tokens / max_model_len */

@@ -96,8 +96,10 @@ typedef struct {
     void (*on_finish)(void *user, const st_finish_info *fin);
     void *user;
     /* A request with export_kv: kv_buffer gives memory for one
-     * piece (NULL: the request ends with an error), on_kv hands the filled
-     * piece over (its data is the callee's from then on). */
+     * piece (NULL: the request ends with an error; the stepping thread, before
+     * a pass), on_kv hands the filled piece over (its data is the callee's
+     * from then on) on the runner's export thread, as soon as that layer's
+     * copy completed while the pass computes the next layers. */
     void *(*kv_buffer)(void *user, size_t bytes);
     void (*on_kv)(void *user, const st_kv_piece *piece);
 } st_seq_callbacks;

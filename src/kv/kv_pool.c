@@ -16,6 +16,8 @@ struct st_kv_pool {
     int64_t n_ready;        /* layers with a ready event */
     st_kv_pool_pass_fn pass_fn;
     void *pass_user;
+    st_kv_pool_layer_fn layer_fn;
+    void *layer_user;
 };
 
 static size_t r256(size_t x) { return (x + 255) / 256 * 256; }
@@ -157,7 +159,16 @@ void st_kv_pool_clear_ready(st_kv_pool *kv) {
     kv->n_ready = 0;
 }
 
-bool st_kv_pool_has_ready(const st_kv_pool *kv) { return kv->n_ready > 0; }
+bool st_kv_pool_has_ready(const st_kv_pool *kv) { return kv->n_ready > 0 || kv->layer_fn != NULL; }
+
+void st_kv_pool_set_layer_hook(st_kv_pool *kv, st_kv_pool_layer_fn fn, void *user) {
+    kv->layer_fn = fn;
+    kv->layer_user = user;
+}
+
+strata_status st_kv_pool_layer_done(st_kv_pool *kv, int64_t layer, st_stream *compute) {
+    return kv->layer_fn ? kv->layer_fn(kv->layer_user, layer, compute) : STRATA_OK;
+}
 
 void st_kv_pool_set_pass_hook(st_kv_pool *kv, st_kv_pool_pass_fn fn, void *user) {
     kv->pass_fn = fn;

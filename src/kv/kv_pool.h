@@ -92,6 +92,16 @@ strata_status st_kv_pool_acquire(st_kv_pool *kv, int64_t layer, st_kv_layer *out
  * on the compute stream after the layer's last op. */
 void st_kv_pool_release(st_kv_pool *kv, int64_t layer, st_event *done);
 
+/* A hook called by the model right after it enqueued layer `layer`'s
+ * attention ops (its new keys and values are stored once `compute` reaches
+ * that point), for every layer of the passes run while it is set (P-D: each
+ * layer's new blocks leave while the next layers compute). A pass with a
+ * layer hook is never recorded as a graph (st_kv_pool_has_ready). NULL fn:
+ * none. */
+typedef strata_status (*st_kv_pool_layer_fn)(void *user, int64_t layer, st_stream *compute);
+void st_kv_pool_set_layer_hook(st_kv_pool *kv, st_kv_pool_layer_fn fn, void *user);
+strata_status st_kv_pool_layer_done(st_kv_pool *kv, int64_t layer, st_stream *compute);
+
 /* Layer `layer`'s arrays (NULL when out of range), for the tiers' copies. */
 const st_kv_layer *st_kv_pool_layer(const st_kv_pool *kv, int64_t layer);
 /* The event acquire hands out for `layer` until st_kv_pool_clear_ready (NULL:

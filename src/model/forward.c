@@ -237,6 +237,7 @@ strata_status st_llama_batch_ops(st_llama *m, st_kv_pool *kv, batch_dev *d, cons
             st = group_release(m, &g, st_llama_attn_ops(m, g.w, &cache, d, n, l));
         if (kv) st_kv_pool_release(kv, l, NULL); /* the device tier moves nothing: no done event needed yet */
         TRY(st);
+        if (kv) TRY(st_kv_pool_layer_done(kv, l, m->stream));
         TRY(group_acquire(m, st_wg_ffn_id((int)l), &g));
         TRY(group_release(m, &g, st_llama_ffn_ops(m, g.w, n)));
     }

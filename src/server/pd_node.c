@@ -52,6 +52,8 @@ struct pd_node {
     int64_t adopted, cancelled, expired, broken; /* decode: tickets by outcome; broken: an attempt failed */
     int64_t prefills_ok, prefills_failed;
     struct job *jobs;             /* prefill: in flight (until done) */
+    struct pbuf *free_bufs;       /* prefill: pinned piece buffers to reuse */
+    size_t free_bytes;
     bool closing;                 /* destroy: no new prefill */
 };
 
@@ -173,6 +175,48 @@ strata_status pd_node_cancel(pd_node *n, uint64_t ticket) {
 
 /* ---- prefill ---------------------------------------------------------------------------------*/
 
+/* Piece buffers: pinned host memory (strata_host_alloc: the device copies each layer into it at
+ * full speed and the transport sends from it), kept for reuse up to BUF_KEEP bytes. A buffer is
+ * a header (its capacity) and the data after it. */
+#define BUF_HDR 64
+#define BUF_KEEP ((size_t)1 << 30)
+typedef struct pbuf {
+    size_t cap;
+    struct pbuf *next;
+} pbuf;
+
+static void *buf_get(pd_node *n, size_t bytes) {
+    pthread_mutex_lock(&n->mu);
+    for (pbuf **pp = &n->free_bufs; *pp; pp = &(*pp)->next)
+        if ((*pp)->cap >= bytes && (*pp)->cap / 4 <= bytes) {
+            pbuf *b = *pp;
+            *pp = b->next;
+            n->free_bytes -= b->cap;
+            pthread_mutex_unlock(&n->mu);
+            return (uint8_t *)b + BUF_HDR;
+        }
+    pthread_mutex_unlock(&n->mu);
+    const size_t cap = (bytes + ((size_t)1 << 20) - 1) >> 20 << 20; /* whole MiB: sizes repeat */
+    void *p = NULL;
+    if (strata_host_alloc(n->m, cap + BUF_HDR, &p) != STRATA_OK) return NULL;
+    ((pbuf *)p)->cap = cap;
+    return (uint8_t *)p + BUF_HDR;
+}
+
+static void buf_put(pd_node *n, void *data) {
+    if (!data) return;
+    pbuf *b = (pbuf *)((uint8_t *)data - BUF_HDR);
+    pthread_mutex_lock(&n->mu);
+    if (n->free_bytes + b->cap <= BUF_KEEP) {
+        b->next = n->free_bufs;
+        n->free_bufs = b;
+        n->free_bytes += b->cap;
+        b = NULL;
+    }
+    pthread_mutex_unlock(&n->mu);
+    if (b) strata_host_free(n->m, b);
+}
+
 typedef struct job {
     struct job *next;
     pd_node *n;
@@ -230,7 +274,7 @@ static void on_sent(void *user, strata_status st) {
     sendctx *sc = user;
     job *j = sc->j;
     pd_node *n = j->n;
-    st_free(sc->data);
+    buf_put(n, sc->data);
     pthread_mutex_lock(&n->mu);
     j->sends--;
     bool abort_it = false;
@@ -248,15 +292,15 @@ static void on_sent(void *user, strata_status st) {
 }
 
 static void *job_kv_buffer(void *user, size_t bytes) {
-    (void)user;
-    return st_malloc(bytes);
+    job *j = user;
+    return buf_get(j->n, bytes);
 }
 
 static void job_on_kv(void *user, const strata_kv_piece *p) {
     job *j = user;
     pd_node *n = j->n;
     if (p->n_blocks <= 0) { /* the export failed: the request ends with the error */
-        st_free(p->data);
+        buf_put(n, p->data);
         return;
     }
     sendctx *sc = st_malloc(sizeof *sc);
@@ -266,7 +310,7 @@ static void job_on_kv(void *user, const strata_kv_piece *p) {
     pthread_mutex_unlock(&n->mu);
     if (broken || !sc) {
         st_free(sc);
-        st_free(p->data);
+        buf_put(n, p->data);
         return;
     }
     *sc = (sendctx){.j = j, .data = p->data, .bytes = p->bytes};
@@ -429,6 +473,11 @@ void pd_node_destroy(pd_node *n) {
         st_free(t);
     }
     pd_xfer_destroy(n->x);
+    while (n->free_bufs) {
+        pbuf *b = n->free_bufs;
+        n->free_bufs = b->next;
+        strata_host_free(n->m, b);
+    }
     st_free(n->addr_hex);
     pthread_cond_destroy(&n->cv);
     pthread_mutex_destroy(&n->mu);
