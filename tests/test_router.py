@@ -480,6 +480,9 @@ def test_main(P1, P2, D1, D2):
         check(wait_until(lambda: metrics(port, AUTH).get(
             'strata_router_node_queued_prompt_tokens{node="%s"}' % pa.url) == 64, 3),
               "/metrics: the node's queued_prompt_tokens (64)")
+        check(wait_until(lambda: metrics(port, AUTH).get(
+            'strata_router_node_inflight{role="prefill",node="%s"}' % pa.url) == 0, 3),
+              "/metrics: A's prefill no longer in flight")
         pa.clear(), other.clear()
         B = A[:8 * BT] + list(range(9000, 9000 + 3 * BT + 1))
         st, _, _ = request(port, "POST", "/v1/completions", {"prompt": B}, AUTH)
