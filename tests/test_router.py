@@ -31,6 +31,7 @@ Checks:
   - /health, /metrics, /v1/models through, 401 without the key, 405 / 404 / 415 /
     413 / malformed JSON answered as the server does; $STRATA_API_KEY and
     --metrics-public;
+  - 24 concurrent clients: every answer whole, spread over the decode nodes by load;
   - a client leaving mid-stream closes the decode node's request and cancels its ticket;
   - SIGTERM with a stream in flight: the stream ends with an error event and
     [DONE], exit 0, promptly.
@@ -563,6 +564,30 @@ def test_main(P1, P2, D1, D2):
               m.get('strata_router_node_inflight{role="decode",node="%s"}' % D1.url) == 0 and
               m.get('strata_router_node_up{role="prefill",node="%s"}' % P1.url) == 1,
               "/metrics: kv_blocks_free, inflight, node_up")
+        # 24 clients at once, streamed and whole: every answer whole, spread over both decode nodes
+        D2.health["running"] = 0
+        time.sleep(1.2)
+        D1.clear(), D2.clear()
+        outs = [None] * 24
+
+        def one(i):
+            if i % 2:
+                outs[i] = stream(port, "/v1/completions", dict(sbody, prompt="c%d" % i * 20), AUTH)[3]
+            else:
+                outs[i] = request(port, "POST", "/v1/completions", {"prompt": "c%d" % i * 20}, AUTH)[2]
+        ts = [threading.Thread(target=one, args=(i,)) for i in range(24)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(20)
+        check(all(o == (b"".join(CHUNKS) if i % 2 else WHOLE) for i, o in enumerate(outs)),
+              "24 concurrent requests: every answer byte for byte")
+        n1, n2 = len(D1.recs("/pd/reserve")), len(D2.recs("/pd/reserve"))
+        check(n1 + n2 == 24 and n1 >= 6 and n2 >= 6, "24 concurrent requests over both decode nodes (%d + %d)" % (n1, n2))
+        check(wait_until(lambda: all(v == 0 for k, v in metrics(port, AUTH).items()
+                                     if k.startswith("strata_router_node_inflight")), 3), "nothing left in flight")
+        D2.health["running"] = 5
+        time.sleep(1.2)
         # a client leaving mid-stream: the upstream request is closed, the ticket cancelled
         D1.mode["delay"] = 0.3
         D1.clear()
