@@ -31,6 +31,7 @@ Checks:
   - /health, /metrics, /v1/models through, 401 without the key, 405 / 404 / 415 /
     413 / malformed JSON answered as the server does; $STRATA_API_KEY and
     --metrics-public;
+  - 24 concurrent clients: every answer whole, spread over the decode nodes by load;
   - a client leaving mid-stream closes the decode node's request and cancels its ticket;
   - SIGTERM with a stream in flight: the stream ends with an error event and
     [DONE], exit 0, promptly.
@@ -424,6 +425,12 @@ def test_main(P1, P2, D1, D2):
         check(lines and lines[0][0] < 0.35 and lines[-1][0] > 0.45,
               "stream: the first chunk at %.2f s, the last at %.2f s (flushed as they come)" %
               (lines[0][0] if lines else -1, lines[-1][0] if lines else -1))
+        # each event as soon as the node sent it: the router's arrival times after its first event
+        # against the node's own (0.1 s apart), within 50 ms
+        ta = [t for t, ln in lines if ln.startswith(b"data:")]
+        td = [t for t, ln in dlines if ln.startswith(b"data:")]
+        lag = max(abs((a - ta[0]) - (d - td[0])) for a, d in zip(ta, td)) if len(ta) == len(td) == 6 else 99
+        check(lag < 0.05, "stream: every event relayed at once (largest lag %.3f s)" % lag)
         # chat
         st, _, out = request(port, "POST", "/v1/chat/completions",
                              {"messages": [{"role": "user", "content": "hi " * 20}]}, AUTH)
@@ -480,6 +487,9 @@ def test_main(P1, P2, D1, D2):
         check(wait_until(lambda: metrics(port, AUTH).get(
             'strata_router_node_queued_prompt_tokens{node="%s"}' % pa.url) == 64, 3),
               "/metrics: the node's queued_prompt_tokens (64)")
+        check(wait_until(lambda: metrics(port, AUTH).get(
+            'strata_router_node_inflight{role="prefill",node="%s"}' % pa.url) == 0, 3),
+              "/metrics: A's prefill no longer in flight")
         pa.clear(), other.clear()
         B = A[:8 * BT] + list(range(9000, 9000 + 3 * BT + 1))
         st, _, _ = request(port, "POST", "/v1/completions", {"prompt": B}, AUTH)
@@ -554,6 +564,30 @@ def test_main(P1, P2, D1, D2):
               m.get('strata_router_node_inflight{role="decode",node="%s"}' % D1.url) == 0 and
               m.get('strata_router_node_up{role="prefill",node="%s"}' % P1.url) == 1,
               "/metrics: kv_blocks_free, inflight, node_up")
+        # 24 clients at once, streamed and whole: every answer whole, spread over both decode nodes
+        D2.health["running"] = 0
+        time.sleep(1.2)
+        D1.clear(), D2.clear()
+        outs = [None] * 24
+
+        def one(i):
+            if i % 2:
+                outs[i] = stream(port, "/v1/completions", dict(sbody, prompt="c%d" % i * 20), AUTH)[3]
+            else:
+                outs[i] = request(port, "POST", "/v1/completions", {"prompt": "c%d" % i * 20}, AUTH)[2]
+        ts = [threading.Thread(target=one, args=(i,)) for i in range(24)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(20)
+        check(all(o == (b"".join(CHUNKS) if i % 2 else WHOLE) for i, o in enumerate(outs)),
+              "24 concurrent requests: every answer byte for byte")
+        n1, n2 = len(D1.recs("/pd/reserve")), len(D2.recs("/pd/reserve"))
+        check(n1 + n2 == 24 and n1 >= 6 and n2 >= 6, "24 concurrent requests over both decode nodes (%d + %d)" % (n1, n2))
+        check(wait_until(lambda: all(v == 0 for k, v in metrics(port, AUTH).items()
+                                     if k.startswith("strata_router_node_inflight")), 3), "nothing left in flight")
+        D2.health["running"] = 5
+        time.sleep(1.2)
         # a client leaving mid-stream: the upstream request is closed, the ticket cancelled
         D1.mode["delay"] = 0.3
         D1.clear()

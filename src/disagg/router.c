@@ -739,6 +739,8 @@ static bool gen_start_transfer(gen *g) {
 static void gen_drive(gen *g, int wait_ms) {
     if (g->xfer_done) return;
     int running = 0;
+    const size_t had = g->rb.body.len;
+    const bool had_head = g->rb.headers_done;
     curl_multi_perform(g->m, &running);
     CURLMsg *msg;
     int left;
@@ -762,6 +764,7 @@ static void gen_drive(gen *g, int wait_ms) {
         g->res = CURLE_ABORTED_BY_CALLBACK;
         return;
     }
+    if (g->rb.body.len != had || g->rb.headers_done != had_head) return; /* news: hand it out first */
     curl_multi_poll(g->m, NULL, 0, wait_ms, NULL);
 }
 
