@@ -67,7 +67,8 @@ typedef struct pd_ticket {
     uint32_t attempt;     /* current attempt; 0 before the first message */
     int state;
     bool cancelled;       /* forgotten: no message is taken any more */
-    uint8_t *claimed;     /* [layer * n_blocks + k]: block k of layer taken by an accepted message */
+    uint8_t *claimed;     /* [layer * n_blocks + k]: block k of layer taken by an accepted message of the
+                             current attempt: 1 its data is landing, 2 landed and checked */
     int64_t landed;       /* block-layers of the current attempt whose data landed and checked */
     int64_t landed_ever;  /* block-layers landed over all attempts (stats' whole blocks) */
     int inflight;         /* rendezvous receives into dst not yet completed (any attempt) */
@@ -255,7 +256,13 @@ static void ticket_landed(pd_xfer *x, pd_ticket *t, int64_t n, uint64_t bytes, d
     hist_add(x->stats.recv_hist, secs);
     t->landed_ever += n;
     t->landed += n;
-    if (t->state == T_RECEIVING && t->landed == t->n_layers * t->n_blocks) {
+}
+
+/* Complete: every block-layer of the current attempt landed, and no receive
+ * of a replaced attempt still writes into the blocks (after OK the memory is
+ * the caller's). mu held. */
+static void ticket_check_done(pd_xfer *x, pd_ticket *t, pd_notice *out) {
+    if (t->state == T_RECEIVING && !t->cancelled && t->inflight == 0 && t->landed == t->n_layers * t->n_blocks) {
         t->state = T_DONE;
         x->stats.tickets_done++;
         *out = (pd_notice){t->on_done, t->user, t->id, STRATA_OK};
@@ -308,6 +315,8 @@ static void recv_finish(pd_recv *r, ucs_status_t status) {
             reject(x, &r->h, "checksum mismatch (rendezvous data, landed)");
             ticket_fail(x, t, &n, "checksum mismatch (rendezvous data, landed)");
         } else {
+            memset(t->claimed + (int64_t)r->h.layer * t->n_blocks + (r->h.first_block - t->from_block), 2,
+                   (size_t)r->n);
             ticket_landed(x, t, r->n, r->bytes, secs, true, &n);
         }
     } else {
@@ -315,7 +324,20 @@ static void recv_finish(pd_recv *r, ucs_status_t status) {
          * meanwhile: the data landed but counts for nothing */
         reject(x, &r->h, t->cancelled ? "the ticket was forgotten while its data landed"
                                       : "the attempt ended while its data landed");
+        /* a replaced attempt's data may have landed over blocks whose current
+         * data had landed and been checked: those bytes are not the current
+         * attempt's any more. (Over blocks still landing, the current
+         * attempt's checksum, taken once its data is in, judges.) */
+        if (!t->cancelled && t->state == T_RECEIVING && r->attempt != t->attempt) {
+            const uint8_t *cl = t->claimed + (int64_t)r->h.layer * t->n_blocks + (r->h.first_block - t->from_block);
+            for (int64_t k = 0; k < r->n; k++)
+                if (cl[k] == 2) {
+                    ticket_fail(x, t, &n, "a replaced attempt's data landed over this attempt's blocks");
+                    break;
+                }
+        }
     }
+    ticket_check_done(x, t, &n);
     const bool reap = t->cancelled && t->inflight == 0;
     pthread_mutex_unlock(&x->mu);
     recv_unlink(x, r);
@@ -433,11 +455,12 @@ static ucs_status_t am_cb(void *arg, const void *header, size_t header_length, v
             why = "checksum mismatch";
             goto fail;
         }
-        memset(cl, 1, (size_t)h.n_blocks);
+        memset(cl, 2, (size_t)h.n_blocks);
         for (int64_t k = 0; k < h.n_blocks; k++)
             memcpy(t->dst[k0 + k] + (size_t)h.layer * t->layer_bytes, (const uint8_t *)data + (size_t)k * t->layer_bytes,
                    t->layer_bytes);
         ticket_landed(x, t, h.n_blocks, want, st_time_now() - t0, false, &n);
+        ticket_check_done(x, t, &n);
         pthread_mutex_unlock(&x->mu);
         notice_run(x, &n);
         return UCS_OK;
