@@ -8,17 +8,23 @@
  *    layer out of range, blocks outside the ticket, bytes != n_blocks *
  *    layer_bytes, data shorter than the header says, wrong checksum (then a
  *    higher attempt succeeds), a duplicate block (then a retry succeeds),
- *    an older attempt (dropped, no failure), messages after forget: each
- *    leaves a concurrent ticket's transfer intact and the target's memory
- *    untouched where nothing was accepted; on_done ERR_IO once for a known
- *    ticket;
- *  - a dead peer: a receiver destroyed while sends to it are pending: every
- *    send callback runs once (the pending ones with STRATA_ERR_IO), a new
- *    connect to it and its sends fail; malformed addresses: IO + message;
- *  - pd_xfer_forget while large rendezvous receives are in flight: it
- *    returns, and nothing writes into the memory afterwards (re-filled,
- *    checked after the sender finished; freed: ASan sees a late write);
- *  - bad arguments: messages. */
+ *    an older attempt (dropped, no failure), attempt 0, messages after forget
+ *    and after done: each leaves a concurrent ticket's transfer intact and
+ *    the target's memory untouched where nothing was accepted; on_done
+ *    ERR_IO once for a known ticket; the warning names the reason; a refused
+ *    rendezvous message's send fails (IO), an eager one's completed;
+ *  - a retry right behind a live attempt: OK with one attempt's bytes
+ *    throughout, or ERR_IO, never mixed bytes;
+ *  - dead peers: a receiver of this process destroyed while sends to it are
+ *    pending (its thread held meanwhile), a receiver process (this binary,
+ *    --receiver) stopped then killed: every send callback runs once (the
+ *    pending ones with STRATA_ERR_IO), none hangs; a new connect to it is
+ *    refused or its sends fail; malformed addresses: IO + message;
+ *  - pd_xfer_forget while large rendezvous receives are in flight (checked
+ *    to have happened): it returns, and nothing writes into the memory
+ *    afterwards (re-filled, checked after the sender finished, freed);
+ *  - bad arguments: messages.
+ * STRATA_LOG=1 prints the log. */
 #include <pthread.h>
 #include <signal.h>
 #include <spawn.h>

@@ -245,8 +245,7 @@ static void ticket_fail(pd_xfer *x, pd_ticket *t, pd_notice *n, const char *why)
 }
 
 /* n block-layers of t's current attempt landed (mu held). */
-static void ticket_landed(pd_xfer *x, pd_ticket *t, int64_t n, uint64_t bytes, double secs, bool rndv,
-                          pd_notice *out) {
+static void ticket_landed(pd_xfer *x, pd_ticket *t, int64_t n, uint64_t bytes, double secs, bool rndv) {
     x->stats.messages_received++;
     if (rndv) x->stats.messages_rndv++;
     else x->stats.messages_eager++;
@@ -317,7 +316,7 @@ static void recv_finish(pd_recv *r, ucs_status_t status) {
         } else {
             memset(t->claimed + (int64_t)r->h.layer * t->n_blocks + (r->h.first_block - t->from_block), 2,
                    (size_t)r->n);
-            ticket_landed(x, t, r->n, r->bytes, secs, true, &n);
+            ticket_landed(x, t, r->n, r->bytes, secs, true);
         }
     } else {
         /* forgotten, replaced by a higher attempt, or the attempt failed
@@ -459,7 +458,7 @@ static ucs_status_t am_cb(void *arg, const void *header, size_t header_length, v
         for (int64_t k = 0; k < h.n_blocks; k++)
             memcpy(t->dst[k0 + k] + (size_t)h.layer * t->layer_bytes, (const uint8_t *)data + (size_t)k * t->layer_bytes,
                    t->layer_bytes);
-        ticket_landed(x, t, h.n_blocks, want, st_time_now() - t0, false, &n);
+        ticket_landed(x, t, h.n_blocks, want, st_time_now() - t0, false);
         ticket_check_done(x, t, &n);
         pthread_mutex_unlock(&x->mu);
         notice_run(x, &n);

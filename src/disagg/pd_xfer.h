@@ -42,12 +42,16 @@
  *     flight (pd_xfer_forget waits for them).
  *   - A higher attempt after a failure starts over (counts cleared, the state
  *     receiving again) and may end in OK, or in one more ERR_IO of its own.
- *   - OK once, when every (layer, block) landed and checked in one attempt.
- *     OK is final: every later message of the ticket is rejected (the memory
- *     is the caller's now) and on_done never runs again.
+ *   - OK once, when every (layer, block) landed and checked in one attempt
+ *     and no receive of a replaced attempt still lands in the blocks. OK is
+ *     final: every later message of the ticket is rejected (the memory is
+ *     the caller's now) and on_done never runs again.
  *   - A message of a lower attempt is dropped (counted as rejected), no
- *     failure; a rendezvous receive of an attempt replaced meanwhile lands
- *     but counts for nothing.
+ *     failure. A rendezvous receive of an attempt replaced meanwhile lands
+ *     but counts for nothing; landing over blocks whose current data had
+ *     already landed and been checked, it fails the current attempt (over
+ *     blocks still landing, the current attempt's checksum, taken after its
+ *     data is in, judges the bytes).
  *   - Messages are also refused once pd_xfer_destroy began.
  * A refused rendezvous message's data never moves: UCX drops the descriptor
  * and the sender's send completes with STRATA_ERR_IO (UCS_ERR_REJECTED; the
