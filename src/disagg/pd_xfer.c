@@ -50,6 +50,8 @@ typedef struct {
 #define PD_IDLE_WAIT_MS 200
 /* destroy: how long the endpoints' forced close may take */
 #define PD_CLOSE_TIMEOUT_S 2.0
+/* pd_xfer_connect: how long the peer may take to answer UCX's connection setup */
+#define PD_CONNECT_TIMEOUT_S 10.0
 
 enum { T_RECEIVING, T_FAILED, T_DONE };
 
@@ -88,6 +90,11 @@ struct pd_peer {
     ucp_ep_h ep;   /* NULL: dead (closed), the next connect to addr makes a new one */
     bool failed;   /* the error handler ran or a send failed: close ep after progress */
     ucs_status_t fail_status;
+    /* pd_xfer_connect's wait for the connection setup (a flush of the new endpoint) */
+    bool connecting;
+    ucs_status_t flush_st;
+    double connect_deadline;
+    struct pd_cmd *waiters;
 };
 
 typedef struct pd_send {
@@ -156,6 +163,7 @@ struct pd_xfer {
     int64_t n_posted;  /* sends UCX holds */
     int64_t n_recving; /* rendezvous receives in flight */
     int n_closing;     /* endpoint closes in flight */
+    int n_connecting;  /* peers whose connection setup a pd_xfer_connect waits for */
     bool peer_failed;  /* some peer has failed set */
 };
 
@@ -631,8 +639,62 @@ static void post_send(pd_xfer *x, pd_send *s) {
     else if (UCS_PTR_IS_ERR(req)) send_complete(x, s, UCS_PTR_STATUS(req));
 }
 
-/* The endpoint to a framed address; err gets a message on failure. Transport thread. */
-static strata_status do_connect(pd_xfer *x, const void *addr, size_t len, pd_peer **out, char *err, size_t cap) {
+static void flush_cb(void *request, ucs_status_t status, void *user_data) {
+    pd_peer *p = user_data; /* kept until destroy: a late callback writes nothing freed */
+    p->flush_st = status;
+    ucp_request_free(request);
+}
+
+#define PD_CONNECT_PENDING ((strata_status)-1)
+static void answer(pd_xfer *x, pd_cmd *c);
+
+static void connect_answer(pd_xfer *x, pd_peer *p, strata_status st, const char *fmt, const char *what) {
+    pd_cmd *c = p->waiters;
+    p->waiters = NULL;
+    p->connecting = false;
+    x->n_connecting--;
+    while (c) {
+        pd_cmd *next = c->next;
+        c->st = st;
+        c->peer = st == STRATA_OK ? p : NULL;
+        if (st != STRATA_OK) snprintf(c->err, sizeof c->err, fmt, what);
+        answer(x, c);
+        c = next;
+    }
+}
+
+/* Connects waiting for their connection setup: answered once UCX's flush of
+ * the new endpoint completed (the peer reached), failed, or timed out. */
+static void handle_connects(pd_xfer *x, bool shutdown) {
+    if (x->n_connecting == 0) return;
+    const double now = st_time_now();
+    for (pd_peer *p = x->peers; p; p = p->next) {
+        if (!p->connecting) continue;
+        if (shutdown) {
+            connect_answer(x, p, STRATA_ERR_IO, "pd_xfer_connect: %s", "the transport is shutting down");
+        } else if (p->flush_st == UCS_OK && p->ep && !p->failed) {
+            connect_answer(x, p, STRATA_OK, NULL, NULL);
+        } else if (p->flush_st != UCS_INPROGRESS || !p->ep || p->failed) {
+            ucs_status_t st = p->flush_st; /* the cause: the flush's error, else the endpoint's */
+            if (st == UCS_INPROGRESS || st == UCS_OK || st == UCS_ERR_CANCELED)
+                st = p->fail_status != UCS_OK ? p->fail_status : UCS_ERR_CANCELED;
+            peer_close(x, p);
+            connect_answer(x, p, STRATA_ERR_IO, "pd_xfer_connect: cannot reach the peer: %s", ucs_status_string(st));
+        } else if (now > p->connect_deadline) {
+            peer_close(x, p);
+            char what[32];
+            snprintf(what, sizeof what, "%.0f s", PD_CONNECT_TIMEOUT_S);
+            connect_answer(x, p, STRATA_ERR_IO, "pd_xfer_connect: the peer did not answer within %s", what);
+        }
+    }
+}
+
+/* The endpoint to a framed address; err gets a message on failure. From a
+ * command (c): a new endpoint's caller waits for its connection setup
+ * (PD_CONNECT_PENDING: c is answered later); inline (c NULL: from a
+ * callback) it does not. Transport thread. */
+static strata_status do_connect(pd_xfer *x, const void *addr, size_t len, pd_peer **out, char *err, size_t cap,
+                                pd_cmd *c) {
     *out = NULL;
     pd_addr_frame f;
     if (!addr || len < sizeof f) {
@@ -651,13 +713,18 @@ static strata_status do_connect(pd_xfer *x, const void *addr, size_t len, pd_pee
             p = q;
             break;
         }
-    if (p && p->failed) peer_close(x, p); /* failed but not yet closed: replace it now */
+    if (p && p->failed && !p->connecting) peer_close(x, p); /* failed but not yet closed: replace it now */
     if (p && p->ep) {
+        if (p->connecting && c) { /* its setup is under way: wait with the first caller */
+            c->next = p->waiters;
+            p->waiters = c;
+            return PD_CONNECT_PENDING;
+        }
         *out = p;
         return STRATA_OK;
     }
     if (!p) {
-        p = st_malloc(sizeof *p);
+        p = st_calloc(1, sizeof *p);
         uint8_t *a = st_malloc(f.len);
         if (!p || !a) {
             st_free(p);
@@ -678,14 +745,33 @@ static strata_status do_connect(pd_xfer *x, const void *addr, size_t len, pd_pee
         .err_mode = UCP_ERR_HANDLING_MODE_PEER,
         .err_handler = {.cb = ep_err_cb, .arg = p},
     };
+    p->fail_status = UCS_OK;
     ucs_status_t s = ucp_ep_create(x->worker, &ep, &p->ep);
     if (s != UCS_OK) {
         p->ep = NULL;
         snprintf(err, cap, "pd_xfer_connect: cannot reach the peer: %s", ucs_status_string(s));
         return STRATA_ERR_IO;
     }
-    *out = p;
-    return STRATA_OK;
+    if (!c) {
+        *out = p;
+        return STRATA_OK;
+    }
+    /* wait for the connection setup without holding the thread: a flush of
+     * the new endpoint completes once the peer was reached (an unreachable or
+     * dead one fails here rather than at the first send) */
+    p->flush_st = UCS_INPROGRESS;
+    const ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
+                                    .cb.send = flush_cb,
+                                    .user_data = p};
+    ucs_status_ptr_t req = ucp_ep_flush_nbx(p->ep, &rp);
+    if (req == NULL) p->flush_st = UCS_OK;
+    else if (UCS_PTR_IS_ERR(req)) p->flush_st = UCS_PTR_STATUS(req);
+    p->connecting = true;
+    p->connect_deadline = st_time_now() + PD_CONNECT_TIMEOUT_S;
+    x->n_connecting++;
+    c->next = NULL;
+    p->waiters = c;
+    return PD_CONNECT_PENDING;
 }
 
 /* Marks a ticket cancelled; frees it when nothing lands in it, else when the
@@ -742,8 +828,13 @@ static bool run_commands(pd_xfer *x) {
             st_free(c);
             break;
         case CMD_CONNECT:
-            c->st = do_connect(x, c->addr, c->len, &c->peer, c->err, sizeof c->err);
-            answer(x, c);
+            if (stopping) {
+                c->st = STRATA_ERR_IO;
+                snprintf(c->err, sizeof c->err, "pd_xfer_connect: the transport is shutting down");
+            } else {
+                c->st = do_connect(x, c->addr, c->len, &c->peer, c->err, sizeof c->err, c);
+            }
+            if (c->st != PD_CONNECT_PENDING) answer(x, c); /* else handle_connects answers */
             break;
         case CMD_FORGET:
             do_forget(x, c->ticket, &c->fw);
@@ -758,6 +849,7 @@ static void progress_all(pd_xfer *x) {
     while (ucp_worker_progress(x->worker)) {
     }
     handle_failed_peers(x);
+    handle_connects(x, false);
 }
 
 static void *thread_main(void *arg) {
@@ -771,7 +863,8 @@ static void *thread_main(void *arg) {
         if (more) continue;
         ucs_status_t s = ucp_worker_arm(x->worker);
         if (s == UCS_ERR_BUSY) continue; /* events came meanwhile */
-        const bool busy = x->n_posted > 0 || x->n_recving > 0 || x->n_closing > 0 || s != UCS_OK;
+        const bool busy =
+            x->n_posted > 0 || x->n_recving > 0 || x->n_closing > 0 || x->n_connecting > 0 || s != UCS_OK;
         struct epoll_event ev[4];
         int n = epoll_wait(x->epfd, ev, 4, busy ? PD_BUSY_WAIT_MS : PD_IDLE_WAIT_MS);
         for (int i = 0; i < n; i++)
@@ -786,6 +879,7 @@ static void *thread_main(void *arg) {
      * endpoints close below), every endpoint is force-closed, every send not
      * yet reported fails with IO. */
     run_commands(x);
+    handle_connects(x, true);
     for (pd_peer *p = x->peers; p; p = p->next) peer_close(x, p);
     const double t_end = st_time_now() + PD_CLOSE_TIMEOUT_S;
     while (x->n_closing > 0 && st_time_now() < t_end) {
@@ -1037,7 +1131,7 @@ strata_status pd_xfer_connect(pd_xfer *x, const void *addr, size_t len, pd_peer 
     if (!x || !out) return st_err(STRATA_ERR_INVALID_ARG, "pd_xfer_connect: %s is NULL", !x ? "x" : "out");
     if (on_thread(x)) {
         char err[256];
-        strata_status st = do_connect(x, addr, len, out, err, sizeof err);
+        strata_status st = do_connect(x, addr, len, out, err, sizeof err, NULL);
         return st == STRATA_OK ? st : st_err(st, "%s", err);
     }
     pd_cmd c = {.type = CMD_CONNECT, .addr = addr, .len = len};

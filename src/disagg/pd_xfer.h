@@ -84,6 +84,12 @@
  * flight it wakes at least every millisecond.
  * UCX's own warnings and errors go to st_log (warnings), not stderr: the
  * first pd_xfer_create installs a UCX log handler for the process.
+ * Keep on_done and sent quick, also for this reason: UCX 1.13.1 as Debian
+ * builds it (assertions on) aborts the process when it purges a connection
+ * setup reply it still owes to a peer that died (ucp_request_send_state_ff:
+ * "Assertion ... got REP message"; the assertion is gone upstream,
+ * openucx/ucx#8175). A receiver whose thread is held while a new sender
+ * connects and dies meets it; a responsive one answers the setup at once.
  */
 #pragma once
 #include <stdbool.h>
@@ -161,7 +167,11 @@ void pd_xfer_forget(pd_xfer *x, uint64_t ticket);
 /* ---- sender ---- */
 typedef struct pd_peer pd_peer;
 /* An endpoint to the worker at addr[0..len) (one per address, reused; a dead
- * one is replaced). IO when the address is malformed or unreachable. */
+ * one is replaced). IO when the address is malformed or unreachable: a new
+ * endpoint is returned once UCX's connection setup with the peer completed
+ * (a flush of the endpoint; at most 10 s; the transport thread goes on
+ * meanwhile). Called from on_done / sent (the transport thread) it returns
+ * the endpoint without waiting: an unreachable peer then fails the sends. */
 strata_status pd_xfer_connect(pd_xfer *x, const void *addr, size_t len, pd_peer **out);
 typedef void (*pd_xfer_sent_fn)(void *user, strata_status st);
 /* Queues one message: hdr (copied; magic, version, bytes and checksum are
