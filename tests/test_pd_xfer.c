@@ -29,6 +29,7 @@
 #include <signal.h>
 #include <spawn.h>
 #include <stdlib.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -391,7 +392,6 @@ static void check_reject(pd_xfer *snd, pd_xfer *rcv, pd_peer *p, int kind, size_
     batch bb = {0}, ba = {0};
     int64_t accepted_l = -1, accepted_k0 = 0, accepted_n = 0; /* a message of A taken before the bad one */
     int want_rejected = 1, want_err = 1;
-    uint32_t attempt = 1;
     pd_msg h = tk_hdr(&a, 1, 1, 2, 2);
     size_t len = 2 * lb;
     bool raw = false;
@@ -472,7 +472,6 @@ static void check_reject(pd_xfer *snd, pd_xfer *rcv, pd_peer *p, int kind, size_
         h.attempt = 0;
         break;
     }
-    (void)attempt;
     CHECK(tk_send_msg(snd, p, &a, &ba, &h, 1, 2, 2, raw, len) == STRATA_OK);
     tk_send_all(snd, p, &b, &bb, 1, 3, base);
     CHECK_MSG(wait_int(&b.done.n_ok, 1, 10), "%s: the other ticket did not complete", R_NAMES[kind]);
@@ -713,6 +712,7 @@ static void check_destroy_pending(void) {
 #define KILL_N 32
 #define KILL_LB ((size_t)512 << 10)
 static int receiver_main(void) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlives the test */
     pd_xfer *r = NULL;
     if (pd_xfer_create(&r) != STRATA_OK) {
         fprintf(stderr, "receiver: %s\n", st_last_error());
@@ -727,7 +727,8 @@ static int receiver_main(void) {
     for (size_t i = 0; i < len; i++) printf("%02x", a[i]);
     printf("\n");
     fflush(stdout);
-    for (;;) pause();
+    sleep(60); /* killed long before */
+    return 1;
 }
 
 /* A receiver process stopped (SIGSTOP: no progress) while sends to it are
