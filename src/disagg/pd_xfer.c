@@ -39,9 +39,10 @@ typedef struct {
     uint32_t magic, len;  /* len: the UCX address bytes that follow */
     uint64_t checksum;    /* XXH3-64 of those bytes */
 } pd_addr_frame;
-/* How often UCX checks that the peers of endpoints with pending work are
- * alive (the default is 20 s): a dead peer fails the pending sends within
- * about this time where its transport gives no error by itself (shared memory). */
+/* How often UCX checks that the peers of its endpoints are alive (the
+ * default is 20 s): a peer whose connection gives no error by itself (a host
+ * gone without closing its sockets) fails the pending sends within about
+ * this time. A process that dies closes its sockets: seen at once. */
 #define PD_KEEPALIVE_INTERVAL "1s"
 /* The thread's sleep: with operations in flight it wakes at least this often
  * (ms) to progress transports that raise no event; idle, UCX's or a command's
