@@ -40,9 +40,10 @@ typedef struct {
     uint32_t magic, len;  /* len: the UCX address bytes that follow */
     uint64_t checksum;    /* XXH3-64 of those bytes */
 } pd_addr_frame;
-/* How often UCX checks that the peers of endpoints with pending work are
- * alive (the default is 20 s): a dead peer fails the pending sends within
- * about this time where its transport gives no error by itself (shared memory). */
+/* How often UCX checks that the peers of its endpoints are alive (the
+ * default is 20 s): a peer whose connection gives no error by itself (a host
+ * gone without closing its sockets) fails the pending sends within about
+ * this time. A process that dies closes its sockets: seen at once. */
 #define PD_KEEPALIVE_INTERVAL "1s"
 /* The thread's sleep: with operations in flight it wakes at least this often
  * (ms) to progress transports that raise no event; idle, UCX's or a command's
@@ -51,6 +52,8 @@ typedef struct {
 #define PD_IDLE_WAIT_MS 200
 /* destroy: how long the endpoints' forced close may take */
 #define PD_CLOSE_TIMEOUT_S 2.0
+/* pd_xfer_connect: how long the peer may take to answer UCX's connection setup */
+#define PD_CONNECT_TIMEOUT_S 10.0
 
 enum { T_RECEIVING, T_FAILED, T_DONE };
 
@@ -68,7 +71,8 @@ typedef struct pd_ticket {
     uint32_t attempt;     /* current attempt; 0 before the first message */
     int state;
     bool cancelled;       /* forgotten: no message is taken any more */
-    uint8_t *claimed;     /* [layer * n_blocks + k]: block k of layer taken by an accepted message */
+    uint8_t *claimed;     /* [layer * n_blocks + k]: block k of layer taken by an accepted message of the
+                             current attempt: 1 its data is landing, 2 landed and checked */
     int64_t landed;       /* block-layers of the current attempt whose data landed and checked */
     int64_t landed_ever;  /* block-layers landed over all attempts (stats' whole blocks) */
     int inflight;         /* rendezvous receives into dst not yet completed (any attempt) */
@@ -88,6 +92,11 @@ struct pd_peer {
     ucp_ep_h ep;   /* NULL: dead (closed), the next connect to addr makes a new one */
     bool failed;   /* the error handler ran or a send failed: close ep after progress */
     ucs_status_t fail_status;
+    /* pd_xfer_connect's wait for the connection setup (a flush of the new endpoint) */
+    bool connecting;
+    ucs_status_t flush_st;
+    double connect_deadline;
+    struct pd_cmd *waiters;
 };
 
 typedef struct pd_send {
@@ -158,6 +167,7 @@ struct pd_xfer {
     int64_t n_posted;  /* sends UCX holds */
     int64_t n_recving; /* rendezvous receives in flight */
     int n_closing;     /* endpoint closes in flight */
+    int n_connecting;  /* peers whose connection setup a pd_xfer_connect waits for */
     bool peer_failed;  /* some peer has failed set */
 };
 
@@ -247,8 +257,7 @@ static void ticket_fail(pd_xfer *x, pd_ticket *t, pd_notice *n, const char *why)
 }
 
 /* n block-layers of t's current attempt landed (mu held). */
-static void ticket_landed(pd_xfer *x, pd_ticket *t, int64_t n, uint64_t bytes, double secs, bool rndv,
-                          pd_notice *out) {
+static void ticket_landed(pd_xfer *x, pd_ticket *t, int64_t n, uint64_t bytes, double secs, bool rndv) {
     x->stats.messages_received++;
     if (rndv) x->stats.messages_rndv++;
     else x->stats.messages_eager++;
@@ -258,7 +267,13 @@ static void ticket_landed(pd_xfer *x, pd_ticket *t, int64_t n, uint64_t bytes, d
     hist_add(x->stats.recv_hist, secs);
     t->landed_ever += n;
     t->landed += n;
-    if (t->state == T_RECEIVING && t->landed == t->n_layers * t->n_blocks) {
+}
+
+/* Complete: every block-layer of the current attempt landed, and no receive
+ * of a replaced attempt still writes into the blocks (after OK the memory is
+ * the caller's). mu held. */
+static void ticket_check_done(pd_xfer *x, pd_ticket *t, pd_notice *out) {
+    if (t->state == T_RECEIVING && !t->cancelled && t->inflight == 0 && t->landed == t->n_layers * t->n_blocks) {
         t->state = T_DONE;
         x->stats.tickets_done++;
         *out = (pd_notice){t->on_done, t->user, t->id, STRATA_OK};
@@ -311,14 +326,29 @@ static void recv_finish(pd_recv *r, ucs_status_t status) {
             reject(x, &r->h, "checksum mismatch (rendezvous data, landed)");
             ticket_fail(x, t, &n, "checksum mismatch (rendezvous data, landed)");
         } else {
-            ticket_landed(x, t, r->n, r->bytes, secs, true, &n);
+            memset(t->claimed + (int64_t)r->h.layer * t->n_blocks + (r->h.first_block - t->from_block), 2,
+                   (size_t)r->n);
+            ticket_landed(x, t, r->n, r->bytes, secs, true);
         }
     } else {
         /* forgotten, replaced by a higher attempt, or the attempt failed
          * meanwhile: the data landed but counts for nothing */
         reject(x, &r->h, t->cancelled ? "the ticket was forgotten while its data landed"
                                       : "the attempt ended while its data landed");
+        /* a replaced attempt's data may have landed over blocks whose current
+         * data had landed and been checked: those bytes are not the current
+         * attempt's any more. (Over blocks still landing, the current
+         * attempt's checksum, taken once its data is in, judges.) */
+        if (!t->cancelled && t->state == T_RECEIVING && r->attempt != t->attempt) {
+            const uint8_t *cl = t->claimed + (int64_t)r->h.layer * t->n_blocks + (r->h.first_block - t->from_block);
+            for (int64_t k = 0; k < r->n; k++)
+                if (cl[k] == 2) {
+                    ticket_fail(x, t, &n, "a replaced attempt's data landed over this attempt's blocks");
+                    break;
+                }
+        }
     }
+    ticket_check_done(x, t, &n);
     const bool reap = t->cancelled && t->inflight == 0;
     pthread_mutex_unlock(&x->mu);
     recv_unlink(x, r);
@@ -436,11 +466,12 @@ static ucs_status_t am_cb(void *arg, const void *header, size_t header_length, v
             why = "checksum mismatch";
             goto fail;
         }
-        memset(cl, 1, (size_t)h.n_blocks);
+        memset(cl, 2, (size_t)h.n_blocks);
         for (int64_t k = 0; k < h.n_blocks; k++)
             memcpy(t->dst[k0 + k] + (size_t)h.layer * t->layer_bytes, (const uint8_t *)data + (size_t)k * t->layer_bytes,
                    t->layer_bytes);
-        ticket_landed(x, t, h.n_blocks, want, st_time_now() - t0, false, &n);
+        ticket_landed(x, t, h.n_blocks, want, st_time_now() - t0, false);
+        ticket_check_done(x, t, &n);
         pthread_mutex_unlock(&x->mu);
         notice_run(x, &n);
         return UCS_OK;
@@ -613,8 +644,62 @@ static void post_send(pd_xfer *x, pd_send *s) {
     else if (UCS_PTR_IS_ERR(req)) send_complete(x, s, UCS_PTR_STATUS(req));
 }
 
-/* The endpoint to a framed address; err gets a message on failure. Transport thread. */
-static strata_status do_connect(pd_xfer *x, const void *addr, size_t len, pd_peer **out, char *err, size_t cap) {
+static void flush_cb(void *request, ucs_status_t status, void *user_data) {
+    pd_peer *p = user_data; /* kept until destroy: a late callback writes nothing freed */
+    p->flush_st = status;
+    ucp_request_free(request);
+}
+
+#define PD_CONNECT_PENDING ((strata_status)-1)
+static void answer(pd_xfer *x, pd_cmd *c);
+
+static void connect_answer(pd_xfer *x, pd_peer *p, strata_status st, const char *fmt, const char *what) {
+    pd_cmd *c = p->waiters;
+    p->waiters = NULL;
+    p->connecting = false;
+    x->n_connecting--;
+    while (c) {
+        pd_cmd *next = c->next;
+        c->st = st;
+        c->peer = st == STRATA_OK ? p : NULL;
+        if (st != STRATA_OK) snprintf(c->err, sizeof c->err, fmt, what);
+        answer(x, c);
+        c = next;
+    }
+}
+
+/* Connects waiting for their connection setup: answered once UCX's flush of
+ * the new endpoint completed (the peer reached), failed, or timed out. */
+static void handle_connects(pd_xfer *x, bool shutdown) {
+    if (x->n_connecting == 0) return;
+    const double now = st_time_now();
+    for (pd_peer *p = x->peers; p; p = p->next) {
+        if (!p->connecting) continue;
+        if (shutdown) {
+            connect_answer(x, p, STRATA_ERR_IO, "pd_xfer_connect: %s", "the transport is shutting down");
+        } else if (p->flush_st == UCS_OK && p->ep && !p->failed) {
+            connect_answer(x, p, STRATA_OK, NULL, NULL);
+        } else if (p->flush_st != UCS_INPROGRESS || !p->ep || p->failed) {
+            ucs_status_t st = p->flush_st; /* the cause: the flush's error, else the endpoint's */
+            if (st == UCS_INPROGRESS || st == UCS_OK || st == UCS_ERR_CANCELED)
+                st = p->fail_status != UCS_OK ? p->fail_status : UCS_ERR_CANCELED;
+            peer_close(x, p);
+            connect_answer(x, p, STRATA_ERR_IO, "pd_xfer_connect: cannot reach the peer: %s", ucs_status_string(st));
+        } else if (now > p->connect_deadline) {
+            peer_close(x, p);
+            char what[32];
+            snprintf(what, sizeof what, "%.0f s", PD_CONNECT_TIMEOUT_S);
+            connect_answer(x, p, STRATA_ERR_IO, "pd_xfer_connect: the peer did not answer within %s", what);
+        }
+    }
+}
+
+/* The endpoint to a framed address; err gets a message on failure. From a
+ * command (c): a new endpoint's caller waits for its connection setup
+ * (PD_CONNECT_PENDING: c is answered later); inline (c NULL: from a
+ * callback) it does not. Transport thread. */
+static strata_status do_connect(pd_xfer *x, const void *addr, size_t len, pd_peer **out, char *err, size_t cap,
+                                pd_cmd *c) {
     *out = NULL;
     pd_addr_frame f;
     if (!addr || len < sizeof f) {
@@ -633,13 +718,18 @@ static strata_status do_connect(pd_xfer *x, const void *addr, size_t len, pd_pee
             p = q;
             break;
         }
-    if (p && p->failed) peer_close(x, p); /* failed but not yet closed: replace it now */
+    if (p && p->failed && !p->connecting) peer_close(x, p); /* failed but not yet closed: replace it now */
     if (p && p->ep) {
+        if (p->connecting && c) { /* its setup is under way: wait with the first caller */
+            c->next = p->waiters;
+            p->waiters = c;
+            return PD_CONNECT_PENDING;
+        }
         *out = p;
         return STRATA_OK;
     }
     if (!p) {
-        p = st_malloc(sizeof *p);
+        p = st_calloc(1, sizeof *p);
         uint8_t *a = st_malloc(f.len);
         if (!p || !a) {
             st_free(p);
@@ -660,14 +750,33 @@ static strata_status do_connect(pd_xfer *x, const void *addr, size_t len, pd_pee
         .err_mode = UCP_ERR_HANDLING_MODE_PEER,
         .err_handler = {.cb = ep_err_cb, .arg = p},
     };
+    p->fail_status = UCS_OK;
     ucs_status_t s = ucp_ep_create(x->worker, &ep, &p->ep);
     if (s != UCS_OK) {
         p->ep = NULL;
         snprintf(err, cap, "pd_xfer_connect: cannot reach the peer: %s", ucs_status_string(s));
         return STRATA_ERR_IO;
     }
-    *out = p;
-    return STRATA_OK;
+    if (!c) {
+        *out = p;
+        return STRATA_OK;
+    }
+    /* wait for the connection setup without holding the thread: a flush of
+     * the new endpoint completes once the peer was reached (an unreachable or
+     * dead one fails here rather than at the first send) */
+    p->flush_st = UCS_INPROGRESS;
+    const ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
+                                    .cb.send = flush_cb,
+                                    .user_data = p};
+    ucs_status_ptr_t req = ucp_ep_flush_nbx(p->ep, &rp);
+    if (req == NULL) p->flush_st = UCS_OK;
+    else if (UCS_PTR_IS_ERR(req)) p->flush_st = UCS_PTR_STATUS(req);
+    p->connecting = true;
+    p->connect_deadline = st_time_now() + PD_CONNECT_TIMEOUT_S;
+    x->n_connecting++;
+    c->next = NULL;
+    p->waiters = c;
+    return PD_CONNECT_PENDING;
 }
 
 /* Marks a ticket cancelled; frees it when nothing lands in it, else when the
@@ -724,8 +833,13 @@ static bool run_commands(pd_xfer *x) {
             st_free(c);
             break;
         case CMD_CONNECT:
-            c->st = do_connect(x, c->addr, c->len, &c->peer, c->err, sizeof c->err);
-            answer(x, c);
+            if (stopping) {
+                c->st = STRATA_ERR_IO;
+                snprintf(c->err, sizeof c->err, "pd_xfer_connect: the transport is shutting down");
+            } else {
+                c->st = do_connect(x, c->addr, c->len, &c->peer, c->err, sizeof c->err, c);
+            }
+            if (c->st != PD_CONNECT_PENDING) answer(x, c); /* else handle_connects answers */
             break;
         case CMD_FORGET:
             do_forget(x, c->ticket, &c->fw);
@@ -740,6 +854,7 @@ static void progress_all(pd_xfer *x) {
     while (ucp_worker_progress(x->worker)) {
     }
     handle_failed_peers(x);
+    handle_connects(x, false);
 }
 
 static void *thread_main(void *arg) {
@@ -760,7 +875,7 @@ static void *thread_main(void *arg) {
         }
         ucs_status_t s = ucp_worker_arm(x->worker);
         if (s == UCS_ERR_BUSY) continue; /* events came meanwhile */
-        const bool busy = x->n_closing > 0 || s != UCS_OK;
+        const bool busy = x->n_closing > 0 || x->n_connecting > 0 || s != UCS_OK;
         struct epoll_event ev[4];
         int n = epoll_wait(x->epfd, ev, 4, busy ? PD_BUSY_WAIT_MS : PD_IDLE_WAIT_MS);
         for (int i = 0; i < n; i++)
@@ -775,6 +890,7 @@ static void *thread_main(void *arg) {
      * endpoints close below), every endpoint is force-closed, every send not
      * yet reported fails with IO. */
     run_commands(x);
+    handle_connects(x, true);
     for (pd_peer *p = x->peers; p; p = p->next) peer_close(x, p);
     const double t_end = st_time_now() + PD_CLOSE_TIMEOUT_S;
     while (x->n_closing > 0 && st_time_now() < t_end) {
@@ -1026,7 +1142,7 @@ strata_status pd_xfer_connect(pd_xfer *x, const void *addr, size_t len, pd_peer 
     if (!x || !out) return st_err(STRATA_ERR_INVALID_ARG, "pd_xfer_connect: %s is NULL", !x ? "x" : "out");
     if (on_thread(x)) {
         char err[256];
-        strata_status st = do_connect(x, addr, len, out, err, sizeof err);
+        strata_status st = do_connect(x, addr, len, out, err, sizeof err, NULL);
         return st == STRATA_OK ? st : st_err(st, "%s", err);
     }
     pd_cmd c = {.type = CMD_CONNECT, .addr = addr, .len = len};

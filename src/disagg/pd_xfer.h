@@ -1,7 +1,10 @@
 /* disagg/pd_xfer: the KV data path between a prefill node and a decode node,
- * over UCX active messages (UCP: shared memory / TCP between processes of one
- * host, whatever UCX finds between hosts). No home-made sockets: UCX moves
- * the bytes, this module names them and checks them.
+ * over UCX active messages (UCP; whatever UCX finds between hosts). Between
+ * processes of one host UCX 1.13 takes TCP on loopback for the messages and
+ * CMA (process_vm_readv) for rendezvous data: its shared-memory transports
+ * cannot report a dead peer, which the endpoints here ask for
+ * (UCP_ERR_HANDLING_MODE_PEER). No home-made sockets: UCX moves the bytes,
+ * this module names them and checks them.
  *
  * Unit of transfer: one MESSAGE = one layer of a run of consecutive blocks of
  * one transfer ("ticket"). Its payload is n_blocks regions of layer_bytes
@@ -31,16 +34,62 @@
  * pd_xfer_forget drops a ticket: it returns only when no receive into its
  * memory is in flight, so the caller may reuse that memory afterwards.
  *
+ * on_done, precisely (per ticket, attempt by attempt):
+ *   - ERR_IO at the first failure of the current attempt (a rejected message
+ *     of a known ticket, a rendezvous receive that failed, a checksum
+ *     mismatch); later messages of that attempt are rejected without another
+ *     on_done. It means "this attempt broke": receives of it may still be in
+ *     flight (pd_xfer_forget waits for them).
+ *   - A higher attempt after a failure starts over (counts cleared, the state
+ *     receiving again) and may end in OK, or in one more ERR_IO of its own.
+ *   - OK once, when every (layer, block) landed and checked in one attempt
+ *     and no receive of a replaced attempt still lands in the blocks. OK is
+ *     final: every later message of the ticket is rejected (the memory is
+ *     the caller's now) and on_done never runs again.
+ *   - A message of a lower attempt is dropped (counted as rejected), no
+ *     failure. A rendezvous receive of an attempt replaced meanwhile lands
+ *     but counts for nothing; landing over blocks whose current data had
+ *     already landed and been checked, it fails the current attempt (over
+ *     blocks still landing, the current attempt's checksum, taken after its
+ *     data is in, judges the bytes).
+ *   - Messages are also refused once pd_xfer_destroy began.
+ * A refused rendezvous message's data never moves: UCX drops the descriptor
+ * and the sender's send completes with STRATA_ERR_IO (UCS_ERR_REJECTED; the
+ * endpoint stays up). A rejected eager message's send had completed (OK) on
+ * the sender's side already. So a sender's OK means "delivered", not
+ * "accepted": only the receiver's on_done says the ticket is whole.
+ * From the transport thread itself (inside on_done or a sent callback)
+ * pd_xfer_forget cannot wait: it marks the ticket forgotten and returns; the
+ * ticket is dropped when its last receive ends.
+ *
  * Sender (prefill node): pd_xfer_connect opens (or reuses: one endpoint per
  * distinct address) an endpoint to a receiver's worker address;
  * pd_xfer_send queues one message; the data buffer is the caller's until its
  * done callback (transport thread) says the send completed or failed. A peer
  * that dies fails the pending sends (done with STRATA_ERR_IO) and the
- * endpoint is dropped (the next connect makes a new one).
+ * endpoint is dropped (the next connect makes a new one; a pd_peer handle
+ * stays valid until destroy and reaches the new endpoint once one is made).
+ * A dead process is seen at once (its sockets close); a silent one within
+ * about a second (UCX keepalive, set to 1 s here: the default is 20 s).
+ * The address pd_xfer_address gives is opaque: UCX's worker address framed
+ * with a magic, its length and its XXH3; pd_xfer_connect refuses (IO, with a
+ * message) bytes that are not such a frame before UCX parses anything.
  *
  * Threads: one transport thread per pd_xfer owns the UCP worker (progress,
  * AM handlers, sends); every function below may be called from any thread
- * (commands go to it through a locked queue and a wakeup of the worker).
+ * (commands go to it through a locked queue and a wakeup of the worker),
+ * also from on_done / sent callbacks, but pd_xfer_destroy (not from a
+ * callback, and with no other call of that pd_xfer in progress). The thread
+ * sleeps in epoll on the worker's event fd when idle; with operations in
+ * flight it wakes at least every millisecond.
+ * UCX's own warnings and errors go to st_log (warnings), not stderr: the
+ * first pd_xfer_create installs a UCX log handler for the process.
+ * Keep on_done and sent quick, also for this reason: UCX 1.13.1 as Debian
+ * builds it (assertions on) aborts the process when it purges a connection
+ * setup reply it still owes to a peer that died (ucp_request_send_state_ff:
+ * "Assertion ... got REP message"; the assertion is gone upstream,
+ * openucx/ucx#8175). A receiver whose thread is held while a new sender
+ * connects and dies meets it; a responsive one answers the setup at once.
  */
 #pragma once
 #include <stdbool.h>
@@ -74,8 +123,16 @@ typedef struct {
     int64_t blocks_sent, blocks_received;      /* block-layers / n_layers: whole blocks */
     uint64_t bytes_sent, bytes_received;
     int64_t tickets_done, tickets_failed;
-    /* per message: seconds from pd_xfer_send to its completion (sender) /
-     * from the AM's arrival to its data landing (receiver) */
+    /* blocks_sent: the blocks of layer-0 messages sent (the sender does not
+     * know n_layers; for a whole ticket both sides count its n_blocks);
+     * blocks_received: whole blocks (block-layers landed / the ticket's n_layers).
+     * messages_/bytes_sent: sends completed OK; messages_/bytes_received:
+     * messages accepted and landed; messages_rejected: every other message
+     * that arrived (also those of lower attempts and those that landed for
+     * a ticket forgotten or an attempt replaced meanwhile).
+     * tickets_done / tickets_failed: on_done OK / ERR_IO calls (one per failed attempt).
+     * per message: seconds from pd_xfer_send to its completion (sender, sends
+     * completed OK) / from the AM's arrival to its data landing (receiver) */
     double send_seconds, recv_seconds;
     int64_t send_hist[12], recv_hist[12];
     /* sender: seconds with at least one message in flight (bytes_sent / this: the rate the
@@ -101,7 +158,9 @@ typedef void (*pd_xfer_done_fn)(void *user, uint64_t ticket, strata_status st);
 /* Expects blocks [from_block, from_block + n_blocks) of `ticket`, n_layers
  * layers of layer_bytes each, block k landing at dst[k] (copied array; the
  * memory is the caller's and must stay valid until on_done or
- * pd_xfer_forget). INVALID_ARG for a ticket already expected or bad sizes. */
+ * pd_xfer_forget). INVALID_ARG for a ticket already expected or bad sizes
+ * (n_layers, n_blocks, layer_bytes >= 1, from_block >= 0: a reservation of
+ * no block has nothing to expect), a NULL dst[k] or on_done. */
 strata_status pd_xfer_expect(pd_xfer *x, uint64_t ticket, int64_t n_layers, size_t layer_bytes, int64_t from_block,
                              int64_t n_blocks, void *const *dst, pd_xfer_done_fn on_done, void *user);
 /* Drops a ticket (cancelled, expired, or taken after on_done); returns once no
@@ -111,7 +170,11 @@ void pd_xfer_forget(pd_xfer *x, uint64_t ticket);
 /* ---- sender ---- */
 typedef struct pd_peer pd_peer;
 /* An endpoint to the worker at addr[0..len) (one per address, reused; a dead
- * one is replaced). IO when the address is malformed or unreachable. */
+ * one is replaced). IO when the address is malformed or unreachable: a new
+ * endpoint is returned once UCX's connection setup with the peer completed
+ * (a flush of the endpoint; at most 10 s; the transport thread goes on
+ * meanwhile). Called from on_done / sent (the transport thread) it returns
+ * the endpoint without waiting: an unreachable peer then fails the sends. */
 strata_status pd_xfer_connect(pd_xfer *x, const void *addr, size_t len, pd_peer **out);
 typedef void (*pd_xfer_sent_fn)(void *user, strata_status st);
 /* Queues one message: hdr (copied; magic, version, bytes and checksum are
