@@ -27,13 +27,14 @@ cmake --build build-asan -j "$JOBS"
 # weight manager's reader / copier / pinner, the KV host tier's pinner and the
 # SSD tier's writer, the engine thread and its callers, the HTTP server's
 # threads (test_server*.py drive build-tsan/strata, passed to them by CTest),
-# the router's (test_router.py: connection, health and prefill threads).
+# the router's (test_router.py: connection, health and prefill threads), the
+# P-D export thread (test_pd_engine) and the UCX transport's (test_pd_xfer).
 # A report fails its test: exit 66 (halt_on_error), or a server that does not
 # exit 0. No suppressions: none has been needed (third-party code only, ever).
 # About 4 minutes on 2 cores, the build included.
 cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DSTRATA_TSAN=ON -DSTRATA_TESTING=ON >/dev/null
 cmake --build build-tsan -j "$JOBS"
-TSAN_TESTS='^(test_backend_cpu|test_backend_paged|test_scheduler|test_runner|test_engine|test_weights_stream|test_kv_ssd|test_kv_tiers|test_api|test_server.*|test_router)$'
+TSAN_TESTS='^(test_backend_cpu|test_backend_paged|test_scheduler|test_runner|test_engine|test_weights_stream|test_kv_ssd|test_kv_tiers|test_api|test_server.*|test_router|test_pd_engine|test_pd_xfer)$'
 (cd build-tsan && TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
   ctest --output-on-failure -j "$JOBS" --timeout 400 -R "$TSAN_TESTS")
 
