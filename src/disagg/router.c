@@ -20,6 +20,7 @@
 #include <xxhash.h>
 
 #include "core/core.h"
+#include "core/http_check.h"
 #include "core/json.h"
 #include "core/strbuf.h"
 
@@ -155,11 +156,6 @@ struct st_router {
 };
 
 static double now_s(void) { return st_time_now(); }
-
-static bool is_loopback(const char *host) {
-    return !strcasecmp(host, "localhost") || !strncmp(host, "127.", 4) || !strcmp(host, "::1") ||
-           !strcasecmp(host, "::ffff:127.0.0.1");
-}
 
 static void node_down(st_router *r, int i, const char *why) {
     pthread_mutex_lock(&r->mu);
@@ -1170,67 +1166,20 @@ static route route_of(const char *url) {
     return R_OTHER;
 }
 
-static bool key_ok(const st_router *r, struct MHD_Connection *c) {
-    const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
-    if (!h || strncasecmp(h, "Bearer", 6) != 0 || (h[6] != ' ' && h[6] != '\t')) return false;
-    const char *k = h + 6;
-    while (*k == ' ' || *k == '\t') k++;
-    const size_t n = strlen(r->api_key), m = strlen(k);
-    unsigned diff = (unsigned)(n ^ m);
-    for (size_t i = 0; i < n; i++) diff |= (unsigned char)r->api_key[i] ^ (unsigned char)(i < m ? k[i] : 0);
-    return diff == 0;
-}
-
-/* As the server: a Host header naming this machine (localhost, 127.0.0.1, [::1] or the bound host). */
-static bool host_ok(const st_router *r, const char *h) {
-    const size_t n = strlen(h);
-    size_t name_len = n;
-    if (h[0] == '[') {
-        const char *e = strchr(h, ']');
-        if (!e) return false;
-        name_len = (size_t)(e - h) + 1;
-    } else {
-        const char *colon = strchr(h, ':');
-        if (colon) name_len = (size_t)(colon - h);
-    }
-    if (name_len < n) {
-        if (h[name_len] != ':' || n - name_len < 2 || n - name_len > 6) return false;
-        for (size_t i = name_len + 1; i < n; i++)
-            if (h[i] < '0' || h[i] > '9') return false;
-    }
-    if (name_len && h[name_len - 1] == '.' && h[0] != '[') name_len--;
-    static const char *const names[] = {"localhost", "127.0.0.1", "[::1]"};
-    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
-        if (strlen(names[i]) == name_len && !strncasecmp(h, names[i], name_len)) return true;
-    const size_t hl = strlen(r->host);
-    if (strchr(r->host, ':')) return name_len == hl + 2 && h[0] == '[' && !strncasecmp(h + 1, r->host, hl);
-    return name_len == hl && !strncasecmp(h, r->host, hl);
-}
-
-static bool json_ctype(const char *ct) {
-    if (!ct) return false;
-    while (*ct == ' ' || *ct == '\t') ct++;
-    static const char want[] = "application/json";
-    if (strncasecmp(ct, want, sizeof want - 1) != 0) return false;
-    const char *rest = ct + sizeof want - 1;
-    while (*rest == ' ' || *rest == '\t') rest++;
-    return *rest == '\0' || *rest == ';';
-}
-
 static enum MHD_Result dispatch(struct MHD_Connection *c, req *q, const char *url, const char *method) {
     st_router *r = q->r;
     const bool get = !strcmp(method, "GET") || !strcmp(method, "HEAD");
     const bool post = !strcmp(method, "POST");
     if (r->loopback) {
         const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_HOST);
-        if (h && !host_ok(r, h))
+        if (h && !st_http_host_ok(h, r->host))
             return error_reply(c, q, 421, "invalid_request_error", "invalid_host", NULL,
                                "the Host header '%.100s' does not name this server (it listens on %s: use "
                                "localhost or 127.0.0.1)", h, r->host);
     }
     const bool open_probe = (q->rt == R_HEALTH || q->rt == R_METRICS) && r->p.metrics_public;
     if (r->api_key && (!strncmp(url, "/v1/", 4) || q->rt == R_HEALTH || q->rt == R_METRICS) && !open_probe &&
-        !key_ok(r, c)) {
+        !st_http_bearer_ok(MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION), r->api_key)) {
         const bool missing = !MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
         return error_reply(c, q, 401, "invalid_request_error", "invalid_api_key", NULL, "%s",
                            missing ? "You didn't provide an API key: pass it as 'Authorization: Bearer KEY'."
@@ -1242,7 +1191,7 @@ static enum MHD_Result dispatch(struct MHD_Connection *c, req *q, const char *ur
         if (!post)
             return error_reply(c, q, 405, "invalid_request_error", "method_not_allowed", "POST",
                                "%s is not allowed on %s (use POST)", method, url);
-        if (!json_ctype(MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_TYPE))) {
+        if (!st_http_json_ctype(MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_TYPE))) {
             const char *ct = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_TYPE);
             return error_reply(c, q, 415, "invalid_request_error", "unsupported_media_type", NULL,
                                "the request body must be JSON with 'Content-Type: application/json' (got %s%.100s%s)",
@@ -1400,7 +1349,7 @@ strata_status st_router_start(const st_router_params *p, st_router **out) {
     if (r->p.health_interval <= 0) r->p.health_interval = 1;
     if (!r->p.max_body) r->p.max_body = DEF_MAX_BODY;
     r->host = st_strdup(p->host ? p->host : "127.0.0.1");
-    r->loopback = is_loopback(r->host);
+    r->loopback = st_http_loopback(r->host);
     if (p->api_key && p->api_key[0]) r->api_key = st_strdup(p->api_key);
     const char *nk = p->node_api_key ? p->node_api_key : p->api_key;
     if (nk && nk[0]) {

@@ -49,6 +49,7 @@
  */
 #include "server/server.h"
 #include "core/core.h"
+#include "core/http_check.h"
 #include "core/json.h"
 #include "core/strbuf.h"
 
@@ -1292,15 +1293,27 @@ static bool parse_ticket(const cJSON *it, uint64_t *out) {
     return !errno && !*end && *out != 0;
 }
 
+/* A /pd/ request's JSON body into *root, or false with the answer in *early
+ * (503 while shutting down when `new_work`, 400 for malformed JSON). */
+static bool pd_body(struct MHD_Connection *c, req *r, bool new_work, cJSON **root, enum MHD_Result *early) {
+    if (new_work && atomic_load(&r->srv->draining)) {
+        *early = error_reply(c, r, 503, "server_error", "server_shutting_down", NULL,
+                             "the server is shutting down and takes no new requests");
+        return false;
+    }
+    if (st_json_parse(r->body.p ? r->body.p : "", r->body.len, "request body", root) != STRATA_OK) {
+        *early = error_reply(c, r, 400, "invalid_request_error", "invalid_json", NULL, "%s", st_last_error());
+        return false;
+    }
+    return true;
+}
+
 /* POST /pd/reserve {"route", "request"} (decode) */
 static enum MHD_Result handle_pd_reserve(struct MHD_Connection *c, req *r) {
     st_server *s = r->srv;
-    if (atomic_load(&s->draining))
-        return error_reply(c, r, 503, "server_error", "server_shutting_down", NULL,
-                           "the server is shutting down and takes no new requests");
     cJSON *root = NULL;
-    if (st_json_parse(r->body.p ? r->body.p : "", r->body.len, "request body", &root) != STRATA_OK)
-        return error_reply(c, r, 400, "invalid_request_error", "invalid_json", NULL, "%s", st_last_error());
+    enum MHD_Result early;
+    if (!pd_body(c, r, true, &root, &early)) return early;
     const cJSON *route_it = st_json_field(root, "route"), *rq = st_json_field(root, "request");
     srv_kind kind;
     if (cJSON_IsString(route_it) && !strcmp(route_it->valuestring, "/v1/chat/completions")) kind = SRV_CHAT;
@@ -1361,12 +1374,9 @@ static enum MHD_Result reserve_continue(struct MHD_Connection *c, req *r) {
 /* POST /pd/prefill (prefill) */
 static enum MHD_Result handle_pd_prefill(struct MHD_Connection *c, req *r) {
     st_server *s = r->srv;
-    if (atomic_load(&s->draining))
-        return error_reply(c, r, 503, "server_error", "server_shutting_down", NULL,
-                           "the server is shutting down and takes no new requests");
     cJSON *root = NULL;
-    if (st_json_parse(r->body.p ? r->body.p : "", r->body.len, "request body", &root) != STRATA_OK)
-        return error_reply(c, r, 400, "invalid_request_error", "invalid_json", NULL, "%s", st_last_error());
+    enum MHD_Result early;
+    if (!pd_body(c, r, true, &root, &early)) return early;
     const st_json_where w = {.path = "request body"};
     int64_t attempt = 0, bt = 0, from = 0, nb = 0;
     const char *identity = NULL, *address = NULL;
@@ -1454,8 +1464,8 @@ static enum MHD_Result prefill_continue(struct MHD_Connection *c, req *r) {
 static enum MHD_Result handle_pd_cancel(struct MHD_Connection *c, req *r) {
     st_server *s = r->srv;
     cJSON *root = NULL;
-    if (st_json_parse(r->body.p ? r->body.p : "", r->body.len, "request body", &root) != STRATA_OK)
-        return error_reply(c, r, 400, "invalid_request_error", "invalid_json", NULL, "%s", st_last_error());
+    enum MHD_Result early;
+    if (!pd_body(c, r, false, &root, &early)) return early;
     uint64_t ticket = 0;
     const bool ok = parse_ticket(st_json_field(root, "ticket"), &ticket);
     cJSON_Delete(root);
@@ -1487,72 +1497,13 @@ static route route_of(const char *url) {
     return R_OTHER;
 }
 
-/* Constant-time comparison of the presented key with the server's. */
-static bool key_ok(const st_server *s, struct MHD_Connection *c) {
-    const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
-    /* the scheme is case-insensitive (RFC 9110 11.1), then one or more spaces */
-    if (!h || strncasecmp(h, "Bearer", 6) != 0 || (h[6] != ' ' && h[6] != '\t')) return false;
-    const char *k = h + 6;
-    while (*k == ' ' || *k == '\t') k++;
-    const size_t n = strlen(s->api_key), m = strlen(k);
-    unsigned diff = (unsigned)(n ^ m);
-    for (size_t i = 0; i < n; i++) diff |= (unsigned char)s->api_key[i] ^ (unsigned char)(i < m ? k[i] : 0);
-    return diff == 0;
-}
-
-/* Whether the value of a Host header names this machine: localhost, 127.0.0.1,
- * [::1] or the bound host, with or without a port. */
-static bool host_ok(const st_server *s, const char *h) {
-    const size_t n = strlen(h);
-    size_t name_len = n;
-    if (h[0] == '[') { /* [v6]:port */
-        const char *e = strchr(h, ']');
-        if (!e) return false;
-        name_len = (size_t)(e - h) + 1;
-    } else {
-        const char *colon = strchr(h, ':');
-        if (colon) name_len = (size_t)(colon - h);
-    }
-    if (name_len < n) { /* a port: ':' and 1 to 5 digits */
-        if (h[name_len] != ':' || n - name_len < 2 || n - name_len > 6) return false;
-        for (size_t i = name_len + 1; i < n; i++)
-            if (h[i] < '0' || h[i] > '9') return false;
-    }
-    if (name_len && h[name_len - 1] == '.' && h[0] != '[') name_len--; /* "localhost." */
-    static const char *const names[] = {"localhost", "127.0.0.1", "[::1]"};
-    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
-        if (strlen(names[i]) == name_len && !strncasecmp(h, names[i], name_len)) return true;
-    const size_t hl = strlen(s->host);
-    if (strchr(s->host, ':')) /* an IPv6 literal: bracketed in Host */
-        return name_len == hl + 2 && h[0] == '[' && !strncasecmp(h + 1, s->host, hl);
-    return name_len == hl && !strncasecmp(h, s->host, hl);
-}
-
-/* Whether the address the server binds is a loopback one (then only local
- * clients reach it, and a Host naming another site is a DNS-rebinding page). */
-static bool loopback_host(const char *host) {
-    return !strcasecmp(host, "localhost") || !strncmp(host, "127.", 4) || !strcmp(host, "::1") ||
-           !strcasecmp(host, "::ffff:127.0.0.1");
-}
-
-/* Whether a Content-Type names application/json (parameters such as charset allowed). */
-static bool json_ctype(const char *ct) {
-    if (!ct) return false;
-    while (*ct == ' ' || *ct == '\t') ct++;
-    static const char want[] = "application/json";
-    if (strncasecmp(ct, want, sizeof want - 1) != 0) return false;
-    const char *rest = ct + sizeof want - 1;
-    while (*rest == ' ' || *rest == '\t') rest++;
-    return *rest == '\0' || *rest == ';';
-}
-
 static enum MHD_Result dispatch(struct MHD_Connection *c, req *r, const char *url, const char *method) {
     st_server *s = r->srv;
     const bool get = !strcmp(method, "GET") || !strcmp(method, "HEAD");
     const bool post = !strcmp(method, "POST");
     if (s->loopback) {
         const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_HOST);
-        if (h && !host_ok(s, h))
+        if (h && !st_http_host_ok(h, s->host))
             return error_reply(c, r, 421, "invalid_request_error", "invalid_host", NULL,
                                "the Host header '%.100s' does not name this server (it listens on %s: use "
                                "localhost or 127.0.0.1)", h, s->host);
@@ -1560,7 +1511,7 @@ static enum MHD_Result dispatch(struct MHD_Connection *c, req *r, const char *ur
     const bool open_probe = (r->rt == R_HEALTH || r->rt == R_METRICS) && s->metrics_public;
     if (s->api_key && (!strncmp(url, "/v1/", 4) || !strncmp(url, "/pd/", 4) || r->rt == R_HEALTH || r->rt == R_METRICS) &&
         !open_probe &&
-        !key_ok(s, c)) {
+        !st_http_bearer_ok(MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION), s->api_key)) {
         const bool missing = !MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
         return error_reply(c, r, 401, "invalid_request_error", "invalid_api_key", NULL, "%s",
                            missing ? "You didn't provide an API key: pass it as 'Authorization: Bearer KEY'."
@@ -1572,7 +1523,7 @@ static enum MHD_Result dispatch(struct MHD_Connection *c, req *r, const char *ur
         if (!post)
             return error_reply(c, r, 405, "invalid_request_error", "method_not_allowed", "POST",
                                "%s is not allowed on %s (use POST)", method, url);
-        if (!json_ctype(MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_TYPE))) {
+        if (!st_http_json_ctype(MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_TYPE))) {
             const char *ct = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_TYPE);
             return error_reply(c, r, 415, "invalid_request_error", "unsupported_media_type", NULL,
                                "the request body must be JSON with 'Content-Type: application/json' (got %s%.100s%s)",
@@ -1881,7 +1832,7 @@ strata_status st_server_start(strata_model *m, const st_server_params *params, s
     const unsigned max_conn = params->max_connections ? params->max_connections : DEF_MAX_CONN;
     unsigned threads = params->threads ? params->threads : DEF_THREADS;
     if (threads > max_conn) threads = max_conn; /* each pool thread takes a share of the connections */
-    if (s->host) s->loopback = loopback_host(s->host);
+    if (s->host) s->loopback = st_http_loopback(s->host);
     /* on a loopback address every client is this machine (a benchmark, a proxy): no cap unless asked */
     const unsigned per_client = params->max_connections_per_client < 0 ? 0
                                 : params->max_connections_per_client > 0 ? (unsigned)params->max_connections_per_client
