@@ -13,6 +13,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
+#include <time.h>
 
 #include "engine/runner.h"
 #include "model/llama.h"
@@ -71,7 +73,8 @@ struct st_engine {
     int64_t n_parked;               /* under mu */
     bool parked_abort;              /* one of them was aborted (under mu) */
     kv_ticket *tickets;             /* stepping thread */
-    uint64_t next_ticket;           /* stepping thread */
+    uint64_t next_ticket;           /* stepping thread: a counter, hashed into ticket ids */
+    uint64_t ticket_key;            /* random at init: ticket ids are not guessable from outside */
 };
 
 /* ---- histograms --------------------------------------------------------------------*/
@@ -180,6 +183,11 @@ strata_status st_engine_init(const st_model_files *files, st_backend *be, const 
     e->tok = tok;
     e->vocab = st_tokenizer_vocab_size(tok);
     e->next_id = 1;
+    if (getrandom(&e->ticket_key, sizeof e->ticket_key, 0) != (ssize_t)sizeof e->ticket_key) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        e->ticket_key = ((uint64_t)ts.tv_sec * 1000000007ull) ^ ((uint64_t)ts.tv_nsec << 20) ^ (uint64_t)(uintptr_t)e;
+    }
     pthread_mutex_init(&e->mu, NULL);
     pthread_cond_init(&e->cv, NULL);
     hist_init(&e->m.ttft, TTFT_BOUNDS, NELEM(TTFT_BOUNDS));
@@ -479,7 +487,12 @@ static void do_reserve(st_engine *e, kv_cmd *c) {
         return;
     }
     for (int64_t k = 0; k < res.n_blocks; k++) t->ptrs[k] = st_kv_tiers_host_block(tiers, t->hb[k]);
-    t->id = ++e->next_ticket;
+    do { /* splitmix64 of a keyed counter: unique (a bijection of the counter), never 0 */
+        uint64_t z = e->ticket_key + ++e->next_ticket * 0x9E3779B97F4A7C15ull;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        t->id = z ^ (z >> 31);
+    } while (t->id == 0);
     t->tokens = c->tokens;
     c->tokens = NULL;
     t->n_tokens = c->n_tokens;
