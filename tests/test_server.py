@@ -281,7 +281,10 @@ def test_basic(srv):
     models = cl.models.list()
     check([x.id for x in models.data] == ["smol"], "/v1/models lists the served model")
     st, body, _ = raw(srv, "GET", "/health")
-    check(st == 200 and body == {"status": "ok"}, "/health")
+    check(st == 200 and isinstance(body, dict) and body.get("status") == "ok" and body.get("role") == "both" and
+          set(body) == {"status", "role", "running", "waiting", "kv_blocks_free", "kv_blocks_total",
+                        "queued_prompt_tokens"} and body["kv_blocks_total"] > 0 and body["running"] == 0,
+          "/health: ok, the role and the load figures (%s)" % body)
     m1 = metrics(srv)
     check(http_count(m1, "/v1/chat/completions", 200) - http_count(m0, "/v1/chat/completions", 200) == 5,
           "/metrics counts the chat requests by status")

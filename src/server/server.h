@@ -8,7 +8,10 @@
  *       "stream": true, as server-sent events: `data: {chunk}\n\n` ... then
  *       `data: [DONE]\n\n` (chunked transfer encoding)
  *   GET  /v1/models             the one model served
- *   GET  /health                200 {"status":"ok"} (503 while shutting down)
+ *   GET  /health                200 {"status":"ok","role","running","waiting","kv_blocks_free",
+ *                               "kv_blocks_total","queued_prompt_tokens"} (503 while shutting down)
+ *   POST /pd/reserve, /pd/cancel (--role decode), /pd/prefill (--role prefill): prefill/decode
+ *                               disaggregation (docs/ARCHITECTURE.md; server/pd_node.h)
  *   GET  /metrics               Prometheus text format (names in server.c; stable)
  * An API key, when set, is required on every /v1/ route, /health and /metrics as
  * `Authorization: Bearer KEY` (the scheme in any case; 401 otherwise), unless
