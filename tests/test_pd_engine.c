@@ -157,6 +157,7 @@ static void on_reserved(void *user, strata_status st, const st_engine_kv_reserva
 }
 
 static float *run_reference(tiny *t, const int32_t *prompt, int64_t n, result *out) {
+    free(g_logits);
     g_logits = NULL;
     g_first_pos = -1;
     g_last_pos = -1;
@@ -250,6 +251,7 @@ int main(void) {
         CHECK(rv.calls == 1 && rv.st == STRATA_OK && rv.res.ticket != 0);
         CHECK(rv.res.cached_blocks == 0 && rv.res.n_blocks == FULL && rv.res.layer_bytes == g_layer_bytes &&
               rv.res.n_layers == n_layers && rv.res.block_tokens == BS);
+        free(g_logits);
         g_logits = NULL;
         g_first_pos = g_last_pos = -1;
         result dr = {0};
@@ -335,6 +337,7 @@ int main(void) {
         land(&rv, &pr, n_layers);
         CHECK(st_engine_kv_resolve(D, rv.res.ticket, true) == STRATA_OK);
         CHECK(st_engine_step(D, NULL) == STRATA_OK);
+        free(g_logits);
         g_logits = NULL;
         g_first_pos = g_last_pos = -1;
         result dr = {0};
@@ -374,6 +377,7 @@ int main(void) {
         st_engine_free(noh);
     }
 
+    free(g_logits);
     st_engine_free(P);
     result_free(&pr);
     result_free(&pr2);
