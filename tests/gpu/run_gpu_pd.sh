@@ -6,8 +6,8 @@
 #   2. a Llama-3-8B-shaped bf16 model (mkmodel, with the SmolLM2 tokenizer copied in);
 #   3. correctness on CUDA: 8 greedy requests through router + prefill + decode (both
 #      processes on this GPU) against a single server: texts compared (reported);
-#   4. the copy bandwidth host -> host measured now (the KV path between two processes
-#      of one host: UCX shared memory), for the transfer rate's fraction;
+#   4. the copy bandwidth host -> host measured now, for the transfer rate's fraction, and
+#      the transport alone between two processes (bench_pd_xfer, beside memcpy);
 #   5. bench/pd_bench.py against a single server, then against the router with a
 #      prefill and a decode process sharing the GPU: decode TBT p50/p99 of $STREAMS
 #      streams idle and while $LONG_COUNT prompts of $LONG tokens arrive, the ratio,
@@ -29,7 +29,7 @@ stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 rc=0
 stamp build
 (cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DSTRATA_TESTING=ON > "$OUT/cfg.log" 2>&1 &&
-  cmake --build build-gpu -j 16 --target strata test_pd_xfer test_pd_engine > "$OUT/build.log" 2>&1) ||
+  cmake --build build-gpu -j 16 --target strata test_pd_xfer test_pd_engine bench_pd_xfer > "$OUT/build.log" 2>&1) ||
   { tail -30 "$OUT/cfg.log" "$OUT/build.log"; exit 1; }
 stamp "test_pd_xfer, test_pd_engine"
 STRATA_SRC=$PWD build-gpu/test_pd_xfer > "$OUT/xfer.txt" 2>&1 || rc=1
@@ -71,6 +71,8 @@ for _ in range(3):
     t = time.time(); mv[:] = a; dt = time.time() - t; best = max(best, len(a) / dt / 1e9)
 print('%.2f' % best)")
 echo "host memcpy: $LINK GB/s"
+stamp "the transport alone: bench_pd_xfer (two processes, 32 layer messages of 100 blocks x 64 KiB)"
+timeout -s KILL 60 build-gpu/bench_pd_xfer 32 100 65536 4 | tail -1
 
 stamp "single server"
 start single serve $M "${COMMON[@]}" --kv-mem 16G --prefill-chunk 512
