@@ -8,9 +8,11 @@
  *    same prompt (a prefix hit on that node) exports the same bytes;
  *  - a decode engine reserves host blocks for the prompt, the pieces are
  *    copied into them (what the UCX transfer does), the reservation is
- *    adopted, and the request waiting for the ticket gives the logits of a
- *    single engine that computed the whole prompt, bit for bit, having
- *    computed only the last block's tokens (host-tier hits);
+ *    adopted (the blocks go on to the device before the waiting request is
+ *    admitted: a device hit, nothing loaded in its pass), and the request
+ *    waiting for the ticket gives the logits of a single engine that computed
+ *    the whole prompt, bit for bit, having computed only the last block's
+ *    tokens;
  *  - the request may come before the adoption (it waits, holding nothing) or
  *    after it; a later reservation of the same prompt needs nothing, and of a
  *    longer one only its new blocks;
@@ -275,8 +277,12 @@ int main(void) {
         CHECK(dr.finished == 1 && dr.fin.reason == ST_FINISH_LENGTH && dr.fin.completion_tokens == NGEN);
         CHECK_MSG(dr.fin.cached_tokens == FULL * BS, "cached %lld", (long long)dr.fin.cached_tokens);
         CHECK_MSG(m.prompt_tokens == N - FULL * BS, "computed %lld prompt tokens", (long long)m.prompt_tokens);
-        CHECK(m.prefix_hits_host == FULL * BS && m.pd_adopted == 1 && m.kv_tier.host_reserved == 0 &&
-              m.kv_tier.blocks_adopted == FULL);
+        CHECK(m.pd_adopted == 1 && m.kv_tier.host_reserved == 0 && m.kv_tier.blocks_adopted == FULL);
+        CHECK_MSG(m.prefix_hits_device == FULL * BS && m.prefix_hits_host == 0 &&
+                      m.kv_tier.bytes_h2d == (uint64_t)FULL * (uint64_t)n_layers * g_layer_bytes,
+                  "the adopted blocks reached the device before the admission (device hits %lld, host hits %lld, "
+                  "%llu bytes host -> device)", (long long)m.prefix_hits_device, (long long)m.prefix_hits_host,
+                  (unsigned long long)m.kv_tier.bytes_h2d);
         CHECK(dr.len == ref.len && !memcmp(dr.text, ref.text, ref.len));
         CHECK_MSG(g_first_pos == N - 1 && logits_equal(g_logits, ref_logits, N - 1, N - 1 + NGEN - 1),
                   "the decode node's logits equal the single engine's, bit for bit (first pos %lld)",

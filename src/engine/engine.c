@@ -15,6 +15,7 @@
 #include <string.h>
 #include <sys/random.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "engine/runner.h"
 #include "model/llama.h"
@@ -39,6 +40,7 @@ typedef struct kv_ticket {
     int64_t n_tokens, from, n;
     int64_t *hb;                    /* [n] host blocks */
     void **ptrs;                    /* [n] their memory */
+    st_runner_preload *preload;     /* adopted: its blocks on their way to the device (requests stay parked) */
     struct kv_ticket *next;
 } kv_ticket;
 
@@ -72,6 +74,7 @@ struct st_engine {
     st_seq *parked;                 /* requests waiting for their ticket (under mu) */
     int64_t n_parked;               /* under mu */
     bool parked_abort;              /* one of them was aborted (under mu) */
+    int64_t n_preloading;           /* adopted tickets whose blocks are on their way to the device (under mu) */
     kv_ticket *tickets;             /* stepping thread */
     uint64_t next_ticket;           /* stepping thread: a counter, hashed into ticket ids */
     uint64_t ticket_key;            /* random at init: ticket ids are not guessable from outside */
@@ -301,6 +304,7 @@ static void abort_all(st_engine *e) { finish_all(e, true, ST_FINISH_ABORT, NULL)
 
 static void ticket_free(kv_ticket *t) {
     if (!t) return;
+    ST_ASSERT(!t->preload);
     st_free(t->tokens);
     st_free(t->hb);
     st_free(t->ptrs);
@@ -313,6 +317,9 @@ void st_engine_free(st_engine *e) {
     while (e->tickets) { /* the tiers go with the runner: nothing to give back */
         kv_ticket *t = e->tickets;
         e->tickets = t->next;
+        if (t->preload) st_kv_tiers_drain(st_runner_tiers(e->runner));
+        st_runner_kv_preload_free(e->runner, t->preload);
+        t->preload = NULL;
         ticket_free(t);
     }
     st_runner_free(e->runner);
@@ -377,7 +384,8 @@ strata_status st_engine_abort(st_engine *e, uint64_t id) {
 
 static bool has_work_locked(const st_engine *e) {
     /* parked requests wait for a command (adopt / cancel), which wakes the thread */
-    return e->n_pending > 0 || e->n_live > 0 || e->n_cmds > 0 || (e->n_parked > 0 && e->parked_abort);
+    return e->n_pending > 0 || e->n_live > 0 || e->n_cmds > 0 || (e->n_parked > 0 && e->parked_abort) ||
+           e->n_preloading > 0;
 }
 
 bool st_engine_has_work(st_engine *e) {
@@ -507,18 +515,38 @@ static void do_reserve(st_engine *e, kv_cmd *c) {
 
 /* Adopt (the blocks all landed) or cancel a ticket; its parked requests go
  * to the head of the pending queue, in the order they came. */
+static void unpark(st_engine *e, kv_ticket *t);
+
 static void do_resolve(st_engine *e, kv_cmd *c) {
     kv_ticket **pp = &e->tickets;
     while (*pp && (*pp)->id != c->ticket) pp = &(*pp)->next;
     kv_ticket *t = *pp;
-    if (!t) return; /* resolved already, or never was */
-    *pp = t->next;
+    if (!t || t->preload) return; /* resolved already, or never was */
     st_kv_tiers *tiers = st_runner_tiers(e->runner);
     if (c->kind == CMD_ADOPT) st_kv_tiers_adopt(tiers, t->tokens, t->n_tokens, t->from, t->n, t->hb);
     else st_kv_tiers_unreserve(tiers, t->hb, t->n);
     pthread_mutex_lock(&e->mu);
     if (c->kind == CMD_ADOPT) e->m.pd_adopted++;
     else e->m.pd_cancelled++;
+    pthread_mutex_unlock(&e->mu);
+    /* adopted: the blocks go on to the device now, between passes; the requests waiting for
+     * them stay parked until they are there, so that their admission's pass loads nothing */
+    if (c->kind == CMD_ADOPT && st_runner_kv_preload(e->runner, t->tokens, t->n_tokens, &t->preload) != STRATA_OK)
+        st_log(STRATA_LOG_WARN, "engine: kv preload: %s (the admission loads the blocks)", st_last_error());
+    if (t->preload) {
+        pthread_mutex_lock(&e->mu);
+        e->n_preloading++;
+        pthread_mutex_unlock(&e->mu);
+        return;
+    }
+    *pp = t->next;
+    unpark(e, t);
+}
+
+/* Ticket t is over (taken out of the list): its parked requests to the head of the
+ * pending queue, in the order they came; t freed. */
+static void unpark(st_engine *e, kv_ticket *t) {
+    pthread_mutex_lock(&e->mu);
     st_seq *mine = NULL, **mtail = &mine; /* newest first, like parked: pushed below, they end oldest first */
     for (st_seq **sp = &e->parked; *sp;) {
         st_seq *s = *sp;
@@ -546,6 +574,20 @@ static void do_resolve(st_engine *e, kv_cmd *c) {
 }
 
 static void step_commands(st_engine *e) {
+    /* adopted tickets whose blocks reached the device: their requests go on */
+    for (kv_ticket **pp = &e->tickets; *pp;) {
+        kv_ticket *t = *pp;
+        if (!t->preload || !st_runner_kv_preload_poll(e->runner, t->preload)) {
+            pp = &t->next;
+            continue;
+        }
+        t->preload = NULL;
+        *pp = t->next;
+        pthread_mutex_lock(&e->mu);
+        e->n_preloading--;
+        pthread_mutex_unlock(&e->mu);
+        unpark(e, t);
+    }
     pthread_mutex_lock(&e->mu);
     kv_cmd *c = e->cmd_head;
     e->cmd_head = e->cmd_tail = NULL;
@@ -787,7 +829,9 @@ static void *engine_thread(void *arg) {
         const bool stop = e->thread_stop;
         pthread_mutex_unlock(&e->mu);
         if (stop) break;
-        st_engine_step(e, NULL);
+        bool worked = false;
+        st_engine_step(e, &worked);
+        if (!worked) usleep(200); /* only copies in flight (a P-D preload): poll, not spin */
     }
     return NULL;
 }

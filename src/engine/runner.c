@@ -761,3 +761,57 @@ void st_runner_kv_layout(const st_runner *r, int64_t *n_layers, size_t *layer_by
 }
 
 uint64_t st_runner_kv_identity(const st_runner *r) { return r->identity; }
+
+/* ---- P-D: adopted blocks to the device ahead of the admission --------------------------------*/
+struct st_runner_preload {
+    st_block_table tbl;      /* the device prefix taken + the preloaded blocks, held until there */
+    int32_t *tokens;
+    int64_t n_tokens, n_done; /* n_done: positions that will be computed (cached + preloaded) */
+    uint64_t ticket;
+};
+
+strata_status st_runner_kv_preload(st_runner *r, const int32_t *tokens, int64_t n_tokens, st_runner_preload **out) {
+    *out = NULL;
+    if (!r->tiers) return STRATA_OK;
+    st_runner_preload *p = st_calloc(1, sizeof *p);
+    if (!p || !(p->tokens = st_malloc((size_t)n_tokens * sizeof *tokens))) {
+        st_free(p);
+        return st_err(STRATA_ERR_NOMEM, "kv preload: out of memory");
+    }
+    memcpy(p->tokens, tokens, (size_t)n_tokens * sizeof *tokens);
+    p->n_tokens = n_tokens;
+    st_block_table_init(&p->tbl);
+    const int64_t bs = r->p.kv_block_size;
+    int64_t cached = 0;
+    strata_status st = st_bm_seq_start(r->bm, &p->tbl, tokens, n_tokens, &cached);
+    const int64_t avail = st ? 0 : st_kv_tiers_lookup(r->tiers, tokens, n_tokens, cached / bs);
+    if (!st && avail > 0 && st_bm_can_append(r->bm, &p->tbl, avail * bs) &&
+        (st = st_bm_append_slots(r->bm, &p->tbl, avail * bs)) == STRATA_OK) {
+        st = st_kv_tiers_preload(r->tiers, tokens, n_tokens, cached / bs, avail, p->tbl.blocks + cached / bs,
+                                 &p->ticket);
+        if (!st) {
+            p->n_done = cached + avail * bs;
+            *out = p;
+            return STRATA_OK;
+        }
+    }
+    if (st) st_kv_tiers_drain(r->tiers); /* copies of a failed batch may have been issued: done before the blocks go */
+    st_runner_kv_preload_free(r, p); /* nothing to bring, no room, or a copy error: the admission loads */
+    return st;
+}
+
+bool st_runner_kv_preload_poll(st_runner *r, st_runner_preload *p) {
+    if (!st_kv_tiers_copied(r->tiers, p->ticket)) return false;
+    /* there: registered (the chain's hashes) and released, cached for the admission */
+    ST_ASSERT(st_bm_commit(r->bm, &p->tbl, p->tokens, p->n_done) == STRATA_OK);
+    st_runner_kv_preload_free(r, p);
+    return true;
+}
+
+void st_runner_kv_preload_free(st_runner *r, st_runner_preload *p) {
+    if (!p) return;
+    st_bm_seq_free(r->bm, &p->tbl); /* not committed: the preloaded blocks go back FREE */
+    st_block_table_free(&p->tbl);
+    st_free(p->tokens);
+    st_free(p);
+}

@@ -154,6 +154,18 @@ st_kv_tiers *st_runner_tiers(st_runner *r);
  * layer (layers, bytes: kv/kv_pool.h st_kv_block_layout). */
 int64_t st_runner_prefix_blocks(const st_runner *r, const int32_t *tokens, int64_t n_tokens);
 void st_runner_kv_layout(const st_runner *r, int64_t *n_layers, size_t *layer_bytes);
+/* P-D: a decode node's adopted blocks brought to the device ahead of the
+ * admission of their request: the host-tier blocks of tokens' full blocks
+ * (after the device prefix) are copied into device blocks held privately;
+ * st_runner_kv_preload_poll returns true once they are there (they are then
+ * registered in the device prefix cache and released: the admission finds
+ * them as a device hit, its pass loads nothing) and frees the preload.
+ * *out NULL: nothing to bring (or no room in the pool: the admission loads
+ * them as usual). st_runner_kv_preload_free drops one not done (shutdown). */
+typedef struct st_runner_preload st_runner_preload;
+strata_status st_runner_kv_preload(st_runner *r, const int32_t *tokens, int64_t n_tokens, st_runner_preload **out);
+bool st_runner_kv_preload_poll(st_runner *r, st_runner_preload *p);
+void st_runner_kv_preload_free(st_runner *r, st_runner_preload *p);
 /* st_runner_model_identity of this runner's files and pool (computed at init). */
 uint64_t st_runner_kv_identity(const st_runner *r);
 /* Drops every block of the device prefix cache that no sequence holds

@@ -1093,6 +1093,46 @@ int64_t st_kv_tiers_adopt(st_kv_tiers *t, const int32_t *tokens, int64_t n_token
     return adopted;
 }
 
+/* ---- ahead of an admission: host blocks into device blocks now ------------------------*/
+
+strata_status st_kv_tiers_preload(st_kv_tiers *t, const int32_t *tokens, int64_t n_tokens, int64_t from_block,
+                                  int64_t n, const int32_t *dev_blocks, uint64_t *ticket) {
+    *ticket = 0;
+    if (!t || n <= 0) return STRATA_OK;
+    ST_ASSERT(n <= st_kv_tiers_lookup(t, tokens, n_tokens, from_block));
+    xfer *x = st_malloc((size_t)n * sizeof *x);
+    if (!x) return st_err(STRATA_ERR_NOMEM, "kv tiers preload: out of memory");
+    uint64_t h = chain_to(t, tokens, from_block);
+    for (int64_t k = 0; k < n; k++) {
+        const int32_t *blk = tokens + (from_block + k) * t->bs;
+        const uint64_t hi = st_kv_hash_tokens(blk, t->bs, h);
+        const int64_t e = find(t, hi, h, blk);
+        ST_ASSERT(e != NIL && t->ent[e].host != NIL);
+        x[k] = (xfer){.dev = dev_blocks[k], .host = t->ent[e].host};
+        hlru_touch(t, e);
+        h = hi;
+    }
+    strata_status st = STRATA_OK;
+    int64_t calls = 0;
+    for (int64_t l = 0; l < t->L && !st; l++) st = copy_layer(t, x, n, l, false, &calls);
+    uint64_t tk = 0;
+    if (!st) st = end_batch(t, &tk);
+    if (!st) {
+        for (int64_t k = 0; k < n; k++) t->host_busy[x[k].host] = tk; /* read until the batch completes */
+        t->st.copies_h2d += calls;
+        t->st.bytes_h2d += (uint64_t)n * (uint64_t)(t->layer_bytes * (size_t)t->L);
+        *ticket = tk;
+    }
+    st_free(x);
+    return st;
+}
+
+bool st_kv_tiers_copied(st_kv_tiers *t, uint64_t ticket) {
+    if (!t) return true;
+    if (poll_copies(t) != STRATA_OK) return false;
+    return t->done_ticket >= ticket;
+}
+
 /* ---- around a pass ---------------------------------------------------------------*/
 
 /* This step's loads, layer by layer, each layer's event handed to the pool;

@@ -153,6 +153,17 @@ void *st_kv_tiers_host_block(const st_kv_tiers *t, int64_t host_block);
 int64_t st_kv_tiers_adopt(st_kv_tiers *t, const int32_t *tokens, int64_t n_tokens, int64_t from_block, int64_t n,
                           const int64_t *host_blocks);
 
+/* A decode node's adopted blocks, brought to the device ahead of their
+ * request's admission (so that its pass does not wait for ~1 GB of loads):
+ * blocks [from_block, from_block + n) of tokens, all in the host tier
+ * (st_kv_tiers_lookup), into device blocks dev_blocks[0..n) now, on the copy
+ * stream, between passes (nothing waits for them: the caller holds the device
+ * blocks privately until st_kv_tiers_copied(ticket) says they are there).
+ * *ticket: the copies' batch. */
+strata_status st_kv_tiers_preload(st_kv_tiers *t, const int32_t *tokens, int64_t n_tokens, int64_t from_block,
+                                  int64_t n, const int32_t *dev_blocks, uint64_t *ticket);
+bool st_kv_tiers_copied(st_kv_tiers *t, uint64_t ticket);
+
 /* ---- runner: around one pass ------------------------------------------------------
  * Before the pass, on `compute` (the model's stream): issues the device ->
  * host copies of blocks the device evicted this step (lazy offload) and makes
