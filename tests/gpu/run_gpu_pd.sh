@@ -12,7 +12,11 @@
 #      prefill and a decode process sharing the GPU: decode TBT p50/p99 of $STREAMS
 #      streams idle and while $LONG_COUNT prompts of $LONG tokens arrive, the ratio,
 #      the long prompts' TTFT, the KV moved and its rate.
-# Logs: $OUT (default /tmp/pd). DEADLINE (default 560 s) skips what would end later.
+# TWO_GPU=1 (a machine with two GPUs): the prefill process on GPU 0, the decode process on
+# GPU 1 (CUDA_VISIBLE_DEVICES), the single server on GPU 0; the GPU 0 -> GPU 1 copy
+# bandwidth is measured too (PyTorch). The KV still crosses host memory (UCX 1.13 from
+# Debian has no CUDA support): device -> pinned host -> UCX -> host tier -> device.
+# Logs: $OUT (default /tmp/pd).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source scripts/device-env.sh
@@ -75,7 +79,11 @@ stamp "the transport alone: bench_pd_xfer (two processes, 32 layer messages of 1
 timeout -s KILL 60 build-gpu/bench_pd_xfer 32 100 65536 4 | tail -1
 
 stamp "single server"
-start single serve $M "${COMMON[@]}" --kv-mem 16G --prefill-chunk 512
+if [ "${TWO_GPU:-0}" = 1 ]; then
+  CUDA_VISIBLE_DEVICES=0 start single serve $M "${COMMON[@]}" --kv-mem 16G --prefill-chunk 512
+else
+  start single serve $M "${COMMON[@]}" --kv-mem 16G --prefill-chunk 512
+fi
 SPORT=$PORT
 python3 bench/pd_bench.py --url http://127.0.0.1:$SPORT --streams $STREAMS --decode-len $DECODE_LEN \
   --long-prompt $LONG --long-count $LONG_COUNT --long-every $LONG_EVERY --label single --json "$OUT/single.json" || rc=1
@@ -93,10 +101,26 @@ EOF
 stop_all
 
 stamp "P-D: prefill + decode on this GPU, router"
-start prefill serve $M "${COMMON[@]}" --kv-mem 4G --prefill-chunk 2048 --role prefill
-PPORT=$PORT
-start decode serve $M "${COMMON[@]}" --kv-mem 12G --prefill-chunk 512 --role decode
-DPORT=$PORT
+if [ "${TWO_GPU:-0}" = 1 ]; then
+  python3 -c "
+import torch, time
+a = torch.empty(1 << 30, dtype=torch.uint8, device='cuda:0'); b = torch.empty_like(a, device='cuda:1')
+for _ in range(3): b.copy_(a)
+torch.cuda.synchronize('cuda:0'); torch.cuda.synchronize('cuda:1'); t = time.time()
+for _ in range(10): b.copy_(a)
+torch.cuda.synchronize('cuda:0'); torch.cuda.synchronize('cuda:1')
+print('GPU 0 -> GPU 1 copy: %.1f GB/s (peer access: %s)' % (10 * a.numel() / (time.time() - t) / 1e9, torch.cuda.can_device_access_peer(0, 1)))
+" 2>&1 | tail -1
+  CUDA_VISIBLE_DEVICES=0 start prefill serve $M "${COMMON[@]}" --kv-mem 16G --prefill-chunk 2048 --role prefill
+  PPORT=$PORT
+  CUDA_VISIBLE_DEVICES=1 start decode serve $M "${COMMON[@]}" --kv-mem 16G --prefill-chunk 512 --role decode
+  DPORT=$PORT
+else
+  start prefill serve $M "${COMMON[@]}" --kv-mem 4G --prefill-chunk 2048 --role prefill
+  PPORT=$PORT
+  start decode serve $M "${COMMON[@]}" --kv-mem 12G --prefill-chunk 512 --role decode
+  DPORT=$PORT
+fi
 build-gpu/strata router --port 0 --prefill http://127.0.0.1:$PPORT --decode http://127.0.0.1:$DPORT \
   > "$OUT/router.out" 2> "$OUT/router.log" &
 PIDS+=($!)
