@@ -35,8 +35,10 @@ cmake --build build-asan -j "$JOBS"
 cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DSTRATA_TSAN=ON -DSTRATA_TESTING=ON >/dev/null
 cmake --build build-tsan -j "$JOBS"
 TSAN_TESTS='^(test_backend_cpu|test_backend_paged|test_scheduler|test_runner|test_engine|test_weights_stream|test_kv_ssd|test_kv_tiers|test_api|test_server.*|test_router|test_pd_engine|test_pd_xfer)$'
-# UCX_MEM_EVENTS=no: UCX's memory hooks (libucm, loaded with the KV transport of P-D) crash
-# under ThreadSanitizer as the program starts; the transport works without them.
+# UCX_MEM_EVENTS=no: UCX's memory hooks (libucm, loaded with the KV transport of P-D: it
+# intercepts madvise, which an exiting thread calls after TSan dropped its state) crash
+# under ThreadSanitizer; UCX needs them only for its registration cache, unused by TCP and
+# shared memory, and reads the setting when it is loaded.
 (cd build-tsan && TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 UCX_MEM_EVENTS=no \
   ctest --output-on-failure -j "$JOBS" --timeout 400 -R "$TSAN_TESTS")
 

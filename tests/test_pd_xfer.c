@@ -936,17 +936,6 @@ static void check_bad_args(pd_xfer *rcv, pd_peer *p, pd_xfer *snd) {
 }
 
 int main(int argc, char **argv) {
-    /* ThreadSanitizer and UCX's memory hooks (libucm intercepts madvise,
-     * which an exiting thread calls after TSan dropped its state) crash
-     * together: a TSan build runs without them (UCX needs them only for its
-     * registration cache, unused by TCP and shared memory); UCX reads the
-     * setting when it is loaded: this binary starts again with it */
-    if (TEST_TSAN && !getenv("UCX_MEM_EVENTS")) {
-        setenv("UCX_MEM_EVENTS", "no", 1);
-        execv("/proc/self/exe", argv);
-        perror("execv /proc/self/exe");
-        return 1;
-    }
     if (argc == 2 && strcmp(argv[1], "--receiver") == 0) return receiver_main();
     g_log_print = getenv("STRATA_LOG") != NULL;
     st_log_set(on_log, NULL, g_log_print ? STRATA_LOG_DEBUG : STRATA_LOG_WARN);

@@ -39,8 +39,6 @@ struct pd_node {
     pd_xfer *x;
     char *addr_hex;
     char identity_hex[24];
-    int64_t n_layers;
-    size_t layer_bytes;
 
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -410,8 +408,6 @@ strata_status pd_node_create(strata_model *m, pd_role role, double timeout_s, pd
     n->m = m;
     n->role = role;
     n->timeout_s = timeout_s;
-    n->n_layers = info.kv_layers;
-    n->layer_bytes = info.kv_layer_bytes;
     snprintf(n->identity_hex, sizeof n->identity_hex, "%016llx", (unsigned long long)info.kv_identity);
     pthread_mutex_init(&n->mu, NULL);
     pthread_cond_init(&n->cv, NULL);

@@ -1451,13 +1451,13 @@ static enum MHD_Result prefill_continue(struct MHD_Connection *c, req *r) {
     const pd_prefill_result *p = &r->pd_pre;
     if (p->st)
         return error_reply(c, r, 502, "server_error", "kv_transfer_failed", NULL, "%s", p->error);
-    char *b = NULL;
     st_strbuf sb = {0};
-    if (st_strbuf_printf(&sb, "{\"bytes\":%llu,\"messages\":%lld,\"seconds\":%.6f}", (unsigned long long)p->bytes,
-                         (long long)p->messages, p->seconds))
-        b = sb.p;
-    if (!b) return error_reply(c, r, 500, "server_error", NULL, NULL, "out of memory");
-    return reply_json(c, r, 200, b, NULL);
+    if (!st_strbuf_printf(&sb, "{\"bytes\":%llu,\"messages\":%lld,\"seconds\":%.6f}", (unsigned long long)p->bytes,
+                          (long long)p->messages, p->seconds)) {
+        st_strbuf_free(&sb);
+        return error_reply(c, r, 500, "server_error", NULL, NULL, "out of memory");
+    }
+    return reply_json(c, r, 200, sb.p, NULL);
 }
 
 /* POST /pd/cancel {"ticket"} (decode) */
