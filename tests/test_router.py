@@ -34,7 +34,9 @@ Checks:
   - 24 concurrent clients: every answer whole, spread over the decode nodes by load;
   - a client leaving mid-stream closes the decode node's request and cancels its ticket;
   - SIGTERM with a stream in flight: the stream ends with an error event and
-    [DONE], exit 0, promptly.
+    [DONE], exit 0, promptly;
+  - without --prefill: whole requests balanced over plain servers, no reserve,
+    no ticket header, a failing server's request served by the other.
 About 35 s (the hanging node's bound runs beside the rest).
 """
 import http.client
@@ -260,7 +262,9 @@ class Router:
         os.makedirs(TMP, exist_ok=True)
         self.log_path = os.path.join(TMP, "test_router_%s.log" % tag)
         self.log = open(self.log_path, "w")
-        cmd = [BIN, "router", "--port", "0", "--prefill", ",".join(prefill), "--decode", ",".join(decode)]
+        cmd = [BIN, "router", "--port", "0", "--decode", ",".join(decode)]
+        if prefill:
+            cmd += ["--prefill", ",".join(prefill)]
         self.proc = subprocess.Popen(cmd + list(extra), stdout=subprocess.PIPE, stderr=self.log,
                                      env=dict(os.environ, STRATA_LOG="info"))
         line = b""
@@ -751,6 +755,42 @@ def finish_hang(D, P, r, t, res):
     P.close()
 
 
+def test_balance(D1, D2):
+    """No --prefill: whole requests balanced over the servers; no reserve, no ticket, answers byte for byte."""
+    for n in (D1, D2):
+        n.clear()
+        n.mode.clear()
+        n.health["running"] = 0
+    r = Router([], [D1.url, D2.url], tag="balance")
+    try:
+        D1.mode["delay"] = D2.mode["delay"] = 0.3
+        body = {"model": "smol", "prompt": "x" * 40, "max_tokens": 4, "stream": True}
+        out = [None] * 8
+
+        def one(i):
+            out[i] = stream(r.port, "/v1/completions", body)
+
+        ts = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        check(all(o is not None and o[0] == 200 and o[3] == b"".join(CHUNKS) for o in out),
+              "balancing: 8 concurrent streams, every one byte for byte")
+        g1, g2 = len(D1.recs("/v1/completions")), len(D2.recs("/v1/completions"))
+        check(g1 + g2 == 8 and g1 >= 2 and g2 >= 2, "balancing: 8 requests over both servers (%d + %d)" % (g1, g2))
+        check(not D1.recs("/pd/reserve") and not D2.recs("/pd/reserve"), "balancing: no /pd/reserve")
+        check(all("X-Strata-PD-Ticket" not in rec[1] for n in (D1, D2) for rec in n.recs("/v1/completions")),
+              "balancing: no ticket header")
+        D1.mode["gen"] = "reset"  # D1 fails before a byte: the request goes to D2
+        st, _, b = request(r.port, "POST", "/v1/completions", {"prompt": "y", "max_tokens": 2})
+        check(st == 200 and b == WHOLE, "balancing: a server failing before its answer -> the other (%d)" % st)
+    finally:
+        D1.mode.clear()
+        D2.mode.clear()
+        r.stop()
+
+
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--fake-prefill":
         fake_prefill_process()
@@ -764,9 +804,11 @@ def main():
         D1.mode.clear()
         test_prefill_failover(D1)
         test_prefill_killed(D1)
+        D1.mode.clear()
+        test_balance(D1, D2)
         # usage errors
-        p = subprocess.run([BIN, "router", "--decode", D1.url], capture_output=True, text=True)
-        check(p.returncode == 2 and "--prefill is required" in p.stderr, "no --prefill: exit 2, named")
+        p = subprocess.run([BIN, "router", "--prefill", P1.url], capture_output=True, text=True)
+        check(p.returncode == 2 and "--decode is required" in p.stderr, "no --decode: exit 2, named")
         p = subprocess.run([BIN, "router", "--prefill", "ftp://x", "--decode", D1.url], capture_output=True, text=True)
         check(p.returncode == 2 and "--prefill" in p.stderr and "ftp://x" in p.stderr, "a bad URL: exit 2, named")
         p = subprocess.run([BIN, "router", "--help"], capture_output=True, text=True)

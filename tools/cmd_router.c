@@ -19,7 +19,7 @@
 
 static void router_usage(FILE *f) {
     fprintf(f,
-            "usage: strata router --prefill URL[,URL...] --decode URL[,URL...] [options]\n"
+            "usage: strata router [--prefill URL[,URL...]] --decode URL[,URL...] [options]\n"
             "The front of prefill/decode disaggregation: serves the OpenAI-compatible API of strata serve\n"
             "(POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics)\n"
             "and holds no model. Each generation request is reserved on a decode node (strata serve --role\n"
@@ -30,9 +30,12 @@ static void router_usage(FILE *f) {
             "passed to the client byte for byte, streams as they come. Failed nodes are retried elsewhere;\n"
             "when no prefill node can do a prompt, the decode node computes it. Prints \"listening on\n"
             "http://HOST:PORT\" when ready; SIGINT or SIGTERM stops it (requests in flight are ended: a\n"
-            "stream with an error event and [DONE]) and it exits 0.\n\n"
-            "  --prefill URL[,URL...]   prefill nodes' base URLs (http://HOST:PORT); required\n"
-            "  --decode URL[,URL...]    decode nodes' base URLs; required (at most %d nodes of each role)\n"
+            "stream with an error event and [DONE]) and it exits 0. Without --prefill it balances whole\n"
+            "requests over the --decode URLs, which may be plain servers (strata serve, any role): the same\n"
+            "choice of node, retries and pass-through, no prefill/decode split.\n\n"
+            "  --prefill URL[,URL...]   prefill nodes' base URLs (http://HOST:PORT)\n"
+            "  --decode URL[,URL...]    decode nodes' (or plain servers') base URLs; required (at most %d\n"
+            "                           nodes of each role)\n"
             "  --host HOST              address to bind (default 127.0.0.1: this machine only)\n"
             "  --port N                 port (default 8080; 0: any free port, printed)\n"
             "  --api-key KEY            require 'Authorization: Bearer KEY' on /v1/*, /health and /metrics\n"
@@ -165,8 +168,8 @@ static int parse_args(int argc, char **argv, router_opts *o) {
         fprintf(stderr, "strata router: unexpected argument '%s'\n", a);
         return -1;
     }
-    if (!o->n[0] || !o->n[1]) {
-        fprintf(stderr, "strata router: %s is required\n", !o->n[0] ? "--prefill" : "--decode");
+    if (!o->n[1]) {
+        fprintf(stderr, "strata router: --decode is required\n");
         return -1;
     }
     return 1;
@@ -178,7 +181,7 @@ int cmd_router(int argc, char **argv) {
     const int pr = parse_args(argc, argv, &o);
     if (pr <= 0) {
         free_opts(&o);
-        if (pr < 0) fprintf(stderr, "usage: strata router --prefill URL[,URL...] --decode URL[,URL...] "
+        if (pr < 0) fprintf(stderr, "usage: strata router [--prefill URL[,URL...]] --decode URL[,URL...] "
                                     "[options]  (--help for more)\n");
         return pr < 0 ? 2 : 0;
     }
@@ -202,8 +205,12 @@ int cmd_router(int argc, char **argv) {
         free_opts(&o);
         return 1;
     }
-    fprintf(stderr, "strata: router ready: %d prefill node(s), %d decode node(s), --pd-timeout %g s%s\n", o.n[0],
-            o.n[1], o.pd_timeout, o.api_key && o.api_key[0] ? ", API key required" : "");
+    if (o.n[0])
+        fprintf(stderr, "strata: router ready: %d prefill node(s), %d decode node(s), --pd-timeout %g s%s\n", o.n[0],
+                o.n[1], o.pd_timeout, o.api_key && o.api_key[0] ? ", API key required" : "");
+    else
+        fprintf(stderr, "strata: router ready: balancing whole requests over %d server(s)%s\n", o.n[1],
+                o.api_key && o.api_key[0] ? ", API key required" : "");
     const bool v6 = strchr(o.host, ':') != NULL;
     printf("listening on http://%s%s%s:%d\n", v6 ? "[" : "", o.host, v6 ? "]" : "", st_router_port(r));
     fflush(stdout);

@@ -715,14 +715,14 @@ static void gen_free(gen *g) {
 }
 
 static bool gen_start_transfer(gen *g) {
-    char th[80];
+    char th[80]; /* no ticket (a plain server behind the router, or no prefill nodes): no header */
     snprintf(th, sizeof th, "X-Strata-PD-Ticket: %s", g->ticket);
     memset(&g->rb, 0, sizeof g->rb);
     g->off = 0;
     g->xfer_done = g->timed_out = false;
     g->m = curl_multi_init();
-    g->h = g->m ? hop_handle(g->r, g->r->nodes[g->d].url, g->path, g->body, g->len, g->ctype, th, &g->rb, &g->hdrs,
-                             NULL)
+    g->h = g->m ? hop_handle(g->r, g->r->nodes[g->d].url, g->path, g->body, g->len, g->ctype, g->ticket[0] ? th : NULL,
+                             &g->rb, &g->hdrs, NULL)
                 : NULL;
     if (!g->h || curl_multi_add_handle(g->m, g->h) != CURLM_OK) return false;
     g->started = now_s();
@@ -896,6 +896,7 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *q) {
         r->nodes[d].inflight++;
         pthread_mutex_unlock(&r->mu);
         g->inflight = true;
+        if (r->p.n_prefill == 0) goto generate; /* balancing whole requests: no reserve, no prefill */
         /* 1. reserve */
         reply_buf rv;
         const CURLcode res = hop(r, r->nodes[d].url, "/pd/reserve", reserve, strlen(reserve), RESERVE_TIMEOUT_S,
@@ -1018,7 +1019,7 @@ static enum MHD_Result handle_generate(struct MHD_Connection *c, req *q) {
         }
         cJSON_Delete(rj);
         st_strbuf_free(&rv.body);
-        /* 3. the generation on d */
+    generate: /* 3. the generation on d */
         if (!gen_start_transfer(g)) {
             gen_release(g, true);
             ret = error_reply(c, q, 500, "server_error", NULL, NULL, "out of memory");
@@ -1360,7 +1361,8 @@ strata_status st_router_start(const st_router_params *p, st_router **out) {
     r->p.prefill = r->p.decode = NULL;
     r->p.host = r->p.api_key = r->p.node_api_key = NULL;
     strata_status st = STRATA_OK;
-    if (!add_nodes(r, p->decode, p->n_decode, ROLE_DECODE) || !add_nodes(r, p->prefill, p->n_prefill, ROLE_PREFILL)) {
+    if (!add_nodes(r, p->decode, p->n_decode, ROLE_DECODE) ||
+        (p->n_prefill > 0 && !add_nodes(r, p->prefill, p->n_prefill, ROLE_PREFILL))) {
         st = STRATA_ERR_INVALID_ARG;
         goto fail;
     }

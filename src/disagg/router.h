@@ -41,6 +41,9 @@
  * pd_timeout; the generation: its first byte within pd_timeout
  * + 30 s, then at most 300 s between bytes. A client that goes away aborts
  * the upstream requests (and cancels the ticket).
+ * Without prefill nodes (n_prefill 0) the router balances whole requests over
+ * the decode nodes, which may be plain servers (any --role): step 3 alone, no
+ * ticket, the same choice of node, retries and pass-through.
  * Threads: libmicrohttpd, one thread per connection (a request blocks its own
  * thread while it waits for a node); the health thread; one thread per
  * prefill job.
@@ -59,7 +62,8 @@ extern "C" {
 typedef struct st_router st_router;
 
 typedef struct {
-    const char *const *prefill; /* base URLs ("http://127.0.0.1:8081"), at least one */
+    const char *const *prefill; /* base URLs ("http://127.0.0.1:8081"); none: whole requests balanced
+                                   over the decode nodes (see above) */
     int n_prefill;
     const char *const *decode;  /* at least one */
     int n_decode;
