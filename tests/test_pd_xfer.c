@@ -326,6 +326,34 @@ static void check_transfer(pd_xfer *snd, pd_xfer *rcv, pd_peer *p, uint64_t id, 
     tk_free(&t);
 }
 
+/* The same into one layer-major region (pd_xfer_expect_at): block k's layer l at
+ * base + l * stride + k * lb, the stride padded; the padding stays untouched. */
+static void check_transfer_at(pd_xfer *snd, pd_xfer *rcv, pd_peer *p, uint64_t id, int64_t L, int64_t N, size_t lb,
+                              int max_run, const char *what) {
+    tk t;
+    tk_init(&t, id, L, N, lb, 1, 0);
+    const size_t stride = (size_t)N * lb + 4096;
+    uint8_t *base = malloc((size_t)L * stride);
+    memset(base, 0xA5, (size_t)L * stride);
+    CHECK(pd_xfer_expect_at(rcv, id, L, lb, 1, N, base, stride, false, on_done, &t.done) == STRATA_OK);
+    batch b = {0};
+    const int msgs = tk_send_all(snd, p, &t, &b, 1, max_run, id);
+    CHECK_MSG(wait_int(&t.done.n_ok, 1, 10), "%s: no on_done", what);
+    CHECK(batch_wait(&b, 10));
+    CHECK(get_int(&t.done.n_err) == 0 && b.n_ok == msgs && b.n_err == 0);
+    bool same = true, pad = true;
+    for (int64_t l = 0; l < L; l++) {
+        for (int64_t k = 0; k < N; k++)
+            same = same && memcmp(base + (size_t)l * stride + (size_t)k * lb, t.src[k] + (size_t)l * lb, lb) == 0;
+        pad = pad && all_bytes(base + (size_t)l * stride + (size_t)N * lb, 4096, 0xA5);
+    }
+    CHECK_MSG(same, "%s: bytes differ", what);
+    CHECK_MSG(pad, "%s: bytes written outside the blocks", what);
+    pd_xfer_forget(rcv, id);
+    free(base);
+    tk_free(&t);
+}
+
 static void check_transfers(pd_xfer *snd, pd_xfer *rcv, pd_peer *p) {
     pd_xfer_stats r0, r1;
     pd_xfer_get_stats(rcv, &r0);
@@ -932,6 +960,16 @@ static void check_bad_args(pd_xfer *rcv, pd_peer *p, pd_xfer *snd) {
     CHECK_ERR(pd_xfer_send(snd, NULL, &h, buf, 8, NULL, NULL), STRATA_ERR_INVALID_ARG, "peer is NULL");
     CHECK_ERR(pd_xfer_send(snd, p, &h, NULL, 8, NULL, NULL), STRATA_ERR_INVALID_ARG, "data is NULL");
     CHECK_ERR(pd_xfer_send(rcv, p, &h, buf, 8, NULL, NULL), STRATA_ERR_INVALID_ARG, "another pd_xfer");
+    CHECK_ERR(pd_xfer_expect_at(rcv, 9, 2, 16, 0, 2, buf, 31, false, on_done, &d), STRATA_ERR_INVALID_ARG,
+              "layer stride 31 < 2 blocks x 16 bytes");
+    CHECK_ERR(pd_xfer_expect_at(rcv, 9, 2, 16, 0, 2, NULL, 32, false, on_done, &d), STRATA_ERR_INVALID_ARG,
+              "base is NULL");
+    if (!pd_xfer_cuda(rcv)) { /* this UCX moves host memory only (Debian's): CUDA memory is refused, named */
+        CHECK_ERR(pd_xfer_expect_at(rcv, 9, 1, 16, 0, 2, buf, 32, true, on_done, &d), STRATA_ERR_INVALID_ARG,
+                  "no CUDA support");
+        h.flags = PD_MSG_F_CUDA;
+        CHECK_ERR(pd_xfer_send(snd, p, &h, buf, 8, NULL, NULL), STRATA_ERR_INVALID_ARG, "no CUDA support");
+    }
     pd_xfer_destroy(NULL);
 }
 
@@ -961,6 +999,9 @@ int main(int argc, char **argv) {
         base += 100;
     }
     check_retry_over_live_attempt(snd, rcv, p);
+    printf("layer-major destinations\n");
+    check_transfer_at(snd, rcv, p, 8000, 3, 7, 1024, 3, "layer-major, eager");
+    check_transfer_at(snd, rcv, p, 8001, 3, 7, 160 << 10, 3, "layer-major, rendezvous");
     printf("addresses and arguments\n");
     check_bad_addresses(snd, rcv);
     check_bad_args(rcv, p, snd);

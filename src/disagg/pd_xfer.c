@@ -64,7 +64,10 @@ typedef struct pd_ticket {
     uint64_t id;
     int64_t n_layers, from_block, n_blocks;
     size_t layer_bytes;
-    uint8_t **dst;
+    uint8_t **dst;        /* host layout: block k's layer l at dst[k] + l * layer_bytes; or NULL: */
+    uint8_t *base;        /* layer-major: block k's layer l at base + l * stride + k * layer_bytes */
+    size_t stride;
+    bool cuda;            /* base is CUDA device memory */
     pd_xfer_done_fn on_done;
     void *user;
     /* transport thread only: */
@@ -120,8 +123,10 @@ typedef struct pd_recv {
     uint32_t attempt;
     int64_t n;
     uint64_t checksum, bytes;
+    bool check;        /* the checksum is compared once the data landed */
     double t0;
-    ucp_dt_iov_t *iov; /* n entries; UCX reads it until the receive completes */
+    ucp_dt_iov_t *iov; /* n entries (host layout); UCX reads it until the receive completes;
+                          layer-major: 1 entry, the contiguous region (not handed to UCX) */
 } pd_recv;
 
 enum { CMD_SEND, CMD_CONNECT, CMD_FORGET };
@@ -149,6 +154,7 @@ struct pd_xfer {
     size_t address_len;
     pthread_t thread;
     bool thread_started;
+    bool cuda; /* UCX moves CUDA memory (its context lists the type) */
 
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -313,7 +319,7 @@ static void recv_finish(pd_recv *r, ucs_status_t status) {
     pd_ticket *t = r->t;
     const double secs = st_time_now() - r->t0;
     /* the hash reads memory the ticket still owns (inflight > 0 keeps it) */
-    const bool sum_ok = status == UCS_OK && hash_iov(r->iov, r->n) == r->checksum;
+    const bool sum_ok = status == UCS_OK && (!r->check || hash_iov(r->iov, r->t->dst ? r->n : 1) == r->checksum);
     pd_notice n = {0};
     pthread_mutex_lock(&x->mu);
     t->inflight--;
@@ -460,16 +466,24 @@ static ucs_status_t am_cb(void *arg, const void *header, size_t header_length, v
             why = buf;
             goto fail;
         }
+    const bool check = !(h.flags & PD_MSG_F_CUDA) && !t->cuda;
     if (!rndv) {
         /* eager: checked before anything is written */
-        if (XXH3_64bits(data, length) != h.checksum) {
+        if (t->cuda) {
+            why = "eager data for CUDA memory (a sender must send from CUDA memory: rendezvous)";
+            goto fail;
+        }
+        if (check && XXH3_64bits(data, length) != h.checksum) {
             why = "checksum mismatch";
             goto fail;
         }
         memset(cl, 2, (size_t)h.n_blocks);
-        for (int64_t k = 0; k < h.n_blocks; k++)
-            memcpy(t->dst[k0 + k] + (size_t)h.layer * t->layer_bytes, (const uint8_t *)data + (size_t)k * t->layer_bytes,
-                   t->layer_bytes);
+        if (t->dst)
+            for (int64_t k = 0; k < h.n_blocks; k++)
+                memcpy(t->dst[k0 + k] + (size_t)h.layer * t->layer_bytes,
+                       (const uint8_t *)data + (size_t)k * t->layer_bytes, t->layer_bytes);
+        else
+            memcpy(t->base + (size_t)h.layer * t->stride + (size_t)k0 * t->layer_bytes, data, length);
         ticket_landed(x, t, h.n_blocks, want, st_time_now() - t0, false);
         ticket_check_done(x, t, &n);
         pthread_mutex_unlock(&x->mu);
@@ -478,7 +492,7 @@ static ucs_status_t am_cb(void *arg, const void *header, size_t header_length, v
     }
     /* rendezvous: straight into the blocks, checked once landed */
     pd_recv *r = st_malloc(sizeof *r);
-    ucp_dt_iov_t *iov = st_malloc(sizeof *iov * (size_t)h.n_blocks);
+    ucp_dt_iov_t *iov = st_malloc(sizeof *iov * (size_t)(t->dst ? h.n_blocks : 1));
     if (!r || !iov) {
         st_free(r);
         st_free(iov);
@@ -486,9 +500,12 @@ static ucs_status_t am_cb(void *arg, const void *header, size_t header_length, v
         goto fail;
     }
     *r = (pd_recv){.x = x, .t = t, .h = h, .attempt = h.attempt, .n = h.n_blocks, .checksum = h.checksum,
-                   .bytes = want, .t0 = t0, .iov = iov};
-    for (int64_t k = 0; k < h.n_blocks; k++)
-        iov[k] = (ucp_dt_iov_t){t->dst[k0 + k] + (size_t)h.layer * t->layer_bytes, t->layer_bytes};
+                   .bytes = want, .check = check, .t0 = t0, .iov = iov};
+    if (t->dst)
+        for (int64_t k = 0; k < h.n_blocks; k++)
+            iov[k] = (ucp_dt_iov_t){t->dst[k0 + k] + (size_t)h.layer * t->layer_bytes, t->layer_bytes};
+    else
+        iov[0] = (ucp_dt_iov_t){t->base + (size_t)h.layer * t->stride + (size_t)k0 * t->layer_bytes, want};
     memset(cl, 1, (size_t)h.n_blocks);
     t->inflight++;
     x->n_recving++;
@@ -497,13 +514,18 @@ static ucs_status_t am_cb(void *arg, const void *header, size_t header_length, v
     r->prev = NULL;
     if (x->recvs) x->recvs->prev = r;
     x->recvs = r;
+    /* layer-major: one contiguous region (UCX's CUDA protocols take no IOV), its memory type stated */
+    const bool contig = !t->dst;
     const ucp_request_param_t rp = {
-        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE,
+        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE |
+                        UCP_OP_ATTR_FIELD_MEMORY_TYPE,
         .cb.recv_am = recv_cb,
         .user_data = r,
-        .datatype = ucp_dt_make_iov(),
+        .datatype = contig ? ucp_dt_make_contig(1) : ucp_dt_make_iov(),
+        .memory_type = t->cuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST,
     };
-    ucs_status_ptr_t req = ucp_am_recv_data_nbx(x->worker, data, iov, (size_t)h.n_blocks, &rp);
+    ucs_status_ptr_t req = contig ? ucp_am_recv_data_nbx(x->worker, data, iov[0].buffer, want, &rp)
+                                  : ucp_am_recv_data_nbx(x->worker, data, iov, (size_t)h.n_blocks, &rp);
     if (req == NULL) recv_finish(r, UCS_OK);
     else if (UCS_PTR_IS_ERR(req)) recv_finish(r, UCS_PTR_STATUS(req));
     return UCS_OK;
@@ -632,10 +654,14 @@ static void post_send(pd_xfer *x, pd_send *s) {
         send_complete(x, s, UCS_ERR_NOT_CONNECTED);
         return;
     }
+    const bool cuda = (s->hdr.flags & PD_MSG_F_CUDA) != 0;
     const ucp_request_param_t rp = {
-        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
+        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS |
+                        UCP_OP_ATTR_FIELD_MEMORY_TYPE,
         .cb.send = send_cb,
         .user_data = s,
+        .flags = cuda ? UCP_AM_SEND_FLAG_RNDV : 0,
+        .memory_type = cuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST,
     };
     s->posted = true;
     x->n_posted++;
@@ -937,6 +963,8 @@ strata_status pd_xfer_create(pd_xfer **out) {
         st_err(st, "pd_xfer_create: ucp_init: %s", ucs_status_string(s));
         goto fail;
     }
+    ucp_context_attr_t ca = {.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES};
+    x->cuda = ucp_context_query(x->ctx, &ca) == UCS_OK && (ca.memory_types & (1ull << UCS_MEMORY_TYPE_CUDA));
     const ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
                                     .thread_mode = UCS_THREAD_MODE_SINGLE};
     s = ucp_worker_create(x->ctx, &wp, &x->worker);
@@ -1074,8 +1102,11 @@ static bool enqueue(pd_xfer *x, pd_cmd *c) {
 
 static bool on_thread(const pd_xfer *x) { return pthread_equal(pthread_self(), x->thread) != 0; }
 
-strata_status pd_xfer_expect(pd_xfer *x, uint64_t ticket, int64_t n_layers, size_t layer_bytes, int64_t from_block,
-                             int64_t n_blocks, void *const *dst, pd_xfer_done_fn on_done, void *user) {
+bool pd_xfer_cuda(const pd_xfer *x) { return x && x->cuda; }
+
+static strata_status expect(pd_xfer *x, uint64_t ticket, int64_t n_layers, size_t layer_bytes, int64_t from_block,
+                            int64_t n_blocks, void *const *dst, void *base, size_t stride, bool cuda,
+                            pd_xfer_done_fn on_done, void *user) {
     if (!x) return st_err(STRATA_ERR_INVALID_ARG, "pd_xfer_expect: x is NULL");
     uint64_t cells = 0, total = 0;
     if (n_layers < 1 || n_blocks < 1 || layer_bytes == 0 || from_block < 0 ||
@@ -1086,23 +1117,34 @@ strata_status pd_xfer_expect(pd_xfer *x, uint64_t ticket, int64_t n_layers, size
                       "pd_xfer_expect: ticket %llu: bad sizes (%lld layers of %zu bytes, blocks [%lld, +%lld))",
                       (unsigned long long)ticket, (long long)n_layers, layer_bytes, (long long)from_block,
                       (long long)n_blocks);
-    if (!dst || !on_done)
+    if ((!dst && !base) || !on_done)
         return st_err(STRATA_ERR_INVALID_ARG, "pd_xfer_expect: ticket %llu: %s is NULL", (unsigned long long)ticket,
-                      !dst ? "dst" : "on_done");
-    for (int64_t k = 0; k < n_blocks; k++)
+                      !on_done ? "on_done" : dst ? "dst" : "base");
+    for (int64_t k = 0; dst && k < n_blocks; k++)
         if (!dst[k])
             return st_err(STRATA_ERR_INVALID_ARG, "pd_xfer_expect: ticket %llu: dst[%lld] is NULL",
                           (unsigned long long)ticket, (long long)k);
+    uint64_t run = 0;
+    if (!dst && (st_mul_ovf_u64((uint64_t)n_blocks, layer_bytes, &run) || stride < run ||
+                 st_mul_ovf_u64((uint64_t)n_layers, stride, &total)))
+        return st_err(STRATA_ERR_INVALID_ARG, "pd_xfer_expect: ticket %llu: layer stride %zu < %lld blocks x %zu bytes",
+                      (unsigned long long)ticket, stride, (long long)n_blocks, layer_bytes);
+    if (cuda && !x->cuda)
+        return st_err(STRATA_ERR_INVALID_ARG, "pd_xfer_expect: ticket %llu: CUDA memory, and this process's UCX has "
+                      "no CUDA support", (unsigned long long)ticket);
     pd_ticket *t = st_calloc(1, sizeof *t);
     if (t) {
-        t->dst = st_malloc(sizeof *t->dst * (size_t)n_blocks);
+        t->dst = dst ? st_malloc(sizeof *t->dst * (size_t)n_blocks) : NULL;
         t->claimed = st_calloc((size_t)cells, 1);
     }
-    if (!t || !t->dst || !t->claimed) {
+    if (!t || (dst && !t->dst) || !t->claimed) {
         ticket_free(t);
         return st_err(STRATA_ERR_NOMEM, "pd_xfer_expect: ticket %llu: out of memory", (unsigned long long)ticket);
     }
-    for (int64_t k = 0; k < n_blocks; k++) t->dst[k] = dst[k];
+    for (int64_t k = 0; dst && k < n_blocks; k++) t->dst[k] = dst[k];
+    t->base = base;
+    t->stride = stride;
+    t->cuda = cuda;
     t->id = ticket;
     t->n_layers = n_layers;
     t->layer_bytes = layer_bytes;
@@ -1122,6 +1164,20 @@ strata_status pd_xfer_expect(pd_xfer *x, uint64_t ticket, int64_t n_layers, size
     x->tickets = t;
     pthread_mutex_unlock(&x->mu);
     return STRATA_OK;
+}
+
+strata_status pd_xfer_expect(pd_xfer *x, uint64_t ticket, int64_t n_layers, size_t layer_bytes, int64_t from_block,
+                             int64_t n_blocks, void *const *dst, pd_xfer_done_fn on_done, void *user) {
+    if (!dst) return st_err(STRATA_ERR_INVALID_ARG, "pd_xfer_expect: ticket %llu: dst is NULL", (unsigned long long)ticket);
+    return expect(x, ticket, n_layers, layer_bytes, from_block, n_blocks, dst, NULL, 0, false, on_done, user);
+}
+
+strata_status pd_xfer_expect_at(pd_xfer *x, uint64_t ticket, int64_t n_layers, size_t layer_bytes, int64_t from_block,
+                                int64_t n_blocks, void *base, size_t layer_stride, bool cuda, pd_xfer_done_fn on_done,
+                                void *user) {
+    if (!base) return st_err(STRATA_ERR_INVALID_ARG, "pd_xfer_expect: ticket %llu: base is NULL", (unsigned long long)ticket);
+    return expect(x, ticket, n_layers, layer_bytes, from_block, n_blocks, NULL, base, layer_stride, cuda, on_done,
+                  user);
 }
 
 void pd_xfer_forget(pd_xfer *x, uint64_t ticket) {
@@ -1160,6 +1216,8 @@ static strata_status send_common(pd_xfer *x, pd_peer *peer, const pd_msg *hdr, c
     if (!x || !peer || !hdr || (!data && len))
         return st_err(STRATA_ERR_INVALID_ARG, "%s: %s is NULL", fn, !x ? "x" : !peer ? "peer" : !hdr ? "hdr" : "data");
     if (peer->x != x) return st_err(STRATA_ERR_INVALID_ARG, "%s: the peer belongs to another pd_xfer", fn);
+    if ((hdr->flags & PD_MSG_F_CUDA) && !x->cuda)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: CUDA memory, and this process's UCX has no CUDA support", fn);
     pd_send *s = st_calloc(1, sizeof *s);
     pd_cmd *c = st_calloc(1, sizeof *c);
     if (!s || !c) {
@@ -1173,7 +1231,7 @@ static strata_status send_common(pd_xfer *x, pd_peer *peer, const pd_msg *hdr, c
         s->hdr.magic = PD_MSG_MAGIC;
         s->hdr.version = PD_MSG_VERSION;
         s->hdr.bytes = len;
-        s->hdr.checksum = XXH3_64bits(data, len);
+        s->hdr.checksum = s->hdr.flags & PD_MSG_F_CUDA ? 0 : XXH3_64bits(data, len);
     }
     s->data = data;
     s->len = len;

@@ -112,9 +112,13 @@ typedef struct {
     int64_t first_block;  /* block index in the prompt (not a pool block id) */
     int64_t n_blocks;
     uint64_t bytes;       /* payload bytes = n_blocks * layer_bytes */
-    uint64_t checksum;    /* XXH3-64 of the payload, seed 0 */
-    uint64_t reserved;
+    uint64_t checksum;    /* XXH3-64 of the payload, seed 0 (0 and unchecked with PD_MSG_F_CUDA) */
+    uint64_t flags;       /* PD_MSG_F_* */
 } pd_msg;
+/* The payload is in the sender's CUDA device memory: sent by rendezvous (the
+ * receiver's transport moves it: CUDA IPC between GPUs of one host), no
+ * checksum (the host cannot read it where it lies). */
+#define PD_MSG_F_CUDA 1u
 
 typedef struct pd_xfer pd_xfer;
 
@@ -163,6 +167,20 @@ typedef void (*pd_xfer_done_fn)(void *user, uint64_t ticket, strata_status st);
  * no block has nothing to expect), a NULL dst[k] or on_done. */
 strata_status pd_xfer_expect(pd_xfer *x, uint64_t ticket, int64_t n_layers, size_t layer_bytes, int64_t from_block,
                              int64_t n_blocks, void *const *dst, pd_xfer_done_fn on_done, void *user);
+/* The same, but block k's layer l lands at base + l * layer_stride + k *
+ * layer_bytes (layer-major: every message is one contiguous region), and
+ * `cuda` says base is CUDA device memory (a UCX with CUDA support moves the
+ * data there: pd_xfer_cuda). A CUDA ticket takes rendezvous messages only
+ * (an eager one fails the attempt: its bytes would need a host copy) and
+ * checks no checksum (the host cannot read the landed bytes). INVALID_ARG
+ * also for layer_stride < n_blocks * layer_bytes, and for cuda without
+ * pd_xfer_cuda. */
+strata_status pd_xfer_expect_at(pd_xfer *x, uint64_t ticket, int64_t n_layers, size_t layer_bytes, int64_t from_block,
+                                int64_t n_blocks, void *base, size_t layer_stride, bool cuda, pd_xfer_done_fn on_done,
+                                void *user);
+/* Whether this process's UCX moves CUDA device memory (its context lists the
+ * CUDA memory type: a UCX built with CUDA, e.g. PyPI's libucx-cu12). */
+bool pd_xfer_cuda(const pd_xfer *x);
 /* Drops a ticket (cancelled, expired, or taken after on_done); returns once no
  * receive into its memory is in flight. Unknown tickets: no-op. */
 void pd_xfer_forget(pd_xfer *x, uint64_t ticket);
@@ -179,7 +197,9 @@ strata_status pd_xfer_connect(pd_xfer *x, const void *addr, size_t len, pd_peer 
 typedef void (*pd_xfer_sent_fn)(void *user, strata_status st);
 /* Queues one message: hdr (copied; magic, version, bytes and checksum are
  * filled in here from data/len), data[0..len) sent as the AM data, the
- * caller's until sent(user, st) runs on the transport thread. */
+ * caller's until sent(user, st) runs on the transport thread. With
+ * PD_MSG_F_CUDA in hdr->flags, data is CUDA device memory (INVALID_ARG
+ * without pd_xfer_cuda): rendezvous, checksum 0. */
 strata_status pd_xfer_send(pd_xfer *x, pd_peer *peer, const pd_msg *hdr, const void *data, size_t len,
                            pd_xfer_sent_fn sent, void *user);
 /* Sends a message exactly as given: no field filled in (tests: malformed
