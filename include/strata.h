@@ -135,6 +135,10 @@ typedef struct {
                                   of the same model; another model's files there are ignored */
     uint64_t kv_ssd_size;      /* SSD tier bytes (0: 64 GiB, fewer when the disk has less room) */
     int64_t kv_ssd_fail_write_nth; /* tests: the Nth SSD write fails as on a full disk (0: never) */
+    size_t kv_landing_mem;     /* prefill/decode disaggregation, a decode node: device bytes where blocks
+                                  from a prefill node land (consecutive block slots, layer-major), to be
+                                  copied into the KV pool as they are adopted (0: they land in the host
+                                  tier) */
     bool kv_stream;            /* a request too long for the device KV pool runs with its KV in host
                                   memory, streamed through the device layer by layer (one such request
                                   at a time): max_seq_len may exceed the pool */
@@ -279,6 +283,7 @@ typedef struct {
     int64_t kv_layers;
     size_t kv_layer_bytes;
     uint64_t kv_identity;
+    int64_t kv_landing_blocks;    /* block slots of the landing memory (kv_landing_mem; 0: none) */
 } strata_engine_info;
 
 /* Fills *out (zeroed on failure). Errors: INVALID_ARG for NULL arguments or a
@@ -531,7 +536,11 @@ typedef struct {
     int64_t n_layers;
     size_t layer_bytes;
     void *const *blocks;      /* [n_blocks]: block k's layer l at blocks[k] + l * layer_bytes; valid until
-                                 the ticket is resolved */
+                                 the ticket is resolved; NULL with a landing arena (kv_landing_mem):
+                                 block k's layer l at landing + l * landing_stride + k * layer_bytes, in
+                                 the engine's device memory (CUDA memory when its backend is "cuda") */
+    void *landing;
+    size_t landing_stride;
 } strata_kv_reservation;
 
 /* Queues a reservation for the prompt ids[0..n) (copied); fn runs on the
@@ -543,7 +552,7 @@ strata_status strata_kv_reserve(strata_model *m, const int32_t *ids, size_t n,
                                 void (*fn)(void *user, strata_status st, const strata_kv_reservation *res),
                                 void *user);
 /* Ends a reservation: adopt (every block landed, nothing writes them any
- * more: they become host-tier blocks, found by the admission) or cancel
+ * more: they go on to the device pool ahead of the admission) or cancel
  * (nothing writes them any more: given back; waiting requests compute their
  * prompt). Requests waiting for the ticket go on at the next step. Unknown
  * tickets are ignored. Thread-safe. */
@@ -554,6 +563,12 @@ strata_status strata_kv_resolve(strata_model *m, uint64_t ticket, bool adopt);
  * had. strata_host_free(NULL) is a no-op. Thread-safe. */
 strata_status strata_host_alloc(strata_model *m, size_t bytes, void **out);
 void strata_host_free(strata_model *m, void *p);
+/* The engine's device memory (CUDA memory on "cuda", plain host memory on
+ * the CPU backend), counted in its device budget, e.g. for KV pieces sent
+ * from the device. NOMEM when it cannot be had. strata_device_free(NULL) is a
+ * no-op. Thread-safe. */
+strata_status strata_device_alloc(strata_model *m, size_t bytes, void **out);
+void strata_device_free(strata_model *m, void *p);
 
 /* ==== metrics ===================================================================== */
 

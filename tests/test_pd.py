@@ -11,6 +11,10 @@ disaggregation"), CPU, every process on 127.0.0.1, the default model, greedy:
     prefill node computed the rest;
   - router + 2 prefill + 2 decode: the same texts over the 32 requests (6 at a
     time), the second prefill and decode nodes used;
+  - a decode node landing the KV in device memory (--pd-landing-mem, no host
+    tier; on the CPU backend "device" memory is host memory, the same code path):
+    the same texts, tickets adopted, the prompts not recomputed; out of landing
+    memory: 503 naming --pd-landing-mem; option misuse refused;
   - kill -9 of a prefill node with 6 requests in flight: every request ends within
     the timeout, each with the single server's text (retried on the other prefill
     node or computed by the decode node) or a clean error; none hangs;
@@ -262,6 +266,35 @@ def main():
     used_p = [metrics(p.port).get('strata_pd_prefills_total{result="ok"}', 0) for p in (p2,)]
     used_d = [metrics(d.port).get("strata_generation_tokens_total", 0) for d in (d2,)]
     check(used_p[0] > 0 and used_d[0] > 0, "the second prefill and decode nodes served requests (%s %s)" % (used_p, used_d))
+
+    # ---- a decode node landing the KV in device memory (--pd-landing-mem), no host tier ----
+    d4 = node(model, "decode", "d4", "--pd-landing-mem", "48M", "--kv-host-mem", "0")
+    r4 = router([p2], [d4], "r4")
+    got = run_all(r4.port, reqs)
+    same = [g == w for g, w in zip(got, want)]
+    check(all(same), "router + 1P + 1D landing in device memory: 32 requests give the single server's texts "
+          "(%d differ)" % same.count(False))
+    md = metrics(d4.port)
+    adopted = md.get('strata_pd_tickets_total{result="adopted"}', 0)
+    recv = md.get('strata_pd_kv_bytes_total{direction="received"}', 0)
+    dprompt = md.get("strata_prompt_tokens_total", -1)
+    check(adopted >= 4 and recv > 0 and 0 <= dprompt < total_prompt / 4,
+          "landing: %d tickets adopted, %d bytes received, %d prompt tokens computed on the decode node"
+          % (adopted, recv, dprompt))
+    check(not any(k.startswith('strata_kv_blocks{tier="host"') for k in md) and
+          md.get('strata_kv_transfer_bytes_total{direction="host_to_device"}', 0) == 0,
+          "landing: no host tier, nothing loaded from host memory")
+    d5 = node(model, "decode", "d5", "--pd-landing-mem", "2M", "--kv-host-mem", "0")
+    st, body, _ = raw(d5.port, "POST", "/pd/reserve", {"route": "/v1/completions",
+                                                       "request": {"prompt": SYSTEM * 3, "max_tokens": 2}})
+    check(st == 503 and body["error"]["code"] == "kv_blocks_exhausted" and "--pd-landing-mem" in body["error"]["message"],
+          "a decode node out of landing memory: 503 kv_blocks_exhausted naming --pd-landing-mem (%d %s)" % (st, body))
+    p = subprocess.run([BIN, "serve", model, "--pd-landing-mem", "8M"], capture_output=True, text=True)
+    check(p.returncode == 2 and "--pd-landing-mem is for --role decode" in p.stderr,
+          "--pd-landing-mem without --role decode: exit 2, named")
+    p = subprocess.run([BIN, "serve", model, "--role", "decode", "--pd-landing-mem", "1K", "--port", "0"],
+                       capture_output=True, text=True, timeout=120)
+    check(p.returncode != 0 and "holds no block" in p.stderr, "--pd-landing-mem smaller than a block: refused, named")
 
     # ---- kill -9 of a prefill node under load ----
     long_reqs = []

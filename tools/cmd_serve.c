@@ -81,6 +81,11 @@ static void serve_usage(FILE *f) {
             "                           generates. Every role still serves the OpenAI routes\n"
             "  --pd-timeout SECS        decode role: how long a request waits for its prompt's KV before\n"
             "                           computing the prompt itself (default 60)\n"
+            "  --pd-landing-mem SIZE    decode role: the KV lands in this much device memory instead of the\n"
+            "                           host tier and goes on into the KV cache from there (default: 0, the\n"
+            "                           host tier). On CUDA it needs a UCX built with CUDA (e.g. PyPI's\n"
+            "                           libucx-cu12 on LD_LIBRARY_PATH): the KV then moves GPU to GPU, and a\n"
+            "                           prefill node with such a UCX sends from GPU memory too\n"
             "  --host-sample            sample on the host even on CUDA (checks; default: on the device)\n"
             "  --no-rooflines           skip the start-up probes of HBM bandwidth and GEMM rate (CUDA)\n"
             "  --max-body BYTES         request body limit (default 1048576); larger bodies get a 413\n"
@@ -127,7 +132,7 @@ typedef struct {
     const char *model_path, *host, *api_key, *model_name, *chat_template;
     int64_t port, max_batch, max_model_len, prefill_chunk, step_tokens, max_body, max_conn, kv_blocks;
     int64_t max_per_client, http_threads, header_timeout, idle_timeout;
-    size_t kv_mem;
+    size_t kv_mem, landing_mem;
     double shutdown_timeout, pd_timeout;
     pd_role role;
     bool no_rooflines, host_sample, metrics_public;
@@ -179,6 +184,14 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         if (!strcmp(a, "--kv-mem")) {
             if (!val || !tool_parse_size(val, "--kv-mem", &o->kv_mem)) {
                 if (!val) fprintf(stderr, "strata serve: --kv-mem needs a value\n");
+                return -1;
+            }
+            i++;
+            continue;
+        }
+        if (!strcmp(a, "--pd-landing-mem")) {
+            if (!val || !tool_parse_size(val, "--pd-landing-mem", &o->landing_mem)) {
+                if (!val) fprintf(stderr, "strata serve: --pd-landing-mem needs a value\n");
                 return -1;
             }
             i++;
@@ -253,6 +266,10 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
                     o->chat_template);
             return -1;
         }
+    }
+    if (o->landing_mem && o->role != PD_ROLE_DECODE) {
+        fprintf(stderr, "strata serve: --pd-landing-mem is for --role decode\n");
+        return -1;
     }
     return 1;
 }
@@ -378,6 +395,7 @@ int cmd_serve(int argc, char **argv) {
         .kv_mem = o.kv_mem,
         .host_sample = o.host_sample, /* tests/gpu/check_device_sample.py compares the two */
         .kv_host_mem = mo->kv_host_mem,
+        .kv_landing_mem = o.landing_mem,
         .kv_offload_lazy = mo->kv_offload_lazy,
         .kv_ssd_dir = mo->kv_ssd_dir,
         .kv_ssd_size = mo->kv_ssd_size,
@@ -433,7 +451,8 @@ int cmd_serve(int argc, char **argv) {
             (long long)ei.kv_block_size, (double)(ei.kv_blocks * ei.kv_block_size) * ei.kv_bytes_per_token / 1073741824.0,
             o.api_key && o.api_key[0] ? ", API key required" : "");
     if (o.role != PD_ROLE_BOTH)
-        fprintf(stderr, "strata: P-D role %s (KV over UCX)\n", pd_role_name(o.role));
+        fprintf(stderr, "strata: P-D role %s (KV over UCX)%s\n", pd_role_name(o.role),
+                ei.kv_landing_blocks > 0 ? ", landing in device memory" : "");
     if (ei.kv_host_blocks > 0)
         fprintf(stderr, "strata: KV tiers: device %.2f GiB, host %.2f GiB (%lld blocks, %s offload)%s",
                 (double)(ei.kv_blocks * ei.kv_block_size) * ei.kv_bytes_per_token / 1073741824.0,

@@ -227,6 +227,7 @@ strata_status strata_model_open(const char *path, const strata_model_params *par
                                .host_sample = p.host_sample,
                                .kv_stream = p.kv_stream,
                                .kv_host_mem = p.kv_host_mem < 0 ? ST_KV_HOST_OFF : p.kv_host_mem,
+                               .kv_landing_mem = p.kv_landing_mem,
                                .kv_offload = p.kv_offload_lazy ? ST_KV_OFFLOAD_LAZY : ST_KV_OFFLOAD_EAGER,
                                .kv_ssd_dir = NULL, /* below: the model's copy */
                                .kv_ssd_size = p.kv_ssd_size,
@@ -377,6 +378,7 @@ strata_status strata_engine_info_get(const strata_model *m, strata_engine_info *
     out->flops_per_token = c->flops_per_token;
     out->attn_flops_per_pair = c->attn_flops_per_pair;
     st_engine_kv_layout(m->eng, &out->kv_layers, &out->kv_layer_bytes, &out->kv_identity);
+    out->kv_landing_blocks = st_engine_kv_landing_blocks(m->eng);
     return STRATA_OK;
 }
 
@@ -389,6 +391,16 @@ strata_status strata_host_alloc(strata_model *m, size_t bytes, void **out) {
 
 void strata_host_free(strata_model *m, void *p) {
     if (m && p) m->be->ops->host_dealloc(m->be, p);
+}
+
+strata_status strata_device_alloc(strata_model *m, size_t bytes, void **out) {
+    if (out) *out = NULL;
+    if (!m || !out || bytes == 0) return st_err(STRATA_ERR_INVALID_ARG, "strata_device_alloc: bad arguments");
+    return m->be->ops->alloc(m->be, bytes, out);
+}
+
+void strata_device_free(strata_model *m, void *p) {
+    if (m && p) m->be->ops->dealloc(m->be, p);
 }
 
 typedef struct {
@@ -404,7 +416,8 @@ static void on_reserved(void *user, strata_status st, const st_engine_kv_reserva
         const strata_kv_reservation out = {.ticket = r->ticket, .n_tokens = r->n_tokens,
                                            .block_tokens = r->block_tokens, .cached_blocks = r->cached_blocks,
                                            .n_blocks = r->n_blocks, .n_layers = r->n_layers,
-                                           .layer_bytes = r->layer_bytes, .blocks = r->blocks};
+                                           .layer_bytes = r->layer_bytes, .blocks = r->blocks,
+                                           .landing = r->landing, .landing_stride = r->landing_stride};
         rr->fn(rr->user, STRATA_OK, &out);
     }
     st_free(rr);

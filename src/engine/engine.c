@@ -38,8 +38,9 @@ typedef struct kv_ticket {
     uint64_t id;
     int32_t *tokens;
     int64_t n_tokens, from, n;
-    int64_t *hb;                    /* [n] host blocks */
+    int64_t *hb;                    /* [n] host blocks (NULL: landing slots) */
     void **ptrs;                    /* [n] their memory */
+    int64_t slot0;                  /* landing: slots [slot0, slot0 + n) of the runner's arena */
     st_runner_preload *preload;     /* adopted: its blocks on their way to the device (requests stay parked) */
     struct kv_ticket *next;
 } kv_ticket;
@@ -317,8 +318,8 @@ void st_engine_free(st_engine *e) {
     while (e->tickets) { /* the tiers go with the runner: nothing to give back */
         kv_ticket *t = e->tickets;
         e->tickets = t->next;
-        if (t->preload) st_kv_tiers_drain(st_runner_tiers(e->runner));
-        st_runner_kv_preload_free(e->runner, t->preload);
+        if (t->preload && st_runner_tiers(e->runner)) st_kv_tiers_drain(st_runner_tiers(e->runner));
+        st_runner_kv_preload_free(e->runner, t->preload); /* landed copies: synchronized there */
         t->preload = NULL;
         ticket_free(t);
     }
@@ -436,9 +437,10 @@ static strata_status cmd_push(st_engine *e, kv_cmd *c) {
 strata_status st_engine_kv_reserve(st_engine *e, const int32_t *tokens, int64_t n_tokens, st_engine_reserve_fn fn,
                                    void *user) {
     if (!e || !tokens || n_tokens < 1 || !fn) return st_err(STRATA_ERR_INVALID_ARG, "kv reserve: bad arguments");
-    if (!st_runner_tiers(e->runner))
-        return st_err(STRATA_ERR_UNSUPPORTED, "kv reserve: blocks from a prefill node land in the KV host tier, "
-                                              "and this engine has none (--kv-host-mem)");
+    if (!st_runner_tiers(e->runner) && !st_runner_land_at(e->runner, 0, NULL))
+        return st_err(STRATA_ERR_UNSUPPORTED, "kv reserve: blocks from a prefill node land in the KV host tier or "
+                                              "the landing memory, and this engine has neither (--kv-host-mem, "
+                                              "--pd-landing-mem)");
     for (int64_t i = 0; i < n_tokens; i++)
         if (tokens[i] < 0 || tokens[i] >= e->vocab)
             return st_err(STRATA_ERR_INVALID_ARG, "kv reserve: token %lld: id %d is outside the vocabulary",
@@ -475,7 +477,9 @@ static void do_reserve(st_engine *e, kv_cmd *c) {
     st_engine_kv_reservation res = {.n_tokens = c->n_tokens, .block_tokens = bs};
     st_runner_kv_layout(e->runner, &res.n_layers, &res.layer_bytes);
     const int64_t dev = st_runner_prefix_blocks(e->runner, c->tokens, c->n_tokens);
-    res.cached_blocks = dev + st_kv_tiers_lookup(tiers, c->tokens, c->n_tokens, dev);
+    /* landing: the blocks go straight on to the device after the device prefix, so only that counts */
+    const bool land = st_runner_land_at(e->runner, 0, NULL) != NULL;
+    res.cached_blocks = dev + (land ? 0 : st_kv_tiers_lookup(tiers, c->tokens, c->n_tokens, dev));
     res.n_blocks = full - res.cached_blocks;
     if (res.n_blocks <= 0) { /* everything is here already: no transfer, no ticket */
         res.n_blocks = 0;
@@ -484,9 +488,11 @@ static void do_reserve(st_engine *e, kv_cmd *c) {
     }
     kv_ticket *t = st_calloc(1, sizeof *t);
     strata_status st = STRATA_OK;
-    if (!t || !(t->hb = st_malloc((size_t)res.n_blocks * sizeof *t->hb)) ||
-        !(t->ptrs = st_malloc((size_t)res.n_blocks * sizeof *t->ptrs)))
+    if (!t || (!land && (!(t->hb = st_malloc((size_t)res.n_blocks * sizeof *t->hb)) ||
+                         !(t->ptrs = st_malloc((size_t)res.n_blocks * sizeof *t->ptrs)))))
         st = st_err(STRATA_ERR_NOMEM, "kv reserve: out of memory");
+    else if (land)
+        st = st_runner_land_reserve(e->runner, res.n_blocks, &t->slot0);
     else
         st = st_kv_tiers_reserve(tiers, res.n_blocks, t->hb);
     if (st) {
@@ -494,7 +500,10 @@ static void do_reserve(st_engine *e, kv_cmd *c) {
         c->fn(c->user, st, NULL);
         return;
     }
-    for (int64_t k = 0; k < res.n_blocks; k++) t->ptrs[k] = st_kv_tiers_host_block(tiers, t->hb[k]);
+    if (land)
+        res.landing = st_runner_land_at(e->runner, t->slot0, &res.landing_stride);
+    else
+        for (int64_t k = 0; k < res.n_blocks; k++) t->ptrs[k] = st_kv_tiers_host_block(tiers, t->hb[k]);
     do { /* splitmix64 of a keyed counter: unique (a bijection of the counter), never 0 */
         uint64_t z = e->ticket_key + ++e->next_ticket * 0x9E3779B97F4A7C15ull;
         z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -523,16 +532,25 @@ static void do_resolve(st_engine *e, kv_cmd *c) {
     kv_ticket *t = *pp;
     if (!t || t->preload) return; /* resolved already, or never was */
     st_kv_tiers *tiers = st_runner_tiers(e->runner);
-    if (c->kind == CMD_ADOPT) st_kv_tiers_adopt(tiers, t->tokens, t->n_tokens, t->from, t->n, t->hb);
-    else st_kv_tiers_unreserve(tiers, t->hb, t->n);
+    if (!t->hb) { /* landing slots: adopted, they go on to the device (the preload owns them); cancelled, back */
+        if (c->kind == CMD_CANCEL) st_runner_land_release(e->runner, t->slot0, t->n);
+    } else if (c->kind == CMD_ADOPT) {
+        st_kv_tiers_adopt(tiers, t->tokens, t->n_tokens, t->from, t->n, t->hb);
+    } else {
+        st_kv_tiers_unreserve(tiers, t->hb, t->n);
+    }
     pthread_mutex_lock(&e->mu);
     if (c->kind == CMD_ADOPT) e->m.pd_adopted++;
     else e->m.pd_cancelled++;
     pthread_mutex_unlock(&e->mu);
     /* adopted: the blocks go on to the device now, between passes; the requests waiting for
      * them stay parked until they are there, so that their admission's pass loads nothing */
-    if (c->kind == CMD_ADOPT && st_runner_kv_preload(e->runner, t->tokens, t->n_tokens, &t->preload) != STRATA_OK)
-        st_log(STRATA_LOG_WARN, "engine: kv preload: %s (the admission loads the blocks)", st_last_error());
+    if (c->kind == CMD_ADOPT &&
+        (t->hb ? st_runner_kv_preload(e->runner, t->tokens, t->n_tokens, &t->preload)
+               : st_runner_kv_preload_landed(e->runner, t->tokens, t->n_tokens, t->from, t->n, t->slot0,
+                                             &t->preload)) != STRATA_OK)
+        st_log(STRATA_LOG_WARN, "engine: kv preload: %s (the admission loads or computes the blocks)",
+               st_last_error());
     if (t->preload) {
         pthread_mutex_lock(&e->mu);
         e->n_preloading++;
@@ -861,3 +879,5 @@ void st_engine_stop(st_engine *e) {
     pthread_mutex_unlock(&e->mu);
     abort_all(e);
 }
+
+int64_t st_engine_kv_landing_blocks(const st_engine *e) { return st_runner_land_slots(e->runner); }

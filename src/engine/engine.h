@@ -211,13 +211,17 @@ typedef struct {
     int64_t n_layers;
     size_t layer_bytes;       /* one layer of one block (kv/kv_pool.h st_kv_block_layout) */
     void *const *blocks;      /* [n_blocks]: block k's layer l at blocks[k] + l * layer_bytes; valid until
-                                 the ticket is resolved */
+                                 the ticket is resolved; NULL when landing is set: */
+    void *landing;            /* device memory (a landing arena: runner.h): block k's layer l at landing +
+                                 l * landing_stride + k * layer_bytes */
+    size_t landing_stride;
 } st_engine_kv_reservation;
 /* Called on the stepping thread: st != OK (NOMEM: the host tier is full;
  * the message says so) with res NULL, or the reservation. */
 typedef void (*st_engine_reserve_fn)(void *user, strata_status st, const st_engine_kv_reservation *res);
 /* Queues a reservation for tokens[0..n_tokens) (copied), made at the start
- * of the next step. UNSUPPORTED without a host tier or once stopped,
+ * of the next step: in the landing arena when the engine has one, else in
+ * the host tier. UNSUPPORTED without either or once stopped,
  * INVALID_ARG for ids outside the vocabulary. Thread-safe. */
 strata_status st_engine_kv_reserve(st_engine *e, const int32_t *tokens, int64_t n_tokens, st_engine_reserve_fn fn,
                                    void *user);
@@ -229,6 +233,8 @@ strata_status st_engine_kv_resolve(st_engine *e, uint64_t ticket, bool adopt);
 /* The KV layout of a transfer: layers, bytes of one layer of one block, and
  * the model + KV layout identity (st_runner_model_identity). */
 void st_engine_kv_layout(const st_engine *e, int64_t *n_layers, size_t *layer_bytes, uint64_t *identity);
+/* Block slots of the runner's landing arena (0: none). */
+int64_t st_engine_kv_landing_blocks(const st_engine *e);
 
 /* Copies the counters. Thread-safe. */
 void st_engine_metrics_get(st_engine *e, st_engine_metrics *out);

@@ -64,6 +64,14 @@ struct st_runner {
     pthread_cond_t xcv;
     int64_t xnext, xhanded;  /* layers queued / handed over this pass (xmu) */
     strata_status xst;       /* the first copy failure of this pass (xmu) */
+
+    /* P-D decode node: the landing arena (runner.h st_runner_land_*) and the stream its
+     * blocks go into the pool on */
+    uint8_t *land;
+    int64_t land_slots;
+    size_t land_stride;
+    uint8_t *land_used;      /* [land_slots] */
+    st_stream *ls;
 };
 
 /* One sequence's export in a pass: layer l of prompt blocks [b0, b0 + nb) into bufs[l]. */
@@ -219,12 +227,34 @@ strata_status st_runner_init(const st_model_files *files, st_backend *be, const 
         /* the pool first sized, so that the planner keeps its room out of the weights' */
         const st_kv_pool_params kp = st_llama_kv_params_for(cfg, batch_tokens, p.max_model_len, p.kv_blocks,
                                                             p.kv_block_size, p.kv_dtype);
+        st_kv_block_layout klo;
+        st_kv_block_layout_get(&kp, &klo);
+        const size_t slot_bytes = klo.layer_bytes * (size_t)kp.n_layers;
+        r->land_slots = (int64_t)(p.kv_landing_mem / slot_bytes);
+        if (p.kv_landing_mem && r->land_slots < 1) {
+            st = st_err(STRATA_ERR_INVALID_ARG, "--pd-landing-mem %zu bytes holds no block (one block: %zu bytes)",
+                        p.kv_landing_mem, slot_bytes);
+            goto fail;
+        }
         st_llama_params lp = {.max_seq_len = p.max_model_len, .max_tokens = batch_tokens, .weights = p.weights,
-                              .device_mem = p.device_mem, .kv_bytes = st_kv_pool_device_bytes(&kp)};
+                              .device_mem = p.device_mem,
+                              .kv_bytes = st_kv_pool_device_bytes(&kp) + (size_t)r->land_slots * slot_bytes};
         if ((st = st_llama_measure(files, be, &lp))) goto fail; /* startup: bandwidths, scratch (budgeted) */
         if ((st = st_llama_init(files, be, &lp, &r->model))) goto fail;
         ST_ASSERT(st_llama_max_tokens(r->model) == batch_tokens);
         if ((st = st_kv_pool_init(be, &kp, &r->kv))) goto fail;
+        if (r->land_slots > 0) {
+            r->land_stride = (size_t)r->land_slots * klo.layer_bytes;
+            r->land_used = st_calloc((size_t)r->land_slots, 1);
+            if (!r->land_used) {
+                st = st_err(STRATA_ERR_NOMEM, "out of memory");
+                goto fail;
+            }
+            void *mem = NULL;
+            if ((st = be->ops->alloc(be, r->land_stride * (size_t)kp.n_layers, &mem)))
+                goto fail; /* the backend names the bytes and the budget */
+            r->land = mem;
+        }
         const uint64_t seed = 0;
         r->identity = st_runner_model_identity(files, &kp, NULL);
         if (p.kv_host_mem > 0) {
@@ -284,6 +314,12 @@ fail:;
 void st_runner_free(st_runner *r) {
     if (!r) return;
     export_free(r);
+    if (r->ls) {
+        r->be->ops->stream_sync(r->be, r->ls); /* no landed copy still reads or writes */
+        r->be->ops->stream_destroy(r->be, r->ls);
+    }
+    if (r->land) r->be->ops->dealloc(r->be, r->land);
+    st_free(r->land_used);
     st_scheduler_free(r->sched);
     st_bm_free(r->bm);
     st_kv_tiers_free(r->tiers); /* writes what the SSD tier lacks, so a restart finds it */
@@ -767,7 +803,9 @@ struct st_runner_preload {
     st_block_table tbl;      /* the device prefix taken + the preloaded blocks, held until there */
     int32_t *tokens;
     int64_t n_tokens, n_done; /* n_done: positions that will be computed (cached + preloaded) */
-    uint64_t ticket;
+    uint64_t ticket;         /* from the host tier: its copy batch */
+    st_event *ev;            /* from the landing arena: recorded after the copies */
+    int64_t slot0, n_slots;  /* from the landing arena: its slots, released once copied */
 };
 
 strata_status st_runner_kv_preload(st_runner *r, const int32_t *tokens, int64_t n_tokens, st_runner_preload **out) {
@@ -801,7 +839,18 @@ strata_status st_runner_kv_preload(st_runner *r, const int32_t *tokens, int64_t 
 }
 
 bool st_runner_kv_preload_poll(st_runner *r, st_runner_preload *p) {
-    if (!st_kv_tiers_copied(r->tiers, p->ticket)) return false;
+    if (p->ev) {
+        bool done = false;
+        if (r->be->ops->event_query(r->be, p->ev, &done) != STRATA_OK) {
+            /* a failed copy: the blocks go back unregistered, the admission computes them */
+            st_log(STRATA_LOG_WARN, "kv preload: landed blocks: %s", st_last_error());
+            st_runner_kv_preload_free(r, p);
+            return true;
+        }
+        if (!done) return false;
+    } else if (!st_kv_tiers_copied(r->tiers, p->ticket)) {
+        return false;
+    }
     /* there: registered (the chain's hashes) and released, cached for the admission */
     ST_ASSERT(st_bm_commit(r->bm, &p->tbl, p->tokens, p->n_done) == STRATA_OK);
     st_runner_kv_preload_free(r, p);
@@ -810,8 +859,87 @@ bool st_runner_kv_preload_poll(st_runner *r, st_runner_preload *p) {
 
 void st_runner_kv_preload_free(st_runner *r, st_runner_preload *p) {
     if (!p) return;
+    if (p->ev) { /* copies of landed blocks: over before their blocks and slots go */
+        r->be->ops->event_sync(r->be, p->ev);
+        r->be->ops->event_destroy(r->be, p->ev);
+    }
+    if (p->n_slots) st_runner_land_release(r, p->slot0, p->n_slots);
     st_bm_seq_free(r->bm, &p->tbl); /* not committed: the preloaded blocks go back FREE */
     st_block_table_free(&p->tbl);
     st_free(p->tokens);
     st_free(p);
+}
+
+/* ---- P-D: the landing arena --------------------------------------------------------------*/
+strata_status st_runner_land_reserve(st_runner *r, int64_t n, int64_t *slot0) {
+    *slot0 = -1;
+    if (!r->land || n < 1) return st_err(STRATA_ERR_INVALID_ARG, "kv landing: no arena, or %lld blocks", (long long)n);
+    for (int64_t s = 0, run = 0; s < r->land_slots; s++) { /* first fit */
+        run = r->land_used[s] ? 0 : run + 1;
+        if (run == n) {
+            *slot0 = s - n + 1;
+            memset(r->land_used + *slot0, 1, (size_t)n);
+            return STRATA_OK;
+        }
+    }
+    return st_err(STRATA_ERR_NOMEM, "no run of %lld free blocks in the landing memory (--pd-landing-mem: %lld blocks)",
+                  (long long)n, (long long)r->land_slots);
+}
+
+void st_runner_land_release(st_runner *r, int64_t slot0, int64_t n) {
+    ST_ASSERT(slot0 >= 0 && n >= 0 && slot0 + n <= r->land_slots);
+    memset(r->land_used + slot0, 0, (size_t)n);
+}
+
+int64_t st_runner_land_slots(const st_runner *r) { return r->land ? r->land_slots : 0; }
+
+void *st_runner_land_at(const st_runner *r, int64_t slot0, size_t *stride) {
+    if (stride) *stride = r->land_stride;
+    return r->land ? r->land + (size_t)slot0 * (r->land_stride / (size_t)r->land_slots) : NULL;
+}
+
+strata_status st_runner_kv_preload_landed(st_runner *r, const int32_t *tokens, int64_t n_tokens, int64_t from_block,
+                                          int64_t n, int64_t slot0, st_runner_preload **out) {
+    *out = NULL;
+    st_runner_preload *p = st_calloc(1, sizeof *p);
+    if (!p || !(p->tokens = st_malloc((size_t)n_tokens * sizeof *tokens))) {
+        st_free(p);
+        st_runner_land_release(r, slot0, n);
+        return st_err(STRATA_ERR_NOMEM, "kv preload: out of memory");
+    }
+    memcpy(p->tokens, tokens, (size_t)n_tokens * sizeof *tokens);
+    p->n_tokens = n_tokens;
+    p->slot0 = slot0;
+    p->n_slots = n;
+    st_block_table_init(&p->tbl);
+    const int64_t bs = r->p.kv_block_size;
+    const st_backend_ops *o = r->be->ops;
+    int64_t cached = 0;
+    strata_status st = st_bm_seq_start(r->bm, &p->tbl, tokens, n_tokens, &cached);
+    const int64_t cb = cached / bs, skip = cb - from_block, avail = n - skip;
+    /* the device prefix must reach the landed blocks (it may have shrunk since the reservation:
+     * then the admission computes them) and stop inside them */
+    if (!st && skip >= 0 && avail > 0 && st_bm_can_append(r->bm, &p->tbl, avail * bs) &&
+        (st = st_bm_append_slots(r->bm, &p->tbl, avail * bs)) == STRATA_OK) {
+        if (!r->ls) st = o->stream_create(r->be, false, &r->ls);
+        if (!st) st = o->event_create(r->be, &p->ev);
+        const st_kv_pool_params *kp = st_kv_pool_get_params(r->kv);
+        const size_t lb = r->land_stride / (size_t)r->land_slots;
+        for (int64_t l = 0; l < kp->n_layers && !st; l++)
+            st = st_kv_pool_import_layer(r->kv, r->ls, l, p->tbl.blocks + cb, avail,
+                                         r->land + (size_t)l * r->land_stride + (size_t)(slot0 + skip) * lb);
+        if (!st) st = o->event_record(r->be, p->ev, r->ls);
+        if (!st) {
+            p->n_done = cached + avail * bs;
+            *out = p;
+            return STRATA_OK;
+        }
+    }
+    if (st && r->ls) o->stream_sync(r->be, r->ls); /* copies of a failed batch may have been issued */
+    if (p->ev && st) {
+        o->event_destroy(r->be, p->ev);
+        p->ev = NULL;
+    }
+    st_runner_kv_preload_free(r, p); /* nothing to bring, no room, or a copy error: the admission computes */
+    return st;
 }

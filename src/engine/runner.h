@@ -85,6 +85,8 @@ typedef struct {
     const char *kv_ssd_dir;  /* SSD tier directory (NULL: none); needs the host tier */
     uint64_t kv_ssd_size;    /* SSD tier bytes (0: ST_KV_SSD_DEFAULT; fewer when the disk has less room) */
     int64_t kv_ssd_fail_write_nth; /* tests: the Nth SSD write fails as on a full disk */
+    size_t kv_landing_mem;   /* P-D decode node: device bytes blocks from a prefill node land in
+                                (st_runner_land_*; 0: none, they land in the host tier) */
     bool host_sample;        /* sample on the host even on CUDA (no device sampling) */
     /* A sequence too long for the device pool alone runs with its KV in host
      * memory, streamed through the device layer by layer (kv/kv_stream.h;
@@ -166,6 +168,24 @@ typedef struct st_runner_preload st_runner_preload;
 strata_status st_runner_kv_preload(st_runner *r, const int32_t *tokens, int64_t n_tokens, st_runner_preload **out);
 bool st_runner_kv_preload_poll(st_runner *r, st_runner_preload *p);
 void st_runner_kv_preload_free(st_runner *r, st_runner_preload *p);
+/* P-D, a decode node with kv_landing_mem: the landing arena, device memory
+ * of kv_landing_mem / (layers x layer_bytes) block slots, layer-major: slot
+ * s's layer l at base + l * stride + s * layer_bytes (so one transfer
+ * message, a layer of consecutive blocks, is one contiguous region).
+ * land_reserve takes n consecutive slots (NOMEM naming --pd-landing-mem when
+ * no run is free); land_at gives slot0's layer-0 address and the stride (NULL:
+ * no arena); land_release gives slots back (nothing may write them any more).
+ * st_runner_kv_preload_landed is st_runner_kv_preload for landed blocks
+ * [from_block, from_block + n) of tokens in slots [slot0, slot0 + n): they
+ * are copied into device blocks held privately (the part after the device
+ * prefix that exists now; none when that prefix ends before from_block) and
+ * the slots go back once copied (or at once when nothing is copied). */
+strata_status st_runner_land_reserve(st_runner *r, int64_t n, int64_t *slot0);
+void st_runner_land_release(st_runner *r, int64_t slot0, int64_t n);
+void *st_runner_land_at(const st_runner *r, int64_t slot0, size_t *stride);
+int64_t st_runner_land_slots(const st_runner *r); /* 0: no arena */
+strata_status st_runner_kv_preload_landed(st_runner *r, const int32_t *tokens, int64_t n_tokens, int64_t from_block,
+                                          int64_t n, int64_t slot0, st_runner_preload **out);
 /* st_runner_model_identity of this runner's files and pool (computed at init). */
 uint64_t st_runner_kv_identity(const st_runner *r);
 /* Drops every block of the device prefix cache that no sequence holds

@@ -199,10 +199,12 @@ void st_kv_block_layout_get(const st_kv_pool_params *p, st_kv_block_layout *out)
     out->layer_bytes = o;
 }
 
-strata_status st_kv_pool_export_layer(st_kv_pool *kv, st_stream *stream, int64_t layer, const int32_t *blocks,
-                                      int64_t n, void *dst) {
-    if (!kv || !blocks || !dst || layer < 0 || layer >= kv->p.n_layers || n < 0)
-        return st_err(STRATA_ERR_INVALID_ARG, "kv pool export: bad arguments");
+/* One layer of blocks[0..n) between the pool and `mem` (block k's part at
+ * mem + k * layer_bytes): out: pool -> mem, else mem -> pool. */
+static strata_status move_layer(st_kv_pool *kv, st_stream *stream, int64_t layer, const int32_t *blocks, int64_t n,
+                                uint8_t *mem, bool out) {
+    if (!kv || !blocks || !mem || layer < 0 || layer >= kv->p.n_layers || n < 0)
+        return st_err(STRATA_ERR_INVALID_ARG, "kv pool %s: bad arguments", out ? "export" : "import");
     st_kv_block_layout lo;
     st_kv_block_layout_get(&kv->p, &lo);
     const st_kv_layer *L = &kv->layers[layer];
@@ -211,16 +213,28 @@ strata_status st_kv_pool_export_layer(st_kv_pool *kv, st_stream *stream, int64_t
         int64_t k = 1; /* a run of consecutive device blocks */
         while (i + k < n && blocks[i + k] == blocks[i + k - 1] + 1) k++;
         if (blocks[i] < 0 || blocks[i] + k > kv->p.num_blocks)
-            return st_err(STRATA_ERR_INVALID_ARG, "kv pool export: block %d outside the pool", blocks[i]);
+            return st_err(STRATA_ERR_INVALID_ARG, "kv pool %s: block %d outside the pool", out ? "export" : "import",
+                          blocks[i]);
         for (int64_t p = 0; p < lo.n_planes; p++) {
-            const void *base = p == 0 ? L->k : p == 1 ? L->v : p == 2 ? (const void *)L->k_scale : (const void *)L->v_scale;
+            void *base = p == 0 ? L->k : p == 1 ? L->v : p == 2 ? (void *)L->k_scale : (void *)L->v_scale;
             const size_t w = bs * lo.row[p];
-            const uint8_t *src = (const uint8_t *)base + (size_t)blocks[i] * w;
-            uint8_t *d = (uint8_t *)dst + (size_t)i * lo.layer_bytes + lo.off[p];
-            strata_status st = kv->be->ops->copy_2d(kv->be, stream, d, lo.layer_bytes, src, w, w, (size_t)k);
+            uint8_t *dev = (uint8_t *)base + (size_t)blocks[i] * w;
+            uint8_t *m = mem + (size_t)i * lo.layer_bytes + lo.off[p];
+            strata_status st = out ? kv->be->ops->copy_2d(kv->be, stream, m, lo.layer_bytes, dev, w, w, (size_t)k)
+                                   : kv->be->ops->copy_2d(kv->be, stream, dev, w, m, lo.layer_bytes, w, (size_t)k);
             if (st) return st;
         }
         i += k;
     }
     return STRATA_OK;
+}
+
+strata_status st_kv_pool_export_layer(st_kv_pool *kv, st_stream *stream, int64_t layer, const int32_t *blocks,
+                                      int64_t n, void *dst) {
+    return move_layer(kv, stream, layer, blocks, n, dst, true);
+}
+
+strata_status st_kv_pool_import_layer(st_kv_pool *kv, st_stream *stream, int64_t layer, const int32_t *blocks,
+                                      int64_t n, const void *src) {
+    return move_layer(kv, stream, layer, blocks, n, (uint8_t *)(uintptr_t)src, false);
 }

@@ -113,6 +113,11 @@ void st_kv_pool_set_ready(st_kv_pool *kv, int64_t layer, st_event *ready);
  * caller synchronizes. (P-D: a prefill node's blocks on their way out.) */
 strata_status st_kv_pool_export_layer(st_kv_pool *kv, st_stream *stream, int64_t layer, const int32_t *blocks,
                                       int64_t n, void *dst);
+/* The inverse, from device memory laid out as export writes it (a P-D decode
+ * node's landing arena: block k's part at src + k * layout.layer_bytes) into
+ * layer `layer` of device blocks blocks[0..n). */
+strata_status st_kv_pool_import_layer(st_kv_pool *kv, st_stream *stream, int64_t layer, const int32_t *blocks,
+                                      int64_t n, const void *src);
 void st_kv_pool_clear_ready(st_kv_pool *kv);
 /* Whether some layer has a ready event (a pass that waits on them is not
  * recorded as a graph: it runs directly, layer by layer). */

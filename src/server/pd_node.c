@@ -50,8 +50,11 @@ struct pd_node {
     int64_t adopted, cancelled, expired, broken; /* decode: tickets by outcome; broken: an attempt failed */
     int64_t prefills_ok, prefills_failed;
     struct job *jobs;             /* prefill: in flight (until done) */
-    struct pbuf *free_bufs;       /* prefill: pinned piece buffers to reuse */
+    struct pbuf *free_bufs;       /* prefill: piece buffers to reuse */
+    struct pbuf *lent;            /* prefill: piece buffers handed out */
     size_t free_bytes;
+    bool cuda;                    /* CUDA engine and a UCX that moves CUDA memory: pieces leave from device
+                                     memory, a decode node's landing memory is device memory */
     bool closing;                 /* destroy: no new prefill */
 };
 
@@ -142,7 +145,10 @@ strata_status pd_node_expect(pd_node *n, const strata_kv_reservation *res) {
     t->next = n->tickets;
     n->tickets = t;
     pthread_mutex_unlock(&n->mu);
-    strata_status st = pd_xfer_expect(n->x, res->ticket, res->n_layers, res->layer_bytes, res->cached_blocks,
+    strata_status st =
+        res->landing ? pd_xfer_expect_at(n->x, res->ticket, res->n_layers, res->layer_bytes, res->cached_blocks,
+                                         res->n_blocks, res->landing, res->landing_stride, n->cuda, on_landed, n)
+                     : pd_xfer_expect(n->x, res->ticket, res->n_layers, res->layer_bytes, res->cached_blocks,
                                       res->n_blocks, res->blocks, on_landed, n);
     if (st) {
         char msg[256];
@@ -173,15 +179,22 @@ strata_status pd_node_cancel(pd_node *n, uint64_t ticket) {
 
 /* ---- prefill ---------------------------------------------------------------------------------*/
 
-/* Piece buffers: pinned host memory (strata_host_alloc: the device copies each layer into it at
- * full speed and the transport sends from it), kept for reuse up to BUF_KEEP bytes. A buffer is
- * a header (its capacity) and the data after it. */
-#define BUF_HDR 64
+/* Piece buffers: device memory when n->cuda (the device copies each layer into it, UCX moves it
+ * to the decode node's GPU), else pinned host memory (strata_host_alloc: the device copies at full
+ * speed, the transport sends from it); kept for reuse up to BUF_KEEP bytes. Their descriptors
+ * live on the host (a device buffer has no room the host may write). */
 #define BUF_KEEP ((size_t)1 << 30)
 typedef struct pbuf {
     size_t cap;
+    void *mem;
     struct pbuf *next;
 } pbuf;
+
+static void buf_release(pd_node *n, pbuf *b) {
+    if (n->cuda) strata_device_free(n->m, b->mem);
+    else strata_host_free(n->m, b->mem);
+    st_free(b);
+}
 
 static void *buf_get(pd_node *n, size_t bytes) {
     pthread_mutex_lock(&n->mu);
@@ -190,21 +203,38 @@ static void *buf_get(pd_node *n, size_t bytes) {
             pbuf *b = *pp;
             *pp = b->next;
             n->free_bytes -= b->cap;
+            b->next = n->lent;
+            n->lent = b;
             pthread_mutex_unlock(&n->mu);
-            return (uint8_t *)b + BUF_HDR;
+            return b->mem;
         }
     pthread_mutex_unlock(&n->mu);
-    const size_t cap = (bytes + ((size_t)1 << 20) - 1) >> 20 << 20; /* whole MiB: sizes repeat */
-    void *p = NULL;
-    if (strata_host_alloc(n->m, cap + BUF_HDR, &p) != STRATA_OK) return NULL;
-    ((pbuf *)p)->cap = cap;
-    return (uint8_t *)p + BUF_HDR;
+    pbuf *b = st_calloc(1, sizeof *b);
+    if (!b) return NULL;
+    b->cap = (bytes + ((size_t)1 << 20) - 1) >> 20 << 20; /* whole MiB: sizes repeat */
+    if ((n->cuda ? strata_device_alloc(n->m, b->cap, &b->mem) : strata_host_alloc(n->m, b->cap, &b->mem)) !=
+        STRATA_OK) {
+        st_free(b);
+        return NULL;
+    }
+    pthread_mutex_lock(&n->mu);
+    b->next = n->lent;
+    n->lent = b;
+    pthread_mutex_unlock(&n->mu);
+    return b->mem;
 }
 
 static void buf_put(pd_node *n, void *data) {
     if (!data) return;
-    pbuf *b = (pbuf *)((uint8_t *)data - BUF_HDR);
     pthread_mutex_lock(&n->mu);
+    pbuf *b = NULL;
+    for (pbuf **pp = &n->lent; *pp; pp = &(*pp)->next)
+        if ((*pp)->mem == data) {
+            b = *pp;
+            *pp = b->next;
+            break;
+        }
+    ST_ASSERT(b);
     if (n->free_bytes + b->cap <= BUF_KEEP) {
         b->next = n->free_bufs;
         n->free_bufs = b;
@@ -212,7 +242,7 @@ static void buf_put(pd_node *n, void *data) {
         b = NULL;
     }
     pthread_mutex_unlock(&n->mu);
-    if (b) strata_host_free(n->m, b);
+    if (b) buf_release(n, b);
 }
 
 typedef struct job {
@@ -313,7 +343,7 @@ static void job_on_kv(void *user, const strata_kv_piece *p) {
     }
     *sc = (sendctx){.j = j, .data = p->data, .bytes = p->bytes};
     const pd_msg h = {.ticket = j->ticket, .attempt = j->attempt, .layer = (uint32_t)p->layer,
-                      .first_block = p->first_block, .n_blocks = p->n_blocks};
+                      .first_block = p->first_block, .n_blocks = p->n_blocks, .flags = n->cuda ? PD_MSG_F_CUDA : 0};
     if (pd_xfer_send(n->x, j->peer, &h, p->data, p->bytes, on_sent, sc) != STRATA_OK) on_sent(sc, STRATA_ERR_IO);
 }
 
@@ -397,9 +427,9 @@ strata_status pd_node_create(strata_model *m, pd_role role, double timeout_s, pd
     strata_engine_info info;
     strata_status st = strata_engine_info_get(m, &info);
     if (st) return st;
-    if (role == PD_ROLE_DECODE && info.kv_host_blocks <= 0)
-        return st_err(STRATA_ERR_INVALID_ARG, "--role decode: the blocks from prefill nodes land in the KV host tier; "
-                                              "give it room (--kv-host-mem)");
+    if (role == PD_ROLE_DECODE && info.kv_host_blocks <= 0 && info.kv_landing_blocks <= 0)
+        return st_err(STRATA_ERR_INVALID_ARG, "--role decode: the blocks from prefill nodes land in the KV host tier "
+                                              "or the landing memory; give it room (--kv-host-mem, --pd-landing-mem)");
     if (role != PD_ROLE_BOTH && !info.prefix_cache)
         return st_err(STRATA_ERR_INVALID_ARG, "--role %s: P-D needs the prefix cache (blocks are named by it)",
                       pd_role_name(role));
@@ -412,6 +442,21 @@ strata_status pd_node_create(strata_model *m, pd_role role, double timeout_s, pd
     pthread_mutex_init(&n->mu, NULL);
     pthread_cond_init(&n->cv, NULL);
     if ((st = pd_xfer_create(&n->x))) goto fail;
+    strata_model_info mi;
+    if ((st = strata_model_info_get(m, &mi))) goto fail;
+    const bool cuda_engine = !strcmp(mi.backend, "cuda");
+    n->cuda = cuda_engine && pd_xfer_cuda(n->x);
+    if (role == PD_ROLE_DECODE && info.kv_landing_blocks > 0 && cuda_engine && !n->cuda) {
+        st = st_err(STRATA_ERR_UNSUPPORTED, "--pd-landing-mem: blocks land in GPU memory, and this process's UCX "
+                                            "moves host memory only (use a UCX built with CUDA, e.g. PyPI's "
+                                            "libucx-cu12, on LD_LIBRARY_PATH; or land in the host tier)");
+        goto fail;
+    }
+    st_log(STRATA_LOG_INFO, "pd: %s node: KV %s", pd_role_name(role),
+           role == PD_ROLE_PREFILL ? (n->cuda ? "pieces leave from GPU memory (UCX with CUDA)"
+                                              : "pieces leave from pinned host memory")
+           : info.kv_landing_blocks > 0 ? "lands in the landing memory"
+                                        : "lands in the host tier");
     size_t len = 0;
     const uint8_t *a = pd_xfer_address(n->x, &len);
     if (!(n->addr_hex = st_malloc(2 * len + 1))) {
@@ -472,8 +517,9 @@ void pd_node_destroy(pd_node *n) {
     while (n->free_bufs) {
         pbuf *b = n->free_bufs;
         n->free_bufs = b->next;
-        strata_host_free(n->m, b);
+        buf_release(n, b);
     }
+    ST_ASSERT(!n->lent); /* every piece came back (the jobs are over) */
     st_free(n->addr_hex);
     pthread_cond_destroy(&n->cv);
     pthread_mutex_destroy(&n->mu);
