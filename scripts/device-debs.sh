@@ -17,3 +17,27 @@ if [ ${#missing[@]} -gt 0 ]; then
   apt-get download "${missing[@]}"
 fi
 ls -1 *.deb
+# UCX with CUDA support (P-D GPU to GPU, --pd-landing-mem): Debian's UCX moves host memory
+# only, so the libraries of PyPI's libucx-cu12 wheel travel too (runtime only: strata builds
+# against Debian's headers; the wheel's UCX is ABI-compatible), packed as
+# .deps/ucx-cu12.tar.xz (~4 MB): UCP/UCT/UCS/UCM, the CUDA and CMA transports, the CUDA
+# runtime they load, and ucx_info. scripts/device-env.sh unpacks it and exports
+# STRATA_UCX_CUDA_LIB (prepend it to LD_LIBRARY_PATH to use it).
+if [ ! -f ucx-cu12.tar.xz ]; then
+  t=$(mktemp -d)
+  python3 -m pip download -q --no-deps "libucx-cu12==${LIBUCX_CU12_VERSION:-1.22.0}" -d "$t"
+  (cd "$t" && python3 -m zipfile -e libucx_cu12-*.whl x)
+  d="$t/ucx-cu12"
+  mkdir -p "$d/libucx/lib/ucx" "$d/libucx_cu12.libs"
+  for f in libucp libuct libucs libucm; do cp "$t/x/libucx/lib/$f.so.0" "$d/libucx/lib/"; done
+  for f in libucm_cuda libuct_cuda libuct_cma; do
+    cp "$t/x/libucx/lib/ucx/$f.so.0" "$d/libucx/lib/ucx/"
+    ln -s "$f.so.0" "$d/libucx/lib/ucx/$f.so"
+  done
+  cp "$t"/x/libucx_cu12.libs/libcudart-*.so* "$d/libucx_cu12.libs/"
+  cp "$t/x/libucx/bin/ucx_info" "$d/"
+  chmod +x "$d/ucx_info"
+  tar cJf ucx-cu12.tar.xz -C "$t" ucx-cu12
+  rm -rf "$t"
+fi
+ls -la ucx-cu12.tar.xz

@@ -21,3 +21,8 @@ if [ ! -f /tmp/sys/usr/lib/x86_64-linux-gnu/pkgconfig/gnutls.pc ]; then
   printf 'Name: gnutls\nDescription: stub (TLS unused)\nVersion: 3.7.9\nLibs:\nCflags:\n' \
     > /tmp/sys/usr/lib/x86_64-linux-gnu/pkgconfig/gnutls.pc
 fi
+# UCX with CUDA (scripts/device-debs.sh): unpacked, not on the loader's path by default.
+if [ -f .deps/ucx-cu12.tar.xz ]; then
+  [ -d /tmp/ucx-cu12 ] || tar xJf .deps/ucx-cu12.tar.xz -C /tmp
+  export STRATA_UCX_CUDA_LIB=/tmp/ucx-cu12/libucx/lib
+fi

@@ -12,10 +12,19 @@
 #      prefill and a decode process sharing the GPU: decode TBT p50/p99 of $STREAMS
 #      streams idle and while $LONG_COUNT prompts of $LONG tokens arrive, the ratio,
 #      the long prompts' TTFT, the KV moved and its rate.
-# TWO_GPU=1 (a machine with two GPUs): the prefill process on GPU 0, the decode process on
-# GPU 1 (CUDA_VISIBLE_DEVICES), the single server on GPU 0; the GPU 0 -> GPU 1 copy
-# bandwidth is measured too (PyTorch). The KV still crosses host memory (UCX 1.13 from
-# Debian has no CUDA support): device -> pinned host -> UCX -> host tier -> device.
+# Configurations ($CONFIGS), each under the same load at every long-prompt spacing of
+# $RATES (seconds):
+#   single   one server;
+#   pd_host  router + prefill + decode, the KV through host memory (Debian's UCX: device ->
+#            pinned host -> UCX -> host tier -> device);
+#   pd_d2d   the same with the UCX of PyPI's libucx-cu12 (.deps/ucx-cu12.tar.xz): the prefill
+#            node sends from GPU memory, the decode node lands it in GPU memory
+#            (--pd-landing-mem), UCX moving it GPU to GPU;
+#   indep    (TWO_GPU=1) two independent servers behind `strata router` without prefill nodes.
+# TWO_GPU=1 (a machine with two GPUs): prefill (or the first server) on GPU 0, decode (or the
+# second server) on GPU 1 (CUDA_VISIBLE_DEVICES), the single server on GPU 0; the GPU 0 ->
+# GPU 1 copy bandwidth is measured too (PyTorch). At the end: goodput, the fastest long-prompt
+# rate whose decode TBT p99 stays within TBT_TARGET_X x the single server's idle p99.
 # Logs: $OUT (default /tmp/pd).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -26,8 +35,10 @@ mkdir -p "$OUT"
 STREAMS=${STREAMS:-8}
 LONG=${LONG:-8000}
 LONG_COUNT=${LONG_COUNT:-6}
-LONG_EVERY=${LONG_EVERY:-2.0}
 DECODE_LEN=${DECODE_LEN:-256}
+RATES=${RATES:-2.0}
+CONFIGS=${CONFIGS:-single pd_host pd_d2d indep}
+TBT_TARGET_X=${TBT_TARGET_X:-3}
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 rc=0
@@ -38,6 +49,13 @@ stamp build
 stamp "test_pd_xfer, test_pd_engine"
 STRATA_SRC=$PWD build-gpu/test_pd_xfer > "$OUT/xfer.txt" 2>&1 || rc=1
 tail -2 "$OUT/xfer.txt"
+if [ -n "${STRATA_UCX_CUDA_LIB:-}" ]; then
+  stamp "test_pd_xfer with the CUDA UCX; its transports"
+  LD_LIBRARY_PATH=$STRATA_UCX_CUDA_LIB:$LD_LIBRARY_PATH STRATA_SRC=$PWD build-gpu/test_pd_xfer > "$OUT/xfer_cuda.txt" 2>&1 || rc=1
+  tail -1 "$OUT/xfer_cuda.txt"
+  LD_LIBRARY_PATH=$STRATA_UCX_CUDA_LIB:$LD_LIBRARY_PATH /tmp/ucx-cu12/ucx_info -v | head -2
+  LD_LIBRARY_PATH=$STRATA_UCX_CUDA_LIB:$LD_LIBRARY_PATH /tmp/ucx-cu12/ucx_info -d | grep -E "Transport:" | sort | uniq -c | tr '\n' ' '; echo
+fi
 STRATA_SRC=$PWD build-gpu/test_pd_engine > "$OUT/engine.txt" 2>&1 || rc=1
 tail -1 "$OUT/engine.txt"
 
@@ -78,29 +96,42 @@ echo "host memcpy: $LINK GB/s"
 stamp "the transport alone: bench_pd_xfer (two processes, 32 layer messages of 100 blocks x 64 KiB)"
 timeout -s KILL 60 build-gpu/bench_pd_xfer 32 100 65536 4 | tail -1
 
-stamp "single server"
-if [ "${TWO_GPU:-0}" = 1 ]; then
-  CUDA_VISIBLE_DEVICES=0 start single serve $M "${COMMON[@]}" --kv-mem 16G --prefill-chunk 512
-else
-  start single serve $M "${COMMON[@]}" --kv-mem 16G --prefill-chunk 512
-fi
-SPORT=$PORT
-python3 bench/pd_bench.py --url http://127.0.0.1:$SPORT --streams $STREAMS --decode-len $DECODE_LEN \
-  --long-prompt $LONG --long-count $LONG_COUNT --long-every $LONG_EVERY --label single --json "$OUT/single.json" || rc=1
-# greedy texts of the single server, for the P-D correctness check
-python3 - "$SPORT" > "$OUT/single_texts.json" << 'EOF'
+gpu() { [ "${TWO_GPU:-0}" = 1 ] && echo "$1" || echo 0; }
+bench_rates() { # label url [pd_bench args...]
+  local label=$1 url=$2
+  shift 2
+  for ev in $RATES; do
+    python3 bench/pd_bench.py --url "$url" --streams $STREAMS --decode-len $DECODE_LEN --long-prompt $LONG \
+      --long-count $LONG_COUNT --long-every "$ev" --label "$label@$ev" --json "$OUT/$label@$ev.json" "$@" || rc=1
+  done
+}
+greedy() { # port -> the 8 greedy texts as JSON (null where a request failed)
+  python3 - "$1" << 'PY'
 import http.client, json, sys
 port = int(sys.argv[1]); out = []
 for i in range(8):
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
     body = {"prompt": "Story %d: " % i + "the river and the mill " * (40 + 30 * i), "max_tokens": 16, "temperature": 0}
     c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    out.append(json.loads(c.getresponse().read())["choices"][0]["text"])
+    r = c.getresponse(); got = json.loads(r.read())
+    out.append(got["choices"][0]["text"] if r.status == 200 else None)
 print(json.dumps(out))
-EOF
-stop_all
+PY
+}
+same_texts() { # label file
+  python3 - "$OUT/single_texts.json" "$2" "$1" << 'PY'
+import json, sys
+a, b = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+print("%s on CUDA: %d of 8 greedy texts equal the single server's" % (sys.argv[3], sum(x == y and x is not None for x, y in zip(a, b))))
+PY
+}
+router_start() { # args...
+  build-gpu/strata router --port 0 "$@" > "$OUT/router.out" 2> "$OUT/router.log" &
+  PIDS+=($!)
+  RPORT=""
+  for _ in $(seq 1 40); do RPORT=$(sed -n 's/^listening on http:\/\/127\.0\.0\.1:\([0-9]*\)$/\1/p' "$OUT/router.out"); [ -n "$RPORT" ] && break; sleep 0.25; done
+}
 
-stamp "P-D: prefill + decode on this GPU, router"
 if [ "${TWO_GPU:-0}" = 1 ]; then
   python3 -c "
 import torch, time
@@ -110,38 +141,81 @@ torch.cuda.synchronize('cuda:0'); torch.cuda.synchronize('cuda:1'); t = time.tim
 for _ in range(10): b.copy_(a)
 torch.cuda.synchronize('cuda:0'); torch.cuda.synchronize('cuda:1')
 print('GPU 0 -> GPU 1 copy: %.1f GB/s (peer access: %s)' % (10 * a.numel() / (time.time() - t) / 1e9, torch.cuda.can_device_access_peer(0, 1)))
-" 2>&1 | tail -1
-  CUDA_VISIBLE_DEVICES=0 start prefill serve $M "${COMMON[@]}" --kv-mem 16G --prefill-chunk 2048 --role prefill
-  PPORT=$PORT
-  CUDA_VISIBLE_DEVICES=1 start decode serve $M "${COMMON[@]}" --kv-mem 16G --prefill-chunk 512 --role decode
-  DPORT=$PORT
-else
-  start prefill serve $M "${COMMON[@]}" --kv-mem 4G --prefill-chunk 2048 --role prefill
-  PPORT=$PORT
-  start decode serve $M "${COMMON[@]}" --kv-mem 12G --prefill-chunk 512 --role decode
-  DPORT=$PORT
+" 2>&1 | tail -1 | tee "$OUT/gpu_copy.txt"
 fi
-build-gpu/strata router --port 0 --prefill http://127.0.0.1:$PPORT --decode http://127.0.0.1:$DPORT \
-  > "$OUT/router.out" 2> "$OUT/router.log" &
-PIDS+=($!)
-for _ in $(seq 1 40); do RPORT=$(sed -n 's/^listening on http:\/\/127\.0\.0\.1:\([0-9]*\)$/\1/p' "$OUT/router.out"); [ -n "$RPORT" ] && break; sleep 0.25; done
-python3 - "$RPORT" "$OUT/single_texts.json" << 'EOF'
-import http.client, json, sys
-port = int(sys.argv[1]); want = json.load(open(sys.argv[2])); same = 0
-for i in range(8):
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-    body = {"prompt": "Story %d: " % i + "the river and the mill " * (40 + 30 * i), "max_tokens": 16, "temperature": 0}
-    c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    r = c.getresponse(); got = json.loads(r.read())
-    same += r.status == 200 and got["choices"][0]["text"] == want[i]
-print("P-D on CUDA: %d of 8 greedy texts equal the single server's (random weights: close logits)" % same)
-EOF
-python3 bench/pd_bench.py --url http://127.0.0.1:$RPORT --streams $STREAMS --decode-len $DECODE_LEN \
-  --long-prompt $LONG --long-count $LONG_COUNT --long-every $LONG_EVERY --label pd \
-  --metrics http://127.0.0.1:$PPORT --metrics http://127.0.0.1:$DPORT --link-bw "$LINK" --json "$OUT/pd.json" || rc=1
-curl -s http://127.0.0.1:$DPORT/metrics | grep -E '^strata_pd_(tickets|messages)' > "$OUT/decode_pd_metrics.txt"
-cat "$OUT/decode_pd_metrics.txt"
-curl -s http://127.0.0.1:$RPORT/metrics | grep -E '^strata_router_(retries|prefill_cancelled)' | head
-stop_all
+
+for cfg in $CONFIGS; do
+  case $cfg in
+  single)
+    stamp "single server"
+    CUDA_VISIBLE_DEVICES=0 start single serve $M "${COMMON[@]}" --kv-mem 16G --prefill-chunk 512
+    greedy $PORT > "$OUT/single_texts.json"
+    bench_rates single http://127.0.0.1:$PORT
+    ;;
+  indep)
+    [ "${TWO_GPU:-0}" = 1 ] || continue
+    stamp "two independent servers (GPUs 0 and 1) behind the router"
+    CUDA_VISIBLE_DEVICES=0 start s1 serve $M "${COMMON[@]}" --kv-mem 16G --prefill-chunk 512
+    P1=$PORT
+    CUDA_VISIBLE_DEVICES=1 start s2 serve $M "${COMMON[@]}" --kv-mem 16G --prefill-chunk 512
+    router_start --decode http://127.0.0.1:$P1,http://127.0.0.1:$PORT
+    greedy $RPORT > "$OUT/indep_texts.json"
+    same_texts indep "$OUT/indep_texts.json"
+    bench_rates indep http://127.0.0.1:$RPORT
+    ;;
+  pd_host | pd_d2d)
+    LAND=()
+    LINK_CFG=$LINK
+    if [ $cfg = pd_d2d ]; then
+      [ -n "${STRATA_UCX_CUDA_LIB:-}" ] || { echo "pd_d2d: no .deps/ucx-cu12.tar.xz (scripts/device-debs.sh)"; continue; }
+      export LD_LIBRARY_PATH=$STRATA_UCX_CUDA_LIB:$LD_LIBRARY_PATH
+      LAND=(--pd-landing-mem 4G)
+      [ -f "$OUT/gpu_copy.txt" ] && LINK_CFG=$(sed -n 's/.*copy: \([0-9.]*\) GB.*/\1/p' "$OUT/gpu_copy.txt")
+    fi
+    stamp "$cfg: router + prefill (GPU $(gpu 0)) + decode (GPU $(gpu 1))"
+    if [ "${TWO_GPU:-0}" = 1 ]; then PKV=16G DKV=16G; else PKV=4G DKV=12G; fi
+    CUDA_VISIBLE_DEVICES=$(gpu 0) STRATA_LOG=info start prefill serve $M "${COMMON[@]}" --kv-mem $PKV --prefill-chunk 2048 --role prefill
+    PPORT=$PORT
+    CUDA_VISIBLE_DEVICES=$(gpu 1) STRATA_LOG=info start decode serve $M "${COMMON[@]}" --kv-mem $DKV --prefill-chunk 512 --role decode "${LAND[@]}"
+    DPORT=$PORT
+    grep -h "node: KV" "$OUT/prefill.log" "$OUT/decode.log"
+    router_start --prefill http://127.0.0.1:$PPORT --decode http://127.0.0.1:$DPORT
+    greedy $RPORT > "$OUT/${cfg}_texts.json"
+    same_texts $cfg "$OUT/${cfg}_texts.json"
+    bench_rates $cfg http://127.0.0.1:$RPORT --metrics http://127.0.0.1:$PPORT --metrics http://127.0.0.1:$DPORT \
+      --link-bw "$LINK_CFG"
+    curl -s http://127.0.0.1:$DPORT/metrics | grep -E '^strata_pd_(tickets|messages)' | tr '\n' ' '; echo
+    curl -s http://127.0.0.1:$RPORT/metrics | grep -E '^strata_router_(retries|prefill_cancelled)' | tr '\n' ' '; echo
+    grep -ihE "warn|error" "$OUT/prefill.log" "$OUT/decode.log" | grep -v "^$" | head -5
+    [ $cfg = pd_d2d ] && export LD_LIBRARY_PATH=${LD_LIBRARY_PATH#"$STRATA_UCX_CUDA_LIB":}
+    ;;
+  esac
+  stop_all
+done
+
+stamp "goodput: the fastest long-prompt rate with loaded TBT p99 <= $TBT_TARGET_X x the single server's idle p99"
+python3 - "$OUT" "$TBT_TARGET_X" "$LONG" << 'PY'
+import glob, json, os, sys
+out, x, n = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+rows = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(out, "*@*.json")))]
+single = [r for r in rows if r["label"].startswith("single@")]
+if not single:
+    sys.exit(0)
+target = x * min(r["idle_tbt_p99"] for r in single)
+print("TBT p99 target: %.1f ms" % (1e3 * target))
+print("| config | a %s-token prompt every (s) | TBT p50 idle / loaded (ms) | TBT p99 idle / loaded (ms) | p99 loaded/idle "
+      "| long TTFT p50 / max (s) | errors | within target |" % n)
+print("|---|---|---|---|---|---|---|---|")
+best = {}
+for r in rows:
+    cfg, ev = r["label"].split("@")
+    ok = r["loaded_tbt_p99"] <= target and r["errors"] == 0
+    best[cfg] = max(best.get(cfg, 0.0), 1.0 / float(ev) if ok else 0.0)
+    print("| %s | %s | %.1f / %.1f | %.1f / %.1f | %.2fx | %.2f / %.2f | %d | %s |" % (
+        cfg, ev, 1e3 * r["idle_tbt_p50"], 1e3 * r["loaded_tbt_p50"], 1e3 * r["idle_tbt_p99"], 1e3 * r["loaded_tbt_p99"],
+        r["tbt_p99_ratio"], r["long_ttft_p50"], r["long_ttft_max"], r["errors"], "yes" if ok else "no"))
+for cfg, g in best.items():
+    print("goodput %s: %.2f long prompts/s within the target" % (cfg, g))
+PY
 stamp done
 exit $rc
