@@ -67,11 +67,13 @@ fi
 cp -n tests/data/tokenizer/smollm2/tokenizer.json tests/data/tokenizer/smollm2/tokenizer_config.json "$M/"
 
 PIDS=()
+TAGS=()
 start() { # tag args... -> PORT
   local tag=$1
   shift
   build-gpu/strata "$@" --port 0 > "$OUT/$tag.out" 2> "$OUT/$tag.log" &
   PIDS+=($!)
+  TAGS+=("$tag")
   PORT=""
   for _ in $(seq 1 240); do
     PORT=$(sed -n 's/^listening on http:\/\/127\.0\.0\.1:\([0-9]*\)$/\1/p' "$OUT/$tag.out")
@@ -80,7 +82,17 @@ start() { # tag args... -> PORT
   done
   [ -n "$PORT" ] || { echo "FAIL $tag did not start"; tail -20 "$OUT/$tag.log"; }
 }
-stop_all() { for p in "${PIDS[@]}"; do kill -TERM "$p" 2> /dev/null; done; wait 2> /dev/null; PIDS=(); }
+stop_all() { # SIGTERM to every process; a non-zero exit is reported (and fails the run)
+  local i
+  for p in "${PIDS[@]}"; do kill -TERM "$p" 2> /dev/null; done
+  for i in "${!PIDS[@]}"; do
+    wait "${PIDS[$i]}" 2> /dev/null
+    local r=$?
+    [ $r -ne 0 ] && { echo "FAIL ${TAGS[$i]:-process} exited $r on SIGTERM"; tail -5 "$OUT/${TAGS[$i]}.log" 2> /dev/null; rc=1; }
+  done
+  PIDS=()
+  TAGS=()
+}
 trap stop_all EXIT
 COMMON=(--device cuda --max-model-len 8192 --max-batch 16 --model-name m)
 
@@ -100,9 +112,11 @@ gpu() { [ "${TWO_GPU:-0}" = 1 ] && echo "$1" || echo 0; }
 bench_rates() { # label url [pd_bench args...]
   local label=$1 url=$2
   shift 2
-  for ev in $RATES; do
+  local seed=0
+  for ev in $RATES; do # a seed per rate: every run's prompts are new to the servers (no prefix-cache hits)
+    seed=$((seed + 1))
     python3 bench/pd_bench.py --url "$url" --streams $STREAMS --decode-len $DECODE_LEN --long-prompt $LONG \
-      --long-count $LONG_COUNT --long-every "$ev" --label "$label@$ev" --json "$OUT/$label@$ev.json" "$@" || rc=1
+      --long-count $LONG_COUNT --long-every "$ev" --seed $seed --label "$label@$ev" --json "$OUT/$label@$ev.json" "$@" || rc=1
   done
 }
 greedy() { # port -> the 8 greedy texts as JSON (null where a request failed)
@@ -128,6 +142,7 @@ PY
 router_start() { # args...
   build-gpu/strata router --port 0 "$@" > "$OUT/router.out" 2> "$OUT/router.log" &
   PIDS+=($!)
+  TAGS+=(router)
   RPORT=""
   for _ in $(seq 1 40); do RPORT=$(sed -n 's/^listening on http:\/\/127\.0\.0\.1:\([0-9]*\)$/\1/p' "$OUT/router.out"); [ -n "$RPORT" ] && break; sleep 0.25; done
 }
@@ -184,7 +199,7 @@ for cfg in $CONFIGS; do
     same_texts $cfg "$OUT/${cfg}_texts.json"
     bench_rates $cfg http://127.0.0.1:$RPORT --metrics http://127.0.0.1:$PPORT --metrics http://127.0.0.1:$DPORT \
       --link-bw "$LINK_CFG"
-    curl -s http://127.0.0.1:$DPORT/metrics | grep -E '^strata_pd_(tickets|messages)' | tr '\n' ' '; echo
+    curl -s http://127.0.0.1:$DPORT/metrics | grep -E '^strata_pd_(tickets|messages)|^strata_prompt_tokens_total' | tr '\n' ' '; echo
     curl -s http://127.0.0.1:$RPORT/metrics | grep -E '^strata_router_(retries|prefill_cancelled)' | tr '\n' ' '; echo
     grep -ihE "warn|error" "$OUT/prefill.log" "$OUT/decode.log" | grep -v "^$" | head -5
     [ $cfg = pd_d2d ] && export LD_LIBRARY_PATH=${LD_LIBRARY_PATH#"$STRATA_UCX_CUDA_LIB":}
