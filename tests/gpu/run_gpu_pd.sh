@@ -132,7 +132,8 @@ for i in range(8):
 print(json.dumps(out))
 PY
 }
-same_texts() { # label file
+same_texts() { # label file (against the single server's, when that configuration ran)
+  [ -f "$OUT/single_texts.json" ] || return 0
   python3 - "$OUT/single_texts.json" "$2" "$1" << 'PY'
 import json, sys
 a, b = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
