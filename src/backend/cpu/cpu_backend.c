@@ -49,6 +49,18 @@ strata_status st_cpu_scratch_reserve(st_cpu *c, size_t floats) {
     return STRATA_OK;
 }
 
+strata_status st_cpu_qact_reserve(st_cpu *c, size_t bytes) {
+    if (bytes <= c->qact_bytes) return STRATA_OK;
+    bytes = (bytes + 63) & ~(size_t)63;
+    void *p = NULL;
+    if (bytes == 0 || posix_memalign(&p, 64, bytes) != 0)
+        return st_err(STRATA_ERR_NOMEM, "cpu backend: cannot allocate %zu bytes of scratch", bytes);
+    free(c->qact);
+    c->qact = p;
+    c->qact_bytes = bytes;
+    return STRATA_OK;
+}
+
 /* ---- memory ---- */
 
 static strata_status cpu_alloc(st_backend *be, size_t n, void **out) {
@@ -417,6 +429,7 @@ static void cpu_destroy(st_backend *be) {
         if (c->scratch)
             for (int i = 0; i < c->n_threads; i++) free(c->scratch[i]);
         st_free(c->scratch);
+        free(c->qact);
         pthread_mutex_destroy(&c->op_mu);
         pthread_mutex_destroy(&c->mem_mu);
         st_free(c);
@@ -468,22 +481,38 @@ static const st_backend_ops g_cpu_ops = {
     .sample = cpu_sample,
 };
 
-bool st_cpu_simd_supported(void) {
+st_cpu_isa st_cpu_isa_supported(void) {
 #if defined(__x86_64__) && defined(__GNUC__)
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2");
+    if (!__builtin_cpu_supports("avx2")) return ST_CPU_ISA_PORTABLE;
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512bw"))
+        return ST_CPU_ISA_AVX512;
+    return ST_CPU_ISA_AVX2;
 #else
-    return false;
+    return ST_CPU_ISA_PORTABLE;
 #endif
 }
 
-bool st_backend_cpu_set_simd(st_backend *be, bool on) {
+bool st_cpu_simd_supported(void) { return st_cpu_isa_supported() != ST_CPU_ISA_PORTABLE; }
+
+static void cpu_set_isa(st_cpu *c, st_cpu_isa isa) {
+    const st_cpu_isa best = st_cpu_isa_supported();
+    c->isa = isa < best ? isa : best;
+    c->simd = c->isa >= ST_CPU_ISA_AVX2;
+}
+
+st_cpu_isa st_backend_cpu_set_isa(st_backend *be, st_cpu_isa isa) {
     st_cpu *c = st_cpu_of(be);
     pthread_mutex_lock(&c->op_mu);
-    c->simd = on && st_cpu_simd_supported();
-    bool r = c->simd;
+    cpu_set_isa(c, isa);
+    const st_cpu_isa r = c->isa;
     pthread_mutex_unlock(&c->op_mu);
     return r;
+}
+
+bool st_backend_cpu_set_simd(st_backend *be, bool on) {
+    return st_backend_cpu_set_isa(be, on ? ST_CPU_ISA_AVX512 : ST_CPU_ISA_PORTABLE) != ST_CPU_ISA_PORTABLE;
 }
 
 strata_status st_backend_cpu_init(const st_backend_params *params, st_backend **out) {
@@ -514,7 +543,7 @@ strata_status st_backend_cpu_init(const st_backend_params *params, st_backend **
         cpu_destroy(be);
         return st_err(STRATA_ERR_NOMEM, "cpu backend init: out of memory");
     }
-    c->simd = st_cpu_simd_supported();
+    cpu_set_isa(c, ST_CPU_ISA_AVX512);
     *out = be;
     return STRATA_OK;
 }

@@ -76,9 +76,39 @@ ST_AI void st_axpy_f32(float *y, float s, const float *x, int64_t K) {
     for (; k < K; k++) y[k] += s * x[k];
 }
 
+/* ---- GGUF block fields ---- */
+
+/* Scalar f16 -> f32, exact: exponent+mantissa shifted into place and rescaled
+ * by 2^112 (right for normals and subnormals), inf/NaN and the sign patched. */
+ST_AI float st_ld_f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    uint32_t em = h & 0x7fffu, sign = (uint32_t)(h & 0x8000u) << 16, b = em << 13;
+    float f;
+    memcpy(&f, &b, 4);
+    f *= 0x1p112f;
+    memcpy(&b, &f, 4);
+    if (em >= 0x7c00u) b = (em << 13) | 0x7f800000u;
+    b |= sign;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+/* Q4_K's 6-bit scale and min of sub-block i (0..7) from its 12 packed bytes. */
+ST_AI void st_q4k_sm(const uint8_t *sc, int i, int *s, int *m) {
+    if (i < 4) {
+        *s = sc[i] & 63;
+        *m = sc[i + 4] & 63;
+    } else {
+        *s = (sc[i + 4] & 15) | ((sc[i - 4] >> 6) << 4);
+        *m = (sc[i + 4] >> 4) | ((sc[i] >> 6) << 4);
+    }
+}
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #define ST_CPU_HAVE_AVX2_PATH 1
 #define ST_TARGET_AVX2 __attribute__((target("avx2")))
+#define ST_TARGET_AVX512 __attribute__((target("avx2,avx512f,avx512vl,avx512bw,avx512vnni")))
 #else
 #define ST_CPU_HAVE_AVX2_PATH 0
 #endif
