@@ -484,7 +484,7 @@ static const st_backend_ops g_cpu_ops = {
 st_cpu_isa st_cpu_isa_supported(void) {
 #if defined(__x86_64__) && defined(__GNUC__)
     __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx2")) return ST_CPU_ISA_PORTABLE;
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("f16c")) return ST_CPU_ISA_PORTABLE;
     if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx512bw"))
         return ST_CPU_ISA_AVX512;

@@ -39,18 +39,10 @@ ST_AI st_v8f cvt_bf16x8(const uint8_t *p) {
     return (st_v8f)u;
 }
 
-/* f16 -> f32 exactly: shift exponent+mantissa into place and rescale by
- * 2^112 (right for normals and subnormals), then patch inf/NaN and the sign. */
 ST_AI st_v8f cvt_f16x8(const uint8_t *p) {
     st_v8u16 h16;
     memcpy(&h16, p, sizeof h16);
-    st_v8u h = __builtin_convertvector(h16, st_v8u);
-    st_v8u em = h & 0x7fffu;
-    st_v8u sign = (h & 0x8000u) << 16;
-    st_v8f f = (st_v8f)(em << 13) * st_v8f_splat(0x1p112f);
-    st_v8u special = (st_v8u)(em >= 0x7c00u); /* all ones where inf/NaN */
-    st_v8u bits = ((st_v8u)f & ~special) | (((em << 13) | 0x7f800000u) & special);
-    return (st_v8f)(bits | sign);
+    return st_v8f_from_f16(h16);
 }
 
 /* Block dequantizers: plain loops with constant trip counts, which GCC

@@ -54,19 +54,28 @@
 #include <immintrin.h>
 #endif
 
-#define QI_ROWS 8             /* weight rows per work item (the lanes of a sum vector) */
-#define QI_QMAX 4194303.0f   /* activation integers in [-QI_QMAX, QI_QMAX]: 2^22 - 1 */
-#define QI_QMAX_Q8 524287.0f /* q8_0's: 2^19 - 1, so that 32 * 128 * QMAX < 2^31 */
-#define QI_TILE_BYTES 131072  /* quantized activation bytes per token tile */
+#define QI_ROWS 8              /* weight rows per work item (the lanes of a sum vector) */
+#define QI_QMAX 4194303.0f     /* activation integers in [-QI_QMAX, QI_QMAX]: 2^22 - 1 */
+#define QI_QMAX_Q8 524287.0f   /* q8_0's: 2^19 - 1, so that 32 * 128 * QMAX < 2^31 */
+#define QI_TILE_BYTES 131072   /* quantized activation bytes per token tile */
 #define QI_TILE_MAX 64
+#define QI_PREFETCH 512        /* bytes ahead in each weight row (one token) */
 
 typedef int16_t st_v16i16 __attribute__((vector_size(32)));
+typedef int32_t st_v16i32 __attribute__((vector_size(64)));
 typedef uint8_t st_v16u8 __attribute__((vector_size(16)));
 typedef int8_t st_v16i8 __attribute__((vector_size(16)));
 
+ST_AI st_v16i16 ld16(const int16_t *p) {
+    st_v16i16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
 /* ---- activations ---- */
 
-/* Per token: a[2K] int16 (pairs), then dx[nb], sx[nb] floats (nb = K / 32). */
+/* Per token: for each block, hi[32] then lo[32] int16 (a = 256 * hi + lo,
+ * lo in [0, 255]), then dx[nb], sx[nb] floats (nb = K / 32). */
 typedef struct {
     int64_t K, nb;
     size_t stride; /* bytes per token */
@@ -79,19 +88,6 @@ ST_AI st_v8f v8f_max(st_v8f a, st_v8f b) {
 ST_AI st_v8f v8f_min(st_v8f a, st_v8f b) {
     const st_v8i lt = (st_v8i)(a < b);
     return (st_v8f)(((st_v8i)a & lt) | ((st_v8i)b & ~lt));
-}
-
-/* The pair layout of 16 integers v (one half of a unit or block): with
- * p = (256 * v for weights, v >> 8 for activations) and r = (v for weights,
- * v & 255 for activations), out = (p0 r0 p1 r1 p2 r2 p3 r3 p8 r8 .. p11 r11 |
- * p4 r4 .. p7 r7 p12 r12 .. p15 r15): what vpunpcklwd / vpunpckhwd make, so
- * that every pair of int16 lanes holds one element and vpmaddwd / vpdpwssd
- * sum 256 * w * (a >> 8) + w * (a & 255) = w * a. */
-ST_AI void put_pairs(int16_t *out, st_v16i16 p, st_v16i16 r) {
-    const st_v16i16 lo = __builtin_shuffle(p, r, (st_v16i16){0, 16, 1, 17, 2, 18, 3, 19, 8, 24, 9, 25, 10, 26, 11, 27});
-    const st_v16i16 hi = __builtin_shuffle(p, r, (st_v16i16){4, 20, 5, 21, 6, 22, 7, 23, 12, 28, 13, 29, 14, 30, 15, 31});
-    memcpy(out, &lo, 32);
-    memcpy(out + 16, &hi, 32);
 }
 
 ST_AI void quant_block(const float *x, float qmax, int16_t *a, float *dx, float *sx) {
@@ -118,21 +114,16 @@ ST_AI void quant_block(const float *x, float qmax, int16_t *a, float *dx, float 
     }
     const st_v8f dv = st_v8f_splat(d), magic = st_v8f_splat(0x1.8p23f);
     const st_v8f hi = st_v8f_splat(qmax), lo = st_v8f_splat(-qmax);
-    st_v8i q[4], sum = {0};
+    st_v8i sum = {0};
     for (int i = 0; i < 4; i++) {
         st_v8f f = (v[i] / dv + magic) - magic; /* round to nearest even (|f| < 2^22 or inf) */
         f = v8f_min(v8f_max(f, lo), hi);
-        q[i] = __builtin_convertvector(f, st_v8i);
-        sum += q[i];
-    }
-    for (int h = 0; h < 2; h++) {
-        st_v16i16 p, r;
-        for (int l = 0; l < 16; l++) {
-            const int32_t e = q[2 * h + l / 8][l % 8];
-            p[l] = (int16_t)(e >> 8); /* arithmetic shift: floor(e / 256) */
-            r[l] = (int16_t)(e & 255);
+        const st_v8i q = __builtin_convertvector(f, st_v8i);
+        sum += q;
+        for (int l = 0; l < 8; l++) {
+            a[8 * i + l] = (int16_t)(q[l] >> 8); /* arithmetic shift: floor(q / 256) */
+            a[32 + 8 * i + l] = (int16_t)(q[l] & 255);
         }
-        put_pairs(a + 32 * h, p, r);
     }
     int32_t s = 0;
     for (int l = 0; l < 8; l++) s += sum[l];
@@ -157,153 +148,190 @@ ST_AI void quant_rows(const qa_ctx *c, int64_t begin, int64_t end) {
     }
 }
 
-/* ---- weight units ---- */
+/* ---- per-level primitives ----
+ * widen: 16 bytes -> 16 int16, zero-extended; gather: the 32-bit words at
+ * base + idx[r] + off; f16: the low 16 bits of each lane, f16 -> f32 exactly;
+ * prow: one row's partial sums of w * a over a unit (lanes of any partition:
+ * the sums are exact); tree: the 8 rows' partials -> their totals (lane r). */
 
-/* Unpacked row block: w16[QI_ROWS][ldw] int16, dw[nu][QI_ROWS], mw[nu][QI_ROWS]. */
 typedef struct {
-    int16_t *w16;
-    float *dw, *mw;
-    int64_t ldw;
-} qrows;
+    st_v16i16 hi[2], lo[2];
+} qa_unit;
 
-/* 16 weight integers of a half unit, as pairs. */
-ST_AI void put_w(int16_t *w, st_v16i16 v) { put_pairs(w, v * 256, v); }
+typedef struct {
+    st_v16i16 (*widen)(const uint8_t *p);
+    st_v8i (*gather)(const uint8_t *base, st_v8i idx, int64_t off);
+    st_v8f (*f16)(st_v8i h);
+    st_v8i (*prow)(const st_v16i16 w[2], const qa_unit *a);
+    st_v8i (*tree)(const st_v8i p[QI_ROWS]);
+} qi_isa;
 
-ST_AI void put_nibbles(int16_t *w, const uint8_t *qs, int16_t off) {
+ST_AI st_v16i16 widen_portable(const uint8_t *p) {
     st_v16u8 q;
-    memcpy(&q, qs, 16);
-    const st_v16i16 v = __builtin_convertvector(q, st_v16i16);
-    put_w(w, (v & 15) - off);
-    put_w(w + 32, (v >> 4) - off);
+    memcpy(&q, p, 16);
+    return __builtin_convertvector(q, st_v16i16);
 }
 
-/* Unpacks row `src` (K elements) into row r of the block. */
-ST_AI void unpack_row(st_dtype t, const uint8_t *src, int64_t K, const qrows *q, int r) {
-    int16_t *w = q->w16 + (size_t)r * q->ldw;
-    float *dw = q->dw + r, *mw = q->mw + r;
-    switch (t) {
-    case ST_DTYPE_Q8_0:
-        for (int64_t b = 0; b < K / 32; b++, src += 34, w += 64) {
-            dw[QI_ROWS * b] = st_ld_f16(src);
-            for (int h = 0; h < 2; h++) {
-                st_v16i8 v;
-                memcpy(&v, src + 2 + 16 * h, 16);
-                put_w(w + 32 * h, __builtin_convertvector(v, st_v16i16));
-            }
-        }
-        return;
-    case ST_DTYPE_Q4_0:
-        for (int64_t b = 0; b < K / 32; b++, src += 18, w += 64) {
-            dw[QI_ROWS * b] = st_ld_f16(src);
-            put_nibbles(w, src + 2, 8);
-        }
-        return;
-    case ST_DTYPE_Q4_1:
-        for (int64_t b = 0; b < K / 32; b++, src += 20, w += 64) {
-            dw[QI_ROWS * b] = st_ld_f16(src);
-            mw[QI_ROWS * b] = st_ld_f16(src + 2);
-            put_nibbles(w, src + 4, 0);
-        }
-        return;
-    case ST_DTYPE_Q4_K:
-        for (int64_t sb = 0; sb < K / 256; sb++, src += 144) {
-            const float d = st_ld_f16(src), dmin = st_ld_f16(src + 2);
-            for (int j = 0; j < 8; j++, w += 64) {
-                int s, m;
-                st_q4k_sm(src + 4, j, &s, &m);
-                dw[QI_ROWS * (8 * sb + j)] = d * (float)s;
-                mw[QI_ROWS * (8 * sb + j)] = -(dmin * (float)m);
-                st_v16u8 q0, q1;
-                memcpy(&q0, src + 16 + 32 * (j / 2), 16);
-                memcpy(&q1, src + 16 + 32 * (j / 2) + 16, 16);
-                st_v16i16 v0 = __builtin_convertvector(q0, st_v16i16), v1 = __builtin_convertvector(q1, st_v16i16);
-                if (j & 1) {
-                    v0 >>= 4, v1 >>= 4;
-                } else {
-                    v0 &= 15, v1 &= 15;
-                }
-                put_w(w, v0);
-                put_w(w + 32, v1);
-            }
-        }
-        return;
-    case ST_DTYPE_Q6_K:
-        for (int64_t sb = 0; sb < K / 256; sb++, src += 210) {
-            const uint8_t *ql = src, *qh = src + 128;
-            const int8_t *sc = (const int8_t *)(src + 192);
-            const float d = st_ld_f16(src + 208);
-            for (int h = 0; h < 2; h++)
-                for (int g = 0; g < 4; g++)       /* 32-group g of half h */
-                    for (int hf = 0; hf < 2; hf++, w += 64) { /* its 16-halves: one unit each */
-                        const int u = 16 * (int)sb + 8 * h + 2 * g + hf;
-                        dw[QI_ROWS * u] = d * (float)sc[8 * h + 2 * g + hf];
-                        st_v16u8 l8, h8;
-                        memcpy(&l8, ql + 64 * h + 32 * (g & 1) + 16 * hf, 16);
-                        memcpy(&h8, qh + 32 * h + 16 * hf, 16);
-                        const st_v16i16 lv = __builtin_convertvector(l8, st_v16i16);
-                        const st_v16i16 hv = __builtin_convertvector(h8, st_v16i16);
-                        const st_v16i16 lo = g < 2 ? (lv & 15) : (lv >> 4);
-                        const st_v16i16 v = (lo | (((hv >> (2 * g)) & 3) << 4)) - 32;
-                        put_w(w + 32 * hf, v);
-                        memset(w + 32 * (1 - hf), 0, 32 * sizeof *w);
-                    }
-        }
-        return;
-    default: break;
+ST_AI st_v8i gather_portable(const uint8_t *base, st_v8i idx, int64_t off) {
+    st_v8i v;
+    for (int r = 0; r < QI_ROWS; r++) memcpy((int32_t *)&v + r, base + idx[r] + off, 4);
+    return v;
+}
+
+ST_AI st_v8f f16_portable(st_v8i h) { return st_v8f_from_f16(__builtin_convertvector(h & 0xffff, st_v8u16)); }
+
+ST_AI st_v8i prow_portable(const st_v16i16 w[2], const qa_unit *a) {
+    st_v16i32 hi = {0}, lo = {0};
+    for (int h = 0; h < 2; h++) {
+        const st_v16i32 wv = __builtin_convertvector(w[h], st_v16i32);
+        hi += wv * __builtin_convertvector(a->hi[h], st_v16i32);
+        lo += wv * __builtin_convertvector(a->lo[h], st_v16i32);
     }
-    ST_ASSERT(!"not a quantized dtype");
+    const st_v16i32 t = (hi << 8) + lo;
+    st_v8i p;
+    for (int l = 0; l < 8; l++) p[l] = t[l] + t[l + 8];
+    return p;
 }
 
-/* ---- integer sums: S[r] for the 8 rows of one unit ---- */
-
-typedef st_v8i (*isum_fn)(const int16_t *w, int64_t ldw, const int16_t *a);
-
-ST_AI st_v8i isum_portable(const int16_t *w, int64_t ldw, const int16_t *a) {
+ST_AI st_v8i tree_portable(const st_v8i p[QI_ROWS]) {
     st_v8i s;
     for (int r = 0; r < QI_ROWS; r++) {
-        int32_t acc = 0;
-        for (int i = 0; i < 64; i++) acc += (int32_t)w[r * ldw + i] * a[i];
-        s[r] = acc;
+        int32_t t = 0;
+        for (int l = 0; l < 8; l++) t += p[r][l];
+        s[r] = t;
     }
     return s;
 }
 
 #if ST_CPU_HAVE_AVX2_PATH
-/* 8 vectors of 8 partial sums -> their 8 totals (lane r = vector r). */
-ST_TARGET_AVX2 ST_AI __m256i hsum8x8(const __m256i v[QI_ROWS]) {
-    const __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
-    const __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
+ST_TARGET_AVX2_F16C ST_AI st_v16i16 widen_avx2(const uint8_t *p) {
+    return (st_v16i16)_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+}
+
+ST_TARGET_AVX2_F16C ST_AI st_v8i gather_avx2(const uint8_t *base, st_v8i idx, int64_t off) {
+    return (st_v8i)_mm256_i32gather_epi32((const int *)(base + off), (__m256i)idx, 1);
+}
+
+ST_TARGET_AVX2_F16C ST_AI st_v8f f16_avx2(st_v8i h) {
+    const __m256i lo16 = _mm256_shuffle_epi8((__m256i)h, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                           0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1));
+    const __m256i packed = _mm256_permute4x64_epi64(lo16, 0x08); /* qwords 0, 2 */
+    return (st_v8f)_mm256_cvtph_ps(_mm256_castsi256_si128(packed));
+}
+
+ST_TARGET_AVX512 ST_AI st_v8f f16_avx512(st_v8i h) {
+    return (st_v8f)_mm256_cvtph_ps(_mm256_cvtepi32_epi16((__m256i)h));
+}
+
+ST_TARGET_AVX2_F16C ST_AI st_v8i prow_avx2(const st_v16i16 w[2], const qa_unit *a) {
+    const __m256i w0 = (__m256i)w[0], w1 = (__m256i)w[1];
+    const __m256i hi = _mm256_add_epi32(_mm256_madd_epi16(w0, (__m256i)a->hi[0]), _mm256_madd_epi16(w1, (__m256i)a->hi[1]));
+    const __m256i lo = _mm256_add_epi32(_mm256_madd_epi16(w0, (__m256i)a->lo[0]), _mm256_madd_epi16(w1, (__m256i)a->lo[1]));
+    return (st_v8i)_mm256_add_epi32(_mm256_slli_epi32(hi, 8), lo);
+}
+
+ST_TARGET_AVX512 ST_AI st_v8i prow_vnni(const st_v16i16 w[2], const qa_unit *a) {
+    const __m256i w0 = (__m256i)w[0], w1 = (__m256i)w[1];
+    __m256i hi = _mm256_dpwssd_epi32(_mm256_setzero_si256(), w0, (__m256i)a->hi[0]);
+    hi = _mm256_dpwssd_epi32(hi, w1, (__m256i)a->hi[1]);
+    const __m256i lo = _mm256_dpwssd_epi32(_mm256_slli_epi32(hi, 8), w0, (__m256i)a->lo[0]);
+    return (st_v8i)_mm256_dpwssd_epi32(lo, w1, (__m256i)a->lo[1]);
+}
+
+ST_TARGET_AVX2_F16C ST_AI st_v8i tree_avx2(const st_v8i p[QI_ROWS]) {
+    const __m256i h01 = _mm256_hadd_epi32((__m256i)p[0], (__m256i)p[1]);
+    const __m256i h23 = _mm256_hadd_epi32((__m256i)p[2], (__m256i)p[3]);
+    const __m256i h45 = _mm256_hadd_epi32((__m256i)p[4], (__m256i)p[5]);
+    const __m256i h67 = _mm256_hadd_epi32((__m256i)p[6], (__m256i)p[7]);
     const __m256i h0123 = _mm256_hadd_epi32(h01, h23), h4567 = _mm256_hadd_epi32(h45, h67);
-    return _mm256_add_epi32(_mm256_permute2x128_si256(h0123, h4567, 0x20),
-                            _mm256_permute2x128_si256(h0123, h4567, 0x31));
+    return (st_v8i)_mm256_add_epi32(_mm256_permute2x128_si256(h0123, h4567, 0x20),
+                                    _mm256_permute2x128_si256(h0123, h4567, 0x31));
 }
-
-#define LDQ(p) _mm256_loadu_si256((const __m256i *)(p))
-ST_TARGET_AVX2 ST_AI st_v8i isum_avx2(const int16_t *w, int64_t ldw, const int16_t *a) {
-    const __m256i a0 = LDQ(a), a1 = LDQ(a + 16), a2 = LDQ(a + 32), a3 = LDQ(a + 48);
-    __m256i p[QI_ROWS];
-    for (int r = 0; r < QI_ROWS; r++) {
-        const int16_t *wr = w + r * ldw;
-        p[r] = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(LDQ(wr), a0), _mm256_madd_epi16(LDQ(wr + 16), a1)),
-                                _mm256_add_epi32(_mm256_madd_epi16(LDQ(wr + 32), a2), _mm256_madd_epi16(LDQ(wr + 48), a3)));
-    }
-    return (st_v8i)hsum8x8(p);
-}
-
-ST_TARGET_AVX512 ST_AI st_v8i isum_vnni(const int16_t *w, int64_t ldw, const int16_t *a) {
-    const __m256i a0 = LDQ(a), a1 = LDQ(a + 16), a2 = LDQ(a + 32), a3 = LDQ(a + 48);
-    __m256i p[QI_ROWS];
-    for (int r = 0; r < QI_ROWS; r++) {
-        const int16_t *wr = w + r * ldw;
-        p[r] = _mm256_dpwssd_epi32(_mm256_setzero_si256(), LDQ(wr), a0);
-        p[r] = _mm256_dpwssd_epi32(p[r], LDQ(wr + 16), a1);
-        p[r] = _mm256_dpwssd_epi32(p[r], LDQ(wr + 32), a2);
-        p[r] = _mm256_dpwssd_epi32(p[r], LDQ(wr + 48), a3);
-    }
-    return (st_v8i)hsum8x8(p);
-}
-#undef LDQ
 #endif
+
+/* ---- weight units ---- */
+
+/* The 32 integers of unit u of a row, elements 0..15 in w[0], 16..31 in w[1]. */
+ST_AI void load_unit(st_dtype t, const uint8_t *row, int64_t u, st_v16i16 w[2], qi_isa I) {
+    switch (t) {
+    case ST_DTYPE_Q8_0:
+        for (int h = 0; h < 2; h++) {
+            st_v16i8 v;
+            memcpy(&v, row + 34 * u + 2 + 16 * h, 16);
+            w[h] = __builtin_convertvector(v, st_v16i16);
+        }
+        return;
+    case ST_DTYPE_Q4_0: {
+        const st_v16i16 v = I.widen(row + 18 * u + 2);
+        w[0] = (v & 15) - 8, w[1] = (v >> 4) - 8;
+        return;
+    }
+    case ST_DTYPE_Q4_1: {
+        const st_v16i16 v = I.widen(row + 20 * u + 4);
+        w[0] = v & 15, w[1] = v >> 4;
+        return;
+    }
+    case ST_DTYPE_Q4_K: {
+        const uint8_t *qs = row + 144 * (u >> 3) + 16 + 32 * ((u & 7) >> 1);
+        const st_v16i16 v0 = I.widen(qs), v1 = I.widen(qs + 16);
+        if (u & 1)
+            w[0] = v0 >> 4, w[1] = v1 >> 4;
+        else
+            w[0] = v0 & 15, w[1] = v1 & 15;
+        return;
+    }
+    case ST_DTYPE_Q6_K: {
+        const uint8_t *sb = row + 210 * (u >> 4);
+        const int g16 = (int)(u & 15), h = g16 >> 3, g = (g16 >> 1) & 3, hf = g16 & 1;
+        const st_v16i16 lv = I.widen(sb + 64 * h + 32 * (g & 1) + 16 * hf);
+        const st_v16i16 hv = I.widen(sb + 128 + 32 * h + 16 * hf);
+        const st_v16i16 lo = g < 2 ? (lv & 15) : (lv >> 4);
+        const st_v16i16 v = (lo | (((hv >> (2 * g)) & 3) << 4)) - 32, z = {0};
+        w[hf] = v, w[1 - hf] = z;
+        return;
+    }
+    default: break;
+    }
+    ST_ASSERT(!"not a quantized dtype");
+}
+
+/* dw and mw of unit u for the 8 rows at base + idx[r] (mw only for the
+ * dtypes with mins). Every f16 is read as the low or high half of a 32-bit
+ * word inside its block. */
+ST_AI void load_scales(st_dtype t, const uint8_t *base, st_v8i idx, int64_t u, st_v8f *dw, st_v8f *mw, qi_isa I) {
+    switch (t) {
+    case ST_DTYPE_Q8_0: *dw = I.f16(I.gather(base, idx, 34 * u)); return;
+    case ST_DTYPE_Q4_0: *dw = I.f16(I.gather(base, idx, 18 * u)); return;
+    case ST_DTYPE_Q4_1: {
+        const st_v8i g = I.gather(base, idx, 20 * u);
+        *dw = I.f16(g);
+        *mw = I.f16(g >> 16);
+        return;
+    }
+    case ST_DTYPE_Q4_K: {
+        const int64_t sb = 144 * (u >> 3);
+        const st_v8i g = I.gather(base, idx, sb);
+        st_v8f s, mn;
+        for (int r = 0; r < QI_ROWS; r++) {
+            int si, mi;
+            st_q4k_sm(base + idx[r] + sb + 4, (int)(u & 7), &si, &mi);
+            s[r] = (float)si, mn[r] = (float)mi;
+        }
+        *dw = I.f16(g) * s;
+        *mw = -(I.f16(g >> 16) * mn);
+        return;
+    }
+    case ST_DTYPE_Q6_K: {
+        const int64_t sb = 210 * (u >> 4);
+        st_v8f sc;
+        for (int r = 0; r < QI_ROWS; r++) sc[r] = (float)(int8_t)base[idx[r] + sb + 192 + (u & 15)];
+        *dw = I.f16(I.gather(base, idx, sb + 206) >> 16) * sc;
+        return;
+    }
+    default: break;
+    }
+    ST_ASSERT(!"not a quantized dtype");
+}
 
 /* ---- work items ---- */
 
@@ -316,72 +344,139 @@ typedef struct {
     float *y; /* [n, N] */
     int64_t n, N;
     int64_t nu;    /* units per row */
-    int ushift;    /* log2(units per activation block) */
-    bool mins;
     int64_t tile;  /* tokens per tile */
     int64_t n_rb;  /* row blocks */
-    int64_t ldw;   /* unpacked row stride (int16) */
     float *const *scratch;
 } qi_ctx;
 
+/* A row block's units: read from the weights (rows base + idx[r]) or
+ * unpacked in scratch: wsc[QI_ROWS][32 * nu] int16, dsc/msc[nu][QI_ROWS]. */
+typedef struct {
+    const uint8_t *base;
+    st_v8i idx;
+    int16_t *wsc;
+    float *dsc, *msc;
+} qblock;
+
+/* Weight bytes per unit (on average, for the K-quants). */
+ST_AI int64_t unit_bytes(st_dtype t) {
+    switch (t) {
+    case ST_DTYPE_Q8_0: return 34;
+    case ST_DTYPE_Q4_0: return 18;
+    case ST_DTYPE_Q4_1: return 20;
+    case ST_DTYPE_Q4_K: return 18;
+    default: return 13;
+    }
+}
+
+ST_AI bool has_mins(st_dtype t) { return t == ST_DTYPE_Q4_1 || t == ST_DTYPE_Q4_K; }
+
 /* The 8 rows' outputs for one token, in the documented order. */
-ST_AI void dot_rows(const qi_ctx *m, const qrows *R, const uint8_t *qa, float out[QI_ROWS], isum_fn isum) {
+ST_AI void dot_token(const qi_ctx *m, st_dtype t, const qblock *B, bool unpacked, const uint8_t *qa,
+                     float out[QI_ROWS], qi_isa I) {
+    const int ushift = t == ST_DTYPE_Q6_K ? 1 : 0;
     const int16_t *a = (const int16_t *)qa;
     const float *dx = (const float *)(qa + 2 * (size_t)m->L.K * sizeof(int16_t)), *sx = dx + m->L.nb;
     st_v8f acc[8];
     for (int l = 0; l < 8; l++) acc[l] = st_v8f_splat(0.0f);
     for (int64_t u = 0; u < m->nu; u++) {
-        const int64_t b = u >> m->ushift;
-        const int16_t *wu = R->w16 + 64 * u, *ab = a + 64 * b;
-        const st_v8i s = isum(wu, R->ldw, ab);
-        st_v8f f = (st_v8f_load(R->dw + QI_ROWS * u) * st_v8f_splat(dx[b])) * __builtin_convertvector(s, st_v8f);
-        if (m->mins) f = f + st_v8f_load(R->mw + QI_ROWS * u) * st_v8f_splat(sx[b]);
+        const int64_t b = u >> ushift;
+        const qa_unit A = {{ld16(a + 64 * b), ld16(a + 64 * b + 16)}, {ld16(a + 64 * b + 32), ld16(a + 64 * b + 48)}};
+        st_v8i p[QI_ROWS];
+        for (int r = 0; r < QI_ROWS; r++) {
+            st_v16i16 w[2];
+            if (unpacked) {
+                const int16_t *ws = B->wsc + (size_t)r * 32 * m->nu + 32 * u;
+                w[0] = ld16(ws), w[1] = ld16(ws + 16);
+            } else {
+                const uint8_t *row = B->base + B->idx[r];
+                load_unit(t, row, u, w, I);
+                __builtin_prefetch(row + unit_bytes(t) * u + QI_PREFETCH);
+            }
+            p[r] = I.prow(w, &A);
+        }
+        const st_v8i s = I.tree(p);
+        st_v8f dw, mw = st_v8f_splat(0.0f);
+        if (unpacked) {
+            dw = st_v8f_load(B->dsc + QI_ROWS * u);
+            if (has_mins(t)) mw = st_v8f_load(B->msc + QI_ROWS * u);
+        } else {
+            load_scales(t, B->base, B->idx, u, &dw, &mw, I);
+        }
+        st_v8f f = (dw * st_v8f_splat(dx[b])) * __builtin_convertvector(s, st_v8f);
+        if (has_mins(t)) f = f + mw * st_v8f_splat(sx[b]);
         acc[u & 7] += f;
     }
     const st_v8f y = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
     memcpy(out, &y, sizeof y);
 }
 
-ST_AI void qi_items(const qi_ctx *m, int64_t begin, int64_t end, int ti, isum_fn isum) {
+ST_AI void qi_items_t(const qi_ctx *m, st_dtype t, int64_t begin, int64_t end, int ti, qi_isa I) {
     float *buf = m->scratch[ti];
-    const qrows R = {
-        .w16 = (int16_t *)buf,
-        .dw = buf + QI_ROWS * m->ldw / 2,
-        .mw = buf + QI_ROWS * m->ldw / 2 + QI_ROWS * m->nu,
-        .ldw = m->ldw,
-    };
+    qblock B = {.wsc = (int16_t *)buf, .dsc = buf + 16 * QI_ROWS * m->nu};
+    B.msc = B.dsc + QI_ROWS * m->nu;
     for (int64_t it = begin; it < end; it++) {
         const int64_t tile = it / m->n_rb, rb = it % m->n_rb;
         const int64_t r0 = rb * QI_ROWS;
         const int64_t nr = m->N - r0 < QI_ROWS ? m->N - r0 : QI_ROWS;
-        /* unpack once per item (padding rows repeat row r0; their outputs are dropped) */
-        for (int r = 0; r < QI_ROWS; r++)
-            unpack_row(m->dtype, m->w + (size_t)(r0 + (r < nr ? r : 0)) * m->row_bytes, m->L.K, &R, r);
+        /* padding rows repeat row r0; their outputs are dropped */
+        B.base = m->w + (size_t)r0 * m->row_bytes;
+        for (int r = 0; r < QI_ROWS; r++) B.idx[r] = (int32_t)((r < nr ? r : 0) * (int64_t)m->row_bytes);
         const int64_t t0 = tile * m->tile;
         const int64_t t1 = t0 + m->tile < m->n ? t0 + m->tile : m->n;
-        for (int64_t t = t0; t < t1; t++) {
-            float out[QI_ROWS];
-            dot_rows(m, &R, m->q + (size_t)t * m->L.stride, out, isum);
-            memcpy(m->y + t * m->N + r0, out, (size_t)nr * sizeof(float));
+        float out[QI_ROWS];
+        if (t1 - t0 == 1) { /* one token: straight from the weights */
+            dot_token(m, t, &B, false, m->q + (size_t)t0 * m->L.stride, out, I);
+            memcpy(m->y + t0 * m->N + r0, out, (size_t)nr * sizeof(float));
+            continue;
+        }
+        for (int64_t u = 0; u < m->nu; u++) { /* unpack once per item */
+            for (int r = 0; r < QI_ROWS; r++) {
+                st_v16i16 w[2];
+                load_unit(t, B.base + B.idx[r], u, w, I);
+                memcpy(B.wsc + (size_t)r * 32 * m->nu + 32 * u, w, sizeof w);
+            }
+            st_v8f dw, mw = st_v8f_splat(0.0f);
+            load_scales(t, B.base, B.idx, u, &dw, &mw, I);
+            memcpy(B.dsc + QI_ROWS * u, &dw, sizeof dw);
+            memcpy(B.msc + QI_ROWS * u, &mw, sizeof mw);
+        }
+        for (int64_t tk = t0; tk < t1; tk++) {
+            dot_token(m, t, &B, true, m->q + (size_t)tk * m->L.stride, out, I);
+            memcpy(m->y + tk * m->N + r0, out, (size_t)nr * sizeof(float));
         }
     }
 }
 
+/* One copy per dtype, so that the unit and scale loaders inline their case. */
+ST_AI void qi_items(const qi_ctx *m, int64_t begin, int64_t end, int ti, qi_isa I) {
+    switch (m->dtype) {
+    case ST_DTYPE_Q8_0: qi_items_t(m, ST_DTYPE_Q8_0, begin, end, ti, I); return;
+    case ST_DTYPE_Q4_0: qi_items_t(m, ST_DTYPE_Q4_0, begin, end, ti, I); return;
+    case ST_DTYPE_Q4_1: qi_items_t(m, ST_DTYPE_Q4_1, begin, end, ti, I); return;
+    case ST_DTYPE_Q4_K: qi_items_t(m, ST_DTYPE_Q4_K, begin, end, ti, I); return;
+    case ST_DTYPE_Q6_K: qi_items_t(m, ST_DTYPE_Q6_K, begin, end, ti, I); return;
+    default: break;
+    }
+    ST_ASSERT(!"not a quantized dtype");
+}
+
 static void qi_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi_items(ctx, begin, end, ti, isum_portable);
+    qi_items(ctx, begin, end, ti,
+             (qi_isa){widen_portable, gather_portable, f16_portable, prow_portable, tree_portable});
 }
 static void qa_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
     (void)ti;
     quant_rows(ctx, begin, end);
 }
 #if ST_CPU_HAVE_AVX2_PATH
-ST_TARGET_AVX2 static void qi_fn_avx2(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi_items(ctx, begin, end, ti, isum_avx2);
+ST_TARGET_AVX2_F16C static void qi_fn_avx2(void *ctx, int64_t begin, int64_t end, int ti) {
+    qi_items(ctx, begin, end, ti, (qi_isa){widen_avx2, gather_avx2, f16_avx2, prow_avx2, tree_avx2});
 }
 ST_TARGET_AVX512 static void qi_fn_avx512(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi_items(ctx, begin, end, ti, isum_vnni);
+    qi_items(ctx, begin, end, ti, (qi_isa){widen_avx2, gather_avx2, f16_avx512, prow_vnni, tree_avx2});
 }
-ST_TARGET_AVX2 static void qa_fn_avx2(void *ctx, int64_t begin, int64_t end, int ti) {
+ST_TARGET_AVX2_F16C static void qa_fn_avx2(void *ctx, int64_t begin, int64_t end, int ti) {
     (void)ti;
     quant_rows(ctx, begin, end);
 }
@@ -392,33 +487,29 @@ strata_status st_cpu_matmul_int(st_cpu *c, const float *x, const st_weight *w, i
     if (n == 0 || N == 0) return STRATA_OK;
     qi_ctx m = {
         .w = w->data, .dtype = w->dtype, .row_bytes = st_dtype_row_bytes(w->dtype, K),
-        .L = {.K = K, .nb = K / 32, .stride = 2 * (size_t)K * sizeof(int16_t) + 2 * (size_t)(K / 32) * sizeof(float)},
+        .L = {.K = K, .nb = K / 32},
         .y = y, .n = n, .N = N,
-        .ushift = w->dtype == ST_DTYPE_Q6_K ? 1 : 0,
-        .mins = w->dtype == ST_DTYPE_Q4_1 || w->dtype == ST_DTYPE_Q4_K,
+        .nu = w->dtype == ST_DTYPE_Q6_K ? K / 16 : K / 32,
         .n_rb = (N + QI_ROWS - 1) / QI_ROWS,
     };
-    m.nu = m.L.nb << m.ushift;
-    m.ldw = 64 * m.nu;
-    m.L.stride = (m.L.stride + 63) & ~(size_t)63;
+    m.L.stride = (2 * (size_t)K * sizeof(int16_t) + 2 * (size_t)m.L.nb * sizeof(float) + 63) & ~(size_t)63;
 
     strata_status st = st_cpu_qact_reserve(c, m.L.stride * (size_t)n);
-    if (st == STRATA_OK)
-        st = st_cpu_scratch_reserve(c, (size_t)(QI_ROWS * m.ldw / 2 + 2 * QI_ROWS * m.nu));
+    if (st == STRATA_OK) st = st_cpu_scratch_reserve(c, (size_t)(18 * QI_ROWS * m.nu));
     if (st != STRATA_OK) return st;
     m.q = c->qact;
     m.scratch = c->scratch;
 
-    /* quantize the activations: a few thousand elements per chunk */
-    qa_ctx qa = {.x = x, .q = c->qact, .L = m.L, .qmax = w->dtype == ST_DTYPE_Q8_0 ? QI_QMAX_Q8 : QI_QMAX};
-    int64_t qgrain = 16384 / K;
-    if (qgrain < 1) qgrain = 1;
     st_pool_fn qa_fn = qa_fn_portable, qi_fn = qi_fn_portable;
 #if ST_CPU_HAVE_AVX2_PATH
     if (c->isa >= ST_CPU_ISA_AVX2) qa_fn = qa_fn_avx2;
     if (c->isa == ST_CPU_ISA_AVX2) qi_fn = qi_fn_avx2;
     if (c->isa == ST_CPU_ISA_AVX512) qi_fn = qi_fn_avx512;
 #endif
+    /* quantize the activations: ~16K elements per chunk */
+    qa_ctx qa = {.x = x, .q = c->qact, .L = m.L, .qmax = w->dtype == ST_DTYPE_Q8_0 ? QI_QMAX_Q8 : QI_QMAX};
+    int64_t qgrain = 16384 / K;
+    if (qgrain < 1) qgrain = 1;
     if (n <= qgrain)
         qa_fn(&qa, 0, n, 0);
     else
@@ -430,10 +521,9 @@ strata_status st_cpu_matmul_int(st_cpu *c, const float *x, const st_weight *w, i
     const int64_t n_tiles = (n + tile_max - 1) / tile_max;
     m.tile = (n + n_tiles - 1) / n_tiles; /* balanced tiles */
     /* At least ~64K multiply-adds per chunk, so tiny products stay on one thread. */
-    const int64_t macs = QI_ROWS * K * (n < m.tile ? n : m.tile);
-    int64_t grain = 65536 / (macs > 0 ? macs : 1);
+    const int64_t macs = QI_ROWS * K * m.tile;
+    int64_t grain = 65536 / macs;
     if (grain < 1) grain = 1;
-    const int64_t n_items = n_tiles * m.n_rb;
-    st_pool_parallel_for(c->pool, n_items, grain, qi_fn, &m);
+    st_pool_parallel_for(c->pool, n_tiles * m.n_rb, grain, qi_fn, &m);
     return STRATA_OK;
 }
