@@ -131,20 +131,44 @@ ST_AI void quant_block(const float *x, float qmax, int16_t *a, float *dx, float 
     *sx = d * (float)s;
 }
 
+/* The token-group layout (AVX-512 level, n > 1), lanes = 8 tokens: group g
+ * of tokens 8g..8g+7 holds, per block b and element pair j (elements 2j,
+ * 2j+1), the hi pairs of the 8 tokens then their lo pairs (32 int16), then
+ * dx[nb][8] and sx[nb][8]; tokens past n are zeros. */
+#define QI_GROUP 8
+ST_AI size_t group_stride(int64_t nb) { return (size_t)nb * (512 * sizeof(int16_t) + 2 * QI_GROUP * sizeof(float)); }
+
 typedef struct {
     const float *x;
-    uint8_t *q;
+    uint8_t *q;     /* per-token layout */
+    uint8_t *grp;   /* token-group layout, or NULL */
     qact_layout L;
     float qmax;
 } qa_ctx;
 
 ST_AI void quant_rows(const qa_ctx *c, int64_t begin, int64_t end) {
+    const int64_t nb = c->L.nb;
     for (int64_t t = begin; t < end; t++) {
         uint8_t *base = c->q + (size_t)t * c->L.stride;
         int16_t *a = (int16_t *)base;
-        float *dx = (float *)(base + 2 * (size_t)c->L.K * sizeof(int16_t)), *sx = dx + c->L.nb;
-        for (int64_t b = 0; b < c->L.nb; b++)
+        float *dx = (float *)(base + 2 * (size_t)c->L.K * sizeof(int16_t)), *sx = dx + nb;
+        for (int64_t b = 0; b < nb; b++)
             quant_block(c->x + t * c->L.K + 32 * b, c->qmax, a + 64 * b, dx + b, sx + b);
+        if (!c->grp) continue;
+        uint8_t *g = c->grp + (size_t)(t / QI_GROUP) * group_stride(nb);
+        const int lane = (int)(t % QI_GROUP);
+        int16_t *ga = (int16_t *)g;
+        float *gdx = (float *)(g + (size_t)nb * 512 * sizeof(int16_t)), *gsx = gdx + QI_GROUP * nb;
+        for (int64_t b = 0; b < nb; b++) {
+            for (int j = 0; j < 16; j++)
+                for (int pl = 0; pl < 2; pl++) {
+                    int16_t *d = ga + 512 * b + 32 * j + 16 * pl + 2 * lane;
+                    d[0] = a[64 * b + 32 * pl + 2 * j];
+                    d[1] = a[64 * b + 32 * pl + 2 * j + 1];
+                }
+            gdx[QI_GROUP * b + lane] = dx[b];
+            gsx[QI_GROUP * b + lane] = sx[b];
+        }
     }
 }
 
@@ -164,6 +188,9 @@ typedef struct {
     st_v8f (*f16)(st_v8i h);
     st_v8i (*prow)(const st_v16i16 w[2], const qa_unit *a);
     st_v8i (*tree)(const st_v8i p[QI_ROWS]);
+    /* the AVX-512 level's token-group kernel (NULL elsewhere): ctx is a
+     * qi_ctx, block a qblock */
+    void (*group)(const void *ctx, st_dtype t, const void *block, const uint8_t *grp, float out[QI_ROWS][8]);
 } qi_isa;
 
 ST_AI st_v16i16 widen_portable(const uint8_t *p) {
@@ -339,7 +366,8 @@ typedef struct {
     const uint8_t *w; /* [N] rows of row_bytes */
     st_dtype dtype;
     size_t row_bytes;
-    const uint8_t *q; /* quantized activations */
+    const uint8_t *q;   /* quantized activations, per-token layout */
+    const uint8_t *grp; /* and token-group layout, or NULL */
     qact_layout L;
     float *y; /* [n, N] */
     int64_t n, N;
@@ -403,8 +431,8 @@ ST_AI void dot_token(const qi_ctx *m, st_dtype t, const qblock *B, bool unpacked
         } else {
             load_scales(t, B->base, B->idx, u, &dw, &mw, I);
         }
-        st_v8f f = (dw * st_v8f_splat(dx[b])) * __builtin_convertvector(s, st_v8f);
-        if (has_mins(t)) f = f + mw * st_v8f_splat(sx[b]);
+        st_v8f f = (dw * dx[b]) * __builtin_convertvector(s, st_v8f); /* vector * scalar: lane-wise */
+        if (has_mins(t)) f = f + mw * sx[b];
         acc[u & 7] += f;
     }
     const st_v8f y = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
@@ -441,6 +469,15 @@ ST_AI void qi_items_t(const qi_ctx *m, st_dtype t, int64_t begin, int64_t end, i
             memcpy(B.dsc + QI_ROWS * u, &dw, sizeof dw);
             memcpy(B.msc + QI_ROWS * u, &mw, sizeof mw);
         }
+        if (I.group && m->grp) {
+            for (int64_t g0 = t0; g0 < t1; g0 += QI_GROUP) {
+                float og[QI_ROWS][QI_GROUP];
+                I.group(m, t, &B, m->grp + (size_t)(g0 / QI_GROUP) * group_stride(m->L.nb), og);
+                for (int64_t tk = g0; tk < t1 && tk < g0 + QI_GROUP; tk++)
+                    for (int r = 0; r < nr; r++) m->y[tk * m->N + r0 + r] = og[r][tk - g0];
+            }
+            continue;
+        }
         for (int64_t tk = t0; tk < t1; tk++) {
             dot_token(m, t, &B, true, m->q + (size_t)tk * m->L.stride, out, I);
             memcpy(m->y + tk * m->N + r0, out, (size_t)nr * sizeof(float));
@@ -461,9 +498,59 @@ ST_AI void qi_items(const qi_ctx *m, int64_t begin, int64_t end, int ti, qi_isa 
     ST_ASSERT(!"not a quantized dtype");
 }
 
+#if ST_CPU_HAVE_AVX2_PATH
+/* Tokens of a group x the 8 unpacked rows of B (AVX-512 level): lanes are
+ * tokens, so each (row, unit) sum comes out whole, no tree: per element pair,
+ * the row's weight pair broadcast against the 8 tokens' activation pairs. The
+ * float combination is the documented one, lane-wise over tokens. */
+ST_TARGET_AVX512 ST_AI void dot_group_vnni(const void *ctx, st_dtype t, const void *block, const uint8_t *grp,
+                                           float out[QI_ROWS][QI_GROUP]) {
+    const qi_ctx *m = ctx;
+    const qblock *B = block;
+    const int ushift = t == ST_DTYPE_Q6_K ? 1 : 0;
+    const int64_t nb = m->L.nb, nu = m->nu;
+    const int16_t *ga = (const int16_t *)grp;
+    const float *gdx = (const float *)(grp + (size_t)nb * 512 * sizeof(int16_t)), *gsx = gdx + QI_GROUP * nb;
+    st_v8f acc[QI_ROWS][8];
+    for (int r = 0; r < QI_ROWS; r++)
+        for (int l = 0; l < 8; l++) acc[r][l] = st_v8f_splat(0.0f);
+    for (int64_t u = 0; u < nu; u++) {
+        const int64_t b = u >> ushift;
+        const int16_t *a = ga + 512 * b;
+        __m256i H[QI_ROWS], L[QI_ROWS];
+        for (int r = 0; r < QI_ROWS; r++) H[r] = L[r] = _mm256_setzero_si256();
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; j++) {
+            const __m256i ah = _mm256_loadu_si256((const __m256i *)(a + 32 * j));
+            const __m256i al = _mm256_loadu_si256((const __m256i *)(a + 32 * j + 16));
+#pragma GCC unroll 8
+            for (int r = 0; r < QI_ROWS; r++) {
+                int32_t wp;
+                memcpy(&wp, B->wsc + (size_t)r * 32 * nu + 32 * u + 2 * j, 4);
+                const __m256i wv = _mm256_set1_epi32(wp);
+                H[r] = _mm256_dpwssd_epi32(H[r], wv, ah);
+                L[r] = _mm256_dpwssd_epi32(L[r], wv, al);
+            }
+        }
+        const st_v8f dxv = st_v8f_load(gdx + QI_GROUP * b), sxv = st_v8f_load(gsx + QI_GROUP * b);
+        for (int r = 0; r < QI_ROWS; r++) {
+            const st_v8i S = (st_v8i)_mm256_add_epi32(_mm256_slli_epi32(H[r], 8), L[r]);
+            st_v8f f = (B->dsc[QI_ROWS * u + r] * dxv) * __builtin_convertvector(S, st_v8f);
+            if (has_mins(t)) f = f + B->msc[QI_ROWS * u + r] * sxv;
+            acc[r][u & 7] += f;
+        }
+    }
+    for (int r = 0; r < QI_ROWS; r++) {
+        const st_v8f *c = acc[r];
+        const st_v8f y = ((c[0] + c[4]) + (c[2] + c[6])) + ((c[1] + c[5]) + (c[3] + c[7]));
+        memcpy(out[r], &y, sizeof y);
+    }
+}
+#endif
+
 static void qi_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
     qi_items(ctx, begin, end, ti,
-             (qi_isa){widen_portable, gather_portable, f16_portable, prow_portable, tree_portable});
+             (qi_isa){widen_portable, gather_portable, f16_portable, prow_portable, tree_portable, NULL});
 }
 static void qa_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
     (void)ti;
@@ -471,10 +558,10 @@ static void qa_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
 }
 #if ST_CPU_HAVE_AVX2_PATH
 ST_TARGET_AVX2_F16C static void qi_fn_avx2(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi_items(ctx, begin, end, ti, (qi_isa){widen_avx2, gather_avx2, f16_avx2, prow_avx2, tree_avx2});
+    qi_items(ctx, begin, end, ti, (qi_isa){widen_avx2, gather_avx2, f16_avx2, prow_avx2, tree_avx2, NULL});
 }
 ST_TARGET_AVX512 static void qi_fn_avx512(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi_items(ctx, begin, end, ti, (qi_isa){widen_avx2, gather_avx2, f16_avx512, prow_vnni, tree_avx2});
+    qi_items(ctx, begin, end, ti, (qi_isa){widen_avx2, gather_avx2, f16_avx512, prow_vnni, tree_avx2, dot_group_vnni});
 }
 ST_TARGET_AVX2_F16C static void qa_fn_avx2(void *ctx, int64_t begin, int64_t end, int ti) {
     (void)ti;
@@ -494,10 +581,14 @@ strata_status st_cpu_matmul_int(st_cpu *c, const float *x, const st_weight *w, i
     };
     m.L.stride = (2 * (size_t)K * sizeof(int16_t) + 2 * (size_t)m.L.nb * sizeof(float) + 63) & ~(size_t)63;
 
-    strata_status st = st_cpu_qact_reserve(c, m.L.stride * (size_t)n);
+    const bool grouped = c->isa == ST_CPU_ISA_AVX512 && n > 1;
+    const int64_t n_groups = (n + QI_GROUP - 1) / QI_GROUP;
+    const size_t tok_bytes = m.L.stride * (size_t)n;
+    strata_status st = st_cpu_qact_reserve(c, tok_bytes + (grouped ? group_stride(m.L.nb) * (size_t)n_groups : 0));
     if (st == STRATA_OK) st = st_cpu_scratch_reserve(c, (size_t)(18 * QI_ROWS * m.nu));
     if (st != STRATA_OK) return st;
     m.q = c->qact;
+    m.grp = grouped ? (const uint8_t *)c->qact + tok_bytes : NULL;
     m.scratch = c->scratch;
 
     st_pool_fn qa_fn = qa_fn_portable, qi_fn = qi_fn_portable;
@@ -507,7 +598,10 @@ strata_status st_cpu_matmul_int(st_cpu *c, const float *x, const st_weight *w, i
     if (c->isa == ST_CPU_ISA_AVX512) qi_fn = qi_fn_avx512;
 #endif
     /* quantize the activations: ~16K elements per chunk */
-    qa_ctx qa = {.x = x, .q = c->qact, .L = m.L, .qmax = w->dtype == ST_DTYPE_Q8_0 ? QI_QMAX_Q8 : QI_QMAX};
+    qa_ctx qa = {.x = x, .q = c->qact, .grp = (uint8_t *)m.grp, .L = m.L,
+                 .qmax = w->dtype == ST_DTYPE_Q8_0 ? QI_QMAX_Q8 : QI_QMAX};
+    if (grouped) /* the last group's lanes past n stay zero */
+        memset(qa.grp + group_stride(m.L.nb) * (size_t)(n_groups - 1), 0, group_stride(m.L.nb));
     int64_t qgrain = 16384 / K;
     if (qgrain < 1) qgrain = 1;
     if (n <= qgrain)
@@ -518,8 +612,12 @@ strata_status st_cpu_matmul_int(st_cpu *c, const float *x, const st_weight *w, i
     int64_t tile_max = QI_TILE_BYTES / (int64_t)m.L.stride;
     if (tile_max < 1) tile_max = 1;
     if (tile_max > QI_TILE_MAX) tile_max = QI_TILE_MAX;
-    const int64_t n_tiles = (n + tile_max - 1) / tile_max;
+    int64_t n_tiles = (n + tile_max - 1) / tile_max;
     m.tile = (n + n_tiles - 1) / n_tiles; /* balanced tiles */
+    if (grouped) { /* whole groups */
+        m.tile = (m.tile + QI_GROUP - 1) / QI_GROUP * QI_GROUP;
+        n_tiles = (n + m.tile - 1) / m.tile;
+    }
     /* At least ~64K multiply-adds per chunk, so tiny products stay on one thread. */
     const int64_t macs = QI_ROWS * K * m.tile;
     int64_t grain = 65536 / macs;
