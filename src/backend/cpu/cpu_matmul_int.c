@@ -59,7 +59,7 @@
 #define QI_QMAX_Q8 524287.0f   /* q8_0's: 2^19 - 1, so that 32 * 128 * QMAX < 2^31 */
 #define QI_TILE_BYTES 131072   /* quantized activation bytes per token tile */
 #define QI_TILE_MAX 64
-#define QI_PREFETCH 512        /* bytes ahead in each weight row (one token) */
+#define QI_PREFETCH 4096        /* bytes ahead in each weight row (one token) */
 
 typedef int16_t st_v16i16 __attribute__((vector_size(32)));
 typedef int32_t st_v16i32 __attribute__((vector_size(64)));
@@ -173,7 +173,7 @@ ST_AI void quant_rows(const qa_ctx *c, int64_t begin, int64_t end) {
 }
 
 /* ---- per-level primitives ----
- * widen: 16 bytes -> 16 int16, zero-extended; gather: the 32-bit words at
+ * widen, widen_s8: 16 bytes -> 16 int16, zero- or sign-extended; gather: the 32-bit words at
  * base + idx[r] + off; f16: the low 16 bits of each lane, f16 -> f32 exactly;
  * prow: one row's partial sums of w * a over a unit (lanes of any partition:
  * the sums are exact); tree: the 8 rows' partials -> their totals (lane r). */
@@ -184,6 +184,7 @@ typedef struct {
 
 typedef struct {
     st_v16i16 (*widen)(const uint8_t *p);
+    st_v16i16 (*widen_s8)(const uint8_t *p);
     st_v8i (*gather)(const uint8_t *base, st_v8i idx, int64_t off);
     st_v8f (*f16)(st_v8i h);
     st_v8i (*prow)(const st_v16i16 w[2], const qa_unit *a);
@@ -195,6 +196,12 @@ typedef struct {
 
 ST_AI st_v16i16 widen_portable(const uint8_t *p) {
     st_v16u8 q;
+    memcpy(&q, p, 16);
+    return __builtin_convertvector(q, st_v16i16);
+}
+
+ST_AI st_v16i16 widen_s8_portable(const uint8_t *p) {
+    st_v16i8 q;
     memcpy(&q, p, 16);
     return __builtin_convertvector(q, st_v16i16);
 }
@@ -233,6 +240,10 @@ ST_AI st_v8i tree_portable(const st_v8i p[QI_ROWS]) {
 #if ST_CPU_HAVE_AVX2_PATH
 ST_TARGET_AVX2_F16C ST_AI st_v16i16 widen_avx2(const uint8_t *p) {
     return (st_v16i16)_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+}
+
+ST_TARGET_AVX2_F16C ST_AI st_v16i16 widen_s8_avx2(const uint8_t *p) {
+    return (st_v16i16)_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
 }
 
 ST_TARGET_AVX2_F16C ST_AI st_v8i gather_avx2(const uint8_t *base, st_v8i idx, int64_t off) {
@@ -282,11 +293,7 @@ ST_TARGET_AVX2_F16C ST_AI st_v8i tree_avx2(const st_v8i p[QI_ROWS]) {
 ST_AI void load_unit(st_dtype t, const uint8_t *row, int64_t u, st_v16i16 w[2], qi_isa I) {
     switch (t) {
     case ST_DTYPE_Q8_0:
-        for (int h = 0; h < 2; h++) {
-            st_v16i8 v;
-            memcpy(&v, row + 34 * u + 2 + 16 * h, 16);
-            w[h] = __builtin_convertvector(v, st_v16i16);
-        }
+        w[0] = I.widen_s8(row + 34 * u + 2), w[1] = I.widen_s8(row + 34 * u + 18);
         return;
     case ST_DTYPE_Q4_0: {
         const st_v16i16 v = I.widen(row + 18 * u + 2);
@@ -386,17 +393,6 @@ typedef struct {
     float *dsc, *msc;
 } qblock;
 
-/* Weight bytes per unit (on average, for the K-quants). */
-ST_AI int64_t unit_bytes(st_dtype t) {
-    switch (t) {
-    case ST_DTYPE_Q8_0: return 34;
-    case ST_DTYPE_Q4_0: return 18;
-    case ST_DTYPE_Q4_1: return 20;
-    case ST_DTYPE_Q4_K: return 18;
-    default: return 13;
-    }
-}
-
 ST_AI bool has_mins(st_dtype t) { return t == ST_DTYPE_Q4_1 || t == ST_DTYPE_Q4_K; }
 
 /* The 8 rows' outputs for one token, in the documented order. */
@@ -419,9 +415,12 @@ ST_AI void dot_token(const qi_ctx *m, st_dtype t, const qblock *B, bool unpacked
             } else {
                 const uint8_t *row = B->base + B->idx[r];
                 load_unit(t, row, u, w, I);
-                __builtin_prefetch(row + unit_bytes(t) * u + QI_PREFETCH);
             }
             p[r] = I.prow(w, &A);
+        }
+        if (!unpacked) { /* the next row block, a unit's share of it per unit: one stream ahead */
+            const int64_t span = QI_ROWS * (int64_t)m->row_bytes;
+            for (int64_t o = span * u / m->nu; o < span * (u + 1) / m->nu; o += 64) __builtin_prefetch(B->base + span + o);
         }
         const st_v8i s = I.tree(p);
         st_v8f dw, mw = st_v8f_splat(0.0f);
@@ -550,7 +549,7 @@ ST_TARGET_AVX512 ST_AI void dot_group_vnni(const void *ctx, st_dtype t, const vo
 
 static void qi_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
     qi_items(ctx, begin, end, ti,
-             (qi_isa){widen_portable, gather_portable, f16_portable, prow_portable, tree_portable, NULL});
+             (qi_isa){widen_portable, widen_s8_portable, gather_portable, f16_portable, prow_portable, tree_portable, NULL});
 }
 static void qa_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
     (void)ti;
@@ -558,10 +557,10 @@ static void qa_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
 }
 #if ST_CPU_HAVE_AVX2_PATH
 ST_TARGET_AVX2_F16C static void qi_fn_avx2(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi_items(ctx, begin, end, ti, (qi_isa){widen_avx2, gather_avx2, f16_avx2, prow_avx2, tree_avx2, NULL});
+    qi_items(ctx, begin, end, ti, (qi_isa){widen_avx2, widen_s8_avx2, gather_avx2, f16_avx2, prow_avx2, tree_avx2, NULL});
 }
 ST_TARGET_AVX512 static void qi_fn_avx512(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi_items(ctx, begin, end, ti, (qi_isa){widen_avx2, gather_avx2, f16_avx512, prow_vnni, tree_avx2, dot_group_vnni});
+    qi_items(ctx, begin, end, ti, (qi_isa){widen_avx2, widen_s8_avx2, gather_avx2, f16_avx512, prow_vnni, tree_avx2, dot_group_vnni});
 }
 ST_TARGET_AVX2_F16C static void qa_fn_avx2(void *ctx, int64_t begin, int64_t end, int ti) {
     (void)ti;
