@@ -59,7 +59,6 @@
 #define QI_QMAX_Q8 524287.0f   /* q8_0's: 2^19 - 1, so that 32 * 128 * QMAX < 2^31 */
 #define QI_TILE_BYTES 131072   /* quantized activation bytes per token tile */
 #define QI_TILE_MAX 64
-#define QI_PREFETCH 4096        /* bytes ahead in each weight row (one token) */
 
 typedef int16_t st_v16i16 __attribute__((vector_size(32)));
 typedef int32_t st_v16i32 __attribute__((vector_size(64)));
