@@ -1,6 +1,8 @@
-/* CPU matmul: y[n, N] = x[n, K] @ w[N, K]^T with w in any st_dtype.
+/* CPU matmul: y[n, N] = x[n, K] @ w[N, K]^T. The quantized dtypes go to
+ * the integer path (cpu_matmul_int.c); here the float ones (f32, f16, bf16),
+ * and the row dequantizers that get_rows uses for every dtype.
  *
- * Work item = (token tile, block of 4 weight rows). An item dequantizes its
+ * Work item = (token tile, block of 4 weight rows). An item converts its
  * 4 rows (F32 rows are read in place) into the thread's scratch, 4*K floats,
  * and multiplies them with every token of the tile, two tokens at a time (a
  * 4x2 register tile: 8 vector accumulators). The token tile is sized so that
