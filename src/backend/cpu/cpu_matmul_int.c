@@ -74,6 +74,7 @@ typedef int16_t st_v16i16 __attribute__((vector_size(32)));
 typedef int32_t st_v16i32 __attribute__((vector_size(64)));
 typedef uint8_t st_v16u8 __attribute__((vector_size(16)));
 typedef int8_t st_v16i8 __attribute__((vector_size(16)));
+typedef int16_t st_v8i16 __attribute__((vector_size(16)));
 
 ST_AI st_v16i16 ld16(const int16_t *p) {
     st_v16i16 v;
@@ -129,10 +130,10 @@ ST_AI void quant_block(const float *x, float qmax, int16_t *a, float *dx, float 
         f = v8f_min(v8f_max(f, lo), hi);
         const st_v8i q = __builtin_convertvector(f, st_v8i);
         sum += q;
-        for (int l = 0; l < 8; l++) {
-            a[8 * i + l] = (int16_t)(q[l] >> 8); /* arithmetic shift: floor(q / 256) */
-            a[32 + 8 * i + l] = (int16_t)(q[l] & 255);
-        }
+        const st_v8i16 h = __builtin_convertvector(q >> 8, st_v8i16); /* arithmetic: floor(q / 256) */
+        const st_v8i16 r = __builtin_convertvector(q & 255, st_v8i16);
+        memcpy(a + 8 * i, &h, sizeof h);
+        memcpy(a + 32 + 8 * i, &r, sizeof r);
     }
     int32_t s = 0;
     for (int l = 0; l < 8; l++) s += sum[l];
@@ -169,12 +170,9 @@ ST_AI void quant_rows(const qa_ctx *c, int64_t begin, int64_t end) {
         int16_t *ga = (int16_t *)g;
         float *gdx = (float *)(g + (size_t)nb * 512 * sizeof(int16_t)), *gsx = gdx + QI_GROUP * nb;
         for (int64_t b = 0; b < nb; b++) {
-            for (int j = 0; j < 16; j++)
-                for (int pl = 0; pl < 2; pl++) {
-                    int16_t *d = ga + 512 * b + 32 * j + 16 * pl + 2 * lane;
-                    d[0] = a[64 * b + 32 * pl + 2 * j];
-                    d[1] = a[64 * b + 32 * pl + 2 * j + 1];
-                }
+            for (int j = 0; j < 16; j++) /* one 32-bit pair per plane */
+                for (int pl = 0; pl < 2; pl++)
+                    memcpy(ga + 512 * b + 32 * j + 16 * pl + 2 * lane, a + 64 * b + 32 * pl + 2 * j, 4);
             gdx[QI_GROUP * b + lane] = dx[b];
             gsx[QI_GROUP * b + lane] = sx[b];
         }
