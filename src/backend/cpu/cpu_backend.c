@@ -271,8 +271,13 @@ static strata_status cpu_sample(st_backend *be, st_stream *s, const float *logit
     return st_cpu_sample(st_cpu_of(be), logits, n, vocab, args, out);
 }
 
+/* Weights of one quantized dtype share one integer matmul (x quantized once,
+ * one parallel loop); others run one by one. */
 static strata_status cpu_matmul_multi(st_backend *be, st_stream *s, const float *x, const st_weight *w,
                                       int count, int64_t n, float *const *y) {
+    bool same_int = st_dtype_get(w[0].dtype)->quantized;
+    for (int i = 1; i < count; i++) same_int &= w[i].dtype == w[0].dtype;
+    if (same_int) RUN_LOCKED(be, st_cpu_matmul_int(c_, x, w, count, n, y));
     strata_status st = STRATA_OK;
     for (int i = 0; i < count && st == STRATA_OK; i++) st = cpu_matmul(be, s, x, &w[i], n, y[i]);
     return st;
@@ -282,8 +287,9 @@ static strata_status cpu_matmul_swiglu(st_backend *be, st_stream *s, const float
                                        const st_weight *wu, int64_t n, float *out) {
     float *tmp = st_malloc((size_t)(n * wu->rows) * sizeof(float));
     if (!tmp) return st_err(STRATA_ERR_NOMEM, "cpu matmul_swiglu: out of memory");
-    strata_status st = cpu_matmul(be, s, x, wg, n, out);
-    if (st == STRATA_OK) st = cpu_matmul(be, s, x, wu, n, tmp);
+    const st_weight w2[2] = {*wg, *wu};
+    float *const y2[2] = {out, tmp};
+    strata_status st = cpu_matmul_multi(be, s, x, w2, 2, n, y2);
     if (st == STRATA_OK) st = cpu_swiglu(be, s, out, tmp, n * wu->rows, out);
     st_free(tmp);
     return st;

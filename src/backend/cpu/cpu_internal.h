@@ -60,8 +60,11 @@ void st_cpu_dequant_row(st_dtype t, const void *row, float *out, int64_t cols, b
 /* Op implementations (argument checks done by backend.c and cpu_backend.c,
  * op_mu held). */
 strata_status st_cpu_matmul(st_cpu *c, const float *x, const st_weight *w, int64_t n, float *y);
-/* The quantized dtypes' integer path (cpu_matmul_int.c), called by st_cpu_matmul. */
-strata_status st_cpu_matmul_int(st_cpu *c, const float *x, const st_weight *w, int64_t n, float *y);
+/* The quantized dtypes' integer path (cpu_matmul_int.c): y[i] = x @ w[i]^T
+ * for count (1..4) weights of one quantized dtype and equal cols, in one
+ * parallel loop over their row blocks (x quantized once). */
+strata_status st_cpu_matmul_int(st_cpu *c, const float *x, const st_weight *w, int count, int64_t n,
+                                float *const *y);
 strata_status st_cpu_attention(st_cpu *c, const float *q, const float *k, const float *v,
                                const int32_t *pos, int64_t n, int64_t n_kv, int64_t n_heads,
                                int64_t n_kv_heads, int64_t head_dim, float scale, float *out);

@@ -350,7 +350,7 @@ ST_TARGET_AVX2 static void mm_fn_avx2(void *ctx, int64_t begin, int64_t end, int
 
 strata_status st_cpu_matmul(st_cpu *c, const float *x, const st_weight *w, int64_t n, float *y) {
     if (w->dtype != ST_DTYPE_F32 && w->dtype != ST_DTYPE_F16 && w->dtype != ST_DTYPE_BF16)
-        return st_cpu_matmul_int(c, x, w, n, y);
+        return st_cpu_matmul_int(c, x, w, 1, n, &y);
     const int64_t K = w->cols, N = w->rows;
     mm_ctx m = {
         .x = x, .w = w->data, .dtype = w->dtype, .row_bytes = st_dtype_row_bytes(w->dtype, K),

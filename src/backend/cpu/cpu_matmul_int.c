@@ -376,15 +376,20 @@ ST_AI void load_scales(st_dtype t, const uint8_t *base, st_v8i idx, int64_t u, s
 
 /* ---- work items ---- */
 
+#define QI_MULTI 4 /* weights per call at most (matmul_multi) */
+
 typedef struct {
-    const uint8_t *w; /* [N] rows of row_bytes */
+    int nw;                   /* weights sharing x (same dtype and cols) */
+    const uint8_t *w[QI_MULTI]; /* [N] rows of row_bytes each */
+    float *ys[QI_MULTI];      /* their outputs [n, N] */
+    int64_t Ns[QI_MULTI];
+    int64_t rb0[QI_MULTI + 1]; /* first row block of each weight, then the total */
     st_dtype dtype;
     size_t row_bytes;
     const uint8_t *q;   /* quantized activations, per-token layout */
     const uint8_t *grp; /* and token-group layout, or NULL */
     qact_layout L;
-    float *y; /* [n, N] */
-    int64_t n, N;
+    int64_t n;
     int64_t nu;    /* units per row */
     int64_t tile;  /* tokens per tile */
     int64_t n_rb;  /* row blocks */
@@ -450,18 +455,21 @@ ST_AI void qi_items_t(const qi_ctx *m, st_dtype t, int64_t begin, int64_t end, i
     qblock B = {.wsc = (int16_t *)buf, .dsc = buf + 16 * QI_ROWS * m->nu};
     B.msc = B.dsc + QI_ROWS * m->nu;
     for (int64_t it = begin; it < end; it++) {
-        const int64_t tile = it / m->n_rb, rb = it % m->n_rb;
-        const int64_t r0 = rb * QI_ROWS;
-        const int64_t nr = m->N - r0 < QI_ROWS ? m->N - r0 : QI_ROWS;
+        const int64_t tile = it / m->n_rb, rbg = it % m->n_rb;
+        int wi = 0;
+        while (rbg >= m->rb0[wi + 1]) wi++;
+        const int64_t N = m->Ns[wi], r0 = (rbg - m->rb0[wi]) * QI_ROWS;
+        float *y = m->ys[wi];
+        const int64_t nr = N - r0 < QI_ROWS ? N - r0 : QI_ROWS;
         /* padding rows repeat row r0; their outputs are dropped */
-        B.base = m->w + (size_t)r0 * m->row_bytes;
+        B.base = m->w[wi] + (size_t)r0 * m->row_bytes;
         for (int r = 0; r < QI_ROWS; r++) B.idx[r] = (int32_t)((r < nr ? r : 0) * (int64_t)m->row_bytes);
         const int64_t t0 = tile * m->tile;
         const int64_t t1 = t0 + m->tile < m->n ? t0 + m->tile : m->n;
         float out[QI_ROWS];
         if (t1 - t0 == 1) { /* one token: straight from the weights */
             dot_token(m, t, &B, false, m->q + (size_t)t0 * m->L.stride, out, I);
-            memcpy(m->y + t0 * m->N + r0, out, (size_t)nr * sizeof(float));
+            memcpy(y + t0 * N + r0, out, (size_t)nr * sizeof(float));
             continue;
         }
         for (int64_t u = 0; u < m->nu; u++) { /* unpack once per item */
@@ -480,13 +488,13 @@ ST_AI void qi_items_t(const qi_ctx *m, st_dtype t, int64_t begin, int64_t end, i
                 float og[QI_ROWS][QI_GROUP];
                 I.group(m, t, &B, m->grp + (size_t)(g0 / QI_GROUP) * group_stride(m->L.nb), og);
                 for (int64_t tk = g0; tk < t1 && tk < g0 + QI_GROUP; tk++)
-                    for (int r = 0; r < nr; r++) m->y[tk * m->N + r0 + r] = og[r][tk - g0];
+                    for (int r = 0; r < nr; r++) y[tk * N + r0 + r] = og[r][tk - g0];
             }
             continue;
         }
         for (int64_t tk = t0; tk < t1; tk++) {
             dot_token(m, t, &B, true, m->q + (size_t)tk * m->L.stride, out, I);
-            memcpy(m->y + tk * m->N + r0, out, (size_t)nr * sizeof(float));
+            memcpy(y + tk * N + r0, out, (size_t)nr * sizeof(float));
         }
     }
 }
@@ -575,16 +583,24 @@ ST_TARGET_AVX2_F16C static void qa_fn_avx2(void *ctx, int64_t begin, int64_t end
 }
 #endif
 
-strata_status st_cpu_matmul_int(st_cpu *c, const float *x, const st_weight *w, int64_t n, float *y) {
-    const int64_t K = w->cols, N = w->rows;
-    if (n == 0 || N == 0) return STRATA_OK;
+strata_status st_cpu_matmul_int(st_cpu *c, const float *x, const st_weight *w, int count, int64_t n,
+                                float *const *y) {
+    ST_ASSERT(count >= 1 && count <= QI_MULTI);
+    const int64_t K = w->cols;
     qi_ctx m = {
-        .w = w->data, .dtype = w->dtype, .row_bytes = st_dtype_row_bytes(w->dtype, K),
+        .nw = count, .dtype = w->dtype, .row_bytes = st_dtype_row_bytes(w->dtype, K),
         .L = {.K = K, .nb = K / 32},
-        .y = y, .n = n, .N = N,
+        .n = n,
         .nu = w->dtype == ST_DTYPE_Q6_K ? K / 16 : K / 32,
-        .n_rb = (N + QI_ROWS - 1) / QI_ROWS,
     };
+    for (int i = 0; i < count; i++) {
+        ST_ASSERT(w[i].dtype == w->dtype && w[i].cols == K);
+        m.w[i] = w[i].data, m.ys[i] = y[i], m.Ns[i] = w[i].rows;
+        m.rb0[i + 1] = m.rb0[i] + (w[i].rows + QI_ROWS - 1) / QI_ROWS;
+    }
+    for (int i = count; i < QI_MULTI; i++) m.rb0[i + 1] = m.rb0[count];
+    m.n_rb = m.rb0[count];
+    if (n == 0 || m.n_rb == 0) return STRATA_OK;
     m.L.stride = (2 * (size_t)K * sizeof(int16_t) + 2 * (size_t)m.L.nb * sizeof(float) + 63) & ~(size_t)63;
 
     const bool grouped = c->isa == ST_CPU_ISA_AVX512 && n > 1;
