@@ -15,6 +15,10 @@
 
 #include "backend/cpu/cpu_internal.h"
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
+#endif
+
 #define DEV_HDR 64
 #define DEV_MAGIC 0x5354524154414456ull /* "STRATADV" */
 #define STREAM_MAGIC 0x5354524d
@@ -489,11 +493,15 @@ static const st_backend_ops g_cpu_ops = {
 
 st_cpu_isa st_cpu_isa_supported(void) {
 #if defined(__x86_64__) && defined(__GNUC__)
+    /* F16C (CPUID 1, ECX bit 29) and VNNI (CPUID 7, ECX bit 11) straight from
+     * CPUID: not every compiler's __builtin_cpu_supports knows them; avx2 and
+     * avx512vl/bw there also mean the OS saves the vector state. */
     __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("f16c")) return ST_CPU_ISA_PORTABLE;
-    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-        __builtin_cpu_supports("avx512bw"))
-        return ST_CPU_ISA_AVX512;
+    unsigned a, b, c, d;
+    const bool f16c = __get_cpuid(1, &a, &b, &c, &d) && (c >> 29 & 1);
+    if (!__builtin_cpu_supports("avx2") || !f16c) return ST_CPU_ISA_PORTABLE;
+    const bool vnni = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (c >> 11 & 1);
+    if (vnni && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw")) return ST_CPU_ISA_AVX512;
     return ST_CPU_ISA_AVX2;
 #else
     return ST_CPU_ISA_PORTABLE;

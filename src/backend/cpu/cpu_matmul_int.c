@@ -527,7 +527,7 @@ ST_TARGET_AVX512 ST_AI void dot_group_vnni(const void *ctx, st_dtype t, const vo
     const float *gdx = (const float *)(grp + (size_t)nb * 512 * sizeof(int16_t)), *gsx = gdx + QI_GROUP * nb;
     st_v8f acc[QI_ROWS][8];
     for (int r = 0; r < QI_ROWS; r++)
-        for (int l = 0; l < 8; l++) acc[r][l] = st_v8f_splat(0.0f);
+        for (int l = 0; l < 8; l++) acc[r][l] = (st_v8f){0};
     for (int64_t u = 0; u < nu; u++) {
         const int64_t b = u >> ushift;
         const int16_t *a = ga + 512 * b;
@@ -546,7 +546,9 @@ ST_TARGET_AVX512 ST_AI void dot_group_vnni(const void *ctx, st_dtype t, const vo
                 L[r] = _mm256_dpwssd_epi32(L[r], wv, al);
             }
         }
-        const st_v8f dxv = st_v8f_load(gdx + QI_GROUP * b), sxv = st_v8f_load(gsx + QI_GROUP * b);
+        st_v8f dxv, sxv;
+        memcpy(&dxv, gdx + QI_GROUP * b, sizeof dxv);
+        memcpy(&sxv, gsx + QI_GROUP * b, sizeof sxv);
         for (int r = 0; r < QI_ROWS; r++) {
             const st_v8i S = (st_v8i)_mm256_add_epi32(_mm256_slli_epi32(H[r], 8), L[r]);
             st_v8f f = (B->dsc[QI_ROWS * u + r] * dxv) * __builtin_convertvector(S, st_v8f);
