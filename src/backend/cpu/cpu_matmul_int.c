@@ -415,7 +415,11 @@ ST_AI void dot_token(const qi_ctx *m, st_dtype t, const qblock *B, bool unpacked
     const float *dx = (const float *)(qa + 2 * (size_t)m->L.K * sizeof(int16_t)), *sx = dx + m->L.nb;
     st_v8f acc[8];
     for (int l = 0; l < 8; l++) acc[l] = st_v8f_splat(0.0f);
-    for (int64_t u = 0; u < m->nu; u++) {
+    for (int64_t u0 = 0; u0 < m->nu; u0 += 8)
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) { /* unit u0 + j into acc[j]: a register */
+        const int64_t u = u0 + j;
+        if (u >= m->nu) break;
         const int64_t b = u >> ushift;
         const qa_unit A = {{ld16(a + 64 * b), ld16(a + 64 * b + 16)}, {ld16(a + 64 * b + 32), ld16(a + 64 * b + 48)}};
         st_v8i p[QI_ROWS];
@@ -444,7 +448,7 @@ ST_AI void dot_token(const qi_ctx *m, st_dtype t, const qblock *B, bool unpacked
         }
         st_v8f f = (dw * dx[b]) * __builtin_convertvector(s, st_v8f); /* vector * scalar: lane-wise */
         if (has_mins(t)) f = f + mw * sx[b];
-        acc[u & 7] += f;
+        acc[j] += f;
     }
     const st_v8f y = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
     memcpy(out, &y, sizeof y);
