@@ -3,7 +3,9 @@
  * here, on awkward sizes, with NaN-poisoned outputs; 1 and 2 threads must
  * give bit-identical results; matmul must also give the same bits for a token
  * whatever the batch it is in; both the portable and (when the CPU has it) the
- * AVX2+FMA kernels are run. */
+ * SIMD kernels are run, and the quantized dtypes' integer matmul at every ISA
+ * level (portable, AVX2, AVX-512 VNNI) against a scalar reference of its
+ * documented arithmetic, bit for bit. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -464,6 +466,197 @@ static void test_matmul(st_backend *b1, st_backend *b2, const char *mode) {
     CHECK_ERR(b1->ops->matmul(b1, NULL, x, &w, 2, x + 3), STRATA_ERR_INVALID_ARG, "overlaps");
 }
 
+/* ---- the quantized dtypes' integer matmul (cpu_matmul_int.c) ----
+ * A scalar reference of its documented arithmetic, matched bit for bit at
+ * every ISA level, thread count and n; and its error against the f32 product
+ * of the dequantized weights on activations with outliers. */
+
+static float ld_h(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return st_f16_to_f32(h);
+}
+
+/* Units of one row: w[nu][32] integers, dw, mw (see cpu_matmul_int.c). */
+static int64_t ref_units(st_dtype t, const uint8_t *row, int64_t K, int32_t *w, float *dw, float *mw) {
+    int64_t nu = 0;
+    if (t == ST_DTYPE_Q8_0 || t == ST_DTYPE_Q4_0 || t == ST_DTYPE_Q4_1) {
+        const int64_t bb = t == ST_DTYPE_Q8_0 ? 34 : t == ST_DTYPE_Q4_0 ? 18 : 20;
+        for (int64_t b = 0; b < K / 32; b++, nu++) {
+            const uint8_t *blk = row + bb * b;
+            dw[nu] = ld_h(blk);
+            mw[nu] = t == ST_DTYPE_Q4_1 ? ld_h(blk + 2) : 0.0f;
+            for (int i = 0; i < 32; i++) {
+                if (t == ST_DTYPE_Q8_0) {
+                    w[32 * nu + i] = (int8_t)blk[2 + i];
+                } else {
+                    const uint8_t q = blk[(t == ST_DTYPE_Q4_0 ? 2 : 4) + i % 16];
+                    w[32 * nu + i] = (i < 16 ? q & 15 : q >> 4) - (t == ST_DTYPE_Q4_0 ? 8 : 0);
+                }
+            }
+        }
+    } else if (t == ST_DTYPE_Q4_K) {
+        for (int64_t sb = 0; sb < K / 256; sb++) {
+            const uint8_t *blk = row + 144 * sb, *sc = blk + 4;
+            for (int j = 0; j < 8; j++, nu++) {
+                int s, m;
+                if (j < 4) {
+                    s = sc[j] & 63, m = sc[j + 4] & 63;
+                } else {
+                    s = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4);
+                    m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+                }
+                dw[nu] = ld_h(blk) * (float)s;
+                mw[nu] = -(ld_h(blk + 2) * (float)m);
+                for (int l = 0; l < 32; l++) {
+                    const uint8_t q = blk[16 + 32 * (j / 2) + l];
+                    w[32 * nu + l] = j % 2 ? q >> 4 : q & 15;
+                }
+            }
+        }
+    } else {
+        for (int64_t sb = 0; sb < K / 256; sb++) {
+            const uint8_t *blk = row + 210 * sb;
+            for (int g16 = 0; g16 < 16; g16++, nu++) {
+                const int h = g16 / 8, g = (g16 / 2) % 4, hf = g16 % 2;
+                dw[nu] = ld_h(blk + 208) * (float)(int8_t)blk[192 + g16];
+                mw[nu] = 0.0f;
+                for (int i = 0; i < 32; i++) w[32 * nu + i] = 0;
+                for (int l = 0; l < 16; l++) {
+                    const int lo = (blk[64 * h + 32 * (g % 2) + 16 * hf + l] >> (g < 2 ? 0 : 4)) & 15;
+                    const int hi = (blk[128 + 32 * h + 16 * hf + l] >> (2 * g)) & 3;
+                    w[32 * nu + 16 * hf + l] = (lo | (hi << 4)) - 32;
+                }
+            }
+        }
+    }
+    return nu;
+}
+
+/* The documented arithmetic, one output at a time, in plain C. */
+static void ref_matmul_int(st_dtype t, const uint8_t *wd, const float *x, int64_t n, int64_t N, int64_t K, float *y) {
+    const float qmax = t == ST_DTYPE_Q8_0 ? 524287.0f : 4194303.0f;
+    const int64_t nb = K / 32, ups = t == ST_DTYPE_Q6_K ? 2 : 1;
+    int32_t *a = malloc((size_t)K * sizeof *a), *w = malloc((size_t)K * 2 * sizeof *w);
+    float *dx = alloc_f(nb), *sx = alloc_f(nb), *dw = alloc_f(2 * nb), *mw = alloc_f(2 * nb);
+    const size_t rb = st_dtype_row_bytes(t, K);
+    for (int64_t tk = 0; tk < n; tk++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + tk * K + 32 * b;
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+            const float d = amax / qmax;
+            int32_t sum = 0;
+            for (int i = 0; i < 32; i++) {
+                float q = d > 0.0f ? rintf(xb[i] / d) : 0.0f;
+                q = q < -qmax ? -qmax : q > qmax ? qmax : q;
+                a[32 * b + i] = (int32_t)q;
+                sum += (int32_t)q;
+            }
+            dx[b] = d > 0.0f ? d : 0.0f;
+            sx[b] = d > 0.0f ? d * (float)sum : 0.0f;
+        }
+        for (int64_t r = 0; r < N; r++) {
+            const int64_t nu = ref_units(t, wd + (size_t)r * rb, K, w, dw, mw);
+            float acc[8] = {0};
+            for (int64_t u = 0; u < nu; u++) {
+                const int64_t b = u / ups;
+                int32_t S = 0;
+                for (int i = 0; i < 32; i++) S += w[32 * u + i] * a[32 * b + i];
+                float f = (dw[u] * dx[b]) * (float)S;
+                if (t == ST_DTYPE_Q4_1 || t == ST_DTYPE_Q4_K) f = f + mw[u] * sx[b];
+                acc[u % 8] += f;
+            }
+            y[tk * N + r] = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+        }
+    }
+    free(a);
+    free(w);
+    free(dx);
+    free(sx);
+    free(dw);
+    free(mw);
+}
+
+static bool is_int_dtype(st_dtype t) {
+    return t == ST_DTYPE_Q8_0 || t == ST_DTYPE_Q4_0 || t == ST_DTYPE_Q4_1 || t == ST_DTYPE_Q4_K || t == ST_DTYPE_Q6_K;
+}
+
+/* Activations shaped like a model's hidden states: mostly small, a few
+ * channels 20x larger. */
+static float *outlier_acts(int64_t n, int64_t K) {
+    float *x = rand_f(n * K, 1.0f);
+    for (int64_t k = 0; k < K; k += 37) /* fixed outlier channels */
+        for (int64_t t = 0; t < n; t++) x[t * K + k] *= 20.0f;
+    return x;
+}
+
+static double g_int_err[ST_DTYPE_COUNT];
+
+static void test_matmul_int(st_backend *b1, st_backend *b2) {
+    static const int64_t ns[] = {1, 2, 3, 7, 64};
+    static const int64_t Ns[] = {1, 13};
+    static const char *lvl[] = {"portable", "avx2", "avx512"};
+    const st_cpu_isa best = st_cpu_isa_supported();
+    for (int ti = 0; ti < ST_DTYPE_COUNT; ti++) {
+        const st_dtype t = (st_dtype)ti;
+        if (!is_int_dtype(t)) continue;
+        const bool kq = st_dtype_get(t)->block_elems == 256;
+        const int64_t Ks[] = {kq ? 256 : 32, kq ? 768 : 96, kq ? 256 : 288};
+        for (int ki = 0; ki < 3; ki++)
+            for (int ri = 0; ri < 2; ri++) {
+                const int64_t K = Ks[ki], N = Ns[ri] + (ki == 2 ? 64 : 0), nmax = 64;
+                uint8_t *wd = make_weight(t, N, K, 1.0f);
+                st_weight w = {wd, t, N, K};
+                float *x = outlier_acts(nmax, K), *yr = alloc_f(nmax * N), *y = alloc_f(nmax * N), *y1 = alloc_f(N);
+                ref_matmul_int(t, wd, x, nmax, N, K, yr);
+                /* error of the documented arithmetic vs the f32 dequantized product */
+                double *wref = dequant_all(t, wd, N, K), num = 0, den = 0;
+                for (int64_t i = 0; i < nmax * N; i++) {
+                    double s = 0;
+                    for (int64_t k = 0; k < K; k++) s += (double)x[(i / N) * K + k] * wref[(i % N) * K + k];
+                    if (fabs(yr[i] - s) > num) num = fabs(yr[i] - s);
+                    if (fabs(s) > den) den = fabs(s);
+                }
+                const double e = num / den;
+                if (e > g_int_err[t]) g_int_err[t] = e;
+                /* activations rounded to 22 bits (q8_0: 19) of their block's max */
+                const double bound = t == ST_DTYPE_Q8_0 ? 3e-5 : 5e-6;
+                CHECK_MSG(e < bound, "int matmul %s N=%lld K=%lld: rel error %.3g vs the f32 dequantized product",
+                          st_dtype_name(t), (long long)N, (long long)K, e);
+                for (int li = 0; li <= (int)best; li++) {
+                    for (int bi = 0; bi < 2; bi++) {
+                        st_backend *be = bi ? b2 : b1;
+                        CHECK(st_backend_cpu_set_isa(be, (st_cpu_isa)li) == (st_cpu_isa)li);
+                        for (int ni = 0; ni < 5; ni++) {
+                            const int64_t n = ns[ni];
+                            run_matmul(be, x, &w, n, y);
+                            CHECK_MSG(same_bits(y, yr, n * N), "int matmul %s %s threads=%d n=%lld N=%lld K=%lld: "
+                                      "differs from the scalar reference", lvl[li], st_dtype_name(t), bi + 1,
+                                      (long long)n, (long long)N, (long long)K);
+                        }
+                        run_matmul(be, x + 5 * K, &w, 1, y1); /* token 5 alone */
+                        CHECK_MSG(same_bits(y1, yr + 5 * N, N), "int matmul %s %s: token alone differs", lvl[li],
+                                  st_dtype_name(t));
+                    }
+                }
+                st_backend_cpu_set_isa(b1, best);
+                st_backend_cpu_set_isa(b2, best);
+                free(wd);
+                free(x);
+                free(yr);
+                free(y);
+                free(y1);
+                free(wref);
+            }
+    }
+    if (best < ST_CPU_ISA_AVX512)
+        printf("test_backend_cpu: this CPU runs ISA levels up to %s only; the others not tested\n", lvl[best]);
+    printf("int matmul rel error vs f32 dequantized (outlier activations): q4_0 %.2g, q4_1 %.2g, q8_0 %.2g, "
+           "q4_K %.2g, q6_K %.2g\n", g_int_err[ST_DTYPE_Q4_0], g_int_err[ST_DTYPE_Q4_1], g_int_err[ST_DTYPE_Q8_0],
+           g_int_err[ST_DTYPE_Q4_K], g_int_err[ST_DTYPE_Q6_K]);
+}
+
 /* ---- get_rows ---- */
 
 static void test_get_rows(st_backend *b1, st_backend *b2, const char *mode) {
@@ -762,7 +955,7 @@ static void test_elementwise(st_backend *b1, st_backend *b2, const char *mode) {
     CHECK_ERR(b1->ops->add(b1, NULL, NULL, NULL, 3), STRATA_ERR_INVALID_ARG, "NULL");
 }
 
-/* The portable and the AVX2 builds of the kernels give the same bits. */
+/* The portable and the best builds of the kernels give the same bits. */
 static void test_simd_equivalence(st_backend *be) {
     if (!st_backend_cpu_set_simd(be, true)) return;
     for (int t = 0; t < ST_DTYPE_COUNT; t++) {
@@ -779,7 +972,7 @@ static void test_simd_equivalence(st_backend *be) {
             run_matmul(be, x, &w, n, ya);
             st_backend_cpu_set_simd(be, true);
             run_matmul(be, x, &w, n, yb);
-            CHECK_MSG(same_bits(ya, yb, n * N), "matmul %s n=%lld: portable and avx2 kernels differ",
+            CHECK_MSG(same_bits(ya, yb, n * N), "matmul %s n=%lld: portable and simd kernels differ",
                       st_dtype_name(dt), (long long)n);
             free(x);
             free(ya);
@@ -795,7 +988,7 @@ static void test_simd_equivalence(st_backend *be) {
     CHECK(be->ops->attention(be, NULL, q, k, v, pos, n, n_kv, H, Hkv, hd, 0.3f, oa) == STRATA_OK);
     st_backend_cpu_set_simd(be, true);
     CHECK(be->ops->attention(be, NULL, q, k, v, pos, n, n_kv, H, Hkv, hd, 0.3f, ob) == STRATA_OK);
-    CHECK_MSG(same_bits(oa, ob, n * H * hd), "attention: portable and avx2 kernels differ");
+    CHECK_MSG(same_bits(oa, ob, n * H * hd), "attention: portable and simd kernels differ");
     free(q);
     free(k);
     free(v);
@@ -811,12 +1004,13 @@ int main(void) {
 
     st_backend *b1 = make_cpu(1, 0), *b2 = make_cpu(2, 0);
     if (!b1 || !b2) return test_finish("test_backend_cpu");
+    test_matmul_int(b1, b2);
     for (int simd = 0; simd < 2; simd++) {
-        const char *mode = simd ? "avx2" : "portable";
+        const char *mode = simd ? "simd" : "portable";
         bool on1 = st_backend_cpu_set_simd(b1, simd), on2 = st_backend_cpu_set_simd(b2, simd);
         CHECK(on1 == on2);
         if (simd && !on1) {
-            printf("test_backend_cpu: this CPU has no AVX2+FMA; SIMD kernels not tested\n");
+            printf("test_backend_cpu: this CPU has no AVX2; SIMD kernels not tested\n");
             break;
         }
         test_matmul(b1, b2, mode);

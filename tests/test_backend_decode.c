@@ -80,7 +80,7 @@ static void *make_weight(st_dtype t, int64_t rows, int64_t cols) {
 }
 
 static void test_fused_matmuls(st_backend *be) {
-    const st_dtype types[] = {ST_DTYPE_F32, ST_DTYPE_BF16, ST_DTYPE_Q8_0, ST_DTYPE_Q4_0};
+    const st_dtype types[] = {ST_DTYPE_F32, ST_DTYPE_BF16, ST_DTYPE_Q8_0, ST_DTYPE_Q4_0, ST_DTYPE_Q4_1};
     for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
         const st_dtype t = types[ti];
         const int64_t K = 256, n = 3;

@@ -15,6 +15,10 @@
 
 #include "backend/cpu/cpu_internal.h"
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
+#endif
+
 #define DEV_HDR 64
 #define DEV_MAGIC 0x5354524154414456ull /* "STRATADV" */
 #define STREAM_MAGIC 0x5354524d
@@ -46,6 +50,18 @@ strata_status st_cpu_scratch_reserve(st_cpu *c, size_t floats) {
         c->scratch[i] = p;
     }
     c->scratch_floats = floats;
+    return STRATA_OK;
+}
+
+strata_status st_cpu_qact_reserve(st_cpu *c, size_t bytes) {
+    if (bytes <= c->qact_bytes) return STRATA_OK;
+    bytes = (bytes + 63) & ~(size_t)63;
+    void *p = NULL;
+    if (bytes == 0 || posix_memalign(&p, 64, bytes) != 0)
+        return st_err(STRATA_ERR_NOMEM, "cpu backend: cannot allocate %zu bytes of scratch", bytes);
+    free(c->qact);
+    c->qact = p;
+    c->qact_bytes = bytes;
     return STRATA_OK;
 }
 
@@ -259,8 +275,13 @@ static strata_status cpu_sample(st_backend *be, st_stream *s, const float *logit
     return st_cpu_sample(st_cpu_of(be), logits, n, vocab, args, out);
 }
 
+/* Weights of one quantized dtype share one integer matmul (x quantized once,
+ * one parallel loop); others run one by one. */
 static strata_status cpu_matmul_multi(st_backend *be, st_stream *s, const float *x, const st_weight *w,
                                       int count, int64_t n, float *const *y) {
+    bool same_int = st_dtype_get(w[0].dtype)->quantized;
+    for (int i = 1; i < count; i++) same_int &= w[i].dtype == w[0].dtype;
+    if (same_int) RUN_LOCKED(be, st_cpu_matmul_int(c_, x, w, count, n, y));
     strata_status st = STRATA_OK;
     for (int i = 0; i < count && st == STRATA_OK; i++) st = cpu_matmul(be, s, x, &w[i], n, y[i]);
     return st;
@@ -270,8 +291,9 @@ static strata_status cpu_matmul_swiglu(st_backend *be, st_stream *s, const float
                                        const st_weight *wu, int64_t n, float *out) {
     float *tmp = st_malloc((size_t)(n * wu->rows) * sizeof(float));
     if (!tmp) return st_err(STRATA_ERR_NOMEM, "cpu matmul_swiglu: out of memory");
-    strata_status st = cpu_matmul(be, s, x, wg, n, out);
-    if (st == STRATA_OK) st = cpu_matmul(be, s, x, wu, n, tmp);
+    const st_weight w2[2] = {*wg, *wu};
+    float *const y2[2] = {out, tmp};
+    strata_status st = cpu_matmul_multi(be, s, x, w2, 2, n, y2);
     if (st == STRATA_OK) st = cpu_swiglu(be, s, out, tmp, n * wu->rows, out);
     st_free(tmp);
     return st;
@@ -417,6 +439,7 @@ static void cpu_destroy(st_backend *be) {
         if (c->scratch)
             for (int i = 0; i < c->n_threads; i++) free(c->scratch[i]);
         st_free(c->scratch);
+        free(c->qact);
         pthread_mutex_destroy(&c->op_mu);
         pthread_mutex_destroy(&c->mem_mu);
         st_free(c);
@@ -468,22 +491,42 @@ static const st_backend_ops g_cpu_ops = {
     .sample = cpu_sample,
 };
 
-bool st_cpu_simd_supported(void) {
+st_cpu_isa st_cpu_isa_supported(void) {
 #if defined(__x86_64__) && defined(__GNUC__)
+    /* F16C (CPUID 1, ECX bit 29) and VNNI (CPUID 7, ECX bit 11) straight from
+     * CPUID: not every compiler's __builtin_cpu_supports knows them; avx2 and
+     * avx512vl/bw there also mean the OS saves the vector state. */
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2");
+    unsigned a, b, c, d;
+    const bool f16c = __get_cpuid(1, &a, &b, &c, &d) && (c >> 29 & 1);
+    if (!__builtin_cpu_supports("avx2") || !f16c) return ST_CPU_ISA_PORTABLE;
+    const bool vnni = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (c >> 11 & 1);
+    if (vnni && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw")) return ST_CPU_ISA_AVX512;
+    return ST_CPU_ISA_AVX2;
 #else
-    return false;
+    return ST_CPU_ISA_PORTABLE;
 #endif
 }
 
-bool st_backend_cpu_set_simd(st_backend *be, bool on) {
+bool st_cpu_simd_supported(void) { return st_cpu_isa_supported() != ST_CPU_ISA_PORTABLE; }
+
+static void cpu_set_isa(st_cpu *c, st_cpu_isa isa) {
+    const st_cpu_isa best = st_cpu_isa_supported();
+    c->isa = isa < best ? isa : best;
+    c->simd = c->isa >= ST_CPU_ISA_AVX2;
+}
+
+st_cpu_isa st_backend_cpu_set_isa(st_backend *be, st_cpu_isa isa) {
     st_cpu *c = st_cpu_of(be);
     pthread_mutex_lock(&c->op_mu);
-    c->simd = on && st_cpu_simd_supported();
-    bool r = c->simd;
+    cpu_set_isa(c, isa);
+    const st_cpu_isa r = c->isa;
     pthread_mutex_unlock(&c->op_mu);
     return r;
+}
+
+bool st_backend_cpu_set_simd(st_backend *be, bool on) {
+    return st_backend_cpu_set_isa(be, on ? ST_CPU_ISA_AVX512 : ST_CPU_ISA_PORTABLE) != ST_CPU_ISA_PORTABLE;
 }
 
 strata_status st_backend_cpu_init(const st_backend_params *params, st_backend **out) {
@@ -514,7 +557,7 @@ strata_status st_backend_cpu_init(const st_backend_params *params, st_backend **
         cpu_destroy(be);
         return st_err(STRATA_ERR_NOMEM, "cpu backend init: out of memory");
     }
-    c->simd = st_cpu_simd_supported();
+    cpu_set_isa(c, ST_CPU_ISA_AVX512);
     *out = be;
     return STRATA_OK;
 }

@@ -12,6 +12,14 @@
 extern "C" {
 #endif
 
+/* Instruction-set levels of the kernels, chosen at run time from the CPU's
+ * features (one binary for every x86-64). Every level gives the same bits. */
+typedef enum {
+    ST_CPU_ISA_PORTABLE, /* plain C (GCC vector extensions at the baseline target) */
+    ST_CPU_ISA_AVX2,     /* AVX2 builds of the kernels */
+    ST_CPU_ISA_AVX512,   /* AVX2 builds, the integer matmul with AVX-512 VNNI (vpdpwssd) */
+} st_cpu_isa;
+
 typedef struct {
     st_pool *pool;
     int n_threads;
@@ -19,7 +27,10 @@ typedef struct {
     pthread_mutex_t mem_mu;  /* guards st_backend.device_budget */
     float **scratch;         /* [n_threads] buffers of scratch_floats each, 64-B aligned */
     size_t scratch_floats;
-    bool simd;               /* run the AVX2 builds of the kernels (same results, faster) */
+    st_cpu_isa isa;          /* level of the kernels run (same results at every level) */
+    bool simd;               /* isa >= ST_CPU_ISA_AVX2: the float kernels' AVX2 builds */
+    void *qact;              /* the integer matmul's quantized activations, 64-B aligned */
+    size_t qact_bytes;
 } st_cpu;
 
 static inline st_cpu *st_cpu_of(st_backend *be) { return (st_cpu *)be->impl; }
@@ -28,11 +39,18 @@ static inline st_cpu *st_cpu_of(st_backend *be) { return (st_cpu *)be->impl; }
  * held, before the parallel loop. STRATA_ERR_NOMEM on failure. */
 strata_status st_cpu_scratch_reserve(st_cpu *c, size_t floats);
 
+/* Makes c->qact hold at least `bytes` bytes (op_mu held). */
+strata_status st_cpu_qact_reserve(st_cpu *c, size_t bytes);
+
+/* The best level this CPU runs. */
+st_cpu_isa st_cpu_isa_supported(void);
 /* True when this CPU can run the AVX2 builds of the kernels. */
 bool st_cpu_simd_supported(void);
-/* Test hook: selects the AVX2 builds of the kernels (when supported) or the
- * portable ones for later ops on `be` (a CPU backend); returns the setting in
- * effect. Both give bit-identical results. */
+/* Test hooks, for later ops on `be` (a CPU backend): set_isa selects a level
+ * (capped at what the CPU supports) and returns the level in effect;
+ * set_simd(on) selects the best level or the portable one and returns whether
+ * a SIMD level is in effect. Every level gives bit-identical results. */
+st_cpu_isa st_backend_cpu_set_isa(st_backend *be, st_cpu_isa isa);
 bool st_backend_cpu_set_simd(st_backend *be, bool on);
 
 /* Dequantizes one row of `cols` elements into out: the backend's own fast
@@ -42,6 +60,11 @@ void st_cpu_dequant_row(st_dtype t, const void *row, float *out, int64_t cols, b
 /* Op implementations (argument checks done by backend.c and cpu_backend.c,
  * op_mu held). */
 strata_status st_cpu_matmul(st_cpu *c, const float *x, const st_weight *w, int64_t n, float *y);
+/* The quantized dtypes' integer path (cpu_matmul_int.c): y[i] = x @ w[i]^T
+ * for count (1..4) weights of one quantized dtype and equal cols, in one
+ * parallel loop over their row blocks (x quantized once). */
+strata_status st_cpu_matmul_int(st_cpu *c, const float *x, const st_weight *w, int count, int64_t n,
+                                float *const *y);
 strata_status st_cpu_attention(st_cpu *c, const float *q, const float *k, const float *v,
                                const int32_t *pos, int64_t n, int64_t n_kv, int64_t n_heads,
                                int64_t n_kv_heads, int64_t head_dim, float scale, float *out);

@@ -1,6 +1,8 @@
-/* CPU matmul: y[n, N] = x[n, K] @ w[N, K]^T with w in any st_dtype.
+/* CPU matmul: y[n, N] = x[n, K] @ w[N, K]^T. The quantized dtypes go to
+ * the integer path (cpu_matmul_int.c); here the float ones (f32, f16, bf16),
+ * and the row dequantizers that get_rows uses for every dtype.
  *
- * Work item = (token tile, block of 4 weight rows). An item dequantizes its
+ * Work item = (token tile, block of 4 weight rows). An item converts its
  * 4 rows (F32 rows are read in place) into the thread's scratch, 4*K floats,
  * and multiplies them with every token of the tile, two tokens at a time (a
  * 4x2 register tile: 8 vector accumulators). The token tile is sized so that
@@ -30,21 +32,6 @@
 #define MM_TILE_BYTES 262144 /* x bytes per token tile */
 #define MM_TILE_MAX 64
 
-/* Scalar f16 -> f32, exact (same method as cvt_f16x8 below). */
-ST_AI float ld_f16(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    uint32_t em = h & 0x7fffu, sign = (uint32_t)(h & 0x8000u) << 16, b = em << 13;
-    float f;
-    memcpy(&f, &b, 4);
-    f *= 0x1p112f;
-    memcpy(&b, &f, 4);
-    if (em >= 0x7c00u) b = (em << 13) | 0x7f800000u;
-    b |= sign;
-    memcpy(&f, &b, 4);
-    return f;
-}
-
 /* ---- row dequantization (8 lanes at a time) ---- */
 
 ST_AI st_v8f cvt_bf16x8(const uint8_t *p) {
@@ -54,18 +41,10 @@ ST_AI st_v8f cvt_bf16x8(const uint8_t *p) {
     return (st_v8f)u;
 }
 
-/* f16 -> f32 exactly: shift exponent+mantissa into place and rescale by
- * 2^112 (right for normals and subnormals), then patch inf/NaN and the sign. */
 ST_AI st_v8f cvt_f16x8(const uint8_t *p) {
     st_v8u16 h16;
     memcpy(&h16, p, sizeof h16);
-    st_v8u h = __builtin_convertvector(h16, st_v8u);
-    st_v8u em = h & 0x7fffu;
-    st_v8u sign = (h & 0x8000u) << 16;
-    st_v8f f = (st_v8f)(em << 13) * st_v8f_splat(0x1p112f);
-    st_v8u special = (st_v8u)(em >= 0x7c00u); /* all ones where inf/NaN */
-    st_v8u bits = ((st_v8u)f & ~special) | (((em << 13) | 0x7f800000u) & special);
-    return (st_v8f)(bits | sign);
+    return st_v8f_from_f16(h16);
 }
 
 /* Block dequantizers: plain loops with constant trip counts, which GCC
@@ -75,7 +54,7 @@ ST_AI st_v8f cvt_f16x8(const uint8_t *p) {
  * product (q - 8 is exact in float: d * ((float)q - 8) == d * (float)(q - 8)). */
 ST_AI void dq_q8_0(const uint8_t *restrict b, float *restrict y, int64_t nb) {
     for (int64_t i = 0; i < nb; i++, b += 34, y += 32) {
-        const float d = ld_f16(b);
+        const float d = st_ld_f16(b);
         const int8_t *q = (const int8_t *)(b + 2);
         for (int j = 0; j < 32; j++) y[j] = (float)q[j] * d;
     }
@@ -90,7 +69,7 @@ ST_AI st_v8f nib_hi(st_v8u8 q) { return __builtin_convertvector(__builtin_conver
 ST_AI void dq_q4_0(const uint8_t *restrict b, float *restrict y, int64_t nb) {
     const st_v8f eight = st_v8f_splat(8.0f);
     for (int64_t i = 0; i < nb; i++, b += 18, y += 32) {
-        const st_v8f d = st_v8f_splat(ld_f16(b));
+        const st_v8f d = st_v8f_splat(st_ld_f16(b));
         for (int j = 0; j < 16; j += 8) {
             st_v8u8 q;
             memcpy(&q, b + 2 + j, 8);
@@ -102,7 +81,7 @@ ST_AI void dq_q4_0(const uint8_t *restrict b, float *restrict y, int64_t nb) {
 
 ST_AI void dq_q4_1(const uint8_t *restrict b, float *restrict y, int64_t nb) {
     for (int64_t i = 0; i < nb; i++, b += 20, y += 32) {
-        const st_v8f d = st_v8f_splat(ld_f16(b)), m = st_v8f_splat(ld_f16(b + 2));
+        const st_v8f d = st_v8f_splat(st_ld_f16(b)), m = st_v8f_splat(st_ld_f16(b + 2));
         for (int j = 0; j < 16; j += 8) {
             st_v8u8 q;
             memcpy(&q, b + 4 + j, 8);
@@ -112,24 +91,14 @@ ST_AI void dq_q4_1(const uint8_t *restrict b, float *restrict y, int64_t nb) {
     }
 }
 
-ST_AI void q4k_sm(const uint8_t *sc, int i, int *s, int *m) {
-    if (i < 4) {
-        *s = sc[i] & 63;
-        *m = sc[i + 4] & 63;
-    } else {
-        *s = (sc[i + 4] & 15) | ((sc[i - 4] >> 6) << 4);
-        *m = (sc[i + 4] >> 4) | ((sc[i] >> 6) << 4);
-    }
-}
-
 ST_AI void dq_q4_k(const uint8_t *restrict b, float *restrict y, int64_t nb) {
     for (int64_t i = 0; i < nb; i++, b += 144, y += 256) {
-        const float d = ld_f16(b), dmin = ld_f16(b + 2);
+        const float d = st_ld_f16(b), dmin = st_ld_f16(b + 2);
         const uint8_t *sc = b + 4, *qs = b + 16;
         for (int c = 0; c < 4; c++) {
             int s0, m0, s1, m1;
-            q4k_sm(sc, 2 * c, &s0, &m0);
-            q4k_sm(sc, 2 * c + 1, &s1, &m1);
+            st_q4k_sm(sc, 2 * c, &s0, &m0);
+            st_q4k_sm(sc, 2 * c + 1, &s1, &m1);
             const float d0 = d * (float)s0, dm0 = dmin * (float)m0;
             const float d1 = d * (float)s1, dm1 = dmin * (float)m1;
             const uint8_t *q = qs + 32 * c;
@@ -146,7 +115,7 @@ ST_AI void dq_q6_k_loop(const uint8_t *restrict b, float *restrict y, int64_t nb
     for (int64_t i = 0; i < nb; i++, b += 210, y += 256) {
         const uint8_t *ql = b, *qh = b + 128;
         const int8_t *sc = (const int8_t *)(b + 192);
-        const float d = ld_f16(b + 208);
+        const float d = st_ld_f16(b + 208);
         for (int h = 0; h < 2; h++) {
             const uint8_t *l4 = ql + 64 * h, *h2 = qh + 32 * h;
             const int8_t *s = sc + 8 * h;
@@ -170,7 +139,7 @@ ST_AI void dq_q6_k_vec(const uint8_t *restrict b, float *restrict y, int64_t nb)
     for (int64_t i = 0; i < nb; i++, b += 210, y += 256) {
         const uint8_t *ql = b, *qh = b + 128;
         const int8_t *sc = (const int8_t *)(b + 192);
-        const float d = ld_f16(b + 208);
+        const float d = st_ld_f16(b + 208);
         for (int h = 0; h < 2; h++) {
             for (int g = 0; g < 4; g++) {     /* 32-element group g of half h */
                 for (int l = 0; l < 32; l += 8) {
@@ -204,7 +173,7 @@ ST_AI void dequant_row(st_dtype t, const uint8_t *src, float *y, int64_t K, bool
         return;
     case ST_DTYPE_F16:
         for (; k + 8 <= K; k += 8) ST_V8F_STORE(y + k, cvt_f16x8(src + 2 * k));
-        for (; k < K; k++) y[k] = ld_f16(src + 2 * k);
+        for (; k < K; k++) y[k] = st_ld_f16(src + 2 * k);
         return;
     case ST_DTYPE_Q8_0: dq_q8_0(src, y, K / 32); return;
     case ST_DTYPE_Q4_0: dq_q4_0(src, y, K / 32); return;
@@ -380,6 +349,8 @@ ST_TARGET_AVX2 static void mm_fn_avx2(void *ctx, int64_t begin, int64_t end, int
 #endif
 
 strata_status st_cpu_matmul(st_cpu *c, const float *x, const st_weight *w, int64_t n, float *y) {
+    if (w->dtype != ST_DTYPE_F32 && w->dtype != ST_DTYPE_F16 && w->dtype != ST_DTYPE_BF16)
+        return st_cpu_matmul_int(c, x, w, 1, n, &y);
     const int64_t K = w->cols, N = w->rows;
     mm_ctx m = {
         .x = x, .w = w->data, .dtype = w->dtype, .row_bytes = st_dtype_row_bytes(w->dtype, K),

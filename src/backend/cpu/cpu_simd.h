@@ -76,9 +76,52 @@ ST_AI void st_axpy_f32(float *y, float s, const float *x, int64_t K) {
     for (; k < K; k++) y[k] += s * x[k];
 }
 
+/* ---- GGUF block fields ---- */
+
+/* Scalar f16 -> f32, exact: exponent+mantissa shifted into place and rescaled
+ * by 2^112 (right for normals and subnormals), inf/NaN and the sign patched. */
+ST_AI float st_ld_f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    uint32_t em = h & 0x7fffu, sign = (uint32_t)(h & 0x8000u) << 16, b = em << 13;
+    float f;
+    memcpy(&f, &b, 4);
+    f *= 0x1p112f;
+    memcpy(&b, &f, 4);
+    if (em >= 0x7c00u) b = (em << 13) | 0x7f800000u;
+    b |= sign;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+/* 8 f16 -> f32 exactly, by the method of st_ld_f16. */
+ST_AI st_v8f st_v8f_from_f16(st_v8u16 h16) {
+    const st_v8u h = __builtin_convertvector(h16, st_v8u);
+    const st_v8u em = h & 0x7fffu;
+    const st_v8u sign = (h & 0x8000u) << 16;
+    const st_v8f f = (st_v8f)(em << 13) * st_v8f_splat(0x1p112f);
+    const st_v8u special = (st_v8u)(em >= 0x7c00u); /* all ones where inf/NaN */
+    const st_v8u bits = ((st_v8u)f & ~special) | (((em << 13) | 0x7f800000u) & special);
+    return (st_v8f)(bits | sign);
+}
+
+/* Q4_K's 6-bit scale and min of sub-block i (0..7) from its 12 packed bytes. */
+ST_AI void st_q4k_sm(const uint8_t *sc, int i, int *s, int *m) {
+    if (i < 4) {
+        *s = sc[i] & 63;
+        *m = sc[i + 4] & 63;
+    } else {
+        *s = (sc[i + 4] & 15) | ((sc[i - 4] >> 6) << 4);
+        *m = (sc[i + 4] >> 4) | ((sc[i] >> 6) << 4);
+    }
+}
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #define ST_CPU_HAVE_AVX2_PATH 1
 #define ST_TARGET_AVX2 __attribute__((target("avx2")))
+/* the integer matmul's levels (cpu_matmul_int.c) */
+#define ST_TARGET_AVX2_F16C __attribute__((target("avx2,f16c")))
+#define ST_TARGET_AVX512 __attribute__((target("avx2,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
 #else
 #define ST_CPU_HAVE_AVX2_PATH 0
 #endif

@@ -1,0 +1,655 @@
+/* CPU matmul of the quantized dtypes (q4_0, q4_1, q8_0, q4_K, q6_K) with
+ * integer dot products: y[n, N] = x[n, K] @ w[N, K]^T.
+ *
+ * Arithmetic (the same bits at every ISA level, n and thread count):
+ *
+ * 1. Activations, once per call: each token's row is cut into 32-element
+ *    blocks b; amax = max |x| over the block, dx_b = amax / QMAX (one float
+ *    division, round to nearest even), a = x / dx_b rounded to the nearest
+ *    integer, ties to even, clamped to [-QMAX, QMAX]; sx_b = dx_b *
+ *    (float)sum(a). QMAX = 2^22 - 1, for q8_0 2^19 - 1 (so that every sum
+ *    below fits int32). A block whose dx_b is 0 (zeros, or underflow) gets
+ *    a = 0, dx_b = 0; one holding inf or NaN gets a = 0, dx_b = NaN.
+ * 2. Weights are read as units of 32 integers w with a float scale dw and,
+ *    for the dtypes with mins, a float mw; the dequantized weight is
+ *    dw * w + mw, as core/quant.c computes it:
+ *      q8_0  unit = block,      w = q,       dw = d
+ *      q4_0  unit = block,      w = q - 8,   dw = d
+ *      q4_1  unit = block,      w = q,       dw = d,        mw = m
+ *      q4_K  unit = sub-block,  w = q,       dw = d * s_j,  mw = -(dmin * m_j)
+ *      q6_K  unit = 16-group,   w = q - 32 in the group's half of its
+ *            32-block and 0 in the other half,  dw = d * sc_g
+ *    (two q6_K units per activation block, one per scale).
+ * 3. Per output (token, row) and unit u over activation block b:
+ *      S_u = sum of w * a over the unit's 32 elements, exact in int32
+ *            (|S_u| <= 32 * 15 * (2^22 - 1) < 2^31; q8_0: 32 * 128 * (2^19 - 1))
+ *      f_u = (dw_u * dx_b) * (float)S_u  [ + mw_u * sx_b ]
+ *      acc[u % 8] += f_u, in increasing u, each acc starting at +0
+ *      y = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7))
+ *    with no fused multiply-adds. The integer sums are exact however a level
+ *    forms them and every float operation is element-wise over outputs, so
+ *    the levels need only agree on the integers.
+ *
+ * The integers: a is kept as two int16 planes, hi = a >> 8 and lo = a & 255,
+ * and S_u = 256 * sum(w * hi) + sum(w * lo): four 16-element pair products
+ * (vpmaddwd on AVX2, vpdpwssd on AVX-512 VNNI) per unit where int16
+ * activations (QMAX 32767) would take two.
+ *
+ * Precision: y is the product of the dequantized weights with the
+ * activations rounded to QMAX steps of their block's max, up to the float
+ * rounding of the combination. Max |y - f32 dequantized product| / max |y|
+ * on realistic shapes (K = 576 and 1536, N up to 49152, Gaussian activations
+ * with 20x outlier channels): 4.8e-7 (q8_0: 3.3e-6); tests/test_backend_cpu.c
+ * measures up to 2.3e-6 (q8_0: 8.7e-6) on small shapes. With int16
+ * activations it is 6e-5 (2e-4 on the default model's logits, over the 1e-4
+ * that the CPU's logits checks allow); with int8 (vpdpbusd) 1.3e-2.
+ *
+ * Work: an item is (token tile, 8 weight rows). One token reads its units
+ * straight from the weights, prefetching the next row block as one stream;
+ * the 8 rows' partial sums of a unit go through a reduction tree (vphaddd)
+ * into one vector of 8 totals, so the float combination runs 8 rows wide.
+ * Longer tiles unpack their 8 rows once into the thread's scratch (int16
+ * units; scales laid out [unit][row]) and run every token over them: on
+ * AVX-512 by groups of 8 tokens in the lanes (each weight pair broadcast
+ * against the 8 tokens' activation pairs; no tree), elsewhere one token at a
+ * time through the tree. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("O3")
+#endif
+
+#include "backend/cpu/cpu_internal.h"
+#include "backend/cpu/cpu_simd.h"
+
+#if ST_CPU_HAVE_AVX2_PATH
+#include <immintrin.h>
+#endif
+
+#define QI_ROWS 8              /* weight rows per work item (the lanes of a sum vector) */
+#define QI_QMAX 4194303.0f     /* activation integers in [-QI_QMAX, QI_QMAX]: 2^22 - 1 */
+#define QI_QMAX_Q8 524287.0f   /* q8_0's: 2^19 - 1, so that 32 * 128 * QMAX < 2^31 */
+#define QI_TILE_BYTES 131072   /* quantized activation bytes per token tile */
+#define QI_TILE_MAX 64
+
+typedef int16_t st_v16i16 __attribute__((vector_size(32)));
+typedef int32_t st_v16i32 __attribute__((vector_size(64)));
+typedef uint8_t st_v16u8 __attribute__((vector_size(16)));
+typedef int8_t st_v16i8 __attribute__((vector_size(16)));
+typedef int16_t st_v8i16 __attribute__((vector_size(16)));
+
+ST_AI st_v16i16 ld16(const int16_t *p) {
+    st_v16i16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* ---- activations ---- */
+
+/* Per token: for each block, hi[32] then lo[32] int16 (a = 256 * hi + lo,
+ * lo in [0, 255]), then dx[nb], sx[nb] floats (nb = K / 32). */
+typedef struct {
+    int64_t K, nb;
+    size_t stride; /* bytes per token */
+} qact_layout;
+
+ST_AI st_v8f v8f_max(st_v8f a, st_v8f b) {
+    const st_v8i gt = (st_v8i)(a > b);
+    return (st_v8f)(((st_v8i)a & gt) | ((st_v8i)b & ~gt));
+}
+ST_AI st_v8f v8f_min(st_v8f a, st_v8f b) {
+    const st_v8i lt = (st_v8i)(a < b);
+    return (st_v8f)(((st_v8i)a & lt) | ((st_v8i)b & ~lt));
+}
+
+ST_AI void quant_block(const float *x, float qmax, int16_t *a, float *dx, float *sx) {
+    st_v8f v[4], amax = st_v8f_splat(0.0f);
+    st_v8i bad = {0};
+    for (int i = 0; i < 4; i++) {
+        v[i] = st_v8f_load(x + 8 * i);
+        const st_v8f ab = (st_v8f)((st_v8u)v[i] & 0x7fffffffu);
+        bad |= (st_v8i)(v[i] * 0.0f != 0.0f); /* inf or NaN */
+        amax = v8f_max(amax, ab);
+    }
+    float m = 0.0f;
+    int any_bad = 0;
+    for (int l = 0; l < 8; l++) {
+        m = amax[l] > m ? amax[l] : m;
+        any_bad |= bad[l];
+    }
+    const float d = any_bad ? __builtin_nanf("") : m / qmax;
+    if (any_bad || !(d > 0.0f)) {
+        memset(a, 0, 64 * sizeof *a);
+        *dx = d;
+        *sx = 0.0f;
+        return;
+    }
+    const st_v8f dv = st_v8f_splat(d), magic = st_v8f_splat(0x1.8p23f);
+    const st_v8f hi = st_v8f_splat(qmax), lo = st_v8f_splat(-qmax);
+    st_v8i sum = {0};
+    for (int i = 0; i < 4; i++) {
+        st_v8f f = (v[i] / dv + magic) - magic; /* round to nearest even (|f| < 2^22 or inf) */
+        f = v8f_min(v8f_max(f, lo), hi);
+        const st_v8i q = __builtin_convertvector(f, st_v8i);
+        sum += q;
+        const st_v8i16 h = __builtin_convertvector(q >> 8, st_v8i16); /* arithmetic: floor(q / 256) */
+        const st_v8i16 r = __builtin_convertvector(q & 255, st_v8i16);
+        memcpy(a + 8 * i, &h, sizeof h);
+        memcpy(a + 32 + 8 * i, &r, sizeof r);
+    }
+    int32_t s = 0;
+    for (int l = 0; l < 8; l++) s += sum[l];
+    *dx = d;
+    *sx = d * (float)s;
+}
+
+/* The token-group layout (AVX-512 level, n > 1), lanes = 8 tokens: group g
+ * of tokens 8g..8g+7 holds, per block b and element pair j (elements 2j,
+ * 2j+1), the hi pairs of the 8 tokens then their lo pairs (32 int16), then
+ * dx[nb][8] and sx[nb][8]; tokens past n are zeros. */
+#define QI_GROUP 8
+ST_AI size_t group_stride(int64_t nb) { return (size_t)nb * (512 * sizeof(int16_t) + 2 * QI_GROUP * sizeof(float)); }
+
+typedef struct {
+    const float *x;
+    uint8_t *q;     /* per-token layout */
+    uint8_t *grp;   /* token-group layout, or NULL */
+    qact_layout L;
+    float qmax;
+} qa_ctx;
+
+ST_AI void quant_rows(const qa_ctx *c, int64_t begin, int64_t end) {
+    const int64_t nb = c->L.nb;
+    for (int64_t t = begin; t < end; t++) {
+        uint8_t *base = c->q + (size_t)t * c->L.stride;
+        int16_t *a = (int16_t *)base;
+        float *dx = (float *)(base + 2 * (size_t)c->L.K * sizeof(int16_t)), *sx = dx + nb;
+        for (int64_t b = 0; b < nb; b++)
+            quant_block(c->x + t * c->L.K + 32 * b, c->qmax, a + 64 * b, dx + b, sx + b);
+        if (!c->grp) continue;
+        uint8_t *g = c->grp + (size_t)(t / QI_GROUP) * group_stride(nb);
+        const int lane = (int)(t % QI_GROUP);
+        int16_t *ga = (int16_t *)g;
+        float *gdx = (float *)(g + (size_t)nb * 512 * sizeof(int16_t)), *gsx = gdx + QI_GROUP * nb;
+        for (int64_t b = 0; b < nb; b++) {
+            for (int j = 0; j < 16; j++) /* one 32-bit pair per plane */
+                for (int pl = 0; pl < 2; pl++)
+                    memcpy(ga + 512 * b + 32 * j + 16 * pl + 2 * lane, a + 64 * b + 32 * pl + 2 * j, 4);
+            gdx[QI_GROUP * b + lane] = dx[b];
+            gsx[QI_GROUP * b + lane] = sx[b];
+        }
+    }
+}
+
+/* ---- per-level primitives ----
+ * widen, widen_s8: 16 bytes -> 16 int16, zero- or sign-extended; gather: the 32-bit words at
+ * base + idx[r] + off; f16: the low 16 bits of each lane, f16 -> f32 exactly;
+ * prow: one row's partial sums of w * a over a unit (lanes of any partition:
+ * the sums are exact); tree: the 8 rows' partials -> their totals (lane r). */
+
+typedef struct {
+    st_v16i16 hi[2], lo[2];
+} qa_unit;
+
+typedef struct {
+    st_v16i16 (*widen)(const uint8_t *p);
+    st_v16i16 (*widen_s8)(const uint8_t *p);
+    st_v8i (*gather)(const uint8_t *base, st_v8i idx, int64_t off);
+    st_v8f (*f16)(st_v8i h);
+    st_v8i (*prow)(const st_v16i16 w[2], const qa_unit *a);
+    st_v8i (*tree)(const st_v8i p[QI_ROWS]);
+    /* the AVX-512 level's token-group kernel (NULL elsewhere): ctx is a
+     * qi_ctx, block a qblock */
+    void (*group)(const void *ctx, st_dtype t, const void *block, const uint8_t *grp, float out[QI_ROWS][8]);
+} qi_isa;
+
+ST_AI st_v16i16 widen_portable(const uint8_t *p) {
+    st_v16u8 q;
+    memcpy(&q, p, 16);
+    return __builtin_convertvector(q, st_v16i16);
+}
+
+ST_AI st_v16i16 widen_s8_portable(const uint8_t *p) {
+    st_v16i8 q;
+    memcpy(&q, p, 16);
+    return __builtin_convertvector(q, st_v16i16);
+}
+
+ST_AI st_v8i gather_portable(const uint8_t *base, st_v8i idx, int64_t off) {
+    st_v8i v;
+    for (int r = 0; r < QI_ROWS; r++) memcpy((int32_t *)&v + r, base + idx[r] + off, 4);
+    return v;
+}
+
+ST_AI st_v8f f16_portable(st_v8i h) { return st_v8f_from_f16(__builtin_convertvector(h & 0xffff, st_v8u16)); }
+
+ST_AI st_v8i prow_portable(const st_v16i16 w[2], const qa_unit *a) {
+    st_v16i32 hi = {0}, lo = {0};
+    for (int h = 0; h < 2; h++) {
+        const st_v16i32 wv = __builtin_convertvector(w[h], st_v16i32);
+        hi += wv * __builtin_convertvector(a->hi[h], st_v16i32);
+        lo += wv * __builtin_convertvector(a->lo[h], st_v16i32);
+    }
+    const st_v16i32 t = (hi << 8) + lo;
+    st_v8i p;
+    for (int l = 0; l < 8; l++) p[l] = t[l] + t[l + 8];
+    return p;
+}
+
+ST_AI st_v8i tree_portable(const st_v8i p[QI_ROWS]) {
+    st_v8i s;
+    for (int r = 0; r < QI_ROWS; r++) {
+        int32_t t = 0;
+        for (int l = 0; l < 8; l++) t += p[r][l];
+        s[r] = t;
+    }
+    return s;
+}
+
+#if ST_CPU_HAVE_AVX2_PATH
+ST_TARGET_AVX2_F16C ST_AI st_v16i16 widen_avx2(const uint8_t *p) {
+    return (st_v16i16)_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+}
+
+ST_TARGET_AVX2_F16C ST_AI st_v16i16 widen_s8_avx2(const uint8_t *p) {
+    return (st_v16i16)_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+}
+
+ST_TARGET_AVX2_F16C ST_AI st_v8i gather_avx2(const uint8_t *base, st_v8i idx, int64_t off) {
+    return (st_v8i)_mm256_i32gather_epi32((const int *)(base + off), (__m256i)idx, 1);
+}
+
+ST_TARGET_AVX2_F16C ST_AI st_v8f f16_avx2(st_v8i h) {
+    const __m256i lo16 = _mm256_shuffle_epi8((__m256i)h, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                           0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1));
+    const __m256i packed = _mm256_permute4x64_epi64(lo16, 0x08); /* qwords 0, 2 */
+    return (st_v8f)_mm256_cvtph_ps(_mm256_castsi256_si128(packed));
+}
+
+ST_TARGET_AVX512 ST_AI st_v8f f16_avx512(st_v8i h) {
+    return (st_v8f)_mm256_cvtph_ps(_mm256_cvtepi32_epi16((__m256i)h));
+}
+
+ST_TARGET_AVX2_F16C ST_AI st_v8i prow_avx2(const st_v16i16 w[2], const qa_unit *a) {
+    const __m256i w0 = (__m256i)w[0], w1 = (__m256i)w[1];
+    const __m256i hi = _mm256_add_epi32(_mm256_madd_epi16(w0, (__m256i)a->hi[0]), _mm256_madd_epi16(w1, (__m256i)a->hi[1]));
+    const __m256i lo = _mm256_add_epi32(_mm256_madd_epi16(w0, (__m256i)a->lo[0]), _mm256_madd_epi16(w1, (__m256i)a->lo[1]));
+    return (st_v8i)_mm256_add_epi32(_mm256_slli_epi32(hi, 8), lo);
+}
+
+ST_TARGET_AVX512 ST_AI st_v8i prow_vnni(const st_v16i16 w[2], const qa_unit *a) {
+    const __m256i w0 = (__m256i)w[0], w1 = (__m256i)w[1];
+    __m256i hi = _mm256_dpwssd_epi32(_mm256_setzero_si256(), w0, (__m256i)a->hi[0]);
+    hi = _mm256_dpwssd_epi32(hi, w1, (__m256i)a->hi[1]);
+    const __m256i lo = _mm256_dpwssd_epi32(_mm256_slli_epi32(hi, 8), w0, (__m256i)a->lo[0]);
+    return (st_v8i)_mm256_dpwssd_epi32(lo, w1, (__m256i)a->lo[1]);
+}
+
+ST_TARGET_AVX2_F16C ST_AI st_v8i tree_avx2(const st_v8i p[QI_ROWS]) {
+    const __m256i h01 = _mm256_hadd_epi32((__m256i)p[0], (__m256i)p[1]);
+    const __m256i h23 = _mm256_hadd_epi32((__m256i)p[2], (__m256i)p[3]);
+    const __m256i h45 = _mm256_hadd_epi32((__m256i)p[4], (__m256i)p[5]);
+    const __m256i h67 = _mm256_hadd_epi32((__m256i)p[6], (__m256i)p[7]);
+    const __m256i h0123 = _mm256_hadd_epi32(h01, h23), h4567 = _mm256_hadd_epi32(h45, h67);
+    return (st_v8i)_mm256_add_epi32(_mm256_permute2x128_si256(h0123, h4567, 0x20),
+                                    _mm256_permute2x128_si256(h0123, h4567, 0x31));
+}
+#endif
+
+/* ---- weight units ---- */
+
+/* The 32 integers of unit u of a row, elements 0..15 in w[0], 16..31 in w[1]. */
+ST_AI void load_unit(st_dtype t, const uint8_t *row, int64_t u, st_v16i16 w[2], qi_isa I) {
+    switch (t) {
+    case ST_DTYPE_Q8_0:
+        w[0] = I.widen_s8(row + 34 * u + 2), w[1] = I.widen_s8(row + 34 * u + 18);
+        return;
+    case ST_DTYPE_Q4_0: {
+        const st_v16i16 v = I.widen(row + 18 * u + 2);
+        w[0] = (v & 15) - 8, w[1] = (v >> 4) - 8;
+        return;
+    }
+    case ST_DTYPE_Q4_1: {
+        const st_v16i16 v = I.widen(row + 20 * u + 4);
+        w[0] = v & 15, w[1] = v >> 4;
+        return;
+    }
+    case ST_DTYPE_Q4_K: {
+        const uint8_t *qs = row + 144 * (u >> 3) + 16 + 32 * ((u & 7) >> 1);
+        const st_v16i16 v0 = I.widen(qs), v1 = I.widen(qs + 16);
+        if (u & 1)
+            w[0] = v0 >> 4, w[1] = v1 >> 4;
+        else
+            w[0] = v0 & 15, w[1] = v1 & 15;
+        return;
+    }
+    case ST_DTYPE_Q6_K: {
+        const uint8_t *sb = row + 210 * (u >> 4);
+        const int g16 = (int)(u & 15), h = g16 >> 3, g = (g16 >> 1) & 3, hf = g16 & 1;
+        const st_v16i16 lv = I.widen(sb + 64 * h + 32 * (g & 1) + 16 * hf);
+        const st_v16i16 hv = I.widen(sb + 128 + 32 * h + 16 * hf);
+        const st_v16i16 lo = g < 2 ? (lv & 15) : (lv >> 4);
+        const st_v16i16 v = (lo | (((hv >> (2 * g)) & 3) << 4)) - 32, z = {0};
+        w[hf] = v, w[1 - hf] = z;
+        return;
+    }
+    default: break;
+    }
+    ST_ASSERT(!"not a quantized dtype");
+}
+
+/* dw and mw of unit u for the 8 rows at base + idx[r] (mw only for the
+ * dtypes with mins). Every f16 is read as the low or high half of a 32-bit
+ * word inside its block. */
+ST_AI void load_scales(st_dtype t, const uint8_t *base, st_v8i idx, int64_t u, st_v8f *dw, st_v8f *mw, qi_isa I) {
+    switch (t) {
+    case ST_DTYPE_Q8_0: *dw = I.f16(I.gather(base, idx, 34 * u)); return;
+    case ST_DTYPE_Q4_0: *dw = I.f16(I.gather(base, idx, 18 * u)); return;
+    case ST_DTYPE_Q4_1: {
+        const st_v8i g = I.gather(base, idx, 20 * u);
+        *dw = I.f16(g);
+        *mw = I.f16(g >> 16);
+        return;
+    }
+    case ST_DTYPE_Q4_K: {
+        const int64_t sb = 144 * (u >> 3);
+        const st_v8i g = I.gather(base, idx, sb);
+        st_v8f s, mn;
+        for (int r = 0; r < QI_ROWS; r++) {
+            int si, mi;
+            st_q4k_sm(base + idx[r] + sb + 4, (int)(u & 7), &si, &mi);
+            s[r] = (float)si, mn[r] = (float)mi;
+        }
+        *dw = I.f16(g) * s;
+        *mw = -(I.f16(g >> 16) * mn);
+        return;
+    }
+    case ST_DTYPE_Q6_K: {
+        const int64_t sb = 210 * (u >> 4);
+        st_v8f sc;
+        for (int r = 0; r < QI_ROWS; r++) sc[r] = (float)(int8_t)base[idx[r] + sb + 192 + (u & 15)];
+        *dw = I.f16(I.gather(base, idx, sb + 206) >> 16) * sc;
+        return;
+    }
+    default: break;
+    }
+    ST_ASSERT(!"not a quantized dtype");
+}
+
+/* ---- work items ---- */
+
+#define QI_MULTI 4 /* weights per call at most (matmul_multi) */
+
+typedef struct {
+    int nw;                   /* weights sharing x (same dtype and cols) */
+    const uint8_t *w[QI_MULTI]; /* [N] rows of row_bytes each */
+    float *ys[QI_MULTI];      /* their outputs [n, N] */
+    int64_t Ns[QI_MULTI];
+    int64_t rb0[QI_MULTI + 1]; /* first row block of each weight, then the total */
+    st_dtype dtype;
+    size_t row_bytes;
+    const uint8_t *q;   /* quantized activations, per-token layout */
+    const uint8_t *grp; /* and token-group layout, or NULL */
+    qact_layout L;
+    int64_t n;
+    int64_t nu;    /* units per row */
+    int64_t tile;  /* tokens per tile */
+    int64_t n_rb;  /* row blocks */
+    float *const *scratch;
+} qi_ctx;
+
+/* A row block's units: read from the weights (rows base + idx[r]) or
+ * unpacked in scratch: wsc[QI_ROWS][32 * nu] int16, dsc/msc[nu][QI_ROWS]. */
+typedef struct {
+    const uint8_t *base;
+    st_v8i idx;
+    int16_t *wsc;
+    float *dsc, *msc;
+} qblock;
+
+ST_AI bool has_mins(st_dtype t) { return t == ST_DTYPE_Q4_1 || t == ST_DTYPE_Q4_K; }
+
+/* The 8 rows' outputs for one token, in the documented order. */
+ST_AI void dot_token(const qi_ctx *m, st_dtype t, const qblock *B, bool unpacked, const uint8_t *qa,
+                     float out[QI_ROWS], qi_isa I) {
+    const int ushift = t == ST_DTYPE_Q6_K ? 1 : 0;
+    const int16_t *a = (const int16_t *)qa;
+    const float *dx = (const float *)(qa + 2 * (size_t)m->L.K * sizeof(int16_t)), *sx = dx + m->L.nb;
+    st_v8f acc[8];
+    for (int l = 0; l < 8; l++) acc[l] = st_v8f_splat(0.0f);
+    for (int64_t u0 = 0; u0 < m->nu; u0 += 8)
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) { /* unit u0 + j into acc[j]: a register */
+        const int64_t u = u0 + j;
+        if (u >= m->nu) break;
+        const int64_t b = u >> ushift;
+        const qa_unit A = {{ld16(a + 64 * b), ld16(a + 64 * b + 16)}, {ld16(a + 64 * b + 32), ld16(a + 64 * b + 48)}};
+        st_v8i p[QI_ROWS];
+        for (int r = 0; r < QI_ROWS; r++) {
+            st_v16i16 w[2];
+            if (unpacked) {
+                const int16_t *ws = B->wsc + (size_t)r * 32 * m->nu + 32 * u;
+                w[0] = ld16(ws), w[1] = ld16(ws + 16);
+            } else {
+                const uint8_t *row = B->base + B->idx[r];
+                load_unit(t, row, u, w, I);
+            }
+            p[r] = I.prow(w, &A);
+        }
+        if (!unpacked) { /* the next row block, a unit's share of it per unit: one stream ahead */
+            const int64_t span = QI_ROWS * (int64_t)m->row_bytes;
+            for (int64_t o = span * u / m->nu; o < span * (u + 1) / m->nu; o += 64) __builtin_prefetch(B->base + span + o);
+        }
+        const st_v8i s = I.tree(p);
+        st_v8f dw, mw = st_v8f_splat(0.0f);
+        if (unpacked) {
+            dw = st_v8f_load(B->dsc + QI_ROWS * u);
+            if (has_mins(t)) mw = st_v8f_load(B->msc + QI_ROWS * u);
+        } else {
+            load_scales(t, B->base, B->idx, u, &dw, &mw, I);
+        }
+        st_v8f f = (dw * dx[b]) * __builtin_convertvector(s, st_v8f); /* vector * scalar: lane-wise */
+        if (has_mins(t)) f = f + mw * sx[b];
+        acc[j] += f;
+    }
+    const st_v8f y = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    memcpy(out, &y, sizeof y);
+}
+
+ST_AI void qi_items_t(const qi_ctx *m, st_dtype t, int64_t begin, int64_t end, int ti, qi_isa I) {
+    float *buf = m->scratch[ti];
+    qblock B = {.wsc = (int16_t *)buf, .dsc = buf + 16 * QI_ROWS * m->nu};
+    B.msc = B.dsc + QI_ROWS * m->nu;
+    for (int64_t it = begin; it < end; it++) {
+        const int64_t tile = it / m->n_rb, rbg = it % m->n_rb;
+        int wi = 0;
+        while (rbg >= m->rb0[wi + 1]) wi++;
+        const int64_t N = m->Ns[wi], r0 = (rbg - m->rb0[wi]) * QI_ROWS;
+        float *y = m->ys[wi];
+        const int64_t nr = N - r0 < QI_ROWS ? N - r0 : QI_ROWS;
+        /* padding rows repeat row r0; their outputs are dropped */
+        B.base = m->w[wi] + (size_t)r0 * m->row_bytes;
+        for (int r = 0; r < QI_ROWS; r++) B.idx[r] = (int32_t)((r < nr ? r : 0) * (int64_t)m->row_bytes);
+        const int64_t t0 = tile * m->tile;
+        const int64_t t1 = t0 + m->tile < m->n ? t0 + m->tile : m->n;
+        float out[QI_ROWS];
+        if (t1 - t0 == 1) { /* one token: straight from the weights */
+            dot_token(m, t, &B, false, m->q + (size_t)t0 * m->L.stride, out, I);
+            memcpy(y + t0 * N + r0, out, (size_t)nr * sizeof(float));
+            continue;
+        }
+        for (int64_t u = 0; u < m->nu; u++) { /* unpack once per item */
+            for (int r = 0; r < QI_ROWS; r++) {
+                st_v16i16 w[2];
+                load_unit(t, B.base + B.idx[r], u, w, I);
+                memcpy(B.wsc + (size_t)r * 32 * m->nu + 32 * u, w, sizeof w);
+            }
+            st_v8f dw, mw = st_v8f_splat(0.0f);
+            load_scales(t, B.base, B.idx, u, &dw, &mw, I);
+            memcpy(B.dsc + QI_ROWS * u, &dw, sizeof dw);
+            memcpy(B.msc + QI_ROWS * u, &mw, sizeof mw);
+        }
+        if (I.group && m->grp) {
+            for (int64_t g0 = t0; g0 < t1; g0 += QI_GROUP) {
+                float og[QI_ROWS][QI_GROUP];
+                I.group(m, t, &B, m->grp + (size_t)(g0 / QI_GROUP) * group_stride(m->L.nb), og);
+                for (int64_t tk = g0; tk < t1 && tk < g0 + QI_GROUP; tk++)
+                    for (int r = 0; r < nr; r++) y[tk * N + r0 + r] = og[r][tk - g0];
+            }
+            continue;
+        }
+        for (int64_t tk = t0; tk < t1; tk++) {
+            dot_token(m, t, &B, true, m->q + (size_t)tk * m->L.stride, out, I);
+            memcpy(y + tk * N + r0, out, (size_t)nr * sizeof(float));
+        }
+    }
+}
+
+/* One copy per dtype, so that the unit and scale loaders inline their case. */
+ST_AI void qi_items(const qi_ctx *m, int64_t begin, int64_t end, int ti, qi_isa I) {
+    switch (m->dtype) {
+    case ST_DTYPE_Q8_0: qi_items_t(m, ST_DTYPE_Q8_0, begin, end, ti, I); return;
+    case ST_DTYPE_Q4_0: qi_items_t(m, ST_DTYPE_Q4_0, begin, end, ti, I); return;
+    case ST_DTYPE_Q4_1: qi_items_t(m, ST_DTYPE_Q4_1, begin, end, ti, I); return;
+    case ST_DTYPE_Q4_K: qi_items_t(m, ST_DTYPE_Q4_K, begin, end, ti, I); return;
+    case ST_DTYPE_Q6_K: qi_items_t(m, ST_DTYPE_Q6_K, begin, end, ti, I); return;
+    default: break;
+    }
+    ST_ASSERT(!"not a quantized dtype");
+}
+
+#if ST_CPU_HAVE_AVX2_PATH
+/* Tokens of a group x the 8 unpacked rows of B (AVX-512 level): lanes are
+ * tokens, so each (row, unit) sum comes out whole, no tree: per element pair,
+ * the row's weight pair broadcast against the 8 tokens' activation pairs. The
+ * float combination is the documented one, lane-wise over tokens. */
+ST_TARGET_AVX512 ST_AI void dot_group_vnni(const void *ctx, st_dtype t, const void *block, const uint8_t *grp,
+                                           float out[QI_ROWS][QI_GROUP]) {
+    const qi_ctx *m = ctx;
+    const qblock *B = block;
+    const int ushift = t == ST_DTYPE_Q6_K ? 1 : 0;
+    const int64_t nb = m->L.nb, nu = m->nu;
+    const int16_t *ga = (const int16_t *)grp;
+    const float *gdx = (const float *)(grp + (size_t)nb * 512 * sizeof(int16_t)), *gsx = gdx + QI_GROUP * nb;
+    st_v8f acc[QI_ROWS][8];
+    for (int r = 0; r < QI_ROWS; r++)
+        for (int l = 0; l < 8; l++) acc[r][l] = (st_v8f){0};
+    for (int64_t u = 0; u < nu; u++) {
+        const int64_t b = u >> ushift;
+        const int16_t *a = ga + 512 * b;
+        __m256i H[QI_ROWS], L[QI_ROWS];
+        for (int r = 0; r < QI_ROWS; r++) H[r] = L[r] = _mm256_setzero_si256();
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; j++) {
+            const __m256i ah = _mm256_loadu_si256((const __m256i *)(a + 32 * j));
+            const __m256i al = _mm256_loadu_si256((const __m256i *)(a + 32 * j + 16));
+#pragma GCC unroll 8
+            for (int r = 0; r < QI_ROWS; r++) {
+                int32_t wp;
+                memcpy(&wp, B->wsc + (size_t)r * 32 * nu + 32 * u + 2 * j, 4);
+                const __m256i wv = _mm256_set1_epi32(wp);
+                H[r] = _mm256_dpwssd_epi32(H[r], wv, ah);
+                L[r] = _mm256_dpwssd_epi32(L[r], wv, al);
+            }
+        }
+        st_v8f dxv, sxv;
+        memcpy(&dxv, gdx + QI_GROUP * b, sizeof dxv);
+        memcpy(&sxv, gsx + QI_GROUP * b, sizeof sxv);
+        for (int r = 0; r < QI_ROWS; r++) {
+            const st_v8i S = (st_v8i)_mm256_add_epi32(_mm256_slli_epi32(H[r], 8), L[r]);
+            st_v8f f = (B->dsc[QI_ROWS * u + r] * dxv) * __builtin_convertvector(S, st_v8f);
+            if (has_mins(t)) f = f + B->msc[QI_ROWS * u + r] * sxv;
+            acc[r][u & 7] += f;
+        }
+    }
+    for (int r = 0; r < QI_ROWS; r++) {
+        const st_v8f *c = acc[r];
+        const st_v8f y = ((c[0] + c[4]) + (c[2] + c[6])) + ((c[1] + c[5]) + (c[3] + c[7]));
+        memcpy(out[r], &y, sizeof y);
+    }
+}
+#endif
+
+static void qi_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
+    qi_items(ctx, begin, end, ti,
+             (qi_isa){widen_portable, widen_s8_portable, gather_portable, f16_portable, prow_portable, tree_portable, NULL});
+}
+static void qa_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
+    (void)ti;
+    quant_rows(ctx, begin, end);
+}
+#if ST_CPU_HAVE_AVX2_PATH
+ST_TARGET_AVX2_F16C static void qi_fn_avx2(void *ctx, int64_t begin, int64_t end, int ti) {
+    qi_items(ctx, begin, end, ti, (qi_isa){widen_avx2, widen_s8_avx2, gather_avx2, f16_avx2, prow_avx2, tree_avx2, NULL});
+}
+ST_TARGET_AVX512 static void qi_fn_avx512(void *ctx, int64_t begin, int64_t end, int ti) {
+    qi_items(ctx, begin, end, ti, (qi_isa){widen_avx2, widen_s8_avx2, gather_avx2, f16_avx512, prow_vnni, tree_avx2, dot_group_vnni});
+}
+ST_TARGET_AVX2_F16C static void qa_fn_avx2(void *ctx, int64_t begin, int64_t end, int ti) {
+    (void)ti;
+    quant_rows(ctx, begin, end);
+}
+#endif
+
+strata_status st_cpu_matmul_int(st_cpu *c, const float *x, const st_weight *w, int count, int64_t n,
+                                float *const *y) {
+    ST_ASSERT(count >= 1 && count <= QI_MULTI);
+    const int64_t K = w->cols;
+    qi_ctx m = {
+        .nw = count, .dtype = w->dtype, .row_bytes = st_dtype_row_bytes(w->dtype, K),
+        .L = {.K = K, .nb = K / 32},
+        .n = n,
+        .nu = w->dtype == ST_DTYPE_Q6_K ? K / 16 : K / 32,
+    };
+    for (int i = 0; i < count; i++) {
+        ST_ASSERT(w[i].dtype == w->dtype && w[i].cols == K);
+        m.w[i] = w[i].data, m.ys[i] = y[i], m.Ns[i] = w[i].rows;
+        m.rb0[i + 1] = m.rb0[i] + (w[i].rows + QI_ROWS - 1) / QI_ROWS;
+    }
+    for (int i = count; i < QI_MULTI; i++) m.rb0[i + 1] = m.rb0[count];
+    m.n_rb = m.rb0[count];
+    if (n == 0 || m.n_rb == 0) return STRATA_OK;
+    m.L.stride = (2 * (size_t)K * sizeof(int16_t) + 2 * (size_t)m.L.nb * sizeof(float) + 63) & ~(size_t)63;
+
+    const bool grouped = c->isa == ST_CPU_ISA_AVX512 && n > 1;
+    const int64_t n_groups = (n + QI_GROUP - 1) / QI_GROUP;
+    const size_t tok_bytes = m.L.stride * (size_t)n;
+    strata_status st = st_cpu_qact_reserve(c, tok_bytes + (grouped ? group_stride(m.L.nb) * (size_t)n_groups : 0));
+    if (st == STRATA_OK) st = st_cpu_scratch_reserve(c, (size_t)(18 * QI_ROWS * m.nu));
+    if (st != STRATA_OK) return st;
+    m.q = c->qact;
+    m.grp = grouped ? (const uint8_t *)c->qact + tok_bytes : NULL;
+    m.scratch = c->scratch;
+
+    st_pool_fn qa_fn = qa_fn_portable, qi_fn = qi_fn_portable;
+#if ST_CPU_HAVE_AVX2_PATH
+    if (c->isa >= ST_CPU_ISA_AVX2) qa_fn = qa_fn_avx2;
+    if (c->isa == ST_CPU_ISA_AVX2) qi_fn = qi_fn_avx2;
+    if (c->isa == ST_CPU_ISA_AVX512) qi_fn = qi_fn_avx512;
+#endif
+    /* quantize the activations: ~16K elements per chunk */
+    qa_ctx qa = {.x = x, .q = c->qact, .grp = (uint8_t *)m.grp, .L = m.L,
+                 .qmax = w->dtype == ST_DTYPE_Q8_0 ? QI_QMAX_Q8 : QI_QMAX};
+    if (grouped) /* the last group's lanes past n stay zero */
+        memset(qa.grp + group_stride(m.L.nb) * (size_t)(n_groups - 1), 0, group_stride(m.L.nb));
+    int64_t qgrain = 16384 / K;
+    if (qgrain < 1) qgrain = 1;
+    if (n <= qgrain)
+        qa_fn(&qa, 0, n, 0);
+    else
+        st_pool_parallel_for(c->pool, n, qgrain, qa_fn, &qa);
+
+    int64_t tile_max = QI_TILE_BYTES / (int64_t)m.L.stride;
+    if (tile_max < 1) tile_max = 1;
+    if (tile_max > QI_TILE_MAX) tile_max = QI_TILE_MAX;
+    int64_t n_tiles = (n + tile_max - 1) / tile_max;
+    m.tile = (n + n_tiles - 1) / n_tiles; /* balanced tiles */
+    if (grouped) { /* whole groups */
+        m.tile = (m.tile + QI_GROUP - 1) / QI_GROUP * QI_GROUP;
+        n_tiles = (n + m.tile - 1) / m.tile;
+    }
+    /* At least ~64K multiply-adds per chunk, so tiny products stay on one thread. */
+    const int64_t macs = QI_ROWS * K * m.tile;
+    int64_t grain = 65536 / macs;
+    if (grain < 1) grain = 1;
+    st_pool_parallel_for(c->pool, n_tiles * m.n_rb, grain, qi_fn, &m);
+    return STRATA_OK;
+}
