@@ -19,6 +19,8 @@ typedef struct {
     pthread_mutex_t mem_mu;  /* guards st_backend.device_budget */
     float **scratch;         /* [n_threads] buffers of scratch_floats each, 64-B aligned */
     size_t scratch_floats;
+    float *attn_part;        /* attention split over the keys: each range's result (cpu_attention.c) */
+    size_t attn_part_floats;
     bool simd;               /* run the AVX2 builds of the kernels (same results, faster) */
 } st_cpu;
 
