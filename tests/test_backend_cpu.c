@@ -8,6 +8,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "backend/backend.h"
 #include "backend/cpu/cpu_internal.h"
@@ -283,6 +285,22 @@ static void test_pool(void) {
             both = w.seen[0] && w.seen[1];
         }
         CHECK_MSG(both, "the pool's worker never took part");
+        /* an idle pool sleeps: its spinning is bounded in time (well under
+         * 20 ms of CPU over 100 ms idle), and a sleeping worker is woken */
+        struct timespec c0, c1;
+        clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c0);
+        usleep(100000);
+        clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c1);
+        const double idle_cpu = (double)(c1.tv_sec - c0.tv_sec) + 1e-9 * (double)(c1.tv_nsec - c0.tv_nsec);
+        CHECK_MSG(idle_cpu < 0.02, "an idle pool used %.3f s of CPU in 0.1 s", idle_cpu);
+        both = false;
+        for (int rep = 0; rep < 50 && !both; rep++) {
+            usleep(1000); /* past the spin: the worker sleeps */
+            who_ctx w = {{0}};
+            st_pool_parallel_for(p, 64, 1, who_fn, &w);
+            both = w.seen[0] && w.seen[1];
+        }
+        CHECK_MSG(both, "the pool's sleeping worker never took part");
         st_pool_free(p);
     }
     st_pool *p = NULL;
