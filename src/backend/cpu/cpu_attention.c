@@ -48,13 +48,14 @@
 /* Query heads whose dots or accumulations share one pass over a row. */
 #define ATTN_HEADS_BLOCK 4 /* (the loops over them say "unroll 4": their accumulators stay in registers) */
 
-/* e^x in 8 lanes for x <= 88 (the softmax takes s - max s <= 0): x = k ln2 +
+/* e^x in 8 lanes (*xp) for x <= 88 (the softmax takes s - max s <= 0): x = k ln2 +
  * r with |r| <= ln2 / 2 (Cody-Waite: ln2 in two parts, k ln2_hi exact), e^r
  * by Cephes' degree-7 polynomial for expf, times 2^k through the exponent
  * bits. Within 2 ulp of e^x; 0 below -87 (e^-87 < 2^-125, nothing beside the
  * maximum's e^0 = 1); NaN stays NaN. Separately rounded vector operations
  * only, so every build gives the same bits. */
-ST_AI st_v8f attn_exp(st_v8f x) {
+ST_AI st_v8f attn_exp(const st_v8f *xp) {
+    st_v8f x = *xp;
     const st_v8f lo = st_v8f_splat(-87.0f), magic = st_v8f_splat(12582912.0f); /* 1.5 * 2^23 */
     const st_v8i tiny = x < lo;
     x = (st_v8f)(((st_v8i)x & ~tiny) | ((st_v8i)lo & tiny));
@@ -214,12 +215,12 @@ ST_AI void attn_range(st_kv_dtype t, const kv_src *src, int64_t kvh, int64_t G, 
         st_v8f zs = st_v8f_splat(0.0f);
         int64_t j = 0;
         for (; j + 8 <= nk; j += 8) {
-            const st_v8f p = attn_exp(st_v8f_load(sh + j) - m);
+            const st_v8f x = st_v8f_load(sh + j) - m, p = attn_exp(&x);
             ST_V8F_STORE(sh + j, p);
             zs += p;
         }
         if (j < nk) {
-            const st_v8f p = attn_exp(st_v8f_load_part(sh + j, nk - j) - m);
+            const st_v8f x = st_v8f_load_part(sh + j, nk - j) - m, p = attn_exp(&x);
             memcpy(sh + j, &p, (size_t)(nk - j) * sizeof(float));
             for (int64_t l = 0; j + l < nk; l++) zs[l] += p[l];
         }
