@@ -50,8 +50,10 @@
  * caller for the workers' last chunks, before blocking: long enough to bridge
  * the serial gaps of a decode step and between steps (a worker put to sleep
  * costs tens of microseconds to wake), short enough not to burn a core while
- * the pool is idle. */
-#define POOL_SPIN_NS 200000
+ * the pool is idle nor to starve the thread it waits for on an
+ * oversubscribed machine (bench/bench_pool: 200 us was slower than 50 us
+ * there, and no faster on an idle one). */
+#define POOL_SPIN_NS 50000
 /* Pause instructions between two reads of the clock while spinning. */
 #define POOL_SPIN_CHECK 64
 
