@@ -45,6 +45,11 @@
 #define ATTN_ITEMS_PER_THREAD 4
 /* Multiply-adds per pool chunk below which a chunk is not worth a thread. */
 #define ATTN_GRAIN_MACS 32768
+/* Keys ahead whose K and V rows the pass over K asks the caches for: the
+ * rows of one kv head are strided in the cache, and a decode step finds them
+ * in DRAM (the weights passed through the caches since this layer's last
+ * step). The V rows are then still cached for the pass over V. */
+#define ATTN_PREFETCH 8
 /* Query heads whose dots or accumulations share one pass over a row. */
 #define ATTN_HEADS_BLOCK 4 /* (the loops over them say "unroll 4": their accumulators stay in registers) */
 
@@ -199,10 +204,20 @@ ST_AI void attn_range(st_kv_dtype t, const kv_src *src, int64_t kvh, int64_t G, 
                       float *inv_z, float *o, float *lse) {
     const int64_t hd = src->hd, nk = r1 - r0, R = ST_ATTN_RANGE, nkv = src->n_kv_heads;
     const float *lut = src->lut;
+    const int64_t row_bytes = hd * kv_esize(t);
     row_iter it = row_start(table, bs, base, r0);
+    row_iter ahead = row_start(table, bs, base, r0); /* ATTN_PREFETCH keys ahead of `it` */
+    for (int64_t j = 0; j < ATTN_PREFETCH && j < nk; j++) row_next(&ahead);
     for (int64_t j = 0; j < nk; j++) {
         const int64_t r = row_next(&it) * nkv + kvh;
-        const void *row = (const char *)src->k + r * hd * kv_esize(t);
+        if (j + ATTN_PREFETCH < nk) { /* this K row and the V row are far in memory: fetch them early */
+            const int64_t ra = row_next(&ahead) * nkv + kvh;
+            for (int64_t b = 0; b < row_bytes; b += 64) {
+                __builtin_prefetch((const char *)src->k + ra * row_bytes + b);
+                __builtin_prefetch((const char *)src->v + ra * row_bytes + b);
+            }
+        }
+        const void *row = (const char *)src->k + r * row_bytes;
         const float sc = t == ST_KV_FP8 ? src->k_scale[r] : 1.0f;
 #define DOTS(nh, h0) attn_dots(nh, t, q + (h0) * hd, row, sc, lut, hd, scale, s + (h0) * R + j, R)
         ATTN_HEAD_BLOCKS(G, DOTS);
@@ -232,7 +247,7 @@ ST_AI void attn_range(st_kv_dtype t, const kv_src *src, int64_t kvh, int64_t G, 
     it = row_start(table, bs, base, r0);
     for (int64_t j = 0; j < nk; j++) {
         const int64_t r = row_next(&it) * nkv + kvh;
-        const void *row = (const char *)src->v + r * hd * kv_esize(t);
+        const void *row = (const char *)src->v + r * row_bytes;
         const float sc = t == ST_KV_FP8 ? src->v_scale[r] : 1.0f;
 #define AXPYS(nh, h0) attn_axpys(nh, t, o + (h0) * hd, s + (h0) * R + j, R, row, sc, lut, hd)
         ATTN_HEAD_BLOCKS(G, AXPYS);
