@@ -10,9 +10,9 @@
  * CPU backend gives it, and 2 us of serial work (the caller's small ops)
  * between calls. Tokens follow each other after a gap of serial work (0 to
  * 1000 us: the host's work between steps, or a pause in serving). Printed:
- * the time per token (median and best of 50: the machine may be shared)
- * beyond the work split evenly over the threads plus the serial work, i.e.
- * the pool's overhead per token (wake-ups, joins, chunks ending unevenly). */
+ * the median time per token beyond the ideal (the same token on one thread,
+ * its parallel part divided by the threads), i.e. the pool's overhead per
+ * token (wake-ups, joins, chunks ending unevenly). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
@@ -58,6 +58,34 @@ static int64_t grain_of(const op_shape *s, int64_t per_chunk) {
     return g < 1 ? 1 : g;
 }
 
+/* d 576, ffn 1536, 9 / 3 heads of 64, vocab 49152: per layer q|k|v, the
+ * attention at context 96, o, gate|up, down; then lm_head */
+static const op_shape g_layer[5] = {{960 / 4, 4 * 576},  {3, 96 * 3 * 128},    {576 / 4, 4 * 576},
+                                    {3072 / 4, 4 * 576}, {576 / 4, 4 * 1536}};
+static const op_shape g_head = {49152 / 4, 4 * 576};
+
+/* The median time of a token (50, after 10 of warm-up; the machine may be
+ * shared), each after `gap_us` of serial work. */
+static double median_token(st_pool *p, double gap_us) {
+    enum { TOKENS = 60, WARM = 10 };
+    double times[TOKENS - WARM];
+    for (int t = 0; t < TOKENS; t++) {
+        spin_work(gap_us * 1000);
+        const double t0 = now_ns();
+        for (int l = 0; l < 30; l++)
+            for (int o = 0; o < 5; o++) {
+                st_pool_parallel_for(p, g_layer[o].items, grain_of(&g_layer[o], o == 1 ? 32768 : 65536), item_fn,
+                                     (void *)&g_layer[o]);
+                spin_work(2000);
+            }
+        st_pool_parallel_for(p, g_head.items, grain_of(&g_head, 65536), item_fn, (void *)&g_head);
+        spin_work(2000);
+        if (t >= WARM) times[t - WARM] = now_ns() - t0;
+    }
+    qsort(times, TOKENS - WARM, sizeof times[0], cmp_double);
+    return times[(TOKENS - WARM) / 2];
+}
+
 int main(int argc, char **argv) {
     const int threads = argc > 1 ? atoi(argv[1]) : 2;
     if (argc > 2) g_ns_per_mac = atof(argv[2]);
@@ -69,41 +97,22 @@ int main(int argc, char **argv) {
         g_sink = acc;
         g_iters_per_ns = (double)n / (now_ns() - t0);
     }
-    st_pool *p = NULL;
-    if (st_pool_init(threads, &p) != STRATA_OK) return 1;
-    /* d 576, ffn 1536, 9 / 3 heads of 64, vocab 49152 */
-    const op_shape layer[5] = {{960 / 4, 4 * 576},  {3, 96 * 3 * 128},    {576 / 4, 4 * 576},
-                               {3072 / 4, 4 * 576}, {576 / 4, 4 * 1536}};
-    const op_shape head = {49152 / 4, 4 * 576};
-    double work = 0; /* ns of work per token, over all threads */
-    for (int l = 0; l < 5; l++) work += 30.0 * (double)(layer[l].items * layer[l].macs_per_item) * g_ns_per_mac;
-    work += (double)(head.items * head.macs_per_item) * g_ns_per_mac;
-    const double serial = 151 * 2000.0, ideal = work / threads + serial;
-    printf("pool: %d threads; a token: 151 parallel calls, %.0f us of work (%.0f us split over the threads) "
-           "+ %.0f us serial\n", threads, work / 1000, work / threads / 1000, serial / 1000);
+    st_pool *p = NULL, *p1 = NULL;
+    if (st_pool_init(threads, &p) != STRATA_OK || st_pool_init(1, &p1) != STRATA_OK) return 1;
+    printf("pool: %d threads; a token: SmolLM2-135M's 151 parallel calls at %.2f ns per multiply-add, 2 us of "
+           "serial work after each\n", threads, g_ns_per_mac);
+    /* the ideal: the same token on the caller alone (no pool at work), its
+     * parallel part divided by the threads */
+    const double serial = 151 * 2000.0, t1 = median_token(p1, 0);
+    const double ideal = (t1 - serial) / threads + serial;
+    printf("one thread: %.1f us per token; ideal on %d: %.1f us\n", t1 / 1000, threads, ideal / 1000);
     static const double gaps_us[] = {0, 50, 200, 1000};
     for (int g = 0; g < 4; g++) {
-        enum { TOKENS = 60, WARM = 10 };
-        double times[TOKENS - WARM];
-        for (int t = 0; t < TOKENS; t++) {
-            spin_work(gaps_us[g] * 1000);
-            const double t0 = now_ns();
-            for (int l = 0; l < 30; l++)
-                for (int o = 0; o < 5; o++) {
-                    st_pool_parallel_for(p, layer[o].items, grain_of(&layer[o], o == 1 ? 32768 : 65536), item_fn,
-                                         (void *)&layer[o]);
-                    spin_work(2000);
-                }
-            st_pool_parallel_for(p, head.items, grain_of(&head, 65536), item_fn, (void *)&head);
-            spin_work(2000);
-            if (t >= WARM) times[t - WARM] = now_ns() - t0;
-        }
-        qsort(times, TOKENS - WARM, sizeof times[0], cmp_double);
-        const double med = times[(TOKENS - WARM) / 2], best = times[0];
-        printf("gap between tokens %5.0f us: per token %8.1f us (median), %7.1f us (%4.1f%%) over the ideal; "
-               "best token %7.1f us over\n", gaps_us[g], med / 1000, (med - ideal) / 1000, 100 * (med - ideal) / med,
-               (best - ideal) / 1000);
+        const double med = median_token(p, gaps_us[g]);
+        printf("gap between tokens %5.0f us: %8.1f us per token, %7.1f us (%4.1f%%) over the ideal\n", gaps_us[g],
+               med / 1000, (med - ideal) / 1000, 100 * (med - ideal) / med);
     }
+    st_pool_free(p1);
     st_pool_free(p);
     return 0;
 }
