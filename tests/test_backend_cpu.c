@@ -10,6 +10,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "backend/backend.h"
 #include "backend/cpu/cpu_internal.h"
@@ -285,6 +287,22 @@ static void test_pool(void) {
             both = w.seen[0] && w.seen[1];
         }
         CHECK_MSG(both, "the pool's worker never took part");
+        /* an idle pool sleeps: its spinning is bounded in time (well under
+         * 20 ms of CPU over 100 ms idle), and a sleeping worker is woken */
+        struct timespec c0, c1;
+        clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c0);
+        usleep(100000);
+        clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c1);
+        const double idle_cpu = (double)(c1.tv_sec - c0.tv_sec) + 1e-9 * (double)(c1.tv_nsec - c0.tv_nsec);
+        CHECK_MSG(idle_cpu < 0.02, "an idle pool used %.3f s of CPU in 0.1 s", idle_cpu);
+        both = false;
+        for (int rep = 0; rep < 50 && !both; rep++) {
+            usleep(1000); /* past the spin: the worker sleeps */
+            who_ctx w = {{0}};
+            st_pool_parallel_for(p, 64, 1, who_fn, &w);
+            both = w.seen[0] && w.seen[1];
+        }
+        CHECK_MSG(both, "the pool's sleeping worker never took part");
         st_pool_free(p);
     }
     st_pool *p = NULL;
@@ -915,6 +933,62 @@ static void test_attention(st_backend *b1, st_backend *b2, const char *mode) {
     }
 }
 
+/* Decode-shaped attention (few (token, kv head) items, many ranges of
+ * ST_ATTN_RANGE keys: split over the keys when there are several threads):
+ * the same bits with 1, 2 and 3 threads and in either kernel build, the same
+ * bits from attention_part over pieces cut at multiples of ST_ATTN_RANGE
+ * (merged in increasing order, on 1 or 3 threads), and within 1e-6 (of the
+ * magnitude, nerr_mag) of the float64 reference. */
+static void test_attention_split(void) {
+    st_backend *bt[3] = {make_cpu(1, 0), make_cpu(2, 0), make_cpu(3, 0)};
+    if (!bt[0] || !bt[1] || !bt[2]) goto done;
+    static const int64_t cases[][5] = {/* H, Hkv, hd, n, n_kv */
+                                       {9, 3, 64, 1, 1000}, {8, 1, 64, 2, 777}, {6, 6, 7, 1, 513},
+                                       {12, 2, 72, 3, 300}, {5, 1, 16, 1, 2049}};
+    for (int ci = 0; ci < 5; ci++) {
+        const int64_t H = cases[ci][0], Hkv = cases[ci][1], hd = cases[ci][2], n = cases[ci][3], n_kv = cases[ci][4];
+        const int64_t m = n * H * hd, kvd = Hkv * hd;
+        int32_t pos[3];
+        for (int64_t i = 0; i < n; i++) pos[i] = (int32_t)(n_kv - n + i);
+        float *q = rand_f(m, 1.0f), *k = rand_f(n_kv * kvd, 1.0f), *v = rand_f(n_kv * kvd, 1.0f);
+        float *o[3], *op = alloc_f(m), lse[3 * 12];
+        const float scale = 2.0f / sqrtf((float)hd);
+        for (int t = 0; t < 3; t++) {
+            o[t] = alloc_f(m);
+            poison(o[t], m);
+            CHECK(bt[t]->ops->attention(bt[t], NULL, q, k, v, pos, n, n_kv, H, Hkv, hd, scale, o[t]) == STRATA_OK);
+            CHECK_MSG(same_bits(o[0], o[t], m), "attention H=%lld/%lld n_kv=%lld: %d threads differ from 1",
+                      (long long)H, (long long)Hkv, (long long)n_kv, t + 1);
+        }
+        st_backend_cpu_set_simd(bt[2], false); /* the others run the AVX2 build where the CPU has it */
+        CHECK(bt[2]->ops->attention(bt[2], NULL, q, k, v, pos, n, n_kv, H, Hkv, hd, scale, op) == STRATA_OK);
+        CHECK_MSG(same_bits(o[0], op, m), "attention n_kv=%lld: the portable build differs", (long long)n_kv);
+        st_backend_cpu_set_simd(bt[2], true);
+        /* pieces [0, 256), [256, 768), [768, n_kv) (the last may be empty) */
+        for (int t = 0; t < 3; t += 2) {
+            const int64_t cut[4] = {0, ST_ATTN_RANGE, 3 * ST_ATTN_RANGE, n_kv};
+            poison(op, m);
+            for (int pc = 0; pc < 3; pc++) {
+                const int64_t k0 = cut[pc], k1 = cut[pc + 1] < n_kv ? cut[pc + 1] : n_kv;
+                if (k1 <= k0) continue;
+                CHECK(bt[t]->ops->attention_part(bt[t], NULL, q, k + k0 * kvd, v + k0 * kvd, pos, n, k0, k1 - k0, H,
+                                                 Hkv, hd, scale, pc > 0, op, lse) == STRATA_OK);
+            }
+            CHECK_MSG(same_bits(o[0], op, m), "attention n_kv=%lld: pieces on %d threads differ from one call",
+                      (long long)n_kv, t + 1);
+        }
+        double *ref = malloc((size_t)m * sizeof(double)), *mag = malloc((size_t)m * sizeof(double));
+        ref_attention(q, k, v, pos, n, H, Hkv, hd, scale, ref, mag);
+        const double e = worst(W_ATTN, nerr_mag(o[0], ref, mag, m));
+        CHECK_MSG(e < 1e-6, "attention H=%lld/%lld n_kv=%lld: error %.3g", (long long)H, (long long)Hkv,
+                  (long long)n_kv, e);
+        for (int t = 0; t < 3; t++) free(o[t]);
+        free(op), free(q), free(k), free(v), free(ref), free(mag);
+    }
+done:
+    for (int t = 0; t < 3; t++) st_backend_free(bt[t]);
+}
+
 /* ---- swiglu, add ---- */
 
 static void test_elementwise(st_backend *b1, st_backend *b2, const char *mode) {
@@ -1021,6 +1095,7 @@ int main(void) {
         test_elementwise(b1, b2, mode);
     }
     test_simd_equivalence(b2);
+    test_attention_split();
     st_backend_free(b1);
     st_backend_free(b2);
     printf("worst normalized errors: matmul %.2g, rmsnorm %.2g, rope %.2g, attention %.2g, swiglu %.2g\n",

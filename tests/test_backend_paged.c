@@ -7,8 +7,9 @@
  *    table), for several head layouts (MHA, GQA 3 and 4, odd head_dim),
  *    shuffled physical blocks, block sizes 1, 16 and 7;
  *  - batch invariance: a token's output is bit-identical alone, in a batch of
- *    other sequences (in any order), with 1 or 3 worker threads, and with the
- *    portable or the AVX2 build of the kernels;
+ *    other sequences (in any order), with 1 or 3 worker threads (a token
+ *    alone over several ranges of keys on 3 threads: split over its keys),
+ *    and with the portable or the AVX2 build of the kernels;
  *  - argument checks: a bad sequence index, a position beyond its
  *    sequence's keys, a block id outside the pool, ctx_lens above max_ctx.
  * For each KV element type (st_kv_dtype: f32, bf16, fp8):
@@ -478,6 +479,11 @@ static void check_paged(st_backend *be, st_backend *be3, st_kv_dtype kt, int64_t
                                        one) == STRATA_OK);
         CHECK_MSG(memcmp(one, out + t * row, (size_t)row * sizeof(float)) == 0, "%s: token %lld alone differs",
                   st_kv_dtype_name(kt), (long long)t);
+        /* alone on 3 threads: split over its keys when it has more than one range */
+        CHECK(be3->ops->attention_paged(be3, NULL, b.q + t * row, &kv, b.seq + t, b.pos + t, 1, H, Hkv, hd, scale,
+                                        one) == STRATA_OK);
+        CHECK_MSG(memcmp(one, out + t * row, (size_t)row * sizeof(float)) == 0,
+                  "%s: token %lld alone on 3 threads differs", st_kv_dtype_name(kt), (long long)t);
     }
     /* reversed token order: each token's row the same */
     int32_t *rs = malloc((size_t)b.n * sizeof(int32_t)), *rp = malloc((size_t)b.n * sizeof(int32_t));
@@ -554,6 +560,10 @@ int main(void) {
             check_paged(be, be3, kt, 9, 3, 64, 16, 4, ctx, nq);  /* SmolLM2's layout */
             check_paged(be, be3, kt, 8, 2, 8, 1, 4, ctx, nq);    /* one-slot blocks */
             check_paged(be, be3, kt, 6, 2, 12, 7, 4, ctx, nq);   /* odd block size and head_dim */
+        }
+        {   /* long decodes (several ranges each) */
+            const int32_t ctx[3] = {700, 1000, 257}, nq[3] = {1, 1, 2};
+            check_paged(be, be3, kt, 9, 3, 64, 16, 3, ctx, nq);
         }
         {   /* many decodes */
             int32_t ctx[12], nq[12];

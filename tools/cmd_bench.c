@@ -573,7 +573,8 @@ int cmd_bench(int argc, char **argv) {
         if (bw <= 0 || gemm_rate <= 0) goto fail;
     }
 
-    const double avg_ctx = (double)n_prompt + (double)n_gen / 2.0;
+    /* step g (from 0) reads the keys of positions 0 .. n_prompt + g */
+    const double avg_ctx = (double)n_prompt + ((double)n_gen + 1.0) / 2.0;
     const double step_bytes = (double)weight_bytes + avg_ctx * kv_row;
     const double floor_s = step_bytes / bw;
     const double step_s = t_decode / (double)n_gen;

@@ -3,26 +3,37 @@
  * One job at a time; the caller thread takes part. All coordination goes
  * through one atomic word, ctl = job generation << 32 | CLOSED | active, where
  * `active` counts the workers that joined the current job:
- *   caller: under `mu`, writes the job fields and stores ctl = (gen+1) << 32
- *           (release), broadcasts `cv_work`; takes chunks itself; then sets
- *           CLOSED (no worker may join any more) and waits until `active` is 0
- *           (brief spin, then `cv_done` under `mu`).
- *   worker: waits for a new generation (brief spin on ctl, then `cv_work`
- *           under `mu`); joins by a CAS that increments `active` only while
+ *   caller: writes the job fields and stores ctl = (gen+1) << 32 (seq_cst,
+ *           a release); if a worker sleeps (`sleepers` > 0, read after that
+ *           store) broadcasts `cv_work` under `mu`; takes chunks itself; then
+ *           sets CLOSED (no worker may join any more) and waits until
+ *           `active` is 0 (spinning up to POOL_SPIN_NS, then `cv_done` under
+ *           `mu`).
+ *   worker: waits for a new generation (spinning on ctl up to POOL_SPIN_NS
+ *           after its last job, then under `mu`: sleepers + 1, re-check,
+ *           `cv_work`); joins by a CAS that increments `active` only while
  *           the generation is the one it saw and the job is not CLOSED; a
- *           joined worker takes chunks from the atomic cursor `next` until
- *           [0, n) is exhausted, then decrements `active`; the one that
- *           brings a CLOSED job to 0 signals `cv_done` under `mu`.
+ *           joined worker takes chunks from the cursor `next` until [0, n)
+ *           is exhausted, then decrements `active`; the one that brings a
+ *           CLOSED job to 0 signals `cv_done` under `mu`.
+ * Chunks are guided: each takes a 1/(2 x threads) share of the items left,
+ * never fewer than the grain, so the last chunks are small and the threads
+ * finish together.
  * So a worker that wakes late (descheduled, oversubscribed machine) never
- * delays the caller: it finds the job closed and goes back to sleep without
- * touching the job fields.
+ * delays the caller: it finds the job closed and goes back to waiting without
+ * touching the job fields. Spinning is bounded in time, so an idle pool (a
+ * server between requests) sleeps after POOL_SPIN_NS.
  * Happens-before: job fields -> joined workers through the release store and
  * the acquire CAS on ctl; workers' writes -> caller through the acq_rel
  * decrement and the caller's acquire loads. The caller returns only when no
  * worker is joined, so job fields are never rewritten under a reader.
- * No lost wake-ups: ctl's generation and `stop` change under `mu` before the
- * broadcast, and sleepers re-check them under `mu`; the caller checks
- * `active` under `mu` and the last worker signals under `mu`. */
+ * No lost wake-ups: a sleeping worker increments `sleepers` and then reads
+ * ctl, the caller stores ctl and then reads `sleepers`, all seq_cst, so one
+ * of them sees the other's write: either the worker sees the new generation
+ * and does not wait, or the caller broadcasts under `mu`, which the worker
+ * holds from its increment until it waits. `stop` changes under `mu` before
+ * a broadcast; the caller checks `active` under `mu` and the last worker
+ * signals under `mu`. */
 #include "core/pool.h"
 
 #include <pthread.h>
@@ -30,14 +41,21 @@
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "core/core.h"
 
-/* Spin iterations before blocking (each a pause instruction on x86, 10 to 140
- * cycles): up to tens of microseconds, enough to bridge back-to-back small ops
- * without burning a core while idle. */
-#define POOL_SPIN 2000
+/* How long a worker spins for the next job after its last one, and the
+ * caller for the workers' last chunks, before blocking: long enough to bridge
+ * the serial gaps of a decode step and between steps (a worker put to sleep
+ * costs tens of microseconds to wake), short enough not to burn a core while
+ * the pool is idle nor to starve the thread it waits for on an
+ * oversubscribed machine (bench/bench_pool: 200 us was slower than 50 us
+ * there, and no faster on an idle one). */
+#define POOL_SPIN_NS 50000
+/* Pause instructions between two reads of the clock while spinning. */
+#define POOL_SPIN_CHECK 64
 
 #define CTL_CLOSED (1ull << 31)
 #define CTL_ACTIVE (CTL_CLOSED - 1)
@@ -49,12 +67,13 @@ struct st_pool {
     pthread_cond_t cv_work;
     pthread_cond_t cv_done;
     atomic_uint_fast64_t ctl;
+    atomic_int sleepers; /* workers about to wait or waiting on cv_work */
     atomic_bool stop;
     /* the current job (written by the caller before publishing ctl) */
     st_pool_fn fn;
     void *ctx;
     int64_t n;
-    int64_t chunk;
+    int64_t grain;
     atomic_int_fast64_t next;
 };
 
@@ -71,14 +90,50 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-static void run_chunks(st_pool *p, int index) {
-    const int64_t n = p->n, chunk = p->chunk;
-    for (;;) {
-        int64_t b = atomic_fetch_add_explicit(&p->next, chunk, memory_order_relaxed);
-        if (b >= n) break;
-        int64_t e = n - b < chunk ? n : b + chunk;
-        p->fn(p->ctx, b, e, index);
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Spins until done(p) or POOL_SPIN_NS have passed; returns done(p). */
+static bool spin_until(st_pool *p, bool (*done)(st_pool *, void *), void *arg) {
+    uint64_t t0 = 0;
+    for (int i = 0;; i++) {
+        if (done(p, arg)) return true;
+        cpu_relax();
+        if (i % POOL_SPIN_CHECK == 0) {
+            const uint64_t t = now_ns();
+            if (i == 0) t0 = t;
+            if (t - t0 >= POOL_SPIN_NS) return done(p, arg);
+        }
     }
+}
+
+static void run_chunks(st_pool *p, int index) {
+    const int64_t n = p->n, grain = p->grain, share = 2 * (int64_t)p->n_threads;
+    int64_t b = atomic_load_explicit(&p->next, memory_order_relaxed);
+    while (b < n) {
+        int64_t c = (n - b) / share;
+        if (c < grain) c = grain;
+        const int64_t e = n - b < c ? n : b + c;
+        if (!atomic_compare_exchange_weak_explicit(&p->next, &b, e, memory_order_relaxed, memory_order_relaxed))
+            continue; /* b reloaded */
+        p->fn(p->ctx, b, e, index);
+        b = atomic_load_explicit(&p->next, memory_order_relaxed);
+    }
+}
+
+/* A new job (generation other than *seen) or stop. */
+static bool new_job(st_pool *p, void *seen) {
+    return (atomic_load_explicit(&p->ctl, memory_order_acquire) >> 32) != *(uint64_t *)seen ||
+           atomic_load_explicit(&p->stop, memory_order_acquire);
+}
+
+/* No worker joined to the current job. */
+static bool none_active(st_pool *p, void *unused) {
+    (void)unused;
+    return (atomic_load_explicit(&p->ctl, memory_order_acquire) & CTL_ACTIVE) == 0;
 }
 
 static void *worker_main(void *arg) {
@@ -87,20 +142,17 @@ static void *worker_main(void *arg) {
     st_pool *p = wa.p;
     uint64_t seen = 0; /* generation last seen */
     for (;;) {
-        uint64_t c = atomic_load_explicit(&p->ctl, memory_order_acquire);
-        for (int i = 0; (c >> 32) == seen && i < POOL_SPIN; i++) {
-            if (atomic_load_explicit(&p->stop, memory_order_acquire)) break;
-            cpu_relax();
-            c = atomic_load_explicit(&p->ctl, memory_order_acquire);
-        }
-        if ((c >> 32) == seen) {
+        if (!spin_until(p, new_job, &seen)) {
             pthread_mutex_lock(&p->mu);
-            while (((c = atomic_load_explicit(&p->ctl, memory_order_acquire)) >> 32) == seen &&
-                   !atomic_load_explicit(&p->stop, memory_order_acquire))
+            atomic_fetch_add_explicit(&p->sleepers, 1, memory_order_seq_cst);
+            while ((atomic_load_explicit(&p->ctl, memory_order_seq_cst) >> 32) == seen &&
+                   !atomic_load_explicit(&p->stop, memory_order_relaxed)) /* stop: written under mu */
                 pthread_cond_wait(&p->cv_work, &p->mu);
+            atomic_fetch_sub_explicit(&p->sleepers, 1, memory_order_seq_cst);
             pthread_mutex_unlock(&p->mu);
-            if ((c >> 32) == seen) break; /* stop requested, no new job */
         }
+        uint64_t c = atomic_load_explicit(&p->ctl, memory_order_seq_cst);
+        if ((c >> 32) == seen) break; /* stop requested, no new job */
         seen = c >> 32;
         bool joined = false;
         while (!(c & CTL_CLOSED) && (c >> 32) == seen) {
@@ -135,6 +187,7 @@ strata_status st_pool_init(int n_threads, st_pool **out) {
     if (!p) return st_err(STRATA_ERR_NOMEM, "pool: out of memory");
     p->n_threads = n_threads;
     atomic_init(&p->ctl, 0);
+    atomic_init(&p->sleepers, 0);
     atomic_init(&p->stop, false);
     atomic_init(&p->next, 0);
     pthread_mutex_init(&p->mu, NULL);
@@ -190,30 +243,23 @@ void st_pool_parallel_for(st_pool *p, int64_t n, int64_t grain, st_pool_fn fn, v
         fn(ctx, 0, n, 0);
         return;
     }
-    /* About four chunks per thread for balance, never below the grain. */
-    int64_t nt = p->n_threads;
-    int64_t chunk = (n + 4 * nt - 1) / (4 * nt);
-    if (chunk < grain) chunk = grain;
-
-    pthread_mutex_lock(&p->mu);
     p->fn = fn;
     p->ctx = ctx;
     p->n = n;
-    p->chunk = chunk;
+    p->grain = grain;
     atomic_store_explicit(&p->next, 0, memory_order_relaxed);
     const uint64_t gen = (atomic_load_explicit(&p->ctl, memory_order_relaxed) >> 32) + 1;
-    atomic_store_explicit(&p->ctl, gen << 32, memory_order_release);
-    pthread_cond_broadcast(&p->cv_work);
-    pthread_mutex_unlock(&p->mu);
+    atomic_store_explicit(&p->ctl, gen << 32, memory_order_seq_cst);
+    if (atomic_load_explicit(&p->sleepers, memory_order_seq_cst) > 0) {
+        pthread_mutex_lock(&p->mu);
+        pthread_cond_broadcast(&p->cv_work);
+        pthread_mutex_unlock(&p->mu);
+    }
 
     run_chunks(p, 0);
 
     uint64_t c = atomic_fetch_or_explicit(&p->ctl, CTL_CLOSED, memory_order_acq_rel);
-    if ((c & CTL_ACTIVE) == 0) return;
-    for (int i = 0; i < POOL_SPIN; i++) {
-        if ((atomic_load_explicit(&p->ctl, memory_order_acquire) & CTL_ACTIVE) == 0) return;
-        cpu_relax();
-    }
+    if ((c & CTL_ACTIVE) == 0 || spin_until(p, none_active, NULL)) return;
     pthread_mutex_lock(&p->mu);
     while ((atomic_load_explicit(&p->ctl, memory_order_acquire) & CTL_ACTIVE) != 0)
         pthread_cond_wait(&p->cv_done, &p->mu);

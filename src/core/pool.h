@@ -15,8 +15,12 @@ typedef void (*st_pool_fn)(void *ctx, int64_t begin, int64_t end, int thread_ind
 strata_status st_pool_init(int n_threads, st_pool **out);
 void st_pool_free(st_pool *p); /* NULL is a no-op; joins the workers */
 int st_pool_threads(const st_pool *p);
-/* Splits [0, n) into contiguous chunks of at least `grain` items over the
- * threads (the caller's thread works too) and returns when all are done.
+/* Splits [0, n) into contiguous chunks of at least `grain` items (the last
+ * perhaps fewer) over the threads (the caller's thread works too) and returns
+ * when all are done; n <= grain runs on the caller alone, waking no worker.
+ * Chunks shrink as the items run out (a share of those left, never below the
+ * grain), so the threads finish together. Workers spin for a while after a
+ * job (back-to-back ops wake no one), then sleep: an idle pool burns no core.
  * Not reentrant: one parallel_for at a time per pool. */
 void st_pool_parallel_for(st_pool *p, int64_t n, int64_t grain, st_pool_fn fn, void *ctx);
 

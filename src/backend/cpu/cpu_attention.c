@@ -4,172 +4,351 @@
  * (attention_paged: the same items, each key's row found through its
  * sequence's block table, so the same bits for the same keys).
  *
- * Work item = (token i, head h), numbered i * n_heads + h so that the heads
- * sharing a KV head are neighbours (their keys stay in cache). An item's
- * keys are cut into ranges at the multiples of ST_ATTN_RANGE (from key 0);
- * each range [r0, r1) is a two-pass softmax in fp32, in the thread's scratch:
- *   s[j] = scale * dot(q_i,h, k_j)            j = r0..r1-1
- *   p[j] = exp(s[j] - max s);  Z = sum p      (lane order of cpu_simd.h)
- *   o    = (sum_j p[j] v_j) * (1 / Z)         (accumulated in increasing j)
+ * Work item = (token i, kv head g), numbered i * n_kv_heads + g: the `group`
+ * query heads that read kv head g are computed together, so each key's K and
+ * V rows are read (and converted from bf16 / fp8) once per item, not once per
+ * query head. An item's keys are cut into ranges at the multiples of
+ * ST_ATTN_RANGE (from key 0); each range [r0, r1) is a two-pass softmax in
+ * fp32, for each query head h of the group:
+ *   s[j] = scale * dot(q_i,h, k_j)         j = r0..r1-1 (cpu_simd.h's order)
+ *   p[j] = attn_exp(s[j] - max s)           8 keys at a time
+ *   Z    = sum p                            (lane (j - r0) % 8, then st_v8f_hsum)
+ *   o    = (sum_j p[j] v_j) * (1 / Z)       (accumulated in increasing j)
  *   lse  = max s + log Z
  * and the ranges are merged in increasing order (backend.h, attention_part):
  *   M = max(lse, lse_r), a = exp(lse - M), b = exp(lse_r - M),
  *   o = (o a + o_r b) * (1 / (a + b)), lse = M + log(a + b).
  * The first range of a call without merge is assigned, not merged. So a
  * sequence of attention_part calls over consecutive pieces performs exactly
- * the operations of one call over all keys: the same bits. Each item runs on
- * one thread in this fixed order: results do not depend on the thread count.
+ * the operations of one call over all keys: the same bits.
  *
- * A paged cache in bf16 or fp8 (st_kv_layer): each key's K (then V) row of
- * the item's kv head is dequantized into the thread's scratch (exactly:
- * backend.h) before the same dot / axpy, so the bits equal those of an f32
- * cache holding the dequantized values. */
+ * Threads: the items go over the pool. When there are fewer than
+ * ATTN_ITEMS_PER_THREAD items per thread (a decode step: n_kv_heads items)
+ * and more than one range, every range of every item is a pool item of its
+ * own (split over the keys): each writes its (o, lse) to c->attn_part, and
+ * the caller then merges them in increasing order, the very operations an
+ * item performs when it merges its ranges itself. Either way each range is
+ * computed by one thread in a fixed order: results do not depend on the
+ * thread count nor on the split.
+ *
+ * A bf16 or fp8 cache (st_kv_layer): each row is converted 8 values at a time
+ * (exactly: backend.h) as the dot or the accumulation reads it, so the bits
+ * equal those of an f32 cache holding the converted values. */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "backend/cpu/cpu_internal.h"
 #include "backend/cpu/cpu_simd.h"
 
-/* Where one work item's keys and values are: rows of kv head kvh in a cache of
- * `t` elements ([rows, n_kv_heads, hd], fp8 with one scale per (row, head)). */
+/* Fewer items than this per thread: split the keys (see above). */
+#define ATTN_ITEMS_PER_THREAD 4
+/* Multiply-adds per pool chunk below which a chunk is not worth a thread. */
+#define ATTN_GRAIN_MACS 32768
+/* Keys ahead whose K and V rows the pass over K asks the caches for: the
+ * rows of one kv head are strided in the cache, and a decode step finds them
+ * in DRAM (the weights passed through the caches since this layer's last
+ * step). The V rows are then still cached for the pass over V. */
+#define ATTN_PREFETCH 8
+/* Query heads whose dots or accumulations share one pass over a row. */
+#define ATTN_HEADS_BLOCK 4 /* (the loops over them say "unroll 4": their accumulators stay in registers) */
+
+/* e^x in 8 lanes (*xp) for x <= 88 (the softmax takes s - max s <= 0): x = k ln2 +
+ * r with |r| <= ln2 / 2 (Cody-Waite: ln2 in two parts, k ln2_hi exact), e^r
+ * by Cephes' degree-7 polynomial for expf, times 2^k through the exponent
+ * bits. Within 2 ulp of e^x; 0 below -87 (e^-87 < 2^-125, nothing beside the
+ * maximum's e^0 = 1); NaN stays NaN. Separately rounded vector operations
+ * only, so every build gives the same bits. */
+ST_AI st_v8f attn_exp(const st_v8f *xp) {
+    st_v8f x = *xp;
+    const st_v8f lo = st_v8f_splat(-87.0f), magic = st_v8f_splat(12582912.0f); /* 1.5 * 2^23 */
+    const st_v8i tiny = x < lo;
+    x = (st_v8f)(((st_v8i)x & ~tiny) | ((st_v8i)lo & tiny));
+    const st_v8f t = x * st_v8f_splat(1.44269504088896341f) + magic; /* k in the low mantissa bits */
+    const st_v8f k = t - magic;
+    const st_v8f r = (x - k * st_v8f_splat(0.693359375f)) - k * st_v8f_splat(-2.12194440e-4f);
+    st_v8f p = st_v8f_splat(1.9875691500e-4f);
+    p = p * r + st_v8f_splat(1.3981999507e-3f);
+    p = p * r + st_v8f_splat(8.3334519073e-3f);
+    p = p * r + st_v8f_splat(4.1665795894e-2f);
+    p = p * r + st_v8f_splat(1.6666665459e-1f);
+    p = p * r + st_v8f_splat(5.0000001201e-1f);
+    p = p * (r * r) + r + st_v8f_splat(1.0f);
+    const st_v8i e = (((st_v8i)t - (st_v8i)magic) + 127) << 23;
+    const st_v8f y = p * (st_v8f)e;
+    return (st_v8f)((st_v8i)y & ~tiny);
+}
+
+/* Where the keys and values are: rows of n_kv_heads x hd elements of type t
+ * (fp8 with one scale per (row, kv head)). */
 typedef struct {
     const void *k, *v;
     const float *k_scale, *v_scale; /* ST_KV_FP8 */
     const float *lut;               /* ST_KV_FP8: the 256 fp8 values as fp32 */
-    st_kv_dtype t;
-    int64_t kvh, n_kv_heads, hd;
+    int64_t n_kv_heads, hd;
 } kv_src;
 
-/* Row `row` of base (K or V of src) as hd fp32 values: a pointer into the
- * cache for f32, else `buf` holding the dequantized values. */
-ST_AI const float *kv_row(const kv_src *src, const void *base, const float *scales, int64_t row, float *buf) {
-    const int64_t r = row * src->n_kv_heads + src->kvh, hd = src->hd;
-    switch (src->t) {
-    case ST_KV_F32: break;
-    case ST_KV_BF16: { /* bf16 -> fp32 is the bits shifted up: 8 lanes at a time */
-        const uint16_t *p = (const uint16_t *)base + r * hd;
-        int64_t d = 0;
-        for (; d + 8 <= hd; d += 8) {
-            st_v8u16 h;
-            memcpy(&h, p + d, sizeof h);
-            const st_v8u u = __builtin_convertvector(h, st_v8u) << 16;
-            memcpy(buf + d, &u, sizeof u);
-        }
-        for (; d < hd; d++) {
-            const uint32_t u = (uint32_t)p[d] << 16;
-            memcpy(buf + d, &u, 4);
-        }
-        return buf;
+/* Values d .. d + m - 1 (m <= 8; zero in the lanes past m) of a row of type t,
+ * as fp32: the exact conversions of backend.h. sc: the row's fp8 scale. */
+ST_AI st_v8f kv_load(st_kv_dtype t, const void *row, float sc, const float *lut, int64_t d, int64_t m) {
+    switch (t) {
+    case ST_KV_BF16: { /* bf16 -> fp32 is the bits shifted up */
+        st_v8u16 h = {0};
+        memcpy(&h, (const uint16_t *)row + d, (size_t)m * sizeof(uint16_t));
+        return (st_v8f)(__builtin_convertvector(h, st_v8u) << 16);
     }
     case ST_KV_FP8: {
-        const uint8_t *p = (const uint8_t *)base + r * hd;
-        const float sc = scales[r];
-        for (int64_t d = 0; d < hd; d++) buf[d] = src->lut[p[d]] * sc;
-        return buf;
+        const uint8_t *p = (const uint8_t *)row + d;
+        st_v8f v = st_v8f_splat(0.0f);
+        for (int64_t l = 0; l < m; l++) v[l] = lut[p[l]] * sc;
+        return v;
     }
+    case ST_KV_F32: break;
     }
-    return (const float *)base + r * hd;
+    return m == 8 ? st_v8f_load((const float *)row + d) : st_v8f_load_part((const float *)row + d, m);
 }
 
-/* Keys [r0, r1) of one work item (one range): query qv (hd floats)
- * against kv head src->kvh; key j's K and V rows are rows row(j) of the
- * cache, row(j) = j - base when table is NULL (a contiguous piece starting at
- * key `base`), else the paged slot table[j / bs] * bs + j % bs. s: [r1 - r0]
- * scores, acc, buf: [hd] scratch; o: [hd] output (normalized), *lse its
- * log-sum-exp. The arithmetic, and so the bits, do not depend on the layout
- * or on the element type (the values once dequantized). */
-ST_AI void attn_range(const float *qv, const kv_src *src, int64_t r0, int64_t r1, int64_t base, const int32_t *table,
-                      int64_t bs, float scale, float *s, float *acc, float *buf, float *o, float *lse) {
-#define ROW(j) (table ? (int64_t)table[(j) / bs] * bs + (j) % bs : (j) - base)
-    const int64_t hd = src->hd, nk = r1 - r0;
-    float mx = -INFINITY;
+/* Bytes per element of type t (a constant where t is). */
+ST_AI int64_t kv_esize(st_kv_dtype t) { return t == ST_KV_F32 ? 4 : t == ST_KV_BF16 ? 2 : 1; }
+
+/* s[h * ld] = scale * dot(q + h * hd, row) for heads h < nh (nh <= ATTN_HEADS_BLOCK, a
+ * constant where inlined), in cpu_simd.h's order; the row is read once. */
+ST_AI void attn_dots(int nh, st_kv_dtype t, const float *q, const void *row, float sc, const float *lut, int64_t hd,
+                     float scale, float *s, int64_t ld) {
+    st_v8f acc[ATTN_HEADS_BLOCK];
+    #pragma GCC unroll 4
+    for (int h = 0; h < nh; h++) acc[h] = st_v8f_splat(0.0f);
+    int64_t d = 0;
+    for (; d + 8 <= hd; d += 8) {
+        const st_v8f kv = kv_load(t, row, sc, lut, d, 8);
+        #pragma GCC unroll 4
+        for (int h = 0; h < nh; h++) acc[h] += st_v8f_load(q + h * hd + d) * kv;
+    }
+    if (d < hd) {
+        const st_v8f kv = kv_load(t, row, sc, lut, d, hd - d);
+        #pragma GCC unroll 4
+        for (int h = 0; h < nh; h++) acc[h] += st_v8f_load_part(q + h * hd + d, hd - d) * kv;
+    }
+    #pragma GCC unroll 4
+    for (int h = 0; h < nh; h++) s[h * ld] = st_v8f_hsum(&acc[h]) * scale;
+}
+
+/* o[h * hd ..] += p[h * ld] * row for heads h < nh (element-wise: multiply, then
+ * add); the row is read once. */
+ST_AI void attn_axpys(int nh, st_kv_dtype t, float *o, const float *p, int64_t ld, const void *row, float sc,
+                      const float *lut, int64_t hd) {
+    st_v8f pv[ATTN_HEADS_BLOCK];
+    #pragma GCC unroll 4
+    for (int h = 0; h < nh; h++) pv[h] = st_v8f_splat(p[h * ld]);
+    int64_t d = 0;
+    for (; d + 8 <= hd; d += 8) {
+        const st_v8f vv = kv_load(t, row, sc, lut, d, 8);
+        #pragma GCC unroll 4
+        for (int h = 0; h < nh; h++) ST_V8F_STORE(o + h * hd + d, st_v8f_load(o + h * hd + d) + pv[h] * vv);
+    }
+    if (d < hd) {
+        const st_v8f vv = kv_load(t, row, sc, lut, d, hd - d);
+        #pragma GCC unroll 4
+        for (int h = 0; h < nh; h++) {
+            const st_v8f y = st_v8f_load_part(o + h * hd + d, hd - d) + pv[h] * vv;
+            memcpy(o + h * hd + d, &y, (size_t)(hd - d) * sizeof(float));
+        }
+    }
+}
+
+/* The row of key j: j - base for a contiguous piece starting at key `base`
+ * (table NULL), else the paged slot table[j / bs] * bs + j % bs. Walked key by
+ * key from r0 without a division per key. */
+typedef struct {
+    const int32_t *table;
+    int64_t bs, blk, off, row;
+} row_iter;
+
+ST_AI row_iter row_start(const int32_t *table, int64_t bs, int64_t base, int64_t r0) {
+    row_iter it = {table, bs, 0, 0, r0 - base};
+    if (table) {
+        it.blk = r0 / bs;
+        it.off = r0 % bs;
+    }
+    return it;
+}
+ST_AI int64_t row_next(row_iter *it) {
+    if (!it->table) return it->row++;
+    const int64_t r = (int64_t)it->table[it->blk] * it->bs + it->off;
+    if (++it->off == it->bs) {
+        it->off = 0;
+        it->blk++;
+    }
+    return r;
+}
+
+/* Calls body(nh, h0) over the group's heads in blocks of at most
+ * ATTN_HEADS_BLOCK, nh a constant in each call. */
+#define ATTN_HEAD_BLOCKS(G, body)                                                                                 \
+    do {                                                                                                          \
+        int64_t h0_ = 0;                                                                                          \
+        for (; h0_ + ATTN_HEADS_BLOCK <= (G); h0_ += ATTN_HEADS_BLOCK) body(ATTN_HEADS_BLOCK, h0_);              \
+        switch ((G) - h0_) {                                                                                      \
+        case 3: body(3, h0_); break;                                                                              \
+        case 2: body(2, h0_); break;                                                                              \
+        case 1: body(1, h0_); break;                                                                              \
+        default: break;                                                                                           \
+        }                                                                                                         \
+    } while (0)
+
+/* Keys [r0, r1) (one range) for the G query heads q ([G, hd]) of kv head kvh:
+ * o ([G, hd]) the normalized outputs, lse ([G]) their log-sum-exps.
+ * s: [G * ST_ATTN_RANGE] scores; inv_z: [G] scratch. Rows as row_start. */
+ST_AI void attn_range(st_kv_dtype t, const kv_src *src, int64_t kvh, int64_t G, const float *q, int64_t r0,
+                      int64_t r1, int64_t base, const int32_t *table, int64_t bs, float scale, float *s,
+                      float *inv_z, float *o, float *lse) {
+    const int64_t hd = src->hd, nk = r1 - r0, R = ST_ATTN_RANGE, nkv = src->n_kv_heads;
+    const float *lut = src->lut;
+    const int64_t row_bytes = hd * kv_esize(t);
+    row_iter it = row_start(table, bs, base, r0);
+    row_iter ahead = row_start(table, bs, base, r0); /* ATTN_PREFETCH keys ahead of `it` */
+    for (int64_t j = 0; j < ATTN_PREFETCH && j < nk; j++) row_next(&ahead);
     for (int64_t j = 0; j < nk; j++) {
-        s[j] = st_dot_f32(qv, kv_row(src, src->k, src->k_scale, ROW(r0 + j), buf), hd) * scale;
-        mx = s[j] > mx ? s[j] : mx;
+        const int64_t r = row_next(&it) * nkv + kvh;
+        if (j + ATTN_PREFETCH < nk) { /* this K row and the V row are far in memory: fetch them early */
+            const int64_t ra = row_next(&ahead) * nkv + kvh;
+            for (int64_t b = 0; b < row_bytes; b += 64) {
+                __builtin_prefetch((const char *)src->k + ra * row_bytes + b);
+                __builtin_prefetch((const char *)src->v + ra * row_bytes + b);
+            }
+        }
+        const void *row = (const char *)src->k + r * row_bytes;
+        const float sc = t == ST_KV_FP8 ? src->k_scale[r] : 1.0f;
+#define DOTS(nh, h0) attn_dots(nh, t, q + (h0) * hd, row, sc, lut, hd, scale, s + (h0) * R + j, R)
+        ATTN_HEAD_BLOCKS(G, DOTS);
+#undef DOTS
     }
-    st_v8f zs = st_v8f_splat(0.0f);
-    int64_t j = 0;
-    for (; j + 8 <= nk; j += 8) {
-        st_v8f p;
-        for (int l = 0; l < 8; l++) p[l] = expf(s[j + l] - mx);
-        ST_V8F_STORE(s + j, p);
-        zs += p;
+    for (int64_t h = 0; h < G; h++) {
+        float *sh = s + h * R, mx = -INFINITY;
+        for (int64_t j = 0; j < nk; j++) mx = sh[j] > mx ? sh[j] : mx;
+        const st_v8f m = st_v8f_splat(mx);
+        st_v8f zs = st_v8f_splat(0.0f);
+        int64_t j = 0;
+        for (; j + 8 <= nk; j += 8) {
+            const st_v8f x = st_v8f_load(sh + j) - m, p = attn_exp(&x);
+            ST_V8F_STORE(sh + j, p);
+            zs += p;
+        }
+        if (j < nk) {
+            const st_v8f x = st_v8f_load_part(sh + j, nk - j) - m, p = attn_exp(&x);
+            memcpy(sh + j, &p, (size_t)(nk - j) * sizeof(float));
+            for (int64_t l = 0; j + l < nk; l++) zs[l] += p[l];
+        }
+        const float z = st_v8f_hsum(&zs);
+        inv_z[h] = 1.0f / z;
+        lse[h] = mx + logf(z);
     }
-    for (int l = 0; j + l < nk; l++) {
-        s[j + l] = expf(s[j + l] - mx);
-        zs[l] += s[j + l];
+    memset(o, 0, (size_t)(G * hd) * sizeof(float));
+    it = row_start(table, bs, base, r0);
+    for (int64_t j = 0; j < nk; j++) {
+        const int64_t r = row_next(&it) * nkv + kvh;
+        const void *row = (const char *)src->v + r * row_bytes;
+        const float sc = t == ST_KV_FP8 ? src->v_scale[r] : 1.0f;
+#define AXPYS(nh, h0) attn_axpys(nh, t, o + (h0) * hd, s + (h0) * R + j, R, row, sc, lut, hd)
+        ATTN_HEAD_BLOCKS(G, AXPYS);
+#undef AXPYS
     }
-    const float z = st_v8f_hsum(&zs), inv_z = 1.0f / z;
-    for (int64_t d = 0; d < hd; d++) acc[d] = 0.0f;
-    for (j = 0; j < nk; j++) st_axpy_f32(acc, s[j], kv_row(src, src->v, src->v_scale, ROW(r0 + j), buf), hd);
-    for (int64_t d = 0; d < hd; d++) o[d] = acc[d] * inv_z;
-    *lse = mx + logf(z);
-#undef ROW
+    for (int64_t h = 0; h < G; h++) {
+        const st_v8f iz = st_v8f_splat(inv_z[h]);
+        float *oh = o + h * hd;
+        int64_t d = 0;
+        for (; d + 8 <= hd; d += 8) ST_V8F_STORE(oh + d, st_v8f_load(oh + d) * iz);
+        for (; d < hd; d++) oh[d] = oh[d] * inv_z[h];
+    }
 }
 
 /* (o, *lse) <- the merge of (o, *lse) with a later range's (o_r, lse_r). */
-ST_AI void attn_merge(float *o, float *lse, const float *o_r, float lse_r, int64_t hd) {
+static void attn_merge(float *o, float *lse, const float *o_r, float lse_r, int64_t hd) {
     const float m = *lse > lse_r ? *lse : lse_r, a = expf(*lse - m), b = expf(lse_r - m), inv = 1.0f / (a + b);
     for (int64_t d = 0; d < hd; d++) o[d] = (o[d] * a + o_r[d] * b) * inv;
     *lse = m + logf(a + b);
 }
 
-/* One work item over keys [k0, k1) (k0 a multiple of ST_ATTN_RANGE, or 0):
- * its ranges, merged into (o, *lse) when `merge` (they hold the result over
- * the keys before k0), else the first one assigned. lse may be NULL when
- * !merge. s: [ST_ATTN_RANGE] scores; acc, buf, tmp: [hd] scratch. */
-ST_AI void attn_one(const float *qv, const kv_src *src, int64_t k0, int64_t k1, int64_t base, const int32_t *table,
-                    int64_t bs, float scale, bool merge, float *s, float *acc, float *buf, float *tmp, float *o,
-                    float *lse) {
-    float l = merge ? *lse : 0.0f;
-    bool have = merge;
-    for (int64_t r0 = k0; r0 < k1;) {
-        const int64_t r1 = (r0 / ST_ATTN_RANGE + 1) * ST_ATTN_RANGE < k1 ? (r0 / ST_ATTN_RANGE + 1) * ST_ATTN_RANGE : k1;
-        if (!have) {
-            attn_range(qv, src, r0, r1, base, table, bs, scale, s, acc, buf, o, &l);
-            have = true;
-        } else {
-            float lr;
-            attn_range(qv, src, r0, r1, base, table, bs, scale, s, acc, buf, tmp, &lr);
-            attn_merge(o, &l, tmp, lr, src->hd);
-        }
-        r0 = r1;
-    }
-    if (lse) *lse = l;
-}
-
 typedef struct {
     const float *q;
-    const void *k, *v;
-    const float *k_scale, *v_scale; /* ST_KV_FP8 */
+    kv_src src;
     st_kv_dtype t;                  /* of k and v */
     const int32_t *pos;
-    int64_t n_heads, n_kv_heads, group, hd;
+    int64_t n_heads, group, hd;
     float scale;
     float *out;
     float *lse;                     /* [n, n_heads] or NULL (attention_part) */
     int64_t key0;                   /* the first key of a contiguous piece (0 for `attention`) */
     int64_t key_end;                /* keys past the piece (key0 + n_kv; INT64_MAX when paged) */
     bool merge;                     /* attention_part: merge into out / lse */
-    float *const *scratch;          /* per thread: ST_ATTN_RANGE scores | acc | buf | tmp (hd each) */
-    /* paged (attention_paged): NULL tables for the contiguous op */
-    const int32_t *seq;          /* [n] token -> sequence */
-    const int32_t *tables;       /* [n_seqs, max_blocks] */
+    float *const *scratch;          /* per thread: attn_scratch floats */
+    int64_t n_ranges;               /* split over the keys: ranges per item (0: not split) */
+    float *part;                    /* split: [items, n_ranges] blocks of ATTN_PART floats */
+    /* paged (attention_paged): NULL tables for the contiguous ops */
+    const int32_t *seq;             /* [n] token -> sequence */
+    const int32_t *tables;          /* [n_seqs, max_blocks] */
     int64_t max_blocks, bs;
-    float fp8_lut[256]; /* ST_KV_FP8: st_kv_fp8_to_f32 of every byte */
+    float fp8_lut[256];             /* ST_KV_FP8: st_kv_fp8_to_f32 of every byte */
 } attn_ctx;
 
-ST_AI void attn_items(const attn_ctx *a, int64_t begin, int64_t end, int ti) {
-    const int64_t hd = a->hd;
-    float *s = a->scratch[ti];
-    float *acc = s + ST_ATTN_RANGE, *buf = acc + hd, *tmp = buf + hd;
+/* One range's result in attn_ctx.part: G x hd outputs, then G log-sum-exps. */
+#define ATTN_PART(a) ((a)->group * ((a)->hd + 1))
+
+/* Scratch floats per thread: scores of one range for G heads, then G x hd
+ * (a range's outputs before a merge), then 3 x G (inv_z, lse, lse of a range). */
+static size_t attn_scratch(int64_t G, int64_t hd) { return (size_t)(G * (ST_ATTN_RANGE + hd + 3)); }
+
+/* Keys of token i in this call: [key0, k1). */
+ST_AI int64_t attn_k1(const attn_ctx *a, int64_t i) {
+    return (int64_t)a->pos[i] + 1 < a->key_end ? (int64_t)a->pos[i] + 1 : a->key_end;
+}
+
+ST_AI const int32_t *attn_table(const attn_ctx *a, int64_t i) {
+    return a->tables ? a->tables + (int64_t)a->seq[i] * a->max_blocks : NULL;
+}
+
+/* Items [begin, end): (token, kv head) over all their keys, merging their
+ * ranges in order, or (split) (token, kv head, range) into a->part. */
+ST_AI void attn_items_t(const attn_ctx *a, st_kv_dtype t, int64_t begin, int64_t end, int ti) {
+    const int64_t hd = a->hd, G = a->group, R = ST_ATTN_RANGE, nkv = a->src.n_kv_heads;
+    float *s = a->scratch[ti], *tmp = s + G * R, *inv_z = tmp + G * hd, *l = inv_z + G, *lr = l + G;
     for (int64_t it = begin; it < end; it++) {
-        const int64_t i = it / a->n_heads, h = it % a->n_heads;
-        const kv_src src = {a->k, a->v, a->k_scale, a->v_scale, a->fp8_lut, a->t, h / a->group, a->n_kv_heads, hd};
-        const int32_t *table = a->tables ? a->tables + (int64_t)a->seq[i] * a->max_blocks : NULL;
-        const int64_t k1 = (int64_t)a->pos[i] + 1 < a->key_end ? (int64_t)a->pos[i] + 1 : a->key_end;
-        attn_one(a->q + it * hd, &src, a->key0, k1, a->key0, table, a->bs, a->scale, a->merge, s, acc, buf, tmp,
-                 a->out + it * hd, a->lse ? a->lse + it : NULL);
+        if (a->n_ranges) {
+            const int64_t r = it % a->n_ranges, ig = it / a->n_ranges, i = ig / nkv, g = ig % nkv;
+            const int64_t r0 = a->key0 + r * R, k1 = attn_k1(a, i), r1 = r0 + R < k1 ? r0 + R : k1;
+            if (r0 >= k1) continue;
+            float *P = a->part + it * ATTN_PART(a);
+            attn_range(t, &a->src, g, G, a->q + (i * a->n_heads + g * G) * hd, r0, r1, a->key0, attn_table(a, i),
+                       a->bs, a->scale, s, inv_z, P, P + G * hd);
+            continue;
+        }
+        const int64_t i = it / nkv, g = it % nkv, k1 = attn_k1(a, i), h = i * a->n_heads + g * G;
+        const float *q = a->q + h * hd;
+        float *o = a->out + h * hd;
+        const int32_t *table = attn_table(a, i);
+        bool have = a->merge;
+        if (have)
+            for (int64_t x = 0; x < G; x++) l[x] = a->lse[h + x];
+        for (int64_t r0 = a->key0; r0 < k1; r0 += R) {
+            const int64_t r1 = r0 + R < k1 ? r0 + R : k1;
+            if (!have) {
+                attn_range(t, &a->src, g, G, q, r0, r1, a->key0, table, a->bs, a->scale, s, inv_z, o, l);
+                have = true;
+                continue;
+            }
+            attn_range(t, &a->src, g, G, q, r0, r1, a->key0, table, a->bs, a->scale, s, inv_z, tmp, lr);
+            for (int64_t x = 0; x < G; x++) attn_merge(o + x * hd, &l[x], tmp + x * hd, lr[x], hd);
+        }
+        if (a->lse)
+            for (int64_t x = 0; x < G; x++) a->lse[h + x] = l[x];
+    }
+}
+
+ST_AI void attn_items(const attn_ctx *a, int64_t begin, int64_t end, int ti) {
+    switch (a->t) {
+    case ST_KV_F32: attn_items_t(a, ST_KV_F32, begin, end, ti); break;
+    case ST_KV_BF16: attn_items_t(a, ST_KV_BF16, begin, end, ti); break;
+    case ST_KV_FP8: attn_items_t(a, ST_KV_FP8, begin, end, ti); break;
     }
 }
 
@@ -180,35 +359,78 @@ ST_TARGET_AVX2 static void attn_fn_avx2(void *ctx, int64_t b, int64_t e, int ti)
 }
 #endif
 
-/* Runs the n x n_heads work items of `a` on the pool: the AVX2 path where
- * built and enabled, else the generic one. Items read up to max_keys keys
- * (about max_keys / 2 on average for a causal prefill): ~64K floats per grain. */
-static void attn_run(st_cpu *c, attn_ctx *a, int64_t n, int64_t max_keys) {
-    const int64_t work = (max_keys / 2 + 1) * a->hd * 4;
-    int64_t grain = 65536 / work;
-    if (grain < 1) grain = 1;
-#if ST_CPU_HAVE_AVX2_PATH
-    if (c->simd) {
-        st_pool_parallel_for(c->pool, n * a->n_heads, grain, attn_fn_avx2, a);
-        return;
-    }
-#endif
-    st_pool_parallel_for(c->pool, n * a->n_heads, grain, attn_fn_generic, a);
+/* After a split run: each item's ranges merged in increasing order into out
+ * (and lse), the operations attn_items_t performs unsplit. */
+static void attn_merge_parts(const attn_ctx *a, int64_t n) {
+    const int64_t hd = a->hd, G = a->group, nkv = a->src.n_kv_heads, R = ST_ATTN_RANGE;
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t g = 0; g < nkv; g++) {
+            const int64_t h = i * a->n_heads + g * G, nr = (attn_k1(a, i) - a->key0 + R - 1) / R;
+            const float *P0 = a->part + (i * nkv + g) * a->n_ranges * ATTN_PART(a);
+            for (int64_t x = 0; x < G; x++) {
+                float *o = a->out + (h + x) * hd, l = a->merge ? a->lse[h + x] : 0.0f;
+                for (int64_t r = 0; r < nr; r++) {
+                    const float *P = P0 + r * ATTN_PART(a);
+                    if (r == 0 && !a->merge) {
+                        memcpy(o, P + x * hd, (size_t)hd * sizeof(float));
+                        l = P[G * hd + x];
+                    } else {
+                        attn_merge(o, &l, P + x * hd, P[G * hd + x], hd);
+                    }
+                }
+                if (a->lse) a->lse[h + x] = l;
+            }
+        }
 }
 
-/* Scratch floats per thread: the scores of one range, then acc, buf, tmp. */
-static size_t attn_scratch(int64_t hd) { return (size_t)(ST_ATTN_RANGE + 3 * hd); }
+/* Runs the n x n_kv_heads items of `a` (keys up to max_k1, from a->key0) on
+ * the pool, split over the keys when there are few: the AVX2 build where
+ * enabled, else the portable one. */
+static strata_status attn_run(st_cpu *c, attn_ctx *a, int64_t n, int64_t max_k1) {
+    const int64_t nkv = a->src.n_kv_heads, items = n * nkv, R = ST_ATTN_RANGE;
+    const int64_t n_ranges = (max_k1 - a->key0 + R - 1) / R;
+    strata_status st = st_cpu_scratch_reserve(c, attn_scratch(a->group, a->hd));
+    if (st != STRATA_OK) return st;
+    a->scratch = c->scratch;
+    int64_t n_items = items, keys = max_k1 - a->key0; /* keys of the largest item */
+    if (c->n_threads > 1 && n_ranges > 1 && items < ATTN_ITEMS_PER_THREAD * c->n_threads) {
+        const size_t need = (size_t)(items * n_ranges * ATTN_PART(a));
+        if (need > c->attn_part_floats) {
+            float *p = NULL;
+            if (posix_memalign((void **)&p, 64, need * sizeof(float)) != 0)
+                return st_err(STRATA_ERR_NOMEM, "cpu attention: cannot allocate %zu bytes of range results",
+                              need * sizeof(float));
+            free(c->attn_part);
+            c->attn_part = p;
+            c->attn_part_floats = need;
+        }
+        a->n_ranges = n_ranges;
+        a->part = c->attn_part;
+        n_items = items * n_ranges;
+        keys = R;
+    }
+    int64_t grain = ATTN_GRAIN_MACS / (keys * a->group * a->hd * 2 + 1);
+    if (grain < 1) grain = 1;
+#if ST_CPU_HAVE_AVX2_PATH
+    if (c->simd)
+        st_pool_parallel_for(c->pool, n_items, grain, attn_fn_avx2, a);
+    else
+#endif
+        st_pool_parallel_for(c->pool, n_items, grain, attn_fn_generic, a);
+    if (a->n_ranges) attn_merge_parts(a, n);
+    return STRATA_OK;
+}
 
 strata_status st_cpu_attention_part(st_cpu *c, const float *q, const float *k, const float *v, const int32_t *pos,
                                     int64_t n, int64_t key0, int64_t n_kv, int64_t n_heads, int64_t n_kv_heads,
                                     int64_t head_dim, float scale, bool merge, float *out, float *lse) {
-    strata_status st = st_cpu_scratch_reserve(c, attn_scratch(head_dim));
-    if (st != STRATA_OK) return st;
-    attn_ctx a = {.q = q, .k = k, .v = v, .t = ST_KV_F32, .pos = pos, .n_heads = n_heads, .n_kv_heads = n_kv_heads,
-                  .group = n_heads / n_kv_heads, .hd = head_dim, .scale = scale, .out = out, .lse = lse,
-                  .key0 = key0, .key_end = key0 + n_kv, .merge = merge, .scratch = c->scratch, .bs = 1};
-    attn_run(c, &a, n, n_kv);
-    return STRATA_OK;
+    attn_ctx a = {.q = q, .src = {.k = k, .v = v, .n_kv_heads = n_kv_heads, .hd = head_dim}, .t = ST_KV_F32,
+                  .pos = pos, .n_heads = n_heads, .group = n_heads / n_kv_heads, .hd = head_dim, .scale = scale,
+                  .out = out, .lse = lse, .key0 = key0, .key_end = key0 + n_kv, .merge = merge, .bs = 1};
+    int64_t max_k1 = key0 + 1;
+    for (int64_t i = 0; i < n; i++)
+        if (attn_k1(&a, i) > max_k1) max_k1 = attn_k1(&a, i);
+    return attn_run(c, &a, n, max_k1);
 }
 
 strata_status st_cpu_attention(st_cpu *c, const float *q, const float *k, const float *v,
@@ -220,18 +442,16 @@ strata_status st_cpu_attention(st_cpu *c, const float *q, const float *k, const 
 strata_status st_cpu_attention_paged(st_cpu *c, const float *q, const st_paged_kv *kv, const int32_t *seq,
                                      const int32_t *pos, int64_t n, int64_t n_heads, int64_t n_kv_heads,
                                      int64_t head_dim, float scale, float *out) {
-    int64_t max_nk = 1;
+    int64_t max_k1 = 1;
     for (int64_t i = 0; i < n; i++)
-        if ((int64_t)pos[i] + 1 > max_nk) max_nk = (int64_t)pos[i] + 1;
-    strata_status st = st_cpu_scratch_reserve(c, attn_scratch(head_dim));
-    if (st != STRATA_OK) return st;
+        if ((int64_t)pos[i] + 1 > max_k1) max_k1 = (int64_t)pos[i] + 1;
     const st_kv_layer *L = &kv->cache;
-    attn_ctx a = {.q = q, .k = L->k, .v = L->v, .k_scale = L->k_scale, .v_scale = L->v_scale, .t = L->dtype,
-                  .pos = pos, .n_heads = n_heads, .n_kv_heads = n_kv_heads, .group = n_heads / n_kv_heads,
-                  .hd = head_dim, .scale = scale, .out = out, .key_end = INT64_MAX, .scratch = c->scratch,
-                  .seq = seq, .tables = kv->block_tables, .max_blocks = kv->max_blocks, .bs = kv->block_size};
+    attn_ctx a = {.q = q, .t = L->dtype, .pos = pos, .n_heads = n_heads, .group = n_heads / n_kv_heads,
+                  .hd = head_dim, .scale = scale, .out = out, .key_end = INT64_MAX, .seq = seq,
+                  .tables = kv->block_tables, .max_blocks = kv->max_blocks, .bs = kv->block_size};
+    a.src = (kv_src){.k = L->k, .v = L->v, .k_scale = L->k_scale, .v_scale = L->v_scale, .lut = a.fp8_lut,
+                     .n_kv_heads = n_kv_heads, .hd = head_dim};
     if (L->dtype == ST_KV_FP8)
         for (int b = 0; b < 256; b++) a.fp8_lut[b] = st_kv_fp8_to_f32((uint8_t)b);
-    attn_run(c, &a, n, max_nk);
-    return STRATA_OK;
+    return attn_run(c, &a, n, max_k1);
 }

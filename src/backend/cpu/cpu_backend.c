@@ -440,6 +440,7 @@ static void cpu_destroy(st_backend *be) {
             for (int i = 0; i < c->n_threads; i++) free(c->scratch[i]);
         st_free(c->scratch);
         free(c->qact);
+        free(c->attn_part);
         pthread_mutex_destroy(&c->op_mu);
         pthread_mutex_destroy(&c->mem_mu);
         st_free(c);

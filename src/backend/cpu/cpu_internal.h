@@ -31,6 +31,8 @@ typedef struct {
     bool simd;               /* isa >= ST_CPU_ISA_AVX2: the float kernels' AVX2 builds */
     void *qact;              /* the integer matmul's quantized activations, 64-B aligned */
     size_t qact_bytes;
+    float *attn_part;        /* attention split over the keys: each range's result (cpu_attention.c) */
+    size_t attn_part_floats;
 } st_cpu;
 
 static inline st_cpu *st_cpu_of(st_backend *be) { return (st_cpu *)be->impl; }
