@@ -519,7 +519,9 @@ void pd_node_destroy(pd_node *n) {
         n->free_bufs = b->next;
         buf_release(n, b);
     }
-    ST_ASSERT(!n->lent); /* every piece came back (the jobs are over) */
+    int lent = 0; /* every piece comes back before its job ends; one that did not stays allocated */
+    for (pbuf *b = n->lent; b; b = b->next) lent++;
+    if (lent) st_log(STRATA_LOG_WARN, "pd: %d KV piece buffer(s) still lent at shutdown: left allocated", lent);
     st_free(n->addr_hex);
     pthread_cond_destroy(&n->cv);
     pthread_mutex_destroy(&n->mu);
