@@ -527,7 +527,8 @@ strata_status strata_stop(strata_model *m);
 
 /* A decode node's reservation for blocks a prefill node will push: the full
  * blocks of the prompt before its last token that neither its device nor its
- * host KV tier holds, as host-tier blocks the transfer writes into. */
+ * host KV tier holds, as host-tier blocks the transfer writes into (or, with
+ * kv_landing_mem, a run of slots of the landing memory). */
 typedef struct {
     uint64_t ticket;          /* 0: nothing to receive (n_blocks 0) */
     int64_t n_tokens, block_tokens;
@@ -545,8 +546,9 @@ typedef struct {
 
 /* Queues a reservation for the prompt ids[0..n) (copied); fn runs on the
  * engine's stepping thread at its next step, with the reservation or an
- * error (NOMEM: the host tier cannot hold them now; the message says so;
- * res NULL). Errors now: INVALID_ARG (bad ids), UNSUPPORTED (no KV host tier,
+ * error (NOMEM: the host tier, or the landing memory, cannot hold them now;
+ * the message says so; res NULL). Errors now: INVALID_ARG (bad ids),
+ * UNSUPPORTED (neither a KV host tier nor landing memory,
  * or the engine stopped). Thread-safe. */
 strata_status strata_kv_reserve(strata_model *m, const int32_t *ids, size_t n,
                                 void (*fn)(void *user, strata_status st, const strata_kv_reservation *res),
