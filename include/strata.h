@@ -95,6 +95,14 @@ typedef enum {
     STRATA_PREFILL_FAST,     /* bf16 operands, fp32 accumulation: ~1e-2 relative error on logits */
 } strata_prefill;
 
+/* Speculative decoding: where the drafts a decode step verifies come from. */
+typedef enum {
+    STRATA_SPEC_OFF = 0,
+    STRATA_SPEC_LOOKUP, /* prompt lookup: what followed the latest earlier occurrence of the output's
+                           last n-gram (no second model) */
+    STRATA_SPEC_DRAFT,  /* a smaller model of the same vocabulary (draft_model) */
+} strata_spec;
+
 /* How to load a model. Zero-initialise it: every zero field is its default
  * (a NULL params pointer means all defaults). */
 typedef struct {
@@ -142,6 +150,12 @@ typedef struct {
     bool kv_stream;            /* a request too long for the device KV pool runs with its KV in host
                                   memory, streamed through the device layer by layer (one such request
                                   at a time): max_seq_len may exceed the pool */
+    /* speculative decoding: drafts verified in one pass with the step's token; greedy output is the
+     * same token for token, sampling keeps the distribution (engine/spec.h) */
+    strata_spec spec;          /* default off; STRATA_SPEC_DRAFT needs draft_model */
+    int spec_k;                /* most drafts per step (0: 8; 1 to 32); fewer as acceptance falls */
+    const char *draft_model;   /* the draft model's path (GGUF or HF directory; same vocabulary),
+                                  run on the same device beside the model */
     /* tests: faults injected into weight streaming and allocations (0: none) */
     int64_t weight_read_fail_nth;  /* the Nth weight read from the file fails with EIO */
     int64_t weight_read_short_nth; /* the Nth weight read comes back short, as if the file ended */
@@ -284,6 +298,8 @@ typedef struct {
     size_t kv_layer_bytes;
     uint64_t kv_identity;
     int64_t kv_landing_blocks;    /* block slots of the landing memory (kv_landing_mem; 0: none) */
+    strata_spec spec;             /* speculative decoding (off, lookup, draft) */
+    int spec_k;                   /* its most drafts per step */
 } strata_engine_info;
 
 /* Fills *out (zeroed on failure). Errors: INVALID_ARG for NULL arguments or a
@@ -625,6 +641,7 @@ typedef struct {
      * lower tier instead of being recomputed) */
     int64_t kv_bytes_device_to_host, kv_bytes_host_to_device, kv_bytes_host_to_ssd, kv_bytes_ssd_to_host;
     int64_t kv_swaps;
+    int64_t spec_drafted, spec_accepted; /* speculative decoding: drafts verified / accepted */
     int64_t pd_adopted, pd_cancelled; /* P-D reservations adopted / cancelled */
     strata_histogram ttft;            /* seconds from strata_submit to the first sampled token */
     strata_histogram tbt;             /* seconds between consecutive sampled tokens of a request */

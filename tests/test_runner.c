@@ -24,6 +24,12 @@
  *      run with their KV in host memory, one after the other, beside short
  *      requests that use the pool; every request gives the tokens and logits
  *      (bit for bit) of a run whose pool holds them all, with no preemption;
+ *  (g) speculative decoding (prompt lookup, and a draft model: the model
+ *      itself): greedy requests give exactly their tokens and logits
+ *      (bit for bit) without it, beside sampled ones, under a pool small
+ *      enough to preempt, and with a stop id inside accepted drafts; the
+ *      model drafting for itself has every draft of a greedy request
+ *      accepted;
  *  plus stop ids, max_tokens, abort mid-run, and every block back at the end.
  * STRATA_RUNNER_BENCH=1 also prints the runner's throughput on SmolLM2 at 1,
  * 8 and 32 concurrent sequences. */
@@ -183,7 +189,10 @@ static void take_events(work *w, const st_runner_step_info *si) {
         CHECK(q == &w->r[e->seq->id - 1]);
         CHECK_MSG(!q->finished, "event for finished request %llu", (unsigned long long)e->seq->id);
         CHECK(e->token >= 0);
-        if (e->token >= 0) q->out[q->n_out++] = e->token;
+        /* one token, or with speculative decoding 1 + the drafts accepted: the sequence's newest */
+        CHECK(e->token < 0 || (e->n_tokens >= 1 && e->seq->tokens[e->seq->n_tokens - 1] == e->token));
+        for (int64_t m = 0; e->token >= 0 && m < e->n_tokens; m++)
+            q->out[q->n_out++] = e->seq->tokens[e->seq->n_tokens - e->n_tokens + m];
         CHECK(st_seq_n_generated(e->seq) == q->n_out);
         if (e->finished) {
             q->finished = true;
@@ -562,6 +571,103 @@ static void test_preemption(const char *name, const st_model_files *mf, st_backe
     work_free(&w);
 }
 
+/* ---- (g) speculative decoding ---------------------------------------------------------------*/
+
+/* Requests whose prompts repeat a short random pattern (so lookup finds drafts) or are random,
+ * greedy (and sampled when `sampled`), arriving over the first steps. */
+static void spec_work(work *w, int64_t V, int n_req, int64_t max_tokens, bool sampled) {
+    int32_t buf[64];
+    for (int i = 0; i < n_req; i++) {
+        const int64_t pat = 2 + i % 5, np = 12 + (i * 7) % 40;
+        random_prompt(buf, pat, V);
+        if (i % 4 == 3) random_prompt(buf, np, V);
+        else
+            for (int64_t k = pat; k < np; k++) buf[k] = buf[k % pat];
+        work_add(w, buf, np, max_tokens, !sampled || i % 3 != 2, 500 + (uint64_t)i, i / 4);
+    }
+}
+
+/* full: both workloads (greedy, greedy + sampled) x both modes x both pools; else the greedy
+ * workload, and the small pool with the draft model only (the default model: CI's time) */
+static void test_speculative(const char *name, const st_model_files *mf, st_backend *be, int n_req,
+                             int64_t max_tokens, int64_t tight_blocks, bool full) {
+    const int64_t V = mf->config.vocab_size, mml = 52 + max_tokens + 40;
+    const st_engine_params base = {.max_batch = n_req, .prefill_chunk = -1, .step_tokens = 256, .kv_block_size = 4};
+    const st_spec_params modes[] = {{.mode = ST_SPEC_LOOKUP, .k_max = 6}, {.mode = ST_SPEC_DRAFT, .draft = mf}};
+    for (int sampled = 0; sampled < (full ? 2 : 1); sampled++) {
+        work w;
+        work_init(&w, mml);
+        spec_work(&w, V, n_req, max_tokens, sampled);
+        run_info plain;
+        run_work(mf, be, base, &w, -1, false, &plain);
+        work ref;
+        snapshot(&w, &ref);
+        for (int m = 0; m < 2; m++)
+            for (int tight = 0; tight < 2; tight++) {
+                if (tight && !full && m == 0) continue;
+                st_engine_params p = base;
+                p.spec = modes[m];
+                if (tight) p.kv_blocks = tight_blocks;
+                work_reset_results(&w);
+                run_info si;
+                run_work(mf, be, p, &w, -1, false, &si);
+                int same = 0, n_greedy = 0;
+                for (int i = 0; i < n_req; i++) {
+                    const req *a = &w.r[i], *b = &ref.r[i];
+                    CHECK(a->finished && a->n_out == max_tokens && a->reason == ST_SEQ_FINISH_MAX_TOKENS);
+                    if (a->sp.temperature != 0) continue;
+                    n_greedy++;
+                    const bool ok = same_req(a, b, mml);
+                    CHECK_MSG(ok, "%s: spec %s%s: greedy request %d differs from plain decoding", name,
+                              st_spec_mode_name(modes[m].mode), tight ? " (small pool)" : "", i + 1);
+                    same += ok;
+                }
+                const st_scheduler_stats *ss = &si.stats.sched;
+                CHECK_MSG(ss->drafted > 0 && ss->accepted > 0 && si.stats.spec.drafted == ss->drafted &&
+                              si.stats.spec.accepted == ss->accepted,
+                          "%s: spec %s: %lld drafted, %lld accepted (drafter: %lld, %lld)", name,
+                          st_spec_mode_name(modes[m].mode), (long long)ss->drafted, (long long)ss->accepted,
+                          (long long)si.stats.spec.drafted, (long long)si.stats.spec.accepted);
+                /* the model drafting for itself: every draft of a greedy request is its argmax */
+                if (m == 1 && !sampled)
+                    CHECK_MSG(ss->accepted == ss->drafted, "%s: self-drafting accepted %lld of %lld drafts", name,
+                              (long long)ss->accepted, (long long)ss->drafted);
+                if (tight) CHECK_MSG(ss->preemptions > 0, "%s: no preemption with %lld blocks", name,
+                                     (long long)tight_blocks);
+                CHECK(ss->generated_tokens == (int64_t)n_req * max_tokens);
+                printf("  (g) %s: spec %s, %s%s: %d/%d greedy requests identical to plain decoding; %lld of %lld "
+                       "drafts accepted, %lld steps (plain %lld), %lld preemptions\n",
+                       name, st_spec_mode_name(modes[m].mode), sampled ? "greedy + sampled" : "greedy",
+                       tight ? ", small pool" : "", same, n_greedy, (long long)ss->accepted, (long long)ss->drafted,
+                       (long long)si.steps, (long long)plain.steps, (long long)ss->preemptions);
+            }
+        /* a stop id met inside accepted drafts ends the request where plain decoding does */
+        if (!sampled) {
+            int i = 0;
+            while (i < n_req - 1 && ref.r[i].n_out < 8) i++;
+            req *q = &w.r[i];
+            q->stop = ref.r[i].out[6];
+            int64_t first = 0;
+            while (ref.r[i].out[first] != q->stop) first++;
+            for (int m = 0; m < 2; m++) {
+                st_engine_params p = base;
+                p.spec = modes[m];
+                work_reset_results(&w);
+                run_info si;
+                run_work(mf, be, p, &w, i, true, &si);
+                CHECK_MSG(q->reason == ST_SEQ_FINISH_STOP && q->n_out == first + 1 &&
+                              memcmp(q->out, ref.r[i].out, (size_t)q->n_out * sizeof(int32_t)) == 0,
+                          "%s: spec %s: stop id %d (plain decoding's token %lld): %lld tokens, reason %d", name,
+                          st_spec_mode_name(modes[m].mode), q->stop, (long long)first + 1, (long long)q->n_out,
+                          (int)q->reason);
+            }
+            q->stop = -1;
+        }
+        work_free(&ref);
+        work_free(&w);
+    }
+}
+
 /* ---- (f) streamed sequences ----------------------------------------------------------------*/
 
 static void test_streamed(const char *name, const st_model_files *mf, st_backend *be) {
@@ -758,6 +864,7 @@ int main(void) {
         if (i == 0) {
             test_chunked(tiny[i], mf, be, 150, 6);
             test_preemption(tiny[i], mf, be, 12, 40, 30, 40, 4);
+            test_speculative(tiny[i], mf, be, 12, 24, 60, true);
             test_stop_abort(mf, be);
         }
         if (i == 1) test_streamed(tiny[i], mf, be); /* llama3_bf16: hd 16 */
@@ -784,6 +891,8 @@ int main(void) {
             LAP("d");
             test_preemption("SmolLM2", mf, be, 6, 40, 12, 12, 8);
             LAP("e");
+            test_speculative("SmolLM2", mf, be, 8, 16, 40, false);
+            LAP("g");
 #undef LAP
             const char *b = getenv("STRATA_RUNNER_BENCH");
             if (b && *b && strcmp(b, "0") != 0) bench(mf, be);

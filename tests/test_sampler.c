@@ -156,9 +156,12 @@ static void test_greedy(void) {
 }
 
 /* 20000 draws against the reference: every token's frequency within 5 sigma
- * (+ 2 counts), removed tokens never, and a chi-square bound. */
-static void check_distribution(const char *name, const st_sampler_params *p, const float *logits, int V,
-                               const int32_t *hist, int n_hist) {
+ * (+ 2 counts), removed tokens never, and a chi-square bound. draft >= 0:
+ * the draws are speculative verifications of that draft token
+ * (st_sampler_verify): the token they give must still follow the reference,
+ * and the draft be accepted at the rate p(draft). */
+static void check_distribution_draft(const char *name, const st_sampler_params *p, const float *logits, int V,
+                                     const int32_t *hist, int n_hist, int32_t draft) {
     enum { N = 20000 };
     double *ref = malloc((size_t)V * sizeof *ref);
     reference(logits, V, p, hist, n_hist, ref);
@@ -173,13 +176,24 @@ static void check_distribution(const char *name, const st_sampler_params *p, con
     for (int i = 0; i < V; i++) max_perr = fmax(max_perr, fabs(probs[i] - ref[i]));
     CHECK_MSG(max_perr < 1e-5, "%s: st_sampler_probs differs from the reference by %g", name, max_perr);
     for (int i = 0; i < V; i++) CHECK((probs[i] == 0) == (ref[i] == 0));
+    int n_acc = 0;
     for (int d = 0; d < N; d++) {
         int32_t t = -1;
-        if (st_sampler_sample(s, logits, hist, n_hist, &t) != STRATA_OK || t < 0 || t >= V) {
+        bool ok = false;
+        const strata_status st = draft >= 0 ? st_sampler_verify(s, logits, hist, n_hist, draft, &ok, &t)
+                                            : st_sampler_sample(s, logits, hist, n_hist, &t);
+        if (st != STRATA_OK || t < 0 || t >= V) {
             CHECK(!"sample failed");
             break;
         }
+        if (draft >= 0) CHECK(ok == (t == draft));
+        n_acc += ok;
         count[t]++;
+    }
+    if (draft >= 0) {
+        const double pa = ref[draft], fa = (double)n_acc / N, sa = sqrt(pa * (1 - pa) / N);
+        printf("  %-28s draft %d accepted %.4f of the time, p(draft) %.4f\n", name, draft, fa, pa);
+        CHECK_MSG(fabs(fa - pa) <= 5 * sa + 2.0 / N, "%s: draft %d accepted at %.4f, p = %.4f", name, draft, fa, pa);
     }
     int kept = 0, bad = 0, drawn_removed = 0;
     double chi2 = 0, max_err = 0;
@@ -210,6 +224,11 @@ static void check_distribution(const char *name, const st_sampler_params *p, con
     free(probs);
     free(count);
     free(ref);
+}
+
+static void check_distribution(const char *name, const st_sampler_params *p, const float *logits, int V,
+                               const int32_t *hist, int n_hist) {
+    check_distribution_draft(name, p, logits, V, hist, n_hist, -1);
 }
 
 static void test_distributions(void) {
@@ -243,6 +262,30 @@ static void test_distributions(void) {
     double ref[V];
     reference(logits, V, &cfg[1].p, NULL, 0, ref);
     CHECK(ref[10] > 0 && ref[11] > 0);
+    /* speculative verification keeps each distribution: drafts likely (the top token), unlikely,
+     * and removed by top-k / top-p (never accepted) */
+    int top = 0, low = 0;
+    for (int i = 1; i < V; i++) {
+        if (logits[i] > logits[top]) top = i;
+        if (logits[i] < logits[low]) low = i;
+    }
+    const int drafts[] = {top, 10, low};
+    for (size_t i = 0; i < sizeof cfg / sizeof cfg[0]; i++)
+        for (int k = 0; k < 3; k++)
+            check_distribution_draft(cfg[i].name, &cfg[i].p, logits, V, cfg[i].with_hist ? hist : NULL,
+                                     cfg[i].with_hist ? n_hist : 0, drafts[k]);
+    /* greedy: accepted exactly when the draft is the argmax */
+    st_sampler_params gp = cfg[0].p;
+    gp.temperature = 0;
+    st_sampler *g = NULL;
+    CHECK(st_sampler_init(&gp, V, &g) == STRATA_OK);
+    for (int k = 0; k < 3 && g; k++) {
+        bool ok = true;
+        int32_t t = -1;
+        CHECK(st_sampler_verify(g, logits, NULL, 0, drafts[k], &ok, &t) == STRATA_OK);
+        CHECK(t == top && ok == (drafts[k] == top));
+    }
+    st_sampler_free(g);
 }
 
 static void test_penalty(void) {

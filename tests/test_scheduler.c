@@ -25,7 +25,10 @@
  * not fit yet, and it is admitted as soon as it fits); a dropped decision is
  * planned again; and randomized workloads (arrivals over time, shared
  * prefixes, a pool small enough to preempt often, EOS stops, aborts) where
- * every request finishes with exactly the tokens it would get alone. */
+ * every request finishes with exactly the tokens it would get alone — also
+ * with speculative drafts (right or wrong at random) verified by the fake
+ * model: decode items carry them within the budget and the free blocks,
+ * update appends the accepted ones, and the output is still the solo one. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -99,6 +102,8 @@ typedef struct {
     req reqs[MAX_REQ];
     int n_reqs;
     int64_t kv_errors, decision_errors;
+    int spec;              /* > 0: decoding sequences get up to `spec` drafts each step (right at 70%) */
+    int32_t rowtok[64][33]; /* the fake model's token of each logit row of each item */
 } sim;
 
 static void sim_init_chunked(sim *m, int64_t num_blocks, int64_t bs, int64_t budget, int64_t max_batch,
@@ -222,7 +227,9 @@ static void check_decision(sim *m, const st_sched_decision *d) {
         sum += it->n;
         DCHECK(it->n >= 1, "item %lld: n %lld", (long long)i, (long long)it->n);
         DCHECK(it->is_decode == (i < d->n_decodes), "item %lld: decode flag out of order", (long long)i);
-        if (it->is_decode) DCHECK(it->n == 1, "decode item %lld runs %lld tokens", (long long)i, (long long)it->n);
+        if (it->is_decode) DCHECK(it->n == 1 + it->n_draft, "decode item %lld runs %lld tokens with %lld drafts",
+                                  (long long)i, (long long)it->n, (long long)it->n_draft);
+        else DCHECK(it->n_draft == 0, "prefill item %lld has drafts", (long long)i);
         for (int64_t j = 0; j < i; j++) DCHECK(d->items[j].seq_id != it->seq_id, "seq %llu twice", (unsigned long long)it->seq_id);
         const st_seq *q = st_scheduler_get_seq(m->s, it->seq_id);
         DCHECK(q != NULL, "item %lld: seq %llu not live", (long long)i, (unsigned long long)it->seq_id);
@@ -230,8 +237,15 @@ static void check_decision(sim *m, const st_sched_decision *d) {
         DCHECK(q->status == ST_SEQ_RUNNING, "item seq not running");
         DCHECK(it->seq && it->seq->cb.user == &m->reqs[it->seq_id] && it->seq->id == it->seq_id, "record");
         DCHECK(it->pos0 == q->kv.n_computed, "item %lld: pos0 %lld, computed %lld", (long long)i, (long long)it->pos0, (long long)q->kv.n_computed);
-        DCHECK(it->pos0 + it->n <= q->n_tokens, "item %lld runs past the known tokens", (long long)i);
-        DCHECK(it->need_logits == (it->pos0 + it->n == q->n_tokens), "item %lld: need_logits %d", (long long)i, it->need_logits);
+        DCHECK(it->pos0 + it->n - it->n_draft <= q->n_tokens, "item %lld runs past the known tokens", (long long)i);
+        DCHECK(it->n_draft <= q->n_draft, "item %lld: %lld drafts of %lld proposed", (long long)i,
+               (long long)it->n_draft, (long long)q->n_draft);
+        DCHECK(it->need_logits == (it->pos0 + it->n - it->n_draft == q->n_tokens), "item %lld: need_logits %d",
+               (long long)i, it->need_logits);
+        /* an accepted draft is a token: never past max_tokens or max_model_len */
+        DCHECK(q->n_tokens + it->n_draft < m->p.max_model_len &&
+                   (q->max_tokens == 0 || st_seq_n_generated(q) + it->n_draft < q->max_tokens),
+               "item %lld: %lld drafts past the sequence's limits", (long long)i, (long long)it->n_draft);
         DCHECK(it->tokens == q->tokens + it->pos0, "item tokens pointer");
         const int64_t pc = m->p.prefill_chunk;
         if (pc > 0 && !it->is_decode) {
@@ -295,8 +309,40 @@ static void fake_forward(sim *m, const st_sched_decision *d, int32_t *tokens) {
                             (unsigned long long)m->kv_dig[slot], q->tokens[p], (unsigned long long)h);
             }
             read = m->kv_dig[slot];
+            const int64_t row = p - (L - 1 - it->n_draft); /* a logit row: the last token's and the drafts' */
+            if (row >= 0) m->rowtok[i][row] = next_token(read, m->eos);
         }
         tokens[i] = next_token(read, m->eos);
+    }
+}
+
+static uint64_t g_spec_rng = 0x9e3779b97f4a7c15ull;
+static uint32_t spec_rnd(void) {
+    g_spec_rng ^= g_spec_rng << 13;
+    g_spec_rng ^= g_spec_rng >> 7;
+    g_spec_rng ^= g_spec_rng << 17;
+    return (uint32_t)(g_spec_rng >> 32);
+}
+
+/* Drafts for every decoding sequence, as the runner's drafter would leave them: up to m->spec
+ * tokens after its last, each the fake model's next token 70% of the time (the first wrong one
+ * makes the rest wrong too), sometimes more than the limits allow (the scheduler cuts them). */
+static void propose_drafts(sim *m) {
+    for (int64_t i = 0; i < st_scheduler_num_running(m->s); i++) {
+        st_seq *q = (st_seq *)st_scheduler_running(m->s, i);
+        q->n_draft = 0;
+        if (st_seq_n_pending(q) != 1) continue;
+        const int64_t k = spec_rnd() % (uint32_t)(m->spec + 1);
+        CHECK(st_seq_reserve(q, q->n_tokens + k + 1) == STRATA_OK);
+        uint64_t h = DIGEST0;
+        for (int64_t p = 0; p < q->n_tokens; p++) h = digest_step(h, q->tokens[p]);
+        for (int64_t j = 0; j < k; j++) {
+            int32_t t = next_token(h, m->eos);
+            if (spec_rnd() % 10 >= 7) t = 41 + (int32_t)(spec_rnd() % 20); /* never the model's */
+            q->tokens[q->n_tokens + j] = t;
+            h = digest_step(h, t);
+        }
+        q->n_draft = k;
     }
 }
 
@@ -304,6 +350,7 @@ static void fake_forward(sim *m, const st_sched_decision *d, int32_t *tokens) {
  * whether anything ran. */
 static bool sim_step(sim *m, step_info *info, bool abort_between) {
     m->step++;
+    if (m->spec) propose_drafts(m);
     const st_sched_decision *d = NULL;
     strata_status st = st_scheduler_schedule(m->s, &d);
     CHECK_MSG(st == STRATA_OK, "%s", st_last_error());
@@ -327,14 +374,24 @@ static bool sim_step(sim *m, step_info *info, bool abort_between) {
     }
     const bool ran = d->n_items > 0;
     int32_t tokens[64];
+    int64_t acc[64] = {0};
     ST_ASSERT(d->n_items <= 64);
     fake_forward(m, d, tokens);
     uint64_t ids[64];
     bool logits[64];
+    int32_t accepted[64][33];
     const int64_t n_items = d->n_items;
     for (int64_t i = 0; i < n_items; i++) {
         ids[i] = d->items[i].seq_id;
         logits[i] = d->items[i].need_logits;
+        /* verification, as the runner does it: drafts accepted while each is the row's token; the
+         * first that is not (or an EOS draft) gives the token; all accepted: the last row's */
+        const st_sched_item *it = &d->items[i];
+        for (int64_t j = 0; j <= it->n_draft && logits[i]; j++) {
+            tokens[i] = m->rowtok[i][j];
+            if (j == it->n_draft || tokens[i] != it->tokens[1 + j] || (m->eos && tokens[i] == EOS)) break;
+            accepted[i][acc[i]++] = tokens[i];
+        }
     }
     if (abort_between && n_items > 0) { /* a client goes away after the forward, before the update */
         req *r = &m->reqs[ids[0]];
@@ -345,12 +402,13 @@ static bool sim_step(sim *m, step_info *info, bool abort_between) {
     }
     st_seq *const *fin = NULL;
     int64_t n_fin = -1;
-    st = st_scheduler_update(m->s, tokens, &fin, &n_fin);
+    st = st_scheduler_update(m->s, tokens, acc, &fin, &n_fin);
     CHECK_MSG(st == STRATA_OK, "%s", st_last_error());
     for (int64_t i = 0; i < n_items; i++) {
         if (!logits[i]) continue;
         req *r = &m->reqs[ids[i]];
         if (r->done) continue; /* aborted between schedule and update */
+        for (int64_t j = 0; j < acc[i]; j++) req_push(r, accepted[i][j]);
         req_push(r, tokens[i]);
         if (r->first_token_step < 0) r->first_token_step = m->step;
     }
@@ -430,7 +488,7 @@ static void test_params(void) {
     CHECK(st_scheduler_get_params(s)->max_model_len == 257);
     st_scheduler *s2 = NULL;
     CHECK_ERR(st_scheduler_init(&p, NULL, &s2), STRATA_ERR_INVALID_ARG, "block manager");
-    CHECK_ERR(st_scheduler_update(s, NULL, NULL, NULL), STRATA_ERR_INVALID_ARG, "without a scheduled step");
+    CHECK_ERR(st_scheduler_update(s, NULL, NULL, NULL, NULL), STRATA_ERR_INVALID_ARG, "without a scheduled step");
     st_scheduler_free(s);
     st_scheduler_free(NULL);
     st_bm_free(bm);
@@ -834,16 +892,16 @@ static void test_dropped_decision(void) {
     CHECK(st_scheduler_validate(m.s) == STRATA_OK);
     int32_t none[1] = {-1};
     fake_forward(&m, d, none);
-    CHECK(st_scheduler_update(m.s, none, NULL, NULL) == STRATA_OK); /* no logits needed */
+    CHECK(st_scheduler_update(m.s, none, NULL, NULL, NULL) == STRATA_OK); /* no logits needed */
     none[0] = -1;
-    CHECK_ERR(st_scheduler_update(m.s, none, NULL, NULL), STRATA_ERR_INVALID_ARG, "without a scheduled step");
+    CHECK_ERR(st_scheduler_update(m.s, none, NULL, NULL, NULL), STRATA_ERR_INVALID_ARG, "without a scheduled step");
     m.step = 1;
     run_to_end(&m, 50);
     check_outputs(&m);
     /* a missing sampled token is refused, nothing changes */
     CHECK(sim_add(&m, t, 3, 3) == STRATA_OK);
     CHECK(st_scheduler_schedule(m.s, &d) == STRATA_OK && d->items[0].need_logits);
-    CHECK_ERR(st_scheduler_update(m.s, none, NULL, NULL), STRATA_ERR_INVALID_ARG, "needs a sampled token");
+    CHECK_ERR(st_scheduler_update(m.s, none, NULL, NULL, NULL), STRATA_ERR_INVALID_ARG, "needs a sampled token");
     CHECK(st_scheduler_get_seq(m.s, 1)->kv.n_computed == 0);
     st_scheduler_abort(m.s, 1);
     m.reqs[1].done = m.reqs[1].aborted = true;
@@ -861,11 +919,13 @@ static uint64_t rnd(void) {
 }
 
 static void random_workload(uint64_t seed, int n_requests, int64_t num_blocks, int64_t bs, int64_t budget,
-                            int64_t max_batch, int64_t max_model_len, bool prefix_cache, int64_t prefill_chunk) {
+                            int64_t max_batch, int64_t max_model_len, bool prefix_cache, int64_t prefill_chunk,
+                            int spec) {
     g_rng = seed;
     sim m;
     sim_init_chunked(&m, num_blocks, bs, budget, max_batch, max_model_len, prefix_cache, prefill_chunk);
     m.eos = true;
+    m.spec = spec;
     int32_t stems[4][512];
     for (int s = 0; s < 4; s++)
         for (int i = 0; i < 512; i++) stems[s][i] = 100 + (int32_t)(rnd() % 50);
@@ -913,12 +973,15 @@ static void random_workload(uint64_t seed, int n_requests, int64_t num_blocks, i
     st_scheduler_get_stats(m.s, &ss);
     st_bm_stats bs_;
     st_bm_get_stats(m.bm, &bs_);
-    printf("random workload seed %llu (cache %s, chunk %lld): %d requests in %lld steps, %lld preemptions, %lld aborts, "
+    printf("random workload seed %llu (cache %s, chunk %lld, drafts %d: %lld of %lld accepted): %d requests in %lld "
+           "steps, %lld preemptions, %lld aborts, "
            "%lld prefill + %lld decode tokens, hit rate %.3f, %lld evictions, %lld dedups, longest wait %lld steps\n",
-           (unsigned long long)seed, prefix_cache ? "on" : "off", (long long)prefill_chunk, n_requests, (long long)m.step,
+           (unsigned long long)seed, prefix_cache ? "on" : "off", (long long)prefill_chunk, spec,
+           (long long)ss.accepted, (long long)ss.drafted, n_requests, (long long)m.step,
            (long long)ss.preemptions, (long long)aborts, (long long)ss.prefill_tokens, (long long)ss.decode_tokens,
            st_bm_hit_rate(&bs_), (long long)bs_.evictions, (long long)bs_.dedups, (long long)max_wait);
     CHECK(ss.preemptions > 0); /* the pool is small enough to exercise preemption */
+    if (spec) CHECK(ss.accepted > 0 && ss.drafted > ss.accepted);
     if (prefix_cache) CHECK(bs_.hit_tokens > 0);
     sim_free(&m);
 }
@@ -936,11 +999,14 @@ int main(void) {
     test_abort();
     test_fcfs_no_overtaking();
     test_dropped_decision();
-    random_workload(1, 300, 48, 8, 48, 6, 256, true, 0);
-    random_workload(2, 300, 48, 8, 48, 6, 256, false, 0);
-    random_workload(3, 300, 40, 4, 32, 8, 128, true, 0);
-    random_workload(4, 200, 40, 16, 128, 16, 512, true, 0);
-    random_workload(5, 300, 48, 8, 40, 6, 256, true, 32);
-    random_workload(6, 300, 40, 4, 24, 8, 128, false, 16);
+    random_workload(1, 300, 48, 8, 48, 6, 256, true, 0, 0);
+    random_workload(2, 300, 48, 8, 48, 6, 256, false, 0, 0);
+    random_workload(3, 300, 40, 4, 32, 8, 128, true, 0, 0);
+    random_workload(4, 200, 40, 16, 128, 16, 512, true, 0, 0);
+    random_workload(5, 300, 48, 8, 40, 6, 256, true, 32, 0);
+    random_workload(6, 300, 40, 4, 24, 8, 128, false, 16, 0);
+    random_workload(7, 300, 48, 8, 48, 6, 256, true, 0, 4);
+    random_workload(8, 300, 40, 4, 32, 8, 128, false, 0, 8);
+    random_workload(9, 300, 48, 8, 40, 6, 256, true, 32, 6);
     return test_finish("test_scheduler");
 }

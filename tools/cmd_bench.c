@@ -27,6 +27,9 @@ static void bench_usage(FILE *f) {
             "  --seqs B[,B...]  then decode B sequences at once (e.g. 1,8,32), one token each per pass:\n"
             "                   --gen steps each (the first a warm-up), tok/s beside the bound\n"
             "  --seq-prompt N   prompt tokens of each of those sequences (default 32)\n"
+            "  --verify K[,K...]  then the cost of a speculative verification pass: the sequence's\n"
+            "                   token and K drafts in one pass, the logits of every row to the host\n"
+            "                   (as serving verifies them), beside a one-token decode step\n"
             "  --kv-stream      the sequence's KV in host memory, streamed through the device layer by\n"
             "                   layer (contexts longer than the device, up to 1M tokens): one prefill\n"
             "                   and --gen decode steps, beside their rooflines, and the device memory peak;\n"
@@ -98,6 +101,25 @@ static strata_status decode_one(tool_model *tm, int32_t tok, int64_t pos, int32_
     const st_batch b = {.n_tokens = 1, .tokens = &tok, .pos = &p, .seq = &seq, .slots = &slot, .n_seqs = 1,
                         .block_tables = table, .max_blocks = nb, .ctx_lens = &ctx, .logit_rows = &row, .n_logits = 1};
     return st_llama_forward_sample(tm->model, tm->kv, &b, &greedy, next, NULL);
+}
+
+/* A speculative verification pass of the single sequence: its token and k drafts at positions
+ * pos .. pos + k, the logits of every row to the host (logits: [k + 1, V]). */
+static strata_status verify_pass(tool_model *tm, const int32_t *toks, int64_t k, int64_t pos, float *logits) {
+    const int64_t n = k + 1, bs = st_kv_pool_block_size(tm->kv), nb = (pos + n - 1) / bs + 1;
+    int32_t table[nb], p[n], seq[n], rows[n];
+    int64_t slots[n];
+    for (int64_t b = 0; b < nb; b++) table[b] = (int32_t)b;
+    for (int64_t i = 0; i < n; i++) {
+        p[i] = (int32_t)(pos + i);
+        seq[i] = 0;
+        rows[i] = (int32_t)i;
+        slots[i] = pos + i;
+    }
+    const int32_t ctx = (int32_t)(pos + n);
+    const st_batch b = {.n_tokens = n, .tokens = toks, .pos = p, .seq = seq, .slots = slots, .n_seqs = 1,
+                        .block_tables = table, .max_blocks = nb, .ctx_lens = &ctx, .logit_rows = rows, .n_logits = n};
+    return st_llama_forward(tm->model, tm->kv, &b, logits);
 }
 
 /* ---- decode of several sequences at once (--seqs) ----------------------------------
@@ -398,8 +420,8 @@ int cmd_bench(int argc, char **argv) {
     const char *path = NULL;
     int64_t n_prompt = 128, n_gen = 64, reps = 3;
     bool prefill_only = false;
-    int64_t seqs[16], seq_prompt = 32;
-    int n_seqs = 0;
+    int64_t seqs[16], seq_prompt = 32, verify[16];
+    int n_seqs = 0, n_verify = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *val = i + 1 < argc ? argv[i + 1] : NULL;
@@ -423,6 +445,14 @@ int cmd_bench(int argc, char **argv) {
         } else if (!strcmp(a, "--seqs")) {
             if (!parse_list(val, seqs, &n_seqs)) return 2;
             i++;
+        } else if (!strcmp(a, "--verify")) {
+            if (!parse_list(val, verify, &n_verify)) return 2;
+            for (int k = 0; k < n_verify; k++)
+                if (verify[k] > 32) {
+                    fprintf(stderr, "strata bench: --verify %lld: at most 32 drafts\n", (long long)verify[k]);
+                    return 2;
+                }
+            i++;
         } else if (!strcmp(a, "--seq-prompt")) {
             if (!tool_parse_i64(val, 1, 1 << 20, "--seq-prompt", &seq_prompt)) return 2;
             i++;
@@ -442,10 +472,17 @@ int cmd_bench(int argc, char **argv) {
         fprintf(stderr, "strata bench: --kv-stream runs one sequence: not with --seqs or --prefill-only\n");
         return 2;
     }
-    if (mo.ctx == 0) mo.ctx = n_prompt + (n_gen > 2 ? n_gen : 2);
+    int64_t max_verify = 0;
+    for (int k = 0; k < n_verify; k++) max_verify = verify[k] > max_verify ? verify[k] : max_verify;
+    if (mo.kv_stream && n_verify > 0) {
+        fprintf(stderr, "strata bench: --verify runs on the paged KV cache: not with --kv-stream\n");
+        return 2;
+    }
+    if (mo.ctx == 0) mo.ctx = n_prompt + (n_gen > 2 ? n_gen : 2) + max_verify + 1;
     /* the prompt in one forward chunk unless --batch says otherwise (up to 4096 tokens) */
     const bool batch_given = mo.batch != 0;
     if (mo.batch == 0) mo.batch = n_prompt < 4096 ? n_prompt : 4096;
+    if (mo.batch < max_verify + 1) mo.batch = max_verify + 1; /* a verification pass in one forward */
     if (n_seqs > 0) { /* the batched decode: max_batch >= the batch, a paged pool planned for */
         if (n_gen < 2) {
             fprintf(stderr, "strata bench: --seqs needs --gen 2 or more\n");
@@ -631,6 +668,32 @@ int cmd_bench(int argc, char **argv) {
     printf("device mem   peak %.1f MB of backend allocations (%sKV cache, activations, scratch)\n", peak / 1e6,
            on_cpu ? "" : "weights, ");
     tool_print_weights(&tm, &ws, &ws_after, n_gen, step_s, n_prompt, t_prefill);
+    if (n_verify > 0) {
+        /* each K: a warm-up pass, then passes over the same positions (the KV rewritten) */
+        float *vl = malloc((size_t)(max_verify + 1) * (size_t)V * sizeof *vl);
+        int32_t vt[33];
+        if (!vl) goto fail;
+        for (int64_t i = 0; i <= max_verify; i++) vt[i] = ids[(n_prompt + i) % (n_prompt + n_gen)];
+        const int64_t at = n_prompt + n_gen, passes = 8;
+        for (int k = 0; k < n_verify; k++) {
+            if (verify_pass(&tm, vt, verify[k], at, vl) != STRATA_OK) {
+                free(vl);
+                goto fail;
+            }
+            const double t1 = st_time_now();
+            for (int64_t r = 0; r < passes; r++)
+                if (verify_pass(&tm, vt, verify[k], at, vl) != STRATA_OK) {
+                    free(vl);
+                    goto fail;
+                }
+            const double tv = (st_time_now() - t1) / (double)passes;
+            printf("verify       %lld drafts + 1 token in one pass, %lld logit rows to the host: %.3f ms = %.2fx "
+                   "a one-token decode step (%.3f ms); all accepted would give %.1f tok/s\n",
+                   (long long)verify[k], (long long)verify[k] + 1, tv * 1e3, tv / step_s, step_s * 1e3,
+                   (double)(verify[k] + 1) / tv);
+        }
+        free(vl);
+    }
     if (n_seqs > 0 && !seqs_bench(&tm, seqs, n_seqs, seq_prompt, n_gen, bw, weight_bytes)) goto done;
     rc = 0;
     goto done;

@@ -69,9 +69,10 @@ static void run_usage(FILE *f) {
             "  --stop STR              stop when the output contains STR (not printed); repeatable\n"
             "                          (up to %d). The model's end tokens always stop it.\n"
             "  -q, --quiet             no loading line and no stats line\n"
-            TOOL_MODEL_OPTS_HELP TOOL_KV_TIER_OPTS_HELP TOOL_KV_STREAM_OPT_HELP
+            TOOL_MODEL_OPTS_HELP TOOL_KV_TIER_OPTS_HELP TOOL_KV_STREAM_OPT_HELP TOOL_SPEC_OPTS_HELP
             "\nStats line (stderr), one per answer:\n"
             "  prompt: P tokens in S s (R tok/s), generated: G tokens in S s (R tok/s), load: S s, stop: WHY[, seed: S][, cached: C]\n"
+            "  [, drafts: A of D accepted] (speculative decoding)\n"
             "where P counts the prompt tokens computed (C more came from the prefix cache: the earlier\n"
             "turns of a chat), G every sampled token (an end token included), prompt time is the\n"
             "prefill up to the first token, generation time runs from there to the end, and WHY is\n"
@@ -140,6 +141,7 @@ static bool is_chat_format(const char *name) {
 static int parse_args(int argc, char **argv, run_opts *o) {
     memset(o, 0, sizeof *o);
     o->mo = (tool_model_opts)TOOL_ENGINE_OPTS_INIT;
+    o->mo.spec_opts = true;
     o->chat = -1;
     o->n_predict = DEF_N_PREDICT;
     o->sp.temperature = (float)DEF_TEMP;
@@ -265,6 +267,7 @@ static int parse_args(int argc, char **argv, run_opts *o) {
         fprintf(stderr, "strata run: no MODEL given\n");
         return -1;
     }
+    if (!tool_spec_settle(&o->mo)) return -1;
     if (o->prompt && o->prompt_file) {
         fprintf(stderr, "strata run: give either -p or -f, not both\n");
         return -1;
@@ -342,6 +345,7 @@ typedef struct {
     const char *chat_name;
     int64_t n_ctx;        /* the engine's max_seq_len */
     double load_s;
+    int64_t drafted, accepted; /* speculative decoding: the engine's counters before this answer */
 } runner;
 
 /* page-in progress on stderr: shown when paging in takes more than a second */
@@ -479,6 +483,9 @@ static bool runner_open(run_opts *o, runner *r, int *rc) {
         .kv_ssd_dir = mo->kv_ssd_dir,
         .kv_ssd_size = mo->kv_ssd_size,
         .kv_stream = mo->kv_stream,
+        .spec = mo->spec,
+        .spec_k = mo->spec_k,
+        .draft_model = mo->draft,
     };
     tool_test_faults(mo, &mp); /* --test-fault (test builds) */
     if (strata_model_open(o->model_path, &mp, &r->m) != STRATA_OK) {
@@ -543,7 +550,14 @@ static void on_finish(void *user, const strata_finish *f) {
 
 /* The stats line from the request's finish info: the prompt part is the
  * tokens computed (the prefix cache's are not), timed up to the first token. */
-static void print_stats(const run_opts *o, const runner *r, const strata_finish *f) {
+static void print_stats(const run_opts *o, runner *r, const strata_finish *f) {
+    strata_metrics mt;
+    const bool spec = o->mo.spec != STRATA_SPEC_OFF && strata_metrics_get(r->m, &mt) == STRATA_OK;
+    const int64_t drafted = spec ? mt.spec_drafted - r->drafted : 0, accepted = spec ? mt.spec_accepted - r->accepted : 0;
+    if (spec) {
+        r->drafted = mt.spec_drafted;
+        r->accepted = mt.spec_accepted;
+    }
     if (o->quiet) return;
     const int64_t computed = f->prompt_tokens - f->cached_tokens;
     const double prompt_s = f->ttft_s >= 0 ? f->ttft_s - f->queue_s : f->total_s - f->queue_s;
@@ -555,6 +569,7 @@ static void print_stats(const run_opts *o, const runner *r, const strata_finish 
             gen_s, gen_s > 0 ? f->completion_tokens / gen_s : 0.0, r->load_s, f->detail);
     if (o->sp.temperature > 0) fprintf(stderr, ", seed: %llu", (unsigned long long)o->sp.seed);
     if (f->cached_tokens > 0) fprintf(stderr, ", cached: %lld", (long long)f->cached_tokens);
+    if (spec) fprintf(stderr, ", drafts: %lld of %lld accepted", (long long)accepted, (long long)drafted);
     fputc('\n', stderr);
 }
 

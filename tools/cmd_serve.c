@@ -72,7 +72,7 @@ static void serve_usage(FILE *f) {
             "  --precise                hi+lo split bf16 operands instead (~1e-5 of fp32 math): the\n"
             "                           default for models stored in f32\n"
             "  --kv-dtype bf16|fp8|f32  KV cache element type (default bf16)\n"
-            TOOL_KV_TIER_OPTS_HELP TOOL_KV_STREAM_OPT_HELP
+            TOOL_KV_TIER_OPTS_HELP TOOL_KV_STREAM_OPT_HELP TOOL_SPEC_OPTS_HELP
             "  --role both|prefill|decode\n"
             "                           prefill/decode disaggregation behind `strata router` (default both:\n"
             "                           a single server). prefill: serves /pd/prefill, pushing each layer's\n"
@@ -144,6 +144,7 @@ typedef struct {
 static int parse_args(int argc, char **argv, serve_opts *o) {
     memset(o, 0, sizeof *o);
     o->mo = (tool_model_opts)TOOL_ENGINE_OPTS_INIT;
+    o->mo.spec_opts = true;
     o->host = "127.0.0.1";
     o->port = 8080;
     o->shutdown_timeout = SERVE_DEF_SHUTDOWN_TIMEOUT;
@@ -260,6 +261,7 @@ static int parse_args(int argc, char **argv, serve_opts *o) {
         fprintf(stderr, "strata serve: no MODEL given\n");
         return -1;
     }
+    if (!tool_spec_settle(&o->mo)) return -1;
     if (o->chat_template) {
         if (strcmp(o->chat_template, "chatml") && strcmp(o->chat_template, "llama3") &&
             strcmp(o->chat_template, "llama2")) {
@@ -401,6 +403,9 @@ int cmd_serve(int argc, char **argv) {
         .kv_ssd_dir = mo->kv_ssd_dir,
         .kv_ssd_size = mo->kv_ssd_size,
         .kv_stream = mo->kv_stream,
+        .spec = mo->spec,
+        .spec_k = mo->spec_k,
+        .draft_model = mo->draft,
         .prefill = mo->prefill < 0 ? STRATA_PREFILL_PRECISE : mo->prefill > 0 ? STRATA_PREFILL_FAST : STRATA_PREFILL_AUTO,
         .ring_slots = mo->ring_slots,
         .h2d_gbps = mo->h2d_bw,

@@ -181,6 +181,23 @@ static int fault_parse(const char *val, long long *n) {
     return -1;
 }
 
+bool tool_spec_settle(tool_model_opts *o) {
+    if (o->draft && o->spec == STRATA_SPEC_OFF) o->spec = STRATA_SPEC_DRAFT;
+    if (o->draft && o->spec != STRATA_SPEC_DRAFT) {
+        fprintf(stderr, "strata: --draft %s is a draft model, but --spec says lookup\n", o->draft);
+        return false;
+    }
+    if (o->spec == STRATA_SPEC_DRAFT && !o->draft) {
+        fprintf(stderr, "strata: --spec draft needs the draft model: --draft MODEL\n");
+        return false;
+    }
+    if (o->spec_k && o->spec == STRATA_SPEC_OFF) {
+        fprintf(stderr, "strata: --spec-k sets the drafts of speculative decoding: give --spec lookup or --draft\n");
+        return false;
+    }
+    return true;
+}
+
 void tool_test_faults(const tool_model_opts *o, strata_model_params *mp) {
     long long n = 0;
     const int i = fault_parse(o->test_fault, &n);
@@ -263,6 +280,26 @@ int tool_parse_model_opt(int argc, char **argv, int *i, tool_model_opts *o) {
         fprintf(stderr, "strata: %s is an option of run, serve, plan, bench and bench-kv (the KV cache's tiers)\n",
                 a);
         return -1;
+    } else if (!o->spec_opts && (!strcmp(a, "--spec") || !strcmp(a, "--draft") || !strcmp(a, "--spec-k"))) {
+        fprintf(stderr, "strata: %s is an option of run and serve (speculative decoding; bench measures its "
+                        "verification passes with --verify)\n", a);
+        return -1;
+    } else if (strcmp(a, "--spec") == 0) {
+        if (!val || (strcmp(val, "off") && strcmp(val, "lookup") && strcmp(val, "draft"))) {
+            fprintf(stderr, "strata: --spec takes lookup, draft or off\n");
+            return -1;
+        }
+        o->spec = !strcmp(val, "lookup") ? STRATA_SPEC_LOOKUP : !strcmp(val, "draft") ? STRATA_SPEC_DRAFT
+                                                                                        : STRATA_SPEC_OFF;
+    } else if (strcmp(a, "--draft") == 0) {
+        if (!val || !val[0]) {
+            fprintf(stderr, "strata: --draft needs the draft model's path\n");
+            return -1;
+        }
+        o->draft = val;
+    } else if (strcmp(a, "--spec-k") == 0) {
+        if (!tool_parse_i64(val, 1, 32, a, &v)) return -1;
+        o->spec_k = (int)v;
     } else if (strcmp(a, "--kv-stream") == 0) {
         o->kv_stream = true;
         return 1; /* no value */

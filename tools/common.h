@@ -38,7 +38,28 @@ typedef struct {
     bool kv_offload_lazy;  /* --kv-offload lazy */
     const char *kv_ssd_dir; /* --kv-ssd-dir DIR */
     size_t kv_ssd_size;    /* --kv-ssd-size SIZE (0: 64 GiB) */
+    /* speculative decoding: options of run and serve (they set spec_opts before parsing) */
+    bool spec_opts;
+    strata_spec spec;      /* --spec off|lookup|draft (--draft MODEL implies draft) */
+    int spec_k;            /* --spec-k N (0: 8) */
+    const char *draft;     /* --draft MODEL */
 } tool_model_opts;
+
+/* The speculative decoding options (run, serve). */
+#define TOOL_SPEC_OPTS_HELP \
+    "  --spec lookup|draft|off  speculative decoding: each decode step also verifies drafts, in the\n" \
+    "                           same pass; greedy output is unchanged token for token, sampling keeps\n" \
+    "                           its distribution (rejection rule). lookup: what followed the last\n" \
+    "                           n-gram's latest earlier occurrence in the prompt or output (no second\n" \
+    "                           model); draft: a smaller model's greedy tokens (--draft). Default off\n" \
+    "  --draft MODEL            the draft model (same vocabulary; on the same device), implies\n" \
+    "                           --spec draft\n" \
+    "  --spec-k N               most drafts per step (default 8, 1 to 32); fewer while few are\n" \
+    "                           accepted\n"
+
+/* After parsing: --draft implies --spec draft; --spec draft needs --draft; --spec-k needs --spec.
+ * False (message printed) on a contradiction. */
+bool tool_spec_settle(tool_model_opts *o);
 
 /* Sets the test fields of *mp that --test-fault asks for (none without it). */
 void tool_test_faults(const tool_model_opts *o, strata_model_params *mp);

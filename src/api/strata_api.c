@@ -38,6 +38,7 @@ struct strata_model {
     bool tpl_set;               /* chosen by strata_chat_set_template (not the model's own) */
     atomic_bool thread_on;      /* strata_start .. strata_stop */
     char *kv_ssd_dir;           /* the params' copy (ep.kv_ssd_dir points here) */
+    st_model_files *draft;      /* speculative decoding's draft model (ep.spec.draft), or NULL */
 };
 
 /* ---- errors and logging ---------------------------------------------------------------*/
@@ -141,6 +142,7 @@ void strata_model_free(strata_model *m) {
     st_tokenizer_free(m->tok);
     st_backend_free(m->be);
     st_model_close(m->files);
+    st_model_close(m->draft);
     st_free(m->kv_ssd_dir);
     st_free(m);
 }
@@ -242,6 +244,34 @@ strata_status strata_model_open(const char *path, const strata_model_params *par
         }
         memcpy(m->kv_ssd_dir, p.kv_ssd_dir, strlen(p.kv_ssd_dir) + 1);
         m->ep.kv_ssd_dir = m->kv_ssd_dir;
+    }
+    if (p.spec != STRATA_SPEC_OFF && p.spec != STRATA_SPEC_LOOKUP && p.spec != STRATA_SPEC_DRAFT) {
+        strata_model_free(m);
+        return st_err(STRATA_ERR_INVALID_ARG, "spec %d: off, lookup or draft", (int)p.spec);
+    }
+    if ((p.spec == STRATA_SPEC_DRAFT) != (p.draft_model != NULL && p.draft_model[0])) {
+        strata_model_free(m);
+        return st_err(STRATA_ERR_INVALID_ARG, p.spec == STRATA_SPEC_DRAFT
+                                                  ? "speculative decoding with a draft model needs its path (--draft)"
+                                                  : "a draft model is given but speculative decoding is not set to "
+                                                    "draft");
+    }
+    m->ep.spec = (st_spec_params){.mode = p.spec == STRATA_SPEC_LOOKUP  ? ST_SPEC_LOOKUP
+                                          : p.spec == STRATA_SPEC_DRAFT ? ST_SPEC_DRAFT
+                                                                        : ST_SPEC_OFF,
+                                  .k_max = p.spec_k};
+    if (p.spec == STRATA_SPEC_DRAFT) {
+        if ((st = st_model_open(p.draft_model, &m->draft))) {
+            char msg[768];
+            snprintf(msg, sizeof msg, "%s", st_last_error());
+            strata_model_free(m);
+            return st_err(st, "draft model: %s", msg);
+        }
+        m->ep.spec.draft = m->draft;
+    }
+    if ((st = st_spec_params_resolve(&m->ep.spec))) {
+        strata_model_free(m);
+        return st;
     }
     m->ep.weights.host_mem = p.host_mem;
     m->ep.weights.ring_slots = p.ring_slots;
@@ -379,6 +409,10 @@ strata_status strata_engine_info_get(const strata_model *m, strata_engine_info *
     out->attn_flops_per_pair = c->attn_flops_per_pair;
     st_engine_kv_layout(m->eng, &out->kv_layers, &out->kv_layer_bytes, &out->kv_identity);
     out->kv_landing_blocks = st_engine_kv_landing_blocks(m->eng);
+    out->spec = ep->spec.mode == ST_SPEC_LOOKUP  ? STRATA_SPEC_LOOKUP
+                : ep->spec.mode == ST_SPEC_DRAFT ? STRATA_SPEC_DRAFT
+                                                 : STRATA_SPEC_OFF;
+    out->spec_k = ep->spec.mode == ST_SPEC_OFF ? 0 : ep->spec.k_max;
     return STRATA_OK;
 }
 
@@ -819,6 +853,8 @@ strata_status strata_metrics_get(strata_model *m, strata_metrics *out) {
         out->kv_bytes_ssd_to_host = (int64_t)t->bytes_ssd2h;
     }
     out->kv_swaps = e->kv_swaps;
+    out->spec_drafted = e->spec_drafted;
+    out->spec_accepted = e->spec_accepted;
     out->pd_adopted = e->pd_adopted;
     out->pd_cancelled = e->pd_cancelled;
     hist_copy(&e->ttft, &out->ttft);

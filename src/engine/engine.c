@@ -715,7 +715,7 @@ static void seq_event(st_engine *e, const st_runner_event *ev, int64_t *n_sample
         pthread_mutex_unlock(&e->mu);
         if (first) s->t_first = now;
         s->t_last = now;
-        (*n_sampled)++;
+        *n_sampled += ev->n_tokens; /* several with speculative decoding */
         if (s->n_text > 0 && s->cb.on_text) s->cb.on_text(s->cb.user, s->text, s->n_text);
     }
     if (!ev->finished) return;
@@ -744,6 +744,8 @@ static void sync_metrics_locked(st_engine *e) {
     e->m.kv_tiers = rs.tiers;
     e->m.kv_tier = rs.tier;
     e->m.kv_swaps = rs.sched.swaps;
+    e->m.spec_drafted = rs.sched.drafted;
+    e->m.spec_accepted = rs.sched.accepted;
     e->n_running = st_runner_num_running(e->runner);
     e->n_waiting = st_runner_num_waiting(e->runner) + e->n_pending + e->n_parked;
 }

@@ -136,6 +136,7 @@ typedef struct {
     bool kv_tiers;                   /* a host tier (maybe an SSD tier) runs: kv_tier is filled */
     st_kv_tiers_stats kv_tier;
     int64_t kv_swaps;                /* preempted sequences whose KV came back from a lower tier */
+    int64_t spec_drafted, spec_accepted; /* speculative drafts verified / accepted */
     int64_t pd_adopted, pd_cancelled; /* P-D tickets resolved each way */
     st_engine_hist ttft;             /* seconds from add to the first sampled token */
     st_engine_hist tbt;              /* seconds between consecutive sampled tokens of a request */

@@ -38,11 +38,17 @@ struct st_runner {
     int32_t *tables;         /* [max_batch * table_w] */
     int32_t *ctx_lens;       /* [max_batch] */
     int32_t *next;           /* [max_batch + 1] sampled token per item, then the streamed one's (-1: none) */
-    int64_t *logit_item;     /* [max_batch] item of each logit row */
-    float *logits;           /* [max_batch, model vocab] */
+    int64_t rows_cap;        /* logit rows of a pass: max_batch, or with drafts up to batch_tokens */
+    int64_t *logit_item;     /* [rows_cap] item of each logit row */
+    int64_t *item_row;       /* [max_batch] the item's first logit row (-1: none) */
+    int64_t *accepted;       /* [max_batch] drafts accepted per item */
+    float *logits;           /* [rows_cap, model vocab] */
+    st_drafter *drafter;     /* speculative decoding (NULL: off) */
+    st_seq **dec_seqs;       /* [max_batch] decoding sequences a step proposes drafts for */
+    int64_t *dec_max;        /* [max_batch] their room for drafts */
     bool dev_sample;         /* CUDA: draw on the device the tokens of samplers without a penalty */
-    st_sample_args *sargs;   /* [max_batch] the sample op's args, one per logit row */
-    int32_t *sids;           /* [max_batch] the tokens it drew */
+    st_sample_args *sargs;   /* [rows_cap] the sample op's args, one per logit row */
+    int32_t *sids;           /* [rows_cap] the tokens it drew */
     st_runner_event *events; /* [max_batch + 1]: the items', then the streamed sequence's */
     st_kv_stream *ks;        /* the streamed sequence's KV (made at its first pass; NULL: none yet) */
     float *stream_logits;    /* [model vocab] */
@@ -96,6 +102,8 @@ static int64_t tiers_load(void *user, const int32_t *tokens, int64_t n_tokens, i
                           const int32_t *dev_blocks) {
     return st_kv_tiers_load(user, tokens, n_tokens, from_block, n_blocks, dev_blocks);
 }
+
+static void drafter_leave(void *user, st_seq *q) { st_drafter_forget(user, q); }
 
 /* The model's identity for the SSD tier: the files' sizes, their leading bytes
  * up to the first tensor's data (the header and tensor table; at most 16 MiB
@@ -163,6 +171,8 @@ strata_status st_engine_params_resolve(st_engine_params *p, const st_config *cfg
         return st_err(STRATA_ERR_INVALID_ARG, "engine params: step_tokens %lld < prefill_chunk %lld",
                       (long long)p->step_tokens, (long long)p->prefill_chunk);
     if (p->max_waiting == 0) p->max_waiting = DEF_MAX_WAITING;
+    strata_status sst = st_spec_params_resolve(&p->spec);
+    if (sst) return sst;
     if (p->kv_host_mem < ST_KV_HOST_OFF)
         return st_err(STRATA_ERR_INVALID_ARG, "engine params: kv_host_mem %lld", (long long)p->kv_host_mem);
     if (p->kv_host_mem == 0) {
@@ -236,9 +246,12 @@ strata_status st_runner_init(const st_model_files *files, st_backend *be, const 
                         p.kv_landing_mem, slot_bytes);
             goto fail;
         }
+        /* the draft model (speculative decoding) shares the device budget: kept out of the weights' room */
         st_llama_params lp = {.max_seq_len = p.max_model_len, .max_tokens = batch_tokens, .weights = p.weights,
                               .device_mem = p.device_mem,
-                              .kv_bytes = st_kv_pool_device_bytes(&kp) + (size_t)r->land_slots * slot_bytes};
+                              .kv_bytes = st_kv_pool_device_bytes(&kp) + (size_t)r->land_slots * slot_bytes +
+                                          st_drafter_device_bytes(&p.spec, be, p.max_batch, p.max_model_len,
+                                                                  p.kv_dtype)};
         if ((st = st_llama_measure(files, be, &lp))) goto fail; /* startup: bandwidths, scratch (budgeted) */
         if ((st = st_llama_init(files, be, &lp, &r->model))) goto fail;
         ST_ASSERT(st_llama_max_tokens(r->model) == batch_tokens);
@@ -273,16 +286,26 @@ strata_status st_runner_init(const st_model_files *files, st_backend *be, const 
                                  .on_register = r->tiers ? st_kv_tiers_on_register : NULL,
                                  .on_evict = r->tiers ? st_kv_tiers_on_evict : NULL, .tier_user = r->tiers};
         if ((st = st_bm_init(&bp, &r->bm))) goto fail;
+        if (p.spec.mode != ST_SPEC_OFF &&
+            (st = st_drafter_init(&p.spec, be, cfg->vocab_size, p.max_batch, p.max_model_len, p.kv_dtype, &r->drafter)))
+            goto fail;
         const st_scheduler_params sp = {.max_num_batched_tokens = batch_tokens, .max_batch = p.max_batch,
                                         .max_model_len = p.max_model_len,
                                         .prefill_chunk = p.prefill_chunk > 0 ? p.prefill_chunk : 0,
                                         .stream_tokens = p.kv_stream ? batch_tokens : 0,
                                         .lower = {.lookup = r->tiers ? tiers_lookup : NULL,
                                                   .prefetch = r->tiers ? tiers_prefetch : NULL,
-                                                  .load = r->tiers ? tiers_load : NULL, .user = r->tiers}};
+                                                  .load = r->tiers ? tiers_load : NULL, .user = r->tiers},
+                                        .on_leave = r->drafter ? drafter_leave : NULL, .leave_user = r->drafter};
         if ((st = st_scheduler_init(&sp, r->bm, &r->sched))) goto fail;
     }
     const size_t T = (size_t)batch_tokens, B = (size_t)p.max_batch;
+    r->rows_cap = p.max_batch;
+    if (r->drafter) { /* a decode with k drafts wants k + 1 rows */
+        const int64_t want = p.max_batch * (1 + p.spec.k_max);
+        r->rows_cap = want < batch_tokens ? want : batch_tokens;
+    }
+    const size_t R = (size_t)r->rows_cap;
     r->tokens = st_malloc(T * sizeof *r->tokens);
     r->pos = st_malloc(T * sizeof *r->pos);
     r->seq = st_malloc(T * sizeof *r->seq);
@@ -290,15 +313,20 @@ strata_status st_runner_init(const st_model_files *files, st_backend *be, const 
     r->tables = st_malloc(B * (size_t)r->table_w * sizeof *r->tables);
     r->ctx_lens = st_malloc(B * sizeof *r->ctx_lens);
     r->next = st_malloc((B + 1) * sizeof *r->next);
-    r->logit_item = st_malloc(B * sizeof *r->logit_item);
-    r->logits = st_malloc(B * (size_t)r->model_vocab * sizeof *r->logits);
+    r->logit_item = st_malloc(R * sizeof *r->logit_item);
+    r->item_row = st_malloc(B * sizeof *r->item_row);
+    r->accepted = st_calloc(B, sizeof *r->accepted);
+    r->dec_seqs = st_malloc(B * sizeof *r->dec_seqs);
+    r->dec_max = st_malloc(B * sizeof *r->dec_max);
+    r->logits = st_malloc(R * (size_t)r->model_vocab * sizeof *r->logits);
     r->events = st_calloc(B + 1, sizeof *r->events);
     r->stream_logits = p.kv_stream ? st_malloc((size_t)r->model_vocab * sizeof *r->stream_logits) : NULL;
-    r->sargs = st_malloc(B * sizeof *r->sargs);
-    r->sids = st_malloc(B * sizeof *r->sids);
+    r->sargs = st_malloc(R * sizeof *r->sargs);
+    r->sids = st_malloc(R * sizeof *r->sids);
     r->dev_sample = be->kind == ST_BACKEND_CUDA && !p.host_sample; /* and per row: the sampler's width */
     if (!r->tokens || !r->pos || !r->seq || !r->logit_rows || !r->tables || !r->ctx_lens || !r->next ||
-        !r->logit_item || !r->logits || !r->events || !r->sargs || !r->sids || (p.kv_stream && !r->stream_logits)) {
+        !r->logit_item || !r->logits || !r->events || !r->sargs || !r->sids || (p.kv_stream && !r->stream_logits) ||
+        !r->item_row || !r->accepted || !r->dec_seqs || !r->dec_max) {
         st = st_err(STRATA_ERR_NOMEM, "runner: out of memory for the batch arrays");
         goto fail;
     }
@@ -321,6 +349,7 @@ void st_runner_free(st_runner *r) {
     if (r->land) r->be->ops->dealloc(r->be, r->land);
     st_free(r->land_used);
     st_scheduler_free(r->sched);
+    st_drafter_free(r->drafter);
     st_bm_free(r->bm);
     st_kv_tiers_free(r->tiers); /* writes what the SSD tier lacks, so a restart finds it */
     st_kv_stream_free(r->ks);
@@ -336,6 +365,10 @@ void st_runner_free(st_runner *r) {
     st_free(r->ctx_lens);
     st_free(r->next);
     st_free(r->logit_item);
+    st_free(r->item_row);
+    st_free(r->accepted);
+    st_free(r->dec_seqs);
+    st_free(r->dec_max);
     st_free(r->logits);
     st_free(r->events);
     st_free(r->sargs);
@@ -363,6 +396,12 @@ strata_status st_runner_finish(st_runner *r, uint64_t id, st_finish_reason reaso
 
 /* ---- one step ------------------------------------------------------------------------*/
 
+static bool seq_stop_id(const st_seq *q, int32_t t) {
+    for (int i = 0; i < q->n_stop_ids; i++)
+        if (q->stop_ids[i] == t) return true;
+    return false;
+}
+
 /* The decision as one st_batch (arrays of r). */
 static void build_batch(st_runner *r, const st_sched_decision *d, st_batch *b) {
     const int64_t bs = r->p.kv_block_size;
@@ -385,9 +424,13 @@ static void build_batch(st_runner *r, const st_sched_decision *d, st_batch *b) {
         memcpy(row, it->block_table, (size_t)nb * sizeof *row);
         for (int64_t k = nb; k < width; k++) row[k] = 0; /* not read */
         r->ctx_lens[i] = (int32_t)ctx;
-        if (it->need_logits) {
-            r->logit_item[n_out] = i;
-            r->logit_rows[n_out++] = (int32_t)(off + it->n - 1);
+        r->item_row[i] = -1;
+        if (it->need_logits) { /* a decode with drafts: every row (the drafts are verified) */
+            r->item_row[i] = n_out;
+            for (int64_t k = it->n - 1 - it->n_draft; k < it->n; k++) {
+                r->logit_item[n_out] = i;
+                r->logit_rows[n_out++] = (int32_t)(off + k);
+            }
         }
     }
     *b = (st_batch){.n_tokens = d->n_tokens, .tokens = r->tokens, .pos = r->pos, .seq = r->seq,
@@ -452,6 +495,7 @@ static strata_status stream_pass(st_runner *r, const st_sched_decision *d, int64
     }
     r->next[d->n_items] = t;
     e->token = t;
+    e->n_tokens = 1;
     return STRATA_OK;
 }
 
@@ -634,8 +678,24 @@ strata_status st_runner_step(st_runner *r, st_runner_step_info *out) {
     if (!r || !out) return st_err(STRATA_ERR_INVALID_ARG, "runner step: no runner or out");
     memset(out, 0, sizeof *out);
     out->events = r->events;
+    strata_status st;
+    /* 0: drafts for the decoding sequences (a failed draft pass is logged: the step runs without) */
+    if (r->drafter) {
+        int64_t n = 0;
+        for (int64_t i = 0; i < st_scheduler_num_running(r->sched); i++) {
+            st_seq *q = (st_seq *)st_scheduler_running(r->sched, i); /* lent to the runner */
+            if (st_seq_n_pending(q) != 1) continue;
+            int64_t room = r->p.max_model_len - q->n_tokens - 1;
+            if (q->max_tokens > 0 && q->max_tokens - st_seq_n_generated(q) - 1 < room)
+                room = q->max_tokens - st_seq_n_generated(q) - 1;
+            r->dec_seqs[n] = q;
+            r->dec_max[n++] = room;
+        }
+        if (n > 0 && (st = st_drafter_propose(r->drafter, r->dec_seqs, r->dec_max, n)))
+            st_log(STRATA_LOG_WARN, "speculative decoding: no drafts this step: %s", st_last_error());
+    }
     const st_sched_decision *d = NULL;
-    strata_status st = st_scheduler_schedule(r->sched, &d);
+    st = st_scheduler_schedule(r->sched, &d);
     if (st) return st;
     out->n_preempted = d->n_preempted;
     if (d->n_items == 0 && !d->stream) { /* copies the schedule queued still go (none when nothing ran) */
@@ -664,13 +724,15 @@ strata_status st_runner_step(st_runner *r, st_runner_step_info *out) {
     /* Device sampling (CUDA, no on_logits hook): rows whose sampler has no
      * penalty get their token from the backend's sample op (the u it draws
      * with comes from the sampler's own random state now), and the logits
-     * cross to the host only when some other row needs them. */
+     * cross to the host only when some other row needs them (a penalty, or
+     * drafts to verify). */
     const bool dev = r->dev_sample && !r->p.on_logits && b.n_logits > 0;
     bool need_logits = !dev;
     if (dev)
         for (int64_t k = 0; k < b.n_logits; k++) {
-            st_sampler *sm = d->items[r->logit_item[k]].seq->sampler;
-            if (st_sampler_device_ok(sm) && st_sampler_vocab(sm) == r->model_vocab) {
+            const st_sched_item *it = &d->items[r->logit_item[k]];
+            st_sampler *sm = it->seq->sampler;
+            if (it->n_draft == 0 && st_sampler_device_ok(sm) && st_sampler_vocab(sm) == r->model_vocab) {
                 st_sampler_next_args(sm, &r->sargs[k]);
             } else { /* sampled on the host; the op's token for it is ignored */
                 r->sargs[k] = (st_sample_args){.temperature = 0.0f, .top_p = 1.0f};
@@ -688,33 +750,52 @@ strata_status st_runner_step(st_runner *r, st_runner_step_info *out) {
     r->stats.forward_s += t1 - t0;
     r->stats.steps++;
 
-    /* 4: sample every item that needs logits, with its own sampler */
+    /* 4: sample every item that needs logits, with its own sampler; a decode's drafts are verified
+     * row by row (history: the sequence and the drafts accepted before the row) */
     const int64_t V = r->model_vocab;
-    for (int64_t i = 0; i < d->n_items; i++) r->next[i] = -1;
-    for (int64_t k = 0; k < b.n_logits; k++) {
-        const int64_t i = r->logit_item[k];
+    for (int64_t i = 0; i < d->n_items; i++) {
+        r->next[i] = -1;
+        r->accepted[i] = 0;
+    }
+    for (int64_t i = 0; i < d->n_items; i++) {
         const st_sched_item *it = &d->items[i];
+        const int64_t k0 = r->item_row[i];
+        if (k0 < 0) continue;
         st_seq *q = it->seq;
-        const float *row = r->logits + k * V;
-        if (r->p.on_logits) r->p.on_logits(r->p.hook_user, it->seq_id, it->pos0 + it->n - 1, row, V);
-        int32_t t = -1;
         st_runner_event *e = &r->events[n_ev++];
         *e = (st_runner_event){.seq = q, .token = -1};
-        strata_status sst;
-        if (dev && st_sampler_device_ok(q->sampler) && st_sampler_vocab(q->sampler) == V) {
-            t = r->sids[k];
-            sst = t >= 0 ? STRATA_OK
-                         : st_err(STRATA_ERR_INVALID_ARG, "sampler: the logits hold a NaN or +inf, or only -inf "
-                                                          "(sampled on the device)");
-        } else {
-            sst = st_sampler_sample(q->sampler, row, q->tokens, q->n_tokens, &t);
+        int32_t t = -1;
+        int64_t acc = 0;
+        strata_status sst = STRATA_OK;
+        for (int64_t j = 0; j <= it->n_draft; j++) {
+            const float *row = r->logits + (k0 + j) * V;
+            if (r->p.on_logits) r->p.on_logits(r->p.hook_user, it->seq_id, it->pos0 + it->n - 1 - it->n_draft + j, row, V);
+            if (j < it->n_draft) {
+                const int32_t draft = q->tokens[q->n_tokens + j];
+                bool ok = false;
+                if ((sst = st_sampler_verify(q->sampler, row, q->tokens, q->n_tokens + j, draft, &ok, &t))) break;
+                if (!ok || seq_stop_id(q, t)) break; /* a stop id ends the step's tokens as it ends decoding */
+                acc++;
+                continue;
+            }
+            if (dev && it->n_draft == 0 && st_sampler_device_ok(q->sampler) && st_sampler_vocab(q->sampler) == V) {
+                t = r->sids[k0];
+                sst = t >= 0 ? STRATA_OK
+                             : st_err(STRATA_ERR_INVALID_ARG, "sampler: the logits hold a NaN or +inf, or only -inf "
+                                                              "(sampled on the device)");
+            } else {
+                sst = st_sampler_sample(q->sampler, row, q->tokens, q->n_tokens + j, &t);
+            }
         }
         if (sst != STRATA_OK) {
             fail_seq(r, q, e, "the sampler rejected the logits");
             continue;
         }
+        if (r->drafter && it->n_draft > 0) st_drafter_verified(r->drafter, q, acc);
         r->next[i] = t;
+        r->accepted[i] = acc;
         e->token = t;
+        e->n_tokens = acc + 1;
     }
     r->stats.sample_s += st_time_now() - t1;
     /* the streamed sequence's pass, after the batch's (one at a time, beside it) */
@@ -724,7 +805,7 @@ update:;
     /* 5: the scheduler appends, commits, finishes at max_tokens / max_model_len */
     st_seq *const *fin = NULL;
     int64_t n_fin = 0;
-    if ((st = st_scheduler_update(r->sched, r->next, &fin, &n_fin))) return st;
+    if ((st = st_scheduler_update(r->sched, r->next, r->accepted, &fin, &n_fin))) return st;
     /* sequences it finished without sampling (a prefill-only prompt done) get their event */
     for (int64_t j = 0; j < n_fin; j++) {
         bool seen = false;
@@ -734,14 +815,26 @@ update:;
     /* the blocks this step completed go down to the host tier (eager) */
     if (r->tiers && (st = st_kv_tiers_after_step(r->tiers, st_llama_stream(r->model)))) return st;
     /* (d and its items are stale from here) */
-    /* 6: stop ids, stop strings and the new text, in one place */
+    /* 6: stop ids, stop strings and the new text, in one place, token by token */
     for (int64_t k = 0; k < n_ev; k++) {
         st_runner_event *e = &r->events[k];
         if (e->token < 0) continue;
         st_seq *q = e->seq;
         const bool was_live = q->status != ST_SEQ_FINISHED;
+        q->n_text = 0;
+        const int64_t first = q->n_tokens - e->n_tokens;
         bool stop = false;
-        strata_status pst = st_seq_postprocess(q, e->token, &stop);
+        strata_status pst = STRATA_OK;
+        for (int64_t m = 0; m < e->n_tokens && !stop && !pst; m++) {
+            const int32_t tok = q->tokens[first + m];
+            pst = st_seq_postprocess(q, tok, m == e->n_tokens - 1, &stop);
+            if (stop && m < e->n_tokens - 1) { /* accepted drafts after a stop string never happened */
+                q->n_tokens = first + m + 1;
+                e->n_tokens = m + 1;
+                e->token = tok;
+                if (!was_live) q->fin.completion_tokens = st_seq_n_generated(q);
+            }
+        }
         if (pst != STRATA_OK) {
             char msg[256];
             snprintf(msg, sizeof msg, "%s", st_last_error());
@@ -774,6 +867,7 @@ void st_runner_get_stats(const st_runner *r, st_runner_stats *out) {
     st_bm_get_stats(r->bm, &out->kv);
     out->tiers = r->tiers != NULL;
     if (r->tiers) st_kv_tiers_get_stats(r->tiers, &out->tier);
+    if (r->drafter) st_drafter_get_stats(r->drafter, &out->spec);
 }
 
 st_kv_tiers *st_runner_tiers(st_runner *r) { return r ? r->tiers : NULL; }

@@ -6,6 +6,9 @@
  * the scheduler; the sequences (engine/seq.h records, each with its own
  * sampler) are lent to it by their creator. One step (st_runner_step):
  *
+ *   0. with speculative decoding (params.spec, engine/spec.h), the drafter
+ *      proposes drafts for every decoding sequence (prompt lookup, or the
+ *      draft model's passes);
  *   1. the scheduler decides the batch (decodes first, then prefill chunks
  *      under the token budget; admissions; preemption by recompute when
  *      blocks run out): st_scheduler_schedule;
@@ -23,10 +26,14 @@
  *   5. st_scheduler_update appends the tokens, commits the KV (full blocks
  *      enter the prefix cache) and finishes sequences at max_tokens /
  *      max_model_len (LENGTH);
- *   6. st_seq_postprocess for every sampled token: stop ids and stop strings
- *      (the one place they are checked; a stop finishes the sequence, STOP)
- *      and the new text (detokenized, stop strings held back);
- *   7. events out: the sequence, its token, whether it finished (seq->fin).
+ *      A decode with drafts is verified row by row (st_sampler_verify, on
+ *      the host): the accepted drafts and the first token that is not one
+ *      are the step's tokens for it;
+ *   6. st_seq_postprocess for every sampled token, in order: stop ids and
+ *      stop strings (the one place they are checked; a stop finishes the
+ *      sequence, STOP, and the tokens a verification accepted after it are
+ *      dropped) and the new text (detokenized, stop strings held back);
+ *   7. events out: the sequence, its tokens, whether it finished (seq->fin).
  *
  * Output does not depend on what else runs: on the CPU backend a sequence's
  * logits, hence its tokens for a given seed, are bit-identical alone or
@@ -43,6 +50,7 @@
 #include "backend/backend.h"
 #include "engine/sampler.h"
 #include "engine/scheduler.h"
+#include "engine/spec.h"
 #include "engine/seq.h"
 #include "kv/block_manager.h"
 #include "kv/kv_tiers.h"
@@ -96,6 +104,7 @@ typedef struct {
     st_kv_dtype kv_dtype;    /* KV cache element type (0 = ST_KV_F32; the tools default to bf16) */
     size_t device_mem;       /* the device budget the planner fills (0: unlimited: every weight resident) */
     st_weight_opts weights;  /* weight placement and streaming (planner/planner.h; zero: defaults) */
+    st_spec_params spec;     /* speculative decoding (engine/spec.h; zero: off) */
     /* Inspection hook (tests, tools): called during a step for every row of
      * logits it computed, before sampling: sequence id, the position whose
      * next token they predict, and the row (model vocab floats, valid during
@@ -111,7 +120,10 @@ strata_status st_engine_params_resolve(st_engine_params *p, const st_config *cfg
 /* What happened to one sequence in a step. */
 typedef struct {
     st_seq *seq;                /* the record (the caller's); seq->text / n_text: its new text */
-    int32_t token;              /* the token sampled this step; -1 when none (a sampler failure) */
+    int32_t token;              /* the token sampled this step (the last one); -1 when none (a sampler
+                                   failure) */
+    int64_t n_tokens;           /* tokens the sequence gained this step: 1 + the drafts accepted (cut
+                                   at a stop); 0 when token is -1 */
     bool finished;              /* the sequence left the runner in this step (FINISHED: seq->fin says
                                    why: STOP, LENGTH, or ERROR when its sampler failed); the record
                                    is the caller's again */
@@ -134,6 +146,7 @@ typedef struct {
     st_kv_tiers_stats tier;        /* host and SSD tiers: blocks, hits, bytes moved */
     int64_t steps;                 /* steps that ran a forward pass */
     double forward_s, sample_s;    /* time in forward passes and in sampling */
+    st_spec_stats spec;            /* speculative decoding: verifications, drafts, accepted, drafter time */
 } st_runner_stats;
 
 /* Builds the model over `files` on `be` (borrowed: both must outlive the

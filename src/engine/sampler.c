@@ -336,6 +336,49 @@ strata_status st_sampler_sample_u(st_sampler *s, const float *logits, const int3
     return sample_with(s, logits, history, n_history, false, u, out);
 }
 
+strata_status st_sampler_verify(st_sampler *s, const float *logits, const int32_t *history, int64_t n_history,
+                                int32_t draft, bool *accepted, int32_t *out) {
+    *accepted = false;
+    int32_t g;
+    int64_t n;
+    strata_status st = prepare(s, logits, history, n_history, &g, &n);
+    if (st) return st;
+    if (g >= 0) { /* greedy: the draft is accepted when it is the argmax */
+        *accepted = g == draft;
+        *out = g;
+        return STRATA_OK;
+    }
+    const double total = kept_total(s, n);
+    double pd = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (s->c[i].id == draft) pd = s->c[i].prob;
+    /* accepted with probability p(draft) */
+    if (rng_uniform(s->rng) * total < pd) {
+        *accepted = true;
+        *out = draft;
+        return STRATA_OK;
+    }
+    /* rejected: a draw from p without the draft, renormalised (the residual max(0, p - q) of a one-hot q) */
+    const double thr = rng_uniform(s->rng) * (total - pd);
+    double cum = 0;
+    int32_t last = -1;
+    for (int64_t i = 0; i < n; i++) {
+        if (s->c[i].id == draft) continue;
+        last = s->c[i].id;
+        cum += s->c[i].prob;
+        if (cum > thr) {
+            *out = s->c[i].id;
+            return STRATA_OK;
+        }
+    }
+    if (last < 0) { /* p was all on the draft (rounding): it is accepted after all */
+        *accepted = true;
+        last = draft;
+    }
+    *out = last;
+    return STRATA_OK;
+}
+
 bool st_sampler_device_ok(const st_sampler *s) { return s->p.repeat_penalty == 1.0f; }
 
 void st_sampler_next_args(st_sampler *s, st_sample_args *out) {

@@ -71,6 +71,16 @@ strata_status st_sampler_sample(st_sampler *s, const float *logits, const int32_
 strata_status st_sampler_sample_u(st_sampler *s, const float *logits, const int32_t *history,
                                   int64_t n_history, double u, int32_t *out);
 
+/* Speculative decoding: judges a draft token against the logits of its
+ * position (history as for st_sampler_sample, the accepted drafts before it
+ * included). Greedy: *accepted when the draft is the argmax, *out = the
+ * argmax. Sampling (steps 1-5 as above give p): *accepted with probability
+ * p(draft) (one draw), *out = draft; else *out is drawn (a second draw) from
+ * p without the draft, renormalised — the rejection rule for a draft that
+ * is one token (a draft distribution that is one-hot), which makes *out
+ * distributed as p overall. Errors as st_sampler_sample. */
+strata_status st_sampler_verify(st_sampler *s, const float *logits, const int32_t *history, int64_t n_history,
+                                int32_t draft, bool *accepted, int32_t *out);
 /* Sampling on the device (the backend's `sample` op does steps 2-6): true
  * when this sampler has nothing else to do (repetition penalty off), so that
  * the op with st_sampler_next_args' args picks what st_sampler_sample would. */

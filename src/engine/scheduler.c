@@ -22,6 +22,7 @@ typedef struct {
     st_seq *seq;
     int64_t pos0, n;
     int64_t n_cached;
+    int64_t n_draft;  /* decode: drafts after the pending token (n == 1 + n_draft) */
     bool decode;
     bool dead; /* its sequence was preempted later in the step */
 } plan_entry;
@@ -258,8 +259,27 @@ static int64_t chunk_for(const st_scheduler *s, int64_t computed, int64_t n_toke
 static void plan_add(st_scheduler *s, st_seq *q, int64_t n, bool decode, int64_t n_cached) {
     ST_ASSERT(s->n_plan < s->p.max_batch);
     q->plan = s->n_plan;
-    s->plan[s->n_plan++] = (plan_entry){
-        .seq = q, .pos0 = q->kv.n_computed, .n = n, .n_cached = n_cached, .decode = decode};
+    s->plan[s->n_plan++] = (plan_entry){.seq = q, .pos0 = q->kv.n_computed, .n = n, .n_cached = n_cached,
+                                        .n_draft = decode ? n - 1 : 0, .decode = decode};
+}
+
+/* The drafts decode q may run: its proposal, cut to what max_tokens and max_model_len leave (every
+ * accepted draft is a token of the sequence), to `budget` and to the blocks free now (drafts never
+ * preempt anyone). */
+static int64_t drafts_for(const st_scheduler *s, const st_seq *q, int64_t budget) {
+    int64_t k = q->n_draft;
+    if (k <= 0) return 0;
+    const int64_t len_room = s->p.max_model_len - q->n_tokens - 1;
+    if (k > len_room) k = len_room;
+    if (q->max_tokens > 0 && k > q->max_tokens - st_seq_n_generated(q) - 1)
+        k = q->max_tokens - st_seq_n_generated(q) - 1;
+    if (k > budget) k = budget;
+    while (k > 0) {
+        const int64_t end = q->kv.n_computed + 1 + k;
+        if (st_bm_can_append(s->bm, &q->kv, end > q->kv.n_slots ? end - q->kv.n_slots : 0)) break;
+        k--;
+    }
+    return k > 0 ? k : 0;
 }
 
 /* Admits the head of the waiting queue with a first chunk of at most `budget`
@@ -337,7 +357,8 @@ static strata_status build_decision(st_scheduler *s) {
                 .n = e->n,
                 .tokens = q->tokens + e->pos0,
                 .is_decode = e->decode,
-                .need_logits = e->pos0 + e->n == q->n_tokens && !q->prefill_only,
+                .n_draft = e->n_draft,
+                .need_logits = e->pos0 + e->n - e->n_draft == q->n_tokens && !q->prefill_only,
                 .n_cached = e->n_cached,
                 .block_table = q->kv.blocks,
                 .n_blocks = q->kv.n_blocks,
@@ -369,15 +390,25 @@ strata_status st_scheduler_schedule(st_scheduler *s, const st_sched_decision **o
     int64_t budget = s->p.max_num_batched_tokens;
     strata_status st = STRATA_OK;
 
-    /* 1. decodes, oldest first */
+    /* 1. decodes, oldest first; the budget left beside them goes to their drafts */
+    int64_t n_dec = 0;
+    for (int64_t i = 0; i < s->n_running; i++) n_dec += st_seq_n_pending(s->running[i]) == 1;
     for (int64_t i = 0; i < s->n_running; i++) {
         st_seq *q = s->running[i];
-        if (st_seq_n_pending(q) != 1) continue;
+        if (st_seq_n_pending(q) != 1) {
+            q->n_draft = 0;
+            continue;
+        }
+        n_dec--; /* the decodes after this one */
         bool gone;
         if ((st = reserve_running(s, q, 1, &budget, &gone))) goto fail;
         if (gone) break; /* q was the newest: nothing after it */
-        plan_add(s, q, 1, true, 0);
-        budget -= 1;
+        const int64_t k = drafts_for(s, q, budget - 1 - n_dec), end = q->kv.n_computed + 1 + k;
+        q->n_draft = k;
+        if (end > q->kv.n_slots && (st = st_bm_append_slots(s->bm, &q->kv, end - q->kv.n_slots))) goto fail;
+        if (end < q->kv.n_slots && (st = st_bm_truncate_slots(s->bm, &q->kv, end))) goto fail; /* a dropped step's */
+        plan_add(s, q, 1 + k, true, 0);
+        budget -= 1 + k;
     }
     ST_ASSERT(budget >= 0);
     /* 2. prefill chunks of running sequences, oldest first */
@@ -448,6 +479,7 @@ fail:
 /* Removes live q (blocks released; the record stays its creator's, FINISHED
  * for `reason`); forgets it in the pending decision. */
 static void drop_seq(st_scheduler *s, st_seq *q, st_finish_reason reason) {
+    if (s->p.on_leave) s->p.on_leave(s->p.leave_user, q);
     if (q == s->streamed) {
         s->streamed = NULL;
         s->stream_done = 0;
@@ -468,7 +500,7 @@ static void drop_seq(st_scheduler *s, st_seq *q, st_finish_reason reason) {
     st_seq_set_finished(q, reason, NULL);
 }
 
-strata_status st_scheduler_update(st_scheduler *s, const int32_t *next_tokens,
+strata_status st_scheduler_update(st_scheduler *s, const int32_t *next_tokens, const int64_t *n_accepted,
                                   st_seq *const **finished, int64_t *n_finished) {
     if (finished) *finished = s ? s->fin : NULL;
     if (n_finished) *n_finished = 0;
@@ -480,6 +512,10 @@ strata_status st_scheduler_update(st_scheduler *s, const int32_t *next_tokens,
         if (!next_tokens || next_tokens[i] < 0)
             return st_err(STRATA_ERR_INVALID_ARG, "scheduler: item %lld (seq %llu) needs a sampled token, got %d",
                           (long long)i, (unsigned long long)d->items[i].seq_id, next_tokens ? next_tokens[i] : -1);
+        if (n_accepted && (n_accepted[i] < 0 || n_accepted[i] > d->items[i].n_draft))
+            return st_err(STRATA_ERR_INVALID_ARG, "scheduler: item %lld (seq %llu): %lld of %lld drafts accepted",
+                          (long long)i, (unsigned long long)d->items[i].seq_id, (long long)n_accepted[i],
+                          (long long)d->items[i].n_draft);
     }
     if (d->stream && s->stream_seq && d->stream->need_logits && (!next_tokens || next_tokens[d->n_items] < 0))
         return st_err(STRATA_ERR_INVALID_ARG, "scheduler: the streamed sequence %llu needs a sampled token, got %d",
@@ -510,8 +546,22 @@ strata_status st_scheduler_update(st_scheduler *s, const int32_t *next_tokens,
         if (!q) continue;
         const st_sched_item *it = &d->items[i];
         ST_ASSERT(q->kv.n_computed == it->pos0);
-        strata_status st = st_bm_commit(s->bm, &q->kv, q->tokens, it->pos0 + it->n);
+        /* drafts: the accepted ones become tokens (they are in place after the last); only their KV
+         * counts, the rejected ones' slots go back */
+        const int64_t acc = it->n_draft > 0 && n_accepted && it->need_logits ? n_accepted[i] : 0;
+        if (it->n_draft > 0) {
+            q->n_tokens += acc;
+            s->stats.drafted += it->n_draft;
+            s->stats.accepted += acc;
+            s->stats.generated_tokens += acc;
+            q->n_draft = 0;
+        }
+        strata_status st = st_bm_commit(s->bm, &q->kv, q->tokens, it->pos0 + it->n - (it->n_draft - acc));
         ST_ASSERT(st == STRATA_OK);
+        if (it->n_draft > acc) {
+            st = st_bm_truncate_slots(s->bm, &q->kv, q->kv.n_computed);
+            ST_ASSERT(st == STRATA_OK);
+        }
         if (it->is_decode) s->stats.decode_tokens += it->n;
         else s->stats.prefill_tokens += it->n;
         if (q->prefill_only && q->kv.n_computed == q->n_tokens) { /* P-D: the prompt's KV is all there */
@@ -596,7 +646,7 @@ strata_status st_scheduler_validate(const st_scheduler *s) {
                       (long long)st_seq_n_generated(q), (long long)q->max_tokens);
             if (pass == 1 && (q->kv.n_blocks || q->kv.n_slots || q->kv.n_computed))
                 SFAIL("waiting seq %llu holds %lld KV blocks", (unsigned long long)q->id, (long long)q->kv.n_blocks);
-            if (pass == 0 && (q->kv.n_computed >= q->n_tokens || q->kv.n_slots > q->n_tokens))
+            if (pass == 0 && (q->kv.n_computed >= q->n_tokens || q->kv.n_slots > q->n_tokens + q->n_draft))
                 SFAIL("running seq %llu: %lld computed, %lld slots, %lld tokens", (unsigned long long)q->id,
                       (long long)q->kv.n_computed, (long long)q->kv.n_slots, (long long)q->n_tokens);
         }

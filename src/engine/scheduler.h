@@ -24,7 +24,11 @@
  * A step's plan (st_scheduler_schedule):
  *   1. Decodes: every running sequence with one pending token gets it (one
  *      token each), oldest first. The budget always covers them
- *      (max_num_batched_tokens >= max_batch).
+ *      (max_num_batched_tokens >= max_batch). A sequence with speculative
+ *      drafts (seq->n_draft, engine/spec.h) runs them after its token in the
+ *      same item when the budget left beside the other decodes and the free
+ *      blocks allow it without preempting anyone (else fewer, or none); never
+ *      more than max_tokens and max_model_len leave room for.
  *   2. Prefill chunks of running sequences that are still prefilling (a long
  *      prompt, or a recompute after preemption), oldest first, each
  *      min(pending, budget left) tokens: a long prompt is split over several
@@ -122,6 +126,11 @@ typedef struct {
      * head that must stream waits while another streamed sequence runs, and
      * nobody overtakes it. A streamed sequence is never preempted. */
     int64_t stream_tokens;
+    /* Called when a sequence leaves the scheduler (finished, aborted; not
+     * when preempted), with the record still live (NULL: none): the runner's
+     * drafter forgets it. */
+    void (*on_leave)(void *user, st_seq *q);
+    void *leave_user;
 } st_scheduler_params;
 
 /* One sequence's work in a step: run tokens[0..n) at positions pos0 .. pos0+n-1. */
@@ -131,8 +140,12 @@ typedef struct {
     int64_t pos0;               /* == the sequence's computed tokens before this step */
     int64_t n;                  /* >= 1 */
     const int32_t *tokens;      /* [n] the ids to run (borrowed from the sequence) */
-    bool is_decode;             /* a running sequence's single pending token (n == 1: normally the token
-                                   sampled in the previous step); else a prefill chunk */
+    bool is_decode;             /* a running sequence's single pending token (normally the token sampled
+                                   in the previous step), followed by its n_draft drafts; else a
+                                   prefill chunk */
+    int64_t n_draft;            /* decode: speculative drafts after the pending token (n == 1 + n_draft;
+                                   engine/spec.h): every row's logits are wanted, the runner verifies
+                                   them and update is told how many were accepted */
     bool need_logits;           /* the chunk ends at the sequence's last known token: sample the next
                                    from the logits of position pos0 + n - 1; false for a prompt chunk
                                    that is not the last */
@@ -170,6 +183,7 @@ typedef struct {
 typedef struct {
     int64_t n_waiting, n_running;
     uint64_t steps;
+    int64_t drafted, accepted; /* speculative drafts run by decodes / accepted by update */
     int64_t prefill_tokens;    /* tokens run by prefill chunks (recomputes included), committed */
     int64_t decode_tokens;     /* tokens run by decodes, committed */
     int64_t generated_tokens;  /* tokens appended by update */
@@ -213,7 +227,11 @@ strata_status st_scheduler_schedule(st_scheduler *s, const st_sched_decision **o
 /* Reports the last decision executed: every item's tokens are computed (their
  * full blocks enter the prefix cache) and next_tokens[i] (>= 0) is the token
  * sampled for item i when items[i].need_logits (ignored otherwise; next_tokens
- * may be NULL when no item needs logits). Sequences that reach max_tokens or
+ * may be NULL when no item needs logits). A decode with drafts: its first
+ * n_accepted[i] (0 .. n_draft) drafts were accepted: they and then
+ * next_tokens[i] are appended, only the pending token and the accepted
+ * drafts count as computed, and the slots of the rejected ones are given back
+ * (n_accepted NULL: none accepted). Sequences that reach max_tokens or
  * max_model_len finish (FINISHED, fin.reason LENGTH, fin.context_full when
  * max_model_len did it, fin counters filled): their blocks are released and
  * they are listed in (*finished)[0 .. *n_finished) (the list is the
@@ -222,7 +240,7 @@ strata_status st_scheduler_schedule(st_scheduler *s, const st_sched_decision **o
  * finished or aborted after the schedule are skipped. INVALID_ARG (nothing
  * changed) when there is no decision to update or a needed token is
  * negative. */
-strata_status st_scheduler_update(st_scheduler *s, const int32_t *next_tokens,
+strata_status st_scheduler_update(st_scheduler *s, const int32_t *next_tokens, const int64_t *n_accepted,
                                   st_seq *const **finished, int64_t *n_finished);
 /* Whether a sequence of this record's longest possible length must stream
  * (params.stream_tokens > 0 and it does not fit the pool alone). */

@@ -71,6 +71,7 @@ strata_status st_seq_create(const st_request *req, const st_seq_limits *lim, con
     s->export_from = req->export_kv ? req->export_from_block : -1;
     s->exported = s->export_from;
     s->kv_ticket = req->kv_ticket;
+    s->spec.slot = -1;
     s->fin = (st_finish_info){.stop_id = -1, .stop_string = -1, .ttft_s = -1.0};
     if (cb) s->cb = *cb;
     st_block_table_init(&s->kv);
@@ -177,9 +178,8 @@ static strata_status emit_end(st_seq *s, bool *stopped) {
     return text_add(s, t, n);
 }
 
-strata_status st_seq_postprocess(st_seq *s, int32_t token, bool *stop) {
+strata_status st_seq_postprocess(st_seq *s, int32_t token, bool last, bool *stop) {
     *stop = false;
-    s->n_text = 0;
     bool stopped = false;
     strata_status st;
     for (int i = 0; i < s->n_stop_ids; i++)
@@ -198,7 +198,7 @@ strata_status st_seq_postprocess(st_seq *s, int32_t token, bool *stop) {
         if ((st = st_detok_push(s->detok, token, &t, &n))) return st;
         if ((st = emit(s, t, n, &stopped))) return st;
     }
-    if (!stopped && s->status == ST_SEQ_FINISHED && (st = emit_end(s, &stopped))) return st;
+    if (!stopped && last && s->status == ST_SEQ_FINISHED && (st = emit_end(s, &stopped))) return st;
     if (stopped) {
         s->fin.stop_string = st_stop_filter_hit(s->stop);
         s->fin.context_full = false;

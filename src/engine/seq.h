@@ -172,6 +172,14 @@ typedef struct st_seq {
     int64_t export_from;                    /* -1: none */
     int64_t exported;                       /* runner: blocks [export_from, exported) went to on_kv */
     uint64_t kv_ticket;                     /* engine: the transfer it waits for (0: none) */
+    /* speculative decoding (engine/spec.h): n_draft drafts proposed for the next step wait at
+     * tokens[n_tokens .. n_tokens + n_draft) (room reserved; not tokens of the sequence yet) */
+    int64_t n_draft;
+    struct {
+        double accepted, judged;            /* decayed counts: drafts accepted / accepted or rejected */
+        int32_t slot;                       /* the draft model's KV slot (-1: none) */
+        int64_t draft_done;                 /* positions [0, draft_done) are in the draft model's KV */
+    } spec;
 } st_seq;
 
 /* Checks req against lim — the only validation of a request (INVALID_ARG
@@ -193,16 +201,18 @@ strata_status st_seq_reserve(st_seq *s, int64_t n_tokens);
 void st_seq_append(st_seq *s, int32_t token);
 
 /* After `token` was sampled and appended (st_scheduler_update): checks the
- * stop ids and the stop strings (the one place they are checked) and makes
- * the new text in s->text / s->n_text: the token's text through the
- * detokenizer and the stop filter, plus, when the sequence ends here (a stop,
- * or already FINISHED by the scheduler for LENGTH), what they held back.
+ * stop ids and the stop strings (the one place they are checked) and adds
+ * to the new text in s->text / s->n_text (the caller empties it before a
+ * step's tokens): the token's text through the detokenizer and the stop
+ * filter, plus, when the sequence ends here (a stop, or `last` — the step's
+ * last token — of a sequence already FINISHED by the scheduler for LENGTH),
+ * what they held back.
  * *stop: the sequence stops now (fin.reason = STOP, with stop_id or
  * stop_string set; when the scheduler had finished it for LENGTH and a stop
  * string completes in its last text, the reason becomes STOP). The status is
  * not changed: the caller (runner) takes a stopped live sequence out of its
  * scheduler (st_scheduler_finish, which makes it FINISHED). NOMEM. */
-strata_status st_seq_postprocess(st_seq *s, int32_t token, bool *stop);
+strata_status st_seq_postprocess(st_seq *s, int32_t token, bool last, bool *stop);
 
 /* Marks s FINISHED for `reason` (fin.reason; ERROR: the message copied from
  * `error`, may be NULL). Does not touch the scheduler. */

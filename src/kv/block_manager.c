@@ -417,6 +417,21 @@ void st_bm_seq_free(st_block_manager *bm, st_block_table *t) {
     t->chain = 0;
 }
 
+strata_status st_bm_truncate_slots(st_block_manager *bm, st_block_table *t, int64_t n) {
+    if (n < t->n_computed || n > t->n_slots)
+        return st_err(STRATA_ERR_INVALID_ARG, "block manager: truncate to %lld slots, table has %lld computed of %lld",
+                      (long long)n, (long long)t->n_computed, (long long)t->n_slots);
+    const int64_t keep = (n + bm->block_size - 1) / bm->block_size;
+    for (int64_t i = t->n_blocks - 1; i >= keep; i--) {
+        /* past the computed positions: private, never registered */
+        ST_ASSERT(bm->ref[t->blocks[i]] == 1 && !bm->reg[t->blocks[i]]);
+        block_release(bm, t->blocks[i]);
+    }
+    t->n_blocks = keep;
+    t->n_slots = n;
+    return STRATA_OK;
+}
+
 strata_status st_bm_slot_mapping(const st_block_manager *bm, const st_block_table *t, int64_t pos0,
                                  int64_t n, int64_t *slots) {
     if (pos0 < 0 || n < 0 || pos0 + n > t->n_slots || (n > 0 && !slots))

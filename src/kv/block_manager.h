@@ -183,6 +183,10 @@ strata_status st_bm_commit(st_block_manager *bm, st_block_table *t, const int32_
  * findable), else FREE. The table's blocks are released last to first, so the
  * tail of a prompt is evicted before its head (heads are the likelier shared
  * prefix). */
+/* Gives back the slots past position n (n_computed <= n <= n_slots): blocks
+ * wholly past it return to the pool (speculative decoding: the slots of
+ * rejected drafts). INVALID_ARG outside that range. */
+strata_status st_bm_truncate_slots(st_block_manager *bm, st_block_table *t, int64_t n);
 void st_bm_seq_free(st_block_manager *bm, st_block_table *t);
 
 /* slots[k] = physical slot of position pos0 + k, for k in [0, n); the runner

@@ -24,6 +24,8 @@
  *                                                            host_to_ssd, ssd_to_host
  *   strata_kv_swaps_total                           counter  preempted sequences whose KV came back
  *                                                            from a lower tier
+ *   strata_spec_draft_tokens_total{result}          counter  speculative drafts verified: accepted,
+ *                                                            rejected
  *   strata_time_to_first_token_seconds              histogram
  *   strata_time_between_tokens_seconds              histogram
  *   strata_request_duration_seconds                 histogram (engine add -> finish)
@@ -848,6 +850,11 @@ static char *metrics_text(st_server *s) {
     ok = ok && metric(&b, "strata_kv_swaps_total", "counter",
                       "Preempted sequences whose KV came back from a lower tier instead of being recomputed.",
                       (double)m->kv_swaps);
+    ok = ok && st_strbuf_printf(&b, "# HELP strata_spec_draft_tokens_total Speculative drafts verified, by result.\n"
+                                "# TYPE strata_spec_draft_tokens_total counter\n"
+                                "strata_spec_draft_tokens_total{result=\"accepted\"} %lld\n"
+                                "strata_spec_draft_tokens_total{result=\"rejected\"} %lld\n",
+                      (long long)m->spec_accepted, (long long)(m->spec_drafted - m->spec_accepted));
     ok = ok && hist_text(&b, "strata_time_to_first_token_seconds", "Time from a request's arrival at the engine to its first token.", &m->ttft);
     ok = ok && hist_text(&b, "strata_time_between_tokens_seconds", "Time between consecutive tokens of a request.", &m->tbt);
     ok = ok && hist_text(&b, "strata_request_duration_seconds", "Time from a request's arrival at the engine to its end.", &m->e2e);
