@@ -396,6 +396,15 @@ strata_status st_runner_finish(st_runner *r, uint64_t id, st_finish_reason reaso
 
 /* ---- one step ------------------------------------------------------------------------*/
 
+/* Whether an item's rows are drawn on the device (device sampling on): its sampler has nothing
+ * the sample op lacks (no penalty) and, with drafts, is greedy (the op's argmax judges them;
+ * sampled drafts are verified on the host). */
+static bool dev_row(const st_runner *r, const st_sched_item *it) {
+    const st_sampler *sm = it->seq->sampler;
+    return st_sampler_device_ok(sm) && st_sampler_vocab(sm) == r->model_vocab &&
+           (it->n_draft == 0 || st_sampler_get_params(sm)->temperature == 0.0f);
+}
+
 static bool seq_stop_id(const st_seq *q, int32_t t) {
     for (int i = 0; i < q->n_stop_ids; i++)
         if (q->stop_ids[i] == t) return true;
@@ -725,15 +734,14 @@ strata_status st_runner_step(st_runner *r, st_runner_step_info *out) {
      * penalty get their token from the backend's sample op (the u it draws
      * with comes from the sampler's own random state now), and the logits
      * cross to the host only when some other row needs them (a penalty, or
-     * drafts to verify). */
+     * sampled drafts to verify; greedy drafts are judged against the op's argmax). */
     const bool dev = r->dev_sample && !r->p.on_logits && b.n_logits > 0;
     bool need_logits = !dev;
     if (dev)
         for (int64_t k = 0; k < b.n_logits; k++) {
             const st_sched_item *it = &d->items[r->logit_item[k]];
-            st_sampler *sm = it->seq->sampler;
-            if (it->n_draft == 0 && st_sampler_device_ok(sm) && st_sampler_vocab(sm) == r->model_vocab) {
-                st_sampler_next_args(sm, &r->sargs[k]);
+            if (dev_row(r, it)) {
+                st_sampler_next_args(it->seq->sampler, &r->sargs[k]);
             } else { /* sampled on the host; the op's token for it is ignored */
                 r->sargs[k] = (st_sample_args){.temperature = 0.0f, .top_p = 1.0f};
                 need_logits = true;
@@ -767,9 +775,19 @@ strata_status st_runner_step(st_runner *r, st_runner_step_info *out) {
         int32_t t = -1;
         int64_t acc = 0;
         strata_status sst = STRATA_OK;
+        const bool on_dev = dev && dev_row(r, it);
         for (int64_t j = 0; j <= it->n_draft; j++) {
             const float *row = r->logits + (k0 + j) * V;
             if (r->p.on_logits) r->p.on_logits(r->p.hook_user, it->seq_id, it->pos0 + it->n - 1 - it->n_draft + j, row, V);
+            if (on_dev) { /* the device's token (greedy with drafts: the argmax, judged below) */
+                t = r->sids[k0 + j];
+                sst = t >= 0 ? STRATA_OK
+                             : st_err(STRATA_ERR_INVALID_ARG, "sampler: the logits hold a NaN or +inf, or only -inf "
+                                                              "(sampled on the device)");
+                if (sst || j == it->n_draft || t != q->tokens[q->n_tokens + j] || seq_stop_id(q, t)) break;
+                acc++;
+                continue;
+            }
             if (j < it->n_draft) {
                 const int32_t draft = q->tokens[q->n_tokens + j];
                 bool ok = false;
@@ -778,14 +796,7 @@ strata_status st_runner_step(st_runner *r, st_runner_step_info *out) {
                 acc++;
                 continue;
             }
-            if (dev && it->n_draft == 0 && st_sampler_device_ok(q->sampler) && st_sampler_vocab(q->sampler) == V) {
-                t = r->sids[k0];
-                sst = t >= 0 ? STRATA_OK
-                             : st_err(STRATA_ERR_INVALID_ARG, "sampler: the logits hold a NaN or +inf, or only -inf "
-                                                              "(sampled on the device)");
-            } else {
-                sst = st_sampler_sample(q->sampler, row, q->tokens, q->n_tokens + j, &t);
-            }
+            sst = st_sampler_sample(q->sampler, row, q->tokens, q->n_tokens + j, &t);
         }
         if (sst != STRATA_OK) {
             fail_seq(r, q, e, "the sampler rejected the logits");
