@@ -316,12 +316,12 @@ static void fake_forward(sim *m, const st_sched_decision *d, int32_t *tokens) {
     }
 }
 
-static uint64_t g_spec_rng = 0x9e3779b97f4a7c15ull;
-static uint32_t spec_rnd(void) {
-    g_spec_rng ^= g_spec_rng << 13;
-    g_spec_rng ^= g_spec_rng >> 7;
-    g_spec_rng ^= g_spec_rng << 17;
-    return (uint32_t)(g_spec_rng >> 32);
+static uint64_t g_rng;
+static uint64_t rnd(void) {
+    g_rng ^= g_rng << 13;
+    g_rng ^= g_rng >> 7;
+    g_rng ^= g_rng << 17;
+    return g_rng;
 }
 
 /* Drafts for every decoding sequence, as the runner's drafter would leave them: up to m->spec
@@ -332,13 +332,13 @@ static void propose_drafts(sim *m) {
         st_seq *q = (st_seq *)st_scheduler_running(m->s, i);
         q->n_draft = 0;
         if (st_seq_n_pending(q) != 1) continue;
-        const int64_t k = spec_rnd() % (uint32_t)(m->spec + 1);
+        const int64_t k = (int64_t)(rnd() % (uint64_t)(m->spec + 1));
         CHECK(st_seq_reserve(q, q->n_tokens + k + 1) == STRATA_OK);
         uint64_t h = DIGEST0;
         for (int64_t p = 0; p < q->n_tokens; p++) h = digest_step(h, q->tokens[p]);
         for (int64_t j = 0; j < k; j++) {
             int32_t t = next_token(h, m->eos);
-            if (spec_rnd() % 10 >= 7) t = 41 + (int32_t)(spec_rnd() % 20); /* never the model's */
+            if (rnd() % 10 >= 7) t = 41 + (int32_t)(rnd() % 20); /* never the model's */
             q->tokens[q->n_tokens + j] = t;
             h = digest_step(h, t);
         }
@@ -910,13 +910,6 @@ static void test_dropped_decision(void) {
 
 /* ---- randomized workloads ----------------------------------------------------------------*/
 
-static uint64_t g_rng;
-static uint64_t rnd(void) {
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
-    return g_rng;
-}
 
 static void random_workload(uint64_t seed, int n_requests, int64_t num_blocks, int64_t bs, int64_t budget,
                             int64_t max_batch, int64_t max_model_len, bool prefix_cache, int64_t prefill_chunk,
