@@ -46,14 +46,19 @@ static void test_lookup(void) {
 }
 
 static void test_best_k(void) {
-    CHECK(st_spec_best_k(0.0, 8, 0.1) == 1);
+    CHECK(st_spec_best_k(0.0, 8, 0.1) == 0);
     CHECK(st_spec_best_k(1.0, 8, 0.1) == 8);
-    int prev = 1;
+    int prev = 0;
     for (double a = 0.05; a < 1.0; a += 0.05) {
         const int k = st_spec_best_k(a, 8, 0.1);
-        CHECK_MSG(k >= prev && k >= 1 && k <= 8, "acceptance %.2f: k %d after %d", a, k, prev);
+        CHECK_MSG(k >= prev && k >= 0 && k <= 8, "acceptance %.2f: k %d after %d", a, k, prev);
         prev = k;
     }
+    /* drafts that do not pay: a verification pass of 1 draft costing 4 one-token steps (the CPU's)
+     * needs more than 3 extra tokens from one draft: never */
+    CHECK(st_spec_best_k(0.9, 8, 3.0) == 0);
+    CHECK(st_spec_best_k(0.1, 8, 0.1) == 0); /* 1.1 tokens for 1.1 of cost: no gain */
+    CHECK(st_spec_best_k(0.2, 8, 0.1) == 1);
     /* costlier verification, fewer drafts */
     CHECK(st_spec_best_k(0.8, 16, 0.5) < st_spec_best_k(0.8, 16, 0.02));
     /* the formula at a = 0.8, cost 0.1: (1 - 0.8^(k+1)) / 0.2 / (1 + 0.1 k) is 2.459 at k = 5,
@@ -65,7 +70,10 @@ static void test_best_k(void) {
 
 static void test_params(void) {
     st_spec_params p = {.mode = ST_SPEC_LOOKUP};
-    CHECK(st_spec_params_resolve(&p) == STRATA_OK && p.k_max == 8 && p.ngram_min == 1 && p.ngram_max == 3);
+    CHECK(st_spec_params_resolve(&p) == STRATA_OK && p.k_max == 8 && p.ngram_min == 1 && p.ngram_max == 3 &&
+          p.step_cost == 0);
+    p = (st_spec_params){.mode = ST_SPEC_LOOKUP, .step_cost = -1};
+    CHECK_ERR(st_spec_params_resolve(&p), STRATA_ERR_INVALID_ARG, "--spec-cost -1");
     p = (st_spec_params){.mode = ST_SPEC_LOOKUP, .k_max = 33};
     CHECK_ERR(st_spec_params_resolve(&p), STRATA_ERR_INVALID_ARG, "--spec-k 33");
     p = (st_spec_params){.mode = ST_SPEC_DRAFT};

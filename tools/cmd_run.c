@@ -485,6 +485,7 @@ static bool runner_open(run_opts *o, runner *r, int *rc) {
         .kv_stream = mo->kv_stream,
         .spec = mo->spec,
         .spec_k = mo->spec_k,
+        .spec_cost = mo->spec_cost,
         .draft_model = mo->draft,
     };
     tool_test_faults(mo, &mp); /* --test-fault (test builds) */

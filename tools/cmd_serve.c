@@ -405,6 +405,7 @@ int cmd_serve(int argc, char **argv) {
         .kv_stream = mo->kv_stream,
         .spec = mo->spec,
         .spec_k = mo->spec_k,
+        .spec_cost = mo->spec_cost,
         .draft_model = mo->draft,
         .prefill = mo->prefill < 0 ? STRATA_PREFILL_PRECISE : mo->prefill > 0 ? STRATA_PREFILL_FAST : STRATA_PREFILL_AUTO,
         .ring_slots = mo->ring_slots,

@@ -191,8 +191,9 @@ bool tool_spec_settle(tool_model_opts *o) {
         fprintf(stderr, "strata: --spec draft needs the draft model: --draft MODEL\n");
         return false;
     }
-    if (o->spec_k && o->spec == STRATA_SPEC_OFF) {
-        fprintf(stderr, "strata: --spec-k sets the drafts of speculative decoding: give --spec lookup or --draft\n");
+    if ((o->spec_k || o->spec_cost > 0) && o->spec == STRATA_SPEC_OFF) {
+        fprintf(stderr, "strata: --spec-k and --spec-cost set the drafts of speculative decoding: give --spec "
+                        "lookup or --draft\n");
         return false;
     }
     return true;
@@ -280,7 +281,8 @@ int tool_parse_model_opt(int argc, char **argv, int *i, tool_model_opts *o) {
         fprintf(stderr, "strata: %s is an option of run, serve, plan, bench and bench-kv (the KV cache's tiers)\n",
                 a);
         return -1;
-    } else if (!o->spec_opts && (!strcmp(a, "--spec") || !strcmp(a, "--draft") || !strcmp(a, "--spec-k"))) {
+    } else if (!o->spec_opts && (!strcmp(a, "--spec") || !strcmp(a, "--draft") || !strcmp(a, "--spec-k") ||
+                                 !strcmp(a, "--spec-cost"))) {
         fprintf(stderr, "strata: %s is an option of run and serve (speculative decoding; bench measures its "
                         "verification passes with --verify)\n", a);
         return -1;
@@ -300,6 +302,8 @@ int tool_parse_model_opt(int argc, char **argv, int *i, tool_model_opts *o) {
     } else if (strcmp(a, "--spec-k") == 0) {
         if (!tool_parse_i64(val, 1, 32, a, &v)) return -1;
         o->spec_k = (int)v;
+    } else if (strcmp(a, "--spec-cost") == 0) {
+        if (!tool_parse_f64(val, 1e-6, 10, a, &o->spec_cost)) return -1;
     } else if (strcmp(a, "--kv-stream") == 0) {
         o->kv_stream = true;
         return 1; /* no value */

@@ -42,6 +42,7 @@ typedef struct {
     bool spec_opts;
     strata_spec spec;      /* --spec off|lookup|draft (--draft MODEL implies draft) */
     int spec_k;            /* --spec-k N (0: 8) */
+    double spec_cost;      /* --spec-cost C (0: measured) */
     const char *draft;     /* --draft MODEL */
 } tool_model_opts;
 
@@ -55,7 +56,9 @@ typedef struct {
     "  --draft MODEL            the draft model (same vocabulary; on the same device), implies\n" \
     "                           --spec draft\n" \
     "  --spec-k N               most drafts per step (default 8, 1 to 32); fewer while few are\n" \
-    "                           accepted\n"
+    "                           accepted, none while a draft costs more than it brings\n" \
+    "  --spec-cost C            one draft's cost in one-token steps, fixed (default: measured as\n" \
+    "                           it runs, from steps with and without drafts)\n"
 
 /* After parsing: --draft implies --spec draft; --spec draft needs --draft; --spec-k needs --spec.
  * False (message printed) on a contradiction. */

@@ -259,7 +259,8 @@ strata_status strata_model_open(const char *path, const strata_model_params *par
     m->ep.spec = (st_spec_params){.mode = p.spec == STRATA_SPEC_LOOKUP  ? ST_SPEC_LOOKUP
                                           : p.spec == STRATA_SPEC_DRAFT ? ST_SPEC_DRAFT
                                                                         : ST_SPEC_OFF,
-                                  .k_max = p.spec_k};
+                                  .k_max = p.spec_k,
+                                  .step_cost = p.spec_cost};
     if (p.spec == STRATA_SPEC_DRAFT) {
         if ((st = st_model_open(p.draft_model, &m->draft))) {
             char msg[768];

@@ -757,6 +757,11 @@ strata_status st_runner_step(st_runner *r, st_runner_step_info *out) {
     double t1 = st_time_now();
     r->stats.forward_s += t1 - t0;
     r->stats.steps++;
+    if (r->drafter && d->n_decodes == d->n_items && !d->stream) { /* the drafts' cost model */
+        int64_t drafts = 0;
+        for (int64_t i = 0; i < d->n_items; i++) drafts += d->items[i].n_draft;
+        st_drafter_step_time(r->drafter, drafts, t1 - t0);
+    }
 
     /* 4: sample every item that needs logits, with its own sampler; a decode's drafts are verified
      * row by row (history: the sequence and the drafts accepted before the row) */

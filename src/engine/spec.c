@@ -18,6 +18,9 @@
 #define DRAFT_KV_CAP ((size_t)1 << 30)
 #define DRAFT_PASS_TOKENS 256
 #define ACC_DECAY 0.9 /* the acceptance counts' decay per verification */
+#define COST_EMA 0.3  /* weight of the newest measurement in the step-cost averages */
+#define PHASES 16     /* of every 16 steps: the first runs no drafts (the plain step's time), the ninth
+                         drafts for every sequence (acceptance and cost measured again) */
 
 const char *st_spec_mode_name(st_spec_mode m) {
     return m == ST_SPEC_LOOKUP ? "lookup" : m == ST_SPEC_DRAFT ? "draft" : "off";
@@ -34,9 +37,8 @@ strata_status st_spec_params_resolve(st_spec_params *p) {
     if (p->ngram_min < 1 || p->ngram_max < p->ngram_min || p->ngram_max > 64)
         return st_err(STRATA_ERR_INVALID_ARG, "speculative decoding: n-gram lengths %d..%d (1 <= min <= max <= 64)",
                       p->ngram_min, p->ngram_max);
-    if (p->step_cost == 0) p->step_cost = DEF_STEP_COST;
-    if (!(p->step_cost > 0 && p->step_cost <= 10))
-        return st_err(STRATA_ERR_INVALID_ARG, "speculative decoding: step_cost %g (0 to 10)", p->step_cost);
+    if (!(p->step_cost >= 0 && p->step_cost <= 10))
+        return st_err(STRATA_ERR_INVALID_ARG, "--spec-cost %g: 0 (measured) to 10", p->step_cost);
     if (p->mode == ST_SPEC_DRAFT && !p->draft)
         return st_err(STRATA_ERR_INVALID_ARG, "speculative decoding with a draft model needs the model (--draft)");
     if (p->mode != ST_SPEC_DRAFT && p->draft)
@@ -65,10 +67,10 @@ int64_t st_spec_lookup(const int32_t *tokens, int64_t n, int ngram_min, int ngra
 }
 
 int st_spec_best_k(double a, int k_max, double step_cost) {
-    if (!(a > 0)) return 1;
-    if (a >= 1) return k_max;
-    int best = 1;
-    double best_v = -1;
+    if (!(a > 0)) return 0;
+    if (a >= 1) return 1 + step_cost * k_max < k_max + 1 ? k_max : 0;
+    int best = 0;
+    double best_v = 1; /* no drafts: one token per unit of cost */
     for (int k = 1; k <= k_max; k++) {
         const double v = (1 - pow(a, k + 1)) / (1 - a) / (1 + step_cost * k);
         if (v > best_v + 1e-12) {
@@ -86,6 +88,11 @@ struct st_drafter {
     st_backend *be;
     int64_t vocab, max_batch, max_model_len;
     st_spec_stats stats;
+    /* the cost model, measured: a decode step's forward time without drafts (t0) and the extra
+     * time of one draft relative to it (c); the default step_cost until measured */
+    uint64_t proposals;
+    double t0, c;
+    bool have_t0, have_c;
     /* ST_SPEC_DRAFT */
     st_llama *dm;
     st_kv_pool *dkv;
@@ -216,11 +223,34 @@ fail:;
 
 const st_spec_params *st_drafter_params(const st_drafter *d) { return &d->p; }
 
-void st_drafter_get_stats(const st_drafter *d, st_spec_stats *out) { *out = d->stats; }
+static double step_cost(const st_drafter *d) {
+    return d->p.step_cost > 0 ? d->p.step_cost : d->have_c ? d->c : DEF_STEP_COST;
+}
 
-static int seq_k(const st_drafter *d, const st_seq *q) {
+void st_drafter_get_stats(const st_drafter *d, st_spec_stats *out) {
+    *out = d->stats;
+    out->step_cost = step_cost(d);
+    out->cost_measured = d->p.step_cost == 0 && d->have_c;
+}
+
+static int seq_k(const st_drafter *d, const st_seq *q, bool explore) {
     if (q->spec.judged <= 0) return d->p.k_max > 4 ? 4 : d->p.k_max; /* no evidence yet */
-    return st_spec_best_k(q->spec.accepted / q->spec.judged, d->p.k_max, d->p.step_cost);
+    const int k = st_spec_best_k(q->spec.accepted / q->spec.judged, d->p.k_max, step_cost(d));
+    return k > 0 ? k : explore ? 1 : 0;
+}
+
+void st_drafter_step_time(st_drafter *d, int64_t drafts, double forward_s) {
+    if (!(forward_s > 0) || d->p.step_cost > 0) return; /* a fixed cost: nothing to measure */
+    if (drafts == 0) {
+        d->t0 = d->have_t0 ? (1 - COST_EMA) * d->t0 + COST_EMA * forward_s : forward_s;
+        d->have_t0 = true;
+        return;
+    }
+    if (!d->have_t0) return;
+    double c = (forward_s / d->t0 - 1) / (double)drafts;
+    c = c < 0.001 ? 0.001 : c > 10 ? 10 : c;
+    d->c = d->have_c ? (1 - COST_EMA) * d->c + COST_EMA * c : c;
+    d->have_c = true;
 }
 
 /* A draft-model slot for q: its own, a free one, or none (-1: it does not speculate this step). */
@@ -332,10 +362,12 @@ strata_status st_drafter_propose(st_drafter *d, st_seq *const *seqs, const int64
     const double t0 = st_time_now();
     int64_t na = 0;
     strata_status st = STRATA_OK;
+    const uint64_t phase = d->p.step_cost > 0 ? 1 : d->proposals++ % PHASES; /* fixed cost: no plain steps */
     for (int64_t i = 0; i < n; i++) {
         st_seq *q = seqs[i];
         q->n_draft = 0;
-        int64_t k = seq_k(d, q);
+        if (phase == 0) continue; /* a plain step: its time is the cost model's unit */
+        int64_t k = seq_k(d, q, phase == PHASES / 2);
         if (k > max_drafts[i]) k = max_drafts[i];
         if (k < 1) continue;
         if ((st = st_seq_reserve(q, q->n_tokens + k + 1))) goto out;

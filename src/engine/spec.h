@@ -28,7 +28,13 @@
  * The number of drafts adapts per sequence: the acceptance rate a (decayed
  * counts of accepted / proposed-and-judged drafts) gives the expected tokens
  * of a step with k drafts, (1 - a^(k+1)) / (1 - a), against its cost, 1 +
- * step_cost * k in units of a single-token step; k is the best of 1..k_max.
+ * c k in units of a one-token step; k is the best of 0..k_max (0: drafts do
+ * not pay). c is measured (st_drafter_step_time): of every 16 steps the first
+ * proposes no drafts (the plain decode step's forward time, t0) and the steps
+ * with drafts give (time / t0 - 1) / drafts; the ninth proposes at least one
+ * draft for every sequence, so that a sequence whose drafts stopped paying
+ * is judged again. Until measured, c is 0.1; params.step_cost > 0 fixes it
+ * (nothing measured).
  *
  * Owned by the runner (one st_drafter); called on the runner's thread only. */
 #pragma once
@@ -50,8 +56,9 @@ typedef struct {
     st_spec_mode mode;
     int k_max;                         /* most drafts per step (0: 8; at most 32) */
     int ngram_min, ngram_max;          /* lookup: suffix lengths tried, longest first (0: 1, 3) */
-    double step_cost;                  /* one more verified token, in units of a one-token step (0:
-                                          0.1; the runner's measured cost is better when known) */
+    double step_cost;                  /* one more verified token, in units of a one-token step: > 0
+                                          fixed; 0 (default): measured as the steps run (0.1 until
+                                          then) */
     const st_model_files *draft;       /* ST_SPEC_DRAFT: the draft model (borrowed; same vocabulary) */
     size_t draft_kv_mem;               /* ST_SPEC_DRAFT: bytes of its KV cache (0: room for every
                                           running sequence at max_model_len, at most 1 GiB; at least
@@ -66,8 +73,9 @@ strata_status st_spec_params_resolve(st_spec_params *p);
  * before). Pure; tests call it directly. */
 int64_t st_spec_lookup(const int32_t *tokens, int64_t n, int ngram_min, int ngram_max, int64_t k, int32_t *out);
 
-/* The number of drafts (1..k_max) that maximises the expected tokens per
- * unit of step cost at acceptance rate a in [0, 1]. */
+/* The number of drafts (0..k_max) that maximises the expected tokens per
+ * unit of step cost at acceptance rate a in [0, 1]; 0 when no k gives more
+ * than one token per unit. */
 int st_spec_best_k(double a, int k_max, double step_cost);
 
 typedef struct st_drafter st_drafter;
@@ -97,6 +105,10 @@ strata_status st_drafter_propose(st_drafter *d, st_seq *const *seqs, const int64
  * accepted (q->n_draft is cleared). Adapts its k and its draft KV. */
 void st_drafter_verified(st_drafter *d, st_seq *q, int64_t accepted);
 
+/* After a decode-only step's forward pass: its time and the drafts it ran (the
+ * cost model above). */
+void st_drafter_step_time(st_drafter *d, int64_t drafts, double forward_s);
+
 /* q left the runner (finished, preempted or aborted): its draft state goes
  * (a draft-model slot is freed; a preempted sequence catches up again). */
 void st_drafter_forget(st_drafter *d, st_seq *q);
@@ -107,6 +119,8 @@ typedef struct {
     int64_t accepted;   /* of those, accepted */
     int64_t draft_passes, draft_tokens; /* ST_SPEC_DRAFT: the draft model's passes and tokens */
     double draft_s;     /* time in the drafter */
+    double step_cost;   /* one draft's cost in one-token steps: measured, or params.step_cost */
+    bool cost_measured;
 } st_spec_stats;
 void st_drafter_get_stats(const st_drafter *d, st_spec_stats *out);
 
