@@ -621,9 +621,10 @@ int cmd_bench(int argc, char **argv) {
     }
     st_llama_graph_stats gs;
     st_llama_get_graph_stats(tm.model, &gs);
-    printf("decode       %lld tokens in %.3f s: %.2f tok/s, %.3f ms/token (one sequence, greedy on the device; "
+    printf("decode       %lld tokens in %.3f s: %.2f tok/s, %.3f ms/token (one sequence, greedy on the %s; "
            "%lld passes replayed as graphs, %lld direct; KV %s)\n",
-           (long long)n_gen, t_decode, (double)n_gen / t_decode, step_s * 1e3, (long long)gs.replays,
+           (long long)n_gen, t_decode, (double)n_gen / t_decode, step_s * 1e3, on_cpu ? "CPU" : "device",
+           (long long)gs.replays,
            (long long)gs.direct, st_kv_dtype_name(mo.kv_dtype));
     printf("roofline     decode floor %.3f ms/token = %.1f MB (weights + KV at context %.0f) / %.2f GB/s "
            "-> %.1f tok/s; reached %.0f%%\n",
