@@ -247,12 +247,16 @@ strata_status st_runner_init(const st_model_files *files, st_backend *be, const 
             r->land_stride = (size_t)r->land_slots * klo.layer_bytes;
             r->land_used = st_calloc((size_t)r->land_slots, 1);
             if (!r->land_used) {
-                st = st_err(STRATA_ERR_NOMEM, "out of memory");
+                st = st_err(STRATA_ERR_NOMEM, "out of memory for the use map of %lld landing slots (%lld bytes)",
+                            (long long)r->land_slots, (long long)r->land_slots);
                 goto fail;
             }
             void *mem = NULL;
-            if ((st = be->ops->alloc(be, r->land_stride * (size_t)kp.n_layers, &mem)))
-                goto fail; /* the backend names the bytes and the budget */
+            if ((st = be->ops->alloc(be, r->land_stride * (size_t)kp.n_layers, &mem))) {
+                st = st_err_what(st, "the landing memory of transferred KV blocks (%lld slots, %zu bytes)",
+                                 (long long)r->land_slots, r->land_stride * (size_t)kp.n_layers);
+                goto fail;
+            }
             r->land = mem;
         }
         const uint64_t seed = 0;

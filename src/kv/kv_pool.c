@@ -97,8 +97,15 @@ strata_status st_kv_pool_init(st_backend *be, const st_kv_pool_params *p, st_kv_
         }
     }
     kv->meta_bytes = st_kv_pool_meta_bytes(p->max_tokens, kv->max_blocks, p->block_size);
-    if ((st = be->ops->alloc(be, kv->meta_bytes, &kv->d_meta))) goto fail;
-    if ((st = be->ops->host_alloc(be, kv->meta_bytes, &kv->h_meta))) goto fail;
+    if ((st = be->ops->alloc(be, kv->meta_bytes, &kv->d_meta))) {
+        st = st_err_what(st, "kv pool: the batch's block tables and slots on the device (%zu bytes)", kv->meta_bytes);
+        goto fail;
+    }
+    if ((st = be->ops->host_alloc(be, kv->meta_bytes, &kv->h_meta))) {
+        st = st_err_what(st, "kv pool: the batch's block tables and slots in pinned host memory (%zu bytes)",
+                         kv->meta_bytes);
+        goto fail;
+    }
     memset(kv->h_meta, 0, kv->meta_bytes); /* entries a batch does not write are never read, but defined */
     *out = kv;
     return STRATA_OK;

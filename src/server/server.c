@@ -1489,7 +1489,9 @@ static enum MHD_Result handle_pd_prefill(struct MHD_Connection *c, req *r) {
     int32_t *ids = st_malloc((size_t)need * sizeof *ids);
     uint8_t *addr = NULL;
     size_t addr_len = 0;
-    if (!ids) st = st_err(STRATA_ERR_NOMEM, "out of memory");
+    if (!ids)
+        st = st_err(STRATA_ERR_NOMEM, "pd prefill: out of memory for %lld prompt token ids (%zu bytes)",
+                    (long long)need, (size_t)need * sizeof *ids);
     int64_t i = 0;
     for (const cJSON *it = toks ? toks->child : NULL; it && i < need && !st; it = it->next, i++) {
         if (!cJSON_IsNumber(it) || it->valuedouble < 0 || it->valuedouble >= 2147483647.0 ||

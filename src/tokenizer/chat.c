@@ -329,7 +329,7 @@ strata_status st_chat_detect(const char *jinja, st_chat_template *out) {
         if (strstr(jinja, "Cutting Knowledge Date")) {
             if (!(out->date = llama3_date(jinja))) {
                 memset(out, 0, sizeof *out);
-                return st_err(STRATA_ERR_NOMEM, "out of memory");
+                return st_err(STRATA_ERR_NOMEM, "chat template: out of memory for the llama3 template's date");
             }
             out->date_from_clock = strstr(jinja, "strftime_now") != NULL;
         }
