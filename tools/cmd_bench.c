@@ -144,7 +144,7 @@ static strata_status seqs_run(tool_model *tm, seqs_state *S, int64_t B, double *
     int32_t *out = malloc((size_t)(B * (S->gen + 1)) * 4);
     strata_status st = STRATA_OK;
     if (!tok || !pos || !seq || !ctx || !tab || !rows || !slots || !greedy || !ids || !out) {
-        st = st_err(STRATA_ERR_NOMEM, "bench --seqs: out of memory");
+        st = st_err(STRATA_ERR_NOMEM, "bench --seqs: out of memory for the batch of %lld tokens", (long long)cap);
         goto out;
     }
     for (int64_t i = 0; i < cap; i++) greedy[i].top_p = 1.0f; /* neutral; temperature 0 decides */

@@ -68,7 +68,7 @@ strata_status st_kv_pool_init(st_backend *be, const st_kv_pool_params *p, st_kv_
                       (long long)p->num_blocks, (long long)p->block_size, (int)p->dtype, (long long)p->max_tokens,
                       (long long)p->max_seq_len);
     st_kv_pool *kv = st_calloc(1, sizeof *kv);
-    if (!kv) return st_err(STRATA_ERR_NOMEM, "kv pool: out of memory");
+    if (!kv) return st_err(STRATA_ERR_NOMEM, "kv pool: out of memory for its state (%zu bytes)", sizeof *kv);
     kv->be = be;
     kv->p = *p;
     kv->max_blocks = (p->max_seq_len + p->block_size - 1) / p->block_size;
@@ -76,7 +76,8 @@ strata_status st_kv_pool_init(st_backend *be, const st_kv_pool_params *p, st_kv_
     kv->layers = st_calloc((size_t)p->n_layers, sizeof *kv->layers);
     kv->ready = st_calloc((size_t)p->n_layers, sizeof *kv->ready);
     if (!kv->layers || !kv->ready) {
-        st = st_err(STRATA_ERR_NOMEM, "kv pool: out of memory");
+        st = st_err(STRATA_ERR_NOMEM, "kv pool: out of memory for the tables of %lld layers (%zu bytes)",
+                    (long long)p->n_layers, (size_t)p->n_layers * (sizeof *kv->layers + sizeof *kv->ready));
         goto fail;
     }
     size_t data, scales;

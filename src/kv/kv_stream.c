@@ -84,7 +84,7 @@ strata_status st_kv_stream_init(st_backend *be, const st_kv_stream_params *p, st
     *out = NULL;
     TRY(check_params(p));
     st_kv_stream *ks = st_calloc(1, sizeof *ks);
-    if (!ks) return st_err(STRATA_ERR_NOMEM, "kv_stream: out of memory");
+    if (!ks) return st_err(STRATA_ERR_NOMEM, "kv_stream: out of memory for its state (%zu bytes)", sizeof *ks);
     ks->be = be;
     ks->p = *p;
     ks->np_ = p->dtype == ST_KV_FP8 ? 4 : 2;

@@ -1881,7 +1881,7 @@ strata_status st_server_start(strata_model *m, const st_server_params *params, s
     if (params->port < 0 || params->port > 65535)
         return st_err(STRATA_ERR_INVALID_ARG, "server: port %d is not in [0, 65535]", params->port);
     st_server *s = st_calloc(1, sizeof *s);
-    if (!s) return st_err(STRATA_ERR_NOMEM, "server: out of memory");
+    if (!s) return st_err(STRATA_ERR_NOMEM, "server: out of memory for its state (%zu bytes)", sizeof *s);
     s->model = m;
     s->info = info;
     s->max_seq_len = info.max_seq_len;
@@ -1936,7 +1936,8 @@ strata_status st_server_start(strata_model *m, const st_server_params *params, s
     s->peek = st_malloc(HEAD_PEEK);
     if (!s->host || !s->model_name || !s->peek || (params->api_key && params->api_key[0] && !s->api_key)) {
         st_server_stop(s);
-        return st_err(STRATA_ERR_NOMEM, "server: out of memory");
+        return st_err(STRATA_ERR_NOMEM, "server: out of memory for its names and the head buffer (%d bytes)",
+                      (int)HEAD_PEEK);
     }
     s->ep = epoll_create1(EPOLL_CLOEXEC);
     s->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);

@@ -465,7 +465,7 @@ strata_status st_chat_format_spans(const st_chat_template *t, const st_chat_msg 
     }
     if (!st && b.oom) st = st_err(STRATA_ERR_NOMEM, "chat: out of memory formatting %lld messages", (long long)n);
     if (!st && !b.p) sb_add(&b, "", 0);
-    if (!st && b.oom) st = st_err(STRATA_ERR_NOMEM, "chat: out of memory");
+    if (!st && b.oom) st = st_err(STRATA_ERR_NOMEM, "chat: out of memory for the empty prompt");
     if (st) {
         st_free(b.p);
         st_free(b.spans);
