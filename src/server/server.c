@@ -725,7 +725,7 @@ static char *mhd_error_json(unsigned int status) {
         break;
     }
     srv_error e;
-    if (mhd_last_msg[0])
+    if (mhd_last_msg[0] && status != 500) /* its 500 page speaks to the developer, not the client */
         srv_error_set(&e, (int)status, type, code, NULL, "%s: %s", what, mhd_last_msg);
     else
         srv_error_set(&e, (int)status, type, code, NULL, "%s", what);
@@ -1829,7 +1829,7 @@ static void mhd_log(void *cls, const char *fmt, va_list ap) {
     size_t n = strlen(msg);
     while (n > 0 && (msg[n - 1] == '\n' || msg[n - 1] == '\r')) msg[--n] = 0;
     pthread_mutex_lock(&s->log_mu);
-    snprintf(s->mhd_msg, sizeof s->mhd_msg, "%s", msg);
+    snprintf(s->mhd_msg, sizeof s->mhd_msg, "%.*s", (int)sizeof s->mhd_msg - 1, msg);
     pthread_mutex_unlock(&s->log_mu);
     /* the reason of an answer libmicrohttpd writes itself, for MHD_queue_response above: the
      * text of its page's <body>, quoted in this line, which it logs just before it queues it */
