@@ -346,6 +346,8 @@ LATER = [  # (what, bytes after a good first head (or none), status, error code,
      "http_version_not_supported", "version"),
     ("a later head of 70 KB", OK_HEAD + b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * 70000
      + b"\r\n\r\n", 431, "header_too_large", "too big"),
+    ("a later head with Transfer-Encoding gzip", OK_HEAD + b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+     b"Content-Type: application/json\r\nTransfer-Encoding: gzip\r\n\r\n", 501, "not_implemented", "gzip"),
     ("a malformed chunked body", CHUNKED + b"zz\r\n{}\r\n0\r\n\r\n", 400, "bad_request", "chunked"),
     ("a chunk size of 20 hex digits", CHUNKED + b"f" * 20 + b"\r\n{}\r\n0\r\n\r\n", 413, "request_too_large",
      "chunk size"),
@@ -356,7 +358,8 @@ def test_later_heads(srv):
     """Item 8, what the front door does not see (it checks a connection's first head only; then the
     bytes go to libmicrohttpd): a malformed later head on a keep-alive connection, a malformed
     chunked body. libmicrohttpd's own answers to them (HTML pages) become the server's JSON error
-    with the same status and libmicrohttpd's reason, counted in /metrics (route other)."""
+    with the same status and libmicrohttpd's reason, counted in /metrics (route other); a transfer
+    coding other than chunked is refused (501) at once, not awaited until the idle deadline."""
     m0 = ts.metrics(srv)
     counts = {}
     for what, data, status, code, word in LATER:

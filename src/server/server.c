@@ -1683,6 +1683,15 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *c, const char
         r->listed = true;
         if (r->k) conn_phase_locked(s, r->k, CONN_BUSY, 0); /* the head is in: no deadline while it is served */
         pthread_mutex_unlock(&s->mu);
+        /* a later request on a keep-alive connection (libmicrohttpd parsed its head, not the
+         * front door): a transfer coding other than chunked would have its body awaited until
+         * the idle deadline; refused as the front door refuses it (counted under "other") */
+        const char *te = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_TRANSFER_ENCODING);
+        if (te && strcasecmp(te, "chunked") != 0) {
+            r->rt = R_OTHER;
+            return error_reply(c, r, 501, "invalid_request_error", "not_implemented", NULL,
+                               "Transfer-Encoding '%.40s' is not supported (chunked only)", te);
+        }
         const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
         if (cl) {
             char *end = NULL;
