@@ -247,7 +247,8 @@ strata_status st_runner_init(const st_model_files *files, st_backend *be, const 
             r->land_stride = (size_t)r->land_slots * klo.layer_bytes;
             r->land_used = st_calloc((size_t)r->land_slots, 1);
             if (!r->land_used) {
-                st = st_err(STRATA_ERR_NOMEM, "out of memory for the use map of %lld landing slots (%lld bytes)",
+                st = st_err(STRATA_ERR_NOMEM,
+                            "runner: out of memory for the use map of %lld landing slots (%lld bytes)",
                             (long long)r->land_slots, (long long)r->land_slots);
                 goto fail;
             }
