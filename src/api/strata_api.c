@@ -547,7 +547,9 @@ strata_status strata_chat_set_date(strata_model *m, const char *date) {
     if (!m || !date) return st_err(STRATA_ERR_INVALID_ARG, "strata_chat_set_date: %s is NULL", m ? "date" : "model");
     if (!m->tpl.date) return STRATA_OK;
     char *d = st_strdup(date);
-    if (!d) return st_err(STRATA_ERR_NOMEM, "strata_chat_set_date: out of memory for the date (%zu bytes)", strlen(date) + 1);
+    if (!d)
+        return st_err(STRATA_ERR_NOMEM, "strata_chat_set_date: out of memory for the date (%zu bytes)",
+                      strlen(date) + 1);
     st_free(m->tpl.date);
     m->tpl.date = d;
     return STRATA_OK;

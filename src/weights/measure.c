@@ -126,7 +126,8 @@ static strata_status measure_matmul(st_backend *be, st_stream *s, const st_wgrou
     strata_status st = o->alloc(be, wb, &w);
     if (st == STRATA_OK) st = o->alloc(be, xb, &x);
     if (st == STRATA_OK) st = o->alloc(be, yb, &y);
-    if (st == STRATA_OK && !(host = calloc(1, hn))) st = st_err(STRATA_ERR_NOMEM, "matmul probe: out of memory for its host buffer (%zu bytes)", hn);
+    if (st == STRATA_OK && !(host = calloc(1, hn)))
+        st = st_err(STRATA_ERR_NOMEM, "matmul probe: out of memory for its host buffer (%zu bytes)", hn);
     if (st == STRATA_OK && cpu) { /* zeros: cheap, and the CPU's rate does not depend on the values */
         for (size_t off = 0; off < wb && st == STRATA_OK; off += hn)
             st = o->copy_h2d(be, s, (uint8_t *)w + off, host, wb - off < hn ? wb - off : hn);
