@@ -6,7 +6,7 @@ minutes on the default model: 0 errors, RSS flat after warm-up, p99 latencies
 reported).
 
   python3 bench/soak.py                          # 256 clients, 600 s, the default model, CPU
-  python3 bench/soak.py -c 32 --duration 30      # a short run
+  python3 bench/soak.py -c 32 --duration 60 --serve-args "--kv-mem 64M --kv-host-mem 64M"   # a short run
   python3 bench/soak.py --url http://127.0.0.1:8080 --pid 1234   # a server already running
 
 Without --url it starts `strata serve` itself (--bin, default build/strata;
@@ -26,9 +26,14 @@ sent: TTFT (to the first text chunk), TBT (between text chunks), end to end;
 p50 / p99 / max of each over all requests (the warm-up included).
 
 RSS (VmRSS of the server, from /proc) is sampled every --rss-every seconds;
-the report lists it over time and compares the last sample of the duration
-(under load) with the first one after the warm-up (--warmup seconds, default 20% of the duration):
-"RSS flat" when it grew by at most --max-rss-growth MiB. Exit status 1 on
+the report lists it over time, its least-squares slope after the warm-up
+(MiB/min), and compares the last sample of the duration (under load) with the
+first one after the warm-up (--warmup seconds, default 20% of the duration):
+"RSS flat" when it grew by at most --max-rss-growth MiB. The KV pools are
+touched as they fill (the device pool on the CPU, the host tier: by default 1/8
+of the machine's memory), so RSS is flat only once they are full: give a
+warm-up that fills them, or small budgets (--serve-args "--kv-mem 64M
+--kv-host-mem 64M"; RSS against the budgets themselves is tests/test_server_rss.py). Exit status 1 on
 any error, a growth above that, or a server that did not exit 0; --json
 writes the figures.
 """
@@ -76,6 +81,18 @@ def rss_mib(pid):
     except OSError:
         pass
     return float("nan")
+
+
+def rss_slope(points):
+    """Least-squares slope of [(seconds, MiB)] in MiB per minute (nan with fewer than 2 points)."""
+    pts = [(t, m) for t, m in points if m == m]
+    if len(pts) < 2:
+        return float("nan")
+    n = float(len(pts))
+    mt = sum(t for t, _ in pts) / n
+    mm = sum(m for _, m in pts) / n
+    var = sum((t - mt) ** 2 for t, _ in pts)
+    return 60.0 * sum((t - mt) * (m - mm) for t, m in pts) / var if var > 0 else float("nan")
 
 
 def main():
@@ -203,10 +220,11 @@ def main():
     end = [m for t, m, _ in rss if t <= args.duration + 0.5][-1]
     growth = end - base
     peak = max((m for _, m, _ in rss if m == m), default=float("nan"))
+    slope = rss_slope([(t, m) for t, m, _ in rss if warmup <= t <= args.duration + 0.5])
     flat = growth <= args.max_rss_growth if pid else True
     print("RSS          after the warm-up (%.0f s) %.1f MiB, at the end of the duration %.1f MiB, growth %+.1f MiB, "
-          "peak %.1f MiB, after the last request %.1f MiB: %s"
-          % (warmup, base, end, growth, peak, rss[-1][1],
+          "slope after the warm-up %+.2f MiB/min, peak %.1f MiB, after the last request %.1f MiB: %s"
+          % (warmup, base, end, growth, slope, peak, rss[-1][1],
              "flat (within %.0f MiB)" % args.max_rss_growth if flat else "GREW (more than %.0f MiB)"
              % args.max_rss_growth))
     if proc:
@@ -218,7 +236,8 @@ def main():
                        "ttft_ms": {"p50": 1e3 * pct(ttft, 50), "p99": 1e3 * pct(ttft, 99)},
                        "tbt_ms": {"p50": 1e3 * pct(tbt, 50), "p99": 1e3 * pct(tbt, 99)},
                        "e2e_ms": {"p50": 1e3 * pct(e2e, 50), "p99": 1e3 * pct(e2e, 99)},
-                       "rss_mib": rss, "rss_growth_mib": growth, "server_exit": rc_server}, f, indent=1)
+                       "rss_mib": rss, "rss_growth_mib": growth, "rss_slope_mib_per_min": slope,
+                       "server_exit": rc_server}, f, indent=1)
     ok = n_err == 0 and flat and len(results) > 0 and rc_server in (None, 0)
     return 0 if ok else 1
 

@@ -12,10 +12,11 @@ Faults), through --test-fault, a hidden option of test builds
   - device and pinned host allocation failures (device-alloc:N,
     host-alloc:N: the Nth allocation of the backend fails): for every N up to
     the number of allocations `strata run` makes (sampled past the first 40
-    in a sanitizer build), exit 1 with one clean message naming the kind of
-    allocation and its size (and what it was for where the weights manager
-    allocates), no crash, no sanitizer report (the ASan build checks leaks
-    at exit); past the last allocation it runs;
+    in a sanitizer build; streamed weights, and resident ones for host-alloc),
+    exit 1 with one clean message naming the kind of allocation, its size and
+    what it was for (the weights, the KV pool, an activation buffer, ...: more
+    than the tool, engine and runner labels), no crash, no sanitizer report
+    (the ASan build checks leaks at exit); past the last allocation it runs;
   - `strata logits` (the tools' own loading path) and `strata serve` fail the
     same way.
 """
@@ -92,18 +93,31 @@ def test_read_error_run(model):
           "strata run --test-fault read-error:3: exit 1 naming the file and offset (rc %d: %r)" % (p.returncode, last))
 
 
-def alloc_sweep(model, kind, limit):
-    """strata run with the Nth allocation of `kind` failing, N = 1, 2, ...: -> (allocations, bad cases)."""
+GENERIC = ("strata model", "strata run", "strata logits", "strata serve", "engine", "runner", "weights")
+
+
+def unnamed(last, what):
+    """Whether the message of a failed allocation does not say what it was for: only generic
+    labels (the tool, engine, runner) before "device allocation #N (M bytes) failed"."""
+    head = last.split(what)[0].rstrip(": ")
+    return all(part.strip() in GENERIC for part in head.split(": "))
+
+
+def alloc_sweep(model, kind, limit, unnamed_out=None, extra=STREAM):
+    """strata run with the Nth allocation of `kind` failing, N = 1, 2, ...: -> (allocations, bad cases);
+    the messages that do not name what the allocation was for go to unnamed_out."""
     bad, n, step = [], 1, 1
     while n <= limit:
         p = run(["run", model, "-p", "hi", "-n", "2", "--temp", "0", "-q", "--test-fault", "%s:%d" % (kind, n)]
-                + STREAM)
+                + extra)
         if p.returncode == 0:
             return n - 1, bad
         what = "device allocation #%d" % n if kind == "device-alloc" else "pinned host allocation #%d" % n
         ok, last = clean_failure(p, what)
         if not ok or "injected fault" not in last or len(p.stderr.strip().splitlines()) > 3:
             bad.append((n, p.returncode, p.stderr[-400:]))
+        elif unnamed_out is not None and unnamed(last, what):
+            unnamed_out.append(last)
         if SAN and n >= 40:
             step = 5  # sanitizer build: every 5th past the first 40 (each start takes ~1 s there)
         n += step
@@ -111,12 +125,18 @@ def alloc_sweep(model, kind, limit):
 
 
 def test_alloc_failures(model):
-    for kind, limit in (("device-alloc", 400), ("host-alloc", 100)):
+    resident = ["--ctx", "256", "--threads", "2"] + BW
+    for kind, limit, extra in (("device-alloc", 400, STREAM), ("host-alloc", 100, STREAM),
+                               ("host-alloc", 100, resident)):
         t = time.time()
-        total, bad = alloc_sweep(model, kind, limit)
+        nameless = []
+        total, bad = alloc_sweep(model, kind, limit, nameless, extra)
+        where = "streamed" if extra is STREAM else "resident"
         check(total is not None and total >= 1 and not bad,
-              "strata run --test-fault %s:N: every failure exits 1 with one clean message (%s allocations, "
-              "%.1f s)%s" % (kind, total, time.time() - t, "" if not bad else ": %r" % bad[:3]))
+              "strata run --test-fault %s:N (%s weights): every failure exits 1 with one clean message (%s "
+              "allocations, %.1f s)%s" % (kind, where, total, time.time() - t, "" if not bad else ": %r" % bad[:3]))
+        check(not nameless, "strata run --test-fault %s:N (%s weights): every message names what the allocation "
+              "was for (%d do not: %r)" % (kind, where, len(nameless), nameless[:3]))
     # what failed is named where the weights manager allocates
     p = run(["run", model, "-p", "hi", "-n", "2", "-q", "--test-fault", "host-alloc:1"] + STREAM)
     ok, last = clean_failure(p, "pinned host allocation #1")

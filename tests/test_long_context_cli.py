@@ -60,6 +60,12 @@ def main():
              "2", "--batch", "256"])
     check(p.returncode == 1 and "--kv-host-mem" in p.stderr and "Traceback" not in p.stderr,
           "bench --kv-host-mem 1K fails naming the option (rc %d: %s)" % (p.returncode, p.stderr.strip()[-300:]))
+    p = run(["bench", tiny, "--device", "cpu", "--prompt", "16", "--gen", "2", "--threads", "2"])
+    m = re.search(r"^decode +2 tokens in .*$", p.stdout, re.M)
+    check(p.returncode == 0 and m is not None and "greedy on the CPU" in m.group(0)
+          and "on the device" not in m.group(0),
+          "bench --device cpu: the decode line says the greedy choice is made on the CPU (%s)"
+          % (m.group(0) if m else p.stdout[-300:] + p.stderr[-300:]))
     p = run(["bench", tiny, "--device", "cpu", "--kv-host-mem", "1G", "--prompt", "64", "--gen", "2"])
     check(p.returncode != 0 and "--kv-stream" in p.stderr,
           "bench --kv-host-mem without a streamed KV is refused (rc %d: %s)" % (p.returncode, p.stderr.strip()[-300:]))

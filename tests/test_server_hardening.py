@@ -18,7 +18,9 @@
   - HTTP oddities (item 8): a connection's first request head with a bad
     Content-Length, a garbage request line, headers or a URI too large, an
     unsupported version or transfer coding gets one OpenAI-style JSON error
-    (400, 431, 414, 505, 413, 501; Connection: close), counted in /metrics.
+    (400, 431, 414, 505, 413, 501; Connection: close), counted in /metrics;
+    so does a malformed later head on a keep-alive connection and a malformed
+    chunked body (libmicrohttpd's own HTML pages replaced).
 """
 import json
 import os
@@ -334,6 +336,61 @@ def test_protocol(srv):
     check(got.startswith(b"HTTP/1.1 200 OK"), "a head trickled a byte at a time: served (%r)" % got[:60])
 
 
+OK_HEAD = b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n"
+CHUNKED = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n" \
+          b"Transfer-Encoding: chunked\r\n\r\n"
+LATER = [  # (what, bytes after a good first head (or none), status, error code, a word of the message)
+    ("a later head with a header without a colon", OK_HEAD + b"GET /health HTTP/1.1\r\nHost: localhost\r\n"
+     b"NoColon\r\n\r\n", 400, "bad_request", "syntactically"),
+    ("a later head with HTTP/2.0", OK_HEAD + b"GET /health HTTP/2.0\r\nHost: localhost\r\n\r\n", 505,
+     "http_version_not_supported", "version"),
+    ("a later head of 70 KB", OK_HEAD + b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * 70000
+     + b"\r\n\r\n", 431, "header_too_large", "too big"),
+    ("a later head with Transfer-Encoding gzip", OK_HEAD + b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+     b"Content-Type: application/json\r\nTransfer-Encoding: gzip\r\n\r\n", 501, "not_implemented", "gzip"),
+    ("a malformed chunked body", CHUNKED + b"zz\r\n{}\r\n0\r\n\r\n", 400, "bad_request", "chunked"),
+    ("a chunk size of 20 hex digits", CHUNKED + b"f" * 20 + b"\r\n{}\r\n0\r\n\r\n", 413, "request_too_large",
+     "chunk size"),
+]
+
+
+def test_later_heads(srv):
+    """Item 8, what the front door does not see (it checks a connection's first head only; then the
+    bytes go to libmicrohttpd): a malformed later head on a keep-alive connection, a malformed
+    chunked body. libmicrohttpd's own answers to them (HTML pages) become the server's JSON error
+    with the same status and libmicrohttpd's reason, counted in /metrics (route other); a transfer
+    coding other than chunked is refused (501) at once, not awaited until the idle deadline."""
+    m0 = ts.metrics(srv)
+    counts = {}
+    for what, data, status, code, word in LATER:
+        counts[status] = counts.get(status, 0) + 1
+        got, closed = raw_exchange(srv.port, data, timeout=5)
+        if data.startswith(OK_HEAD):  # the first request's answer: 200, then the one under test
+            st0, hdr0, body0, _ = parse_answer(got)
+            n0 = len(got) - len(body0) + int(hdr0.get("content-length", 0))
+            check(st0 == 200, "%s: the first request is served (%r)" % (what, got[:120]))
+            got = got[n0:]
+        st, hdr, body, n_status = parse_answer(got)
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            obj = None
+        check(st == status and n_status == 1 and hdr.get("content-type") == "application/json"
+              and hdr.get("connection") == "close" and ts.error_shape(obj) and obj["error"]["code"] == code
+              and word in obj["error"]["message"] and int(hdr.get("content-length", -1)) == len(body)
+              and b"<html" not in got and closed,
+              "%s -> one JSON %d %s naming '%s', then the connection is closed (%r)"
+              % (what, status, code, word, got[:400]))
+    deadline = time.time() + 10
+    while True:
+        m1 = ts.metrics(srv)
+        got_counts = {st: ts.http_count(m1, "other", st) - ts.http_count(m0, "other", st) for st in counts}
+        if got_counts == counts or time.time() > deadline:
+            break
+        time.sleep(0.05)
+    check(got_counts == counts, "/metrics counts each under route other: %s (want %s)" % (got_counts, counts))
+
+
 def main():
     if not os.path.isfile(BIN):
         print("FAIL  no strata binary at %s" % BIN)
@@ -343,7 +400,8 @@ def main():
     ts.run_cases(ts.Server(model, tag="hardening"),
                  [("forged turns", lambda srv: test_forged_turns(srv, model)), ("model name", test_model_name),
                   ("content type", test_content_type), ("host", test_host),
-                  ("validation", lambda srv: test_validation(srv, model)), ("protocol", test_protocol)])
+                  ("validation", lambda srv: test_validation(srv, model)), ("protocol", test_protocol),
+                  ("later heads", test_later_heads)])
     test_api_key(model)
     print("test_server_hardening: %.1f s" % (time.time() - t0))
     return testlib.summary("test_server_hardening")

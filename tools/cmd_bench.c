@@ -166,7 +166,7 @@ static strata_status seqs_run(tool_model *tm, seqs_state *S, int64_t B, double *
     int32_t *out = malloc((size_t)(B * (S->gen + 1)) * 4);
     strata_status st = STRATA_OK;
     if (!tok || !pos || !seq || !ctx || !tab || !rows || !slots || !greedy || !ids || !out) {
-        st = st_err(STRATA_ERR_NOMEM, "bench --seqs: out of memory");
+        st = st_err(STRATA_ERR_NOMEM, "bench --seqs: out of memory for the batch of %lld tokens", (long long)cap);
         goto out;
     }
     for (int64_t i = 0; i < cap; i++) greedy[i].top_p = 1.0f; /* neutral; temperature 0 decides */
@@ -658,9 +658,10 @@ int cmd_bench(int argc, char **argv) {
     }
     st_llama_graph_stats gs;
     st_llama_get_graph_stats(tm.model, &gs);
-    printf("decode       %lld tokens in %.3f s: %.2f tok/s, %.3f ms/token (one sequence, greedy on the device; "
+    printf("decode       %lld tokens in %.3f s: %.2f tok/s, %.3f ms/token (one sequence, greedy on the %s; "
            "%lld passes replayed as graphs, %lld direct; KV %s)\n",
-           (long long)n_gen, t_decode, (double)n_gen / t_decode, step_s * 1e3, (long long)gs.replays,
+           (long long)n_gen, t_decode, (double)n_gen / t_decode, step_s * 1e3, on_cpu ? "CPU" : "device",
+           (long long)gs.replays,
            (long long)gs.direct, st_kv_dtype_name(mo.kv_dtype));
     printf("roofline     decode floor %.3f ms/token = %.1f MB (weights + KV at context %.0f) / %.2f GB/s "
            "-> %.1f tok/s; reached %.0f%%\n",

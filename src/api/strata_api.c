@@ -129,7 +129,7 @@ static strata_status tpl_copy(const st_chat_template *src, st_chat_template *dst
     if ((src->default_system && !(dst->default_system = st_strdup(src->default_system))) ||
         (src->date && !(dst->date = st_strdup(src->date)))) {
         st_chat_template_clear(dst);
-        return st_err(STRATA_ERR_NOMEM, "chat template: out of memory");
+        return st_err(STRATA_ERR_NOMEM, "chat template: out of memory for a copy of its system prompt and date");
     }
     return STRATA_OK;
 }
@@ -192,7 +192,7 @@ strata_status strata_model_open(const char *path, const strata_model_params *par
     if (st) return st;
     if ((st = strata_check_memory(&p))) return st; /* budgets above what the machine has */
     strata_model *m = st_calloc(1, sizeof *m);
-    if (!m) return st_err(STRATA_ERR_NOMEM, "strata_model_open: out of memory");
+    if (!m) return st_err(STRATA_ERR_NOMEM, "strata_model_open: out of memory for its state (%zu bytes)", sizeof *m);
     atomic_init(&m->thread_on, false);
     if ((st = st_model_open(path, &m->files)) || (st = st_backend_init(&bp, &m->be)) ||
         (st = st_tokenizer_load(m->files, &m->tok))) {
@@ -240,7 +240,8 @@ strata_status strata_model_open(const char *path, const strata_model_params *par
         m->kv_ssd_dir = st_malloc(strlen(p.kv_ssd_dir) + 1);
         if (!m->kv_ssd_dir) {
             strata_model_free(m);
-            return st_err(STRATA_ERR_NOMEM, "strata_model_open: out of memory");
+            return st_err(STRATA_ERR_NOMEM, "strata_model_open: out of memory for the path of --kv-ssd-dir (%zu bytes)",
+                          strlen(p.kv_ssd_dir) + 1);
         }
         memcpy(m->kv_ssd_dir, p.kv_ssd_dir, strlen(p.kv_ssd_dir) + 1);
         m->ep.kv_ssd_dir = m->kv_ssd_dir;
@@ -395,7 +396,9 @@ strata_status strata_engine_info_get(const strata_model *m, strata_engine_info *
     out->host_sample = ep->host_sample;
     out->kv_offload = st_kv_offload_name(ep->kv_offload);
     st_engine_metrics *em = st_malloc(sizeof *em);
-    if (!em) return st_err(STRATA_ERR_NOMEM, "strata_engine_info_get: out of memory");
+    if (!em)
+        return st_err(STRATA_ERR_NOMEM, "strata_engine_info_get: out of memory for the metrics (%zu bytes)",
+                      sizeof *em);
     st_engine_metrics_get(m->eng, em);
     if (em->kv_tiers) {
         out->kv_host_blocks = em->kv_tier.host_blocks;
@@ -466,7 +469,7 @@ strata_status strata_kv_reserve(strata_model *m, const int32_t *ids, size_t n,
     if (!ids || n == 0 || n > (size_t)INT64_MAX || !fn)
         return st_err(STRATA_ERR_INVALID_ARG, "strata_kv_reserve: no ids or callback");
     reserve_rec *rr = st_malloc(sizeof *rr);
-    if (!rr) return st_err(STRATA_ERR_NOMEM, "strata_kv_reserve: out of memory");
+    if (!rr) return st_err(STRATA_ERR_NOMEM, "strata_kv_reserve: out of memory for its state (%zu bytes)", sizeof *rr);
     *rr = (reserve_rec){fn, user};
     st = st_engine_kv_reserve(m->eng, ids, (int64_t)n, on_reserved, rr);
     if (st) st_free(rr);
@@ -579,7 +582,9 @@ strata_status strata_chat_set_date(strata_model *m, const char *date) {
     if (!m || !date) return st_err(STRATA_ERR_INVALID_ARG, "strata_chat_set_date: %s is NULL", m ? "date" : "model");
     if (!m->tpl.date) return STRATA_OK;
     char *d = st_strdup(date);
-    if (!d) return st_err(STRATA_ERR_NOMEM, "strata_chat_set_date: out of memory");
+    if (!d)
+        return st_err(STRATA_ERR_NOMEM, "strata_chat_set_date: out of memory for the date (%zu bytes)",
+                      strlen(date) + 1);
     st_free(m->tpl.date);
     m->tpl.date = d;
     return STRATA_OK;
@@ -749,7 +754,7 @@ strata_status strata_submit(strata_model *m, const strata_request_params *params
     req_rec *rec = st_calloc(1, sizeof *rec);
     if (!rec) {
         st_free(ids);
-        return st_err(STRATA_ERR_NOMEM, "strata_submit: out of memory");
+        return st_err(STRATA_ERR_NOMEM, "strata_submit: out of memory for the request (%zu bytes)", sizeof *rec);
     }
     rec->cb = *cb;
     const st_engine_callbacks ecb = {.on_text = rec_on_text, .on_finish = rec_on_finish, .user = rec,
@@ -810,7 +815,7 @@ strata_status strata_metrics_get(strata_model *m, strata_metrics *out) {
     strata_status st = need_engine(m, "strata_metrics_get");
     if (st) return st;
     st_engine_metrics *e = st_malloc(sizeof *e); /* ~1.3 KB: not on a caller's (callback's) stack */
-    if (!e) return st_err(STRATA_ERR_NOMEM, "strata_metrics_get: out of memory");
+    if (!e) return st_err(STRATA_ERR_NOMEM, "strata_metrics_get: out of memory for the metrics (%zu bytes)", sizeof *e);
     st_engine_metrics_get(m->eng, e);
     out->running = e->running;
     out->waiting = e->waiting;

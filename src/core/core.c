@@ -41,6 +41,16 @@ strata_status st_err(strata_status st, const char *fmt, ...) {
     return st;
 }
 
+strata_status st_err_what(strata_status st, const char *fmt, ...) {
+    char what[256], prev[sizeof g_err_msg];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(what, sizeof what, fmt, ap);
+    va_end(ap);
+    snprintf(prev, sizeof prev, "%s", g_err_msg);
+    return st_err(st, "%s: %s", what, prev[0] ? prev : strata_status_str(st));
+}
+
 const char *st_last_error(void) { return g_err_msg; }
 void st_clear_error(void) { g_err_msg[0] = '\0'; }
 

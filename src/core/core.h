@@ -17,6 +17,10 @@ extern "C" {
 strata_status st_err(strata_status st, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 const char *st_last_error(void);  /* "" when none */
+/* Puts "WHAT: " (formatted) before the message a failed call left (e.g. the
+ * allocation it was for) and returns st. */
+strata_status st_err_what(strata_status st, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
 void st_clear_error(void);
 
 /* ---- logging: the library never prints -------------------------------------*/

@@ -184,7 +184,7 @@ strata_status st_pool_init(int n_threads, st_pool **out) {
         return st_err(STRATA_ERR_INVALID_ARG, "pool: %d threads is more than the 1024 allowed",
                       n_threads);
     st_pool *p = st_calloc(1, sizeof *p);
-    if (!p) return st_err(STRATA_ERR_NOMEM, "pool: out of memory");
+    if (!p) return st_err(STRATA_ERR_NOMEM, "pool: out of memory for its state (%zu bytes)", sizeof *p);
     p->n_threads = n_threads;
     atomic_init(&p->ctl, 0);
     atomic_init(&p->sleepers, 0);
@@ -197,7 +197,7 @@ strata_status st_pool_init(int n_threads, st_pool **out) {
         p->threads = st_calloc((size_t)(n_threads - 1), sizeof *p->threads);
         if (!p->threads) {
             st_pool_free(p);
-            return st_err(STRATA_ERR_NOMEM, "pool: out of memory");
+            return st_err(STRATA_ERR_NOMEM, "pool: out of memory for %d threads", n_threads - 1);
         }
     }
     for (int i = 1; i < n_threads; i++) {

@@ -937,7 +937,7 @@ strata_status pd_xfer_create(pd_xfer **out) {
     *out = NULL;
     pthread_once(&g_log_once, log_init);
     pd_xfer *x = st_calloc(1, sizeof *x);
-    if (!x) return st_err(STRATA_ERR_NOMEM, "pd_xfer_create: out of memory");
+    if (!x) return st_err(STRATA_ERR_NOMEM, "pd_xfer_create: out of memory for its state (%zu bytes)", sizeof *x);
     x->ucp_efd = x->evfd = x->epfd = -1;
     pthread_mutex_init(&x->mu, NULL);
     pthread_cond_init(&x->cv, NULL);
@@ -984,7 +984,8 @@ strata_status pd_xfer_create(pd_xfer **out) {
     x->address = st_malloc(x->address_len);
     if (!x->address) {
         ucp_worker_release_address(x->worker, ua);
-        st = st_err(STRATA_ERR_NOMEM, "pd_xfer_create: out of memory");
+        st = st_err(STRATA_ERR_NOMEM, "pd_xfer_create: out of memory for the worker address (%zu bytes)",
+                    x->address_len);
         goto fail;
     }
     const pd_addr_frame f = {PD_ADDR_MAGIC, (uint32_t)ulen, XXH3_64bits(ua, ulen)};

@@ -1311,13 +1311,16 @@ static bool add_nodes(st_router *r, const char *const *urls, int n, node_role ro
             return st_err(STRATA_ERR_INVALID_ARG, "'%s' is not an http:// URL", u ? u : "(null)"), false;
         node *nd = &r->nodes[r->n_nodes];
         nd->url = st_strdup(u);
-        if (!nd->url) return st_err(STRATA_ERR_NOMEM, "out of memory"), false;
+        if (!nd->url)
+            return st_err(STRATA_ERR_NOMEM, "router: out of memory for the URL '%s' (%zu bytes)", u, strlen(u) + 1),
+                   false;
         size_t len = strlen(nd->url);
         while (len > 8 && nd->url[len - 1] == '/') nd->url[--len] = 0;
         nd->role = role;
         if (role == ROLE_PREFILL && !lru_init(&nd->sent, ST_ROUTER_AFFINITY_HASHES)) {
             r->n_nodes++;
-            return st_err(STRATA_ERR_NOMEM, "out of memory"), false;
+            return st_err(STRATA_ERR_NOMEM, "router: out of memory for the affinity table of %d prompt hashes "
+                          "of the prefill node %s", ST_ROUTER_AFFINITY_HASHES, nd->url), false;
         }
         r->n_nodes++;
     }
@@ -1342,7 +1345,7 @@ strata_status st_router_start(const st_router_params *p, st_router **out) {
     *out = NULL;
     if (curl_global_init(CURL_GLOBAL_DEFAULT) != CURLE_OK) return st_err(STRATA_ERR_IO, "libcurl did not initialise");
     st_router *r = st_calloc(1, sizeof *r);
-    if (!r) return st_err(STRATA_ERR_NOMEM, "out of memory");
+    if (!r) return st_err(STRATA_ERR_NOMEM, "router: out of memory for its state (%zu bytes)", sizeof *r);
     pthread_mutex_init(&r->mu, NULL);
     pthread_cond_init(&r->cv, NULL);
     r->p = *p;

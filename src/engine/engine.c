@@ -181,7 +181,7 @@ strata_status st_engine_init(const st_model_files *files, st_backend *be, const 
                (long long)p.max_model_len, (long long)cfg->max_position_embeddings);
 
     st_engine *e = st_calloc(1, sizeof *e);
-    if (!e) return st_err(STRATA_ERR_NOMEM, "engine: out of memory");
+    if (!e) return st_err(STRATA_ERR_NOMEM, "engine: out of memory for its state (%zu bytes)", sizeof *e);
     e->files = files;
     e->be = be;
     e->tok = tok;
@@ -206,7 +206,8 @@ strata_status st_engine_init(const st_model_files *files, st_backend *be, const 
     st = costs_init(files, p.kv_dtype, &e->costs);
     if (st == STRATA_OK) st = st_runner_init(files, be, &p, &e->runner);
     if (st == STRATA_OK && !(e->ev = st_calloc((size_t)p.max_batch, sizeof *e->ev)))
-        st = st_err(STRATA_ERR_NOMEM, "engine: out of memory");
+        st = st_err(STRATA_ERR_NOMEM, "engine: out of memory for the events of %lld sequences (%zu bytes)",
+                    (long long)p.max_batch, (size_t)p.max_batch * sizeof *e->ev);
     if (st != STRATA_OK) {
         char msg[512];
         snprintf(msg, sizeof msg, "%s", st_last_error());
@@ -449,7 +450,8 @@ strata_status st_engine_kv_reserve(st_engine *e, const int32_t *tokens, int64_t 
     if (c) c->tokens = st_malloc((size_t)n_tokens * sizeof *tokens);
     if (!c || !c->tokens) {
         if (c) st_free(c);
-        return st_err(STRATA_ERR_NOMEM, "kv reserve: out of memory");
+        return st_err(STRATA_ERR_NOMEM, "kv reserve: out of memory for a copy of %lld prompt tokens (%zu bytes)",
+                      (long long)n_tokens, (size_t)n_tokens * sizeof *tokens);
     }
     memcpy(c->tokens, tokens, (size_t)n_tokens * sizeof *tokens);
     c->kind = CMD_RESERVE;
@@ -462,7 +464,7 @@ strata_status st_engine_kv_reserve(st_engine *e, const int32_t *tokens, int64_t 
 strata_status st_engine_kv_resolve(st_engine *e, uint64_t ticket, bool adopt) {
     if (!e || !ticket) return st_err(STRATA_ERR_INVALID_ARG, "kv resolve: no engine or ticket");
     kv_cmd *c = st_calloc(1, sizeof *c);
-    if (!c) return st_err(STRATA_ERR_NOMEM, "kv resolve: out of memory");
+    if (!c) return st_err(STRATA_ERR_NOMEM, "kv resolve: out of memory for its state (%zu bytes)", sizeof *c);
     c->kind = adopt ? CMD_ADOPT : CMD_CANCEL;
     c->ticket = ticket;
     return cmd_push(e, c);
@@ -490,7 +492,8 @@ static void do_reserve(st_engine *e, kv_cmd *c) {
     strata_status st = STRATA_OK;
     if (!t || (!land && (!(t->hb = st_malloc((size_t)res.n_blocks * sizeof *t->hb)) ||
                          !(t->ptrs = st_malloc((size_t)res.n_blocks * sizeof *t->ptrs)))))
-        st = st_err(STRATA_ERR_NOMEM, "kv reserve: out of memory");
+        st = st_err(STRATA_ERR_NOMEM, "kv reserve: out of memory for the ticket of %lld blocks (%zu bytes)",
+                    (long long)res.n_blocks, sizeof *t + (size_t)res.n_blocks * (sizeof *t->hb + sizeof *t->ptrs));
     else if (land)
         st = st_runner_land_reserve(e->runner, res.n_blocks, &t->slot0);
     else

@@ -227,7 +227,7 @@ strata_status st_runner_init(const st_model_files *files, st_backend *be, const 
         batch_tokens = p.prefill_chunk + p.max_batch - 1;
 
     st_runner *r = st_calloc(1, sizeof *r);
-    if (!r) return st_err(STRATA_ERR_NOMEM, "runner: out of memory");
+    if (!r) return st_err(STRATA_ERR_NOMEM, "runner: out of memory for its state (%zu bytes)", sizeof *r);
     r->p = p;
     r->be = be;
     r->batch_tokens = batch_tokens;
@@ -260,12 +260,17 @@ strata_status st_runner_init(const st_model_files *files, st_backend *be, const 
             r->land_stride = (size_t)r->land_slots * klo.layer_bytes;
             r->land_used = st_calloc((size_t)r->land_slots, 1);
             if (!r->land_used) {
-                st = st_err(STRATA_ERR_NOMEM, "out of memory");
+                st = st_err(STRATA_ERR_NOMEM,
+                            "runner: out of memory for the use map of %lld landing slots (%lld bytes)",
+                            (long long)r->land_slots, (long long)r->land_slots);
                 goto fail;
             }
             void *mem = NULL;
-            if ((st = be->ops->alloc(be, r->land_stride * (size_t)kp.n_layers, &mem)))
-                goto fail; /* the backend names the bytes and the budget */
+            if ((st = be->ops->alloc(be, r->land_stride * (size_t)kp.n_layers, &mem))) {
+                st = st_err_what(st, "the landing memory of transferred KV blocks (%lld slots, %zu bytes)",
+                                 (long long)r->land_slots, r->land_stride * (size_t)kp.n_layers);
+                goto fail;
+            }
             r->land = mem;
         }
         const uint64_t seed = 0;
@@ -562,7 +567,8 @@ static strata_status export_init(st_runner *r) {
     strata_status st = STRATA_OK;
     if (!(r->xj = st_calloc((size_t)r->p.max_batch, sizeof *r->xj)) ||
         !(r->xev_c = st_calloc((size_t)L, sizeof *r->xev_c)) || !(r->xev = st_calloc((size_t)L, sizeof *r->xev)))
-        return st_err(STRATA_ERR_NOMEM, "KV export: out of memory");
+        return st_err(STRATA_ERR_NOMEM, "KV export: out of memory for the jobs of %lld sequences and the events "
+                      "of %lld layers", (long long)r->p.max_batch, (long long)L);
     if ((st = o->stream_create(r->be, false, &r->xs))) return st;
     for (int64_t l = 0; l < L && !st; l++)
         if (!(st = o->event_create(r->be, &r->xev_c[l]))) st = o->event_create(r->be, &r->xev[l]);
@@ -924,7 +930,8 @@ strata_status st_runner_kv_preload(st_runner *r, const int32_t *tokens, int64_t 
     st_runner_preload *p = st_calloc(1, sizeof *p);
     if (!p || !(p->tokens = st_malloc((size_t)n_tokens * sizeof *tokens))) {
         st_free(p);
-        return st_err(STRATA_ERR_NOMEM, "kv preload: out of memory");
+        return st_err(STRATA_ERR_NOMEM, "kv preload: out of memory for a copy of %lld prompt tokens (%zu bytes)",
+                      (long long)n_tokens, (size_t)n_tokens * sizeof *tokens);
     }
     memcpy(p->tokens, tokens, (size_t)n_tokens * sizeof *tokens);
     p->n_tokens = n_tokens;
@@ -1015,7 +1022,8 @@ strata_status st_runner_kv_preload_landed(st_runner *r, const int32_t *tokens, i
     if (!p || !(p->tokens = st_malloc((size_t)n_tokens * sizeof *tokens))) {
         st_free(p);
         st_runner_land_release(r, slot0, n);
-        return st_err(STRATA_ERR_NOMEM, "kv preload: out of memory");
+        return st_err(STRATA_ERR_NOMEM, "kv preload: out of memory for a copy of %lld prompt tokens (%zu bytes)",
+                      (long long)n_tokens, (size_t)n_tokens * sizeof *tokens);
     }
     memcpy(p->tokens, tokens, (size_t)n_tokens * sizeof *tokens);
     p->n_tokens = n_tokens;

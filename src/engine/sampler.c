@@ -87,7 +87,7 @@ strata_status st_sampler_init(const st_sampler_params *p, int64_t vocab, st_samp
     strata_status st = check_params(p, vocab);
     if (st) return st;
     st_sampler *s = st_calloc(1, sizeof *s);
-    if (!s) return st_err(STRATA_ERR_NOMEM, "sampler: out of memory");
+    if (!s) return st_err(STRATA_ERR_NOMEM, "sampler: out of memory for its state (%zu bytes)", sizeof *s);
     s->p = *p;
     s->vocab = vocab;
     st_sampler_reseed(s, p->seed);

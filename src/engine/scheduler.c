@@ -91,7 +91,7 @@ strata_status st_scheduler_init(const st_scheduler_params *p, st_block_manager *
                       (long long)p->max_model_len, (long long)seq_blocks, (long long)bs,
                       (long long)st_bm_num_blocks(bm));
     st_scheduler *s = st_calloc(1, sizeof *s);
-    if (!s) return st_err(STRATA_ERR_NOMEM, "scheduler: out of memory");
+    if (!s) return st_err(STRATA_ERR_NOMEM, "scheduler: out of memory for its state (%zu bytes)", sizeof *s);
     s->p = *p;
     s->bm = bm;
     const size_t B = (size_t)p->max_batch;
@@ -104,7 +104,8 @@ strata_status st_scheduler_init(const st_scheduler_params *p, st_block_manager *
     s->fin = st_calloc(B + 1, sizeof *s->fin);
     if (!s->running || !s->plan || !s->items || !s->item_seq || !s->slots || !s->preempted || !s->fin) {
         st_scheduler_free(s);
-        return st_err(STRATA_ERR_NOMEM, "scheduler: out of memory");
+        return st_err(STRATA_ERR_NOMEM, "scheduler: out of memory for the tables of %lld sequences and %lld "
+                      "batched tokens", (long long)B, (long long)p->max_num_batched_tokens);
     }
     s->dec.items = s->items;
     s->dec.slot_mapping = s->slots;
@@ -652,7 +653,9 @@ strata_status st_scheduler_validate(const st_scheduler *s) {
         }
     }
     const st_block_table **tables = st_malloc((size_t)(s->n_running + 1) * sizeof *tables);
-    if (!tables) return st_err(STRATA_ERR_NOMEM, "scheduler: validate: out of memory");
+    if (!tables)
+        return st_err(STRATA_ERR_NOMEM, "scheduler: validate: out of memory for %lld block tables (%zu bytes)",
+                      (long long)(s->n_running + 1), (size_t)(s->n_running + 1) * sizeof *tables);
     for (int64_t i = 0; i < s->n_running; i++) tables[i] = &s->running[i]->kv;
     strata_status st = st_bm_validate(s->bm, tables, s->n_running);
     st_free(tables);

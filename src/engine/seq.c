@@ -59,7 +59,7 @@ strata_status st_seq_create(const st_request *req, const st_seq_limits *lim, con
                       (long long)req->export_from_block);
 
     st_seq *s = st_calloc(1, sizeof *s);
-    if (!s) return st_err(STRATA_ERR_NOMEM, "request: out of memory");
+    if (!s) return st_err(STRATA_ERR_NOMEM, "request: out of memory for its state (%zu bytes)", sizeof *s);
     s->id = id;
     s->status = ST_SEQ_WAITING;
     s->n_prompt = req->n_prompt;
@@ -92,7 +92,8 @@ strata_status st_seq_create(const st_request *req, const st_seq_limits *lim, con
     *out = s;
     return STRATA_OK;
 oom:
-    st = st_err(STRATA_ERR_NOMEM, "request: out of memory");
+    st = st_err(STRATA_ERR_NOMEM, "request: out of memory for a copy of its %lld prompt tokens and its options",
+                (long long)req->n_prompt);
 fail:
     st_seq_free(s);
     return st;

@@ -39,7 +39,7 @@ strata_status st_stop_filter_init(const char *const *stop, int n_stop, st_stop_f
             return st_err(STRATA_ERR_INVALID_ARG, "stop string %d is not valid UTF-8", i + 1);
     }
     st_stop_filter *f = st_calloc(1, sizeof *f);
-    if (!f) return st_err(STRATA_ERR_NOMEM, "out of memory");
+    if (!f) return st_err(STRATA_ERR_NOMEM, "stop strings: out of memory for the filter (%zu bytes)", sizeof *f);
     f->n_stop = 0;
     f->hit = -1;
     if (n_stop > 0) {
@@ -56,7 +56,7 @@ strata_status st_stop_filter_init(const char *const *stop, int n_stop, st_stop_f
     return STRATA_OK;
 oom:
     st_stop_filter_free(f);
-    return st_err(STRATA_ERR_NOMEM, "out of memory");
+    return st_err(STRATA_ERR_NOMEM, "stop strings: out of memory for a copy of %d stop strings", n_stop);
 }
 
 static bool grow(char **p, size_t *cap, size_t need) {
@@ -72,7 +72,8 @@ static bool grow(char **p, size_t *cap, size_t need) {
 
 /* Moves buf[0..n) to out and shifts the rest of buf down. */
 static strata_status release(st_stop_filter *f, size_t n, const char **out, size_t *out_len) {
-    if (!grow(&f->out, &f->out_cap, n + 1)) return st_err(STRATA_ERR_NOMEM, "out of memory");
+    if (!grow(&f->out, &f->out_cap, n + 1))
+        return st_err(STRATA_ERR_NOMEM, "stop strings: out of memory for %zu bytes of released text", n + 1);
     memcpy(f->out, f->buf, n);
     f->out[n] = '\0';
     memmove(f->buf, f->buf + n, f->len - n);
@@ -88,7 +89,9 @@ strata_status st_stop_filter_push(st_stop_filter *f, const char *text, size_t le
     *out_len = 0;
     *stopped = f->stopped;
     if (f->stopped) return STRATA_OK;
-    if (!grow(&f->buf, &f->cap, f->len + len + 1)) return st_err(STRATA_ERR_NOMEM, "out of memory");
+    if (!grow(&f->buf, &f->cap, f->len + len + 1))
+        return st_err(STRATA_ERR_NOMEM, "stop strings: out of memory for %zu bytes of held-back text",
+                      f->len + len + 1);
     memcpy(f->buf + f->len, text, len);
     f->len += len;
     /* the earliest complete stop string */

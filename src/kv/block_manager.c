@@ -96,7 +96,7 @@ strata_status st_bm_init(const st_bm_params *p, st_block_manager **out) {
                       (long long)p->block_size, 1 << 20);
     const int64_t N = p->num_blocks;
     st_block_manager *bm = st_calloc(1, sizeof *bm);
-    if (!bm) return st_err(STRATA_ERR_NOMEM, "block manager: out of memory");
+    if (!bm) return st_err(STRATA_ERR_NOMEM, "block manager: out of memory for its state (%zu bytes)", sizeof *bm);
     bm->num_blocks = N;
     bm->block_size = p->block_size;
     bm->prefix_cache = !p->disable_prefix_cache;
@@ -498,7 +498,8 @@ strata_status st_bm_validate(const st_block_manager *bm, const st_block_table *c
     int64_t *seen_in = st_malloc((size_t)N * sizeof *seen_in); /* last table naming the block */
     uint8_t *where = st_calloc((size_t)N, 1);                  /* 1: free stack, 2: LRU */
     if (!count || !seen_in || !where) {
-        st = st_err(STRATA_ERR_NOMEM, "block manager: validate: out of memory");
+        st = st_err(STRATA_ERR_NOMEM, "block manager: validate: out of memory for the counts of %lld blocks "
+                    "(%zu bytes)", (long long)N, (size_t)N * (sizeof *count + sizeof *seen_in + 1));
         goto done;
     }
     for (int64_t b = 0; b < N; b++) seen_in[b] = -1;

@@ -68,7 +68,7 @@ strata_status st_kv_pool_init(st_backend *be, const st_kv_pool_params *p, st_kv_
                       (long long)p->num_blocks, (long long)p->block_size, (int)p->dtype, (long long)p->max_tokens,
                       (long long)p->max_seq_len);
     st_kv_pool *kv = st_calloc(1, sizeof *kv);
-    if (!kv) return st_err(STRATA_ERR_NOMEM, "kv pool: out of memory");
+    if (!kv) return st_err(STRATA_ERR_NOMEM, "kv pool: out of memory for its state (%zu bytes)", sizeof *kv);
     kv->be = be;
     kv->p = *p;
     kv->max_blocks = (p->max_seq_len + p->block_size - 1) / p->block_size;
@@ -76,7 +76,8 @@ strata_status st_kv_pool_init(st_backend *be, const st_kv_pool_params *p, st_kv_
     kv->layers = st_calloc((size_t)p->n_layers, sizeof *kv->layers);
     kv->ready = st_calloc((size_t)p->n_layers, sizeof *kv->ready);
     if (!kv->layers || !kv->ready) {
-        st = st_err(STRATA_ERR_NOMEM, "kv pool: out of memory");
+        st = st_err(STRATA_ERR_NOMEM, "kv pool: out of memory for the tables of %lld layers (%zu bytes)",
+                    (long long)p->n_layers, (size_t)p->n_layers * (sizeof *kv->layers + sizeof *kv->ready));
         goto fail;
     }
     size_t data, scales;
@@ -97,8 +98,15 @@ strata_status st_kv_pool_init(st_backend *be, const st_kv_pool_params *p, st_kv_
         }
     }
     kv->meta_bytes = st_kv_pool_meta_bytes(p->max_tokens, kv->max_blocks, p->block_size);
-    if ((st = be->ops->alloc(be, kv->meta_bytes, &kv->d_meta))) goto fail;
-    if ((st = be->ops->host_alloc(be, kv->meta_bytes, &kv->h_meta))) goto fail;
+    if ((st = be->ops->alloc(be, kv->meta_bytes, &kv->d_meta))) {
+        st = st_err_what(st, "kv pool: the batch's block tables and slots on the device (%zu bytes)", kv->meta_bytes);
+        goto fail;
+    }
+    if ((st = be->ops->host_alloc(be, kv->meta_bytes, &kv->h_meta))) {
+        st = st_err_what(st, "kv pool: the batch's block tables and slots in pinned host memory (%zu bytes)",
+                         kv->meta_bytes);
+        goto fail;
+    }
     memset(kv->h_meta, 0, kv->meta_bytes); /* entries a batch does not write are never read, but defined */
     *out = kv;
     return STRATA_OK;

@@ -316,7 +316,7 @@ strata_status st_kv_ssd_open(const st_kv_ssd_params *p, st_kv_ssd **out) {
         return st_err(STRATA_ERR_IO, "KV cache on SSD: %s exists and is not a directory", p->dir);
 
     st_kv_ssd *s = st_calloc(1, sizeof *s);
-    if (!s) return st_err(STRATA_ERR_NOMEM, "KV cache on SSD: out of memory");
+    if (!s) return st_err(STRATA_ERR_NOMEM, "KV cache on SSD: out of memory for its state (%zu bytes)", sizeof *s);
     s->p = *p;
     s->p.identity_text = NULL; /* borrowed only during open */
     s->fd = -1;
@@ -338,7 +338,10 @@ strata_status st_kv_ssd_open(const st_kv_ssd_params *p, st_kv_ssd **out) {
     uint8_t *whdr = aligned_alloc_raw((size_t)s->max_writes * HDR, &s->whdr_raw);
     s->rhdr = aligned_alloc_raw((size_t)READ_DEPTH * HDR, &s->rhdr_raw);
     if (!s->dir || !s->path || !s->jobs || !s->take || !whdr || !s->rhdr) {
-        st = st_err(STRATA_ERR_NOMEM, "KV cache on SSD: out of memory");
+        st = st_err(STRATA_ERR_NOMEM, "KV cache on SSD: out of memory for the paths, %d write jobs and the block "
+                    "headers (%zu bytes)", (int)s->max_writes,
+                    2 * plen + (size_t)s->max_writes * (sizeof *s->jobs + sizeof *s->take + HDR) +
+                        (size_t)READ_DEPTH * HDR);
         goto fail;
     }
     snprintf(s->path, plen, "%s/%s", p->dir, name);

@@ -84,7 +84,7 @@ strata_status st_kv_stream_init(st_backend *be, const st_kv_stream_params *p, st
     *out = NULL;
     TRY(check_params(p));
     st_kv_stream *ks = st_calloc(1, sizeof *ks);
-    if (!ks) return st_err(STRATA_ERR_NOMEM, "kv_stream: out of memory");
+    if (!ks) return st_err(STRATA_ERR_NOMEM, "kv_stream: out of memory for its state (%zu bytes)", sizeof *ks);
     ks->be = be;
     ks->p = *p;
     ks->np_ = p->dtype == ST_KV_FP8 ? 4 : 2;
@@ -93,25 +93,39 @@ strata_status st_kv_stream_init(st_backend *be, const st_kv_stream_params *p, st
     ks->max_segs = (p->max_len + ST_KV_STREAM_SEG - 1) / ST_KV_STREAM_SEG;
     ks->seg = st_calloc((size_t)(ks->max_segs * 4 * p->n_layers), sizeof *ks->seg);
     const st_backend_ops *o = be->ops;
-    strata_status st = ks->seg ? STRATA_OK : st_err(STRATA_ERR_NOMEM, "kv_stream: out of memory");
+    strata_status st = ks->seg ? STRATA_OK
+                               : st_err(STRATA_ERR_NOMEM, "kv_stream: out of memory for the segment table");
     for (int s = 0; s < 2 && st == STRATA_OK; s++)
         for (int pl = 0; pl < ks->np_ && st == STRATA_OK; pl++) {
             st = o->alloc(be, (size_t)p->piece * ks->prow[pl], &ks->ring[s][pl]);
-            if (st == STRATA_OK) st = o->alloc(be, (size_t)ks->area_rows * ks->prow[pl], &ks->area[s][pl]);
+            if (st != STRATA_OK) {
+                st = st_err_what(st, "kv_stream: device ring piece %d.%d (%zu bytes)", s, pl,
+                                 (size_t)p->piece * ks->prow[pl]);
+                break;
+            }
+            st = o->alloc(be, (size_t)ks->area_rows * ks->prow[pl], &ks->area[s][pl]);
+            if (st != STRATA_OK)
+                st = st_err_what(st, "kv_stream: device area %d.%d (%zu bytes)", s, pl,
+                                 (size_t)ks->area_rows * ks->prow[pl]);
         }
     const int64_t ids = p->piece > ks->area_rows ? p->piece : ks->area_rows;
     int32_t *h = st == STRATA_OK ? st_malloc((size_t)ids * 4) : NULL;
-    if (st == STRATA_OK && !h) st = st_err(STRATA_ERR_NOMEM, "kv_stream: out of memory");
+    if (st == STRATA_OK && !h)
+        st = st_err(STRATA_ERR_NOMEM, "kv_stream: out of memory for %lld row ids (%zu bytes)", (long long)ids,
+                    (size_t)ids * 4);
     if (st == STRATA_OK) {
         for (int64_t i = 0; i < ids; i++) h[i] = (int32_t)i;
         st = o->alloc(be, (size_t)ids * 4, (void **)&ks->iota);
+        if (st != STRATA_OK) st = st_err_what(st, "kv_stream: device row ids (%zu bytes)", (size_t)ids * 4);
         if (st == STRATA_OK) st = o->copy_h2d(be, NULL, ks->iota, h, (size_t)ids * 4);
         if (st == STRATA_OK) st = o->stream_sync(be, NULL);
     }
     st_free(h);
     ks->meta_bytes = (size_t)p->max_tokens * ST_KV_STREAM_META_PER_TOKEN;
-    if (st == STRATA_OK) st = o->alloc(be, ks->meta_bytes, &ks->meta_d);
-    if (st == STRATA_OK) st = o->host_alloc(be, ks->meta_bytes, &ks->meta_h);
+    if (st == STRATA_OK && (st = o->alloc(be, ks->meta_bytes, &ks->meta_d)) != STRATA_OK)
+        st = st_err_what(st, "kv_stream: the pass's metadata on the device (%zu bytes)", ks->meta_bytes);
+    if (st == STRATA_OK && (st = o->host_alloc(be, ks->meta_bytes, &ks->meta_h)) != STRATA_OK)
+        st = st_err_what(st, "kv_stream: the pass's metadata in pinned host memory (%zu bytes)", ks->meta_bytes);
     if (st == STRATA_OK) st = o->stream_create(be, false, &ks->copy);
     st_event **evs[] = {&ks->ready[0], &ks->ready[1], &ks->freed[0],    &ks->freed[1],
                         &ks->tail_ready, &ks->stored[0], &ks->stored[1], &ks->area_free[0], &ks->area_free[1]};

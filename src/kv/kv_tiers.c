@@ -738,7 +738,7 @@ strata_status st_kv_tiers_init(st_kv_pool *pool, const st_kv_tiers_params *p, st
     if (want_ssd && p->ssd_bytes == 0)
         return st_err(STRATA_ERR_INVALID_ARG, "--kv-ssd-size must be > 0 with --kv-ssd-dir %s", p->ssd_dir);
     st_kv_tiers *t = st_calloc(1, sizeof *t);
-    if (!t) return st_err(STRATA_ERR_NOMEM, "kv tiers: out of memory");
+    if (!t) return st_err(STRATA_ERR_NOMEM, "kv tiers: out of memory for its state (%zu bytes)", sizeof *t);
     strata_status st = STRATA_OK;
     t->p = *p;
     t->p.ssd_dir = NULL;
@@ -1101,7 +1101,9 @@ strata_status st_kv_tiers_preload(st_kv_tiers *t, const int32_t *tokens, int64_t
     if (!t || n <= 0) return STRATA_OK;
     ST_ASSERT(n <= st_kv_tiers_lookup(t, tokens, n_tokens, from_block));
     xfer *x = st_malloc((size_t)n * sizeof *x);
-    if (!x) return st_err(STRATA_ERR_NOMEM, "kv tiers preload: out of memory");
+    if (!x)
+        return st_err(STRATA_ERR_NOMEM, "kv tiers preload: out of memory for %lld block transfers (%zu bytes)",
+                      (long long)n, (size_t)n * sizeof *x);
     uint64_t h = chain_to(t, tokens, from_block);
     for (int64_t k = 0; k < n; k++) {
         const int32_t *blk = tokens + (from_block + k) * t->bs;

@@ -389,7 +389,10 @@ strata_status st_llama_forward_seq_at(st_llama *m, st_kv_pool *kv, const int32_t
     int32_t *seq = st_calloc((size_t)T, sizeof *seq), *rows = st_malloc((size_t)T * sizeof *rows);
     int64_t *slots = st_malloc((size_t)T * sizeof *slots);
     strata_status st = STRATA_OK;
-    if (!table || !pos || !seq || !rows || !slots) st = st_err(STRATA_ERR_NOMEM, "forward_seq: out of memory");
+    if (!table || !pos || !seq || !rows || !slots)
+        st = st_err(STRATA_ERR_NOMEM, "forward_seq: out of memory for the batch of %lld tokens and %lld blocks "
+                    "(%zu bytes)", (long long)T, (long long)nb,
+                    (size_t)nb * sizeof *table + (size_t)T * (3 * sizeof(int32_t) + sizeof *slots));
     for (int64_t b = 0; st == STRATA_OK && b < nb; b++) table[b] = (int32_t)b;
     for (int64_t done = 0; st == STRATA_OK && done < n; done += T) {
         const int64_t k = n - done < T ? n - done : T, p0 = n_past + done;

@@ -54,8 +54,12 @@ static strata_status set_shape(st_llama *m, int gid, int role, int64_t rows, int
     return STRATA_OK;
 }
 
-static strata_status alloc_f32(st_llama *m, int64_t count, float **out) {
-    return m->be->ops->alloc(m->be, (size_t)count * sizeof(float), (void **)out);
+/* An activation buffer of count floats; a failure names it. */
+static strata_status alloc_f32(st_llama *m, int64_t count, float **out, const char *what) {
+    const size_t bytes = (size_t)count * sizeof(float);
+    const strata_status st = m->be->ops->alloc(m->be, bytes, (void **)out);
+    return st ? st_err_what(st, "activations: %s (%lld floats, %zu bytes)", what, (long long)count, bytes)
+              : STRATA_OK;
 }
 
 static strata_status init_rope(st_llama *m) {
@@ -73,7 +77,7 @@ static strata_status init_rope(st_llama *m) {
         div = divisors;
     }
     st_llama_rope_inv_freq(c, div, inv);
-    strata_status st = alloc_f32(m, half, &m->inv_freq);
+    strata_status st = alloc_f32(m, half, &m->inv_freq, "RoPE inverse frequencies");
     if (st) return st;
     st = m->be->ops->copy_h2d(m->be, m->stream, m->inv_freq, inv, (size_t)half * 4);
     if (st) return st;
@@ -149,7 +153,7 @@ strata_status st_llama_init(const st_model_files *files, st_backend *be, const s
     static const st_llama_params no_params;
     const st_llama_params *opts = params ? params : &no_params;
     st_llama *m = st_calloc(1, sizeof *m);
-    if (!m) return st_err(STRATA_ERR_NOMEM, "out of memory");
+    if (!m) return st_err(STRATA_ERR_NOMEM, "model: out of memory for its state (%zu bytes)", sizeof *m);
     m->files = files;
     m->be = be;
     m->cfg = files->config;
@@ -171,7 +175,11 @@ strata_status st_llama_init(const st_model_files *files, st_backend *be, const s
     /* weights: groups, shapes, placement, manager */
     if ((st = st_wgroups_build(files, &m->groups))) goto fail;
     m->wshape = st_calloc((size_t)m->groups->n, sizeof *m->wshape);
-    if (!m->wshape) { st = st_err(STRATA_ERR_NOMEM, "out of memory"); goto fail; }
+    if (!m->wshape) {
+        st = st_err(STRATA_ERR_NOMEM, "model: out of memory for the shapes of %d weight groups (%zu bytes)",
+                    (int)m->groups->n, (size_t)m->groups->n * sizeof *m->wshape);
+        goto fail;
+    }
     if ((st = set_shape(m, st_wg_embed_id(), ST_WG_EMBED_TABLE, V, H))) goto fail;
     for (int l = 0; l < (int)c->n_layers; l++) {
         const int a = st_wg_attn_id(l), f = st_wg_ffn_id(l);
@@ -195,27 +203,32 @@ strata_status st_llama_init(const st_model_files *files, st_backend *be, const s
         if (st) goto fail;
     }
     /* the activations: exactly what st_plan_act_bytes counts */
-    if ((st = alloc_f32(m, T * H, &m->x))) goto fail;
-    if ((st = alloc_f32(m, T * H, &m->xn))) goto fail;
-    if ((st = alloc_f32(m, T * H, &m->tmp))) goto fail;
-    if ((st = alloc_f32(m, T * q_dim, &m->q))) goto fail;
-    if ((st = alloc_f32(m, T * q_dim, &m->att))) goto fail;
-    if ((st = alloc_f32(m, T * kv_dim, &m->k))) goto fail;
-    if ((st = alloc_f32(m, T * kv_dim, &m->v))) goto fail;
+    if ((st = alloc_f32(m, T * H, &m->x, "x"))) goto fail;
+    if ((st = alloc_f32(m, T * H, &m->xn, "the normed x"))) goto fail;
+    if ((st = alloc_f32(m, T * H, &m->tmp, "tmp"))) goto fail;
+    if ((st = alloc_f32(m, T * q_dim, &m->q, "queries"))) goto fail;
+    if ((st = alloc_f32(m, T * q_dim, &m->att, "attention output"))) goto fail;
+    if ((st = alloc_f32(m, T * kv_dim, &m->k, "keys"))) goto fail;
+    if ((st = alloc_f32(m, T * kv_dim, &m->v, "values"))) goto fail;
     m->ffn_rows = st_plan_ffn_rows(T);
-    if ((st = alloc_f32(m, m->ffn_rows * I, &m->gate))) goto fail;
-    if ((st = alloc_f32(m, m->ffn_rows * I, &m->up))) goto fail;
-    if ((st = alloc_f32(m, T * V, &m->logits))) goto fail;
-    if ((st = be->ops->alloc(be, (size_t)T * (sizeof(st_sample_args) + sizeof(int32_t)), (void **)&m->d_sargs)))
+    if ((st = alloc_f32(m, m->ffn_rows * I, &m->gate, "FFN gate"))) goto fail;
+    if ((st = alloc_f32(m, m->ffn_rows * I, &m->up, "FFN up"))) goto fail;
+    if ((st = alloc_f32(m, T * V, &m->logits, "logits"))) goto fail;
+    if ((st = be->ops->alloc(be, (size_t)T * (sizeof(st_sample_args) + sizeof(int32_t)), (void **)&m->d_sargs))) {
+        st = st_err_what(st, "sampling arguments of %lld tokens on the device", (long long)T);
         goto fail;
+    }
     m->piece = st_plan_attn_piece(opts->attn_piece);
     m->gather_rows = st_plan_gather_rows(T, m->max_seq_len, m->piece);
-    if ((st = alloc_f32(m, T * c->n_heads, &m->lse)) || (st = alloc_f32(m, m->gather_rows * kv_dim, &m->kg)) ||
-        (st = alloc_f32(m, m->gather_rows * kv_dim, &m->vg)))
+    if ((st = alloc_f32(m, T * c->n_heads, &m->lse, "attention log-sum-exp")) ||
+        (st = alloc_f32(m, m->gather_rows * kv_dim, &m->kg, "gathered keys")) ||
+        (st = alloc_f32(m, m->gather_rows * kv_dim, &m->vg, "gathered values")))
         goto fail;
     m->d_sids = (int32_t *)(m->d_sargs + T);
-    if ((st = be->ops->host_alloc(be, (size_t)T * (sizeof(st_sample_args) + sizeof(int32_t)), (void **)&m->h_sargs)))
+    if ((st = be->ops->host_alloc(be, (size_t)T * (sizeof(st_sample_args) + sizeof(int32_t)), (void **)&m->h_sargs))) {
+        st = st_err_what(st, "sampling arguments of %lld tokens in pinned host memory", (long long)T);
         goto fail;
+    }
     m->h_sids = (int32_t *)(m->h_sargs + T);
     m->pad_tokens = st_malloc((size_t)T * sizeof(int32_t));
     m->pad_pos = st_malloc((size_t)T * sizeof(int32_t));
@@ -223,7 +236,8 @@ strata_status st_llama_init(const st_model_files *files, st_backend *be, const s
     m->pad_rows = st_malloc((size_t)T * sizeof(int32_t));
     m->pad_slots = st_malloc((size_t)T * sizeof(int64_t));
     if (!m->pad_tokens || !m->pad_pos || !m->pad_seq || !m->pad_rows || !m->pad_slots) {
-        st = st_err(STRATA_ERR_NOMEM, "out of memory");
+        st = st_err(STRATA_ERR_NOMEM, "model: out of memory for the padded batch of %lld tokens (%zu bytes)",
+                    (long long)T, (size_t)T * (4 * sizeof(int32_t) + sizeof(int64_t)));
         goto fail;
     }
     if ((st = init_rope(m))) goto fail;

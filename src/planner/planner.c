@@ -165,7 +165,9 @@ static strata_status scratch_probe_run(probe_ctx *p, const st_config *c, const s
     }
     if ((st = probe_alloc(p, (size_t)n_meta * 4, (void **)&meta))) return st;
     int32_t *h = st_calloc((size_t)n_meta, sizeof *h);
-    if (!h) return st_err(STRATA_ERR_NOMEM, "scratch probe: out of memory");
+    if (!h)
+        return st_err(STRATA_ERR_NOMEM, "scratch probe: out of memory for %lld metadata entries (%zu bytes)",
+                      (long long)n_meta, (size_t)n_meta * sizeof *h);
     for (int64_t i = 0; i < Ta; i++) {
         h[i] = (int32_t)(max_ctx - Ta + i);
         h[Ta + i] = (int32_t)i;
@@ -248,7 +250,8 @@ static strata_status probe_on(st_backend *be, st_stream *stream, const st_config
     if (max_ctx > PROBE_MAX_CTX) max_ctx = PROBE_MAX_CTX; /* longer contexts take the same scratch (bounded pieces
                                                            and split-KV partials) */
     strata_status st = STRATA_OK;
-    if (!(p.zeros = calloc(1, ZERO_BYTES))) st = st_err(STRATA_ERR_NOMEM, "scratch probe: out of memory");
+    if (!(p.zeros = calloc(1, ZERO_BYTES)))
+        st = st_err(STRATA_ERR_NOMEM, "scratch probe: out of memory for %d bytes of zeros", (int)ZERO_BYTES);
     if (st == STRATA_OK && !stream) st = be->ops->stream_create(be, false, &p.s);
     if (st == STRATA_OK) st = scratch_probe_run(&p, c, g, T, max_ctx, scratch);
     if (p.s) {

@@ -137,7 +137,7 @@ strata_status pd_node_expect(pd_node *n, const strata_kv_reservation *res) {
     tk *t = st_calloc(1, sizeof *t);
     if (!t) {
         strata_kv_resolve(n->m, res->ticket, false);
-        return st_err(STRATA_ERR_NOMEM, "pd: out of memory");
+        return st_err(STRATA_ERR_NOMEM, "pd: out of memory for the ticket (%zu bytes)", sizeof *t);
     }
     t->id = res->ticket;
     t->deadline = st_time_now() + n->timeout_s;
@@ -368,7 +368,7 @@ strata_status pd_node_prefill(pd_node *n, const pd_prefill_args *a, pd_prefill_d
     if ((st = pd_xfer_connect(n->x, a->address, a->address_len, &peer)))
         return st_err(st, "the decode node's transport cannot be reached: %s", st_last_error());
     job *j = st_calloc(1, sizeof *j);
-    if (!j) return st_err(STRATA_ERR_NOMEM, "pd: out of memory");
+    if (!j) return st_err(STRATA_ERR_NOMEM, "pd: out of memory for its state (%zu bytes)", sizeof *j);
     *j = (job){.n = n, .peer = peer, .ticket = a->ticket, .attempt = a->attempt, .done = done, .user = user,
                .t0 = st_time_now(), .tokens = (a->from_block + a->n_blocks) * info.kv_block_size,
                .submitting = true};
@@ -434,7 +434,7 @@ strata_status pd_node_create(strata_model *m, pd_role role, double timeout_s, pd
         return st_err(STRATA_ERR_INVALID_ARG, "--role %s: P-D needs the prefix cache (blocks are named by it)",
                       pd_role_name(role));
     pd_node *n = st_calloc(1, sizeof *n);
-    if (!n) return st_err(STRATA_ERR_NOMEM, "pd: out of memory");
+    if (!n) return st_err(STRATA_ERR_NOMEM, "pd: out of memory for its state (%zu bytes)", sizeof *n);
     n->m = m;
     n->role = role;
     n->timeout_s = timeout_s;
@@ -460,7 +460,7 @@ strata_status pd_node_create(strata_model *m, pd_role role, double timeout_s, pd
     size_t len = 0;
     const uint8_t *a = pd_xfer_address(n->x, &len);
     if (!(n->addr_hex = st_malloc(2 * len + 1))) {
-        st = st_err(STRATA_ERR_NOMEM, "pd: out of memory");
+        st = st_err(STRATA_ERR_NOMEM, "pd: out of memory for the transport address in hex (%zu bytes)", 2 * len + 1);
         goto fail;
     }
     for (size_t i = 0; i < len; i++) snprintf(n->addr_hex + 2 * i, 3, "%02x", a[i]);

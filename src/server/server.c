@@ -56,6 +56,7 @@
 #include "core/strbuf.h"
 
 #include <ctype.h>
+#include <dlfcn.h>
 #include <errno.h>
 #include <microhttpd.h>
 #include <netdb.h>
@@ -681,6 +682,79 @@ static void on_finish(void *user, const strata_finish *f) {
     s->n_engine--;
     pthread_cond_broadcast(&s->cv);
     pthread_mutex_unlock(&s->mu);
+}
+
+/* ---- libmicrohttpd's own answers ------------------------------------------------------------------*/
+/* The errors libmicrohttpd answers by itself where the front door does not see
+ * the bytes (a malformed head of a later request on a keep-alive connection, a
+ * malformed chunked body, a chunk size too large) are HTML pages it queues
+ * with MHD_queue_response, through its PLT (no Content-Type), just after it
+ * logs "HTTP response code is N ('<html>...')" on the same thread. This
+ * definition comes first in the process's symbol lookup, so libmicrohttpd's
+ * own calls land here too: an answer so announced (mhd_log: the status and
+ * the page's text; it also counts it in /metrics under the route "other")
+ * without a Content-Type, or text/html, is replaced by the OpenAI-style JSON
+ * error with the same status and that text; every other call goes to
+ * libmicrohttpd's MHD_queue_response unchanged (test_server_hardening.py,
+ * later heads, checks that the interposition holds). */
+static _Thread_local char mhd_last_msg[200];
+static _Thread_local unsigned mhd_last_status; /* the status of that line (0: none pending) */
+
+typedef enum MHD_Result (*queue_fn)(struct MHD_Connection *, unsigned int, struct MHD_Response *);
+
+static queue_fn real_queue_response(void) {
+    static _Atomic(queue_fn) fn;
+    queue_fn f = atomic_load(&fn);
+    if (!f) {
+        void *sym = dlsym(RTLD_NEXT, "MHD_queue_response");
+        memcpy(&f, &sym, sizeof f);
+        atomic_store(&fn, f);
+    }
+    return f;
+}
+
+/* The JSON error body replacing libmicrohttpd's page for status (malloc'd; NULL: out of memory). */
+static char *mhd_error_json(unsigned int status) {
+    const char *code = "bad_request", *type = "invalid_request_error", *what = "malformed request";
+    switch (status) {
+    case 413: code = "request_too_large", what = "request too large"; break;
+    case 414: code = "uri_too_long", what = "request line too long"; break;
+    case 431: code = "header_too_large", what = "request head too large"; break;
+    case 501: code = "not_implemented", what = "not implemented"; break;
+    case 505: code = "http_version_not_supported", what = "HTTP version not supported"; break;
+    default:
+        if (status >= 500) code = "server_error", type = "server_error", what = "server error";
+        break;
+    }
+    srv_error e;
+    if (mhd_last_msg[0] && status != 500) /* its 500 page speaks to the developer, not the client */
+        srv_error_set(&e, (int)status, type, code, NULL, "%s: %s", what, mhd_last_msg);
+    else
+        srv_error_set(&e, (int)status, type, code, NULL, "%s", what);
+    mhd_last_msg[0] = 0;
+    return srv_json_error(&e);
+}
+
+enum MHD_Result MHD_queue_response(struct MHD_Connection *c, unsigned int status, struct MHD_Response *resp);
+enum MHD_Result MHD_queue_response(struct MHD_Connection *c, unsigned int status, struct MHD_Response *resp) {
+    const queue_fn queue = real_queue_response();
+    if (!queue) return MHD_NO;
+    /* libmicrohttpd's own page: announced on this thread by its log line, with the same status
+     * (so that no other answer, e.g. the router's, is ever taken for one) */
+    const bool pending = mhd_last_status != 0 && mhd_last_status == status;
+    mhd_last_status = 0;
+    const char *ct = pending && resp ? MHD_get_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE) : "";
+    if (!pending || !resp || (ct && strncasecmp(ct, "text/html", 9) != 0)) return queue(c, status, resp);
+    char *json = mhd_error_json(status);
+    struct MHD_Response *mine =
+        json ? MHD_create_response_from_buffer(strlen(json), json, MHD_RESPMEM_MUST_COPY) : NULL;
+    free(json); /* cJSON's allocator */
+    if (!mine) return queue(c, status, resp); /* out of memory: libmicrohttpd's page */
+    MHD_add_response_header(mine, MHD_HTTP_HEADER_CONTENT_TYPE, "application/json");
+    MHD_add_response_header(mine, MHD_HTTP_HEADER_CONNECTION, "close");
+    const enum MHD_Result ok = queue(c, status, mine);
+    MHD_destroy_response(mine);
+    return ok;
 }
 
 /* ---- replies ------------------------------------------------------------------------------------*/
@@ -1422,7 +1496,9 @@ static enum MHD_Result handle_pd_prefill(struct MHD_Connection *c, req *r) {
     int32_t *ids = st_malloc((size_t)need * sizeof *ids);
     uint8_t *addr = NULL;
     size_t addr_len = 0;
-    if (!ids) st = st_err(STRATA_ERR_NOMEM, "out of memory");
+    if (!ids)
+        st = st_err(STRATA_ERR_NOMEM, "pd prefill: out of memory for %lld prompt token ids (%zu bytes)",
+                    (long long)need, (size_t)need * sizeof *ids);
     int64_t i = 0;
     for (const cJSON *it = toks ? toks->child : NULL; it && i < need && !st; it = it->next, i++) {
         if (!cJSON_IsNumber(it) || it->valuedouble < 0 || it->valuedouble >= 2147483647.0 ||
@@ -1614,6 +1690,15 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *c, const char
         r->listed = true;
         if (r->k) conn_phase_locked(s, r->k, CONN_BUSY, 0); /* the head is in: no deadline while it is served */
         pthread_mutex_unlock(&s->mu);
+        /* a later request on a keep-alive connection (libmicrohttpd parsed its head, not the
+         * front door): a transfer coding other than chunked would have its body awaited until
+         * the idle deadline; refused as the front door refuses it (counted under "other") */
+        const char *te = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_TRANSFER_ENCODING);
+        if (te && strcasecmp(te, "chunked") != 0) {
+            r->rt = R_OTHER;
+            return error_reply(c, r, 501, "invalid_request_error", "not_implemented", NULL,
+                               "Transfer-Encoding '%.40s' is not supported (chunked only)", te);
+        }
         const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
         if (cl) {
             char *end = NULL;
@@ -1755,13 +1840,31 @@ static void *on_uri(void *cls, const char *uri, struct MHD_Connection *c) {
 /* libmicrohttpd's messages; it may hold its locks here: only leaf locks are taken. */
 static void mhd_log(void *cls, const char *fmt, va_list ap) {
     st_server *s = cls;
-    char msg[256];
+    char msg[512];
     vsnprintf(msg, sizeof msg, fmt, ap);
     size_t n = strlen(msg);
     while (n > 0 && (msg[n - 1] == '\n' || msg[n - 1] == '\r')) msg[--n] = 0;
     pthread_mutex_lock(&s->log_mu);
-    snprintf(s->mhd_msg, sizeof s->mhd_msg, "%s", msg);
+    snprintf(s->mhd_msg, sizeof s->mhd_msg, "%.*s", (int)sizeof s->mhd_msg - 1, msg);
     pthread_mutex_unlock(&s->log_mu);
+    /* the reason of an answer libmicrohttpd writes itself, for MHD_queue_response above: the
+     * text of its page's <body>, quoted in this line, which it logs just before it queues it */
+    const char *rc = strstr(msg, "HTTP response code is ");
+    const char *b0 = rc ? strstr(msg, "<body>") : NULL;
+    const char *b1 = b0 ? strstr(b0, "</body>") : NULL;
+    mhd_last_msg[0] = 0;
+    if (rc) mhd_last_status = (unsigned)atoi(rc + strlen("HTTP response code is "));
+    if (b1) {
+        size_t k = 0;
+        bool tag = false;
+        for (const char *p = b0 + 6; p < b1 && k + 1 < sizeof mhd_last_msg; p++) {
+            if (*p == '<') tag = true;
+            else if (*p == '>') tag = false;
+            else if (!tag) mhd_last_msg[k++] = *p;
+        }
+        while (k > 0 && mhd_last_msg[k - 1] == '.') k--;
+        mhd_last_msg[k] = 0;
+    }
     /* over max_connections (a pool thread's share) or max_connections_per_client: closed at accept */
     if (strstr(msg, "reached connection limit")) { /* a pool thread at its share (the front door counts all) */
         count_refused(s);
@@ -1794,7 +1897,7 @@ strata_status st_server_start(strata_model *m, const st_server_params *params, s
     if (params->port < 0 || params->port > 65535)
         return st_err(STRATA_ERR_INVALID_ARG, "server: port %d is not in [0, 65535]", params->port);
     st_server *s = st_calloc(1, sizeof *s);
-    if (!s) return st_err(STRATA_ERR_NOMEM, "server: out of memory");
+    if (!s) return st_err(STRATA_ERR_NOMEM, "server: out of memory for its state (%zu bytes)", sizeof *s);
     s->model = m;
     s->info = info;
     s->max_seq_len = info.max_seq_len;
@@ -1849,7 +1952,8 @@ strata_status st_server_start(strata_model *m, const st_server_params *params, s
     s->peek = st_malloc(HEAD_PEEK);
     if (!s->host || !s->model_name || !s->peek || (params->api_key && params->api_key[0] && !s->api_key)) {
         st_server_stop(s);
-        return st_err(STRATA_ERR_NOMEM, "server: out of memory");
+        return st_err(STRATA_ERR_NOMEM, "server: out of memory for its names and the head buffer (%d bytes)",
+                      (int)HEAD_PEEK);
     }
     s->ep = epoll_create1(EPOLL_CLOEXEC);
     s->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);

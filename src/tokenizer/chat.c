@@ -329,7 +329,7 @@ strata_status st_chat_detect(const char *jinja, st_chat_template *out) {
         if (strstr(jinja, "Cutting Knowledge Date")) {
             if (!(out->date = llama3_date(jinja))) {
                 memset(out, 0, sizeof *out);
-                return st_err(STRATA_ERR_NOMEM, "out of memory");
+                return st_err(STRATA_ERR_NOMEM, "chat template: out of memory for the llama3 template's date");
             }
             out->date_from_clock = strstr(jinja, "strftime_now") != NULL;
         }
@@ -465,7 +465,7 @@ strata_status st_chat_format_spans(const st_chat_template *t, const st_chat_msg 
     }
     if (!st && b.oom) st = st_err(STRATA_ERR_NOMEM, "chat: out of memory formatting %lld messages", (long long)n);
     if (!st && !b.p) sb_add(&b, "", 0);
-    if (!st && b.oom) st = st_err(STRATA_ERR_NOMEM, "chat: out of memory");
+    if (!st && b.oom) st = st_err(STRATA_ERR_NOMEM, "chat: out of memory for the empty prompt");
     if (st) {
         st_free(b.p);
         st_free(b.spans);

@@ -21,7 +21,7 @@ strata_status st_detok_init(const st_tokenizer *t, bool skip_special, st_detok *
     *out = NULL;
     if (!t) return st_err(STRATA_ERR_INVALID_ARG, "st_detok_init: NULL tokenizer");
     st_detok *d = st_calloc(1, sizeof *d);
-    if (!d) return st_err(STRATA_ERR_NOMEM, "st_detok_init: out of memory");
+    if (!d) return st_err(STRATA_ERR_NOMEM, "st_detok_init: out of memory for its state (%zu bytes)", sizeof *d);
     d->t = t;
     d->skip_special = skip_special;
     d->strip_space = t->type == ST_TOK_SPM && t->add_space_prefix;
@@ -175,7 +175,7 @@ strata_status st_tokenizer_decode_len(const st_tokenizer *t, const int32_t *ids,
     }
     if (!res) {
         res = st_malloc(1);
-        if (!res) return st_err(STRATA_ERR_NOMEM, "st_tokenizer_decode: out of memory");
+        if (!res) return st_err(STRATA_ERR_NOMEM, "st_tokenizer_decode: out of memory for an empty text (1 byte)");
     }
     res[len] = '\0';
     *out = res;

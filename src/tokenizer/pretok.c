@@ -232,7 +232,8 @@ strata_status st_pretok_split(st_pretok pre, const char *text, size_t len, size_
     if (!st) {
         size_t *l = st_malloc((size_t)(np ? np : 1) * sizeof *l);
         if (!l) {
-            st = st_err(STRATA_ERR_NOMEM, "st_pretok_split: out of memory");
+            st = st_err(STRATA_ERR_NOMEM, "st_pretok_split: out of memory for the lengths of %lld pieces",
+                        (long long)np);
         } else {
             for (int64_t i = 0; i < np; i++) l[i] = (size_t)(s.bounds[i + 1] - s.bounds[i]);
             *lens = l;

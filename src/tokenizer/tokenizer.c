@@ -330,7 +330,7 @@ static strata_status add_stop(st_tokenizer *t, int32_t id) {
     for (int i = 0; i < t->n_stop; i++)
         if (t->stop[i] == id) return STRATA_OK;
     int32_t *s = st_realloc(t->stop, (size_t)(t->n_stop + 1) * sizeof *s);
-    if (!s) return st_err(STRATA_ERR_NOMEM, "tokenizer: out of memory");
+    if (!s) return st_err(STRATA_ERR_NOMEM, "tokenizer: out of memory for %d stop ids", t->n_stop + 1);
     t->stop = s;
     t->stop[t->n_stop++] = id;
     return STRATA_OK;
@@ -362,7 +362,7 @@ strata_status st_tokenizer_load(const st_model_files *m, st_tokenizer **out) {
     char *tj = st_malloc(n), *tc = st_malloc(n), *tt = st_malloc(n);
     strata_status st;
     if (!tj || !tc || !tt) {
-        st = st_err(STRATA_ERR_NOMEM, "st_tokenizer_load: out of memory");
+        st = st_err(STRATA_ERR_NOMEM, "st_tokenizer_load: out of memory for three paths of %zu bytes", n);
         goto done;
     }
     snprintf(tj, n, "%s/tokenizer.json", m->path);
@@ -556,7 +556,7 @@ strata_status st_tokenizer_encode_spans(const st_tokenizer *t, const char *text,
     size_t *ns = st_malloc((size_t)(n_spans ? n_spans : 1) * 2 * sizeof *ns);
     size_t cap = len * 3 + 1, used = 0; /* each bad byte becomes at most 3 */
     if (!ns || !(clean = st_malloc(cap))) {
-        st = st_err(STRATA_ERR_NOMEM, "tokenizer: out of memory");
+        st = st_err(STRATA_ERR_NOMEM, "tokenizer: out of memory for the clean copy of %zu bytes of text", cap);
         goto out;
     }
     size_t pos = 0;

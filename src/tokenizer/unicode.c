@@ -229,7 +229,7 @@ strata_status st_utf8_nfc(const char *s, size_t len, char **out, size_t *out_len
         if (!st_utf8_valid(s, len))
             return st_err(STRATA_ERR_INVALID_ARG, "st_utf8_nfc: invalid UTF-8");
         char *o = st_malloc(len + 1);
-        if (!o) return st_err(STRATA_ERR_NOMEM, "st_utf8_nfc: out of memory");
+        if (!o) return st_err(STRATA_ERR_NOMEM, "st_utf8_nfc: out of memory for a copy of %zu bytes", len + 1);
         if (len) memcpy(o, s, len);
         o[len] = '\0';
         *out = o;
@@ -295,7 +295,7 @@ strata_status st_utf8_nfc(const char *s, size_t len, char **out, size_t *out_len
     }
     goto done;
 nomem:
-    st = st_err(STRATA_ERR_NOMEM, "st_utf8_nfc: out of memory");
+    st = st_err(STRATA_ERR_NOMEM, "st_utf8_nfc: out of memory normalizing %zu bytes of text", len);
 done:
     st_free(c.v);
     return st;

@@ -71,13 +71,14 @@ strata_status st_wgroups_build(const st_model_files *m, st_wgroups **out) {
     if (L <= 0 || L > (1 << 20))
         return st_err(STRATA_ERR_INVALID_ARG, "%s: %lld layers", m->path, (long long)L);
     st_wgroups *gs = st_calloc(1, sizeof *gs);
-    if (!gs) return st_err(STRATA_ERR_NOMEM, "weight groups: out of memory");
+    if (!gs) return st_err(STRATA_ERR_NOMEM, "weight groups: out of memory for its state (%zu bytes)", sizeof *gs);
     gs->n_layers = (int)L;
     gs->n = 2 * (int)L + 2;
     gs->g = st_calloc((size_t)gs->n, sizeof *gs->g);
     if (!gs->g) {
         st_free(gs);
-        return st_err(STRATA_ERR_NOMEM, "weight groups: out of memory");
+        return st_err(STRATA_ERR_NOMEM, "weight groups: out of memory for %d groups (%zu bytes)", gs->n,
+                      (size_t)gs->n * sizeof *gs->g);
     }
     strata_status st = STRATA_OK;
     char name[256];

@@ -553,7 +553,8 @@ static strata_status init_streaming(st_wm *wm) {
     wm->chunk_bytes = wm->plan.staging_chunk;
     wm->ch = st_calloc((size_t)wm->n_chunks, sizeof *wm->ch);
     if (!wm->slot || !wm->slot_ready || !wm->slot_done || !wm->slot_used || !wm->slot_src || !wm->ch)
-        return st_err(STRATA_ERR_NOMEM, "weight manager: out of memory");
+        return st_err(STRATA_ERR_NOMEM, "weight manager: out of memory for the tables of %d ring slots and %d "
+                      "staging chunks", wm->n_slots, (int)wm->n_chunks);
     for (int s = 0; s < wm->n_slots; s++) {
         if ((st = o->alloc(be, wm->plan.slot_bytes, &wm->slot[s])) != STRATA_OK)
             return alloc_failed(st, wm->plan.slot_bytes, "device ring slot %d of %d for streamed weights", s + 1,
@@ -620,7 +621,7 @@ strata_status st_wm_init(st_backend *be, const st_model_files *files, const st_w
     if (!be || !files || !groups || !plan || !plan->tier || plan->n_groups != groups->n)
         return st_err(STRATA_ERR_INVALID_ARG, "weight manager: bad arguments");
     st_wm *wm = st_calloc(1, sizeof *wm);
-    if (!wm) return st_err(STRATA_ERR_NOMEM, "weight manager: out of memory");
+    if (!wm) return st_err(STRATA_ERR_NOMEM, "weight manager: out of memory for its state (%zu bytes)", sizeof *wm);
     wm->be = be;
     wm->files = files;
     wm->groups = groups;
@@ -641,7 +642,8 @@ strata_status st_wm_init(st_backend *be, const st_model_files *files, const st_w
         st_free(wm->plan.tier);
         wm->plan.tier = NULL;
         st_wm_free(wm);
-        return st_err(STRATA_ERR_NOMEM, "weight manager: out of memory");
+        return st_err(STRATA_ERR_NOMEM, "weight manager: out of memory for the tables of %d weight groups",
+                      (int)groups->n);
     }
     memcpy(wm->plan.tier, plan->tier, (size_t)wm->n * sizeof *wm->plan.tier);
     pthread_mutex_init(&wm->mu, NULL);

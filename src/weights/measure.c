@@ -54,7 +54,8 @@ static strata_status measure_ssd(const st_model_files *files, bool direct, doubl
     strata_status st = st_ssd_files_open(files, direct, NULL, &sf);
     if (st == STRATA_OK) st = st_ssd_queue_init(sf, 8, false, &q);
     if (st == STRATA_OK && posix_memalign(&buf, 4096, PROBE_BYTES) != 0)
-        st = st_err(STRATA_ERR_NOMEM, "ssd probe: out of memory");
+        st = st_err(STRATA_ERR_NOMEM, "ssd probe: out of memory for its aligned buffer (%zu bytes)",
+                    (size_t)PROBE_BYTES);
     if (st == STRATA_OK) {
         const double t0 = st_time_now();
         for (uint64_t off = 0; off < total && st == STRATA_OK; off += PROBE_BYTES) {
@@ -125,7 +126,8 @@ static strata_status measure_matmul(st_backend *be, st_stream *s, const st_wgrou
     strata_status st = o->alloc(be, wb, &w);
     if (st == STRATA_OK) st = o->alloc(be, xb, &x);
     if (st == STRATA_OK) st = o->alloc(be, yb, &y);
-    if (st == STRATA_OK && !(host = calloc(1, hn))) st = st_err(STRATA_ERR_NOMEM, "matmul probe: out of memory");
+    if (st == STRATA_OK && !(host = calloc(1, hn)))
+        st = st_err(STRATA_ERR_NOMEM, "matmul probe: out of memory for its host buffer (%zu bytes)", hn);
     if (st == STRATA_OK && cpu) { /* zeros: cheap, and the CPU's rate does not depend on the values */
         for (size_t off = 0; off < wb && st == STRATA_OK; off += hn)
             st = o->copy_h2d(be, s, (uint8_t *)w + off, host, wb - off < hn ? wb - off : hn);

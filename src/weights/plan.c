@@ -264,7 +264,7 @@ strata_status st_wplan_make(const st_wgroups *g, const st_wplan_params *p, st_wp
     if (!out->tier || !cand) {
         st_free(cand);
         st_wplan_free(out);
-        return st_err(STRATA_ERR_NOMEM, "plan: out of memory");
+        return st_err(STRATA_ERR_NOMEM, "plan: out of memory for the tiers of %d weight groups", (int)n);
     }
     const size_t other = p->device_kv + p->device_act + p->device_reserve;
     strata_status st = STRATA_OK;
@@ -325,7 +325,7 @@ strata_status st_wplan_make(const st_wgroups *g, const st_wplan_params *p, st_wp
     /* candidates: c = 0 (nothing streams), then every distinct slot size */
     size_t *sizes = st_calloc((size_t)n + 1, sizeof *sizes);
     if (!sizes) {
-        st = st_err(STRATA_ERR_NOMEM, "plan: out of memory");
+        st = st_err(STRATA_ERR_NOMEM, "plan: out of memory for %d candidate slot sizes", (int)n + 1);
         goto done;
     }
     int n_sizes = 1; /* sizes[0] = 0 */
@@ -393,7 +393,7 @@ strata_status st_wplan_make(const st_wgroups *g, const st_wplan_params *p, st_wp
             best.tier = keep ? keep : st_calloc((size_t)n, sizeof *best.tier);
             if (!best.tier) {
                 st_free(sizes);
-                st = st_err(STRATA_ERR_NOMEM, "plan: out of memory");
+                st = st_err(STRATA_ERR_NOMEM, "plan: out of memory for the tiers of %d weight groups", (int)n);
                 goto done;
             }
             memcpy(best.tier, cand, (size_t)n * sizeof *cand);

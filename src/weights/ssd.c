@@ -43,11 +43,11 @@ strata_status st_ssd_files_open(const st_model_files *m, bool direct, const st_s
     if (!out) return st_err(STRATA_ERR_INVALID_ARG, "ssd files: out is NULL");
     *out = NULL;
     st_ssd_files *s = st_calloc(1, sizeof *s);
-    if (!s) return st_err(STRATA_ERR_NOMEM, "ssd files: out of memory");
+    if (!s) return st_err(STRATA_ERR_NOMEM, "ssd files: out of memory for its state (%zu bytes)", sizeof *s);
     s->f = st_calloc((size_t)(m->n_files > 0 ? m->n_files : 1), sizeof *s->f);
     if (!s->f) {
         st_free(s);
-        return st_err(STRATA_ERR_NOMEM, "ssd files: out of memory");
+        return st_err(STRATA_ERR_NOMEM, "ssd files: out of memory for %d file entries", (int)m->n_files);
     }
     if (faults) s->faults = *faults;
     atomic_init(&s->reads, 0);
@@ -148,7 +148,7 @@ strata_status st_ssd_queue_init(st_ssd_files *f, int depth, bool force_pread, st
     if (!out) return st_err(STRATA_ERR_INVALID_ARG, "ssd queue: out is NULL");
     *out = NULL;
     st_ssd_queue *q = st_calloc(1, sizeof *q);
-    if (!q) return st_err(STRATA_ERR_NOMEM, "ssd queue: out of memory");
+    if (!q) return st_err(STRATA_ERR_NOMEM, "ssd queue: out of memory for its state (%zu bytes)", sizeof *q);
     strata_status st = st_aio_init(depth, force_pread, "weights", &q->aio);
     if (st) {
         st_free(q);
@@ -157,7 +157,7 @@ strata_status st_ssd_queue_init(st_ssd_files *f, int depth, bool force_pread, st
     q->files = f;
     if (f->faults.delay_ms > 0 && !(q->def = st_calloc((size_t)st_aio_depth(q->aio), sizeof *q->def))) {
         st_ssd_queue_free(q);
-        return st_err(STRATA_ERR_NOMEM, "ssd queue: out of memory");
+        return st_err(STRATA_ERR_NOMEM, "ssd queue: out of memory for %d delayed reads", st_aio_depth(q->aio));
     }
     *out = q;
     return STRATA_OK;

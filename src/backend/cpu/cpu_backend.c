@@ -139,7 +139,7 @@ static strata_status cpu_copy_2d(st_backend *be, st_stream *s, void *dst, size_t
 
 static strata_status cpu_stream_create(st_backend *be, bool high_priority, st_stream **out) {
     cpu_stream *s = st_calloc(1, sizeof *s);
-    if (!s) return st_err(STRATA_ERR_NOMEM, "cpu stream_create: out of memory");
+    if (!s) return st_err(STRATA_ERR_NOMEM, "cpu stream_create: out of memory for its state (%zu bytes)", sizeof *s);
     s->magic = STREAM_MAGIC;
     s->high_priority = high_priority;
     *out = (st_stream *)s;
@@ -158,7 +158,7 @@ static strata_status cpu_stream_sync(st_backend *be, st_stream *s) { return STRA
 
 static strata_status cpu_event_create(st_backend *be, st_event **out) {
     cpu_event *e = st_calloc(1, sizeof *e);
-    if (!e) return st_err(STRATA_ERR_NOMEM, "cpu event_create: out of memory");
+    if (!e) return st_err(STRATA_ERR_NOMEM, "cpu event_create: out of memory for its state (%zu bytes)", sizeof *e);
     e->magic = EVENT_MAGIC;
     *out = (st_event *)e;
     return STRATA_OK;
@@ -290,7 +290,9 @@ static strata_status cpu_matmul_multi(st_backend *be, st_stream *s, const float 
 static strata_status cpu_matmul_swiglu(st_backend *be, st_stream *s, const float *x, const st_weight *wg,
                                        const st_weight *wu, int64_t n, float *out) {
     float *tmp = st_malloc((size_t)(n * wu->rows) * sizeof(float));
-    if (!tmp) return st_err(STRATA_ERR_NOMEM, "cpu matmul_swiglu: out of memory");
+    if (!tmp)
+        return st_err(STRATA_ERR_NOMEM, "cpu matmul_swiglu: out of memory for the gate of %lld x %lld floats",
+                      (long long)n, (long long)wu->rows);
     const st_weight w2[2] = {*wg, *wu};
     float *const y2[2] = {out, tmp};
     strata_status st = cpu_matmul_multi(be, s, x, w2, 2, n, y2);
@@ -539,7 +541,8 @@ strata_status st_backend_cpu_init(const st_backend_params *params, st_backend **
     if (!be || !c) {
         st_free(be);
         st_free(c);
-        return st_err(STRATA_ERR_NOMEM, "cpu backend init: out of memory");
+        return st_err(STRATA_ERR_NOMEM, "cpu backend init: out of memory for its state (%zu bytes)",
+                      sizeof *be + sizeof *c);
     }
     be->ops = &g_cpu_ops;
     be->kind = ST_BACKEND_CPU;
@@ -556,7 +559,8 @@ strata_status st_backend_cpu_init(const st_backend_params *params, st_backend **
     c->scratch = st_calloc((size_t)c->n_threads, sizeof *c->scratch);
     if (!c->scratch) {
         cpu_destroy(be);
-        return st_err(STRATA_ERR_NOMEM, "cpu backend init: out of memory");
+        return st_err(STRATA_ERR_NOMEM, "cpu backend init: out of memory for the scratch table of %d threads",
+                      c->n_threads);
     }
     cpu_set_isa(c, ST_CPU_ISA_AVX512);
     *out = be;

@@ -184,7 +184,7 @@ static strata_status cuda_stream_create(st_backend *be, bool high_priority, st_s
     int least = 0, greatest = 0;
     ST_CUDA_TRY(cudaDeviceGetStreamPriorityRange(&least, &greatest));
     st_cuda_stream *cs = st_calloc(1, sizeof *cs);
-    if (!cs) return st_err(STRATA_ERR_NOMEM, "cuda stream_create: out of memory");
+    if (!cs) return st_err(STRATA_ERR_NOMEM, "cuda stream_create: out of memory for its state (%zu bytes)", sizeof *cs);
     cudaError_t e = cudaStreamCreateWithPriority(&cs->s, cudaStreamNonBlocking,
                                                  high_priority ? greatest : least);
     if (e != cudaSuccess) {
@@ -256,7 +256,7 @@ static strata_status cuda_event_create(st_backend *be, st_event **out) {
     *out = NULL;
     ST_CUDA_TRY(cudaSetDevice(st_cuda_of(be)->device));
     cuda_event *ce = st_calloc(1, sizeof *ce);
-    if (!ce) return st_err(STRATA_ERR_NOMEM, "cuda event_create: out of memory");
+    if (!ce) return st_err(STRATA_ERR_NOMEM, "cuda event_create: out of memory for its state (%zu bytes)", sizeof *ce);
     cudaError_t e = cudaEventCreateWithFlags(&ce->e, cudaEventDisableTiming);
     if (e != cudaSuccess) {
         st_free(ce);
@@ -587,7 +587,8 @@ strata_status st_backend_cuda_init(const st_backend_params *params, st_backend *
     if (!be || !c) {
         st_free(be);
         st_free(c);
-        return st_err(STRATA_ERR_NOMEM, "cuda backend init: out of memory");
+        return st_err(STRATA_ERR_NOMEM, "cuda backend init: out of memory for its state (%zu bytes)",
+                      sizeof *be + sizeof *c);
     }
     be->ops = &g_cuda_ops;
     be->kind = ST_BACKEND_CUDA;

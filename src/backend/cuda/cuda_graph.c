@@ -49,7 +49,7 @@ strata_status st_cuda_graph_end(st_backend *be, st_stream *s, st_graph **out) {
     cuda_graph *g = st_calloc(1, sizeof *g);
     if (!g) {
         cudaGraphDestroy(graph);
-        return st_err(STRATA_ERR_NOMEM, "cuda graph_end: out of memory");
+        return st_err(STRATA_ERR_NOMEM, "cuda graph_end: out of memory for the graph's record (%zu bytes)", sizeof *g);
     }
     e = cudaGraphInstantiate(&g->exec, graph, 0);
     cudaError_t e2 = cudaGraphDestroy(graph); /* the executable graph is independent of it */

@@ -379,7 +379,9 @@ static void plan_clear(lt_plan *p) {
 
 strata_status st_cuda_matmul_setup(st_cuda *c, const st_backend_params *params) {
     c->lt_cache = (st_cuda_lt_cache *)st_calloc(1, sizeof *c->lt_cache);
-    if (!c->lt_cache) return st_err(STRATA_ERR_NOMEM, "cuda matmul: out of memory");
+    if (!c->lt_cache)
+        return st_err(STRATA_ERR_NOMEM, "cuda matmul: out of memory for the cuBLASLt plan cache (%zu bytes)",
+                      sizeof *c->lt_cache);
     /* params may move the switch points (tuning, benchmarks); checked by st_backend_cuda_init */
     c->lt_cache->gemm_min_n = params->gemm_min_n >= 2 ? params->gemm_min_n : GEMM_MIN_N;
     c->lt_cache->gemm_min_n_quant = params->gemm_min_n_quant >= 2 ? params->gemm_min_n_quant : GEMM_MIN_N_QUANT;
