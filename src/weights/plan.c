@@ -249,7 +249,7 @@ static void place_cpu(const st_wgroups *g, const st_wplan_params *p, const knobs
     const int lo = p->cpu_ffn > 0 ? (p->cpu_ffn < count ? p->cpu_ffn : count) : 1;
     const int hi = p->cpu_ffn > 0 ? lo : count;
     st_tier chosen[n];
-    double best_t = trial->t_decode;
+    double best_t = trial->t_decode, best_serial = trial->t_decode_serial;
     bool found = false;
     st_wplan t = *trial;
     t.tier = work;
@@ -262,8 +262,10 @@ static void place_cpu(const st_wgroups *g, const st_wplan_params *p, const knobs
         }
         evaluate(g, p, k, &t);
         if (t.host_need > p->host_mem) break; /* more SSD groups would need more room still */
-        if (p->cpu_ffn > 0 || t.t_decode < best_t) {
+        /* the least step, then the least serial sum (an SSD-bound step still gains PCIe time) */
+        if (p->cpu_ffn > 0 || t.t_decode < best_t || (t.t_decode == best_t && t.t_decode_serial < best_serial)) {
             best_t = t.t_decode;
+            best_serial = t.t_decode_serial;
             memcpy(chosen, work, (size_t)n * sizeof *work);
             found = true;
         }
