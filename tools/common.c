@@ -431,7 +431,8 @@ void tool_print_weights(tool_model *tm, const st_wm_stats *before, const st_wm_s
         printf("hybrid       per decode step: %s computed on the CPU from host memory (plan %s, %d groups) at "
                "%.2f GB/s (%s), %s over PCIe at %.2f GB/s; achieved CPU read %.2f GB/s\n",
                st_fmt_bytes(cpu, b[0], 32), st_fmt_bytes((double)p->step_cpu_bytes, b[1], 32),
-               p->groups[ST_TIER_CPU], p->bw.cpu / 1e9, p->bw.measured[4] ? "measured now" : "given",
+               p->groups[ST_TIER_CPU], p->bw.cpu / 1e9,
+               p->bw.cpu <= 0 ? "not measured: the CPU backend" : p->bw.measured[4] ? "measured now" : "given",
                st_fmt_bytes((double)(p->step_ssd_bytes + p->step_host_bytes), b[2], 32), p->bw.h2d / 1e9,
                step_s > 0 ? cpu / step_s / 1e9 : 0.0);
         printf("bound        hybrid max(PCIe bytes / H2D, CPU bytes / CPU rate) = max(%.3f, %.3f) = %.3f ms/token, "

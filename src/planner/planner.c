@@ -323,8 +323,9 @@ strata_status st_plan_make(const st_model_files *files, st_backend *be, const st
     pp.attn_flops = 4.0 * (double)c->n_heads * (double)c->head_dim * (double)c->n_layers;
     pp.bw = wo->bw;
     pp.force = wo->placement;
-    /* the CPU tier: not on the CPU backend (everything is there already) unless forced */
-    pp.cpu_ffn = be->kind == ST_BACKEND_CPU ? -1 : wo->cpu_ffn;
+    /* the CPU tier: never chosen on the CPU backend (everything runs there already); a forced count
+     * places it there too (the model's second CPU backend computes it: the tests' way to run it) */
+    pp.cpu_ffn = be->kind == ST_BACKEND_CPU && wo->cpu_ffn == 0 ? -1 : wo->cpu_ffn;
     if ((p->device_mem > 0 || wo->placement) && !bw_complete(&pp.bw))
         return pp.bw.skipped[0] /* the probe had no memory: say so, not that nobody measured */
                    ? st_err(STRATA_ERR_NOMEM, "plan: the matmul probe that a plan under a device budget needs "
