@@ -141,6 +141,10 @@ def check_engine(model):
                   r"\(plan ([\d.]+ [KMG]?B), (\d+) groups\)", p.stdout)
     check(m is not None and m.group(1) == m.group(2) and m.group(3) == "3",
           "bench: the hybrid line (CPU bytes per step = the plan's, 3 groups): %s" % p.stdout[-3000:])
+    m = re.search(r"bytes\s+per decode step: file ([\d.]+) \(plan (\d+)\), to the device ([\d.]+) \(plan (\d+)\)", p.stdout)
+    check(m is not None and float(m.group(1)) == float(m.group(2)) and float(m.group(3)) == float(m.group(4)),
+          "bench: bytes per decode step to the device (the cpu tier's not among them) = the plan's: %s"
+          % (m.group(0) if m else p.stdout[-2000:]))
     check(re.search(r"bound\s+hybrid max\(PCIe bytes / H2D, CPU bytes / CPU rate\)", p.stdout) is not None,
           "bench: no hybrid bound line: %s" % p.stdout[-2000:])
     print("smollm2          run and bench with the cpu tier ok", flush=True)
