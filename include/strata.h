@@ -123,6 +123,12 @@ typedef struct {
     strata_prefill prefill;    /* CUDA prefill precision (default AUTO) */
     int ring_slots;            /* device slots streamed weights pass through (0: 2) */
     double h2d_gbps, ssd_gbps; /* bandwidths (GB/s) the weight plan uses instead of measuring (0: measure) */
+    int cpu_layers;            /* hybrid execution (CUDA, weights streamed): FFN groups of this many layers
+                                  computed on the CPU from host memory in decode steps (0: auto, the
+                                  split with the least predicted step, from the CPU's matmul rate measured
+                                  at load with `threads` threads; -1: none) */
+    int64_t cpu_max_tokens;    /* forward passes of at most this many tokens compute those groups on the CPU;
+                                  larger ones (prefill) stream them to the device (0: 8) */
     /* serving knobs (zero: defaults) */
     int64_t max_seq_len_cap;   /* when max_seq_len is 0: the model's context length capped at this many
                                   tokens (0: 4096; e.g. 2048 for `strata serve`) */

@@ -30,6 +30,11 @@
  *      enough to preempt, and with a stop id inside accepted drafts; the
  *      model drafting for itself has every draft of a greedy request
  *      accepted;
+ *  (h) hybrid execution: with FFN groups on the CPU tier (a forced placement:
+ *      the runner's model computes them on its second CPU backend in steps
+ *      of at most cpu_max_tokens tokens and streams them in larger ones, so
+ *      steps switch both ways), 12 requests arriving at different steps
+ *      give the tokens and logits (bit for bit) of the all-resident run;
  *  plus stop ids, max_tokens, abort mid-run, and every block back at the end.
  * STRATA_RUNNER_BENCH=1 also prints the runner's throughput on SmolLM2 at 1,
  * 8 and 32 concurrent sequences. */
@@ -712,6 +717,50 @@ static void test_streamed(const char *name, const st_model_files *mf, st_backend
 
 /* ---- stop ids, abort -------------------------------------------------------------------*/
 
+/* ---- (h) hybrid: FFN groups on the CPU tier ------------------------------------------*/
+
+static void test_hybrid(const char *name, const st_model_files *mf, st_backend *be) {
+    const int64_t V = mf->config.vocab_size, mml = 64;
+    work w;
+    work_init(&w, mml);
+    int32_t buf[40];
+    for (int i = 0; i < 12; i++) {
+        const int64_t np = 1 + (i * 13 + 5) % 40;
+        random_prompt(buf, np, V);
+        work_add(&w, buf, np, 8 - (i % 3), i % 3 != 1, 500 + (uint64_t)i, i / 3);
+    }
+    st_engine_params p = {.max_batch = 16, .prefill_chunk = -1, .step_tokens = 48, .kv_block_size = 8};
+    run_info ref, hyb;
+    run_work(mf, be, p, &w, -1, false, &ref);
+    work resident;
+    snapshot(&w, &resident);
+    work_reset_results(&w);
+    const int n = 2 * (int)mf->config.n_layers + 2;
+    st_tier *t = calloc((size_t)n, sizeof *t);
+    for (int i = 0; i < n; i++) /* ffn: cpu but ffn.0; attn: device / host / ssd; output streamed */
+        t[i] = i == 0 ? ST_TIER_DEVICE : i == n - 1 ? ST_TIER_HOST
+               : i % 2 ? (st_tier)((i - 1) / 2 % 3) : (i == 2 ? ST_TIER_DEVICE : ST_TIER_CPU);
+    p.weights.placement = t;
+    p.weights.bw = (st_wbw){.h2d = 10e9, .ssd = 1e9, .dev_read = 10e9, .gemm = 1e10};
+    p.weights.host_mem = (size_t)1 << 30;
+    p.weights.cpu_max_tokens = 10; /* steps of up to 10 tokens on the CPU, larger ones (prefill chunks) streamed */
+    p.weights.cpu_threads = 2;
+    run_work(mf, be, p, &w, -1, false, &hyb);
+    int same = 0;
+    for (int i = 0; i < w.n; i++) {
+        const bool ok = same_req(&w.r[i], &resident.r[i], mml);
+        CHECK_MSG(ok, "%s hybrid: request %d (prompt %lld, %s) differs from the all-resident run", name, i + 1,
+                  (long long)w.r[i].n_prompt, w.r[i].sp.temperature == 0 ? "greedy" : "sampled");
+        same += ok;
+    }
+    CHECK(hyb.steps == ref.steps && hyb.max_tokens_step > 10 && hyb.max_seqs > 1);
+    printf("  (h) %s: %d/%d requests identical with the FFN groups on the CPU tier (%lld steps, up to %lld "
+           "tokens)\n", name, same, w.n, (long long)hyb.steps, (long long)hyb.max_tokens_step);
+    free(t);
+    work_free(&resident);
+    work_free(&w);
+}
+
 static void test_stop_abort(const st_model_files *mf, st_backend *be) {
     const int64_t V = mf->config.vocab_size;
     work w;
@@ -869,6 +918,7 @@ int main(void) {
         }
         if (i == 1) test_streamed(tiny[i], mf, be); /* llama3_bf16: hd 16 */
         if (i == 1) test_prefix(tiny[i], mf, be, 6); /* 512 positions */
+        if (i == 0 || i == 4) test_hybrid(tiny[i], mf, be);
         st_model_close(mf);
     }
 

@@ -9,6 +9,14 @@
  *    placements, which the planner evaluates with the same model);
  *  - the minimum device budget the error message names is enough, one byte
  *    less is not; a host budget below staging is refused with its figure;
+ *  - the CPU tier (hybrid), 70B-shaped q4_0 on 16 GB: a CPU rate of 0, or
+ *    cpu_ffn -1, places no group there; a CPU far faster than PCIe takes
+ *    nearly every non-resident FFN group; one about as fast as PCIe gets a
+ *    split whose PCIe and compute + CPU times differ by at most one group's,
+ *    and no forced count predicts better than the automatic choice; a short
+ *    host budget bounds the CPU tier (its images are pinned); only FFN
+ *    groups may be forced onto it; every plan's prediction is asserted as
+ *    max(SSD, PCIe, device compute + CPU compute) of its bytes;
  *  - forced placements over budget are refused; the prefill prediction is
  *    compute-bound for a big prompt on a fast link and stream-bound on a slow
  *    one. */
@@ -80,19 +88,28 @@ static void check_plan(const fake_model *m, const st_wplan_params *p, const st_w
     if (p->device_mem) CHECK_MSG(pl->device_need <= p->device_mem, "device need %zu > %zu", pl->device_need, p->device_mem);
     CHECK_MSG(pl->host_need <= p->host_mem || pl->host_need == 0, "host need %zu > %zu", pl->host_need, p->host_mem);
     CHECK(pl->tier[0] != ST_TIER_HOST); /* the table is never pinned */
-    uint64_t host = 0, ssd = 0, ssd_img = 0;
+    uint64_t host = 0, ssd = 0, ssd_img = 0, cpu = 0, read = g->embed_row_bytes;
     size_t slot = 0;
     for (int i = 1; i < g->n; i++) {
+        read += g->g[i].bytes;
+        if (pl->tier[i] == ST_TIER_CPU) cpu += g->g[i].bytes;
+        CHECK(pl->tier[i] != ST_TIER_CPU || g->g[i].kind == ST_WG_FFN); /* only FFN groups on the CPU */
         if (pl->tier[i] == ST_TIER_HOST) host += g->g[i].bytes;
         if (pl->tier[i] == ST_TIER_SSD) ssd += g->g[i].bytes, ssd_img += g->g[i].img_bytes;
         if (pl->tier[i] != ST_TIER_DEVICE && g->g[i].slot_bytes > slot) slot = g->g[i].slot_bytes;
     }
     CHECK(pl->step_host_bytes == host && pl->step_ssd_bytes == ssd && pl->step_ssd_img_bytes == ssd_img);
+    CHECK(pl->step_cpu_bytes == cpu && pl->step_read_bytes == read && pl->bytes[ST_TIER_CPU] == cpu);
     CHECK(pl->slot_bytes == slot);
     CHECK(slot == 0 ? pl->ring_slots == 0 : pl->ring_slots >= 2);
+    /* the prediction: max(SSD, PCIe, device compute + CPU compute), the CPU's bytes off the device's */
     const double t_ssd = (double)ssd_img / p->bw.ssd, t_pcie = (double)(host + ssd) / p->bw.h2d;
+    const double t_dev = (double)(read - cpu) / p->bw.dev_read, t_cpu = cpu ? (double)cpu / p->bw.cpu : 0;
+    CHECK_MSG(fabs(pl->t_compute - t_dev) <= 1e-12 + 1e-9 * t_dev && fabs(pl->t_cpu - t_cpu) <= 1e-12 + 1e-9 * t_cpu,
+              "t_compute %g (want %g), t_cpu %g (want %g)", pl->t_compute, t_dev, pl->t_cpu, t_cpu);
     double want = t_ssd > t_pcie ? t_ssd : t_pcie;
-    if (pl->t_compute > want) want = pl->t_compute;
+    if (t_dev + t_cpu > want) want = t_dev + t_cpu;
+    CHECK(fabs(pl->t_pcie_prefill - (double)(host + ssd + cpu) / p->bw.h2d) <= 1e-12 + 1e-9 * pl->t_pcie_prefill);
     CHECK_MSG(fabs(pl->t_decode - want) <= 1e-12 + 1e-9 * want, "t_decode %g, want %g", pl->t_decode, want);
 }
 
@@ -255,6 +272,92 @@ int main(void) {
         for (int i = 1; i < 6; i++) t[i] = ST_TIER_HOST;
         p.host_mem = 1000;
         CHECK_ERR(st_wplan_make(&m.g, &p, &pl), STRATA_ERR_NOMEM, "host budget", "this placement");
+        fake_free(&m);
+    }
+
+    /* the CPU tier (hybrid): Llama-3-70B-shaped q4_0 (4.5 bits a weight), 16 GB device, 100 GB host */
+    {
+        fake_model m;
+        const uint64_t embed = 128256ull * 8192 * 9 / 16;
+        fake_init(&m, 80, embed, (2ull * 8192 * 8192 + 2ull * 1024 * 8192) * 9 / 16, 3ull * 8192 * 28672 * 9 / 16,
+                  embed, false);
+        st_wplan_params p = params(16 * GB, 100 * GB);
+        p.device_kv = (size_t)(1.34 * GB);
+        p.device_act = (size_t)(0.7 * GB);
+        p.device_reserve = (size_t)(0.5 * GB);
+        p.bw.dev_read = 3e12;
+        /* a CPU rate of 0 (unknown): no CPU groups, as with cpu_ffn -1 at any rate */
+        CHECK(st_wplan_make(&m.g, &p, &pl) == STRATA_OK);
+        check_plan(&m, &p, &pl);
+        CHECK(pl.groups[ST_TIER_CPU] == 0 && pl.decode_bound == ST_BOUND_PCIE);
+        const double t_gpu = pl.t_decode;
+        int nonres_ffn = 0; /* FFN groups the device does not hold */
+        for (int i = 1; i < m.g.n; i++) nonres_ffn += m.g.g[i].kind == ST_WG_FFN && pl.tier[i] != ST_TIER_DEVICE;
+        CHECK(nonres_ffn > 20);
+        st_wplan_free(&pl);
+        p.bw.cpu = 1e12;
+        p.cpu_ffn = -1;
+        CHECK(st_wplan_make(&m.g, &p, &pl) == STRATA_OK);
+        CHECK(pl.groups[ST_TIER_CPU] == 0 && pl.t_decode == t_gpu);
+        st_wplan_free(&pl);
+        /* a CPU far faster than PCIe: (nearly) every non-resident FFN group on the CPU */
+        p.cpu_ffn = 0;
+        CHECK(st_wplan_make(&m.g, &p, &pl) == STRATA_OK);
+        check_plan(&m, &p, &pl);
+        CHECK_MSG(pl.groups[ST_TIER_CPU] >= nonres_ffn * 9 / 10, "%d cpu groups of %d non-resident ffn groups",
+                  pl.groups[ST_TIER_CPU], nonres_ffn);
+        CHECK(pl.t_decode < t_gpu * 0.5 && pl.decode_bound == ST_BOUND_PCIE);
+        CHECK(pl.kind_groups[ST_TIER_CPU][ST_WG_FFN] == pl.groups[ST_TIER_CPU]);
+        CHECK(pl.host_cpu > 0 && pl.host_need <= p.host_mem);
+        st_wplan_free(&pl);
+        /* a CPU about as fast as PCIe: a split that balances the two, the best of every count */
+        p.bw.cpu = 50e9;
+        CHECK(st_wplan_make(&m.g, &p, &pl) == STRATA_OK);
+        check_plan(&m, &p, &pl);
+        const int chosen = pl.groups[ST_TIER_CPU];
+        const double t_auto = pl.t_decode, group = (double)m.g.g[2].bytes;
+        CHECK_MSG(chosen > 0 && chosen < nonres_ffn, "%d cpu groups of %d", chosen, nonres_ffn);
+        CHECK_MSG(fabs(pl.t_pcie - (pl.t_compute + pl.t_cpu)) <= group / p.bw.cpu + group / p.bw.h2d,
+                  "PCIe %g s vs compute %g + CPU %g s: not balanced", pl.t_pcie, pl.t_compute, pl.t_cpu);
+        CHECK(t_auto < t_gpu * 0.75);
+        printf("70B q4_0 hybrid plan (CPU 50 GB/s, PCIe 55 GB/s): device %d groups, host %d, cpu %d (%.1f GB); "
+               "decode %.0f ms (PCIe %.0f, device %.0f + CPU %.0f; %s) vs %.0f ms without the CPU\n",
+               pl.groups[0], pl.groups[1], chosen, pl.bytes[ST_TIER_CPU] / 1e9, t_auto * 1e3, pl.t_pcie * 1e3,
+               pl.t_compute * 1e3, pl.t_cpu * 1e3, st_wbound_name(pl.decode_bound), t_gpu * 1e3);
+        st_wplan_free(&pl);
+        for (int k = 1; k <= nonres_ffn; k += 7) { /* forced counts: exactly k, never better than auto */
+            p.cpu_ffn = k;
+            CHECK(st_wplan_make(&m.g, &p, &pl) == STRATA_OK);
+            check_plan(&m, &p, &pl);
+            CHECK_MSG(pl.groups[ST_TIER_CPU] == k, "cpu_ffn %d: %d groups", k, pl.groups[ST_TIER_CPU]);
+            CHECK_MSG(pl.t_decode >= t_auto * (1 - 1e-12), "cpu_ffn %d: %g s < auto %g s", k, pl.t_decode, t_auto);
+            st_wplan_free(&pl);
+        }
+        /* a host budget that holds only part of the model: CPU groups need their images pinned */
+        p.cpu_ffn = 0;
+        p.bw.cpu = 1e12;
+        p.host_mem = 12 * GB;
+        CHECK(st_wplan_make(&m.g, &p, &pl) == STRATA_OK);
+        check_plan(&m, &p, &pl);
+        CHECK(pl.groups[ST_TIER_CPU] > 0 && pl.host_need <= p.host_mem && pl.host_tier >= pl.host_cpu);
+        CHECK(pl.groups[ST_TIER_CPU] < nonres_ffn); /* the rest stays on SSD */
+        st_wplan_free(&pl);
+        fake_free(&m);
+    }
+
+    /* forced: only FFN groups on the CPU tier */
+    {
+        fake_model m;
+        fake_init(&m, 2, 900000, 300000, 1400000, 2100000, false);
+        st_tier t[6] = {ST_TIER_DEVICE, ST_TIER_DEVICE, ST_TIER_CPU, ST_TIER_DEVICE, ST_TIER_CPU, ST_TIER_DEVICE};
+        st_wplan_params p = params(0, 1u << 30);
+        p.force = t;
+        CHECK(st_wplan_make(&m.g, &p, &pl) == STRATA_OK);
+        check_plan(&m, &p, &pl);
+        CHECK(pl.groups[ST_TIER_CPU] == 2 && pl.ring_slots >= 2 && pl.slot_bytes == m.g.g[2].slot_bytes);
+        st_wplan_free(&pl);
+        t[1] = ST_TIER_CPU;
+        CHECK_ERR(st_wplan_make(&m.g, &p, &pl), STRATA_ERR_INVALID_ARG, "attn.0", "only FFN groups");
         fake_free(&m);
     }
 

@@ -1,7 +1,12 @@
 /* Weight streaming on the CPU backend (the "device" is a capped arena):
  *  - logits bit-identical (memcmp) to the fully resident run (zero copy from
  *    the mapping) for every placement mix: all device (arena copies), all
- *    host, all SSD, two mixed patterns (one with 3 ring slots), the planner's
+ *    host, all SSD, two mixed patterns (one with 3 ring slots), three with
+ *    FFN groups on the CPU tier (computed by the model's second CPU backend
+ *    from host memory: every pass; or the 4-token prefill chunks streaming
+ *    them to the device and the smaller passes computing them, switching
+ *    both ways; or pinned in the background, read from the file mapping
+ *    meanwhile), the planner's
  *    own choice at a tight budget, pread + page cache instead of io_uring +
  *    O_DIRECT, and a host tier pinned in the background while the model runs;
  *    for a chunked prefill (all logits) and token-by-token decode; on every
@@ -13,7 +18,9 @@
  *    peak never exceed the budgets, which are set to exactly what the plan
  *    says it needs;
  *  - bytes: per step, the groups read from the file add up to the plan's
- *    predicted SSD bytes, exactly;
+ *    predicted SSD bytes, exactly; the CPU tier's groups are computed on the
+ *    CPU once per small pass (their bytes: the plan's) and cross to the
+ *    device only in the passes that stream them;
  *  - budgets too small: STRATA_ERR_NOMEM naming the minimum;
  *  - faults: an injected I/O error or short read (in prefill, in decode, in
  *    background pinning, in synchronous pinning) is a clear STRATA_ERR_IO
@@ -93,9 +100,19 @@ static st_backend *cpu(size_t cap) {
     return be;
 }
 
-typedef enum { P_DEVICE, P_HOST, P_SSD, P_MIX1, P_MIX2, P_PLANNED, P_PREAD, P_BGPIN, P_COUNT } pattern;
+typedef enum { P_DEVICE, P_HOST, P_SSD, P_MIX1, P_MIX2, P_PLANNED, P_PREAD, P_BGPIN, P_CPU1, P_CPU2, P_CPU3,
+               P_COUNT } pattern;
 static const char *k_names[] = {"all-device", "all-host", "all-ssd", "mixed", "mixed-3-slots",
-                                "planned-tight", "ssd-pread-pagecache", "host-pinned-in-background"};
+                                "planned-tight", "ssd-pread-pagecache", "host-pinned-in-background",
+                                "cpu-tier-mixed", "cpu-tier-prefill-streamed", "cpu-tier-pinned-in-background"};
+
+/* The CPU tier (hybrid): passes of at most this many tokens compute the
+ * CPU-tier FFN groups on the model's second CPU backend; cpu-tier-prefill-
+ * streamed sets 2, so that its prefill chunks of 4 tokens stream them to
+ * the "device" like host-tier groups (its last chunk of 2 and the decode
+ * steps compute them on the CPU): switching both ways between passes. */
+static int64_t cpu_max_of(pattern p) { return p == P_CPU2 ? 2 : 8; }
+static bool is_cpu(pattern p) { return p == P_CPU1 || p == P_CPU2 || p == P_CPU3; }
 
 static void fill_pattern(pattern p, int n, st_tier *t) {
     for (int i = 0; i < n; i++) {
@@ -105,6 +122,16 @@ static void fill_pattern(pattern p, int n, st_tier *t) {
         case P_SSD: case P_PREAD: t[i] = ST_TIER_SSD; break;
         case P_MIX1: t[i] = (st_tier)(i % 3); break;
         case P_MIX2: t[i] = i == 0 ? ST_TIER_SSD : (st_tier)((n - i) % 3); break;
+        case P_CPU1: case P_CPU3: /* ffn: cpu, host, cpu, ...; attn: ssd / device; the table gathered */
+            t[i] = i == 0 ? ST_TIER_SSD : i == n - 1 ? ST_TIER_DEVICE
+                   : i % 2 ? (i % 4 == 1 ? ST_TIER_SSD : ST_TIER_DEVICE)
+                           : ((i - 2) / 2 % 3 == 1 ? ST_TIER_HOST : ST_TIER_CPU);
+            break;
+        case P_CPU2: /* ffn.0 resident, every other ffn on the cpu tier; attn device / host / ssd */
+            t[i] = i == 0 ? ST_TIER_DEVICE : i == n - 1 ? ST_TIER_SSD
+                   : i % 2 ? (st_tier)((i - 1) / 2 % 3)
+                           : (i == 2 ? ST_TIER_DEVICE : ST_TIER_CPU);
+            break;
         default: t[i] = ST_TIER_SSD;
         }
     }
@@ -132,10 +159,12 @@ static void check_case(const char *model, st_model_files *files, pattern pat, co
     if (pat != P_PLANNED) lp.weights.placement = tiers;
     if (pat == P_MIX2) lp.weights.ring_slots = 3;
     if (pat == P_PREAD) lp.weights.stream.use_pread = lp.weights.stream.no_direct = true;
-    if (pat == P_BGPIN) {
+    if (pat == P_BGPIN || pat == P_CPU3) {
         lp.weights.stream.pin_sync = false;
         lp.weights.stream.pin_delay_ms = 40;
     }
+    lp.weights.cpu_max_tokens = cpu_max_of(pat);
+    lp.weights.cpu_threads = 2;
     /* budgets: exactly what the plan needs (the planned case: the least
      * device memory any placement needs, and a host budget of staging plus
      * one group, so that it must mix tiers) */
@@ -188,14 +217,37 @@ static void check_case(const char *model, st_model_files *files, pattern pat, co
         CHECK_MSG(s.host_peak <= host, "%s %s: pinned host peak %zu > budget %zu", model, k_names[pat], s.host_peak,
                   host);
         const uint64_t streamed = (uint64_t)st_wm_streamed(wm);
-        CHECK_MSG(s.seq_ssd + s.seq_host == (uint64_t)fw * streamed && s.seq_skipped == 0,
+        /* passes that compute the CPU tier on the CPU: the decode steps and the prefill chunks of at most
+         * cpu_max tokens (chunks of BATCH, the last one shorter) */
+        int cpu_passes = N_DECODE;
+        for (int p0 = 0; p0 < N_PROMPT; p0 += BATCH)
+            cpu_passes += (N_PROMPT - p0 < BATCH ? N_PROMPT - p0 : BATCH) <= cpu_max_of(pat);
+        const uint64_t n_cpu = (uint64_t)pl->groups[ST_TIER_CPU];
+        if (is_cpu(pat)) {
+            CHECK_MSG(n_cpu > 0 && s.seq_cpu == (uint64_t)cpu_passes * n_cpu &&
+                          s.cpu_bytes == (uint64_t)cpu_passes * pl->step_cpu_bytes,
+                      "%s %s: %llu groups (%llu bytes) computed on the CPU in %d passes, plan %llu (%llu bytes)",
+                      model, k_names[pat], (unsigned long long)s.seq_cpu, (unsigned long long)s.cpu_bytes,
+                      cpu_passes, (unsigned long long)n_cpu, (unsigned long long)pl->step_cpu_bytes);
+            /* the streamed ones that were not computed on the CPU went to the device */
+            CHECK_MSG(s.seq_ssd + s.seq_host + s.seq_cpu == (uint64_t)fw * streamed,
+                      "%s %s: %llu + %llu + %llu groups in %d passes of %llu", model, k_names[pat],
+                      (unsigned long long)s.seq_ssd, (unsigned long long)s.seq_host, (unsigned long long)s.seq_cpu,
+                      fw, (unsigned long long)streamed);
+            CHECK_MSG(s.h2d_bytes == (uint64_t)fw * (pl->step_ssd_bytes + pl->step_host_bytes) +
+                                         (uint64_t)(fw - cpu_passes) * pl->step_cpu_bytes,
+                      "%s %s: %llu bytes copied to the device in %d passes (%d on the CPU)", model, k_names[pat],
+                      (unsigned long long)s.h2d_bytes, fw, cpu_passes);
+        } else
+        CHECK_MSG(n_cpu == 0 && s.seq_ssd + s.seq_host == (uint64_t)fw * streamed && s.seq_skipped == 0,
                   "%s %s: %llu + %llu groups streamed in %d passes of %llu", model, k_names[pat],
                   (unsigned long long)s.seq_ssd, (unsigned long long)s.seq_host, fw, (unsigned long long)streamed);
-        if (pat != P_BGPIN)
+        if (pat != P_BGPIN && pat != P_CPU3)
             CHECK_MSG(s.ssd_group_bytes == (uint64_t)fw * pl->step_ssd_img_bytes,
                       "%s %s: %llu bytes from the file in %d steps, plan %llu per step", model, k_names[pat],
                       (unsigned long long)s.ssd_group_bytes, fw, (unsigned long long)pl->step_ssd_img_bytes);
         /* every streamed group used crosses to the device once per pass, whatever its source */
+        if (!is_cpu(pat))
         CHECK_MSG(s.h2d_bytes == (uint64_t)fw * (pl->step_ssd_bytes + pl->step_host_bytes),
                   "%s %s: %llu bytes copied to the device in %d steps, plan %llu per step", model, k_names[pat],
                   (unsigned long long)s.h2d_bytes, fw,
@@ -281,6 +333,8 @@ typedef struct {
     st_kv_pool *kv;
     int64_t V, bps;
     int passes;
+    int64_t cpu_max; /* passes of more tokens stream the CPU tier */
+    int big_passes;  /* passes of more than cpu_max tokens */
 } seq_run;
 
 /* One pass: token i of `n` is tokens[i] at pos[i] of local sequence seq[i]
@@ -298,6 +352,7 @@ static strata_status seq_pass(seq_run *r, int64_t n, const int32_t *tokens, cons
                         .block_tables = tables, .max_blocks = r->bps, .ctx_lens = ctx, .logit_rows = rows,
                         .n_logits = nl};
     r->passes++;
+    r->big_passes += n > r->cpu_max;
     return st_llama_forward(r->m, r->kv, &b, logits);
 }
 
@@ -359,6 +414,8 @@ static void check_batched(const char *name, st_model_files *files, pattern pat) 
     lp.weights.placement = tiers;
     lp.weights.host_mem = (size_t)1 << 30;
     lp.weights.probe_scratch = true; /* the backend scratch probe exercised on the CPU */
+    lp.weights.cpu_max_tokens = cpu_max_of(pat);
+    lp.weights.cpu_threads = 2;
     const int64_t bps = (SEQ_PROMPT + SEQ_GEN + SEQ_BS - 1) / SEQ_BS;
     lp.max_seq_len = bps * SEQ_BS;
     const st_kv_pool_params kp = st_llama_kv_params_for(&files->config, BATCH, lp.max_seq_len, 2 * NSEQ * bps, SEQ_BS,
@@ -366,7 +423,7 @@ static void check_batched(const char *name, st_model_files *files, pattern pat) 
     lp.kv_bytes = st_kv_pool_device_bytes(&kp);
     st_backend *be = cpu((size_t)1 << 30);
     lp.device_mem = (size_t)1 << 30;
-    seq_run r = {NULL, NULL, V, bps, 0};
+    seq_run r = {NULL, NULL, V, bps, 0, cpu_max_of(pat), 0};
     strata_status st = st_llama_measure(files, be, &lp); /* the scratch probe runs (forced on the CPU: 0 bytes) */
     CHECK_MSG(st == STRATA_OK, "%s batched %s: measure: %s", name, k_names[pat], st_last_error());
     if (st == STRATA_OK) st = st_llama_init(files, be, &lp, &r.m);
@@ -380,7 +437,7 @@ static void check_batched(const char *name, st_model_files *files, pattern pat) 
         CHECK(st_wm_streamed(wm) > 0);
         st_wm_stats s0, s1;
         st_wm_stats_get(wm, &s0);
-        r.passes = 0;
+        r.passes = r.big_passes = 0;
         st = seq_group(&r, 0, NSEQ, 0, a, ta); /* all at once */
         CHECK_MSG(st == STRATA_OK, "%s batched %s: %s", name, k_names[pat], st_last_error());
         for (int s = 0; s < NSEQ && st == STRATA_OK; s++) { /* each alone, in other blocks */
@@ -394,7 +451,9 @@ static void check_batched(const char *name, st_model_files *files, pattern pat) 
                       "%s batched %s: logits of %d sequences at once differ from each alone", name, k_names[pat], NSEQ);
             st_wm_stats_get(wm, &s1);
             const st_wplan *pl = st_wm_plan(wm);
-            CHECK_MSG(s1.h2d_bytes - s0.h2d_bytes == (uint64_t)r.passes * (pl->step_ssd_bytes + pl->step_host_bytes) &&
+            CHECK_MSG(s1.h2d_bytes - s0.h2d_bytes == (uint64_t)r.passes * (pl->step_ssd_bytes + pl->step_host_bytes) +
+                                                         (uint64_t)r.big_passes * pl->step_cpu_bytes &&
+                          s1.cpu_bytes - s0.cpu_bytes == (uint64_t)(r.passes - r.big_passes) * pl->step_cpu_bytes &&
                           s1.ssd_group_bytes - s0.ssd_group_bytes == (uint64_t)r.passes * pl->step_ssd_img_bytes,
                       "%s batched %s: %llu / %llu bytes in %d passes, plan %llu / %llu per pass", name, k_names[pat],
                       (unsigned long long)(s1.h2d_bytes - s0.h2d_bytes),
@@ -613,6 +672,8 @@ int main(void) {
         st_model_files *files = NULL;
         CHECK(st_model_open(gdir, &files) == STRATA_OK);
         for (int p = P_SSD; files && p <= P_MIX1; p++) check_batched("generated-8-layer", files, (pattern)p);
+        check_batched("generated-8-layer", files, P_CPU1); /* the CPU tier: every pass on the CPU */
+        check_batched("generated-8-layer", files, P_CPU2); /* 4-token passes stream it, the others compute it */
         st_model_close(files);
         printf("  generated-8-layer: %d sequences at once = each alone (tokens, logits, bytes per pass)\n", NSEQ);
     }

@@ -1,5 +1,6 @@
 /* strata plan MODEL --device-mem SIZE --host-mem SIZE: where each weight group
- * would live (device, pinned host, SSD), what each tier holds, and the
+ * would live (device, pinned host, SSD, or host memory computed by the CPU:
+ * hybrid), what each tier holds, and the
  * decode step and prefill times the plan predicts from bandwidths measured
  * now (or given), with the bound that limits each. Loads nothing but the
  * model's metadata and the probes' buffers. */
@@ -16,8 +17,10 @@
 static void plan_usage(FILE *f) {
     fprintf(f,
             "usage: strata plan MODEL [--device-mem SIZE] [--host-mem SIZE] [--prompt N] [--groups] [options]\n"
-            "Prints the weight placement for these budgets (bytes and groups per tier), the predicted\n"
-            "decode time per token and prefill time, and the bound limiting each.\n\n"
+            "Prints the weight placement for these budgets (bytes and groups per tier: device, host,\n"
+            "ssd, and cpu: FFN groups kept in host memory and computed by the CPU in decode steps,\n"
+            "see --cpu-layers), the predicted decode time per token and prefill time, and the bound\n"
+            "limiting each.\n\n"
             "  --prompt N   prompt length of the prefill prediction (default 2048)\n"
             "  --groups     also list every group with its tier\n" TOOL_MODEL_OPTS_HELP TOOL_KV_TIER_OPTS_HELP TOOL_KV_STREAM_OPT_HELP);
 }
@@ -88,9 +91,10 @@ int cmd_plan(int argc, char **argv) {
     else
         printf("device     %s, no budget (--device-mem): every weight resident, %s in all\n", be->ops->name,
                B(0, p.device_need));
-    printf("host       budget %s%s (pinned): staging %d x %s + embedding rows %s + host tier %s = %s\n",
+    printf("host       budget %s%s (pinned): staging %d x %s + embedding rows %s + host tier %s = %s"
+           " (of the host tier, the cpu tier: %s)\n",
            B(0, p.host_mem), mo.host_mem ? "" : " (80% of available memory)", p.staging_chunks,
-           B(1, p.staging_chunk), B(2, p.host_embed_rows), B(3, p.host_tier), B(4, p.host_need));
+           B(1, p.staging_chunk), B(2, p.host_embed_rows), B(3, p.host_tier), B(4, p.host_need), B(5, p.host_cpu));
     printf("minimum    device %s (%zu bytes), host %s (%zu bytes)\n", B(0, p.device_min), p.device_min,
            B(1, p.host_min), p.host_min);
     printf("bandwidth  H2D %.2f GB/s (%s), SSD %.2f GB/s (%s%s), matmul weight read %.2f GB/s (%s), "
@@ -98,6 +102,15 @@ int cmd_plan(int argc, char **argv) {
            p.bw.h2d / 1e9, bw_src(&p.bw, 0), p.bw.ssd / 1e9, bw_src(&p.bw, 1),
            p.bw.measured[1] ? (p.bw.ssd_direct ? ", O_DIRECT" : ", page cache") : "", p.bw.dev_read / 1e9,
            bw_src(&p.bw, 2), p.bw.gemm / 1e9, bw_src(&p.bw, 3));
+    if (p.bw.cpu > 0)
+        printf("cpu        matmul weight read from host memory %.2f GB/s (%s, %d threads)\n", p.bw.cpu / 1e9,
+               bw_src(&p.bw, 4), mo.threads);
+    else
+        printf("cpu        no cpu tier (%s)\n",
+               be->kind == ST_BACKEND_CPU ? "the CPU backend: every group runs on the CPU already"
+               : mo.cpu_layers < 0       ? "--cpu-layers 0"
+               : !p.device_mem           ? "no --device-mem: every weight resident"
+                                         : "the CPU's rate is unknown");
     printf("tier       groups  embed  attn   ffn  output  bytes\n");
     uint64_t total = 0;
     int groups = 0;
@@ -112,10 +125,14 @@ int cmd_plan(int argc, char **argv) {
     if (p.embed_gather)
         printf("embedding  rows gathered from the file mapping per step (%s per token)\n",
                B(0, g->embed_row_bytes));
-    printf("decode     %.3f ms/token predicted, bound: %s (SSD read %.3f ms, PCIe %.3f ms, compute %.3f ms;"
-           " full overlap; no overlap at all: %.3f ms)\n",
+    printf("decode     %.3f ms/token predicted, bound: %s (SSD read %.3f ms, PCIe %.3f ms, device compute %.3f ms,"
+           " CPU compute %.3f ms; max(SSD, PCIe, device + CPU): full overlap; no overlap at all: %.3f ms)\n",
            p.t_decode * 1e3, st_wbound_name(p.decode_bound), p.t_ssd * 1e3, p.t_pcie * 1e3, p.t_compute * 1e3,
-           p.t_decode_serial * 1e3);
+           p.t_cpu * 1e3, p.t_decode_serial * 1e3);
+    printf("split      per token: %s over PCIe (%.3f ms), %s read by the CPU (%.3f ms), %s read by the device"
+           " in place\n",
+           B(0, p.step_ssd_bytes + p.step_host_bytes), p.t_pcie * 1e3, B(1, p.step_cpu_bytes), p.t_cpu * 1e3,
+           B(2, p.step_read_bytes - p.step_cpu_bytes - p.step_ssd_bytes - p.step_host_bytes));
     printf("per token  %llu bytes read from SSD (%s), %llu bytes over PCIe (%s; host tier %s)\n",
            (unsigned long long)p.step_ssd_img_bytes, B(0, p.step_ssd_img_bytes),
            (unsigned long long)(p.step_ssd_bytes + p.step_host_bytes), B(1, p.step_ssd_bytes + p.step_host_bytes),

@@ -476,6 +476,8 @@ static bool runner_open(run_opts *o, runner *r, int *rc) {
         .max_waiting = 1,
         .prefill = mo->prefill < 0 ? STRATA_PREFILL_PRECISE : mo->prefill > 0 ? STRATA_PREFILL_FAST : STRATA_PREFILL_AUTO,
         .ring_slots = mo->ring_slots,
+        .cpu_layers = mo->cpu_layers,
+        .cpu_max_tokens = mo->cpu_max_tokens,
         .h2d_gbps = mo->h2d_bw,
         .ssd_gbps = mo->ssd_bw,
         .kv_host_mem = mo->kv_host_mem,

@@ -116,11 +116,15 @@ static void serve_usage(FILE *f) {
             "                           answer is a 503) and the server exits 0. SIGINT (Ctrl-C), or a\n"
             "                           second signal, aborts at once\n"
             "  --device cpu|cuda|auto   backend (default auto: CUDA when built and a GPU is present)\n"
-            "  --threads N              CPU worker threads (default: all cores)\n"
+            "  --threads N              CPU worker threads (default: all cores; on CUDA, the CPU part of\n"
+            "                           hybrid execution)\n"
             "  --device-mem SIZE        device memory budget (weights, KV cache, activations, scratch;\n"
             "                           default: no cap); weights that do not fit are streamed\n"
             "  --host-mem SIZE          pinned host memory for streamed weights (default 80%% of available)\n"
             "  --h2d-bw GB/s, --ssd-bw GB/s, --ring-slots N   weight streaming (as strata bench)\n"
+            "  --cpu-layers auto|N, --cpu-max-tokens N   hybrid execution (CUDA, weights streamed): FFN\n"
+            "                           groups of N layers computed by the CPU from host memory in decode\n"
+            "                           steps (default auto; 0: off; as strata bench)\n"
             "\nRequests: POST bodies must be 'Content-Type: application/json' (415 otherwise); \"model\",\n"
             "when given, must be the served model's name (404 otherwise); on a loopback --host the Host\n"
             "header must be localhost, 127.0.0.1, [::1] or the host itself (421 otherwise: DNS rebinding).\n"
@@ -409,6 +413,8 @@ int cmd_serve(int argc, char **argv) {
         .draft_model = mo->draft,
         .prefill = mo->prefill < 0 ? STRATA_PREFILL_PRECISE : mo->prefill > 0 ? STRATA_PREFILL_FAST : STRATA_PREFILL_AUTO,
         .ring_slots = mo->ring_slots,
+        .cpu_layers = mo->cpu_layers,
+        .cpu_max_tokens = mo->cpu_max_tokens,
         .h2d_gbps = mo->h2d_bw,
         .ssd_gbps = mo->ssd_bw,
     };

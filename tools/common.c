@@ -143,6 +143,9 @@ st_llama_params tool_llama_params(const tool_model_opts *o, const st_config *c) 
     }
     lp.weights.host_mem = o->host_mem;
     lp.weights.ring_slots = o->ring_slots;
+    lp.weights.cpu_ffn = o->cpu_layers;
+    lp.weights.cpu_threads = o->threads;
+    lp.weights.cpu_max_tokens = o->cpu_max_tokens;
     lp.weights.bw.h2d = o->h2d_bw * 1e9;
     lp.weights.bw.ssd = o->ssd_bw * 1e9;
     strata_model_params mp = {0}; /* --test-fault (test builds only) */
@@ -262,6 +265,16 @@ int tool_parse_model_opt(int argc, char **argv, int *i, tool_model_opts *o) {
     } else if (strcmp(a, "--ring-slots") == 0) {
         if (!tool_parse_i64(val, 2, 64, a, &v)) return -1;
         o->ring_slots = (int)v;
+    } else if (strcmp(a, "--cpu-layers") == 0) {
+        if (val && !strcmp(val, "auto")) {
+            o->cpu_layers = 0;
+        } else {
+            if (!tool_parse_i64(val, 0, 1 << 20, "--cpu-layers (auto, 0: off, or a count)", &v)) return -1;
+            o->cpu_layers = v == 0 ? -1 : (int)v;
+        }
+    } else if (strcmp(a, "--cpu-max-tokens") == 0) {
+        if (!tool_parse_i64(val, 1, 1 << 20, a, &v)) return -1;
+        o->cpu_max_tokens = v;
     } else if (strcmp(a, "--kv-dtype") == 0) {
         if (!val || !st_kv_dtype_parse(val, &o->kv_dtype)) {
             fprintf(stderr, "strata: --kv-dtype takes bf16, fp8 or f32\n");
@@ -447,10 +460,26 @@ void tool_print_weights(tool_model *tm, const st_wm_stats *before, const st_wm_s
            "%.2f GB/s, copies to the device %.2f GB/s (per decode step)\n",
            p->bw.h2d / 1e9, p->bw.ssd / 1e9, p->bw.measured[1] ? "measured now" : "given", p->bw.dev_read / 1e9,
            step_s > 0 ? ssd / step_s / 1e9 : 0.0, step_s > 0 ? h2d / step_s / 1e9 : 0.0);
-    printf("bound        decode %.3f ms/token predicted (%s: SSD %.3f ms, PCIe %.3f ms, compute %.3f ms), "
-           "measured %.3f ms/token: %.0f%% of the bound\n",
+    printf("bound        decode %.3f ms/token predicted (%s: SSD %.3f ms, PCIe %.3f ms, device compute %.3f ms, "
+           "CPU compute %.3f ms), measured %.3f ms/token: %.0f%% of the bound\n",
            p->t_decode * 1e3, st_wbound_name(p->decode_bound), p->t_ssd * 1e3, p->t_pcie * 1e3,
-           p->t_compute * 1e3, step_s * 1e3, step_s > 0 ? 100.0 * p->t_decode / step_s : 0.0);
+           p->t_compute * 1e3, p->t_cpu * 1e3, step_s * 1e3, step_s > 0 ? 100.0 * p->t_decode / step_s : 0.0);
+    if (p->groups[ST_TIER_CPU] > 0) { /* hybrid: the two streams of weight bytes, each at its own rate */
+        const double cpu = (double)(s.cpu_bytes - before->cpu_bytes) / n;
+        const double t_pcie = p->bw.h2d > 0 ? (double)(p->step_ssd_bytes + p->step_host_bytes) / p->bw.h2d : 0;
+        const double t_cpu = p->bw.cpu > 0 ? (double)p->step_cpu_bytes / p->bw.cpu : 0;
+        const double bound = t_pcie > t_cpu ? t_pcie : t_cpu;
+        printf("hybrid       per decode step: %s computed on the CPU from host memory (plan %s, %d groups) at "
+               "%.2f GB/s (%s), %s over PCIe at %.2f GB/s; achieved CPU read %.2f GB/s\n",
+               st_fmt_bytes(cpu, b[0], 32), st_fmt_bytes((double)p->step_cpu_bytes, b[1], 32),
+               p->groups[ST_TIER_CPU], p->bw.cpu / 1e9,
+               p->bw.cpu <= 0 ? "not measured: the CPU backend" : p->bw.measured[4] ? "measured now" : "given",
+               st_fmt_bytes((double)(p->step_ssd_bytes + p->step_host_bytes), b[2], 32), p->bw.h2d / 1e9,
+               step_s > 0 ? cpu / step_s / 1e9 : 0.0);
+        printf("bound        hybrid max(PCIe bytes / H2D, CPU bytes / CPU rate) = max(%.3f, %.3f) = %.3f ms/token, "
+               "measured %.3f ms/token: %.0f%% of it\n",
+               t_pcie * 1e3, t_cpu * 1e3, bound * 1e3, step_s * 1e3, step_s > 0 ? 100.0 * bound / step_s : 0.0);
+    }
     if (n_prompt > 0 && t_prefill > 0) {
         double ts, tc;
         st_wbound pb;

@@ -20,6 +20,8 @@ typedef struct {
     double h2d_bw;       /* --h2d-bw GB/s: given instead of measured (0: measure) */
     double ssd_bw;       /* --ssd-bw GB/s */
     int ring_slots;      /* --ring-slots N (0: 2) */
+    int cpu_layers;      /* --cpu-layers auto|N: 0 auto, -1 (--cpu-layers 0) none, N */
+    int64_t cpu_max_tokens; /* --cpu-max-tokens N (0: 8) */
     st_kv_dtype kv_dtype;  /* --kv-dtype bf16|fp8|f32 (default bf16) */
     int64_t kv_seqs;       /* not an option: sequences of --ctx tokens the KV pool holds (0: 1; bench --seqs) */
     bool kv_stream;        /* --kv-stream: a sequence too long for the device pool keeps its KV in host
@@ -75,7 +77,8 @@ bool tool_test_fault_is(const tool_model_opts *o, const char *kind);
 
 #define TOOL_MODEL_OPTS_HELP \
     "  --device cpu|cuda|auto   backend (default auto: CUDA when built and a GPU is present)\n" \
-    "  --threads N              CPU worker threads (default: all cores)\n"                      \
+    "  --threads N              CPU worker threads (default: all cores); on CUDA, those of the\n"   \
+    "                           CPU part of hybrid execution (--cpu-layers)\n"                      \
     "  --ctx N                  context length to reserve KV for (default: model's, at most 4096)\n" \
     "  --batch N                tokens per forward chunk (default 512)\n"                      \
     "  --device-mem SIZE        device memory budget: weights, KV cache, activations, scratch\n" \
@@ -85,6 +88,13 @@ bool tool_test_fault_is(const tool_model_opts *o, const char *kind);
     "                           default 80%% of available memory); the rest is read from the file\n" \
     "  --h2d-bw GB/s, --ssd-bw GB/s   bandwidths for the plan instead of measuring them\n"        \
     "  --ring-slots N           device slots streamed weight groups pass through (default 2)\n"   \
+    "  --cpu-layers auto|N      hybrid execution (CUDA, with weights streamed): the FFN groups of N\n" \
+    "                           layers the device does not hold stay in host memory and are\n"     \
+    "                           computed by the CPU in decode steps while PCIe streams the others\n" \
+    "                           (default auto: the split with the least predicted step, from the\n" \
+    "                           CPU's matmul rate measured at load; 0: off)\n"                      \
+    "  --cpu-max-tokens N       passes of at most N tokens compute those groups on the CPU; larger\n" \
+    "                           ones (prefill) stream them to the device (default 8)\n"          \
     "  --kv-dtype bf16|fp8|f32  KV cache element type (default bf16; fp8: e4m3 with a scale per\n" \
     "                           token and kv head; f32 for reference checks)\n"                \
     "  --precise                prefill matmuls and attention on the GPU with hi+lo split bf16\n"  \

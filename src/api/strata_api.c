@@ -97,6 +97,9 @@ static strata_status check_params(const strata_model_params *p, st_backend_param
     if (p->prefill != STRATA_PREFILL_AUTO && p->prefill != STRATA_PREFILL_PRECISE && p->prefill != STRATA_PREFILL_FAST)
         return st_err(STRATA_ERR_INVALID_ARG, "model params: prefill %d", (int)p->prefill);
     if (p->ring_slots < 0) return st_err(STRATA_ERR_INVALID_ARG, "model params: ring_slots %d < 0", p->ring_slots);
+    if (p->cpu_layers < -1 || p->cpu_max_tokens < 0)
+        return st_err(STRATA_ERR_INVALID_ARG, "model params: cpu_layers %d (-1, 0 or a count) or cpu_max_tokens %lld (>= 0)",
+                      p->cpu_layers, (long long)p->cpu_max_tokens);
     if (p->max_seq_len_cap < 0 || p->step_tokens < 0 || p->kv_blocks < 0)
         return st_err(STRATA_ERR_INVALID_ARG, "model params: negative max_seq_len_cap %lld, step_tokens %lld or kv_blocks %lld",
                       (long long)p->max_seq_len_cap, (long long)p->step_tokens, (long long)p->kv_blocks);
@@ -277,6 +280,9 @@ strata_status strata_model_open(const char *path, const strata_model_params *par
     }
     m->ep.weights.host_mem = p.host_mem;
     m->ep.weights.ring_slots = p.ring_slots;
+    m->ep.weights.cpu_ffn = p.cpu_layers;
+    m->ep.weights.cpu_threads = p.threads;
+    m->ep.weights.cpu_max_tokens = p.cpu_max_tokens;
     m->ep.weights.bw.h2d = p.h2d_gbps * 1e9;
     m->ep.weights.bw.ssd = p.ssd_gbps * 1e9;
     m->ep.weights.stream.faults = (st_ssd_faults){.fail_nth = p.weight_read_fail_nth,

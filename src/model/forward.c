@@ -53,6 +53,8 @@ static strata_status group_acquire(st_llama *m, int id, bound_group *b) {
     if (st != STRATA_OK) return st;
     if (b->v.ready && (st = m->be->ops->stream_wait_event(m->be, m->stream, b->v.ready)) != STRATA_OK)
         return group_release(m, b, st);
+    if (b->v.unfilled && (st = st_wm_fill(m->wm, id, m->stream, &b->v)) != STRATA_OK) /* a CPU-tier group */
+        return group_release(m, b, st);
     for (int i = 0; i < m->groups->g[id].n_tensors; i++) {
         b->w[i] = m->wshape[id][i];
         b->w[i].data = b->v.data[i];
@@ -208,6 +210,34 @@ static strata_status batch_upload(st_llama *m, st_kv_pool *kv, const st_batch *b
     return STRATA_OK;
 }
 
+/* A CPU-tier FFN group computed on the CPU (a pass of at most
+ * cpu_max_tokens tokens): x and tmp go down to pinned host memory on the
+ * compute stream, the host waits for that copy alone (the event; the one
+ * wait a CPU computation needs, no device-wide sync), the model's CPU
+ * backend runs the group's ops from the weights in host memory, and x and
+ * tmp go back up on the compute stream (enqueued after the CPU finished, so
+ * stream order suffices). Meanwhile the weight manager's copier keeps
+ * filling the ring with the next streamed groups. */
+static strata_status ffn_on_cpu(st_llama *m, int id, int64_t n) {
+    st_backend *be = m->be;
+    const st_backend_ops *o = be->ops;
+    const size_t bytes = (size_t)(n * m->cfg.hidden_size) * sizeof(float);
+    TRY(o->copy_d2h(be, m->stream, m->h_x, m->x, bytes));
+    TRY(o->copy_d2h(be, m->stream, m->h_tmp, m->tmp, bytes));
+    TRY(o->event_record(be, m->cpu_ev, m->stream));
+    const void *data[ST_WG_MAX_TENSORS];
+    TRY(st_wm_acquire_host(m->wm, id, data));
+    st_weight w[ST_WG_MAX_TENSORS];
+    for (int i = 0; i < m->groups->g[id].n_tensors; i++) {
+        w[i] = m->wshape[id][i];
+        w[i].data = data[i];
+    }
+    TRY(o->event_sync(be, m->cpu_ev));
+    TRY(st_llama_ffn_ops_cpu(m, w, n));
+    TRY(o->copy_h2d(be, m->stream, m->x, m->h_x, bytes));
+    return o->copy_h2d(be, m->stream, m->tmp, m->h_tmp, bytes);
+}
+
 /* The pass itself, from the metadata on the device (d) to the logits in
  * m->logits and, when `sample`, the sampled ids in m->h_sids (the args in
  * m->h_sargs). Per layer: the layer's KV from the pool and the attention
@@ -228,6 +258,10 @@ strata_status st_llama_batch_ops(st_llama *m, st_kv_pool *kv, batch_dev *d, cons
         TRY(o->get_rows(be, m->stream, &w, ids ? ids : d->tokens, n, m->x));
     }
     bound_group g;
+    /* CPU-tier groups: computed on the CPU in a small pass (decode), streamed to the device in a larger one */
+    const bool on_cpu = m->cpu && n <= m->cpu_max_tokens;
+    if (m->cpu) st_wm_stream_cpu(m->wm, !on_cpu);
+    const st_tier *tier = st_wm_plan(m->wm)->tier;
     for (int64_t l = 0; l < c->n_layers; l++) {
         st_kv_layer cache = {0};
         st_event *kv_ready = NULL;
@@ -238,7 +272,12 @@ strata_status st_llama_batch_ops(st_llama *m, st_kv_pool *kv, batch_dev *d, cons
         if (kv) st_kv_pool_release(kv, l, NULL); /* the device tier moves nothing: no done event needed yet */
         TRY(st);
         if (kv) TRY(st_kv_pool_layer_done(kv, l, m->stream));
-        TRY(group_acquire(m, st_wg_ffn_id((int)l), &g));
+        const int f = st_wg_ffn_id((int)l);
+        if (on_cpu && tier[f] == ST_TIER_CPU) { /* the group's executor: the CPU */
+            TRY(ffn_on_cpu(m, f, n));
+            continue;
+        }
+        TRY(group_acquire(m, f, &g));
         TRY(group_release(m, &g, st_llama_ffn_ops(m, g.w, n)));
     }
     if (n_logits > 0) {

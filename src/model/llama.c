@@ -84,6 +84,29 @@ static strata_status init_rope(st_llama *m) {
     return m->be->ops->stream_sync(m->be, m->stream);
 }
 
+/* The CPU tier's executor: a CPU backend of the model's own (its thread
+ * count: weights.cpu_threads), pinned host copies of x and tmp (the main
+ * backend's host memory: async copies), and the FFN scratch for passes of
+ * up to cpu_max_tokens tokens. */
+static strata_status init_cpu_exec(st_llama *m, const st_weight_opts *wo) {
+    const st_config *c = &m->cfg;
+    const int64_t H = c->hidden_size, I = c->intermediate_size;
+    m->cpu_max_tokens = wo->cpu_max_tokens > 0 ? wo->cpu_max_tokens : ST_PLAN_CPU_MAX_TOKENS;
+    if (m->cpu_max_tokens > m->max_tokens) m->cpu_max_tokens = m->max_tokens;
+    const st_backend_params bp = {.kind = ST_BACKEND_CPU, .n_threads = wo->cpu_threads};
+    strata_status st;
+    if ((st = st_backend_init(&bp, &m->cpu))) return st;
+    if ((st = m->cpu->ops->stream_create(m->cpu, false, &m->cpu_stream))) return st;
+    const size_t xb = (size_t)(m->cpu_max_tokens * H) * sizeof(float);
+    if ((st = m->be->ops->host_alloc(m->be, 2 * xb, (void **)&m->h_x))) return st;
+    m->h_tmp = m->h_x + m->cpu_max_tokens * H;
+    if ((st = m->cpu->ops->alloc(m->cpu, xb, (void **)&m->c_xn)) ||
+        (st = m->cpu->ops->alloc(m->cpu, (size_t)(m->cpu_max_tokens * I) * sizeof(float), (void **)&m->c_gate)) ||
+        (st = m->cpu->ops->alloc(m->cpu, (size_t)(m->cpu_max_tokens * I) * sizeof(float), (void **)&m->c_up)))
+        return st;
+    return m->be->ops->event_create(m->be, &m->cpu_ev);
+}
+
 static int64_t default_seq_len(const st_config *c, const st_llama_params *p) {
     return p && p->max_seq_len > 0 ? p->max_seq_len
            : (c->max_position_embeddings > 0 && c->max_position_embeddings < 4096 ? c->max_position_embeddings
@@ -198,9 +221,11 @@ strata_status st_llama_init(const st_model_files *files, st_backend *be, const s
         if ((st = st_plan_make(files, be, m->groups, &pp, &plan))) goto fail;
         st_wm_params wp = opts->weights.stream;
         wp.host_mem = plan.host_mem;
+        const bool cpu_tier = plan.groups[ST_TIER_CPU] > 0;
         st = st_wm_init(be, files, m->groups, &plan, &wp, &m->wm);
         st_wplan_free(&plan);
         if (st) goto fail;
+        if (cpu_tier && (st = init_cpu_exec(m, &opts->weights))) goto fail;
     }
     /* the activations: exactly what st_plan_act_bytes counts */
     if ((st = alloc_f32(m, T * H, &m->x, "x"))) goto fail;
@@ -266,6 +291,15 @@ void st_llama_free(st_llama *m) {
         if (bufs[i]) be->ops->dealloc(be, bufs[i]);
     if (m->h_sargs) be->ops->host_dealloc(be, m->h_sargs);
     st_wm_free(m->wm);
+    if (m->h_x) be->ops->host_dealloc(be, m->h_x);
+    if (m->cpu_ev) be->ops->event_destroy(be, m->cpu_ev);
+    if (m->cpu) {
+        float *cb[] = {m->c_xn, m->c_gate, m->c_up};
+        for (int i = 0; i < 3; i++)
+            if (cb[i]) m->cpu->ops->dealloc(m->cpu, cb[i]);
+        if (m->cpu_stream) m->cpu->ops->stream_destroy(m->cpu, m->cpu_stream);
+        st_backend_free(m->cpu);
+    }
     st_free(m->pad_tokens);
     st_free(m->pad_pos);
     st_free(m->pad_seq);
@@ -369,25 +403,39 @@ strata_status st_llama_attn_ops(st_llama *m, const st_weight *w, const st_kv_lay
  * Gate, up and SwiGLU as one matmul_swiglu for fewer than 4 tokens (one GEMV
  * launch on CUDA; the same results; above, CUDA's matmul_swiglu would need a
  * scratch copy of up). */
-strata_status st_llama_ffn_ops(st_llama *m, const st_weight *w, int64_t n) {
-    st_backend *be = m->be;
+static strata_status ffn_math(st_llama *m, const st_ffn_exec *e, const st_weight *w, int64_t n) {
+    st_backend *be = e->be;
     const st_backend_ops *o = be->ops;
     const st_config *c = &m->cfg;
     const int64_t H = c->hidden_size, I = c->intermediate_size;
-    TRY(o->rmsnorm(be, m->stream, m->x, m->tmp, &w[ST_WG_FFN_NORM], c->rms_norm_eps, n, H, m->xn));
-    for (int64_t r0 = 0; r0 < n; r0 += m->ffn_rows) {
-        const int64_t k = n - r0 < m->ffn_rows ? n - r0 : m->ffn_rows;
-        const float *xn = m->xn + r0 * H;
+    TRY(o->rmsnorm(be, e->stream, e->x, e->tmp, &w[ST_WG_FFN_NORM], c->rms_norm_eps, n, H, e->xn));
+    for (int64_t r0 = 0; r0 < n; r0 += e->rows) {
+        const int64_t k = n - r0 < e->rows ? n - r0 : e->rows;
+        const float *xn = e->xn + r0 * H;
         if (k < 4) {
-            TRY(o->matmul_swiglu(be, m->stream, xn, &w[ST_WG_GATE], &w[ST_WG_UP], k, m->gate));
+            TRY(o->matmul_swiglu(be, e->stream, xn, &w[ST_WG_GATE], &w[ST_WG_UP], k, e->gate));
         } else {
-            TRY(o->matmul(be, m->stream, xn, &w[ST_WG_GATE], k, m->gate));
-            TRY(o->matmul(be, m->stream, xn, &w[ST_WG_UP], k, m->up));
-            TRY(o->swiglu(be, m->stream, m->gate, m->up, k * I, m->gate));
+            TRY(o->matmul(be, e->stream, xn, &w[ST_WG_GATE], k, e->gate));
+            TRY(o->matmul(be, e->stream, xn, &w[ST_WG_UP], k, e->up));
+            TRY(o->swiglu(be, e->stream, e->gate, e->up, k * I, e->gate));
         }
-        TRY(o->matmul(be, m->stream, m->gate, &w[ST_WG_DOWN], k, m->tmp + r0 * H));
+        TRY(o->matmul(be, e->stream, e->gate, &w[ST_WG_DOWN], k, e->tmp + r0 * H));
     }
     return STRATA_OK;
+}
+
+strata_status st_llama_ffn_ops(st_llama *m, const st_weight *w, int64_t n) {
+    const st_ffn_exec e = {.be = m->be, .stream = m->stream, .x = m->x, .tmp = m->tmp, .xn = m->xn,
+                           .gate = m->gate, .up = m->up, .rows = m->ffn_rows};
+    return ffn_math(m, &e, w, n);
+}
+
+/* The same ops on the model's CPU backend over host copies of x and tmp
+ * (forward.c moves them across): the CPU tier's executor. */
+strata_status st_llama_ffn_ops_cpu(st_llama *m, const st_weight *w, int64_t n) {
+    const st_ffn_exec e = {.be = m->cpu, .stream = m->cpu_stream, .x = m->h_x, .tmp = m->h_tmp, .xn = m->c_xn,
+                           .gate = m->c_gate, .up = m->c_up, .rows = m->cpu_max_tokens};
+    return ffn_math(m, &e, w, n);
 }
 
 /* Output group: x += tmp; xn = norm(x); logits[n_out, V] = the rows

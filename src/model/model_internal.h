@@ -71,6 +71,15 @@ struct st_llama {
     int32_t *pad_tokens, *pad_pos, *pad_seq, *pad_rows;
     int64_t *pad_slots;
 
+    /* the CPU tier's executor (llama.c init_cpu_exec; NULL cpu: no group on the CPU tier) */
+    st_backend *cpu;        /* the model's own CPU backend */
+    st_stream *cpu_stream;
+    int64_t cpu_max_tokens; /* passes of at most this many tokens compute CPU-tier groups on the CPU;
+                               larger ones stream them to the device */
+    float *h_x, *h_tmp;     /* pinned host (the main backend's) [cpu_max_tokens, hidden] each */
+    float *c_xn, *c_gate, *c_up; /* the CPU backend's [cpu_max_tokens, hidden / intermediate] */
+    st_event *cpu_ev;       /* x and tmp are on the host (the CPU waits on it) */
+
     /* recorded passes (graphs.c) */
     batch_graph bg[BG_SLOTS];
     bool bg_off;            /* no graphs: params.no_graphs, st_llama_set_graphs, a backend without
@@ -85,6 +94,16 @@ struct st_llama {
 strata_status st_llama_attn_ops(st_llama *m, const st_weight *w, const st_kv_layer *cache, batch_dev *d,
                                 int64_t n, int64_t layer);
 strata_status st_llama_ffn_ops(st_llama *m, const st_weight *w, int64_t n);
+/* Where an FFN runs: its backend, stream and buffers (x, tmp: the residual
+ * stream and the previous group's output in, tmp the FFN's output out). */
+typedef struct {
+    st_backend *be;
+    st_stream *stream;
+    float *x, *tmp, *xn, *gate, *up;
+    int64_t rows; /* rows of gate / up */
+} st_ffn_exec;
+/* The same ops on m->cpu over m->h_x / m->h_tmp (n <= m->cpu_max_tokens). */
+strata_status st_llama_ffn_ops_cpu(st_llama *m, const st_weight *w, int64_t n);
 strata_status st_llama_output_ops(st_llama *m, const st_weight *w, const batch_dev *d, int64_t n, int64_t n_out);
 
 /* forward.c: the whole pass from the metadata on the device (d) to the

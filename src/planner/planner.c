@@ -326,6 +326,9 @@ strata_status st_plan_make(const st_model_files *files, st_backend *be, const st
     pp.attn_flops = 4.0 * (double)c->n_heads * (double)c->head_dim * (double)c->n_layers;
     pp.bw = wo->bw;
     pp.force = wo->placement;
+    /* the CPU tier: never chosen on the CPU backend (everything runs there already); a forced count
+     * places it there too (the model's second CPU backend computes it: the tests' way to run it) */
+    pp.cpu_ffn = be->kind == ST_BACKEND_CPU && wo->cpu_ffn == 0 ? -1 : wo->cpu_ffn;
     if ((p->device_mem > 0 || wo->placement) && !bw_complete(&pp.bw))
         return pp.bw.skipped[0] /* the probe had no memory: say so, not that nobody measured */
                    ? st_err(STRATA_ERR_NOMEM, "plan: the matmul probe that a plan under a device budget needs "
@@ -340,11 +343,14 @@ strata_status st_plan_measure(const st_model_files *files, st_backend *be, st_pl
     st_weight_opts *wo = &p->weights;
     const bool need_bw = (p->device_mem > 0 || wo->placement || p->measure_bw) && !bw_complete(&wo->bw);
     const bool need_scratch = p->device_mem > 0 && wo->device_reserve == 0;
-    if (!need_bw && !need_scratch) return STRATA_OK;
+    const bool need_cpu = (p->device_mem > 0 || p->measure_bw) && be->kind != ST_BACKEND_CPU && wo->cpu_ffn >= 0 &&
+                          !(wo->bw.cpu > 0) && !wo->placement;
+    if (!need_bw && !need_scratch && !need_cpu) return STRATA_OK;
     const int64_t T = p->max_tokens > 0 ? p->max_tokens : 512;
     st_wgroups *g = NULL;
     strata_status st = st_wgroups_build(files, &g);
     if (st == STRATA_OK && need_bw) st = st_wbw_measure(be, files, g, T, !wo->stream.no_direct, &wo->bw);
+    if (st == STRATA_OK && need_cpu) st = st_wbw_measure_cpu(files, g, wo->cpu_threads, &wo->bw);
     if (st == STRATA_OK && need_scratch)
         wo->device_reserve = st_plan_scratch(be, &files->config, g, T, p->max_seq_len, wo->probe_scratch);
     st_wgroups_free(g);

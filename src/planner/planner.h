@@ -40,7 +40,15 @@ typedef struct {
     const st_tier *placement; /* fixed placement, [2 * n_layers + 2] in group order (tests); NULL: planned */
     st_wm_params stream;      /* reader options and test hooks (its host_mem is set from host_mem) */
     bool probe_scratch;       /* measure the backend's scratch on the CPU too (tests: the CPU's is 0) */
+    /* the CPU tier (weights/plan.h ST_TIER_CPU: FFN groups computed on the CPU from host memory in decode) */
+    int cpu_ffn;              /* 0: auto (the least predicted decode step; never on the CPU backend, where
+                                 everything runs on the CPU already), -1: off, N > 0: N FFN groups (of those
+                                 the device does not hold; on the CPU backend too: tests) */
+    int cpu_threads;          /* the model's CPU backend threads (0: all cores); also those of the bw.cpu probe */
+    int64_t cpu_max_tokens;   /* passes of at most this many tokens compute CPU-tier groups on the CPU; larger
+                                 ones (prefill) stream them to the device (0: ST_PLAN_CPU_MAX_TOKENS) */
 } st_weight_opts;
+#define ST_PLAN_CPU_MAX_TOKENS 8
 
 typedef struct {
     size_t device_mem;        /* the device budget (0: unlimited: every weight resident) */

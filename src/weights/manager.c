@@ -22,7 +22,11 @@
 #include <string.h>
 #include <time.h>
 
-enum { SRC_HOST = 1, SRC_SSD = 2 };
+/* SRC_CPU: a CPU-tier group, copied from host memory only while stream_cpu
+ * (prefill) holds when the copier reaches it, else left out (SRC_NONE in its
+ * slot: the compute thread computes it on the CPU, or, after a switch to
+ * streaming, copies it itself on the compute stream: st_wm_fill) */
+enum { SRC_NONE = 0, SRC_HOST = 1, SRC_SSD = 2, SRC_CPU = 3 };
 enum { CH_FREE = 0, CH_READING, CH_FILLED };
 #define DESC_RING 64
 
@@ -94,6 +98,7 @@ struct st_wm {
     strata_status failed;
     char errmsg[1024];
 
+    bool stream_cpu; /* CPU-tier groups are streamed to the device (st_wm_stream_cpu) */
     uint64_t use_done;
     bool holding;
     uint64_t held_seq;
@@ -289,11 +294,12 @@ static void *reader_main(void *arg) {
         pthread_mutex_lock(&wm->mu);
         if (k < wm->use_done) k = wm->use_done; /* skipped meanwhile: no need to read those */
         const int g = wm->order[k % (uint64_t)wm->n_order];
-        const bool host = wm->plan.tier[g] == ST_TIER_HOST && wm->host_ready[g];
+        const bool cpu = wm->plan.tier[g] == ST_TIER_CPU; /* host memory (pinned, or the file mapping) */
+        const bool host = cpu || (wm->plan.tier[g] == ST_TIER_HOST && wm->host_ready[g]);
         seq_desc *d = &wm->desc[wm->desc_head % DESC_RING];
         d->seq = k;
         d->group = g;
-        d->source = host ? SRC_HOST : SRC_SSD;
+        d->source = cpu ? SRC_CPU : host ? SRC_HOST : SRC_SSD;
         d->first_piece = piece;
         d->n_pieces = host ? 0 : group_pieces(wm, &wm->groups->g[g]);
         wm->desc_head++;
@@ -335,10 +341,13 @@ static strata_status copy_seq(st_wm *wm, const seq_desc *d, int s) {
     uint8_t *dst = wm->slot[s];
     strata_status st;
     if (wm->slot_used[s] && (st = o->stream_wait_event(be, wm->copy, wm->slot_done[s])) != STRATA_OK) return st;
-    if (d->source == SRC_HOST) {
-        const uint8_t *src = wm->host_img[d->group];
+    if (d->source == SRC_HOST || d->source == SRC_CPU) {
+        pthread_mutex_lock(&wm->mu);
+        const uint8_t *src = wm->host_ready[d->group] ? wm->host_img[d->group] : NULL;
+        pthread_mutex_unlock(&wm->mu);
         for (int i = 0; i < g->n_tensors; i++)
-            if ((st = o->copy_h2d(be, wm->copy, dst + g->t[i].slot_off, src + g->t[i].img_off,
+            if ((st = o->copy_h2d(be, wm->copy, dst + g->t[i].slot_off,
+                                  src ? src + g->t[i].img_off : st_tensor_data(wm->files, g->t[i].desc),
                                   g->t[i].desc->nbytes)) != STRATA_OK)
                 return st;
     } else {
@@ -384,6 +393,14 @@ static void *copier_main(void *arg) {
             break;
         }
         const bool skipped = d.seq < wm->use_done;
+        const bool leave = !skipped && d.source == SRC_CPU && !wm->stream_cpu;
+        if (leave) { /* computed on the CPU (or copied by st_wm_fill): the slot is not touched */
+            wm->fetched = d.seq + 1;
+            wm->slot_src[d.seq % (uint64_t)wm->n_slots] = SRC_NONE;
+            pthread_cond_broadcast(&wm->cv);
+            pthread_mutex_unlock(&wm->mu);
+            continue;
+        }
         pthread_mutex_unlock(&wm->mu);
         if (skipped) { /* drop what was read for it */
             bool ok = true;
@@ -409,7 +426,7 @@ static void *copier_main(void *arg) {
             break;
         }
         wm->fetched = d.seq + 1;
-        wm->slot_src[s] = d.source;
+        wm->slot_src[s] = d.source == SRC_CPU ? SRC_HOST : d.source;
         pthread_cond_broadcast(&wm->cv);
         pthread_mutex_unlock(&wm->mu);
     }
@@ -430,7 +447,7 @@ static void pin_all(st_wm *wm) {
     char b[3][32];
     for (int j = 0; j < wm->n_order; j++) { /* in the order the groups are first needed */
         const int gi = wm->order[j];
-        if (wm->plan.tier[gi] != ST_TIER_HOST) continue;
+        if (wm->plan.tier[gi] != ST_TIER_HOST && wm->plan.tier[gi] != ST_TIER_CPU) continue;
         pthread_mutex_lock(&wm->mu);
         const bool stop = wm->stop || wm->failed;
         pthread_mutex_unlock(&wm->mu);
@@ -660,7 +677,7 @@ strata_status st_wm_init(st_backend *be, const st_model_files *files, const st_w
         if (wm->plan.tier[i] != ST_TIER_DEVICE) {
             wm->order_pos[i] = wm->n_order;
             wm->order[wm->n_order++] = i;
-            if (wm->plan.tier[i] == ST_TIER_HOST) {
+            if (wm->plan.tier[i] == ST_TIER_HOST || wm->plan.tier[i] == ST_TIER_CPU) {
                 wm->stats.pin_total_bytes += groups->g[i].img_bytes;
                 wm->stats.pin_total_groups++;
             }
@@ -814,6 +831,14 @@ strata_status st_wm_acquire(st_wm *wm, int group, st_wm_view *out) {
     const int s = (int)(k % (uint64_t)wm->n_slots);
     /* counted here, as used (what the copier fetched ahead is not yet) */
     wm->stats.h2d_bytes += g->bytes;
+    if (wm->slot_src[s] == SRC_NONE) { /* a CPU-tier group the copier left out: st_wm_fill copies it */
+        wm->stats.seq_host++;
+        for (int i = 0; i < g->n_tensors; i++) out->data[i] = (const uint8_t *)wm->slot[s] + g->t[i].slot_off;
+        out->unfilled = true;
+        out->ready = wm->slot_used[s] ? wm->slot_ready[s] : NULL; /* the last copy into the slot */
+        out->done = wm->slot_done[s];
+        goto out;
+    }
     if (wm->slot_src[s] == SRC_HOST) {
         wm->stats.seq_host++;
     } else {
@@ -851,6 +876,58 @@ strata_status st_wm_release(st_wm *wm, int group, st_event *done) {
         st = failed_err(wm);
     }
     pthread_cond_broadcast(&wm->cv);
+    pthread_mutex_unlock(&wm->mu);
+    return st;
+}
+
+strata_status st_wm_fill(st_wm *wm, int group, st_stream *s, const st_wm_view *v) {
+    if (group < 0 || group >= wm->n || !v || !v->unfilled)
+        return st_err(STRATA_ERR_INVALID_ARG, "weight manager: fill of group %d, which is not an unfilled view", group);
+    const st_wgroup *g = &wm->groups->g[group];
+    pthread_mutex_lock(&wm->mu);
+    const uint8_t *src = wm->host_ready[group] ? wm->host_img[group] : NULL;
+    pthread_mutex_unlock(&wm->mu);
+    strata_status st = STRATA_OK;
+    for (int i = 0; i < g->n_tensors && st == STRATA_OK; i++)
+        st = wm->be->ops->copy_h2d(wm->be, s, (void *)v->data[i],
+                                   src ? src + g->t[i].img_off : st_tensor_data(wm->files, g->t[i].desc),
+                                   g->t[i].desc->nbytes);
+    return st;
+}
+
+void st_wm_stream_cpu(st_wm *wm, bool on) {
+    pthread_mutex_lock(&wm->mu);
+    if (wm->stream_cpu != on) {
+        wm->stream_cpu = on;
+        pthread_cond_broadcast(&wm->cv);
+    }
+    pthread_mutex_unlock(&wm->mu);
+}
+
+strata_status st_wm_acquire_host(st_wm *wm, int group, const void **data) {
+    if (group < 0 || group >= wm->n || !data || wm->plan.tier[group] != ST_TIER_CPU)
+        return st_err(STRATA_ERR_INVALID_ARG, "weight manager: host acquire of group %d, which is not on the cpu tier",
+                      group);
+    const st_wgroup *g = &wm->groups->g[group];
+    pthread_mutex_lock(&wm->mu);
+    strata_status st = STRATA_OK;
+    if (wm->failed) {
+        st = failed_err(wm);
+    } else if (wm->holding) {
+        st = st_err(STRATA_ERR_INVALID_ARG, "weight manager: host acquire of %s while %s is held", g->name,
+                    wm->groups->g[wm->held_group].name);
+    } else {
+        /* its sequence (and those before it) counts as used: the copier runs on past it */
+        const uint64_t n = (uint64_t)wm->n_order, base = wm->use_done;
+        const uint64_t k = base + ((uint64_t)wm->order_pos[group] + n - base % n) % n;
+        wm->use_done = k + 1;
+        const uint8_t *img = wm->host_ready[group] ? wm->host_img[group] : NULL;
+        for (int i = 0; i < g->n_tensors; i++)
+            data[i] = img ? img + g->t[i].img_off : st_tensor_data(wm->files, g->t[i].desc);
+        wm->stats.seq_cpu++;
+        wm->stats.cpu_bytes += g->bytes;
+        pthread_cond_broadcast(&wm->cv);
+    }
     pthread_mutex_unlock(&wm->mu);
     return st;
 }

@@ -85,6 +85,9 @@ typedef struct {
     const void *data[ST_WG_MAX_TENSORS]; /* device pointers, in role order */
     st_event *ready; /* the compute stream waits on it before using data (NULL: resident) */
     st_event *done;  /* record it on the compute stream after the ops (NULL: resident) */
+    bool unfilled;   /* a CPU-tier group the copier left out (it was to be computed on the CPU when the
+                        copier reached it): after waiting on `ready` (the slot's last copy), call
+                        st_wm_fill to copy it on the compute stream, then use it as usual */
 } st_wm_view;
 
 /* Counters since init. Groups are counted when acquired (used), so that
@@ -99,6 +102,8 @@ typedef struct {
     uint64_t ssd_reads;
     uint64_t h2d_bytes;        /* tensor bytes of the groups used that were copied into ring slots */
     uint64_t gather_bytes;     /* embedding rows copied */
+    uint64_t seq_cpu;          /* CPU-tier groups handed out in host memory (st_wm_acquire_host) */
+    uint64_t cpu_bytes;        /* their tensor bytes */
     double acquire_wait_s;     /* compute thread time blocked in acquire */
     uint64_t pinned_bytes;     /* host tier filled so far (image bytes) */
     uint64_t pin_total_bytes;
@@ -128,6 +133,21 @@ strata_status st_wm_acquire(st_wm *wm, int group, st_wm_view *out);
  * streamed group released with done == NULL (its ops could not be ordered)
  * fails the manager. */
 strata_status st_wm_release(st_wm *wm, int group, st_event *done);
+
+/* CPU tier (plan.h ST_TIER_CPU): groups pinned like the host tier (the file
+ * mapping until pinned) and in the streamed order like any streamed group.
+ * While stream_cpu is off (the default: decode) the copier leaves them out
+ * and the compute thread takes them in host memory with st_wm_acquire_host
+ * (nothing to release: the bytes stay put; the sequence counts as used at
+ * once, so the ring runs ahead past it while the CPU computes); while on
+ * (prefill), they are copied into ring slots and acquired like host-tier
+ * groups. Switching is allowed between any two acquires: a slot the copier
+ * filled in the other mode is skipped (bytes wasted) or filled by st_wm_fill. */
+void st_wm_stream_cpu(st_wm *wm, bool on);
+/* data[i] = host pointer of tensor i of CPU-tier group `group` (role order). */
+strata_status st_wm_acquire_host(st_wm *wm, int group, const void **data);
+/* Enqueues on s the copies of an unfilled view's group into its slot. */
+strata_status st_wm_fill(st_wm *wm, int group, st_stream *s, const st_wm_view *v);
 
 /* The embedding rows of host token ids tokens[0..n) (validated by the
  * caller, n <= max_batch) as a weight for get_rows on stream s: when the

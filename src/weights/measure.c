@@ -193,3 +193,54 @@ strata_status st_wbw_measure(st_backend *be, const st_model_files *files, const 
                bw->dev_read / 1e9, bw->gemm / 1e9);
     return st;
 }
+
+strata_status st_wbw_measure_cpu(const st_model_files *files, const st_wgroups *g, int threads, st_wbw *bw) {
+    const st_tensor_desc *big = NULL; /* the largest FFN tensor: what the CPU tier reads */
+    for (int i = 1; i < g->n - 1; i++)
+        if (g->g[i].kind == ST_WG_FFN)
+            for (int t = 0; t < g->g[i].n_tensors; t++) {
+                const st_tensor_desc *d = g->g[i].t[t].desc;
+                if (d->n_dims == 2 && (!big || d->nbytes > big->nbytes)) big = d;
+            }
+    if (!big) return STRATA_OK;
+    const int64_t K = big->shape[1];
+    const size_t rb = st_dtype_row_bytes(big->dtype, K);
+    if (rb == 0) return STRATA_OK;
+    int64_t rows = big->shape[0];
+    if ((size_t)rows * rb > ((size_t)256 << 20)) rows = (int64_t)(((size_t)256 << 20) / rb); /* past the caches */
+    rows = rows / 4 * 4;
+    if (rows < 4) return STRATA_OK;
+    const double t0 = st_time_now();
+    st_backend *cpu = NULL;
+    st_stream *s = NULL;
+    float *x = NULL, *y = NULL;
+    const st_backend_params bp = {.kind = ST_BACKEND_CPU, .n_threads = threads};
+    strata_status st = st_backend_init(&bp, &cpu);
+    if (st == STRATA_OK) st = cpu->ops->stream_create(cpu, false, &s);
+    if (st == STRATA_OK) st = cpu->ops->alloc(cpu, (size_t)K * sizeof(float), (void **)&x);
+    if (st == STRATA_OK) st = cpu->ops->alloc(cpu, (size_t)rows * sizeof(float), (void **)&y);
+    if (st == STRATA_OK) {
+        for (int64_t i = 0; i < K; i++) x[i] = (float)((i % 7) - 3) * 0.125f;
+        /* the weights in host memory, as the CPU tier holds them (the first pass pages them in) */
+        const st_weight w = {st_tensor_data(files, big), big->dtype, rows, K};
+        double best = 0;
+        for (int r = 0; r < 6 && st == STRATA_OK; r++) {
+            const double a = st_time_now();
+            st = cpu->ops->matmul(cpu, s, x, &w, 1, y);
+            if (st == STRATA_OK) st = cpu->ops->stream_sync(cpu, s);
+            const double dt = st_time_now() - a;
+            if (r > 0 && dt > 0 && (double)rows * (double)rb / dt > best) best = (double)rows * (double)rb / dt;
+        }
+        if (st == STRATA_OK) {
+            bw->cpu = best;
+            bw->measured[4] = best > 0;
+            st_log(STRATA_LOG_INFO, "CPU matmul weight read (%d threads, %s): %.2f GB/s (%.2f s to measure)", threads,
+                   st_dtype_name(big->dtype), best / 1e9, st_time_now() - t0);
+        }
+    }
+    if (x) cpu->ops->dealloc(cpu, x);
+    if (y) cpu->ops->dealloc(cpu, y);
+    if (s) cpu->ops->stream_destroy(cpu, s);
+    st_backend_free(cpu);
+    return st;
+}

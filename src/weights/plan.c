@@ -13,6 +13,7 @@ const char *st_tier_name(st_tier t) {
     case ST_TIER_DEVICE: return "device";
     case ST_TIER_HOST: return "host";
     case ST_TIER_SSD: return "ssd";
+    case ST_TIER_CPU: return "cpu";
     default: return "?";
     }
 }
@@ -22,6 +23,7 @@ const char *st_wbound_name(st_wbound b) {
     case ST_BOUND_SSD: return "SSD read";
     case ST_BOUND_PCIE: return "PCIe (H2D)";
     case ST_BOUND_COMPUTE: return "compute";
+    case ST_BOUND_CPU: return "CPU compute";
     default: return "none";
     }
 }
@@ -81,12 +83,13 @@ static void evaluate(const st_wgroups *g, const st_wplan_params *p, const knobs 
     const int oid = st_wg_output_id(g);
     out->n_groups = n;
     if (g->tied) out->tier[0] = out->tier[oid] == ST_TIER_DEVICE ? ST_TIER_DEVICE : ST_TIER_SSD;
-    size_t slot = 0, resident = 0, host_tier = 0;
+    size_t slot = 0, resident = 0, host_tier = 0, host_cpu = 0;
     bool streams = false;
     memset(out->bytes, 0, sizeof out->bytes);
     memset(out->groups, 0, sizeof out->groups);
     memset(out->kind_groups, 0, sizeof out->kind_groups);
     out->step_ssd_img_bytes = out->step_ssd_bytes = out->step_host_bytes = out->step_read_bytes = 0;
+    out->step_cpu_bytes = 0;
     for (int i = 0; i < n; i++) {
         const st_wgroup *gr = &g->g[i];
         const st_tier t = out->tier[i];
@@ -104,6 +107,10 @@ static void evaluate(const st_wgroups *g, const st_wplan_params *p, const knobs 
         if (t == ST_TIER_HOST) {
             host_tier += gr->img_bytes + ST_WG_ALIGN;
             out->step_host_bytes += gr->bytes;
+        } else if (t == ST_TIER_CPU) { /* pinned like the host tier; computed there (decode) */
+            host_tier += gr->img_bytes + ST_WG_ALIGN;
+            host_cpu += gr->img_bytes + ST_WG_ALIGN;
+            out->step_cpu_bytes += gr->bytes;
         } else {
             out->step_ssd_bytes += gr->bytes;
             out->step_ssd_img_bytes += gr->img_bytes;
@@ -130,18 +137,25 @@ static void evaluate(const st_wgroups *g, const st_wplan_params *p, const knobs 
     out->host_staging = streams ? staging_host(k) : 0;
     out->host_embed_rows = out->embed_gather ? embed_rows_host(g, k) : 0;
     out->host_tier = host_tier;
+    out->host_cpu = host_cpu;
     out->host_need = out->host_staging + out->host_embed_rows + host_tier;
 
     const st_wbw *bw = &p->bw;
     out->bw = *bw;
     out->t_ssd = bw->ssd > 0 ? (double)out->step_ssd_img_bytes / bw->ssd : 0;
     out->t_pcie = bw->h2d > 0 ? (double)(out->step_host_bytes + out->step_ssd_bytes) / bw->h2d : 0;
-    out->t_compute = bw->dev_read > 0 ? (double)out->step_read_bytes / bw->dev_read : 0;
+    out->t_compute = bw->dev_read > 0 ? (double)(out->step_read_bytes - out->step_cpu_bytes) / bw->dev_read : 0;
+    out->t_cpu = bw->cpu > 0 ? (double)out->step_cpu_bytes / bw->cpu : 0;
+    out->t_pcie_prefill =
+        bw->h2d > 0 ? (double)(out->step_host_bytes + out->step_ssd_bytes + out->step_cpu_bytes) / bw->h2d : 0;
     out->t_decode = out->t_ssd;
     out->decode_bound = out->t_ssd > 0 ? ST_BOUND_SSD : ST_BOUND_NONE;
     if (out->t_pcie > out->t_decode) out->t_decode = out->t_pcie, out->decode_bound = ST_BOUND_PCIE;
-    if (out->t_compute > out->t_decode) out->t_decode = out->t_compute, out->decode_bound = ST_BOUND_COMPUTE;
-    out->t_decode_serial = out->t_ssd + out->t_pcie + out->t_compute;
+    /* the device's compute and the CPU's are serial (each FFN waits for its attention) */
+    const double comp = out->t_compute + out->t_cpu;
+    if (comp > out->t_decode)
+        out->t_decode = comp, out->decode_bound = out->t_cpu > out->t_compute ? ST_BOUND_CPU : ST_BOUND_COMPUTE;
+    out->t_decode_serial = out->t_ssd + out->t_pcie + out->t_compute + out->t_cpu;
 
     out->prefill_tokens = p->prefill_tokens > 0 ? p->prefill_tokens : DEFAULT_PREFILL;
     out->prefill_chunk = k->max_batch;
@@ -153,7 +167,9 @@ static void evaluate(const st_wgroups *g, const st_wplan_params *p, const knobs 
 
 double st_wplan_prefill(const st_wplan *p, int64_t P, double *t_stream, double *t_compute, st_wbound *bound) {
     const int64_t T = p->prefill_chunk > 0 ? p->prefill_chunk : 512;
-    const double stream = p->t_ssd > p->t_pcie ? p->t_ssd : p->t_pcie;
+    /* prefill streams the CPU tier too (it is not computed on the CPU) */
+    const double pcie = p->t_pcie_prefill > p->t_pcie ? p->t_pcie_prefill : p->t_pcie;
+    const double stream = p->t_ssd > pcie ? p->t_ssd : pcie;
     double sum = 0, s_stream = 0, s_comp = 0;
     for (int64_t pos = 0; pos < P; pos += T) {
         const double t = (double)(P - pos < T ? P - pos : T);
@@ -170,7 +186,7 @@ double st_wplan_prefill(const st_wplan *p, int64_t P, double *t_stream, double *
     if (bound)
         *bound = s_stream == 0 && s_comp == 0 ? ST_BOUND_NONE
                  : s_comp >= s_stream         ? ST_BOUND_COMPUTE
-                 : p->t_ssd > p->t_pcie       ? ST_BOUND_SSD
+                 : p->t_ssd > pcie            ? ST_BOUND_SSD
                                               : ST_BOUND_PCIE;
     return sum;
 }
@@ -217,6 +233,47 @@ static void fill_host(const st_wgroups *g, st_tier *tier, size_t avail) {
     }
 }
 
+/* The CPU tier: moves j of the non-resident FFN groups (HOST or SSD) to it,
+ * spread evenly over the layers, for the j with the least predicted decode
+ * step (p->cpu_ffn: 0 auto, -1 none, N: min(N, count)); SSD groups need host
+ * room for their images. `tier` and *trial (evaluated) are updated to the
+ * choice; `work` is scratch [g->n]. */
+static void place_cpu(const st_wgroups *g, const st_wplan_params *p, const knobs *k, st_tier *tier,
+                      st_tier *work, st_wplan *trial) {
+    if (p->cpu_ffn < 0 || (p->cpu_ffn == 0 && !(p->bw.cpu > 0))) return;
+    const int n = g->n;
+    int members[n], count = 0;
+    for (int i = 1; i < n; i++)
+        if (g->g[i].kind == ST_WG_FFN && (tier[i] == ST_TIER_HOST || tier[i] == ST_TIER_SSD)) members[count++] = i;
+    if (count == 0) return;
+    const int lo = p->cpu_ffn > 0 ? (p->cpu_ffn < count ? p->cpu_ffn : count) : 1;
+    const int hi = p->cpu_ffn > 0 ? lo : count;
+    st_tier chosen[n];
+    double best_t = trial->t_decode, best_serial = trial->t_decode_serial;
+    bool found = false;
+    st_wplan t = *trial;
+    t.tier = work;
+    for (int take = lo; take <= hi; take++) {
+        memcpy(work, tier, (size_t)n * sizeof *work);
+        for (int j = 0; j < take; j++) {
+            int idx = (int)(((double)j + 0.5) * (double)count / (double)take);
+            if (idx >= count) idx = count - 1;
+            work[members[idx]] = ST_TIER_CPU;
+        }
+        evaluate(g, p, k, &t);
+        if (t.host_need > p->host_mem) break; /* more SSD groups would need more room still */
+        /* the least step, then the least serial sum (an SSD-bound step still gains PCIe time) */
+        if (p->cpu_ffn > 0 || t.t_decode < best_t || (t.t_decode == best_t && t.t_decode_serial < best_serial)) {
+            best_t = t.t_decode;
+            best_serial = t.t_decode_serial;
+            memcpy(chosen, work, (size_t)n * sizeof *work);
+            found = true;
+        }
+    }
+    if (found) memcpy(tier, chosen, (size_t)n * sizeof *tier);
+    evaluate(g, p, k, trial); /* trial->tier is `tier` */
+}
+
 static bool better(const st_wplan *a, const st_wplan *b) { /* a better than b */
     if (a->t_decode != b->t_decode) return a->t_decode < b->t_decode;
     if (a->t_decode_serial != b->t_decode_serial) return a->t_decode_serial < b->t_decode_serial;
@@ -261,8 +318,10 @@ strata_status st_wplan_make(const st_wgroups *g, const st_wplan_params *p, st_wp
     out->n_groups = n;
     out->tier = st_calloc((size_t)n, sizeof *out->tier);
     st_tier *cand = st_calloc((size_t)n, sizeof *cand);
-    if (!out->tier || !cand) {
+    st_tier *work = st_calloc((size_t)n, sizeof *work);
+    if (!out->tier || !cand || !work) {
         st_free(cand);
+        st_free(work);
         st_wplan_free(out);
         return st_err(STRATA_ERR_NOMEM, "plan: out of memory for the tiers of %d weight groups", (int)n);
     }
@@ -271,9 +330,11 @@ strata_status st_wplan_make(const st_wgroups *g, const st_wplan_params *p, st_wp
 
     if (p->force) {
         for (int i = 0; i < n; i++) {
-            if (p->force[i] < 0 || p->force[i] >= ST_TIER_COUNT || (i == 0 && p->force[i] == ST_TIER_HOST)) {
-                st = st_err(STRATA_ERR_INVALID_ARG, "plan: group %s cannot be placed on tier %d", g->g[i].name,
-                            (int)p->force[i]);
+            if (p->force[i] < 0 || p->force[i] >= ST_TIER_COUNT || (i == 0 && p->force[i] == ST_TIER_HOST) ||
+                (p->force[i] == ST_TIER_CPU && g->g[i].kind != ST_WG_FFN)) {
+                st = st_err(STRATA_ERR_INVALID_ARG, "plan: group %s cannot be placed on tier %d%s", g->g[i].name,
+                            (int)p->force[i],
+                            p->force[i] == ST_TIER_CPU ? " (cpu: only FFN groups are computed on the CPU)" : "");
                 goto done;
             }
             out->tier[i] = p->force[i];
@@ -386,6 +447,7 @@ strata_status st_wplan_make(const st_wgroups *g, const st_wplan_params *p, st_wp
         }
         fill_host(g, cand, p->host_mem - host_fixed);
         evaluate(g, p, &kc, &trial);
+        place_cpu(g, p, &kc, cand, work, &trial);
         if (trial.device_need > p->device_mem || trial.host_need > p->host_mem) continue; /* cannot happen */
         if (!found || better(&trial, &best)) {
             st_tier *keep = best.tier;
@@ -418,6 +480,7 @@ strata_status st_wplan_make(const st_wgroups *g, const st_wplan_params *p, st_wp
     }
 done:
     st_free(cand);
+    st_free(work);
     if (st != STRATA_OK) st_wplan_free(out);
     return st;
 }
@@ -429,13 +492,16 @@ void st_wplan_free(st_wplan *p) {
 }
 
 void st_wplan_summary(const st_wplan *p, char *buf, size_t n) {
-    char b[6][32];
+    char b[7][32], cpu[96] = "";
+    if (p->groups[ST_TIER_CPU])
+        snprintf(cpu, sizeof cpu, ", cpu %d groups %s", p->groups[ST_TIER_CPU],
+                 st_fmt_bytes((double)p->bytes[ST_TIER_CPU], b[6], 32));
     snprintf(buf, n,
-             "device %d groups %s, host %d groups %s, ssd %d groups %s; ring %d x %s; decode %.2f ms/token "
+             "device %d groups %s, host %d groups %s, ssd %d groups %s%s; ring %d x %s; decode %.2f ms/token "
              "predicted (%s bound), %s from SSD per token",
              p->groups[ST_TIER_DEVICE], st_fmt_bytes((double)p->bytes[ST_TIER_DEVICE], b[0], 32),
              p->groups[ST_TIER_HOST], st_fmt_bytes((double)p->bytes[ST_TIER_HOST], b[1], 32), p->groups[ST_TIER_SSD],
-             st_fmt_bytes((double)p->bytes[ST_TIER_SSD], b[2], 32), p->ring_slots,
+             st_fmt_bytes((double)p->bytes[ST_TIER_SSD], b[2], 32), cpu, p->ring_slots,
              st_fmt_bytes((double)p->slot_bytes, b[3], 32), p->t_decode * 1e3, st_wbound_name(p->decode_bound),
              st_fmt_bytes((double)p->step_ssd_img_bytes, b[4], 32));
 }

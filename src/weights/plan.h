@@ -10,7 +10,13 @@
  *           each step (bytes / H2D bandwidth);
  *   SSD     read from its model file each step with O_DIRECT into pinned
  *           staging, then copied into a ring slot (image bytes / SSD bandwidth,
- *           and the tensor bytes cross PCIe too).
+ *           and the tensor bytes cross PCIe too);
+ *   CPU     (FFN groups only) resident in pinned host memory like HOST, and
+ *           computed there by the model's CPU backend during decode (passes
+ *           of at most cpu_max_tokens tokens: the hidden state crosses PCIe,
+ *           a few KB a token, not the weights); a larger pass (prefill)
+ *           streams it to the device like a HOST group. Bytes / the CPU's
+ *           matmul read rate over host memory (bw.cpu).
  *
  * Device budget = other (KV cache, activations, backend scratch reserve: the
  * caller's figures) + ring (ring_slots x the largest streamed group) + embed
@@ -30,9 +36,20 @@
  * resident only with device room to spare, and never takes host-tier memory
  * (its rows are gathered from the file mapping into small pinned staging).
  *
+ * CPU tier: once the device and host tiers are placed, up to every
+ * non-resident FFN group (host tier first, then SSD ones while the host
+ * budget has room for their images) may move to the CPU tier; the count
+ * with the least predicted decode step wins (cpu_ffn: 0 auto, -1 none, N:
+ * N of them), the chosen ones spread evenly over the layers (so that the
+ * CPU's work alternates with the streamed groups' copies, which the ring
+ * runs ahead of compute meanwhile).
+ *
  * Predicted decode step (full overlap: the SSD reader, the copy stream and
- * the compute stream are pipelined, each bounded by its own busy time):
- *   max(ssd_img_bytes / ssd_bw, (host_bytes + ssd_bytes) / h2d_bw, read_bytes / dev_read_bw)
+ * the compute stream are pipelined, each bounded by its own busy time; the
+ * device's and the CPU's compute are serial, each layer's FFN waiting for
+ * its attention and the next layer for it):
+ *   max(ssd_img_bytes / ssd_bw, (host_bytes + ssd_bytes) / h2d_bw,
+ *       (read_bytes - cpu_bytes) / dev_read_bw + cpu_bytes / cpu_bw)
  * The serial sum of the three is also given as the pessimistic bound (no
  * overlap at all). Prefill of P tokens in chunks of T: each chunk streams the
  * non-resident groups once, so per chunk max(stream time, compute time) with
@@ -47,8 +64,8 @@
 extern "C" {
 #endif
 
-typedef enum { ST_TIER_DEVICE = 0, ST_TIER_HOST, ST_TIER_SSD, ST_TIER_COUNT } st_tier;
-const char *st_tier_name(st_tier t); /* "device", "host", "ssd" */
+typedef enum { ST_TIER_DEVICE = 0, ST_TIER_HOST, ST_TIER_SSD, ST_TIER_CPU, ST_TIER_COUNT } st_tier;
+const char *st_tier_name(st_tier t); /* "device", "host", "ssd", "cpu" */
 
 /* Bandwidths, bytes (or FLOP) per second; 0 where unknown. */
 typedef struct {
@@ -56,8 +73,10 @@ typedef struct {
     double ssd;        /* O_DIRECT reads of the model files */
     double dev_read;   /* weight bytes the backend's matmul reads per second at 1 token */
     double gemm;       /* FLOP/s of the backend's matmul at a prefill batch */
+    double cpu;        /* weight bytes the CPU backend's matmul reads per second from host memory at
+                          1 token, with the model's CPU threads (0: unknown: no CPU tier unless forced) */
     bool ssd_direct;   /* the SSD figure was measured with O_DIRECT (false: page cache) */
-    bool measured[4];  /* h2d, ssd, dev_read, gemm: measured now (false: given) */
+    bool measured[5];  /* h2d, ssd, dev_read, gemm, cpu: measured now (false: given) */
     char skipped[192]; /* why the matmul probe did not run (no memory for it), or "" */
 } st_wbw;
 
@@ -75,11 +94,13 @@ typedef struct {
     double flops_per_token; /* matmul FLOPs of one token through the model */
     double attn_flops;      /* attention FLOPs of a prompt of P tokens = attn_flops * P * P / 2 */
     st_wbw bw;
+    int cpu_ffn;            /* FFN groups on the CPU tier: 0 auto (the least predicted decode step;
+                               none when bw.cpu is 0), -1 none, N > 0: N of the non-resident ones */
     const st_tier *force;   /* [groups->n] fixed placement (tests), or NULL */
 } st_wplan_params;
 
-typedef enum { ST_BOUND_NONE = 0, ST_BOUND_SSD, ST_BOUND_PCIE, ST_BOUND_COMPUTE } st_wbound;
-const char *st_wbound_name(st_wbound b); /* "none", "SSD read", "PCIe (H2D)", "compute" */
+typedef enum { ST_BOUND_NONE = 0, ST_BOUND_SSD, ST_BOUND_PCIE, ST_BOUND_COMPUTE, ST_BOUND_CPU } st_wbound;
+const char *st_wbound_name(st_wbound b); /* "none", "SSD read", "PCIe (H2D)", "compute", "CPU compute" */
 
 typedef struct {
     int n_groups;
@@ -95,6 +116,7 @@ typedef struct {
     size_t device_min; /* the least device budget any placement fits in */
     /* host budget breakdown (pinned) */
     size_t host_mem, host_staging, host_embed_rows, host_tier, host_need;
+    size_t host_cpu; /* of host_tier: the CPU tier's images */
     size_t host_min; /* what a plan at device_min needs (two staging chunks, the embedding rows) */
     /* tensor bytes and group counts per tier, and per kind */
     uint64_t bytes[ST_TIER_COUNT];
@@ -105,7 +127,11 @@ typedef struct {
     uint64_t step_ssd_bytes;      /* tensor bytes of SSD groups */
     uint64_t step_host_bytes;     /* tensor bytes copied from the host tier */
     uint64_t step_read_bytes;     /* weight bytes the math reads (all but the table; its rows) */
-    double t_ssd, t_pcie, t_compute;  /* seconds per decode step, each resource alone */
+    uint64_t step_cpu_bytes;      /* of those, read by the CPU (CPU tier groups) */
+    double t_ssd, t_pcie, t_compute;  /* seconds per decode step, each resource alone (t_compute: the
+                                         device's reads, step_read_bytes - step_cpu_bytes) */
+    double t_cpu;                 /* step_cpu_bytes / bw.cpu */
+    double t_pcie_prefill;        /* a prefill chunk's PCIe time: the CPU tier streams too */
     double t_decode, t_decode_serial;
     st_wbound decode_bound;
     int64_t prefill_tokens, prefill_chunk;
@@ -127,7 +153,7 @@ void st_wplan_free(st_wplan *p); /* safe on a zeroed struct */
  * bound (the larger sum). */
 double st_wplan_prefill(const st_wplan *p, int64_t P, double *t_stream, double *t_compute, st_wbound *bound);
 
-/* One line: "device 3 groups 12.0 MB, host ..., ssd ...; decode 4.1 ms/token (SSD read)". */
+/* One line: "device 3 groups 12.0 MB, host ..., ssd ..., cpu ...; decode 4.1 ms/token (SSD read)". */
 void st_wplan_summary(const st_wplan *p, char *buf, size_t n);
 
 /* 80% of the host's MemAvailable (/proc/meminfo); 0 when unknown. */

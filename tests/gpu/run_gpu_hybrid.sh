@@ -1,0 +1,161 @@
+#!/usr/bin/env bash
+# Issue 16 part 1 (hybrid execution of streamed weights) on the GPU machine,
+# one call (carry .deps):
+#   0. build (build-gpu, incremental when it exists);
+#   1. correctness: a small Llama-3-8B-shaped q4_0 model (2 layers) whose FFN
+#      groups stream: logits with every streamed FFN group on the CPU tier
+#      (--cpu-layers, computed by the CPU from host memory) against the
+#      all-GPU resident run, as max abs / rel diff and argmax agreement, beside
+#      the CPU backend's own distance to the GPU (the scale of "different
+#      kernels"); prefill chunks computed on the CPU (8 tokens), streamed
+#      (--cpu-max-tokens 2) and token by token (--chunk 1);
+#   2. a Llama-3-70B-shaped q4_0 model (LAYERS layers, default all 80: 39.7 GB,
+#      ~90 s to write; reused when already at $WORK) on --device-mem 16G
+#      --host-mem 100G:
+#        a. `strata plan` with hybrid off (--cpu-layers 0) and on (auto): the
+#           three-way split and the predicted decode step;
+#        b. `strata bench` decode, hybrid off, then on (auto) (VARIANTS, default
+#           "off auto"; "ring3": on with --ring-slots 3): tok/s, and for hybrid the bound
+#           max(PCIe bytes / H2D, CPU bytes / CPU rate) from the rates measured
+#           in the same run, and the fraction of it reached.
+# Variables: LAYERS (e.g. 20 for a quick try), WORK (model dir, default
+# /tmp/strata-hybrid), GEN (decode steps, default 24), THREADS (CPU threads
+# of the hybrid part, default: all cores), DEADLINE (seconds, default 470: a
+# step that would end later is skipped), SKIP_CHECK=1 / SKIP_BENCH=1.
+# Logs go to $OUT (or /tmp/out). Exit status non-zero when a check failed.
+# STRATA_BIN skips the build. A dry run of the script's logic on a machine
+# without a GPU: STRATA_BIN=build-cpu/strata GPU_DEVICE=cpu SMALL_CONFIG=tiny
+# LAYERS=2 MARGIN=150000 DEVICE_MEM=2M (the tier is then forced on the CPU backend,
+# the numbers mean nothing).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+[ -d .deps ] && source scripts/device-env.sh
+OUTDIR=${OUT:-/tmp/out}; mkdir -p "$OUTDIR"
+WORK=${WORK:-/tmp/strata-hybrid}; mkdir -p "$WORK"
+LAYERS=${LAYERS:-80}
+GEN=${GEN:-24}
+VARIANTS=${VARIANTS:-off auto}
+DEADLINE=${DEADLINE:-470}
+THREADS=${THREADS:-}
+BIN=${STRATA_BIN:-build-gpu/strata}
+GPU=${GPU_DEVICE:-cuda}
+SMALL_CONFIG=${SMALL_CONFIG:-llama3-8b}
+TH=(); [ -n "$THREADS" ] && TH=(--threads "$THREADS")
+rc=0
+t0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+have_time() { # seconds the step needs, what it is
+  if [ $(( $(date +%s) - t0 + $1 )) -gt "$DEADLINE" ]; then stamp "SKIP  no time left ($2)"; return 1; fi
+}
+pass() { echo "PASS  $*"; }
+fail() { echo "FAIL  $*"; rc=1; }
+
+if [ -z "${STRATA_BIN:-}" ]; then
+  stamp "build (build-gpu)"
+  cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release > "$OUTDIR/cfg.log" 2>&1 || { tail -30 "$OUTDIR/cfg.log"; exit 2; }
+  cmake --build build-gpu -j "$(nproc)" --target strata > "$OUTDIR/build.log" 2>&1 || { tail -40 "$OUTDIR/build.log"; exit 2; }
+fi
+nproc; free -g | head -2; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
+
+# 1. correctness: hybrid logits vs all-GPU
+if [ "${SKIP_CHECK:-0}" != 1 ] && have_time 120 "hybrid logits check"; then
+  S=$WORK/${SMALL_CONFIG}_2l_q4_0.gguf
+  [ -f "$S" ] || "$BIN" mkmodel --config "$SMALL_CONFIG" --layers 2 --dtype q4_0 "$S" > "$OUTDIR/mk_small.log" 2>&1 \
+    || fail "mkmodel small: $(tail -3 "$OUTDIR/mk_small.log")"
+  TOK="1 50 300 77 90 12 46 33 81 27 104 6 60 5 42 7"
+  # a budget that streams the FFN groups: the least the plan accepts (everything that can stream does)
+  "$BIN" plan "$S" --device "$GPU" --ctx 64 --batch 8 --device-mem 1T --host-mem 8G --h2d-bw 25 --ssd-bw 3 \
+    > "$OUTDIR/plan_small.log" 2>&1
+  DEV=$(sed -nE 's/^minimum +device .*\(([0-9]+) bytes\).*/\1/p' "$OUTDIR/plan_small.log")
+  # plus a margin (the logits command's own pool and scratch; less than an FFN group, 99 MB, so they still stream)
+  [ -n "$DEV" ] && DEV=$(( DEV + ${MARGIN:-67108864} ))
+  if [ -z "$DEV" ]; then fail "small plan: no minimum: $(tail -3 "$OUTDIR/plan_small.log")"; else
+    L() { # name, extra args (bandwidths given: the check does not depend on them)
+      local n=$1; shift
+      rm -f "$WORK/$n.f32"
+      "$BIN" logits "$S" --tokens "$TOK" --out "$WORK/$n.f32" --ctx 64 --batch 8 --precise --h2d-bw 25 --ssd-bw 3 "$@" > "$OUTDIR/logits_$n.log" 2>&1 \
+        || fail "logits $n: $(tail -3 "$OUTDIR/logits_$n.log")"
+    }
+    L gpu --device "$GPU"
+    L cpu --device cpu
+    L hyb8 --device "$GPU" --device-mem "$DEV" --host-mem 8G --cpu-layers 2 "${TH[@]}"
+    L hyb2 --device "$GPU" --device-mem "$DEV" --host-mem 8G --cpu-layers 2 --cpu-max-tokens 2 "${TH[@]}"
+    L hyb1 --device "$GPU" --device-mem "$DEV" --host-mem 8G --cpu-layers 2 --chunk 1 "${TH[@]}"
+    L str --device "$GPU" --device-mem "$DEV" --host-mem 8G --cpu-layers 0
+    "$BIN" plan "$S" --device "$GPU" --ctx 64 --batch 8 --device-mem "$DEV" --host-mem 8G --cpu-layers 2 --h2d-bw 25 --ssd-bw 3 \
+      | grep -E "^ +(device|host|ssd|cpu) " | sed 's/^/  small plan: /'
+    python3 - "$WORK" <<'PY' || rc=1
+import array, sys, os
+w = sys.argv[1]
+def load(n):
+    a = array.array("f"); p = os.path.join(w, n + ".f32")
+    with open(p, "rb") as f: a.frombytes(f.read())
+    return a
+ref = load("gpu"); T = 16; V = len(ref) // T
+def diff(n):
+    try: x = load(n)
+    except OSError: return None
+    if len(x) != len(ref): return None
+    mabs = max(abs(a - b) for a, b in zip(x, ref)); scale = max(abs(b) for b in ref)
+    agree = sum(1 for t in range(T) if max(range(V), key=lambda i: x[t*V+i]) == max(range(V), key=lambda i: ref[t*V+i]))
+    return mabs, mabs / scale, agree
+base = diff("cpu"); ok = True
+print("  reference: all-GPU resident logits [%d tokens x %d]" % (T, V))
+for n, what in (("cpu", "CPU backend alone (the scale of different kernels)"), ("str", "streamed, hybrid off"),
+                ("hyb8", "FFN on the CPU tier, prefill chunks of 8 on the CPU"),
+                ("hyb2", "FFN on the CPU tier, prefill chunks streamed (--cpu-max-tokens 2)"),
+                ("hyb1", "FFN on the CPU tier, token by token")):
+    d = diff(n)
+    if d is None: print("FAIL  %s: missing or of the wrong size" % n); ok = False; continue
+    print("  %-5s max abs diff %.3e, max rel diff %.3e (of max |logit|), argmax agrees %d/%d  (%s)" % (n, d[0], d[1], d[2], T, what))
+    if n.startswith("hyb"):
+        good = d[1] <= max(2 * base[1], 1e-3) and d[2] >= min(base[2], T - 1)
+        print("%s  hybrid logits %s within tolerance (rel <= max(2 x CPU-vs-GPU %.2e, 1e-3), argmax >= %d/%d)" % ("PASS" if good else "FAIL", n, base[1], min(base[2], T - 1), T))
+        ok = ok and good
+sys.exit(0 if ok else 1)
+PY
+  fi
+fi
+
+# 2. the 70B-shaped model
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  M=$WORK/l70_${LAYERS}l_q4_0.gguf
+  if [ ! -f "$M" ] && have_time 150 "mkmodel 70B q4_0 ($LAYERS layers)"; then
+    stamp "mkmodel --config ${BIG_CONFIG:-llama3-70b} --layers $LAYERS --dtype q4_0"
+    "$BIN" mkmodel --config "${BIG_CONFIG:-llama3-70b}" --layers "$LAYERS" --dtype q4_0 "$M" > "$OUTDIR/mk70.log" 2>&1 \
+      || { fail "mkmodel 70B: $(tail -3 "$OUTDIR/mk70.log")"; rm -f "$M"; }
+    tail -1 "$OUTDIR/mk70.log"
+  fi
+  if [ -f "$M" ]; then
+    BUD=(--device "$GPU" --device-mem "${DEVICE_MEM:-16G}" --host-mem "${HOST_MEM:-100G}")
+    for h in off auto; do
+      cl=0; [ $h = auto ] && cl=auto
+      stamp "plan, hybrid $h"
+      "$BIN" plan "$M" "${BUD[@]}" --cpu-layers $cl "${TH[@]}" > "$OUTDIR/plan70_$h.log" 2>&1 || fail "plan $h"
+      grep -E "^(bandwidth|cpu|host|decode|split) |^ +(device|host|ssd|cpu|total) " "$OUTDIR/plan70_$h.log" | cut -c1-300
+    done
+    declare -A TOKS
+    for v in $VARIANTS; do
+      have_time 150 "bench $v" || continue
+      extra=(--cpu-layers 0); [ $v != off ] && extra=(--cpu-layers auto "${TH[@]}")
+      [ $v = ring3 ] && extra+=(--ring-slots 3)
+      stamp "bench decode, hybrid $v: ${BUD[*]} ${extra[*]}"
+      timeout 200 "$BIN" bench "$M" "${BUD[@]}" --prompt 32 --gen "$GEN" --reps 1 "${extra[@]}" > "$OUTDIR/bench70_$v.log" 2>&1 \
+        || fail "bench $v (rc $?): $(tail -3 "$OUTDIR/bench70_$v.log")"
+      grep -E "^(decode|weights|hybrid|bound|bandwidth|streaming) " "$OUTDIR/bench70_$v.log" | cut -c1-400
+      TOKS[$v]=$(sed -nE 's/^decode +[0-9]+ tokens in .* s: ([0-9.]+) tok\/s.*/\1/p' "$OUTDIR/bench70_$v.log" | head -1)
+    done
+    echo
+    echo "== summary (LAYERS=$LAYERS, ${BUD[*]}, $(nproc) cores) =="
+    for v in $VARIANTS; do
+      [ -n "${TOKS[$v]:-}" ] || continue
+      f=$(sed -nE 's/^bound +hybrid .* = ([0-9.]+) ms\/token, measured ([0-9.]+) ms\/token: ([0-9]+)% of it/bound \1 ms, measured \2 ms: \3% of the bound/p' "$OUTDIR/bench70_$v.log")
+      echo "decode hybrid $v: ${TOKS[$v]} tok/s ${f:+($f)}"
+    done
+    if [ -n "${TOKS[off]:-}" ] && [ -n "${TOKS[auto]:-}" ]; then
+      python3 -c "import sys; a,b=float(sys.argv[1]),float(sys.argv[2]); print('hybrid / off: %.2fx' % (b/a))" "${TOKS[off]}" "${TOKS[auto]}"
+    fi
+  fi
+fi
+stamp "done (rc $rc)"
+exit $rc
