@@ -3,7 +3,7 @@
 repeats its input (editing, summarizing, code), and what it implies.
 
   python3 bench/spec_accept.py [--bin build/strata] [--model MODEL] [--spec lookup|draft:PATH]
-                               [--n 200] [--verify-ms K:MS,...] [--step-ms MS]
+                               [--n 200] [--spec-cost C] [--verify-ms K:MS,...] [--step-ms MS]
 
 Runs `strata run MODEL --temp 0 -n N` per task, once plain and once with the
 drafts, checks the two texts are equal (greedy output must not change), and
@@ -77,10 +77,15 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--spec", default="lookup", help="lookup, or draft:PATH")
     ap.add_argument("--n", type=int, default=200)
+    ap.add_argument("--spec-cost", type=float, default=0,
+                    help="one draft's cost in one-token steps, fixed (default: measured as it runs); the cost of "
+                         "the machine the implied speed is for, e.g. 0.01 for a model streamed over PCIe")
     ap.add_argument("--verify-ms", default="", help="K:MS,... measured verification pass costs")
     ap.add_argument("--step-ms", type=float, default=0, help="the measured one-token step")
     args = ap.parse_args()
     extra = ["--spec", "lookup"] if args.spec == "lookup" else ["--draft", args.spec.split(":", 1)[1]]
+    if args.spec_cost > 0:
+        extra += ["--spec-cost", str(args.spec_cost)]
     cost = {}
     for kv in filter(None, args.verify_ms.split(",")):
         k, ms = kv.split(":")

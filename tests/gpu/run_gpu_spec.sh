@@ -56,7 +56,11 @@ rc=0
 step=$(sed -n 's/^decode .* \([0-9.]*\) ms\/token.*/\1/p' "$OUT/verify_70b.txt" 2>/dev/null)
 costs=$(sed -n 's/^verify *\([0-9]*\) drafts.*host: \([0-9.]*\) ms.*/\1:\2/p' "$OUT/verify_70b.txt" 2>/dev/null | paste -sd,)
 implied=()
-[ -n "$step" ] && [ -n "$costs" ] && implied=(--verify-ms "$costs" --step-ms "$step")
+if [ -n "$step" ] && [ -n "$costs" ]; then
+  # one draft's cost on the 70B shape, from its largest verification pass: (pass / step - 1) / k
+  cost=$(echo "$costs" | tr , '\n' | tail -1 | awk -F: -v s="$step" '{c = ($2 / s - 1) / $1; print (c < 0.001 ? 0.001 : c)}')
+  implied=(--verify-ms "$costs" --step-ms "$step" --spec-cost "$cost")
+fi
 stamp "default model on CUDA: prompt lookup ${implied[*]}"
 python3 bench/spec_accept.py --bin $S --model "$M" --device cuda --spec lookup --n 200 "${implied[@]}" |
   tee "$OUT/accept_lookup.txt" || rc=1
