@@ -1876,9 +1876,11 @@ static void on_backend(const st_backend_params *p, void (*fn)(const char *), con
 
 int main(int argc, char **argv) {
     /* --only-attention: the attention ops alone (attention, attention_part, attention_paged) */
+    /* --only-gemv: the decode GEMV checks alone (default backend, then fast mode's int8 kernels) */
     const bool only_attn = argc > 1 && !strcmp(argv[1], "--only-attention");
-    if (argc > 1 && !only_attn) {
-        fprintf(stderr, "usage: gpu_check_ops [--only-attention]\n");
+    const bool only_gemv = argc > 1 && !strcmp(argv[1], "--only-gemv");
+    if (argc > 1 && !only_attn && !only_gemv) {
+        fprintf(stderr, "usage: gpu_check_ops [--only-attention | --only-gemv]\n");
         return 2;
     }
     g_t0 = st_time_now();
@@ -1887,6 +1889,12 @@ int main(int argc, char **argv) {
     TRY(st_backend_init(&cpu_p, &g_cpu));
     TRY(st_backend_init(&gpu_p, &g_gpu));
     TRY(g_gpu->ops->stream_create(g_gpu, false, &g_s));
+    if (only_gemv) {
+        check_gemv_version("default");
+        check_gemv_int8();
+        printf("%d passed, %d failed\n", g_pass, g_fail);
+        return g_fail ? 1 : 0;
+    }
 
     if (!only_attn) {
         check_memory();
