@@ -543,8 +543,11 @@ static void bench_gemv(double copy_bw) {
     const int64_t shapes[4][2] = {{14336, 4096}, {4096, 14336}, {4096, 4096}, {1024, 4096}};
     const int64_t ns[4] = {1, 2, 5, 8};
     st_backend *b = be;
+    const char *qo = getenv("BENCH_GEMV_INT8_ONLY"); /* set: only the types with int8 kernels */
     for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
         const st_dtype t = types[ti];
+        if (qo && *qo && !(t == ST_DTYPE_Q8_0 || t == ST_DTYPE_Q4_0 || t == ST_DTYPE_Q4_1 || t == ST_DTYPE_Q4_K))
+            continue;
         for (int sh = 0; sh < 4; sh++) {
             const int64_t N = shapes[sh][0], K = shapes[sh][1];
             const size_t wbytes = st_dtype_row_bytes(t, K) * (size_t)N;

@@ -404,7 +404,8 @@ ST_DEV void g2_xload(const int8_t *xq, const float *xd, int64_t e0, int l, g2x<g
         x.w[2 * j] = v.x, x.w[2 * j + 1] = v.y;
     }
     x.d[0] = __ldg(xd + ((e0 + Q::off(l, 0)) >> 5));
-    x.d[1] = __ldg(xd + ((e0 + Q::off(l, Q::U / 8 - 1)) >> 5));
+    if constexpr (Q::U == 32) x.d[1] = __ldg(xd + ((e0 + Q::off(l, 2)) >> 5)); /* q4_k: the high nibbles' block */
+    else x.d[1] = x.d[0];
     g2i<T>::xprep(x);
 }
 
@@ -748,8 +749,10 @@ static strata_status g2_dispatch(cudaStream_t s, bool pdl, const st_gemv_args &a
     constexpr int D = SW ? 2 : 1;
     constexpr int R1 = (q4 ? 8 : 4) / D;
     constexpr int RH = R1 / 2;
-    constexpr int R4 = (T == ST_DTYPE_Q4_K ? 2 : 4) / D;
-    constexpr int R8 = 2 / D;
+    /* the int8 kernels hold packed words, not floats: room for more rows
+     * per x load with several tokens */
+    constexpr int R4 = I8 ? (q4 ? 8 : 4) / D : (T == ST_DTYPE_Q4_K ? 2 : 4) / D;
+    constexpr int R8 = I8 ? (T == ST_DTYPE_Q4_K ? 2 : 4) / D : 2 / D;
     strata_status st;
     if (setup) {
         if ((st = g2_launch<T, 1, RH, SW, I8, 4>(s, pdl, a, true, t)) != STRATA_OK) return st;
