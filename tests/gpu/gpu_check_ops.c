@@ -370,10 +370,10 @@ static bool matmul_gemv(st_dtype t, int64_t n, int64_t K) {
     if (t != ST_DTYPE_F32 && K % 8) return true;
     return n < (st_dtype_get(t)->quantized ? g_min_n_quant : g_min_n);
 }
-/* The GEMV of fast mode for q8_0, q4_0, q4_1, q4_k (rows of 16-byte
- * multiples): x quantized to int8 per 32-block (cuda_gemv.cu). */
+/* The GEMV of fast mode for q8_0 (from 2 tokens), q4_0, q4_1, q4_k (rows of
+ * 16-byte multiples): x quantized to int8 per 32-block (cuda_gemv.cu). */
 static bool matmul_int8(st_dtype t, int64_t n, int64_t K) {
-    const bool ty = t == ST_DTYPE_Q8_0 || t == ST_DTYPE_Q4_0 || t == ST_DTYPE_Q4_1 || t == ST_DTYPE_Q4_K;
+    const bool ty = (t == ST_DTYPE_Q8_0 && n > 1) || t == ST_DTYPE_Q4_0 || t == ST_DTYPE_Q4_1 || t == ST_DTYPE_Q4_K;
     return g_fast && ty && K % 32 == 0 && st_dtype_row_bytes(t, K) % 16 == 0 && matmul_gemv(t, n, K);
 }
 /* ... which decides the threshold: the int8 GEMV 1e-2 (measured: ~2e-3 to

@@ -444,11 +444,12 @@ static __global__ void __launch_bounds__(256) g2_quant_x_kernel(const float *__r
  * block per group of the full height. */
 __host__ __device__ constexpr bool g2_plain(int T) { return T == ST_DTYPE_BF16 || T == ST_DTYPE_F16; }
 
-/* The one-wave grid of walking blocks (and half-height groups for one
- * token): the plain types, and the int8 kernels, which are no longer bound by
- * their instructions but by each block's pipeline start (a q4_0 block of
- * 8 rows x 4096 holds 18 KB: two stages per warp). */
-__host__ __device__ constexpr bool g2_walk(int T, bool I8) { return g2_plain(T) || I8; }
+/* The one-wave grid of walking blocks: the plain types, and the int8 kernels
+ * for several tokens (H100, bench_cuda_ops: q8_0 14336 x 4096 n = 5 40.3 us
+ * walking vs 48.7 us, n = 8 45.6 vs 62.2; q4_0 level). Not for one token:
+ * q4_0 14336 x 4096 21.2 vs 20.1 us, 1024 x 4096 7.5 vs 5.7 us, and the 8B
+ * decode 273 vs 288 tok/s. */
+__host__ __device__ constexpr bool g2_walk(int T, bool I8, int NT) { return g2_plain(T) || (I8 && NT > 1); }
 
 /* Stages in a warp's ring for RR rows of SB bytes: about G2_WARP_SMEM bytes,
  * 2 to 4 (3 at most for the plain types, whose blocks are more numerous). */
@@ -719,7 +720,7 @@ static strata_status g2_launch(cudaStream_t s, bool pdl, st_gemv_args a, bool se
     a.groups = (unsigned)groups;
     int64_t blocks = groups;
     const int64_t wave = (int64_t)bpsm * t->sm_count;
-    if (g2_walk(T, I8) && wave > 0 && groups > wave) blocks = wave;
+    if (g2_walk(T, I8, NT) && wave > 0 && groups > wave) blocks = wave;
     ST_CUDA_TRY(st_launch(pdl, gemv2_kernel<T, NT, R, SW, I8>, dim3((unsigned)blocks, (unsigned)gy), dim3(G2_THREADS),
                           0, s, a));
     return STRATA_OK;
@@ -762,7 +763,7 @@ static strata_status g2_dispatch(cudaStream_t s, bool pdl, const st_gemv_args &a
     strata_status st;
     if (setup) {
         if ((st = g2_launch<T, 1, RH, SW, I8, 4>(s, pdl, a, true, t)) != STRATA_OK) return st;
-    } else if (g2_walk(T, I8) && a.n == 1) {
+    } else if (g2_plain(T) && a.n == 1) {
         const int ti = g2_tidx(T, I8), sw = SW ? 1 : 0;
         if (g2_cost(g2_groups<RH, SW>(a), t->bpsm[ti][4][sw], t->sm_count, RH) <
             g2_cost(g2_groups<R1, SW>(a), t->bpsm[ti][0][sw], t->sm_count, R1))
