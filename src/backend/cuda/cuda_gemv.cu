@@ -44,7 +44,31 @@
  * Tokens: for NT <= 2 a lane keeps its unit's x of every token in registers
  * and decodes row after row; for NT = 4, 8 it decodes all R rows' units into
  * registers and then walks the tokens. Each weight byte is read once per
- * pass whatever NT. */
+ * pass whatever NT.
+ *
+ * int8 kernels (fast mode, set_fast_prefill; q8_0 from 2 tokens, q4_0,
+ * q4_1, q4_k; cuda_matmul.cu chooses). The fp32 path above costs ~6.4
+ * instructions issued per weight and NT times the FMAs for NT tokens. Here
+ * each matmul first quantizes x[n, K] once (g2_quant_x_kernel: per token and
+ * 32-element block, d = max|x| / 127, q = round(x / d), llama.cpp's q8_1
+ * without sums) into int8 xq and fp32 scales xd, shared by every row. A lane
+ * keeps its unit's weights as packed bytes (q8_0 as stored, 4-bit types as
+ * nibbles masked into bytes: no conversion) and per token and row adds
+ * d_w d_x sum q x_q with 4 dp4a (8 for q4_k) + one scale product + one FMA;
+ * q4_0's -8 enters as -8 sum x_q (4 dp4a per token, shared by the R rows),
+ * q4_1's and q4_k's mins as m d_x sum x_q. x comes from L1 as 16 bytes per
+ * unit and token instead of 64, so several tokens cost far less: more rows
+ * per block for NT = 4, 8 (the packed words leave registers free), and for
+ * NT > 1 the one-wave grid of walking blocks (g2_walk). Error against the
+ * fp32 reference (max|y - ref| / max|ref|, gpu_check_ops, random weights
+ * and x): ~3.5e-3 to 4e-3 on 4096- and 14336-deep rows, 7.7e-3 at most over
+ * the checks (13-row, 512-deep cases; threshold 1e-2), SwiGLU 7.8e-3; the
+ * precise path stays within 1e-5 (checked at that threshold). Measured on
+ * an H100 (bench_cuda_ops, us, fp32 path -> int8): q4_0 14336 x 4096 n = 1
+ * 22.5 -> 20.1, n = 5 112 -> 37, n = 8 156 -> 44; q8_0 n = 5 64.6 -> 40.3,
+ * n = 8 88.2 -> 45.6; one token of 1024 x 4096 is slower (4.4 -> 5.7: the
+ * quantization is one more launch). Whole 8B-shaped q4_0 model: 261 -> 288
+ * tok/s for one sequence, 388 -> 1172 for 8 (bench/RESULTS.md). */
 #include "backend/cuda/cuda_gemv.cuh"
 
 #include <string.h>
