@@ -67,8 +67,9 @@
  * an H100 (bench_cuda_ops, us, fp32 path -> int8): q4_0 14336 x 4096 n = 1
  * 22.5 -> 20.1, n = 5 112 -> 37, n = 8 156 -> 44; q8_0 n = 5 64.6 -> 40.3,
  * n = 8 88.2 -> 45.6; one token of 1024 x 4096 is slower (4.4 -> 5.7: the
- * quantization is one more launch). Whole 8B-shaped q4_0 model: 261 -> 288
- * tok/s for one sequence, 388 -> 1172 for 8 (bench/RESULTS.md). */
+ * quantization is one more launch). Whole 8B-shaped q4_0 model, H200: 272 ->
+ * 312 tok/s for one sequence, 388 -> 1188 for 8, a pass of 5 tokens 4.4x ->
+ * 2.2x a one-token step (bench/RESULTS.md, 2026-11-26). */
 #include "backend/cuda/cuda_gemv.cuh"
 
 #include <string.h>
