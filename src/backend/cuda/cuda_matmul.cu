@@ -10,6 +10,11 @@
  *     the PDL wait), block scales factored out of the dot products. The
  *     kernel below stays for the other cases (f32, q8_0, where it is faster,
  *     and other quantized types; rows not a multiple of 16 bytes).
+ *   GEMV, int8 (fast mode: set_fast_prefill; cuda_gemv.cu): q4_0, q4_1, q4_k,
+ *     and q8_0 from 2 tokens, rows of 16-byte multiples: x quantized once per
+ *     call to int8 per 32-block (scratch slot XQ), dp4a against the packed
+ *     weights; ~4e-3 of max|y| from the fp32 result, several tokens per pass
+ *     at a fraction of the fp32 kernel's cost (bench/RESULTS.md).
  *   GEMV (n <= 8 for f32/f16/bf16, n <= 32 for quantized types): a custom
  *     kernel that reads each weight row once at HBM speed and decodes it in
  *     registers (st_unit: 8 to 32 elements per thread, packed bytes loaded
