@@ -541,10 +541,13 @@ static void bench_gemv(double copy_bw) {
     const st_dtype types[] = {ST_DTYPE_BF16, ST_DTYPE_F16, ST_DTYPE_Q8_0, ST_DTYPE_Q4_0, ST_DTYPE_Q4_1,
                               ST_DTYPE_Q4_K, ST_DTYPE_Q6_K};
     const int64_t shapes[4][2] = {{14336, 4096}, {4096, 14336}, {4096, 4096}, {1024, 4096}};
-    const int64_t ns[3] = {1, 2, 8};
+    const int64_t ns[4] = {1, 2, 5, 8};
     st_backend *b = be;
+    const char *qo = getenv("BENCH_GEMV_INT8_ONLY"); /* set: only the types with int8 kernels */
     for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
         const st_dtype t = types[ti];
+        if (qo && *qo && !(t == ST_DTYPE_Q8_0 || t == ST_DTYPE_Q4_0 || t == ST_DTYPE_Q4_1 || t == ST_DTYPE_Q4_K))
+            continue;
         for (int sh = 0; sh < 4; sh++) {
             const int64_t N = shapes[sh][0], K = shapes[sh][1];
             const size_t wbytes = st_dtype_row_bytes(t, K) * (size_t)N;
@@ -565,13 +568,19 @@ static void bench_gemv(double copy_bw) {
             float *dy = NULL;
             TRY(b->ops->alloc(b, (size_t)(8 * N) * 4, (void **)&dy));
             m.x = dx, m.y = dy;
-            for (int k = 0; k < 3; k++) {
-                m.n = ns[k];
-                const double sec = gv_time(&m, ns[k] == 1 ? 200 : 50);
-                printf("gemv %-5s %5lld x %-5lld n=%lld  %7.1f us %5.0f GB/s %3.0f%%\n", st_dtype_name(t), (long long)N,
-                       (long long)K, (long long)ns[k], sec * 1e6, (double)wbytes / sec / 1e9,
-                       100.0 * (double)wbytes / sec / copy_bw);
+            /* the quantized types again in fast mode: the int8 kernels (x quantized per 32-block, dp4a) */
+            const bool i8 = t == ST_DTYPE_Q8_0 || t == ST_DTYPE_Q4_0 || t == ST_DTYPE_Q4_1 || t == ST_DTYPE_Q4_K;
+            for (int fast = 0; fast < (i8 ? 2 : 1); fast++) {
+                b->ops->set_fast_prefill(b, fast);
+                for (int k = 0; k < 4; k++) {
+                    m.n = ns[k];
+                    const double sec = gv_time(&m, ns[k] == 1 ? 200 : 50);
+                    printf("gemv %-5s %5lld x %-5lld n=%lld  %7.1f us %5.0f GB/s %3.0f%%%s\n", st_dtype_name(t),
+                           (long long)N, (long long)K, (long long)ns[k], sec * 1e6, (double)wbytes / sec / 1e9,
+                           100.0 * (double)wbytes / sec / copy_bw, fast ? "  int8 (fast)" : "");
+                }
             }
+            b->ops->set_fast_prefill(b, false);
             for (int c = 0; c < copies; c++) b->ops->dealloc(b, dws[c]);
             b->ops->dealloc(b, dx);
             b->ops->dealloc(b, dy);

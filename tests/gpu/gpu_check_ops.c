@@ -370,13 +370,25 @@ static bool matmul_gemv(st_dtype t, int64_t n, int64_t K) {
     if (t != ST_DTYPE_F32 && K % 8) return true;
     return n < (st_dtype_get(t)->quantized ? g_min_n_quant : g_min_n);
 }
-/* ... which decides the threshold. */
+/* The GEMV of fast mode for q8_0 (from 2 tokens), q4_0, q4_1, q4_k (rows of
+ * 16-byte multiples): x quantized to int8 per 32-block (cuda_gemv.cu). */
+static bool matmul_int8(st_dtype t, int64_t n, int64_t K) {
+    const bool ty = (t == ST_DTYPE_Q8_0 && n > 1) || t == ST_DTYPE_Q4_0 || t == ST_DTYPE_Q4_1 || t == ST_DTYPE_Q4_K;
+    return g_fast && ty && K % 32 == 0 && st_dtype_row_bytes(t, K) % 16 == 0 && matmul_gemv(t, n, K);
+}
+/* ... which decides the threshold: the int8 GEMV 1e-2 (measured: ~2e-3 to
+ * 6e-3 on these random inputs; a wrong scale or offset gives O(1)). */
 static double matmul_thr(st_dtype t, int64_t n, int64_t K) {
+    if (matmul_int8(t, n, K)) return 1e-2;
     if (t == ST_DTYPE_F32 || matmul_gemv(t, n, K)) return 1e-5;
     return g_fast ? 1e-2 : 1e-4;
 }
 static const char *matmul_path(st_dtype t, int64_t n, int64_t K) {
-    return matmul_gemv(t, n, K) ? "gemv" : t == ST_DTYPE_F32 ? "gemm f32" : g_fast ? "gemm fast" : "gemm hi+lo";
+    return matmul_int8(t, n, K) ? "gemv int8"
+         : matmul_gemv(t, n, K) ? "gemv"
+         : t == ST_DTYPE_F32    ? "gemm f32"
+         : g_fast               ? "gemm fast"
+                                : "gemm hi+lo";
 }
 
 static void check_matmul_ex(st_dtype t, int64_t N, int64_t K, int64_t n, int x_off, st_stream *s) {
@@ -1547,6 +1559,35 @@ static void check_gemv_version(const char *ver) {
         for (int i = 0; i < 4; i++) check_fused(ft[ti], ft[ti] == ST_DTYPE_Q4_K ? 1280 : 1024, fn[i]);
 }
 
+/* The int8 decode GEMV (fast mode: x quantized to int8 per 32-block, dp4a
+ * against the packed weights; cuda_gemv.cu) for q8_0, q4_0, q4_1, q4_k:
+ * n = 1..8, partial stages and row groups, rows not 16-byte multiples (the
+ * fp32 kernels then), model shapes, matmul_multi and matmul_swiglu; within
+ * 1e-2 of the CPU's fp32 result (max|y - ref| / max|ref|). */
+static void check_gemv_int8(void) {
+    printf("-- decode GEMV kernels, fast mode (int8 activations)\n");
+    g_fast = true;
+    g_gpu->ops->set_fast_prefill(g_gpu, true);
+    const st_dtype ts[] = {ST_DTYPE_Q8_0, ST_DTYPE_Q4_0, ST_DTYPE_Q4_1, ST_DTYPE_Q4_K};
+    for (size_t ti = 0; ti < sizeof ts / sizeof ts[0]; ti++) {
+        const st_dtype t = ts[ti];
+        const bool kq = t == ST_DTYPE_Q4_K;
+        const int64_t ks[3] = {kq ? 256 : 32, kq ? 1280 : 512, 4096 + (kq ? 256 : 32)};
+        const int64_t rows[2] = {13, 333};
+        for (int k = 0; k < 3; k++)
+            for (int r = 0; r < 2; r++)
+                for (int64_t n = 1; n <= 8; n++) check_matmul(t, rows[r], ks[k], n);
+        check_matmul(t, 4096, 4096, 1);
+        check_matmul(t, 1024, 14336, 5);
+        check_matmul(t, 20011, 512, 2);
+        check_matmul(t, 333, 4096, 11); /* two token groups */
+        const int64_t fn[] = {1, 2, 5, 8};
+        for (int i = 0; i < 4; i++) check_fused(t, kq ? 1280 : 1024, fn[i]);
+    }
+    g_gpu->ops->set_fast_prefill(g_gpu, false);
+    g_fast = false;
+}
+
 /* The GEMV / GEMM switch points of the backend g_gpu (g_min_n,
  * g_min_n_quant: st_backend_params.gemm_min_n, gemm_min_n_quant): matmul,
  * matmul_multi and matmul_swiglu on both sides of them and of the defaults
@@ -1835,9 +1876,11 @@ static void on_backend(const st_backend_params *p, void (*fn)(const char *), con
 
 int main(int argc, char **argv) {
     /* --only-attention: the attention ops alone (attention, attention_part, attention_paged) */
+    /* --only-gemv: the decode GEMV checks alone (default backend, then fast mode's int8 kernels) */
     const bool only_attn = argc > 1 && !strcmp(argv[1], "--only-attention");
-    if (argc > 1 && !only_attn) {
-        fprintf(stderr, "usage: gpu_check_ops [--only-attention]\n");
+    const bool only_gemv = argc > 1 && !strcmp(argv[1], "--only-gemv");
+    if (argc > 1 && !only_attn && !only_gemv) {
+        fprintf(stderr, "usage: gpu_check_ops [--only-attention | --only-gemv]\n");
         return 2;
     }
     g_t0 = st_time_now();
@@ -1846,6 +1889,12 @@ int main(int argc, char **argv) {
     TRY(st_backend_init(&cpu_p, &g_cpu));
     TRY(st_backend_init(&gpu_p, &g_gpu));
     TRY(g_gpu->ops->stream_create(g_gpu, false, &g_s));
+    if (only_gemv) {
+        check_gemv_version("default");
+        check_gemv_int8();
+        printf("%d passed, %d failed\n", g_pass, g_fail);
+        return g_fail ? 1 : 0;
+    }
 
     if (!only_attn) {
         check_memory();
@@ -1977,6 +2026,7 @@ int main(int argc, char **argv) {
     if (!only_attn) {
         /* the decode GEMV kernels on the default backend, then on one where every n <= 8 takes the GEMV */
         check_gemv_version("default");
+        check_gemv_int8();
         on_backend(&(st_backend_params){.gemm_min_n = 9}, check_gemv_version, "gemm_min_n = 9");
         /* the GEMV / GEMM switch points (st_backend_params.gemm_min_n, gemm_min_n_quant, read at init) */
         check_switch_points("default");

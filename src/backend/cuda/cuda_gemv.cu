@@ -44,7 +44,32 @@
  * Tokens: for NT <= 2 a lane keeps its unit's x of every token in registers
  * and decodes row after row; for NT = 4, 8 it decodes all R rows' units into
  * registers and then walks the tokens. Each weight byte is read once per
- * pass whatever NT. */
+ * pass whatever NT.
+ *
+ * int8 kernels (fast mode, set_fast_prefill; q8_0 from 2 tokens, q4_0,
+ * q4_1, q4_k; cuda_matmul.cu chooses). The fp32 path above costs ~6.4
+ * instructions issued per weight and NT times the FMAs for NT tokens. Here
+ * each matmul first quantizes x[n, K] once (g2_quant_x_kernel: per token and
+ * 32-element block, d = max|x| / 127, q = round(x / d), llama.cpp's q8_1
+ * without sums) into int8 xq and fp32 scales xd, shared by every row. A lane
+ * keeps its unit's weights as packed bytes (q8_0 as stored, 4-bit types as
+ * nibbles masked into bytes: no conversion) and per token and row adds
+ * d_w d_x sum q x_q with 4 dp4a (8 for q4_k) + one scale product + one FMA;
+ * q4_0's -8 enters as -8 sum x_q (4 dp4a per token, shared by the R rows),
+ * q4_1's and q4_k's mins as m d_x sum x_q. x comes from L1 as 16 bytes per
+ * unit and token instead of 64, so several tokens cost far less: more rows
+ * per block for NT = 4, 8 (the packed words leave registers free), and for
+ * NT > 1 the one-wave grid of walking blocks (g2_walk). Error against the
+ * fp32 reference (max|y - ref| / max|ref|, gpu_check_ops, random weights
+ * and x): ~3.5e-3 to 4e-3 on 4096- and 14336-deep rows, 7.7e-3 at most over
+ * the checks (13-row, 512-deep cases; threshold 1e-2), SwiGLU 7.8e-3; the
+ * precise path stays within 1e-5 (checked at that threshold). Measured on
+ * an H100 (bench_cuda_ops, us, fp32 path -> int8): q4_0 14336 x 4096 n = 1
+ * 22.5 -> 20.1, n = 5 112 -> 37, n = 8 156 -> 44; q8_0 n = 5 64.6 -> 40.3,
+ * n = 8 88.2 -> 45.6; one token of 1024 x 4096 is slower (4.4 -> 5.7: the
+ * quantization is one more launch). Whole 8B-shaped q4_0 model, H200: 272 ->
+ * 312 tok/s for one sequence, 388 -> 1188 for 8, a pass of 5 tokens 4.4x ->
+ * 2.2x a one-token step (bench/RESULTS.md, 2026-11-26). */
 #include "backend/cuda/cuda_gemv.cuh"
 
 #include <string.h>
@@ -263,6 +288,178 @@ template <> struct g2<ST_DTYPE_Q4_K> {
     }
 };
 
+/* ---- int8 units (fast mode) ----------------------------------------------------------
+ * x quantized per 32-element block: xq int8, xd the block's scale. A lane's
+ * x of one token and unit: w[U / 4] words (run j: words 2j, 2j + 1 = the 8
+ * int8 at element off(l, j)), d[] the scales of its 32-blocks (q4_k: two),
+ * s[] / z the sums the weights' offsets need (computed once per token and
+ * unit, shared by the R rows). g2i<T>::decode gives the unit's weights as
+ * packed small integers q[NQ] (bytes in run order, as dp4a wants them) and
+ * the block scales; accum() adds d_w d_x sum q x_q (+ the offset terms). */
+template <int U> struct g2x {
+    uint32_t w[U / 4];
+    float d[2], s[2]; /* s: d_x * sum x_q over the 16 elements of a sub-block run pair */
+    int z;            /* q4_0: -8 * sum x_q */
+};
+
+ST_DEV int g2_dp4(uint32_t a, uint32_t b, int c) { return __dp4a((int)a, (int)b, c); }
+
+template <int T> struct g2i;
+
+/* Q8_0: q = the 16 int8 of the unit. */
+template <> struct g2i<ST_DTYPE_Q8_0> {
+    static constexpr int NQ = 4, NSC = 1;
+    ST_DEV static void decode(const uint8_t *s, int l, uint32_t q[NQ], float *sc) {
+        const int b = 34 * (l >> 1);
+        sc[0] = g2_h2f(((const uint16_t *)s)[b >> 1]);
+        g2_words<4>(s, b + 2 + 16 * (l & 1), q);
+    }
+    ST_DEV static void xprep(g2x<16> &) {}
+    ST_DEV static float accum(const uint32_t q[NQ], const float *sc, const g2x<16> &x, float acc) {
+        int p = g2_dp4(q[0], x.w[0], 0);
+        p = g2_dp4(q[1], x.w[1], p);
+        p = g2_dp4(q[2], x.w[2], p);
+        p = g2_dp4(q[3], x.w[3], p);
+        return fmaf(__fmul_rn(sc[0], x.d[0]), (float)p, acc);
+    }
+};
+
+/* Q4_0: q = nibbles (run 0 low, run 1 high), element = d (q - 8): the -8 sum
+ * x_q starts the integer sum. */
+template <> struct g2i<ST_DTYPE_Q4_0> {
+    static constexpr int NQ = 4, NSC = 1;
+    ST_DEV static void decode(const uint8_t *s, int l, uint32_t q[NQ], float *sc) {
+        const int b = 18 * (l >> 1);
+        sc[0] = g2_h2f(((const uint16_t *)s)[b >> 1]);
+        uint32_t w[2];
+        g2_words<2>(s, b + 2 + 8 * (l & 1), w);
+        q[0] = w[0] & 0x0f0f0f0fu, q[1] = w[1] & 0x0f0f0f0fu;
+        q[2] = (w[0] >> 4) & 0x0f0f0f0fu, q[3] = (w[1] >> 4) & 0x0f0f0f0fu;
+    }
+    ST_DEV static void xprep(g2x<16> &x) {
+        int z = g2_dp4(0xf8f8f8f8u, x.w[0], 0); /* bytes of -8 */
+        z = g2_dp4(0xf8f8f8f8u, x.w[1], z);
+        z = g2_dp4(0xf8f8f8f8u, x.w[2], z);
+        x.z = g2_dp4(0xf8f8f8f8u, x.w[3], z);
+    }
+    ST_DEV static float accum(const uint32_t q[NQ], const float *sc, const g2x<16> &x, float acc) {
+        int p = g2_dp4(q[0], x.w[0], x.z);
+        p = g2_dp4(q[1], x.w[1], p);
+        p = g2_dp4(q[2], x.w[2], p);
+        p = g2_dp4(q[3], x.w[3], p);
+        return fmaf(__fmul_rn(sc[0], x.d[0]), (float)p, acc);
+    }
+};
+
+/* Q4_1: q = nibbles, element = d q + m: d d_x sum q x_q + m d_x sum x_q. */
+template <> struct g2i<ST_DTYPE_Q4_1> {
+    static constexpr int NQ = 4, NSC = 2;
+    ST_DEV static void decode(const uint8_t *s, int l, uint32_t q[NQ], float *sc) {
+        const uint32_t *b = (const uint32_t *)s + 5 * (l >> 1);
+        const uint32_t dm = b[0];
+        sc[0] = g2_h2f(dm);
+        sc[1] = g2_h2f(dm >> 16);
+        const uint32_t w0 = b[1 + 2 * (l & 1)], w1 = b[2 + 2 * (l & 1)];
+        q[0] = w0 & 0x0f0f0f0fu, q[1] = w1 & 0x0f0f0f0fu;
+        q[2] = (w0 >> 4) & 0x0f0f0f0fu, q[3] = (w1 >> 4) & 0x0f0f0f0fu;
+    }
+    ST_DEV static void xprep(g2x<16> &x) {
+        int z = g2_dp4(0x01010101u, x.w[0], 0);
+        z = g2_dp4(0x01010101u, x.w[1], z);
+        z = g2_dp4(0x01010101u, x.w[2], z);
+        z = g2_dp4(0x01010101u, x.w[3], z);
+        x.s[0] = __fmul_rn(x.d[0], (float)z);
+    }
+    ST_DEV static float accum(const uint32_t q[NQ], const float *sc, const g2x<16> &x, float acc) {
+        int p = g2_dp4(q[0], x.w[0], 0);
+        p = g2_dp4(q[1], x.w[1], p);
+        p = g2_dp4(q[2], x.w[2], p);
+        p = g2_dp4(q[3], x.w[3], p);
+        return fmaf(sc[1], x.s[0], fmaf(__fmul_rn(sc[0], x.d[0]), (float)p, acc));
+    }
+};
+
+/* Q4_K: q[0..3] low nibbles (sub-block 2c: runs 0, 1, x block d[0]),
+ * q[4..7] high nibbles (2c + 1: runs 2, 3, d[1]); scales as g2<Q4_K>. */
+template <> struct g2i<ST_DTYPE_Q4_K> {
+    static constexpr int NQ = 8, NSC = 4;
+    ST_DEV static void decode(const uint8_t *s, int l, uint32_t q[NQ], float *sc) {
+        const uint8_t *b = s + 144 * (l >> 3);
+        const int c = (l >> 1) & 3, i = l & 1;
+        const uint4 hd = *(const uint4 *)b;
+        const uint4 w = *(const uint4 *)(b + 16 + 32 * c + 16 * i);
+        const uint32_t s0 = hd.y, s1 = hd.z, s2 = hd.w;
+        const uint32_t scw = c < 2 ? (s0 & 0x3f3f3f3fu) : ((s2 & 0x0f0f0f0fu) | ((s0 >> 2) & 0x30303030u));
+        const uint32_t mnw = c < 2 ? (s1 & 0x3f3f3f3fu) : (((s2 >> 4) & 0x0f0f0f0fu) | ((s1 >> 2) & 0x30303030u));
+        const unsigned k = (unsigned)(2 * c) & 3u;
+        const float d = g2_h2f(hd.x), dmin = g2_h2f(hd.x >> 16);
+        sc[0] = __fmul_rn(d, (float)((scw >> (8 * k)) & 0xffu));
+        sc[1] = __fmul_rn(dmin, (float)((mnw >> (8 * k)) & 0xffu));
+        sc[2] = __fmul_rn(d, (float)((scw >> (8 * k + 8)) & 0xffu));
+        sc[3] = __fmul_rn(dmin, (float)((mnw >> (8 * k + 8)) & 0xffu));
+        q[0] = w.x & 0x0f0f0f0fu, q[1] = w.y & 0x0f0f0f0fu, q[2] = w.z & 0x0f0f0f0fu, q[3] = w.w & 0x0f0f0f0fu;
+        q[4] = (w.x >> 4) & 0x0f0f0f0fu, q[5] = (w.y >> 4) & 0x0f0f0f0fu, q[6] = (w.z >> 4) & 0x0f0f0f0fu,
+        q[7] = (w.w >> 4) & 0x0f0f0f0fu;
+    }
+    ST_DEV static void xprep(g2x<32> &x) {
+        int a = 0, b = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) a = g2_dp4(0x01010101u, x.w[i], a), b = g2_dp4(0x01010101u, x.w[4 + i], b);
+        x.s[0] = __fmul_rn(x.d[0], (float)a), x.s[1] = __fmul_rn(x.d[1], (float)b);
+    }
+    ST_DEV static float accum(const uint32_t q[NQ], const float *sc, const g2x<32> &x, float acc) {
+        int a = 0, b = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) a = g2_dp4(q[i], x.w[i], a), b = g2_dp4(q[4 + i], x.w[4 + i], b);
+        acc = fmaf(__fmul_rn(sc[0], x.d[0]), (float)a, acc);
+        acc = fmaf(-sc[1], x.s[0], acc);
+        acc = fmaf(__fmul_rn(sc[2], x.d[1]), (float)b, acc);
+        return fmaf(-sc[3], x.s[1], acc);
+    }
+};
+
+/* A lane's x of one token and unit (int8 path): xq, xd the token's rows, e0
+ * the stage's first element. */
+template <int T>
+ST_DEV void g2_xload(const int8_t *xq, const float *xd, int64_t e0, int l, g2x<g2<T>::U> &x) {
+    using Q = g2<T>;
+#pragma unroll
+    for (int j = 0; j < Q::U / 8; j++) {
+        const uint2 v = __ldg((const uint2 *)(xq + e0 + Q::off(l, j)));
+        x.w[2 * j] = v.x, x.w[2 * j + 1] = v.y;
+    }
+    x.d[0] = __ldg(xd + ((e0 + Q::off(l, 0)) >> 5));
+    if constexpr (Q::U == 32) x.d[1] = __ldg(xd + ((e0 + Q::off(l, 2)) >> 5)); /* q4_k: the high nibbles' block */
+    else x.d[1] = x.d[0];
+    g2i<T>::xprep(x);
+}
+
+/* x [n, K] -> int8 + per-32 scales: 4 threads per block, 8 elements each. */
+static __global__ void __launch_bounds__(256) g2_quant_x_kernel(const float *__restrict__ x, int64_t total8,
+                                                               int8_t *__restrict__ xq, float *__restrict__ xd) {
+    st_pdl_wait();
+    st_pdl_trigger();
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; /* total8 is a multiple of 4: whole warps agree */
+    const bool in = i < total8;
+    float4 a = make_float4(0, 0, 0, 0), b = a;
+    if (in) a = __ldg((const float4 *)x + 2 * i), b = __ldg((const float4 *)x + 2 * i + 1);
+    float m = fmaxf(fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w))),
+                    fmaxf(fmaxf(fabsf(b.x), fabsf(b.y)), fmaxf(fabsf(b.z), fabsf(b.w))));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    if (!in) return;
+    const float d = m / 127.0f, id = m > 0.0f ? 127.0f / m : 0.0f;
+    const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    uint32_t w[2] = {0, 0};
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const int q = min(127, max(-127, __float2int_rn(v[k] * id)));
+        w[k >> 2] |= ((uint32_t)q & 0xffu) << (8 * (k & 3));
+    }
+    ((uint2 *)xq)[i] = make_uint2(w[0], w[1]);
+    if ((i & 3) == 0) xd[i >> 2] = d;
+}
+
 /* ---- the kernel ---------------------------------------------------------------------- */
 
 /* bf16, f16: the types whose GEMV the one-wave grid and the half-height
@@ -271,6 +468,13 @@ template <> struct g2<ST_DTYPE_Q4_K> {
  * (q4_0 decode 29% vs 32%, q4_k 14336 x 4096 23% vs 29%), which keep one
  * block per group of the full height. */
 __host__ __device__ constexpr bool g2_plain(int T) { return T == ST_DTYPE_BF16 || T == ST_DTYPE_F16; }
+
+/* The one-wave grid of walking blocks: the plain types, and the int8 kernels
+ * for several tokens (H100, bench_cuda_ops: q8_0 14336 x 4096 n = 5 40.3 us
+ * walking vs 48.7 us, n = 8 45.6 vs 62.2; q4_0 level). Not for one token:
+ * q4_0 14336 x 4096 21.2 vs 20.1 us, 1024 x 4096 7.5 vs 5.7 us, and the 8B
+ * decode 273 vs 288 tok/s. */
+__host__ __device__ constexpr bool g2_walk(int T, bool I8, int NT) { return g2_plain(T) || (I8 && NT > 1); }
 
 /* Stages in a warp's ring for RR rows of SB bytes: about G2_WARP_SMEM bytes,
  * 2 to 4 (3 at most for the plain types, whose blocks are more numerous). */
@@ -351,7 +555,7 @@ struct g2_copier {
  * copies run ahead across group boundaries, so a warp waits for memory once
  * per launch rather than once per group. Partial sums of a group go through
  * red[group parity] and one block barrier per group. */
-template <int T, int NT, int R, bool SW>
+template <int T, int NT, int R, bool SW, bool I8>
 static __global__ void __launch_bounds__(G2_THREADS) gemv2_kernel(const st_gemv_args a) {
     using Q = g2<T>;
     constexpr int RR = SW ? 2 * R : R;
@@ -396,7 +600,40 @@ static __global__ void __launch_bounds__(G2_THREADS) gemv2_kernel(const st_gemv_
             if (!Q::valid(lane, (int)min((int64_t)SE, K - e0))) continue;
             const uint8_t *buf = ring + (j % NST) * (RR * SB);
             const float *xs0 = xt + e0;
-            if constexpr (NT <= 2) {
+            if constexpr (I8) {
+                using QI = g2i<T>;
+                const int8_t *xq0 = a.xq + t0 * K;
+                const float *xd0 = a.xd + t0 * (K >> 5);
+                if constexpr (NT <= 2) {
+                    g2x<U> xv[NT];
+#pragma unroll
+                    for (int t = 0; t < NT; t++)
+                        if (t < nt) g2_xload<T>(xq0 + (int64_t)t * K, xd0 + (int64_t)t * (K >> 5), e0, lane, xv[t]);
+#pragma unroll
+                    for (int r = 0; r < RR; r++) {
+                        uint32_t q[QI::NQ];
+                        float sc[QI::NSC];
+                        QI::decode(buf + r * SB, lane, q, sc);
+#pragma unroll
+                        for (int t = 0; t < NT; t++)
+                            if (t < nt) acc[r][t] = QI::accum(q, sc, xv[t], acc[r][t]);
+                    }
+                } else {
+                    uint32_t q[RR][QI::NQ];
+                    float sc[RR][QI::NSC];
+#pragma unroll
+                    for (int r = 0; r < RR; r++) QI::decode(buf + r * SB, lane, q[r], sc[r]);
+#pragma unroll
+                    for (int t = 0; t < NT; t++) {
+                        if (t < nt) {
+                            g2x<U> xv;
+                            g2_xload<T>(xq0 + (int64_t)t * K, xd0 + (int64_t)t * (K >> 5), e0, lane, xv);
+#pragma unroll
+                            for (int r = 0; r < RR; r++) acc[r][t] = QI::accum(q[r], sc[r], xv, acc[r][t]);
+                        }
+                    }
+                }
+            } else if constexpr (NT <= 2) {
                 float xv[NT][U], xsm[NT][Q::NXS];
 #pragma unroll
                 for (int t = 0; t < NT; t++) {
@@ -475,9 +712,9 @@ static __global__ void __launch_bounds__(G2_THREADS) gemv2_kernel(const st_gemv_
 
 /* ---- launch ------------------------------------------------------------------------ */
 
-constexpr int g2_tidx(int T) {
-    return T == ST_DTYPE_BF16 ? 0 : T == ST_DTYPE_F16 ? 1 : T == ST_DTYPE_Q8_0 ? 2 : T == ST_DTYPE_Q4_0 ? 3
-         : T == ST_DTYPE_Q4_1 ? 4 : 5;
+constexpr int g2_tidx(int T, bool I8) {
+    return (T == ST_DTYPE_BF16 ? 0 : T == ST_DTYPE_F16 ? 1 : T == ST_DTYPE_Q8_0 ? 2 : T == ST_DTYPE_Q4_0 ? 3
+         : T == ST_DTYPE_Q4_1 ? 4 : 5) + (I8 ? 4 : 0);
 }
 
 /* setup: the variant's attributes and blocks per SM (into t); else a launch
@@ -486,14 +723,14 @@ constexpr int g2_tidx(int T) {
  * ceil or floor of groups / blocks groups): measured on the H200, a smaller grid of evenly loaded blocks
  * (bf16 4096 x 14336: 512 blocks of 2 groups for 660 places) lost more to
  * the idle places (75% of HBM vs 82%) than the balance gained. */
-template <int T, int NT, int R, bool SW, int V>
+template <int T, int NT, int R, bool SW, bool I8, int V>
 static strata_status g2_launch(cudaStream_t s, bool pdl, st_gemv_args a, bool setup, st_gemv2_tune *t) {
-    int &bpsm = t->bpsm[g2_tidx(T)][V][SW ? 1 : 0];
+    int &bpsm = t->bpsm[g2_tidx(T, I8)][V][SW ? 1 : 0];
     if (setup) {
         /* leave L1 room for x (read through it by every block): a hint */
-        ST_CUDA_TRY(cudaFuncSetAttribute(gemv2_kernel<T, NT, R, SW>, cudaFuncAttributePreferredSharedMemoryCarveout,
+        ST_CUDA_TRY(cudaFuncSetAttribute(gemv2_kernel<T, NT, R, SW, I8>, cudaFuncAttributePreferredSharedMemoryCarveout,
                                          70));
-        ST_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&bpsm, gemv2_kernel<T, NT, R, SW>, G2_THREADS, 0));
+        ST_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&bpsm, gemv2_kernel<T, NT, R, SW, I8>, G2_THREADS, 0));
         if (bpsm < 1) bpsm = 1;
         return STRATA_OK;
     }
@@ -508,8 +745,8 @@ static strata_status g2_launch(cudaStream_t s, bool pdl, st_gemv_args a, bool se
     a.groups = (unsigned)groups;
     int64_t blocks = groups;
     const int64_t wave = (int64_t)bpsm * t->sm_count;
-    if (g2_plain(T) && wave > 0 && groups > wave) blocks = wave;
-    ST_CUDA_TRY(st_launch(pdl, gemv2_kernel<T, NT, R, SW>, dim3((unsigned)blocks, (unsigned)gy), dim3(G2_THREADS),
+    if (g2_walk(T, I8, NT) && wave > 0 && groups > wave) blocks = wave;
+    ST_CUDA_TRY(st_launch(pdl, gemv2_kernel<T, NT, R, SW, I8>, dim3((unsigned)blocks, (unsigned)gy), dim3(G2_THREADS),
                           0, s, a));
     return STRATA_OK;
 }
@@ -538,52 +775,64 @@ static int64_t g2_cost(int64_t groups, int bpsm, int sm_count, int R) {
  * 1.3 waves of bf16 blocks, 2048 groups of 2 rows 2.2). Variant slots of
  * t->bpsm: 0 one token, 1 two, 2 up to four, 3 up to eight, 4 one token
  * with half the rows per group. */
-template <int T, bool SW>
+template <int T, bool SW, bool I8>
 static strata_status g2_dispatch(cudaStream_t s, bool pdl, const st_gemv_args &a, bool setup, st_gemv2_tune *t) {
     constexpr bool q4 = T == ST_DTYPE_Q4_0 || T == ST_DTYPE_Q4_1;
     constexpr int D = SW ? 2 : 1;
     constexpr int R1 = (q4 ? 8 : 4) / D;
     constexpr int RH = R1 / 2;
-    constexpr int R4 = (T == ST_DTYPE_Q4_K ? 2 : 4) / D;
-    constexpr int R8 = 2 / D;
+    /* the int8 kernels hold packed words, not floats: room for more rows
+     * per x load with several tokens */
+    constexpr int R4 = I8 ? (q4 ? 8 : 4) / D : (T == ST_DTYPE_Q4_K ? 2 : 4) / D;
+    constexpr int R8 = I8 ? (T == ST_DTYPE_Q4_K ? 2 : 4) / D : 2 / D;
     strata_status st;
     if (setup) {
-        if ((st = g2_launch<T, 1, RH, SW, 4>(s, pdl, a, true, t)) != STRATA_OK) return st;
+        if ((st = g2_launch<T, 1, RH, SW, I8, 4>(s, pdl, a, true, t)) != STRATA_OK) return st;
     } else if (g2_plain(T) && a.n == 1) {
-        const int ti = g2_tidx(T), sw = SW ? 1 : 0;
+        const int ti = g2_tidx(T, I8), sw = SW ? 1 : 0;
         if (g2_cost(g2_groups<RH, SW>(a), t->bpsm[ti][4][sw], t->sm_count, RH) <
             g2_cost(g2_groups<R1, SW>(a), t->bpsm[ti][0][sw], t->sm_count, R1))
-            return g2_launch<T, 1, RH, SW, 4>(s, pdl, a, false, t);
+            return g2_launch<T, 1, RH, SW, I8, 4>(s, pdl, a, false, t);
     }
     if (setup || a.n == 1)
-        if ((st = g2_launch<T, 1, R1, SW, 0>(s, pdl, a, setup, t)) != STRATA_OK || !setup) return st;
+        if ((st = g2_launch<T, 1, R1, SW, I8, 0>(s, pdl, a, setup, t)) != STRATA_OK || !setup) return st;
     if (setup || a.n == 2)
-        if ((st = g2_launch<T, 2, R1, SW, 1>(s, pdl, a, setup, t)) != STRATA_OK || !setup) return st;
+        if ((st = g2_launch<T, 2, R1, SW, I8, 1>(s, pdl, a, setup, t)) != STRATA_OK || !setup) return st;
     if (setup || a.n <= 4)
-        if ((st = g2_launch<T, 4, R4, SW, 2>(s, pdl, a, setup, t)) != STRATA_OK || !setup) return st;
-    return g2_launch<T, 8, R8, SW, 3>(s, pdl, a, setup, t);
+        if ((st = g2_launch<T, 4, R4, SW, I8, 2>(s, pdl, a, setup, t)) != STRATA_OK || !setup) return st;
+    return g2_launch<T, 8, R8, SW, I8, 3>(s, pdl, a, setup, t);
 }
 
-template <int T>
+template <int T, bool I8>
 static strata_status g2_dtype(cudaStream_t s, bool pdl, bool swiglu, const st_gemv_args &a, bool setup,
                               st_gemv2_tune *t) {
     strata_status st;
     if (setup) {
-        if ((st = g2_dispatch<T, false>(s, pdl, a, true, t)) != STRATA_OK) return st;
-        return g2_dispatch<T, true>(s, pdl, a, true, t);
+        if ((st = g2_dispatch<T, false, I8>(s, pdl, a, true, t)) != STRATA_OK) return st;
+        return g2_dispatch<T, true, I8>(s, pdl, a, true, t);
     }
-    return swiglu ? g2_dispatch<T, true>(s, pdl, a, false, t) : g2_dispatch<T, false>(s, pdl, a, false, t);
+    return swiglu ? g2_dispatch<T, true, I8>(s, pdl, a, false, t) : g2_dispatch<T, false, I8>(s, pdl, a, false, t);
 }
 
-static strata_status g2_any(int dtype, cudaStream_t s, bool pdl, bool swiglu, const st_gemv_args &a, bool setup,
-                            st_gemv2_tune *t) {
+static strata_status g2_any(int dtype, bool i8, cudaStream_t s, bool pdl, bool swiglu, const st_gemv_args &a,
+                            bool setup, st_gemv2_tune *t) {
+    if (i8) {
+        switch (dtype) {
+        case ST_DTYPE_Q8_0: return g2_dtype<ST_DTYPE_Q8_0, true>(s, pdl, swiglu, a, setup, t);
+        case ST_DTYPE_Q4_0: return g2_dtype<ST_DTYPE_Q4_0, true>(s, pdl, swiglu, a, setup, t);
+        case ST_DTYPE_Q4_1: return g2_dtype<ST_DTYPE_Q4_1, true>(s, pdl, swiglu, a, setup, t);
+        case ST_DTYPE_Q4_K: return g2_dtype<ST_DTYPE_Q4_K, true>(s, pdl, swiglu, a, setup, t);
+        default: break;
+        }
+        return st_err(STRATA_ERR_UNSUPPORTED, "cuda gemv2 int8: dtype %s", st_dtype_name((st_dtype)dtype));
+    }
     switch (dtype) {
-    case ST_DTYPE_BF16: return g2_dtype<ST_DTYPE_BF16>(s, pdl, swiglu, a, setup, t);
-    case ST_DTYPE_F16: return g2_dtype<ST_DTYPE_F16>(s, pdl, swiglu, a, setup, t);
-    case ST_DTYPE_Q8_0: return g2_dtype<ST_DTYPE_Q8_0>(s, pdl, swiglu, a, setup, t);
-    case ST_DTYPE_Q4_0: return g2_dtype<ST_DTYPE_Q4_0>(s, pdl, swiglu, a, setup, t);
-    case ST_DTYPE_Q4_1: return g2_dtype<ST_DTYPE_Q4_1>(s, pdl, swiglu, a, setup, t);
-    case ST_DTYPE_Q4_K: return g2_dtype<ST_DTYPE_Q4_K>(s, pdl, swiglu, a, setup, t);
+    case ST_DTYPE_BF16: return g2_dtype<ST_DTYPE_BF16, false>(s, pdl, swiglu, a, setup, t);
+    case ST_DTYPE_F16: return g2_dtype<ST_DTYPE_F16, false>(s, pdl, swiglu, a, setup, t);
+    case ST_DTYPE_Q8_0: return g2_dtype<ST_DTYPE_Q8_0, false>(s, pdl, swiglu, a, setup, t);
+    case ST_DTYPE_Q4_0: return g2_dtype<ST_DTYPE_Q4_0, false>(s, pdl, swiglu, a, setup, t);
+    case ST_DTYPE_Q4_1: return g2_dtype<ST_DTYPE_Q4_1, false>(s, pdl, swiglu, a, setup, t);
+    case ST_DTYPE_Q4_K: return g2_dtype<ST_DTYPE_Q4_K, false>(s, pdl, swiglu, a, setup, t);
     default: break;
     }
     return st_err(STRATA_ERR_UNSUPPORTED, "cuda gemv2: dtype %s", st_dtype_name((st_dtype)dtype));
@@ -603,9 +852,28 @@ bool st_cuda_gemv2_supports(int dtype, size_t row_bytes) {
     }
 }
 
+bool st_cuda_gemv2_i8_supports(int dtype, size_t row_bytes) {
+    switch (dtype) {
+    case ST_DTYPE_Q8_0:
+    case ST_DTYPE_Q4_0:
+    case ST_DTYPE_Q4_1:
+    case ST_DTYPE_Q4_K: return row_bytes > 0 && row_bytes % 16 == 0;
+    default: return false;
+    }
+}
+
+strata_status st_cuda_gemv2_quant_x(cudaStream_t s, bool pdl, const float *x, int64_t n, int64_t K, int8_t *xq,
+                                    float *xd) {
+    if (K % 32) return st_err(STRATA_ERR_INVALID_ARG, "cuda gemv2: int8 x needs K %% 32 == 0 (K = %lld)", (long long)K);
+    const int64_t total8 = n * K / 8, blocks = (total8 + 255) / 256;
+    if (blocks > INT32_MAX) return st_err(STRATA_ERR_INVALID_ARG, "cuda gemv2: x too large");
+    ST_CUDA_TRY(st_launch(pdl, g2_quant_x_kernel, dim3((unsigned)blocks), dim3(256), 0, s, x, total8, xq, xd));
+    return STRATA_OK;
+}
+
 strata_status st_cuda_gemv2(cudaStream_t s, bool pdl, int dtype, bool swiglu, const st_gemv_args &a,
                             const st_gemv2_tune *t) {
-    return g2_any(dtype, s, pdl, swiglu, a, false, (st_gemv2_tune *)t); /* read only when not setting up */
+    return g2_any(dtype, a.xq != NULL, s, pdl, swiglu, a, false, (st_gemv2_tune *)t); /* read only when not setting up */
 }
 
 strata_status st_cuda_gemv2_setup(st_gemv2_tune *t, int sm_count) {
@@ -614,7 +882,9 @@ strata_status st_cuda_gemv2_setup(st_gemv2_tune *t, int sm_count) {
     st_gemv_args a = {};
     const int types[] = {ST_DTYPE_BF16, ST_DTYPE_F16, ST_DTYPE_Q8_0, ST_DTYPE_Q4_0, ST_DTYPE_Q4_1, ST_DTYPE_Q4_K};
     for (int i = 0; i < 6; i++) {
-        strata_status st = g2_any(types[i], 0, false, false, a, true, t);
+        strata_status st = g2_any(types[i], false, 0, false, false, a, true, t);
+        if (st == STRATA_OK && st_cuda_gemv2_i8_supports(types[i], 16))
+            st = g2_any(types[i], true, 0, false, false, a, true, t);
         if (st != STRATA_OK) return st;
     }
     return STRATA_OK;

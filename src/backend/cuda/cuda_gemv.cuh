@@ -27,6 +27,10 @@ struct st_gemv_args {
     int64_t K;
     const float *x; /* [n, K], 16-byte aligned */
     int64_t n;
+    /* int8 path (fast mode; st_cuda_gemv2_i8_supports): x quantized by
+     * st_cuda_gemv2_quant_x, NULL for the fp32 path */
+    const int8_t *xq; /* [n, K] */
+    const float *xd;  /* [n, K / 32] per-block scales */
 };
 
 /* True when the staged kernels handle this dtype and row size: bf16, f16,
@@ -42,11 +46,22 @@ bool st_cuda_gemv2_supports(int dtype, size_t row_bytes);
  * shape, one block per row group, timed in bench/RESULTS.md, was removed). */
 typedef struct {
     int sm_count;
-    int bpsm[6][5][2];
+    int bpsm[10][5][2]; /* dtypes: bf16, f16, q8_0, q4_0, q4_1, q4_k, then the int8 kernels of the last four */
 } st_gemv2_tune;
 
+/* True when the int8-activation kernels (fast mode) handle this dtype and
+ * row size: q8_0, q4_0, q4_1, q4_k with rows a multiple of 16 bytes. */
+bool st_cuda_gemv2_i8_supports(int dtype, size_t row_bytes);
+
+/* x [n, K] fp32 (16-byte aligned, K % 32 == 0) -> xq [n, K] int8 and xd
+ * [n, K / 32] scales: per 32-element block d = max|x| / 127, q = round(x / d)
+ * (llama.cpp's q8_1 without the sums). Launched with PDL when pdl. */
+strata_status st_cuda_gemv2_quant_x(cudaStream_t s, bool pdl, const float *x, int64_t n, int64_t K, int8_t *xq,
+                                    float *xd);
+
 /* Launches the staged GEMV (swiglu: SwiGLU mode) on s, with PDL when pdl.
- * Needs st_cuda_gemv2_supports(dtype, a.rb), x and w 16-byte aligned. */
+ * Needs st_cuda_gemv2_supports(dtype, a.rb), x and w 16-byte aligned; with
+ * a.xq set, the int8 kernels (st_cuda_gemv2_i8_supports(dtype, a.rb)). */
 strata_status st_cuda_gemv2(cudaStream_t s, bool pdl, int dtype, bool swiglu, const st_gemv_args &a,
                             const st_gemv2_tune *t);
 

@@ -10,6 +10,11 @@
  *     the PDL wait), block scales factored out of the dot products. The
  *     kernel below stays for the other cases (f32, q8_0, where it is faster,
  *     and other quantized types; rows not a multiple of 16 bytes).
+ *   GEMV, int8 (fast mode: set_fast_prefill; cuda_gemv.cu): q4_0, q4_1, q4_k,
+ *     and q8_0 from 2 tokens, rows of 16-byte multiples: x quantized once per
+ *     call to int8 per 32-block (scratch slot XQ), dp4a against the packed
+ *     weights; ~4e-3 of max|y| from the fp32 result, several tokens per pass
+ *     at a fraction of the fp32 kernel's cost (bench/RESULTS.md).
  *   GEMV (n <= 8 for f32/f16/bf16, n <= 32 for quantized types): a custom
  *     kernel that reads each weight row once at HBM speed and decodes it in
  *     registers (st_unit: 8 to 32 elements per thread, packed bytes loaded
@@ -496,7 +501,23 @@ static strata_status lt_gemm(st_backend *be, st_cuda_stream *s, cudaDataType_t a
  * q4_0, q4_1, q4_k with 16-byte multiple rows: st_cuda_gemv2_supports), else
  * mmv_kernel above (f32, q8_0, the other quantized types, odd rows). */
 template <int T, bool SW>
-static strata_status gemv(st_cuda *c, cudaStream_t s, const mmv_args &a) {
+static strata_status gemv(st_backend *be, st_cuda_stream *cs, mmv_args a) {
+    st_cuda *c = st_cuda_of(be);
+    cudaStream_t s = cs->s;
+    /* fast mode: x quantized to int8 once for every row (cuda_gemv.cu); not
+     * q8_0 for one token, where the fp32 mmv kernel below is faster (H100,
+     * 14336 x 4096: 25.6 vs 30.9 us; the quantization adds a launch) */
+    if (c->fast_prefill && st_cuda_gemv2_i8_supports(T, a.rb) && a.K % 32 == 0 && !(T == ST_DTYPE_Q8_0 && a.n == 1)) {
+        const size_t qb = ((size_t)(a.n * a.K) + 15) / 16 * 16, db = (size_t)(a.n * (a.K / 32)) * 4;
+        void *p = NULL;
+        strata_status st = st_cuda_scratch(be, cs, ST_CUDA_SCRATCH_XQ, qb + db, &p);
+        if (st != STRATA_OK) return st;
+        a.xq = (const int8_t *)p;
+        a.xd = (const float *)((uint8_t *)p + qb);
+        if ((st = st_cuda_gemv2_quant_x(s, c->pdl, a.x, a.n, a.K, (int8_t *)p, (float *)a.xd)) != STRATA_OK)
+            return st;
+        return st_cuda_gemv2(s, c->pdl, T, SW, a, &c->lt_cache->gemv2);
+    }
     if (st_cuda_gemv2_supports(T, a.rb)) return st_cuda_gemv2(s, c->pdl, T, SW, a, &c->lt_cache->gemv2);
     return gemv_mmv<T, SW>(s, c->pdl, a);
 }
@@ -559,7 +580,7 @@ static strata_status matmul_t(st_backend *be, st_cuda_stream *s, const float *x,
     if (use_gemv(st_cuda_of(be), w, n)) {
         strata_status st = gemv_x(be, s, x, n, K, &x);
         if (st != STRATA_OK) return st;
-        return gemv<T, false>(st_cuda_of(be), s->s, mmv_one(w, x, n, y));
+        return gemv<T, false>(be, s, mmv_one(w, x, n, y));
     }
     if (T == ST_DTYPE_F32) return lt_gemm(be, s, CUDA_R_32F, w->data, x, y, N, n, K, N, 0.0f);
     if (!st_cuda_aligned(x, 16)) return gemv_scalar<T>(s->s, w, x, n, y); /* rare: the exact GEMV passes */
@@ -663,7 +684,7 @@ strata_status st_cuda_op_matmul_multi(st_backend *be, st_cuda_stream *s, const f
         a.y[i] = y[i];
         a.N[i] = w[i].rows;
     }
-    ST_DTYPE_SWITCH(w[0].dtype, T, return gemv<T, false>(st_cuda_of(be), s->s, a));
+    ST_DTYPE_SWITCH(w[0].dtype, T, return gemv<T, false>(be, s, a));
     return st_err(STRATA_ERR_UNSUPPORTED, "cuda matmul_multi: dtype %s", st_dtype_name(w[0].dtype));
 }
 
@@ -677,7 +698,7 @@ strata_status st_cuda_op_matmul_swiglu(st_backend *be, st_cuda_stream *s, const 
         if ((st = gemv_x(be, s, x, n, wg->cols, &x)) != STRATA_OK) return st;
         mmv_args a = mmv_one(wg, x, n, out);
         a.w[1] = (const uint8_t *)wu->data;
-        ST_DTYPE_SWITCH(wg->dtype, T, return gemv<T, true>(st_cuda_of(be), s->s, a));
+        ST_DTYPE_SWITCH(wg->dtype, T, return gemv<T, true>(be, s, a));
         return st_err(STRATA_ERR_UNSUPPORTED, "cuda matmul_swiglu: dtype %s", st_dtype_name(wg->dtype));
     }
     void *tmp = NULL;
