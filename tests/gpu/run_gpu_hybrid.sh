@@ -84,7 +84,11 @@ if [ "${SKIP_CHECK:-0}" != 1 ] && have_time 120 "hybrid logits check"; then
     L hyb1 --device "$GPU" --device-mem "$DEV" --host-mem 8G --cpu-layers 2 --chunk 1 "${TH[@]}"
     L str --device "$GPU" --device-mem "$DEV" --host-mem 8G --cpu-layers 0
     "$BIN" plan "$S" --device "$GPU" --ctx 64 --batch 8 --device-mem "$DEV" --host-mem 8G --cpu-layers 2 --h2d-bw 25 --ssd-bw 3 \
-      | grep -E "^ +(device|host|ssd|cpu) " | sed 's/^/  small plan: /'
+      > "$OUTDIR/plan_small_hyb.log" 2>&1
+    grep -E "^(device|minimum) |^ +(device|host|ssd|cpu) " "$OUTDIR/plan_small_hyb.log" | sed 's/^/  small plan: /'
+    # the check means something only when the FFN groups are on the cpu tier
+    ncpu=$(sed -nE 's/^ +cpu +([0-9]+) .*/\1/p' "$OUTDIR/plan_small_hyb.log")
+    [ "${ncpu:-0}" -ge 1 ] || fail "small plan at --device-mem $DEV puts no FFN group on the cpu tier (${ncpu:-?}): give SMALL_DEVICE_MEM"
     python3 - "$WORK" <<'PY' || rc=1
 import array, sys, os
 w = sys.argv[1]
@@ -110,8 +114,9 @@ for n, what in (("cpu", "CPU backend alone (the scale of different kernels)"), (
     if d is None: print("FAIL  %s: missing or of the wrong size" % n); ok = False; continue
     print("  %-5s max abs diff %.3e, max rel diff %.3e (of max |logit|), argmax agrees %d/%d  (%s)" % (n, d[0], d[1], d[2], T, what))
     if n.startswith("hyb"):
-        good = d[1] <= max(2 * base[1], 1e-3) and d[2] >= min(base[2], T - 1)
-        print("%s  hybrid logits %s within tolerance (rel <= max(2 x CPU-vs-GPU %.2e, 1e-3), argmax >= %d/%d)" % ("PASS" if good else "FAIL", n, base[1], min(base[2], T - 1), T))
+        # and not bit-identical to the all-GPU run: then the CPU never computed anything
+        good = 0 < d[1] <= max(2 * base[1], 1e-3) and d[2] >= min(base[2], T - 1)
+        print("%s  hybrid logits %s within tolerance (0 < rel <= max(2 x CPU-vs-GPU %.2e, 1e-3), argmax >= %d/%d)" % ("PASS" if good else "FAIL", n, base[1], min(base[2], T - 1), T))
         ok = ok and good
 sys.exit(0 if ok else 1)
 PY
