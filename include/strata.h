@@ -159,7 +159,7 @@ typedef struct {
     /* speculative decoding: drafts verified in one pass with the step's token; greedy output is the
      * same token for token, sampling keeps the distribution (engine/spec.h) */
     strata_spec spec;          /* default off; STRATA_SPEC_DRAFT needs draft_model */
-    int spec_k;                /* most drafts per step (0: 8; 1 to 32); fewer as acceptance falls */
+    int spec_k;                /* most drafts per step (0: 7; 1 to 32); fewer as acceptance falls */
     double spec_cost;          /* one draft's cost in one-token steps, fixed (0: measured as it runs) */
     const char *draft_model;   /* the draft model's path (GGUF or HF directory; same vocabulary),
                                   run on the same device beside the model */

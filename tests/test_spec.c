@@ -70,7 +70,7 @@ static void test_best_k(void) {
 
 static void test_params(void) {
     st_spec_params p = {.mode = ST_SPEC_LOOKUP};
-    CHECK(st_spec_params_resolve(&p) == STRATA_OK && p.k_max == 8 && p.ngram_min == 1 && p.ngram_max == 3 &&
+    CHECK(st_spec_params_resolve(&p) == STRATA_OK && p.k_max == 7 && p.ngram_min == 1 && p.ngram_max == 3 &&
           p.step_cost == 0);
     p = (st_spec_params){.mode = ST_SPEC_LOOKUP, .step_cost = -1};
     CHECK_ERR(st_spec_params_resolve(&p), STRATA_ERR_INVALID_ARG, "--spec-cost -1");

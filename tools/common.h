@@ -57,7 +57,7 @@ typedef struct {
     "                           model); draft: a smaller model's greedy tokens (--draft). Default off\n" \
     "  --draft MODEL            the draft model (same vocabulary; on the same device), implies\n" \
     "                           --spec draft\n" \
-    "  --spec-k N               most drafts per step (default 8, 1 to 32); fewer while few are\n" \
+    "  --spec-k N               most drafts per step (default 7, 1 to 32); fewer while few are\n" \
     "                           accepted, none while a draft costs more than it brings\n" \
     "  --spec-cost C            one draft's cost in one-token steps, fixed (default: measured as\n" \
     "                           it runs, from steps with and without drafts)\n"

@@ -9,7 +9,7 @@
 #include "model/llama.h"
 #include "planner/planner.h"
 
-#define DEF_K_MAX 8
+#define DEF_K_MAX 7
 #define MAX_K 32
 #define DEF_NGRAM_MIN 1
 #define DEF_NGRAM_MAX 3

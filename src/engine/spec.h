@@ -54,7 +54,9 @@ const char *st_spec_mode_name(st_spec_mode m); /* "off", "lookup", "draft" */
 
 typedef struct {
     st_spec_mode mode;
-    int k_max;                         /* most drafts per step (0: 8; at most 32) */
+    int k_max;                         /* most drafts per step (0: 7, so a pass is at most 8 tokens:
+                                          the decode GEMV's widest pass, the CPU tier's default
+                                          cpu_max_tokens; at most 32) */
     int ngram_min, ngram_max;          /* lookup: suffix lengths tried, longest first (0: 1, 3) */
     double step_cost;                  /* one more verified token, in units of a one-token step: > 0
                                           fixed; 0 (default): measured as the steps run (0.1 until
