@@ -197,7 +197,8 @@ bool tool_test_fault_is(const tool_model_opts *o, const char *kind) {
 }
 
 st_backend_params tool_backend_params(const tool_model_opts *o) {
-    st_backend_params bp = {.kind = ST_BACKEND_CPU, .n_threads = o->threads, .device_mem = o->device_mem};
+    st_backend_params bp = {.kind = ST_BACKEND_CPU, .n_threads = o->threads, .device_mem = o->device_mem,
+                            .cpu_act = o->cpu_act8 ? ST_CPU_ACT_INT8 : ST_CPU_ACT_PRECISE};
     const char *dev = o->device ? o->device : "auto";
     if (strcmp(dev, "cuda") == 0 || (strcmp(dev, "auto") == 0 && st_backend_available(ST_BACKEND_CUDA)))
         bp.kind = ST_BACKEND_CUDA;
@@ -227,6 +228,12 @@ int tool_parse_model_opt(int argc, char **argv, int *i, tool_model_opts *o) {
     } else if (strcmp(a, "--threads") == 0) {
         if (!tool_parse_i64(val, 1, 1024, "--threads", &v)) return -1;
         o->threads = (int)v;
+    } else if (strcmp(a, "--cpu-act") == 0) {
+        if (!val || (strcmp(val, "precise") && strcmp(val, "int8"))) {
+            fprintf(stderr, "strata: --cpu-act takes precise or int8\n");
+            return -1;
+        }
+        o->cpu_act8 = strcmp(val, "int8") == 0;
     } else if (strcmp(a, "--ctx") == 0) {
         if (!tool_parse_i64(val, 1, INT32_MAX, "--ctx", &v)) return -1;
         o->ctx = v;

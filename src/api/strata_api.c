@@ -87,6 +87,9 @@ static strata_status check_params(const strata_model_params *p, st_backend_param
         bp->kind = ST_BACKEND_CUDA;
     if (p->threads < 0) return st_err(STRATA_ERR_INVALID_ARG, "model params: threads %d < 0", p->threads);
     bp->n_threads = p->threads;
+    if (p->cpu_act != STRATA_CPU_ACT_PRECISE && p->cpu_act != STRATA_CPU_ACT_INT8)
+        return st_err(STRATA_ERR_INVALID_ARG, "model params: cpu_act %d", (int)p->cpu_act);
+    bp->cpu_act = p->cpu_act == STRATA_CPU_ACT_INT8 ? ST_CPU_ACT_INT8 : ST_CPU_ACT_PRECISE;
     bp->device_mem = p->device_mem;
     if (p->max_batch < 0 || p->max_seq_len < 0 || p->prefill_chunk < 0 || p->max_waiting < 0)
         return st_err(STRATA_ERR_INVALID_ARG,

@@ -617,11 +617,10 @@ ST_AI st_v16u8 ld16u8(const uint8_t *p) {
     memcpy(&v, p, 16);
     return v;
 }
+/* (through memory, two 16-byte stores and a 32-byte load stall store forwarding) */
 ST_AI v32u8 cat16(st_v16u8 lo, st_v16u8 hi) {
-    v32u8 r;
-    memcpy(&r, &lo, 16);
-    memcpy((uint8_t *)&r + 16, &hi, 16);
-    return r;
+    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,
+                                   22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
 }
 
 ST_AI void quant_block8(const float *x, int8_t *a, float *dx, float *sx, int32_t *hs) {
@@ -759,12 +758,11 @@ ST_TARGET_AVX512 ST_AI st_v8i prow8_vnni(v32u8 w, v32i8 a, bool sgn) {
     return (st_v8i)_mm256_dpbusd_epi32(_mm256_setzero_si256(), wv, av);
 }
 ST_TARGET_AVXVNNI ST_AI st_v8i tree_avxvnni(const st_v8i p[QI_ROWS]) { return tree_avx2(p); }
-ST_TARGET_AVXVNNI ST_AI st_v8i gather_avxvnni(const uint8_t *base, st_v8i idx, int64_t off) {
-    return gather_avx2(base, idx, off);
-}
 ST_TARGET_AVXVNNI ST_AI st_v8f f16_avxvnni(st_v8i h) { return f16_avx2(h); }
 #endif
 
+/* (the scales' gather as 8 scalar loads at every level: vpgatherdd cost more here, and is slower still
+ * on Intel CPUs under the GDS microcode mitigation) */
 typedef struct {
     st_v8i (*gather)(const uint8_t *base, st_v8i idx, int64_t off);
     st_v8f (*f16)(st_v8i h);
@@ -781,6 +779,9 @@ ST_AI void dot_token8(const qi_ctx *m, st_dtype t, const qblock *B, bool unpacke
     const float *dx = (const float *)(qa + K), *sx = dx + nb;
     const int32_t *hs = (const int32_t *)(sx + nb);
     const uint8_t *ws8 = (const uint8_t *)B->wsc;
+    const int64_t span = QI_ROWS * (int64_t)m->row_bytes;
+    const uint64_t pf_q16 = ((uint64_t)span << 16) / (uint64_t)m->nu; /* prefetch bytes per unit, 16.16 */
+    int64_t pf = 0;
     st_v8f acc[8];
     for (int l = 0; l < 8; l++) acc[l] = st_v8f_splat(0.0f);
     for (int64_t u0 = 0; u0 < m->nu; u0 += 8)
@@ -797,8 +798,8 @@ ST_AI void dot_token8(const qi_ctx *m, st_dtype t, const qblock *B, bool unpacke
             p[r] = I.prow8(w, A, t == ST_DTYPE_Q8_0);
         }
         if (!unpacked) { /* the next row block, a unit's share of it per unit: one stream ahead */
-            const int64_t span = QI_ROWS * (int64_t)m->row_bytes;
-            for (int64_t o = span * u / m->nu; o < span * (u + 1) / m->nu; o += 64) __builtin_prefetch(B->base + span + o);
+            const int64_t pf_end = (int64_t)(((uint64_t)(u + 1) * pf_q16) >> 16);
+            for (; pf < pf_end; pf += 64) __builtin_prefetch(B->base + span + pf);
         }
         st_v8i s = I.tree(p);
         if (off8(t)) s -= off8(t) * (t == ST_DTYPE_Q6_K ? hs[u] : hs[2 * b] + hs[2 * b + 1]);
@@ -955,13 +956,13 @@ static void qa8_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
 }
 #if ST_CPU_HAVE_AVX2_PATH
 ST_TARGET_AVX2_F16C static void qi8_fn_avx2(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_avx2, f16_avx2, prow8_avx2, tree_avx2, NULL});
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx2, prow8_avx2, tree_avx2, NULL});
 }
 ST_TARGET_AVXVNNI static void qi8_fn_avxvnni(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_avxvnni, f16_avxvnni, prow8_avxvnni, tree_avxvnni, NULL});
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avxvnni, prow8_avxvnni, tree_avxvnni, NULL});
 }
 ST_TARGET_AVX512 static void qi8_fn_avx512(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_avx2, f16_avx512, prow8_vnni, tree_avx2, dot_group8_vnni});
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx512, prow8_vnni, tree_avx2, dot_group8_vnni});
 }
 ST_TARGET_AVX2_F16C static void qa8_fn_avx2(void *ctx, int64_t begin, int64_t end, int ti) {
     (void)ti;
