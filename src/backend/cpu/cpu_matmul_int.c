@@ -1,15 +1,21 @@
 /* CPU matmul of the quantized dtypes (q4_0, q4_1, q8_0, q4_K, q6_K) with
  * integer dot products: y[n, N] = x[n, K] @ w[N, K]^T.
  *
+ * Two activation precisions (st_cpu.act8, from st_backend_params.cpu_act;
+ * `strata --cpu-act precise|int8`): precise (default), QMAX = 2^22 - 1,
+ * and int8, QMAX = 127 (q8-style, as llama.cpp's). Both follow the
+ * arithmetic below; only QMAX and the way the integer sums are formed differ.
+ *
  * Arithmetic (the same bits at every ISA level, n and thread count):
  *
  * 1. Activations, once per call: each token's row is cut into 32-element
  *    blocks b; amax = max |x| over the block, dx_b = amax / QMAX (one float
  *    division, round to nearest even), a = x / dx_b rounded to the nearest
  *    integer, ties to even, clamped to [-QMAX, QMAX]; sx_b = dx_b *
- *    (float)sum(a). QMAX = 2^22 - 1, for q8_0 2^19 - 1 (so that every sum
- *    below fits int32). A block whose dx_b is 0 (zeros, or underflow) gets
- *    a = 0, dx_b = 0; one holding inf or NaN gets a = 0, dx_b = NaN.
+ *    (float)sum(a). Precise: QMAX = 2^22 - 1, for q8_0 2^19 - 1 (so that
+ *    every sum below fits int32); int8: 127. A block whose dx_b is 0 (zeros,
+ *    or underflow) gets a = 0, dx_b = 0; one holding inf or NaN gets a = 0,
+ *    dx_b = NaN.
  * 2. Weights are read as units of 32 integers w with a float scale dw and,
  *    for the dtypes with mins, a float mw; the dequantized weight is
  *    dw * w + mw, as core/quant.c computes it:
@@ -30,21 +36,35 @@
  *    forms them and every float operation is element-wise over outputs, so
  *    the levels need only agree on the integers.
  *
- * The integers: a is kept as two int16 planes, hi = a >> 8 and lo = a & 255,
- * and S_u = 256 * sum(w * hi) + sum(w * lo): four 16-element pair products
- * (vpmaddwd on AVX2, vpdpwssd on AVX-512 VNNI) per unit where int16
+ * The integers, precise: a is kept as two int16 planes, hi = a >> 8 and lo
+ * = a & 255, and S_u = 256 * sum(w * hi) + sum(w * lo): four 16-element pair
+ * products (vpmaddwd on AVX2, vpdpwssd on AVX-512 VNNI) per unit where int16
  * activations (QMAX 32767) would take two.
+ *
+ * The integers, int8: a is one int8 per element (per token: the K bytes,
+ * then dx, sx, and the sums of a over each 16-element half of each block).
+ * The weights go in as unsigned bytes, w + o: q4_0 the nibbles (o = 8), q6_K
+ * the 6-bit values (o = 32; a unit's 16 in its half of the block, zeros in
+ * the other), q4_1 and q4_K the nibbles (o = 0); S_u = sum((w + o) * a) -
+ * o * sum(a over the unit). u8 x s8 products: vpdpbusd (AVX-512 VNNI, and
+ * the VEX encoding of AVX-VNNI) or vpmaddubsw + vpmaddwd (AVX2): one
+ * instruction per 32 weights and row. q8_0's signed bytes by the sign trick,
+ * |w| x (a * sign(w)) (|w| <= 128, |a| <= 127: vpmaddubsw's pair sums stay
+ * under 2^15), except in the AVX-512 token-group kernel, which takes them
+ * as w + 128 (o = 128). Portable C forms the same sums in int32 lanes.
  *
  * Precision: y is the product of the dequantized weights with the
  * activations rounded to QMAX steps of their block's max, up to the float
  * rounding of the combination. Max |y - f32 dequantized product| / max |y|
  * on realistic shapes (K = 576 and 1536, N up to 49152, Gaussian activations
- * with 20x outlier channels): 4.8e-7 (q8_0: 3.3e-6); tests/test_backend_cpu.c
- * measures up to 2.3e-6 (q8_0: 8.7e-6) on small shapes. With int16
- * activations it is 6e-5 (2e-4 on the default model's logits, over the 1e-4
- * that the CPU's logits checks allow); with int8 (vpdpbusd) 1.3e-2.
+ * with 20x outlier channels): precise 4.8e-7 (q8_0: 3.3e-6);
+ * tests/test_backend_cpu.c measures up to 2.3e-6 (q8_0: 8.7e-6) on small
+ * shapes. int8: 0.8e-2 to 2.3e-2 there (N >= 13; up to 7.8e-2 for a single
+ * output row, which can nearly cancel), far above the 1e-4 that the CPU's
+ * logits checks against HF allow: hence an option, not the default. (int16
+ * activations would give 6e-5, 2e-4 on the default model's logits.)
  *
- * Work: an item is (token tile, 8 weight rows). One token reads its units
+ * Work (both precisions): an item is (token tile, 8 weight rows). One token reads its units
  * straight from the weights, prefetching the next row block as one stream;
  * the 8 rows' partial sums of a unit go through a reduction tree (vphaddd)
  * into one vector of 8 totals, so the float combination runs 8 rows wide.
@@ -52,7 +72,14 @@
  * units; scales laid out [unit][row]) and run every token over them: on
  * AVX-512 by groups of 8 tokens in the lanes (each weight pair broadcast
  * against the 8 tokens' activation pairs; no tree), elsewhere one token at a
- * time through the tree. */
+ * time through the tree. int8 unpacks to bytes (q8_0 as w + 128 for the
+ * group kernel), and its group kernel broadcasts each row's weight quad
+ * against the 8 tokens' activation quads (vpdpbusd). The int8 path reads
+ * the 8 rows' scales by 8 scalar loads (vpgatherdd cost more). One token's
+ * rows are split over the threads as whole 8-row blocks (guided chunks of
+ * contiguous blocks, at least ~64K multiply-adds each): each thread streams
+ * its own contiguous stretch of the weights (8 rows, software prefetch of
+ * the next 8 rows spread over the units) and writes disjoint outputs. */
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("O3")
 #endif
