@@ -2,11 +2,12 @@
 # strata and llama.cpp side by side on the CPU (issue 19's table): the same
 # GGUF, the same thread count, one run of each engine per row, interleaved.
 #
-#   bench/cpu_vs_llama.sh MODEL.gguf LLAMA_BENCH THREADS [STRATA] [REPS]
+#   bench/cpu_vs_llama.sh MODEL.gguf LLAMA_BENCH THREADS [STRATA] [REPS] [int8]
 #
 # LLAMA_BENCH: a CPU-only build of llama.cpp's llama-bench (not part of this
 # repository). STRATA: the strata binary (default build-cpu/strata). REPS:
 # llama-bench repetitions and strata prefill repetitions (default 3).
+# STRATA_OPTS: "int8" runs strata with --cpu-act int8 (default: its default).
 # Rows:
 #   prefill 512                                strata bench --prompt 512 | llama-bench -p 512 -n 0
 #   decode 32 tokens after a 64-token prompt   strata bench --prompt 64 --gen 32 | llama-bench -n 32 -d 64
@@ -24,6 +25,8 @@ fi
 MODEL=$1 LLAMA=$2 THREADS=$3
 STRATA=${4:-$(dirname "$0")/../build-cpu/strata}
 REPS=${5:-3}
+EXTRA=()
+if [ "${6:-}" = int8 ]; then EXTRA=(--cpu-act int8); fi
 for f in "$MODEL" "$LLAMA" "$STRATA"; do
     [ -e "$f" ] || { echo "$0: $f: not found" >&2; exit 2; }
 done
@@ -31,7 +34,7 @@ done
 # strata_run PROMPT GEN -> "prefill_tok_s decode_tok_s"
 strata_run() {
     local out
-    out=$("$STRATA" bench "$MODEL" --device cpu --threads "$THREADS" --prompt "$1" --gen "$2" --reps "$REPS" 2>&1) || {
+    out=$("$STRATA" bench "$MODEL" --device cpu --threads "$THREADS" --prompt "$1" --gen "$2" --reps "$REPS" "${EXTRA[@]}" 2>&1) || {
         echo "$out" >&2
         echo "$0: strata bench failed" >&2
         exit 1
@@ -56,6 +59,7 @@ print(rows[-1]["avg_ts"])'
 }
 
 echo "model   $MODEL"
+echo "strata  ${EXTRA[*]:-(default options)}"
 echo "threads $THREADS; load before: $(cut -d" " -f1-3 /proc/loadavg)"
 read -r _ s_dec64 < <(strata_run 64 32)
 l_dec64=$(llama_run -p 0 -n 32 -d 64)

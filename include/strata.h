@@ -103,11 +103,19 @@ typedef enum {
     STRATA_SPEC_DRAFT,  /* a smaller model of the same vocabulary (draft_model) */
 } strata_spec;
 
+/* CPU backend: the precision of the activations in matmuls over quantized
+ * weights (integer dot products per 32-block). */
+typedef enum {
+    STRATA_CPU_ACT_PRECISE = 0, /* 22-bit integers: ~1e-6 of the f32 dequantized product (default) */
+    STRATA_CPU_ACT_INT8,        /* int8 (q8-style, as llama.cpp): ~1.5e-2; vpdpbusd, faster */
+} strata_cpu_act;
+
 /* How to load a model. Zero-initialise it: every zero field is its default
  * (a NULL params pointer means all defaults). */
 typedef struct {
     const char *device;        /* "cpu", "cuda" or "auto" (NULL: auto = CUDA when built and a GPU is present) */
     int threads;               /* CPU worker threads (0: all cores) */
+    strata_cpu_act cpu_act;    /* CPU: quantized matmuls' activation precision (default PRECISE) */
     size_t device_mem;         /* device budget in bytes: weights, KV cache, activations, scratch
                                   (0: unlimited, every weight resident); weights that do not fit stream */
     size_t host_mem;           /* pinned host bytes for streamed weights (0: 80% of available memory) */

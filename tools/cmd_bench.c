@@ -41,47 +41,6 @@ static void bench_usage(FILE *f) {
             TOOL_MODEL_OPTS_HELP);
 }
 
-typedef struct {
-    const float *buf;
-    int64_t per_item;   /* floats per item */
-    double *sums;       /* per thread */
-} bw_ctx;
-
-static void bw_read(void *ctx, int64_t begin, int64_t end, int thread) {
-    bw_ctx *c = ctx;
-    float acc[16] = {0};
-    for (int64_t it = begin; it < end; it++) {
-        const float *p = c->buf + it * c->per_item;
-        for (int64_t i = 0; i < c->per_item; i += 16)
-            for (int j = 0; j < 16; j++) acc[j] += p[i + j];
-    }
-    double s = 0;
-    for (int j = 0; j < 16; j++) s += acc[j];
-    c->sums[thread] += s;
-}
-
-/* Best-of-5 read bandwidth (bytes/s) of `bytes` of host memory with the pool. */
-static double measure_read_bw(st_pool *pool, size_t bytes) {
-    const int64_t per_item = 1 << 16; /* 256 KiB chunks */
-    int64_t items = (int64_t)(bytes / (per_item * sizeof(float)));
-    float *buf = malloc((size_t)(items * per_item) * sizeof(float));
-    if (!buf) return 0;
-    for (int64_t i = 0; i < items * per_item; i++) buf[i] = (float)(i & 7);
-    double sums[1024] = {0};
-    bw_ctx c = {buf, per_item, sums};
-    double best = 0;
-    for (int r = 0; r < 5; r++) {
-        double t0 = st_time_now();
-        st_pool_parallel_for(pool, items, 1, bw_read, &c);
-        double dt = st_time_now() - t0;
-        double bw = (double)(items * per_item) * sizeof(float) / dt;
-        if (bw > best) best = bw;
-    }
-    if (sums[0] == -1.0) fprintf(stderr, "!"); /* keeps the reads alive */
-    free(buf);
-    return best;
-}
-
 static int argmax(const float *x, int64_t n) {
     int64_t b = 0;
     for (int64_t i = 1; i < n; i++)
@@ -590,7 +549,7 @@ int cmd_bench(int argc, char **argv) {
         if (st_pool_init(mo.threads > 0 ? mo.threads : 0, &pool) != STRATA_OK) goto fail;
         probe = 4 * (size_t)weight_bytes;
         if (probe < ((size_t)1 << 30)) probe = (size_t)1 << 30;
-        bw = measure_read_bw(pool, probe);
+        bw = tool_measure_read_bw(pool, probe);
         n_threads = st_pool_threads(pool);
         st_pool_free(pool);
     } else {

@@ -66,7 +66,7 @@ int cmd_plan(int argc, char **argv) {
         st_model_close(files);
         return 1;
     }
-    st_llama_params lp = tool_llama_params(&mo, &files->config);
+    st_llama_params lp = tool_llama_params(&mo, files);
     lp.weights.prefill_tokens = prompt;
     st_wgroups *g = NULL;
     st_wplan p;

@@ -467,6 +467,7 @@ static bool runner_open(run_opts *o, runner *r, int *rc) {
     strata_model_params mp = {
         .device = mo->device,
         .threads = mo->threads,
+        .cpu_act = mo->cpu_act8 ? STRATA_CPU_ACT_INT8 : STRATA_CPU_ACT_PRECISE,
         .device_mem = mo->device_mem,
         .host_mem = mo->host_mem,
         .kv_dtype = mo->kv_dtype == ST_KV_FP8 ? STRATA_KV_FP8 : mo->kv_dtype == ST_KV_F32 ? STRATA_KV_F32 : STRATA_KV_BF16,

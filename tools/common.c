@@ -128,7 +128,8 @@ st_kv_stream_params tool_stream_params(const tool_model_opts *o, const st_config
                                  .host_mem = o->kv_host_mem > 0 ? (size_t)o->kv_host_mem : 0};
 }
 
-st_llama_params tool_llama_params(const tool_model_opts *o, const st_config *c) {
+st_llama_params tool_llama_params(const tool_model_opts *o, const st_model_files *files) {
+    const st_config *c = &files->config;
     st_llama_params lp;
     memset(&lp, 0, sizeof lp);
     lp.max_seq_len = tool_seq_len(o, c);
@@ -145,6 +146,8 @@ st_llama_params tool_llama_params(const tool_model_opts *o, const st_config *c) 
     lp.weights.ring_slots = o->ring_slots;
     lp.weights.cpu_ffn = o->cpu_layers;
     lp.weights.cpu_threads = o->threads;
+    /* the CPU tier: int8 activations in fast mode (the device's decode GEMV is int8 there too) */
+    lp.weights.cpu_act = o->cpu_act8 || tool_fast_prefill(o, files) ? ST_CPU_ACT_INT8 : ST_CPU_ACT_PRECISE;
     lp.weights.cpu_max_tokens = o->cpu_max_tokens;
     lp.weights.bw.h2d = o->h2d_bw * 1e9;
     lp.weights.bw.ssd = o->ssd_bw * 1e9;
@@ -218,7 +221,8 @@ bool tool_test_fault_is(const tool_model_opts *o, const char *kind) {
 }
 
 st_backend_params tool_backend_params(const tool_model_opts *o) {
-    st_backend_params bp = {.kind = ST_BACKEND_CPU, .n_threads = o->threads, .device_mem = o->device_mem};
+    st_backend_params bp = {.kind = ST_BACKEND_CPU, .n_threads = o->threads, .device_mem = o->device_mem,
+                            .cpu_act = o->cpu_act8 ? ST_CPU_ACT_INT8 : ST_CPU_ACT_PRECISE};
     const char *dev = o->device ? o->device : "auto";
     if (strcmp(dev, "cuda") == 0 || (strcmp(dev, "auto") == 0 && st_backend_available(ST_BACKEND_CUDA)))
         bp.kind = ST_BACKEND_CUDA;
@@ -248,6 +252,12 @@ int tool_parse_model_opt(int argc, char **argv, int *i, tool_model_opts *o) {
     } else if (strcmp(a, "--threads") == 0) {
         if (!tool_parse_i64(val, 1, 1024, "--threads", &v)) return -1;
         o->threads = (int)v;
+    } else if (strcmp(a, "--cpu-act") == 0) {
+        if (!val || (strcmp(val, "precise") && strcmp(val, "int8"))) {
+            fprintf(stderr, "strata: --cpu-act takes precise or int8\n");
+            return -1;
+        }
+        o->cpu_act8 = strcmp(val, "int8") == 0;
     } else if (strcmp(a, "--ctx") == 0) {
         if (!tool_parse_i64(val, 1, INT32_MAX, "--ctx", &v)) return -1;
         o->ctx = v;
@@ -386,7 +396,7 @@ bool tool_model_open(const char *path, const tool_model_opts *o, tool_model *tm)
     tool_test_faults(o, &fp);
     st_backend_inject_alloc_faults(tm->be, fp.device_alloc_fail_nth, fp.host_alloc_fail_nth);
     tm->be->ops->set_fast_prefill(tm->be, tool_fast_prefill(o, tm->files));
-    st_llama_params lp = tool_llama_params(o, &tm->files->config);
+    st_llama_params lp = tool_llama_params(o, tm->files);
     if (st_llama_measure(tm->files, tm->be, &lp) != STRATA_OK || /* bandwidths, scratch (budgeted) */
         st_llama_init(tm->files, tm->be, &lp, &tm->model) != STRATA_OK) {
         tool_print_error("model");

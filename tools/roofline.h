@@ -5,6 +5,7 @@
 #pragma once
 #include <stdbool.h>
 #include "backend/backend.h"
+#include "core/pool.h"
 
 typedef struct {
     double copy_bw;      /* bytes read + written per second: device-to-device copy of 1 GiB, best of 5 */
@@ -30,3 +31,8 @@ bool tool_measure_device_rooflines(const st_backend_params *bp, tool_rooflines *
  * host buffer, packed on the device: the KV host tier's shape). 0 when it
  * cannot run. */
 double tool_measure_h2d_bw(st_backend *be, size_t width, size_t pitch);
+
+/* Host memory read rate (bytes/s): best of 5 passes of the pool's threads
+ * summing `bytes` of floats in 256 KiB chunks (strata bench --device cpu's
+ * "memory read", bench/bench_cpu_matmul); 0 when the buffer cannot be had. */
+double tool_measure_read_bw(st_pool *pool, size_t bytes);

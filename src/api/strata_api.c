@@ -88,6 +88,9 @@ static strata_status check_params(const strata_model_params *p, st_backend_param
         bp->kind = ST_BACKEND_CUDA;
     if (p->threads < 0) return st_err(STRATA_ERR_INVALID_ARG, "model params: threads %d < 0", p->threads);
     bp->n_threads = p->threads;
+    if (p->cpu_act != STRATA_CPU_ACT_PRECISE && p->cpu_act != STRATA_CPU_ACT_INT8)
+        return st_err(STRATA_ERR_INVALID_ARG, "model params: cpu_act %d", (int)p->cpu_act);
+    bp->cpu_act = p->cpu_act == STRATA_CPU_ACT_INT8 ? ST_CPU_ACT_INT8 : ST_CPU_ACT_PRECISE;
     bp->device_mem = p->device_mem;
     if (p->max_batch < 0 || p->max_seq_len < 0 || p->prefill_chunk < 0 || p->max_waiting < 0)
         return st_err(STRATA_ERR_INVALID_ARG,
@@ -282,6 +285,8 @@ strata_status strata_model_open(const char *path, const strata_model_params *par
     m->ep.weights.ring_slots = p.ring_slots;
     m->ep.weights.cpu_ffn = p.cpu_layers;
     m->ep.weights.cpu_threads = p.threads;
+    m->ep.weights.cpu_act = p.cpu_act == STRATA_CPU_ACT_INT8 || fast_prefill(p.prefill, m->files) ? ST_CPU_ACT_INT8
+                                                                                                : ST_CPU_ACT_PRECISE;
     m->ep.weights.cpu_max_tokens = p.cpu_max_tokens;
     m->ep.weights.bw.h2d = p.h2d_gbps * 1e9;
     m->ep.weights.bw.ssd = p.ssd_gbps * 1e9;

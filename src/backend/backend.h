@@ -116,9 +116,16 @@ typedef struct {
 
 typedef enum { ST_BACKEND_CPU = 0, ST_BACKEND_CUDA } st_backend_kind;
 
+/* CPU: the activations of the matmuls over quantized weights (cpu_matmul_int.c) */
+typedef enum {
+    ST_CPU_ACT_PRECISE = 0, /* 22-bit integers per 32-block: ~1e-6 of the f32 dequantized product (default) */
+    ST_CPU_ACT_INT8,        /* int8 per 32-block (q8-style, as llama.cpp): ~1e-2, vpdpbusd: faster */
+} st_cpu_act;
+
 typedef struct {
     st_backend_kind kind;
     int n_threads;        /* CPU: worker threads (<= 0: all cores) */
+    st_cpu_act cpu_act;   /* CPU: quantized matmuls' activation precision */
     size_t device_mem;    /* cap on device allocations (0: unlimited) */
     int device_index;     /* CUDA */
     /* CUDA tuning, read once at init (zero / NULL: the measured defaults;

@@ -93,7 +93,7 @@ static strata_status init_cpu_exec(st_llama *m, const st_weight_opts *wo) {
     const int64_t H = c->hidden_size, I = c->intermediate_size;
     m->cpu_max_tokens = wo->cpu_max_tokens > 0 ? wo->cpu_max_tokens : ST_PLAN_CPU_MAX_TOKENS;
     if (m->cpu_max_tokens > m->max_tokens) m->cpu_max_tokens = m->max_tokens;
-    const st_backend_params bp = {.kind = ST_BACKEND_CPU, .n_threads = wo->cpu_threads};
+    const st_backend_params bp = {.kind = ST_BACKEND_CPU, .n_threads = wo->cpu_threads, .cpu_act = wo->cpu_act};
     strata_status st;
     if ((st = st_backend_init(&bp, &m->cpu))) return st;
     if ((st = m->cpu->ops->stream_create(m->cpu, false, &m->cpu_stream))) return st;

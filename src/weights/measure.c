@@ -194,7 +194,8 @@ strata_status st_wbw_measure(st_backend *be, const st_model_files *files, const 
     return st;
 }
 
-strata_status st_wbw_measure_cpu(const st_model_files *files, const st_wgroups *g, int threads, st_wbw *bw) {
+strata_status st_wbw_measure_cpu(const st_model_files *files, const st_wgroups *g, int threads, st_cpu_act act,
+                                 st_wbw *bw) {
     const st_tensor_desc *big = NULL; /* the largest FFN tensor: what the CPU tier reads */
     for (int i = 1; i < g->n - 1; i++)
         if (g->g[i].kind == ST_WG_FFN)
@@ -214,7 +215,7 @@ strata_status st_wbw_measure_cpu(const st_model_files *files, const st_wgroups *
     st_backend *cpu = NULL;
     st_stream *s = NULL;
     float *x = NULL, *y = NULL;
-    const st_backend_params bp = {.kind = ST_BACKEND_CPU, .n_threads = threads};
+    const st_backend_params bp = {.kind = ST_BACKEND_CPU, .n_threads = threads, .cpu_act = act};
     strata_status st = st_backend_init(&bp, &cpu);
     if (st == STRATA_OK) st = cpu->ops->stream_create(cpu, false, &s);
     if (st == STRATA_OK) st = cpu->ops->alloc(cpu, (size_t)K * sizeof(float), (void **)&x);

@@ -27,7 +27,8 @@ strata_status st_wbw_measure(st_backend *be, const st_model_files *files, const 
  * threads, 0: all cores) at 1 token over the largest FFN tensor (up to 256
  * MiB of it) read in place from the model's file mapping (host memory, as
  * the CPU tier holds it; paged in by a first, untimed pass); best of 5. */
-strata_status st_wbw_measure_cpu(const st_model_files *files, const st_wgroups *g, int threads, st_wbw *bw);
+strata_status st_wbw_measure_cpu(const st_model_files *files, const st_wgroups *g, int threads, st_cpu_act act,
+                                 st_wbw *bw);
 
 #ifdef __cplusplus
 }

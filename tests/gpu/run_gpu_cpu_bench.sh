@@ -7,7 +7,10 @@
 #   2. a Llama-3-8B-shaped q4_0 model of $LAYERS layers (strata mkmodel; default 8 layers,
 #      ~2B parameters with the embeddings) with tokenizer.ggml.model "none" added so that
 #      llama.cpp loads it (.peer/gguf_novocab.py; both engines read that one file);
-#   3. bench/cpu_vs_llama.sh with $THREADS threads (default: every core), $REPS repetitions.
+#   3. bench/cpu_vs_llama.sh with $THREADS threads (default: every core), $REPS repetitions,
+#      strata with its default (precise) activations, then with --cpu-act int8;
+#   4. bench/bench_cpu_matmul (a 70B FFN's decode shapes, q4_0: GB/s of weights beside the
+#      read rate) at 1 and $THREADS threads.
 # Logs: $OUT (default /tmp/cpub).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -29,7 +32,7 @@ if [ ! -x $L/build/bin/llama-bench ]; then
      > "$OUT/llama_cfg.log" 2>&1 && cmake --build build -j "$THREADS" --target llama-bench > "$OUT/llama_build.log" 2>&1) &
 fi
 (cmake -S . -B build-cpu -DSTRATA_CUDA=OFF -DCMAKE_BUILD_TYPE=Release > "$OUT/cfg.log" 2>&1 &&
-  cmake --build build-cpu -j "$THREADS" --target strata > "$OUT/build.log" 2>&1) || { tail -20 "$OUT/build.log"; exit 1; }
+  cmake --build build-cpu -j "$THREADS" --target strata bench_cpu_matmul > "$OUT/build.log" 2>&1) || { tail -20 "$OUT/build.log"; exit 1; }
 wait
 [ -x $L/build/bin/llama-bench ] || { tail -20 "$OUT/llama_build.log"; exit 1; }
 M=/tmp/m/l8b-$LAYERS-q4_0.gguf
@@ -41,4 +44,8 @@ if [ ! -f "${M%.gguf}.novocab.gguf" ]; then
 fi
 stamp "strata vs llama.cpp, $THREADS threads ($(lscpu | sed -n 's/^Model name: *//p'))"
 bash bench/cpu_vs_llama.sh "${M%.gguf}.novocab.gguf" $L/build/bin/llama-bench "$THREADS" build-cpu/strata "$REPS"
+stamp "the same, strata --cpu-act int8"
+bash bench/cpu_vs_llama.sh "${M%.gguf}.novocab.gguf" $L/build/bin/llama-bench "$THREADS" build-cpu/strata "$REPS" int8
+stamp "bench_cpu_matmul 1,$THREADS threads"
+build-cpu/bench_cpu_matmul "1,$THREADS" 10 q4_0,q8_0,q4_K
 stamp done

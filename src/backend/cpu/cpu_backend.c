@@ -494,28 +494,42 @@ static const st_backend_ops g_cpu_ops = {
     .sample = cpu_sample,
 };
 
-st_cpu_isa st_cpu_isa_supported(void) {
+/* Which levels this CPU runs, bit per st_cpu_isa. */
+static unsigned cpu_isa_mask(void) {
 #if defined(__x86_64__) && defined(__GNUC__)
-    /* F16C (CPUID 1, ECX bit 29) and VNNI (CPUID 7, ECX bit 11) straight from
-     * CPUID: not every compiler's __builtin_cpu_supports knows them; avx2 and
-     * avx512vl/bw there also mean the OS saves the vector state. */
+    /* F16C (CPUID 1, ECX bit 29), AVX-512 VNNI (CPUID 7.0, ECX bit 11) and
+     * AVX-VNNI (CPUID 7.1, EAX bit 4) straight from CPUID: not every
+     * compiler's __builtin_cpu_supports knows them; avx2 and avx512vl/bw
+     * there also mean the OS saves the vector state. */
     __builtin_cpu_init();
-    unsigned a, b, c, d;
+    unsigned a, b, c, d, mask = 1u << ST_CPU_ISA_PORTABLE;
     const bool f16c = __get_cpuid(1, &a, &b, &c, &d) && (c >> 29 & 1);
-    if (!__builtin_cpu_supports("avx2") || !f16c) return ST_CPU_ISA_PORTABLE;
+    if (!__builtin_cpu_supports("avx2") || !f16c) return mask;
+    mask |= 1u << ST_CPU_ISA_AVX2;
     const bool vnni = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (c >> 11 & 1);
-    if (vnni && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw")) return ST_CPU_ISA_AVX512;
-    return ST_CPU_ISA_AVX2;
+    if (vnni && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw")) mask |= 1u << ST_CPU_ISA_AVX512;
+    if (__get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1)) mask |= 1u << ST_CPU_ISA_AVXVNNI;
+    return mask;
 #else
-    return ST_CPU_ISA_PORTABLE;
+    return 1u << ST_CPU_ISA_PORTABLE;
 #endif
+}
+
+bool st_cpu_isa_has(st_cpu_isa isa) { return cpu_isa_mask() >> isa & 1; }
+
+st_cpu_isa st_cpu_isa_supported(void) {
+    const unsigned m = cpu_isa_mask();
+    st_cpu_isa best = ST_CPU_ISA_PORTABLE;
+    for (int i = 0; i <= (int)ST_CPU_ISA_AVX512; i++)
+        if (m >> i & 1) best = (st_cpu_isa)i;
+    return best;
 }
 
 bool st_cpu_simd_supported(void) { return st_cpu_isa_supported() != ST_CPU_ISA_PORTABLE; }
 
 static void cpu_set_isa(st_cpu *c, st_cpu_isa isa) {
-    const st_cpu_isa best = st_cpu_isa_supported();
-    c->isa = isa < best ? isa : best;
+    while (isa > ST_CPU_ISA_PORTABLE && !st_cpu_isa_has(isa)) isa = (st_cpu_isa)(isa - 1);
+    c->isa = isa;
     c->simd = c->isa >= ST_CPU_ISA_AVX2;
 }
 
@@ -526,6 +540,15 @@ st_cpu_isa st_backend_cpu_set_isa(st_backend *be, st_cpu_isa isa) {
     const st_cpu_isa r = c->isa;
     pthread_mutex_unlock(&c->op_mu);
     return r;
+}
+
+bool st_backend_cpu_set_act8(st_backend *be, bool on) {
+    st_cpu *c = st_cpu_of(be);
+    pthread_mutex_lock(&c->op_mu);
+    const bool was = c->act8;
+    c->act8 = on;
+    pthread_mutex_unlock(&c->op_mu);
+    return was;
 }
 
 bool st_backend_cpu_set_simd(st_backend *be, bool on) {
@@ -563,6 +586,7 @@ strata_status st_backend_cpu_init(const st_backend_params *params, st_backend **
                       c->n_threads);
     }
     cpu_set_isa(c, ST_CPU_ISA_AVX512);
+    c->act8 = params->cpu_act == ST_CPU_ACT_INT8;
     *out = be;
     return STRATA_OK;
 }

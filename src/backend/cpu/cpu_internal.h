@@ -17,7 +17,9 @@ extern "C" {
 typedef enum {
     ST_CPU_ISA_PORTABLE, /* plain C (GCC vector extensions at the baseline target) */
     ST_CPU_ISA_AVX2,     /* AVX2 builds of the kernels */
-    ST_CPU_ISA_AVX512,   /* AVX2 builds, the integer matmul with AVX-512 VNNI (vpdpwssd) */
+    ST_CPU_ISA_AVXVNNI,  /* AVX2 builds, the int8 matmul with AVX-VNNI (VEX vpdpbusd; Alder Lake and later,
+                            Sapphire Rapids; not AMD Zen 4) */
+    ST_CPU_ISA_AVX512,   /* AVX2 builds, the integer matmul with AVX-512 VNNI (vpdpwssd, vpdpbusd) */
 } st_cpu_isa;
 
 typedef struct {
@@ -29,6 +31,7 @@ typedef struct {
     size_t scratch_floats;
     st_cpu_isa isa;          /* level of the kernels run (same results at every level) */
     bool simd;               /* isa >= ST_CPU_ISA_AVX2: the float kernels' AVX2 builds */
+    bool act8;               /* the quantized matmuls' activations in int8 (st_backend_params.cpu_act) */
     void *qact;              /* the integer matmul's quantized activations, 64-B aligned */
     size_t qact_bytes;
     float *attn_part;        /* attention split over the keys: each range's result (cpu_attention.c) */
@@ -44,8 +47,10 @@ strata_status st_cpu_scratch_reserve(st_cpu *c, size_t floats);
 /* Makes c->qact hold at least `bytes` bytes (op_mu held). */
 strata_status st_cpu_qact_reserve(st_cpu *c, size_t bytes);
 
-/* The best level this CPU runs. */
+/* The best level this CPU runs; whether it runs a given level (AVX-VNNI is
+ * not implied by AVX-512 VNNI: AMD Zen 4 has the latter only). */
 st_cpu_isa st_cpu_isa_supported(void);
+bool st_cpu_isa_has(st_cpu_isa isa);
 /* True when this CPU can run the AVX2 builds of the kernels. */
 bool st_cpu_simd_supported(void);
 /* Test hooks, for later ops on `be` (a CPU backend): set_isa selects a level
@@ -54,6 +59,9 @@ bool st_cpu_simd_supported(void);
  * a SIMD level is in effect. Every level gives bit-identical results. */
 st_cpu_isa st_backend_cpu_set_isa(st_backend *be, st_cpu_isa isa);
 bool st_backend_cpu_set_simd(st_backend *be, bool on);
+/* Selects int8 (on) or 22-bit activations for the quantized matmuls (as
+ * st_backend_params.cpu_act); returns the previous setting. */
+bool st_backend_cpu_set_act8(st_backend *be, bool on);
 
 /* Dequantizes one row of `cols` elements into out: the backend's own fast
  * routine, bit-identical to st_dequantize_row. */

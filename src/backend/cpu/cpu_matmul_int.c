@@ -1,15 +1,21 @@
 /* CPU matmul of the quantized dtypes (q4_0, q4_1, q8_0, q4_K, q6_K) with
  * integer dot products: y[n, N] = x[n, K] @ w[N, K]^T.
  *
+ * Two activation precisions (st_cpu.act8, from st_backend_params.cpu_act;
+ * `strata --cpu-act precise|int8`): precise (default), QMAX = 2^22 - 1,
+ * and int8, QMAX = 127 (q8-style, as llama.cpp's). Both follow the
+ * arithmetic below; only QMAX and the way the integer sums are formed differ.
+ *
  * Arithmetic (the same bits at every ISA level, n and thread count):
  *
  * 1. Activations, once per call: each token's row is cut into 32-element
  *    blocks b; amax = max |x| over the block, dx_b = amax / QMAX (one float
  *    division, round to nearest even), a = x / dx_b rounded to the nearest
  *    integer, ties to even, clamped to [-QMAX, QMAX]; sx_b = dx_b *
- *    (float)sum(a). QMAX = 2^22 - 1, for q8_0 2^19 - 1 (so that every sum
- *    below fits int32). A block whose dx_b is 0 (zeros, or underflow) gets
- *    a = 0, dx_b = 0; one holding inf or NaN gets a = 0, dx_b = NaN.
+ *    (float)sum(a). Precise: QMAX = 2^22 - 1, for q8_0 2^19 - 1 (so that
+ *    every sum below fits int32); int8: 127. A block whose dx_b is 0 (zeros,
+ *    or underflow) gets a = 0, dx_b = 0; one holding inf or NaN gets a = 0,
+ *    dx_b = NaN.
  * 2. Weights are read as units of 32 integers w with a float scale dw and,
  *    for the dtypes with mins, a float mw; the dequantized weight is
  *    dw * w + mw, as core/quant.c computes it:
@@ -30,21 +36,35 @@
  *    forms them and every float operation is element-wise over outputs, so
  *    the levels need only agree on the integers.
  *
- * The integers: a is kept as two int16 planes, hi = a >> 8 and lo = a & 255,
- * and S_u = 256 * sum(w * hi) + sum(w * lo): four 16-element pair products
- * (vpmaddwd on AVX2, vpdpwssd on AVX-512 VNNI) per unit where int16
+ * The integers, precise: a is kept as two int16 planes, hi = a >> 8 and lo
+ * = a & 255, and S_u = 256 * sum(w * hi) + sum(w * lo): four 16-element pair
+ * products (vpmaddwd on AVX2, vpdpwssd on AVX-512 VNNI) per unit where int16
  * activations (QMAX 32767) would take two.
+ *
+ * The integers, int8: a is one int8 per element (per token: the K bytes,
+ * then dx, sx, and the sums of a over each 16-element half of each block).
+ * The weights go in as unsigned bytes, w + o: q4_0 the nibbles (o = 8), q6_K
+ * the 6-bit values (o = 32; a unit's 16 in its half of the block, zeros in
+ * the other), q4_1 and q4_K the nibbles (o = 0); S_u = sum((w + o) * a) -
+ * o * sum(a over the unit). u8 x s8 products: vpdpbusd (AVX-512 VNNI, and
+ * the VEX encoding of AVX-VNNI) or vpmaddubsw + vpmaddwd (AVX2): one
+ * instruction per 32 weights and row. q8_0's signed bytes by the sign trick,
+ * |w| x (a * sign(w)) (|w| <= 128, |a| <= 127: vpmaddubsw's pair sums stay
+ * under 2^15), except in the AVX-512 token-group kernel, which takes them
+ * as w + 128 (o = 128). Portable C forms the same sums in int32 lanes.
  *
  * Precision: y is the product of the dequantized weights with the
  * activations rounded to QMAX steps of their block's max, up to the float
  * rounding of the combination. Max |y - f32 dequantized product| / max |y|
  * on realistic shapes (K = 576 and 1536, N up to 49152, Gaussian activations
- * with 20x outlier channels): 4.8e-7 (q8_0: 3.3e-6); tests/test_backend_cpu.c
- * measures up to 2.3e-6 (q8_0: 8.7e-6) on small shapes. With int16
- * activations it is 6e-5 (2e-4 on the default model's logits, over the 1e-4
- * that the CPU's logits checks allow); with int8 (vpdpbusd) 1.3e-2.
+ * with 20x outlier channels): precise 4.8e-7 (q8_0: 3.3e-6);
+ * tests/test_backend_cpu.c measures up to 2.3e-6 (q8_0: 8.7e-6) on small
+ * shapes. int8: 0.8e-2 to 2.3e-2 there (N >= 13; up to 7.8e-2 for a single
+ * output row, which can nearly cancel), far above the 1e-4 that the CPU's
+ * logits checks against HF allow: hence an option, not the default. (int16
+ * activations would give 6e-5, 2e-4 on the default model's logits.)
  *
- * Work: an item is (token tile, 8 weight rows). One token reads its units
+ * Work (both precisions): an item is (token tile, 8 weight rows). One token reads its units
  * straight from the weights, prefetching the next row block as one stream;
  * the 8 rows' partial sums of a unit go through a reduction tree (vphaddd)
  * into one vector of 8 totals, so the float combination runs 8 rows wide.
@@ -52,7 +72,14 @@
  * units; scales laid out [unit][row]) and run every token over them: on
  * AVX-512 by groups of 8 tokens in the lanes (each weight pair broadcast
  * against the 8 tokens' activation pairs; no tree), elsewhere one token at a
- * time through the tree. */
+ * time through the tree. int8 unpacks to bytes (q8_0 as w + 128 for the
+ * group kernel), and its group kernel broadcasts each row's weight quad
+ * against the 8 tokens' activation quads (vpdpbusd). The int8 path reads
+ * the 8 rows' scales by 8 scalar loads (vpgatherdd cost more). One token's
+ * rows are split over the threads as whole 8-row blocks (guided chunks of
+ * contiguous blocks, at least ~64K multiply-adds each): each thread streams
+ * its own contiguous stretch of the weights (8 rows, software prefetch of
+ * the next 8 rows spread over the units) and writes disjoint outputs. */
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("O3")
 #endif
@@ -589,6 +616,433 @@ ST_TARGET_AVX2_F16C static void qa_fn_avx2(void *ctx, int64_t begin, int64_t end
 }
 #endif
 
+/* ==== int8 activations (st_cpu.act8) ==== */
+
+typedef uint8_t v32u8 __attribute__((vector_size(32)));
+typedef int8_t v32i8 __attribute__((vector_size(32)));
+typedef int32_t v32i32 __attribute__((vector_size(128)));
+typedef int8_t st_v8i8 __attribute__((vector_size(8)));
+
+#define A8_QMAX 127.0f
+
+/* Per token: qs[K] int8, then dx[nb], sx[nb] floats, then hs[2 * nb] int32
+ * (the sums of a over each block's halves, elements 0..15 and 16..31). */
+ST_AI size_t a8_stride(int64_t K) { return ((size_t)K + (size_t)(K / 32) * 16 + 63) & ~(size_t)63; }
+
+/* The token-group layout (AVX-512 level, n > 1), lanes = 8 tokens: per
+ * block b and element quad j (elements 4j..4j+3), the 8 tokens' quads (32
+ * bytes), then dx[nb][8], sx[nb][8], hs[2 * nb][8]; tokens past n zero. */
+ST_AI size_t a8_group_stride(int64_t nb) { return (size_t)nb * (256 + 32 + 32 + 64); }
+
+ST_AI v32u8 ld32u8(const uint8_t *p) {
+    v32u8 v;
+    memcpy(&v, p, 32);
+    return v;
+}
+ST_AI st_v16u8 ld16u8(const uint8_t *p) {
+    st_v16u8 v;
+    memcpy(&v, p, 16);
+    return v;
+}
+/* (through memory, two 16-byte stores and a 32-byte load stall store forwarding) */
+ST_AI v32u8 cat16(st_v16u8 lo, st_v16u8 hi) {
+    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,
+                                   22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+
+ST_AI void quant_block8(const float *x, int8_t *a, float *dx, float *sx, int32_t *hs) {
+    st_v8f v[4], amax = st_v8f_splat(0.0f);
+    st_v8i bad = {0};
+    for (int i = 0; i < 4; i++) {
+        v[i] = st_v8f_load(x + 8 * i);
+        const st_v8f ab = (st_v8f)((st_v8u)v[i] & 0x7fffffffu);
+        bad |= (st_v8i)(v[i] * 0.0f != 0.0f); /* inf or NaN */
+        amax = v8f_max(amax, ab);
+    }
+    float m = 0.0f;
+    int any_bad = 0;
+    for (int l = 0; l < 8; l++) {
+        m = amax[l] > m ? amax[l] : m;
+        any_bad |= bad[l];
+    }
+    const float d = any_bad ? __builtin_nanf("") : m / A8_QMAX;
+    if (any_bad || !(d > 0.0f)) {
+        memset(a, 0, 32);
+        *dx = d;
+        *sx = 0.0f;
+        hs[0] = hs[1] = 0;
+        return;
+    }
+    const st_v8f dv = st_v8f_splat(d), magic = st_v8f_splat(0x1.8p23f);
+    const st_v8f hi = st_v8f_splat(A8_QMAX), lo = st_v8f_splat(-A8_QMAX);
+    st_v8i sum[2] = {{0}, {0}};
+    for (int i = 0; i < 4; i++) {
+        st_v8f f = (v[i] / dv + magic) - magic; /* round to nearest even */
+        f = v8f_min(v8f_max(f, lo), hi);
+        const st_v8i q = __builtin_convertvector(f, st_v8i);
+        sum[i >> 1] += q;
+        const st_v8i8 q8 = __builtin_convertvector(q, st_v8i8);
+        memcpy(a + 8 * i, &q8, 8);
+    }
+    int32_t s0 = 0, s1 = 0;
+    for (int l = 0; l < 8; l++) s0 += sum[0][l], s1 += sum[1][l];
+    *dx = d;
+    *sx = d * (float)(s0 + s1);
+    hs[0] = s0, hs[1] = s1;
+}
+
+typedef struct {
+    const float *x;
+    uint8_t *q, *grp;
+    int64_t K, nb;
+    size_t stride;
+} qa8_ctx;
+
+ST_AI void quant_rows8(const qa8_ctx *c, int64_t begin, int64_t end) {
+    const int64_t nb = c->nb, K = c->K;
+    for (int64_t t = begin; t < end; t++) {
+        uint8_t *base = c->q + (size_t)t * c->stride;
+        int8_t *a = (int8_t *)base;
+        float *dx = (float *)(base + K), *sx = dx + nb;
+        int32_t *hs = (int32_t *)(sx + nb);
+        for (int64_t b = 0; b < nb; b++) quant_block8(c->x + t * K + 32 * b, a + 32 * b, dx + b, sx + b, hs + 2 * b);
+        if (!c->grp) continue;
+        uint8_t *g = c->grp + (size_t)(t / QI_GROUP) * a8_group_stride(nb);
+        const int lane = (int)(t % QI_GROUP);
+        float *gdx = (float *)(g + (size_t)nb * 256), *gsx = gdx + QI_GROUP * nb;
+        int32_t *ghs = (int32_t *)(gsx + QI_GROUP * nb);
+        for (int64_t b = 0; b < nb; b++) {
+            for (int j = 0; j < 8; j++) memcpy(g + 256 * b + 32 * j + 4 * lane, a + 32 * b + 4 * j, 4);
+            gdx[QI_GROUP * b + lane] = dx[b];
+            gsx[QI_GROUP * b + lane] = sx[b];
+            ghs[QI_GROUP * 2 * b + lane] = hs[2 * b];
+            ghs[QI_GROUP * (2 * b + 1) + lane] = hs[2 * b + 1];
+        }
+    }
+}
+
+/* The 32 weight bytes of unit u of a row, as multiplied against the block's
+ * 32 activations: unsigned w + off8(t) (q8_0: the signed w; q6_K: the
+ * unit's 16 in its half of the block, zeros in the other). */
+ST_AI int off8(st_dtype t) { return t == ST_DTYPE_Q4_0 ? 8 : t == ST_DTYPE_Q6_K ? 32 : 0; }
+
+ST_AI v32u8 load_unit8(st_dtype t, const uint8_t *row, int64_t u) {
+    switch (t) {
+    case ST_DTYPE_Q8_0: return ld32u8(row + 34 * u + 2);
+    case ST_DTYPE_Q4_0: {
+        const st_v16u8 q = ld16u8(row + 18 * u + 2);
+        return cat16(q & 15, q >> 4);
+    }
+    case ST_DTYPE_Q4_1: {
+        const st_v16u8 q = ld16u8(row + 20 * u + 4);
+        return cat16(q & 15, q >> 4);
+    }
+    case ST_DTYPE_Q4_K: {
+        const v32u8 v = ld32u8(row + 144 * (u >> 3) + 16 + 32 * ((u & 7) >> 1));
+        return (u & 1) ? v >> 4 : v & 15;
+    }
+    case ST_DTYPE_Q6_K: {
+        const uint8_t *sb = row + 210 * (u >> 4);
+        const int g16 = (int)(u & 15), h = g16 >> 3, g = (g16 >> 1) & 3, hf = g16 & 1;
+        const st_v16u8 lv = ld16u8(sb + 64 * h + 32 * (g & 1) + 16 * hf);
+        const st_v16u8 hv = ld16u8(sb + 128 + 32 * h + 16 * hf);
+        const st_v16u8 lo = g < 2 ? (lv & 15) : (lv >> 4);
+        const st_v16u8 v = lo | (((hv >> (2 * g)) & 3) << 4), z = {0};
+        return hf ? cat16(z, v) : cat16(v, z);
+    }
+    default: break;
+    }
+    ST_ASSERT(!"not a quantized dtype");
+    return (v32u8){0};
+}
+
+/* prow8: one row's partial sums of w * a over a unit, w unsigned (signed
+ * when sgn: q8_0), in 8 lanes of any partition (the sums are exact). */
+ST_AI st_v8i prow8_portable(v32u8 w, v32i8 a, bool sgn) {
+    const v32i32 wv = sgn ? __builtin_convertvector((v32i8)w, v32i32) : __builtin_convertvector(w, v32i32);
+    const v32i32 p = wv * __builtin_convertvector(a, v32i32);
+    st_v8i q[4];
+    memcpy(q, &p, sizeof p);
+    return (q[0] + q[1]) + (q[2] + q[3]);
+}
+
+#if ST_CPU_HAVE_AVX2_PATH
+/* u8 x s8 products; q8_0's signed weights by the sign trick: |w| x a sign(w)
+ * (|a| <= 127, |w| <= 128: vpmaddubsw's pair sums stay below 2^15). */
+ST_TARGET_AVX2_F16C ST_AI st_v8i prow8_avx2(v32u8 w, v32i8 a, bool sgn) {
+    __m256i wv = (__m256i)w, av = (__m256i)a;
+    if (sgn) av = _mm256_sign_epi8(av, wv), wv = _mm256_sign_epi8(wv, wv);
+    return (st_v8i)_mm256_madd_epi16(_mm256_maddubs_epi16(wv, av), _mm256_set1_epi16(1));
+}
+ST_TARGET_AVXVNNI ST_AI st_v8i prow8_avxvnni(v32u8 w, v32i8 a, bool sgn) {
+    __m256i wv = (__m256i)w, av = (__m256i)a;
+    if (sgn) av = _mm256_sign_epi8(av, wv), wv = _mm256_sign_epi8(wv, wv);
+    return (st_v8i)_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), wv, av);
+}
+ST_TARGET_AVX512 ST_AI st_v8i prow8_vnni(v32u8 w, v32i8 a, bool sgn) {
+    __m256i wv = (__m256i)w, av = (__m256i)a;
+    if (sgn) av = _mm256_sign_epi8(av, wv), wv = _mm256_sign_epi8(wv, wv);
+    return (st_v8i)_mm256_dpbusd_epi32(_mm256_setzero_si256(), wv, av);
+}
+ST_TARGET_AVXVNNI ST_AI st_v8i tree_avxvnni(const st_v8i p[QI_ROWS]) { return tree_avx2(p); }
+ST_TARGET_AVXVNNI ST_AI st_v8f f16_avxvnni(st_v8i h) { return f16_avx2(h); }
+#endif
+
+/* (the scales' gather as 8 scalar loads at every level: vpgatherdd cost more here, and is slower still
+ * on Intel CPUs under the GDS microcode mitigation) */
+typedef struct {
+    st_v8i (*gather)(const uint8_t *base, st_v8i idx, int64_t off);
+    st_v8f (*f16)(st_v8i h);
+    st_v8i (*prow8)(v32u8 w, v32i8 a, bool sgn);
+    st_v8i (*tree)(const st_v8i p[QI_ROWS]);
+    void (*group8)(const void *ctx, st_dtype t, const void *block, const uint8_t *grp, float out[QI_ROWS][8]);
+} qi8_isa;
+
+/* The 8 rows' outputs for one token, in the documented order. */
+ST_AI void dot_token8(const qi_ctx *m, st_dtype t, const qblock *B, bool unpacked, const uint8_t *qa,
+                      float out[QI_ROWS], qi8_isa I) {
+    const int ushift = t == ST_DTYPE_Q6_K ? 1 : 0;
+    const int64_t K = m->L.K, nb = m->L.nb;
+    const float *dx = (const float *)(qa + K), *sx = dx + nb;
+    const int32_t *hs = (const int32_t *)(sx + nb);
+    const uint8_t *ws8 = (const uint8_t *)B->wsc;
+    const int64_t span = QI_ROWS * (int64_t)m->row_bytes;
+    const uint64_t pf_q16 = ((uint64_t)span << 16) / (uint64_t)m->nu; /* prefetch bytes per unit, 16.16 */
+    int64_t pf = 0;
+    st_v8f acc[8];
+    for (int l = 0; l < 8; l++) acc[l] = st_v8f_splat(0.0f);
+    for (int64_t u0 = 0; u0 < m->nu; u0 += 8)
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+        const int64_t u = u0 + j;
+        if (u >= m->nu) break;
+        const int64_t b = u >> ushift;
+        v32i8 A;
+        memcpy(&A, qa + 32 * b, 32);
+        st_v8i p[QI_ROWS];
+        for (int r = 0; r < QI_ROWS; r++) {
+            const v32u8 w = unpacked ? ld32u8(ws8 + (size_t)r * 32 * m->nu + 32 * u) : load_unit8(t, B->base + B->idx[r], u);
+            p[r] = I.prow8(w, A, t == ST_DTYPE_Q8_0);
+        }
+        if (!unpacked) { /* the next row block, a unit's share of it per unit: one stream ahead */
+            const int64_t pf_end = (int64_t)(((uint64_t)(u + 1) * pf_q16) >> 16);
+            for (; pf < pf_end; pf += 64) __builtin_prefetch(B->base + span + pf);
+        }
+        st_v8i s = I.tree(p);
+        if (off8(t)) s -= off8(t) * (t == ST_DTYPE_Q6_K ? hs[u] : hs[2 * b] + hs[2 * b + 1]);
+        st_v8f dw, mw = st_v8f_splat(0.0f);
+        if (unpacked) {
+            dw = st_v8f_load(B->dsc + QI_ROWS * u);
+            if (has_mins(t)) mw = st_v8f_load(B->msc + QI_ROWS * u);
+        } else {
+            load_scales(t, B->base, B->idx, u, &dw, &mw, (qi_isa){.gather = I.gather, .f16 = I.f16});
+        }
+        st_v8f f = (dw * dx[b]) * __builtin_convertvector(s, st_v8f);
+        if (has_mins(t)) f = f + mw * sx[b];
+        acc[j] += f;
+    }
+    const st_v8f y = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    memcpy(out, &y, sizeof y);
+}
+
+ST_AI void qi8_items_t(const qi_ctx *m, st_dtype t, int64_t begin, int64_t end, int ti, qi8_isa I) {
+    float *buf = m->scratch[ti];
+    qblock B = {.wsc = (int16_t *)buf, .dsc = buf + 16 * QI_ROWS * m->nu};
+    B.msc = B.dsc + QI_ROWS * m->nu;
+    uint8_t *ws8 = (uint8_t *)buf;
+    const bool grouped = I.group8 && m->grp;
+    for (int64_t it = begin; it < end; it++) {
+        const int64_t tile = it / m->n_rb, rbg = it % m->n_rb;
+        int wi = 0;
+        while (rbg >= m->rb0[wi + 1]) wi++;
+        const int64_t N = m->Ns[wi], r0 = (rbg - m->rb0[wi]) * QI_ROWS;
+        float *y = m->ys[wi];
+        const int64_t nr = N - r0 < QI_ROWS ? N - r0 : QI_ROWS;
+        B.base = m->w[wi] + (size_t)r0 * m->row_bytes;
+        for (int r = 0; r < QI_ROWS; r++) B.idx[r] = (int32_t)((r < nr ? r : 0) * (int64_t)m->row_bytes);
+        const int64_t t0 = tile * m->tile;
+        const int64_t t1 = t0 + m->tile < m->n ? t0 + m->tile : m->n;
+        float out[QI_ROWS];
+        if (t1 - t0 == 1 && !grouped) {
+            dot_token8(m, t, &B, false, m->q + (size_t)t0 * m->L.stride, out, I);
+            memcpy(y + t0 * N + r0, out, (size_t)nr * sizeof(float));
+            continue;
+        }
+        /* q8_0's bytes go to the group kernel offset to unsigned (w + 128) */
+        const uint8_t flip = grouped && t == ST_DTYPE_Q8_0 ? 0x80 : 0;
+        for (int64_t u = 0; u < m->nu; u++) {
+            for (int r = 0; r < QI_ROWS; r++) {
+                const v32u8 w = load_unit8(t, B.base + B.idx[r], u) ^ flip;
+                memcpy(ws8 + (size_t)r * 32 * m->nu + 32 * u, &w, 32);
+            }
+            st_v8f dw, mw = st_v8f_splat(0.0f);
+            load_scales(t, B.base, B.idx, u, &dw, &mw, (qi_isa){.gather = I.gather, .f16 = I.f16});
+            memcpy(B.dsc + QI_ROWS * u, &dw, sizeof dw);
+            memcpy(B.msc + QI_ROWS * u, &mw, sizeof mw);
+        }
+        if (grouped) {
+            for (int64_t g0 = t0; g0 < t1; g0 += QI_GROUP) {
+                float og[QI_ROWS][QI_GROUP];
+                I.group8(m, t, &B, m->grp + (size_t)(g0 / QI_GROUP) * a8_group_stride(m->L.nb), og);
+                for (int64_t tk = g0; tk < t1 && tk < g0 + QI_GROUP; tk++)
+                    for (int r = 0; r < nr; r++) y[tk * N + r0 + r] = og[r][tk - g0];
+            }
+            continue;
+        }
+        for (int64_t tk = t0; tk < t1; tk++) {
+            dot_token8(m, t, &B, true, m->q + (size_t)tk * m->L.stride, out, I);
+            memcpy(y + tk * N + r0, out, (size_t)nr * sizeof(float));
+        }
+    }
+}
+
+ST_AI void qi8_items(const qi_ctx *m, int64_t begin, int64_t end, int ti, qi8_isa I) {
+    switch (m->dtype) {
+    case ST_DTYPE_Q8_0: qi8_items_t(m, ST_DTYPE_Q8_0, begin, end, ti, I); return;
+    case ST_DTYPE_Q4_0: qi8_items_t(m, ST_DTYPE_Q4_0, begin, end, ti, I); return;
+    case ST_DTYPE_Q4_1: qi8_items_t(m, ST_DTYPE_Q4_1, begin, end, ti, I); return;
+    case ST_DTYPE_Q4_K: qi8_items_t(m, ST_DTYPE_Q4_K, begin, end, ti, I); return;
+    case ST_DTYPE_Q6_K: qi8_items_t(m, ST_DTYPE_Q6_K, begin, end, ti, I); return;
+    default: break;
+    }
+    ST_ASSERT(!"not a quantized dtype");
+}
+
+#if ST_CPU_HAVE_AVX2_PATH
+/* Tokens of a group x the 8 unpacked rows of B (AVX-512 level), lanes =
+ * tokens: per element quad, the row's 4 weight bytes (unsigned: q8_0's
+ * offset by 128) broadcast against the 8 tokens' activation quads
+ * (vpdpbusd), then S = sum - off * sum(a) per token. */
+ST_TARGET_AVX512 ST_AI void dot_group8_vnni(const void *ctx, st_dtype t, const void *block, const uint8_t *grp,
+                                            float out[QI_ROWS][QI_GROUP]) {
+    const qi_ctx *m = ctx;
+    const qblock *B = block;
+    const bool q6 = t == ST_DTYPE_Q6_K;
+    const int ushift = q6 ? 1 : 0;
+    const int off = t == ST_DTYPE_Q8_0 ? 128 : off8(t);
+    const int64_t nb = m->L.nb, nu = m->nu;
+    const uint8_t *ws8 = (const uint8_t *)B->wsc;
+    const float *gdx = (const float *)(grp + (size_t)nb * 256), *gsx = gdx + QI_GROUP * nb;
+    const int32_t *ghs = (const int32_t *)(gsx + QI_GROUP * nb);
+    st_v8f acc[QI_ROWS][8];
+    for (int r = 0; r < QI_ROWS; r++)
+        for (int l = 0; l < 8; l++) acc[r][l] = (st_v8f){0};
+    for (int64_t u = 0; u < nu; u++) {
+        const int64_t b = u >> ushift;
+        const uint8_t *a = grp + 256 * b;
+        const int j0 = q6 ? 4 * (int)(u & 1) : 0;
+        __m256i H[QI_ROWS];
+        for (int r = 0; r < QI_ROWS; r++) H[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int jj = 0; jj < 8; jj++) {
+            if (q6 && jj >= 4) break;
+            const int j = j0 + jj;
+            const __m256i av = _mm256_loadu_si256((const __m256i *)(a + 32 * j));
+#pragma GCC unroll 8
+            for (int r = 0; r < QI_ROWS; r++) {
+                int32_t wq;
+                memcpy(&wq, ws8 + (size_t)r * 32 * nu + 32 * u + 4 * j, 4);
+                H[r] = _mm256_dpbusd_epi32(H[r], _mm256_set1_epi32(wq), av);
+            }
+        }
+        st_v8i corr = {0};
+        if (off) {
+            st_v8i h0, h1;
+            memcpy(&h0, ghs + QI_GROUP * (q6 ? u : 2 * b), sizeof h0);
+            if (q6) {
+                corr = off * h0;
+            } else {
+                memcpy(&h1, ghs + QI_GROUP * (2 * b + 1), sizeof h1);
+                corr = off * (h0 + h1);
+            }
+        }
+        st_v8f dxv, sxv;
+        memcpy(&dxv, gdx + QI_GROUP * b, sizeof dxv);
+        memcpy(&sxv, gsx + QI_GROUP * b, sizeof sxv);
+        for (int r = 0; r < QI_ROWS; r++) {
+            const st_v8i S = (st_v8i)H[r] - corr;
+            st_v8f f = (B->dsc[QI_ROWS * u + r] * dxv) * __builtin_convertvector(S, st_v8f);
+            if (has_mins(t)) f = f + B->msc[QI_ROWS * u + r] * sxv;
+            acc[r][u & 7] += f;
+        }
+    }
+    for (int r = 0; r < QI_ROWS; r++) {
+        const st_v8f *c = acc[r];
+        const st_v8f y = ((c[0] + c[4]) + (c[2] + c[6])) + ((c[1] + c[5]) + (c[3] + c[7]));
+        memcpy(out[r], &y, sizeof y);
+    }
+}
+#endif
+
+static void qi8_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_portable, prow8_portable, tree_portable, NULL});
+}
+static void qa8_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
+    (void)ti;
+    quant_rows8(ctx, begin, end);
+}
+#if ST_CPU_HAVE_AVX2_PATH
+ST_TARGET_AVX2_F16C static void qi8_fn_avx2(void *ctx, int64_t begin, int64_t end, int ti) {
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx2, prow8_avx2, tree_avx2, NULL});
+}
+ST_TARGET_AVXVNNI static void qi8_fn_avxvnni(void *ctx, int64_t begin, int64_t end, int ti) {
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avxvnni, prow8_avxvnni, tree_avxvnni, NULL});
+}
+ST_TARGET_AVX512 static void qi8_fn_avx512(void *ctx, int64_t begin, int64_t end, int ti) {
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx512, prow8_vnni, tree_avx2, dot_group8_vnni});
+}
+ST_TARGET_AVX2_F16C static void qa8_fn_avx2(void *ctx, int64_t begin, int64_t end, int ti) {
+    (void)ti;
+    quant_rows8(ctx, begin, end);
+}
+#endif
+
+/* The int8 path of st_cpu_matmul_int (m set up but for the activations). */
+static strata_status matmul_a8(st_cpu *c, const float *x, qi_ctx *m) {
+    const int64_t n = m->n, K = m->L.K, nb = m->L.nb;
+    m->L.stride = a8_stride(K);
+    const bool grouped = c->isa == ST_CPU_ISA_AVX512 && n > 1;
+    const int64_t n_groups = (n + QI_GROUP - 1) / QI_GROUP;
+    const size_t tok_bytes = m->L.stride * (size_t)n;
+    strata_status st = st_cpu_qact_reserve(c, tok_bytes + (grouped ? a8_group_stride(nb) * (size_t)n_groups : 0));
+    if (st == STRATA_OK) st = st_cpu_scratch_reserve(c, (size_t)(18 * QI_ROWS * m->nu));
+    if (st != STRATA_OK) return st;
+    m->q = c->qact;
+    m->grp = grouped ? (const uint8_t *)c->qact + tok_bytes : NULL;
+    m->scratch = c->scratch;
+
+    st_pool_fn qa_fn = qa8_fn_portable, qi_fn = qi8_fn_portable;
+#if ST_CPU_HAVE_AVX2_PATH
+    if (c->isa >= ST_CPU_ISA_AVX2) qa_fn = qa8_fn_avx2;
+    if (c->isa == ST_CPU_ISA_AVX2) qi_fn = qi8_fn_avx2;
+    if (c->isa == ST_CPU_ISA_AVXVNNI) qi_fn = qi8_fn_avxvnni;
+    if (c->isa == ST_CPU_ISA_AVX512) qi_fn = qi8_fn_avx512;
+#endif
+    qa8_ctx qa = {.x = x, .q = c->qact, .grp = (uint8_t *)m->grp, .K = K, .nb = nb, .stride = m->L.stride};
+    if (grouped) memset(qa.grp + a8_group_stride(nb) * (size_t)(n_groups - 1), 0, a8_group_stride(nb));
+    int64_t qgrain = 16384 / K;
+    if (qgrain < 1) qgrain = 1;
+    if (n <= qgrain)
+        qa_fn(&qa, 0, n, 0);
+    else
+        st_pool_parallel_for(c->pool, n, qgrain, qa_fn, &qa);
+
+    int64_t tile_max = QI_TILE_BYTES / (int64_t)m->L.stride;
+    if (tile_max < 1) tile_max = 1;
+    if (tile_max > QI_TILE_MAX) tile_max = QI_TILE_MAX;
+    int64_t n_tiles = (n + tile_max - 1) / tile_max;
+    m->tile = (n + n_tiles - 1) / n_tiles;
+    if (grouped) {
+        m->tile = (m->tile + QI_GROUP - 1) / QI_GROUP * QI_GROUP;
+        n_tiles = (n + m->tile - 1) / m->tile;
+    }
+    const int64_t macs = QI_ROWS * K * m->tile;
+    int64_t grain = 65536 / macs;
+    if (grain < 1) grain = 1;
+    st_pool_parallel_for(c->pool, n_tiles * m->n_rb, grain, qi_fn, m);
+    return STRATA_OK;
+}
+
 strata_status st_cpu_matmul_int(st_cpu *c, const float *x, const st_weight *w, int count, int64_t n,
                                 float *const *y) {
     ST_ASSERT(count >= 1 && count <= QI_MULTI);
@@ -607,6 +1061,7 @@ strata_status st_cpu_matmul_int(st_cpu *c, const float *x, const st_weight *w, i
     for (int i = count; i < QI_MULTI; i++) m.rb0[i + 1] = m.rb0[count];
     m.n_rb = m.rb0[count];
     if (n == 0 || m.n_rb == 0) return STRATA_OK;
+    if (c->act8) return matmul_a8(c, x, &m);
     m.L.stride = (2 * (size_t)K * sizeof(int16_t) + 2 * (size_t)m.L.nb * sizeof(float) + 63) & ~(size_t)63;
 
     const bool grouped = c->isa == ST_CPU_ISA_AVX512 && n > 1;
@@ -622,7 +1077,7 @@ strata_status st_cpu_matmul_int(st_cpu *c, const float *x, const st_weight *w, i
     st_pool_fn qa_fn = qa_fn_portable, qi_fn = qi_fn_portable;
 #if ST_CPU_HAVE_AVX2_PATH
     if (c->isa >= ST_CPU_ISA_AVX2) qa_fn = qa_fn_avx2;
-    if (c->isa == ST_CPU_ISA_AVX2) qi_fn = qi_fn_avx2;
+    if (c->isa == ST_CPU_ISA_AVX2 || c->isa == ST_CPU_ISA_AVXVNNI) qi_fn = qi_fn_avx2;
     if (c->isa == ST_CPU_ISA_AVX512) qi_fn = qi_fn_avx512;
 #endif
     /* quantize the activations: ~16K elements per chunk */

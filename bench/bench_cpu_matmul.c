@@ -1,0 +1,130 @@
+/* The CPU backend's quantized matmul on the shapes of a 70B model's FFN in
+ * decode (one token: gate/up N = 28672, K = 8192; down N = 8192, K = 28672),
+ * beside the machine's memory read rate measured in the same run.
+ *
+ *   bench_cpu_matmul [THREADS[,THREADS...]] [REPS] [DTYPES] [n1]
+ *
+ * THREADS: comma-separated thread counts (default 1 and all cores); REPS:
+ * timed calls per case, best taken (default 10); DTYPES: comma-separated
+ * from q4_0, q8_0, q4_K, q4_1, q6_K (default q4_0). Per thread count: the
+ * read rate of a 1 GiB buffer (strata bench's "memory read",
+ * tools/roofline.c), then per shape, dtype and activation precision
+ * (int8, precise) the time of one call with n = 1 token, the weight bytes
+ * read per second and their fraction of the read rate; and with n = 8 and
+ * 64 tokens the multiply-add rate. Weights are random (scales fixed), over
+ * 100 MB each, so every call streams them from DRAM. Not run in CI. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/backend.h"
+#include "backend/cpu/cpu_internal.h"
+#include "core/pool.h"
+#include "core/core.h"
+#include "roofline.h"
+
+static uint8_t *make_weight(st_dtype t, int64_t N, int64_t K) {
+    const size_t rb = st_dtype_row_bytes(t, K), bytes = rb * (size_t)N;
+    uint8_t *w = malloc(bytes);
+    if (!w) return NULL;
+    uint32_t x = 12345u;
+    for (size_t i = 0; i < bytes; i += 4) {
+        x = x * 1664525u + 1013904223u;
+        memcpy(w + i, &x, bytes - i < 4 ? bytes - i : 4);
+    }
+    const st_dtype_info *di = st_dtype_get(t);
+    const uint16_t h = 0x1c00; /* f16 2^-8: every scale and min */
+    for (size_t b = 0; b < bytes; b += di->block_bytes) {
+        switch (t) {
+        case ST_DTYPE_Q4_0: case ST_DTYPE_Q8_0: memcpy(w + b, &h, 2); break;
+        case ST_DTYPE_Q4_1: case ST_DTYPE_Q4_K: memcpy(w + b, &h, 2), memcpy(w + b + 2, &h, 2); break;
+        case ST_DTYPE_Q6_K: memcpy(w + b + 208, &h, 2); break;
+        default: break;
+        }
+    }
+    return w;
+}
+
+static double time_call(st_backend *be, const float *x, const st_weight *w, int64_t n, float *y, int reps) {
+    double best = 1e30;
+    for (int r = 0; r < reps + 1; r++) {
+        const double t0 = st_time_now();
+        if (be->ops->matmul(be, NULL, x, w, n, y) != STRATA_OK) return 0;
+        const double dt = st_time_now() - t0;
+        if (r > 0 && dt < best) best = dt; /* the first is a warm-up */
+    }
+    return best;
+}
+
+int main(int argc, char **argv) {
+    int threads[16], n_thr = 0;
+    if (argc > 1) {
+        for (char *s = strtok(argv[1], ","); s && n_thr < 16; s = strtok(NULL, ",")) threads[n_thr++] = atoi(s);
+    } else {
+        threads[n_thr++] = 1;
+        st_pool *p = NULL;
+        if (st_pool_init(0, &p) == STRATA_OK) {
+            const int all = st_pool_threads(p);
+            if (all > 1) threads[n_thr++] = all;
+            st_pool_free(p);
+        }
+    }
+    const int reps = argc > 2 ? atoi(argv[2]) : 10;
+    const bool only_n1 = argc > 4 && !strcmp(argv[4], "n1"); /* 4th argument n1: one token only */
+    st_dtype dts[8];
+    int n_dt = 0;
+    char dbuf[128] = "q4_0";
+    if (argc > 3) snprintf(dbuf, sizeof dbuf, "%s", argv[3]);
+    for (char *s = strtok(dbuf, ","); s && n_dt < 8; s = strtok(NULL, ",")) {
+        if (!st_dtype_parse(s, &dts[n_dt])) {
+            fprintf(stderr, "bench_cpu_matmul: unknown dtype %s\n", s);
+            return 2;
+        }
+        n_dt++;
+    }
+    static const int64_t shapes[][2] = {{28672, 8192}, {8192, 28672}};
+    const int64_t nmax = 64;
+    float *x = malloc((size_t)nmax * 28672 * sizeof(float)), *y = malloc((size_t)nmax * 28672 * sizeof(float));
+    uint32_t r = 777u;
+    for (int64_t i = 0; i < nmax * 28672; i++) {
+        r = r * 1664525u + 1013904223u;
+        x[i] = (float)(r >> 8) / 8388608.0f - 1.0f;
+    }
+    for (int ti = 0; ti < n_thr; ti++) {
+        st_backend_params bp = {.kind = ST_BACKEND_CPU, .n_threads = threads[ti]};
+        st_backend *be = NULL;
+        if (st_backend_init(&bp, &be) != STRATA_OK) {
+            fprintf(stderr, "bench_cpu_matmul: backend init failed\n");
+            return 1;
+        }
+        st_pool *pool = NULL;
+        if (st_pool_init(threads[ti], &pool) != STRATA_OK) return 1;
+        const double bw = tool_measure_read_bw(pool, (size_t)1 << 30);
+        st_pool_free(pool);
+        printf("threads %d: memory read %.2f GB/s (1 GiB buffer)\n", threads[ti], bw / 1e9);
+        for (int di = 0; di < n_dt; di++)
+            for (int si = 0; si < 2; si++) {
+                const int64_t N = shapes[si][0], K = shapes[si][1];
+                uint8_t *wd = make_weight(dts[di], N, K);
+                if (!wd) return 1;
+                const st_weight w = {wd, dts[di], N, K};
+                const double bytes = (double)st_dtype_row_bytes(dts[di], K) * (double)N;
+                for (int act8 = 1; act8 >= 0; act8--) {
+                    st_backend_cpu_set_act8(be, act8);
+                    const double t1 = time_call(be, x, &w, 1, y, reps);
+                    const double t8 = only_n1 ? 1e30 : time_call(be, x, &w, 8, y, reps > 3 ? 3 : reps);
+                    const double t64 = only_n1 ? 1e30 : time_call(be, x, &w, 64, y, 1);
+                    printf("  %-5s N=%-5lld K=%-5lld %-7s n=1: %7.3f ms  %6.2f GB/s of weights = %3.0f%% of the read rate"
+                           " | n=8: %6.1f GMAC/s | n=64: %6.1f GMAC/s\n",
+                           st_dtype_name(dts[di]), (long long)N, (long long)K, act8 ? "int8" : "precise", t1 * 1e3,
+                           bytes / t1 / 1e9, 100.0 * bytes / t1 / bw, 8.0 * N * K / t8 / 1e9, 64.0 * N * K / t64 / 1e9);
+                    fflush(stdout);
+                }
+                free(wd);
+            }
+        st_backend_free(be);
+    }
+    free(x);
+    free(y);
+    return 0;
+}
