@@ -146,8 +146,10 @@ st_llama_params tool_llama_params(const tool_model_opts *o, const st_model_files
     lp.weights.ring_slots = o->ring_slots;
     lp.weights.cpu_ffn = o->cpu_layers;
     lp.weights.cpu_threads = o->threads;
-    /* the CPU tier: int8 activations in fast mode (the device's decode GEMV is int8 there too) */
-    lp.weights.cpu_act = o->cpu_act8 || tool_fast_prefill(o, files) ? ST_CPU_ACT_INT8 : ST_CPU_ACT_PRECISE;
+    /* the CPU tier: int8 activations in fast mode on CUDA (its decode GEMV is int8 there too); on
+     * the CPU backend those of the backend (--cpu-act), so the tier computes what it would */
+    const bool cpu_dev = tool_backend_params(o).kind == ST_BACKEND_CPU;
+    lp.weights.cpu_act = o->cpu_act8 || (!cpu_dev && tool_fast_prefill(o, files)) ? ST_CPU_ACT_INT8 : ST_CPU_ACT_PRECISE;
     lp.weights.cpu_max_tokens = o->cpu_max_tokens;
     lp.weights.bw.h2d = o->h2d_bw * 1e9;
     lp.weights.bw.ssd = o->ssd_bw * 1e9;

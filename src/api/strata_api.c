@@ -285,8 +285,12 @@ strata_status strata_model_open(const char *path, const strata_model_params *par
     m->ep.weights.ring_slots = p.ring_slots;
     m->ep.weights.cpu_ffn = p.cpu_layers;
     m->ep.weights.cpu_threads = p.threads;
-    m->ep.weights.cpu_act = p.cpu_act == STRATA_CPU_ACT_INT8 || fast_prefill(p.prefill, m->files) ? ST_CPU_ACT_INT8
-                                                                                                : ST_CPU_ACT_PRECISE;
+    /* the CPU tier: int8 activations in fast mode on CUDA (its decode GEMV is int8 there too); on the CPU
+     * backend those of the backend */
+    m->ep.weights.cpu_act = p.cpu_act == STRATA_CPU_ACT_INT8 ||
+                                    (m->be->kind != ST_BACKEND_CPU && fast_prefill(p.prefill, m->files))
+                                ? ST_CPU_ACT_INT8
+                                : ST_CPU_ACT_PRECISE;
     m->ep.weights.cpu_max_tokens = p.cpu_max_tokens;
     m->ep.weights.bw.h2d = p.h2d_gbps * 1e9;
     m->ep.weights.bw.ssd = p.ssd_gbps * 1e9;

@@ -46,7 +46,7 @@ typedef struct {
                                  the device does not hold; on the CPU backend too: tests) */
     int cpu_threads;          /* the model's CPU backend threads (0: all cores); also those of the bw.cpu probe */
     st_cpu_act cpu_act;       /* the CPU tier's quantized matmuls' activations (the probe's too): int8 in
-                                 fast mode (the device's decode GEMV is int8 there too) or with
+                                 fast mode on CUDA (its decode GEMV is int8 there too) or with
                                  --cpu-act int8; else precise */
     int64_t cpu_max_tokens;   /* passes of at most this many tokens compute CPU-tier groups on the CPU; larger
                                  ones (prefill) stream them to the device (0: ST_PLAN_CPU_MAX_TOKENS) */
