@@ -52,8 +52,8 @@ typedef struct {
 /* The speculative decoding options (run, serve). */
 #define TOOL_SPEC_OPTS_HELP \
     "  --spec lookup|draft|off  speculative decoding: each decode step also verifies drafts, in the\n" \
-    "                           same pass; greedy output is unchanged token for token, sampling keeps\n" \
-    "                           its distribution (rejection rule). lookup: what followed the last\n" \
+    "                           same pass; greedy output is unchanged token for token (on CUDA but\n" \
+    "                           for near-ties), sampling keeps its distribution (rejection rule). lookup: what followed the last\n" \
     "                           n-gram's latest earlier occurrence in the prompt or output (no second\n" \
     "                           model); draft: a smaller model's greedy tokens (--draft). Default off\n" \
     "  --draft MODEL            the draft model (same vocabulary; on the same device), implies\n" \
