@@ -53,9 +53,10 @@ typedef struct {
 #define TOOL_SPEC_OPTS_HELP \
     "  --spec lookup|draft|off  speculative decoding: each decode step also verifies drafts, in the\n" \
     "                           same pass; greedy output is unchanged token for token (on CUDA but\n" \
-    "                           for near-ties), sampling keeps its distribution (rejection rule). lookup: what followed the last\n" \
-    "                           n-gram's latest earlier occurrence in the prompt or output (no second\n" \
-    "                           model); draft: a smaller model's greedy tokens (--draft). Default off\n" \
+    "                           for near-ties), sampling keeps its distribution (rejection rule).\n" \
+    "                           lookup: what followed the last n-gram's latest earlier occurrence in\n" \
+    "                           the prompt or output (no second model); draft: a smaller model's\n" \
+    "                           greedy tokens (--draft). Default off\n" \
     "  --draft MODEL            the draft model (same vocabulary; on the same device), implies\n" \
     "                           --spec draft\n" \
     "  --spec-k N               most drafts per step (default 7, 1 to 32); fewer while few are\n" \
