@@ -447,6 +447,7 @@ static void build_batch(st_runner *r, const st_sched_decision *d, st_batch *b) {
             }
         }
     }
+    ST_ASSERT(n_out <= r->rows_cap); /* drafts: at most k_max per decode (the drafter's bound) */
     *b = (st_batch){.n_tokens = d->n_tokens, .tokens = r->tokens, .pos = r->pos, .seq = r->seq,
                     .slots = d->slot_mapping, .n_seqs = d->n_items, .block_tables = r->tables,
                     .max_blocks = width, .ctx_lens = r->ctx_lens, .logit_rows = r->logit_rows,
