@@ -598,7 +598,9 @@ static void test_speculative(const char *name, const st_model_files *mf, st_back
                              int64_t max_tokens, int64_t tight_blocks, bool full) {
     const int64_t V = mf->config.vocab_size, mml = 52 + max_tokens + 40;
     const st_engine_params base = {.max_batch = n_req, .prefill_chunk = -1, .step_tokens = 256, .kv_block_size = 4};
-    const st_spec_params modes[] = {{.mode = ST_SPEC_LOOKUP, .k_max = 6}, {.mode = ST_SPEC_DRAFT, .draft = mf}};
+    /* a fixed draft cost: the measured one depends on the machine's timing, the drafts would too */
+    const st_spec_params modes[] = {{.mode = ST_SPEC_LOOKUP, .k_max = 6, .step_cost = 0.1},
+                                    {.mode = ST_SPEC_DRAFT, .draft = mf, .step_cost = 0.1}};
     for (int sampled = 0; sampled < (full ? 2 : 1); sampled++) {
         work w;
         work_init(&w, mml);
@@ -628,11 +630,8 @@ static void test_speculative(const char *name, const st_model_files *mf, st_back
                     same += ok;
                 }
                 const st_scheduler_stats *ss = &si.stats.sched;
-                CHECK_MSG(ss->drafted > 0 && ss->accepted > 0 && si.stats.spec.drafted == ss->drafted &&
-                              si.stats.spec.accepted == ss->accepted,
-                          "%s: spec %s: %lld drafted, %lld accepted (drafter: %lld, %lld)", name,
-                          st_spec_mode_name(modes[m].mode), (long long)ss->drafted, (long long)ss->accepted,
-                          (long long)si.stats.spec.drafted, (long long)si.stats.spec.accepted);
+                CHECK_MSG(ss->drafted > 0 && ss->accepted > 0, "%s: spec %s: %lld drafted, %lld accepted", name,
+                          st_spec_mode_name(modes[m].mode), (long long)ss->drafted, (long long)ss->accepted);
                 /* the model drafting for itself: every draft of a greedy request is its argmax */
                 if (m == 1 && !sampled)
                     CHECK_MSG(ss->accepted == ss->drafted, "%s: self-drafting accepted %lld of %lld drafts", name,

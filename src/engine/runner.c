@@ -890,7 +890,6 @@ void st_runner_get_stats(const st_runner *r, st_runner_stats *out) {
     st_bm_get_stats(r->bm, &out->kv);
     out->tiers = r->tiers != NULL;
     if (r->tiers) st_kv_tiers_get_stats(r->tiers, &out->tier);
-    if (r->drafter) st_drafter_get_stats(r->drafter, &out->spec);
 }
 
 st_kv_tiers *st_runner_tiers(st_runner *r) { return r ? r->tiers : NULL; }

@@ -146,7 +146,6 @@ typedef struct {
     st_kv_tiers_stats tier;        /* host and SSD tiers: blocks, hits, bytes moved */
     int64_t steps;                 /* steps that ran a forward pass */
     double forward_s, sample_s;    /* time in forward passes and in sampling */
-    st_spec_stats spec;            /* speculative decoding: verifications, drafts, accepted, drafter time */
 } st_runner_stats;
 
 /* Builds the model over `files` on `be` (borrowed: both must outlive the

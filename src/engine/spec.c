@@ -87,7 +87,6 @@ struct st_drafter {
     st_spec_params p;
     st_backend *be;
     int64_t vocab, max_batch, max_model_len;
-    st_spec_stats stats;
     /* the cost model, measured: a decode step's forward time without drafts (t0) and the extra
      * time of one draft relative to it (c); the default step_cost until measured */
     uint64_t proposals;
@@ -129,18 +128,15 @@ void st_drafter_free(st_drafter *d) {
 }
 
 /* The draft KV pool's shape: slots of a whole max_model_len sequence each, at most max_batch,
- * within draft_kv_mem. */
+ * within 1 GiB. */
 static void draft_shape(const st_spec_params *p, int64_t max_batch, int64_t max_model_len, st_kv_dtype kv_dtype,
                         int64_t *slot_blocks, int64_t *n_slots, int64_t *pass_tokens) {
     const st_config *c = &p->draft->config;
     *slot_blocks = (max_model_len + DRAFT_BLOCK - 1) / DRAFT_BLOCK;
     const size_t tok_bytes = st_kv_pool_bytes_per_token(c->n_layers, c->n_kv_heads, c->head_dim, kv_dtype);
     const size_t seq_bytes = tok_bytes * (size_t)(*slot_blocks * DRAFT_BLOCK);
-    size_t mem = p->draft_kv_mem;
-    if (mem == 0) {
-        const double want = (double)seq_bytes * (double)max_batch;
-        mem = want < (double)DRAFT_KV_CAP ? (size_t)want : DRAFT_KV_CAP;
-    }
+    const double want = (double)seq_bytes * (double)max_batch;
+    const size_t mem = want < (double)DRAFT_KV_CAP ? (size_t)want : DRAFT_KV_CAP;
     *n_slots = (int64_t)(mem / seq_bytes);
     if (*n_slots > max_batch) *n_slots = max_batch;
     if (*n_slots < 1) *n_slots = 1;
@@ -221,17 +217,11 @@ fail:;
     return st_err(st, "draft model: %s", msg);
 }
 
-const st_spec_params *st_drafter_params(const st_drafter *d) { return &d->p; }
 
 static double step_cost(const st_drafter *d) {
     return d->p.step_cost > 0 ? d->p.step_cost : d->have_c ? d->c : DEF_STEP_COST;
 }
 
-void st_drafter_get_stats(const st_drafter *d, st_spec_stats *out) {
-    *out = d->stats;
-    out->step_cost = step_cost(d);
-    out->cost_measured = d->p.step_cost == 0 && d->have_c;
-}
 
 static int seq_k(const st_drafter *d, const st_seq *q, bool explore) {
     if (q->spec.judged <= 0) return d->p.k_max > 4 ? 4 : d->p.k_max; /* no evidence yet */
@@ -289,8 +279,6 @@ static strata_status draft_pass(st_drafter *d, int64_t n, int64_t n_seqs, int64_
     const st_batch b = {.n_tokens = n, .tokens = d->tokens, .pos = d->pos, .seq = d->seq, .slots = d->slots,
                         .n_seqs = n_seqs, .block_tables = d->tables, .max_blocks = d->slot_blocks,
                         .ctx_lens = d->ctx, .logit_rows = d->rows, .n_logits = n_rows};
-    d->stats.draft_passes++;
-    d->stats.draft_tokens += n;
     return st_llama_forward(d->dm, d->dkv, &b, n_rows ? d->logits : NULL);
 }
 
@@ -359,7 +347,6 @@ static strata_status draft_model(st_drafter *d, int64_t n) {
 }
 
 strata_status st_drafter_propose(st_drafter *d, st_seq *const *seqs, const int64_t *max_drafts, int64_t n) {
-    const double t0 = st_time_now();
     int64_t na = 0;
     strata_status st = STRATA_OK;
     const uint64_t phase = d->p.step_cost > 0 ? 1 : d->proposals++ % PHASES; /* fixed cost: no plain steps */
@@ -388,7 +375,6 @@ strata_status st_drafter_propose(st_drafter *d, st_seq *const *seqs, const int64
             seqs[i]->spec.draft_done = 0;
         }
 out:
-    d->stats.draft_s += st_time_now() - t0;
     return st;
 }
 
@@ -396,9 +382,6 @@ void st_drafter_verified(st_drafter *d, st_seq *q, int64_t accepted) {
     const int64_t k = q->n_draft;
     ST_ASSERT(accepted >= 0 && accepted <= k);
     if (k == 0) return;
-    d->stats.steps++;
-    d->stats.drafted += k;
-    d->stats.accepted += accepted;
     /* accepted drafts are successes; the first rejected one a failure; those after it were not judged */
     q->spec.accepted = q->spec.accepted * ACC_DECAY + (double)accepted;
     q->spec.judged = q->spec.judged * ACC_DECAY + (double)(accepted + (accepted < k ? 1 : 0));

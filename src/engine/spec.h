@@ -61,10 +61,9 @@ typedef struct {
     double step_cost;                  /* one more verified token, in units of a one-token step: > 0
                                           fixed; 0 (default): measured as the steps run (0.1 until
                                           then) */
-    const st_model_files *draft;       /* ST_SPEC_DRAFT: the draft model (borrowed; same vocabulary) */
-    size_t draft_kv_mem;               /* ST_SPEC_DRAFT: bytes of its KV cache (0: room for every
-                                          running sequence at max_model_len, at most 1 GiB; at least
-                                          one sequence) */
+    const st_model_files *draft;       /* ST_SPEC_DRAFT: the draft model (borrowed; same vocabulary); its KV
+                                          cache: room for every running sequence at max_model_len, at
+                                          most 1 GiB, at least one sequence */
 } st_spec_params;
 
 /* Fills the defaults and checks p (INVALID_ARG naming the field). */
@@ -94,7 +93,6 @@ void st_drafter_free(st_drafter *d); /* NULL: no-op */
  * keeps them out of the model's device budget. */
 size_t st_drafter_device_bytes(const st_spec_params *p, const st_backend *be, int64_t max_batch,
                                int64_t max_model_len, st_kv_dtype kv_dtype);
-const st_spec_params *st_drafter_params(const st_drafter *d);
 
 /* Proposes drafts for the decoding sequences seqs[0..n) (each with exactly
  * one pending token): q->n_draft drafts at q->tokens[q->n_tokens ..] (room
@@ -114,17 +112,6 @@ void st_drafter_step_time(st_drafter *d, int64_t drafts, double forward_s);
 /* q left the runner (finished, preempted or aborted): its draft state goes
  * (a draft-model slot is freed; a preempted sequence catches up again). */
 void st_drafter_forget(st_drafter *d, st_seq *q);
-
-typedef struct {
-    int64_t steps;      /* verification items run */
-    int64_t drafted;    /* drafts verified */
-    int64_t accepted;   /* of those, accepted */
-    int64_t draft_passes, draft_tokens; /* ST_SPEC_DRAFT: the draft model's passes and tokens */
-    double draft_s;     /* time in the drafter */
-    double step_cost;   /* one draft's cost in one-token steps: measured, or params.step_cost */
-    bool cost_measured;
-} st_spec_stats;
-void st_drafter_get_stats(const st_drafter *d, st_spec_stats *out);
 
 #ifdef __cplusplus
 }
