@@ -103,8 +103,19 @@ static void check_plan(const fake_model *m, const st_wplan_params *p, const st_w
     CHECK(pl->slot_bytes == slot);
     CHECK(slot == 0 ? pl->ring_slots == 0 : pl->ring_slots >= 2);
     /* the prediction: max(SSD, PCIe, device compute + CPU compute), the CPU's bytes off the device's */
-    const double t_ssd = (double)ssd_img / p->bw.ssd, t_pcie = (double)(host + ssd) / p->bw.h2d;
-    const double t_dev = (double)(read - cpu) / p->bw.dev_read, t_cpu = cpu ? (double)cpu / p->bw.cpu : 0;
+    const double t_ssd = (double)ssd_img / p->bw.ssd;
+    double t_pcie = (double)(host + ssd) / p->bw.h2d;
+    const double t_dev = (double)(read - cpu) / p->bw.dev_read;
+    double t_cpu = cpu ? (double)cpu / p->bw.cpu : 0, t_host = 0;
+    if (cpu && host + ssd && p->bw.h2d_shared > 0 && p->bw.cpu_shared > 0) { /* two phases, worked out here */
+        const double a = (double)(host + ssd), b = (double)cpu, h = p->bw.h2d_shared, c = p->bw.cpu_shared;
+        if (a / h <= b / c) t_pcie = a / h, t_cpu = a / h + (b - c * a / h) / p->bw.cpu;
+        else t_cpu = b / c, t_pcie = b / c + (a - h * b / c) / p->bw.h2d;
+        t_host = (a + b) / (h + c);
+        CHECK(t_pcie >= t_host * (1 - 1e-12) || t_cpu >= t_host * (1 - 1e-12)); /* the later one: past the floor */
+    }
+    CHECK_MSG(fabs(pl->t_host - t_host) <= 1e-12 + 1e-9 * t_host, "t_host %g, want %g", pl->t_host, t_host);
+    CHECK_MSG(fabs(pl->t_pcie - t_pcie) <= 1e-12 + 1e-9 * t_pcie, "t_pcie %g, want %g", pl->t_pcie, t_pcie);
     CHECK_MSG(fabs(pl->t_compute - t_dev) <= 1e-12 + 1e-9 * t_dev && fabs(pl->t_cpu - t_cpu) <= 1e-12 + 1e-9 * t_cpu,
               "t_compute %g (want %g), t_cpu %g (want %g)", pl->t_compute, t_dev, pl->t_cpu, t_cpu);
     double want = t_ssd > t_pcie ? t_ssd : t_pcie;
@@ -332,6 +343,38 @@ int main(void) {
             CHECK_MSG(pl.groups[ST_TIER_CPU] == k, "cpu_ffn %d: %d groups", k, pl.groups[ST_TIER_CPU]);
             CHECK_MSG(pl.t_decode >= t_auto * (1 - 1e-12), "cpu_ffn %d: %g s < auto %g s", k, pl.t_decode, t_auto);
             st_wplan_free(&pl);
+        }
+        /* the copy engine and the CPU share host memory (measured together: 40 + 60 = 100 GB/s against 55 and
+         * 90 alone): the split moves to where both finish together at the shared rates, and the step is at
+         * least (PCIe + CPU bytes) / 100 GB/s */
+        p.cpu_ffn = 0;
+        p.bw.cpu = 90e9;
+        CHECK(st_wplan_make(&m.g, &p, &pl) == STRATA_OK);
+        check_plan(&m, &p, &pl);
+        const double t_solo = pl.t_decode;
+        const int cpu_solo = pl.groups[ST_TIER_CPU];
+        st_wplan_free(&pl);
+        p.bw.h2d_shared = 40e9;
+        p.bw.cpu_shared = 60e9;
+        CHECK(st_wplan_make(&m.g, &p, &pl) == STRATA_OK);
+        check_plan(&m, &p, &pl);
+        const double off = (double)(pl.step_host_bytes + pl.step_ssd_bytes + pl.step_cpu_bytes);
+        CHECK_MSG(pl.t_host > 0 && fabs(pl.t_host - off / 100e9) <= 1e-9 * pl.t_host, "t_host %g", pl.t_host);
+        CHECK_MSG(pl.t_decode >= pl.t_host && pl.t_decode > t_solo, "shared %g s, floor %g s, solo %g s",
+                  pl.t_decode, pl.t_host, t_solo);
+        CHECK_MSG(pl.t_decode <= pl.t_host * 1.05 + pl.t_compute, "shared %g s far past the floor %g s + device %g s",
+                  pl.t_decode, pl.t_host, pl.t_compute);
+        printf("70B q4_0 hybrid plan, host memory shared (H2D 40 + CPU 60 GB/s together; 55 / 90 alone): cpu %d "
+               "groups (%d solo), decode %.0f ms (floor %.0f ms) vs %.0f ms at the solo rates\n",
+               pl.groups[ST_TIER_CPU], cpu_solo, pl.t_decode * 1e3, pl.t_host * 1e3, t_solo * 1e3);
+        st_wplan_free(&pl);
+        p.bw.h2d_shared = p.bw.cpu_shared = 0;
+        {   /* the two phases by hand: a bytes at h (H alone), b at c (C alone) */
+            double ta, tb;
+            st_wplan_shared(10, 40, 1, 2, 2, 4, &ta, &tb); /* copies done at 10 (CPU has 20 of 40), CPU +20/4 */
+            CHECK(ta == 10 && tb == 15);
+            st_wplan_shared(30, 20, 1, 2, 2, 4, &ta, &tb); /* CPU done at 10 (copies 10 of 30), copies +20/2 */
+            CHECK(ta == 20 && tb == 10);
         }
         /* a host budget that holds only part of the model: CPU groups need their images pinned */
         p.cpu_ffn = 0;

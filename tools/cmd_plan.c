@@ -102,9 +102,14 @@ int cmd_plan(int argc, char **argv) {
            p.bw.h2d / 1e9, bw_src(&p.bw, 0), p.bw.ssd / 1e9, bw_src(&p.bw, 1),
            p.bw.measured[1] ? (p.bw.ssd_direct ? ", O_DIRECT" : ", page cache") : "", p.bw.dev_read / 1e9,
            bw_src(&p.bw, 2), p.bw.gemm / 1e9, bw_src(&p.bw, 3));
-    if (p.bw.cpu > 0)
+    if (p.bw.cpu > 0) {
         printf("cpu        matmul weight read from host memory %.2f GB/s (%s, %d threads)\n", p.bw.cpu / 1e9,
                bw_src(&p.bw, 4), mo.threads);
+        if (p.bw.h2d_shared > 0 && p.bw.cpu_shared > 0)
+            printf("shared     both reading host memory at once: H2D %.2f GB/s + CPU %.2f GB/s = %.2f GB/s (%s)\n",
+                   p.bw.h2d_shared / 1e9, p.bw.cpu_shared / 1e9, (p.bw.h2d_shared + p.bw.cpu_shared) / 1e9,
+                   bw_src(&p.bw, 5));
+    }
     else
         printf("cpu        no cpu tier (%s)\n",
                be->kind == ST_BACKEND_CPU ? "the CPU backend: every group runs on the CPU already"
@@ -129,6 +134,9 @@ int cmd_plan(int argc, char **argv) {
            " CPU compute %.3f ms; max(SSD, PCIe, device + CPU): full overlap; no overlap at all: %.3f ms)\n",
            p.t_decode * 1e3, st_wbound_name(p.decode_bound), p.t_ssd * 1e3, p.t_pcie * 1e3, p.t_compute * 1e3,
            p.t_cpu * 1e3, p.t_decode_serial * 1e3);
+    if (p.t_host > 0)
+        printf("host mem   PCIe and CPU share host memory: their times above are at the shared rates until the first"
+               " is done; together they need at least %.3f ms/token\n", p.t_host * 1e3);
     printf("split      per token: %s over PCIe (%.3f ms), %s read by the CPU (%.3f ms), %s read by the device"
            " in place\n",
            B(0, p.step_ssd_bytes + p.step_host_bytes), p.t_pcie * 1e3, B(1, p.step_cpu_bytes), p.t_cpu * 1e3,

@@ -481,6 +481,7 @@ void tool_print_weights(tool_model *tm, const st_wm_stats *before, const st_wm_s
         const double t_pcie = p->bw.h2d > 0 ? (double)(p->step_ssd_bytes + p->step_host_bytes) / p->bw.h2d : 0;
         const double t_cpu = p->bw.cpu > 0 ? (double)p->step_cpu_bytes / p->bw.cpu : 0;
         const double bound = t_pcie > t_cpu ? t_pcie : t_cpu;
+        const double floor = p->t_host > bound ? p->t_host : bound;
         printf("hybrid       per decode step: %s computed on the CPU from host memory (plan %s, %d groups) at "
                "%.2f GB/s (%s), %s over PCIe at %.2f GB/s; achieved CPU read %.2f GB/s\n",
                st_fmt_bytes(cpu, b[0], 32), st_fmt_bytes((double)p->step_cpu_bytes, b[1], 32),
@@ -491,6 +492,11 @@ void tool_print_weights(tool_model *tm, const st_wm_stats *before, const st_wm_s
         printf("bound        hybrid max(PCIe bytes / H2D, CPU bytes / CPU rate) = max(%.3f, %.3f) = %.3f ms/token, "
                "measured %.3f ms/token: %.0f%% of it\n",
                t_pcie * 1e3, t_cpu * 1e3, bound * 1e3, step_s * 1e3, step_s > 0 ? 100.0 * bound / step_s : 0.0);
+        if (p->t_host > 0) /* both read the same DRAM: what it gives them together */
+            printf("bound        host memory: (PCIe + CPU bytes) / (H2D %.2f + CPU %.2f GB/s measured together) = "
+                   "%.3f ms/token; max with the above %.3f ms/token, measured %.3f ms/token: %.0f%% of it\n",
+                   p->bw.h2d_shared / 1e9, p->bw.cpu_shared / 1e9, p->t_host * 1e3, floor * 1e3, step_s * 1e3,
+                   step_s > 0 ? 100.0 * floor / step_s : 0.0);
     }
     if (n_prompt > 0 && t_prefill > 0) {
         double ts, tc;

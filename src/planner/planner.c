@@ -350,7 +350,7 @@ strata_status st_plan_measure(const st_model_files *files, st_backend *be, st_pl
     st_wgroups *g = NULL;
     strata_status st = st_wgroups_build(files, &g);
     if (st == STRATA_OK && need_bw) st = st_wbw_measure(be, files, g, T, !wo->stream.no_direct, &wo->bw);
-    if (st == STRATA_OK && need_cpu) st = st_wbw_measure_cpu(files, g, wo->cpu_threads, wo->cpu_act, &wo->bw);
+    if (st == STRATA_OK && need_cpu) st = st_wbw_measure_cpu(files, g, wo->cpu_threads, wo->cpu_act, be, &wo->bw);
     if (st == STRATA_OK && need_scratch)
         wo->device_reserve = st_plan_scratch(be, &files->config, g, T, p->max_seq_len, wo->probe_scratch);
     st_wgroups_free(g);

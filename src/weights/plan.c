@@ -143,9 +143,17 @@ static void evaluate(const st_wgroups *g, const st_wplan_params *p, const knobs 
     const st_wbw *bw = &p->bw;
     out->bw = *bw;
     out->t_ssd = bw->ssd > 0 ? (double)out->step_ssd_img_bytes / bw->ssd : 0;
-    out->t_pcie = bw->h2d > 0 ? (double)(out->step_host_bytes + out->step_ssd_bytes) / bw->h2d : 0;
+    const double pcie_bytes = (double)(out->step_host_bytes + out->step_ssd_bytes);
+    out->t_pcie = bw->h2d > 0 ? pcie_bytes / bw->h2d : 0;
     out->t_compute = bw->dev_read > 0 ? (double)(out->step_read_bytes - out->step_cpu_bytes) / bw->dev_read : 0;
     out->t_cpu = bw->cpu > 0 ? (double)out->step_cpu_bytes / bw->cpu : 0;
+    out->t_host = 0;
+    if (out->step_cpu_bytes > 0 && pcie_bytes > 0 && bw->h2d > 0 && bw->cpu > 0 && bw->h2d_shared > 0 &&
+        bw->cpu_shared > 0) { /* both read host memory at once */
+        st_wplan_shared(pcie_bytes, (double)out->step_cpu_bytes, bw->h2d_shared, bw->h2d, bw->cpu_shared, bw->cpu,
+                        &out->t_pcie, &out->t_cpu);
+        out->t_host = (pcie_bytes + (double)out->step_cpu_bytes) / (bw->h2d_shared + bw->cpu_shared);
+    }
     out->t_pcie_prefill =
         bw->h2d > 0 ? (double)(out->step_host_bytes + out->step_ssd_bytes + out->step_cpu_bytes) / bw->h2d : 0;
     out->t_decode = out->t_ssd;
@@ -163,6 +171,16 @@ static void evaluate(const st_wgroups *g, const st_wplan_params *p, const knobs 
     out->attn_flops = p->attn_flops;
     out->t_prefill = st_wplan_prefill(out, out->prefill_tokens, &out->t_prefill_stream, &out->t_prefill_compute,
                                       &out->prefill_bound);
+}
+
+void st_wplan_shared(double a, double b, double h, double H, double c, double C, double *t_a, double *t_b) {
+    if (a / h <= b / c) { /* the copies finish first; the CPU then reads alone */
+        *t_a = a / h;
+        *t_b = *t_a + (b - c * *t_a) / C;
+    } else {
+        *t_b = b / c;
+        *t_a = *t_b + (a - h * *t_b) / H;
+    }
 }
 
 double st_wplan_prefill(const st_wplan *p, int64_t P, double *t_stream, double *t_compute, st_wbound *bound) {

@@ -48,8 +48,15 @@
  * the compute stream are pipelined, each bounded by its own busy time; the
  * device's and the CPU's compute are serial, each layer's FFN waiting for
  * its attention and the next layer for it):
- *   max(ssd_img_bytes / ssd_bw, (host_bytes + ssd_bytes) / h2d_bw,
- *       (read_bytes - cpu_bytes) / dev_read_bw + cpu_bytes / cpu_bw)
+ *   max(ssd_img_bytes / ssd_bw, t_pcie, (read_bytes - cpu_bytes) / dev_read_bw + t_cpu)
+ * with t_pcie = (host_bytes + ssd_bytes) / h2d_bw and t_cpu = cpu_bytes / cpu_bw
+ * when only one of them reads host memory. With a CPU tier both do, from the
+ * same DRAM, and neither gets its solo rate: when the shared rates are known
+ * (bw.h2d_shared, bw.cpu_shared: measured together), both run at those until
+ * the first is done, and the other finishes its bytes at its solo rate (two
+ * phases; t_pcie and t_cpu are then each one's finishing time). Their sum,
+ * (PCIe bytes + CPU bytes) / (h2d_shared + cpu_shared), is what host memory
+ * gives at best: t_host, the hybrid's floor.
  * The serial sum of the three is also given as the pessimistic bound (no
  * overlap at all). Prefill of P tokens in chunks of T: each chunk streams the
  * non-resident groups once, so per chunk max(stream time, compute time) with
@@ -75,8 +82,10 @@ typedef struct {
     double gemm;       /* FLOP/s of the backend's matmul at a prefill batch */
     double cpu;        /* weight bytes the CPU backend's matmul reads per second from host memory at
                           1 token, with the model's CPU threads (0: unknown: no CPU tier unless forced) */
+    double h2d_shared; /* h2d and cpu again, measured while both read host memory at once (the copy engine */
+    double cpu_shared; /* and the CPU draw on the same DRAM); 0: unknown (the solo rates are used) */
     bool ssd_direct;   /* the SSD figure was measured with O_DIRECT (false: page cache) */
-    bool measured[5];  /* h2d, ssd, dev_read, gemm, cpu: measured now (false: given) */
+    bool measured[6];  /* h2d, ssd, dev_read, gemm, cpu, the shared pair: measured now (false: given) */
     char skipped[192]; /* why the matmul probe did not run (no memory for it), or "" */
 } st_wbw;
 
@@ -101,6 +110,10 @@ typedef struct {
 
 typedef enum { ST_BOUND_NONE = 0, ST_BOUND_SSD, ST_BOUND_PCIE, ST_BOUND_COMPUTE, ST_BOUND_CPU } st_wbound;
 const char *st_wbound_name(st_wbound b); /* "none", "SSD read", "PCIe (H2D)", "compute", "CPU compute" */
+
+/* The two-phase finishing times of a and b bytes read from host memory at
+ * once by the copy engine (h shared, H alone) and the CPU (c shared, C alone). */
+void st_wplan_shared(double a, double b, double h, double H, double c, double C, double *t_a, double *t_b);
 
 typedef struct {
     int n_groups;
@@ -130,7 +143,9 @@ typedef struct {
     uint64_t step_cpu_bytes;      /* of those, read by the CPU (CPU tier groups) */
     double t_ssd, t_pcie, t_compute;  /* seconds per decode step, each resource alone (t_compute: the
                                          device's reads, step_read_bytes - step_cpu_bytes) */
-    double t_cpu;                 /* step_cpu_bytes / bw.cpu */
+    double t_cpu;                 /* step_cpu_bytes / bw.cpu (shared: see the top comment) */
+    double t_host;                /* (PCIe + CPU bytes) / (h2d_shared + cpu_shared): host memory's floor for a
+                                     hybrid step; 0 without a CPU tier or the shared rates */
     double t_pcie_prefill;        /* a prefill chunk's PCIe time: the CPU tier streams too */
     double t_decode, t_decode_serial;
     st_wbound decode_bound;

@@ -13,11 +13,14 @@
 #      ~90 s to write; reused when already at $WORK) on --device-mem 16G
 #      --host-mem 100G:
 #        a. `strata plan` with hybrid off (--cpu-layers 0) and on (auto): the
-#           three-way split and the predicted decode step;
+#           three-way split, the rates measured alone and together (the copy
+#           engine and the CPU share host memory) and the predicted decode step;
 #        b. `strata bench` decode, hybrid off, then on (auto) (VARIANTS, default
-#           "off auto"; "ring3": on with --ring-slots 3): tok/s, and for hybrid the bound
+#           "off auto"; "ringN": on with --ring-slots N, "tN": with --threads N,
+#           both: "ring4t14"): tok/s, and for hybrid the bound
 #           max(PCIe bytes / H2D, CPU bytes / CPU rate) from the rates measured
-#           in the same run, and the fraction of it reached.
+#           in the same run, host memory's floor (PCIe + CPU bytes over the
+#           rate both get together), and the fraction of each reached.
 # Variables: LAYERS (e.g. 20 for a quick try), WORK (model dir, default
 # /tmp/strata-hybrid), GEN (decode steps, default 24), THREADS (CPU threads
 # of the hybrid part, default: all cores), DEADLINE (seconds, default 470: a
@@ -140,13 +143,15 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
       cl=0; [ $h = auto ] && cl=auto
       stamp "plan, hybrid $h"
       "$BIN" plan "$M" "${BUD[@]}" --cpu-layers $cl "${TH[@]}" > "$OUTDIR/plan70_$h.log" 2>&1 || fail "plan $h"
-      grep -E "^(bandwidth|cpu|host|decode|split) |^ +(device|host|ssd|cpu|total) " "$OUTDIR/plan70_$h.log" | cut -c1-300
+      grep -E "^(bandwidth|cpu|shared|host|host mem|decode|split) |^ +(device|host|ssd|cpu|total) " "$OUTDIR/plan70_$h.log" | cut -c1-300
     done
     declare -A TOKS
     for v in $VARIANTS; do
       have_time 150 "bench $v" || continue
       extra=(--cpu-layers 0); [ $v != off ] && extra=(--cpu-layers auto "${TH[@]}")
-      [ $v = ring3 ] && extra+=(--ring-slots 3)
+      # ringN: --ring-slots N; tN: --threads N (the CPU tier's threads); e.g. ring4t14
+      [[ $v =~ ring([0-9]+) ]] && extra+=(--ring-slots "${BASH_REMATCH[1]}")
+      [[ $v =~ t([0-9]+)$ ]] && extra+=(--threads "${BASH_REMATCH[1]}")
       stamp "bench decode, hybrid $v: ${BUD[*]} ${extra[*]}"
       timeout 200 "$BIN" bench "$M" "${BUD[@]}" --prompt 32 --gen "$GEN" --reps 1 "${extra[@]}" > "$OUTDIR/bench70_$v.log" 2>&1 \
         || fail "bench $v (rc $?): $(tail -3 "$OUTDIR/bench70_$v.log")"
@@ -158,7 +163,8 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
     for v in $VARIANTS; do
       [ -n "${TOKS[$v]:-}" ] || continue
       f=$(sed -nE 's/^bound +hybrid .* = ([0-9.]+) ms\/token, measured ([0-9.]+) ms\/token: ([0-9]+)% of it/bound \1 ms, measured \2 ms: \3% of the bound/p' "$OUTDIR/bench70_$v.log")
-      echo "decode hybrid $v: ${TOKS[$v]} tok/s ${f:+($f)}"
+      hm=$(sed -nE 's/^bound +host memory: .* = ([0-9.]+) ms\/token; max with the above ([0-9.]+) ms\/token, measured [0-9.]+ ms\/token: ([0-9]+)% of it/host-memory floor \1 ms, max of both \2 ms: \3%/p' "$OUTDIR/bench70_$v.log")
+      echo "decode hybrid $v: ${TOKS[$v]} tok/s ${f:+($f)} ${hm:+($hm)}"
     done
     if [ -n "${TOKS[off]:-}" ] && [ -n "${TOKS[auto]:-}" ]; then
       python3 -c "import sys; a,b=float(sys.argv[1]),float(sys.argv[2]); print('hybrid / off: %.2fx' % (b/a))" "${TOKS[off]}" "${TOKS[auto]}"
