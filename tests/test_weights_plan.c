@@ -317,7 +317,11 @@ int main(void) {
         check_plan(&m, &p, &pl);
         CHECK_MSG(pl.groups[ST_TIER_CPU] >= nonres_ffn * 9 / 10, "%d cpu groups of %d non-resident ffn groups",
                   pl.groups[ST_TIER_CPU], nonres_ffn);
-        CHECK(pl.t_decode < t_gpu * 0.5 && pl.decode_bound == ST_BOUND_PCIE);
+        CHECK_MSG(pl.t_decode < t_gpu * 0.5 && pl.t_step < t_gpu * 0.5, "decode %g s, simulated %g s, %g s without",
+                  pl.t_decode, pl.t_step, t_gpu);
+        /* the attention groups resident first: what streams is FFN groups, none while the CPU computes */
+        CHECK_MSG(pl.kind_groups[ST_TIER_DEVICE][ST_WG_ATTN] == 80, "%d attention groups resident",
+                  pl.kind_groups[ST_TIER_DEVICE][ST_WG_ATTN]);
         CHECK(pl.kind_groups[ST_TIER_CPU][ST_WG_FFN] == pl.groups[ST_TIER_CPU]);
         CHECK(pl.host_cpu > 0 && pl.host_need <= p.host_mem);
         st_wplan_free(&pl);

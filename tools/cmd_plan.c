@@ -134,6 +134,10 @@ int cmd_plan(int argc, char **argv) {
            " CPU compute %.3f ms; max(SSD, PCIe, device + CPU): full overlap; no overlap at all: %.3f ms)\n",
            p.t_decode * 1e3, st_wbound_name(p.decode_bound), p.t_ssd * 1e3, p.t_pcie * 1e3, p.t_compute * 1e3,
            p.t_cpu * 1e3, p.t_decode_serial * 1e3);
+    if (p.t_step > 0)
+        printf("simulated  %.3f ms/token: the step group by group, the ring %d slots ahead, the device waiting while"
+               " the CPU computes its groups%s\n", p.t_step * 1e3, p.ring_slots,
+               p.bw.cpu > 0 && mo.cpu_layers >= 0 ? " (what placements were compared by)" : "");
     if (p.t_host > 0)
         printf("host mem   PCIe and CPU share host memory: their times above are at the shared rates until the first"
                " is done; together they need at least %.3f ms/token\n", p.t_host * 1e3);

@@ -492,6 +492,10 @@ void tool_print_weights(tool_model *tm, const st_wm_stats *before, const st_wm_s
         printf("bound        hybrid max(PCIe bytes / H2D, CPU bytes / CPU rate) = max(%.3f, %.3f) = %.3f ms/token, "
                "measured %.3f ms/token: %.0f%% of it\n",
                t_pcie * 1e3, t_cpu * 1e3, bound * 1e3, step_s * 1e3, step_s > 0 ? 100.0 * bound / step_s : 0.0);
+        if (p->t_step > 0)
+            printf("bound        hybrid step simulated group by group (ring %d slots ahead, the device waiting while the "
+                   "CPU computes) %.3f ms/token, measured %.3f ms/token: %.0f%% of it\n",
+                   p->ring_slots, p->t_step * 1e3, step_s * 1e3, step_s > 0 ? 100.0 * p->t_step / step_s : 0.0);
         if (p->t_host > 0) /* both read the same DRAM: what it gives them together */
             printf("bound        host memory: (PCIe + CPU bytes) / (H2D %.2f + CPU %.2f GB/s measured together) = "
                    "%.3f ms/token; max with the above %.3f ms/token, measured %.3f ms/token: %.0f%% of it\n",

@@ -164,6 +164,7 @@ static void evaluate(const st_wgroups *g, const st_wplan_params *p, const knobs 
     if (comp > out->t_decode)
         out->t_decode = comp, out->decode_bound = out->t_cpu > out->t_compute ? ST_BOUND_CPU : ST_BOUND_COMPUTE;
     out->t_decode_serial = out->t_ssd + out->t_pcie + out->t_compute + out->t_cpu;
+    out->t_step = st_wplan_simulate(g, out->tier, bw, out->ring_slots);
 
     out->prefill_tokens = p->prefill_tokens > 0 ? p->prefill_tokens : DEFAULT_PREFILL;
     out->prefill_chunk = k->max_batch;
@@ -171,6 +172,44 @@ static void evaluate(const st_wgroups *g, const st_wplan_params *p, const knobs 
     out->attn_flops = p->attn_flops;
     out->t_prefill = st_wplan_prefill(out, out->prefill_tokens, &out->t_prefill_stream, &out->t_prefill_compute,
                                       &out->prefill_bound);
+}
+
+double st_wplan_simulate(const st_wgroups *g, const st_tier *tier, const st_wbw *bw, int ring_slots) {
+    bool cpu = false, ssd = false, streams = false;
+    for (int i = 1; i < g->n; i++) {
+        cpu = cpu || tier[i] == ST_TIER_CPU;
+        ssd = ssd || tier[i] == ST_TIER_SSD;
+        streams = streams || tier[i] == ST_TIER_HOST || tier[i] == ST_TIER_SSD;
+    }
+    const bool shared = cpu && streams && bw->h2d_shared > 0 && bw->cpu_shared > 0;
+    const double h = shared ? bw->h2d_shared : bw->h2d, c = shared ? bw->cpu_shared : bw->cpu;
+    if (!(bw->dev_read > 0) || (streams && !(h > 0)) || (cpu && !(c > 0)) || (ssd && !(bw->ssd > 0))) return 0;
+    enum { MAX_RING = 64 };
+    const int R = ring_slots < 1 ? 1 : ring_slots > MAX_RING ? MAX_RING : ring_slots;
+    double rel[MAX_RING] = {0}; /* when each slot was last freed */
+    double t = 0, loaded = 0, read = 0, start = 0;
+    int64_t j = 0; /* streamed groups so far */
+    for (int step = 0; step < 2; step++) {
+        if (step == 1) start = t;
+        for (int i = 1; i < g->n; i++) {
+            const double b = (double)g->g[i].bytes;
+            if (tier[i] == ST_TIER_DEVICE) {
+                t += b / bw->dev_read;
+            } else if (tier[i] == ST_TIER_CPU) {
+                t += b / c;
+            } else {
+                double s = loaded > rel[j % R] ? loaded : rel[j % R];
+                if (tier[i] == ST_TIER_SSD) {
+                    read += (double)g->g[i].img_bytes / bw->ssd;
+                    if (read > s) s = read; /* copies follow the reads (staging chunks pipeline them closely) */
+                }
+                loaded = s + b / h;
+                t = (t > loaded ? t : loaded) + b / bw->dev_read;
+                rel[j++ % R] = t;
+            }
+        }
+    }
+    return t - start;
 }
 
 void st_wplan_shared(double a, double b, double h, double H, double c, double C, double *t_a, double *t_b) {
@@ -237,6 +276,27 @@ static void fill_device(const st_wgroups *g, st_tier *tier, size_t c, size_t *av
     }
 }
 
+/* The attention groups (slot_bytes <= c) resident first, as many as fit,
+ * spread evenly over the layers. */
+static void fill_attn(const st_wgroups *g, st_tier *tier, size_t c, size_t *avail) {
+    const int n = g->n;
+    int members[n], count = 0;
+    for (int i = 1; i < n; i++)
+        if (g->g[i].kind == ST_WG_ATTN && tier[i] == ST_TIER_SSD && g->g[i].slot_bytes <= c) members[count++] = i;
+    if (count == 0) return;
+    size_t big = 0;
+    for (int j = 0; j < count; j++)
+        if (g->g[members[j]].slot_bytes > big) big = g->g[members[j]].slot_bytes;
+    size_t take = *avail / big;
+    if (take > (size_t)count) take = (size_t)count;
+    for (size_t j = 0; j < take; j++) {
+        int idx = (int)(((double)j + 0.5) * (double)count / (double)take);
+        if (idx >= count) idx = count - 1;
+        tier[members[idx]] = ST_TIER_DEVICE;
+        *avail -= g->g[members[idx]].slot_bytes;
+    }
+}
+
 static void fill_host(const st_wgroups *g, st_tier *tier, size_t avail) {
     const int n = g->n;
     for (;;) { /* largest image first */
@@ -256,6 +316,15 @@ static void fill_host(const st_wgroups *g, st_tier *tier, size_t avail) {
  * step (p->cpu_ffn: 0 auto, -1 none, N: min(N, count)); SSD groups need host
  * room for their images. `tier` and *trial (evaluated) are updated to the
  * choice; `work` is scratch [g->n]. */
+/* Whether placements are compared by the simulated step (a CPU tier is possible). */
+static bool by_sim(const st_wplan_params *p) { return p->cpu_ffn >= 0 && p->bw.cpu > 0; }
+
+/* What placements are compared by: the simulated step with a possible CPU
+ * tier (when known), else the full-overlap prediction. */
+static double cost(const st_wplan_params *p, const st_wplan *t) {
+    return by_sim(p) && t->t_step > 0 ? t->t_step : t->t_decode;
+}
+
 static void place_cpu(const st_wgroups *g, const st_wplan_params *p, const knobs *k, st_tier *tier,
                       st_tier *work, st_wplan *trial) {
     if (p->cpu_ffn < 0 || (p->cpu_ffn == 0 && !(p->bw.cpu > 0))) return;
@@ -267,7 +336,7 @@ static void place_cpu(const st_wgroups *g, const st_wplan_params *p, const knobs
     const int lo = p->cpu_ffn > 0 ? (p->cpu_ffn < count ? p->cpu_ffn : count) : 1;
     const int hi = p->cpu_ffn > 0 ? lo : count;
     st_tier chosen[n];
-    double best_t = trial->t_decode, best_serial = trial->t_decode_serial;
+    double best_t = cost(p, trial), best_serial = trial->t_decode_serial;
     bool found = false;
     st_wplan t = *trial;
     t.tier = work;
@@ -281,8 +350,9 @@ static void place_cpu(const st_wgroups *g, const st_wplan_params *p, const knobs
         evaluate(g, p, k, &t);
         if (t.host_need > p->host_mem) break; /* more SSD groups would need more room still */
         /* the least step, then the least serial sum (an SSD-bound step still gains PCIe time) */
-        if (p->cpu_ffn > 0 || t.t_decode < best_t || (t.t_decode == best_t && t.t_decode_serial < best_serial)) {
-            best_t = t.t_decode;
+        const double tc = cost(p, &t);
+        if (p->cpu_ffn > 0 || tc < best_t || (tc == best_t && t.t_decode_serial < best_serial)) {
+            best_t = tc;
             best_serial = t.t_decode_serial;
             memcpy(chosen, work, (size_t)n * sizeof *work);
             found = true;
@@ -292,7 +362,8 @@ static void place_cpu(const st_wgroups *g, const st_wplan_params *p, const knobs
     evaluate(g, p, k, trial); /* trial->tier is `tier` */
 }
 
-static bool better(const st_wplan *a, const st_wplan *b) { /* a better than b */
+static bool better(const st_wplan_params *p, const st_wplan *a, const st_wplan *b) { /* a better than b */
+    if (cost(p, a) != cost(p, b)) return cost(p, a) < cost(p, b);
     if (a->t_decode != b->t_decode) return a->t_decode < b->t_decode;
     if (a->t_decode_serial != b->t_decode_serial) return a->t_decode_serial < b->t_decode_serial;
     if (a->bytes[ST_TIER_SSD] != b->bytes[ST_TIER_SSD]) return a->bytes[ST_TIER_SSD] < b->bytes[ST_TIER_SSD];
@@ -413,8 +484,11 @@ strata_status st_wplan_make(const st_wgroups *g, const st_wplan_params *p, st_wp
         for (int j = 1; j < n_sizes; j++) dup = dup || sizes[j] == g->g[i].slot_bytes;
         if (!dup) sizes[n_sizes++] = g->g[i].slot_bytes;
     }
-    for (int ci = 0; ci < n_sizes; ci++) {
-        const size_t c = sizes[ci];
+    /* each slot size c, and with a possible CPU tier also with the attention groups resident first */
+    const int orders = by_sim(p) ? 2 : 1;
+    for (int cj = 0; cj < n_sizes * orders; cj++) {
+        const size_t c = sizes[cj / orders];
+        const bool attn_first = cj % orders == 1;
         for (int i = 0; i < n; i++) cand[i] = ST_TIER_SSD;
         size_t fixed = other;
         if (c > 0) fixed += (size_t)k.ring_slots * c;
@@ -430,6 +504,7 @@ strata_status st_wplan_make(const st_wgroups *g, const st_wplan_params *p, st_wp
         if (c > 0) {
             if (avail < rows) continue; /* the rows buffer, in case the table is not resident */
             avail -= rows;
+            if (attn_first) fill_attn(g, cand, c, &avail);
             fill_device(g, cand, c, &avail);
             avail += rows;
         }
@@ -467,7 +542,7 @@ strata_status st_wplan_make(const st_wgroups *g, const st_wplan_params *p, st_wp
         evaluate(g, p, &kc, &trial);
         place_cpu(g, p, &kc, cand, work, &trial);
         if (trial.device_need > p->device_mem || trial.host_need > p->host_mem) continue; /* cannot happen */
-        if (!found || better(&trial, &best)) {
+        if (!found || better(p, &trial, &best)) {
             st_tier *keep = best.tier;
             best = trial;
             best.tier = keep ? keep : st_calloc((size_t)n, sizeof *best.tier);

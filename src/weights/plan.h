@@ -36,6 +36,12 @@
  * resident only with device room to spare, and never takes host-tier memory
  * (its rows are gathered from the file mapping into small pinned staging).
  *
+ * With a possible CPU tier (bw.cpu known, cpu_ffn >= 0) the placements are
+ * compared by the simulated step (t_step) instead, and each slot size is also
+ * tried with the attention groups made resident first: then only FFN groups
+ * stream, and a ring slot never holds a small group while the CPU computes
+ * (the full-overlap model cannot tell these placements apart).
+ *
  * CPU tier: once the device and host tiers are placed, up to every
  * non-resident FFN group (host tier first, then SSD ones while the host
  * budget has room for their images) may move to the CPU tier; the count
@@ -148,6 +154,7 @@ typedef struct {
                                      hybrid step; 0 without a CPU tier or the shared rates */
     double t_pcie_prefill;        /* a prefill chunk's PCIe time: the CPU tier streams too */
     double t_decode, t_decode_serial;
+    double t_step;                /* the decode step simulated in order (st_wplan_simulate): 0 when a rate is unknown */
     st_wbound decode_bound;
     int64_t prefill_tokens, prefill_chunk;
     double t_prefill, t_prefill_stream, t_prefill_compute;
@@ -155,6 +162,19 @@ typedef struct {
     double flops_per_token, attn_flops;
     st_wbw bw;
 } st_wplan;
+
+/* One decode step simulated group by group, in steady state (the second of
+ * two steps): the copier loads the streamed groups in order into ring_slots
+ * slots (a slot is free once the device computed the group that held it; an
+ * SSD group's image must also have been read, the reader running ahead in
+ * order), the device computes each group when its weights are there, and a
+ * CPU-tier group is computed by the CPU while the device waits (the layer's
+ * FFN between its attention and the next layer's). Rates: dev_read, h2d,
+ * ssd, cpu; with a CPU tier the shared pair where known. What it adds to the
+ * full-overlap t_decode: the ring's limited look-ahead, which lets the
+ * copier idle while the CPU computes and the device wait afterwards. 0 when
+ * a rate it needs is unknown. */
+double st_wplan_simulate(const st_wgroups *g, const st_tier *tier, const st_wbw *bw, int ring_slots);
 
 /* Places the groups (p->force: checks that placement instead). The caller
  * owns out->tier (st_wplan_free). A budget too small for any placement is
