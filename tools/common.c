@@ -489,6 +489,10 @@ void tool_print_weights(tool_model *tm, const st_wm_stats *before, const st_wm_s
                p->bw.cpu <= 0 ? "not measured: the CPU backend" : p->bw.measured[4] ? "measured now" : "given",
                st_fmt_bytes((double)(p->step_ssd_bytes + p->step_host_bytes), b[2], 32), p->bw.h2d / 1e9,
                step_s > 0 ? cpu / step_s / 1e9 : 0.0);
+        const double wait = (s.cpu_wait_s - before->cpu_wait_s) / n, comp = (s.cpu_compute_s - before->cpu_compute_s) / n;
+        printf("hybrid       per decode step: the CPU computed its groups in %.3f ms (%.2f GB/s while computing) and "
+               "waited %.3f ms for the device's work before them; the rest of the step %.3f ms\n",
+               comp * 1e3, comp > 0 ? cpu / comp / 1e9 : 0.0, wait * 1e3, (step_s - comp - wait) * 1e3);
         printf("bound        hybrid max(PCIe bytes / H2D, CPU bytes / CPU rate) = max(%.3f, %.3f) = %.3f ms/token, "
                "measured %.3f ms/token: %.0f%% of it\n",
                t_pcie * 1e3, t_cpu * 1e3, bound * 1e3, step_s * 1e3, step_s > 0 ? 100.0 * bound / step_s : 0.0);

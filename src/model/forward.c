@@ -232,8 +232,11 @@ static strata_status ffn_on_cpu(st_llama *m, int id, int64_t n) {
         w[i] = m->wshape[id][i];
         w[i].data = data[i];
     }
+    const double t0 = st_time_now();
     TRY(o->event_sync(be, m->cpu_ev));
+    const double t1 = st_time_now();
     TRY(st_llama_ffn_ops_cpu(m, w, n));
+    st_wm_note_cpu(m->wm, t1 - t0, st_time_now() - t1);
     TRY(o->copy_h2d(be, m->stream, m->x, m->h_x, bytes));
     return o->copy_h2d(be, m->stream, m->tmp, m->h_tmp, bytes);
 }

@@ -976,6 +976,13 @@ strata_status st_wm_wait_pinned(st_wm *wm) {
     return st;
 }
 
+void st_wm_note_cpu(st_wm *wm, double wait_s, double compute_s) {
+    pthread_mutex_lock(&wm->mu);
+    wm->stats.cpu_wait_s += wait_s;
+    wm->stats.cpu_compute_s += compute_s;
+    pthread_mutex_unlock(&wm->mu);
+}
+
 void st_wm_stats_get(st_wm *wm, st_wm_stats *out) {
     pthread_mutex_lock(&wm->mu);
     *out = wm->stats;

@@ -104,6 +104,8 @@ typedef struct {
     uint64_t gather_bytes;     /* embedding rows copied */
     uint64_t seq_cpu;          /* CPU-tier groups handed out in host memory (st_wm_acquire_host) */
     uint64_t cpu_bytes;        /* their tensor bytes */
+    double cpu_wait_s;         /* their executor's time waiting for the device's work before each (st_wm_note_cpu) */
+    double cpu_compute_s;      /* ... and computing them */
     double acquire_wait_s;     /* compute thread time blocked in acquire */
     uint64_t pinned_bytes;     /* host tier filled so far (image bytes) */
     uint64_t pin_total_bytes;
@@ -146,6 +148,9 @@ strata_status st_wm_release(st_wm *wm, int group, st_event *done);
 void st_wm_stream_cpu(st_wm *wm, bool on);
 /* data[i] = host pointer of tensor i of CPU-tier group `group` (role order). */
 strata_status st_wm_acquire_host(st_wm *wm, int group, const void **data);
+/* The executor of a CPU-tier group reports how long it waited for the
+ * device's work before it and how long it computed (into the stats). */
+void st_wm_note_cpu(st_wm *wm, double wait_s, double compute_s);
 /* Enqueues on s the copies of an unfilled view's group into its slot. */
 strata_status st_wm_fill(st_wm *wm, int group, st_stream *s, const st_wm_view *v);
 
