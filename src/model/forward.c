@@ -53,8 +53,6 @@ static strata_status group_acquire(st_llama *m, int id, bound_group *b) {
     if (st != STRATA_OK) return st;
     if (b->v.ready && (st = m->be->ops->stream_wait_event(m->be, m->stream, b->v.ready)) != STRATA_OK)
         return group_release(m, b, st);
-    if (b->v.unfilled && (st = st_wm_fill(m->wm, id, m->stream, &b->v)) != STRATA_OK) /* a CPU-tier group */
-        return group_release(m, b, st);
     for (int i = 0; i < m->groups->g[id].n_tensors; i++) {
         b->w[i] = m->wshape[id][i];
         b->w[i].data = b->v.data[i];

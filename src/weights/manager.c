@@ -22,11 +22,9 @@
 #include <string.h>
 #include <time.h>
 
-/* SRC_CPU: a CPU-tier group, copied from host memory only while stream_cpu
- * (prefill) holds when the copier reaches it, else left out (SRC_NONE in its
- * slot: the compute thread computes it on the CPU, or, after a switch to
- * streaming, copies it itself on the compute stream: st_wm_fill) */
-enum { SRC_NONE = 0, SRC_HOST = 1, SRC_SSD = 2, SRC_CPU = 3 };
+/* SRC_CPU: a CPU-tier group, in the streamed order only while stream_cpu
+ * (prefill): copied from host memory like a host-tier group */
+enum { SRC_HOST = 1, SRC_SSD = 2, SRC_CPU = 3 };
 enum { CH_FREE = 0, CH_READING, CH_FILLED };
 #define DESC_RING 64
 
@@ -57,9 +55,13 @@ struct st_wm {
     void **res_block;                          /* [n] device blocks (NULL: zero copy / not resident) */
     const void *(*res_ptr)[ST_WG_MAX_TENSORS]; /* [n] */
 
+    /* the streamed order in use: every non-resident group while stream_cpu (order_all), else all but the
+     * CPU tier's (order_dev): a CPU-tier group then takes no place in the ring's look-ahead */
     int n_order;
-    int *order;     /* [n_order] streamed groups in cyclic order */
-    int *order_pos; /* [n] position in order, -1 */
+    int *order;     /* [n_order] streamed groups in cyclic order (order_all or order_dev) */
+    int *order_pos; /* [n] position in order, -1 (pos_all or pos_dev) */
+    int n_all, n_dev;
+    int *order_all, *pos_all, *order_dev, *pos_dev;
     int n_slots;
     void **slot;
     st_event **slot_ready, **slot_done;
@@ -100,6 +102,7 @@ struct st_wm {
 
     bool stream_cpu; /* CPU-tier groups are streamed to the device (st_wm_stream_cpu) */
     uint64_t use_done;
+    uint64_t published; /* the reader published every sequence < published */
     bool holding;
     uint64_t held_seq;
     int held_group;
@@ -196,7 +199,9 @@ static bool reap_one(reader_ctx *rc, bool wait) {
 }
 
 typedef bool (*wm_pred)(const st_wm *wm, uint64_t arg);
-static bool pred_desc_space(const st_wm *wm, uint64_t arg) { return wm->desc_head - wm->desc_tail < DESC_RING; }
+static bool pred_desc_space(const st_wm *wm, uint64_t arg) {
+    return wm->n_order > 0 && wm->desc_head - wm->desc_tail < DESC_RING; /* an empty order: decode on the CPU tier */
+}
 static bool pred_chunk_free(const st_wm *wm, uint64_t c) { return wm->ch[c].state == CH_FREE; }
 
 /* Waits until pred holds, reaping finished reads meanwhile (the copier may be
@@ -303,6 +308,7 @@ static void *reader_main(void *arg) {
         d->first_piece = piece;
         d->n_pieces = host ? 0 : group_pieces(wm, &wm->groups->g[g]);
         wm->desc_head++;
+        wm->published = k + 1;
         pthread_cond_broadcast(&wm->cv);
         pthread_mutex_unlock(&wm->mu);
         if (!host && !read_group(&rc, &wm->groups->g[g], &piece)) break;
@@ -393,14 +399,6 @@ static void *copier_main(void *arg) {
             break;
         }
         const bool skipped = d.seq < wm->use_done;
-        const bool leave = !skipped && d.source == SRC_CPU && !wm->stream_cpu;
-        if (leave) { /* computed on the CPU (or copied by st_wm_fill): the slot is not touched */
-            wm->fetched = d.seq + 1;
-            wm->slot_src[d.seq % (uint64_t)wm->n_slots] = SRC_NONE;
-            pthread_cond_broadcast(&wm->cv);
-            pthread_mutex_unlock(&wm->mu);
-            continue;
-        }
         pthread_mutex_unlock(&wm->mu);
         if (skipped) { /* drop what was read for it */
             bool ok = true;
@@ -445,8 +443,8 @@ static void pin_all(st_wm *wm) {
     const double t0 = st_time_now();
     uint64_t done = 0, total = wm->stats.pin_total_bytes, next_log = total / 10;
     char b[3][32];
-    for (int j = 0; j < wm->n_order; j++) { /* in the order the groups are first needed */
-        const int gi = wm->order[j];
+    for (int j = 0; j < wm->n_all; j++) { /* in the order the groups are first needed */
+        const int gi = wm->order_all[j];
         if (wm->plan.tier[gi] != ST_TIER_HOST && wm->plan.tier[gi] != ST_TIER_CPU) continue;
         pthread_mutex_lock(&wm->mu);
         const bool stop = wm->stop || wm->failed;
@@ -648,13 +646,16 @@ strata_status st_wm_init(st_backend *be, const st_model_files *files, const st_w
     wm->plan.tier = st_calloc((size_t)wm->n, sizeof *wm->plan.tier);
     wm->res_block = st_calloc((size_t)wm->n, sizeof *wm->res_block);
     wm->res_ptr = st_calloc((size_t)wm->n, sizeof *wm->res_ptr);
-    wm->order = st_calloc((size_t)wm->n, sizeof *wm->order);
-    wm->order_pos = st_calloc((size_t)wm->n, sizeof *wm->order_pos);
+    wm->order_all = st_calloc((size_t)wm->n, sizeof *wm->order_all);
+    wm->pos_all = st_calloc((size_t)wm->n, sizeof *wm->pos_all);
+    wm->order_dev = st_calloc((size_t)wm->n, sizeof *wm->order_dev);
+    wm->pos_dev = st_calloc((size_t)wm->n, sizeof *wm->pos_dev);
     wm->host_raw = st_calloc((size_t)wm->n, sizeof *wm->host_raw);
     wm->host_img = st_calloc((size_t)wm->n, sizeof *wm->host_img);
     wm->host_ready = st_calloc((size_t)wm->n, sizeof *wm->host_ready);
     wm->host_size = st_calloc((size_t)wm->n, sizeof *wm->host_size);
-    if (!wm->plan.tier || !wm->res_block || !wm->res_ptr || !wm->order || !wm->order_pos || !wm->host_raw ||
+    if (!wm->plan.tier || !wm->res_block || !wm->res_ptr || !wm->order_all || !wm->pos_all || !wm->order_dev ||
+        !wm->pos_dev || !wm->host_raw ||
         !wm->host_img || !wm->host_ready || !wm->host_size) {
         st_free(wm->plan.tier);
         wm->plan.tier = NULL;
@@ -672,18 +673,25 @@ strata_status st_wm_init(st_backend *be, const st_model_files *files, const st_w
     if ((st = st_ssd_files_open(files, !wm->p.no_direct, &wm->p.faults, &wm->sf)) != STRATA_OK) goto fail;
     wm->stats.direct = st_ssd_files_direct(wm->sf);
 
-    for (int i = 0; i < wm->n; i++) wm->order_pos[i] = -1;
+    for (int i = 0; i < wm->n; i++) wm->pos_all[i] = wm->pos_dev[i] = -1;
     for (int i = 1; i < wm->n; i++)
         if (wm->plan.tier[i] != ST_TIER_DEVICE) {
-            wm->order_pos[i] = wm->n_order;
-            wm->order[wm->n_order++] = i;
+            wm->pos_all[i] = wm->n_all;
+            wm->order_all[wm->n_all++] = i;
+            if (wm->plan.tier[i] != ST_TIER_CPU) {
+                wm->pos_dev[i] = wm->n_dev;
+                wm->order_dev[wm->n_dev++] = i;
+            }
             if (wm->plan.tier[i] == ST_TIER_HOST || wm->plan.tier[i] == ST_TIER_CPU) {
                 wm->stats.pin_total_bytes += groups->g[i].img_bytes;
                 wm->stats.pin_total_groups++;
             }
         }
+    wm->order = wm->order_dev; /* stream_cpu starts off */
+    wm->order_pos = wm->pos_dev;
+    wm->n_order = wm->n_dev;
     if ((st = load_resident(wm)) != STRATA_OK) goto fail;
-    if (wm->n_order > 0 && (st = init_streaming(wm)) != STRATA_OK) goto fail;
+    if (wm->n_all > 0 && (st = init_streaming(wm)) != STRATA_OK) goto fail;
     if (wm->plan.embed_gather && (st = init_rows(wm)) != STRATA_OK) goto fail;
 
     if (wm->stats.pin_total_groups == 0) {
@@ -697,7 +705,7 @@ strata_status st_wm_init(st_backend *be, const st_model_files *files, const st_w
     } else if ((st = start_thread(wm, &wm->pinner, &wm->pinner_on, pinner_main, "pinning")) != STRATA_OK) {
         goto fail;
     }
-    if (wm->n_order > 0 && ((st = start_thread(wm, &wm->reader, &wm->reader_on, reader_main, "reader")) != STRATA_OK ||
+    if (wm->n_all > 0 && ((st = start_thread(wm, &wm->reader, &wm->reader_on, reader_main, "reader")) != STRATA_OK ||
                             (st = start_thread(wm, &wm->copier, &wm->copier_on, copier_main, "copy")) != STRATA_OK))
         goto fail;
     char sum[512];
@@ -766,8 +774,10 @@ void st_wm_free(st_wm *wm) {
     st_free(wm->ch);
     st_free(wm->res_block);
     st_free(wm->res_ptr);
-    st_free(wm->order);
-    st_free(wm->order_pos);
+    st_free(wm->order_all);
+    st_free(wm->pos_all);
+    st_free(wm->order_dev);
+    st_free(wm->pos_dev);
     st_free(wm->host_raw);
     st_free(wm->host_img);
     st_free(wm->host_ready);
@@ -801,7 +811,8 @@ strata_status st_wm_acquire(st_wm *wm, int group, st_wm_view *out) {
         return STRATA_OK;
     }
     if (wm->order_pos[group] < 0)
-        return st_err(STRATA_ERR_INVALID_ARG, "weight manager: group %s is not streamed (use st_wm_embed)", g->name);
+        return st_err(STRATA_ERR_INVALID_ARG, "weight manager: group %s is not streamed (%s)", g->name,
+                      group == 0 ? "use st_wm_embed" : "a cpu-tier group: st_wm_acquire_host, or st_wm_stream_cpu first");
     pthread_mutex_lock(&wm->mu);
     strata_status st = STRATA_OK;
     if (wm->failed) {
@@ -831,14 +842,6 @@ strata_status st_wm_acquire(st_wm *wm, int group, st_wm_view *out) {
     const int s = (int)(k % (uint64_t)wm->n_slots);
     /* counted here, as used (what the copier fetched ahead is not yet) */
     wm->stats.h2d_bytes += g->bytes;
-    if (wm->slot_src[s] == SRC_NONE) { /* a CPU-tier group the copier left out: st_wm_fill copies it */
-        wm->stats.seq_host++;
-        for (int i = 0; i < g->n_tensors; i++) out->data[i] = (const uint8_t *)wm->slot[s] + g->t[i].slot_off;
-        out->unfilled = true;
-        out->ready = wm->slot_used[s] ? wm->slot_ready[s] : NULL; /* the last copy into the slot */
-        out->done = wm->slot_done[s];
-        goto out;
-    }
     if (wm->slot_src[s] == SRC_HOST) {
         wm->stats.seq_host++;
     } else {
@@ -880,25 +883,17 @@ strata_status st_wm_release(st_wm *wm, int group, st_event *done) {
     return st;
 }
 
-strata_status st_wm_fill(st_wm *wm, int group, st_stream *s, const st_wm_view *v) {
-    if (group < 0 || group >= wm->n || !v || !v->unfilled)
-        return st_err(STRATA_ERR_INVALID_ARG, "weight manager: fill of group %d, which is not an unfilled view", group);
-    const st_wgroup *g = &wm->groups->g[group];
-    pthread_mutex_lock(&wm->mu);
-    const uint8_t *src = wm->host_ready[group] ? wm->host_img[group] : NULL;
-    pthread_mutex_unlock(&wm->mu);
-    strata_status st = STRATA_OK;
-    for (int i = 0; i < g->n_tensors && st == STRATA_OK; i++)
-        st = wm->be->ops->copy_h2d(wm->be, s, (void *)v->data[i],
-                                   src ? src + g->t[i].img_off : st_tensor_data(wm->files, g->t[i].desc),
-                                   g->t[i].desc->nbytes);
-    return st;
-}
-
 void st_wm_stream_cpu(st_wm *wm, bool on) {
     pthread_mutex_lock(&wm->mu);
     if (wm->stream_cpu != on) {
+        ST_ASSERT(!wm->holding);
         wm->stream_cpu = on;
+        if (wm->n_all != wm->n_dev) { /* the order changes: what was published for the old one is skipped */
+            wm->order = on ? wm->order_all : wm->order_dev;
+            wm->order_pos = on ? wm->pos_all : wm->pos_dev;
+            wm->n_order = on ? wm->n_all : wm->n_dev;
+            if (wm->published > wm->use_done) wm->use_done = wm->published;
+        }
         pthread_cond_broadcast(&wm->cv);
     }
     pthread_mutex_unlock(&wm->mu);
@@ -916,11 +911,10 @@ strata_status st_wm_acquire_host(st_wm *wm, int group, const void **data) {
     } else if (wm->holding) {
         st = st_err(STRATA_ERR_INVALID_ARG, "weight manager: host acquire of %s while %s is held", g->name,
                     wm->groups->g[wm->held_group].name);
-    } else {
-        /* its sequence (and those before it) counts as used: the copier runs on past it */
-        const uint64_t n = (uint64_t)wm->n_order, base = wm->use_done;
-        const uint64_t k = base + ((uint64_t)wm->order_pos[group] + n - base % n) % n;
-        wm->use_done = k + 1;
+    } else if (wm->stream_cpu) {
+        st = st_err(STRATA_ERR_INVALID_ARG, "weight manager: host acquire of %s while the cpu tier streams "
+                    "(st_wm_stream_cpu)", g->name);
+    } else { /* not in the streamed order: the ring's look-ahead is not touched */
         const uint8_t *img = wm->host_ready[group] ? wm->host_img[group] : NULL;
         for (int i = 0; i < g->n_tensors; i++)
             data[i] = img ? img + g->t[i].img_off : st_tensor_data(wm->files, g->t[i].desc);
@@ -992,5 +986,5 @@ void st_wm_stats_get(st_wm *wm, st_wm_stats *out) {
 }
 
 const st_wplan *st_wm_plan(const st_wm *wm) { return &wm->plan; }
-int st_wm_streamed(const st_wm *wm) { return wm->n_order; }
-bool st_wm_all_resident(const st_wm *wm) { return wm->n_order == 0 && !wm->plan.embed_gather; }
+int st_wm_streamed(const st_wm *wm) { return wm->n_all; }
+bool st_wm_all_resident(const st_wm *wm) { return wm->n_all == 0 && !wm->plan.embed_gather; }

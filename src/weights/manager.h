@@ -85,9 +85,6 @@ typedef struct {
     const void *data[ST_WG_MAX_TENSORS]; /* device pointers, in role order */
     st_event *ready; /* the compute stream waits on it before using data (NULL: resident) */
     st_event *done;  /* record it on the compute stream after the ops (NULL: resident) */
-    bool unfilled;   /* a CPU-tier group the copier left out (it was to be computed on the CPU when the
-                        copier reached it): after waiting on `ready` (the slot's last copy), call
-                        st_wm_fill to copy it on the compute stream, then use it as usual */
 } st_wm_view;
 
 /* Counters since init. Groups are counted when acquired (used), so that
@@ -137,22 +134,22 @@ strata_status st_wm_acquire(st_wm *wm, int group, st_wm_view *out);
 strata_status st_wm_release(st_wm *wm, int group, st_event *done);
 
 /* CPU tier (plan.h ST_TIER_CPU): groups pinned like the host tier (the file
- * mapping until pinned) and in the streamed order like any streamed group.
- * While stream_cpu is off (the default: decode) the copier leaves them out
- * and the compute thread takes them in host memory with st_wm_acquire_host
- * (nothing to release: the bytes stay put; the sequence counts as used at
- * once, so the ring runs ahead past it while the CPU computes); while on
- * (prefill), they are copied into ring slots and acquired like host-tier
- * groups. Switching is allowed between any two acquires: a slot the copier
- * filled in the other mode is skipped (bytes wasted) or filled by st_wm_fill. */
+ * mapping until pinned). While stream_cpu is off (the default: decode) they
+ * are not in the streamed order at all: the compute thread takes them in
+ * host memory with st_wm_acquire_host (nothing to release: the bytes stay
+ * put), and the ring's look-ahead (ring_slots sequences) holds only groups
+ * the device computes, so the copier fills it while the CPU computes. While
+ * on (prefill), the order holds every non-resident group and CPU-tier groups
+ * are copied into ring slots and acquired like host-tier groups. Switching
+ * is allowed between passes (no group held): when the order changes, what
+ * the reader and the copier prepared for the old one is skipped (up to the
+ * look-ahead's bytes copied in vain). */
 void st_wm_stream_cpu(st_wm *wm, bool on);
 /* data[i] = host pointer of tensor i of CPU-tier group `group` (role order). */
 strata_status st_wm_acquire_host(st_wm *wm, int group, const void **data);
 /* The executor of a CPU-tier group reports how long it waited for the
  * device's work before it and how long it computed (into the stats). */
 void st_wm_note_cpu(st_wm *wm, double wait_s, double compute_s);
-/* Enqueues on s the copies of an unfilled view's group into its slot. */
-strata_status st_wm_fill(st_wm *wm, int group, st_stream *s, const st_wm_view *v);
 
 /* The embedding rows of host token ids tokens[0..n) (validated by the
  * caller, n <= max_batch) as a weight for get_rows on stream s: when the
