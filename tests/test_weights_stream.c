@@ -654,6 +654,75 @@ static void check_changed(const char *dir, bool streaming, bool truncate_it) {
     st_model_close(files);
 }
 
+/* The ring's look-ahead in decode holds only groups the device computes: with
+ * the ffn groups alternating host tier / CPU tier (attention resident) and
+ * 2 ring slots, once the first streamed group is released and the CPU
+ * computes the next CPU-tier group, the copier fills BOTH slots (the next
+ * two host-tier groups), not one (a CPU-tier group taking a place in the
+ * look-ahead); and with the CPU tier streamed (prefill) every non-resident
+ * group is in the order again, the switch skipping what was prepared. */
+static void check_lookahead(st_model_files *files) {
+    st_wgroups *g = NULL;
+    CHECK(st_wgroups_build(files, &g) == STRATA_OK);
+    if (!g) return;
+    const int n = g->n, L = (n - 2) / 2;
+    CHECK(L >= 6);
+    st_tier *t = calloc((size_t)n, sizeof *t);
+    for (int i = 0; i < n; i++) t[i] = ST_TIER_DEVICE;
+    for (int l = 0; l < L; l++) t[st_wg_ffn_id(l)] = l % 2 ? ST_TIER_CPU : ST_TIER_HOST;
+    st_wplan_params pp = {.device_mem = 0, .host_mem = (size_t)1 << 30, .ring_slots = 2, .bw = k_bw, .force = t,
+                          .cpu_ffn = 0, .staging_chunk = 8192, .staging_chunks = 3};
+    st_wplan plan;
+    CHECK(st_wplan_make(g, &pp, &plan) == STRATA_OK);
+    st_backend *be = cpu(0);
+    st_wm *wm = NULL;
+    const st_wm_params wp = {.host_mem = (size_t)1 << 30, .pin_sync = true};
+    CHECK(st_wm_init(be, files, g, &plan, &wp, &wm) == STRATA_OK);
+    if (wm) {
+        CHECK(st_wm_streamed(wm) == L); /* host and cpu tier: every ffn group */
+        st_stream *s = NULL;
+        CHECK(be->ops->stream_create(be, false, &s) == STRATA_OK);
+        st_wm_view v;
+        /* layer 0's ffn (host tier): acquired and released */
+        CHECK(st_wm_acquire(wm, st_wg_ffn_id(0), &v) == STRATA_OK);
+        CHECK(be->ops->event_record(be, v.done, s) == STRATA_OK);
+        CHECK(st_wm_release(wm, st_wg_ffn_id(0), v.done) == STRATA_OK);
+        /* layer 1's (cpu tier) computed on the CPU: meanwhile the copier fills layers 2 and 4 */
+        const void *data[ST_WG_MAX_TENSORS];
+        CHECK(st_wm_acquire_host(wm, st_wg_ffn_id(1), data) == STRATA_OK);
+        st_wm_stats st;
+        const double t0 = st_time_now();
+        do st_wm_stats_get(wm, &st);
+        while (st.copied < 3 && st_time_now() - t0 < 5);
+        CHECK_MSG(st.copied == 3, "%llu groups copied while the CPU computes (want 1 used + 2 ahead)",
+                  (unsigned long long)st.copied);
+        CHECK_ERR(st_wm_acquire(wm, st_wg_ffn_id(3), &v), STRATA_ERR_INVALID_ARG, "not streamed", "cpu-tier");
+        /* prefill: every ffn group streams, the CPU tier's too */
+        st_wm_stream_cpu(wm, true);
+        CHECK_ERR(st_wm_acquire_host(wm, st_wg_ffn_id(3), data), STRATA_ERR_INVALID_ARG, "streams");
+        for (int l = 0; l < L; l++) {
+            CHECK(st_wm_acquire(wm, st_wg_ffn_id(l), &v) == STRATA_OK);
+            const st_wgroup *gr = &g->g[st_wg_ffn_id(l)];
+            if (v.ready) CHECK(be->ops->stream_wait_event(be, s, v.ready) == STRATA_OK);
+            CHECK(be->ops->stream_sync(be, s) == STRATA_OK);
+            CHECK_MSG(!memcmp(v.data[0], st_tensor_data(files, gr->t[0].desc), gr->t[0].desc->nbytes),
+                      "ffn %d: the slot's bytes differ from the file's", l);
+            CHECK(be->ops->event_record(be, v.done, s) == STRATA_OK);
+            CHECK(st_wm_release(wm, st_wg_ffn_id(l), v.done) == STRATA_OK);
+        }
+        st_wm_stats_get(wm, &st);
+        CHECK_MSG(st.seq_host == (uint64_t)L + 1 && st.seq_cpu == 1, "host %llu, cpu %llu",
+                  (unsigned long long)st.seq_host, (unsigned long long)st.seq_cpu);
+        be->ops->stream_destroy(be, s);
+        st_wm_free(wm);
+    }
+    st_backend_free(be);
+    st_wplan_free(&plan);
+    free(t);
+    st_wgroups_free(g);
+    printf("  look-ahead: the CPU tier's groups take no place in the ring while computed on the CPU\n");
+}
+
 int main(void) {
     /* every reference model */
     static const char *refs[] = {"gqa_f32", "gqa_sharded_f32", "gqa_tied_bf16", "headdim_f32",
@@ -674,6 +743,7 @@ int main(void) {
         for (int p = P_SSD; files && p <= P_MIX1; p++) check_batched("generated-8-layer", files, (pattern)p);
         check_batched("generated-8-layer", files, P_CPU1); /* the CPU tier: every pass on the CPU */
         check_batched("generated-8-layer", files, P_CPU2); /* 4-token passes stream it, the others compute it */
+        if (files) check_lookahead(files);
         st_model_close(files);
         printf("  generated-8-layer: %d sequences at once = each alone (tokens, logits, bytes per pass)\n", NSEQ);
     }

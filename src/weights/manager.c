@@ -424,6 +424,7 @@ static void *copier_main(void *arg) {
             break;
         }
         wm->fetched = d.seq + 1;
+        wm->stats.copied++;
         wm->slot_src[s] = d.source == SRC_CPU ? SRC_HOST : d.source;
         pthread_cond_broadcast(&wm->cv);
         pthread_mutex_unlock(&wm->mu);

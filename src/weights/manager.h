@@ -98,6 +98,7 @@ typedef struct {
     uint64_t ssd_read_bytes;   /* bytes requested from the files by the reader (incl. read-ahead) */
     uint64_t ssd_reads;
     uint64_t h2d_bytes;        /* tensor bytes of the groups used that were copied into ring slots */
+    uint64_t copied;           /* sequences the copier copied into ring slots (incl. ahead of their use) */
     uint64_t gather_bytes;     /* embedding rows copied */
     uint64_t seq_cpu;          /* CPU-tier groups handed out in host memory (st_wm_acquire_host) */
     uint64_t cpu_bytes;        /* their tensor bytes */
