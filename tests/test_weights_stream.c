@@ -35,6 +35,7 @@
 #include <unistd.h>
 
 #include "model/llama.h"
+#include "weights/measure.h"
 #include "testutil.h"
 
 #define N_PROMPT 10
@@ -744,6 +745,19 @@ int main(void) {
         check_batched("generated-8-layer", files, P_CPU1); /* the CPU tier: every pass on the CPU */
         check_batched("generated-8-layer", files, P_CPU2); /* 4-token passes stream it, the others compute it */
         if (files) check_lookahead(files);
+        st_wgroups *g = NULL;
+        if (files && st_wgroups_build(files, &g) == STRATA_OK) { /* the CPU tier's rate probe */
+            st_wbw bw = {0};
+            CHECK(st_wbw_measure_cpu(files, g, 2, ST_CPU_ACT_PRECISE, NULL, &bw) == STRATA_OK);
+            CHECK_MSG(bw.cpu > 0 && bw.measured[4] && bw.h2d_shared == 0 && bw.cpu_shared == 0 && !bw.measured[5],
+                      "cpu %g B/s, shared %g + %g", bw.cpu, bw.h2d_shared, bw.cpu_shared);
+            st_backend *be = cpu(0); /* a CPU "device": no shared probe either */
+            bw = (st_wbw){.cpu = 7};
+            CHECK(st_wbw_measure_cpu(files, g, 2, ST_CPU_ACT_PRECISE, be, &bw) == STRATA_OK);
+            CHECK(bw.cpu > 0 && bw.cpu != 7 && bw.h2d_shared == 0);
+            st_backend_free(be);
+            st_wgroups_free(g);
+        }
         st_model_close(files);
         printf("  generated-8-layer: %d sequences at once = each alone (tokens, logits, bytes per pass)\n", NSEQ);
     }
