@@ -974,6 +974,136 @@ ST_TARGET_AVX512 ST_AI void dot_group8_vnni(const void *ctx, st_dtype t, const v
 }
 #endif
 
+/* ---- AMX tiles (st_cpu.amx) ----
+ * The token-group kernel's integer sums on Intel AMX: per unit, one tdpbusd
+ * of A = the 8 unpacked rows' 32 weight bytes (unsigned, as the group kernel
+ * takes them; rows 32 * nu bytes apart in the thread's scratch) by B = the
+ * group's activation block (8 quad rows of 8 tokens x 4 signed bytes: the
+ * token-group layout as it is) into C[row][token] int32, stored and then
+ * combined exactly as dot_group8_vnni does (the same integers, the same
+ * float operations in the same order: the same bits). Two units per step
+ * (tiles 0-1 A, 2-3 B, 4-5 C) so that one's tdpbusd overlaps the other's
+ * loads. Every tile is 8 rows x 32 bytes (one configuration, loaded per
+ * chunk of work, released after it). EMULATED does the tile instructions in
+ * plain C (tests). */
+typedef void (*amx_step_fn)(const uint8_t *a0, const uint8_t *a1, int64_t astride, const uint8_t *b0,
+                            const uint8_t *b1, int32_t c[2][QI_ROWS][QI_GROUP]);
+
+/* c[i][r][t] = sum over k < 32 of a_i[r * astride + k] (u8) x b_i[32 * (k / 4) + 4 t + k % 4] (s8);
+ * a1 NULL: the first only. */
+ST_AI void amx_step_emu(const uint8_t *a0, const uint8_t *a1, int64_t astride, const uint8_t *b0,
+                        const uint8_t *b1, int32_t c[2][QI_ROWS][QI_GROUP]) {
+    for (int i = 0; i < (a1 ? 2 : 1); i++) {
+        const uint8_t *a = i ? a1 : a0;
+        const int8_t *b = (const int8_t *)(i ? b1 : b0);
+        for (int r = 0; r < QI_ROWS; r++)
+            for (int t = 0; t < QI_GROUP; t++) {
+                int32_t s = 0;
+                for (int k = 0; k < 32; k++) s += (int32_t)a[r * astride + k] * (int32_t)b[32 * (k / 4) + 4 * t + k % 4];
+                c[i][r][t] = s;
+            }
+    }
+}
+
+ST_AI void dot_group8_amx(const qi_ctx *m, st_dtype t, const qblock *B, const uint8_t *grp,
+                          float out[QI_ROWS][QI_GROUP], amx_step_fn step) {
+    const bool q6 = t == ST_DTYPE_Q6_K;
+    const int ushift = q6 ? 1 : 0;
+    const int off = t == ST_DTYPE_Q8_0 ? 128 : off8(t);
+    const int64_t nb = m->L.nb, nu = m->nu;
+    const uint8_t *ws8 = (const uint8_t *)B->wsc;
+    const float *gdx = (const float *)(grp + (size_t)nb * 256), *gsx = gdx + QI_GROUP * nb;
+    const int32_t *ghs = (const int32_t *)(gsx + QI_GROUP * nb);
+    int32_t C[2][QI_ROWS][QI_GROUP] __attribute__((aligned(64)));
+    st_v8f acc[QI_ROWS][8];
+    for (int r = 0; r < QI_ROWS; r++)
+        for (int l = 0; l < 8; l++) acc[r][l] = (st_v8f){0};
+    for (int64_t u0 = 0; u0 < nu; u0 += 2) {
+        const bool two = u0 + 1 < nu;
+        step(ws8 + 32 * u0, two ? ws8 + 32 * (u0 + 1) : NULL, 32 * nu, grp + 256 * (u0 >> ushift),
+             two ? grp + 256 * ((u0 + 1) >> ushift) : NULL, C);
+        for (int h = 0; h < (two ? 2 : 1); h++) {
+            const int64_t u = u0 + h, b = u >> ushift;
+            st_v8i corr = {0};
+            if (off) {
+                st_v8i h0, h1;
+                memcpy(&h0, ghs + QI_GROUP * (q6 ? u : 2 * b), sizeof h0);
+                if (q6) {
+                    corr = off * h0;
+                } else {
+                    memcpy(&h1, ghs + QI_GROUP * (2 * b + 1), sizeof h1);
+                    corr = off * (h0 + h1);
+                }
+            }
+            st_v8f dxv, sxv;
+            memcpy(&dxv, gdx + QI_GROUP * b, sizeof dxv);
+            memcpy(&sxv, gsx + QI_GROUP * b, sizeof sxv);
+            for (int r = 0; r < QI_ROWS; r++) {
+                st_v8i S;
+                memcpy(&S, C[h][r], sizeof S);
+                S -= corr;
+                st_v8f f = (B->dsc[QI_ROWS * u + r] * dxv) * __builtin_convertvector(S, st_v8f);
+                if (has_mins(t)) f = f + B->msc[QI_ROWS * u + r] * sxv;
+                acc[r][u & 7] += f;
+            }
+        }
+    }
+    for (int r = 0; r < QI_ROWS; r++) {
+        const st_v8f *c = acc[r];
+        const st_v8f y = ((c[0] + c[4]) + (c[2] + c[6])) + ((c[1] + c[5]) + (c[3] + c[7]));
+        memcpy(out[r], &y, sizeof y);
+    }
+}
+
+ST_AI void dot_group8_amxemu(const void *ctx, st_dtype t, const void *block, const uint8_t *grp,
+                             float out[QI_ROWS][QI_GROUP]) {
+    dot_group8_amx(ctx, t, block, grp, out, amx_step_emu);
+}
+
+#if ST_CPU_HAVE_AVX2_PATH
+#define ST_TARGET_AMX __attribute__((target("avx2,f16c,avx512f,avx512vl,avx512bw,avx512vnni,amx-tile,amx-int8")))
+
+/* The tile configuration (palette 1): tiles 0-5 of 8 rows x 32 bytes. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_cfg;
+
+ST_TARGET_AMX static void amx_begin(void) {
+    amx_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 6; i++) cfg.colsb[i] = 32, cfg.rows[i] = QI_ROWS;
+    __asm__ volatile("" ::"r"(&cfg) : "memory"); /* ldtilecfg's operand names only its first bytes */
+    _tile_loadconfig(&cfg);
+}
+
+ST_TARGET_AMX static void amx_end(void) { _tile_release(); }
+
+ST_TARGET_AMX ST_AI void amx_step(const uint8_t *a0, const uint8_t *a1, int64_t astride, const uint8_t *b0,
+                                   const uint8_t *b1, int32_t c[2][QI_ROWS][QI_GROUP]) {
+    __asm__ volatile("" ::: "memory"); /* tileloadd declares no memory input */
+    _tile_zero(4);
+    _tile_loadd(0, a0, astride);
+    _tile_loadd(2, b0, 32);
+    if (a1) {
+        _tile_zero(5);
+        _tile_loadd(1, a1, astride);
+        _tile_loadd(3, b1, 32);
+    }
+    _tile_dpbusd(4, 0, 2);
+    if (a1) _tile_dpbusd(5, 1, 3);
+    _tile_stored(4, c[0], 32);
+    if (a1) _tile_stored(5, c[1], 32);
+}
+
+ST_TARGET_AMX ST_AI void dot_group8_amxreal(const void *ctx, st_dtype t, const void *block, const uint8_t *grp,
+                                             float out[QI_ROWS][QI_GROUP]) {
+    dot_group8_amx(ctx, t, block, grp, out, amx_step);
+}
+#endif
+
 static void qi8_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
     qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_portable, prow8_portable, tree_portable, NULL});
 }
@@ -995,13 +1125,21 @@ ST_TARGET_AVX2_F16C static void qa8_fn_avx2(void *ctx, int64_t begin, int64_t en
     (void)ti;
     quant_rows8(ctx, begin, end);
 }
+ST_TARGET_AMX static void qi8_fn_amx(void *ctx, int64_t begin, int64_t end, int ti) {
+    amx_begin();
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx512, prow8_vnni, tree_avx2, dot_group8_amxreal});
+    amx_end();
+}
 #endif
+static void qi8_fn_amxemu(void *ctx, int64_t begin, int64_t end, int ti) {
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_portable, prow8_portable, tree_portable, dot_group8_amxemu});
+}
 
 /* The int8 path of st_cpu_matmul_int (m set up but for the activations). */
 static strata_status matmul_a8(st_cpu *c, const float *x, qi_ctx *m) {
     const int64_t n = m->n, K = m->L.K, nb = m->L.nb;
     m->L.stride = a8_stride(K);
-    const bool grouped = c->isa == ST_CPU_ISA_AVX512 && n > 1;
+    const bool grouped = (c->isa == ST_CPU_ISA_AVX512 || c->amx != ST_CPU_AMX_OFF) && n > 1;
     const int64_t n_groups = (n + QI_GROUP - 1) / QI_GROUP;
     const size_t tok_bytes = m->L.stride * (size_t)n;
     strata_status st = st_cpu_qact_reserve(c, tok_bytes + (grouped ? a8_group_stride(nb) * (size_t)n_groups : 0));
@@ -1017,7 +1155,9 @@ static strata_status matmul_a8(st_cpu *c, const float *x, qi_ctx *m) {
     if (c->isa == ST_CPU_ISA_AVX2) qi_fn = qi8_fn_avx2;
     if (c->isa == ST_CPU_ISA_AVXVNNI) qi_fn = qi8_fn_avxvnni;
     if (c->isa == ST_CPU_ISA_AVX512) qi_fn = qi8_fn_avx512;
+    if (grouped && c->amx == ST_CPU_AMX_ON) qi_fn = qi8_fn_amx;
 #endif
+    if (grouped && c->amx == ST_CPU_AMX_EMULATED) qi_fn = qi8_fn_amxemu;
     qa8_ctx qa = {.x = x, .q = c->qact, .grp = (uint8_t *)m->grp, .K = K, .nb = nb, .stride = m->L.stride};
     if (grouped) memset(qa.grp + a8_group_stride(nb) * (size_t)(n_groups - 1), 0, a8_group_stride(nb));
     int64_t qgrain = 16384 / K;
