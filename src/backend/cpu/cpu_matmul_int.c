@@ -597,7 +597,7 @@ ST_TARGET_AVX512 ST_AI void dot_group_vnni(const void *ctx, st_dtype t, const vo
 
 static void qi_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
     qi_items(ctx, begin, end, ti,
-             (qi_isa){widen_portable, widen_s8_portable, gather_portable, f16_portable, prow_portable, tree_portable, NULL});
+             (qi_isa){widen_portable, widen_s8_portable, gather_portable, f16_portable, prow_portable, tree_portable, NULL, false});
 }
 static void qa_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
     (void)ti;
@@ -605,7 +605,7 @@ static void qa_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
 }
 #if ST_CPU_HAVE_AVX2_PATH
 ST_TARGET_AVX2_F16C static void qi_fn_avx2(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi_items(ctx, begin, end, ti, (qi_isa){widen_avx2, widen_s8_avx2, gather_avx2, f16_avx2, prow_avx2, tree_avx2, NULL});
+    qi_items(ctx, begin, end, ti, (qi_isa){widen_avx2, widen_s8_avx2, gather_avx2, f16_avx2, prow_avx2, tree_avx2, NULL, false});
 }
 ST_TARGET_AVX512 static void qi_fn_avx512(void *ctx, int64_t begin, int64_t end, int ti) {
     qi_items(ctx, begin, end, ti, (qi_isa){widen_avx2, widen_s8_avx2, gather_avx2, f16_avx512, prow_vnni, tree_avx2, dot_group_vnni});
@@ -796,6 +796,7 @@ typedef struct {
     st_v8i (*prow8)(v32u8 w, v32i8 a, bool sgn);
     st_v8i (*tree)(const st_v8i p[QI_ROWS]);
     void (*group8)(const void *ctx, st_dtype t, const void *block, const uint8_t *grp, float out[QI_ROWS][8]);
+    bool amx; /* group8 is an AMX kernel (also for 2..QI_STREAM tokens) */
 } qi8_isa;
 
 /* The 8 rows' outputs for one token, in the documented order. */
@@ -845,6 +846,52 @@ ST_AI void dot_token8(const qi_ctx *m, st_dtype t, const qblock *B, bool unpacke
     memcpy(out, &y, sizeof y);
 }
 
+/* A few tokens (2..QI_STREAM) at once straight from the weights: each unit
+ * of the 8 rows is read (and widened) once and multiplied against every
+ * token's activations, then each token's sums go through the tree and the
+ * documented combination (the bits of dot_token8, token by token). */
+#define QI_STREAM 8
+ST_AI void dot_tokens8(const qi_ctx *m, st_dtype t, const qblock *B, const uint8_t *qa0, int nt,
+                       float out[QI_STREAM][QI_ROWS], qi8_isa I) {
+    const int ushift = t == ST_DTYPE_Q6_K ? 1 : 0;
+    const int64_t K = m->L.K, nb = m->L.nb;
+    const size_t stride = m->L.stride;
+    const int64_t span = QI_ROWS * (int64_t)m->row_bytes;
+    const uint64_t pf_q16 = ((uint64_t)span << 16) / (uint64_t)m->nu;
+    int64_t pf = 0;
+    st_v8f acc[QI_STREAM][8];
+    for (int tk = 0; tk < nt; tk++)
+        for (int l = 0; l < 8; l++) acc[tk][l] = st_v8f_splat(0.0f);
+    for (int64_t u = 0; u < m->nu; u++) {
+        const int64_t b = u >> ushift;
+        v32u8 w[QI_ROWS];
+        for (int r = 0; r < QI_ROWS; r++) w[r] = load_unit8(t, B->base + B->idx[r], u);
+        const int64_t pf_end = (int64_t)(((uint64_t)(u + 1) * pf_q16) >> 16);
+        for (; pf < pf_end; pf += 64) __builtin_prefetch(B->base + span + pf);
+        st_v8f dw, mw = st_v8f_splat(0.0f);
+        load_scales(t, B->base, B->idx, u, &dw, &mw, (qi_isa){.gather = I.gather, .f16 = I.f16});
+        for (int tk = 0; tk < nt; tk++) {
+            const uint8_t *qa = qa0 + (size_t)tk * stride;
+            const float *dx = (const float *)(qa + K), *sx = dx + nb;
+            const int32_t *hs = (const int32_t *)(sx + nb);
+            v32i8 A;
+            memcpy(&A, qa + 32 * b, 32);
+            st_v8i p[QI_ROWS];
+            for (int r = 0; r < QI_ROWS; r++) p[r] = I.prow8(w[r], A, t == ST_DTYPE_Q8_0);
+            st_v8i s = I.tree(p);
+            if (off8(t)) s -= off8(t) * (t == ST_DTYPE_Q6_K ? hs[u] : hs[2 * b] + hs[2 * b + 1]);
+            st_v8f f = (dw * dx[b]) * __builtin_convertvector(s, st_v8f);
+            if (has_mins(t)) f = f + mw * sx[b];
+            acc[tk][u & 7] += f;
+        }
+    }
+    for (int tk = 0; tk < nt; tk++) {
+        const st_v8f *c = acc[tk];
+        const st_v8f y = ((c[0] + c[4]) + (c[2] + c[6])) + ((c[1] + c[5]) + (c[3] + c[7]));
+        memcpy(out[tk], &y, sizeof y);
+    }
+}
+
 ST_AI void qi8_items_t(const qi_ctx *m, st_dtype t, int64_t begin, int64_t end, int ti, qi8_isa I) {
     float *buf = m->scratch[ti];
     qblock B = {.wsc = (int16_t *)buf, .dsc = buf + 16 * QI_ROWS * m->nu};
@@ -866,6 +913,12 @@ ST_AI void qi8_items_t(const qi_ctx *m, st_dtype t, int64_t begin, int64_t end, 
         if (t1 - t0 == 1 && !grouped) {
             dot_token8(m, t, &B, false, m->q + (size_t)t0 * m->L.stride, out, I);
             memcpy(y + t0 * N + r0, out, (size_t)nr * sizeof(float));
+            continue;
+        }
+        if (t1 - t0 <= QI_STREAM && !I.amx) { /* a few tokens: one read of the weights, no unpacking */
+            float os[QI_STREAM][QI_ROWS];
+            dot_tokens8(m, t, &B, m->q + (size_t)t0 * m->L.stride, (int)(t1 - t0), os, I);
+            for (int64_t tk = t0; tk < t1; tk++) memcpy(y + tk * N + r0, os[tk - t0], (size_t)nr * sizeof(float));
             continue;
         }
         /* q8_0's bytes go to the group kernel offset to unsigned (w + 128) */
@@ -1105,7 +1158,7 @@ ST_TARGET_AMX ST_AI void dot_group8_amxreal(const void *ctx, st_dtype t, const v
 #endif
 
 static void qi8_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_portable, prow8_portable, tree_portable, NULL});
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_portable, prow8_portable, tree_portable, NULL, false});
 }
 static void qa8_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
     (void)ti;
@@ -1113,13 +1166,13 @@ static void qa8_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
 }
 #if ST_CPU_HAVE_AVX2_PATH
 ST_TARGET_AVX2_F16C static void qi8_fn_avx2(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx2, prow8_avx2, tree_avx2, NULL});
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx2, prow8_avx2, tree_avx2, NULL, false});
 }
 ST_TARGET_AVXVNNI static void qi8_fn_avxvnni(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avxvnni, prow8_avxvnni, tree_avxvnni, NULL});
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avxvnni, prow8_avxvnni, tree_avxvnni, NULL, false});
 }
 ST_TARGET_AVX512 static void qi8_fn_avx512(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx512, prow8_vnni, tree_avx2, dot_group8_vnni});
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx512, prow8_vnni, tree_avx2, dot_group8_vnni, false});
 }
 ST_TARGET_AVX2_F16C static void qa8_fn_avx2(void *ctx, int64_t begin, int64_t end, int ti) {
     (void)ti;
@@ -1127,19 +1180,20 @@ ST_TARGET_AVX2_F16C static void qa8_fn_avx2(void *ctx, int64_t begin, int64_t en
 }
 ST_TARGET_AMX static void qi8_fn_amx(void *ctx, int64_t begin, int64_t end, int ti) {
     amx_begin();
-    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx512, prow8_vnni, tree_avx2, dot_group8_amxreal});
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx512, prow8_vnni, tree_avx2, dot_group8_amxreal, true});
     amx_end();
 }
 #endif
 static void qi8_fn_amxemu(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_portable, prow8_portable, tree_portable, dot_group8_amxemu});
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_portable, prow8_portable, tree_portable, dot_group8_amxemu, true});
 }
 
 /* The int8 path of st_cpu_matmul_int (m set up but for the activations). */
 static strata_status matmul_a8(st_cpu *c, const float *x, qi_ctx *m) {
     const int64_t n = m->n, K = m->L.K, nb = m->L.nb;
     m->L.stride = a8_stride(K);
-    const bool grouped = (c->isa == ST_CPU_ISA_AVX512 || c->amx != ST_CPU_AMX_OFF) && n > 1;
+    /* the token-group layout: AMX from 2 tokens, the AVX-512 group kernel past QI_STREAM */
+    const bool grouped = ((c->isa == ST_CPU_ISA_AVX512 && n > QI_STREAM) || c->amx != ST_CPU_AMX_OFF) && n > 1;
     const int64_t n_groups = (n + QI_GROUP - 1) / QI_GROUP;
     const size_t tok_bytes = m->L.stride * (size_t)n;
     strata_status st = st_cpu_qact_reserve(c, tok_bytes + (grouped ? a8_group_stride(nb) * (size_t)n_groups : 0));
