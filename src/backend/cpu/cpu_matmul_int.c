@@ -597,7 +597,7 @@ ST_TARGET_AVX512 ST_AI void dot_group_vnni(const void *ctx, st_dtype t, const vo
 
 static void qi_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
     qi_items(ctx, begin, end, ti,
-             (qi_isa){widen_portable, widen_s8_portable, gather_portable, f16_portable, prow_portable, tree_portable, NULL, false});
+             (qi_isa){widen_portable, widen_s8_portable, gather_portable, f16_portable, prow_portable, tree_portable, NULL});
 }
 static void qa_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
     (void)ti;
@@ -605,7 +605,7 @@ static void qa_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
 }
 #if ST_CPU_HAVE_AVX2_PATH
 ST_TARGET_AVX2_F16C static void qi_fn_avx2(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi_items(ctx, begin, end, ti, (qi_isa){widen_avx2, widen_s8_avx2, gather_avx2, f16_avx2, prow_avx2, tree_avx2, NULL, false});
+    qi_items(ctx, begin, end, ti, (qi_isa){widen_avx2, widen_s8_avx2, gather_avx2, f16_avx2, prow_avx2, tree_avx2, NULL});
 }
 ST_TARGET_AVX512 static void qi_fn_avx512(void *ctx, int64_t begin, int64_t end, int ti) {
     qi_items(ctx, begin, end, ti, (qi_isa){widen_avx2, widen_s8_avx2, gather_avx2, f16_avx512, prow_vnni, tree_avx2, dot_group_vnni});
