@@ -1058,6 +1058,23 @@ ST_AI void amx_step_emu(const uint8_t *a0, const uint8_t *a1, int64_t astride, c
     }
 }
 
+typedef float st_v16f __attribute__((vector_size(64)));
+/* lanes 0-7: v[a], lanes 8-15: v[b] */
+#define PAIR16(v, a, b) __builtin_shufflevector((v), (v), a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b)
+ST_AI st_v16f pair16(st_v8f v, int r2) {
+    switch (r2) {
+    case 0: return PAIR16(v, 0, 1);
+    case 1: return PAIR16(v, 2, 3);
+    case 2: return PAIR16(v, 4, 5);
+    default: return PAIR16(v, 6, 7);
+    }
+}
+ST_AI st_v16f dup16f(st_v8f v) { return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7); }
+ST_AI st_v16i32 dup16i(st_v8i v) { return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7); }
+
+/* The float side two rows at a time (16 lanes: row 2 r2's 8 tokens, then
+ * row 2 r2 + 1's), and the units in the order j = u % 8, then u: acc[j]
+ * still sums its units in increasing u, and stays in registers. */
 ST_AI void dot_group8_amx(const qi_ctx *m, st_dtype t, const qblock *B, const uint8_t *grp,
                           float out[QI_ROWS][QI_GROUP], amx_step_fn step) {
     const bool q6 = t == ST_DTYPE_Q6_K;
@@ -1068,43 +1085,49 @@ ST_AI void dot_group8_amx(const qi_ctx *m, st_dtype t, const qblock *B, const ui
     const float *gdx = (const float *)(grp + (size_t)nb * 256), *gsx = gdx + QI_GROUP * nb;
     const int32_t *ghs = (const int32_t *)(gsx + QI_GROUP * nb);
     int32_t C[2][QI_ROWS][QI_GROUP] __attribute__((aligned(64)));
-    st_v8f acc[QI_ROWS][8];
-    for (int r = 0; r < QI_ROWS; r++)
-        for (int l = 0; l < 8; l++) acc[r][l] = (st_v8f){0};
-    for (int64_t u0 = 0; u0 < nu; u0 += 2) {
-        const bool two = u0 + 1 < nu;
-        step(ws8 + 32 * u0, two ? ws8 + 32 * (u0 + 1) : NULL, 32 * nu, grp + 256 * (u0 >> ushift),
-             two ? grp + 256 * ((u0 + 1) >> ushift) : NULL, C);
-        for (int h = 0; h < (two ? 2 : 1); h++) {
-            const int64_t u = u0 + h, b = u >> ushift;
-            st_v8i corr = {0};
-            if (off) {
-                st_v8i h0, h1;
-                memcpy(&h0, ghs + QI_GROUP * (q6 ? u : 2 * b), sizeof h0);
-                if (q6) {
-                    corr = off * h0;
-                } else {
-                    memcpy(&h1, ghs + QI_GROUP * (2 * b + 1), sizeof h1);
-                    corr = off * (h0 + h1);
+    st_v16f accs[8][QI_ROWS / 2];
+    for (int j = 0; j < 8; j++) {
+        st_v16f acc[QI_ROWS / 2];
+        for (int r2 = 0; r2 < QI_ROWS / 2; r2++) acc[r2] = (st_v16f){0};
+        for (int64_t u0 = j; u0 < nu; u0 += 16) { /* units u0 and u0 + 8 */
+            const bool two = u0 + 8 < nu;
+            step(ws8 + 32 * u0, two ? ws8 + 32 * (u0 + 8) : NULL, 32 * nu, grp + 256 * (u0 >> ushift),
+                 two ? grp + 256 * ((u0 + 8) >> ushift) : NULL, C);
+            for (int h = 0; h < (two ? 2 : 1); h++) {
+                const int64_t u = u0 + 8 * h, b = u >> ushift;
+                st_v8i corr = {0};
+                if (off) {
+                    st_v8i h0, h1;
+                    memcpy(&h0, ghs + QI_GROUP * (q6 ? u : 2 * b), sizeof h0);
+                    if (q6) {
+                        corr = off * h0;
+                    } else {
+                        memcpy(&h1, ghs + QI_GROUP * (2 * b + 1), sizeof h1);
+                        corr = off * (h0 + h1);
+                    }
+                }
+                const st_v16i32 corr16 = dup16i(corr);
+                const st_v16f dx16 = dup16f(st_v8f_load(gdx + QI_GROUP * b));
+                const st_v16f sx16 = dup16f(st_v8f_load(gsx + QI_GROUP * b));
+                const st_v8f dw = st_v8f_load(B->dsc + QI_ROWS * u);
+                const st_v8f mw = has_mins(t) ? st_v8f_load(B->msc + QI_ROWS * u) : st_v8f_splat(0.0f);
+#pragma GCC unroll 4
+                for (int r2 = 0; r2 < QI_ROWS / 2; r2++) {
+                    st_v16i32 S;
+                    memcpy(&S, C[h][2 * r2], sizeof S);
+                    S -= corr16;
+                    st_v16f f = (pair16(dw, r2) * dx16) * __builtin_convertvector(S, st_v16f);
+                    if (has_mins(t)) f = f + pair16(mw, r2) * sx16;
+                    acc[r2] += f;
                 }
             }
-            st_v8f dxv, sxv;
-            memcpy(&dxv, gdx + QI_GROUP * b, sizeof dxv);
-            memcpy(&sxv, gsx + QI_GROUP * b, sizeof sxv);
-            for (int r = 0; r < QI_ROWS; r++) {
-                st_v8i S;
-                memcpy(&S, C[h][r], sizeof S);
-                S -= corr;
-                st_v8f f = (B->dsc[QI_ROWS * u + r] * dxv) * __builtin_convertvector(S, st_v8f);
-                if (has_mins(t)) f = f + B->msc[QI_ROWS * u + r] * sxv;
-                acc[r][u & 7] += f;
-            }
         }
+        memcpy(accs[j], acc, sizeof acc);
     }
-    for (int r = 0; r < QI_ROWS; r++) {
-        const st_v8f *c = acc[r];
-        const st_v8f y = ((c[0] + c[4]) + (c[2] + c[6])) + ((c[1] + c[5]) + (c[3] + c[7]));
-        memcpy(out[r], &y, sizeof y);
+    for (int r2 = 0; r2 < QI_ROWS / 2; r2++) {
+        const st_v16f y = ((accs[0][r2] + accs[4][r2]) + (accs[2][r2] + accs[6][r2])) +
+                          ((accs[1][r2] + accs[5][r2]) + (accs[3][r2] + accs[7][r2]));
+        memcpy(out[2 * r2], &y, sizeof y); /* rows 2 r2 and 2 r2 + 1: adjacent in out */
     }
 }
 
