@@ -797,6 +797,7 @@ typedef struct {
     st_v8i (*tree)(const st_v8i p[QI_ROWS]);
     void (*group8)(const void *ctx, st_dtype t, const void *block, const uint8_t *grp, float out[QI_ROWS][8]);
     bool amx; /* group8 is an AMX kernel (also for 2..QI_STREAM tokens) */
+    bool q8u; /* prow8 takes q8_0 as unsigned w + 128 (no saturation: vpdpbusd, C), not by the sign trick */
 } qi8_isa;
 
 /* The 8 rows' outputs for one token, in the documented order. */
@@ -810,6 +811,8 @@ ST_AI void dot_token8(const qi_ctx *m, st_dtype t, const qblock *B, bool unpacke
     const int64_t span = QI_ROWS * (int64_t)m->row_bytes;
     const uint64_t pf_q16 = ((uint64_t)span << 16) / (uint64_t)m->nu; /* prefetch bytes per unit, 16.16 */
     int64_t pf = 0;
+    const bool q8u = I.q8u && t == ST_DTYPE_Q8_0; /* q8_0 as unsigned w + 128 */
+    const int off = q8u ? 128 : off8(t);
     st_v8f acc[8];
     for (int l = 0; l < 8; l++) acc[l] = st_v8f_splat(0.0f);
     for (int64_t u0 = 0; u0 < m->nu; u0 += 8)
@@ -823,14 +826,14 @@ ST_AI void dot_token8(const qi_ctx *m, st_dtype t, const qblock *B, bool unpacke
         st_v8i p[QI_ROWS];
         for (int r = 0; r < QI_ROWS; r++) {
             const v32u8 w = unpacked ? ld32u8(ws8 + (size_t)r * 32 * m->nu + 32 * u) : load_unit8(t, B->base + B->idx[r], u);
-            p[r] = I.prow8(w, A, t == ST_DTYPE_Q8_0);
+            p[r] = q8u ? I.prow8(w ^ 0x80, A, false) : I.prow8(w, A, t == ST_DTYPE_Q8_0);
         }
         if (!unpacked) { /* the next row block, a unit's share of it per unit: one stream ahead */
             const int64_t pf_end = (int64_t)(((uint64_t)(u + 1) * pf_q16) >> 16);
             for (; pf < pf_end; pf += 64) __builtin_prefetch(B->base + span + pf);
         }
         st_v8i s = I.tree(p);
-        if (off8(t)) s -= off8(t) * (t == ST_DTYPE_Q6_K ? hs[u] : hs[2 * b] + hs[2 * b + 1]);
+        if (off) s -= off * (t == ST_DTYPE_Q6_K ? hs[u] : hs[2 * b] + hs[2 * b + 1]);
         st_v8f dw, mw = st_v8f_splat(0.0f);
         if (unpacked) {
             dw = st_v8f_load(B->dsc + QI_ROWS * u);
@@ -859,13 +862,15 @@ ST_AI void dot_tokens8(const qi_ctx *m, st_dtype t, const qblock *B, const uint8
     const int64_t span = QI_ROWS * (int64_t)m->row_bytes;
     const uint64_t pf_q16 = ((uint64_t)span << 16) / (uint64_t)m->nu;
     int64_t pf = 0;
+    const bool q8u = I.q8u && t == ST_DTYPE_Q8_0; /* q8_0 as unsigned w + 128 */
+    const int off = q8u ? 128 : off8(t);
     st_v8f acc[QI_STREAM][8];
     for (int tk = 0; tk < nt; tk++)
         for (int l = 0; l < 8; l++) acc[tk][l] = st_v8f_splat(0.0f);
     for (int64_t u = 0; u < m->nu; u++) {
         const int64_t b = u >> ushift;
         v32u8 w[QI_ROWS];
-        for (int r = 0; r < QI_ROWS; r++) w[r] = load_unit8(t, B->base + B->idx[r], u);
+        for (int r = 0; r < QI_ROWS; r++) w[r] = load_unit8(t, B->base + B->idx[r], u) ^ (uint8_t)(q8u ? 0x80 : 0);
         const int64_t pf_end = (int64_t)(((uint64_t)(u + 1) * pf_q16) >> 16);
         for (; pf < pf_end; pf += 64) __builtin_prefetch(B->base + span + pf);
         st_v8f dw, mw = st_v8f_splat(0.0f);
@@ -877,9 +882,9 @@ ST_AI void dot_tokens8(const qi_ctx *m, st_dtype t, const qblock *B, const uint8
             v32i8 A;
             memcpy(&A, qa + 32 * b, 32);
             st_v8i p[QI_ROWS];
-            for (int r = 0; r < QI_ROWS; r++) p[r] = I.prow8(w[r], A, t == ST_DTYPE_Q8_0);
+            for (int r = 0; r < QI_ROWS; r++) p[r] = I.prow8(w[r], A, t == ST_DTYPE_Q8_0 && !q8u);
             st_v8i s = I.tree(p);
-            if (off8(t)) s -= off8(t) * (t == ST_DTYPE_Q6_K ? hs[u] : hs[2 * b] + hs[2 * b + 1]);
+            if (off) s -= off * (t == ST_DTYPE_Q6_K ? hs[u] : hs[2 * b] + hs[2 * b + 1]);
             st_v8f f = (dw * dx[b]) * __builtin_convertvector(s, st_v8f);
             if (has_mins(t)) f = f + mw * sx[b];
             acc[tk][u & 7] += f;
@@ -1181,7 +1186,7 @@ ST_TARGET_AMX ST_AI void dot_group8_amxreal(const void *ctx, st_dtype t, const v
 #endif
 
 static void qi8_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_portable, prow8_portable, tree_portable, NULL, false});
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_portable, prow8_portable, tree_portable, NULL, false, true});
 }
 static void qa8_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
     (void)ti;
@@ -1189,13 +1194,13 @@ static void qa8_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
 }
 #if ST_CPU_HAVE_AVX2_PATH
 ST_TARGET_AVX2_F16C static void qi8_fn_avx2(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx2, prow8_avx2, tree_avx2, NULL, false});
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx2, prow8_avx2, tree_avx2, NULL, false, false});
 }
 ST_TARGET_AVXVNNI static void qi8_fn_avxvnni(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avxvnni, prow8_avxvnni, tree_avxvnni, NULL, false});
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avxvnni, prow8_avxvnni, tree_avxvnni, NULL, false, true});
 }
 ST_TARGET_AVX512 static void qi8_fn_avx512(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx512, prow8_vnni, tree_avx2, dot_group8_vnni, false});
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx512, prow8_vnni, tree_avx2, dot_group8_vnni, false, true});
 }
 ST_TARGET_AVX2_F16C static void qa8_fn_avx2(void *ctx, int64_t begin, int64_t end, int ti) {
     (void)ti;
@@ -1203,12 +1208,12 @@ ST_TARGET_AVX2_F16C static void qa8_fn_avx2(void *ctx, int64_t begin, int64_t en
 }
 ST_TARGET_AMX static void qi8_fn_amx(void *ctx, int64_t begin, int64_t end, int ti) {
     amx_begin();
-    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx512, prow8_vnni, tree_avx2, dot_group8_amxreal, true});
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx512, prow8_vnni, tree_avx2, dot_group8_amxreal, true, true});
     amx_end();
 }
 #endif
 static void qi8_fn_amxemu(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_portable, prow8_portable, tree_portable, dot_group8_amxemu, true});
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_portable, prow8_portable, tree_portable, dot_group8_amxemu, true, true});
 }
 
 /* The int8 path of st_cpu_matmul_int (m set up but for the activations). */
