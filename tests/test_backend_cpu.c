@@ -621,6 +621,8 @@ static void test_matmul_int(st_backend *b1, st_backend *b2) {
     static const int64_t Ns[] = {1, 13};
     static const char *lvl[] = {"portable", "avx2", "avxvnni", "avx512"};
     const st_cpu_isa best = st_cpu_isa_supported();
+    st_backend_cpu_set_amx(b1, ST_CPU_AMX_OFF); /* the levels' own kernels first */
+    st_backend_cpu_set_amx(b2, ST_CPU_AMX_OFF);
     for (int act8 = 0; act8 < 2; act8++)
     for (int ti = 0; ti < ST_DTYPE_COUNT; ti++) {
         const st_dtype t = (st_dtype)ti;
@@ -670,6 +672,24 @@ static void test_matmul_int(st_backend *b1, st_backend *b2) {
                 }
                 st_backend_cpu_set_isa(b1, best);
                 st_backend_cpu_set_isa(b2, best);
+                /* int8 on AMX tiles (where usable; ON elsewhere must fall back to OFF) and the
+                 * same kernel with the tile instructions emulated: the bits of the reference */
+                for (int am = ST_CPU_AMX_ON; act8 && am <= ST_CPU_AMX_EMULATED; am++)
+                    for (int bi = 0; bi < 2; bi++) {
+                        st_backend *be = bi ? b2 : b1;
+                        const st_cpu_amx want = am == ST_CPU_AMX_ON && !st_cpu_amx_usable() ? ST_CPU_AMX_OFF
+                                                                                            : (st_cpu_amx)am;
+                        CHECK(st_backend_cpu_set_amx(be, (st_cpu_amx)am) == want);
+                        for (int ni = 0; ni < (int)(sizeof ns / sizeof *ns); ni++) {
+                            const int64_t n = ns[ni];
+                            run_matmul(be, x, &w, n, y);
+                            CHECK_MSG(same_bits(y, yr, n * N), "int matmul int8 amx %s %s threads=%d n=%lld N=%lld "
+                                      "K=%lld: differs from the scalar reference", want == ST_CPU_AMX_ON ? "on" :
+                                      want == ST_CPU_AMX_OFF ? "refused" : "emulated", st_dtype_name(t), bi + 1,
+                                      (long long)n, (long long)N, (long long)K);
+                        }
+                        st_backend_cpu_set_amx(be, ST_CPU_AMX_OFF);
+                    }
                 free(wd);
                 free(x);
                 free(yr);
@@ -683,6 +703,11 @@ static void test_matmul_int(st_backend *b1, st_backend *b2) {
     for (int li = 0; li <= (int)ST_CPU_ISA_AVX512; li++)
         if (!st_cpu_isa_has((st_cpu_isa)li))
             printf("test_backend_cpu: this CPU lacks ISA level %s; not tested\n", lvl[li]);
+    printf("test_backend_cpu: AMX-INT8 %s\n", st_cpu_amx_usable() ? "usable: tested (and emulated)"
+                                                                 : "not usable here: refusal and emulation tested");
+    const st_cpu_amx dflt = st_cpu_amx_usable() ? ST_CPU_AMX_ON : ST_CPU_AMX_OFF;
+    st_backend_cpu_set_amx(b1, dflt);
+    st_backend_cpu_set_amx(b2, dflt);
     for (int act8 = 0; act8 < 2; act8++)
         printf("int matmul (%s activations) rel error vs f32 dequantized (outlier activations): q4_0 %.2g, "
                "q4_1 %.2g, q8_0 %.2g, q4_K %.2g, q6_K %.2g\n", act8 ? "int8" : "22-bit",

@@ -18,6 +18,10 @@
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <cpuid.h>
 #endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #define DEV_HDR 64
 #define DEV_MAGIC 0x5354524154414456ull /* "STRATADV" */
@@ -525,6 +529,41 @@ st_cpu_isa st_cpu_isa_supported(void) {
     return best;
 }
 
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
+#define ST_ARCH_REQ_XCOMP_PERM 0x1023 /* arch_prctl: ask for a dynamically enabled state component */
+#define ST_XFEATURE_XTILEDATA 18      /* the AMX tile data */
+static bool g_amx_usable;             /* set once, by amx_probe (pthread_once): a property of the process */
+static pthread_once_t g_amx_once = PTHREAD_ONCE_INIT;
+
+static void amx_probe(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d >> 24 & 1) || !(d >> 25 & 1)) return; /* AMX-TILE, AMX-INT8 */
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c >> 27 & 1)) return;                           /* OSXSAVE */
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo >> 17 & 3) != 3) return; /* XTILECFG, XTILEDATA enabled by the OS */
+    /* Linux (5.16+) hands the tile data out on request; older kernels and
+     * refusals (seccomp, a sigaltstack too small) leave AMX off */
+    g_amx_usable = syscall(SYS_arch_prctl, ST_ARCH_REQ_XCOMP_PERM, ST_XFEATURE_XTILEDATA) == 0;
+}
+
+bool st_cpu_amx_usable(void) {
+    pthread_once(&g_amx_once, amx_probe);
+    return g_amx_usable;
+}
+#else
+bool st_cpu_amx_usable(void) { return false; }
+#endif
+
+st_cpu_amx st_backend_cpu_set_amx(st_backend *be, st_cpu_amx mode) {
+    st_cpu *c = st_cpu_of(be);
+    if (mode == ST_CPU_AMX_ON && !st_cpu_amx_usable()) mode = ST_CPU_AMX_OFF;
+    pthread_mutex_lock(&c->op_mu);
+    c->amx = mode;
+    pthread_mutex_unlock(&c->op_mu);
+    return mode;
+}
+
 bool st_cpu_simd_supported(void) { return st_cpu_isa_supported() != ST_CPU_ISA_PORTABLE; }
 
 static void cpu_set_isa(st_cpu *c, st_cpu_isa isa) {
@@ -587,6 +626,7 @@ strata_status st_backend_cpu_init(const st_backend_params *params, st_backend **
     }
     cpu_set_isa(c, ST_CPU_ISA_AVX512);
     c->act8 = params->cpu_act == ST_CPU_ACT_INT8;
+    c->amx = st_cpu_amx_usable() ? ST_CPU_AMX_ON : ST_CPU_AMX_OFF;
     *out = be;
     return STRATA_OK;
 }

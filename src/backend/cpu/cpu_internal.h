@@ -22,6 +22,14 @@ typedef enum {
     ST_CPU_ISA_AVX512,   /* AVX2 builds, the integer matmul with AVX-512 VNNI (vpdpwssd, vpdpbusd) */
 } st_cpu_isa;
 
+/* The int8 matmul's multi-token kernel on Intel AMX tiles (AMX-INT8: Sapphire
+ * Rapids and later), beside the ISA level: OFF (the level's own kernel), ON
+ * (tdpbusd; only where the CPU has AMX-INT8 and Linux grants the tile data),
+ * EMULATED (the same kernel with the tile instructions done in plain C: a
+ * test hook, so that the AMX path's data layout is checked on any CPU). Every
+ * mode gives the same bits. */
+typedef enum { ST_CPU_AMX_OFF, ST_CPU_AMX_ON, ST_CPU_AMX_EMULATED } st_cpu_amx;
+
 typedef struct {
     st_pool *pool;
     int n_threads;
@@ -32,6 +40,7 @@ typedef struct {
     st_cpu_isa isa;          /* level of the kernels run (same results at every level) */
     bool simd;               /* isa >= ST_CPU_ISA_AVX2: the float kernels' AVX2 builds */
     bool act8;               /* the quantized matmuls' activations in int8 (st_backend_params.cpu_act) */
+    st_cpu_amx amx;          /* int8 multi-token matmuls on AMX tiles (ON by default where usable) */
     void *qact;              /* the integer matmul's quantized activations, 64-B aligned */
     size_t qact_bytes;
     float *attn_part;        /* attention split over the keys: each range's result (cpu_attention.c) */
@@ -51,6 +60,14 @@ strata_status st_cpu_qact_reserve(st_cpu *c, size_t bytes);
  * not implied by AVX-512 VNNI: AMD Zen 4 has the latter only). */
 st_cpu_isa st_cpu_isa_supported(void);
 bool st_cpu_isa_has(st_cpu_isa isa);
+/* Whether AMX-INT8 is usable: the CPU has it (CPUID 7.0 EDX bits 24, 25),
+ * the OS enables the tile state (XCR0 bits 17, 18) and, on Linux, grants
+ * this process the tile data (arch_prctl ARCH_REQ_XCOMP_PERM, asked once;
+ * a refusal leaves AMX off). */
+bool st_cpu_amx_usable(void);
+/* Test hook: sets the AMX mode of later ops on `be` (ON falls back to OFF
+ * where AMX is not usable) and returns the mode in effect. */
+st_cpu_amx st_backend_cpu_set_amx(st_backend *be, st_cpu_amx mode);
 /* True when this CPU can run the AVX2 builds of the kernels. */
 bool st_cpu_simd_supported(void);
 /* Test hooks, for later ops on `be` (a CPU backend): set_isa selects a level

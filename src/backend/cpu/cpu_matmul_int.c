@@ -796,6 +796,8 @@ typedef struct {
     st_v8i (*prow8)(v32u8 w, v32i8 a, bool sgn);
     st_v8i (*tree)(const st_v8i p[QI_ROWS]);
     void (*group8)(const void *ctx, st_dtype t, const void *block, const uint8_t *grp, float out[QI_ROWS][8]);
+    bool amx; /* group8 is an AMX kernel (also for 2..QI_STREAM tokens) */
+    bool q8u; /* prow8 takes q8_0 as unsigned w + 128 (no saturation: vpdpbusd, C), not by the sign trick */
 } qi8_isa;
 
 /* The 8 rows' outputs for one token, in the documented order. */
@@ -809,6 +811,8 @@ ST_AI void dot_token8(const qi_ctx *m, st_dtype t, const qblock *B, bool unpacke
     const int64_t span = QI_ROWS * (int64_t)m->row_bytes;
     const uint64_t pf_q16 = ((uint64_t)span << 16) / (uint64_t)m->nu; /* prefetch bytes per unit, 16.16 */
     int64_t pf = 0;
+    const bool q8u = I.q8u && t == ST_DTYPE_Q8_0; /* q8_0 as unsigned w + 128 */
+    const int off = q8u ? 128 : off8(t);
     st_v8f acc[8];
     for (int l = 0; l < 8; l++) acc[l] = st_v8f_splat(0.0f);
     for (int64_t u0 = 0; u0 < m->nu; u0 += 8)
@@ -822,14 +826,14 @@ ST_AI void dot_token8(const qi_ctx *m, st_dtype t, const qblock *B, bool unpacke
         st_v8i p[QI_ROWS];
         for (int r = 0; r < QI_ROWS; r++) {
             const v32u8 w = unpacked ? ld32u8(ws8 + (size_t)r * 32 * m->nu + 32 * u) : load_unit8(t, B->base + B->idx[r], u);
-            p[r] = I.prow8(w, A, t == ST_DTYPE_Q8_0);
+            p[r] = q8u ? I.prow8(w ^ 0x80, A, false) : I.prow8(w, A, t == ST_DTYPE_Q8_0);
         }
         if (!unpacked) { /* the next row block, a unit's share of it per unit: one stream ahead */
             const int64_t pf_end = (int64_t)(((uint64_t)(u + 1) * pf_q16) >> 16);
             for (; pf < pf_end; pf += 64) __builtin_prefetch(B->base + span + pf);
         }
         st_v8i s = I.tree(p);
-        if (off8(t)) s -= off8(t) * (t == ST_DTYPE_Q6_K ? hs[u] : hs[2 * b] + hs[2 * b + 1]);
+        if (off) s -= off * (t == ST_DTYPE_Q6_K ? hs[u] : hs[2 * b] + hs[2 * b + 1]);
         st_v8f dw, mw = st_v8f_splat(0.0f);
         if (unpacked) {
             dw = st_v8f_load(B->dsc + QI_ROWS * u);
@@ -843,6 +847,54 @@ ST_AI void dot_token8(const qi_ctx *m, st_dtype t, const qblock *B, bool unpacke
     }
     const st_v8f y = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
     memcpy(out, &y, sizeof y);
+}
+
+/* A few tokens (2..QI_STREAM) at once straight from the weights: each unit
+ * of the 8 rows is read (and widened) once and multiplied against every
+ * token's activations, then each token's sums go through the tree and the
+ * documented combination (the bits of dot_token8, token by token). */
+#define QI_STREAM 8
+ST_AI void dot_tokens8(const qi_ctx *m, st_dtype t, const qblock *B, const uint8_t *qa0, int nt,
+                       float out[QI_STREAM][QI_ROWS], qi8_isa I) {
+    const int ushift = t == ST_DTYPE_Q6_K ? 1 : 0;
+    const int64_t K = m->L.K, nb = m->L.nb;
+    const size_t stride = m->L.stride;
+    const int64_t span = QI_ROWS * (int64_t)m->row_bytes;
+    const uint64_t pf_q16 = ((uint64_t)span << 16) / (uint64_t)m->nu;
+    int64_t pf = 0;
+    const bool q8u = I.q8u && t == ST_DTYPE_Q8_0; /* q8_0 as unsigned w + 128 */
+    const int off = q8u ? 128 : off8(t);
+    st_v8f acc[QI_STREAM][8];
+    for (int tk = 0; tk < nt; tk++)
+        for (int l = 0; l < 8; l++) acc[tk][l] = st_v8f_splat(0.0f);
+    for (int64_t u = 0; u < m->nu; u++) {
+        const int64_t b = u >> ushift;
+        v32u8 w[QI_ROWS];
+        for (int r = 0; r < QI_ROWS; r++) w[r] = load_unit8(t, B->base + B->idx[r], u) ^ (uint8_t)(q8u ? 0x80 : 0);
+        const int64_t pf_end = (int64_t)(((uint64_t)(u + 1) * pf_q16) >> 16);
+        for (; pf < pf_end; pf += 64) __builtin_prefetch(B->base + span + pf);
+        st_v8f dw, mw = st_v8f_splat(0.0f);
+        load_scales(t, B->base, B->idx, u, &dw, &mw, (qi_isa){.gather = I.gather, .f16 = I.f16});
+        for (int tk = 0; tk < nt; tk++) {
+            const uint8_t *qa = qa0 + (size_t)tk * stride;
+            const float *dx = (const float *)(qa + K), *sx = dx + nb;
+            const int32_t *hs = (const int32_t *)(sx + nb);
+            v32i8 A;
+            memcpy(&A, qa + 32 * b, 32);
+            st_v8i p[QI_ROWS];
+            for (int r = 0; r < QI_ROWS; r++) p[r] = I.prow8(w[r], A, t == ST_DTYPE_Q8_0 && !q8u);
+            st_v8i s = I.tree(p);
+            if (off) s -= off * (t == ST_DTYPE_Q6_K ? hs[u] : hs[2 * b] + hs[2 * b + 1]);
+            st_v8f f = (dw * dx[b]) * __builtin_convertvector(s, st_v8f);
+            if (has_mins(t)) f = f + mw * sx[b];
+            acc[tk][u & 7] += f;
+        }
+    }
+    for (int tk = 0; tk < nt; tk++) {
+        const st_v8f *c = acc[tk];
+        const st_v8f y = ((c[0] + c[4]) + (c[2] + c[6])) + ((c[1] + c[5]) + (c[3] + c[7]));
+        memcpy(out[tk], &y, sizeof y);
+    }
 }
 
 ST_AI void qi8_items_t(const qi_ctx *m, st_dtype t, int64_t begin, int64_t end, int ti, qi8_isa I) {
@@ -866,6 +918,12 @@ ST_AI void qi8_items_t(const qi_ctx *m, st_dtype t, int64_t begin, int64_t end, 
         if (t1 - t0 == 1 && !grouped) {
             dot_token8(m, t, &B, false, m->q + (size_t)t0 * m->L.stride, out, I);
             memcpy(y + t0 * N + r0, out, (size_t)nr * sizeof(float));
+            continue;
+        }
+        if (t1 - t0 <= QI_STREAM && !I.amx) { /* a few tokens: one read of the weights, no unpacking */
+            float os[QI_STREAM][QI_ROWS];
+            dot_tokens8(m, t, &B, m->q + (size_t)t0 * m->L.stride, (int)(t1 - t0), os, I);
+            for (int64_t tk = t0; tk < t1; tk++) memcpy(y + tk * N + r0, os[tk - t0], (size_t)nr * sizeof(float));
             continue;
         }
         /* q8_0's bytes go to the group kernel offset to unsigned (w + 128) */
@@ -974,8 +1032,161 @@ ST_TARGET_AVX512 ST_AI void dot_group8_vnni(const void *ctx, st_dtype t, const v
 }
 #endif
 
+/* ---- AMX tiles (st_cpu.amx) ----
+ * The token-group kernel's integer sums on Intel AMX: per unit, one tdpbusd
+ * of A = the 8 unpacked rows' 32 weight bytes (unsigned, as the group kernel
+ * takes them; rows 32 * nu bytes apart in the thread's scratch) by B = the
+ * group's activation block (8 quad rows of 8 tokens x 4 signed bytes: the
+ * token-group layout as it is) into C[row][token] int32, stored and then
+ * combined exactly as dot_group8_vnni does (the same integers, the same
+ * float operations in the same order: the same bits). Two units per step
+ * (tiles 0-1 A, 2-3 B, 4-5 C) so that one's tdpbusd overlaps the other's
+ * loads. Every tile is 8 rows x 32 bytes (one configuration, loaded per
+ * chunk of work, released after it). EMULATED does the tile instructions in
+ * plain C (tests). */
+typedef void (*amx_step_fn)(const uint8_t *a0, const uint8_t *a1, int64_t astride, const uint8_t *b0,
+                            const uint8_t *b1, int32_t c[2][QI_ROWS][QI_GROUP]);
+
+/* c[i][r][t] = sum over k < 32 of a_i[r * astride + k] (u8) x b_i[32 * (k / 4) + 4 t + k % 4] (s8);
+ * a1 NULL: the first only. */
+ST_AI void amx_step_emu(const uint8_t *a0, const uint8_t *a1, int64_t astride, const uint8_t *b0,
+                        const uint8_t *b1, int32_t c[2][QI_ROWS][QI_GROUP]) {
+    for (int i = 0; i < (a1 ? 2 : 1); i++) {
+        const uint8_t *a = i ? a1 : a0;
+        const int8_t *b = (const int8_t *)(i ? b1 : b0);
+        for (int r = 0; r < QI_ROWS; r++)
+            for (int t = 0; t < QI_GROUP; t++) {
+                int32_t s = 0;
+                for (int k = 0; k < 32; k++) s += (int32_t)a[r * astride + k] * (int32_t)b[32 * (k / 4) + 4 * t + k % 4];
+                c[i][r][t] = s;
+            }
+    }
+}
+
+typedef float st_v16f __attribute__((vector_size(64)));
+/* lanes 0-7: v[a], lanes 8-15: v[b] */
+#define PAIR16(v, a, b) __builtin_shufflevector((v), (v), a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b)
+ST_AI st_v16f pair16(st_v8f v, int r2) {
+    switch (r2) {
+    case 0: return PAIR16(v, 0, 1);
+    case 1: return PAIR16(v, 2, 3);
+    case 2: return PAIR16(v, 4, 5);
+    default: return PAIR16(v, 6, 7);
+    }
+}
+ST_AI st_v16f dup16f(st_v8f v) { return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7); }
+ST_AI st_v16i32 dup16i(st_v8i v) { return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7); }
+
+/* The float side two rows at a time (16 lanes: row 2 r2's 8 tokens, then
+ * row 2 r2 + 1's), and the units in the order j = u % 8, then u: acc[j]
+ * still sums its units in increasing u, and stays in registers. */
+ST_AI void dot_group8_amx(const qi_ctx *m, st_dtype t, const qblock *B, const uint8_t *grp,
+                          float out[QI_ROWS][QI_GROUP], amx_step_fn step) {
+    const bool q6 = t == ST_DTYPE_Q6_K;
+    const int ushift = q6 ? 1 : 0;
+    const int off = t == ST_DTYPE_Q8_0 ? 128 : off8(t);
+    const int64_t nb = m->L.nb, nu = m->nu;
+    const uint8_t *ws8 = (const uint8_t *)B->wsc;
+    const float *gdx = (const float *)(grp + (size_t)nb * 256), *gsx = gdx + QI_GROUP * nb;
+    const int32_t *ghs = (const int32_t *)(gsx + QI_GROUP * nb);
+    int32_t C[2][QI_ROWS][QI_GROUP] __attribute__((aligned(64)));
+    st_v16f accs[8][QI_ROWS / 2];
+    for (int j = 0; j < 8; j++) {
+        st_v16f acc[QI_ROWS / 2];
+        for (int r2 = 0; r2 < QI_ROWS / 2; r2++) acc[r2] = (st_v16f){0};
+        for (int64_t u0 = j; u0 < nu; u0 += 16) { /* units u0 and u0 + 8 */
+            const bool two = u0 + 8 < nu;
+            step(ws8 + 32 * u0, two ? ws8 + 32 * (u0 + 8) : NULL, 32 * nu, grp + 256 * (u0 >> ushift),
+                 two ? grp + 256 * ((u0 + 8) >> ushift) : NULL, C);
+            for (int h = 0; h < (two ? 2 : 1); h++) {
+                const int64_t u = u0 + 8 * h, b = u >> ushift;
+                st_v8i corr = {0};
+                if (off) {
+                    st_v8i h0, h1;
+                    memcpy(&h0, ghs + QI_GROUP * (q6 ? u : 2 * b), sizeof h0);
+                    if (q6) {
+                        corr = off * h0;
+                    } else {
+                        memcpy(&h1, ghs + QI_GROUP * (2 * b + 1), sizeof h1);
+                        corr = off * (h0 + h1);
+                    }
+                }
+                const st_v16i32 corr16 = dup16i(corr);
+                const st_v16f dx16 = dup16f(st_v8f_load(gdx + QI_GROUP * b));
+                const st_v16f sx16 = dup16f(st_v8f_load(gsx + QI_GROUP * b));
+                const st_v8f dw = st_v8f_load(B->dsc + QI_ROWS * u);
+                const st_v8f mw = has_mins(t) ? st_v8f_load(B->msc + QI_ROWS * u) : st_v8f_splat(0.0f);
+#pragma GCC unroll 4
+                for (int r2 = 0; r2 < QI_ROWS / 2; r2++) {
+                    st_v16i32 S;
+                    memcpy(&S, C[h][2 * r2], sizeof S);
+                    S -= corr16;
+                    st_v16f f = (pair16(dw, r2) * dx16) * __builtin_convertvector(S, st_v16f);
+                    if (has_mins(t)) f = f + pair16(mw, r2) * sx16;
+                    acc[r2] += f;
+                }
+            }
+        }
+        memcpy(accs[j], acc, sizeof acc);
+    }
+    for (int r2 = 0; r2 < QI_ROWS / 2; r2++) {
+        const st_v16f y = ((accs[0][r2] + accs[4][r2]) + (accs[2][r2] + accs[6][r2])) +
+                          ((accs[1][r2] + accs[5][r2]) + (accs[3][r2] + accs[7][r2]));
+        memcpy(out[2 * r2], &y, sizeof y); /* rows 2 r2 and 2 r2 + 1: adjacent in out */
+    }
+}
+
+ST_AI void dot_group8_amxemu(const void *ctx, st_dtype t, const void *block, const uint8_t *grp,
+                             float out[QI_ROWS][QI_GROUP]) {
+    dot_group8_amx(ctx, t, block, grp, out, amx_step_emu);
+}
+
+#if ST_CPU_HAVE_AVX2_PATH
+#define ST_TARGET_AMX __attribute__((target("avx2,f16c,avx512f,avx512vl,avx512bw,avx512vnni,amx-tile,amx-int8")))
+
+/* The tile configuration (palette 1): tiles 0-5 of 8 rows x 32 bytes. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_cfg;
+
+ST_TARGET_AMX static void amx_begin(void) {
+    amx_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 6; i++) cfg.colsb[i] = 32, cfg.rows[i] = QI_ROWS;
+    __asm__ volatile("" ::"r"(&cfg) : "memory"); /* ldtilecfg's operand names only its first bytes */
+    _tile_loadconfig(&cfg);
+}
+
+ST_TARGET_AMX static void amx_end(void) { _tile_release(); }
+
+ST_TARGET_AMX ST_AI void amx_step(const uint8_t *a0, const uint8_t *a1, int64_t astride, const uint8_t *b0,
+                                   const uint8_t *b1, int32_t c[2][QI_ROWS][QI_GROUP]) {
+    __asm__ volatile("" ::: "memory"); /* tileloadd declares no memory input */
+    _tile_zero(4);
+    _tile_loadd(0, a0, astride);
+    _tile_loadd(2, b0, 32);
+    if (a1) {
+        _tile_zero(5);
+        _tile_loadd(1, a1, astride);
+        _tile_loadd(3, b1, 32);
+    }
+    _tile_dpbusd(4, 0, 2);
+    if (a1) _tile_dpbusd(5, 1, 3);
+    _tile_stored(4, c[0], 32);
+    if (a1) _tile_stored(5, c[1], 32);
+}
+
+ST_TARGET_AMX ST_AI void dot_group8_amxreal(const void *ctx, st_dtype t, const void *block, const uint8_t *grp,
+                                             float out[QI_ROWS][QI_GROUP]) {
+    dot_group8_amx(ctx, t, block, grp, out, amx_step);
+}
+#endif
+
 static void qi8_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_portable, prow8_portable, tree_portable, NULL});
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_portable, prow8_portable, tree_portable, NULL, false, true});
 }
 static void qa8_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
     (void)ti;
@@ -983,25 +1194,34 @@ static void qa8_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
 }
 #if ST_CPU_HAVE_AVX2_PATH
 ST_TARGET_AVX2_F16C static void qi8_fn_avx2(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx2, prow8_avx2, tree_avx2, NULL});
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx2, prow8_avx2, tree_avx2, NULL, false, false});
 }
 ST_TARGET_AVXVNNI static void qi8_fn_avxvnni(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avxvnni, prow8_avxvnni, tree_avxvnni, NULL});
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avxvnni, prow8_avxvnni, tree_avxvnni, NULL, false, true});
 }
 ST_TARGET_AVX512 static void qi8_fn_avx512(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx512, prow8_vnni, tree_avx2, dot_group8_vnni});
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx512, prow8_vnni, tree_avx2, dot_group8_vnni, false, true});
 }
 ST_TARGET_AVX2_F16C static void qa8_fn_avx2(void *ctx, int64_t begin, int64_t end, int ti) {
     (void)ti;
     quant_rows8(ctx, begin, end);
 }
+ST_TARGET_AMX static void qi8_fn_amx(void *ctx, int64_t begin, int64_t end, int ti) {
+    amx_begin();
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx512, prow8_vnni, tree_avx2, dot_group8_amxreal, true, true});
+    amx_end();
+}
 #endif
+static void qi8_fn_amxemu(void *ctx, int64_t begin, int64_t end, int ti) {
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_portable, prow8_portable, tree_portable, dot_group8_amxemu, true, true});
+}
 
 /* The int8 path of st_cpu_matmul_int (m set up but for the activations). */
 static strata_status matmul_a8(st_cpu *c, const float *x, qi_ctx *m) {
     const int64_t n = m->n, K = m->L.K, nb = m->L.nb;
     m->L.stride = a8_stride(K);
-    const bool grouped = c->isa == ST_CPU_ISA_AVX512 && n > 1;
+    /* the token-group layout: AMX from 2 tokens, the AVX-512 group kernel past QI_STREAM */
+    const bool grouped = ((c->isa == ST_CPU_ISA_AVX512 && n > QI_STREAM) || c->amx != ST_CPU_AMX_OFF) && n > 1;
     const int64_t n_groups = (n + QI_GROUP - 1) / QI_GROUP;
     const size_t tok_bytes = m->L.stride * (size_t)n;
     strata_status st = st_cpu_qact_reserve(c, tok_bytes + (grouped ? a8_group_stride(nb) * (size_t)n_groups : 0));
@@ -1017,7 +1237,9 @@ static strata_status matmul_a8(st_cpu *c, const float *x, qi_ctx *m) {
     if (c->isa == ST_CPU_ISA_AVX2) qi_fn = qi8_fn_avx2;
     if (c->isa == ST_CPU_ISA_AVXVNNI) qi_fn = qi8_fn_avxvnni;
     if (c->isa == ST_CPU_ISA_AVX512) qi_fn = qi8_fn_avx512;
+    if (grouped && c->amx == ST_CPU_AMX_ON) qi_fn = qi8_fn_amx;
 #endif
+    if (grouped && c->amx == ST_CPU_AMX_EMULATED) qi_fn = qi8_fn_amxemu;
     qa8_ctx qa = {.x = x, .q = c->qact, .grp = (uint8_t *)m->grp, .K = K, .nb = nb, .stride = m->L.stride};
     if (grouped) memset(qa.grp + a8_group_stride(nb) * (size_t)(n_groups - 1), 0, a8_group_stride(nb));
     int64_t qgrain = 16384 / K;
