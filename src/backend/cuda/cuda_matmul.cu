@@ -75,10 +75,16 @@
 #include "backend/cuda/cuda_common.cuh"
 #include "backend/cuda/cuda_gemv.cuh"
 #include "backend/cuda/cuda_internal.h"
+#include "backend/cuda/cuda_mmq.cuh"
 
 #define MMV_WARPS 4          /* scalar fallback: rows per block */
 #define GEMM_MIN_N 4          /* plain weights: GEMV below this (H200: the GEMV wins at n <= 3, the precise GEMM from n = 4: 38 vs 38 us at n = 4, 38 vs 101 us at n = 8 for 14336 x 4096) */
 #define GEMM_MIN_N_QUANT 12   /* quantized weights: GEMV below this (dequantize + GEMM costs ~240 us for 14336 x 4096 at any n; the GEMV 155 us at n = 8, 306 us at n = 16) */
+/* fast mode, quantized weights (q8_0, q4_0, q4_1, q4_k): token counts that
+ * take the int8 tensor-core kernel (cuda_mmq.cu) instead of the GEMV below
+ * and the dequantize + GEMM above (st_backend_params.mmq_min_n, mmq_max_n) */
+#define MMQ_MIN_N 4
+#define MMQ_MAX_N 256
 #define DQ_SLAB_BYTES ((size_t)64 << 20)
 /* precise bf16 GEMMs with at most this many tokens run as ONE GEMM over the
  * stacked [x_hi; x_lo] (2n columns), so the weights are read once per step
@@ -372,6 +378,8 @@ struct st_cuda_lt_cache {
     st_gemv2_tune gemv2; /* the staged GEMV's grid sizing */
     int gemm_min_n, gemm_min_n_quant; /* token counts from which GEMMs replace the GEMV
                                          (st_backend_params; 0 there: GEMM_MIN_N, GEMM_MIN_N_QUANT) */
+    int mmq_min_n, mmq_max_n;         /* fast mode: token counts of the MMQ kernels (st_backend_params;
+                                         0 there: MMQ_MIN_N, MMQ_MAX_N; max -1: none) */
 };
 
 static void plan_clear(lt_plan *p) {
@@ -390,6 +398,10 @@ strata_status st_cuda_matmul_setup(st_cuda *c, const st_backend_params *params) 
     /* params may move the switch points (tuning, benchmarks); checked by st_backend_cuda_init */
     c->lt_cache->gemm_min_n = params->gemm_min_n >= 2 ? params->gemm_min_n : GEMM_MIN_N;
     c->lt_cache->gemm_min_n_quant = params->gemm_min_n_quant >= 2 ? params->gemm_min_n_quant : GEMM_MIN_N_QUANT;
+    c->lt_cache->mmq_min_n = params->mmq_min_n >= 1 ? params->mmq_min_n : MMQ_MIN_N;
+    c->lt_cache->mmq_max_n = params->mmq_max_n < 0 ? 0 : params->mmq_max_n >= 1 ? params->mmq_max_n : MMQ_MAX_N;
+    strata_status st = st_cuda_mmq_setup();
+    if (st != STRATA_OK) return st;
     return st_cuda_gemv2_setup(&c->lt_cache->gemv2, c->sm_count);
 }
 
@@ -497,9 +509,17 @@ static strata_status lt_gemm(st_backend *be, st_cuda_stream *s, cudaDataType_t a
 
 /* ---- dispatch ------------------------------------------------------------------------ */
 
+/* Fast mode, n within [mmq_min_n, mmq_max_n], a type and shape the MMQ
+ * kernels take: the int8 tensor-core matmul. */
+static bool use_mmq(const st_cuda *c, int dtype, size_t rb, int64_t K, int64_t n) {
+    return c->fast_prefill && n >= c->lt_cache->mmq_min_n && n <= c->lt_cache->mmq_max_n &&
+           st_cuda_mmq_supports(dtype, rb, K);
+}
+
 /* The GEMV: the staged kernels (cuda_gemv.cu) where they apply (bf16, f16,
  * q4_0, q4_1, q4_k with 16-byte multiple rows: st_cuda_gemv2_supports), else
- * mmv_kernel above (f32, q8_0, the other quantized types, odd rows). */
+ * mmv_kernel above (f32, q8_0, the other quantized types, odd rows); or, in
+ * fast mode within the MMQ token counts, the MMQ kernels (cuda_mmq.cu). */
 template <int T, bool SW>
 static strata_status gemv(st_backend *be, st_cuda_stream *cs, mmv_args a) {
     st_cuda *c = st_cuda_of(be);
@@ -507,15 +527,21 @@ static strata_status gemv(st_backend *be, st_cuda_stream *cs, mmv_args a) {
     /* fast mode: x quantized to int8 once for every row (cuda_gemv.cu); not
      * q8_0 for one token, where the fp32 mmv kernel below is faster (H100,
      * 14336 x 4096: 25.6 vs 30.9 us; the quantization adds a launch) */
-    if (c->fast_prefill && st_cuda_gemv2_i8_supports(T, a.rb) && a.K % 32 == 0 && !(T == ST_DTYPE_Q8_0 && a.n == 1)) {
+    const bool mmq = use_mmq(c, T, a.rb, a.K, a.n);
+    if (mmq ||
+        (c->fast_prefill && st_cuda_gemv2_i8_supports(T, a.rb) && a.K % 32 == 0 && !(T == ST_DTYPE_Q8_0 && a.n == 1))) {
+        const bool sums = mmq && st_cuda_mmq_needs_sums(T);
         const size_t qb = ((size_t)(a.n * a.K) + 15) / 16 * 16, db = (size_t)(a.n * (a.K / 32)) * 4;
         void *p = NULL;
-        strata_status st = st_cuda_scratch(be, cs, ST_CUDA_SCRATCH_XQ, qb + db, &p);
+        strata_status st = st_cuda_scratch(be, cs, ST_CUDA_SCRATCH_XQ, qb + (sums ? 2 : 1) * db, &p);
         if (st != STRATA_OK) return st;
         a.xq = (const int8_t *)p;
         a.xd = (const float *)((uint8_t *)p + qb);
-        if ((st = st_cuda_gemv2_quant_x(s, c->pdl, a.x, a.n, a.K, (int8_t *)p, (float *)a.xd)) != STRATA_OK)
+        a.xs = sums ? a.xd + db / 4 : NULL;
+        if ((st = st_cuda_gemv2_quant_x(s, c->pdl, a.x, a.n, a.K, (int8_t *)p, (float *)a.xd, (float *)a.xs)) !=
+            STRATA_OK)
             return st;
+        if (mmq) return st_cuda_mmq(s, c->pdl, T, SW, a, c->sm_count);
         return st_cuda_gemv2(s, c->pdl, T, SW, a, &c->lt_cache->gemv2);
     }
     if (st_cuda_gemv2_supports(T, a.rb)) return st_cuda_gemv2(s, c->pdl, T, SW, a, &c->lt_cache->gemv2);
@@ -566,7 +592,8 @@ static strata_status gemv_x(st_backend *be, st_cuda_stream *s, const float *x, i
 }
 
 static bool use_gemv(const st_cuda *c, const st_weight *w, int64_t n) {
-    return n < (st_dtype_get(w->dtype)->quantized ? c->lt_cache->gemm_min_n_quant : c->lt_cache->gemm_min_n);
+    return n < (st_dtype_get(w->dtype)->quantized ? c->lt_cache->gemm_min_n_quant : c->lt_cache->gemm_min_n) ||
+           use_mmq(c, w->dtype, st_dtype_row_bytes(w->dtype, w->cols), w->cols, n); /* the MMQ goes by gemv() */
 }
 
 template <int T>
