@@ -39,7 +39,6 @@
 #include "backend/cuda/cuda_common.cuh"
 #include "backend/cuda/cuda_internal.h"
 
-#define MQ_THREADS 128
 #define MQ_XS 272                /* shared bytes per token row of a stage's int8 x (256 + 16) */
 #define MQ_XD 12                 /* floats per token row of a stage's scales (8 + 4) */
 #define MQ_SMEM_TARGET (96 * 1024) /* ring bytes a block aims at (2 to 8 stages) */
@@ -152,7 +151,8 @@ __host__ __device__ constexpr int mq_max(int a, int b) { return a > b ? a : b; }
 /* MT x NT mma tiles per warp, warps WM x WN over the tile, WK along K. */
 template <int T, int MT, int NT, int WM, int WN, int WK>
 struct mq_cfg {
-    static_assert(WM * WN * WK == 4, "4 warps");
+    static_assert(WM * WN * WK == 4 || WM * WN * WK == 8, "4 or 8 warps");
+    static constexpr int THREADS = 32 * WM * WN * WK;
     static_assert(8 % WK == 0, "WK divides a stage's 8 blocks");
     static constexpr int BM = 16 * MT * WM, BN = 8 * NT * WN;
     static constexpr int SB = mq<T>::SB;
@@ -190,7 +190,7 @@ ST_DEV float mq_silu_mul(float g, float u) { return __fmul_rn(__fdiv_rn(g, __fad
 /* ---- the kernel ---------------------------------------------------------------------- */
 
 template <int T, int MT, int NT, int WM, int WN, int WK, bool SW>
-static __global__ void __launch_bounds__(MQ_THREADS) mmq_kernel(const st_gemv_args a) {
+static __global__ void __launch_bounds__(32 * WM * WN * WK) mmq_kernel(const st_gemv_args a) {
     using C = mq_cfg<T, MT, NT, WM, WN, WK>;
     using Q = mq<T>;
     constexpr int BM = C::BM, BN = C::BN, SB = C::SB, SBP = C::SBP, NST = C::NST, STAGE = C::STAGE;
@@ -209,7 +209,7 @@ static __global__ void __launch_bounds__(MQ_THREADS) mmq_kernel(const st_gemv_ar
     auto issue_w = [&](int s) {
         uint8_t *ws = sm + (s % NST) * STAGE;
         const size_t so = (size_t)s * SB;
-        for (int i = tid; i < BM * C16; i += MQ_THREADS) {
+        for (int i = tid; i < BM * C16; i += C::THREADS) {
             const int r = i / C16, c = i - r * C16;
             const size_t o = so + 16 * (size_t)c;
             if (o < a.rb) {
@@ -221,13 +221,13 @@ static __global__ void __launch_bounds__(MQ_THREADS) mmq_kernel(const st_gemv_ar
     };
     auto issue_x = [&](int s) {
         uint8_t *ws = sm + (s % NST) * STAGE;
-        for (int i = tid; i < BN * 16; i += MQ_THREADS) {
+        for (int i = tid; i < BN * 16; i += C::THREADS) {
             const int j = i >> 4, c = i & 15;
             const int64_t tok = min(t0 + j, n - 1), o = (int64_t)s * 256 + 16 * c;
             if (o < K) mq_cp16(ws + C::XOFF + j * MQ_XS + 16 * c, a.xq + tok * K + o);
         }
         constexpr int ND = C::SUM ? 4 : 2; /* 16-byte pieces per token: scales, then sums */
-        for (int i = tid; i < BN * ND; i += MQ_THREADS) {
+        for (int i = tid; i < BN * ND; i += C::THREADS) {
             const int j = i / ND, c = i % ND;
             const int64_t tok = min(t0 + j, n - 1), o = (int64_t)s * 8 + 4 * (c & 1);
             if (o < kq) {
@@ -328,7 +328,7 @@ static __global__ void __launch_bounds__(MQ_THREADS) mmq_kernel(const st_gemv_ar
             p[C::BMP + 8] = acc[m][j][3];
         }
     __syncthreads();
-    for (int i = tid; i < BN * RT; i += MQ_THREADS) {
+    for (int i = tid; i < BN * RT; i += C::THREADS) {
         const int c = i / RT, r = i - c * RT;
         const int64_t tok = t0 + c, row = tl.row0 + r;
         if (tok >= n || row >= tl.N) continue;
@@ -345,7 +345,191 @@ static __global__ void __launch_bounds__(MQ_THREADS) mmq_kernel(const st_gemv_ar
     }
 }
 
+/* ---- small token counts: one pipeline per warp ---------------------------------------
+ * 8 or 16 tokens (NT = 1, 2), BM = 16 MT rows per block of 4 warps. Each
+ * warp streams its own stages of the tile (w, w + 4, ...: the block's
+ * warps split K) through its own ring of NST stages of weight bytes, with
+ * no block barrier until the end: with so little work per stage a block-wide
+ * pipeline waited on its barriers (H200: ~1 us per stage whatever the
+ * size). x is not staged: each lane loads its B fragments (4 + 4 bytes of a
+ * token's block) and the scales through L1, where every block of the SM
+ * finds them. The 4 warps' partial sums are added at the end in a fixed
+ * order. */
+__host__ __device__ constexpr int mqw_sbp(int sb) { return (sb / 4) % 8 == 4 ? sb : sb + 16; }
+__host__ __device__ constexpr int mqw_nst(int wst) { return mq_clamp(73728 / (4 * wst), 2, 6); }
+
+template <int T, int MT, int NT, bool SW>
+static __global__ void __launch_bounds__(128) mmqw_kernel(const st_gemv_args a) {
+    using Q = mq<T>;
+    constexpr int BM = 16 * MT, BN = 8 * NT, SB = Q::SB, SBP = mqw_sbp(SB);
+    constexpr int RT = SW ? BM / 2 : BM;
+    constexpr int C16 = SB / 16, NCH = BM * C16, CPL = (NCH + 31) / 32; /* 16-byte pieces per stage, per lane */
+    constexpr int WST = BM * SBP, NST = mqw_nst(WST), BMP = BM + 4;
+    extern __shared__ __align__(16) uint8_t sm[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, tig = lane & 3;
+    const int64_t K = a.K, n = a.n, kq = K >> 5;
+    const int nblk = (int)kq, ns = (nblk + 7) >> 3;
+    const int cnt = warp < ns ? (ns - 1 - warp) / 4 + 1 : 0; /* this warp's stages */
+    const mq_tile tl = mq_tile_of<RT, SW>(a, blockIdx.y);
+    const int64_t t0 = (int64_t)blockIdx.x * BN;
+    uint8_t *ring = sm + warp * (NST * WST);
+
+    /* this lane's pieces of a stage: offsets from the tile's first row (rows past N: the last row) */
+    const uint8_t *wb0 = tl.w + (size_t)tl.row0 * a.rb, *wb1 = a.w[SW ? 1 : 0] + (size_t)tl.row0 * a.rb;
+    uint32_t gofs[CPL];
+#pragma unroll
+    for (int j = 0; j < CPL; j++) {
+        const int i = lane + 32 * j, r = i / C16, c = i - r * C16;
+        const int64_t row = min(tl.row0 + (SW ? r % RT : r), tl.N - 1) - tl.row0;
+        gofs[j] = (uint32_t)((size_t)row * a.rb) + 16u * (uint32_t)c;
+    }
+    auto issue = [&](int k) {
+        if (k < cnt) {
+            const size_t so = (size_t)(warp + 4 * k) * SB;
+            uint8_t *buf = ring + (k % NST) * WST;
+#pragma unroll
+            for (int j = 0; j < CPL; j++) {
+                const int i = lane + 32 * j, r = i / C16, c = i - r * C16;
+                if (i < NCH && so + 16 * (size_t)c < a.rb)
+                    mq_cp16(buf + r * SBP + 16 * c, (SW && r >= RT ? wb1 : wb0) + so + gofs[j]);
+            }
+        }
+        mq_commit();
+    };
+#pragma unroll
+    for (int k = 0; k < NST - 1; k++) issue(k);
+    st_pdl_wait(); /* x and y may belong to the previous kernel */
+    st_pdl_trigger();
+
+    /* this lane's x rows: B fragments of token g of each n tile, scales of tokens 2 tig, 2 tig + 1 */
+    const int8_t *xr[NT];
+    const float *dr[NT][2], *sr[NT][2];
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+        xr[j] = a.xq + min(t0 + 8 * j + g, n - 1) * K + 4 * tig;
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const int64_t tok = min(t0 + 8 * j + 2 * tig + e, n - 1);
+            dr[j][e] = a.xd + tok * kq;
+            sr[j][e] = Q::SUM ? a.xs + tok * kq : a.xd;
+        }
+    }
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int m = 0; m < MT; m++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[m][j][e] = 0.0f;
+
+    for (int k = 0; k < cnt; k++) {
+        __syncwarp(); /* every lane is done with slot (k - 1) % NST, refilled now */
+        issue(k + NST - 1);
+        mq_wait<NST - 1>(); /* this lane's copies of stage k have landed */
+        __syncwarp();       /* and every other lane's */
+        const uint8_t *ws = ring + (k % NST) * WST;
+        const int s = warp + 4 * k, nb = min(8, nblk - 8 * s);
+#pragma unroll
+        for (int b = 0; b < 8; b++) {
+            if (b >= nb) break;
+            const int64_t kb = (int64_t)s * 8 + b;
+            uint32_t bf[NT][2];
+            float dx[NT][2], sx[NT][2];
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                const int8_t *p = xr[j] + kb * 32;
+                bf[j][0] = __ldg((const unsigned int *)p);
+                bf[j][1] = __ldg((const unsigned int *)(p + 16));
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    dx[j][e] = __ldg(dr[j][e] + kb);
+                    sx[j][e] = Q::SUM ? __ldg(sr[j][e] + kb) : 0.0f;
+                }
+            }
+#pragma unroll
+            for (int m = 0; m < MT; m++) {
+                const int r0 = m * 16 + g;
+                uint32_t af[4];
+                float d0, d1, m0, m1;
+                Q::row(ws + r0 * SBP, b, tig, af[0], af[2], d0, m0);
+                Q::row(ws + (r0 + 8) * SBP, b, tig, af[1], af[3], d1, m1);
+#pragma unroll
+                for (int j = 0; j < NT; j++) {
+                    int c[4];
+                    mq_mma(c, af, bf[j][0], bf[j][1]);
+                    acc[m][j][0] = fmaf(__fmul_rn(d0, dx[j][0]), (float)c[0], acc[m][j][0]);
+                    acc[m][j][1] = fmaf(__fmul_rn(d0, dx[j][1]), (float)c[1], acc[m][j][1]);
+                    acc[m][j][2] = fmaf(__fmul_rn(d1, dx[j][0]), (float)c[2], acc[m][j][2]);
+                    acc[m][j][3] = fmaf(__fmul_rn(d1, dx[j][1]), (float)c[3], acc[m][j][3]);
+                    if (Q::SUM) {
+                        acc[m][j][0] = fmaf(m0, sx[j][0], acc[m][j][0]);
+                        acc[m][j][1] = fmaf(m0, sx[j][1], acc[m][j][1]);
+                        acc[m][j][2] = fmaf(m1, sx[j][0], acc[m][j][2]);
+                        acc[m][j][3] = fmaf(m1, sx[j][1], acc[m][j][3]);
+                    }
+                }
+            }
+        }
+    }
+
+    mq_wait<0>();
+    __syncthreads(); /* every warp past its stages: the rings become the reduction buffer */
+    float *red = (float *)sm; /* [4][BN][BMP] */
+#pragma unroll
+    for (int m = 0; m < MT; m++)
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            float *p = red + (warp * BN + 8 * j + 2 * tig) * BMP + m * 16 + g;
+            p[0] = acc[m][j][0];
+            p[BMP] = acc[m][j][1];
+            p[8] = acc[m][j][2];
+            p[BMP + 8] = acc[m][j][3];
+        }
+    __syncthreads();
+    for (int i = threadIdx.x; i < BN * RT; i += 128) {
+        const int c = i / RT, r = i - c * RT;
+        const int64_t tok = t0 + c, row = tl.row0 + r;
+        if (tok >= n || row >= tl.N) continue;
+        float v = red[c * BMP + r];
+#pragma unroll
+        for (int w = 1; w < 4; w++) v += red[(w * BN + c) * BMP + r];
+        if (SW) {
+            float u = red[c * BMP + RT + r];
+#pragma unroll
+            for (int w = 1; w < 4; w++) u += red[(w * BN + c) * BMP + RT + r];
+            v = mq_silu_mul(v, u);
+        }
+        tl.y[tok * tl.N + row] = v;
+    }
+}
+
 /* ---- launch -------------------------------------------------------------------------- */
+
+template <int T, int MT, int NT, bool SW>
+static strata_status mqw_launch(cudaStream_t s, bool pdl, st_gemv_args a, bool setup) {
+    constexpr int BM = 16 * MT, BN = 8 * NT, WST = BM * mqw_sbp(mq<T>::SB);
+    constexpr int SMEM = mq_max(4 * mqw_nst(WST) * WST, 4 * BN * (BM + 4) * 4);
+    if (setup) {
+        ST_CUDA_TRY(cudaFuncSetAttribute(mmqw_kernel<T, MT, NT, SW>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
+        return STRATA_OK;
+    }
+    constexpr int RT = SW ? BM / 2 : BM;
+    int64_t tiles = 0;
+    for (int i = 0; i < (SW ? 1 : a.count); i++) {
+        a.b0[i] = (unsigned)tiles;
+        tiles += (a.N[i] + RT - 1) / RT;
+    }
+    const int64_t gx = (a.n + BN - 1) / BN;
+    if (tiles > 65535 || gx > INT32_MAX)
+        return st_err(STRATA_ERR_INVALID_ARG, "cuda mmq: %lld row tiles x %lld token tiles is too large", (long long)tiles,
+                      (long long)gx);
+    a.groups = (unsigned)tiles;
+    ST_CUDA_TRY(st_launch(pdl, mmqw_kernel<T, MT, NT, SW>, dim3((unsigned)gx, (unsigned)tiles), dim3(128),
+                          (size_t)SMEM, s, a));
+    return STRATA_OK;
+}
+
 
 template <int T, int MT, int NT, int WM, int WN, int WK, bool SW>
 static strata_status mq_launch(cudaStream_t s, bool pdl, st_gemv_args a, bool setup) {
@@ -367,33 +551,33 @@ static strata_status mq_launch(cudaStream_t s, bool pdl, st_gemv_args a, bool se
                       (long long)gx);
     a.groups = (unsigned)tiles;
     ST_CUDA_TRY(st_launch(pdl, mmq_kernel<T, MT, NT, WM, WN, WK, SW>, dim3((unsigned)gx, (unsigned)tiles),
-                          dim3(MQ_THREADS), (size_t)C::SMEM, s, a));
+                          dim3(C::THREADS), (size_t)C::SMEM, s, a));
     return STRATA_OK;
 }
 
-/* Tile shapes by token count. Up to 16 tokens: one token tile, 32 rows,
- * the 4 warps splitting each stage's blocks. More: 64 rows (each x byte
- * read from L2 serves twice the rows) with 32- or 64-token tiles (tiles of
- * the token dimension run side by side on the same rows), unless that
- * leaves fewer blocks than SMs: then 32 rows. */
+/* Tile shapes by token count. Up to 16 tokens: the per-warp pipelines,
+ * 32 rows, one token tile. More: a block pipeline of 8 warps over 64 rows
+ * (each x byte read from L2 serves 64 rows) and 32- or 64-token tiles
+ * (tiles of the token dimension run side by side on the same rows), unless
+ * that leaves fewer blocks than SMs: then 4 warps over 32 rows. */
 template <int T, bool SW>
 static strata_status mq_dispatch(cudaStream_t s, bool pdl, const st_gemv_args &a, bool setup, int sm_count) {
     strata_status st;
     if (setup || a.n <= 8)
-        if ((st = mq_launch<T, 2, 1, 1, 1, 4, SW>(s, pdl, a, setup)) != STRATA_OK || !setup) return st;
+        if ((st = mqw_launch<T, 2, 1, SW>(s, pdl, a, setup)) != STRATA_OK || !setup) return st;
     if (setup || a.n <= 16)
-        if ((st = mq_launch<T, 2, 2, 1, 1, 4, SW>(s, pdl, a, setup)) != STRATA_OK || !setup) return st;
+        if ((st = mqw_launch<T, 2, 2, SW>(s, pdl, a, setup)) != STRATA_OK || !setup) return st;
     int64_t rows = 0;
     for (int i = 0; i < (SW ? 1 : a.count); i++) rows += a.N[i];
     const int64_t rt = SW ? 32 : 64; /* output rows of a 64-row tile */
     const bool wide = (rows + rt - 1) / rt * ((a.n + (a.n <= 32 ? 31 : 63)) / (a.n <= 32 ? 32 : 64)) >= sm_count;
     if (setup || a.n <= 32) {
         if (setup || wide)
-            if ((st = mq_launch<T, 2, 4, 2, 1, 2, SW>(s, pdl, a, setup)) != STRATA_OK || !setup) return st;
+            if ((st = mq_launch<T, 2, 4, 2, 1, 4, SW>(s, pdl, a, setup)) != STRATA_OK || !setup) return st;
         if ((st = mq_launch<T, 2, 4, 1, 1, 4, SW>(s, pdl, a, setup)) != STRATA_OK || !setup) return st;
     }
     if (setup || wide)
-        if ((st = mq_launch<T, 2, 4, 2, 2, 1, SW>(s, pdl, a, setup)) != STRATA_OK || !setup) return st;
+        if ((st = mq_launch<T, 2, 4, 2, 2, 2, SW>(s, pdl, a, setup)) != STRATA_OK || !setup) return st;
     return mq_launch<T, 1, 8, 2, 1, 2, SW>(s, pdl, a, setup);
 }
 
