@@ -15,6 +15,13 @@
  *     call to int8 per 32-block (scratch slot XQ), dp4a against the packed
  *     weights; ~4e-3 of max|y| from the fp32 result, several tokens per pass
  *     at a fraction of the fp32 kernel's cost (bench/RESULTS.md).
+ *   MMQ, int8 tensor cores (fast mode; cuda_mmq.cu): q8_0, q4_0, q4_1, q4_k
+ *     rows of 16-byte multiples, K % 128 == 0, n within [mmq_min_n,
+ *     mmq_max_n] (MMQ_MIN_N, MMQ_MAX_N below, from bench_cuda_ops --only mmq):
+ *     x quantized as for the int8 GEMV (plus block sums for q4_1 / q4_k),
+ *     mma.sync m16n8k32 s8 on the weights' integers in their GGUF layout,
+ *     each weight block loaded once for all of a tile's tokens. Also
+ *     matmul_multi and matmul_swiglu (SwiGLU in its epilogue).
  *   GEMV (n <= 8 for f32/f16/bf16, n <= 32 for quantized types): a custom
  *     kernel that reads each weight row once at HBM speed and decodes it in
  *     registers (st_unit: 8 to 32 elements per thread, packed bytes loaded

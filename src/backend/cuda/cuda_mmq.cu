@@ -352,9 +352,9 @@ static __global__ void __launch_bounds__(32 * WM * WN * WK) mmq_kernel(const st_
  * no block barrier until the end: with so little work per stage a block-wide
  * pipeline waited on its barriers (H200: ~1 us per stage whatever the
  * size). x is not staged: each lane loads its B fragments (4 + 4 bytes of a
- * token's block) and the scales through L1, where every block of the SM
- * finds them. The 4 warps' partial sums are added at the end in a fixed
- * order. */
+ * token's block) and the scales of a whole stage at once, through L1 (one
+ * L2 round trip per stage: loaded block by block they cost ~3 us per
+ * stage). The 4 warps' partial sums are added at the end in a fixed order. */
 __host__ __device__ constexpr int mqw_sbp(int sb) { return (sb / 4) % 8 == 4 ? sb : sb + 16; }
 __host__ __device__ constexpr int mqw_nst(int wst) { return mq_clamp(73728 / (4 * wst), 2, 6); }
 
@@ -426,47 +426,53 @@ static __global__ void __launch_bounds__(128) mmqw_kernel(const st_gemv_args a) 
     for (int k = 0; k < cnt; k++) {
         __syncwarp(); /* every lane is done with slot (k - 1) % NST, refilled now */
         issue(k + NST - 1);
-        mq_wait<NST - 1>(); /* this lane's copies of stage k have landed */
-        __syncwarp();       /* and every other lane's */
-        const uint8_t *ws = ring + (k % NST) * WST;
+        /* the stage's x, all 8 blocks at once (one L2 round trip per stage,
+         * not one per block; past the last block: the last block again) */
         const int s = warp + 4 * k, nb = min(8, nblk - 8 * s);
+        uint32_t bf[8][NT][2];
+        float dx[8][NT][2], sx[8][NT][2];
 #pragma unroll
         for (int b = 0; b < 8; b++) {
-            if (b >= nb) break;
-            const int64_t kb = (int64_t)s * 8 + b;
-            uint32_t bf[NT][2];
-            float dx[NT][2], sx[NT][2];
+            const int64_t kb = (int64_t)s * 8 + min(b, nb - 1);
 #pragma unroll
             for (int j = 0; j < NT; j++) {
                 const int8_t *p = xr[j] + kb * 32;
-                bf[j][0] = __ldg((const unsigned int *)p);
-                bf[j][1] = __ldg((const unsigned int *)(p + 16));
+                bf[b][j][0] = __ldg((const unsigned int *)p);
+                bf[b][j][1] = __ldg((const unsigned int *)(p + 16));
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
-                    dx[j][e] = __ldg(dr[j][e] + kb);
-                    sx[j][e] = Q::SUM ? __ldg(sr[j][e] + kb) : 0.0f;
+                    dx[b][j][e] = __ldg(dr[j][e] + kb);
+                    sx[b][j][e] = Q::SUM ? __ldg(sr[j][e] + kb) : 0.0f;
                 }
             }
+        }
+        mq_wait<NST - 1>(); /* this lane's copies of stage k have landed */
+        __syncwarp();       /* and every other lane's */
+        const uint8_t *ws = ring + (k % NST) * WST;
 #pragma unroll
-            for (int m = 0; m < MT; m++) {
-                const int r0 = m * 16 + g;
-                uint32_t af[4];
-                float d0, d1, m0, m1;
-                Q::row(ws + r0 * SBP, b, tig, af[0], af[2], d0, m0);
-                Q::row(ws + (r0 + 8) * SBP, b, tig, af[1], af[3], d1, m1);
+        for (int b = 0; b < 8; b++) {
+            if (b < nb) {
 #pragma unroll
-                for (int j = 0; j < NT; j++) {
-                    int c[4];
-                    mq_mma(c, af, bf[j][0], bf[j][1]);
-                    acc[m][j][0] = fmaf(__fmul_rn(d0, dx[j][0]), (float)c[0], acc[m][j][0]);
-                    acc[m][j][1] = fmaf(__fmul_rn(d0, dx[j][1]), (float)c[1], acc[m][j][1]);
-                    acc[m][j][2] = fmaf(__fmul_rn(d1, dx[j][0]), (float)c[2], acc[m][j][2]);
-                    acc[m][j][3] = fmaf(__fmul_rn(d1, dx[j][1]), (float)c[3], acc[m][j][3]);
-                    if (Q::SUM) {
-                        acc[m][j][0] = fmaf(m0, sx[j][0], acc[m][j][0]);
-                        acc[m][j][1] = fmaf(m0, sx[j][1], acc[m][j][1]);
-                        acc[m][j][2] = fmaf(m1, sx[j][0], acc[m][j][2]);
-                        acc[m][j][3] = fmaf(m1, sx[j][1], acc[m][j][3]);
+                for (int m = 0; m < MT; m++) {
+                    const int r0 = m * 16 + g;
+                    uint32_t af[4];
+                    float d0, d1, m0, m1;
+                    Q::row(ws + r0 * SBP, b, tig, af[0], af[2], d0, m0);
+                    Q::row(ws + (r0 + 8) * SBP, b, tig, af[1], af[3], d1, m1);
+#pragma unroll
+                    for (int j = 0; j < NT; j++) {
+                        int c[4];
+                        mq_mma(c, af, bf[b][j][0], bf[b][j][1]);
+                        acc[m][j][0] = fmaf(__fmul_rn(d0, dx[b][j][0]), (float)c[0], acc[m][j][0]);
+                        acc[m][j][1] = fmaf(__fmul_rn(d0, dx[b][j][1]), (float)c[1], acc[m][j][1]);
+                        acc[m][j][2] = fmaf(__fmul_rn(d1, dx[b][j][0]), (float)c[2], acc[m][j][2]);
+                        acc[m][j][3] = fmaf(__fmul_rn(d1, dx[b][j][1]), (float)c[3], acc[m][j][3]);
+                        if (Q::SUM) {
+                            acc[m][j][0] = fmaf(m0, sx[b][j][0], acc[m][j][0]);
+                            acc[m][j][1] = fmaf(m0, sx[b][j][1], acc[m][j][1]);
+                            acc[m][j][2] = fmaf(m1, sx[b][j][0], acc[m][j][2]);
+                            acc[m][j][3] = fmaf(m1, sx[b][j][1], acc[m][j][3]);
+                        }
                     }
                 }
             }
