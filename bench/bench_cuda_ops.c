@@ -603,8 +603,8 @@ static void bench_gemv(double copy_bw) {
 static void bench_mmq(double copy_bw) {
     static const st_dtype types[] = {ST_DTYPE_Q4_0, ST_DTYPE_Q8_0, ST_DTYPE_Q4_1, ST_DTYPE_Q4_K};
     static const int64_t shapes[][2] = {{4096, 4096}, {14336, 4096}, {4096, 14336}, {1024, 4096}};
-    static const int64_t ns[] = {1, 2, 4, 8, 16, 32, 64, 128, 256};
-    enum { NTY = 4, NSH = 4, NN = 9 };
+    static const int64_t ns[] = {1, 2, 4, 5, 8, 12, 16, 32, 48, 64, 128, 256};
+    enum { NTY = 4, NSH = 4, NN = 12 };
     static double tm[3][NTY][NSH][NN];
     st_backend *be0 = be;
     st_stream *s0 = s;
