@@ -76,7 +76,10 @@
  * Prints one line per check, then "N passed, M failed"; exits 1 on any
  * failure, 2 when a backend cannot be created. --only-attention: the
  * attention ops alone (attention, attention_part, kv_store_paged and
- * attention_paged, the fast-mode FA2 configurations). */
+ * attention_paged, the fast-mode FA2 configurations). --only-gemv: the
+ * decode GEMV checks (fp32 and int8 kernels) and the MMQ's; --only-mmq:
+ * the int8 tensor-core matmul of fast mode alone (check_mmq: 1e-2, as the
+ * int8 GEMV) and the backend-parameter checks. */
 #include <math.h>
 #include <stdarg.h>
 #include <stdint.h>
