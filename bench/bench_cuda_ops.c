@@ -10,13 +10,16 @@
  * the fewest the op must move: the weight once (decode matmul), K and V once
  * (decode attention).
  *
- * Usage: bench_cuda_ops [--device N] [--only prefill-attn|attn-part|sample|gemv|batch]
+ * Usage: bench_cuda_ops [--device N] [--only prefill-attn|attn-part|sample|gemv|batch|mmq]
  *                       [--gemm-min-n N] [--gemm-min-n-quant N] [--no-pdl]
  *   --only SECTION      one section alone: the prefill attention kernels,
  *                       attention_part (a context attended piece by piece,
  *                       beside one attention call over it), the sample op,
  *                       the decode GEMV over every dtype and shape, or the
- *                       batched decode matmuls (GEMV / GEMM switch)
+ *                       batched decode matmuls (GEMV / GEMM switch), or the
+ *                       quantized matmuls' GEMV / MMQ / GEMM switch points
+ *                       (fast mode, n = 1 .. 256: the table MMQ_MIN_N and
+ *                       MMQ_MAX_N come from; not in the full run)
  *   --gemm-min-n N, --gemm-min-n-quant N   st_backend_params' GEMV / GEMM switch
  *                       points (2: time the GEMM at every n of the batch section)
  *   --no-pdl            kernels launched without programmatic dependent launch
@@ -588,6 +591,95 @@ static void bench_gemv(double copy_bw) {
     }
 }
 
+/* ---- MMQ switch points ----
+ * Fast mode, quantized weights, the 8B shapes, n = 1 .. 256: the same
+ * matmul on three backends that differ only in where their tuning
+ * (st_backend_params) sends it: the int8 GEMV at every n (gemm_min_n_quant
+ * 2^20, MMQ off), the int8 tensor-core MMQ at every n (mmq_min_n 1), and
+ * dequantize + cuBLAS GEMM (gemm_min_n_quant 2, MMQ off; n = 1 stays the
+ * GEMV there, not shown). Each line gives the three times, the fastest, and
+ * the weights' bytes once at the copy bandwidth (the floor while memory
+ * bound). cuda_matmul.cu's MMQ_MIN_N / MMQ_MAX_N come from this table. */
+static void bench_mmq(double copy_bw) {
+    static const st_dtype types[] = {ST_DTYPE_Q4_0, ST_DTYPE_Q8_0, ST_DTYPE_Q4_1, ST_DTYPE_Q4_K};
+    static const int64_t shapes[][2] = {{4096, 4096}, {14336, 4096}, {4096, 14336}, {1024, 4096}};
+    static const int64_t ns[] = {1, 2, 4, 5, 8, 12, 16, 32, 48, 64, 128, 256};
+    enum { NTY = 4, NSH = 4, NN = 12 };
+    static double tm[3][NTY][NSH][NN];
+    st_backend *be0 = be;
+    st_stream *s0 = s;
+    for (int p = 0; p < 3; p++) {
+        st_backend_params bp = g_params;
+        bp.gemm_min_n_quant = p == 2 ? 2 : 1 << 20;
+        bp.mmq_min_n = p == 1 ? 1 : 0;
+        bp.mmq_max_n = p == 1 ? 1 << 20 : -1;
+        TRY(st_backend_init(&bp, &be));
+        TRY(be->ops->stream_create(be, false, &s));
+        be->ops->set_fast_prefill(be, true);
+        for (int ti = 0; ti < NTY; ti++)
+            for (int sh = 0; sh < NSH; sh++) {
+                const st_dtype t = types[ti];
+                const int64_t N = shapes[sh][0], K = shapes[sh][1];
+                const size_t wbytes = st_dtype_row_bytes(t, K) * (size_t)N;
+                int copies = (int)((((size_t)256 << 20) + wbytes - 1) / wbytes);
+                copies = copies < 2 ? 2 : copies > 64 ? 64 : copies;
+                uint8_t *hw = host_weight(t, N, K);
+                void *dws[64];
+                gv_ctx m = {.b = be, .s = s, .copies = copies};
+                for (int c = 0; c < copies; c++) {
+                    dws[c] = upload(hw, wbytes);
+                    m.w[c] = (st_weight){dws[c], t, N, K};
+                }
+                free(hw);
+                const int64_t nmax = ns[NN - 1];
+                float *hx = malloc((size_t)(nmax * K) * 4);
+                for (int64_t i = 0; i < nmax * K; i++) hx[i] = frand();
+                float *dx = upload(hx, (size_t)(nmax * K) * 4), *dy = NULL;
+                free(hx);
+                TRY(be->ops->alloc(be, (size_t)(nmax * N) * 4, (void **)&dy));
+                m.x = dx, m.y = dy;
+                for (int k = 0; k < NN; k++) {
+                    m.n = ns[k];
+                    if (p == 2 && m.n == 1) {
+                        tm[p][ti][sh][k] = NAN;
+                        continue;
+                    }
+                    double t0 = st_time_now(); /* a first estimate sizes the batches (~5 ms each) */
+                    for (int i = 0; i < 3; i++) gv_fn(i, &m);
+                    TRY(be->ops->stream_sync(be, s));
+                    const double est = (st_time_now() - t0) / 3;
+                    int iters = (int)(5e-3 / est);
+                    iters = iters < 3 ? 3 : iters > 200 ? 200 : iters;
+                    tm[p][ti][sh][k] = gv_time(&m, iters);
+                }
+                for (int c = 0; c < copies; c++) be->ops->dealloc(be, dws[c]);
+                be->ops->dealloc(be, dx);
+                be->ops->dealloc(be, dy);
+            }
+        be->ops->stream_destroy(be, s);
+        st_backend_free(be);
+    }
+    be = be0, s = s0;
+    static const char *pn[3] = {"gemv", "mmq", "gemm"};
+    printf("-- quantized matmuls, fast mode: int8 GEMV / int8 tensor-core MMQ / dequantize + GEMM (us)\n");
+    for (int ti = 0; ti < NTY; ti++)
+        for (int sh = 0; sh < NSH; sh++) {
+            const int64_t N = shapes[sh][0], K = shapes[sh][1];
+            const double floor_us = (double)(st_dtype_row_bytes(types[ti], K) * (size_t)N) / copy_bw * 1e6;
+            for (int k = 0; k < NN; k++) {
+                int best = 0;
+                for (int p = 1; p < 3; p++)
+                    if (tm[p][ti][sh][k] < tm[best][ti][sh][k]) best = p; /* NaN never wins */
+                const double mq = tm[1][ti][sh][k];
+                printf("mmq-table %-5s %5lld x %-5lld n=%-3lld  gemv %8.1f  mmq %8.1f  gemm %8.1f  best %-4s  "
+                       "(weights at copy bw %5.1f us; mmq %5.1f TOP/s)\n",
+                       st_dtype_name(types[ti]), (long long)N, (long long)K, (long long)ns[k], tm[0][ti][sh][k] * 1e6,
+                       mq * 1e6, tm[2][ti][sh][k] * 1e6, pn[best], floor_us,
+                       2.0 * (double)N * (double)K * (double)ns[k] / mq / 1e12);
+            }
+        }
+}
+
 /* ---- sample: 64 rows x 128256 logits (Llama 3 vocabulary) ----
  * Per call, for a few parameter mixes, beside two references measured here:
  * one read of the logits at the copy roofline, and copying them to pinned
@@ -654,7 +746,7 @@ static void bench_sample(double copy_bw) {
 }
 
 static void usage(FILE *f) {
-    fprintf(f, "usage: bench_cuda_ops [--device N] [--only prefill-attn|attn-part|sample|gemv|batch] [--gemm-min-n N]\n"
+    fprintf(f, "usage: bench_cuda_ops [--device N] [--only prefill-attn|attn-part|sample|gemv|batch|mmq] [--gemm-min-n N]\n"
                "                      [--gemm-min-n-quant N] [--no-pdl]\n");
 }
 
@@ -681,8 +773,8 @@ int main(int argc, char **argv) {
             g_params.device_index = int_arg(a, v, 0, 1024), i++;
         } else if (!strcmp(a, "--only")) {
             if (!v || (strcmp(v, "prefill-attn") && strcmp(v, "attn-part") && strcmp(v, "sample") && strcmp(v, "gemv") &&
-                       strcmp(v, "batch"))) {
-                fprintf(stderr, "bench_cuda_ops: --only takes prefill-attn, attn-part, sample, gemv or batch\n");
+                       strcmp(v, "batch") && strcmp(v, "mmq"))) {
+                fprintf(stderr, "bench_cuda_ops: --only takes prefill-attn, attn-part, sample, gemv, batch or mmq\n");
                 return 2;
             }
             only = v, i++;
@@ -728,6 +820,11 @@ int main(int argc, char **argv) {
     }
     if (only && !strcmp(only, "gemv")) {
         bench_gemv(copy_bw);
+        st_backend_free(be);
+        return 0;
+    }
+    if (only && !strcmp(only, "mmq")) {
+        bench_mmq(copy_bw);
         st_backend_free(be);
         return 0;
     }

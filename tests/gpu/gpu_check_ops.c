@@ -76,7 +76,10 @@
  * Prints one line per check, then "N passed, M failed"; exits 1 on any
  * failure, 2 when a backend cannot be created. --only-attention: the
  * attention ops alone (attention, attention_part, kv_store_paged and
- * attention_paged, the fast-mode FA2 configurations). */
+ * attention_paged, the fast-mode FA2 configurations). --only-gemv: the
+ * decode GEMV checks (fp32 and int8 kernels) and the MMQ's; --only-mmq:
+ * the int8 tensor-core matmul of fast mode alone (check_mmq: 1e-2, as the
+ * int8 GEMV) and the backend-parameter checks. */
 #include <math.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -94,6 +97,10 @@ static bool g_fast; /* the GPU backend is in fast-prefill mode */
 /* the GPU backend's GEMV / GEMM switch points (st_backend_params.gemm_min_n,
  * gemm_min_n_quant; 0 there: these defaults of cuda_matmul.cu) */
 static int g_min_n = 4, g_min_n_quant = 12;
+/* its MMQ token counts in fast mode (st_backend_params.mmq_min_n, mmq_max_n;
+ * 0 there: these defaults of cuda_matmul.cu; max 0 here: none) */
+static int g_mmq_min = 5, g_mmq_max = 64;
+static bool g_mmq_rule = true; /* the defaults: above 32 tokens only for launches of >= 8192 output rows */
 static st_stream *g_s; /* a created GPU stream; some checks use NULL (the default) */
 static int g_pass, g_fail;
 static double g_t0;
@@ -376,15 +383,24 @@ static bool matmul_int8(st_dtype t, int64_t n, int64_t K) {
     const bool ty = (t == ST_DTYPE_Q8_0 && n > 1) || t == ST_DTYPE_Q4_0 || t == ST_DTYPE_Q4_1 || t == ST_DTYPE_Q4_K;
     return g_fast && ty && K % 32 == 0 && st_dtype_row_bytes(t, K) % 16 == 0 && matmul_gemv(t, n, K);
 }
-/* ... which decides the threshold: the int8 GEMV 1e-2 (measured: ~2e-3 to
- * 6e-3 on these random inputs; a wrong scale or offset gives O(1)). */
-static double matmul_thr(st_dtype t, int64_t n, int64_t K) {
-    if (matmul_int8(t, n, K)) return 1e-2;
+/* The int8 tensor-core kernel of fast mode (cuda_mmq.cu) for q8_0, q4_0,
+ * q4_1, q4_k (rows of 16-byte multiples, K % 128 == 0) within the backend's
+ * MMQ token counts: x quantized the same way. */
+static bool matmul_mmq(st_dtype t, int64_t n, int64_t K, int64_t rows) {
+    const bool ty = t == ST_DTYPE_Q8_0 || t == ST_DTYPE_Q4_0 || t == ST_DTYPE_Q4_1 || t == ST_DTYPE_Q4_K;
+    return g_fast && ty && K % 128 == 0 && st_dtype_row_bytes(t, K) % 16 == 0 && n >= g_mmq_min && n <= g_mmq_max &&
+           (!g_mmq_rule || n <= 32 || rows >= 8192);
+}
+/* ... which decides the threshold: the int8 GEMV and MMQ 1e-2 (measured:
+ * ~2e-3 to 6e-3 on these random inputs; a wrong scale or offset gives O(1)). */
+static double matmul_thr(st_dtype t, int64_t n, int64_t K, int64_t rows) {
+    if (matmul_mmq(t, n, K, rows) || matmul_int8(t, n, K)) return 1e-2;
     if (t == ST_DTYPE_F32 || matmul_gemv(t, n, K)) return 1e-5;
     return g_fast ? 1e-2 : 1e-4;
 }
-static const char *matmul_path(st_dtype t, int64_t n, int64_t K) {
-    return matmul_int8(t, n, K) ? "gemv int8"
+static const char *matmul_path(st_dtype t, int64_t n, int64_t K, int64_t rows) {
+    return matmul_mmq(t, n, K, rows) ? "mmq int8"
+         : matmul_int8(t, n, K) ? "gemv int8"
          : matmul_gemv(t, n, K) ? "gemv"
          : t == ST_DTYPE_F32    ? "gemm f32"
          : g_fast               ? "gemm fast"
@@ -407,9 +423,9 @@ static void check_matmul_ex(st_dtype t, int64_t N, int64_t K, int64_t n, int x_o
     TRY(g_gpu->ops->stream_sync(g_gpu, s));
     g_down(got, dy, (size_t)(n * N) * 4);
     const double e = st == STRATA_OK ? nerr(got, ref, n * N) : INFINITY;
-    const double thr = matmul_thr(t, n, K);
+    const double thr = matmul_thr(t, n, K, N);
     check(e <= thr, "matmul %-5s N=%lld K=%lld n=%lld%s (%s)  err=%.2e (thr %.0e)", st_dtype_name(t), (long long)N,
-          (long long)K, (long long)n, x_off ? " x unaligned" : "", matmul_path(t, n, K), e, thr);
+          (long long)K, (long long)n, x_off ? " x unaligned" : "", matmul_path(t, n, K, N), e, thr);
     g_free(dw), g_free(dx), g_free(dy);
     free(w), free(x), free(ref), free(got);
 }
@@ -854,7 +870,7 @@ static void check_fused(st_dtype t, int64_t K, int64_t n) {
         free(got);
     }
     if (st != STRATA_OK) e = INFINITY;
-    const double thr = matmul_thr(t, n, K);
+    const double thr = matmul_thr(t, n, K, rows[0] + rows[1] + rows[2]); /* the same in fast mode for swiglu's */
     check(e <= thr, "matmul_multi %-5s 3 weights K=%lld n=%lld  err=%.2e (thr %.0e)", st_dtype_name(t), (long long)K,
           (long long)n, e, thr);
     /* swiglu over [I, K] gate and up */
@@ -1588,6 +1604,53 @@ static void check_gemv_int8(void) {
     g_fast = false;
 }
 
+/* The int8 tensor-core matmul (MMQ, fast mode; cuda_mmq.cu) on the backend
+ * g_gpu for q8_0, q4_0, q4_1, q4_k: every tile configuration (token counts
+ * 2..256: 8-, 16-, 32- and 64-token tiles, 32- and 64-row tiles), ragged
+ * token counts and row counts (13, 333, 20011: partial tiles, many tiles),
+ * K from one stage to 4096 + a stage (q4_1: + half a stage, a partial last
+ * stage), model shapes, matmul_multi and matmul_swiglu; within 1e-2 of the
+ * CPU's fp32 result. `what` names the backend (main runs it on the default
+ * one, 5..64 tokens, above 32 only launches of 8192 rows or more, and on one
+ * whose MMQ takes every n from 1 to 1000: 1 and 300 tokens, every tile). */
+static void check_mmq(const char *what) {
+    printf("-- int8 tensor-core matmul (MMQ), fast mode: %s (MMQ for %d..%d tokens)\n", what, g_mmq_min, g_mmq_max);
+    g_fast = true;
+    g_gpu->ops->set_fast_prefill(g_gpu, true);
+    const st_dtype ts[] = {ST_DTYPE_Q8_0, ST_DTYPE_Q4_0, ST_DTYPE_Q4_1, ST_DTYPE_Q4_K};
+    const int64_t ns[] = {1, 2, 3, 5, 8, 9, 16, 17, 31, 33, 64, 65, 100, 256, 300};
+    for (size_t ti = 0; ti < sizeof ts / sizeof ts[0]; ti++) {
+        const st_dtype t = ts[ti];
+        const bool kq = t == ST_DTYPE_Q4_K;
+        const int64_t h = t == ST_DTYPE_Q4_1 ? 128 : 0; /* q4_1: a half stage at the end */
+        const int64_t ks[3] = {256, kq ? 1280 : 768 - h, 4096 + 256 - h};
+        const int64_t rows[2] = {13, 333};
+        for (int k = 0; k < 3; k++)
+            for (int r = 0; r < 2; r++)
+                for (size_t i = 0; i < sizeof ns / sizeof ns[0]; i++) {
+                    const int64_t n = ns[i];
+                    if (!(n >= g_mmq_min && n <= g_mmq_max) && n != g_mmq_min - 1 && n != g_mmq_max + 1) continue;
+                    if (k == 2 && r == 1 && n > 64) continue; /* the CPU reference's time */
+                    check_matmul(t, rows[r], ks[k], n);
+                }
+        check_matmul(t, 4096, 4096, 64);
+        check_matmul(t, 1024, 14336, 8);
+        check_matmul(t, 14336, 4096, 33);
+        check_matmul(t, 20011, 512, 40);
+        check_matmul(t, 7, 1024, 256);
+        check_matmul_ex(t, 333, 1024, 12, 1, g_s); /* x not 16-byte aligned: an aligned copy first */
+        const int64_t fn[] = {4, 16, 40, 64};
+        for (int i = 0; i < 4; i++) check_fused(t, kq ? 1280 : 1024 + (t == ST_DTYPE_Q4_1 ? 128 : 0), fn[i]);
+    }
+    g_gpu->ops->set_fast_prefill(g_gpu, false);
+    g_fast = false;
+}
+static void check_mmq_default(void) { check_mmq("default"); }
+static void check_gemv_int8_on(const char *what) {
+    printf("-- (%s)\n", what);
+    check_gemv_int8();
+}
+
 /* The GEMV / GEMM switch points of the backend g_gpu (g_min_n,
  * g_min_n_quant: st_backend_params.gemm_min_n, gemm_min_n_quant): matmul,
  * matmul_multi and matmul_swiglu on both sides of them and of the defaults
@@ -1639,6 +1702,9 @@ static void check_backend_params(void) {
         {{.kind = ST_BACKEND_CUDA, .gemm_min_n = 1}, "gemm_min_n 1"},
         {{.kind = ST_BACKEND_CUDA, .gemm_min_n_quant = -3}, "gemm_min_n_quant -3"},
         {{.kind = ST_BACKEND_CUDA, .pdl = 2}, "pdl 2"},
+        {{.kind = ST_BACKEND_CUDA, .mmq_min_n = -1}, "mmq_min_n -1"},
+        {{.kind = ST_BACKEND_CUDA, .mmq_max_n = -2}, "mmq_max_n -2"},
+        {{.kind = ST_BACKEND_CUDA, .mmq_min_n = 9, .mmq_max_n = 8}, "mmq_min_n 9, mmq_max_n 8"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         st_backend *b = NULL;
@@ -1648,11 +1714,12 @@ static void check_backend_params(void) {
         if (st == STRATA_OK) st_backend_free(b);
     }
     st_backend_params good = {.kind = ST_BACKEND_CUDA, .attn_fa2 = "auto", .pdl = 1, .gemm_min_n = 2,
-                              .gemm_min_n_quant = 64};
+                              .gemm_min_n_quant = 64, .mmq_min_n = 1, .mmq_max_n = -1};
     st_backend *b = NULL;
     const strata_status st = st_backend_init(&good, &b);
-    check(st == STRATA_OK && b, "backend params: attn_fa2 \"auto\", pdl 1, gemm_min_n 2, gemm_min_n_quant 64 "
-                                "accepted%s%s", st == STRATA_OK ? "" : ": ", st == STRATA_OK ? "" : st_last_error());
+    check(st == STRATA_OK && b, "backend params: attn_fa2 \"auto\", pdl 1, gemm_min_n 2, gemm_min_n_quant 64, "
+                                "mmq_min_n 1, mmq_max_n -1 accepted%s%s", st == STRATA_OK ? "" : ": ",
+          st == STRATA_OK ? "" : st_last_error());
     st_backend_free(b);
 }
 
@@ -1858,29 +1925,35 @@ static void check_sample_all(void) {
 static void on_backend(const st_backend_params *p, void (*fn)(const char *), const char *what) {
     st_backend *gpu0 = g_gpu;
     st_stream *s0 = g_s;
-    const int mn0 = g_min_n, mq0 = g_min_n_quant;
+    const int mn0 = g_min_n, mq0 = g_min_n_quant, mm0 = g_mmq_min, mx0 = g_mmq_max;
     st_backend_params bp = *p;
     bp.kind = ST_BACKEND_CUDA;
     TRY(st_backend_init(&bp, &g_gpu));
     TRY(g_gpu->ops->stream_create(g_gpu, false, &g_s));
     g_min_n = bp.gemm_min_n ? bp.gemm_min_n : 4;
     g_min_n_quant = bp.gemm_min_n_quant ? bp.gemm_min_n_quant : 12;
+    const bool mr0 = g_mmq_rule;
+    g_mmq_min = bp.mmq_min_n ? bp.mmq_min_n : 5;
+    g_mmq_max = bp.mmq_max_n < 0 ? 0 : bp.mmq_max_n ? bp.mmq_max_n : 64;
+    g_mmq_rule = !bp.mmq_min_n && !bp.mmq_max_n;
     fn(what);
     g_gpu->ops->stream_destroy(g_gpu, g_s);
     st_backend_free(g_gpu);
     g_gpu = gpu0, g_s = s0;
-    g_min_n = mn0, g_min_n_quant = mq0;
+    g_min_n = mn0, g_min_n_quant = mq0, g_mmq_min = mm0, g_mmq_max = mx0, g_mmq_rule = mr0;
 }
 
 /* ---- main ---- */
 
 int main(int argc, char **argv) {
     /* --only-attention: the attention ops alone (attention, attention_part, attention_paged) */
-    /* --only-gemv: the decode GEMV checks alone (default backend, then fast mode's int8 kernels) */
+    /* --only-gemv: the decode GEMV checks alone (default backend, then fast mode's int8 kernels and MMQ) */
+    /* --only-mmq: the MMQ checks alone */
     const bool only_attn = argc > 1 && !strcmp(argv[1], "--only-attention");
     const bool only_gemv = argc > 1 && !strcmp(argv[1], "--only-gemv");
-    if (argc > 1 && !only_attn && !only_gemv) {
-        fprintf(stderr, "usage: gpu_check_ops [--only-attention | --only-gemv]\n");
+    const bool only_mmq = argc > 1 && !strcmp(argv[1], "--only-mmq");
+    if (argc > 1 && !only_attn && !only_gemv && !only_mmq) {
+        fprintf(stderr, "usage: gpu_check_ops [--only-attention | --only-gemv | --only-mmq]\n");
         return 2;
     }
     g_t0 = st_time_now();
@@ -1889,9 +1962,13 @@ int main(int argc, char **argv) {
     TRY(st_backend_init(&cpu_p, &g_cpu));
     TRY(st_backend_init(&gpu_p, &g_gpu));
     TRY(g_gpu->ops->stream_create(g_gpu, false, &g_s));
-    if (only_gemv) {
-        check_gemv_version("default");
-        check_gemv_int8();
+    if (only_gemv || only_mmq) {
+        if (only_gemv) check_gemv_version("default");
+        if (only_gemv) check_gemv_int8();
+        if (only_gemv) on_backend(&(st_backend_params){.mmq_max_n = -1}, check_gemv_int8_on, "mmq_max_n -1");
+        check_mmq_default();
+        on_backend(&(st_backend_params){.mmq_min_n = 1, .mmq_max_n = 1000}, check_mmq, "mmq_min_n 1, mmq_max_n 1000");
+        if (only_mmq) check_backend_params();
         printf("%d passed, %d failed\n", g_pass, g_fail);
         return g_fail ? 1 : 0;
     }
@@ -2027,6 +2104,10 @@ int main(int argc, char **argv) {
         /* the decode GEMV kernels on the default backend, then on one where every n <= 8 takes the GEMV */
         check_gemv_version("default");
         check_gemv_int8();
+        check_mmq_default();
+        on_backend(&(st_backend_params){.mmq_min_n = 1, .mmq_max_n = 1000}, check_mmq, "mmq_min_n 1, mmq_max_n 1000");
+        /* the int8 GEMV at every n it may take (the MMQ off) */
+        on_backend(&(st_backend_params){.mmq_max_n = -1}, check_gemv_int8_on, "mmq_max_n -1");
         on_backend(&(st_backend_params){.gemm_min_n = 9}, check_gemv_version, "gemm_min_n = 9");
         /* the GEMV / GEMM switch points (st_backend_params.gemm_min_n, gemm_min_n_quant, read at init) */
         check_switch_points("default");

@@ -7,7 +7,7 @@
 #   2. generates Llama-3-8B-shaped models (32 layers) with the new tree's
 #      `strata mkmodel` for each of $DTYPES (default "bf16 q4_0");
 #   3. runs, per dtype, the same `strata bench MODEL --prompt $PROMPT --gen $GEN
-#      --seqs $SEQS` with the before binary then the after one (each prints its
+#      --seqs $SEQS $BENCH_ARGS` with the before binary then the after one (each prints its
 #      rooflines measured in the same run), logs in $OUT/ba_<dtype>_{before,after}.log;
 #   4. prints the decode and prefill lines of both side by side.
 # BUILD_ONLY=1 stops after 1; SKIP_BUILD=1 starts at 2 (both trees built).
@@ -21,6 +21,7 @@ DTYPES=${DTYPES:-bf16 q4_0}
 PROMPT=${PROMPT:-512}
 GEN=${GEN:-128}
 SEQS=${SEQS:-1,8,64}
+BENCH_ARGS=${BENCH_ARGS:-} # more `strata bench` options for both sides (e.g. --verify 4,8)
 mkdir -p "$OUTDIR" "$WORK"
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
@@ -50,9 +51,9 @@ for dt in $DTYPES; do
     bin=build-gpu/strata
     [ $side = before ] && bin=build-before/strata
     stamp "bench $dt ($side)"
-    timeout 400 "$bin" bench "$m" --device cuda --prompt "$PROMPT" --gen "$GEN" --seqs "$SEQS" \
+    timeout 400 "$bin" bench "$m" --device cuda --prompt "$PROMPT" --gen "$GEN" --seqs "$SEQS" $BENCH_ARGS \
       > "$OUTDIR/ba_${dt}_$side.log" 2>&1 || { rc=1; tail -5 "$OUTDIR/ba_${dt}_$side.log"; }
-    grep -E "^(prefill|decode|roofline|HBM)" "$OUTDIR/ba_${dt}_$side.log" | sed "s/^/  $dt $side: /"
+    grep -E "^(prefill|decode|roofline|HBM|verify)" "$OUTDIR/ba_${dt}_$side.log" | sed "s/^/  $dt $side: /"
   done
 done
 stamp "done"

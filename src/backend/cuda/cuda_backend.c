@@ -570,6 +570,10 @@ strata_status st_backend_cuda_init(const st_backend_params *params, st_backend *
         params->gemm_min_n_quant == 1)
         return st_err(STRATA_ERR_INVALID_ARG, "cuda backend init: gemm_min_n %d, gemm_min_n_quant %d (0: the "
                       "default, else at least 2)", params->gemm_min_n, params->gemm_min_n_quant);
+    if (params->mmq_min_n < 0 || params->mmq_max_n < -1 ||
+        (params->mmq_max_n > 0 && params->mmq_max_n < (params->mmq_min_n ? params->mmq_min_n : 1)))
+        return st_err(STRATA_ERR_INVALID_ARG, "cuda backend init: mmq_min_n %d, mmq_max_n %d (0: the defaults; "
+                      "mmq_max_n -1: no MMQ, else at least mmq_min_n)", params->mmq_min_n, params->mmq_max_n);
     if (params->pdl < -1 || params->pdl > 1)
         return st_err(STRATA_ERR_INVALID_ARG, "cuda backend init: pdl %d is not -1, 0 or 1", params->pdl);
     int n_dev = 0;

@@ -434,9 +434,11 @@ ST_DEV void g2_xload(const int8_t *xq, const float *xd, int64_t e0, int l, g2x<g
     g2i<T>::xprep(x);
 }
 
-/* x [n, K] -> int8 + per-32 scales: 4 threads per block, 8 elements each. */
+/* x [n, K] -> int8 + per-32 scales (+ d * sum q per block when xs is set,
+ * for the MMQ kernels of q4_1 / q4_k): 4 threads per block, 8 elements each. */
 static __global__ void __launch_bounds__(256) g2_quant_x_kernel(const float *__restrict__ x, int64_t total8,
-                                                               int8_t *__restrict__ xq, float *__restrict__ xd) {
+                                                               int8_t *__restrict__ xq, float *__restrict__ xd,
+                                                               float *__restrict__ xs) {
     st_pdl_wait();
     st_pdl_trigger();
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; /* total8 is a multiple of 4: whole warps agree */
@@ -447,17 +449,26 @@ static __global__ void __launch_bounds__(256) g2_quant_x_kernel(const float *__r
                     fmaxf(fmaxf(fabsf(b.x), fabsf(b.y)), fmaxf(fabsf(b.z), fabsf(b.w))));
     m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
     m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-    if (!in) return;
     const float d = m / 127.0f, id = m > 0.0f ? 127.0f / m : 0.0f;
     const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
     uint32_t w[2] = {0, 0};
+    int sum = 0;
 #pragma unroll
     for (int k = 0; k < 8; k++) {
         const int q = min(127, max(-127, __float2int_rn(v[k] * id)));
+        sum += q;
         w[k >> 2] |= ((uint32_t)q & 0xffu) << (8 * (k & 3));
     }
+    if (xs) { /* uniform */
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    }
+    if (!in) return;
     ((uint2 *)xq)[i] = make_uint2(w[0], w[1]);
-    if ((i & 3) == 0) xd[i >> 2] = d;
+    if ((i & 3) == 0) {
+        xd[i >> 2] = d;
+        if (xs) xs[i >> 2] = __fmul_rn(d, (float)sum);
+    }
 }
 
 /* ---- the kernel ---------------------------------------------------------------------- */
@@ -863,11 +874,11 @@ bool st_cuda_gemv2_i8_supports(int dtype, size_t row_bytes) {
 }
 
 strata_status st_cuda_gemv2_quant_x(cudaStream_t s, bool pdl, const float *x, int64_t n, int64_t K, int8_t *xq,
-                                    float *xd) {
+                                    float *xd, float *xs) {
     if (K % 32) return st_err(STRATA_ERR_INVALID_ARG, "cuda gemv2: int8 x needs K %% 32 == 0 (K = %lld)", (long long)K);
     const int64_t total8 = n * K / 8, blocks = (total8 + 255) / 256;
     if (blocks > INT32_MAX) return st_err(STRATA_ERR_INVALID_ARG, "cuda gemv2: x too large");
-    ST_CUDA_TRY(st_launch(pdl, g2_quant_x_kernel, dim3((unsigned)blocks), dim3(256), 0, s, x, total8, xq, xd));
+    ST_CUDA_TRY(st_launch(pdl, g2_quant_x_kernel, dim3((unsigned)blocks), dim3(256), 0, s, x, total8, xq, xd, xs));
     return STRATA_OK;
 }
 

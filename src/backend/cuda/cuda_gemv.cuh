@@ -31,6 +31,7 @@ struct st_gemv_args {
      * st_cuda_gemv2_quant_x, NULL for the fp32 path */
     const int8_t *xq; /* [n, K] */
     const float *xd;  /* [n, K / 32] per-block scales */
+    const float *xs;  /* [n, K / 32] d * sum x_q per block (MMQ of q4_1 / q4_k; NULL otherwise) */
 };
 
 /* True when the staged kernels handle this dtype and row size: bf16, f16,
@@ -55,9 +56,10 @@ bool st_cuda_gemv2_i8_supports(int dtype, size_t row_bytes);
 
 /* x [n, K] fp32 (16-byte aligned, K % 32 == 0) -> xq [n, K] int8 and xd
  * [n, K / 32] scales: per 32-element block d = max|x| / 127, q = round(x / d)
- * (llama.cpp's q8_1 without the sums). Launched with PDL when pdl. */
+ * (llama.cpp's q8_1), and when xs is not NULL xs [n, K / 32] = d * sum q
+ * (the MMQ kernels of q4_1 / q4_k). Launched with PDL when pdl. */
 strata_status st_cuda_gemv2_quant_x(cudaStream_t s, bool pdl, const float *x, int64_t n, int64_t K, int8_t *xq,
-                                    float *xd);
+                                    float *xd, float *xs);
 
 /* Launches the staged GEMV (swiglu: SwiGLU mode) on s, with PDL when pdl.
  * Needs st_cuda_gemv2_supports(dtype, a.rb), x and w 16-byte aligned; with

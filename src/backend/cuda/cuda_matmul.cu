@@ -15,6 +15,13 @@
  *     call to int8 per 32-block (scratch slot XQ), dp4a against the packed
  *     weights; ~4e-3 of max|y| from the fp32 result, several tokens per pass
  *     at a fraction of the fp32 kernel's cost (bench/RESULTS.md).
+ *   MMQ, int8 tensor cores (fast mode; cuda_mmq.cu): q8_0, q4_0, q4_1, q4_k
+ *     rows of 16-byte multiples, K % 128 == 0, n within [mmq_min_n,
+ *     mmq_max_n] (MMQ_MIN_N, MMQ_MAX_N below, from bench_cuda_ops --only mmq):
+ *     x quantized as for the int8 GEMV (plus block sums for q4_1 / q4_k),
+ *     mma.sync m16n8k32 s8 on the weights' integers in their GGUF layout,
+ *     each weight block loaded once for all of a tile's tokens. Also
+ *     matmul_multi and matmul_swiglu (SwiGLU in its epilogue).
  *   GEMV (n <= 8 for f32/f16/bf16, n <= 32 for quantized types): a custom
  *     kernel that reads each weight row once at HBM speed and decodes it in
  *     registers (st_unit: 8 to 32 elements per thread, packed bytes loaded
@@ -75,10 +82,29 @@
 #include "backend/cuda/cuda_common.cuh"
 #include "backend/cuda/cuda_gemv.cuh"
 #include "backend/cuda/cuda_internal.h"
+#include "backend/cuda/cuda_mmq.cuh"
 
 #define MMV_WARPS 4          /* scalar fallback: rows per block */
 #define GEMM_MIN_N 4          /* plain weights: GEMV below this (H200: the GEMV wins at n <= 3, the precise GEMM from n = 4: 38 vs 38 us at n = 4, 38 vs 101 us at n = 8 for 14336 x 4096) */
 #define GEMM_MIN_N_QUANT 12   /* quantized weights: GEMV below this (dequantize + GEMM costs ~240 us for 14336 x 4096 at any n; the GEMV 155 us at n = 8, 306 us at n = 16) */
+/* Fast mode, quantized weights (q8_0, q4_0, q4_1, q4_k): token counts that
+ * take the int8 tensor-core kernel (cuda_mmq.cu) instead of the int8 GEMV
+ * below and the dequantize + GEMM above (st_backend_params.mmq_min_n,
+ * mmq_max_n), from bench_cuda_ops --only mmq on an H200 (8B shapes, q4_0 /
+ * q8_0 / q4_1 / q4_k alike; bench/RESULTS.md, seventh session): at 4 tokens
+ * the GEMV wins everywhere (q4_0 14336 x 4096: 25.9 vs 27.9 us), at 8 the
+ * MMQ on every shape of 4096 rows or more (32.6 vs 43.0; 4096 x 14336 30.5
+ * vs 41.8; 1024 x 4096 alone keeps the GEMV, 8.0 vs 9.0, but the model
+ * fuses it with q), and from 5 tokens the GEMV already runs its 8-token
+ * kernel while the MMQ's 8-token tile costs the same for 5 as for 8. Up to
+ * 32 tokens the MMQ beats dequantize + GEMM on every shape (4096 x 4096 21.7
+ * vs 30.9 us); at 64 only on launches of MMQ_WIDE_ROWS rows or more (14336 x
+ * 4096 56.9 vs 95.1; 4096 rows: 34.4 vs 29.5), at 128 on none (109.8 vs
+ * 98.3). Explicit mmq_max_n / mmq_min_n replace the rule by a plain range. */
+#define MMQ_MIN_N 5
+#define MMQ_MAX_N 64
+#define MMQ_NARROW_MAX_N 32 /* above: only launches of >= MMQ_WIDE_ROWS output rows (SwiGLU: gate + up) */
+#define MMQ_WIDE_ROWS 8192
 #define DQ_SLAB_BYTES ((size_t)64 << 20)
 /* precise bf16 GEMMs with at most this many tokens run as ONE GEMM over the
  * stacked [x_hi; x_lo] (2n columns), so the weights are read once per step
@@ -372,6 +398,9 @@ struct st_cuda_lt_cache {
     st_gemv2_tune gemv2; /* the staged GEMV's grid sizing */
     int gemm_min_n, gemm_min_n_quant; /* token counts from which GEMMs replace the GEMV
                                          (st_backend_params; 0 there: GEMM_MIN_N, GEMM_MIN_N_QUANT) */
+    int mmq_min_n, mmq_max_n;         /* fast mode: token counts of the MMQ kernels (st_backend_params;
+                                         0 there: MMQ_MIN_N, MMQ_MAX_N; max -1: none) */
+    bool mmq_rows_rule;               /* defaults: above MMQ_NARROW_MAX_N tokens only wide launches */
 };
 
 static void plan_clear(lt_plan *p) {
@@ -390,6 +419,11 @@ strata_status st_cuda_matmul_setup(st_cuda *c, const st_backend_params *params) 
     /* params may move the switch points (tuning, benchmarks); checked by st_backend_cuda_init */
     c->lt_cache->gemm_min_n = params->gemm_min_n >= 2 ? params->gemm_min_n : GEMM_MIN_N;
     c->lt_cache->gemm_min_n_quant = params->gemm_min_n_quant >= 2 ? params->gemm_min_n_quant : GEMM_MIN_N_QUANT;
+    c->lt_cache->mmq_min_n = params->mmq_min_n >= 1 ? params->mmq_min_n : MMQ_MIN_N;
+    c->lt_cache->mmq_max_n = params->mmq_max_n < 0 ? 0 : params->mmq_max_n >= 1 ? params->mmq_max_n : MMQ_MAX_N;
+    c->lt_cache->mmq_rows_rule = params->mmq_max_n == 0 && params->mmq_min_n == 0;
+    strata_status st = st_cuda_mmq_setup();
+    if (st != STRATA_OK) return st;
     return st_cuda_gemv2_setup(&c->lt_cache->gemv2, c->sm_count);
 }
 
@@ -497,9 +531,26 @@ static strata_status lt_gemm(st_backend *be, st_cuda_stream *s, cudaDataType_t a
 
 /* ---- dispatch ------------------------------------------------------------------------ */
 
+/* Fast mode, n within [mmq_min_n, mmq_max_n] (by default above
+ * MMQ_NARROW_MAX_N only for launches of MMQ_WIDE_ROWS output rows or more:
+ * rows counts every weight of the launch, gate and up for SwiGLU), a type
+ * and shape the MMQ kernels take: the int8 tensor-core matmul. */
+static bool use_mmq(const st_cuda *c, int dtype, size_t rb, int64_t K, int64_t n, int64_t rows) {
+    const st_cuda_lt_cache *l = c->lt_cache;
+    return c->fast_prefill && n >= l->mmq_min_n && n <= l->mmq_max_n &&
+           (!l->mmq_rows_rule || n <= MMQ_NARROW_MAX_N || rows >= MMQ_WIDE_ROWS) && st_cuda_mmq_supports(dtype, rb, K);
+}
+static int64_t mmv_rows(const mmv_args &a, bool swiglu) {
+    if (swiglu) return 2 * a.N[0];
+    int64_t r = 0;
+    for (int i = 0; i < a.count; i++) r += a.N[i];
+    return r;
+}
+
 /* The GEMV: the staged kernels (cuda_gemv.cu) where they apply (bf16, f16,
  * q4_0, q4_1, q4_k with 16-byte multiple rows: st_cuda_gemv2_supports), else
- * mmv_kernel above (f32, q8_0, the other quantized types, odd rows). */
+ * mmv_kernel above (f32, q8_0, the other quantized types, odd rows); or, in
+ * fast mode within the MMQ token counts, the MMQ kernels (cuda_mmq.cu). */
 template <int T, bool SW>
 static strata_status gemv(st_backend *be, st_cuda_stream *cs, mmv_args a) {
     st_cuda *c = st_cuda_of(be);
@@ -507,15 +558,21 @@ static strata_status gemv(st_backend *be, st_cuda_stream *cs, mmv_args a) {
     /* fast mode: x quantized to int8 once for every row (cuda_gemv.cu); not
      * q8_0 for one token, where the fp32 mmv kernel below is faster (H100,
      * 14336 x 4096: 25.6 vs 30.9 us; the quantization adds a launch) */
-    if (c->fast_prefill && st_cuda_gemv2_i8_supports(T, a.rb) && a.K % 32 == 0 && !(T == ST_DTYPE_Q8_0 && a.n == 1)) {
+    const bool mmq = use_mmq(c, T, a.rb, a.K, a.n, mmv_rows(a, SW));
+    if (mmq ||
+        (c->fast_prefill && st_cuda_gemv2_i8_supports(T, a.rb) && a.K % 32 == 0 && !(T == ST_DTYPE_Q8_0 && a.n == 1))) {
+        const bool sums = mmq && st_cuda_mmq_needs_sums(T);
         const size_t qb = ((size_t)(a.n * a.K) + 15) / 16 * 16, db = (size_t)(a.n * (a.K / 32)) * 4;
         void *p = NULL;
-        strata_status st = st_cuda_scratch(be, cs, ST_CUDA_SCRATCH_XQ, qb + db, &p);
+        strata_status st = st_cuda_scratch(be, cs, ST_CUDA_SCRATCH_XQ, qb + (sums ? 2 : 1) * db, &p);
         if (st != STRATA_OK) return st;
         a.xq = (const int8_t *)p;
         a.xd = (const float *)((uint8_t *)p + qb);
-        if ((st = st_cuda_gemv2_quant_x(s, c->pdl, a.x, a.n, a.K, (int8_t *)p, (float *)a.xd)) != STRATA_OK)
+        a.xs = sums ? a.xd + db / 4 : NULL;
+        if ((st = st_cuda_gemv2_quant_x(s, c->pdl, a.x, a.n, a.K, (int8_t *)p, (float *)a.xd, (float *)a.xs)) !=
+            STRATA_OK)
             return st;
+        if (mmq) return st_cuda_mmq(s, c->pdl, T, SW, a, c->sm_count);
         return st_cuda_gemv2(s, c->pdl, T, SW, a, &c->lt_cache->gemv2);
     }
     if (st_cuda_gemv2_supports(T, a.rb)) return st_cuda_gemv2(s, c->pdl, T, SW, a, &c->lt_cache->gemv2);
@@ -565,8 +622,11 @@ static strata_status gemv_x(st_backend *be, st_cuda_stream *s, const float *x, i
     return STRATA_OK;
 }
 
-static bool use_gemv(const st_cuda *c, const st_weight *w, int64_t n) {
-    return n < (st_dtype_get(w->dtype)->quantized ? c->lt_cache->gemm_min_n_quant : c->lt_cache->gemm_min_n);
+/* The GEMV or the MMQ (both go by gemv()) rather than a GEMM; rows: the
+ * launch's output rows (use_mmq). */
+static bool use_gemv(const st_cuda *c, const st_weight *w, int64_t n, int64_t rows) {
+    return n < (st_dtype_get(w->dtype)->quantized ? c->lt_cache->gemm_min_n_quant : c->lt_cache->gemm_min_n) ||
+           use_mmq(c, w->dtype, st_dtype_row_bytes(w->dtype, w->cols), w->cols, n, rows);
 }
 
 template <int T>
@@ -574,10 +634,10 @@ static strata_status matmul_t(st_backend *be, st_cuda_stream *s, const float *x,
                               float *y) {
     const int64_t N = w->rows, K = w->cols;
     if (K % 8) {
-        if (T == ST_DTYPE_F32 && !use_gemv(st_cuda_of(be), w, n)) return lt_gemm(be, s, CUDA_R_32F, w->data, x, y, N, n, K, N, 0.0f);
+        if (T == ST_DTYPE_F32 && !use_gemv(st_cuda_of(be), w, n, N)) return lt_gemm(be, s, CUDA_R_32F, w->data, x, y, N, n, K, N, 0.0f);
         return gemv_scalar<T>(s->s, w, x, n, y);
     }
-    if (use_gemv(st_cuda_of(be), w, n)) {
+    if (use_gemv(st_cuda_of(be), w, n, N)) {
         strata_status st = gemv_x(be, s, x, n, K, &x);
         if (st != STRATA_OK) return st;
         return gemv<T, false>(be, s, mmv_one(w, x, n, y));
@@ -666,7 +726,9 @@ strata_status st_cuda_op_matmul(st_backend *be, st_cuda_stream *s, const float *
 strata_status st_cuda_op_matmul_multi(st_backend *be, st_cuda_stream *s, const float *x, const st_weight *w,
                                       int count, int64_t n, float *const *y) {
     strata_status st;
-    bool one = w[0].cols % 8 == 0 && use_gemv(st_cuda_of(be), &w[0], n);
+    int64_t rows = 0;
+    for (int i = 0; i < count; i++) rows += w[i].rows;
+    bool one = w[0].cols % 8 == 0 && use_gemv(st_cuda_of(be), &w[0], n, rows);
     for (int i = 0; i < count; i++) {
         if ((st = check_sizes(&w[i], n)) != STRATA_OK) return st;
         one = one && w[i].dtype == w[0].dtype;
@@ -694,7 +756,7 @@ strata_status st_cuda_op_matmul_swiglu(st_backend *be, st_cuda_stream *s, const 
                                        const st_weight *wu, int64_t n, float *out) {
     strata_status st = check_sizes(wg, n);
     if (st != STRATA_OK) return st;
-    if (wg->cols % 8 == 0 && use_gemv(st_cuda_of(be), wg, n)) {
+    if (wg->cols % 8 == 0 && use_gemv(st_cuda_of(be), wg, n, 2 * wg->rows)) {
         if ((st = gemv_x(be, s, x, n, wg->cols, &x)) != STRATA_OK) return st;
         mmv_args a = mmv_one(wg, x, n, out);
         a.w[1] = (const uint8_t *)wu->data;
