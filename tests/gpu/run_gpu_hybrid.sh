@@ -21,7 +21,8 @@
 #           max(PCIe bytes / H2D, CPU bytes / CPU rate) from the rates measured
 #           in the same run, host memory's floor (PCIe + CPU bytes over the
 #           rate both get together), and the fraction of each reached.
-# Variables: LAYERS (e.g. 20 for a quick try), WORK (model dir, default
+# Variables: VERIFY (e.g. 4,7: bench --verify, the cost of a speculative
+# verification pass with the CPU tier), LAYERS (e.g. 20 for a quick try), WORK (model dir, default
 # /tmp/strata-hybrid), GEN (decode steps, default 24), THREADS (CPU threads
 # of the hybrid part, default: all cores), DEADLINE (seconds, default 470: a
 # step that would end later is skipped), SKIP_CHECK=1 / SKIP_BENCH=1.
@@ -153,9 +154,10 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
       [[ $v =~ ring([0-9]+) ]] && extra+=(--ring-slots "${BASH_REMATCH[1]}")
       [[ $v =~ t([0-9]+)$ ]] && extra+=(--threads "${BASH_REMATCH[1]}")
       stamp "bench decode, hybrid $v: ${BUD[*]} ${extra[*]}"
-      timeout 200 "$BIN" bench "$M" "${BUD[@]}" --prompt 32 --gen "$GEN" --reps 1 "${extra[@]}" > "$OUTDIR/bench70_$v.log" 2>&1 \
+      [ -n "${VERIFY:-}" ] && extra+=(--verify "$VERIFY")
+      timeout 300 "$BIN" bench "$M" "${BUD[@]}" --prompt 32 --gen "$GEN" --reps 1 "${extra[@]}" > "$OUTDIR/bench70_$v.log" 2>&1 \
         || fail "bench $v (rc $?): $(tail -3 "$OUTDIR/bench70_$v.log")"
-      grep -E "^(decode|weights|hybrid|bound|bandwidth|streaming) " "$OUTDIR/bench70_$v.log" | cut -c1-400
+      grep -E "^(decode|weights|hybrid|bound|bandwidth|streaming|verify) " "$OUTDIR/bench70_$v.log" | cut -c1-400
       TOKS[$v]=$(sed -nE 's/^decode +[0-9]+ tokens in .* s: ([0-9.]+) tok\/s.*/\1/p' "$OUTDIR/bench70_$v.log" | head -1)
     done
     echo
