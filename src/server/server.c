@@ -352,8 +352,11 @@ static void conn_phase_locked(st_server *s, conn *k, conn_phase ph, unsigned sec
     k->idle_end = 0;
     k->phase = ph;
     k->deadline = secs ? now + (double)secs : 0;
-    const bool rx_known = k->req_rx_known; /* ph == CONN_IDLE: the connection's thread (on_completed) */
-    k->req_rx_known = false;
+    bool rx_known = false;
+    if (ph == CONN_IDLE) { /* the connection's thread (on_completed): req_rx is its own */
+        rx_known = k->req_rx_known;
+        k->req_rx_known = false;
+    }
     if (ph == CONN_IDLE && secs && !k->front && !k->handed && k->fd >= 0 &&
         (rx_known ? (k->idle_rx = k->req_rx, true) : tcp_bytes_received(k->fd, &k->idle_rx))) {
         k->idle_end = k->deadline;
