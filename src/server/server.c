@@ -61,6 +61,7 @@
 #include <errno.h>
 #include <microhttpd.h>
 #include <linux/tcp.h> /* struct tcp_info with tcpi_bytes_received (glibc's is older) */
+#include <math.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <pthread.h>
@@ -338,11 +339,16 @@ static bool tcp_bytes_received(int fd, uint64_t *out) {
     return true;
 }
 
-/* How often an idle keep-alive connection's socket is checked for the bytes of a next request. */
-static double idle_check_s(const st_server *s) { return s->header_timeout > 2 ? s->header_timeout / 2.0 : 1.0; }
+/* When an idle keep-alive connection's socket is checked next for the bytes of a next request:
+ * every header_timeout / 2 (at least 1 s), on a grid of quarter seconds (so that the checks of
+ * many connections share the watcher's wake-ups), and not after idle_end. */
+static double idle_check_at(const st_server *s, double now, double idle_end) {
+    const double t = ceil((now + (s->header_timeout > 2 ? s->header_timeout / 2.0 : 1.0)) * 4.0) / 4.0;
+    return t < idle_end ? t : idle_end;
+}
 
 /* Sets connection k's phase and its deadline `secs` from now (0: none) (s->mu held). An idle
- * keep-alive connection of libmicrohttpd's is checked every idle_check_s for bytes received
+ * keep-alive connection of libmicrohttpd's is checked (idle_check_at) for bytes received
  * since it became idle (libmicrohttpd reads them at once: TCP_INFO counts them): the next
  * request has then begun, and has header_timeout from that check for its head, however its
  * bytes trickle in, its request line complete or not (libmicrohttpd would wait for a line end
@@ -360,7 +366,7 @@ static void conn_phase_locked(st_server *s, conn *k, conn_phase ph, unsigned sec
     if (ph == CONN_IDLE && secs && !k->front && !k->handed && k->fd >= 0 &&
         (rx_known ? (k->idle_rx = k->req_rx, true) : tcp_bytes_received(k->fd, &k->idle_rx))) {
         k->idle_end = k->deadline;
-        if (now + idle_check_s(s) < k->deadline) k->deadline = now + idle_check_s(s);
+        k->deadline = idle_check_at(s, now, k->idle_end);
     }
     if (k->deadline > 0 && k->deadline < s->watch_until) {
         s->watch_until = k->deadline;
@@ -403,7 +409,7 @@ static double conn_expire_locked(st_server *s, conn *k) {
             return k->deadline;
         }
         if (now < k->idle_end) {
-            k->deadline = now + idle_check_s(s) < k->idle_end ? now + idle_check_s(s) : k->idle_end;
+            k->deadline = idle_check_at(s, now, k->idle_end);
             return k->deadline;
         }
     }
