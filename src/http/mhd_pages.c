@@ -55,7 +55,7 @@ int st_mhd_note_log(const char *line) {
     return (int)last_status;
 }
 
-int st_mhd_log_is_ours(const char *line) {
+bool st_mhd_log_is_ours(const char *line) {
     return strstr(line, CLOSING) || strstr(line, "Content-Length' header") || strstr(line, "without `Host' header");
 }
 

@@ -24,6 +24,7 @@
  * Linking this module into a program is what replaces the pages; a daemon
  * whose logger does not call st_mhd_note_log keeps libmicrohttpd's pages. */
 #pragma once
+#include <stdbool.h>
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -37,7 +38,7 @@ int st_mhd_note_log(const char *line);
 
 /* Whether a libmicrohttpd log line is routine here: a request whose headers it
  * refused (the page written here) and its closing of that connection. */
-int st_mhd_log_is_ours(const char *line);
+bool st_mhd_log_is_ours(const char *line);
 
 #ifdef __cplusplus
 }
