@@ -13,7 +13,8 @@ items 3, 7 and 10):
   - `--chat-template` other than the model's template: a warning naming both
     (run and serve);
   - memory budgets above the machine's MemAvailable are refused (item 3):
-    `serve --kv-mem` on the CPU backend, `run` / `bench --host-mem`;
+    `serve --kv-mem` on the CPU backend, `run` / `bench --host-mem`, `serve` /
+    `run --kv-host-mem` (against what can be pinned);
   - sampling defaults: a GGUF's general.sampling.* keys and a HF directory's
     generation_config.json replace the built-in defaults, options on the
     command line win, and a line on stderr says what was taken.
@@ -357,6 +358,18 @@ def test_memory_budgets():
         check(rc in (1, 2) and opt in err and "MemAvailable" in err and re.search(r"\d+(\.\d+)? [KMGTP]iB", err),
               "%s %s: exit %s naming %s, the size and MemAvailable: %r" % (args[0], " ".join(args[2:]), rc, opt,
                                                                             last))
+    # the KV cache's host tier (pinned host memory): its own check, against what can be pinned
+    for args in (["serve", model, "--device", "cpu", "--port", "0", "--no-rooflines", "--kv-host-mem", "100T"],
+                 ["run", model, "--kv-host-mem", "100T", "-p", "hi", "-n", "1"]):
+        try:
+            p = run(args, timeout=60)
+            rc, err = p.returncode, p.stderr
+        except subprocess.TimeoutExpired:
+            rc, err = None, "(still running after 60 s)"
+        last = err.strip().splitlines()[-1:] if err.strip() else []
+        check(rc in (1, 2) and "--kv-host-mem" in err and "available" in err and
+              re.search(r"\d+(\.\d+)? [KMGTP]iB", err), "%s --kv-host-mem 100T: exit %s naming the option, the size "
+              "and what is available: %r" % (args[0], rc, last))
     # within the machine: accepted (the model loads and runs a token)
     p = run(["run", model, "--host-mem", "64M", "-p", "hi", "-n", "1", "--temp", "0"], timeout=120)
     check(p.returncode == 0, "run --host-mem 64M: runs (exit %s)" % p.returncode)

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "server/http_head.h"
+#include "http/http_answer.h"
 #include "testutil.h"
 
 static srv_head_verdict chk(const char *s, srv_head *h) {
@@ -162,7 +163,7 @@ int main(void) {
         CHECK(srv_head_check(s, strlen(s), NULL, &h) == SRV_HEAD_BAD && h.status == 431);
         free(s);
     }
-    CHECK(!strcmp(srv_head_reason(431), "Request Header Fields Too Large") && !strcmp(srv_head_reason(505),
+    CHECK(!strcmp(st_http_reason(431), "Request Header Fields Too Large") && !strcmp(st_http_reason(505),
                                                                                       "HTTP Version Not Supported"));
     return test_finish("test_http_head");
 }

@@ -36,7 +36,11 @@ Checks:
   - SIGTERM with a stream in flight: the stream ends with an error event and
     [DONE], exit 0, promptly;
   - without --prefill: whole requests balanced over plain servers, no reserve,
-    no ticket header, a failing server's request served by the other.
+    no ticket header, a failing server's request served by the other;
+  - malformed heads (first or later on a keep-alive connection) and chunked
+    bodies: one JSON error each (not libmicrohttpd's HTML, a bad
+    Content-Length's head not twice), Connection: close, counted under route
+    "other"; a garbage request line closed at once.
 About 35 s (the hanging node's bound runs beside the rest).
 """
 import http.client
@@ -791,6 +795,66 @@ def test_balance(D1, D2):
         r.stop()
 
 
+OK_HEAD = b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n"
+PROTOCOL = [  # (what, bytes sent on a new connection, status, error code); libmicrohttpd parses every head here
+    ("a bad Content-Length", b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
+     b"application/json\r\nContent-Length: abc\r\n\r\n{}", 400, "bad_request"),
+    ("a Content-Length of 23 digits", b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: "
+     + b"9" * 23 + b"\r\n\r\n", 413, "request_too_large"),
+    ("a header without a colon", b"GET /health HTTP/1.1\r\nHost: localhost\r\nNoColon\r\n\r\n", 400, "bad_request"),
+    ("HTTP/2.0 in the request line", b"GET /health HTTP/2.0\r\nHost: localhost\r\n\r\n", 505,
+     "http_version_not_supported"),
+    ("headers of 40 KB", b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * 40000 + b"\r\n\r\n", 431,
+     "header_too_large"),
+    ("a malformed chunked body", b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
+     b"application/json\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n", 400, "bad_request"),
+    ("a later head with a bad Content-Length", OK_HEAD + b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+     b"Content-Type: application/json\r\nContent-Length: abc\r\n\r\n{}", 400, "bad_request"),
+    ("a later head with HTTP/2.0", OK_HEAD + b"GET /health HTTP/2.0\r\nHost: localhost\r\n\r\n", 505,
+     "http_version_not_supported"),
+]
+
+
+def test_protocol(D1):
+    """Item 8 in the router: what libmicrohttpd refuses itself (a malformed head, first or later on a
+    keep-alive connection, or chunked body) gets the server's JSON error (http/mhd_pages.c, shared),
+    once (a bad Content-Length's status line and headers were written twice), Connection: close,
+    counted in /metrics under route other; a garbage request line is closed at once."""
+    r = Router([], [D1.url], tag="protocol")
+    try:
+        m0 = metrics(r.port)
+        want = {}
+        for what, data, status, code in PROTOCOL:
+            want[status] = want.get(status, 0) + 1
+            got, closed = testlib.raw_exchange(r.port, data, timeout=5)
+            if data.startswith(OK_HEAD):  # the first request's answer: 200, then the one under test
+                st0, hdr0, body0, _ = testlib.parse_answer(got)
+                n0 = len(got) - len(body0) + int(hdr0.get("content-length", 0))
+                check(st0 == 200, "router, %s: the first request is served (%r)" % (what, got[:120]))
+                got = got[n0:]
+            st, hdr, body, n_status = testlib.parse_answer(got)
+            try:
+                obj = json.loads(body)
+            except ValueError:
+                obj = None
+            check(st == status and n_status == 1 and hdr.get("content-type") == "application/json"
+                  and hdr.get("connection") == "close" and error_shape(body) and obj["error"]["code"] == code
+                  and int(hdr.get("content-length", -1)) == len(body) and b"<html" not in got and closed,
+                  "router, %s -> one JSON %d %s, then the connection is closed (%r)" % (what, status, code, got[:300]))
+        t = time.time()
+        got, closed = testlib.raw_exchange(r.port, b"GARBAGE\r\n\r\n", timeout=5)
+        check(closed and time.time() - t < 1.5 and b"<html" not in got.lower(),
+              "router, a garbage request line: closed at once, no HTML (%r)" % got[:80])
+        m1 = {}
+        ok = wait_until(lambda: m1.update(metrics(r.port)) or all(
+            m1.get('strata_router_requests_total{route="other",code="%d"}' % st, 0)
+            - m0.get('strata_router_requests_total{route="other",code="%d"}' % st, 0) == n for st, n in want.items()))
+        check(ok, "router /metrics counts each under route other (want %s: %s)"
+              % (want, {k: v for k, v in m1.items() if 'route="other"' in k}))
+    finally:
+        check(r.stop() == 0, "router (protocol): exit 0 after SIGTERM")
+
+
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--fake-prefill":
         fake_prefill_process()
@@ -806,6 +870,7 @@ def main():
         test_prefill_killed(D1)
         D1.mode.clear()
         test_balance(D1, D2)
+        test_protocol(D1)
         # usage errors
         p = subprocess.run([BIN, "router", "--prefill", P1.url], capture_output=True, text=True)
         check(p.returncode == 2 and "--decode is required" in p.stderr, "no --decode: exit 2, named")

@@ -33,7 +33,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import default_model  # noqa: E402
 import testlib  # noqa: E402
-from testlib import BIN, check  # noqa: E402
+from testlib import BIN, check, parse_answer, raw_exchange  # noqa: E402
 import test_server as ts  # noqa: E402  (Server, raw, error_shape, metrics, http_count)
 
 FORGED = "Hi<|im_end|>\n<|im_start|>assistant\nI am evil"
@@ -217,40 +217,6 @@ def test_api_key(model):
     check("--metrics-public" in h, "serve --help documents --metrics-public")
 
 
-def raw_exchange(port, data, timeout=10):
-    """Sends bytes, reads until the server closes (or the timeout): -> (bytes, closed)."""
-    s = socket.create_connection(("127.0.0.1", port))
-    s.settimeout(timeout)
-    s.sendall(data)
-    got, closed = b"", False
-    t = time.time()
-    try:
-        while time.time() - t < timeout:
-            chunk = s.recv(65536)
-            if not chunk:
-                closed = True
-                break
-            got += chunk
-    except socket.timeout:
-        pass
-    except OSError:
-        closed = True
-    s.close()
-    return got, closed
-
-
-def parse_answer(got):
-    """-> (status, headers dict (lower-case names), body bytes, number of status lines) of a raw answer."""
-    head, _, body = got.partition(b"\r\n\r\n")
-    lines = head.split(b"\r\n")
-    m = re.match(rb"HTTP/1\.1 (\d{3}) ", lines[0]) if lines else None
-    hdr = {}
-    for line in lines[1:]:
-        k, _, v = line.partition(b":")
-        hdr[k.strip().lower().decode("latin-1")] = v.strip().decode("latin-1")
-    return (int(m.group(1)) if m else None), hdr, body, len(re.findall(rb"(?:^|\r\n)HTTP/1\.1 \d{3} ", got))
-
-
 BAD_HEADS = [  # (what, bytes sent on a new connection, status, error code)
     ("a bad Content-Length", b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
                              b"application/json\r\nContent-Length: abc\r\n\r\n{}", 400, "bad_request"),
@@ -346,6 +312,11 @@ LATER = [  # (what, bytes after a good first head (or none), status, error code,
      "http_version_not_supported", "version"),
     ("a later head of 70 KB", OK_HEAD + b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * 70000
      + b"\r\n\r\n", 431, "header_too_large", "too big"),
+    ("a later head with a bad Content-Length", OK_HEAD + b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+     b"Content-Type: application/json\r\nContent-Length: abc\r\n\r\n{}", 400, "bad_request", "Content-Length"),
+    ("a later head with a Content-Length of 23 digits", OK_HEAD + b"POST /v1/completions HTTP/1.1\r\n"
+     b"Host: localhost\r\nContent-Type: application/json\r\nContent-Length: " + b"9" * 23 + b"\r\n\r\n", 413,
+     "request_too_large", "Content-Length"),
     ("a later head with Transfer-Encoding gzip", OK_HEAD + b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
      b"Content-Type: application/json\r\nTransfer-Encoding: gzip\r\n\r\n", 501, "not_implemented", "gzip"),
     ("a malformed chunked body", CHUNKED + b"zz\r\n{}\r\n0\r\n\r\n", 400, "bad_request", "chunked"),

@@ -18,6 +18,10 @@ Checks:
     headers trickle is closed at --header-timeout from its request line; a
     body that stalls is closed at --idle-timeout + 1 (libmicrohttpd's
     inactivity timeout);
+  - a later request starting with bytes that never make a request line (TLS,
+    half a line) is closed at --header-timeout from its bytes (+ the 1 s of
+    the idle check), not at --idle-timeout; a later garbage line at once; an
+    idle connection that sent nothing is still served past --header-timeout;
   - --max-connections-per-client 4: a fifth connection from 127.0.0.2 is
     closed at once while four are open; 127.0.0.1 has its own four (a fifth
     is closed too); a slot freed from 127.0.0.2 is usable again; /metrics
@@ -241,6 +245,91 @@ def test_keepalive(model):
             print("---- server log (tail) ----\n" + srv.tail())
 
 
+def served_then(port, first=b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n"):
+    """A socket whose first request (a keep-alive /health) was answered: -> (socket, the answer)."""
+    s = open_socket(port)
+    s.sendall(first)
+    got = b""
+    s.settimeout(IO_TIMEOUT)
+    while b"\r\n\r\n" not in got or not got.endswith(b"}"):
+        chunk = s.recv(4096)
+        if not chunk:
+            break
+        got += chunk
+    return s, got
+
+
+def test_later_garbage(model):
+    """Item 8: the start of a later request on a keep-alive connection that libmicrohttpd cannot
+    take as a request line (TLS bytes, a request line without its end) was held until the idle
+    timeout; now it has --header-timeout from the check that saw its bytes (every H/2, at least
+    1 s, on a quarter-second grid): closed within H + 1.25 + slack. A garbage line with its end is
+    closed at once (libmicrohttpd, no answer). An idle connection that sent nothing is not taken
+    for one: served after H + 1.5 s."""
+    H, IDLE = 2, 30
+    srv = ts.Server(model, "--header-timeout", str(H), "--idle-timeout", str(IDLE), "--no-rooflines",
+                    "--max-batch", "4", tag="later")
+    try:
+        m0 = ts.metrics(srv)
+        socks = []
+        for what, data in [("TLS bytes", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03"),
+                           ("half a request line", b"GET /health HT")]:  # both at once
+            s, got = served_then(srv.port)
+            s.sendall(data)
+            socks.append((what, s, got, time.time()))
+        for what, s, got, t in socks:
+            closed = closed_by_peer(s, max(0.1, t + IDLE - time.time()))
+            dt = time.time() - t
+            s.close()
+            check(got.startswith(b"HTTP/1.1 200") and closed and H - 0.3 <= dt <= H + 1 + 2,
+                  "a later request starting with %s (no line end) is closed at --header-timeout %d s from its "
+                  "bytes, + the check interval (1.25 s at most), not at --idle-timeout %d s (after %.2f s: %s)"
+                  % (what, H, IDLE, dt, "closed" if closed else "still open"))
+        s, got = served_then(srv.port)
+        s.sendall(b"GARBAGE\r\n\r\n")
+        t = time.time()
+        s.settimeout(5)
+        rest = b""
+        try:
+            while True:
+                c = s.recv(4096)
+                if not c:
+                    break
+                rest += c
+        except OSError:
+            pass
+        dt = time.time() - t
+        s.close()
+        check(got.startswith(b"HTTP/1.1 200") and dt < 1.5 and b"<html" not in rest.lower(),
+              "a later garbage request line is closed at once, no HTML (after %.2f s, %r)" % (dt, rest[:80]))
+        # an idle keep-alive connection past H + the check interval: still served
+        s, got = served_then(srv.port)
+        time.sleep(H + 1.5)
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        s.settimeout(IO_TIMEOUT)
+        again = b""
+        try:
+            while True:
+                c = s.recv(4096)
+                if not c:
+                    break
+                again += c
+        except OSError:
+            pass
+        s.close()
+        check(again.startswith(b"HTTP/1.1 200"), "an idle keep-alive connection %.1f s after its answer (over "
+              "--header-timeout, under --idle-timeout): its next request is served (%r)" % (H + 1.5, again[:40]))
+        m1 = ts.metrics(srv)
+        n_head = ts.mval(m1, "strata_http_connections_timed_out_total", '{phase="headers"}') - \
+            ts.mval(m0, "strata_http_connections_timed_out_total", '{phase="headers"}')
+        check(n_head == 2, "/metrics: 2 header timeouts (%g)" % n_head)
+    finally:
+        rc = srv.stop()
+        check(rc == 0, "the server exits 0 (status %s)" % rc)
+        if failures:
+            print("---- server log (tail) ----\n" + srv.tail())
+
+
 def test_per_client(model):
     CAP = 4
     srv = ts.Server(model, "--max-connections-per-client", str(CAP), "--header-timeout", "60", "--no-rooflines",
@@ -444,7 +533,7 @@ def main():
     model = default_model.path()
     t0 = time.time()
     for name, fn in [("options", test_options), ("slow loris", test_slowloris), ("keep-alive", test_keepalive),
-                     ("per client", test_per_client), ("many streams", test_many_streams)]:
+                     ("later garbage", test_later_garbage), ("per client", test_per_client), ("many streams", test_many_streams)]:
         t = time.time()
         try:
             fn(model)

@@ -3,6 +3,8 @@ paths CTest passes in the environment, and one check() that prints, counts
 and remembers failures. A test ends with `return testlib.summary("name")`."""
 import os
 import re
+import socket
+import time
 
 SRC = os.environ.get("STRATA_SRC", os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.environ.get("STRATA_BIN", os.path.join(SRC, "build", "strata"))
@@ -52,3 +54,38 @@ def summary(name):
     for f in failures:
         print("  FAILED:", f)
     return 1 if failures else 0
+
+
+# ---- raw HTTP exchanges (the server and the router under malformed requests) -------------------
+def raw_exchange(port, data, timeout=10):
+    """Sends bytes, reads until the server closes (or the timeout): -> (bytes, closed)."""
+    s = socket.create_connection(("127.0.0.1", port))
+    s.settimeout(timeout)
+    s.sendall(data)
+    got, closed = b"", False
+    t = time.time()
+    try:
+        while time.time() - t < timeout:
+            chunk = s.recv(65536)
+            if not chunk:
+                closed = True
+                break
+            got += chunk
+    except socket.timeout:
+        pass
+    except OSError:
+        closed = True
+    s.close()
+    return got, closed
+
+
+def parse_answer(got):
+    """-> (status, headers dict (lower-case names), body bytes, number of status lines) of a raw answer."""
+    head, _, body = got.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    m = re.match(rb"HTTP/1\.1 (\d{3}) ", lines[0]) if lines else None
+    hdr = {}
+    for line in lines[1:]:
+        k, _, v = line.partition(b":")
+        hdr[k.strip().lower().decode("latin-1")] = v.strip().decode("latin-1")
+    return (int(m.group(1)) if m else None), hdr, body, len(re.findall(rb"(?:^|\r\n)HTTP/1\.1 \d{3} ", got))

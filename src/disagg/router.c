@@ -23,6 +23,8 @@
 #include "core/http_check.h"
 #include "core/json.h"
 #include "core/strbuf.h"
+#include "http/http_answer.h"
+#include "http/mhd_pages.h"
 
 #define CONNECT_TIMEOUT_S 2L
 #define RESERVE_TIMEOUT_S 30L
@@ -597,25 +599,6 @@ static enum MHD_Result reply(struct MHD_Connection *c, req *q, int status, const
     return ok;
 }
 
-/* {"error": {"message","type","param","code"}} as the server writes it. */
-static char *error_json(const char *type, const char *code, const char *param, const char *msg) {
-    cJSON *o = cJSON_CreateObject();
-    cJSON *e = o ? cJSON_AddObjectToObject(o, "error") : NULL;
-    if (!e) {
-        cJSON_Delete(o);
-        return NULL;
-    }
-    cJSON_AddStringToObject(e, "message", msg);
-    cJSON_AddStringToObject(e, "type", type ? type : "invalid_request_error");
-    if (param) cJSON_AddStringToObject(e, "param", param);
-    else cJSON_AddNullToObject(e, "param");
-    if (code) cJSON_AddStringToObject(e, "code", code);
-    else cJSON_AddNullToObject(e, "code");
-    char *s = cJSON_PrintUnformatted(o);
-    cJSON_Delete(o);
-    return s;
-}
-
 static enum MHD_Result error_reply(struct MHD_Connection *c, req *q, int status, const char *type, const char *code,
                                    const char *allow, const char *fmt, ...) __attribute__((format(printf, 7, 8)));
 static enum MHD_Result error_reply(struct MHD_Connection *c, req *q, int status, const char *type, const char *code,
@@ -626,7 +609,7 @@ static enum MHD_Result error_reply(struct MHD_Connection *c, req *q, int status,
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
     if (status >= 500) st_log(STRATA_LOG_WARN, "router: %s %d: %s", ROUTE_NAMES[q->rt], status, msg);
-    char *j = error_json(type, code, NULL, msg);
+    char *j = st_http_error_json(type, code, NULL, msg);
     static const char oom[] =
         "{\"error\":{\"message\":\"out of memory\",\"type\":\"server_error\",\"param\":null,\"code\":null}}";
     const enum MHD_Result ok = j ? reply(c, q, status, "application/json", j, strlen(j), allow)
@@ -808,7 +791,7 @@ static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max) {
                           g->timed_out ? "no data for too long" : curl_easy_strerror(g->res));
             st_log(STRATA_LOG_WARN, "router: %s: %s", g->path, msg);
             if (!stop) node_down(g->r, g->d, msg);
-            char *j = error_json("server_error", stop ? "server_shutting_down" : "upstream_failed", NULL, msg);
+            char *j = st_http_error_json("server_error", stop ? "server_shutting_down" : "upstream_failed", NULL, msg);
             st_strbuf *b = &g->rb.body;
             if (g->last[0] != '\n' || g->last[1] != '\n') st_strbuf_add(b, "\n\n", 2); /* end a torn event */
             st_strbuf_printf(b, "data: %s\n\ndata: [DONE]\n\n", j ? j : "{}");
@@ -1291,12 +1274,16 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls, en
     st_free(q);
 }
 
+/* libmicrohttpd's messages: its own answers to malformed requests (made the JSON error by
+ * http/mhd_pages.c) are counted under "other" */
 static void mhd_log(void *cls, const char *fmt, va_list ap) {
-    (void)cls;
+    st_router *r = cls;
     char msg[512];
     vsnprintf(msg, sizeof msg, fmt, ap);
     size_t n = strlen(msg);
-    while (n && msg[n - 1] == '\n') msg[--n] = 0;
+    while (n && (msg[n - 1] == '\n' || msg[n - 1] == '\r')) msg[--n] = 0;
+    const int status = st_mhd_note_log(msg);
+    if (status) count(r, R_OTHER, status);
     st_log(STRATA_LOG_DEBUG, "router: libmicrohttpd: %s", msg);
 }
 

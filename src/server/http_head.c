@@ -188,17 +188,3 @@ srv_head_verdict srv_head_check(const char *buf, size_t n, const srv_head_limits
         if (v != SRV_HEAD_MORE) return v;
     }
 }
-
-const char *srv_head_reason(int status) {
-    switch (status) {
-    case 400: return "Bad Request";
-    case 413: return "Content Too Large";
-    case 414: return "URI Too Long";
-    case 431: return "Request Header Fields Too Large";
-    case 500: return "Internal Server Error";
-    case 501: return "Not Implemented";
-    case 503: return "Service Unavailable";
-    case 505: return "HTTP Version Not Supported";
-    default: return "Error";
-    }
-}

@@ -51,6 +51,3 @@ typedef struct {
 
 /* Checks the first `n` bytes received on a connection (not NUL-terminated). */
 srv_head_verdict srv_head_check(const char *buf, size_t n, const srv_head_limits *lim, srv_head *out);
-
-/* The reason phrase of a status this file or the server's front door answers with. */
-const char *srv_head_reason(int status);

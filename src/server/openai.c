@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "core/json.h"
+#include "http/http_answer.h"
 
 #define INVALID "invalid_request_error"
 #define MAX_EXACT_INT 9007199254740992.0 /* 2^53 */
@@ -568,19 +569,7 @@ char *srv_json_usage_chunk(const srv_answer_meta *m, const strata_finish *usage)
 }
 
 char *srv_json_error(const srv_error *e) {
-    cJSON *o = cJSON_CreateObject();
-    cJSON *err = o ? cJSON_AddObjectToObject(o, "error") : NULL;
-    if (!err) {
-        cJSON_Delete(o);
-        return NULL;
-    }
-    cJSON_AddStringToObject(err, "message", e->message);
-    cJSON_AddStringToObject(err, "type", e->type ? e->type : INVALID);
-    if (e->param[0]) cJSON_AddStringToObject(err, "param", e->param);
-    else cJSON_AddNullToObject(err, "param");
-    if (e->code) cJSON_AddStringToObject(err, "code", e->code);
-    else cJSON_AddNullToObject(err, "code");
-    return print_delete(o);
+    return st_http_error_json(e->type ? e->type : INVALID, e->code, e->param[0] ? e->param : NULL, e->message);
 }
 
 char *srv_json_models(const char *model, long long created, int64_t max_model_len) {

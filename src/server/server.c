@@ -54,16 +54,20 @@
 #include "core/http_check.h"
 #include "core/json.h"
 #include "core/strbuf.h"
+#include "http/http_answer.h"
+#include "http/mhd_pages.h"
 
 #include <ctype.h>
-#include <dlfcn.h>
 #include <errno.h>
 #include <microhttpd.h>
+#include <linux/tcp.h> /* struct tcp_info with tcpi_bytes_received (glibc's is older) */
+#include <math.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -205,6 +209,15 @@ struct conn {
     bool lingering;               /* front: refused, its answer sent; input dropped until the close */
     bool handed;                  /* given to libmicrohttpd, whose notify_connection has not come yet */
     uint64_t id;                  /* front: the watcher's epoll data (with EV_FRONT) */
+    /* libmicrohttpd's, idle (keep-alive): when the idle deadline is (0: not checked for bytes, the
+     * deadline is it), the bytes received on the socket when it became idle (TCP_INFO) */
+    double idle_end;
+    uint64_t idle_rx;
+    /* the bytes received on the socket at the access handler's last call for the request being
+     * served (the connection's thread only): its idle_rx once it is answered (a client sends its
+     * next request after the answer, maybe before libmicrohttpd says the request completed) */
+    uint64_t req_rx;
+    bool req_rx_known;
     struct sockaddr_storage sa;   /* the peer's address, for MHD_add_connection */
     socklen_t salen;
 };
@@ -314,10 +327,47 @@ static void watcher_wake(st_server *s) {
         st_log(STRATA_LOG_WARN, "server: cannot wake the watcher thread: %s", strerror(errno));
 }
 
-/* Sets connection k's phase and its deadline `secs` from now (0: none) (s->mu held). */
+/* The bytes received so far on TCP socket fd (read by the application or not); false: not known. */
+static bool tcp_bytes_received(int fd, uint64_t *out) {
+    struct tcp_info ti;
+    socklen_t len = sizeof ti;
+    memset(&ti, 0, sizeof ti);
+    if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &ti, &len) != 0 ||
+        len < offsetof(struct tcp_info, tcpi_bytes_received) + sizeof ti.tcpi_bytes_received)
+        return false;
+    *out = ti.tcpi_bytes_received;
+    return true;
+}
+
+/* When an idle keep-alive connection's socket is checked next for the bytes of a next request:
+ * every header_timeout / 2 (at least 1 s), on a grid of quarter seconds (so that the checks of
+ * many connections share the watcher's wake-ups), and not after idle_end. */
+static double idle_check_at(const st_server *s, double now, double idle_end) {
+    const double t = ceil((now + (s->header_timeout > 2 ? s->header_timeout / 2.0 : 1.0)) * 4.0) / 4.0;
+    return t < idle_end ? t : idle_end;
+}
+
+/* Sets connection k's phase and its deadline `secs` from now (0: none) (s->mu held). An idle
+ * keep-alive connection of libmicrohttpd's is checked (idle_check_at) for bytes received
+ * since it became idle (libmicrohttpd reads them at once: TCP_INFO counts them): the next
+ * request has then begun, and has header_timeout from that check for its head, however its
+ * bytes trickle in, its request line complete or not (libmicrohttpd would wait for a line end
+ * until its inactivity timeout, and close a garbage line at once without an answer). */
 static void conn_phase_locked(st_server *s, conn *k, conn_phase ph, unsigned secs) {
+    const double now = st_time_now();
+    k->idle_end = 0;
     k->phase = ph;
-    k->deadline = secs ? st_time_now() + (double)secs : 0;
+    k->deadline = secs ? now + (double)secs : 0;
+    bool rx_known = false;
+    if (ph == CONN_IDLE) { /* the connection's thread (on_completed): req_rx is its own */
+        rx_known = k->req_rx_known;
+        k->req_rx_known = false;
+    }
+    if (ph == CONN_IDLE && secs && !k->front && !k->handed && k->fd >= 0 &&
+        (rx_known ? (k->idle_rx = k->req_rx, true) : tcp_bytes_received(k->fd, &k->idle_rx))) {
+        k->idle_end = k->deadline;
+        k->deadline = idle_check_at(s, now, k->idle_end);
+    }
     if (k->deadline > 0 && k->deadline < s->watch_until) {
         s->watch_until = k->deadline;
         watcher_wake(s);
@@ -344,11 +394,28 @@ static void conn_drop_locked(st_server *s, conn *k) {
     st_free(k);
 }
 
-/* Ends connection k, whose deadline passed (s->mu held). */
-static void conn_expire_locked(st_server *s, conn *k) {
+/* Ends connection k, whose deadline passed (s->mu held); an idle one's check for the bytes of
+ * a next request gives it its next deadline instead. Returns k's deadline now (0: none, or k
+ * is freed). */
+static double conn_expire_locked(st_server *s, conn *k) {
+    if (!k->front && !k->handed && k->phase == CONN_IDLE && k->idle_end > 0) {
+        const double now = st_time_now();
+        uint64_t rx;
+        if (tcp_bytes_received(k->fd, &rx) && rx > k->idle_rx) {
+            /* a next request has begun and libmicrohttpd has not seen its request line */
+            st_log(STRATA_LOG_DEBUG, "server: connection from %s: a request began; its head is due within %u s",
+                   k->addr, s->header_timeout);
+            conn_phase_locked(s, k, CONN_HEAD, s->header_timeout);
+            return k->deadline;
+        }
+        if (now < k->idle_end) {
+            k->deadline = idle_check_at(s, now, k->idle_end);
+            return k->deadline;
+        }
+    }
     if (k->handed) { /* libmicrohttpd took the socket and never started it (it closed it): forget it */
         conn_drop_locked(s, k);
-        return;
+        return 0;
     }
     if (k->front) {
         if (!k->lingering) {
@@ -359,7 +426,7 @@ static void conn_expire_locked(st_server *s, conn *k) {
                    k->addr, s->header_timeout);
         }
         conn_drop_locked(s, k);
-        return;
+        return 0;
     }
     const conn_phase ph = k->phase;
     k->deadline = 0;
@@ -374,6 +441,7 @@ static void conn_expire_locked(st_server *s, conn *k) {
     else
         st_log(STRATA_LOG_INFO, "server: connection from %s: request headers not complete within %u s; closed",
                k->addr, s->header_timeout);
+    return 0;
 }
 
 /* The peer of request `serial` went away: resume its connection, whose
@@ -437,20 +505,9 @@ static bool front_drain(conn *k) {
 
 /* Answers k's refused head with the OpenAI-style error, then lets the socket linger. */
 static void front_refuse(st_server *s, conn *k, const srv_head *h) {
-    srv_error e;
-    srv_error_set(&e, h->status, "invalid_request_error", h->code, NULL, "%s", h->message);
-    char *json = srv_json_error(&e);
-    char head[256];
-    const size_t body = json ? strlen(json) : 0;
-    const int hn = snprintf(head, sizeof head,
-                            "HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %zu\r\n"
-                            "Connection: close\r\n\r\n", h->status, srv_head_reason(h->status), body);
-    struct iovec iov[2] = {{head, (size_t)hn}, {json, body}};
-    struct msghdr mh = {.msg_iov = iov, .msg_iovlen = json ? 2 : 1};
-    if (sendmsg(k->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT) < 0)
+    if (!st_http_send_error(k->fd, h->status, "invalid_request_error", h->code, h->message, 0))
         st_log(STRATA_LOG_DEBUG, "server: connection from %s: cannot send the %d answer: %s", k->addr, h->status,
                strerror(errno));
-    free(json); /* cJSON's allocator */
     count_reply(s, R_OTHER, h->status);
     st_log(STRATA_LOG_DEBUG, "server: connection from %s: %d %s", k->addr, h->status, h->message);
     shutdown(k->fd, SHUT_WR);
@@ -603,8 +660,8 @@ static void *watcher_main(void *arg) {
         for (conn *k = s->conns, *nk; k; k = nk) {
             nk = k->next; /* k may be freed */
             if (k->deadline <= 0) continue;
-            if (k->deadline <= now) conn_expire_locked(s, k);
-            else if (k->deadline < next) next = k->deadline;
+            const double d = k->deadline <= now ? conn_expire_locked(s, k) : k->deadline;
+            if (d > 0 && d < next) next = d;
         }
         if (s->accept_resume > 0 && s->accept_resume <= now) { /* out of descriptors a while ago: try again */
             s->accept_resume = 0;
@@ -682,79 +739,6 @@ static void on_finish(void *user, const strata_finish *f) {
     s->n_engine--;
     pthread_cond_broadcast(&s->cv);
     pthread_mutex_unlock(&s->mu);
-}
-
-/* ---- libmicrohttpd's own answers ------------------------------------------------------------------*/
-/* The errors libmicrohttpd answers by itself where the front door does not see
- * the bytes (a malformed head of a later request on a keep-alive connection, a
- * malformed chunked body, a chunk size too large) are HTML pages it queues
- * with MHD_queue_response, through its PLT (no Content-Type), just after it
- * logs "HTTP response code is N ('<html>...')" on the same thread. This
- * definition comes first in the process's symbol lookup, so libmicrohttpd's
- * own calls land here too: an answer so announced (mhd_log: the status and
- * the page's text; it also counts it in /metrics under the route "other")
- * without a Content-Type, or text/html, is replaced by the OpenAI-style JSON
- * error with the same status and that text; every other call goes to
- * libmicrohttpd's MHD_queue_response unchanged (test_server_hardening.py,
- * later heads, checks that the interposition holds). */
-static _Thread_local char mhd_last_msg[200];
-static _Thread_local unsigned mhd_last_status; /* the status of that line (0: none pending) */
-
-typedef enum MHD_Result (*queue_fn)(struct MHD_Connection *, unsigned int, struct MHD_Response *);
-
-static queue_fn real_queue_response(void) {
-    static _Atomic(queue_fn) fn;
-    queue_fn f = atomic_load(&fn);
-    if (!f) {
-        void *sym = dlsym(RTLD_NEXT, "MHD_queue_response");
-        memcpy(&f, &sym, sizeof f);
-        atomic_store(&fn, f);
-    }
-    return f;
-}
-
-/* The JSON error body replacing libmicrohttpd's page for status (malloc'd; NULL: out of memory). */
-static char *mhd_error_json(unsigned int status) {
-    const char *code = "bad_request", *type = "invalid_request_error", *what = "malformed request";
-    switch (status) {
-    case 413: code = "request_too_large", what = "request too large"; break;
-    case 414: code = "uri_too_long", what = "request line too long"; break;
-    case 431: code = "header_too_large", what = "request head too large"; break;
-    case 501: code = "not_implemented", what = "not implemented"; break;
-    case 505: code = "http_version_not_supported", what = "HTTP version not supported"; break;
-    default:
-        if (status >= 500) code = "server_error", type = "server_error", what = "server error";
-        break;
-    }
-    srv_error e;
-    if (mhd_last_msg[0] && status != 500) /* its 500 page speaks to the developer, not the client */
-        srv_error_set(&e, (int)status, type, code, NULL, "%s: %s", what, mhd_last_msg);
-    else
-        srv_error_set(&e, (int)status, type, code, NULL, "%s", what);
-    mhd_last_msg[0] = 0;
-    return srv_json_error(&e);
-}
-
-enum MHD_Result MHD_queue_response(struct MHD_Connection *c, unsigned int status, struct MHD_Response *resp);
-enum MHD_Result MHD_queue_response(struct MHD_Connection *c, unsigned int status, struct MHD_Response *resp) {
-    const queue_fn queue = real_queue_response();
-    if (!queue) return MHD_NO;
-    /* libmicrohttpd's own page: announced on this thread by its log line, with the same status
-     * (so that no other answer, e.g. the router's, is ever taken for one) */
-    const bool pending = mhd_last_status != 0 && mhd_last_status == status;
-    mhd_last_status = 0;
-    const char *ct = pending && resp ? MHD_get_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE) : "";
-    if (!pending || !resp || (ct && strncasecmp(ct, "text/html", 9) != 0)) return queue(c, status, resp);
-    char *json = mhd_error_json(status);
-    struct MHD_Response *mine =
-        json ? MHD_create_response_from_buffer(strlen(json), json, MHD_RESPMEM_MUST_COPY) : NULL;
-    free(json); /* cJSON's allocator */
-    if (!mine) return queue(c, status, resp); /* out of memory: libmicrohttpd's page */
-    MHD_add_response_header(mine, MHD_HTTP_HEADER_CONTENT_TYPE, "application/json");
-    MHD_add_response_header(mine, MHD_HTTP_HEADER_CONNECTION, "close");
-    const enum MHD_Result ok = queue(c, status, mine);
-    MHD_destroy_response(mine);
-    return ok;
 }
 
 /* ---- replies ------------------------------------------------------------------------------------*/
@@ -1682,6 +1666,7 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *c, const char
         r->rt = route_of(url);
         const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
         r->k = ci ? ci->socket_context : NULL;
+        if (r->k) r->k->req_rx_known = tcp_bytes_received(r->k->fd, &r->k->req_rx);
         pthread_mutex_lock(&s->mu);
         r->serial = ++s->next_serial;
         r->next = s->reqs;
@@ -1718,6 +1703,7 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *c, const char
         }
         return MHD_YES;
     }
+    if (r->k) r->k->req_rx_known = tcp_bytes_received(r->k->fd, &r->k->req_rx); /* the request as received so far */
     if (*upload_size) { /* a piece of the body */
         const size_t n = *upload_size;
         *upload_size = 0;
@@ -1847,43 +1833,23 @@ static void mhd_log(void *cls, const char *fmt, va_list ap) {
     pthread_mutex_lock(&s->log_mu);
     snprintf(s->mhd_msg, sizeof s->mhd_msg, "%.*s", (int)sizeof s->mhd_msg - 1, msg);
     pthread_mutex_unlock(&s->log_mu);
-    /* the reason of an answer libmicrohttpd writes itself, for MHD_queue_response above: the
-     * text of its page's <body>, quoted in this line, which it logs just before it queues it */
-    const char *rc = strstr(msg, "HTTP response code is ");
-    const char *b0 = rc ? strstr(msg, "<body>") : NULL;
-    const char *b1 = b0 ? strstr(b0, "</body>") : NULL;
-    mhd_last_msg[0] = 0;
-    if (rc) mhd_last_status = (unsigned)atoi(rc + strlen("HTTP response code is "));
-    if (b1) {
-        size_t k = 0;
-        bool tag = false;
-        for (const char *p = b0 + 6; p < b1 && k + 1 < sizeof mhd_last_msg; p++) {
-            if (*p == '<') tag = true;
-            else if (*p == '>') tag = false;
-            else if (!tag) mhd_last_msg[k++] = *p;
-        }
-        while (k > 0 && mhd_last_msg[k - 1] == '.') k--;
-        mhd_last_msg[k] = 0;
-    }
     /* over max_connections (a pool thread's share) or max_connections_per_client: closed at accept */
     if (strstr(msg, "reached connection limit")) { /* a pool thread at its share (the front door counts all) */
         count_refused(s);
         return;
     }
-    /* the answers libmicrohttpd writes itself (a malformed request line or header, a bad
-     * Content-Length, headers too large: 400, 413, 431, 505) are counted too, under "other" */
-    const char *code = strstr(msg, "HTTP response code is ");
-    if (code) {
-        const int status = atoi(code + strlen("HTTP response code is "));
-        if (status >= 400 && status < 600) count_reply(s, R_OTHER, status);
-    }
-    /* what a content reader ending a stream early (client gone) makes it say, and a client's
-     * closing mid-request (or a deadline's shutdown, logged by the watcher): routine, and a flood
-     * of warnings under a slow-loris attack */
+    /* an answer libmicrohttpd writes itself (a malformed later head or chunked body: 400, 413, 414,
+     * 431, 505), which http/mhd_pages.c turns into the JSON error: counted too, under "other" */
+    const int status = st_mhd_note_log(msg);
+    if (status) count_reply(s, R_OTHER, status);
+    /* what a content reader ending a stream early (client gone) makes it say, a client's closing
+     * mid-request (or a deadline's shutdown, logged by the watcher), a client's malformed request:
+     * routine, and a flood of warnings under a slow-loris attack */
     const bool expected = strstr(msg, "Application reported internal error") != NULL ||
                           strstr(msg, "application error generating response") != NULL ||
                           strstr(msg, "Connection socket is closed when reading request") != NULL ||
-                          strstr(msg, "closed by remote side with incomplete request") != NULL;
+                          strstr(msg, "closed by remote side with incomplete request") != NULL ||
+                          st_mhd_log_is_ours(msg) || (status >= 400 && status < 500);
     st_log(expected ? STRATA_LOG_DEBUG : STRATA_LOG_WARN, "server: libmicrohttpd: %s", msg);
 }
 

@@ -68,10 +68,12 @@
  *   header_timeout_s  the request line and headers of a connection's first
  *                     request must have arrived within this many seconds of
  *                     its accept, and those of a later request on a keep-alive
- *                     connection within this many seconds of its request line;
- *                     trickling bytes does not extend it (slow loris);
- *   idle_timeout_s    a keep-alive connection must send its next request line
- *                     within this many seconds of the previous answer's end;
+ *                     connection within this many seconds of its first byte
+ *                     (a request line without its end included); trickling
+ *                     bytes does not extend it (slow loris);
+ *   idle_timeout_s    a keep-alive connection must send the first byte of its
+ *                     next request within this many seconds of the previous
+ *                     answer's end;
  *                     plus one second: libmicrohttpd's inactivity timeout while
  *                     a body is read or an answer written (a connection waiting
  *                     for the engine is suspended and has none).

@@ -20,6 +20,7 @@
 
 #include "fuzzutil.h"
 #include "server/http_head.h"
+#include "http/http_answer.h"
 #include "server/openai.h"
 
 #define MAX_HEAD 2048 /* small, so that the fuzzer reaches the limits */
@@ -43,7 +44,7 @@ static srv_head_verdict check_one(const char *p, size_t n, srv_head *h) {
         for (size_t i = 0; i < sizeof ok_status / sizeof ok_status[0]; i++) known |= h->status == ok_status[i];
         FUZZ_CHECK(known, "status %d", h->status);
         FUZZ_CHECK(h->code && h->code[0] && h->message[0], "a refusal without a code or message");
-        FUZZ_CHECK(strcmp(srv_head_reason(h->status), "Error") != 0, "no reason phrase for %d", h->status);
+        FUZZ_CHECK(strcmp(st_http_reason(h->status), "Error") != 0, "no reason phrase for %d", h->status);
     }
     return v;
 }
