@@ -75,7 +75,14 @@
  * time through the tree. int8 unpacks to bytes (q8_0 as w + 128 for the
  * group kernel), and its group kernel broadcasts each row's weight quad
  * against the 8 tokens' activation quads (vpdpbusd). The int8 path reads
- * the 8 rows' scales by 8 scalar loads (vpgatherdd cost more). One token's
+ * the 8 rows' scales by 8 scalar loads (vpgatherdd cost more). int8 tiles
+ * of 2..8 tokens (QI_STREAM: a speculative verification pass) skip the
+ * unpacking: each unit of the 8 rows is read from the weights once and
+ * multiplied against every token (dot_tokens8), so the weights stream as for
+ * one token. Where AMX-INT8 is usable (st_cpu.amx), int8's token groups sum
+ * on tiles instead (dot_group8_amx: A = 8 unpacked rows x 32 bytes, B = the
+ * group's activation block as laid out, C = 8 rows x 8 tokens int32), from 2
+ * tokens on, with tiles of up to A8_AMX_TILE_BYTES of activations. One token's
  * rows are split over the threads as whole 8-row blocks (guided chunks of
  * contiguous blocks, at least ~64K multiply-adds each): each thread streams
  * its own contiguous stretch of the weights (8 rows, software prefetch of
