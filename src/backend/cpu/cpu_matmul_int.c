@@ -79,10 +79,11 @@
  * of 2..8 tokens (QI_STREAM: a speculative verification pass) skip the
  * unpacking: each unit of the 8 rows is read from the weights once and
  * multiplied against every token (dot_tokens8), so the weights stream as for
- * one token. Where AMX-INT8 is usable (st_cpu.amx), int8's token groups sum
- * on tiles instead (dot_group8_amx: A = 8 unpacked rows x 32 bytes, B = the
- * group's activation block as laid out, C = 8 rows x 8 tokens int32), from 2
- * tokens on, with tiles of up to A8_AMX_TILE_BYTES of activations. One token's
+ * one token (2..4 tokens where a group kernel takes the longer tiles). Where
+ * AMX-INT8 is usable (st_cpu.amx), int8's token groups sum on tiles instead
+ * (dot_group8_amx: A = 8 unpacked rows x 32 bytes, B = the group's activation
+ * block as laid out, C = 8 rows x 8 tokens int32), with token tiles of up to
+ * A8_AMX_TILE_BYTES of activations. One token's
  * rows are split over the threads as whole 8-row blocks (guided chunks of
  * contiguous blocks, at least ~64K multiply-adds each): each thread streams
  * its own contiguous stretch of the weights (8 rows, software prefetch of
@@ -808,7 +809,6 @@ typedef struct {
     st_v8i (*prow8)(v32u8 w, v32i8 a, bool sgn);
     st_v8i (*tree)(const st_v8i p[QI_ROWS]);
     void (*group8)(const void *ctx, st_dtype t, const void *block, const uint8_t *grp, float out[QI_ROWS][8]);
-    bool amx; /* group8 is an AMX kernel (also for 2..QI_STREAM tokens) */
     bool q8u; /* prow8 takes q8_0 as unsigned w + 128 (no saturation: vpdpbusd, C), not by the sign trick */
 } qi8_isa;
 
@@ -866,6 +866,9 @@ ST_AI void dot_token8(const qi_ctx *m, st_dtype t, const qblock *B, bool unpacke
  * token's activations, then each token's sums go through the tree and the
  * documented combination (the bits of dot_token8, token by token). */
 #define QI_STREAM 8
+/* ... and up to this many where a token-group kernel exists (AVX-512, AMX): on the Xeon (16
+ * threads) 2..4 tokens streamed beat the groups, 8 did not (bench/RESULTS.md, seventh session) */
+#define QI_STREAM_GROUPED 4
 ST_AI void dot_tokens8(const qi_ctx *m, st_dtype t, const qblock *B, const uint8_t *qa0, int nt,
                        float out[QI_STREAM][QI_ROWS], qi8_isa I) {
     const int ushift = t == ST_DTYPE_Q6_K ? 1 : 0;
@@ -932,7 +935,8 @@ ST_AI void qi8_items_t(const qi_ctx *m, st_dtype t, int64_t begin, int64_t end, 
             memcpy(y + t0 * N + r0, out, (size_t)nr * sizeof(float));
             continue;
         }
-        if (t1 - t0 <= QI_STREAM && !I.amx) { /* a few tokens: one read of the weights, no unpacking */
+        if (t1 - t0 <= (I.group8 ? QI_STREAM_GROUPED : QI_STREAM)) { /* a few tokens: one read of the weights,
+                                                                         no unpacking */
             float os[QI_STREAM][QI_ROWS];
             dot_tokens8(m, t, &B, m->q + (size_t)t0 * m->L.stride, (int)(t1 - t0), os, I);
             for (int64_t tk = t0; tk < t1; tk++) memcpy(y + tk * N + r0, os[tk - t0], (size_t)nr * sizeof(float));
@@ -1214,7 +1218,7 @@ ST_TARGET_AMX ST_AI void dot_group8_amxreal(const void *ctx, st_dtype t, const v
 #endif
 
 static void qi8_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_portable, prow8_portable, tree_portable, NULL, false, true});
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_portable, prow8_portable, tree_portable, NULL, true});
 }
 static void qa8_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
     (void)ti;
@@ -1222,13 +1226,13 @@ static void qa8_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
 }
 #if ST_CPU_HAVE_AVX2_PATH
 ST_TARGET_AVX2_F16C static void qi8_fn_avx2(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx2, prow8_avx2, tree_avx2, NULL, false, false});
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx2, prow8_avx2, tree_avx2, NULL, false});
 }
 ST_TARGET_AVXVNNI static void qi8_fn_avxvnni(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avxvnni, prow8_avxvnni, tree_avxvnni, NULL, false, true});
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avxvnni, prow8_avxvnni, tree_avxvnni, NULL, true});
 }
 ST_TARGET_AVX512 static void qi8_fn_avx512(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx512, prow8_vnni, tree_avx2, dot_group8_vnni, false, true});
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx512, prow8_vnni, tree_avx2, dot_group8_vnni, true});
 }
 ST_TARGET_AVX2_F16C static void qa8_fn_avx2(void *ctx, int64_t begin, int64_t end, int ti) {
     (void)ti;
@@ -1236,20 +1240,20 @@ ST_TARGET_AVX2_F16C static void qa8_fn_avx2(void *ctx, int64_t begin, int64_t en
 }
 ST_TARGET_AMX static void qi8_fn_amx(void *ctx, int64_t begin, int64_t end, int ti) {
     amx_begin();
-    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx512, prow8_vnni, tree_avx2, dot_group8_amxreal, true, true});
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx512, prow8_vnni, tree_avx2, dot_group8_amxreal, true});
     amx_end();
 }
 #endif
 static void qi8_fn_amxemu(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_portable, prow8_portable, tree_portable, dot_group8_amxemu, true, true});
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_portable, prow8_portable, tree_portable, dot_group8_amxemu, true});
 }
 
 /* The int8 path of st_cpu_matmul_int (m set up but for the activations). */
 static strata_status matmul_a8(st_cpu *c, const float *x, qi_ctx *m) {
     const int64_t n = m->n, K = m->L.K, nb = m->L.nb;
     m->L.stride = a8_stride(K);
-    /* the token-group layout: AMX from 2 tokens, the AVX-512 group kernel past QI_STREAM */
-    const bool grouped = ((c->isa == ST_CPU_ISA_AVX512 && n > QI_STREAM) || c->amx != ST_CPU_AMX_OFF) && n > 1;
+    /* the token-group layout, for the AVX-512 or AMX group kernels past QI_STREAM_GROUPED tokens */
+    const bool grouped = (c->isa == ST_CPU_ISA_AVX512 || c->amx != ST_CPU_AMX_OFF) && n > QI_STREAM_GROUPED;
     const int64_t n_groups = (n + QI_GROUP - 1) / QI_GROUP;
     const size_t tok_bytes = m->L.stride * (size_t)n;
     strata_status st = st_cpu_qact_reserve(c, tok_bytes + (grouped ? a8_group_stride(nb) * (size_t)n_groups : 0));
