@@ -75,7 +75,15 @@
  * time through the tree. int8 unpacks to bytes (q8_0 as w + 128 for the
  * group kernel), and its group kernel broadcasts each row's weight quad
  * against the 8 tokens' activation quads (vpdpbusd). The int8 path reads
- * the 8 rows' scales by 8 scalar loads (vpgatherdd cost more). One token's
+ * the 8 rows' scales by 8 scalar loads (vpgatherdd cost more). int8 tiles
+ * of 2..8 tokens (QI_STREAM: a speculative verification pass) skip the
+ * unpacking: each unit of the 8 rows is read from the weights once and
+ * multiplied against every token (dot_tokens8), so the weights stream as for
+ * one token (2..4 tokens where a group kernel takes the longer tiles). Where
+ * AMX-INT8 is usable (st_cpu.amx), int8's token groups sum on tiles instead
+ * (dot_group8_amx: A = 8 unpacked rows x 32 bytes, B = the group's activation
+ * block as laid out, C = 8 rows x 8 tokens int32), with token tiles of up to
+ * A8_AMX_TILE_BYTES of activations. One token's
  * rows are split over the threads as whole 8-row blocks (guided chunks of
  * contiguous blocks, at least ~64K multiply-adds each): each thread streams
  * its own contiguous stretch of the weights (8 rows, software prefetch of
@@ -96,6 +104,11 @@
 #define QI_QMAX_Q8 524287.0f   /* q8_0's: 2^19 - 1, so that 32 * 128 * QMAX < 2^31 */
 #define QI_TILE_BYTES 131072   /* quantized activation bytes per token tile */
 #define QI_TILE_MAX 64
+/* int8 on AMX: token tiles up to 1 MiB of activations (L2), so that each 8-row block is
+ * unpacked once per ~170 tokens of K = 4096, not per ~21 (the tile sums cost less than the
+ * unpacking there) */
+#define A8_AMX_TILE_BYTES 1048576
+#define A8_AMX_TILE_MAX 256
 
 typedef int16_t st_v16i16 __attribute__((vector_size(32)));
 typedef int32_t st_v16i32 __attribute__((vector_size(64)));
@@ -796,7 +809,6 @@ typedef struct {
     st_v8i (*prow8)(v32u8 w, v32i8 a, bool sgn);
     st_v8i (*tree)(const st_v8i p[QI_ROWS]);
     void (*group8)(const void *ctx, st_dtype t, const void *block, const uint8_t *grp, float out[QI_ROWS][8]);
-    bool amx; /* group8 is an AMX kernel (also for 2..QI_STREAM tokens) */
     bool q8u; /* prow8 takes q8_0 as unsigned w + 128 (no saturation: vpdpbusd, C), not by the sign trick */
 } qi8_isa;
 
@@ -854,6 +866,9 @@ ST_AI void dot_token8(const qi_ctx *m, st_dtype t, const qblock *B, bool unpacke
  * token's activations, then each token's sums go through the tree and the
  * documented combination (the bits of dot_token8, token by token). */
 #define QI_STREAM 8
+/* ... and up to this many where a token-group kernel exists (AVX-512, AMX): on the Xeon (16
+ * threads) 2..4 tokens streamed beat the groups, 8 did not (bench/RESULTS.md, seventh session) */
+#define QI_STREAM_GROUPED 4
 ST_AI void dot_tokens8(const qi_ctx *m, st_dtype t, const qblock *B, const uint8_t *qa0, int nt,
                        float out[QI_STREAM][QI_ROWS], qi8_isa I) {
     const int ushift = t == ST_DTYPE_Q6_K ? 1 : 0;
@@ -920,7 +935,8 @@ ST_AI void qi8_items_t(const qi_ctx *m, st_dtype t, int64_t begin, int64_t end, 
             memcpy(y + t0 * N + r0, out, (size_t)nr * sizeof(float));
             continue;
         }
-        if (t1 - t0 <= QI_STREAM && !I.amx) { /* a few tokens: one read of the weights, no unpacking */
+        if (t1 - t0 <= (I.group8 ? QI_STREAM_GROUPED : QI_STREAM)) { /* a few tokens: one read of the weights,
+                                                                         no unpacking */
             float os[QI_STREAM][QI_ROWS];
             dot_tokens8(m, t, &B, m->q + (size_t)t0 * m->L.stride, (int)(t1 - t0), os, I);
             for (int64_t tk = t0; tk < t1; tk++) memcpy(y + tk * N + r0, os[tk - t0], (size_t)nr * sizeof(float));
@@ -1089,46 +1105,62 @@ ST_AI void dot_group8_amx(const qi_ctx *m, st_dtype t, const qblock *B, const ui
     const uint8_t *ws8 = (const uint8_t *)B->wsc;
     const float *gdx = (const float *)(grp + (size_t)nb * 256), *gsx = gdx + QI_GROUP * nb;
     const int32_t *ghs = (const int32_t *)(gsx + QI_GROUP * nb);
-    int32_t C[2][QI_ROWS][QI_GROUP] __attribute__((aligned(64)));
-    st_v16f accs[8][QI_ROWS / 2];
-    for (int j = 0; j < 8; j++) {
-        st_v16f acc[QI_ROWS / 2];
-        for (int r2 = 0; r2 < QI_ROWS / 2; r2++) acc[r2] = (st_v16f){0};
-        for (int64_t u0 = j; u0 < nu; u0 += 16) { /* units u0 and u0 + 8 */
-            const bool two = u0 + 8 < nu;
-            step(ws8 + 32 * u0, two ? ws8 + 32 * (u0 + 8) : NULL, 32 * nu, grp + 256 * (u0 >> ushift),
-                 two ? grp + 256 * ((u0 + 8) >> ushift) : NULL, C);
-            for (int h = 0; h < (two ? 2 : 1); h++) {
-                const int64_t u = u0 + 8 * h, b = u >> ushift;
-                st_v8i corr = {0};
-                if (off) {
-                    st_v8i h0, h1;
-                    memcpy(&h0, ghs + QI_GROUP * (q6 ? u : 2 * b), sizeof h0);
-                    if (q6) {
-                        corr = off * h0;
-                    } else {
-                        memcpy(&h1, ghs + QI_GROUP * (2 * b + 1), sizeof h1);
-                        corr = off * (h0 + h1);
-                    }
-                }
-                const st_v16i32 corr16 = dup16i(corr);
-                const st_v16f dx16 = dup16f(st_v8f_load(gdx + QI_GROUP * b));
-                const st_v16f sx16 = dup16f(st_v8f_load(gsx + QI_GROUP * b));
-                const st_v8f dw = st_v8f_load(B->dsc + QI_ROWS * u);
-                const st_v8f mw = has_mins(t) ? st_v8f_load(B->msc + QI_ROWS * u) : st_v8f_splat(0.0f);
-#pragma GCC unroll 4
-                for (int r2 = 0; r2 < QI_ROWS / 2; r2++) {
-                    st_v16i32 S;
-                    memcpy(&S, C[h][2 * r2], sizeof S);
-                    S -= corr16;
-                    st_v16f f = (pair16(dw, r2) * dx16) * __builtin_convertvector(S, st_v16f);
-                    if (has_mins(t)) f = f + pair16(mw, r2) * sx16;
-                    acc[r2] += f;
+    /* steps (units u0 and u0 + 8) in the order j = 0..7, u0 = j, j + 16, ...; the next step's tiles
+     * are issued before this one's sums are combined (two C buffers), so that the tile stores are
+     * done by the time their sums are read */
+    int32_t C[2][2][QI_ROWS][QI_GROUP] __attribute__((aligned(64)));
+    st_v16f accs[8][QI_ROWS / 2], acc[QI_ROWS / 2];
+    for (int j = 0; j < 8; j++)
+        for (int r2 = 0; r2 < QI_ROWS / 2; r2++) accs[j][r2] = (st_v16f){0};
+    for (int r2 = 0; r2 < QI_ROWS / 2; r2++) acc[r2] = (st_v16f){0};
+#define AMX_ISSUE(u0_, c_)                                                                                        \
+    step(ws8 + 32 * (u0_), (u0_) + 8 < nu ? ws8 + 32 * ((u0_) + 8) : NULL, 32 * nu, grp + 256 * ((u0_) >> ushift), \
+         (u0_) + 8 < nu ? grp + 256 * (((u0_) + 8) >> ushift) : NULL, C[c_])
+    int j = 0, cur = 0;
+    int64_t u0 = 0;
+    AMX_ISSUE(u0, cur);
+    for (;;) {
+        int nj = j;
+        int64_t nu0 = u0 + 16;
+        if (nu0 >= nu) nj = j + 1, nu0 = nj;
+        const bool more = nj < 8 && nu0 < nu;
+        if (more) AMX_ISSUE(nu0, cur ^ 1);
+        for (int h = 0; h < (u0 + 8 < nu ? 2 : 1); h++) {
+            const int64_t u = u0 + 8 * h, b = u >> ushift;
+            st_v8i corr = {0};
+            if (off) {
+                st_v8i h0, h1;
+                memcpy(&h0, ghs + QI_GROUP * (q6 ? u : 2 * b), sizeof h0);
+                if (q6) {
+                    corr = off * h0;
+                } else {
+                    memcpy(&h1, ghs + QI_GROUP * (2 * b + 1), sizeof h1);
+                    corr = off * (h0 + h1);
                 }
             }
+            const st_v16i32 corr16 = dup16i(corr);
+            const st_v16f dx16 = dup16f(st_v8f_load(gdx + QI_GROUP * b));
+            const st_v16f sx16 = dup16f(st_v8f_load(gsx + QI_GROUP * b));
+            const st_v8f dw = st_v8f_load(B->dsc + QI_ROWS * u);
+            const st_v8f mw = has_mins(t) ? st_v8f_load(B->msc + QI_ROWS * u) : st_v8f_splat(0.0f);
+#pragma GCC unroll 4
+            for (int r2 = 0; r2 < QI_ROWS / 2; r2++) {
+                st_v16i32 S;
+                memcpy(&S, C[cur][h][2 * r2], sizeof S);
+                S -= corr16;
+                st_v16f f = (pair16(dw, r2) * dx16) * __builtin_convertvector(S, st_v16f);
+                if (has_mins(t)) f = f + pair16(mw, r2) * sx16;
+                acc[r2] += f;
+            }
         }
-        memcpy(accs[j], acc, sizeof acc);
+        if (!more || nj != j) {
+            memcpy(accs[j], acc, sizeof acc);
+            for (int r2 = 0; r2 < QI_ROWS / 2; r2++) acc[r2] = (st_v16f){0};
+        }
+        if (!more) break;
+        j = nj, u0 = nu0, cur ^= 1;
     }
+#undef AMX_ISSUE
     for (int r2 = 0; r2 < QI_ROWS / 2; r2++) {
         const st_v16f y = ((accs[0][r2] + accs[4][r2]) + (accs[2][r2] + accs[6][r2])) +
                           ((accs[1][r2] + accs[5][r2]) + (accs[3][r2] + accs[7][r2]));
@@ -1186,7 +1218,7 @@ ST_TARGET_AMX ST_AI void dot_group8_amxreal(const void *ctx, st_dtype t, const v
 #endif
 
 static void qi8_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_portable, prow8_portable, tree_portable, NULL, false, true});
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_portable, prow8_portable, tree_portable, NULL, true});
 }
 static void qa8_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
     (void)ti;
@@ -1194,13 +1226,13 @@ static void qa8_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
 }
 #if ST_CPU_HAVE_AVX2_PATH
 ST_TARGET_AVX2_F16C static void qi8_fn_avx2(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx2, prow8_avx2, tree_avx2, NULL, false, false});
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx2, prow8_avx2, tree_avx2, NULL, false});
 }
 ST_TARGET_AVXVNNI static void qi8_fn_avxvnni(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avxvnni, prow8_avxvnni, tree_avxvnni, NULL, false, true});
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avxvnni, prow8_avxvnni, tree_avxvnni, NULL, true});
 }
 ST_TARGET_AVX512 static void qi8_fn_avx512(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx512, prow8_vnni, tree_avx2, dot_group8_vnni, false, true});
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx512, prow8_vnni, tree_avx2, dot_group8_vnni, true});
 }
 ST_TARGET_AVX2_F16C static void qa8_fn_avx2(void *ctx, int64_t begin, int64_t end, int ti) {
     (void)ti;
@@ -1208,20 +1240,20 @@ ST_TARGET_AVX2_F16C static void qa8_fn_avx2(void *ctx, int64_t begin, int64_t en
 }
 ST_TARGET_AMX static void qi8_fn_amx(void *ctx, int64_t begin, int64_t end, int ti) {
     amx_begin();
-    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx512, prow8_vnni, tree_avx2, dot_group8_amxreal, true, true});
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_avx512, prow8_vnni, tree_avx2, dot_group8_amxreal, true});
     amx_end();
 }
 #endif
 static void qi8_fn_amxemu(void *ctx, int64_t begin, int64_t end, int ti) {
-    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_portable, prow8_portable, tree_portable, dot_group8_amxemu, true, true});
+    qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_portable, prow8_portable, tree_portable, dot_group8_amxemu, true});
 }
 
 /* The int8 path of st_cpu_matmul_int (m set up but for the activations). */
 static strata_status matmul_a8(st_cpu *c, const float *x, qi_ctx *m) {
     const int64_t n = m->n, K = m->L.K, nb = m->L.nb;
     m->L.stride = a8_stride(K);
-    /* the token-group layout: AMX from 2 tokens, the AVX-512 group kernel past QI_STREAM */
-    const bool grouped = ((c->isa == ST_CPU_ISA_AVX512 && n > QI_STREAM) || c->amx != ST_CPU_AMX_OFF) && n > 1;
+    /* the token-group layout, for the AVX-512 or AMX group kernels past QI_STREAM_GROUPED tokens */
+    const bool grouped = (c->isa == ST_CPU_ISA_AVX512 || c->amx != ST_CPU_AMX_OFF) && n > QI_STREAM_GROUPED;
     const int64_t n_groups = (n + QI_GROUP - 1) / QI_GROUP;
     const size_t tok_bytes = m->L.stride * (size_t)n;
     strata_status st = st_cpu_qact_reserve(c, tok_bytes + (grouped ? a8_group_stride(nb) * (size_t)n_groups : 0));
@@ -1249,9 +1281,10 @@ static strata_status matmul_a8(st_cpu *c, const float *x, qi_ctx *m) {
     else
         st_pool_parallel_for(c->pool, n, qgrain, qa_fn, &qa);
 
-    int64_t tile_max = QI_TILE_BYTES / (int64_t)m->L.stride;
+    const bool amx = grouped && c->amx != ST_CPU_AMX_OFF;
+    int64_t tile_max = (amx ? A8_AMX_TILE_BYTES : QI_TILE_BYTES) / (int64_t)m->L.stride;
     if (tile_max < 1) tile_max = 1;
-    if (tile_max > QI_TILE_MAX) tile_max = QI_TILE_MAX;
+    if (tile_max > (amx ? A8_AMX_TILE_MAX : QI_TILE_MAX)) tile_max = amx ? A8_AMX_TILE_MAX : QI_TILE_MAX;
     int64_t n_tiles = (n + tile_max - 1) / tile_max;
     m->tile = (n + n_tiles - 1) / n_tiles;
     if (grouped) {
