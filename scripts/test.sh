@@ -4,7 +4,7 @@
 # then the threaded parts (pool, weight streaming, KV tiers, engine, server)
 # under ThreadSanitizer. All are test builds (-DSTRATA_TESTING=ON: the tools'
 # hidden fault-injection option). Then the fuzz harnesses (tests/fuzz: clang +
-# libFuzzer, CPU only), 60 s each.
+# libFuzzer, CPU only), 30 s each.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
@@ -49,4 +49,4 @@ TSAN_TESTS='^(test_backend_cpu|test_backend_paged|test_scheduler|test_runner|tes
 command -v clang >/dev/null || { echo "test.sh: clang is missing (scripts/install-deps.sh installs it)" >&2; exit 1; }
 cmake -S . -B build-fuzz -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSTRATA_FUZZ=ON >/dev/null
 cmake --build build-fuzz -j "$JOBS" --target strata_fuzzers
-bash scripts/fuzz.sh -t 60 -b build-fuzz
+bash scripts/fuzz.sh -t 30 -b build-fuzz
