@@ -136,7 +136,7 @@ static void bench_matmul(st_dtype t, int64_t N, int64_t K, int64_t n, double cop
     void *dws[64];
     for (int c = 0; c < m.copies; c++) {
         dws[c] = upload(hw, wbytes);
-        m.w[c] = (st_weight){dws[c], t, N, K};
+        m.w[c] = (st_weight){dws[c], t, N, K, 0};
     }
     free(hw);
     float *hx = malloc((size_t)(n * K) * 4);
@@ -214,7 +214,7 @@ static double gemm_rate_fast(void) {
     void *dws[4];
     for (int c = 0; c < m.copies; c++) {
         dws[c] = upload(hw, wbytes);
-        m.w[c] = (st_weight){dws[c], ST_DTYPE_BF16, N, K};
+        m.w[c] = (st_weight){dws[c], ST_DTYPE_BF16, N, K, 0};
     }
     free(hw);
     m.x = dev_floats(n * K, 1.0f);
@@ -561,7 +561,7 @@ static void bench_gemv(double copy_bw) {
             gv_ctx m = {.b = be, .s = s, .copies = copies};
             for (int c = 0; c < copies; c++) {
                 dws[c] = upload(hw, wbytes);
-                m.w[c] = (st_weight){dws[c], t, N, K};
+                m.w[c] = (st_weight){dws[c], t, N, K, 0};
             }
             free(hw);
             float *hx = malloc((size_t)(8 * K) * 4);
@@ -628,7 +628,7 @@ static void bench_mmq(double copy_bw) {
                 gv_ctx m = {.b = be, .s = s, .copies = copies};
                 for (int c = 0; c < copies; c++) {
                     dws[c] = upload(hw, wbytes);
-                    m.w[c] = (st_weight){dws[c], t, N, K};
+                    m.w[c] = (st_weight){dws[c], t, N, K, 0};
                 }
                 free(hw);
                 const int64_t nmax = ns[NN - 1];

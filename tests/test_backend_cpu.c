@@ -419,7 +419,7 @@ static void run_matmul(st_backend *be, const float *x, const st_weight *w, int64
 static void check_matmul_case(st_backend *b1, st_backend *b2, st_dtype t, int64_t n, int64_t N, int64_t K,
                               const char *mode) {
     uint8_t *wd = make_weight(t, N, K, 1.0f);
-    st_weight w = {wd, t, N, K};
+    st_weight w = {wd, t, N, K, 0};
     float *x = rand_f(n * K, 1.0f);
     double *wref = dequant_all(t, wd, N, K);
     double *yref = malloc((size_t)(n * N) * sizeof(double)), *mag = malloc((size_t)(n * N) * sizeof(double));
@@ -473,11 +473,11 @@ static void test_matmul(st_backend *b1, st_backend *b2, const char *mode) {
     /* argument errors */
     float x[64], y[64];
     uint8_t wd[64] = {0};
-    st_weight w = {wd, ST_DTYPE_Q8_0, 1, 33};
+    st_weight w = {wd, ST_DTYPE_Q8_0, 1, 33, 0};
     CHECK_ERR(b1->ops->matmul(b1, NULL, x, &w, 1, y), STRATA_ERR_INVALID_ARG, "multiple");
     w.dtype = (st_dtype)99;
     CHECK_ERR(b1->ops->matmul(b1, NULL, x, &w, 1, y), STRATA_ERR_INVALID_ARG, "dtype");
-    w = (st_weight){NULL, ST_DTYPE_F32, 2, 4};
+    w = (st_weight){NULL, ST_DTYPE_F32, 2, 4, 0};
     CHECK_ERR(b1->ops->matmul(b1, NULL, x, &w, 1, y), STRATA_ERR_INVALID_ARG, "NULL");
     w.data = wd;
     CHECK(b1->ops->matmul(b1, NULL, x, &w, 0, y) == STRATA_OK);
@@ -635,7 +635,7 @@ static void test_matmul_int(st_backend *b1, st_backend *b2) {
             for (int ri = 0; ri < 2; ri++) {
                 const int64_t K = Ks[ki], N = Ns[ri] + (ki == 2 ? 64 : 0), nmax = 64;
                 uint8_t *wd = make_weight(t, N, K, 1.0f);
-                st_weight w = {wd, t, N, K};
+                st_weight w = {wd, t, N, K, 0};
                 float *x = outlier_acts(nmax, K), *yr = alloc_f(nmax * N), *y = alloc_f(nmax * N), *y1 = alloc_f(N);
                 ref_matmul_int(t, wd, x, nmax, N, K, yr, act8);
                 /* error of the documented arithmetic vs the f32 dequantized product */
@@ -723,7 +723,7 @@ static void test_get_rows(st_backend *b1, st_backend *b2, const char *mode) {
         const int64_t cols = st_dtype_get(dt)->block_elems == 256 ? 512 : (dt <= ST_DTYPE_BF16 ? 37 : 96);
         const int64_t rows = 11, n = 9;
         uint8_t *wd = make_weight(dt, rows, cols, 2.0f);
-        st_weight w = {wd, dt, rows, cols};
+        st_weight w = {wd, dt, rows, cols, 0};
         int32_t ids[9] = {3, 0, 10, 3, 7, 1, 10, 0, 5};
         float *o1 = alloc_f(n * cols), *o2 = alloc_f(n * cols), *ref = alloc_f(cols);
         poison(o1, n * cols);
@@ -750,7 +750,7 @@ static void test_get_rows(st_backend *b1, st_backend *b2, const char *mode) {
     uint16_t *all = malloc(65536 * 2);
     for (uint32_t h = 0; h < 65536; h++) all[h] = (uint16_t)h;
     float *o = alloc_f(65536);
-    st_weight w = {all, ST_DTYPE_F16, 1, 65536};
+    st_weight w = {all, ST_DTYPE_F16, 1, 65536, 0};
     int32_t id = 0;
     CHECK(b2->ops->get_rows(b2, NULL, &w, &id, 1, o) == STRATA_OK);
     int bad = 0;
@@ -776,7 +776,7 @@ static void test_rmsnorm(st_backend *b1, st_backend *b2, const char *mode) {
                 const int64_t d = ds[di], n = ns[ni];
                 const st_dtype wt = variant == 1 ? ST_DTYPE_BF16 : ST_DTYPE_F32;
                 uint8_t *wd = make_weight(wt, 1, d, 1.5f);
-                st_weight w = {wd, wt, 1, d};
+                st_weight w = {wd, wt, 1, d, 0};
                 float *wf = alloc_f(d);
                 st_dequantize_row(wt, wd, wf, d);
                 float *x0 = rand_f(n * d, 3.0f), *res = variant == 1 ? rand_f(n * d, 2.0f) : NULL;
@@ -826,7 +826,7 @@ static void test_rmsnorm(st_backend *b1, st_backend *b2, const char *mode) {
                 free(x2);
             }
     float x[4] = {1, 2, 3, 4}, o[4];
-    st_weight w = {x, ST_DTYPE_F32, 1, 3};
+    st_weight w = {x, ST_DTYPE_F32, 1, 3, 0};
     CHECK_ERR(b1->ops->rmsnorm(b1, NULL, x, NULL, &w, 1e-5f, 1, 4, o), STRATA_ERR_INVALID_ARG, "[1, 4]");
 }
 
@@ -1078,7 +1078,7 @@ static void test_simd_equivalence(st_backend *be) {
         const int64_t N = 37;
         const int64_t ns[] = {1, 9};
         uint8_t *wd = make_weight(dt, N, K, 1.0f);
-        st_weight w = {wd, dt, N, K};
+        st_weight w = {wd, dt, N, K, 0};
         for (int i = 0; i < 2; i++) {
             const int64_t n = ns[i];
             float *x = rand_f(n * K, 1.0f), *ya = alloc_f(n * N), *yb = alloc_f(n * N);

@@ -1303,13 +1303,13 @@ strata_status st_cpu_matmul_int(st_cpu *c, const float *x, const st_weight *w, i
     ST_ASSERT(count >= 1 && count <= QI_MULTI);
     const int64_t K = w->cols;
     qi_ctx m = {
-        .nw = count, .dtype = w->dtype, .row_bytes = st_dtype_row_bytes(w->dtype, K),
+        .nw = count, .dtype = w->dtype, .row_bytes = st_weight_stride(w),
         .L = {.K = K, .nb = K / 32},
         .n = n,
         .nu = w->dtype == ST_DTYPE_Q6_K ? K / 16 : K / 32,
     };
     for (int i = 0; i < count; i++) {
-        ST_ASSERT(w[i].dtype == w->dtype && w[i].cols == K);
+        ST_ASSERT(w[i].dtype == w->dtype && w[i].cols == K && st_weight_stride(&w[i]) == m.row_bytes);
         m.w[i] = w[i].data, m.ys[i] = y[i], m.Ns[i] = w[i].rows;
         m.rb0[i + 1] = m.rb0[i] + (w[i].rows + QI_ROWS - 1) / QI_ROWS;
     }
