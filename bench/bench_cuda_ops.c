@@ -241,9 +241,9 @@ static void bench_prefill_attention(double copy_bw) {
     printf("roofline: fast-mode bf16 GEMM 8192^3 (cuBLAS) %.1f TFLOP/s; 50%% = %.1f\n", gemm / 1e12, gemm / 2e12);
     static const int64_t cs[][4] = {{2048, 32, 8, 128}, {4096, 32, 8, 128}, {16384, 32, 8, 128}, {16384, 32, 8, 64}};
     /* the FA2 configurations (cuda_attn_prefill_fa2.cuh) and the Hopper kernel
-     * with and without its warpgroups' turns (cuda_attn_prefill_wgmma.cuh; head
+     * without and with its warpgroups' turns (cuda_attn_prefill_wgmma.cuh; head
      * dim 128 on compute capability 9.0, else they run FA2's auto choice) */
-    static const char *const vars[] = {"b128w8", "b128w8r", "b128w4", "b256w8", "wgmma", "wgmma-np"};
+    static const char *const vars[] = {"b128w8", "b128w8r", "b128w4", "b256w8", "wgmma", "wgmma-pp"};
     enum { NC = sizeof cs / sizeof cs[0], NV = sizeof vars / sizeof vars[0] };
     double t[NV][NC];
     st_backend *saved = be;

@@ -139,8 +139,8 @@ typedef struct {
                              (0: the default, 256; -1: never the MMQ; else at least mmq_min_n) */
     const char *attn_fa2; /* CUDA: the fast-mode prefill attention kernel: NULL / "auto" (the Hopper
                              wgmma kernel for head dim 128 on compute capability 9.0, else the FA2
-                             configuration measured fastest, per call), "wgmma" (the same), "wgmma-np"
-                             (the Hopper kernel without its warpgroups' turns), or an FA2
+                             configuration measured fastest, per call), "wgmma" (the same), "wgmma-pp"
+                             (the Hopper kernel with its warpgroups taking turns), or an FA2
                              configuration: "b128w8", "b128w8r", "b128w4", "b256w8"; an unknown
                              name fails init */
     int pdl;              /* CUDA: programmatic dependent launch of the decode-path kernels:

@@ -579,7 +579,7 @@ static void check_attention_ex(int64_t n, int64_t n_kv, int64_t H, int64_t Hkv, 
     check(e <= thr, "attention n=%lld n_kv=%lld heads=%lld/%lld hd=%lld%s (%s)  err=%.2e (thr %.0e)", (long long)n,
           (long long)n_kv, (long long)H, (long long)Hkv, (long long)hd,
           mode == ATT_POS_SLACK ? " pos ends early" : mode == ATT_POS_REVERSED ? " pos reversed" : "",
-          fa2 ? "tensor cores, fast, fa2" : tc ? (g_fast ? "tensor cores, fast" : "tensor cores, hi+lo") : "fp32", e,
+          fa2 ? "tensor cores, fast, fa2 or wgmma" : tc ? (g_fast ? "tensor cores, fast" : "tensor cores, hi+lo") : "fp32", e,
           thr);
     g_free(dq), g_free(dk), g_free(dv), g_free(dp), g_free(dout);
     free(q), free(k), free(v), free(ref), free(got), free(pos);
@@ -706,7 +706,7 @@ static void check_attention_part_ex(int64_t n, int64_t ctx, int64_t H, int64_t H
           "attention_part n=%lld ctx=%lld heads=%lld/%lld hd=%lld pieces %s%s%s (%s)  err=%.2e (thr %.0e)  lse err=%.2e "
           "(thr %.0e)",
           (long long)n, (long long)ctx, (long long)H, (long long)Hkv, (long long)hd, cuts, lse_null ? ", lse NULL" : "",
-          what, fa2 ? "tensor cores, fast, fa2" : tc ? (g_fast ? "tensor cores, fast" : "tensor cores, hi+lo") : "fp32",
+          what, fa2 ? "tensor cores, fast, fa2 or wgmma" : tc ? (g_fast ? "tensor cores, fast" : "tensor cores, hi+lo") : "fp32",
           e, thr, le, lthr);
     g_free(dq), g_free(dk), g_free(dv), g_free(dp), g_free(dout), g_free(dlse);
     free(q), free(k), free(v), free(ref), free(got), free(lse), free(pos);
@@ -2144,12 +2144,12 @@ int main(int argc, char **argv) {
                                               {"b128w4", "fa2 b128w4 (attn_fa2 = b128w4)"},
                                               {"b256w8", "fa2 b256w8 (attn_fa2 = b256w8)"},
                                               {"wgmma", "wgmma (attn_fa2 = wgmma; FA2 where it does not apply)"},
-                                              {"wgmma-np", "wgmma without turns (attn_fa2 = wgmma-np)"}};
+                                              {"wgmma-pp", "wgmma with turns (attn_fa2 = wgmma-pp)"}};
     for (size_t i = 0; i < sizeof fa2_vars / sizeof fa2_vars[0]; i++)
         on_backend(&(st_backend_params){.attn_fa2 = fa2_vars[i][0]}, check_attention_fast, fa2_vars[i][1]);
-    /* attention_part's pieces (causal and not) on the Hopper kernel without
-     * its turns and on FA2 (the default backend above ran the auto choice) */
-    on_backend(&(st_backend_params){.attn_fa2 = "wgmma-np"}, check_attention_part_fast, "attn_fa2 = wgmma-np");
+    /* attention_part's pieces (causal and not) on the Hopper kernel with its
+     * turns and on FA2 (the default backend above ran the auto choice) */
+    on_backend(&(st_backend_params){.attn_fa2 = "wgmma-pp"}, check_attention_part_fast, "attn_fa2 = wgmma-pp");
     on_backend(&(st_backend_params){.attn_fa2 = "b128w8r"}, check_attention_part_fast, "attn_fa2 = b128w8r (FA2)");
     if (!only_attn) {
         const char *pmodels[] = {"gqa_f32", "llama3_bf16", "headdim_f32", "mha_tied_f32"};

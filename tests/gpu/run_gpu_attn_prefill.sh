@@ -6,9 +6,9 @@
 # memory: ptxas), runs the attention checks of gpu_check_ops --only-attention
 # (whose "-- prefill attention, fast mode" sections check the default choice
 # (auto: the wgmma kernel where it applies) and every configuration (b128w8,
-# b128w8r, b128w4, b256w8, wgmma, wgmma-np: st_backend_params.attn_fa2) against
+# b128w8r, b128w4, b256w8, wgmma, wgmma-pp: st_backend_params.attn_fa2) against
 # the CPU at 1e-2, and whose attention_part sections check pieces, causal and
-# not, on auto, wgmma-np and FA2), then the prefill attention section of the
+# not, on auto, wgmma-pp and FA2), then the prefill attention section of the
 # kernel bench (bench_cuda_ops --only prefill-attn: precise and fast mode at
 # 512/4K/16K, then every configuration side by side at 2K/4K/16K hd 128 and
 # 16K hd 64, against a bf16 GEMM), then PyTorch's SDPA on its flash and cuDNN

@@ -43,6 +43,12 @@
  *     rounded to bf16 by a pre-pass, 128 or 256 rows per block, K/V tiles of
  *     64 keys double-buffered by cp.async, ldmatrix fragments, P kept in
  *     registers; configuration: st_backend_params.attn_fa2, auto by default).
+ *   prefill, fast mode, the same rows, head dim 128, on compute capability
+ *     9.0 (auto, or attn_fa2 "wgmma" / "wgmma-pp"), at least one tile of 128
+ *     keys: the Hopper kernel of cuda_attn_prefill_wgmma.cu (K and V^T rounded
+ *     to bf16 by a pre-pass, TMA tiles in a 2-stage mbarrier pipeline fed by a
+ *     producer warp, two consumer warpgroups of 64 rows running wgmma;
+ *     measured 1.4-1.7x the best FA2 configuration on an H100).
  * Split lengths are derived on the device from the rows' positions
  * (split_range), the host choosing only the number of splits from n_kv, an
  * upper bound: a recorded decode step passes the cache's capacity as n_kv
@@ -644,7 +650,7 @@ static strata_status run_prefill(st_backend *be, st_cuda_stream *s, const float 
         strata_status st = alloc_parts(be, s, o.nsplit, n * H, HD, &o);
         if (st != STRATA_OK) return st;
         st = st_attn_prefill_wgmma(be, s, q, k, v, pos, n, n_kv, H, Hkv, qscale, &o, PART,
-                                   c->attn_fa2 != ST_ATTN_FA2_WGMMA_NP);
+                                   c->attn_fa2 == ST_ATTN_FA2_WGMMA_PP);
         if (st != STRATA_OK) return st;
         return o.nsplit > 1 ? merge_splits<HD, PART>(s->s, false, &o, n * H) : STRATA_OK;
     }

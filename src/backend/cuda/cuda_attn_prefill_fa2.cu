@@ -378,12 +378,12 @@ strata_status st_attn_fa2_variant(const char *name, int *variant) {
             *variant = i;
             return STRATA_OK;
         }
-    if (strcmp(name, "wgmma") == 0 || strcmp(name, "wgmma-np") == 0) {
-        *variant = name[5] ? ST_ATTN_FA2_WGMMA_NP : ST_ATTN_FA2_WGMMA;
+    if (strcmp(name, "wgmma") == 0 || strcmp(name, "wgmma-pp") == 0) {
+        *variant = name[5] ? ST_ATTN_FA2_WGMMA_PP : ST_ATTN_FA2_WGMMA;
         return STRATA_OK;
     }
     return st_err(STRATA_ERR_INVALID_ARG,
-                  "cuda backend init: attn_fa2 \"%s\" is not one of auto, wgmma, wgmma-np, b128w8, b128w8r, b128w4, "
+                  "cuda backend init: attn_fa2 \"%s\" is not one of auto, wgmma, wgmma-pp, b128w8, b128w8r, b128w4, "
                   "b256w8",
                   name);
 }

@@ -1,12 +1,14 @@
 /* attention, prefill in fast mode on Hopper (sm_90a): a FlashAttention-3
  * style kernel (the ideas of the FlashAttention-3 paper: warp-specialized
  * producer/consumers around an asynchronous copy pipeline, warpgroup matrix
- * products with operands in shared memory, two consumer warpgroups taking
- * turns; no code taken from it). Used by the contiguous attention op (and
- * attention_part) in fast mode for head dim 128 with at least
- * ST_ATTN_FA2_MIN_ROWS rows per kv head on a device of compute capability 9.0
- * (st_backend_params.attn_fa2 "auto" or "wgmma"; the FA2 configurations stay
- * selectable by name). Other head dims and other devices: the FA2 kernel
+ * products with operands in shared memory, the softmax of one tile
+ * overlapping the products of another, two consumer warpgroups taking turns
+ * (optional here); no code taken from it). Used by the contiguous attention
+ * op (and attention_part) in fast mode for head dim 128 with at least
+ * ST_ATTN_FA2_MIN_ROWS rows per kv head on a device of compute capability
+ * 9.0 (st_backend_params.attn_fa2 "auto" or "wgmma"; "wgmma-pp" with the
+ * turns; the FA2 configurations stay selectable by name). Other head dims
+ * and other devices: the FA2 kernel
  * (cuda_attn_prefill_fa2.cu). The compute_80 build holds a stub (wgmma and
  * setmaxnreg exist on sm_90a only); the host never launches it there.
  *
@@ -39,9 +41,12 @@
  *        that the softmax of tile t + 1 runs while P V of tile t is on the
  *        tensor cores (intra-warpgroup overlap); then the stage of tile t is
  *        released (every consumer thread arrives on its empty mbarrier).
- *        pingpong: the two warpgroups take turns issuing their products
- *        (named barriers), so that one's softmax runs while the other's
- *        products do.
+ *        pingpong (attn_fa2 "wgmma-pp" only): the two warpgroups take turns
+ *        issuing their products (named barriers), so that one's softmax runs
+ *        while the other's products do. Measured on an H100 (bench/RESULTS.md,
+ *        eighth session) it gained nothing at 2K and 4K tokens and lost 5% at
+ *        16K: the two warpgroups already interleave on their own, and the
+ *        turns add waits; so the default runs without them.
  *      - Causal: the block's key range ends at its largest position
  *        (split_range, tiles of 128 keys); the mask (key > the row's last
  *        key -> -inf) is applied only to the tiles that reach past a row's

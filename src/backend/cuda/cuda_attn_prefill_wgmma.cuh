@@ -26,7 +26,8 @@ strata_status st_attn_wgmma_setup(st_cuda *c, bool *ok);
  * partials of o (the caller merges them). qscale = scale * log2(e). part:
  * attention_part's instantiation (k, v one piece of keys from o->key0).
  * pingpong: the two consumer warpgroups take turns issuing their matrix
- * products (one's softmax overlaps the other's products). */
+ * products (one's softmax overlaps the other's products; attn_fa2
+ * "wgmma-pp", off by default: measured no faster). */
 strata_status st_attn_prefill_wgmma(st_backend *be, st_cuda_stream *s, const float *q, const float *k,
                                     const float *v, const int32_t *pos, int64_t n, int64_t n_kv, int64_t H,
                                     int64_t Hkv, float qscale, const attn_out *o, bool part, bool pingpong);

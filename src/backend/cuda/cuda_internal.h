@@ -128,7 +128,7 @@ typedef struct {
                                  (cuda_attention_paged.cu still reads it) */
     int attn_fa2;             /* st_backend_params.attn_fa2 (read at init): the FA2 kernel's configuration
                                  (cuda_attn_prefill_fa2.cuh; -1: auto, the default; ST_ATTN_FA2_WGMMA /
-                                 ST_ATTN_FA2_WGMMA_NP: the Hopper kernel, with or without its turns) */
+                                 ST_ATTN_FA2_WGMMA_PP: the Hopper kernel, without or with its turns) */
     bool attn_wgmma;          /* the Hopper prefill attention kernel can run (compute capability 9.0:
                                  cuda_attn_prefill_wgmma.cu, st_attn_wgmma_setup) */
     void *tmap_encode;        /* the driver's cuTensorMapEncodeTiled (NULL: none; st_attn_wgmma_setup) */
