@@ -240,8 +240,10 @@ static void bench_prefill_attention(double copy_bw) {
     const double gemm = gemm_rate_fast();
     printf("roofline: fast-mode bf16 GEMM 8192^3 (cuBLAS) %.1f TFLOP/s; 50%% = %.1f\n", gemm / 1e12, gemm / 2e12);
     static const int64_t cs[][4] = {{2048, 32, 8, 128}, {4096, 32, 8, 128}, {16384, 32, 8, 128}, {16384, 32, 8, 64}};
-    /* the FA2 configurations (cuda_attn_prefill_fa2.cuh) */
-    static const char *const vars[] = {"b128w8", "b128w8r", "b128w4", "b256w8"};
+    /* the FA2 configurations (cuda_attn_prefill_fa2.cuh) and the Hopper kernel
+     * without and with its warpgroups' turns (cuda_attn_prefill_wgmma.cuh; head
+     * dim 128 on compute capability 9.0, else they run FA2's auto choice) */
+    static const char *const vars[] = {"b128w8", "b128w8r", "b128w4", "b256w8", "wgmma", "wgmma-pp"};
     enum { NC = sizeof cs / sizeof cs[0], NV = sizeof vars / sizeof vars[0] };
     double t[NV][NC];
     st_backend *saved = be;
@@ -257,7 +259,8 @@ static void bench_prefill_attention(double copy_bw) {
         st_backend_free(be);
         be = saved, s = saved_s;
     }
-    printf("-- prefill attention, fast: FA2 configurations (st_backend_params.attn_fa2), causal; TFLOP/s (ms)\n");
+    printf("-- prefill attention, fast: kernels by st_backend_params.attn_fa2 (FA2 configurations, the Hopper "
+           "wgmma kernel), causal; TFLOP/s (ms)\n");
     printf("%-34s", "case");
     for (int v = 0; v < NV; v++) printf(" | %-17s", vars[v]);
     printf(" | best\n");

@@ -151,9 +151,12 @@ typedef struct {
                              the int8 tensor-core kernel (MMQ) rather than the GEMV (0: the default, 4) */
     int mmq_max_n;        /* CUDA, fast mode: most tokens for the MMQ, above it dequantize + GEMM
                              (0: the default, 256; -1: never the MMQ; else at least mmq_min_n) */
-    const char *attn_fa2; /* CUDA: configuration of the fast-mode FA2 prefill attention kernel:
-                             "b128w8", "b128w8r", "b128w4", "b256w8", or NULL / "auto" (per call,
-                             the one measured fastest); an unknown name fails init */
+    const char *attn_fa2; /* CUDA: the fast-mode prefill attention kernel: NULL / "auto" (the Hopper
+                             wgmma kernel for head dim 128 on compute capability 9.0, else the FA2
+                             configuration measured fastest, per call), "wgmma" (the same), "wgmma-pp"
+                             (the Hopper kernel with its warpgroups taking turns), or an FA2
+                             configuration: "b128w8", "b128w8r", "b128w4", "b256w8"; an unknown
+                             name fails init */
     int pdl;              /* CUDA: programmatic dependent launch of the decode-path kernels:
                              0 default (on), 1 on, -1 off */
 } st_backend_params;

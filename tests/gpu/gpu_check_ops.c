@@ -579,7 +579,7 @@ static void check_attention_ex(int64_t n, int64_t n_kv, int64_t H, int64_t Hkv, 
     check(e <= thr, "attention n=%lld n_kv=%lld heads=%lld/%lld hd=%lld%s (%s)  err=%.2e (thr %.0e)", (long long)n,
           (long long)n_kv, (long long)H, (long long)Hkv, (long long)hd,
           mode == ATT_POS_SLACK ? " pos ends early" : mode == ATT_POS_REVERSED ? " pos reversed" : "",
-          fa2 ? "tensor cores, fast, fa2" : tc ? (g_fast ? "tensor cores, fast" : "tensor cores, hi+lo") : "fp32", e,
+          fa2 ? "tensor cores, fast, fa2 or wgmma" : tc ? (g_fast ? "tensor cores, fast" : "tensor cores, hi+lo") : "fp32", e,
           thr);
     g_free(dq), g_free(dk), g_free(dv), g_free(dp), g_free(dout);
     free(q), free(k), free(v), free(ref), free(got), free(pos);
@@ -618,6 +618,8 @@ static void check_attention_fast(const char *ver) {
     check_attention_ex(600, 600, 8, 2, 128, ATT_POS_REVERSED, 0);
     check_attention_ex(1000, 1000, 32, 32, 64, ATT_POS_REVERSED, 0);
     check_attention(64, 4096, 32, 8, 128);  /* 256 rows: the mma kernel */
+    check_attention(64, 100, 64, 8, 128);   /* 512 rows over 100 keys: under one wgmma tile (FA2 then) */
+    check_attention(1000, 1000, 8, 8, 128); /* G 1: 8 blocks of 125 tokens, causal, the last tile 104 keys */
     check_attention(64, 100, 4, 4, 64);
     g_gpu->ops->set_fast_prefill(g_gpu, false);
     g_fast = false;
@@ -704,7 +706,7 @@ static void check_attention_part_ex(int64_t n, int64_t ctx, int64_t H, int64_t H
           "attention_part n=%lld ctx=%lld heads=%lld/%lld hd=%lld pieces %s%s%s (%s)  err=%.2e (thr %.0e)  lse err=%.2e "
           "(thr %.0e)",
           (long long)n, (long long)ctx, (long long)H, (long long)Hkv, (long long)hd, cuts, lse_null ? ", lse NULL" : "",
-          what, fa2 ? "tensor cores, fast, fa2" : tc ? (g_fast ? "tensor cores, fast" : "tensor cores, hi+lo") : "fp32",
+          what, fa2 ? "tensor cores, fast, fa2 or wgmma" : tc ? (g_fast ? "tensor cores, fast" : "tensor cores, hi+lo") : "fp32",
           e, thr, le, lthr);
     g_free(dq), g_free(dk), g_free(dv), g_free(dp), g_free(dout), g_free(dlse);
     free(q), free(k), free(v), free(ref), free(got), free(lse), free(pos);
@@ -758,6 +760,17 @@ static void check_attention_part(void) {
     check_attention_part_ex(64, 700, 32, 8, 128, st1, 1, true, "");
     check_attention_part_ex(600, 700, 32, 8, 128, st1, 1, true, "");
     check_attention_part_ex(600, 700, 32, 8, 128, st1, 1, false, " (one piece)");
+}
+
+/* The attention_part checks in fast mode alone, on the backend g_gpu (`ver`
+ * names its attn_fa2 configuration). */
+static void check_attention_part_fast(const char *ver) {
+    printf("-- attention_part on %s\n", ver);
+    g_fast = true;
+    g_gpu->ops->set_fast_prefill(g_gpu, true);
+    check_attention_part();
+    g_gpu->ops->set_fast_prefill(g_gpu, false);
+    g_fast = false;
 }
 
 /* The attention_part checks in precise, then fast mode. */
@@ -2129,9 +2142,15 @@ int main(int argc, char **argv) {
     static const char *const fa2_vars[][2] = {{"b128w8", "fa2 b128w8 (attn_fa2 = b128w8)"},
                                               {"b128w8r", "fa2 b128w8r (attn_fa2 = b128w8r)"},
                                               {"b128w4", "fa2 b128w4 (attn_fa2 = b128w4)"},
-                                              {"b256w8", "fa2 b256w8 (attn_fa2 = b256w8)"}};
+                                              {"b256w8", "fa2 b256w8 (attn_fa2 = b256w8)"},
+                                              {"wgmma", "wgmma (attn_fa2 = wgmma; FA2 where it does not apply)"},
+                                              {"wgmma-pp", "wgmma with turns (attn_fa2 = wgmma-pp)"}};
     for (size_t i = 0; i < sizeof fa2_vars / sizeof fa2_vars[0]; i++)
         on_backend(&(st_backend_params){.attn_fa2 = fa2_vars[i][0]}, check_attention_fast, fa2_vars[i][1]);
+    /* attention_part's pieces (causal and not) on the Hopper kernel with its
+     * turns and on FA2 (the default backend above ran the auto choice) */
+    on_backend(&(st_backend_params){.attn_fa2 = "wgmma-pp"}, check_attention_part_fast, "attn_fa2 = wgmma-pp");
+    on_backend(&(st_backend_params){.attn_fa2 = "b128w8r"}, check_attention_part_fast, "attn_fa2 = b128w8r (FA2)");
     if (!only_attn) {
         const char *pmodels[] = {"gqa_f32", "llama3_bf16", "headdim_f32", "mha_tied_f32"};
         for (size_t i = 0; i < sizeof pmodels / sizeof pmodels[0]; i++) check_forward_batch(pmodels[i]);
