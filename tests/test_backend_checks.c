@@ -148,7 +148,7 @@ static void check_backend(st_backend *be) {
     const st_weight wm[2] = {w, w};
     BAD(be, be->ops->matmul_multi(be, NULL, x, wm, 5, 1, ys), "matmul_multi", "count = 5");
     BAD(be, be->ops->matmul_multi(be, NULL, x, wm, 2, 1, ys), "matmul_multi", "y[1] is NULL");
-    const st_weight wm2[2] = {w, {wd, ST_DTYPE_F32, 8, 4}};
+    const st_weight wm2[2] = {w, {wd, ST_DTYPE_F32, 8, 4, 0}};
     BAD(be, be->ops->matmul_multi(be, NULL, x, wm2, 2, 1, ys), "matmul_multi", "weight 1 has");
     float *ys_ov[2] = {y, x + 2};
     BAD(be, be->ops->matmul_multi(be, NULL, x, wm, 2, 1, ys_ov), "matmul_multi", "y[1] overlaps");

@@ -1110,6 +1110,43 @@ static void test_simd_equivalence(st_backend *be) {
     free(ob);
 }
 
+/* A row stride (the CPU tier's share of a split FFN's down projection): the
+ * first K columns of a wider matrix, read in place, give the bits of a dense
+ * copy of those columns, for every weight dtype and 1..9 tokens (precise
+ * activations; one thread and two); other ops refuse a
+ * stride. */
+static void test_matmul_stride(st_backend *be) {
+    static const st_dtype dts[] = {ST_DTYPE_Q4_0, ST_DTYPE_Q4_1, ST_DTYPE_Q8_0, ST_DTYPE_Q4_K, ST_DTYPE_Q6_K,
+                                   ST_DTYPE_BF16, ST_DTYPE_F32};
+    int same = 0, runs = 0;
+    for (size_t di = 0; di < sizeof dts / sizeof dts[0]; di++) {
+        const st_dtype t = dts[di];
+        const int64_t blk = st_dtype_get(t)->block_elems < 32 ? 32 : st_dtype_get(t)->block_elems;
+        const int64_t N = 37, K = 2 * blk, W = 5 * blk; /* K columns of a W-column matrix */
+        uint8_t *wide = make_weight(t, N, W, 1.0f);
+        const size_t wrb = st_dtype_row_bytes(t, W), rb = st_dtype_row_bytes(t, K);
+        uint8_t *dense = malloc(rb * (size_t)N);
+        for (int64_t r = 0; r < N; r++) memcpy(dense + (size_t)r * rb, wide + (size_t)r * wrb, rb);
+        for (int64_t n = 1; n <= 9; n += 4) {
+            float *x = rand_f(n * K, 1.0f), *y1 = malloc((size_t)(n * N) * 4), *y2 = malloc((size_t)(n * N) * 4);
+            const st_weight ws = {wide, t, N, K, wrb}, wd = {dense, t, N, K, 0};
+            CHECK(be->ops->matmul(be, NULL, x, &ws, n, y1) == STRATA_OK);
+            CHECK(be->ops->matmul(be, NULL, x, &wd, n, y2) == STRATA_OK);
+            const bool ok = !memcmp(y1, y2, (size_t)(n * N) * 4);
+            CHECK_MSG(ok, "strided matmul %s, %lld tokens: differs from the dense copy", st_dtype_name(t),
+                      (long long)n);
+            same += ok, runs++;
+            free(x), free(y1), free(y2);
+        }
+        const st_weight ws = {wide, t, 1, K, wrb};
+        float out[4096];
+        int32_t id = 0;
+        CHECK_ERR(be->ops->get_rows(be, NULL, &ws, &id, 1, out), STRATA_ERR_UNSUPPORTED, "row stride", "get_rows");
+        free(wide), free(dense);
+    }
+    printf("strided matmuls: %d/%d bit-identical to dense copies\n", same, runs);
+}
+
 int main(void) {
     test_half_conversions();
     test_pool();
@@ -1119,6 +1156,8 @@ int main(void) {
     st_backend *b1 = make_cpu(1, 0), *b2 = make_cpu(2, 0);
     if (!b1 || !b2) return test_finish("test_backend_cpu");
     test_matmul_int(b1, b2);
+    test_matmul_stride(b1);
+    test_matmul_stride(b2);
     for (int simd = 0; simd < 2; simd++) {
         const char *mode = simd ? "simd" : "portable";
         bool on1 = st_backend_cpu_set_simd(b1, simd), on2 = st_backend_cpu_set_simd(b2, simd);

@@ -276,7 +276,7 @@ strata_status st_llama_batch_ops(st_llama *m, st_kv_pool *kv, batch_dev *d, cons
     const st_backend_ops *o = be->ops;
     const st_config *c = &m->cfg;
     {   /* embedding */
-        st_weight w;
+        st_weight w = {0};
         const int32_t *ids = NULL;
         TRY(st_wm_embed(m->wm, m->stream, tokens, n, &w, &ids));
         TRY(o->get_rows(be, m->stream, &w, ids ? ids : d->tokens, n, m->x));

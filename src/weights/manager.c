@@ -958,8 +958,7 @@ strata_status st_wm_embed(st_wm *wm, st_stream *s, const int32_t *tokens, int64_
                           const int32_t **ids) {
     const st_wgroups *gs = wm->groups;
     const st_tensor_desc *t = gs->g[0].t[0].desc;
-    w->dtype = gs->embed_dtype;
-    w->cols = gs->embed_cols;
+    *w = (st_weight){.dtype = gs->embed_dtype, .cols = gs->embed_cols}; /* dense: no stride */
     if (!wm->plan.embed_gather) {
         w->data = wm->res_ptr[0][0];
         w->rows = t->shape[0];
