@@ -672,6 +672,21 @@ static void test_matmul_int(st_backend *b1, st_backend *b2) {
                 }
                 st_backend_cpu_set_isa(b1, best);
                 st_backend_cpu_set_isa(b2, best);
+                /* int8 on AVX-512: the 16-row few-token kernel also at one token (1), and not at all
+                 * (0: the 8-row kernels at 2..8 tokens): the bits of the reference */
+                for (int w16 = 0; act8 && best == ST_CPU_ISA_AVX512 && w16 < 2; w16++)
+                    for (int bi = 0; bi < 2; bi++) {
+                        st_backend *be = bi ? b2 : b1;
+                        CHECK(st_backend_cpu_set_w16(be, w16) == ST_CPU_W16_MIN);
+                        for (int ni = 0; ni < (int)(sizeof ns / sizeof *ns); ni++) {
+                            const int64_t n = ns[ni];
+                            run_matmul(be, x, &w, n, y);
+                            CHECK_MSG(same_bits(y, yr, n * N), "int matmul int8 w16=%d %s threads=%d n=%lld N=%lld "
+                                      "K=%lld: differs from the scalar reference", w16, st_dtype_name(t), bi + 1,
+                                      (long long)n, (long long)N, (long long)K);
+                        }
+                        st_backend_cpu_set_w16(be, ST_CPU_W16_MIN);
+                    }
                 /* int8 on AMX tiles (where usable; ON elsewhere must fall back to OFF) and the
                  * same kernel with the tile instructions emulated: the bits of the reference */
                 for (int am = ST_CPU_AMX_ON; act8 && am <= ST_CPU_AMX_EMULATED; am++)
