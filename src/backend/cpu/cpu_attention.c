@@ -4,10 +4,12 @@
  * (attention_paged: the same items, each key's row found through its
  * sequence's block table, so the same bits for the same keys).
  *
- * Work item = (token i, kv head g), numbered i * n_kv_heads + g: the `group`
- * query heads that read kv head g are computed together, so each key's K and
- * V rows are read (and converted from bf16 / fp8) once per item, not once per
- * query head. An item's keys are cut into ranges at the multiples of
+ * Work item = (block b of ATTN_TOKEN_BLOCK consecutive tokens, kv head g),
+ * numbered b * n_kv_heads + g: the `group` query heads that read kv head g, of
+ * every token of the block, are computed together, so each key's K and V rows
+ * are read once per item, not once per query head nor per token (a block whose
+ * tokens belong to different sequences of a paged batch goes token by token);
+ * each token's heads get exactly the operations of an item of their own. An item's keys are cut into ranges at the multiples of
  * ST_ATTN_RANGE (from key 0); each range [r0, r1) is a two-pass softmax in
  * fp32, for each query head h of the group:
  *   s[j] = scale * dot(q_i,h, k_j)         j = r0..r1-1 (cpu_simd.h's order)
@@ -25,7 +27,7 @@
  * Threads: the items go over the pool. When there are fewer than
  * ATTN_ITEMS_PER_THREAD items per thread (a decode step: n_kv_heads items)
  * and more than one range, every range of every item is a pool item of its
- * own (split over the keys): each writes its (o, lse) to c->attn_part, and
+ * own (split over the keys): each writes its tokens' (o, lse) to c->attn_part, and
  * the caller then merges them in increasing order, the very operations an
  * item performs when it merges its ranges itself. Either way each range is
  * computed by one thread in a fixed order: results do not depend on the

@@ -79,7 +79,9 @@
  * of 2..8 tokens (QI_STREAM: a speculative verification pass) skip the
  * unpacking: each unit of the 8 rows is read from the weights once and
  * multiplied against every token (dot_tokens8), so the weights stream as for
- * one token (2..4 tokens where a group kernel takes the longer tiles). Where
+ * one token (2..4 tokens where a group kernel takes the longer tiles); on
+ * AVX-512, 2..8 tokens (st_cpu.w16_min..8) go instead to W16 (dot16_tokens:
+ * items of 16 rows, lanes = rows, no reduction tree; see there). Where
  * AMX-INT8 is usable (st_cpu.amx), int8's token groups sum on tiles instead
  * (dot_group8_amx: A = 8 unpacked rows x 32 bytes, B = the group's activation
  * block as laid out, C = 8 rows x 8 tokens int32), with token tiles of up to

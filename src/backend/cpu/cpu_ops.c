@@ -149,9 +149,11 @@ typedef struct {
     int64_t n;
 } ew_ctx;
 
-/* swiglu's items: ~1K expf each (~5 us), so that a decode step's 14336 (an 8B FFN) go over 14
- * threads, not 4 */
+/* swiglu's items: ~1K expf each (~5 us), chunks of at least 3 (~15 us: far above a wake-up),
+ * so that a decode step's 14336 (an 8B FFN) go over 5 threads, not 1, while a small model's
+ * 1536 stay on the caller */
 #define SWIGLU_CHUNK 1024
+#define SWIGLU_GRAIN 3
 
 static void swiglu_fn(void *ctx, int64_t b, int64_t e, int ti) {
     const ew_ctx *w = ctx;
@@ -164,7 +166,7 @@ static void swiglu_fn(void *ctx, int64_t b, int64_t e, int ti) {
 
 strata_status st_cpu_swiglu(st_cpu *c, const float *gate, const float *up, int64_t n, float *out) {
     ew_ctx w = {gate, up, out, n};
-    st_pool_parallel_for(c->pool, (n + SWIGLU_CHUNK - 1) / SWIGLU_CHUNK, 1, swiglu_fn, &w);
+    st_pool_parallel_for(c->pool, (n + SWIGLU_CHUNK - 1) / SWIGLU_CHUNK, SWIGLU_GRAIN, swiglu_fn, &w);
     return STRATA_OK;
 }
 
