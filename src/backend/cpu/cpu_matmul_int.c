@@ -436,6 +436,7 @@ typedef struct {
     int64_t tile;  /* tokens per tile */
     int64_t n_rb;  /* row blocks */
     float *const *scratch;
+    const int32_t *corr; /* W16: [n][nb] -off * sum(a) of each token's block (the unsigned weights' offset) */
 } qi_ctx;
 
 /* A row block's units: read from the weights (rows base + idx[r]) or
@@ -1315,14 +1316,19 @@ ST_TARGET_AVX512 ST_AI void dot16_tokens(const qi_ctx *m, st_dtype t, const uint
             for (int tk = 0; tk < NT; tk++) {
                 const uint8_t *a = qa[tk];
                 const float *dx = (const float *)(a + K), *sx = dx + nb;
-                const int32_t *hs = (const int32_t *)(sx + nb);
-                __m512i s = off ? _mm512_set1_epi32(-off * (hs[2 * u] + hs[2 * u + 1])) : _mm512_setzero_si512();
+                /* two chains of 4 where few tokens leave the vpdpbusd latency exposed */
+                __m512i s = off ? _mm512_set1_epi32(m->corr[tk * nb + u]) : _mm512_setzero_si512();
+                __m512i s1 = _mm512_setzero_si512();
 #pragma GCC unroll 8
                 for (int q = 0; q < 8; q++) {
                     int32_t aq;
                     memcpy(&aq, a + 32 * u + 4 * q, 4);
-                    s = _mm512_dpbusd_epi32(s, W[q], _mm512_set1_epi32(aq));
+                    if (NT <= 2 && (q & 1))
+                        s1 = _mm512_dpbusd_epi32(s1, W[q], _mm512_set1_epi32(aq));
+                    else
+                        s = _mm512_dpbusd_epi32(s, W[q], _mm512_set1_epi32(aq));
                 }
+                if (NT <= 2) s = _mm512_add_epi32(s, s1);
                 st_v16f_w f = (dw * dx[u]) * __builtin_convertvector((st_v16i32)s, st_v16f_w);
                 if (has_mins(t)) f = f + mw * sx[u];
                 acc[tk] += f;
@@ -1413,7 +1419,8 @@ static strata_status matmul_a8(st_cpu *c, const float *x, qi_ctx *m) {
 #if ST_CPU_HAVE_AVX2_PATH
     /* a few tokens on AVX-512: 16 rows x all tokens straight from the weights (W16) */
     if (c->isa == ST_CPU_ISA_AVX512 && c->w16_min > 0 && n >= c->w16_min && n <= QI_STREAM && w16_dtype(m->dtype)) {
-        strata_status st = st_cpu_qact_reserve(c, m->L.stride * (size_t)n);
+        const size_t tok_bytes = m->L.stride * (size_t)n;
+        strata_status st = st_cpu_qact_reserve(c, tok_bytes + (size_t)(n * nb) * sizeof(int32_t));
         if (st != STRATA_OK) return st;
         m->q = c->qact;
         qa8_ctx qa = {.x = x, .q = c->qact, .grp = NULL, .K = K, .nb = nb, .stride = m->L.stride};
@@ -1422,6 +1429,14 @@ static strata_status matmul_a8(st_cpu *c, const float *x, qi_ctx *m) {
             qa8_fn_avx2(&qa, 0, n, 0);
         else
             st_pool_parallel_for(c->pool, n, qgrain, qa8_fn_avx2, &qa);
+        const int off = m->dtype == ST_DTYPE_Q8_0 ? 128 : off8(m->dtype);
+        int32_t *corr = (int32_t *)((uint8_t *)c->qact + tok_bytes);
+        for (int64_t tk = 0; tk < n; tk++) {
+            const int32_t *hs = (const int32_t *)((const uint8_t *)c->qact + (size_t)tk * m->L.stride + K +
+                                                  2 * (size_t)nb * sizeof(float));
+            for (int64_t b = 0; b < nb; b++) corr[tk * nb + b] = -off * (hs[2 * b] + hs[2 * b + 1]);
+        }
+        m->corr = corr;
         for (int i = 0; i < m->nw; i++) m->rb0[i + 1] = m->rb0[i] + (m->Ns[i] + W16_ROWS - 1) / W16_ROWS;
         for (int i = m->nw; i < QI_MULTI; i++) m->rb0[i + 1] = m->rb0[m->nw];
         m->n_rb = m->rb0[m->nw];
