@@ -1234,7 +1234,6 @@ ST_TARGET_AMX ST_AI void dot_group8_amxreal(const void *ctx, st_dtype t, const v
  * order: q4_0 / q4_1 16 bytes of nibble pairs (byte i: elements i and i + 16), q8_0 32 signed
  * bytes (as w + 128), q4_K 32 bytes whose low (even unit) or high (odd) nibbles are the unit. */
 #define W16_ROWS 16
-typedef float st_v16f_w __attribute__((vector_size(64)));
 
 ST_AI bool w16_dtype(st_dtype t) {
     return t == ST_DTYPE_Q4_0 || t == ST_DTYPE_Q4_1 || t == ST_DTYPE_Q8_0 || t == ST_DTYPE_Q4_K;
@@ -1298,18 +1297,18 @@ ST_TARGET_AVX512 ST_AI void dot16_tokens(const qi_ctx *m, st_dtype t, const uint
     st_v8i lo8, hi8; /* row offsets from p[0], for load_scales */
     for (int r = 0; r < 8; r++) lo8[r] = (int32_t)(p[r] - p[0]), hi8[r] = (int32_t)(p[r + 8] - p[0]);
     const qi_isa S = {.gather = gather_portable, .f16 = f16_avx512};
-    st_v16f_w accs[8][QI_STREAM];
+    st_v16f accs[8][QI_STREAM];
     for (int j = 0; j < 8; j++) {
-        st_v16f_w acc[QI_STREAM];
-        for (int tk = 0; tk < NT; tk++) acc[tk] = (st_v16f_w){0};
+        st_v16f acc[QI_STREAM];
+        for (int tk = 0; tk < NT; tk++) acc[tk] = (st_v16f){0};
         for (int64_t u = j; u < nu; u += 8, done++) {
             __m512i W[8];
             w16_load(t, p, u, W);
             st_v8f dl, dh, ml = st_v8f_splat(0.0f), mh = st_v8f_splat(0.0f);
             load_scales(t, p[0], lo8, u, &dl, &ml, S);
             load_scales(t, p[0], hi8, u, &dh, &mh, S);
-            const st_v16f_w dw = __builtin_shufflevector(dl, dh, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-            const st_v16f_w mw = __builtin_shufflevector(ml, mh, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            const st_v16f dw = __builtin_shufflevector(dl, dh, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            const st_v16f mw = __builtin_shufflevector(ml, mh, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
             const int64_t pf_end = (int64_t)(((uint64_t)(done + 1) * pf_q16) >> 16); /* the next rows, spread */
             for (; pf < pf_end; pf += 64) __builtin_prefetch(pf_base + pf, 0, 2);
 #pragma GCC unroll 8
@@ -1329,7 +1328,7 @@ ST_TARGET_AVX512 ST_AI void dot16_tokens(const qi_ctx *m, st_dtype t, const uint
                         s = _mm512_dpbusd_epi32(s, W[q], _mm512_set1_epi32(aq));
                 }
                 if (NT <= 2) s = _mm512_add_epi32(s, s1);
-                st_v16f_w f = (dw * dx[u]) * __builtin_convertvector((st_v16i32)s, st_v16f_w);
+                st_v16f f = (dw * dx[u]) * __builtin_convertvector((st_v16i32)s, st_v16f);
                 if (has_mins(t)) f = f + mw * sx[u];
                 acc[tk] += f;
             }
@@ -1337,7 +1336,7 @@ ST_TARGET_AVX512 ST_AI void dot16_tokens(const qi_ctx *m, st_dtype t, const uint
         for (int tk = 0; tk < NT; tk++) accs[j][tk] = acc[tk];
     }
     for (int tk = 0; tk < NT; tk++) {
-        const st_v16f_w y = ((accs[0][tk] + accs[4][tk]) + (accs[2][tk] + accs[6][tk])) +
+        const st_v16f y = ((accs[0][tk] + accs[4][tk]) + (accs[2][tk] + accs[6][tk])) +
                             ((accs[1][tk] + accs[5][tk]) + (accs[3][tk] + accs[7][tk]));
         memcpy(out[tk], &y, sizeof y);
     }
