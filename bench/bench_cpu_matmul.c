@@ -110,7 +110,7 @@ int main(int argc, char **argv) {
                 const int64_t N = shapes[si][0], K = shapes[si][1];
                 uint8_t *wd = make_weight(dts[di], N, K);
                 if (!wd) return 1;
-                const st_weight w = {wd, dts[di], N, K};
+                const st_weight w = {wd, dts[di], N, K, 0};
                 const double bytes = (double)st_dtype_row_bytes(dts[di], K) * (double)N;
                 /* int8 on AMX tiles where usable, int8 on the ISA level's kernels, the same without
                  * the 16-row few-token kernel (the 8-row ones: before it) and with it at one token too,

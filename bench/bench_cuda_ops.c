@@ -136,7 +136,7 @@ static void bench_matmul(st_dtype t, int64_t N, int64_t K, int64_t n, double cop
     void *dws[64];
     for (int c = 0; c < m.copies; c++) {
         dws[c] = upload(hw, wbytes);
-        m.w[c] = (st_weight){dws[c], t, N, K};
+        m.w[c] = (st_weight){dws[c], t, N, K, 0};
     }
     free(hw);
     float *hx = malloc((size_t)(n * K) * 4);
@@ -214,7 +214,7 @@ static double gemm_rate_fast(void) {
     void *dws[4];
     for (int c = 0; c < m.copies; c++) {
         dws[c] = upload(hw, wbytes);
-        m.w[c] = (st_weight){dws[c], ST_DTYPE_BF16, N, K};
+        m.w[c] = (st_weight){dws[c], ST_DTYPE_BF16, N, K, 0};
     }
     free(hw);
     m.x = dev_floats(n * K, 1.0f);
@@ -240,8 +240,10 @@ static void bench_prefill_attention(double copy_bw) {
     const double gemm = gemm_rate_fast();
     printf("roofline: fast-mode bf16 GEMM 8192^3 (cuBLAS) %.1f TFLOP/s; 50%% = %.1f\n", gemm / 1e12, gemm / 2e12);
     static const int64_t cs[][4] = {{2048, 32, 8, 128}, {4096, 32, 8, 128}, {16384, 32, 8, 128}, {16384, 32, 8, 64}};
-    /* the FA2 configurations (cuda_attn_prefill_fa2.cuh) */
-    static const char *const vars[] = {"b128w8", "b128w8r", "b128w4", "b256w8"};
+    /* the FA2 configurations (cuda_attn_prefill_fa2.cuh) and the Hopper kernel
+     * without and with its warpgroups' turns (cuda_attn_prefill_wgmma.cuh; head
+     * dim 128 on compute capability 9.0, else they run FA2's auto choice) */
+    static const char *const vars[] = {"b128w8", "b128w8r", "b128w4", "b256w8", "wgmma", "wgmma-pp"};
     enum { NC = sizeof cs / sizeof cs[0], NV = sizeof vars / sizeof vars[0] };
     double t[NV][NC];
     st_backend *saved = be;
@@ -257,7 +259,8 @@ static void bench_prefill_attention(double copy_bw) {
         st_backend_free(be);
         be = saved, s = saved_s;
     }
-    printf("-- prefill attention, fast: FA2 configurations (st_backend_params.attn_fa2), causal; TFLOP/s (ms)\n");
+    printf("-- prefill attention, fast: kernels by st_backend_params.attn_fa2 (FA2 configurations, the Hopper "
+           "wgmma kernel), causal; TFLOP/s (ms)\n");
     printf("%-34s", "case");
     for (int v = 0; v < NV; v++) printf(" | %-17s", vars[v]);
     printf(" | best\n");
@@ -561,7 +564,7 @@ static void bench_gemv(double copy_bw) {
             gv_ctx m = {.b = be, .s = s, .copies = copies};
             for (int c = 0; c < copies; c++) {
                 dws[c] = upload(hw, wbytes);
-                m.w[c] = (st_weight){dws[c], t, N, K};
+                m.w[c] = (st_weight){dws[c], t, N, K, 0};
             }
             free(hw);
             float *hx = malloc((size_t)(8 * K) * 4);
@@ -628,7 +631,7 @@ static void bench_mmq(double copy_bw) {
                 gv_ctx m = {.b = be, .s = s, .copies = copies};
                 for (int c = 0; c < copies; c++) {
                     dws[c] = upload(hw, wbytes);
-                    m.w[c] = (st_weight){dws[c], t, N, K};
+                    m.w[c] = (st_weight){dws[c], t, N, K, 0};
                 }
                 free(hw);
                 const int64_t nmax = ns[NN - 1];

@@ -135,6 +135,10 @@ typedef struct {
                                   computed on the CPU from host memory in decode steps (0: auto, the
                                   split with the least predicted step, from the CPU's matmul rate measured
                                   at load with `threads` threads; -1: none) */
+    double cpu_split;          /* hybrid: of each such FFN group, the share of its intermediate rows the GPU
+                                  computes from a streamed copy while the CPU computes the rest, both at once
+                                  (0: auto, the share with the least predicted step; < 0: none, the CPU
+                                  computes whole groups; (0, 1): that share, rounded to 256 rows on large layers) */
     int64_t cpu_max_tokens;    /* forward passes of at most this many tokens compute those groups on the CPU;
                                   larger ones (prefill) stream them to the device (0: 8) */
     /* serving knobs (zero: defaults) */

@@ -94,9 +94,9 @@ static void check_backend(st_backend *be) {
     int32_t *ids = (int32_t *)(buf + 512);
     int64_t *slots = (int64_t *)(buf + 576);
     st_sample_args *args = (st_sample_args *)(buf + 640);
-    const st_weight w = {wd, ST_DTYPE_F32, 8, 8};
-    const st_weight w16 = {wd, ST_DTYPE_BF16, 8, 8};
-    const st_weight wn = {wd, ST_DTYPE_F32, 1, 8};
+    const st_weight w = {wd, ST_DTYPE_F32, 8, 8, 0};
+    const st_weight w16 = {wd, ST_DTYPE_BF16, 8, 8, 0};
+    const st_weight wn = {wd, ST_DTYPE_F32, 1, 8, 0};
 
     /* memory, streams, events */
     BAD(be, be->ops->alloc(be, 16, NULL), "alloc", "out is NULL");
@@ -127,9 +127,9 @@ static void check_backend(st_backend *be) {
     BAD(be, be->ops->matmul(be, NULL, x, &w, 1, NULL), "matmul", "y is NULL");
     BAD(be, be->ops->matmul(be, NULL, x, &w, -2, y), "matmul", "n = -2");
     BAD(be, be->ops->matmul(be, NULL, x, &w, 2, x + 4), "matmul", "overlaps");
-    const st_weight wbad = {wd, ST_DTYPE_F32, 0, 8};
+    const st_weight wbad = {wd, ST_DTYPE_F32, 0, 8, 0};
     BAD(be, be->ops->matmul(be, NULL, x, &wbad, 1, y), "matmul", "empty");
-    const st_weight wnull = {NULL, ST_DTYPE_F32, 8, 8};
+    const st_weight wnull = {NULL, ST_DTYPE_F32, 8, 8, 0};
     BAD(be, be->ops->matmul(be, NULL, x, &wnull, 1, y), "matmul", "weight data is NULL");
     BAD(be, be->ops->rope(be, NULL, x, ids, 1, 2, 3, y, false), "rope", "even");
     BAD(be, be->ops->rope(be, NULL, x, NULL, 1, 2, 4, y, false), "rope", "pos is NULL");
@@ -148,7 +148,7 @@ static void check_backend(st_backend *be) {
     const st_weight wm[2] = {w, w};
     BAD(be, be->ops->matmul_multi(be, NULL, x, wm, 5, 1, ys), "matmul_multi", "count = 5");
     BAD(be, be->ops->matmul_multi(be, NULL, x, wm, 2, 1, ys), "matmul_multi", "y[1] is NULL");
-    const st_weight wm2[2] = {w, {wd, ST_DTYPE_F32, 8, 4}};
+    const st_weight wm2[2] = {w, {wd, ST_DTYPE_F32, 8, 4, 0}};
     BAD(be, be->ops->matmul_multi(be, NULL, x, wm2, 2, 1, ys), "matmul_multi", "weight 1 has");
     float *ys_ov[2] = {y, x + 2};
     BAD(be, be->ops->matmul_multi(be, NULL, x, wm, 2, 1, ys_ov), "matmul_multi", "y[1] overlaps");
@@ -262,7 +262,7 @@ static void check_backend(st_backend *be) {
     /* device-specific checks stay in the device */
     if (cuda) {
         /* these checks are the device's own: it is reached, and refuses */
-        const st_weight wmis = {(const char *)wd + 4, ST_DTYPE_F32, 4, 8};
+        const st_weight wmis = {(const char *)wd + 4, ST_DTYPE_F32, 4, 8, 0};
         CHECK_ERR(be->ops->matmul(be, NULL, x, &wmis, 1, y), STRATA_ERR_INVALID_ARG, "cuda matmul:",
                   "16-byte aligned");
         CHECK_ERR(be->ops->add(be, NULL, (float *)((char *)x + 2), y, 4), STRATA_ERR_INVALID_ARG, "cuda add:",

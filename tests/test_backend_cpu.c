@@ -419,7 +419,7 @@ static void run_matmul(st_backend *be, const float *x, const st_weight *w, int64
 static void check_matmul_case(st_backend *b1, st_backend *b2, st_dtype t, int64_t n, int64_t N, int64_t K,
                               const char *mode) {
     uint8_t *wd = make_weight(t, N, K, 1.0f);
-    st_weight w = {wd, t, N, K};
+    st_weight w = {wd, t, N, K, 0};
     float *x = rand_f(n * K, 1.0f);
     double *wref = dequant_all(t, wd, N, K);
     double *yref = malloc((size_t)(n * N) * sizeof(double)), *mag = malloc((size_t)(n * N) * sizeof(double));
@@ -473,11 +473,11 @@ static void test_matmul(st_backend *b1, st_backend *b2, const char *mode) {
     /* argument errors */
     float x[64], y[64];
     uint8_t wd[64] = {0};
-    st_weight w = {wd, ST_DTYPE_Q8_0, 1, 33};
+    st_weight w = {wd, ST_DTYPE_Q8_0, 1, 33, 0};
     CHECK_ERR(b1->ops->matmul(b1, NULL, x, &w, 1, y), STRATA_ERR_INVALID_ARG, "multiple");
     w.dtype = (st_dtype)99;
     CHECK_ERR(b1->ops->matmul(b1, NULL, x, &w, 1, y), STRATA_ERR_INVALID_ARG, "dtype");
-    w = (st_weight){NULL, ST_DTYPE_F32, 2, 4};
+    w = (st_weight){NULL, ST_DTYPE_F32, 2, 4, 0};
     CHECK_ERR(b1->ops->matmul(b1, NULL, x, &w, 1, y), STRATA_ERR_INVALID_ARG, "NULL");
     w.data = wd;
     CHECK(b1->ops->matmul(b1, NULL, x, &w, 0, y) == STRATA_OK);
@@ -635,7 +635,7 @@ static void test_matmul_int(st_backend *b1, st_backend *b2) {
             for (int ri = 0; ri < 2; ri++) {
                 const int64_t K = Ks[ki], N = Ns[ri] + (ki == 2 ? 64 : 0), nmax = 64;
                 uint8_t *wd = make_weight(t, N, K, 1.0f);
-                st_weight w = {wd, t, N, K};
+                st_weight w = {wd, t, N, K, 0};
                 float *x = outlier_acts(nmax, K), *yr = alloc_f(nmax * N), *y = alloc_f(nmax * N), *y1 = alloc_f(N);
                 ref_matmul_int(t, wd, x, nmax, N, K, yr, act8);
                 /* error of the documented arithmetic vs the f32 dequantized product */
@@ -738,7 +738,7 @@ static void test_get_rows(st_backend *b1, st_backend *b2, const char *mode) {
         const int64_t cols = st_dtype_get(dt)->block_elems == 256 ? 512 : (dt <= ST_DTYPE_BF16 ? 37 : 96);
         const int64_t rows = 11, n = 9;
         uint8_t *wd = make_weight(dt, rows, cols, 2.0f);
-        st_weight w = {wd, dt, rows, cols};
+        st_weight w = {wd, dt, rows, cols, 0};
         int32_t ids[9] = {3, 0, 10, 3, 7, 1, 10, 0, 5};
         float *o1 = alloc_f(n * cols), *o2 = alloc_f(n * cols), *ref = alloc_f(cols);
         poison(o1, n * cols);
@@ -765,7 +765,7 @@ static void test_get_rows(st_backend *b1, st_backend *b2, const char *mode) {
     uint16_t *all = malloc(65536 * 2);
     for (uint32_t h = 0; h < 65536; h++) all[h] = (uint16_t)h;
     float *o = alloc_f(65536);
-    st_weight w = {all, ST_DTYPE_F16, 1, 65536};
+    st_weight w = {all, ST_DTYPE_F16, 1, 65536, 0};
     int32_t id = 0;
     CHECK(b2->ops->get_rows(b2, NULL, &w, &id, 1, o) == STRATA_OK);
     int bad = 0;
@@ -791,7 +791,7 @@ static void test_rmsnorm(st_backend *b1, st_backend *b2, const char *mode) {
                 const int64_t d = ds[di], n = ns[ni];
                 const st_dtype wt = variant == 1 ? ST_DTYPE_BF16 : ST_DTYPE_F32;
                 uint8_t *wd = make_weight(wt, 1, d, 1.5f);
-                st_weight w = {wd, wt, 1, d};
+                st_weight w = {wd, wt, 1, d, 0};
                 float *wf = alloc_f(d);
                 st_dequantize_row(wt, wd, wf, d);
                 float *x0 = rand_f(n * d, 3.0f), *res = variant == 1 ? rand_f(n * d, 2.0f) : NULL;
@@ -841,7 +841,7 @@ static void test_rmsnorm(st_backend *b1, st_backend *b2, const char *mode) {
                 free(x2);
             }
     float x[4] = {1, 2, 3, 4}, o[4];
-    st_weight w = {x, ST_DTYPE_F32, 1, 3};
+    st_weight w = {x, ST_DTYPE_F32, 1, 3, 0};
     CHECK_ERR(b1->ops->rmsnorm(b1, NULL, x, NULL, &w, 1e-5f, 1, 4, o), STRATA_ERR_INVALID_ARG, "[1, 4]");
 }
 
@@ -1093,7 +1093,7 @@ static void test_simd_equivalence(st_backend *be) {
         const int64_t N = 37;
         const int64_t ns[] = {1, 9};
         uint8_t *wd = make_weight(dt, N, K, 1.0f);
-        st_weight w = {wd, dt, N, K};
+        st_weight w = {wd, dt, N, K, 0};
         for (int i = 0; i < 2; i++) {
             const int64_t n = ns[i];
             float *x = rand_f(n * K, 1.0f), *ya = alloc_f(n * N), *yb = alloc_f(n * N);
@@ -1125,6 +1125,46 @@ static void test_simd_equivalence(st_backend *be) {
     free(ob);
 }
 
+/* A row stride (the CPU tier's share of a split FFN's down projection): the
+ * first K columns of a wider matrix, read in place, give the bits of a dense
+ * copy of those columns, for every weight dtype and 1..9 tokens (precise
+ * and int8 activations; one thread and two); other ops refuse a
+ * stride. */
+static void test_matmul_stride(st_backend *be) {
+    static const st_dtype dts[] = {ST_DTYPE_Q4_0, ST_DTYPE_Q4_1, ST_DTYPE_Q8_0, ST_DTYPE_Q4_K, ST_DTYPE_Q6_K,
+                                   ST_DTYPE_BF16, ST_DTYPE_F32};
+    int same = 0, runs = 0;
+    for (size_t di = 0; di < sizeof dts / sizeof dts[0]; di++) {
+        const st_dtype t = dts[di];
+        const int64_t blk = st_dtype_get(t)->block_elems < 32 ? 32 : st_dtype_get(t)->block_elems;
+        const int64_t N = 37, K = 2 * blk, W = 5 * blk; /* K columns of a W-column matrix */
+        uint8_t *wide = make_weight(t, N, W, 1.0f);
+        const size_t wrb = st_dtype_row_bytes(t, W), rb = st_dtype_row_bytes(t, K);
+        uint8_t *dense = malloc(rb * (size_t)N);
+        for (int64_t r = 0; r < N; r++) memcpy(dense + (size_t)r * rb, wide + (size_t)r * wrb, rb);
+        for (int act8 = 0; act8 < 2; act8++) /* and int8 activations: 5 tokens take W16 on AVX-512 */
+            for (int64_t n = 1; n <= 9; n += 4) {
+                st_backend_cpu_set_act8(be, act8);
+                float *x = rand_f(n * K, 1.0f), *y1 = malloc((size_t)(n * N) * 4), *y2 = malloc((size_t)(n * N) * 4);
+                const st_weight ws = {wide, t, N, K, wrb}, wd = {dense, t, N, K, 0};
+                CHECK(be->ops->matmul(be, NULL, x, &ws, n, y1) == STRATA_OK);
+                CHECK(be->ops->matmul(be, NULL, x, &wd, n, y2) == STRATA_OK);
+                const bool ok = !memcmp(y1, y2, (size_t)(n * N) * 4);
+                CHECK_MSG(ok, "strided matmul %s %s, %lld tokens: differs from the dense copy", st_dtype_name(t),
+                          act8 ? "int8" : "precise", (long long)n);
+                same += ok, runs++;
+                free(x), free(y1), free(y2);
+                st_backend_cpu_set_act8(be, false);
+            }
+        const st_weight ws = {wide, t, 1, K, wrb};
+        float out[4096];
+        int32_t id = 0;
+        CHECK_ERR(be->ops->get_rows(be, NULL, &ws, &id, 1, out), STRATA_ERR_UNSUPPORTED, "row stride", "get_rows");
+        free(wide), free(dense);
+    }
+    printf("strided matmuls: %d/%d bit-identical to dense copies\n", same, runs);
+}
+
 int main(void) {
     test_half_conversions();
     test_pool();
@@ -1134,6 +1174,8 @@ int main(void) {
     st_backend *b1 = make_cpu(1, 0), *b2 = make_cpu(2, 0);
     if (!b1 || !b2) return test_finish("test_backend_cpu");
     test_matmul_int(b1, b2);
+    test_matmul_stride(b1);
+    test_matmul_stride(b2);
     for (int simd = 0; simd < 2; simd++) {
         const char *mode = simd ? "simd" : "portable";
         bool on1 = st_backend_cpu_set_simd(b1, simd), on2 = st_backend_cpu_set_simd(b2, simd);

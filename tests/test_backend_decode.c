@@ -90,7 +90,7 @@ static void test_fused_matmuls(st_backend *be) {
         float *x = test_rand_floats(&g_rng, n * K, 1.0f), *y[3], *yr[3];
         for (int i = 0; i < 3; i++) {
             wd[i] = make_weight(t, rows[i], K);
-            w[i] = (st_weight){wd[i], t, rows[i], K};
+            w[i] = (st_weight){wd[i], t, rows[i], K, 0};
             y[i] = malloc((size_t)(n * rows[i]) * sizeof(float));
             yr[i] = malloc((size_t)(n * rows[i]) * sizeof(float));
             CHECK(be->ops->matmul(be, NULL, x, &w[i], n, yr[i]) == STRATA_OK);

@@ -16,9 +16,17 @@ backend: the same kernels, so every result must be bit-identical.
 - through the engine: `strata run` greedy output with the CPU tier equals the
   resident run's, text for text (SmolLM2); `strata bench` prints the hybrid
   line whose bytes computed on the CPU per decode step equal the plan's;
-- bad values of --cpu-layers / --cpu-max-tokens are usage errors naming the
-  option.
+- split (--cpu-split 0.5: the "device" computes half of each CPU-tier
+  group's intermediate rows from a streamed copy, the CPU the other half in
+  place): `strata plan` says so, the logits equal the resident run's within
+  1e-5 of the largest (the two halves' sums round differently; f32 KV, so
+  that no bf16 rounding of K or V flips and amplifies that), `strata
+  bench` reports the CPU's bytes and the bytes to the device per step as
+  planned (the parts, not whole groups);
+- bad values of --cpu-layers / --cpu-split / --cpu-max-tokens are usage
+  errors naming the option.
 """
+import array
 import os
 import re
 import subprocess
@@ -119,6 +127,23 @@ def check_model(name, model, tokens):
             check(got == ref, "%s --device-mem %s %s: logits differ from the resident run (%d vs %d bytes)"
                   % (name, dev, " ".join(extra), len(got), len(ref)))
     print("%-16s logits with the cpu tier = resident (device %s)" % (name, dev), flush=True)
+    split = ["--device-mem", dev, "--cpu-layers", "2", "--cpu-split", "0.5"]
+    p = run(["plan", model, *CTX, *BW, *split])
+    m = re.search(r"cpu split\s+each cpu-tier FFN group in decode: the device computes (\d+) of its intermediate rows",
+                  p.stdout)
+    check(p.returncode == 0 and m is not None and int(m.group(1)) > 0,
+          "%s plan --cpu-split 0.5: no split line: %s" % (name, p.stdout + p.stderr))
+    ref, p = logits(model, tokens, ["--kv-dtype", "f32"])
+    got, p = logits(model, tokens, split + ["--kv-dtype", "f32"])
+    check(got is not None and ref is not None, "%s --cpu-split 0.5: failed: %s" % (name, p.stderr[-1500:]))
+    if got is not None and ref is not None and len(got) == len(ref):
+        a, b = array.array("f", got), array.array("f", ref)
+        top = max(abs(x) for x in b)
+        diff = max(abs(x - y) for x, y in zip(a, b))
+        check(diff <= 1e-5 * top, "%s --cpu-split 0.5: logits differ from the resident run by %g (largest %g)"
+              % (name, diff, top))
+        print("%-16s logits with the cpu tier split = resident within %.1e of the largest" % (name, diff / top),
+              flush=True)
 
 
 def check_engine(model):
@@ -138,12 +163,23 @@ def check_engine(model):
              "--cpu-layers", "3"])
     check(p.returncode == 0, "bench --cpu-layers 3: %s" % p.stderr[-1500:])
     m = re.search(r"hybrid\s+per decode step: ([\d.]+ [KMG]?B) computed on the CPU from host memory "
-                  r"\(plan ([\d.]+ [KMG]?B), (\d+) groups\)", p.stdout)
-    check(m is not None and m.group(1) == m.group(2) and m.group(3) == "3",
-          "bench: the hybrid line (CPU bytes per step = the plan's, 3 groups): %s" % p.stdout[-3000:])
+                  r"\(plan ([\d.]+ [KMG]?B), (\d+) groups, (\d+) rows of each on the device\)", p.stdout)
+    check(m is not None and m.group(1) == m.group(2) and m.group(3) == "3" and m.group(4) == "0",
+          "bench: the hybrid line (CPU bytes per step = the plan's, 3 groups, none split): %s" % p.stdout[-3000:])
     m = re.search(r"bytes\s+per decode step: file ([\d.]+) \(plan (\d+)\), to the device ([\d.]+) \(plan (\d+)\)", p.stdout)
     check(m is not None and float(m.group(1)) == float(m.group(2)) and float(m.group(3)) == float(m.group(4)),
           "bench: bytes per decode step to the device (the cpu tier's not among them) = the plan's: %s"
+          % (m.group(0) if m else p.stdout[-2000:]))
+    p = run(["bench", model, "--prompt", "8", "--gen", "4", "--reps", "1", "--device-mem", dev, *BW,
+             "--cpu-layers", "3", "--cpu-split", "0.5"])
+    check(p.returncode == 0, "bench --cpu-split 0.5: %s" % p.stderr[-1500:])
+    m = re.search(r"hybrid\s+per decode step: ([\d.]+ [KMG]?B) computed on the CPU from host memory "
+                  r"\(plan ([\d.]+ [KMG]?B), (\d+) groups, (\d+) rows of each on the device\)", p.stdout)
+    check(m is not None and m.group(1) == m.group(2) and m.group(3) == "3" and int(m.group(4)) > 0,
+          "bench --cpu-split 0.5: the hybrid line (CPU bytes = the plan's, 3 groups split): %s" % p.stdout[-3000:])
+    m = re.search(r"bytes\s+per decode step: file ([\d.]+) \(plan (\d+)\), to the device ([\d.]+) \(plan (\d+)\)", p.stdout)
+    check(m is not None and float(m.group(1)) == float(m.group(2)) and float(m.group(3)) == float(m.group(4)),
+          "bench --cpu-split 0.5: bytes per decode step to the device (the split parts among them) = the plan's: %s"
           % (m.group(0) if m else p.stdout[-2000:]))
     check(re.search(r"bound\s+hybrid max\(PCIe bytes / H2D, CPU bytes / CPU rate\)", p.stdout) is not None,
           "bench: no hybrid bound line: %s" % p.stdout[-2000:])
@@ -161,7 +197,8 @@ def main():
         print("(models/SmolLM2-135M-Instruct.Q4_1.gguf absent: the engine checks are skipped)")
     m0 = os.path.join(SRC, "tests", "data", "models", "llama3_f32")
     for bad, what in ((["--cpu-layers", "x"], "--cpu-layers"), (["--cpu-layers", "-2"], "--cpu-layers"),
-                      (["--cpu-max-tokens", "0"], "--cpu-max-tokens")):
+                      (["--cpu-max-tokens", "0"], "--cpu-max-tokens"), (["--cpu-split", "1"], "--cpu-split"),
+                      (["--cpu-split", "half"], "--cpu-split")):
         p = run(["plan", m0, *bad])
         check(p.returncode == 2 and what in p.stderr, "plan %s: usage error naming %s (rc %d: %s)"
               % (" ".join(bad), what, p.returncode, p.stderr))

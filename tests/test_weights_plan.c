@@ -57,6 +57,38 @@ static void fake_init(fake_model *m, int layers, uint64_t e, uint64_t a, uint64_
     }
 }
 
+/* FFN groups as a Llama layer's of hidden H, intermediate I, dtype t (norm f32 [H], gate and up [I, H],
+ * down [H, I]): tensor descriptors, so that they can be split (groups.h st_wg_split). */
+static st_tensor_desc *fake_ffn(fake_model *m, int64_t H, int64_t I, st_dtype t) {
+    st_wgroups *g = &m->g;
+    st_tensor_desc *d = calloc((size_t)g->n * 4, sizeof *d);
+    g->model_bytes = 0;
+    g->max_slot_bytes = 0;
+    for (int i = 0; i < g->n; i++) {
+        st_wgroup *x = &g->g[i];
+        if (x->kind == ST_WG_FFN) {
+            st_tensor_desc *q = d + 4 * i;
+            const int64_t shape[4][2] = {{H, 0}, {I, H}, {I, H}, {H, I}};
+            x->n_tensors = 4;
+            x->bytes = 0;
+            for (int r = 0; r < 4; r++) {
+                q[r].dtype = r == 0 ? ST_DTYPE_F32 : t;
+                q[r].n_dims = r == 0 ? 1 : 2;
+                q[r].shape[0] = shape[r][0];
+                q[r].shape[1] = shape[r][1];
+                q[r].nbytes = r == 0 ? (uint64_t)H * 4 : st_dtype_row_bytes(t, shape[r][1]) * (uint64_t)shape[r][0];
+                x->t[r].desc = &q[r];
+                x->bytes += q[r].nbytes;
+            }
+            x->slot_bytes = (x->bytes + 1023) / 256 * 256;
+            x->img_bytes = (x->bytes + 4095) / 4096 * 4096 + 4096;
+        }
+        g->model_bytes += x->bytes;
+        if (x->slot_bytes > g->max_slot_bytes) g->max_slot_bytes = x->slot_bytes;
+    }
+    return d;
+}
+
 static void fake_free(fake_model *m) { free(m->g.g); }
 
 static st_wplan_params params(size_t dev, size_t host) {
@@ -88,18 +120,26 @@ static void check_plan(const fake_model *m, const st_wplan_params *p, const st_w
     if (p->device_mem) CHECK_MSG(pl->device_need <= p->device_mem, "device need %zu > %zu", pl->device_need, p->device_mem);
     CHECK_MSG(pl->host_need <= p->host_mem || pl->host_need == 0, "host need %zu > %zu", pl->host_need, p->host_mem);
     CHECK(pl->tier[0] != ST_TIER_HOST); /* the table is never pinned */
-    uint64_t host = 0, ssd = 0, ssd_img = 0, cpu = 0, read = g->embed_row_bytes;
+    uint64_t host = 0, ssd = 0, ssd_img = 0, cpu = 0, cpu_all = 0, split = 0, read = g->embed_row_bytes;
     size_t slot = 0;
     for (int i = 1; i < g->n; i++) {
         read += g->g[i].bytes;
-        if (pl->tier[i] == ST_TIER_CPU) cpu += g->g[i].bytes;
+        st_wg_split sp;
+        if (pl->tier[i] == ST_TIER_CPU && pl->split_rows > 0) { /* the device's part crosses PCIe */
+            CHECK(st_wg_split_of(&g->g[i], pl->split_rows, &sp));
+            cpu += sp.cpu_bytes, host += sp.dev_bytes, split += sp.dev_bytes;
+        } else if (pl->tier[i] == ST_TIER_CPU) {
+            cpu += g->g[i].bytes;
+        }
+        if (pl->tier[i] == ST_TIER_CPU) cpu_all += g->g[i].bytes;
         CHECK(pl->tier[i] != ST_TIER_CPU || g->g[i].kind == ST_WG_FFN); /* only FFN groups on the CPU */
         if (pl->tier[i] == ST_TIER_HOST) host += g->g[i].bytes;
         if (pl->tier[i] == ST_TIER_SSD) ssd += g->g[i].bytes, ssd_img += g->g[i].img_bytes;
         if (pl->tier[i] != ST_TIER_DEVICE && g->g[i].slot_bytes > slot) slot = g->g[i].slot_bytes;
     }
     CHECK(pl->step_host_bytes == host && pl->step_ssd_bytes == ssd && pl->step_ssd_img_bytes == ssd_img);
-    CHECK(pl->step_cpu_bytes == cpu && pl->step_read_bytes == read && pl->bytes[ST_TIER_CPU] == cpu);
+    CHECK(pl->step_cpu_bytes == cpu && pl->step_read_bytes == read && pl->bytes[ST_TIER_CPU] == cpu_all);
+    CHECK(pl->step_split_bytes == split);
     CHECK(pl->slot_bytes == slot);
     CHECK(slot == 0 ? pl->ring_slots == 0 : pl->ring_slots >= 2);
     /* the prediction: max(SSD, PCIe, device compute + CPU compute), the CPU's bytes off the device's */
@@ -120,7 +160,8 @@ static void check_plan(const fake_model *m, const st_wplan_params *p, const st_w
               "t_compute %g (want %g), t_cpu %g (want %g)", pl->t_compute, t_dev, pl->t_cpu, t_cpu);
     double want = t_ssd > t_pcie ? t_ssd : t_pcie;
     if (t_dev + t_cpu > want) want = t_dev + t_cpu;
-    CHECK(fabs(pl->t_pcie_prefill - (double)(host + ssd + cpu) / p->bw.h2d) <= 1e-12 + 1e-9 * pl->t_pcie_prefill);
+    CHECK(fabs(pl->t_pcie_prefill - (double)(host - split + ssd + cpu_all) / p->bw.h2d) <=
+          1e-12 + 1e-9 * pl->t_pcie_prefill);
     CHECK_MSG(fabs(pl->t_decode - want) <= 1e-12 + 1e-9 * want, "t_decode %g, want %g", pl->t_decode, want);
 }
 
@@ -389,6 +430,67 @@ int main(void) {
         CHECK(pl.groups[ST_TIER_CPU] > 0 && pl.host_need <= p.host_mem && pl.host_tier >= pl.host_cpu);
         CHECK(pl.groups[ST_TIER_CPU] < nonres_ffn); /* the rest stays on SSD */
         st_wplan_free(&pl);
+        fake_free(&m);
+    }
+
+    /* split CPU-tier groups, 70B q4_0 shape on 16 GB: the device computes a share of each CPU-tier
+     * group's rows from a streamed copy while the CPU computes the rest */
+    {
+        fake_model m;
+        const int64_t H = 8192, I = 28672;
+        fake_init(&m, 80, 0, 85000000, 1, 1100000000, false);
+        st_tensor_desc *d = fake_ffn(&m, H, I, ST_DTYPE_Q4_0);
+        const st_wgroup *f0 = &m.g.g[st_wg_ffn_id(0)];
+        /* the split itself: q4_0 rows of 256 (144 bytes, 16-byte aligned); down's columns in a 2D run */
+        st_wg_split sp;
+        CHECK(st_wg_split_granule(f0) == 256 && !st_wg_split_of(f0, 100, &sp) && !st_wg_split_of(f0, 0, &sp) &&
+              !st_wg_split_of(f0, I, &sp) && !st_wg_split_of(&m.g.g[1], 256, &sp));
+        CHECK(st_wg_split_of(f0, 10240, &sp));
+        const uint64_t rb = (uint64_t)H / 32 * 18; /* gate / up row bytes */
+        CHECK(sp.rows == 10240 && sp.cpu_rows == I - 10240);
+        CHECK(sp.src_off[ST_WG_GATE] == (uint64_t)(I - 10240) * rb && sp.width[ST_WG_UP] == 10240 * rb &&
+              sp.height[ST_WG_GATE] == 1);
+        CHECK(sp.src_off[ST_WG_DOWN] == (uint64_t)(I - 10240) / 32 * 18 && sp.width[ST_WG_DOWN] == 10240 / 32 * 18 &&
+              sp.pitch[ST_WG_DOWN] == (uint64_t)I / 32 * 18 && sp.height[ST_WG_DOWN] == (uint64_t)H);
+        CHECK(sp.dev_bytes + sp.cpu_bytes == f0->bytes + (uint64_t)H * 4); /* the norm read by both */
+        st_wplan_params p = params(16 * GB, 100 * GB);
+        p.bw.h2d = 55e9, p.bw.cpu = 85e9, p.bw.h2d_shared = 50e9, p.bw.cpu_shared = 70e9, p.bw.dev_read = 3e12;
+        p.cpu_ffn = 0;
+        p.cpu_split = -1; /* none: whole groups on the CPU */
+        CHECK(st_wplan_make(&m.g, &p, &pl) == STRATA_OK);
+        check_plan(&m, &p, &pl);
+        const double t_whole = pl.t_step;
+        CHECK(pl.split_rows == 0 && pl.groups[ST_TIER_CPU] > 0 && t_whole > 0);
+        st_wplan_free(&pl);
+        p.cpu_split = 0; /* auto */
+        CHECK(st_wplan_make(&m.g, &p, &pl) == STRATA_OK);
+        check_plan(&m, &p, &pl);
+        CHECK_MSG(pl.split_rows > 0 && pl.split_rows % 256 == 0 && pl.t_step < t_whole,
+                  "split %lld rows: %g ms vs whole groups %g ms", (long long)pl.split_rows, pl.t_step * 1e3,
+                  t_whole * 1e3);
+        CHECK(pl.t_host > 0 && pl.t_step >= pl.t_host * (1 - 1e-9)); /* host memory's floor holds */
+        printf("70B q4_0 hybrid, split: %d cpu-tier groups, %lld of %lld rows on the device, simulated %.0f ms "
+               "(floor %.0f ms) vs %.0f ms with whole groups\n", pl.groups[ST_TIER_CPU], (long long)pl.split_rows,
+               (long long)I, pl.t_step * 1e3, pl.t_host * 1e3, t_whole * 1e3);
+        st_wplan_free(&pl);
+        p.cpu_split = 0.5; /* a share given: rounded to 256 rows */
+        p.cpu_ffn = 10;
+        CHECK(st_wplan_make(&m.g, &p, &pl) == STRATA_OK);
+        check_plan(&m, &p, &pl);
+        CHECK(pl.split_rows == I / 2 && pl.groups[ST_TIER_CPU] == 10);
+        st_wplan_free(&pl);
+        p.cpu_split = 0.001; /* less than a granule: none left to the device, refused for a forced placement */
+        st_tier *t = calloc((size_t)m.g.n, sizeof *t);
+        t[st_wg_ffn_id(3)] = ST_TIER_CPU;
+        p.force = t;
+        p.device_mem = 0;
+        CHECK_ERR(st_wplan_make(&m.g, &p, &pl), STRATA_ERR_INVALID_ARG, "cpu split of 0.001", "28672");
+        p.cpu_split = 0.25;
+        CHECK(st_wplan_make(&m.g, &p, &pl) == STRATA_OK);
+        CHECK(pl.split_rows == I / 4 && pl.groups[ST_TIER_CPU] == 1);
+        st_wplan_free(&pl);
+        free(t);
+        free(d);
         fake_free(&m);
     }
 

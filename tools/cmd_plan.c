@@ -127,6 +127,14 @@ int cmd_plan(int argc, char **argv) {
         groups += p.groups[t];
     }
     printf("  %-8s %6d %34s %llu (%s)\n", "total", groups, "", (unsigned long long)total, B(0, total));
+    if (p.split_rows > 0)
+        printf("cpu split  each cpu-tier FFN group in decode: the device computes %lld of its intermediate rows "
+               "from a streamed copy (%s per token over PCIe, in the figures below) while the CPU computes the "
+               "rest in place, both at once\n",
+               (long long)p.split_rows, B(0, p.step_split_bytes));
+    else if (p.groups[ST_TIER_CPU] > 0)
+        printf("cpu split  none: the CPU computes each cpu-tier FFN group whole in decode, the device waiting%s\n",
+               mo.cpu_split < 0 ? " (--cpu-split 0)" : "");
     if (p.embed_gather)
         printf("embedding  rows gathered from the file mapping per step (%s per token)\n",
                B(0, g->embed_row_bytes));

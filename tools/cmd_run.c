@@ -478,6 +478,7 @@ static bool runner_open(run_opts *o, runner *r, int *rc) {
         .prefill = mo->prefill < 0 ? STRATA_PREFILL_PRECISE : mo->prefill > 0 ? STRATA_PREFILL_FAST : STRATA_PREFILL_AUTO,
         .ring_slots = mo->ring_slots,
         .cpu_layers = mo->cpu_layers,
+        .cpu_split = mo->cpu_split,
         .cpu_max_tokens = mo->cpu_max_tokens,
         .h2d_gbps = mo->h2d_bw,
         .ssd_gbps = mo->ssd_bw,

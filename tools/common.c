@@ -145,6 +145,7 @@ st_llama_params tool_llama_params(const tool_model_opts *o, const st_model_files
     lp.weights.host_mem = o->host_mem;
     lp.weights.ring_slots = o->ring_slots;
     lp.weights.cpu_ffn = o->cpu_layers;
+    lp.weights.cpu_split = o->cpu_split;
     lp.weights.cpu_threads = o->threads;
     /* the CPU tier: int8 activations in fast mode on CUDA (its decode GEMV is int8 there too); on
      * the CPU backend those of the backend (--cpu-act), so the tier computes what it would */
@@ -283,6 +284,14 @@ int tool_parse_model_opt(int argc, char **argv, int *i, tool_model_opts *o) {
         } else {
             if (!tool_parse_i64(val, 0, 1 << 20, "--cpu-layers (auto, 0: off, or a count)", &v)) return -1;
             o->cpu_layers = v == 0 ? -1 : (int)v;
+        }
+    } else if (strcmp(a, "--cpu-split") == 0) {
+        if (val && !strcmp(val, "auto")) {
+            o->cpu_split = 0;
+        } else {
+            double f;
+            if (!tool_parse_f64(val, 0, 0.999, "--cpu-split (auto, 0: none, or a share below 1)", &f)) return -1;
+            o->cpu_split = f == 0 ? -1 : f;
         }
     } else if (strcmp(a, "--cpu-max-tokens") == 0) {
         if (!tool_parse_i64(val, 1, 1 << 20, a, &v)) return -1;
@@ -482,10 +491,10 @@ void tool_print_weights(tool_model *tm, const st_wm_stats *before, const st_wm_s
         const double t_cpu = p->bw.cpu > 0 ? (double)p->step_cpu_bytes / p->bw.cpu : 0;
         const double bound = t_pcie > t_cpu ? t_pcie : t_cpu;
         const double floor = p->t_host > bound ? p->t_host : bound;
-        printf("hybrid       per decode step: %s computed on the CPU from host memory (plan %s, %d groups) at "
-               "%.2f GB/s (%s), %s over PCIe at %.2f GB/s; achieved CPU read %.2f GB/s\n",
+        printf("hybrid       per decode step: %s computed on the CPU from host memory (plan %s, %d groups, %lld "
+               "rows of each on the device) at %.2f GB/s (%s), %s over PCIe at %.2f GB/s; achieved CPU read %.2f GB/s\n",
                st_fmt_bytes(cpu, b[0], 32), st_fmt_bytes((double)p->step_cpu_bytes, b[1], 32),
-               p->groups[ST_TIER_CPU], p->bw.cpu / 1e9,
+               p->groups[ST_TIER_CPU], (long long)p->split_rows, p->bw.cpu / 1e9,
                p->bw.cpu <= 0 ? "not measured: the CPU backend" : p->bw.measured[4] ? "measured now" : "given",
                st_fmt_bytes((double)(p->step_ssd_bytes + p->step_host_bytes), b[2], 32), p->bw.h2d / 1e9,
                step_s > 0 ? cpu / step_s / 1e9 : 0.0);

@@ -22,6 +22,7 @@ typedef struct {
     double ssd_bw;       /* --ssd-bw GB/s */
     int ring_slots;      /* --ring-slots N (0: 2) */
     int cpu_layers;      /* --cpu-layers auto|N: 0 auto, -1 (--cpu-layers 0) none, N */
+    double cpu_split;    /* --cpu-split auto|F: 0 auto, -1 (--cpu-split 0) none, F in (0, 1) */
     int64_t cpu_max_tokens; /* --cpu-max-tokens N (0: 8) */
     st_kv_dtype kv_dtype;  /* --kv-dtype bf16|fp8|f32 (default bf16) */
     int64_t kv_seqs;       /* not an option: sequences of --ctx tokens the KV pool holds (0: 1; bench --seqs) */
@@ -99,6 +100,10 @@ bool tool_test_fault_is(const tool_model_opts *o, const char *kind);
     "                           computed by the CPU in decode steps while PCIe streams the others\n" \
     "                           (default auto: the split with the least predicted step, from the\n" \
     "                           CPU's matmul rate measured at load; 0: off)\n"                      \
+    "  --cpu-split auto|F       of each of those groups, the share F of its rows the GPU computes from\n" \
+    "                           a streamed copy while the CPU computes the rest, both at once\n"    \
+    "                           (default auto: the share with the least predicted step; 0: none,\n" \
+    "                           the CPU computes whole groups)\n"                                   \
     "  --cpu-max-tokens N       passes of at most N tokens compute those groups on the CPU; larger\n" \
     "                           ones (prefill) stream them to the device (default 8)\n"          \
     "  --kv-dtype bf16|fp8|f32  KV cache element type (default bf16; fp8: e4m3 with a scale per\n" \

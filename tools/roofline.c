@@ -59,7 +59,7 @@ double tool_measure_matmul_rate(st_backend *be, st_stream *s, int64_t dim, int64
     if (!fill_random(be, s, w, (size_t)(dim * dim) * 2, true) || !fill_random(be, s, x, (size_t)(n * dim) * 4, false))
         goto out;
     be->ops->set_fast_prefill(be, fast);
-    st_weight wt = {w, ST_DTYPE_BF16, dim, dim};
+    st_weight wt = {w, ST_DTYPE_BF16, dim, dim, 0};
     for (int r = 0; r < 4; r++) {
         double t0 = st_time_now();
         if (be->ops->matmul(be, s, x, &wt, n, y) || be->ops->stream_sync(be, s)) goto out;

@@ -100,6 +100,9 @@ static strata_status check_params(const strata_model_params *p, st_backend_param
     if (p->prefill != STRATA_PREFILL_AUTO && p->prefill != STRATA_PREFILL_PRECISE && p->prefill != STRATA_PREFILL_FAST)
         return st_err(STRATA_ERR_INVALID_ARG, "model params: prefill %d", (int)p->prefill);
     if (p->ring_slots < 0) return st_err(STRATA_ERR_INVALID_ARG, "model params: ring_slots %d < 0", p->ring_slots);
+    if (!(p->cpu_split < 1) || p->cpu_split != p->cpu_split)
+        return st_err(STRATA_ERR_INVALID_ARG, "model params: cpu_split %g (0 auto, < 0 none, or a share below 1)",
+                      p->cpu_split);
     if (p->cpu_layers < -1 || p->cpu_max_tokens < 0)
         return st_err(STRATA_ERR_INVALID_ARG, "model params: cpu_layers %d (-1, 0 or a count) or cpu_max_tokens %lld (>= 0)",
                       p->cpu_layers, (long long)p->cpu_max_tokens);
@@ -284,6 +287,7 @@ strata_status strata_model_open(const char *path, const strata_model_params *par
     m->ep.weights.host_mem = p.host_mem;
     m->ep.weights.ring_slots = p.ring_slots;
     m->ep.weights.cpu_ffn = p.cpu_layers;
+    m->ep.weights.cpu_split = p.cpu_split;
     m->ep.weights.cpu_threads = p.threads;
     /* the CPU tier: int8 activations in fast mode on CUDA (its decode GEMV is int8 there too); on the CPU
      * backend those of the backend */

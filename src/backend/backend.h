@@ -29,13 +29,27 @@ typedef struct st_event st_event;
 typedef struct st_graph st_graph; /* a recorded sequence of ops (CUDA graph) */
 
 /* A weight matrix in device memory: rows x cols, row-major, each row
- * st_dtype_row_bytes(dtype, cols) bytes, rows contiguous. A vector is rows=1. */
+ * st_dtype_row_bytes(dtype, cols) bytes, rows contiguous. A vector is rows=1.
+ * `stride` (bytes from one row's start to the next's; 0: the row's bytes)
+ * lets a matmul read the first `cols` columns of a wider matrix in place (the
+ * CPU tier's share of a split FFN's down projection): only the CPU backend's
+ * matmuls take a stride; every other op and backend refuses one. */
 typedef struct {
     const void *data;
     st_dtype dtype;
     int64_t rows;
     int64_t cols;
+    size_t stride;
 } st_weight;
+
+/* Bytes from one row of w to the next. */
+static inline size_t st_weight_stride(const st_weight *w) {
+    return w->stride ? w->stride : st_dtype_row_bytes(w->dtype, w->cols);
+}
+/* Rows packed one after the other (no stride, or the row's own bytes). */
+static inline bool st_weight_dense(const st_weight *w) {
+    return w->stride == 0 || w->stride == st_dtype_row_bytes(w->dtype, w->cols);
+}
 
 /* Element type of a paged KV pool. */
 typedef enum { ST_KV_F32 = 0, ST_KV_BF16 = 1, ST_KV_FP8 = 2 } st_kv_dtype;
@@ -137,9 +151,12 @@ typedef struct {
                              the int8 tensor-core kernel (MMQ) rather than the GEMV (0: the default, 4) */
     int mmq_max_n;        /* CUDA, fast mode: most tokens for the MMQ, above it dequantize + GEMM
                              (0: the default, 256; -1: never the MMQ; else at least mmq_min_n) */
-    const char *attn_fa2; /* CUDA: configuration of the fast-mode FA2 prefill attention kernel:
-                             "b128w8", "b128w8r", "b128w4", "b256w8", or NULL / "auto" (per call,
-                             the one measured fastest); an unknown name fails init */
+    const char *attn_fa2; /* CUDA: the fast-mode prefill attention kernel: NULL / "auto" (the Hopper
+                             wgmma kernel for head dim 128 on compute capability 9.0, else the FA2
+                             configuration measured fastest, per call), "wgmma" (the same), "wgmma-pp"
+                             (the Hopper kernel with its warpgroups taking turns), or an FA2
+                             configuration: "b128w8", "b128w8r", "b128w4", "b256w8"; an unknown
+                             name fails init */
     int pdl;              /* CUDA: programmatic dependent launch of the decode-path kernels:
                              0 default (on), 1 on, -1 off */
 } st_backend_params;

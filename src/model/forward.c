@@ -215,7 +215,13 @@ static strata_status batch_upload(st_llama *m, st_kv_pool *kv, const st_batch *b
  * backend runs the group's ops from the weights in host memory, and x and
  * tmp go back up on the compute stream (enqueued after the CPU finished, so
  * stream order suffices). Meanwhile the weight manager's copier keeps
- * filling the ring with the next streamed groups. */
+ * filling the ring with the next streamed groups.
+ * A split group (plan split_rows; weights/groups.h st_wg_split): the
+ * device's part (its intermediate rows, streamed through the ring) is
+ * enqueued on the compute stream right after the copies down, so the device
+ * computes it while the CPU computes the rest in place (down read with a
+ * row stride); both update x alike, and the CPU's part of the down product
+ * goes up into xn (free once the device's part ran) and is added to tmp. */
 static strata_status ffn_on_cpu(st_llama *m, int id, int64_t n) {
     st_backend *be = m->be;
     const st_backend_ops *o = be->ops;
@@ -223,6 +229,15 @@ static strata_status ffn_on_cpu(st_llama *m, int id, int64_t n) {
     TRY(o->copy_d2h(be, m->stream, m->h_x, m->x, bytes));
     TRY(o->copy_d2h(be, m->stream, m->h_tmp, m->tmp, bytes));
     TRY(o->event_record(be, m->cpu_ev, m->stream));
+    st_wg_split sp;
+    const int64_t split_rows = st_wm_plan(m->wm)->split_rows;
+    const bool split = split_rows > 0 && st_wg_split_of(&m->groups->g[id], split_rows, &sp);
+    if (split) {
+        bound_group g;
+        TRY(group_acquire(m, id, &g));
+        g.w[ST_WG_GATE].rows = g.w[ST_WG_UP].rows = g.w[ST_WG_DOWN].cols = sp.rows;
+        TRY(group_release(m, &g, st_llama_ffn_ops(m, g.w, n)));
+    }
     const void *data[ST_WG_MAX_TENSORS];
     TRY(st_wm_acquire_host(m->wm, id, data));
     st_weight w[ST_WG_MAX_TENSORS];
@@ -230,11 +245,19 @@ static strata_status ffn_on_cpu(st_llama *m, int id, int64_t n) {
         w[i] = m->wshape[id][i];
         w[i].data = data[i];
     }
+    if (split) { /* rows [0, cpu_rows) of gate and up, the same columns of down, in place */
+        w[ST_WG_DOWN].stride = st_weight_stride(&w[ST_WG_DOWN]);
+        w[ST_WG_GATE].rows = w[ST_WG_UP].rows = w[ST_WG_DOWN].cols = sp.cpu_rows;
+    }
     const double t0 = st_time_now();
     TRY(o->event_sync(be, m->cpu_ev));
     const double t1 = st_time_now();
     TRY(st_llama_ffn_ops_cpu(m, w, n));
     st_wm_note_cpu(m->wm, t1 - t0, st_time_now() - t1);
+    if (split) {
+        TRY(o->copy_h2d(be, m->stream, m->xn, m->h_tmp, bytes));
+        return o->add(be, m->stream, m->tmp, m->xn, n * m->cfg.hidden_size);
+    }
     TRY(o->copy_h2d(be, m->stream, m->x, m->h_x, bytes));
     return o->copy_h2d(be, m->stream, m->tmp, m->h_tmp, bytes);
 }
@@ -253,7 +276,7 @@ strata_status st_llama_batch_ops(st_llama *m, st_kv_pool *kv, batch_dev *d, cons
     const st_backend_ops *o = be->ops;
     const st_config *c = &m->cfg;
     {   /* embedding */
-        st_weight w;
+        st_weight w = {0};
         const int32_t *ids = NULL;
         TRY(st_wm_embed(m->wm, m->stream, tokens, n, &w, &ids));
         TRY(o->get_rows(be, m->stream, &w, ids ? ids : d->tokens, n, m->x));

@@ -407,7 +407,7 @@ static strata_status ffn_math(st_llama *m, const st_ffn_exec *e, const st_weight
     st_backend *be = e->be;
     const st_backend_ops *o = be->ops;
     const st_config *c = &m->cfg;
-    const int64_t H = c->hidden_size, I = c->intermediate_size;
+    const int64_t H = c->hidden_size, I = w[ST_WG_GATE].rows; /* a split group's part: fewer rows */
     TRY(o->rmsnorm(be, e->stream, e->x, e->tmp, &w[ST_WG_FFN_NORM], c->rms_norm_eps, n, H, e->xn));
     for (int64_t r0 = 0; r0 < n; r0 += e->rows) {
         const int64_t k = n - r0 < e->rows ? n - r0 : e->rows;

@@ -188,7 +188,7 @@ static strata_status scratch_probe_run(probe_ctx *p, const st_config *c, const s
     const int64_t ns[2] = {T, 1};
     for (int r = 0; r < 2 && st == STRATA_OK; r++)
         for (int i = 0; i < npw && st == STRATA_OK; i++) {
-            const st_weight w = {pw[i].d, pw[i].dtype, pw[i].rows, pw[i].cols};
+            const st_weight w = {pw[i].d, pw[i].dtype, pw[i].rows, pw[i].cols, 0};
             st = o->matmul(be, p->s, x, &w, ns[r], y);
         }
     const float scale = 1.0f / sqrtf((float)hd);
@@ -329,6 +329,7 @@ strata_status st_plan_make(const st_model_files *files, st_backend *be, const st
     /* the CPU tier: never chosen on the CPU backend (everything runs there already); a forced count
      * places it there too (the model's second CPU backend computes it: the tests' way to run it) */
     pp.cpu_ffn = be->kind == ST_BACKEND_CPU && wo->cpu_ffn == 0 ? -1 : wo->cpu_ffn;
+    pp.cpu_split = wo->cpu_split;
     if ((p->device_mem > 0 || wo->placement) && !bw_complete(&pp.bw))
         return pp.bw.skipped[0] /* the probe had no memory: say so, not that nobody measured */
                    ? st_err(STRATA_ERR_NOMEM, "plan: the matmul probe that a plan under a device budget needs "

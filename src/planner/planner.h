@@ -44,6 +44,8 @@ typedef struct {
     int cpu_ffn;              /* 0: auto (the least predicted decode step; never on the CPU backend, where
                                  everything runs on the CPU already), -1: off, N > 0: N FFN groups (of those
                                  the device does not hold; on the CPU backend too: tests) */
+    double cpu_split;         /* of each CPU-tier group, the device's share in decode (weights/plan.h
+                                 cpu_split: 0 auto, < 0 none, (0, 1) that share) */
     int cpu_threads;          /* the model's CPU backend threads (0: all cores); also those of the bw.cpu probe */
     st_cpu_act cpu_act;       /* the CPU tier's quantized matmuls' activations (the probe's too): int8 in
                                  fast mode on CUDA (its decode GEMV is int8 there too) or with

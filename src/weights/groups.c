@@ -156,6 +156,51 @@ fail:
     return st;
 }
 
+int64_t st_wg_split_granule(const st_wgroup *g) {
+    if (g->kind != ST_WG_FFN || g->n_tensors <= ST_WG_DOWN || !g->t[ST_WG_GATE].desc || !g->t[ST_WG_DOWN].desc)
+        return 0;
+    const st_dtype_info *di = st_dtype_get(g->t[ST_WG_DOWN].desc->dtype);
+    if (!di) return 0;
+    for (int64_t k = di->block_elems; k <= 64 * 256; k += di->block_elems)
+        if (k % 32 == 0 && st_dtype_row_bytes(g->t[ST_WG_DOWN].desc->dtype, k) % 16 == 0) return k;
+    return 0;
+}
+
+bool st_wg_split_of(const st_wgroup *g, int64_t rows, st_wg_split *out) {
+    const int64_t q = st_wg_split_granule(g);
+    if (q == 0) return false;
+    const st_tensor_desc *gate = g->t[ST_WG_GATE].desc, *down = g->t[ST_WG_DOWN].desc;
+    const int64_t I = gate->shape[0], H = down->shape[0];
+    if (gate->n_dims != 2 || down->n_dims != 2 || down->shape[1] != I || rows <= 0 || rows >= I || rows % q ||
+        (I - rows) % q)
+        return false;
+    const uint64_t dfull = st_dtype_row_bytes(down->dtype, I), dcpu = st_dtype_row_bytes(down->dtype, I - rows),
+                   ddev = st_dtype_row_bytes(down->dtype, rows);
+    if (dfull == 0 || dcpu == 0 || ddev == 0 || dcpu + ddev != dfull) return false;
+    memset(out, 0, sizeof *out);
+    out->rows = rows;
+    out->cpu_rows = I - rows;
+    const uint64_t norm = g->t[ST_WG_FFN_NORM].desc->nbytes;
+    out->width[ST_WG_FFN_NORM] = out->pitch[ST_WG_FFN_NORM] = norm;
+    out->height[ST_WG_FFN_NORM] = 1;
+    out->dev_bytes = out->cpu_bytes = norm;
+    for (int r = ST_WG_GATE; r <= ST_WG_UP; r++) { /* rows [I - rows, I): one run */
+        const uint64_t rb = g->t[r].desc->nbytes / (uint64_t)I;
+        out->src_off[r] = (uint64_t)(I - rows) * rb;
+        out->width[r] = out->pitch[r] = (uint64_t)rows * rb;
+        out->height[r] = 1;
+        out->dev_bytes += out->width[r];
+        out->cpu_bytes += out->src_off[r];
+    }
+    out->src_off[ST_WG_DOWN] = dcpu; /* columns [I - rows, I) of each of the H rows */
+    out->width[ST_WG_DOWN] = ddev;
+    out->pitch[ST_WG_DOWN] = dfull;
+    out->height[ST_WG_DOWN] = (uint64_t)H;
+    out->dev_bytes += ddev * (uint64_t)H;
+    out->cpu_bytes += dcpu * (uint64_t)H;
+    return true;
+}
+
 void st_wgroups_free(st_wgroups *g) {
     if (!g) return;
     st_free(g->g);

@@ -84,6 +84,32 @@ static inline int st_wg_attn_id(int layer) { return 1 + 2 * layer; }
 static inline int st_wg_ffn_id(int layer) { return 2 + 2 * layer; }
 static inline int st_wg_output_id(const st_wgroups *g) { return g->n - 1; }
 
+/* A split FFN group (plan.h: the CPU tier's split): during decode the
+ * device computes the intermediate rows [I - rows, I) from a streamed copy of
+ * those rows of gate and up, those columns of down and the norm, while the
+ * CPU computes rows [0, I - rows) from the host copy in place (down read
+ * with a row stride); the two down products add up to the layer's. The
+ * device's part, per tensor: `height` runs of `width` bytes, the first
+ * src_off bytes into the tensor, one every `pitch` bytes, packed densely at
+ * the tensor's slot offset (one 2D copy). */
+typedef struct {
+    uint64_t src_off[ST_WG_MAX_TENSORS], width[ST_WG_MAX_TENSORS], pitch[ST_WG_MAX_TENSORS],
+        height[ST_WG_MAX_TENSORS];
+    int64_t rows;       /* the device's intermediate rows */
+    int64_t cpu_rows;   /* the CPU's: I - rows */
+    uint64_t dev_bytes; /* tensor bytes of the device's part (the norm included) */
+    uint64_t cpu_bytes; /* the CPU's (the norm included) */
+} st_wg_split;
+
+/* The split of FFN group g at `rows` device rows; false when g is not an FFN
+ * group or rows or I - rows is not a positive multiple of the granule. */
+bool st_wg_split_of(const st_wgroup *g, int64_t rows, st_wg_split *out);
+/* The granule of FFN group g's splits: the fewest columns of down, a whole
+ * number of its quantization blocks and of 32, whose bytes are a multiple of
+ * 16 (the device's packed rows stay aligned for vector loads); 0 when g is
+ * not an FFN group. */
+int64_t st_wg_split_granule(const st_wgroup *g);
+
 /* Builds the group table of an opened Llama model. Borrows `m` (tensor
  * descriptors are pointed at, not copied); the caller owns *out
  * (st_wgroups_free). Errors: a tensor missing (named), an untied model

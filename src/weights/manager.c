@@ -22,9 +22,11 @@
 #include <string.h>
 #include <time.h>
 
-/* SRC_CPU: a CPU-tier group, in the streamed order only while stream_cpu
- * (prefill): copied from host memory like a host-tier group */
-enum { SRC_HOST = 1, SRC_SSD = 2, SRC_CPU = 3 };
+/* SRC_CPU: a CPU-tier group in the streamed order while stream_cpu
+ * (prefill): copied whole from host memory like a host-tier group.
+ * SRC_PART: a split CPU-tier group in the decode order: the device's part
+ * of it (groups.h st_wg_split) copied from host memory. */
+enum { SRC_HOST = 1, SRC_SSD = 2, SRC_CPU = 3, SRC_PART = 4 };
 enum { CH_FREE = 0, CH_READING, CH_FILLED };
 #define DESC_RING 64
 
@@ -113,6 +115,12 @@ struct st_wm {
     st_budget host_budget;
     st_wm_stats stats;
 };
+
+/* Whether group g is a split CPU-tier group, and its split. */
+static bool split_of(const st_wm *wm, int g, st_wg_split *sp) {
+    return wm->plan.tier[g] == ST_TIER_CPU && wm->plan.split_rows > 0 &&
+           st_wg_split_of(&wm->groups->g[g], wm->plan.split_rows, sp);
+}
 
 static uint8_t *align_ptr(void *p) {
     return (uint8_t *)(((uintptr_t)p + ST_WG_ALIGN - 1) / ST_WG_ALIGN * ST_WG_ALIGN);
@@ -304,7 +312,7 @@ static void *reader_main(void *arg) {
         seq_desc *d = &wm->desc[wm->desc_head % DESC_RING];
         d->seq = k;
         d->group = g;
-        d->source = cpu ? SRC_CPU : host ? SRC_HOST : SRC_SSD;
+        d->source = cpu ? (wm->stream_cpu ? SRC_CPU : SRC_PART) : host ? SRC_HOST : SRC_SSD;
         d->first_piece = piece;
         d->n_pieces = host ? 0 : group_pieces(wm, &wm->groups->g[g]);
         wm->desc_head++;
@@ -347,7 +355,22 @@ static strata_status copy_seq(st_wm *wm, const seq_desc *d, int s) {
     uint8_t *dst = wm->slot[s];
     strata_status st;
     if (wm->slot_used[s] && (st = o->stream_wait_event(be, wm->copy, wm->slot_done[s])) != STRATA_OK) return st;
-    if (d->source == SRC_HOST || d->source == SRC_CPU) {
+    st_wg_split sp;
+    if (d->source == SRC_PART) { /* the device's part, packed per tensor */
+        const bool split = split_of(wm, d->group, &sp);
+        ST_ASSERT(split);
+        pthread_mutex_lock(&wm->mu);
+        const uint8_t *src = wm->host_ready[d->group] ? wm->host_img[d->group] : NULL;
+        pthread_mutex_unlock(&wm->mu);
+        for (int i = 0; i < g->n_tensors; i++) {
+            const uint8_t *t = (src ? src + g->t[i].img_off : (const uint8_t *)st_tensor_data(wm->files, g->t[i].desc)) +
+                               sp.src_off[i];
+            st = sp.height[i] == 1 ? o->copy_h2d(be, wm->copy, dst + g->t[i].slot_off, t, sp.width[i])
+                                   : o->copy_2d(be, wm->copy, dst + g->t[i].slot_off, sp.width[i], t, sp.pitch[i],
+                                                sp.width[i], sp.height[i]);
+            if (st != STRATA_OK) return st;
+        }
+    } else if (d->source == SRC_HOST || d->source == SRC_CPU) {
         pthread_mutex_lock(&wm->mu);
         const uint8_t *src = wm->host_ready[d->group] ? wm->host_img[d->group] : NULL;
         pthread_mutex_unlock(&wm->mu);
@@ -425,7 +448,7 @@ static void *copier_main(void *arg) {
         }
         wm->fetched = d.seq + 1;
         wm->stats.copied++;
-        wm->slot_src[s] = d.source == SRC_CPU ? SRC_HOST : d.source;
+        wm->slot_src[s] = d.source == SRC_CPU || d.source == SRC_PART ? SRC_HOST : d.source;
         pthread_cond_broadcast(&wm->cv);
         pthread_mutex_unlock(&wm->mu);
     }
@@ -679,7 +702,7 @@ strata_status st_wm_init(st_backend *be, const st_model_files *files, const st_w
         if (wm->plan.tier[i] != ST_TIER_DEVICE) {
             wm->pos_all[i] = wm->n_all;
             wm->order_all[wm->n_all++] = i;
-            if (wm->plan.tier[i] != ST_TIER_CPU) {
+            if (wm->plan.tier[i] != ST_TIER_CPU || wm->plan.split_rows > 0) { /* a split group's device part */
                 wm->pos_dev[i] = wm->n_dev;
                 wm->order_dev[wm->n_dev++] = i;
             }
@@ -842,7 +865,8 @@ strata_status st_wm_acquire(st_wm *wm, int group, st_wm_view *out) {
     }
     const int s = (int)(k % (uint64_t)wm->n_slots);
     /* counted here, as used (what the copier fetched ahead is not yet) */
-    wm->stats.h2d_bytes += g->bytes;
+    st_wg_split sp;
+    wm->stats.h2d_bytes += !wm->stream_cpu && split_of(wm, group, &sp) ? sp.dev_bytes : g->bytes;
     if (wm->slot_src[s] == SRC_HOST) {
         wm->stats.seq_host++;
     } else {
@@ -889,7 +913,9 @@ void st_wm_stream_cpu(st_wm *wm, bool on) {
     if (wm->stream_cpu != on) {
         ST_ASSERT(!wm->holding);
         wm->stream_cpu = on;
-        if (wm->n_all != wm->n_dev) { /* the order changes: what was published for the old one is skipped */
+        if (wm->n_all != wm->n_dev || wm->plan.split_rows > 0) {
+            /* the order (or what a split group's sequence copies) changes: what was published for the old one
+             * is skipped */
             wm->order = on ? wm->order_all : wm->order_dev;
             wm->order_pos = on ? wm->pos_all : wm->pos_dev;
             wm->n_order = on ? wm->n_all : wm->n_dev;
@@ -919,8 +945,9 @@ strata_status st_wm_acquire_host(st_wm *wm, int group, const void **data) {
         const uint8_t *img = wm->host_ready[group] ? wm->host_img[group] : NULL;
         for (int i = 0; i < g->n_tensors; i++)
             data[i] = img ? img + g->t[i].img_off : st_tensor_data(wm->files, g->t[i].desc);
+        st_wg_split sp;
         wm->stats.seq_cpu++;
-        wm->stats.cpu_bytes += g->bytes;
+        wm->stats.cpu_bytes += split_of(wm, group, &sp) ? sp.cpu_bytes : g->bytes;
         pthread_cond_broadcast(&wm->cv);
     }
     pthread_mutex_unlock(&wm->mu);
@@ -931,8 +958,7 @@ strata_status st_wm_embed(st_wm *wm, st_stream *s, const int32_t *tokens, int64_
                           const int32_t **ids) {
     const st_wgroups *gs = wm->groups;
     const st_tensor_desc *t = gs->g[0].t[0].desc;
-    w->dtype = gs->embed_dtype;
-    w->cols = gs->embed_cols;
+    *w = (st_weight){.dtype = gs->embed_dtype, .cols = gs->embed_cols}; /* dense: no stride */
     if (!wm->plan.embed_gather) {
         w->data = wm->res_ptr[0][0];
         w->rows = t->shape[0];

@@ -141,7 +141,7 @@ static strata_status measure_matmul(st_backend *be, st_stream *s, const st_wgrou
         st = fill_pattern(be, s, w, wb, host, hn);
         if (st == STRATA_OK) st = fill_pattern(be, s, x, xb, host, hn);
     }
-    const st_weight wt = {w, big->dtype, rows, K};
+    const st_weight wt = {w, big->dtype, rows, K, 0};
     for (int pass = 0; pass < 2 && st == STRATA_OK; pass++) {
         const int64_t n = pass == 0 ? 1 : T;
         double best = 0;
@@ -331,7 +331,7 @@ strata_status st_wbw_measure_cpu(const st_model_files *files, const st_wgroups *
                 const st_tensor_desc *d = g->g[i].t[t].desc;
                 if (d->n_dims != 2 || d->dtype != big->dtype || d->shape[0] != big->shape[0] || d->shape[1] != K)
                     continue;
-                ps.w[ps.n++] = (st_weight){st_tensor_data(files, d), d->dtype, d->shape[0], K};
+                ps.w[ps.n++] = (st_weight){st_tensor_data(files, d), d->dtype, d->shape[0], K, 0};
                 ps.bytes += ps.bytes_each;
             }
     const double t0 = st_time_now();

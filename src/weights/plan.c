@@ -84,12 +84,13 @@ static void evaluate(const st_wgroups *g, const st_wplan_params *p, const knobs 
     out->n_groups = n;
     if (g->tied) out->tier[0] = out->tier[oid] == ST_TIER_DEVICE ? ST_TIER_DEVICE : ST_TIER_SSD;
     size_t slot = 0, resident = 0, host_tier = 0, host_cpu = 0;
+    uint64_t cpu_tensor = 0; /* the CPU tier's tensor bytes (a prefill chunk streams them all) */
     bool streams = false;
     memset(out->bytes, 0, sizeof out->bytes);
     memset(out->groups, 0, sizeof out->groups);
     memset(out->kind_groups, 0, sizeof out->kind_groups);
     out->step_ssd_img_bytes = out->step_ssd_bytes = out->step_host_bytes = out->step_read_bytes = 0;
-    out->step_cpu_bytes = 0;
+    out->step_cpu_bytes = out->step_split_bytes = 0;
     for (int i = 0; i < n; i++) {
         const st_wgroup *gr = &g->g[i];
         const st_tier t = out->tier[i];
@@ -110,7 +111,15 @@ static void evaluate(const st_wgroups *g, const st_wplan_params *p, const knobs 
         } else if (t == ST_TIER_CPU) { /* pinned like the host tier; computed there (decode) */
             host_tier += gr->img_bytes + ST_WG_ALIGN;
             host_cpu += gr->img_bytes + ST_WG_ALIGN;
-            out->step_cpu_bytes += gr->bytes;
+            cpu_tensor += gr->bytes;
+            st_wg_split sp;
+            if (out->split_rows > 0 && st_wg_split_of(gr, out->split_rows, &sp)) { /* the device's part streams */
+                out->step_cpu_bytes += sp.cpu_bytes;
+                out->step_host_bytes += sp.dev_bytes;
+                out->step_split_bytes += sp.dev_bytes;
+            } else {
+                out->step_cpu_bytes += gr->bytes;
+            }
         } else {
             out->step_ssd_bytes += gr->bytes;
             out->step_ssd_img_bytes += gr->img_bytes;
@@ -154,8 +163,9 @@ static void evaluate(const st_wgroups *g, const st_wplan_params *p, const knobs 
                         &out->t_pcie, &out->t_cpu);
         out->t_host = (pcie_bytes + (double)out->step_cpu_bytes) / (bw->h2d_shared + bw->cpu_shared);
     }
-    out->t_pcie_prefill =
-        bw->h2d > 0 ? (double)(out->step_host_bytes + out->step_ssd_bytes + out->step_cpu_bytes) / bw->h2d : 0;
+    out->t_pcie_prefill = bw->h2d > 0 ? (double)(out->step_host_bytes - out->step_split_bytes + out->step_ssd_bytes +
+                                                 cpu_tensor) / bw->h2d
+                                      : 0;
     out->t_decode = out->t_ssd;
     out->decode_bound = out->t_ssd > 0 ? ST_BOUND_SSD : ST_BOUND_NONE;
     if (out->t_pcie > out->t_decode) out->t_decode = out->t_pcie, out->decode_bound = ST_BOUND_PCIE;
@@ -164,7 +174,7 @@ static void evaluate(const st_wgroups *g, const st_wplan_params *p, const knobs 
     if (comp > out->t_decode)
         out->t_decode = comp, out->decode_bound = out->t_cpu > out->t_compute ? ST_BOUND_CPU : ST_BOUND_COMPUTE;
     out->t_decode_serial = out->t_ssd + out->t_pcie + out->t_compute + out->t_cpu;
-    out->t_step = st_wplan_simulate(g, out->tier, bw, out->ring_slots);
+    out->t_step = st_wplan_simulate(g, out->tier, out->split_rows, bw, out->ring_slots);
 
     out->prefill_tokens = p->prefill_tokens > 0 ? p->prefill_tokens : DEFAULT_PREFILL;
     out->prefill_chunk = k->max_batch;
@@ -174,12 +184,14 @@ static void evaluate(const st_wgroups *g, const st_wplan_params *p, const knobs 
                                       &out->prefill_bound);
 }
 
-double st_wplan_simulate(const st_wgroups *g, const st_tier *tier, const st_wbw *bw, int ring_slots) {
+double st_wplan_simulate(const st_wgroups *g, const st_tier *tier, int64_t split_rows, const st_wbw *bw,
+                         int ring_slots) {
     bool cpu = false, ssd = false, streams = false;
     for (int i = 1; i < g->n; i++) {
         cpu = cpu || tier[i] == ST_TIER_CPU;
         ssd = ssd || tier[i] == ST_TIER_SSD;
-        streams = streams || tier[i] == ST_TIER_HOST || tier[i] == ST_TIER_SSD;
+        streams = streams || tier[i] == ST_TIER_HOST || tier[i] == ST_TIER_SSD ||
+                  (tier[i] == ST_TIER_CPU && split_rows > 0); /* a split group's device part streams */
     }
     const bool shared = cpu && streams && bw->h2d_shared > 0 && bw->cpu_shared > 0;
     const double h = shared ? bw->h2d_shared : bw->h2d, c = shared ? bw->cpu_shared : bw->cpu;
@@ -193,8 +205,17 @@ double st_wplan_simulate(const st_wgroups *g, const st_tier *tier, const st_wbw 
         if (step == 1) start = t;
         for (int i = 1; i < g->n; i++) {
             const double b = (double)g->g[i].bytes;
+            st_wg_split sp;
             if (tier[i] == ST_TIER_DEVICE) {
                 t += b / bw->dev_read;
+            } else if (tier[i] == ST_TIER_CPU && split_rows > 0 && st_wg_split_of(&g->g[i], split_rows, &sp)) {
+                /* the device's part through the ring, computed beside the CPU's */
+                const double s = loaded > rel[j % R] ? loaded : rel[j % R], bd = (double)sp.dev_bytes;
+                loaded = s + bd / h;
+                const double dev = (t > loaded ? t : loaded) + bd / bw->dev_read;
+                rel[j++ % R] = dev;
+                const double cpu_done = t + (double)sp.cpu_bytes / c;
+                t = dev > cpu_done ? dev : cpu_done;
             } else if (tier[i] == ST_TIER_CPU) {
                 t += b / c;
             } else {
@@ -311,11 +332,6 @@ static void fill_host(const st_wgroups *g, st_tier *tier, size_t avail) {
     }
 }
 
-/* The CPU tier: moves j of the non-resident FFN groups (HOST or SSD) to it,
- * spread evenly over the layers, for the j with the least predicted decode
- * step (p->cpu_ffn: 0 auto, -1 none, N: min(N, count)); SSD groups need host
- * room for their images. `tier` and *trial (evaluated) are updated to the
- * choice; `work` is scratch [g->n]. */
 /* Whether placements are compared by the simulated step (a CPU tier is possible). */
 static bool by_sim(const st_wplan_params *p) { return p->cpu_ffn >= 0 && p->bw.cpu > 0; }
 
@@ -325,8 +341,69 @@ static double cost(const st_wplan_params *p, const st_wplan *t) {
     return by_sim(p) && t->t_step > 0 ? t->t_step : t->t_decode;
 }
 
+/* Intermediate rows of the CPU-tier FFN groups (alike in a Llama model); 0 when there are none. */
+static int64_t cpu_inter(const st_wgroups *g, const st_tier *tier) {
+    for (int i = 1; i < g->n; i++)
+        if (tier[i] == ST_TIER_CPU && st_wg_split_granule(&g->g[i]) > 0) return g->g[i].t[ST_WG_GATE].desc->shape[0];
+    return 0;
+}
+
+/* The device rows for a share phi of I: rounded to the split granule (groups.h; 256 rows at
+ * least where I allows); 0 when that is no valid split. */
+static int64_t split_rows_for(const st_wgroups *g, const st_tier *tier, double phi) {
+    const int64_t I = cpu_inter(g, tier);
+    if (I == 0 || !(phi > 0)) return 0;
+    int64_t q = 0;
+    for (int i = 1; i < g->n && !q; i++)
+        if (tier[i] == ST_TIER_CPU) q = st_wg_split_granule(&g->g[i]);
+    if (q == 0) return 0;
+    while (q < 256 && I % (2 * q) == 0 && I / (2 * q) >= 8) q *= 2; /* coarser steps on large layers */
+    const int64_t r = (int64_t)(phi * (double)I / (double)q + 0.5) * q;
+    st_wg_split sp;
+    for (int i = 1; i < g->n; i++)
+        if (tier[i] == ST_TIER_CPU && !st_wg_split_of(&g->g[i], r, &sp)) return 0;
+    return r;
+}
+
+/* The candidate splits of a placement: p->cpu_split's share, none, or (auto) none and shares around
+ * the one that gives the copies and the CPU equal times (plan.h). Returns the count. */
+static int split_candidates(const st_wgroups *g, const st_wplan_params *p, const st_tier *tier, int64_t out[8]) {
+    int nc = 0;
+    out[nc++] = 0;
+    if (p->cpu_split < 0 || cpu_inter(g, tier) == 0) return nc;
+    if (p->cpu_split > 0) {
+        out[0] = split_rows_for(g, tier, p->cpu_split);
+        return nc;
+    }
+    double cpu = 0, other = 0;
+    for (int i = 1; i < g->n; i++) {
+        if (tier[i] == ST_TIER_CPU) cpu += (double)g->g[i].bytes;
+        else if (tier[i] != ST_TIER_DEVICE) other += (double)g->g[i].bytes;
+    }
+    const st_wbw *bw = &p->bw;
+    const bool shared = bw->h2d_shared > 0 && bw->cpu_shared > 0;
+    const double h = shared ? bw->h2d_shared : bw->h2d, c = shared ? bw->cpu_shared : bw->cpu;
+    if (!(h > 0) || !(c > 0)) return nc;
+    const double phi = (cpu * h - other * c) / (cpu * (h + c));
+    static const double around[] = {0, -1.0 / 16, 1.0 / 16, -1.0 / 8, 1.0 / 8};
+    for (size_t a = 0; a < sizeof around / sizeof around[0]; a++) {
+        const int64_t r = split_rows_for(g, tier, phi + around[a]);
+        bool dup = false;
+        for (int j = 0; j < nc; j++) dup = dup || out[j] == r;
+        if (!dup) out[nc++] = r;
+    }
+    return nc;
+}
+
+/* The CPU tier: moves j of the non-resident FFN groups (HOST or SSD) to it,
+ * spread evenly over the layers, with a split of each (split_candidates), for
+ * the j and split with the least predicted decode step (p->cpu_ffn: 0 auto,
+ * -1 none, N: min(N, count)); SSD groups need host room for their images.
+ * `tier` and *trial (evaluated) are updated to the choice; `work` is scratch
+ * [g->n]. */
 static void place_cpu(const st_wgroups *g, const st_wplan_params *p, const knobs *k, st_tier *tier,
                       st_tier *work, st_wplan *trial) {
+    trial->split_rows = 0;
     if (p->cpu_ffn < 0 || (p->cpu_ffn == 0 && !(p->bw.cpu > 0))) return;
     const int n = g->n;
     int members[n], count = 0;
@@ -337,6 +414,7 @@ static void place_cpu(const st_wgroups *g, const st_wplan_params *p, const knobs
     const int hi = p->cpu_ffn > 0 ? lo : count;
     st_tier chosen[n];
     double best_t = cost(p, trial), best_serial = trial->t_decode_serial;
+    int64_t best_split = 0;
     bool found = false;
     st_wplan t = *trial;
     t.tier = work;
@@ -347,18 +425,32 @@ static void place_cpu(const st_wgroups *g, const st_wplan_params *p, const knobs
             if (idx >= count) idx = count - 1;
             work[members[idx]] = ST_TIER_CPU;
         }
-        evaluate(g, p, k, &t);
-        if (t.host_need > p->host_mem) break; /* more SSD groups would need more room still */
-        /* the least step, then the least serial sum (an SSD-bound step still gains PCIe time) */
-        const double tc = cost(p, &t);
-        if (p->cpu_ffn > 0 || tc < best_t || (tc == best_t && t.t_decode_serial < best_serial)) {
-            best_t = tc;
-            best_serial = t.t_decode_serial;
-            memcpy(chosen, work, (size_t)n * sizeof *work);
-            found = true;
+        int64_t splits[8];
+        const int ns = split_candidates(g, p, work, splits);
+        bool over = false;
+        for (int sj = 0; sj < ns; sj++) {
+            t.split_rows = splits[sj];
+            evaluate(g, p, k, &t);
+            if (t.host_need > p->host_mem) { /* more SSD groups would need more room still */
+                over = true;
+                break;
+            }
+            /* the least step, then the least serial sum (an SSD-bound step still gains PCIe time) */
+            const double tc = cost(p, &t);
+            if ((p->cpu_ffn > 0 && !found) || tc < best_t || (tc == best_t && t.t_decode_serial < best_serial)) {
+                best_t = tc;
+                best_serial = t.t_decode_serial;
+                best_split = splits[sj];
+                memcpy(chosen, work, (size_t)n * sizeof *work);
+                found = true;
+            }
         }
+        if (over) break;
     }
-    if (found) memcpy(tier, chosen, (size_t)n * sizeof *tier);
+    if (found) {
+        memcpy(tier, chosen, (size_t)n * sizeof *tier);
+        trial->split_rows = best_split;
+    }
     evaluate(g, p, k, trial); /* trial->tier is `tier` */
 }
 
@@ -427,6 +519,15 @@ strata_status st_wplan_make(const st_wgroups *g, const st_wplan_params *p, st_wp
                 goto done;
             }
             out->tier[i] = p->force[i];
+        }
+        if (p->cpu_split > 0) { /* a forced placement takes the share given, or none */
+            out->split_rows = split_rows_for(g, out->tier, p->cpu_split);
+            if (out->split_rows == 0 && cpu_inter(g, out->tier) > 0) {
+                st = st_err(STRATA_ERR_INVALID_ARG, "plan: a cpu split of %g of the FFN's %lld intermediate rows "
+                            "leaves the device or the CPU no part (it moves in whole quantization blocks)",
+                            p->cpu_split, (long long)cpu_inter(g, out->tier));
+                goto done;
+            }
         }
         evaluate(g, p, &k, out);
         out->device_min = out->device_need;
@@ -521,6 +622,7 @@ strata_status st_wplan_make(const st_wgroups *g, const st_wplan_params *p, st_wp
         /* host: staging (fewer chunks when the budget is short, 2 at least),
          * the embedding rows, then the host tier in what is left */
         knobs kc = get_knobs(g, cand, p);
+        trial.split_rows = 0;
         evaluate(g, p, &kc, &trial);
         if (trial.ring_slots && trial.host_staging + trial.host_embed_rows > p->host_mem) {
             const size_t fixed = trial.host_embed_rows + ST_WG_ALIGN;
@@ -587,8 +689,8 @@ void st_wplan_free(st_wplan *p) {
 void st_wplan_summary(const st_wplan *p, char *buf, size_t n) {
     char b[7][32], cpu[96] = "";
     if (p->groups[ST_TIER_CPU])
-        snprintf(cpu, sizeof cpu, ", cpu %d groups %s", p->groups[ST_TIER_CPU],
-                 st_fmt_bytes((double)p->bytes[ST_TIER_CPU], b[6], 32));
+        snprintf(cpu, sizeof cpu, ", cpu %d groups %s (%lld rows of each on the device)", p->groups[ST_TIER_CPU],
+                 st_fmt_bytes((double)p->bytes[ST_TIER_CPU], b[6], 32), (long long)p->split_rows);
     snprintf(buf, n,
              "device %d groups %s, host %d groups %s, ssd %d groups %s%s; ring %d x %s; decode %.2f ms/token "
              "predicted (%s bound), %s from SSD per token",

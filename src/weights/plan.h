@@ -50,6 +50,16 @@
  * CPU's work alternates with the streamed groups' copies, which the ring
  * runs ahead of compute meanwhile).
  *
+ * Split (cpu_split): a whole CPU-tier group leaves the device idle while the
+ * CPU computes it, and the CPU idle while the device works, since each layer
+ * waits for the one before. Splitting each CPU-tier group's intermediate
+ * rows lets both compute every such layer at once: the device's share
+ * streams through the ring (PCIe bytes), the CPU reads the rest in place.
+ * The share is chosen with the count, by the simulated step, among values
+ * around the one that gives the copies and the CPU equal times:
+ *   phi = (cpu_bytes * h - other_streamed_bytes * c) / (cpu_bytes * (h + c))
+ * (h, c: the shared rates where known).
+ *
  * Predicted decode step (full overlap: the SSD reader, the copy stream and
  * the compute stream are pipelined, each bounded by its own busy time; the
  * device's and the CPU's compute are serial, each layer's FFN waiting for
@@ -111,6 +121,12 @@ typedef struct {
     st_wbw bw;
     int cpu_ffn;            /* FFN groups on the CPU tier: 0 auto (the least predicted decode step;
                                none when bw.cpu is 0), -1 none, N > 0: N of the non-resident ones */
+    double cpu_split;       /* of each CPU-tier FFN group, the share of its intermediate rows the device
+                               computes during decode from a streamed copy of them, while the CPU computes
+                               the rest (groups.h st_wg_split): 0 auto (the least simulated step, around
+                               the share that gives host memory's two readers equal times), < 0 none (the
+                               CPU computes whole groups), (0, 1) that share (rounded to the split granule); a
+                               forced placement (force) takes the share given, else none */
     const st_tier *force;   /* [groups->n] fixed placement (tests), or NULL */
 } st_wplan_params;
 
@@ -146,7 +162,10 @@ typedef struct {
     uint64_t step_ssd_bytes;      /* tensor bytes of SSD groups */
     uint64_t step_host_bytes;     /* tensor bytes copied from the host tier */
     uint64_t step_read_bytes;     /* weight bytes the math reads (all but the table; its rows) */
-    uint64_t step_cpu_bytes;      /* of those, read by the CPU (CPU tier groups) */
+    uint64_t step_cpu_bytes;      /* of those, read by the CPU (CPU tier groups; their CPU part when split) */
+    uint64_t step_split_bytes;    /* of step_host_bytes, the device parts of split CPU-tier groups */
+    int64_t split_rows;           /* intermediate rows of each CPU-tier FFN group that the device computes in
+                                     decode (groups.h st_wg_split; 0: the CPU computes whole groups) */
     double t_ssd, t_pcie, t_compute;  /* seconds per decode step, each resource alone (t_compute: the
                                          device's reads, step_read_bytes - step_cpu_bytes) */
     double t_cpu;                 /* step_cpu_bytes / bw.cpu (shared: see the top comment) */
@@ -169,12 +188,16 @@ typedef struct {
  * SSD group's image must also have been read, the reader running ahead in
  * order), the device computes each group when its weights are there, and a
  * CPU-tier group is computed by the CPU while the device waits (the layer's
- * FFN between its attention and the next layer's). Rates: dev_read, h2d,
+ * FFN between its attention and the next layer's; when split (split_rows),
+ * the device's part streams through the ring like a host group and the
+ * device computes it while the CPU computes the rest, the layer done when
+ * both are). Rates: dev_read, h2d,
  * ssd, cpu; with a CPU tier the shared pair where known. What it adds to the
  * full-overlap t_decode: the ring's limited look-ahead, which lets the
  * copier idle while the CPU computes and the device wait afterwards. 0 when
  * a rate it needs is unknown. */
-double st_wplan_simulate(const st_wgroups *g, const st_tier *tier, const st_wbw *bw, int ring_slots);
+double st_wplan_simulate(const st_wgroups *g, const st_tier *tier, int64_t split_rows, const st_wbw *bw,
+                         int ring_slots);
 
 /* Places the groups (p->force: checks that placement instead). The caller
  * owns out->tier (st_wplan_free). A budget too small for any placement is

@@ -327,12 +327,12 @@ static void check_get_rows(st_dtype t, int64_t rows, int64_t cols, int64_t n) {
     for (int64_t i = 0; i < n; i++) ids[i] = (int32_t)(rnd_u32() % rows);
     ids[0] = (int32_t)(rows - 1);
     float *ref = xmalloc((size_t)(n * cols) * 4), *got = xmalloc((size_t)(n * cols) * 4);
-    st_weight cw = {w, t, rows, cols};
+    st_weight cw = {w, t, rows, cols, 0};
     TRY(g_cpu->ops->get_rows(g_cpu, NULL, &cw, ids, n, ref));
     void *dw = g_up(w, wb);
     int32_t *dids = g_up(ids, (size_t)n * 4);
     float *dout = g_poisoned((size_t)(n * cols) * 4);
-    st_weight gw = {dw, t, rows, cols};
+    st_weight gw = {dw, t, rows, cols, 0};
     strata_status st = g_gpu->ops->get_rows(g_gpu, g_s, &gw, dids, n, dout);
     g_down(got, dout, (size_t)(n * cols) * 4);
     const double e = st == STRATA_OK ? nerr(got, ref, n * cols) : INFINITY;
@@ -350,12 +350,12 @@ static void check_rmsnorm(st_dtype wt, int64_t n, int64_t d, bool residual) {
     float *xc = xmalloc((size_t)(n * d) * 4), *ref = xmalloc((size_t)(n * d) * 4);
     float *gx = xmalloc((size_t)(n * d) * 4), *got = xmalloc((size_t)(n * d) * 4);
     memcpy(xc, x, (size_t)(n * d) * 4);
-    st_weight cw = {w, wt, 1, d};
+    st_weight cw = {w, wt, 1, d, 0};
     TRY(g_cpu->ops->rmsnorm(g_cpu, NULL, xc, residual ? res : NULL, &cw, 1e-5f, n, d, ref));
     float *dx = g_up(x, (size_t)(n * d) * 4), *dr = g_up(res, (size_t)(n * d) * 4);
     void *dw = g_up(w, st_dtype_row_bytes(wt, d));
     float *dout = g_poisoned((size_t)(n * d) * 4);
-    st_weight gw = {dw, wt, 1, d};
+    st_weight gw = {dw, wt, 1, d, 0};
     strata_status st = g_gpu->ops->rmsnorm(g_gpu, g_s, dx, residual ? dr : NULL, &gw, 1e-5f, n, d, dout);
     g_down(got, dout, (size_t)(n * d) * 4);
     g_down(gx, dx, (size_t)(n * d) * 4);
@@ -412,12 +412,12 @@ static void check_matmul_ex(st_dtype t, int64_t N, int64_t K, int64_t n, int x_o
     const size_t wb = st_dtype_row_bytes(t, K) * (size_t)N;
     float *x = rand_f(n * K + x_off, 1.0f);
     float *ref = xmalloc((size_t)(n * N) * 4), *got = xmalloc((size_t)(n * N) * 4);
-    st_weight cw = {w, t, N, K};
+    st_weight cw = {w, t, N, K, 0};
     TRY(g_cpu->ops->matmul(g_cpu, NULL, x + x_off, &cw, n, ref));
     void *dw = g_up(w, wb);
     float *dx = g_up(x, (size_t)(n * K + x_off) * 4);
     float *dy = g_poisoned((size_t)(n * N) * 4);
-    st_weight gw = {dw, t, N, K};
+    st_weight gw = {dw, t, N, K, 0};
     strata_status st = g_gpu->ops->matmul(g_gpu, s, dx + x_off, &gw, n, dy);
     if (st != STRATA_OK) fprintf(stderr, "  matmul: %s\n", st_last_error());
     TRY(g_gpu->ops->stream_sync(g_gpu, s));
@@ -579,7 +579,7 @@ static void check_attention_ex(int64_t n, int64_t n_kv, int64_t H, int64_t Hkv, 
     check(e <= thr, "attention n=%lld n_kv=%lld heads=%lld/%lld hd=%lld%s (%s)  err=%.2e (thr %.0e)", (long long)n,
           (long long)n_kv, (long long)H, (long long)Hkv, (long long)hd,
           mode == ATT_POS_SLACK ? " pos ends early" : mode == ATT_POS_REVERSED ? " pos reversed" : "",
-          fa2 ? "tensor cores, fast, fa2" : tc ? (g_fast ? "tensor cores, fast" : "tensor cores, hi+lo") : "fp32", e,
+          fa2 ? "tensor cores, fast, fa2 or wgmma" : tc ? (g_fast ? "tensor cores, fast" : "tensor cores, hi+lo") : "fp32", e,
           thr);
     g_free(dq), g_free(dk), g_free(dv), g_free(dp), g_free(dout);
     free(q), free(k), free(v), free(ref), free(got), free(pos);
@@ -618,6 +618,8 @@ static void check_attention_fast(const char *ver) {
     check_attention_ex(600, 600, 8, 2, 128, ATT_POS_REVERSED, 0);
     check_attention_ex(1000, 1000, 32, 32, 64, ATT_POS_REVERSED, 0);
     check_attention(64, 4096, 32, 8, 128);  /* 256 rows: the mma kernel */
+    check_attention(64, 100, 64, 8, 128);   /* 512 rows over 100 keys: under one wgmma tile (FA2 then) */
+    check_attention(1000, 1000, 8, 8, 128); /* G 1: 8 blocks of 125 tokens, causal, the last tile 104 keys */
     check_attention(64, 100, 4, 4, 64);
     g_gpu->ops->set_fast_prefill(g_gpu, false);
     g_fast = false;
@@ -704,7 +706,7 @@ static void check_attention_part_ex(int64_t n, int64_t ctx, int64_t H, int64_t H
           "attention_part n=%lld ctx=%lld heads=%lld/%lld hd=%lld pieces %s%s%s (%s)  err=%.2e (thr %.0e)  lse err=%.2e "
           "(thr %.0e)",
           (long long)n, (long long)ctx, (long long)H, (long long)Hkv, (long long)hd, cuts, lse_null ? ", lse NULL" : "",
-          what, fa2 ? "tensor cores, fast, fa2" : tc ? (g_fast ? "tensor cores, fast" : "tensor cores, hi+lo") : "fp32",
+          what, fa2 ? "tensor cores, fast, fa2 or wgmma" : tc ? (g_fast ? "tensor cores, fast" : "tensor cores, hi+lo") : "fp32",
           e, thr, le, lthr);
     g_free(dq), g_free(dk), g_free(dv), g_free(dp), g_free(dout), g_free(dlse);
     free(q), free(k), free(v), free(ref), free(got), free(lse), free(pos);
@@ -758,6 +760,17 @@ static void check_attention_part(void) {
     check_attention_part_ex(64, 700, 32, 8, 128, st1, 1, true, "");
     check_attention_part_ex(600, 700, 32, 8, 128, st1, 1, true, "");
     check_attention_part_ex(600, 700, 32, 8, 128, st1, 1, false, " (one piece)");
+}
+
+/* The attention_part checks in fast mode alone, on the backend g_gpu (`ver`
+ * names its attn_fa2 configuration). */
+static void check_attention_part_fast(const char *ver) {
+    printf("-- attention_part on %s\n", ver);
+    g_fast = true;
+    g_gpu->ops->set_fast_prefill(g_gpu, true);
+    check_attention_part();
+    g_gpu->ops->set_fast_prefill(g_gpu, false);
+    g_fast = false;
 }
 
 /* The attention_part checks in precise, then fast mode. */
@@ -855,8 +868,8 @@ static void check_fused(st_dtype t, int64_t K, int64_t n) {
         wh[i] = make_weight(t, rows[i], K, 1.0f);
         const size_t b = st_dtype_row_bytes(t, K) * (size_t)rows[i];
         wd[i] = g_up(wh[i], b);
-        cw[i] = (st_weight){wh[i], t, rows[i], K};
-        gw[i] = (st_weight){wd[i], t, rows[i], K};
+        cw[i] = (st_weight){wh[i], t, rows[i], K, 0};
+        gw[i] = (st_weight){wd[i], t, rows[i], K, 0};
         ref[i] = xmalloc((size_t)(n * rows[i]) * 4);
         TRY(g_cpu->ops->matmul(g_cpu, NULL, x, &cw[i], n, ref[i]));
         dy[i] = g_poisoned((size_t)(n * rows[i]) * 4);
@@ -877,7 +890,7 @@ static void check_fused(st_dtype t, int64_t K, int64_t n) {
     uint8_t *hg = make_weight(t, I, K, 1.0f), *hu = make_weight(t, I, K, 1.0f);
     const size_t b = st_dtype_row_bytes(t, K) * (size_t)I;
     void *dg = g_up(hg, b), *du = g_up(hu, b);
-    st_weight cg = {hg, t, I, K}, cu = {hu, t, I, K}, gg = {dg, t, I, K}, gu = {du, t, I, K};
+    st_weight cg = {hg, t, I, K, 0}, cu = {hu, t, I, K, 0}, gg = {dg, t, I, K, 0}, gu = {du, t, I, K, 0};
     float *r = xmalloc((size_t)(n * I) * 4), *got = xmalloc((size_t)(n * I) * 4);
     TRY(g_cpu->ops->matmul_swiglu(g_cpu, NULL, x, &cg, &cu, n, r));
     float *dout = g_poisoned((size_t)(n * I) * 4);
@@ -917,8 +930,8 @@ static void check_graph(void) {
     uint8_t *emb = make_weight(ST_DTYPE_BF16, V, K, 1.0f), *wh = make_weight(ST_DTYPE_Q8_0, V, K, 1.0f);
     void *demb = g_up(emb, st_dtype_row_bytes(ST_DTYPE_BF16, K) * (size_t)V);
     void *dw = g_up(wh, st_dtype_row_bytes(ST_DTYPE_Q8_0, K) * (size_t)V);
-    st_weight ge = {demb, ST_DTYPE_BF16, V, K}, gw = {dw, ST_DTYPE_Q8_0, V, K};
-    st_weight ce = {emb, ST_DTYPE_BF16, V, K}, cw = {wh, ST_DTYPE_Q8_0, V, K};
+    st_weight ge = {demb, ST_DTYPE_BF16, V, K, 0}, gw = {dw, ST_DTYPE_Q8_0, V, K, 0};
+    st_weight ce = {emb, ST_DTYPE_BF16, V, K, 0}, cw = {wh, ST_DTYPE_Q8_0, V, K, 0};
     int32_t *pin = NULL, *did = g_alloc(8);
     float *dx = g_alloc((size_t)K * 4), *dl = g_alloc((size_t)V * 4);
     TRY(g_gpu->ops->host_alloc(g_gpu, 8, (void **)&pin));
@@ -2129,9 +2142,15 @@ int main(int argc, char **argv) {
     static const char *const fa2_vars[][2] = {{"b128w8", "fa2 b128w8 (attn_fa2 = b128w8)"},
                                               {"b128w8r", "fa2 b128w8r (attn_fa2 = b128w8r)"},
                                               {"b128w4", "fa2 b128w4 (attn_fa2 = b128w4)"},
-                                              {"b256w8", "fa2 b256w8 (attn_fa2 = b256w8)"}};
+                                              {"b256w8", "fa2 b256w8 (attn_fa2 = b256w8)"},
+                                              {"wgmma", "wgmma (attn_fa2 = wgmma; FA2 where it does not apply)"},
+                                              {"wgmma-pp", "wgmma with turns (attn_fa2 = wgmma-pp)"}};
     for (size_t i = 0; i < sizeof fa2_vars / sizeof fa2_vars[0]; i++)
         on_backend(&(st_backend_params){.attn_fa2 = fa2_vars[i][0]}, check_attention_fast, fa2_vars[i][1]);
+    /* attention_part's pieces (causal and not) on the Hopper kernel with its
+     * turns and on FA2 (the default backend above ran the auto choice) */
+    on_backend(&(st_backend_params){.attn_fa2 = "wgmma-pp"}, check_attention_part_fast, "attn_fa2 = wgmma-pp");
+    on_backend(&(st_backend_params){.attn_fa2 = "b128w8r"}, check_attention_part_fast, "attn_fa2 = b128w8r (FA2)");
     if (!only_attn) {
         const char *pmodels[] = {"gqa_f32", "llama3_bf16", "headdim_f32", "mha_tied_f32"};
         for (size_t i = 0; i < sizeof pmodels / sizeof pmodels[0]; i++) check_forward_batch(pmodels[i]);

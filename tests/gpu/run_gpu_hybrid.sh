@@ -8,7 +8,9 @@
 #      all-GPU resident run, as max abs / rel diff and argmax agreement, beside
 #      the CPU backend's own distance to the GPU (the scale of "different
 #      kernels"); prefill chunks computed on the CPU (8 tokens), streamed
-#      (--cpu-max-tokens 2) and token by token (--chunk 1);
+#      (--cpu-max-tokens 2) and token by token (--chunk 1); the same with each
+#      CPU-tier group split half and half (--cpu-split 0.5: the GPU computes
+#      half of its rows from a streamed copy while the CPU computes the rest);
 #   2. a Llama-3-70B-shaped q4_0 model (LAYERS layers, default all 80: 39.7 GB,
 #      ~90 s to write; reused when already at $WORK) on --device-mem 16G
 #      --host-mem 100G:
@@ -17,10 +19,15 @@
 #           engine and the CPU share host memory) and the predicted decode step;
 #        b. `strata bench` decode, hybrid off, then on (auto) (VARIANTS, default
 #           "off auto"; "ringN": on with --ring-slots N, "tN": with --threads N,
-#           both: "ring4t14"): tok/s, and for hybrid the bound
+#           both: "ring4t14"; "whole": on with --cpu-split 0, the CPU computing
+#           whole groups; "sF": --cpu-split F): tok/s, and for hybrid the bound
 #           max(PCIe bytes / H2D, CPU bytes / CPU rate) from the rates measured
 #           in the same run, host memory's floor (PCIe + CPU bytes over the
-#           rate both get together), and the fraction of each reached.
+#           rate both get together), and the fraction of each reached;
+#        c. PEER=1: llama.cpp's llama-bench on the same file (tg GEN, pp 512,
+#           flash attention, -ngl NGL (default 28, what fits 16 GB), all cores;
+#           .peer carried, `bash .peer/vs-llama-cpp.sh start` run first in the
+#           same machine session) and the ratio of each strata variant to it.
 # Variables: VERIFY (e.g. 4,7: bench --verify, the cost of a speculative
 # verification pass with the CPU tier), LAYERS (e.g. 20 for a quick try), WORK (model dir, default
 # /tmp/strata-hybrid), GEN (decode steps, default 24), THREADS (CPU threads
@@ -73,8 +80,11 @@ if [ "${SKIP_CHECK:-0}" != 1 ] && have_time 120 "hybrid logits check"; then
   DEV=$(sed -nE 's/^minimum +device .*\(([0-9]+) bytes\).*/\1/p' "$OUTDIR/plan_small.log")
   # plus a margin (the logits command's own pool and scratch; less than an FFN group, 99 MB, so they still stream)
   [ -n "$DEV" ] && DEV=$(( DEV + ${MARGIN:-67108864} ))
-  DEV=${SMALL_DEVICE_MEM:-$DEV} # on CUDA the plan's minimum leaves out the backend's scratch reserve: give
-  # one that holds less than the whole model (the 2-layer 8B q4_0 on an H200: 510M)
+  # on CUDA the plan's minimum leaves out the backend's scratch reserve (135.6 MB on an H100): a budget
+  # below the whole model (~840 MB) that holds the output group resident and a ring of two FFN groups
+  # (636 MB needed on an H100, 2026-11-26; 510M worked on an H200 before the MMQ kernels' scratch)
+  [ "$GPU" = cuda ] && DEV=720000000
+  DEV=${SMALL_DEVICE_MEM:-$DEV}
   if [ -z "$DEV" ]; then fail "small plan: no minimum: $(tail -3 "$OUTDIR/plan_small.log")"; else
     L() { # name, extra args (bandwidths given: the check does not depend on them)
       local n=$1; shift
@@ -87,6 +97,8 @@ if [ "${SKIP_CHECK:-0}" != 1 ] && have_time 120 "hybrid logits check"; then
     L hyb8 --device "$GPU" --device-mem "$DEV" --host-mem 8G --cpu-layers 2 "${TH[@]}"
     L hyb2 --device "$GPU" --device-mem "$DEV" --host-mem 8G --cpu-layers 2 --cpu-max-tokens 2 "${TH[@]}"
     L hyb1 --device "$GPU" --device-mem "$DEV" --host-mem 8G --cpu-layers 2 --chunk 1 "${TH[@]}"
+    L hybs8 --device "$GPU" --device-mem "$DEV" --host-mem 8G --cpu-layers 2 --cpu-split 0.5 "${TH[@]}"
+    L hybs1 --device "$GPU" --device-mem "$DEV" --host-mem 8G --cpu-layers 2 --cpu-split 0.5 --chunk 1 "${TH[@]}"
     L str --device "$GPU" --device-mem "$DEV" --host-mem 8G --cpu-layers 0
     "$BIN" plan "$S" --device "$GPU" --ctx 64 --batch 8 --device-mem "$DEV" --host-mem 8G --cpu-layers 2 --h2d-bw 25 --ssd-bw 3 \
       > "$OUTDIR/plan_small_hyb.log" 2>&1
@@ -114,7 +126,9 @@ print("  reference: all-GPU resident logits [%d tokens x %d]" % (T, V))
 for n, what in (("cpu", "CPU backend alone (the scale of different kernels)"), ("str", "streamed, hybrid off"),
                 ("hyb8", "FFN on the CPU tier, prefill chunks of 8 on the CPU"),
                 ("hyb2", "FFN on the CPU tier, prefill chunks streamed (--cpu-max-tokens 2)"),
-                ("hyb1", "FFN on the CPU tier, token by token")):
+                ("hyb1", "FFN on the CPU tier, token by token"),
+                ("hybs8", "FFN on the CPU tier split half and half (GPU rows streamed), chunks of 8"),
+                ("hybs1", "FFN on the CPU tier split half and half, token by token")):
     d = diff(n)
     if d is None: print("FAIL  %s: missing or of the wrong size" % n); ok = False; continue
     print("  %-5s max abs diff %.3e, max rel diff %.3e (of max |logit|), argmax agrees %d/%d  (%s)" % (n, d[0], d[1], d[2], T, what))
@@ -150,6 +164,8 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
     for v in $VARIANTS; do
       have_time 150 "bench $v" || continue
       extra=(--cpu-layers 0); [ $v != off ] && extra=(--cpu-layers auto "${TH[@]}")
+      [ $v = whole ] && extra+=(--cpu-split 0)
+      [[ $v =~ ^s([0-9.]+)$ ]] && extra+=(--cpu-split "${BASH_REMATCH[1]}")
       # ringN: --ring-slots N; tN: --threads N (the CPU tier's threads); e.g. ring4t14
       [[ $v =~ ring([0-9]+) ]] && extra+=(--ring-slots "${BASH_REMATCH[1]}")
       [[ $v =~ t([0-9]+)$ ]] && extra+=(--threads "${BASH_REMATCH[1]}")
@@ -157,7 +173,7 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
       [ -n "${VERIFY:-}" ] && extra+=(--verify "$VERIFY")
       timeout 300 "$BIN" bench "$M" "${BUD[@]}" --prompt 32 --gen "$GEN" --reps 1 "${extra[@]}" > "$OUTDIR/bench70_$v.log" 2>&1 \
         || fail "bench $v (rc $?): $(tail -3 "$OUTDIR/bench70_$v.log")"
-      grep -E "^(decode|weights|hybrid|bound|bandwidth|streaming|verify) " "$OUTDIR/bench70_$v.log" | cut -c1-400
+      grep -E "^(decode|weights|hybrid|bound|bandwidth|streaming|verify|plan) " "$OUTDIR/bench70_$v.log" | cut -c1-400
       TOKS[$v]=$(sed -nE 's/^decode +[0-9]+ tokens in .* s: ([0-9.]+) tok\/s.*/\1/p' "$OUTDIR/bench70_$v.log" | head -1)
     done
     echo
@@ -170,6 +186,26 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
     done
     if [ -n "${TOKS[off]:-}" ] && [ -n "${TOKS[auto]:-}" ]; then
       python3 -c "import sys; a,b=float(sys.argv[1]),float(sys.argv[2]); print('hybrid / off: %.2fx' % (b/a))" "${TOKS[off]}" "${TOKS[auto]}"
+    fi
+    if [ "${PEER:-0}" = 1 ] && have_time 240 "llama.cpp on the same file"; then
+      P=/tmp/peer/llama.cpp/build/bin
+      stamp "llama.cpp: waiting for its build"
+      while [ ! -f /tmp/peer/build.rc ] && have_time 200 "llama.cpp build"; do sleep 10; done
+      if [ "$(cat /tmp/peer/build.rc 2>/dev/null)" = 0 ]; then
+        python3 .peer/gguf_novocab.py "$M" "$M" > "$OUTDIR/novocab.log" 2>&1 || fail "gguf_novocab: $(tail -2 "$OUTDIR/novocab.log")"
+        stamp "llama-bench -ngl ${NGL:-28} -fa 1 -p 512 -n $GEN -t $(nproc)"
+        timeout 400 $P/llama-bench -m "$M" -ngl "${NGL:-28}" -t "$(nproc)" -fa 1 -p 512 -n "$GEN" -r 2 > "$OUTDIR/llama70.log" 2>&1 \
+          || fail "llama-bench: $(tail -3 "$OUTDIR/llama70.log")"
+        grep -E "^\||rror|CUDA" "$OUTDIR/llama70.log" | head -12
+        LT=$(sed -nE 's/^\|.* tg[0-9]+ *\| *([0-9.]+) ± .*/\1/p' "$OUTDIR/llama70.log" | head -1)
+        if [ -n "$LT" ]; then
+          for v in $VARIANTS; do
+            [ -n "${TOKS[$v]:-}" ] && python3 -c "import sys; print('strata %s %s tok/s / llama.cpp -ngl %s %s tok/s = %.2fx' % (sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], float(sys.argv[2]) / float(sys.argv[4])))" "$v" "${TOKS[$v]}" "${NGL:-28}" "$LT"
+          done
+        fi
+      else
+        fail "llama.cpp is not built: $(tail -3 /tmp/peer/build.log 2>/dev/null)"
+      fi
     fi
   fi
 fi

@@ -277,13 +277,21 @@ void st_backend_cpu_prof_print(st_backend *be, FILE *f, int64_t steps, double st
 
 static double weight_bytes(const st_weight *w) { return (double)st_dtype_row_bytes(w->dtype, w->cols) * (double)w->rows; }
 
+/* Only the matmuls take a weight with a row stride (backend.h). */
+static strata_status strided(const st_weight *w, const char *op) {
+    return st_err(STRATA_ERR_UNSUPPORTED, "%s: a weight with a row stride (%zu bytes) is for matmuls only", op,
+                  w->stride);
+}
+
 static strata_status cpu_get_rows(st_backend *be, st_stream *s, const st_weight *w,
                                   const int32_t *ids, int64_t n, float *out) {
+    if (!st_weight_dense(w)) return strided(w, "cpu get_rows");
     RUN_LOCKED(be, "get_rows", n, st_cpu_get_rows(c_, w, ids, n, out));
 }
 
 static strata_status cpu_rmsnorm(st_backend *be, st_stream *s, float *x, const float *residual,
                                  const st_weight *w, float eps, int64_t n, int64_t d, float *out) {
+    if (!st_weight_dense(w)) return strided(w, "cpu rmsnorm");
     RUN_LOCKED(be, "rmsnorm", n, st_cpu_rmsnorm(c_, x, residual, w, eps, n, d, out));
 }
 

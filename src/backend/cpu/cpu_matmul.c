@@ -353,7 +353,7 @@ strata_status st_cpu_matmul(st_cpu *c, const float *x, const st_weight *w, int64
         return st_cpu_matmul_int(c, x, w, 1, n, &y);
     const int64_t K = w->cols, N = w->rows;
     mm_ctx m = {
-        .x = x, .w = w->data, .dtype = w->dtype, .row_bytes = st_dtype_row_bytes(w->dtype, K),
+        .x = x, .w = w->data, .dtype = w->dtype, .row_bytes = st_weight_stride(w),
         .y = y, .n = n, .K = K, .N = N,
         .n_rb = (N + MM_ROWS - 1) / MM_ROWS,
         .ldw = (K + 15) & ~(int64_t)15,

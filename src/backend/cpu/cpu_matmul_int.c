@@ -1287,13 +1287,15 @@ ST_TARGET_AVX512 ST_AI void w16_load(st_dtype t, const uint8_t *const p[W16_ROWS
 }
 
 /* Tokens 0..NT-1 (qa0 + tk * stride) x the 16 rows p[r]: out[tk][r]. NT a constant. */
+/* pf_base: the next 16 rows (row_bytes apart, their first `dense` bytes used), prefetched
+ * over the units. */
 ST_TARGET_AVX512 ST_AI void dot16_tokens(const qi_ctx *m, st_dtype t, const uint8_t *const p[W16_ROWS],
-                                          const uint8_t *pf_base, int64_t pf_span, const uint8_t *const qa[QI_STREAM],
+                                          const uint8_t *pf_base, int64_t dense, const uint8_t *const qa[QI_STREAM],
                                           int NT, float out[QI_STREAM][W16_ROWS]) {
-    const int64_t K = m->L.K, nb = m->L.nb, nu = m->nu;
+    const int64_t K = m->L.K, nb = m->L.nb, nu = m->nu, stride = (int64_t)m->row_bytes;
     const int off = t == ST_DTYPE_Q8_0 ? 128 : off8(t);
-    const uint64_t pf_q16 = ((uint64_t)pf_span << 16) / (uint64_t)nu; /* prefetch bytes per unit, 16.16 */
-    int64_t pf = 0, done = 0;
+    const uint64_t pf_q16 = ((uint64_t)(W16_ROWS * dense) << 16) / (uint64_t)nu; /* prefetch bytes per unit, 16.16 */
+    int64_t pf = 0, pf_row = 0, pf_col = 0, done = 0;
     st_v8i lo8, hi8; /* row offsets from p[0], for load_scales */
     for (int r = 0; r < 8; r++) lo8[r] = (int32_t)(p[r] - p[0]), hi8[r] = (int32_t)(p[r + 8] - p[0]);
     const qi_isa S = {.gather = gather_portable, .f16 = f16_avx512};
@@ -1310,7 +1312,10 @@ ST_TARGET_AVX512 ST_AI void dot16_tokens(const qi_ctx *m, st_dtype t, const uint
             const st_v16f dw = __builtin_shufflevector(dl, dh, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
             const st_v16f mw = __builtin_shufflevector(ml, mh, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
             const int64_t pf_end = (int64_t)(((uint64_t)(done + 1) * pf_q16) >> 16); /* the next rows, spread */
-            for (; pf < pf_end; pf += 64) __builtin_prefetch(pf_base + pf, 0, 2);
+            for (; pf < pf_end; pf += 64) { /* (a weight with a row stride: only the rows' used bytes) */
+                __builtin_prefetch(pf_base + pf_row * stride + pf_col, 0, 2);
+                if ((pf_col += 64) >= dense) pf_col -= dense, pf_row++;
+            }
 #pragma GCC unroll 8
             for (int tk = 0; tk < NT; tk++) {
                 const uint8_t *a = qa[tk];
@@ -1344,7 +1349,7 @@ ST_TARGET_AVX512 ST_AI void dot16_tokens(const qi_ctx *m, st_dtype t, const uint
 
 /* Items [begin, end) of 16-row blocks (m->rb0 in 16-row blocks), all m->n tokens. */
 ST_TARGET_AVX512 ST_AI void qi8_w16_t(const qi_ctx *m, st_dtype t, int64_t begin, int64_t end) {
-    const int64_t n = m->n;
+    const int64_t n = m->n, dense = (int64_t)st_dtype_row_bytes(t, m->L.K);
     const uint8_t *qa[QI_STREAM];
     for (int64_t tk = 0; tk < QI_STREAM; tk++) qa[tk] = m->q + (size_t)(tk < n ? tk : 0) * m->L.stride;
     for (int64_t it = begin; it < end; it++) {
@@ -1354,13 +1359,13 @@ ST_TARGET_AVX512 ST_AI void qi8_w16_t(const qi_ctx *m, st_dtype t, int64_t begin
         const int64_t nr = N - r0 < W16_ROWS ? N - r0 : W16_ROWS;
         const uint8_t *base = m->w[wi] + (size_t)r0 * m->row_bytes, *p[W16_ROWS];
         for (int r = 0; r < W16_ROWS; r++) p[r] = base + (size_t)(r < nr ? r : 0) * m->row_bytes; /* padding: row r0 */
-        const int64_t span = W16_ROWS * (int64_t)m->row_bytes;
+        const uint8_t *next = base + W16_ROWS * m->row_bytes;
         float out[QI_STREAM][W16_ROWS];
         /* token counts as constants: 1, 2, 4, 8 (3 and 5..7 computed with token 0 repeated, dropped) */
-        if (n == 1) dot16_tokens(m, t, p, base + span, span, qa, 1, out);
-        else if (n == 2) dot16_tokens(m, t, p, base + span, span, qa, 2, out);
-        else if (n <= 4) dot16_tokens(m, t, p, base + span, span, qa, 4, out);
-        else dot16_tokens(m, t, p, base + span, span, qa, 8, out);
+        if (n == 1) dot16_tokens(m, t, p, next, dense, qa, 1, out);
+        else if (n == 2) dot16_tokens(m, t, p, next, dense, qa, 2, out);
+        else if (n <= 4) dot16_tokens(m, t, p, next, dense, qa, 4, out);
+        else dot16_tokens(m, t, p, next, dense, qa, 8, out);
         float *y = m->ys[wi];
         for (int64_t tk = 0; tk < n; tk++) memcpy(y + tk * N + r0, out[tk], (size_t)nr * sizeof(float));
     }
@@ -1496,13 +1501,13 @@ strata_status st_cpu_matmul_int(st_cpu *c, const float *x, const st_weight *w, i
     ST_ASSERT(count >= 1 && count <= QI_MULTI);
     const int64_t K = w->cols;
     qi_ctx m = {
-        .nw = count, .dtype = w->dtype, .row_bytes = st_dtype_row_bytes(w->dtype, K),
+        .nw = count, .dtype = w->dtype, .row_bytes = st_weight_stride(w),
         .L = {.K = K, .nb = K / 32},
         .n = n,
         .nu = w->dtype == ST_DTYPE_Q6_K ? K / 16 : K / 32,
     };
     for (int i = 0; i < count; i++) {
-        ST_ASSERT(w[i].dtype == w->dtype && w[i].cols == K);
+        ST_ASSERT(w[i].dtype == w->dtype && w[i].cols == K && st_weight_stride(&w[i]) == m.row_bytes);
         m.w[i] = w[i].data, m.ys[i] = y[i], m.Ns[i] = w[i].rows;
         m.rb0[i + 1] = m.rb0[i] + (w[i].rows + QI_ROWS - 1) / QI_ROWS;
     }

@@ -378,8 +378,14 @@ strata_status st_attn_fa2_variant(const char *name, int *variant) {
             *variant = i;
             return STRATA_OK;
         }
+    if (strcmp(name, "wgmma") == 0 || strcmp(name, "wgmma-pp") == 0) {
+        *variant = name[5] ? ST_ATTN_FA2_WGMMA_PP : ST_ATTN_FA2_WGMMA;
+        return STRATA_OK;
+    }
     return st_err(STRATA_ERR_INVALID_ARG,
-                  "cuda backend init: attn_fa2 \"%s\" is not one of auto, b128w8, b128w8r, b128w4, b256w8", name);
+                  "cuda backend init: attn_fa2 \"%s\" is not one of auto, wgmma, wgmma-pp, b128w8, b128w8r, b128w4, "
+                  "b256w8",
+                  name);
 }
 
 /* The variant by name (the table's names are constants: never missing). */
@@ -394,7 +400,7 @@ static int fa2_index(const char *name) {
  * b128w8r 288, b128w8 280; at n = 4096 / 2048: b128w8r 238 / 168 ahead of
  * b128w4 221 / 108; hd 64 at 16384: b128w8r 266, b128w4 266, b128w8 255. */
 int st_attn_fa2_pick(int variant, int hd, int64_t rows_per_kv_head) {
-    if (variant >= 0) return variant;
+    if (variant >= 0 && variant < FA2_NVAR) return variant;
     return fa2_index(hd == 128 && rows_per_kv_head >= 32768 ? "b128w4" : "b128w8r");
 }
 

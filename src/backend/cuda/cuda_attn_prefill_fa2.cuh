@@ -22,16 +22,26 @@
  *            fragment), Q fragments from shared memory, heaviest first
  *   b256w8   256 rows, 8 warps x 32 rows, as b128w4 */
 #define ST_ATTN_FA2_NVARIANTS 4
+/* attn_fa2 names beyond the FA2 configurations: "wgmma", the Hopper kernel
+ * (cuda_attn_prefill_wgmma.cuh; what auto runs where it applies: head dim
+ * 128 on compute capability 9.0), and "wgmma-pp", the same with its consumer
+ * warpgroups taking turns (pingpong; measured slower or equal, kept for
+ * comparison). Where the Hopper kernel does not apply, both run the FA2
+ * kernel as auto would. */
+#define ST_ATTN_FA2_WGMMA 4
+#define ST_ATTN_FA2_WGMMA_PP 5
 #define ST_ATTN_FA2_DEFAULT "auto"
 
 /* Once per backend: the kernels' shared-memory attributes. */
 strata_status st_attn_fa2_setup(void);
 
-/* name -> *variant (0 .. ST_ATTN_FA2_NVARIANTS - 1; -1 for auto, also NULL
- * or ""); STRATA_ERR_INVALID_ARG for an unknown name. */
+/* name -> *variant (0 .. ST_ATTN_FA2_NVARIANTS - 1, ST_ATTN_FA2_WGMMA,
+ * ST_ATTN_FA2_WGMMA_PP; -1 for auto, also NULL or ""); STRATA_ERR_INVALID_ARG
+ * for an unknown name. */
 strata_status st_attn_fa2_variant(const char *name, int *variant);
-/* The configuration a call runs: variant itself, or for auto (-1) the one
- * measured fastest for this head dim and number of rows (n G) per kv head. */
+/* The FA2 configuration a call runs: variant itself, or for auto (-1, and
+ * the wgmma names where the Hopper kernel does not apply) the one measured
+ * fastest for this head dim and number of rows (n G) per kv head. */
 int st_attn_fa2_pick(int variant, int hd, int64_t rows_per_kv_head);
 /* The variant's name ("?" when out of range). */
 const char *st_attn_fa2_name(int variant);

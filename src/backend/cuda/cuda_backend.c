@@ -315,6 +315,9 @@ static strata_status cuda_event_query(st_backend *be, st_event *e, bool *done) {
         if (!st_cuda_aligned((w)->data, 16))                                                 \
             return st_err(STRATA_ERR_INVALID_ARG, "%s: weight data %p is not 16-byte aligned", op, \
                           (w)->data);                                                        \
+        if (!st_weight_dense(w))                                                             \
+            return st_err(STRATA_ERR_UNSUPPORTED, "%s: a weight with a row stride (%zu bytes) " \
+                          "runs on the CPU backend's matmuls only", op, (w)->stride);                  \
     } while (0)
 
 /* The float pointers of ops must at least be 4-byte aligned. */

@@ -127,7 +127,11 @@ typedef struct {
     bool attn_tile64;         /* always false: removed with the paged kernel's old variants
                                  (cuda_attention_paged.cu still reads it) */
     int attn_fa2;             /* st_backend_params.attn_fa2 (read at init): the FA2 kernel's configuration
-                                 (cuda_attn_prefill_fa2.cuh; -1: auto, the default) */
+                                 (cuda_attn_prefill_fa2.cuh; -1: auto, the default; ST_ATTN_FA2_WGMMA /
+                                 ST_ATTN_FA2_WGMMA_PP: the Hopper kernel, without or with its turns) */
+    bool attn_wgmma;          /* the Hopper prefill attention kernel can run (compute capability 9.0:
+                                 cuda_attn_prefill_wgmma.cu, st_attn_wgmma_setup) */
+    void *tmap_encode;        /* the driver's cuTensorMapEncodeTiled (NULL: none; st_attn_wgmma_setup) */
     size_t sample_smem;       /* dynamic shared memory the sample kernel may use (st_cuda_sample_setup) */
     int attn_dec_bpsm[2][2][3]; /* blocks per SM of the contiguous decode attention kernel
                                    [attention, attention_part][hd 64, 128][rows 4, 8, 16]
