@@ -10,8 +10,9 @@
  * read rate of a 1 GiB buffer (strata bench's "memory read",
  * tools/roofline.c), then per shape, dtype and activation precision
  * (int8 on AMX tiles where the CPU has them, int8 on the ISA level's
- * kernels, precise) the time of one call with n = 1 token, and at n = 1, 4
- * and 8 tokens (a speculative verification pass) the weight bytes read per
+ * kernels; on AVX-512 also without the 16-row few-token kernel and with it at
+ * one token; precise) the time of one call with n = 1 token, and at n = 1, 2,
+ * 4 and 8 tokens (a speculative verification pass) the weight bytes read per
  * second and their fraction of the read rate; with 64 tokens the
  * multiply-add rate. Weights are random (scales fixed), over
  * 100 MB each, so every call streams them from DRAM. Not run in CI. */
@@ -111,25 +112,30 @@ int main(int argc, char **argv) {
                 if (!wd) return 1;
                 const st_weight w = {wd, dts[di], N, K, 0};
                 const double bytes = (double)st_dtype_row_bytes(dts[di], K) * (double)N;
-                /* int8 on AMX tiles where usable, int8 on the ISA level's kernels, precise */
-                for (int mode = 0; mode < 3; mode++) {
-                    const bool act8 = mode < 2;
+                /* int8 on AMX tiles where usable, int8 on the ISA level's kernels, the same without
+                 * the 16-row few-token kernel (the 8-row ones: before it) and with it at one token too,
+                 * precise */
+                static const char *mname[5] = {"int8-amx", "int8", "int8-w16off", "int8-w16n1", "precise"};
+                for (int mode = 0; mode < 5; mode++) {
+                    const bool act8 = mode < 4;
                     if (mode == 0 && !st_cpu_amx_usable()) continue;
+                    if ((mode == 2 || mode == 3) && st_cpu_isa_supported() != ST_CPU_ISA_AVX512) continue;
                     st_backend_cpu_set_act8(be, act8);
                     st_backend_cpu_set_amx(be, mode == 0 ? ST_CPU_AMX_ON : ST_CPU_AMX_OFF);
-                    const int64_t ns[3] = {1, 4, 8};
-                    double gbs[3], t1 = 0;
-                    for (int i = 0; i < 3; i++) {
+                    st_backend_cpu_set_w16(be, mode == 2 ? 0 : mode == 3 ? 1 : ST_CPU_W16_MIN);
+                    const int64_t ns[4] = {1, 2, 4, 8};
+                    double gbs[4], t1 = 0;
+                    for (int i = 0; i < 4; i++) {
                         const double t = only_n1 && i ? 1e30 : time_call(be, x, &w, ns[i], y, i ? (reps > 3 ? 3 : reps) : reps);
                         if (!i) t1 = t;
                         gbs[i] = bytes / t / 1e9;
                     }
                     const double t64 = only_n1 ? 1e30 : time_call(be, x, &w, 64, y, 1);
-                    printf("  %-5s N=%-5lld K=%-5lld %-8s n=1: %7.3f ms, GB/s of weights (%% of the read rate): n=1 %6.2f (%3.0f%%)"
-                           " n=4 %6.2f (%3.0f%%) n=8 %6.2f (%3.0f%%) | n=64: %6.1f GMAC/s\n",
-                           st_dtype_name(dts[di]), (long long)N, (long long)K, mode == 0 ? "int8-amx" : act8 ? "int8" : "precise",
-                           t1 * 1e3, gbs[0], 100.0 * gbs[0] * 1e9 / bw, gbs[1], 100.0 * gbs[1] * 1e9 / bw, gbs[2],
-                           100.0 * gbs[2] * 1e9 / bw, 64.0 * N * K / t64 / 1e9);
+                    printf("  %-5s N=%-5lld K=%-5lld %-11s n=1: %7.3f ms, GB/s of weights (%% of the read rate):",
+                           st_dtype_name(dts[di]), (long long)N, (long long)K, mname[mode], t1 * 1e3);
+                    for (int i = 0; i < 4; i++)
+                        printf(" n=%lld %6.2f (%3.0f%%)", (long long)ns[i], gbs[i], 100.0 * gbs[i] * 1e9 / bw);
+                    printf(" | n=64: %6.1f GMAC/s\n", 64.0 * N * K / t64 / 1e9);
                     fflush(stdout);
                 }
                 free(wd);

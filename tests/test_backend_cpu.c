@@ -672,6 +672,21 @@ static void test_matmul_int(st_backend *b1, st_backend *b2) {
                 }
                 st_backend_cpu_set_isa(b1, best);
                 st_backend_cpu_set_isa(b2, best);
+                /* int8 on AVX-512: the 16-row few-token kernel also at one token (1), and not at all
+                 * (0: the 8-row kernels at 2..8 tokens): the bits of the reference */
+                for (int w16 = 0; act8 && best == ST_CPU_ISA_AVX512 && w16 < 2; w16++)
+                    for (int bi = 0; bi < 2; bi++) {
+                        st_backend *be = bi ? b2 : b1;
+                        CHECK(st_backend_cpu_set_w16(be, w16) == ST_CPU_W16_MIN);
+                        for (int ni = 0; ni < (int)(sizeof ns / sizeof *ns); ni++) {
+                            const int64_t n = ns[ni];
+                            run_matmul(be, x, &w, n, y);
+                            CHECK_MSG(same_bits(y, yr, n * N), "int matmul int8 w16=%d %s threads=%d n=%lld N=%lld "
+                                      "K=%lld: differs from the scalar reference", w16, st_dtype_name(t), bi + 1,
+                                      (long long)n, (long long)N, (long long)K);
+                        }
+                        st_backend_cpu_set_w16(be, ST_CPU_W16_MIN);
+                    }
                 /* int8 on AMX tiles (where usable; ON elsewhere must fall back to OFF) and the
                  * same kernel with the tile instructions emulated: the bits of the reference */
                 for (int am = ST_CPU_AMX_ON; act8 && am <= ST_CPU_AMX_EMULATED; am++)
@@ -1113,7 +1128,7 @@ static void test_simd_equivalence(st_backend *be) {
 /* A row stride (the CPU tier's share of a split FFN's down projection): the
  * first K columns of a wider matrix, read in place, give the bits of a dense
  * copy of those columns, for every weight dtype and 1..9 tokens (precise
- * activations; one thread and two); other ops refuse a
+ * and int8 activations; one thread and two); other ops refuse a
  * stride. */
 static void test_matmul_stride(st_backend *be) {
     static const st_dtype dts[] = {ST_DTYPE_Q4_0, ST_DTYPE_Q4_1, ST_DTYPE_Q8_0, ST_DTYPE_Q4_K, ST_DTYPE_Q6_K,
@@ -1127,17 +1142,20 @@ static void test_matmul_stride(st_backend *be) {
         const size_t wrb = st_dtype_row_bytes(t, W), rb = st_dtype_row_bytes(t, K);
         uint8_t *dense = malloc(rb * (size_t)N);
         for (int64_t r = 0; r < N; r++) memcpy(dense + (size_t)r * rb, wide + (size_t)r * wrb, rb);
-        for (int64_t n = 1; n <= 9; n += 4) {
-            float *x = rand_f(n * K, 1.0f), *y1 = malloc((size_t)(n * N) * 4), *y2 = malloc((size_t)(n * N) * 4);
-            const st_weight ws = {wide, t, N, K, wrb}, wd = {dense, t, N, K, 0};
-            CHECK(be->ops->matmul(be, NULL, x, &ws, n, y1) == STRATA_OK);
-            CHECK(be->ops->matmul(be, NULL, x, &wd, n, y2) == STRATA_OK);
-            const bool ok = !memcmp(y1, y2, (size_t)(n * N) * 4);
-            CHECK_MSG(ok, "strided matmul %s, %lld tokens: differs from the dense copy", st_dtype_name(t),
-                      (long long)n);
-            same += ok, runs++;
-            free(x), free(y1), free(y2);
-        }
+        for (int act8 = 0; act8 < 2; act8++) /* and int8 activations: 5 tokens take W16 on AVX-512 */
+            for (int64_t n = 1; n <= 9; n += 4) {
+                st_backend_cpu_set_act8(be, act8);
+                float *x = rand_f(n * K, 1.0f), *y1 = malloc((size_t)(n * N) * 4), *y2 = malloc((size_t)(n * N) * 4);
+                const st_weight ws = {wide, t, N, K, wrb}, wd = {dense, t, N, K, 0};
+                CHECK(be->ops->matmul(be, NULL, x, &ws, n, y1) == STRATA_OK);
+                CHECK(be->ops->matmul(be, NULL, x, &wd, n, y2) == STRATA_OK);
+                const bool ok = !memcmp(y1, y2, (size_t)(n * N) * 4);
+                CHECK_MSG(ok, "strided matmul %s %s, %lld tokens: differs from the dense copy", st_dtype_name(t),
+                          act8 ? "int8" : "precise", (long long)n);
+                same += ok, runs++;
+                free(x), free(y1), free(y2);
+                st_backend_cpu_set_act8(be, false);
+            }
         const st_weight ws = {wide, t, 1, K, wrb};
         float out[4096];
         int32_t id = 0;

@@ -214,6 +214,13 @@ int main(void) {
     test_set_rows(be);
     test_argmax(be);
     test_fused_matmuls(be);
+    { /* the same with int8 activations (the few-token kernels: weights in 8- or 16-row blocks) */
+        st_backend_params bp8 = {.kind = ST_BACKEND_CPU, .n_threads = 2, .cpu_act = ST_CPU_ACT_INT8};
+        st_backend *be8 = NULL;
+        CHECK(st_backend_init(&bp8, &be8) == STRATA_OK);
+        if (be8) test_fused_matmuls(be8);
+        st_backend_free(be8);
+    }
     test_graphs(be);
     test_llama_decode(be, "tests/data/models/gqa_f32");
     test_llama_decode(be, "tests/data/models/llama3_bf16");

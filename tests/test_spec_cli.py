@@ -107,9 +107,30 @@ def test_serve(model):
         check(srv.stop() == 0, "serve --spec lookup: exit 0")
 
 
+def check_op_times(out):
+    """--op-times: a table per timed run (a prefill, the decode steps, each --verify pass), its
+    op rows adding up to its 'all ops' line, 'all ops' + 'outside' = the step."""
+    heads = re.findall(r"^op time +(a prefill of 16 tokens|4 decode steps|8 passes of (\d+) tokens) again", out, re.M)
+    check([h for h, _ in heads] == ["a prefill of 16 tokens", "4 decode steps", "8 passes of 2 tokens",
+                                    "8 passes of 5 tokens"], "bench --op-times: four tables (%s)" % heads)
+    tables = re.split(r"^op time +[^\n]* again with op times[^\n]*\n", out, flags=re.M)[1:]
+    for t, n in zip(tables, ["16", "1", "2", "5"]):
+        rows = re.findall(r"^op time +(\w+) .* n=(\d+) +[\d.]+ calls/step +[\d.]+ us/call +([\d.]+) ms/step", t, re.M)
+        tot = re.search(r"^op time +all ops ([\d.]+) ms/step, outside the ops (-?[\d.]+) ms/step \(of ([\d.]+)\)", t, re.M)
+        check(tot is not None and any(op.startswith("matmul") and k == n for op, k, _ in rows),
+              "bench --op-times: matmul rows of n=%s and a total (%s)" % (n, rows))
+        if tot:
+            a, o, step = (float(x) for x in tot.groups())
+            check(a > 0 and abs(a + o - step) <= 0.002 + 1e-3 * step, "op times: %g + %g = %g" % (a, o, step))
+            check(abs(sum(float(ms) for _, _, ms in rows) - a) <= 0.01 * a + 0.01,
+                  "op times: the rows add up to all ops (%g)" % a)
+
+
 def test_bench(model):
-    p = subprocess.run([BIN, "bench", model, "--prompt", "16", "--gen", "4", "--reps", "1", "--verify", "1,4"],
+    p = subprocess.run([BIN, "bench", model, "--prompt", "16", "--gen", "4", "--reps", "1", "--verify", "1,4",
+                        "--device", "cpu", "--op-times"],
                        capture_output=True, text=True, timeout=TIMEOUT)
+    check_op_times(p.stdout)
     lines = re.findall(r"^verify +(\d+) drafts \+ 1 token in one pass, (\d+) logit rows to the host: ([\d.]+) ms "
                        r"= ([\d.]+)x a one-token decode step", p.stdout, re.M)
     check(p.returncode == 0 and [(k, r) for k, r, _, _ in lines] == [("1", "2"), ("4", "5")],

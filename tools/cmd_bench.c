@@ -12,6 +12,7 @@
 
 #include "commands.h"
 #include "common.h"
+#include "backend/cpu/cpu_internal.h"
 #include "core/pool.h"
 #include "roofline.h"
 
@@ -30,6 +31,9 @@ static void bench_usage(FILE *f) {
             "  --verify K[,K...]  then the cost of a speculative verification pass: the sequence's\n"
             "                   token and K drafts in one pass, the logits of every row to the host,\n"
             "                   beside a one-token decode step\n"
+            "  --op-times       CPU: then a prefill, --gen decode steps (and each --verify pass) again, every\n"
+            "                   op timed: per op and shape, calls, us per call, ms per step, share of\n"
+            "                   the step, the matmuls' GB/s of weights; and the time outside the ops\n"
             "  --kv-stream      the sequence's KV in host memory, streamed through the device layer by\n"
             "                   layer (contexts longer than the device, up to 1M tokens): one prefill\n"
             "                   and --gen decode steps, beside their rooflines, and the device memory peak;\n"
@@ -378,7 +382,7 @@ int cmd_bench(int argc, char **argv) {
     tool_model_opts mo = TOOL_ENGINE_OPTS_INIT; /* --kv-host-mem (with --kv-stream) */
     const char *path = NULL;
     int64_t n_prompt = 128, n_gen = 64, reps = 3;
-    bool prefill_only = false;
+    bool prefill_only = false, op_times = false;
     int64_t seqs[16], seq_prompt = 32, verify[16];
     int n_seqs = 0, n_verify = 0;
     for (int i = 1; i < argc; i++) {
@@ -401,6 +405,8 @@ int cmd_bench(int argc, char **argv) {
             i++;
         } else if (!strcmp(a, "--prefill-only")) {
             prefill_only = true;
+        } else if (!strcmp(a, "--op-times")) {
+            op_times = true;
         } else if (!strcmp(a, "--seqs")) {
             if (!parse_list(val, seqs, &n_seqs)) return 2;
             i++;
@@ -628,6 +634,25 @@ int cmd_bench(int argc, char **argv) {
     printf("device mem   peak %.1f MB of backend allocations (%sKV cache, activations, scratch)\n", peak / 1e6,
            on_cpu ? "" : "weights, ");
     tool_print_weights(&tm, &ws, &ws_after, n_gen, step_s, n_prompt, t_prefill);
+    if (op_times && on_cpu) { /* one prefill and the same steps again (the KV rewritten), every op timed */
+        st_backend_cpu_prof(be, true);
+        const double t2 = st_time_now();
+        if (st_llama_forward_seq(tm.model, tm.kv, ids, n_prompt, 0, false, logits) != STRATA_OK) goto fail;
+        const double tpf = st_time_now() - t2;
+        st_backend_cpu_prof(be, false);
+        printf("op time      a prefill of %lld tokens again with op times: %.3f s\n", (long long)n_prompt, tpf);
+        st_backend_cpu_prof_print(be, stdout, 1, tpf);
+        st_backend_cpu_prof(be, true);
+        const double t1 = st_time_now();
+        for (int64_t g = 0; g < n_gen; g++)
+            if (decode_one(&tm, ids[n_prompt + g], n_prompt + g, &next) != STRATA_OK) goto fail;
+        const double tp = (st_time_now() - t1) / (double)n_gen;
+        st_backend_cpu_prof(be, false);
+        printf("op time      %lld decode steps again with op times: %.3f ms/step\n", (long long)n_gen, tp * 1e3);
+        st_backend_cpu_prof_print(be, stdout, n_gen, tp);
+    } else if (op_times) {
+        printf("op time      --op-times: the CPU backend only\n");
+    }
     if (n_verify > 0) {
         /* each K: a warm-up pass, then passes over the same positions (the KV rewritten) */
         float *vl = malloc((size_t)(max_verify + 1) * (size_t)V * sizeof *vl);
@@ -651,6 +676,20 @@ int cmd_bench(int argc, char **argv) {
                    "a one-token decode step (%.3f ms); all accepted would give %.1f tok/s\n",
                    (long long)verify[k], (long long)verify[k] + 1, tv * 1e3, tv / step_s, step_s * 1e3,
                    (double)(verify[k] + 1) / tv);
+            if (op_times && on_cpu) {
+                st_backend_cpu_prof(be, true);
+                const double t2 = st_time_now();
+                for (int64_t r = 0; r < passes; r++)
+                    if (verify_pass(&tm, vt, verify[k], at, vl) != STRATA_OK) {
+                        free(vl);
+                        goto fail;
+                    }
+                const double tp = (st_time_now() - t2) / (double)passes;
+                st_backend_cpu_prof(be, false);
+                printf("op time      %lld passes of %lld tokens again with op times: %.3f ms/pass\n", (long long)passes,
+                       (long long)verify[k] + 1, tp * 1e3);
+                st_backend_cpu_prof_print(be, stdout, passes, tp);
+            }
         }
         free(vl);
     }

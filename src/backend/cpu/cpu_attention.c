@@ -4,10 +4,12 @@
  * (attention_paged: the same items, each key's row found through its
  * sequence's block table, so the same bits for the same keys).
  *
- * Work item = (token i, kv head g), numbered i * n_kv_heads + g: the `group`
- * query heads that read kv head g are computed together, so each key's K and
- * V rows are read (and converted from bf16 / fp8) once per item, not once per
- * query head. An item's keys are cut into ranges at the multiples of
+ * Work item = (block b of ATTN_TOKEN_BLOCK consecutive tokens, kv head g),
+ * numbered b * n_kv_heads + g: the `group` query heads that read kv head g, of
+ * every token of the block, are computed together, so each key's K and V rows
+ * are read once per item, not once per query head nor per token (a block whose
+ * tokens belong to different sequences of a paged batch goes token by token);
+ * each token's heads get exactly the operations of an item of their own. An item's keys are cut into ranges at the multiples of
  * ST_ATTN_RANGE (from key 0); each range [r0, r1) is a two-pass softmax in
  * fp32, for each query head h of the group:
  *   s[j] = scale * dot(q_i,h, k_j)         j = r0..r1-1 (cpu_simd.h's order)
@@ -25,7 +27,7 @@
  * Threads: the items go over the pool. When there are fewer than
  * ATTN_ITEMS_PER_THREAD items per thread (a decode step: n_kv_heads items)
  * and more than one range, every range of every item is a pool item of its
- * own (split over the keys): each writes its (o, lse) to c->attn_part, and
+ * own (split over the keys): each writes its tokens' (o, lse) to c->attn_part, and
  * the caller then merges them in increasing order, the very operations an
  * item performs when it merges its ranges itself. Either way each range is
  * computed by one thread in a fixed order: results do not depend on the
@@ -50,6 +52,9 @@
  * in DRAM (the weights passed through the caches since this layer's last
  * step). The V rows are then still cached for the pass over V. */
 #define ATTN_PREFETCH 8
+/* Consecutive tokens of one sequence whose heads share one pass over the keys (a verification
+ * pass, a prefill): each K and V row is read once for them, not once per token. */
+#define ATTN_TOKEN_BLOCK 4
 /* Query heads whose dots or accumulations share one pass over a row. */
 #define ATTN_HEADS_BLOCK 4 /* (the loops over them say "unroll 4": their accumulators stay in registers) */
 
@@ -196,13 +201,18 @@ ST_AI int64_t row_next(row_iter *it) {
         }                                                                                                         \
     } while (0)
 
-/* Keys [r0, r1) (one range) for the G query heads q ([G, hd]) of kv head kvh:
- * o ([G, hd]) the normalized outputs, lse ([G]) their log-sum-exps.
- * s: [G * ST_ATTN_RANGE] scores; inv_z: [G] scratch. Rows as row_start. */
-ST_AI void attn_range(st_kv_dtype t, const kv_src *src, int64_t kvh, int64_t G, const float *q, int64_t r0,
-                      int64_t r1, int64_t base, const int32_t *table, int64_t bs, float scale, float *s,
-                      float *inv_z, float *o, float *lse) {
-    const int64_t hd = src->hd, nk = r1 - r0, R = ST_ATTN_RANGE, nkv = src->n_kv_heads;
+/* Keys [r0, r0 + nk[x]) (one range) for the G query heads q[x] ([G, hd]) of kv head kvh, for
+ * the T tokens x < T of one sequence (T <= ATTN_TOKEN_BLOCK): o[x] ([G, hd]) their normalized
+ * outputs, lse[x] ([G]) their log-sum-exps. Each key's K and V rows are read once for all the
+ * tokens whose range holds it; each token's heads see exactly the operations of a range of
+ * that token alone. s: [T * G * ST_ATTN_RANGE] scores; inv_z: [T * G] scratch. Rows as
+ * row_start. */
+ST_AI void attn_range(st_kv_dtype t, const kv_src *src, int64_t kvh, int64_t G, int T, const float *const *q,
+                      int64_t r0, const int64_t *nks, int64_t base, const int32_t *table, int64_t bs, float scale,
+                      float *s, float *inv_z, float *const *o, float *const *lse) {
+    const int64_t hd = src->hd, R = ST_ATTN_RANGE, nkv = src->n_kv_heads;
+    int64_t nk = 0; /* the range's keys: the longest token's */
+    for (int x = 0; x < T; x++) nk = nks[x] > nk ? nks[x] : nk;
     const float *lut = src->lut;
     const int64_t row_bytes = hd * kv_esize(t);
     row_iter it = row_start(table, bs, base, r0);
@@ -219,46 +229,58 @@ ST_AI void attn_range(st_kv_dtype t, const kv_src *src, int64_t kvh, int64_t G, 
         }
         const void *row = (const char *)src->k + r * row_bytes;
         const float sc = t == ST_KV_FP8 ? src->k_scale[r] : 1.0f;
-#define DOTS(nh, h0) attn_dots(nh, t, q + (h0) * hd, row, sc, lut, hd, scale, s + (h0) * R + j, R)
-        ATTN_HEAD_BLOCKS(G, DOTS);
+        for (int x = 0; x < T; x++) {
+            if (j >= nks[x]) continue;
+            float *sx = s + x * G * R;
+#define DOTS(nh, h0) attn_dots(nh, t, q[x] + (h0) * hd, row, sc, lut, hd, scale, sx + (h0) * R + j, R)
+            ATTN_HEAD_BLOCKS(G, DOTS);
 #undef DOTS
+        }
     }
-    for (int64_t h = 0; h < G; h++) {
-        float *sh = s + h * R, mx = -INFINITY;
-        for (int64_t j = 0; j < nk; j++) mx = sh[j] > mx ? sh[j] : mx;
+    for (int64_t xh = 0; xh < T * G; xh++) {
+        const int64_t nkx = nks[xh / G];
+        if (!nkx) continue; /* no key of this range for this token: nothing written */
+        float *sh = s + xh * R, mx = -INFINITY;
+        for (int64_t j = 0; j < nkx; j++) mx = sh[j] > mx ? sh[j] : mx;
         const st_v8f m = st_v8f_splat(mx);
         st_v8f zs = st_v8f_splat(0.0f);
         int64_t j = 0;
-        for (; j + 8 <= nk; j += 8) {
+        for (; j + 8 <= nkx; j += 8) {
             const st_v8f x = st_v8f_load(sh + j) - m, p = attn_exp(&x);
             ST_V8F_STORE(sh + j, p);
             zs += p;
         }
-        if (j < nk) {
-            const st_v8f x = st_v8f_load_part(sh + j, nk - j) - m, p = attn_exp(&x);
-            memcpy(sh + j, &p, (size_t)(nk - j) * sizeof(float));
-            for (int64_t l = 0; j + l < nk; l++) zs[l] += p[l];
+        if (j < nkx) {
+            const st_v8f x = st_v8f_load_part(sh + j, nkx - j) - m, p = attn_exp(&x);
+            memcpy(sh + j, &p, (size_t)(nkx - j) * sizeof(float));
+            for (int64_t l = 0; j + l < nkx; l++) zs[l] += p[l];
         }
         const float z = st_v8f_hsum(&zs);
-        inv_z[h] = 1.0f / z;
-        lse[h] = mx + logf(z);
+        inv_z[xh] = 1.0f / z;
+        lse[xh / G][xh % G] = mx + logf(z);
     }
-    memset(o, 0, (size_t)(G * hd) * sizeof(float));
+    for (int x = 0; x < T; x++)
+        if (nks[x]) memset(o[x], 0, (size_t)(G * hd) * sizeof(float));
     it = row_start(table, bs, base, r0);
     for (int64_t j = 0; j < nk; j++) {
         const int64_t r = row_next(&it) * nkv + kvh;
         const void *row = (const char *)src->v + r * row_bytes;
         const float sc = t == ST_KV_FP8 ? src->v_scale[r] : 1.0f;
-#define AXPYS(nh, h0) attn_axpys(nh, t, o + (h0) * hd, s + (h0) * R + j, R, row, sc, lut, hd)
-        ATTN_HEAD_BLOCKS(G, AXPYS);
+        for (int x = 0; x < T; x++) {
+            if (j >= nks[x]) continue;
+            const float *sx = s + x * G * R;
+#define AXPYS(nh, h0) attn_axpys(nh, t, o[x] + (h0) * hd, sx + (h0) * R + j, R, row, sc, lut, hd)
+            ATTN_HEAD_BLOCKS(G, AXPYS);
 #undef AXPYS
+        }
     }
-    for (int64_t h = 0; h < G; h++) {
-        const st_v8f iz = st_v8f_splat(inv_z[h]);
-        float *oh = o + h * hd;
+    for (int64_t xh = 0; xh < T * G; xh++) {
+        if (!nks[xh / G]) continue;
+        const st_v8f iz = st_v8f_splat(inv_z[xh]);
+        float *oh = o[xh / G] + (xh % G) * hd;
         int64_t d = 0;
         for (; d + 8 <= hd; d += 8) ST_V8F_STORE(oh + d, st_v8f_load(oh + d) * iz);
-        for (; d < hd; d++) oh[d] = oh[d] * inv_z[h];
+        for (; d < hd; d++) oh[d] = oh[d] * inv_z[xh];
     }
 }
 
@@ -282,6 +304,7 @@ typedef struct {
     int64_t key_end;                /* keys past the piece (key0 + n_kv; INT64_MAX when paged) */
     bool merge;                     /* attention_part: merge into out / lse */
     float *const *scratch;          /* per thread: attn_scratch floats */
+    int64_t n;                      /* tokens */
     int64_t n_ranges;               /* split over the keys: ranges per item (0: not split) */
     float *part;                    /* split: [items, n_ranges] blocks of ATTN_PART floats */
     /* paged (attention_paged): NULL tables for the contiguous ops */
@@ -294,9 +317,12 @@ typedef struct {
 /* One range's result in attn_ctx.part: G x hd outputs, then G log-sum-exps. */
 #define ATTN_PART(a) ((a)->group * ((a)->hd + 1))
 
-/* Scratch floats per thread: scores of one range for G heads, then G x hd
- * (a range's outputs before a merge), then 3 x G (inv_z, lse, lse of a range). */
-static size_t attn_scratch(int64_t G, int64_t hd) { return (size_t)(G * (ST_ATTN_RANGE + hd + 3)); }
+/* Scratch floats per thread, for a block of ATTN_TOKEN_BLOCK tokens: scores of one range for
+ * their G heads each, then G x hd each (a range's outputs before a merge), then 3 x G each
+ * (inv_z, lse, lse of a range). */
+static size_t attn_scratch(int64_t G, int64_t hd) {
+    return (size_t)(ATTN_TOKEN_BLOCK * G * (ST_ATTN_RANGE + hd + 3));
+}
 
 /* Keys of token i in this call: [key0, k1). */
 ST_AI int64_t attn_k1(const attn_ctx *a, int64_t i) {
@@ -307,40 +333,88 @@ ST_AI const int32_t *attn_table(const attn_ctx *a, int64_t i) {
     return a->tables ? a->tables + (int64_t)a->seq[i] * a->max_blocks : NULL;
 }
 
-/* Items [begin, end): (token, kv head) over all their keys, merging their
- * ranges in order, or (split) (token, kv head, range) into a->part. */
+/* Tokens of block blk: [*i0, *i1); true when they share their rows (one sequence, or a
+ * contiguous cache), so that one pass over the keys serves them all. */
+ST_AI bool attn_block(const attn_ctx *a, int64_t n, int64_t blk, int64_t *i0, int64_t *i1) {
+    *i0 = blk * ATTN_TOKEN_BLOCK;
+    *i1 = *i0 + ATTN_TOKEN_BLOCK < n ? *i0 + ATTN_TOKEN_BLOCK : n;
+    if (!a->tables) return true;
+    for (int64_t i = *i0 + 1; i < *i1; i++)
+        if (a->seq[i] != a->seq[*i0]) return false;
+    return true;
+}
+
+/* Items [begin, end): (block of tokens, kv head) over all their keys, each token merging its
+ * ranges in order, or (split) (block, kv head, range) into a->part. Tokens of a block that do
+ * not share their rows go one at a time. */
 ST_AI void attn_items_t(const attn_ctx *a, st_kv_dtype t, int64_t begin, int64_t end, int ti) {
-    const int64_t hd = a->hd, G = a->group, R = ST_ATTN_RANGE, nkv = a->src.n_kv_heads;
-    float *s = a->scratch[ti], *tmp = s + G * R, *inv_z = tmp + G * hd, *l = inv_z + G, *lr = l + G;
+    const int64_t hd = a->hd, G = a->group, R = ST_ATTN_RANGE, nkv = a->src.n_kv_heads, TB = ATTN_TOKEN_BLOCK;
+    float *s = a->scratch[ti], *tmp = s + TB * G * R, *inv_z = tmp + TB * G * hd, *l = inv_z + TB * G,
+          *lr = l + TB * G;
     for (int64_t it = begin; it < end; it++) {
-        if (a->n_ranges) {
-            const int64_t r = it % a->n_ranges, ig = it / a->n_ranges, i = ig / nkv, g = ig % nkv;
-            const int64_t r0 = a->key0 + r * R, k1 = attn_k1(a, i), r1 = r0 + R < k1 ? r0 + R : k1;
-            if (r0 >= k1) continue;
-            float *P = a->part + it * ATTN_PART(a);
-            attn_range(t, &a->src, g, G, a->q + (i * a->n_heads + g * G) * hd, r0, r1, a->key0, attn_table(a, i),
-                       a->bs, a->scale, s, inv_z, P, P + G * hd);
-            continue;
-        }
-        const int64_t i = it / nkv, g = it % nkv, k1 = attn_k1(a, i), h = i * a->n_heads + g * G;
-        const float *q = a->q + h * hd;
-        float *o = a->out + h * hd;
-        const int32_t *table = attn_table(a, i);
-        bool have = a->merge;
-        if (have)
-            for (int64_t x = 0; x < G; x++) l[x] = a->lse[h + x];
-        for (int64_t r0 = a->key0; r0 < k1; r0 += R) {
-            const int64_t r1 = r0 + R < k1 ? r0 + R : k1;
-            if (!have) {
-                attn_range(t, &a->src, g, G, q, r0, r1, a->key0, table, a->bs, a->scale, s, inv_z, o, l);
-                have = true;
+        const int64_t r = a->n_ranges ? it % a->n_ranges : 0, ig = a->n_ranges ? it / a->n_ranges : it;
+        const int64_t blk = ig / nkv, g = ig % nkv;
+        int64_t b0, b1;
+        const bool shared = attn_block(a, a->n, blk, &b0, &b1);
+        for (int64_t c0 = b0; c0 < b1;) { /* runs of tokens that share their rows: the block, or one */
+            const int64_t c1 = shared ? b1 : c0 + 1;
+            const int T = (int)(c1 - c0);
+            const int32_t *table = attn_table(a, c0);
+            const float *q[ATTN_TOKEN_BLOCK];
+            float *o[ATTN_TOKEN_BLOCK], *lp[ATTN_TOKEN_BLOCK];
+            int64_t k1[ATTN_TOKEN_BLOCK], nks[ATTN_TOKEN_BLOCK], kmax = a->key0;
+            for (int x = 0; x < T; x++) {
+                const int64_t i = c0 + x, h = i * a->n_heads + g * G;
+                q[x] = a->q + h * hd;
+                k1[x] = attn_k1(a, i);
+                kmax = k1[x] > kmax ? k1[x] : kmax;
+            }
+            if (a->n_ranges) {
+                const int64_t r0 = a->key0 + r * R;
+                for (int x = 0; x < T; x++) {
+                    const int64_t i = c0 + x, r1 = r0 + R < k1[x] ? r0 + R : k1[x];
+                    nks[x] = r1 > r0 ? r1 - r0 : 0;
+                    float *P = a->part + ((i * nkv + g) * a->n_ranges + r) * ATTN_PART(a);
+                    o[x] = P, lp[x] = P + G * hd;
+                }
+                if (r0 < kmax)
+                    attn_range(t, &a->src, g, G, T, q, r0, nks, a->key0, table, a->bs, a->scale, s, inv_z, o, lp);
+                c0 = c1;
                 continue;
             }
-            attn_range(t, &a->src, g, G, q, r0, r1, a->key0, table, a->bs, a->scale, s, inv_z, tmp, lr);
-            for (int64_t x = 0; x < G; x++) attn_merge(o + x * hd, &l[x], tmp + x * hd, lr[x], hd);
+            bool have[ATTN_TOKEN_BLOCK];
+            for (int x = 0; x < T; x++) {
+                const int64_t h = (c0 + x) * a->n_heads + g * G;
+                have[x] = a->merge;
+                if (have[x])
+                    for (int64_t y = 0; y < G; y++) l[x * G + y] = a->lse[h + y];
+            }
+            for (int64_t r0 = a->key0; r0 < kmax; r0 += R) {
+                /* a token's first range straight into its outputs, later ones into tmp, then merged */
+                for (int x = 0; x < T; x++) {
+                    const int64_t h = (c0 + x) * a->n_heads + g * G, r1 = r0 + R < k1[x] ? r0 + R : k1[x];
+                    nks[x] = r1 > r0 ? r1 - r0 : 0;
+                    o[x] = have[x] ? tmp + x * G * hd : a->out + h * hd;
+                    lp[x] = have[x] ? lr + x * G : l + x * G;
+                }
+                attn_range(t, &a->src, g, G, T, q, r0, nks, a->key0, table, a->bs, a->scale, s, inv_z, o, lp);
+                for (int x = 0; x < T; x++) {
+                    if (!nks[x]) continue;
+                    if (have[x]) {
+                        float *ox = a->out + ((c0 + x) * a->n_heads + g * G) * hd;
+                        for (int64_t y = 0; y < G; y++)
+                            attn_merge(ox + y * hd, &l[x * G + y], tmp + (x * G + y) * hd, lr[x * G + y], hd);
+                    }
+                    have[x] = true;
+                }
+            }
+            if (a->lse)
+                for (int x = 0; x < T; x++) {
+                    const int64_t h = (c0 + x) * a->n_heads + g * G;
+                    for (int64_t y = 0; y < G; y++) a->lse[h + y] = l[x * G + y];
+                }
+            c0 = c1;
         }
-        if (a->lse)
-            for (int64_t x = 0; x < G; x++) a->lse[h + x] = l[x];
     }
 }
 
@@ -387,14 +461,16 @@ static void attn_merge_parts(const attn_ctx *a, int64_t n) {
  * the pool, split over the keys when there are few: the AVX2 build where
  * enabled, else the portable one. */
 static strata_status attn_run(st_cpu *c, attn_ctx *a, int64_t n, int64_t max_k1) {
-    const int64_t nkv = a->src.n_kv_heads, items = n * nkv, R = ST_ATTN_RANGE;
+    const int64_t nkv = a->src.n_kv_heads, R = ST_ATTN_RANGE;
+    const int64_t n_blocks = (n + ATTN_TOKEN_BLOCK - 1) / ATTN_TOKEN_BLOCK, items = n_blocks * nkv;
     const int64_t n_ranges = (max_k1 - a->key0 + R - 1) / R;
+    a->n = n;
     strata_status st = st_cpu_scratch_reserve(c, attn_scratch(a->group, a->hd));
     if (st != STRATA_OK) return st;
     a->scratch = c->scratch;
     int64_t n_items = items, keys = max_k1 - a->key0; /* keys of the largest item */
     if (c->n_threads > 1 && n_ranges > 1 && items < ATTN_ITEMS_PER_THREAD * c->n_threads) {
-        const size_t need = (size_t)(items * n_ranges * ATTN_PART(a));
+        const size_t need = (size_t)(n * nkv * n_ranges * ATTN_PART(a)); /* per token */
         if (need > c->attn_part_floats) {
             float *p = NULL;
             if (posix_memalign((void **)&p, 64, need * sizeof(float)) != 0)
@@ -409,7 +485,7 @@ static strata_status attn_run(st_cpu *c, attn_ctx *a, int64_t n, int64_t max_k1)
         n_items = items * n_ranges;
         keys = R;
     }
-    int64_t grain = ATTN_GRAIN_MACS / (keys * a->group * a->hd * 2 + 1);
+    int64_t grain = ATTN_GRAIN_MACS / (keys * (n < ATTN_TOKEN_BLOCK ? n : ATTN_TOKEN_BLOCK) * a->group * a->hd * 2 + 1);
     if (grain < 1) grain = 1;
 #if ST_CPU_HAVE_AVX2_PATH
     if (c->simd)

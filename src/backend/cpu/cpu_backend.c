@@ -197,14 +197,85 @@ static strata_status cpu_event_query(st_backend *be, st_event *e, bool *done) {
  * pos, seq, ctx_lens and the block ids (get_rows ids: cpu_ops.c; sample
  * args: cpu_sample.c), checked before anything is written. */
 
-#define RUN_LOCKED(be, call)                                                                 \
+/* Adds one call of dt seconds to the op-time table (op_mu held). */
+static void prof_add(st_cpu *c, const char *op, int64_t rows, int64_t cols, int64_t n, double bytes, double dt) {
+    st_cpu_prof *p = &c->prof;
+    for (int i = 0; i < p->count; i++) {
+        st_cpu_prof_entry *e = &p->e[i];
+        if (!strcmp(e->op, op) && e->rows == rows && e->cols == cols && e->n == n) {
+            e->calls++, e->s += dt;
+            return;
+        }
+    }
+    if (p->count == ST_CPU_PROF_MAX) {
+        p->dropped++;
+        return;
+    }
+    p->e[p->count++] = (st_cpu_prof_entry){op, rows, cols, n, bytes, 1, dt};
+}
+
+/* The op under op_mu; with op times on, timed under the key (op, rows, cols, n). */
+#define RUN_LOCKED_K(be, op, rows, cols, n, bytes, call)                                        \
     do {                                                                                     \
         st_cpu *c_ = st_cpu_of(be);                                                          \
+        const double t0_ = c_->prof.on ? st_time_now() : 0;                                  \
         pthread_mutex_lock(&c_->op_mu);                                                      \
         strata_status st_ = call;                                                            \
+        if (c_->prof.on) prof_add(c_, op, rows, cols, n, bytes, st_time_now() - t0_);        \
         pthread_mutex_unlock(&c_->op_mu);                                                    \
         return st_;                                                                          \
     } while (0)
+#define RUN_LOCKED(be, op, n, call) RUN_LOCKED_K(be, op, 0, 0, n, 0.0, call)
+
+/* An op that runs outside op_mu: its time since t0, if op times are on. */
+static void prof_note(st_backend *be, const char *op, int64_t n, double t0) {
+    st_cpu *c = st_cpu_of(be);
+    if (!c->prof.on) return;
+    const double dt = st_time_now() - t0;
+    pthread_mutex_lock(&c->op_mu);
+    prof_add(c, op, 0, 0, n, 0.0, dt);
+    pthread_mutex_unlock(&c->op_mu);
+}
+
+void st_backend_cpu_prof(st_backend *be, bool on) {
+    st_cpu *c = st_cpu_of(be);
+    pthread_mutex_lock(&c->op_mu);
+    if (on) memset(&c->prof, 0, sizeof c->prof);
+    c->prof.on = on;
+    pthread_mutex_unlock(&c->op_mu);
+}
+
+void st_backend_cpu_prof_print(st_backend *be, FILE *f, int64_t steps, double step_s) {
+    st_cpu *c = st_cpu_of(be);
+    pthread_mutex_lock(&c->op_mu);
+    const st_cpu_prof *p = &c->prof;
+    int order[ST_CPU_PROF_MAX];
+    for (int i = 0; i < p->count; i++) order[i] = i;
+    for (int i = 1; i < p->count; i++) /* by time, largest first */
+        for (int j = i; j > 0 && p->e[order[j]].s > p->e[order[j - 1]].s; j--) {
+            const int t = order[j];
+            order[j] = order[j - 1], order[j - 1] = t;
+        }
+    double total = 0;
+    for (int i = 0; i < p->count; i++) total += p->e[i].s;
+    const double per = steps > 0 ? 1.0 / (double)steps : 1.0;
+    for (int k = 0; k < p->count; k++) {
+        const st_cpu_prof_entry *e = &p->e[order[k]];
+        fprintf(f, "op time      %-15s", e->op);
+        if (e->rows) fprintf(f, " %6lld x %-6lld", (long long)e->rows, (long long)e->cols);
+        else fprintf(f, " %15s", "");
+        fprintf(f, " n=%-5lld %6.2f calls/step %9.1f us/call %8.3f ms/step %5.1f%%", (long long)e->n,
+                (double)e->calls * per, 1e6 * e->s / (double)e->calls, 1e3 * e->s * per,
+                step_s > 0 ? 100.0 * e->s * per / step_s : 0.0);
+        if (e->bytes > 0) fprintf(f, "  %6.1f GB/s of weights", e->bytes * (double)e->calls / e->s / 1e9);
+        fputc('\n', f);
+    }
+    fprintf(f, "op time      all ops %.3f ms/step, outside the ops %.3f ms/step (of %.3f)%s\n", 1e3 * total * per,
+            1e3 * (step_s - total * per), 1e3 * step_s, p->dropped ? " (some calls not counted: table full)" : "");
+    pthread_mutex_unlock(&c->op_mu);
+}
+
+static double weight_bytes(const st_weight *w) { return (double)st_dtype_row_bytes(w->dtype, w->cols) * (double)w->rows; }
 
 /* Only the matmuls take a weight with a row stride (backend.h). */
 static strata_status strided(const st_weight *w, const char *op) {
@@ -215,24 +286,24 @@ static strata_status strided(const st_weight *w, const char *op) {
 static strata_status cpu_get_rows(st_backend *be, st_stream *s, const st_weight *w,
                                   const int32_t *ids, int64_t n, float *out) {
     if (!st_weight_dense(w)) return strided(w, "cpu get_rows");
-    RUN_LOCKED(be, st_cpu_get_rows(c_, w, ids, n, out));
+    RUN_LOCKED(be, "get_rows", n, st_cpu_get_rows(c_, w, ids, n, out));
 }
 
 static strata_status cpu_rmsnorm(st_backend *be, st_stream *s, float *x, const float *residual,
                                  const st_weight *w, float eps, int64_t n, int64_t d, float *out) {
     if (!st_weight_dense(w)) return strided(w, "cpu rmsnorm");
-    RUN_LOCKED(be, st_cpu_rmsnorm(c_, x, residual, w, eps, n, d, out));
+    RUN_LOCKED(be, "rmsnorm", n, st_cpu_rmsnorm(c_, x, residual, w, eps, n, d, out));
 }
 
 static strata_status cpu_matmul(st_backend *be, st_stream *s, const float *x, const st_weight *w,
                                 int64_t n, float *y) {
-    RUN_LOCKED(be, st_cpu_matmul(c_, x, w, n, y));
+    RUN_LOCKED_K(be, "matmul", w->rows, w->cols, n, weight_bytes(w), st_cpu_matmul(c_, x, w, n, y));
 }
 
 static strata_status cpu_rope(st_backend *be, st_stream *s, float *x, const int32_t *pos, int64_t n,
                               int64_t n_heads, int64_t head_dim, const float *inv_freq,
                               bool interleaved) {
-    RUN_LOCKED(be, st_cpu_rope(c_, x, pos, n, n_heads, head_dim, inv_freq, interleaved));
+    RUN_LOCKED(be, "rope", n, st_cpu_rope(c_, x, pos, n, n_heads, head_dim, inv_freq, interleaved));
 }
 
 static strata_status cpu_attention(st_backend *be, st_stream *s, const float *q, const float *k,
@@ -243,17 +314,17 @@ static strata_status cpu_attention(st_backend *be, st_stream *s, const float *q,
         if (pos[i] < 0 || pos[i] >= n_kv)
             return st_err(STRATA_ERR_INVALID_ARG, "cpu attention: pos[%lld] = %d is outside the %lld cached keys",
                           (long long)i, pos[i], (long long)n_kv);
-    RUN_LOCKED(be, st_cpu_attention(c_, q, k, v, pos, n, n_kv, n_heads, n_kv_heads, head_dim, scale,
+    RUN_LOCKED(be, "attention", n, st_cpu_attention(c_, q, k, v, pos, n, n_kv, n_heads, n_kv_heads, head_dim, scale,
                                     out));
 }
 
 static strata_status cpu_swiglu(st_backend *be, st_stream *s, const float *gate, const float *up,
                                 int64_t n, float *out) {
-    RUN_LOCKED(be, st_cpu_swiglu(c_, gate, up, n, out));
+    RUN_LOCKED(be, "swiglu", n, st_cpu_swiglu(c_, gate, up, n, out));
 }
 
 static strata_status cpu_add(st_backend *be, st_stream *s, float *x, const float *y, int64_t n) {
-    RUN_LOCKED(be, st_cpu_add(c_, x, y, n));
+    RUN_LOCKED(be, "add", n, st_cpu_add(c_, x, y, n));
 }
 
 /* ---- decode-step ops (backend.h) ---- */
@@ -284,7 +355,10 @@ static strata_status cpu_argmax(st_backend *be, st_stream *s, const float *x, in
 
 static strata_status cpu_sample(st_backend *be, st_stream *s, const float *logits, int64_t n, int64_t vocab,
                                 const st_sample_args *args, int32_t *out) {
-    return st_cpu_sample(st_cpu_of(be), logits, n, vocab, args, out);
+    const double t0 = st_cpu_of(be)->prof.on ? st_time_now() : 0;
+    const strata_status st = st_cpu_sample(st_cpu_of(be), logits, n, vocab, args, out);
+    prof_note(be, "sample", n, t0);
+    return st;
 }
 
 /* Weights of one quantized dtype share one integer matmul (x quantized once,
@@ -293,7 +367,13 @@ static strata_status cpu_matmul_multi(st_backend *be, st_stream *s, const float 
                                       int count, int64_t n, float *const *y) {
     bool same_int = st_dtype_get(w[0].dtype)->quantized;
     for (int i = 1; i < count; i++) same_int &= w[i].dtype == w[0].dtype;
-    if (same_int) RUN_LOCKED(be, st_cpu_matmul_int(c_, x, w, count, n, y));
+    if (same_int) {
+        int64_t rows = 0;
+        double bytes = 0;
+        for (int i = 0; i < count; i++) rows += w[i].rows, bytes += weight_bytes(&w[i]);
+        RUN_LOCKED_K(be, count == 1 ? "matmul" : "matmul_multi", rows, w->cols, n, bytes,
+                     st_cpu_matmul_int(c_, x, w, count, n, y));
+    }
     strata_status st = STRATA_OK;
     for (int i = 0; i < count && st == STRATA_OK; i++) st = cpu_matmul(be, s, x, &w[i], n, y[i]);
     return st;
@@ -332,8 +412,19 @@ static void kv_store_row(st_kv_dtype t, void *dst, float *scale, const float *x,
     }
 }
 
+static strata_status kv_store_paged(st_backend *be, const st_kv_layer *c, const float *k, const float *v,
+                                    const int64_t *slots, int64_t n);
+
 static strata_status cpu_kv_store_paged(st_backend *be, st_stream *s, const st_kv_layer *c, const float *k,
                                         const float *v, const int64_t *slots, int64_t n) {
+    const double t0 = st_cpu_of(be)->prof.on ? st_time_now() : 0;
+    const strata_status st = kv_store_paged(be, c, k, v, slots, n);
+    prof_note(be, "kv_store", n, t0);
+    return st;
+}
+
+static strata_status kv_store_paged(st_backend *be, const st_kv_layer *c, const float *k, const float *v,
+                                    const int64_t *slots, int64_t n) {
     for (int64_t i = 0; i < n; i++)
         if (slots[i] < -1 || slots[i] >= c->n_slots)
             return st_err(STRATA_ERR_INVALID_ARG, "cpu kv_store_paged: slots[%lld] = %lld is outside [-1, %lld)",
@@ -390,7 +481,7 @@ static strata_status cpu_attention_part(st_backend *be, st_stream *s, const floa
             return st_err(STRATA_ERR_INVALID_ARG,
                           "cpu attention_part: pos[%lld] = %d is before the piece's first key %lld", (long long)i,
                           pos[i], (long long)key0);
-    RUN_LOCKED(be, st_cpu_attention_part(c_, q, k, v, pos, n, key0, n_kv, n_heads, n_kv_heads, head_dim, scale,
+    RUN_LOCKED(be, "attention_part", n, st_cpu_attention_part(c_, q, k, v, pos, n, key0, n_kv, n_heads, n_kv_heads, head_dim, scale,
                                          merge, out, lse));
 }
 
@@ -419,7 +510,7 @@ static strata_status cpu_attention_paged(st_backend *be, st_stream *s, const flo
                           "%s: pos[%lld] = %d is outside the %d keys of its sequence %d", op, (long long)i, pos[i],
                           kv->ctx_lens[seq[i]], seq[i]);
     }
-    RUN_LOCKED(be, st_cpu_attention_paged(c_, q, kv, seq, pos, n, n_heads, n_kv_heads, head_dim, scale, out));
+    RUN_LOCKED(be, "attention_paged", n, st_cpu_attention_paged(c_, q, kv, seq, pos, n, n_heads, n_kv_heads, head_dim, scale, out));
 }
 
 /* No graphs: ops run as they are enqueued (backend.h: graph_begin says so). */
@@ -589,6 +680,15 @@ st_cpu_isa st_backend_cpu_set_isa(st_backend *be, st_cpu_isa isa) {
     return r;
 }
 
+int st_backend_cpu_set_w16(st_backend *be, int min_n) {
+    st_cpu *c = st_cpu_of(be);
+    pthread_mutex_lock(&c->op_mu);
+    const int was = c->w16_min;
+    c->w16_min = min_n;
+    pthread_mutex_unlock(&c->op_mu);
+    return was;
+}
+
 bool st_backend_cpu_set_act8(st_backend *be, bool on) {
     st_cpu *c = st_cpu_of(be);
     pthread_mutex_lock(&c->op_mu);
@@ -635,6 +735,7 @@ strata_status st_backend_cpu_init(const st_backend_params *params, st_backend **
     cpu_set_isa(c, ST_CPU_ISA_AVX512);
     c->act8 = params->cpu_act == ST_CPU_ACT_INT8;
     c->amx = st_cpu_amx_usable() ? ST_CPU_AMX_ON : ST_CPU_AMX_OFF;
+    c->w16_min = ST_CPU_W16_MIN;
     *out = be;
     return STRATA_OK;
 }

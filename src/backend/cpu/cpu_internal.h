@@ -5,6 +5,7 @@
 #pragma once
 #include <pthread.h>
 #include <stdbool.h>
+#include <stdio.h>
 
 #include "backend/backend.h"
 #include "core/pool.h"
@@ -30,6 +31,25 @@ typedef enum {
  * mode gives the same bits. */
 typedef enum { ST_CPU_AMX_OFF, ST_CPU_AMX_ON, ST_CPU_AMX_EMULATED } st_cpu_amx;
 
+/* Op times (st_backend_cpu_prof: `strata bench --op-times`): per op and shape, the
+ * calls and the seconds spent in them, the lock and the pool included. */
+#define ST_CPU_PROF_MAX 64
+typedef struct {
+    const char *op;
+    int64_t rows, cols; /* matmuls: the weight's (summed over a multi's weights); else 0 */
+    int64_t n;          /* tokens (rows of x) */
+    double bytes;       /* weight bytes read per call (matmuls) */
+    int64_t calls;
+    double s;
+} st_cpu_prof_entry;
+
+typedef struct {
+    bool on;
+    int count;
+    int64_t dropped; /* calls whose key found no free entry */
+    st_cpu_prof_entry e[ST_CPU_PROF_MAX];
+} st_cpu_prof;
+
 typedef struct {
     st_pool *pool;
     int n_threads;
@@ -41,10 +61,12 @@ typedef struct {
     bool simd;               /* isa >= ST_CPU_ISA_AVX2: the float kernels' AVX2 builds */
     bool act8;               /* the quantized matmuls' activations in int8 (st_backend_params.cpu_act) */
     st_cpu_amx amx;          /* int8 multi-token matmuls on AMX tiles (ON by default where usable) */
+    int w16_min;             /* int8 on AVX-512: passes of w16_min..8 tokens on the 16-row kernel (0: never) */
     void *qact;              /* the integer matmul's quantized activations, 64-B aligned */
     size_t qact_bytes;
     float *attn_part;        /* attention split over the keys: each range's result (cpu_attention.c) */
     size_t attn_part_floats;
+    st_cpu_prof prof;        /* op times, while prof.on */
 } st_cpu;
 
 static inline st_cpu *st_cpu_of(st_backend *be) { return (st_cpu *)be->impl; }
@@ -68,6 +90,11 @@ bool st_cpu_amx_usable(void);
 /* Test hook: sets the AMX mode of later ops on `be` (ON falls back to OFF
  * where AMX is not usable) and returns the mode in effect. */
 st_cpu_amx st_backend_cpu_set_amx(st_backend *be, st_cpu_amx mode);
+/* Test hook: int8 passes of min_n..8 tokens on the AVX-512 level take the 16-row
+ * few-token kernel (cpu_matmul_int.c, W16; 0: never, default ST_CPU_W16_MIN); returns
+ * the previous setting. Same bits either way. */
+#define ST_CPU_W16_MIN 2
+int st_backend_cpu_set_w16(st_backend *be, int min_n);
 /* True when this CPU can run the AVX2 builds of the kernels. */
 bool st_cpu_simd_supported(void);
 /* Test hooks, for later ops on `be` (a CPU backend): set_isa selects a level
@@ -79,6 +106,13 @@ bool st_backend_cpu_set_simd(st_backend *be, bool on);
 /* Selects int8 (on) or 22-bit activations for the quantized matmuls (as
  * st_backend_params.cpu_act); returns the previous setting. */
 bool st_backend_cpu_set_act8(st_backend *be, bool on);
+
+/* Op times: on clears the table and starts counting every op on `be` (its
+ * calls and seconds, per op name and shape); off stops. prof_print writes the
+ * table (ms per step over `steps` steps, share of `step_s`, matmuls' GB/s of
+ * weights) and the time outside the ops. */
+void st_backend_cpu_prof(st_backend *be, bool on);
+void st_backend_cpu_prof_print(st_backend *be, FILE *f, int64_t steps, double step_s);
 
 /* Dequantizes one row of `cols` elements into out: the backend's own fast
  * routine, bit-identical to st_dequantize_row. */

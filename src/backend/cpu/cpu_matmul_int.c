@@ -79,7 +79,9 @@
  * of 2..8 tokens (QI_STREAM: a speculative verification pass) skip the
  * unpacking: each unit of the 8 rows is read from the weights once and
  * multiplied against every token (dot_tokens8), so the weights stream as for
- * one token (2..4 tokens where a group kernel takes the longer tiles). Where
+ * one token (2..4 tokens where a group kernel takes the longer tiles); on
+ * AVX-512, 2..8 tokens (st_cpu.w16_min..8) go instead to W16 (dot16_tokens:
+ * items of 16 rows, lanes = rows, no reduction tree; see there). Where
  * AMX-INT8 is usable (st_cpu.amx), int8's token groups sum on tiles instead
  * (dot_group8_amx: A = 8 unpacked rows x 32 bytes, B = the group's activation
  * block as laid out, C = 8 rows x 8 tokens int32), with token tiles of up to
@@ -434,6 +436,7 @@ typedef struct {
     int64_t tile;  /* tokens per tile */
     int64_t n_rb;  /* row blocks */
     float *const *scratch;
+    const int32_t *corr; /* W16: [n][nb] -off * sum(a) of each token's block (the unsigned weights' offset) */
 } qi_ctx;
 
 /* A row block's units: read from the weights (rows base + idx[r]) or
@@ -1217,6 +1220,171 @@ ST_TARGET_AMX ST_AI void dot_group8_amxreal(const void *ctx, st_dtype t, const v
 }
 #endif
 
+#if ST_CPU_HAVE_AVX2_PATH
+/* ---- a few tokens x 16 rows straight from the weights (AVX-512 VNNI: W16) ----
+ * For 1..QI_STREAM tokens (a decode step, a speculative verification pass) with the lanes = 16
+ * weight rows: per unit, the 16 rows' 32 weight bytes are loaded once and transposed so that
+ * vector q holds element quad q (elements 4q..4q+3) of every row (W[q], lane r = row r), and
+ * each token's S_u is 8 vpdpbusd of W[q] against the token's activation quad q broadcast, the
+ * accumulator starting at -off * sum(a) (the offset of unsigned weights taken out): exact
+ * integers for 16 rows in the lanes, no reduction tree. The float side is the documented one,
+ * lane-wise over rows: f = (dw * dx_b) * S [+ mw * sx_b], acc[u % 8] += f; the units are taken
+ * in the order j = u % 8, then u (acc[j] still sums its units in increasing u), so that only
+ * the tokens' acc[j] live in registers. Same bits as dot_token8. Weights in the units' byte
+ * order: q4_0 / q4_1 16 bytes of nibble pairs (byte i: elements i and i + 16), q8_0 32 signed
+ * bytes (as w + 128), q4_K 32 bytes whose low (even unit) or high (odd) nibbles are the unit. */
+#define W16_ROWS 16
+
+ST_AI bool w16_dtype(st_dtype t) {
+    return t == ST_DTYPE_Q4_0 || t == ST_DTYPE_Q4_1 || t == ST_DTYPE_Q8_0 || t == ST_DTYPE_Q4_K;
+}
+
+/* D[d] (d < 4): dword d of the 16 bytes at p[r] + off, lane r, for the 16 rows. */
+ST_TARGET_AVX512 ST_AI void w16_transpose4(const uint8_t *const p[W16_ROWS], int64_t off, __m512i D[4]) {
+    __m512i Z[4];
+    for (int k = 0; k < 4; k++) { /* lane L of Z[k]: row 4 L + k */
+        __m512i z = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p[k] + off)));
+        z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(p[k + 4] + off)), 1);
+        z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(p[k + 8] + off)), 2);
+        Z[k] = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(p[k + 12] + off)), 3);
+    }
+    const __m512i T0 = _mm512_unpacklo_epi32(Z[0], Z[1]), T1 = _mm512_unpackhi_epi32(Z[0], Z[1]);
+    const __m512i T2 = _mm512_unpacklo_epi32(Z[2], Z[3]), T3 = _mm512_unpackhi_epi32(Z[2], Z[3]);
+    D[0] = _mm512_unpacklo_epi64(T0, T2), D[1] = _mm512_unpackhi_epi64(T0, T2);
+    D[2] = _mm512_unpacklo_epi64(T1, T3), D[3] = _mm512_unpackhi_epi64(T1, T3);
+}
+
+/* W[q]: element quad q of unit u of the 16 rows, unsigned (q8_0 as w + 128). */
+ST_TARGET_AVX512 ST_AI void w16_load(st_dtype t, const uint8_t *const p[W16_ROWS], int64_t u, __m512i W[8]) {
+    const __m512i m4 = _mm512_set1_epi8(15);
+    __m512i D[8];
+    switch (t) {
+    case ST_DTYPE_Q4_0:
+    case ST_DTYPE_Q4_1:
+        w16_transpose4(p, t == ST_DTYPE_Q4_0 ? 18 * u + 2 : 20 * u + 4, D);
+        for (int q = 0; q < 4; q++) {
+            W[q] = _mm512_and_si512(D[q], m4);
+            W[q + 4] = _mm512_and_si512(_mm512_srli_epi16(D[q], 4), m4);
+        }
+        return;
+    case ST_DTYPE_Q8_0: {
+        const __m512i x80 = _mm512_set1_epi8((char)0x80);
+        w16_transpose4(p, 34 * u + 2, D);
+        w16_transpose4(p, 34 * u + 18, D + 4);
+        for (int q = 0; q < 8; q++) W[q] = _mm512_xor_si512(D[q], x80);
+        return;
+    }
+    case ST_DTYPE_Q4_K: {
+        const int64_t o = 144 * (u >> 3) + 16 + 32 * ((u & 7) >> 1);
+        w16_transpose4(p, o, D);
+        w16_transpose4(p, o + 16, D + 4);
+        for (int q = 0; q < 8; q++) W[q] = _mm512_and_si512((u & 1) ? _mm512_srli_epi16(D[q], 4) : D[q], m4);
+        return;
+    }
+    default: break;
+    }
+    ST_ASSERT(!"not a W16 dtype");
+}
+
+/* Tokens 0..NT-1 (qa0 + tk * stride) x the 16 rows p[r]: out[tk][r]. NT a constant. */
+/* pf_base: the next 16 rows (row_bytes apart, their first `dense` bytes used), prefetched
+ * over the units. */
+ST_TARGET_AVX512 ST_AI void dot16_tokens(const qi_ctx *m, st_dtype t, const uint8_t *const p[W16_ROWS],
+                                          const uint8_t *pf_base, int64_t dense, const uint8_t *const qa[QI_STREAM],
+                                          int NT, float out[QI_STREAM][W16_ROWS]) {
+    const int64_t K = m->L.K, nb = m->L.nb, nu = m->nu, stride = (int64_t)m->row_bytes;
+    const int off = t == ST_DTYPE_Q8_0 ? 128 : off8(t);
+    const uint64_t pf_q16 = ((uint64_t)(W16_ROWS * dense) << 16) / (uint64_t)nu; /* prefetch bytes per unit, 16.16 */
+    int64_t pf = 0, pf_row = 0, pf_col = 0, done = 0;
+    st_v8i lo8, hi8; /* row offsets from p[0], for load_scales */
+    for (int r = 0; r < 8; r++) lo8[r] = (int32_t)(p[r] - p[0]), hi8[r] = (int32_t)(p[r + 8] - p[0]);
+    const qi_isa S = {.gather = gather_portable, .f16 = f16_avx512};
+    st_v16f accs[8][QI_STREAM];
+    for (int j = 0; j < 8; j++) {
+        st_v16f acc[QI_STREAM];
+        for (int tk = 0; tk < NT; tk++) acc[tk] = (st_v16f){0};
+        for (int64_t u = j; u < nu; u += 8, done++) {
+            __m512i W[8];
+            w16_load(t, p, u, W);
+            st_v8f dl, dh, ml = st_v8f_splat(0.0f), mh = st_v8f_splat(0.0f);
+            load_scales(t, p[0], lo8, u, &dl, &ml, S);
+            load_scales(t, p[0], hi8, u, &dh, &mh, S);
+            const st_v16f dw = __builtin_shufflevector(dl, dh, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            const st_v16f mw = __builtin_shufflevector(ml, mh, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            const int64_t pf_end = (int64_t)(((uint64_t)(done + 1) * pf_q16) >> 16); /* the next rows, spread */
+            for (; pf < pf_end; pf += 64) { /* (a weight with a row stride: only the rows' used bytes) */
+                __builtin_prefetch(pf_base + pf_row * stride + pf_col, 0, 2);
+                if ((pf_col += 64) >= dense) pf_col -= dense, pf_row++;
+            }
+#pragma GCC unroll 8
+            for (int tk = 0; tk < NT; tk++) {
+                const uint8_t *a = qa[tk];
+                const float *dx = (const float *)(a + K), *sx = dx + nb;
+                /* two chains of 4 where few tokens leave the vpdpbusd latency exposed */
+                __m512i s = off ? _mm512_set1_epi32(m->corr[tk * nb + u]) : _mm512_setzero_si512();
+                __m512i s1 = _mm512_setzero_si512();
+#pragma GCC unroll 8
+                for (int q = 0; q < 8; q++) {
+                    int32_t aq;
+                    memcpy(&aq, a + 32 * u + 4 * q, 4);
+                    if (NT <= 2 && (q & 1))
+                        s1 = _mm512_dpbusd_epi32(s1, W[q], _mm512_set1_epi32(aq));
+                    else
+                        s = _mm512_dpbusd_epi32(s, W[q], _mm512_set1_epi32(aq));
+                }
+                if (NT <= 2) s = _mm512_add_epi32(s, s1);
+                st_v16f f = (dw * dx[u]) * __builtin_convertvector((st_v16i32)s, st_v16f);
+                if (has_mins(t)) f = f + mw * sx[u];
+                acc[tk] += f;
+            }
+        }
+        for (int tk = 0; tk < NT; tk++) accs[j][tk] = acc[tk];
+    }
+    for (int tk = 0; tk < NT; tk++) {
+        const st_v16f y = ((accs[0][tk] + accs[4][tk]) + (accs[2][tk] + accs[6][tk])) +
+                            ((accs[1][tk] + accs[5][tk]) + (accs[3][tk] + accs[7][tk]));
+        memcpy(out[tk], &y, sizeof y);
+    }
+}
+
+/* Items [begin, end) of 16-row blocks (m->rb0 in 16-row blocks), all m->n tokens. */
+ST_TARGET_AVX512 ST_AI void qi8_w16_t(const qi_ctx *m, st_dtype t, int64_t begin, int64_t end) {
+    const int64_t n = m->n, dense = (int64_t)st_dtype_row_bytes(t, m->L.K);
+    const uint8_t *qa[QI_STREAM];
+    for (int64_t tk = 0; tk < QI_STREAM; tk++) qa[tk] = m->q + (size_t)(tk < n ? tk : 0) * m->L.stride;
+    for (int64_t it = begin; it < end; it++) {
+        int wi = 0;
+        while (it >= m->rb0[wi + 1]) wi++;
+        const int64_t N = m->Ns[wi], r0 = (it - m->rb0[wi]) * W16_ROWS;
+        const int64_t nr = N - r0 < W16_ROWS ? N - r0 : W16_ROWS;
+        const uint8_t *base = m->w[wi] + (size_t)r0 * m->row_bytes, *p[W16_ROWS];
+        for (int r = 0; r < W16_ROWS; r++) p[r] = base + (size_t)(r < nr ? r : 0) * m->row_bytes; /* padding: row r0 */
+        const uint8_t *next = base + W16_ROWS * m->row_bytes;
+        float out[QI_STREAM][W16_ROWS];
+        /* token counts as constants: 1, 2, 4, 8 (3 and 5..7 computed with token 0 repeated, dropped) */
+        if (n == 1) dot16_tokens(m, t, p, next, dense, qa, 1, out);
+        else if (n == 2) dot16_tokens(m, t, p, next, dense, qa, 2, out);
+        else if (n <= 4) dot16_tokens(m, t, p, next, dense, qa, 4, out);
+        else dot16_tokens(m, t, p, next, dense, qa, 8, out);
+        float *y = m->ys[wi];
+        for (int64_t tk = 0; tk < n; tk++) memcpy(y + tk * N + r0, out[tk], (size_t)nr * sizeof(float));
+    }
+}
+
+ST_TARGET_AVX512 static void qi8_fn_w16(void *ctx, int64_t begin, int64_t end, int ti) {
+    (void)ti;
+    const qi_ctx *m = ctx;
+    switch (m->dtype) {
+    case ST_DTYPE_Q8_0: qi8_w16_t(m, ST_DTYPE_Q8_0, begin, end); return;
+    case ST_DTYPE_Q4_0: qi8_w16_t(m, ST_DTYPE_Q4_0, begin, end); return;
+    case ST_DTYPE_Q4_1: qi8_w16_t(m, ST_DTYPE_Q4_1, begin, end); return;
+    case ST_DTYPE_Q4_K: qi8_w16_t(m, ST_DTYPE_Q4_K, begin, end); return;
+    default: break;
+    }
+    ST_ASSERT(!"not a W16 dtype");
+}
+#endif
+
 static void qi8_fn_portable(void *ctx, int64_t begin, int64_t end, int ti) {
     qi8_items(ctx, begin, end, ti, (qi8_isa){gather_portable, f16_portable, prow8_portable, tree_portable, NULL, true});
 }
@@ -1252,6 +1420,36 @@ static void qi8_fn_amxemu(void *ctx, int64_t begin, int64_t end, int ti) {
 static strata_status matmul_a8(st_cpu *c, const float *x, qi_ctx *m) {
     const int64_t n = m->n, K = m->L.K, nb = m->L.nb;
     m->L.stride = a8_stride(K);
+#if ST_CPU_HAVE_AVX2_PATH
+    /* a few tokens on AVX-512: 16 rows x all tokens straight from the weights (W16) */
+    if (c->isa == ST_CPU_ISA_AVX512 && c->w16_min > 0 && n >= c->w16_min && n <= QI_STREAM && w16_dtype(m->dtype)) {
+        const size_t tok_bytes = m->L.stride * (size_t)n;
+        strata_status st = st_cpu_qact_reserve(c, tok_bytes + (size_t)(n * nb) * sizeof(int32_t));
+        if (st != STRATA_OK) return st;
+        m->q = c->qact;
+        qa8_ctx qa = {.x = x, .q = c->qact, .grp = NULL, .K = K, .nb = nb, .stride = m->L.stride};
+        const int64_t qgrain = K < 16384 ? 16384 / K : 1; /* ~16K elements per chunk, as below */
+        if (n <= qgrain)
+            qa8_fn_avx2(&qa, 0, n, 0);
+        else
+            st_pool_parallel_for(c->pool, n, qgrain, qa8_fn_avx2, &qa);
+        const int off = m->dtype == ST_DTYPE_Q8_0 ? 128 : off8(m->dtype);
+        int32_t *corr = (int32_t *)((uint8_t *)c->qact + tok_bytes);
+        for (int64_t tk = 0; tk < n; tk++) {
+            const int32_t *hs = (const int32_t *)((const uint8_t *)c->qact + (size_t)tk * m->L.stride + K +
+                                                  2 * (size_t)nb * sizeof(float));
+            for (int64_t b = 0; b < nb; b++) corr[tk * nb + b] = -off * (hs[2 * b] + hs[2 * b + 1]);
+        }
+        m->corr = corr;
+        for (int i = 0; i < m->nw; i++) m->rb0[i + 1] = m->rb0[i] + (m->Ns[i] + W16_ROWS - 1) / W16_ROWS;
+        for (int i = m->nw; i < QI_MULTI; i++) m->rb0[i + 1] = m->rb0[m->nw];
+        m->n_rb = m->rb0[m->nw];
+        int64_t grain = 65536 / (W16_ROWS * K * n);
+        if (grain < 1) grain = 1;
+        st_pool_parallel_for(c->pool, m->n_rb, grain, qi8_fn_w16, m);
+        return STRATA_OK;
+    }
+#endif
     /* the token-group layout, for the AVX-512 or AMX group kernels past QI_STREAM_GROUPED tokens */
     const bool grouped = (c->isa == ST_CPU_ISA_AVX512 || c->amx != ST_CPU_AMX_OFF) && n > QI_STREAM_GROUPED;
     const int64_t n_groups = (n + QI_GROUP - 1) / QI_GROUP;

@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "backend/cpu/cpu_internal.h"
+#include "backend/cpu/cpu_simd.h"
 
 typedef struct {
     int32_t id;
@@ -72,14 +73,33 @@ static float kth_largest(const float *x, int64_t n, int64_t k) {
 
 /* One row; *out = the token or -1. c: [vocab] scratch. */
 static void sample_row(const float *x, int64_t V, const st_sample_args *a, smp_cand *c, int32_t *out) {
-    int64_t best = -1;
-    for (int64_t i = 0; i < V; i++) {
-        if (isnan(x[i])) {
-            *out = -1;
-            return;
-        }
-        if (best < 0 || x[i] > x[best]) best = i;
+    /* the first index of the largest value (-1 on a NaN): the max and a NaN flag in 8 lanes
+     * (branch-free: 128K logits in ~20 us, not ~200), then the first index holding it */
+    st_v8f mx = st_v8f_splat(-INFINITY);
+    st_v8i nan = {0};
+    int64_t i = 0;
+    for (; i + 8 <= V; i += 8) {
+        const st_v8f v = st_v8f_load(x + i);
+        nan |= (st_v8i)(v != v);
+        const st_v8i gt = (st_v8i)(v > mx);
+        mx = (st_v8f)(((st_v8i)v & gt) | ((st_v8i)mx & ~gt));
     }
+    float m = -INFINITY;
+    bool has_nan = false;
+    for (int l = 0; l < 8; l++) {
+        has_nan |= nan[l] != 0;
+        m = mx[l] > m ? mx[l] : m;
+    }
+    for (; i < V; i++) {
+        has_nan |= isnan(x[i]);
+        m = x[i] > m ? x[i] : m;
+    }
+    if (has_nan) {
+        *out = -1;
+        return;
+    }
+    int64_t best = 0;
+    while (best < V - 1 && x[best] != m) best++;
     if (x[best] == -INFINITY) {
         *out = -1;
         return;
