@@ -202,6 +202,10 @@ def main():
         p = run(["plan", m0, *bad])
         check(p.returncode == 2 and what in p.stderr, "plan %s: usage error naming %s (rc %d: %s)"
               % (" ".join(bad), what, p.returncode, p.stderr))
+    # a share no split of this model's 128 rows realizes is refused, not ignored
+    p = run(["plan", m0, "--cpu-split", "0.001"])
+    check(p.returncode != 0 and "cpu split of 0.001" in p.stderr and "128 intermediate rows" in p.stderr,
+          "plan --cpu-split 0.001: refused naming the share and the rows (rc %d: %s)" % (p.returncode, p.stderr))
     return testlib.summary("test_hybrid_cli")
 
 

@@ -479,7 +479,8 @@ int main(void) {
         check_plan(&m, &p, &pl);
         CHECK(pl.split_rows == I / 2 && pl.groups[ST_TIER_CPU] == 10);
         st_wplan_free(&pl);
-        p.cpu_split = 0.001; /* less than a granule: none left to the device, refused for a forced placement */
+        p.cpu_split = 0.001; /* less than a granule: none left to the device, refused (searched and forced) */
+        CHECK_ERR(st_wplan_make(&m.g, &p, &pl), STRATA_ERR_INVALID_ARG, "cpu split of 0.001", "28672");
         st_tier *t = calloc((size_t)m.g.n, sizeof *t);
         t[st_wg_ffn_id(3)] = ST_TIER_CPU;
         p.force = t;

@@ -355,30 +355,22 @@ static strata_status copy_seq(st_wm *wm, const seq_desc *d, int s) {
     uint8_t *dst = wm->slot[s];
     strata_status st;
     if (wm->slot_used[s] && (st = o->stream_wait_event(be, wm->copy, wm->slot_done[s])) != STRATA_OK) return st;
-    st_wg_split sp;
-    if (d->source == SRC_PART) { /* the device's part, packed per tensor */
-        const bool split = split_of(wm, d->group, &sp);
-        ST_ASSERT(split);
+    if (d->source == SRC_HOST || d->source == SRC_CPU || d->source == SRC_PART) { /* from host memory */
+        st_wg_split sp;
+        const bool part = d->source == SRC_PART && split_of(wm, d->group, &sp); /* the device's part */
+        ST_ASSERT(part == (d->source == SRC_PART));
         pthread_mutex_lock(&wm->mu);
         const uint8_t *src = wm->host_ready[d->group] ? wm->host_img[d->group] : NULL;
         pthread_mutex_unlock(&wm->mu);
         for (int i = 0; i < g->n_tensors; i++) {
-            const uint8_t *t = (src ? src + g->t[i].img_off : (const uint8_t *)st_tensor_data(wm->files, g->t[i].desc)) +
-                               sp.src_off[i];
-            st = sp.height[i] == 1 ? o->copy_h2d(be, wm->copy, dst + g->t[i].slot_off, t, sp.width[i])
-                                   : o->copy_2d(be, wm->copy, dst + g->t[i].slot_off, sp.width[i], t, sp.pitch[i],
-                                                sp.width[i], sp.height[i]);
+            const uint8_t *t = src ? src + g->t[i].img_off : (const uint8_t *)st_tensor_data(wm->files, g->t[i].desc);
+            uint8_t *to = dst + g->t[i].slot_off;
+            st = !part               ? o->copy_h2d(be, wm->copy, to, t, g->t[i].desc->nbytes)
+                 : sp.height[i] == 1 ? o->copy_h2d(be, wm->copy, to, t + sp.src_off[i], sp.width[i])
+                                     : o->copy_2d(be, wm->copy, to, sp.width[i], t + sp.src_off[i], sp.pitch[i],
+                                                  sp.width[i], sp.height[i]);
             if (st != STRATA_OK) return st;
         }
-    } else if (d->source == SRC_HOST || d->source == SRC_CPU) {
-        pthread_mutex_lock(&wm->mu);
-        const uint8_t *src = wm->host_ready[d->group] ? wm->host_img[d->group] : NULL;
-        pthread_mutex_unlock(&wm->mu);
-        for (int i = 0; i < g->n_tensors; i++)
-            if ((st = o->copy_h2d(be, wm->copy, dst + g->t[i].slot_off,
-                                  src ? src + g->t[i].img_off : st_tensor_data(wm->files, g->t[i].desc),
-                                  g->t[i].desc->nbytes)) != STRATA_OK)
-                return st;
     } else {
         for (uint64_t p = d->first_piece; p < d->first_piece + d->n_pieces; p++) {
             if (!copier_wait_filled(wm, p)) return STRATA_OK; /* stop or failure: the caller sees it */

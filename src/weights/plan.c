@@ -341,27 +341,24 @@ static double cost(const st_wplan_params *p, const st_wplan *t) {
     return by_sim(p) && t->t_step > 0 ? t->t_step : t->t_decode;
 }
 
-/* Intermediate rows of the CPU-tier FFN groups (alike in a Llama model); 0 when there are none. */
-static int64_t cpu_inter(const st_wgroups *g, const st_tier *tier) {
-    for (int i = 1; i < g->n; i++)
-        if (tier[i] == ST_TIER_CPU && st_wg_split_granule(&g->g[i]) > 0) return g->g[i].t[ST_WG_GATE].desc->shape[0];
-    return 0;
+/* Intermediate rows of the model's FFN groups (alike in a Llama model); 0 when they cannot be split
+ * (no tensor descriptors: synthetic groups). */
+static int64_t ffn_inter(const st_wgroups *g) {
+    const st_wgroup *f = &g->g[st_wg_ffn_id(0)];
+    return g->n_layers > 0 && st_wg_split_granule(f) > 0 ? f->t[ST_WG_GATE].desc->shape[0] : 0;
 }
 
 /* The device rows for a share phi of I: rounded to the split granule (groups.h; 256 rows at
- * least where I allows); 0 when that is no valid split. */
-static int64_t split_rows_for(const st_wgroups *g, const st_tier *tier, double phi) {
-    const int64_t I = cpu_inter(g, tier);
+ * least where I allows); 0 when that is no valid split of every FFN group. */
+static int64_t split_rows_for(const st_wgroups *g, double phi) {
+    const int64_t I = ffn_inter(g);
     if (I == 0 || !(phi > 0)) return 0;
-    int64_t q = 0;
-    for (int i = 1; i < g->n && !q; i++)
-        if (tier[i] == ST_TIER_CPU) q = st_wg_split_granule(&g->g[i]);
-    if (q == 0) return 0;
+    int64_t q = st_wg_split_granule(&g->g[st_wg_ffn_id(0)]);
     while (q < 256 && I % (2 * q) == 0 && I / (2 * q) >= 8) q *= 2; /* coarser steps on large layers */
     const int64_t r = (int64_t)(phi * (double)I / (double)q + 0.5) * q;
     st_wg_split sp;
-    for (int i = 1; i < g->n; i++)
-        if (tier[i] == ST_TIER_CPU && !st_wg_split_of(&g->g[i], r, &sp)) return 0;
+    for (int l = 0; l < g->n_layers; l++)
+        if (!st_wg_split_of(&g->g[st_wg_ffn_id(l)], r, &sp)) return 0;
     return r;
 }
 
@@ -370,9 +367,9 @@ static int64_t split_rows_for(const st_wgroups *g, const st_tier *tier, double p
 static int split_candidates(const st_wgroups *g, const st_wplan_params *p, const st_tier *tier, int64_t out[8]) {
     int nc = 0;
     out[nc++] = 0;
-    if (p->cpu_split < 0 || cpu_inter(g, tier) == 0) return nc;
-    if (p->cpu_split > 0) {
-        out[0] = split_rows_for(g, tier, p->cpu_split);
+    if (p->cpu_split < 0 || ffn_inter(g) == 0) return nc;
+    if (p->cpu_split > 0) { /* checked valid by st_wplan_make */
+        out[0] = split_rows_for(g, p->cpu_split);
         return nc;
     }
     double cpu = 0, other = 0;
@@ -387,7 +384,7 @@ static int split_candidates(const st_wgroups *g, const st_wplan_params *p, const
     const double phi = (cpu * h - other * c) / (cpu * (h + c));
     static const double around[] = {0, -1.0 / 16, 1.0 / 16, -1.0 / 8, 1.0 / 8};
     for (size_t a = 0; a < sizeof around / sizeof around[0]; a++) {
-        const int64_t r = split_rows_for(g, tier, phi + around[a]);
+        const int64_t r = split_rows_for(g, phi + around[a]);
         bool dup = false;
         for (int j = 0; j < nc; j++) dup = dup || out[j] == r;
         if (!dup) out[nc++] = r;
@@ -508,6 +505,13 @@ strata_status st_wplan_make(const st_wgroups *g, const st_wplan_params *p, st_wp
     }
     const size_t other = p->device_kv + p->device_act + p->device_reserve;
     strata_status st = STRATA_OK;
+    if (p->cpu_split > 0 && ffn_inter(g) > 0 && split_rows_for(g, p->cpu_split) == 0) {
+        /* a share asked for that no split realizes: said, not ignored */
+        st = st_err(STRATA_ERR_INVALID_ARG, "plan: a cpu split of %g of the FFN's %lld intermediate rows "
+                    "leaves the device or the CPU no part (it moves in whole quantization blocks)",
+                    p->cpu_split, (long long)ffn_inter(g));
+        goto done;
+    }
 
     if (p->force) {
         for (int i = 0; i < n; i++) {
@@ -520,15 +524,7 @@ strata_status st_wplan_make(const st_wgroups *g, const st_wplan_params *p, st_wp
             }
             out->tier[i] = p->force[i];
         }
-        if (p->cpu_split > 0) { /* a forced placement takes the share given, or none */
-            out->split_rows = split_rows_for(g, out->tier, p->cpu_split);
-            if (out->split_rows == 0 && cpu_inter(g, out->tier) > 0) {
-                st = st_err(STRATA_ERR_INVALID_ARG, "plan: a cpu split of %g of the FFN's %lld intermediate rows "
-                            "leaves the device or the CPU no part (it moves in whole quantization blocks)",
-                            p->cpu_split, (long long)cpu_inter(g, out->tier));
-                goto done;
-            }
-        }
+        if (p->cpu_split > 0) out->split_rows = split_rows_for(g, p->cpu_split); /* else none */
         evaluate(g, p, &k, out);
         out->device_min = out->device_need;
         out->host_min = out->host_embed_rows + (out->ring_slots ? 2 * out->staging_chunk + ST_WG_ALIGN : 0);

@@ -125,7 +125,8 @@ typedef struct {
                                computes during decode from a streamed copy of them, while the CPU computes
                                the rest (groups.h st_wg_split): 0 auto (the least simulated step, around
                                the share that gives host memory's two readers equal times), < 0 none (the
-                               CPU computes whole groups), (0, 1) that share (rounded to the split granule); a
+                               CPU computes whole groups), (0, 1) that share (rounded to the split granule; a
+                               share that rounds to no part for the device or the CPU is an error); a
                                forced placement (force) takes the share given, else none */
     const st_tier *force;   /* [groups->n] fixed placement (tests), or NULL */
 } st_wplan_params;
