@@ -378,10 +378,12 @@ ST_AI void load_unit(st_dtype t, const uint8_t *row, int64_t u, st_v16i16 w[2], 
     ST_ASSERT(!"not a quantized dtype");
 }
 
-/* dw and mw of unit u for the 8 rows at base + idx[r] (mw only for the
+/* dw and mw of unit u for the 8 rows at base + (*idxp)[r] (mw only for the
  * dtypes with mins). Every f16 is read as the low or high half of a 32-bit
- * word inside its block. */
-ST_AI void load_scales(st_dtype t, const uint8_t *base, st_v8i idx, int64_t u, st_v8f *dw, st_v8f *mw, qi_isa I) {
+ * word inside its block. No vector passes by value in or out: an ISA-targeted
+ * caller (dot16_tokens) may call it, which clang allows only so. */
+ST_AI void load_scales(st_dtype t, const uint8_t *base, const st_v8i *idxp, int64_t u, st_v8f *dw, st_v8f *mw, qi_isa I) {
+    const st_v8i idx = *idxp;
     switch (t) {
     case ST_DTYPE_Q8_0: *dw = I.f16(I.gather(base, idx, 34 * u)); return;
     case ST_DTYPE_Q4_0: *dw = I.f16(I.gather(base, idx, 18 * u)); return;
@@ -487,7 +489,7 @@ ST_AI void dot_token(const qi_ctx *m, st_dtype t, const qblock *B, bool unpacked
             dw = st_v8f_load(B->dsc + QI_ROWS * u);
             if (has_mins(t)) mw = st_v8f_load(B->msc + QI_ROWS * u);
         } else {
-            load_scales(t, B->base, B->idx, u, &dw, &mw, I);
+            load_scales(t, B->base, &B->idx, u, &dw, &mw, I);
         }
         st_v8f f = (dw * dx[b]) * __builtin_convertvector(s, st_v8f); /* vector * scalar: lane-wise */
         if (has_mins(t)) f = f + mw * sx[b];
@@ -526,7 +528,7 @@ ST_AI void qi_items_t(const qi_ctx *m, st_dtype t, int64_t begin, int64_t end, i
                 memcpy(B.wsc + (size_t)r * 32 * m->nu + 32 * u, w, sizeof w);
             }
             st_v8f dw, mw = st_v8f_splat(0.0f);
-            load_scales(t, B.base, B.idx, u, &dw, &mw, I);
+            load_scales(t, B.base, &B.idx, u, &dw, &mw, I);
             memcpy(B.dsc + QI_ROWS * u, &dw, sizeof dw);
             memcpy(B.msc + QI_ROWS * u, &mw, sizeof mw);
         }
@@ -854,7 +856,7 @@ ST_AI void dot_token8(const qi_ctx *m, st_dtype t, const qblock *B, bool unpacke
             dw = st_v8f_load(B->dsc + QI_ROWS * u);
             if (has_mins(t)) mw = st_v8f_load(B->msc + QI_ROWS * u);
         } else {
-            load_scales(t, B->base, B->idx, u, &dw, &mw, (qi_isa){.gather = I.gather, .f16 = I.f16});
+            load_scales(t, B->base, &B->idx, u, &dw, &mw, (qi_isa){.gather = I.gather, .f16 = I.f16});
         }
         st_v8f f = (dw * dx[b]) * __builtin_convertvector(s, st_v8f);
         if (has_mins(t)) f = f + mw * sx[b];
@@ -892,7 +894,7 @@ ST_AI void dot_tokens8(const qi_ctx *m, st_dtype t, const qblock *B, const uint8
         const int64_t pf_end = (int64_t)(((uint64_t)(u + 1) * pf_q16) >> 16);
         for (; pf < pf_end; pf += 64) __builtin_prefetch(B->base + span + pf);
         st_v8f dw, mw = st_v8f_splat(0.0f);
-        load_scales(t, B->base, B->idx, u, &dw, &mw, (qi_isa){.gather = I.gather, .f16 = I.f16});
+        load_scales(t, B->base, &B->idx, u, &dw, &mw, (qi_isa){.gather = I.gather, .f16 = I.f16});
         for (int tk = 0; tk < nt; tk++) {
             const uint8_t *qa = qa0 + (size_t)tk * stride;
             const float *dx = (const float *)(qa + K), *sx = dx + nb;
@@ -953,7 +955,7 @@ ST_AI void qi8_items_t(const qi_ctx *m, st_dtype t, int64_t begin, int64_t end, 
                 memcpy(ws8 + (size_t)r * 32 * m->nu + 32 * u, &w, 32);
             }
             st_v8f dw, mw = st_v8f_splat(0.0f);
-            load_scales(t, B.base, B.idx, u, &dw, &mw, (qi_isa){.gather = I.gather, .f16 = I.f16});
+            load_scales(t, B.base, &B.idx, u, &dw, &mw, (qi_isa){.gather = I.gather, .f16 = I.f16});
             memcpy(B.dsc + QI_ROWS * u, &dw, sizeof dw);
             memcpy(B.msc + QI_ROWS * u, &mw, sizeof mw);
         }
@@ -1306,9 +1308,9 @@ ST_TARGET_AVX512 ST_AI void dot16_tokens(const qi_ctx *m, st_dtype t, const uint
         for (int64_t u = j; u < nu; u += 8, done++) {
             __m512i W[8];
             w16_load(t, p, u, W);
-            st_v8f dl, dh, ml = st_v8f_splat(0.0f), mh = st_v8f_splat(0.0f);
-            load_scales(t, p[0], lo8, u, &dl, &ml, S);
-            load_scales(t, p[0], hi8, u, &dh, &mh, S);
+            st_v8f dl, dh, ml = {0}, mh = {0};
+            load_scales(t, p[0], &lo8, u, &dl, &ml, S);
+            load_scales(t, p[0], &hi8, u, &dh, &mh, S);
             const st_v16f dw = __builtin_shufflevector(dl, dh, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
             const st_v16f mw = __builtin_shufflevector(ml, mh, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
             const int64_t pf_end = (int64_t)(((uint64_t)(done + 1) * pf_q16) >> 16); /* the next rows, spread */
