@@ -484,7 +484,7 @@ static void test_matmul(st_backend *b1, st_backend *b2, const char *mode) {
     CHECK_ERR(b1->ops->matmul(b1, NULL, x, &w, 2, x + 3), STRATA_ERR_INVALID_ARG, "overlaps");
 }
 
-/* ---- the quantized dtypes' integer matmul (cpu_matmul_int.c) ----
+/* ---- the quantized dtypes' integer matmul (cpu_qi.h, cpu_matmul_int.c) ----
  * A scalar reference of its documented arithmetic, matched bit for bit at
  * every ISA level, thread count and n; and its error against the f32 product
  * of the dequantized weights on activations with outliers. */
@@ -495,7 +495,7 @@ static float ld_h(const uint8_t *p) {
     return st_f16_to_f32(h);
 }
 
-/* Units of one row: w[nu][32] integers, dw, mw (see cpu_matmul_int.c). */
+/* Units of one row: w[nu][32] integers, dw, mw (see cpu_qi.h). */
 static int64_t ref_units(st_dtype t, const uint8_t *row, int64_t K, int32_t *w, float *dw, float *mw) {
     int64_t nu = 0;
     if (t == ST_DTYPE_Q8_0 || t == ST_DTYPE_Q4_0 || t == ST_DTYPE_Q4_1) {

@@ -434,11 +434,12 @@ def test_main(P1, P2, D1, D2):
               "stream: the first chunk at %.2f s, the last at %.2f s (flushed as they come)" %
               (lines[0][0] if lines else -1, lines[-1][0] if lines else -1))
         # each event as soon as the node sent it: the router's arrival times after its first event
-        # against the node's own (0.1 s apart), within 50 ms
+        # against the node's own (0.1 s apart), within 80 ms: an event held back until the next one
+        # comes lags 0.1 s (50 ms flaked at 51 ms on a loaded 2-core machine: two streams' jitter)
         ta = [t for t, ln in lines if ln.startswith(b"data:")]
         td = [t for t, ln in dlines if ln.startswith(b"data:")]
         lag = max(abs((a - ta[0]) - (d - td[0])) for a, d in zip(ta, td)) if len(ta) == len(td) == 6 else 99
-        check(lag < 0.05, "stream: every event relayed at once (largest lag %.3f s)" % lag)
+        check(lag < 0.08, "stream: every event relayed at once (largest lag %.3f s)" % lag)
         # chat
         st, _, out = request(port, "POST", "/v1/chat/completions",
                              {"messages": [{"role": "user", "content": "hi " * 20}]}, AUTH)

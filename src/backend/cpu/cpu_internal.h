@@ -91,7 +91,7 @@ bool st_cpu_amx_usable(void);
  * where AMX is not usable) and returns the mode in effect. */
 st_cpu_amx st_backend_cpu_set_amx(st_backend *be, st_cpu_amx mode);
 /* Test hook: int8 passes of min_n..8 tokens on the AVX-512 level take the 16-row
- * few-token kernel (cpu_matmul_int.c, W16; 0: never, default ST_CPU_W16_MIN); returns
+ * few-token kernel (cpu_qi.h, W16; 0: never, default ST_CPU_W16_MIN); returns
  * the previous setting. Same bits either way. */
 #define ST_CPU_W16_MIN 2
 int st_backend_cpu_set_w16(st_backend *be, int min_n);

@@ -119,7 +119,7 @@ ST_AI void st_q4k_sm(const uint8_t *sc, int i, int *s, int *m) {
 #if defined(__x86_64__) && defined(__GNUC__)
 #define ST_CPU_HAVE_AVX2_PATH 1
 #define ST_TARGET_AVX2 __attribute__((target("avx2")))
-/* the integer matmul's levels (cpu_matmul_int.c) */
+/* the integer matmul's levels (cpu_qi.h, cpu_qi_<level>.c) */
 #define ST_TARGET_AVX2_F16C __attribute__((target("avx2,f16c")))
 #define ST_TARGET_AVX512 __attribute__((target("avx2,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
 #define ST_TARGET_AVXVNNI __attribute__((target("avx2,f16c,avxvnni")))
