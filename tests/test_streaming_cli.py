@@ -78,10 +78,13 @@ def parse_plan(text):
         m = re.match(r"minimum\s+device .*?\((\d+) bytes\), host .*?\((\d+) bytes\)", line)
         if m:
             info["min_dev"], info["min_host"] = int(m.group(1)), int(m.group(2))
-        m = re.match(r"decode\s+([\d.]+) ms/token predicted, bound: (.+?) \(", line)
+        # the bound's names (plan.h st_wbound_name); "PCIe (H2D)" holds a parenthesis itself
+        m = re.match(r"decode\s+([\d.]+) ms/token predicted, bound: (none|SSD read|PCIe \(H2D\)|compute|CPU compute) \(",
+                     line)
         if m:
             info["decode_ms"], info["decode_bound"] = float(m.group(1)), m.group(2)
-        m = re.match(r"prefill\s+(\d+) tokens: ([\d.]+) s predicted .*bound: (.+?) \(", line)
+        m = re.match(r"prefill\s+(\d+) tokens: ([\d.]+) s predicted .*bound: (none|SSD read|PCIe \(H2D\)|compute|CPU "
+                     r"compute) \(", line)
         if m:
             info["prefill_s"], info["prefill_bound"] = float(m.group(2)), m.group(3)
         m = re.match(r"per token\s+(\d+) bytes read from SSD", line)

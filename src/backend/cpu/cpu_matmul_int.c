@@ -104,7 +104,7 @@ strata_status st_cpu_matmul_int(st_cpu *c, const float *x, const st_weight *w, i
     if (c->act8) return matmul_a8(c, x, &m);
     m.L.stride = (2 * (size_t)K * sizeof(int16_t) + 2 * (size_t)m.L.nb * sizeof(float) + 63) & ~(size_t)63;
 
-    const bool grouped = c->isa == ST_CPU_ISA_AVX512 && n > 1;
+    const bool grouped = c->isa == ST_CPU_ISA_AVX512 && n > QI_STREAM; /* fewer: dot_tokens */
     const int64_t n_groups = (n + QI_GROUP - 1) / QI_GROUP;
     const size_t tok_bytes = m.L.stride * (size_t)n;
     strata_status st = st_cpu_qact_reserve(c, tok_bytes + (grouped ? group_stride(m.L.nb) * (size_t)n_groups : 0));
@@ -135,6 +135,7 @@ strata_status st_cpu_matmul_int(st_cpu *c, const float *x, const st_weight *w, i
     int64_t tile_max = QI_TILE_BYTES / (int64_t)m.L.stride;
     if (tile_max < 1) tile_max = 1;
     if (tile_max > QI_TILE_MAX) tile_max = QI_TILE_MAX;
+    if (!grouped && n <= QI_STREAM) tile_max = n; /* dot_tokens: the weights read once for all of them */
     int64_t n_tiles = (n + tile_max - 1) / tile_max;
     m.tile = (n + n_tiles - 1) / n_tiles; /* balanced tiles */
     if (grouped) { /* whole groups */

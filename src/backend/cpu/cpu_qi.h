@@ -75,11 +75,15 @@
  * time through the tree. int8 unpacks to bytes (q8_0 as w + 128 for the
  * group kernel), and its group kernel broadcasts each row's weight quad
  * against the 8 tokens' activation quads (vpdpbusd). The int8 path reads
- * the 8 rows' scales by 8 scalar loads (vpgatherdd cost more). int8 tiles
- * of 2..8 tokens (QI_STREAM: a speculative verification pass) skip the
+ * the 8 rows' scales by 8 scalar loads (vpgatherdd cost more). Passes of
+ * 2..8 tokens (QI_STREAM: a speculative verification pass) skip the
  * unpacking: each unit of the 8 rows is read from the weights once and
- * multiplied against every token (dot_tokens8), so the weights stream as for
- * one token (2..4 tokens where a group kernel takes the longer tiles); on
+ * multiplied against every token (dot_tokens, dot_tokens8), so the weights
+ * stream as for one token, in one tile whatever K (precise: 2..8 tokens at every
+ * level, the AVX-512 group kernel only past 8 (it unpacks and lays the activations
+ * out in groups: a pass of 8 tokens of the default model took 52-66 ms with it, 33
+ * without, on the 2-core EPYC); int8: 2..4 tokens where a group kernel takes the
+ * longer tiles); on
  * AVX-512, 2..8 tokens (st_cpu.w16_min..8) go instead to W16 (dot16_tokens:
  * items of 16 rows, lanes = rows, no reduction tree; see there). Where
  * AMX-INT8 is usable (st_cpu.amx), int8's token groups sum on tiles instead
@@ -461,6 +465,13 @@ typedef struct {
 
 ST_AI bool has_mins(st_dtype t) { return t == ST_DTYPE_Q4_1 || t == ST_DTYPE_Q4_K; }
 
+/* A few tokens (2..QI_STREAM: a speculative verification pass) go straight from the weights,
+ * each unit of 8 rows read once for all of them (dot_tokens, dot_tokens8) ... */
+#define QI_STREAM 8
+/* ... and up to this many where a token-group kernel exists (AVX-512, AMX): on the Xeon (16
+ * threads) 2..4 tokens streamed beat the groups, 8 did not (bench/RESULTS.md, seventh session) */
+#define QI_STREAM_GROUPED 4
+
 /* The 8 rows' outputs for one token, in the documented order. */
 ST_AI void dot_token(const qi_ctx *m, st_dtype t, const qblock *B, bool unpacked, const uint8_t *qa,
                      float out[QI_ROWS], qi_isa I) {
@@ -508,6 +519,47 @@ ST_AI void dot_token(const qi_ctx *m, st_dtype t, const qblock *B, bool unpacked
     memcpy(out, &y, sizeof y);
 }
 
+/* 2..QI_STREAM tokens (one tile) x the 8 rows, straight from the weights: each unit of the 8
+ * rows is read and widened once, then every token's sums go through the tree and the
+ * documented combination (the bits of dot_token, token by token). */
+ST_AI void dot_tokens(const qi_ctx *m, st_dtype t, const qblock *B, const uint8_t *qa0, int nt,
+                      float out[QI_STREAM][QI_ROWS], qi_isa I) {
+    const int ushift = t == ST_DTYPE_Q6_K ? 1 : 0;
+    const size_t stride = m->L.stride;
+    const int64_t span = QI_ROWS * (int64_t)m->row_bytes;
+    const uint64_t pf_q16 = ((uint64_t)span << 16) / (uint64_t)m->nu;
+    int64_t pf = 0;
+    st_v8f acc[QI_STREAM][8];
+    for (int tk = 0; tk < nt; tk++)
+        for (int l = 0; l < 8; l++) acc[tk][l] = st_v8f_splat(0.0f);
+    for (int64_t u = 0; u < m->nu; u++) {
+        const int64_t b = u >> ushift;
+        st_v16i16 w[QI_ROWS][2];
+        for (int r = 0; r < QI_ROWS; r++) load_unit(t, B->base + B->idx[r], u, w[r], I);
+        const int64_t pf_end = (int64_t)(((uint64_t)(u + 1) * pf_q16) >> 16); /* the next row block */
+        for (; pf < pf_end; pf += 64) __builtin_prefetch(B->base + span + pf);
+        st_v8f dw, mw = st_v8f_splat(0.0f);
+        load_scales(t, B->base, &B->idx, u, &dw, &mw, I);
+        for (int tk = 0; tk < nt; tk++) {
+            const uint8_t *qa = qa0 + (size_t)tk * stride;
+            const int16_t *a = (const int16_t *)qa;
+            const float *dx = (const float *)(qa + 2 * (size_t)m->L.K * sizeof(int16_t)), *sx = dx + m->L.nb;
+            const qa_unit A = {{ld16(a + 64 * b), ld16(a + 64 * b + 16)}, {ld16(a + 64 * b + 32), ld16(a + 64 * b + 48)}};
+            st_v8i p[QI_ROWS];
+            for (int r = 0; r < QI_ROWS; r++) p[r] = I.prow(w[r], &A);
+            const st_v8i s = I.tree(p);
+            st_v8f f = (dw * dx[b]) * __builtin_convertvector(s, st_v8f);
+            if (has_mins(t)) f = f + mw * sx[b];
+            acc[tk][u & 7] += f;
+        }
+    }
+    for (int tk = 0; tk < nt; tk++) {
+        const st_v8f *c = acc[tk];
+        const st_v8f y = ((c[0] + c[4]) + (c[2] + c[6])) + ((c[1] + c[5]) + (c[3] + c[7]));
+        memcpy(out[tk], &y, sizeof y);
+    }
+}
+
 ST_AI void qi_items_t(const qi_ctx *m, st_dtype t, int64_t begin, int64_t end, int ti, qi_isa I) {
     float *buf = m->scratch[ti];
     qblock B = {.wsc = (int16_t *)buf, .dsc = buf + 16 * QI_ROWS * m->nu};
@@ -528,6 +580,12 @@ ST_AI void qi_items_t(const qi_ctx *m, st_dtype t, int64_t begin, int64_t end, i
         if (t1 - t0 == 1) { /* one token: straight from the weights */
             dot_token(m, t, &B, false, m->q + (size_t)t0 * m->L.stride, out, I);
             memcpy(y + t0 * N + r0, out, (size_t)nr * sizeof(float));
+            continue;
+        }
+        if (t1 - t0 <= QI_STREAM) { /* a few tokens: one read of the weights, no unpacking */
+            float os[QI_STREAM][QI_ROWS];
+            dot_tokens(m, t, &B, m->q + (size_t)t0 * m->L.stride, (int)(t1 - t0), os, I);
+            for (int64_t tk = t0; tk < t1; tk++) memcpy(y + tk * N + r0, os[tk - t0], (size_t)nr * sizeof(float));
             continue;
         }
         for (int64_t u = 0; u < m->nu; u++) { /* unpack once per item */
@@ -859,10 +917,6 @@ ST_AI void dot_token8(const qi_ctx *m, st_dtype t, const qblock *B, bool unpacke
  * of the 8 rows is read (and widened) once and multiplied against every
  * token's activations, then each token's sums go through the tree and the
  * documented combination (the bits of dot_token8, token by token). */
-#define QI_STREAM 8
-/* ... and up to this many where a token-group kernel exists (AVX-512, AMX): on the Xeon (16
- * threads) 2..4 tokens streamed beat the groups, 8 did not (bench/RESULTS.md, seventh session) */
-#define QI_STREAM_GROUPED 4
 ST_AI void dot_tokens8(const qi_ctx *m, st_dtype t, const qblock *B, const uint8_t *qa0, int nt,
                        float out[QI_STREAM][QI_ROWS], qi8_isa I) {
     const int ushift = t == ST_DTYPE_Q6_K ? 1 : 0;
