@@ -70,6 +70,7 @@ static strata_status matmul_a8(st_cpu *c, const float *x, qi_ctx *m) {
     int64_t tile_max = (amx ? A8_AMX_TILE_BYTES : QI_TILE_BYTES) / (int64_t)m->L.stride;
     if (tile_max < 1) tile_max = 1;
     if (tile_max > (amx ? A8_AMX_TILE_MAX : QI_TILE_MAX)) tile_max = amx ? A8_AMX_TILE_MAX : QI_TILE_MAX;
+    if (!grouped && n <= QI_STREAM) tile_max = n; /* dot_tokens8: the weights read once for all of them */
     int64_t n_tiles = (n + tile_max - 1) / tile_max;
     m->tile = (n + n_tiles - 1) / n_tiles;
     if (grouped) {
