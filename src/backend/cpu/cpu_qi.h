@@ -627,25 +627,22 @@ ST_AI void qi_tokens_t(const qi_ctx *m, st_dtype t, int64_t begin, int64_t end, 
     }
 }
 
+/* A call's items of dtype t: a few tokens in one tile (one read of the weights), or not. */
+ST_AI void qi_items_dt(const qi_ctx *m, st_dtype t, int64_t begin, int64_t end, int ti, qi_isa I) {
+    if (m->n > 1 && m->n <= QI_STREAM && m->tile == m->n && !m->grp)
+        qi_tokens_t(m, t, begin, end, I);
+    else
+        qi_items_t(m, t, begin, end, ti, I);
+}
+
 /* One copy per dtype, so that the unit and scale loaders inline their case. */
 ST_AI void qi_items(const qi_ctx *m, int64_t begin, int64_t end, int ti, qi_isa I) {
-    if (m->n > 1 && m->n <= QI_STREAM && m->tile == m->n && !m->grp) { /* a few tokens: one read of the weights */
-        switch (m->dtype) {
-        case ST_DTYPE_Q8_0: qi_tokens_t(m, ST_DTYPE_Q8_0, begin, end, I); return;
-        case ST_DTYPE_Q4_0: qi_tokens_t(m, ST_DTYPE_Q4_0, begin, end, I); return;
-        case ST_DTYPE_Q4_1: qi_tokens_t(m, ST_DTYPE_Q4_1, begin, end, I); return;
-        case ST_DTYPE_Q4_K: qi_tokens_t(m, ST_DTYPE_Q4_K, begin, end, I); return;
-        case ST_DTYPE_Q6_K: qi_tokens_t(m, ST_DTYPE_Q6_K, begin, end, I); return;
-        default: break;
-        }
-        ST_ASSERT(!"not a quantized dtype");
-    }
     switch (m->dtype) {
-    case ST_DTYPE_Q8_0: qi_items_t(m, ST_DTYPE_Q8_0, begin, end, ti, I); return;
-    case ST_DTYPE_Q4_0: qi_items_t(m, ST_DTYPE_Q4_0, begin, end, ti, I); return;
-    case ST_DTYPE_Q4_1: qi_items_t(m, ST_DTYPE_Q4_1, begin, end, ti, I); return;
-    case ST_DTYPE_Q4_K: qi_items_t(m, ST_DTYPE_Q4_K, begin, end, ti, I); return;
-    case ST_DTYPE_Q6_K: qi_items_t(m, ST_DTYPE_Q6_K, begin, end, ti, I); return;
+    case ST_DTYPE_Q8_0: qi_items_dt(m, ST_DTYPE_Q8_0, begin, end, ti, I); return;
+    case ST_DTYPE_Q4_0: qi_items_dt(m, ST_DTYPE_Q4_0, begin, end, ti, I); return;
+    case ST_DTYPE_Q4_1: qi_items_dt(m, ST_DTYPE_Q4_1, begin, end, ti, I); return;
+    case ST_DTYPE_Q4_K: qi_items_dt(m, ST_DTYPE_Q4_K, begin, end, ti, I); return;
+    case ST_DTYPE_Q6_K: qi_items_dt(m, ST_DTYPE_Q6_K, begin, end, ti, I); return;
     default: break;
     }
     ST_ASSERT(!"not a quantized dtype");
