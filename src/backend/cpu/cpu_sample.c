@@ -198,8 +198,13 @@ strata_status st_cpu_sample(st_cpu *c, const float *logits, int64_t n, int64_t v
         if (!(a->u >= 0 && a->u < 1))
             return st_err(STRATA_ERR_INVALID_ARG, "%s: args[%lld].u = %g (in [0, 1))", op, (long long)i, a->u);
     }
-    smp_cand *cand = st_malloc((size_t)vocab * sizeof *cand);
-    if (!cand) return st_err(STRATA_ERR_NOMEM, "%s: out of memory for a vocabulary of %lld", op, (long long)vocab);
+    /* candidates (24 bytes a token of the vocabulary) only where a row samples: greedy rows,
+     * a decode step's usual case, need none (no allocation in their step) */
+    bool sampled = false;
+    for (int64_t i = 0; i < n; i++) sampled |= args[i].temperature > 0.0f;
+    smp_cand *cand = sampled ? st_malloc((size_t)vocab * sizeof *cand) : NULL;
+    if (sampled && !cand)
+        return st_err(STRATA_ERR_NOMEM, "%s: out of memory for a vocabulary of %lld", op, (long long)vocab);
     for (int64_t i = 0; i < n; i++) sample_row(logits + i * vocab, vocab, &args[i], cand, &out[i]);
     st_free(cand);
     return STRATA_OK;
