@@ -15,7 +15,10 @@
 #include <string.h>
 
 #include "backend/cpu/cpu_internal.h"
-#include "backend/cpu/cpu_simd.h"
+
+/* SSE-sized vectors: this file is compiled for the baseline ISA */
+typedef float smp_v4f __attribute__((vector_size(16)));
+typedef int32_t smp_v4i __attribute__((vector_size(16)));
 
 typedef struct {
     int32_t id;
@@ -73,23 +76,26 @@ static float kth_largest(const float *x, int64_t n, int64_t k) {
 
 /* One row; *out = the token or -1. c: [vocab] scratch. */
 static void sample_row(const float *x, int64_t V, const st_sample_args *a, smp_cand *c, int32_t *out) {
-    /* the first index of the largest value (-1 on a NaN): the max and a NaN flag in 8 lanes
-     * (branch-free), then the first index holding it. (The op took ~106 us a step at a 49K
-     * vocabulary on the 2-core EPYC, ninth session: not explained yet.) */
-    st_v8f mx = st_v8f_splat(-INFINITY);
-    st_v8i nan = {0};
+    /* the first index of the largest value (-1 on a NaN): the max and a NaN flag in 4 x 4 lanes
+     * (branch-free), then the first index holding it. 4-lane vectors: this file is built for the
+     * baseline ISA (SSE2), where GCC spilled the 8-lane ones to the stack lane by lane (~106 us a
+     * step at a 49K vocabulary on the EPYC, 623 us at 128K on the Xeon, ninth/tenth sessions). */
+    smp_v4f mx[4], v;
+    smp_v4i nan = {0, 0, 0, 0};
+    for (int k = 0; k < 4; k++) mx[k] = (smp_v4f){-INFINITY, -INFINITY, -INFINITY, -INFINITY};
     int64_t i = 0;
-    for (; i + 8 <= V; i += 8) {
-        const st_v8f v = st_v8f_load(x + i);
-        nan |= (st_v8i)(v != v);
-        const st_v8i gt = (st_v8i)(v > mx);
-        mx = (st_v8f)(((st_v8i)v & gt) | ((st_v8i)mx & ~gt));
-    }
+    for (; i + 16 <= V; i += 16)
+        for (int k = 0; k < 4; k++) {
+            memcpy(&v, x + i + 4 * k, sizeof v);
+            nan |= (smp_v4i)(v != v);
+            const smp_v4i gt = (smp_v4i)(v > mx[k]);
+            mx[k] = (smp_v4f)(((smp_v4i)v & gt) | ((smp_v4i)mx[k] & ~gt));
+        }
     float m = -INFINITY;
     bool has_nan = false;
-    for (int l = 0; l < 8; l++) {
+    for (int l = 0; l < 4; l++) {
         has_nan |= nan[l] != 0;
-        m = mx[l] > m ? mx[l] : m;
+        for (int k = 0; k < 4; k++) m = mx[k][l] > m ? mx[k][l] : m;
     }
     for (; i < V; i++) {
         has_nan |= isnan(x[i]);
@@ -100,6 +106,12 @@ static void sample_row(const float *x, int64_t V, const st_sample_args *a, smp_c
         return;
     }
     int64_t best = 0;
+    const smp_v4f mv = {m, m, m, m};
+    for (; best + 4 <= V; best += 4) { /* the first 4 holding m, then the lane */
+        memcpy(&v, x + best, sizeof v);
+        const smp_v4i eq = (smp_v4i)(v == mv);
+        if (eq[0] | eq[1] | eq[2] | eq[3]) break;
+    }
     while (best < V - 1 && x[best] != m) best++;
     if (x[best] == -INFINITY) {
         *out = -1;
