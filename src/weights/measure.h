@@ -26,14 +26,15 @@ strata_status st_wbw_measure(st_backend *be, const st_model_files *files, const 
 /* bw->cpu: weight bytes per second of a CPU backend's matmul (`threads`
  * threads, 0: all cores) at 1 token over FFN tensors of the largest one's
  * dtype and shape, read in place from the model's file mapping (host
- * memory, as the CPU tier holds them), in turn, as many as make 4x the
- * last-level cache and 1 GiB (a server's L3 holds a whole 70B FFN tensor: one
+ * memory, as the CPU tier holds them), in turn, as many as make 8x the
+ * last-level cache and 2 GiB (a server's L3 holds a whole 70B FFN tensor: one
  * tensor would measure the cache); the first pass pages them in, then the
  * best of 3. With `dev` (a device backend; NULL or the CPU backend:
- * skipped), also bw->h2d_shared and bw->cpu_shared: the same passes for at
- * least 0.2 s while a thread copies a 512 MiB pinned buffer to the device
- * piece by piece, each rate over that window: what each gets of host memory
- * when the hybrid's two readers run at once. */
+ * skipped), also bw->h2d_shared and bw->cpu_shared: the same passes while a
+ * thread copies a 512 MiB pinned buffer to the device piece by piece, in
+ * three windows of at least 0.25 s; each rate over one window, the window
+ * whose sum is the median: what each gets of host memory when the hybrid's
+ * two readers run at once. */
 strata_status st_wbw_measure_cpu(const st_model_files *files, const st_wgroups *g, int threads, st_cpu_act act,
                                  st_backend *dev, st_wbw *bw);
 
