@@ -58,7 +58,11 @@
  * The share is chosen with the count, by the simulated step, among values
  * around the one that gives the copies and the CPU equal times:
  *   phi = (cpu_bytes * h - other_streamed_bytes * c) / (cpu_bytes * (h + c))
- * (h, c: the shared rates where known).
+ * (h, c: the shared rates where known). In auto, whole groups are a
+ * candidate only where none of those shares is valid: the simulation does
+ * not model the handover that leaves one side idle at each whole group, and
+ * whole groups measured 1.11-1.23x slower than the split in every H100 run
+ * that compared them, including plans that predicted them faster.
  *
  * Predicted decode step (full overlap: the SSD reader, the copy stream and
  * the compute stream are pipelined, each bounded by its own busy time; the
@@ -124,7 +128,8 @@ typedef struct {
     double cpu_split;       /* of each CPU-tier FFN group, the share of its intermediate rows the device
                                computes during decode from a streamed copy of them, while the CPU computes
                                the rest (groups.h st_wg_split): 0 auto (the least simulated step, around
-                               the share that gives host memory's two readers equal times), < 0 none (the
+                               the share that gives host memory's two readers equal times; none only where
+                               no such share is valid), < 0 none (the
                                CPU computes whole groups), (0, 1) that share (rounded to the split granule; a
                                share that rounds to no part for the device or the CPU is an error); a
                                forced placement (force) takes the share given, else none */
