@@ -300,7 +300,8 @@ static strata_status measure_shared(st_backend *dev, st_backend *cpu, st_stream 
             bw->h2d_shared = h2d[med];
             bw->cpu_shared = cpu_r[med];
             bw->measured[5] = true;
-            st_log(STRATA_LOG_INFO, "shared host-memory probe: windows (CPU + H2D GB/s) %.1f + %.1f, %.1f + %.1f, %.1f + %.1f",
+            st_log(STRATA_LOG_INFO,
+                   "shared host-memory probe: windows (CPU + H2D GB/s) %.1f + %.1f, %.1f + %.1f, %.1f + %.1f",
                    cpu_r[0] / 1e9, h2d[0] / 1e9, cpu_r[1] / 1e9, h2d[1] / 1e9, cpu_r[2] / 1e9, h2d[2] / 1e9);
         }
     }
