@@ -41,13 +41,15 @@ if [ ! -f "$M" ]; then
   mkdir -p /tmp/m
   "$B"/strata mkmodel --config llama3-8b --layers "$LAYERS" --dtype q4_0 "$M" > "$OUT/mk.log" 2>&1 || { tail "$OUT/mk.log"; exit 1; }
 fi
+if [ "${PEER:-0}" = 1 ]; then # its build (13 jobs) would share the cores with strata's timings
+  stamp "llama.cpp: waiting for its build"
+  w=0; while [ ! -f /tmp/peer/build.rc ] && [ $w -lt "${PEER_WAIT:-600}" ]; do sleep 5; w=$((w + 5)); done
+fi
 stamp "strata bench --op-times ($ACT)"
 "$B"/strata bench "$M" --device cpu --threads "$THREADS" --cpu-act "$ACT" --prompt "${PROMPT:-512}" --gen 32 --reps 2 \
   --verify "${VERIFY:-1,3,7}" --op-times 2>&1 | tee "$OUT/optimes.log" | grep -v '^weights'
 if [ "${PEER:-0}" = 1 ]; then
   P=/tmp/peer/llama.cpp/build/bin
-  stamp "llama.cpp: waiting for its build"
-  w=0; while [ ! -f /tmp/peer/build.rc ] && [ $w -lt "${PEER_WAIT:-300}" ]; do sleep 5; w=$((w + 5)); done
   if [ "$(cat /tmp/peer/build.rc 2>/dev/null)" = 0 ]; then
     python3 .peer/gguf_novocab.py "$M" "$M" > "$OUT/novocab.log" 2>&1 || tail -2 "$OUT/novocab.log"
     stamp "llama-bench CPU only: -dev none -ngl 0 -nopo 1 -t $THREADS -p ${PROMPT:-512} -n 32"
