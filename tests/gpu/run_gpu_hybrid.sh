@@ -161,6 +161,10 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
       grep -E "^(bandwidth|cpu|shared|host|host mem|decode|split) |^ +(device|host|ssd|cpu|total) " "$OUTDIR/plan70_$h.log" | cut -c1-300
     done
     declare -A TOKS
+    if [ "${PEER:-0}" = 1 ]; then # llama.cpp's build (13 jobs) would share the cores with the CPU tier's timings
+      stamp "llama.cpp: waiting for its build before the benches"
+      while [ ! -f /tmp/peer/build.rc ] && have_time 300 "llama.cpp build"; do sleep 5; done
+    fi
     for v in $VARIANTS; do
       have_time 150 "bench $v" || continue
       extra=(--cpu-layers 0); [ $v != off ] && extra=(--cpu-layers auto "${TH[@]}")
