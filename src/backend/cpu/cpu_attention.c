@@ -116,6 +116,18 @@ ST_AI st_v8f kv_load(st_kv_dtype t, const void *row, float sc, const float *lut,
 /* Bytes per element of type t (a constant where t is). */
 ST_AI int64_t kv_esize(st_kv_dtype t) { return t == ST_KV_F32 ? 4 : t == ST_KV_BF16 ? 2 : 1; }
 
+typedef float attn_v4f __attribute__((vector_size(16)));
+
+/* st_v8f_hsum's sum, ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), in 4-lane vector adds (the
+ * same operations, so the same bits): GCC lowered st_v8f_hsum here to ~20 scalar operations per head
+ * and key. */
+ST_AI float attn_hsum(const st_v8f *v) {
+    const attn_v4f lo = __builtin_shufflevector(*v, *v, 0, 1, 2, 3), hi = __builtin_shufflevector(*v, *v, 4, 5, 6, 7);
+    const attn_v4f s = lo + hi;                                      /* l0+l4, l1+l5, l2+l6, l3+l7 */
+    const attn_v4f t = s + __builtin_shufflevector(s, s, 2, 3, 0, 1); /* (l0+l4)+(l2+l6), (l1+l5)+(l3+l7) */
+    return t[0] + t[1];
+}
+
 /* s[h * ld] = scale * dot(q + h * hd, row) for heads h < nh (nh <= ATTN_HEADS_BLOCK, a
  * constant where inlined), in cpu_simd.h's order; the row is read once. */
 ST_AI void attn_dots(int nh, st_kv_dtype t, const float *q, const void *row, float sc, const float *lut, int64_t hd,
@@ -135,30 +147,50 @@ ST_AI void attn_dots(int nh, st_kv_dtype t, const float *q, const void *row, flo
         for (int h = 0; h < nh; h++) acc[h] += st_v8f_load_part(q + h * hd + d, hd - d) * kv;
     }
     #pragma GCC unroll 4
-    for (int h = 0; h < nh; h++) s[h * ld] = st_v8f_hsum(&acc[h]) * scale;
+    for (int h = 0; h < nh; h++) s[h * ld] = attn_hsum(&acc[h]) * scale;
 }
 
-/* o[h * hd ..] += p[h * ld] * row for heads h < nh (element-wise: multiply, then
- * add); the row is read once. */
-ST_AI void attn_axpys(int nh, st_kv_dtype t, float *o, const float *p, int64_t ld, const void *row, float sc,
-                      const float *lut, int64_t hd) {
-    st_v8f pv[ATTN_HEADS_BLOCK];
+/* o[h * hd + d .. + 8 * nc] = sum over the keys j < nk of p[h * ld + j] * v_j (element-wise: multiply,
+ * then add, from 0, in increasing j) for heads h < nh and the nc (1 or 2,
+ * constants where inlined) chunks of 8 values from d, m1 values in the last; the accumulators stay in
+ * registers over the keys, so o is written once. rows[j]: key j's row index in src->v. */
+ST_AI void attn_pv_chunks(int nh, int nc, st_kv_dtype t, const kv_src *src, const int64_t *rows, int64_t nk,
+                          const float *p, int64_t ld, float *o, int64_t hd, int64_t d, int64_t m1) {
+    const int64_t row_bytes = hd * kv_esize(t);
+    st_v8f a[ATTN_HEADS_BLOCK][2];
     #pragma GCC unroll 4
-    for (int h = 0; h < nh; h++) pv[h] = st_v8f_splat(p[h * ld]);
-    int64_t d = 0;
-    for (; d + 8 <= hd; d += 8) {
-        const st_v8f vv = kv_load(t, row, sc, lut, d, 8);
+    for (int h = 0; h < nh; h++) a[h][0] = a[h][1] = st_v8f_splat(0.0f);
+    for (int64_t j = 0; j < nk; j++) {
+        const int64_t r = rows[j];
+        const void *row = (const char *)src->v + r * row_bytes;
+        const float sc = t == ST_KV_FP8 ? src->v_scale[r] : 1.0f;
+        st_v8f v[2];
+        v[0] = kv_load(t, row, sc, src->lut, d, nc == 1 ? m1 : 8);
+        if (nc == 2) v[1] = kv_load(t, row, sc, src->lut, d + 8, m1);
         #pragma GCC unroll 4
-        for (int h = 0; h < nh; h++) ST_V8F_STORE(o + h * hd + d, st_v8f_load(o + h * hd + d) + pv[h] * vv);
-    }
-    if (d < hd) {
-        const st_v8f vv = kv_load(t, row, sc, lut, d, hd - d);
-        #pragma GCC unroll 4
-        for (int h = 0; h < nh; h++) {
-            const st_v8f y = st_v8f_load_part(o + h * hd + d, hd - d) + pv[h] * vv;
-            memcpy(o + h * hd + d, &y, (size_t)(hd - d) * sizeof(float));
+        for (int h = 0; h < nh; h++) { /* vector x scalar: GCC broadcasts it (a splat of 8 lanes became
+                                          8 vinsertps in one of the unrolled heads) */
+            const float ph = p[h * ld + j];
+            a[h][0] += v[0] * ph;
+            if (nc == 2) a[h][1] += v[1] * ph;
         }
     }
+    #pragma GCC unroll 4
+    for (int h = 0; h < nh; h++)
+        for (int c = 0; c < nc; c++) {
+            const int64_t m = c == nc - 1 ? m1 : 8;
+            if (m == 8) ST_V8F_STORE(o + h * hd + d + 8 * c, a[h][c]);
+            else memcpy(o + h * hd + d + 8 * c, &a[h][c], (size_t)m * sizeof(float));
+        }
+}
+
+/* attn_pv_chunks over all hd values: 16 at a time, then the rest. */
+ST_AI void attn_pv(int nh, st_kv_dtype t, const kv_src *src, const int64_t *rows, int64_t nk, const float *p,
+                   int64_t ld, float *o, int64_t hd) {
+    int64_t d = 0;
+    for (; d + 16 <= hd; d += 16) attn_pv_chunks(nh, 2, t, src, rows, nk, p, ld, o, hd, d, 8);
+    if (hd - d > 8) attn_pv_chunks(nh, 2, t, src, rows, nk, p, ld, o, hd, d, hd - d - 8);
+    else if (hd > d) attn_pv_chunks(nh, 1, t, src, rows, nk, p, ld, o, hd, d, hd - d);
 }
 
 /* The row of key j: j - base for a contiguous piece starting at key `base`
@@ -241,7 +273,19 @@ ST_AI void attn_range(st_kv_dtype t, const kv_src *src, int64_t kvh, int64_t G, 
         const int64_t nkx = nks[xh / G];
         if (!nkx) continue; /* no key of this range for this token: nothing written */
         float *sh = s + xh * R, mx = -INFINITY;
-        for (int64_t j = 0; j < nkx; j++) mx = sh[j] > mx ? sh[j] : mx;
+        { /* the largest score, 8 lanes at a time (a max is exact: the lanes' order does not matter; a
+           * NaN is never taken, as in the scalar loop). The scalar loop alone kept mx in memory, a
+           * dependent load and store per key (~7% of the decode attention's time on the EPYC). */
+            st_v8f mv = st_v8f_splat(-INFINITY);
+            int64_t j = 0;
+            for (; j + 8 <= nkx; j += 8) {
+                const st_v8f v = st_v8f_load(sh + j);
+                const st_v8i gt = (st_v8i)(v > mv);
+                mv = (st_v8f)(((st_v8i)v & gt) | ((st_v8i)mv & ~gt));
+            }
+            for (int l = 0; l < 8; l++) mx = mv[l] > mx ? mv[l] : mx;
+            for (; j < nkx; j++) mx = sh[j] > mx ? sh[j] : mx;
+        }
         const st_v8f m = st_v8f_splat(mx);
         st_v8f zs = st_v8f_splat(0.0f);
         int64_t j = 0;
@@ -259,20 +303,15 @@ ST_AI void attn_range(st_kv_dtype t, const kv_src *src, int64_t kvh, int64_t G, 
         inv_z[xh] = 1.0f / z;
         lse[xh / G][xh % G] = mx + logf(z);
     }
-    for (int x = 0; x < T; x++)
-        if (nks[x]) memset(o[x], 0, (size_t)(G * hd) * sizeof(float));
+    int64_t rows[ST_ATTN_RANGE]; /* the range's V rows, found once */
     it = row_start(table, bs, base, r0);
-    for (int64_t j = 0; j < nk; j++) {
-        const int64_t r = row_next(&it) * nkv + kvh;
-        const void *row = (const char *)src->v + r * row_bytes;
-        const float sc = t == ST_KV_FP8 ? src->v_scale[r] : 1.0f;
-        for (int x = 0; x < T; x++) {
-            if (j >= nks[x]) continue;
-            const float *sx = s + x * G * R;
-#define AXPYS(nh, h0) attn_axpys(nh, t, o[x] + (h0) * hd, sx + (h0) * R + j, R, row, sc, lut, hd)
-            ATTN_HEAD_BLOCKS(G, AXPYS);
-#undef AXPYS
-        }
+    for (int64_t j = 0; j < nk; j++) rows[j] = row_next(&it) * nkv + kvh;
+    for (int x = 0; x < T; x++) {
+        if (!nks[x]) continue;
+        const float *sx = s + x * G * R;
+#define PV(nh, h0) attn_pv(nh, t, src, rows, nks[x], sx + (h0) * R, R, o[x] + (h0) * hd, hd)
+        ATTN_HEAD_BLOCKS(G, PV);
+#undef PV
     }
     for (int64_t xh = 0; xh < T * G; xh++) {
         if (!nks[xh / G]) continue;
