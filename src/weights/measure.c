@@ -287,16 +287,13 @@ static strata_status measure_shared(st_backend *dev, st_backend *cpu, st_stream 
             }
         }
         if (st == STRATA_OK && ok > 0) {
-            int med = 0; /* the median sum (ok == 3), else the first */
-            if (ok == 3)
-                for (int a = 0; a < 3; a++) {
-                    int below = 0, above = 0;
-                    for (int b = 0; b < 3; b++) {
-                        below += b != a && h2d[b] + cpu_r[b] < h2d[a] + cpu_r[a];
-                        above += b != a && h2d[b] + cpu_r[b] > h2d[a] + cpu_r[a];
-                    }
-                    if (below <= 1 && above <= 1) med = a;
+            int ord[3] = {0, 1, 2}; /* the windows by sum; the median one (of two, the larger) */
+            for (int a = 1; a < ok; a++)
+                for (int b = a; b > 0 && h2d[ord[b]] + cpu_r[ord[b]] < h2d[ord[b - 1]] + cpu_r[ord[b - 1]]; b--) {
+                    const int t = ord[b];
+                    ord[b] = ord[b - 1], ord[b - 1] = t;
                 }
+            const int med = ord[ok / 2];
             bw->h2d_shared = h2d[med];
             bw->cpu_shared = cpu_r[med];
             bw->measured[5] = true;
