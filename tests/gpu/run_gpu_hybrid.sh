@@ -78,12 +78,12 @@ if [ "${SKIP_CHECK:-0}" != 1 ] && have_time 120 "hybrid logits check"; then
   "$BIN" plan "$S" --device "$GPU" --ctx 64 --batch 8 --device-mem 1T --host-mem 8G --h2d-bw 25 --ssd-bw 3 \
     > "$OUTDIR/plan_small.log" 2>&1
   DEV=$(sed -nE 's/^minimum +device .*\(([0-9]+) bytes\).*/\1/p' "$OUTDIR/plan_small.log")
-  # plus a margin (the logits command's own pool and scratch; less than an FFN group, 99 MB, so they still stream)
-  [ -n "$DEV" ] && DEV=$(( DEV + ${MARGIN:-67108864} ))
-  # on CUDA the plan's minimum includes the backend's reserve (4.2 MB on an H100, tenth session):
-  # 25 MB over it keeps the FFN groups off the device (the whole 2-layer model needs 552 MB; 530 MB
-  # put both FFN groups on the cpu tier there, 570 and 620 MB none: the check then fails)
-  [ "$GPU" = cuda ] && [ -n "$DEV" ] && DEV=$(( DEV - ${MARGIN:-67108864} + 26214400 ))
+  # plus a margin (the logits command's own pool and scratch; less than an FFN group, 99 MB, so they
+  # still stream). On CUDA the plan's minimum includes the backend's reserve (4.2 MB on an H100, tenth
+  # session) and 25 MB keeps the FFN groups off the device: the whole 2-layer model needs 552 MB; 530 MB
+  # put both FFN groups on the cpu tier there, 570 and 620 MB none (the check then fails)
+  margin=67108864; [ "$GPU" = cuda ] && margin=26214400
+  [ -n "$DEV" ] && DEV=$(( DEV + ${MARGIN:-$margin} ))
   DEV=${SMALL_DEVICE_MEM:-$DEV}
   if [ -z "$DEV" ]; then fail "small plan: no minimum: $(tail -3 "$OUTDIR/plan_small.log")"; else
     L() { # name, extra args (bandwidths given: the check does not depend on them)
