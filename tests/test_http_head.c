@@ -109,6 +109,25 @@ int main(void) {
         memset(s + k, 'v', 600);
         s[k + 600] = 0;
         expect_bad(s, 431, "header_too_large", NULL);
+        /* a control character within the limit, the line's end past it: the same verdict
+         * (400) for the whole and for every prefix that holds the character */
+        s[k + 50] = '\x01';
+        for (size_t cut = k + 51; cut <= k + 600; cut += 7) {
+            srv_head h;
+            const srv_head_limits lim = {.max_head = 512, .max_fields = 8};
+            const srv_head_verdict v = srv_head_check(s, cut, &lim, &h);
+            CHECK_MSG(v == SRV_HEAD_BAD && h.status == 400, "prefix %zu: verdict %d status %d", cut, (int)v,
+                      h.status);
+        }
+        /* a carriage return as the last byte within the limit: 431 for the whole and the prefix */
+        s[k + 50] = 'v';
+        s[512 - 1] = '\r';
+        expect_bad(s, 431, "header_too_large", NULL);
+        {
+            srv_head h;
+            const srv_head_limits lim = {.max_head = 512, .max_fields = 8};
+            CHECK(srv_head_check(s, 512, &lim, &h) == SRV_HEAD_BAD && h.status == 431);
+        }
         s[0] = 0;
         strcat(s, "GET / HTTP/1.1\r\n");
         for (int i = 0; i < 9; i++) strcat(s, "A: b\r\n");

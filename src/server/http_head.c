@@ -143,19 +143,19 @@ srv_head_verdict srv_head_check(const char *buf, size_t n, const srv_head_limits
         const size_t limit = n < head0 + lim.max_head ? n : head0 + lim.max_head;
         const char *nl = pos < limit ? memchr(buf + pos, '\n', limit - pos) : NULL;
         if (!nl) {
+            /* the partial line within the limit: a control character already makes it bad (before the
+             * size, so that a longer input never turns a prefix's 400 into a 431) */
+            for (size_t k = pos; k < limit; k++) {
+                const unsigned char c = (unsigned char)buf[k];
+                if (((c < 0x20 && c != '\t' && c != '\r') || c == 0x7f) || (c == '\r' && k + 1 < limit))
+                    return bad(out, 400, "bad_request", "line %d has a control character (0x%02x)", line_no + 1, c);
+            }
             if (n - head0 >= lim.max_head) /* no end within the limit */
                 return have_request_line
                            ? bad(out, 431, "header_too_large", "the request head is larger than %zu bytes",
                                  lim.max_head)
                            : bad(out, 414, "uri_too_long", "the request line is longer than %zu bytes",
                                  lim.max_head);
-            /* the partial line so far: a control character already makes it bad */
-            for (size_t k = pos; k < n; k++) {
-                const unsigned char c = (unsigned char)buf[k];
-                if (((c < 0x20 && c != '\t' && c != '\r') || c == 0x7f) ||
-                    (c == '\r' && k + 1 < n))
-                    return bad(out, 400, "bad_request", "line %d has a control character (0x%02x)", line_no + 1, c);
-            }
             return SRV_HEAD_MORE;
         }
         const char *l = buf + pos;
