@@ -167,7 +167,10 @@ typedef struct {
                                   tier) */
     bool kv_stream;            /* a request too long for the device KV pool runs with its KV in host
                                   memory, streamed through the device layer by layer (one such request
-                                  at a time): max_seq_len may exceed the pool */
+                                  at a time): max_seq_len may exceed the pool; with kv_ssd_dir, the part
+                                  past 3/4 of the host memory available goes to a private file there */
+    int64_t kv_segment;        /* tokens per host / SSD segment of that request's KV (0: 65536; a power
+                                  of two from 4096) */
     /* speculative decoding: drafts verified in one pass with the step's token; greedy output is the
      * same token for token, sampling keeps the distribution (engine/spec.h) */
     strata_spec spec;          /* default off; STRATA_SPEC_DRAFT needs draft_model */

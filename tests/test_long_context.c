@@ -5,7 +5,9 @@
  *
  * (1) Long: a tiny model (tests/data/models/llama3_f32: 2 layers, 2 kv heads
  *     of 16) at N_LONG prompt tokens (prefilled in passes of 512) then
- *     N_DEC decode steps, bf16 KV: the logits of the last prompt position and
+ *     N_DEC decode steps, bf16 KV, the host holding 2 segments of 4096 keys
+ *     and the SSD tier (a file in a test directory) the other 11: the
+ *     logits of the last prompt position and
  *     of every decode step from st_llama_forward_stream equal (memcmp)
  *     those of st_llama_forward_seq over a pool that holds the whole
  *     sequence. Attention pieces of 4096 keys (many pieces per layer, the
@@ -18,12 +20,15 @@
  *     all logits of every position compared.
  * On a GPU machine the same runs (short, 20K tokens, fp8) also on CUDA,
  * within 1e-4 of the largest logit instead of bit for bit.
- * (2b) fp8 KV: 3000 tokens, the K/V scales streamed with the rows: the same
- *     bits as the fitting fp8 pool (whose prefill chunks gather with kv_gather
+ * (2b) fp8 KV: 9000 tokens (2 segments of 4096 on the host, 1 on the SSD),
+ *     the K/V scales streamed with the rows: the same bits as the fitting fp8 pool (whose prefill chunks gather with kv_gather
  *     and whose decodes read the pool through attention_paged).
  * (3) Errors: a stream not made for the model, a context past max_len, host
  *     memory past its cap (NOMEM naming --kv-host-mem, nothing stored), a
- *     piece size that is not a multiple of ST_ATTN_RANGE.
+ *     piece size that is not a multiple of ST_ATTN_RANGE. The SSD tier's:
+ *     a pass writing into more segments than the host holds, the file's
+ *     cap, a directory that cannot be made (nothing stored, the stream goes
+ *     on with a host-only stream's bits where it can).
  * (4) Bounded activations: one pass of 6000 tokens (its FFN in sub-chunks of
  *     ST_PLAN_FFN_ROWS = 4096 rows) gives the logits of passes of 512, bit for
  *     bit, and the planner's activation bytes grow from passes of 4096 to
@@ -56,6 +61,8 @@ typedef struct {
     st_kv_dtype dtype;
     bool all_logits;
     double tol; /* 0: bit-identical (CPU); else max |a - b| / max |a| (CUDA: other kernels for decode) */
+    int64_t seg;       /* the streamed run's segment (0: the default) */
+    int64_t host_segs; /* > 0: host memory for this many segments, the rest on the SSD tier (a directory) */
 } run_cfg;
 
 /* logits: [rows, V] of the fitting run (fit) and the streamed one (str):
@@ -90,7 +97,12 @@ static void run_both(st_backend *be, st_model_files *f, const run_cfg *rc, const
     const size_t model_bytes = be->device_budget.used - used0;
     be->device_budget.peak = be->device_budget.used;
     st_kv_stream *ks = NULL;
-    const st_kv_stream_params sp = st_llama_stream_params(m, total, rc->dtype, 0);
+    st_kv_stream_params sp = st_llama_stream_params(m, total, rc->dtype, 0);
+    sp.seg = rc->seg;
+    if (rc->host_segs) {
+        sp.host_mem = (size_t)rc->host_segs * st_kv_stream_host_bytes(&sp, 1);
+        sp.ssd_dir = test_tmpdir("kv_stream_ssd");
+    }
     CHECK(sp.piece == rc->piece);
     CHECK(st_kv_stream_init(be, &sp, &ks) == STRATA_OK);
     if (!ks) goto out;
@@ -136,6 +148,48 @@ static void run_both(st_backend *be, st_model_files *f, const run_cfg *rc, const
            label, (long long)total, (long long)rows, rc->tol == 0 ? "bit-identical" : "compared", peak / 1e6,
            pool_bytes / 1e6,
            st_kv_stream_host_used(ks) / 1e6, up / 1e6, down / 1e6);
+    /* the SSD tier: the host holds host_segs segments, every other one whole in the file; each went there
+     * once (written once), and every pass read the pieces of those it found there */
+    st_kv_stream_ssd_stats ss;
+    st_kv_stream_ssd(ks, &ss);
+    if (rc->host_segs) {
+        const int64_t segk = rc->seg ? rc->seg : ST_KV_STREAM_SEG, segs = (total + segk - 1) / segk;
+        const size_t set = st_kv_stream_host_bytes(&sp, 1);
+        CHECK_MSG(ss.host_segs == rc->host_segs && ss.ssd_segs == segs - rc->host_segs &&
+                      st_kv_stream_host_used(ks) == (size_t)rc->host_segs * set &&
+                      ss.written == (uint64_t)ss.ssd_segs * set && ss.file_bytes == ss.written,
+                  "%s: %lld segments on the host (want %lld), %lld on the SSD (want %lld), %llu bytes written "
+                  "(want %llu), host %zu", label, (long long)ss.host_segs, (long long)rc->host_segs,
+                  (long long)ss.ssd_segs, (long long)(segs - rc->host_segs), (unsigned long long)ss.written,
+                  (unsigned long long)(ss.ssd_segs * set), st_kv_stream_host_used(ks));
+        /* reads: a segment goes to the SSD when the first pass past it begins (with passes of max_tokens
+         * dividing the segment, at len = its end rounded up to a pass... every later pass reads it) */
+        uint64_t want_read = 0;
+        int64_t on_ssd = 0; /* segments [.., on_ssd) in the file, newest sealed first: all but host_segs - 1 */
+        int64_t len = 0;
+        for (int64_t i = 0; len < total; i++) {
+            const int64_t n = len < rc->prompt ? (rc->prompt - len < rc->max_tokens ? rc->prompt - len
+                                                                                      : rc->max_tokens) : 1;
+            const int64_t need = (len + n + segk - 1) / segk; /* segments placed after begin */
+            const int64_t sealed_ssd = need > rc->host_segs ? need - rc->host_segs : 0;
+            on_ssd = sealed_ssd > on_ssd ? sealed_ssd : on_ssd;
+            const int64_t ts = len / ST_ATTN_RANGE * ST_ATTN_RANGE;
+            /* the file holds segments host_segs - 1 .. host_segs - 2 + on_ssd: whole pieces below ts */
+            for (int64_t sgm = rc->host_segs - 1; sgm < rc->host_segs - 1 + on_ssd; sgm++) {
+                const int64_t a = sgm * segk, e = (sgm + 1) * segk < ts ? (sgm + 1) * segk : ts;
+                if (e > a) want_read += (uint64_t)(e - a);
+            }
+            len += n;
+        }
+        want_read *= 2 * (uint64_t)sp.n_layers * row;
+        CHECK_MSG(ss.read == want_read, "%s: read %llu bytes from the SSD, want %llu", label,
+                  (unsigned long long)ss.read, (unsigned long long)want_read);
+        printf("%s: SSD tier: %lld of %lld segments of %lld tokens in the file (%.2f MB), read %.1f MB; host %lld "
+               "segments\n", label, (long long)ss.ssd_segs, (long long)segs, (long long)segk, ss.file_bytes / 1e6,
+               ss.read / 1e6, (long long)ss.host_segs);
+    } else {
+        CHECK(ss.ssd_segs == 0 && ss.read == 0 && ss.written == 0);
+    }
     CHECK_MSG(peak <= st_kv_stream_device_bytes(&sp), "%s: the streamed run took %zu device bytes beyond the model, "
               "more than the stream's %zu", label, peak, st_kv_stream_device_bytes(&sp));
     if (rc->prompt >= 8192) {
@@ -189,6 +243,89 @@ static void test_errors(st_backend *be, st_model_files *f) {
     st_llama_free(m);
 }
 
+/* The SSD tier's limits: a pass whose segments do not all fit the host (the segments a pass writes stay
+ * there), the file's cap, a directory that cannot be made; each NOMEM / IO names what to change, the
+ * pass is not begun (len unchanged), and the stream goes on where it can with the bits of a host-only one. */
+static void test_ssd_errors(st_backend *be, st_model_files *f) {
+    st_llama_params lp = {.max_seq_len = 16384, .max_tokens = 512, .attn_piece = 4096};
+    st_llama *m = NULL;
+    CHECK(st_llama_init(f, be, &lp, &m) == STRATA_OK);
+    if (!m) return;
+    const int64_t V = f->config.vocab_size;
+    int32_t tok[512];
+    for (int i = 0; i < 512; i++) tok[i] = (int32_t)((i * 7919) % V);
+    float *a = malloc((size_t)V * sizeof(float)), *b = malloc((size_t)V * sizeof(float));
+    st_kv_stream *ks = NULL, *ref = NULL;
+    st_kv_stream_params sp = st_llama_stream_params(m, 16384, ST_KV_BF16, 0);
+    sp.seg = 4096;
+    CHECK(st_kv_stream_init(be, &sp, &ref) == STRATA_OK);
+    const size_t set = st_kv_stream_host_bytes(&sp, 1);
+    sp.host_mem = set; /* one segment */
+    sp.ssd_dir = test_tmpdir("kv_stream_ssd_errors");
+    CHECK(st_kv_stream_init(be, &sp, &ks) == STRATA_OK);
+    if (!ks || !ref) goto out;
+    for (int i = 0; i < 8; i++) { /* to 4000 */
+        CHECK(st_llama_forward_stream(m, ks, tok, 500, 0, false, a) == STRATA_OK);
+        CHECK(st_llama_forward_stream(m, ref, tok, 500, 0, false, b) == STRATA_OK);
+    }
+    /* 4000 + 200 would write into segments 0 and 1: two on the host, one allowed */
+    CHECK_ERR(st_llama_forward_stream(m, ks, tok, 200, 0, false, a), STRATA_ERR_NOMEM, "raise --kv-host-mem");
+    CHECK(st_kv_stream_len(ks) == 4000);
+    /* to 4096, then past it: segment 0 is sealed and goes to the file */
+    CHECK(st_llama_forward_stream(m, ks, tok, 96, 0, false, a) == STRATA_OK);
+    CHECK(st_llama_forward_stream(m, ref, tok, 96, 0, false, b) == STRATA_OK);
+    for (int i = 0; i < 3; i++) {
+        CHECK(st_llama_forward_stream(m, ks, tok + i, 1, 0, false, a) == STRATA_OK);
+        CHECK(st_llama_forward_stream(m, ref, tok + i, 1, 0, false, b) == STRATA_OK);
+        CHECK_MSG(!memcmp(a, b, (size_t)V * sizeof(float)), "decode %d over a segment in the file differs from the "
+                  "host-only stream", i);
+    }
+    st_kv_stream_ssd_stats ss;
+    st_kv_stream_ssd(ks, &ss);
+    CHECK(ss.ssd_segs == 1 && ss.host_segs == 1 && ss.written == set && ss.read > 0);
+    /* a new sequence (reset): the file's slot is free, the host segment is segment 0; it goes on as before */
+    st_kv_stream_reset(ks);
+    st_kv_stream_reset(ref);
+    st_kv_stream_ssd(ks, &ss);
+    CHECK(ss.ssd_segs == 0 && ss.host_segs == 1 && ss.file_bytes == 0);
+    for (int i = 0; i < 9; i++) { /* to 4608: segment 0 to the file again at 4096 */
+        CHECK(st_llama_forward_stream(m, ks, tok, 512, 0, false, a) == STRATA_OK);
+        CHECK(st_llama_forward_stream(m, ref, tok, 512, 0, false, b) == STRATA_OK);
+    }
+    CHECK_MSG(!memcmp(a, b, (size_t)V * sizeof(float)), "after a reset, the stream over the file differs");
+    st_kv_stream_ssd(ks, &ss);
+    CHECK(ss.ssd_segs == 1 && ss.host_segs == 1 && ss.file_bytes == set && ss.written == 2 * set);
+    st_kv_stream_free(ks);
+    ks = NULL;
+    /* the file's cap: one segment; the second one has no room (the segment stays on the host) */
+    sp.ssd_mem = set;
+    CHECK(st_kv_stream_init(be, &sp, &ks) == STRATA_OK);
+    for (int i = 0; i < 16 && ks; i++) CHECK(st_llama_forward_stream(m, ks, tok, 512, 0, false, a) == STRATA_OK);
+    CHECK_ERR(st_llama_forward_stream(m, ks, tok, 512, 0, false, a), STRATA_ERR_NOMEM, "--kv-ssd-size");
+    CHECK(st_kv_stream_len(ks) == 8192);
+    st_kv_stream_ssd(ks, &ss);
+    CHECK(ss.ssd_segs == 1 && ss.host_segs == 1 && ss.written == set);
+    st_kv_stream_free(ks);
+    ks = NULL;
+    /* a directory that cannot be made: IO naming --kv-ssd-dir, when the first segment would go there */
+    sp.ssd_mem = 0;
+    sp.ssd_dir = "/dev/null/strata";
+    CHECK(st_kv_stream_init(be, &sp, &ks) == STRATA_OK);
+    for (int i = 0; i < 8 && ks; i++) CHECK(st_llama_forward_stream(m, ks, tok, 512, 0, false, a) == STRATA_OK);
+    CHECK_ERR(st_llama_forward_stream(m, ks, tok, 512, 0, false, a), STRATA_ERR_IO, "--kv-ssd-dir");
+    CHECK(st_kv_stream_len(ks) == 4096);
+    /* a segment that is not a multiple of 4096 keys */
+    st_kv_stream *bad = NULL;
+    sp.seg = 8192 + 4096 / 2;
+    CHECK_ERR(st_kv_stream_init(be, &sp, &bad), STRATA_ERR_INVALID_ARG, "seg");
+out:
+    st_kv_stream_free(ks);
+    st_kv_stream_free(ref);
+    free(a);
+    free(b);
+    st_llama_free(m);
+}
+
 static void test_ffn_chunks(st_backend *be, st_model_files *f) {
     const int64_t N = 6000, V = f->config.vocab_size;
     int32_t *tok = malloc((size_t)N * sizeof *tok);
@@ -235,12 +372,15 @@ int main(int argc, char **argv) {
     run_both(be, f, &(run_cfg){.prompt = 700, .dec = 5, .max_tokens = 64, .piece = 256, .dtype = ST_KV_F32,
                                .all_logits = true},
              "short, f32 KV, passes of 64, pieces of 256");
-    run_both(be, f, &(run_cfg){.prompt = 3000, .dec = 4, .max_tokens = 256, .piece = 1024, .dtype = ST_KV_FP8},
-             "fp8 KV (scales streamed too), passes of 256, pieces of 1024");
+    /* (2b), its segments past 2 x 4096 keys in the file */
+    run_both(be, f, &(run_cfg){.prompt = 9000, .dec = 4, .max_tokens = 256, .piece = 1024, .dtype = ST_KV_FP8,
+                               .seg = 4096, .host_segs = 2},
+             "fp8 KV (scales streamed too), passes of 256, pieces of 1024, 2 segments of 4096 on the host");
     run_both(be, f, &(run_cfg){.prompt = N_LONG, .dec = N_DEC, .max_tokens = 512, .piece = 4096,
-                               .dtype = ST_KV_BF16},
-             "long, bf16 KV, passes of 512, pieces of 4096");
+                               .dtype = ST_KV_BF16, .seg = 4096, .host_segs = 2},
+             "long, bf16 KV, passes of 512, pieces of 4096, 2 segments of 4096 on the host, the rest on the SSD");
     test_errors(be, f);
+    test_ssd_errors(be, f);
     test_ffn_chunks(be, f);
 cuda:
     st_backend_free(be);
@@ -253,8 +393,8 @@ cuda:
                                    .all_logits = true, .tol = 1e-4},
                  "cuda: short, f32 KV");
         run_both(be, f, &(run_cfg){.prompt = 20000, .dec = 3, .max_tokens = 2048, .piece = 4096,
-                                   .dtype = ST_KV_BF16, .tol = 1e-4},
-                 "cuda: 20K, bf16 KV");
+                                   .dtype = ST_KV_BF16, .tol = 1e-4, .seg = 8192, .host_segs = 2},
+                 "cuda: 20K, bf16 KV, 2 segments of 8192 on the host, the rest on the SSD");
         run_both(be, f, &(run_cfg){.prompt = 3000, .dec = 3, .max_tokens = 256, .piece = 1024, .dtype = ST_KV_FP8,
                                    .tol = 1e-4},
                  "cuda: fp8 KV");

@@ -8,7 +8,13 @@
     1500-token sequence whose KV lives in host memory, the device peak and
     the KV moved per token printed; `--kv-host-mem` too small fails naming
     the option (exit 1, no traceback); `--kv-host-mem` without a streamed KV
-    is refused.
+    is refused;
+  - the SSD tier under it: `--kv-segment 4096 --kv-host-mem 4M --kv-ssd-dir`
+    at 9000 tokens keeps 2 segments on the host and puts 1 in an unlinked
+    file (nothing left in the directory), the decode's SSD share printed
+    beside the file's read rate; a file past `--kv-ssd-size` fails naming it;
+    `--kv-segment` must be a power of two; `plan` splits a context between
+    the host and the SSD.
 """
 import os
 import re
@@ -55,6 +61,36 @@ def main():
           "bench prints the KV moved up per decode token (%s)" % (m.group(1) if m else p.stdout[-400:]))
     check(re.search(r"device mem +peak [0-9.]+ MB .* independent of the context", p.stdout) is not None,
           "bench prints the device peak")
+
+    # the SSD tier: segments of 4096 tokens (2 MiB each on the tiny model), 2 on the host, the third in a file
+    # that nobody sees (unlinked); each decode step reads that segment's 4096 keys back
+    ssd = os.path.join(TMP, "ssd")
+    p = run(["bench", tiny, "--device", "cpu", "--kv-stream", "--kv-segment", "4096", "--kv-host-mem", "4M",
+             "--kv-ssd-dir", ssd, "--prompt", "9000", "--gen", "3", "--batch", "512", "--threads", "2"])
+    check(p.returncode == 0, "bench --kv-stream --kv-ssd-dir exits 0 (%s)" % p.stderr.strip()[-300:])
+    check(re.search(r"ssd tier +1 of 3 segments of 4096 tokens in a file in %s \(2\.1 MB written, 4\.2 MB read in "
+                    r"prefill\); 2 on the host" % re.escape(ssd), p.stdout) is not None,
+          "bench names the SSD tier's segments (%s)" % p.stdout[-700:])
+    m = re.search(r"ssd read +([0-9.]+) MB of that a token from the SSD tier at ([0-9.]+) GB/s .*floor ([0-9.]+) "
+                  r"s/token, reached ([0-9]+)%", p.stdout)
+    check(m is not None and abs(float(m.group(1)) - 4096 * 512 / 1e6) < 0.001 and float(m.group(2)) > 0,
+          "bench prints the SSD's share of a decode step beside the file's read rate (%s)"
+          % (m.group(0) if m else p.stdout[-400:]))
+    check(os.path.isdir(ssd) and os.listdir(ssd) == [], "the SSD file is gone (%s)"
+          % (os.listdir(ssd) if os.path.isdir(ssd) else "no directory"))
+    p = run(["bench", tiny, "--device", "cpu", "--kv-stream", "--kv-segment", "4096", "--kv-host-mem", "4M",
+             "--kv-ssd-dir", ssd, "--kv-ssd-size", "1M", "--prompt", "9000", "--gen", "1", "--batch", "512"])
+    check(p.returncode == 1 and "--kv-ssd-size" in p.stderr and "Traceback" not in p.stderr,
+          "a segment past --kv-ssd-size fails naming it (rc %d: %s)" % (p.returncode, p.stderr.strip()[-300:]))
+    p = run(["bench", tiny, "--device", "cpu", "--kv-stream", "--kv-segment", "5000", "--prompt", "100"])
+    check(p.returncode == 2 and "--kv-segment 5000 is not a power of two" in p.stderr,
+          "--kv-segment 5000 is refused (rc %d: %s)" % (p.returncode, p.stderr.strip()[-300:]))
+    p = run(["plan", tiny, "--device", "cpu", "--ctx", "50000", "--device-mem", "16M", "--kv-segment", "4096",
+             "--kv-host-mem", "4M", "--kv-ssd-dir", ssd])
+    check(p.returncode == 0 and re.search(r"context +50000 tokens: .*\(4\.2 MB pinned, .*; 23\.1 MB in segments of "
+                                          r"4096 tokens past the host's 4\.2 MB go to the SSD tier in " + re.escape(ssd),
+                                          p.stdout) is not None,
+          "plan splits a streamed context between the host and the SSD (%s)" % p.stdout[-500:])
 
     p = run(["bench", tiny, "--device", "cpu", "--kv-stream", "--kv-host-mem", "1K", "--prompt", "300", "--gen",
              "2", "--batch", "256"])

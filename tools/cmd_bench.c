@@ -39,7 +39,11 @@ static void bench_usage(FILE *f) {
             "                   and --gen decode steps, beside their rooflines, and the device memory peak;\n"
             "                   also chosen when the KV of --ctx tokens takes over half of --device-mem\n"
             "  --kv-host-mem SIZE   with a streamed KV: cap on the host memory it takes (default: none)\n"
-            "  (--kv-offload, --kv-ssd-dir and --kv-ssd-size are for run and serve)\n"
+            "  --kv-ssd-dir DIR     with a streamed KV: past --kv-host-mem, whole segments go to a private\n"
+            "                   file in DIR (unlinked; --kv-ssd-size caps it); the decode's floor then counts\n"
+            "                   the SSD's share at the file's read rate, measured after the run\n"
+            "  --kv-segment N   tokens per host / SSD segment (a power of two from 4096; default 65536)\n"
+            "  (--kv-offload is for run and serve)\n"
             "  (here --batch defaults to the prompt length, up to 4096: the prompt in one chunk;\n"
             "  on CUDA the prefill is also timed in the other precision, --precise or --fast-prefill)\n"
             TOOL_MODEL_OPTS_HELP);
@@ -309,7 +313,10 @@ static bool stream_bench(tool_model *tm, const tool_model_opts *mo, int32_t *ids
     const st_config *c = &tm->files->config;
     const int64_t V = c->vocab_size;
     const size_t host_cap = mo->kv_host_mem > 0 ? (size_t)mo->kv_host_mem : 0;
-    const st_kv_stream_params sp = st_llama_stream_params(tm->model, n_prompt + n_gen, mo->kv_dtype, host_cap);
+    st_kv_stream_params sp = st_llama_stream_params(tm->model, n_prompt + n_gen, mo->kv_dtype, host_cap);
+    sp.seg = mo->kv_segment;
+    sp.ssd_dir = mo->kv_ssd_dir;
+    sp.ssd_mem = mo->kv_ssd_size;
     st_kv_stream *ks = NULL;
     float *logits = malloc((size_t)V * sizeof(float));
     bool ok = false;
@@ -323,13 +330,15 @@ static bool stream_bench(tool_model *tm, const tool_model_opts *mo, int32_t *ids
     if (st_kv_stream_reserve(ks, n_prompt + n_gen) != STRATA_OK) goto out;
     const double t_pin = st_time_now() - t0;
     be->device_budget.peak = be->device_budget.used;
-    fprintf(stderr, "strata bench: prefilling %lld tokens (KV to host memory: %.1f GB)...\n", (long long)n_prompt,
-            st_kv_stream_host_bytes(&sp, n_prompt + n_gen) / 1e9);
+    fprintf(stderr, "strata bench: prefilling %lld tokens (KV: %.1f GB, to host memory%s)...\n", (long long)n_prompt,
+            st_kv_stream_host_bytes(&sp, n_prompt + n_gen) / 1e9, sp.ssd_dir ? " and past its cap the SSD" : "");
     t0 = st_time_now();
     if (st_llama_forward_stream(tm->model, ks, ids, n_prompt, 0, false, logits) != STRATA_OK) goto out;
     const double t_prefill = st_time_now() - t0;
     uint64_t up0 = 0, up1 = 0;
     st_kv_stream_bytes(ks, &up0, NULL);
+    st_kv_stream_ssd_stats ss0, ss1;
+    st_kv_stream_ssd(ks, &ss0);
     t0 = st_time_now();
     for (int64_t g = 0; g < n_gen; g++) {
         int32_t next = argmax(logits, V);
@@ -337,6 +346,9 @@ static bool stream_bench(tool_model *tm, const tool_model_opts *mo, int32_t *ids
     }
     const double t_decode = st_time_now() - t0;
     st_kv_stream_bytes(ks, &up1, NULL);
+    st_kv_stream_ssd(ks, &ss1);
+    double ssd_bw = 0; /* the SSD tier's read rate, on its own file, now */
+    if (ss1.ssd_segs > 0 && st_kv_stream_ssd_probe(ks, &ssd_bw) != STRATA_OK) goto out;
     const size_t peak = be->device_budget.peak;
     const double attn = 2.0 * 2.0 * (double)c->n_heads * (double)c->head_dim * (double)n_prompt *
                         ((double)n_prompt + 1.0) / 2.0 * (double)c->n_layers;
@@ -348,6 +360,11 @@ static bool stream_bench(tool_model *tm, const tool_model_opts *mo, int32_t *ids
     printf("context      %lld prompt + %lld generated tokens: %.2f GB of KV in host memory (allocated%s in %.1f s "
            "before the timed runs)\n", (long long)n_prompt, (long long)n_gen, st_kv_stream_host_used(ks) / 1e9,
            be->kind == ST_BACKEND_CPU ? "" : " and pinned", t_pin);
+    if (sp.ssd_dir)
+        printf("ssd tier     %lld of %lld segments of %lld tokens in a file in %s (%.1f MB written, %.1f MB read "
+               "in prefill); %lld on the host (--kv-host-mem)\n", (long long)ss1.ssd_segs,
+               (long long)(ss1.ssd_segs + ss1.host_segs), (long long)(sp.seg ? sp.seg : ST_KV_STREAM_SEG), sp.ssd_dir,
+               ss1.written / 1e6, ss0.read / 1e6, (long long)ss1.host_segs);
     if (rate > 0) {
         const double floor = flops / rate;
         printf("prefill      %lld tokens in %.2f s: %.0f tok/s (%s); floor %.2f s = %.1f TFLOP (attention %.1f) / "
@@ -359,14 +376,21 @@ static bool stream_bench(tool_model *tm, const tool_model_opts *mo, int32_t *ids
                n_prompt / t_prefill);
     }
     const double step = t_decode / (double)n_gen, kv_step = (double)(up1 - up0) / (double)n_gen;
+    const double ssd_step = (double)(ss1.read - ss0.read) / (double)n_gen;
     printf("decode       %lld tokens in %.3f s: %.3f s/token, %.2f tok/s; %.3f MB of KV up per token\n",
            (long long)n_gen, t_decode, step, 1.0 / step, kv_step / 1e6);
+    if (ssd_step > 0)
+        printf("ssd read     %.3f MB of that a token from the SSD tier at %.2f GB/s (the file's read rate, measured "
+               "now): floor %.4f s/token, reached %.0f%%\n", ssd_step / 1e6, ssd_bw / 1e9,
+               ssd_bw > 0 ? ssd_step / ssd_bw : 0.0, ssd_bw > 0 ? 100.0 * ssd_step / ssd_bw / step : 0.0);
     if (h2d > 0 && roof->copy_bw > 0) {
         const double f_kv = kv_step / h2d, f_w = (double)weight_bytes / roof->copy_bw;
-        const double bound = f_kv > f_w ? f_kv : f_w;
+        const double f_ssd = ssd_bw > 0 ? ssd_step / ssd_bw : 0;
+        const double bound = f_kv > f_w ? (f_kv > f_ssd ? f_kv : f_ssd) : (f_w > f_ssd ? f_w : f_ssd);
         printf("roofline     decode bound %.3f s/token = max(KV %.1f MB / H2D %.1f GB/s, weights %.1f MB / HBM "
-               "%.0f GB/s), measured now: %.2fx of it\n",
-               bound, kv_step / 1e6, h2d / 1e9, weight_bytes / 1e6, roof->copy_bw / 1e9, step / bound);
+               "%.0f GB/s%s), measured now: %.2fx of it\n",
+               bound, kv_step / 1e6, h2d / 1e9, weight_bytes / 1e6, roof->copy_bw / 1e9,
+               f_ssd > 0 ? ", KV from the SSD / its read rate" : "", step / bound);
     }
     printf("device mem   peak %.1f MB of backend allocations (weights, KV ring and areas %.1f MB, activations, "
            "scratch): independent of the context\n", peak / 1e6, st_kv_stream_device_bytes(&sp) / 1e6);
@@ -429,8 +453,8 @@ int cmd_bench(int argc, char **argv) {
         bench_usage(stderr);
         return 2;
     }
-    if (mo.kv_ssd_dir || mo.kv_offload_lazy) {
-        fprintf(stderr, "strata bench: --kv-ssd-dir and --kv-offload are for run and serve\n");
+    if ((mo.kv_ssd_dir && !mo.kv_stream) || mo.kv_offload_lazy) {
+        fprintf(stderr, "strata bench: --kv-offload, and --kv-ssd-dir without --kv-stream, are for run and serve\n");
         return 2;
     }
     if (mo.kv_stream && (n_seqs > 0 || prefill_only)) {

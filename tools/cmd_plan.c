@@ -194,14 +194,25 @@ int cmd_plan(int argc, char **argv) {
             if (!tool_kv_streamed(&mo, c)) {
                 printf("context    %lld tokens: KV %s, in the device pool\n", (long long)ctx, B(0, need));
             } else {
-                const st_kv_stream_params sp = tool_stream_params(&mo, c);
-                const size_t host = st_kv_stream_host_bytes(&sp, ctx), avail = st_mem_available();
+                st_kv_stream_params sp = tool_stream_params(&mo, c);
+                const size_t avail = st_mem_available();
+                if (!sp.host_mem && avail) sp.host_mem = avail / 4 * 3; /* what run / serve take at most */
+                /* whole segments on the host up to its cap, the rest (with --kv-ssd-dir) in the SSD file */
+                const size_t set = st_kv_stream_host_bytes(&sp, 1), all = st_kv_stream_host_bytes(&sp, ctx);
+                const size_t host_cap = sp.host_mem ? sp.host_mem / set * set : all;
+                const size_t host = all < host_cap ? all : host_cap, ssd = sp.ssd_dir ? all - host : 0;
                 printf("context    %lld tokens: KV %s, over half the device budget: streamed from host memory "
                        "(%s pinned, layer by layer through a device ring of %s, counted above as the KV cache; "
-                       "bench, and run / serve with --kv-stream)%s%s\n",
-                       (long long)ctx, B(0, need), B(1, (double)host), B(2, (double)st_kv_stream_device_bytes(&sp)),
-                       avail && host > avail ? "; MORE than the host memory available now: " : "",
-                       avail && host > avail ? B(3, (double)avail) : "");
+                       "bench, and run / serve with --kv-stream)",
+                       (long long)ctx, B(0, need), B(1, (double)host), B(2, (double)st_kv_stream_device_bytes(&sp)));
+                if (ssd)
+                    printf("; %s in segments of %lld tokens past the host's %s go to the SSD tier in %s%s", B(3, (double)ssd),
+                           (long long)(sp.seg ? sp.seg : ST_KV_STREAM_SEG), B(0, (double)host_cap), sp.ssd_dir,
+                           sp.ssd_mem && ssd > sp.ssd_mem ? ", MORE than --kv-ssd-size" : "");
+                else if (all > host)
+                    printf("; MORE than the host holds (%s: --kv-host-mem or 3/4 of the memory available now; "
+                           "--kv-ssd-dir would take the rest)", B(3, (double)host_cap));
+                printf("\n");
             }
         }
     }

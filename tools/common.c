@@ -121,11 +121,17 @@ bool tool_kv_streamed(const tool_model_opts *o, const st_config *c) {
     return st_kv_pool_device_bytes(&kp) > o->device_mem / 2;
 }
 
+/* The attention piece: the default, or a --kv-segment below it. */
+static int64_t attn_piece(const tool_model_opts *o) {
+    return o->kv_segment > 0 && o->kv_segment < ST_PLAN_ATTN_PIECE ? o->kv_segment : 0;
+}
+
 st_kv_stream_params tool_stream_params(const tool_model_opts *o, const st_config *c) {
     return (st_kv_stream_params){.n_layers = c->n_layers, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim,
-                                 .dtype = o->kv_dtype, .piece = st_plan_attn_piece(0),
+                                 .dtype = o->kv_dtype, .piece = st_plan_attn_piece(attn_piece(o)),
                                  .max_tokens = o->batch > 0 ? o->batch : 512, .max_len = tool_seq_len(o, c),
-                                 .host_mem = o->kv_host_mem > 0 ? (size_t)o->kv_host_mem : 0};
+                                 .host_mem = o->kv_host_mem > 0 ? (size_t)o->kv_host_mem : 0,
+                                 .seg = o->kv_segment, .ssd_dir = o->kv_ssd_dir, .ssd_mem = o->kv_ssd_size};
 }
 
 st_llama_params tool_llama_params(const tool_model_opts *o, const st_model_files *files) {
@@ -134,6 +140,7 @@ st_llama_params tool_llama_params(const tool_model_opts *o, const st_model_files
     memset(&lp, 0, sizeof lp);
     lp.max_seq_len = tool_seq_len(o, c);
     lp.max_tokens = o->batch > 0 ? o->batch : 512;
+    lp.attn_piece = attn_piece(o);
     lp.device_mem = o->device_mem;
     const st_kv_pool_params kp = kv_params_for(o, c, lp.max_tokens, lp.max_seq_len);
     if (tool_kv_streamed(o, c)) {
@@ -311,7 +318,7 @@ int tool_parse_model_opt(int argc, char **argv, int *i, tool_model_opts *o) {
         return 1; /* no value */
     } else if (!o->kv_tier_opts && (!strcmp(a, "--kv-host-mem") || !strcmp(a, "--kv-offload") ||
                                     !strcmp(a, "--kv-ssd-dir") || !strcmp(a, "--kv-ssd-size") ||
-                                    !strcmp(a, "--kv-stream"))) {
+                                    !strcmp(a, "--kv-stream") || !strcmp(a, "--kv-segment"))) {
         fprintf(stderr, "strata: %s is an option of run, serve, plan, bench and bench-kv (the KV cache's tiers)\n",
                 a);
         return -1;
@@ -341,6 +348,13 @@ int tool_parse_model_opt(int argc, char **argv, int *i, tool_model_opts *o) {
     } else if (strcmp(a, "--kv-stream") == 0) {
         o->kv_stream = true;
         return 1; /* no value */
+    } else if (strcmp(a, "--kv-segment") == 0) {
+        if (!tool_parse_i64(val, 4096, (int64_t)1 << 24, a, &v)) return -1;
+        if (v & (v - 1)) {
+            fprintf(stderr, "strata: --kv-segment %s is not a power of two (4096, 8192, ... 65536, ...)\n", val);
+            return -1;
+        }
+        o->kv_segment = v;
     } else if (strcmp(a, "--kv-host-mem") == 0) {
         size_t n = 0;
         if (!tool_parse_size(val, a, &n)) return -1;

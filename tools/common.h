@@ -42,6 +42,7 @@ typedef struct {
     bool kv_offload_lazy;  /* --kv-offload lazy */
     const char *kv_ssd_dir; /* --kv-ssd-dir DIR */
     size_t kv_ssd_size;    /* --kv-ssd-size SIZE (0: 64 GiB) */
+    int64_t kv_segment;    /* --kv-segment N: tokens per host / SSD segment of a streamed sequence (0: 65536) */
     /* speculative decoding: options of run and serve (they set spec_opts before parsing) */
     bool spec_opts;
     strata_spec spec;      /* --spec off|lookup|draft (--draft MODEL implies draft) */
@@ -132,7 +133,11 @@ bool tool_test_fault_is(const tool_model_opts *o, const char *kind);
     "                           memory, streamed through the device layer by layer (one such\n"     \
     "                           sequence at a time): a sequence may then be\n"                         \
     "                           longer than the pool instead of the pool growing to hold one\n"     \
-    "                           sequence of the full context\n"
+    "                           sequence of the full context; with --kv-ssd-dir, the part past\n"  \
+    "                           what the host holds goes whole segments at a time to a private\n"  \
+    "                           file there (unlinked; --kv-ssd-size caps it)\n"                     \
+    "  --kv-segment N           tokens per host / SSD segment of a streamed sequence, a power of\n" \
+    "                           two from 4096 (default 65536; attention pieces shrink to it)\n"
 
 /* If argv[*i] is one of the model options, consumes it (and its value) and
  * returns 1; returns 0 when it is not; -1 (message printed) on a bad value. */

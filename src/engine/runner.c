@@ -249,6 +249,7 @@ strata_status st_runner_init(const st_model_files *files, st_backend *be, const 
         /* the draft model (speculative decoding) shares the device budget: kept out of the weights' room */
         st_llama_params lp = {.max_seq_len = p.max_model_len, .max_tokens = batch_tokens, .weights = p.weights,
                               .device_mem = p.device_mem,
+                              .attn_piece = p.kv_segment > 0 && p.kv_segment < ST_PLAN_ATTN_PIECE ? p.kv_segment : 0,
                               .kv_bytes = st_kv_pool_device_bytes(&kp) + (size_t)r->land_slots * slot_bytes +
                                           st_drafter_device_bytes(&p.spec, be, p.max_batch, p.max_model_len,
                                                                   p.kv_dtype)};
@@ -479,8 +480,11 @@ static strata_status stream_pass(st_runner *r, const st_sched_decision *d, int64
     strata_status st = STRATA_OK;
     if (!r->ks) {
         const size_t avail = st_mem_available(); /* what pinning may take: 3/4 of what the machine has */
-        const st_kv_stream_params sp =
+        st_kv_stream_params sp =
             st_llama_stream_params(r->model, r->p.max_model_len, r->p.kv_dtype, avail ? avail / 4 * 3 : 0);
+        sp.seg = r->p.kv_segment;
+        sp.ssd_dir = r->p.kv_ssd_dir; /* past the host's share, the SSD tier's directory takes the rest */
+        sp.ssd_mem = r->p.kv_ssd_size;
         if ((st = st_kv_stream_init(r->be, &sp, &r->ks))) return st;
     }
     if (it->pos0 == 0) st_kv_stream_reset(r->ks);

@@ -5,9 +5,21 @@
  * Host: per layer, a K and a V plane of rows in the cache's dtype (row =
  * n_kv_heads x head_dim elements, key j at row j: layer-major, so that a
  * piece of keys of one layer is one contiguous copy; fp8 also a K and a V
- * scale plane), held in segments of
- * ST_KV_STREAM_SEG keys allocated (pinned) as the sequence grows, counted
- * against params.host_mem.
+ * scale plane), held in segments of `seg` keys (ST_KV_STREAM_SEG) allocated
+ * (pinned) as the sequence grows, counted against params.host_mem.
+ *
+ * SSD (params.ssd_dir): when the host holds host_mem / (one segment of every
+ * layer and plane) segments and the sequence needs another, the newest
+ * sealed segment (all its keys stored, below len) goes whole to a private
+ * file in ssd_dir (created and unlinked at once: nothing is left behind,
+ * O_DIRECT where the file system allows it and the pieces are 4096-byte
+ * multiples), and its host memory takes the new segment. The segments a
+ * pass writes into stay on the host, so stores never touch the file; a piece
+ * of a segment on the SSD is read (core/aio) into a pinned staging buffer
+ * of its ring slot, then copied up as a host piece is: the bits are the same
+ * as with the whole sequence in host memory. The file is capped by ssd_mem;
+ * a full disk or cap is NOMEM naming --kv-ssd-size / the file, with nothing
+ * lost (the segment stays on the host and the pass is not begun).
  *
  * Device, all independent of the sequence's length:
  *   - a ring of two slots of `piece` keys (K and V): the keys of earlier
@@ -45,7 +57,7 @@
 extern "C" {
 #endif
 
-/* Keys per host segment (a multiple of every piece size used). */
+/* Keys per segment by default (a multiple of every piece size used). */
 #define ST_KV_STREAM_SEG 65536
 
 typedef struct st_kv_stream st_kv_stream;
@@ -58,6 +70,10 @@ typedef struct {
     int64_t max_tokens;  /* tokens of one pass, >= 1 */
     int64_t max_len;     /* keys the sequence may hold, >= 1 */
     size_t host_mem;     /* cap on the host bytes (0: none) */
+    int64_t seg;         /* keys per segment (0: ST_KV_STREAM_SEG): a multiple of piece and of 4096 */
+    const char *ssd_dir; /* where segments go once host_mem is full (NULL: nowhere; NOMEM then); created
+                            (one level) if missing; borrowed until init returns */
+    uint64_t ssd_mem;    /* cap on the SSD file's bytes (0: none) */
 } st_kv_stream_params;
 
 /* Device bytes init takes (ring, areas, iota, each rounded to 256). */
@@ -81,15 +97,29 @@ void st_kv_stream_reset(st_kv_stream *ks);          /* len = 0 (the host segment
 void st_kv_stream_meta(st_kv_stream *ks, void **host, void **dev, size_t *bytes);
 /* Bytes moved up / down since init. */
 void st_kv_stream_bytes(const st_kv_stream *ks, uint64_t *h2d, uint64_t *d2h);
+/* The SSD tier: bytes read from and written to the file since init, the
+ * file's bytes in use now, and the segments on the SSD / on the host now. */
+typedef struct {
+    uint64_t read, written, file_bytes;
+    int64_t ssd_segs, host_segs;
+} st_kv_stream_ssd_stats;
+void st_kv_stream_ssd(const st_kv_stream *ks, st_kv_stream_ssd_stats *out);
+/* The SSD tier's read rate, measured now on its own file through the same
+ * path (up to 512 MiB of it in 4 MiB requests, or 1/16 of a smaller
+ * file, 16 in flight; not counted in the stats): *bytes_per_s = 0 when nothing is in the file yet. */
+strata_status st_kv_stream_ssd_probe(st_kv_stream *ks, double *bytes_per_s);
 
 /* Allocates (pins) the host rows of keys up to `end` now rather than as
  * passes reach them (pinning takes ~0.1-0.2 s per GB on CUDA): NOMEM naming
- * --kv-host-mem past the cap, INVALID_ARG past max_len. */
+ * --kv-host-mem past the cap, INVALID_ARG past max_len. With an SSD tier it
+ * stops at the cap (the passes place the rest). */
 strata_status st_kv_stream_reserve(st_kv_stream *ks, int64_t end);
 
 /* ---- one pass of n tokens at positions len .. len + n - 1 (model/forward.c) ---- */
-/* Reserves the host rows (NOMEM naming host_mem when they do not fit;
- * INVALID_ARG past max_len or n > max_tokens) and issues the first pieces.
+/* Reserves the host rows, moving sealed segments to the SSD tier where the
+ * host is full (NOMEM naming --kv-host-mem, or --kv-ssd-size / the file,
+ * when they do not fit; IO for a failed write; INVALID_ARG past max_len or
+ * n > max_tokens) and issues the first pieces.
  * `compute` is the stream the model's ops run on. */
 strata_status st_kv_stream_begin(st_kv_stream *ks, st_stream *compute, int64_t n);
 int64_t st_kv_stream_tail_start(const st_kv_stream *ks); /* the area's first key */

@@ -114,7 +114,8 @@ static void cpu_dealloc(st_backend *be, void *p) {
 static strata_status cpu_host_alloc(st_backend *be, size_t n, void **out) {
     *out = NULL;
     void *p = NULL;
-    if (posix_memalign(&p, 64, n ? n : 1) != 0)
+    /* page-aligned from a page up: O_DIRECT reads and writes (the KV stream's SSD tier) take these buffers */
+    if (posix_memalign(&p, n >= 4096 ? 4096 : 64, n ? n : 1) != 0)
         return st_err(STRATA_ERR_NOMEM, "cpu host_alloc: the system refused %zu bytes", n);
     *out = p;
     return STRATA_OK;
