@@ -63,6 +63,7 @@ typedef struct {
     double tol; /* 0: bit-identical (CPU); else max |a - b| / max |a| (CUDA: other kernels for decode) */
     int64_t seg;       /* the streamed run's segment (0: the default) */
     int64_t host_segs; /* > 0: host memory for this many segments, the rest on the SSD tier (a directory) */
+    double cpu_attn;   /* the streamed run's share of earlier keys attended on the CPU (decode passes) */
 } run_cfg;
 
 /* logits: [rows, V] of the fitting run (fit) and the streamed one (str):
@@ -92,6 +93,7 @@ static void run_both(st_backend *be, st_model_files *f, const run_cfg *rc, const
 
     /* the streamed run: no pool */
     const size_t used0 = be->device_budget.used;
+    lp.cpu_attn = rc->cpu_attn;
     CHECK(st_llama_init(f, be, &lp, &m) == STRATA_OK);
     if (!m) goto out;
     const size_t model_bytes = be->device_budget.used - used0;
@@ -137,9 +139,28 @@ static void run_both(st_backend *be, st_model_files *f, const run_cfg *rc, const
     const size_t row = (size_t)(sp.n_kv_heads * sp.head_dim) * st_kv_dtype_size(sp.dtype) +
                        (sp.dtype == ST_KV_FP8 ? (size_t)sp.n_kv_heads * 4 : 0); /* fp8: its scales too */
     for (int64_t len = 0; len < rc->prompt; len += rc->max_tokens) want_up += (uint64_t)len;
-    for (int64_t i = 0; i < rc->dec; i++) want_up += (uint64_t)(rc->prompt + i);
+    /* decode passes with a CPU part: keys [0, c) stay in host memory, c = the share of len in whole pieces, at
+     * most the tail start and the host segments before the first in the file */
+    const int64_t segk = rc->seg ? rc->seg : ST_KV_STREAM_SEG;
+    const int64_t host_keys =
+        rc->host_segs && (total + segk - 1) / segk > rc->host_segs ? (rc->host_segs - 1) * segk : INT64_MAX;
+    int64_t cpu_keys = 0;
+    for (int64_t i = 0; i < rc->dec; i++) {
+        const int64_t len = rc->prompt + i, ts = len / ST_ATTN_RANGE * ST_ATTN_RANGE;
+        int64_t c = (int64_t)(rc->cpu_attn * (double)len);
+        c = c < ts ? c : ts;
+        c = c < host_keys ? c : host_keys;
+        c = c / rc->piece * rc->piece;
+        cpu_keys += c;
+        want_up += (uint64_t)(len - c);
+    }
     want_up *= 2 * (uint64_t)sp.n_layers * row;
     st_kv_stream_bytes(ks, &up, &down);
+    if (rc->cpu_attn > 0) {
+        CHECK_MSG(cpu_keys > 0, "%s: no key attended on the CPU", label);
+        printf("%s: the decode steps attended %lld keys of each layer on the CPU from host memory (share %g)\n",
+               label, (long long)cpu_keys, rc->cpu_attn);
+    }
     CHECK_MSG(up == want_up && down == 2 * (uint64_t)sp.n_layers * row * (uint64_t)total,
               "%s: moved up %llu (want %llu), down %llu", label, (unsigned long long)up,
               (unsigned long long)want_up, (unsigned long long)down);
@@ -376,6 +397,14 @@ int main(int argc, char **argv) {
     run_both(be, f, &(run_cfg){.prompt = 9000, .dec = 4, .max_tokens = 256, .piece = 1024, .dtype = ST_KV_FP8,
                                .seg = 4096, .host_segs = 2},
              "fp8 KV (scales streamed too), passes of 256, pieces of 1024, 2 segments of 4096 on the host");
+    /* the decode's oldest keys attended on the CPU from host memory, merged with the device's part: the
+     * merge is regrouped (CPU part + (pieces + area) instead of one chain), so within rounding */
+    run_both(be, f, &(run_cfg){.prompt = 9000, .dec = 5, .max_tokens = 512, .piece = 1024, .dtype = ST_KV_BF16,
+                               .cpu_attn = 0.5, .tol = 4e-6},
+             "bf16 KV, decode with half the earlier keys attended on the CPU");
+    run_both(be, f, &(run_cfg){.prompt = 9000, .dec = 3, .max_tokens = 256, .piece = 1024, .dtype = ST_KV_FP8,
+                               .seg = 4096, .host_segs = 2, .cpu_attn = 1.0, .tol = 4e-6},
+             "fp8 KV, decode with every host key before the SSD's attended on the CPU");
     run_both(be, f, &(run_cfg){.prompt = N_LONG, .dec = N_DEC, .max_tokens = 512, .piece = 4096,
                                .dtype = ST_KV_BF16, .seg = 4096, .host_segs = 2},
              "long, bf16 KV, passes of 512, pieces of 4096, 2 segments of 4096 on the host, the rest on the SSD");

@@ -259,6 +259,22 @@ typedef struct {
                                     const float *v, const int32_t *pos, int64_t n, int64_t key0, int64_t n_kv,
                                     int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, float scale,
                                     bool merge, float *out, float *lse);
+    /* attention_part over keys key0 .. key0 + n_kv - 1 held as rows of a KV
+     * view in its own dtype (rows->k / v / scales: row j is key key0 + j; any
+     * st_kv_dtype, read as kv_gather would widen it), q, pos, out and lse in
+     * this backend's memory: the same ranges and bits as kv_gather into fp32
+     * then attention_part. CPU only (NULL elsewhere): a streamed sequence's
+     * oldest keys attended from host memory (model/llama.c). */
+    strata_status (*attention_rows)(st_backend *be, st_stream *s, const float *q, const st_kv_layer *rows,
+                                    const int32_t *pos, int64_t n, int64_t key0, int64_t n_kv, int64_t n_heads,
+                                    int64_t n_kv_heads, int64_t head_dim, float scale, bool merge, float *out,
+                                    float *lse);
+    /* Two attention results over disjoint keys merged, rows of hd outputs
+     * and a log-sum-exp each (attention_part's rule): for r < rows,
+     * (out_r, lse_r) becomes the result over both (out2_r, lse2_r) included.
+     * The rule is symmetric: the bits do not depend on which side is which. */
+    strata_status (*attn_merge)(st_backend *be, st_stream *s, float *out, float *lse, const float *out2,
+                                const float *lse2, int64_t rows, int64_t hd);
     /* out[i] = silu(gate[i]) * up[i] for i < n. */
     strata_status (*swiglu)(st_backend *be, st_stream *s, const float *gate, const float *up,
                             int64_t n, float *out);

@@ -49,6 +49,7 @@ struct st_kv_stream {
     /* the pass */
     int64_t len, n;             /* keys on the host; tokens of the pass (0: none) */
     int64_t ts, np;             /* tail start; pieces per layer */
+    int64_t cpu;                /* keys [0, cpu) the caller attends from host memory (a multiple of piece) */
     int64_t next;               /* the next item (layer * np + piece) to issue */
     int64_t cur;                /* the item the compute stream reads */
     uint64_t h2d, d2h;
@@ -506,7 +507,7 @@ static strata_status issue(st_kv_stream *ks, int64_t g) {
     st_backend *be = ks->be;
     const st_backend_ops *o = be->ops;
     const int slot = (int)(g % 2);
-    const int64_t l = g / ks->np, k = g % ks->np, a = k * ks->p.piece;
+    const int64_t l = g / ks->np, k = g % ks->np, a = ks->cpu + k * ks->p.piece;
     const int64_t e = a + ks->p.piece < ks->ts ? a + ks->p.piece : ks->ts;
     TRY(o->stream_wait_event(be, ks->copy, ks->freed[slot]));
     if (ks->loc[a / ks->segk] >= 0) TRY(piece_from_ssd(ks, slot, l, a, e, ks->ring[slot]));
@@ -516,14 +517,18 @@ static strata_status issue(st_kv_stream *ks, int64_t g) {
 
 strata_status st_kv_stream_reserve(st_kv_stream *ks, int64_t end) { return place(ks, end, false); }
 
-strata_status st_kv_stream_begin(st_kv_stream *ks, st_stream *compute, int64_t n) {
+strata_status st_kv_stream_begin(st_kv_stream *ks, st_stream *compute, int64_t n, int64_t cpu_keys) {
     if (n < 1 || n > ks->p.max_tokens)
         BAD("%lld tokens in a pass (1 to max_tokens = %lld)", (long long)n, (long long)ks->p.max_tokens);
     TRY(place(ks, ks->len + n, true));
     ks->compute = compute;
     ks->n = n;
     ks->ts = ks->len / ST_ATTN_RANGE * ST_ATTN_RANGE;
-    ks->np = (ks->ts + ks->p.piece - 1) / ks->p.piece;
+    int64_t c = cpu_keys < ks->ts ? cpu_keys : ks->ts;
+    for (int64_t s = 0; s * ks->segk < c; s++) /* the host segments before the first one in the file */
+        if (ks->loc[s] >= 0) c = s * ks->segk;
+    ks->cpu = c > 0 ? c / ks->p.piece * ks->p.piece : 0;
+    ks->np = (ks->ts - ks->cpu + ks->p.piece - 1) / ks->p.piece;
     ks->next = ks->cur = 0;
     /* the ring's events from the previous pass are complete (its host sync) */
     const int64_t total = ks->np * ks->p.n_layers;
@@ -532,6 +537,19 @@ strata_status st_kv_stream_begin(st_kv_stream *ks, st_stream *compute, int64_t n
 }
 
 int64_t st_kv_stream_tail_start(const st_kv_stream *ks) { return ks->ts; }
+int64_t st_kv_stream_cpu_keys(const st_kv_stream *ks) { return ks->cpu; }
+
+strata_status st_kv_stream_host_rows(st_kv_stream *ks, int64_t l, int64_t key, st_kv_layer *rows, int64_t *n) {
+    if (l < 0 || l >= ks->p.n_layers || key < 0 || key >= ks->cpu)
+        BAD("host rows of layer %lld from key %lld (the pass's CPU keys: %lld)", (long long)l, (long long)key,
+            (long long)ks->cpu);
+    const int64_t end = (key / ks->segk + 1) * ks->segk < ks->cpu ? (key / ks->segk + 1) * ks->segk : ks->cpu;
+    void *pl[4] = {0};
+    for (int p = 0; p < ks->np_; p++) pl[p] = host_row(ks, l, p, key);
+    *rows = view(ks, pl, end - key);
+    *n = end - key;
+    return STRATA_OK;
+}
 int64_t st_kv_stream_n_pieces(const st_kv_stream *ks) { return ks->np; }
 const int32_t *st_kv_stream_iota(const st_kv_stream *ks) { return ks->iota; }
 
@@ -556,7 +574,7 @@ strata_status st_kv_stream_piece(st_kv_stream *ks, int64_t l, int64_t k, st_kv_l
     ST_ASSERT(g == ks->cur && g < ks->next && k < ks->np);
     const int s = (int)(g % 2);
     TRY(ks->be->ops->stream_wait_event(ks->be, ks->compute, ks->ready[s]));
-    const int64_t a = k * ks->p.piece, e = a + ks->p.piece < ks->ts ? a + ks->p.piece : ks->ts;
+    const int64_t a = ks->cpu + k * ks->p.piece, e = a + ks->p.piece < ks->ts ? a + ks->p.piece : ks->ts;
     *slot = view(ks, ks->ring[s], ks->p.piece);
     *key0 = a;
     *n = e - a;

@@ -120,10 +120,20 @@ strata_status st_kv_stream_reserve(st_kv_stream *ks, int64_t end);
  * host is full (NOMEM naming --kv-host-mem, or --kv-ssd-size / the file,
  * when they do not fit; IO for a failed write; INVALID_ARG past max_len or
  * n > max_tokens) and issues the first pieces.
- * `compute` is the stream the model's ops run on. */
-strata_status st_kv_stream_begin(st_kv_stream *ks, st_stream *compute, int64_t n);
+ * `compute` is the stream the model's ops run on. cpu_keys > 0: the pass's
+ * caller attends keys [0, c) itself from host memory (st_kv_stream_host_rows),
+ * c = cpu_keys rounded down to a whole number of pieces, at most the tail
+ * start and the keys of the host segments before the first one on the SSD
+ * (st_kv_stream_cpu_keys says what it became): the ring carries pieces from
+ * c on only. */
+strata_status st_kv_stream_begin(st_kv_stream *ks, st_stream *compute, int64_t n, int64_t cpu_keys);
 int64_t st_kv_stream_tail_start(const st_kv_stream *ks); /* the area's first key */
-int64_t st_kv_stream_n_pieces(const st_kv_stream *ks);   /* ring pieces per layer */
+int64_t st_kv_stream_cpu_keys(const st_kv_stream *ks);   /* the pass's c (0: none) */
+int64_t st_kv_stream_n_pieces(const st_kv_stream *ks);   /* ring pieces per layer: [c, tail start) */
+/* Host rows of layer l from key `key` (< c) to the end of its segment or c:
+ * *rows views them (row 0 = key), *n their count. Valid until the next
+ * begin; the pass writes no row below c. */
+strata_status st_kv_stream_host_rows(st_kv_stream *ks, int64_t l, int64_t key, st_kv_layer *rows, int64_t *n);
 const int32_t *st_kv_stream_iota(const st_kv_stream *ks); /* device [piece or more] = 0, 1, ... */
 /* Layer l's area (*area: rows of keys tail_start..): the compute stream
  * waits until its tail rows arrived (and its previous use went down). */

@@ -513,6 +513,12 @@ static strata_status stream_upload(st_llama *m, st_kv_stream *ks, const int32_t 
     return STRATA_OK;
 }
 
+/* Keys of a pass's CPU part (params.cpu_attn): that share of the keys before it (kv_stream rounds it to
+ * pieces and keeps it to the host segments). */
+static int64_t cpu_keys(const st_llama *m, const st_kv_stream *ks) {
+    return (int64_t)(m->cpu_attn * (double)st_kv_stream_len(ks));
+}
+
 strata_status st_llama_forward_stream(st_llama *m, st_kv_stream *ks, const int32_t *tokens, int64_t n,
                                       int64_t pos_offset, bool all_logits, float *logits) {
     if (!m || !ks || !tokens || n < 1 || !logits)
@@ -539,7 +545,7 @@ strata_status st_llama_forward_stream(st_llama *m, st_kv_stream *ks, const int32
         const int64_t n_logits = all_logits ? k : last ? 1 : 0;
         batch_dev d;
         strata_status st = st_wm_begin(m->wm);
-        if (st == STRATA_OK) st = st_kv_stream_begin(ks, m->stream, k);
+        if (st == STRATA_OK) st = st_kv_stream_begin(ks, m->stream, k, k <= m->cpu_attn_tokens ? cpu_keys(m, ks) : 0);
         if (st != STRATA_OK) return st;
         st = stream_upload(m, ks, tokens + done, k, p0, pos_offset, n_logits, &d);
         if (st == STRATA_OK) st = st_llama_batch_ops(m, NULL, &d, tokens + done, k, n_logits, false);

@@ -84,6 +84,47 @@ static strata_status init_rope(st_llama *m) {
     return m->be->ops->stream_sync(m->be, m->stream);
 }
 
+/* The CPU's part of a streamed sequence's attention (params.cpu_attn):
+ * its executor (the CPU tier's backend, the model's own backend when that
+ * is the CPU, else a CPU backend of the model's own with weights.cpu_threads
+ * threads), pinned host queries / outputs / log-sum-exps of a pass of up to
+ * cpu_attn_tokens tokens, and the device buffers the outputs go up to. */
+static strata_status init_cpu_attn(st_llama *m, const st_llama_params *p) {
+    if (!(p->cpu_attn > 0)) return STRATA_OK;
+    if (!(p->cpu_attn <= 1))
+        return st_err(STRATA_ERR_INVALID_ARG, "model: cpu_attn = %g (--kv-cpu-attn: a share of the keys, 0 to 1)",
+                      p->cpu_attn);
+    st_backend *be = m->be;
+    const st_config *c = &m->cfg;
+    strata_status st;
+    if (!be->ops->attn_merge)
+        return st_err(STRATA_ERR_UNSUPPORTED, "model: the %s backend cannot merge attention results "
+                      "(--kv-cpu-attn)", be->ops->name);
+    m->cpu_attn = p->cpu_attn;
+    m->cpu_attn_tokens = ST_PLAN_CPU_MAX_TOKENS < m->max_tokens ? ST_PLAN_CPU_MAX_TOKENS : m->max_tokens;
+    if (m->cpu) {
+        m->acpu = m->cpu, m->acpu_stream = m->cpu_stream;
+    } else if (be->ops->attention_rows) {
+        m->acpu = be, m->acpu_stream = m->stream;
+    } else {
+        const st_backend_params bp = {.kind = ST_BACKEND_CPU, .n_threads = p->weights.cpu_threads};
+        if ((st = st_backend_init(&bp, &m->acpu))) return st;
+        m->acpu_owned = true;
+        if ((st = m->acpu->ops->stream_create(m->acpu, false, &m->acpu_stream))) return st;
+    }
+    const int64_t T = m->cpu_attn_tokens, qd = c->n_heads * c->head_dim;
+    if ((st = be->ops->host_alloc(be, (size_t)(T * qd) * sizeof(float), (void **)&m->h_q)) ||
+        (st = be->ops->host_alloc(be, (size_t)(T * qd) * sizeof(float), (void **)&m->h_att)) ||
+        (st = be->ops->host_alloc(be, (size_t)(T * c->n_heads) * sizeof(float), (void **)&m->h_lse)))
+        return st_err_what(st, "the CPU's attention part: pinned host buffers of %lld tokens", (long long)T);
+    m->h_pos = st_malloc((size_t)T * sizeof(int32_t));
+    if (!m->h_pos) return st_err(STRATA_ERR_NOMEM, "model: out of memory");
+    if ((st = alloc_f32(m, T * qd, &m->att2, "the CPU's attention part")) ||
+        (st = alloc_f32(m, T * c->n_heads, &m->lse2, "the CPU's attention part's log-sum-exp")))
+        return st;
+    return be->ops->event_create(be, &m->q_ev);
+}
+
 /* The CPU tier's executor: a CPU backend of the model's own (its thread
  * count: weights.cpu_threads), pinned host copies of x and tmp (the main
  * backend's host memory: async copies), and the FFN scratch for passes of
@@ -227,6 +268,7 @@ strata_status st_llama_init(const st_model_files *files, st_backend *be, const s
         if (st) goto fail;
         if (cpu_tier && (st = init_cpu_exec(m, &opts->weights))) goto fail;
     }
+    if ((st = init_cpu_attn(m, opts))) goto fail;
     /* the activations: exactly what st_plan_act_bytes counts */
     if ((st = alloc_f32(m, T * H, &m->x, "x"))) goto fail;
     if ((st = alloc_f32(m, T * H, &m->xn, "the normed x"))) goto fail;
@@ -293,6 +335,17 @@ void st_llama_free(st_llama *m) {
     st_wm_free(m->wm);
     if (m->h_x) be->ops->host_dealloc(be, m->h_x);
     if (m->cpu_ev) be->ops->event_destroy(be, m->cpu_ev);
+    if (m->q_ev) be->ops->event_destroy(be, m->q_ev);
+    float *ah[] = {m->h_q, m->h_att, m->h_lse};
+    for (int i = 0; i < 3; i++)
+        if (ah[i]) be->ops->host_dealloc(be, ah[i]);
+    if (m->att2) be->ops->dealloc(be, m->att2);
+    if (m->lse2) be->ops->dealloc(be, m->lse2);
+    st_free(m->h_pos);
+    if (m->acpu_owned) {
+        if (m->acpu_stream) m->acpu->ops->stream_destroy(m->acpu, m->acpu_stream);
+        st_backend_free(m->acpu);
+    }
     if (m->cpu) {
         float *cb[] = {m->c_xn, m->c_gate, m->c_up};
         for (int i = 0; i < 3; i++)
@@ -343,8 +396,41 @@ static strata_status attend_piece(st_llama *m, const batch_dev *d, int64_t n, in
                                       merge || !last ? m->lse : NULL);
 }
 
+/* The CPU's part of a streamed pass's attention: keys [0, cpu) of the layer
+ * from the stream's host rows, segment by segment (merged in order), once q
+ * came down (the one wait: q_ev, recorded after q's copy, while the device
+ * attends the keys from cpu on); then up and merged into att / lse on the
+ * compute stream. The next layer's q comes down after this layer's copies
+ * up on the same stream, so the host buffers are free again by its wait. */
+static strata_status attn_cpu_part(st_llama *m, st_kv_stream *ks, int64_t n, int64_t layer, int64_t cpu) {
+    st_backend *be = m->be;
+    const st_backend_ops *o = be->ops;
+    const st_config *c = &m->cfg;
+    const int64_t nh = c->n_heads, hd = c->head_dim, p0 = st_kv_stream_len(ks);
+    const float scale = 1.0f / sqrtf((float)hd);
+    for (int64_t i = 0; i < n; i++) m->h_pos[i] = (int32_t)(p0 + i);
+    TRY(o->event_sync(be, m->q_ev));
+    for (int64_t a = 0; a < cpu;) {
+        st_kv_layer rows;
+        int64_t nr;
+        TRY(st_kv_stream_host_rows(ks, layer, a, &rows, &nr));
+        TRY(m->acpu->ops->attention_rows(m->acpu, m->acpu_stream, m->h_q, &rows, m->h_pos, n, a, nr, nh,
+                                         c->n_kv_heads, hd, scale, a > 0, m->h_att, m->h_lse));
+        a += nr;
+    }
+    TRY(o->copy_h2d(be, m->stream, m->att2, m->h_att, (size_t)(n * nh * hd) * sizeof(float)));
+    TRY(o->copy_h2d(be, m->stream, m->lse2, m->h_lse, (size_t)(n * nh) * sizeof(float)));
+    return o->attn_merge(be, m->stream, m->att, m->lse, m->att2, m->lse2, n * nh, hd);
+}
+
 static strata_status attn_streamed(st_llama *m, batch_dev *d, int64_t n, int64_t layer) {
     st_kv_stream *ks = d->ks;
+    const int64_t cpu = st_kv_stream_cpu_keys(ks);
+    if (cpu > 0) { /* q down for the CPU's part */
+        TRY(m->be->ops->copy_d2h(m->be, m->stream, m->h_q, m->q,
+                                 (size_t)(n * m->cfg.n_heads * m->cfg.head_dim) * sizeof(float)));
+        TRY(m->be->ops->event_record(m->be, m->q_ev, m->stream));
+    }
     st_kv_layer area;
     TRY(st_kv_stream_layer_begin(ks, layer, &area));
     TRY(m->be->ops->kv_store_paged(m->be, m->stream, &area, m->k, m->v, d->slots, n));
@@ -360,7 +446,8 @@ static strata_status attn_streamed(st_llama *m, batch_dev *d, int64_t n, int64_t
     const int64_t end = st_kv_stream_len(ks) + n;
     TRY(gather_piece(m, &area, st_kv_stream_iota(ks), end - ts));
     TRY(st_kv_stream_layer_end(ks, layer));
-    return attend_piece(m, d, n, ts, end - ts, np > 0, true);
+    TRY(attend_piece(m, d, n, ts, end - ts, np > 0, cpu == 0)); /* the CPU's part merges with lse */
+    return cpu > 0 ? attn_cpu_part(m, ks, n, layer, cpu) : STRATA_OK;
 }
 
 strata_status st_llama_attn_ops(st_llama *m, const st_weight *w, const st_kv_layer *cache, batch_dev *d,

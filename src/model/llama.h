@@ -48,6 +48,10 @@ typedef struct {
     bool no_graphs;           /* never record passes as graphs (measurements, checks) */
     int64_t attn_piece;       /* keys per attention piece of one sequence (planner.h st_plan_attn_piece;
                                  0: the default): the gather buffers' size and a streamed KV's ring slot */
+    double cpu_attn;          /* a streamed sequence's passes of up to ST_PLAN_CPU_MAX_TOKENS tokens (its
+                                 decode): this share of its earlier keys, the oldest, attended on the CPU
+                                 from host memory while the device attends the rest (0: none; at most 1;
+                                 st_llama_forward_stream) */
 } st_llama_params;
 
 /* Startup: measures what the plan of these params needs and is not given

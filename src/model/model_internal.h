@@ -79,6 +79,17 @@ struct st_llama {
     float *h_x, *h_tmp;     /* pinned host (the main backend's) [cpu_max_tokens, hidden] each */
     float *c_xn, *c_gate, *c_up; /* the CPU backend's [cpu_max_tokens, hidden / intermediate] */
     st_event *cpu_ev;       /* x and tmp are on the host (the CPU waits on it) */
+    /* a streamed sequence's oldest keys attended on the CPU (params.cpu_attn; llama.c attn_cpu_part) */
+    double cpu_attn;        /* the share of the earlier keys (0: none) */
+    int64_t cpu_attn_tokens; /* passes of at most this many tokens split (0: none) */
+    st_backend *acpu;       /* its executor: the CPU tier's backend, the model's own when the model runs on
+                               the CPU, else one of its own (acpu_owned) */
+    bool acpu_owned;
+    st_stream *acpu_stream; /* its stream (the compute stream when acpu is the model's backend) */
+    float *h_q, *h_att, *h_lse; /* pinned host [cpu_attn_tokens, n_heads (x head_dim)] */
+    int32_t *h_pos;         /* host [cpu_attn_tokens] */
+    float *att2, *lse2;     /* device: the CPU's part, up */
+    st_event *q_ev;         /* q is on the host */
 
     /* recorded passes (graphs.c) */
     batch_graph bg[BG_SLOTS];

@@ -548,6 +548,26 @@ strata_status st_cpu_attention_part(st_cpu *c, const float *q, const float *k, c
     return attn_run(c, &a, n, max_k1);
 }
 
+strata_status st_cpu_attention_rows(st_cpu *c, const float *q, const st_kv_layer *rows, const int32_t *pos,
+                                    int64_t n, int64_t key0, int64_t n_kv, int64_t n_heads, int64_t n_kv_heads,
+                                    int64_t head_dim, float scale, bool merge, float *out, float *lse) {
+    attn_ctx a = {.q = q, .t = rows->dtype, .pos = pos, .n_heads = n_heads, .group = n_heads / n_kv_heads,
+                  .hd = head_dim, .scale = scale, .out = out, .lse = lse, .key0 = key0, .key_end = key0 + n_kv,
+                  .merge = merge, .bs = 1};
+    a.src = (kv_src){.k = rows->k, .v = rows->v, .k_scale = rows->k_scale, .v_scale = rows->v_scale,
+                     .lut = a.fp8_lut, .n_kv_heads = n_kv_heads, .hd = head_dim};
+    if (rows->dtype == ST_KV_FP8)
+        for (int b = 0; b < 256; b++) a.fp8_lut[b] = st_kv_fp8_to_f32((uint8_t)b);
+    int64_t max_k1 = key0 + 1;
+    for (int64_t i = 0; i < n; i++)
+        if (attn_k1(&a, i) > max_k1) max_k1 = attn_k1(&a, i);
+    return attn_run(c, &a, n, max_k1);
+}
+
+void st_cpu_attn_merge(float *out, float *lse, const float *out2, const float *lse2, int64_t rows, int64_t hd) {
+    for (int64_t r = 0; r < rows; r++) attn_merge(out + r * hd, lse + r, out2 + r * hd, lse2[r], hd);
+}
+
 strata_status st_cpu_attention(st_cpu *c, const float *q, const float *k, const float *v,
                                const int32_t *pos, int64_t n, int64_t n_kv, int64_t n_heads,
                                int64_t n_kv_heads, int64_t head_dim, float scale, float *out) {

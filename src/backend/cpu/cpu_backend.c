@@ -486,6 +486,29 @@ static strata_status cpu_attention_part(st_backend *be, st_stream *s, const floa
                                          merge, out, lse));
 }
 
+static strata_status cpu_attention_rows(st_backend *be, st_stream *s, const float *q, const st_kv_layer *rows,
+                                        const int32_t *pos, int64_t n, int64_t key0, int64_t n_kv, int64_t n_heads,
+                                        int64_t n_kv_heads, int64_t head_dim, float scale, bool merge, float *out,
+                                        float *lse) {
+    if (rows->n_kv_heads != n_kv_heads || rows->head_dim != head_dim || n_kv > rows->n_slots)
+        return st_err(STRATA_ERR_INVALID_ARG, "cpu attention_rows: a view of %lld rows of %lld x %lld for %lld keys "
+                      "of %lld x %lld", (long long)rows->n_slots, (long long)rows->n_kv_heads,
+                      (long long)rows->head_dim, (long long)n_kv, (long long)n_kv_heads, (long long)head_dim);
+    for (int64_t i = 0; i < n; i++)
+        if (pos[i] < key0)
+            return st_err(STRATA_ERR_INVALID_ARG,
+                          "cpu attention_rows: pos[%lld] = %d is before the first key %lld", (long long)i, pos[i],
+                          (long long)key0);
+    RUN_LOCKED(be, "attention_rows", n, st_cpu_attention_rows(c_, q, rows, pos, n, key0, n_kv, n_heads, n_kv_heads,
+                                                              head_dim, scale, merge, out, lse));
+}
+
+static strata_status cpu_attn_merge(st_backend *be, st_stream *s, float *out, float *lse, const float *out2,
+                                    const float *lse2, int64_t rows, int64_t hd) {
+    st_cpu_attn_merge(out, lse, out2, lse2, rows, hd);
+    return STRATA_OK;
+}
+
 static strata_status cpu_attention_paged(st_backend *be, st_stream *s, const float *q, const st_paged_kv *kv,
                                          const int32_t *seq, const int32_t *pos, int64_t n, int64_t n_heads,
                                          int64_t n_kv_heads, int64_t head_dim, float scale, float *out) {
@@ -594,6 +617,8 @@ static const st_backend_ops g_cpu_ops = {
     .kv_store_paged = cpu_kv_store_paged,
     .attention_paged = cpu_attention_paged,
     .attention_part = cpu_attention_part,
+    .attention_rows = cpu_attention_rows,
+    .attn_merge = cpu_attn_merge,
     .kv_gather = cpu_kv_gather,
     .sample = cpu_sample,
 };

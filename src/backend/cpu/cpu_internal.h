@@ -129,6 +129,10 @@ strata_status st_cpu_matmul_int(st_cpu *c, const float *x, const st_weight *w, i
 strata_status st_cpu_attention(st_cpu *c, const float *q, const float *k, const float *v,
                                const int32_t *pos, int64_t n, int64_t n_kv, int64_t n_heads,
                                int64_t n_kv_heads, int64_t head_dim, float scale, float *out);
+strata_status st_cpu_attention_rows(st_cpu *c, const float *q, const st_kv_layer *rows, const int32_t *pos,
+                                    int64_t n, int64_t key0, int64_t n_kv, int64_t n_heads, int64_t n_kv_heads,
+                                    int64_t head_dim, float scale, bool merge, float *out, float *lse);
+void st_cpu_attn_merge(float *out, float *lse, const float *out2, const float *lse2, int64_t rows, int64_t hd);
 strata_status st_cpu_attention_part(st_cpu *c, const float *q, const float *k, const float *v, const int32_t *pos,
                                     int64_t n, int64_t key0, int64_t n_kv, int64_t n_heads, int64_t n_kv_heads,
                                     int64_t head_dim, float scale, bool merge, float *out, float *lse);

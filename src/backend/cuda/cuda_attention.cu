@@ -766,3 +766,26 @@ strata_status st_cuda_op_attention_part(st_backend *be, st_cuda_stream *s, const
     o.key0 = key0 < INT32_MAX ? (int)key0 : INT32_MAX, o.lse = lse, o.merge = merge;
     return run_aligned<true>(be, s, q, k, v, pos, n, n_kv, n_heads, n_kv_heads, head_dim, scale * LOG2E, o);
 }
+
+/* attn_merge: one block per row, threads over its hd outputs (backend.h's rule, natural logs). */
+static __global__ void __launch_bounds__(128) attn_merge2_kernel(float *out, float *lse, const float *out2,
+                                                                 const float *lse2, int hd) {
+    const int64_t r = blockIdx.x;
+    const float l1 = lse[r], l2 = lse2[r], m = fmaxf(l1, l2), a = expf(l1 - m), b = expf(l2 - m);
+    const float inv = 1.0f / (a + b);
+    for (int d = threadIdx.x; d < hd; d += blockDim.x)
+        out[r * hd + d] = (out[r * hd + d] * a + out2[r * hd + d] * b) * inv;
+    __syncthreads(); /* every thread read lse[r] before it changes */
+    if (threadIdx.x == 0) lse[r] = m + logf(a + b);
+}
+
+strata_status st_cuda_op_attn_merge(st_backend *be, st_cuda_stream *s, float *out, float *lse, const float *out2,
+                                    const float *lse2, int64_t rows, int64_t hd) {
+    (void)be;
+    if (rows <= 0) return STRATA_OK;
+    if (rows > INT32_MAX || hd < 1 || hd > 4096)
+        return st_err(STRATA_ERR_INVALID_ARG, "cuda attn_merge: %lld rows of %lld", (long long)rows, (long long)hd);
+    attn_merge2_kernel<<<(unsigned)rows, 128, 0, s->s>>>(out, lse, out2, lse2, (int)hd);
+    ST_CUDA_LAUNCHED("attn_merge2_kernel");
+    return STRATA_OK;
+}

@@ -409,6 +409,16 @@ static strata_status cuda_swiglu(st_backend *be, st_stream *s, const float *gate
     RUN(be, s, st_cuda_op_swiglu(be, cs_, gate, up, n, out));
 }
 
+static strata_status cuda_attn_merge(st_backend *be, st_stream *s, float *out, float *lse, const float *out2,
+                                     const float *lse2, int64_t rows, int64_t hd) {
+    const char *op = "cuda attn_merge";
+    CHECK_F32(out, op);
+    CHECK_F32(lse, op);
+    CHECK_F32(out2, op);
+    CHECK_F32(lse2, op);
+    RUN(be, s, st_cuda_op_attn_merge(be, cs_, out, lse, out2, lse2, rows, hd));
+}
+
 static strata_status cuda_add(st_backend *be, st_stream *s, float *x, const float *y, int64_t n) {
     const char *op = "cuda add";
     CHECK_F32(x, op);
@@ -546,6 +556,7 @@ static const st_backend_ops g_cuda_ops = {
     .rope = cuda_rope,
     .attention = cuda_attention,
     .attention_part = cuda_attention_part,
+    .attn_merge = cuda_attn_merge,
     .swiglu = cuda_swiglu,
     .add = cuda_add,
     .set_rows = cuda_set_rows,

@@ -166,6 +166,8 @@ strata_status st_cuda_op_rope(st_backend *be, st_cuda_stream *s, float *x, const
                               int64_t n, int64_t n_heads, int64_t head_dim, const float *inv_freq,
                               bool interleaved);
 /* attention_part (backend.h): cuda_attention.cu */
+strata_status st_cuda_op_attn_merge(st_backend *be, st_cuda_stream *s, float *out, float *lse, const float *out2,
+                                    const float *lse2, int64_t rows, int64_t hd);
 strata_status st_cuda_op_attention_part(st_backend *be, st_cuda_stream *s, const float *q, const float *k,
                                         const float *v, const int32_t *pos, int64_t n, int64_t key0, int64_t n_kv,
                                         int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, float scale,
