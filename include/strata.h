@@ -171,6 +171,9 @@ typedef struct {
                                   past 3/4 of the host memory available goes to a private file there */
     int64_t kv_segment;        /* tokens per host / SSD segment of that request's KV (0: 65536; a power
                                   of two from 4096) */
+    double kv_cpu_attn;        /* that request's decode attends this share of its earlier keys, the
+                                  oldest, on the CPU from host memory (0: none; up to 1; -1: planned
+                                  from rates measured at its first pass) */
     /* speculative decoding: drafts verified in one pass with the step's token; greedy output is the
      * same token for token, sampling keeps the distribution (engine/spec.h) */
     strata_spec spec;          /* default off; STRATA_SPEC_DRAFT needs draft_model */

@@ -43,6 +43,8 @@ static void bench_usage(FILE *f) {
             "                   file in DIR (unlinked; --kv-ssd-size caps it); the decode's floor then counts\n"
             "                   the SSD's share at the file's read rate, measured after the run\n"
             "  --kv-segment N   tokens per host / SSD segment (a power of two from 4096; default 65536)\n"
+            "  --kv-cpu-attn auto|F  with a streamed KV: the decode attends share F of the earlier keys on the\n"
+            "                   CPU from host memory (auto: planned from rates measured at the first pass)\n"
             "  (--kv-offload is for run and serve)\n"
             "  (here --batch defaults to the prompt length, up to 4096: the prompt in one chunk;\n"
             "  on CUDA the prefill is also timed in the other precision, --precise or --fast-prefill)\n"
@@ -347,6 +349,11 @@ static bool stream_bench(tool_model *tm, const tool_model_opts *mo, int32_t *ids
     const double t_decode = st_time_now() - t0;
     st_kv_stream_bytes(ks, &up1, NULL);
     st_kv_stream_ssd(ks, &ss1);
+    double share = 0, cpu_bw = 0, cpu_h2d = 0; /* the decode's CPU part (--kv-cpu-attn) */
+    st_llama_cpu_attn(tm->model, &share, &cpu_bw, &cpu_h2d);
+    const int64_t cpu_keys = st_kv_stream_cpu_keys(ks); /* of the last step */
+    const double cpu_step = (double)cpu_keys * (double)st_kv_stream_host_bytes(&sp, 1) /
+                            (double)(sp.seg ? sp.seg : ST_KV_STREAM_SEG);
     double ssd_bw = 0; /* the SSD tier's read rate, on its own file, now */
     if (ss1.ssd_segs > 0 && st_kv_stream_ssd_probe(ks, &ssd_bw) != STRATA_OK) goto out;
     const size_t peak = be->device_budget.peak;
@@ -383,14 +390,25 @@ static bool stream_bench(tool_model *tm, const tool_model_opts *mo, int32_t *ids
         printf("ssd read     %.3f MB of that a token from the SSD tier at %.2f GB/s (the file's read rate, measured "
                "now): floor %.4f s/token, reached %.0f%%\n", ssd_step / 1e6, ssd_bw / 1e9,
                ssd_bw > 0 ? ssd_step / ssd_bw : 0.0, ssd_bw > 0 ? 100.0 * ssd_step / ssd_bw / step : 0.0);
+    if (cpu_keys > 0)
+        printf("cpu attn     the last step attended its oldest %lld keys (%.1f MB of KV) on the CPU from host memory "
+               "(share %.2f%s)", (long long)cpu_keys, cpu_step / 1e6, share,
+               mo->kv_cpu_attn < 0 ? ", planned" : ", --kv-cpu-attn");
+    if (cpu_keys > 0 && cpu_bw > 0)
+        printf(": the CPU reads KV at %.1f GB/s, H2D %.1f GB/s (measured at the first pass)", cpu_bw / 1e9,
+               cpu_h2d / 1e9);
+    if (cpu_keys > 0) printf("\n");
     if (h2d > 0 && roof->copy_bw > 0) {
         const double f_kv = kv_step / h2d, f_w = (double)weight_bytes / roof->copy_bw;
-        const double f_ssd = ssd_bw > 0 ? ssd_step / ssd_bw : 0;
-        const double bound = f_kv > f_w ? (f_kv > f_ssd ? f_kv : f_ssd) : (f_w > f_ssd ? f_w : f_ssd);
+        const double f_ssd = ssd_bw > 0 ? ssd_step / ssd_bw : 0, f_cpu = cpu_bw > 0 ? cpu_step / cpu_bw : 0;
+        double bound = f_kv > f_w ? f_kv : f_w;
+        bound = bound > f_ssd ? bound : f_ssd;
+        bound = bound > f_cpu ? bound : f_cpu;
         printf("roofline     decode bound %.3f s/token = max(KV %.1f MB / H2D %.1f GB/s, weights %.1f MB / HBM "
-               "%.0f GB/s%s), measured now: %.2fx of it\n",
+               "%.0f GB/s%s%s), measured now: %.2fx of it\n",
                bound, kv_step / 1e6, h2d / 1e9, weight_bytes / 1e6, roof->copy_bw / 1e9,
-               f_ssd > 0 ? ", KV from the SSD / its read rate" : "", step / bound);
+               f_ssd > 0 ? ", KV from the SSD / its read rate" : "",
+               f_cpu > 0 ? ", KV on the CPU / its rate" : "", step / bound);
     }
     printf("device mem   peak %.1f MB of backend allocations (weights, KV ring and areas %.1f MB, activations, "
            "scratch): independent of the context\n", peak / 1e6, st_kv_stream_device_bytes(&sp) / 1e6);

@@ -141,6 +141,7 @@ st_llama_params tool_llama_params(const tool_model_opts *o, const st_model_files
     lp.max_seq_len = tool_seq_len(o, c);
     lp.max_tokens = o->batch > 0 ? o->batch : 512;
     lp.attn_piece = attn_piece(o);
+    lp.cpu_attn = o->kv_cpu_attn;
     lp.device_mem = o->device_mem;
     const st_kv_pool_params kp = kv_params_for(o, c, lp.max_tokens, lp.max_seq_len);
     if (tool_kv_streamed(o, c)) {
@@ -318,7 +319,8 @@ int tool_parse_model_opt(int argc, char **argv, int *i, tool_model_opts *o) {
         return 1; /* no value */
     } else if (!o->kv_tier_opts && (!strcmp(a, "--kv-host-mem") || !strcmp(a, "--kv-offload") ||
                                     !strcmp(a, "--kv-ssd-dir") || !strcmp(a, "--kv-ssd-size") ||
-                                    !strcmp(a, "--kv-stream") || !strcmp(a, "--kv-segment"))) {
+                                    !strcmp(a, "--kv-stream") || !strcmp(a, "--kv-segment") ||
+                                    !strcmp(a, "--kv-cpu-attn"))) {
         fprintf(stderr, "strata: %s is an option of run, serve, plan, bench and bench-kv (the KV cache's tiers)\n",
                 a);
         return -1;
@@ -355,6 +357,9 @@ int tool_parse_model_opt(int argc, char **argv, int *i, tool_model_opts *o) {
             return -1;
         }
         o->kv_segment = v;
+    } else if (strcmp(a, "--kv-cpu-attn") == 0) {
+        if (val && !strcmp(val, "auto")) o->kv_cpu_attn = -1;
+        else if (!tool_parse_f64(val, 0, 1, a, &o->kv_cpu_attn)) return -1;
     } else if (strcmp(a, "--kv-host-mem") == 0) {
         size_t n = 0;
         if (!tool_parse_size(val, a, &n)) return -1;

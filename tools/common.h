@@ -43,6 +43,8 @@ typedef struct {
     const char *kv_ssd_dir; /* --kv-ssd-dir DIR */
     size_t kv_ssd_size;    /* --kv-ssd-size SIZE (0: 64 GiB) */
     int64_t kv_segment;    /* --kv-segment N: tokens per host / SSD segment of a streamed sequence (0: 65536) */
+    double kv_cpu_attn;    /* --kv-cpu-attn auto|F: a streamed decode's share of keys attended on the CPU
+                              (0: none, -1: auto) */
     /* speculative decoding: options of run and serve (they set spec_opts before parsing) */
     bool spec_opts;
     strata_spec spec;      /* --spec off|lookup|draft (--draft MODEL implies draft) */
@@ -137,7 +139,11 @@ bool tool_test_fault_is(const tool_model_opts *o, const char *kind);
     "                           what the host holds goes whole segments at a time to a private\n"  \
     "                           file there (unlinked; --kv-ssd-size caps it)\n"                     \
     "  --kv-segment N           tokens per host / SSD segment of a streamed sequence, a power of\n" \
-    "                           two from 4096 (default 65536; attention pieces shrink to it)\n"
+    "                           two from 4096 (default 65536; attention pieces shrink to it)\n"     \
+    "  --kv-cpu-attn auto|F     a streamed sequence's decode attends share F (0 to 1) of its\n"     \
+    "                           earlier keys, the oldest, on the CPU from host memory while the\n" \
+    "                           device attends the rest; auto: from the CPU's and the copies'\n"  \
+    "                           rates measured at the first pass (default 0: none)\n"
 
 /* If argv[*i] is one of the model options, consumes it (and its value) and
  * returns 1; returns 0 when it is not; -1 (message printed) on a bad value. */

@@ -116,6 +116,9 @@ static strata_status check_params(const strata_model_params *p, st_backend_param
                           (p->kv_segment & (p->kv_segment - 1))))
         return st_err(STRATA_ERR_INVALID_ARG, "model params: kv_segment %lld (--kv-segment: 0, or a power of two "
                       "from 4096 to 2^24)", (long long)p->kv_segment);
+    if (!(p->kv_cpu_attn == -1 || (p->kv_cpu_attn >= 0 && p->kv_cpu_attn <= 1)))
+        return st_err(STRATA_ERR_INVALID_ARG, "model params: kv_cpu_attn %g (--kv-cpu-attn: auto, or 0 to 1)",
+                      p->kv_cpu_attn);
     if (p->kv_host_mem < -1)
         return st_err(STRATA_ERR_INVALID_ARG, "model params: kv_host_mem %lld (-1: off, 0: default, or bytes)",
                       (long long)p->kv_host_mem);
@@ -242,6 +245,7 @@ strata_status strata_model_open(const char *path, const strata_model_params *par
                                .host_sample = p.host_sample,
                                .kv_stream = p.kv_stream,
                                .kv_segment = p.kv_segment,
+                               .kv_cpu_attn = p.kv_cpu_attn,
                                .kv_host_mem = p.kv_host_mem < 0 ? ST_KV_HOST_OFF : p.kv_host_mem,
                                .kv_landing_mem = p.kv_landing_mem,
                                .kv_offload = p.kv_offload_lazy ? ST_KV_OFFLOAD_LAZY : ST_KV_OFFLOAD_EAGER,

@@ -250,6 +250,7 @@ strata_status st_runner_init(const st_model_files *files, st_backend *be, const 
         st_llama_params lp = {.max_seq_len = p.max_model_len, .max_tokens = batch_tokens, .weights = p.weights,
                               .device_mem = p.device_mem,
                               .attn_piece = p.kv_segment > 0 && p.kv_segment < ST_PLAN_ATTN_PIECE ? p.kv_segment : 0,
+                              .cpu_attn = p.kv_stream ? p.kv_cpu_attn : 0,
                               .kv_bytes = st_kv_pool_device_bytes(&kp) + (size_t)r->land_slots * slot_bytes +
                                           st_drafter_device_bytes(&p.spec, be, p.max_batch, p.max_model_len,
                                                                   p.kv_dtype)};

@@ -101,6 +101,8 @@ typedef struct {
      * one at a time: scheduler.h stream_tokens), instead of the pool being
      * raised to one max_model_len sequence. */
     bool kv_stream;
+    double kv_cpu_attn;      /* that sequence's decode: the share of its earlier keys attended on the CPU
+                                (model/llama.h cpu_attn) */
     int64_t kv_segment;      /* keys per host / SSD segment of that sequence (0: ST_KV_STREAM_SEG); its
                                 pages go to kv_ssd_dir past 3/4 of the host memory available */
     st_kv_dtype kv_dtype;    /* KV cache element type (0 = ST_KV_F32; the tools default to bf16) */

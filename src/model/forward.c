@@ -539,6 +539,7 @@ strata_status st_llama_forward_stream(st_llama *m, st_kv_stream *ks, const int32
                       (long long)pos_offset);
     const int64_t T = m->max_tokens, V = c->vocab_size;
     st_backend *be = m->be;
+    TRY(st_llama_plan_cpu_attn(m, p->dtype)); /* params.cpu_attn < 0: once */
     for (int64_t done = 0; done < n;) {
         const int64_t k = n - done < T ? n - done : T, p0 = st_kv_stream_len(ks);
         const bool last = done + k == n;

@@ -51,7 +51,7 @@ typedef struct {
     double cpu_attn;          /* a streamed sequence's passes of up to ST_PLAN_CPU_MAX_TOKENS tokens (its
                                  decode): this share of its earlier keys, the oldest, attended on the CPU
                                  from host memory while the device attends the rest (0: none; at most 1;
-                                 st_llama_forward_stream) */
+                                 < 0: planned at the first streamed pass, st_llama_cpu_attn) */
 } st_llama_params;
 
 /* Startup: measures what the plan of these params needs and is not given
@@ -205,6 +205,13 @@ void st_llama_rope_inv_freq(const st_config *c, const float *freq_divisors, floa
  * for this model (st_llama_stream_params) or len + n exceeds its max_len
  * or max_seq_len; NOMEM naming --kv-host-mem when its host rows do not fit.
  * One host synchronization per pass. */
+/* The CPU's share of a streamed decode's keys (params.cpu_attn) and, when
+ * it was planned (cpu_attn < 0), the two rates it came from: the CPU's
+ * attention over host rows of the stream's dtype and H2D, KV bytes per
+ * second (0: not measured). Before the first streamed pass of a planned
+ * split the share is 0. */
+void st_llama_cpu_attn(const st_llama *m, double *share, double *cpu_bw, double *h2d_bw);
+
 strata_status st_llama_forward_stream(st_llama *m, st_kv_stream *ks, const int32_t *tokens, int64_t n,
                                       int64_t pos_offset, bool all_logits, float *logits);
 

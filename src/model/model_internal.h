@@ -80,7 +80,9 @@ struct st_llama {
     float *c_xn, *c_gate, *c_up; /* the CPU backend's [cpu_max_tokens, hidden / intermediate] */
     st_event *cpu_ev;       /* x and tmp are on the host (the CPU waits on it) */
     /* a streamed sequence's oldest keys attended on the CPU (params.cpu_attn; llama.c attn_cpu_part) */
-    double cpu_attn;        /* the share of the earlier keys (0: none) */
+    double cpu_attn;        /* the share of the earlier keys (0: none; < 0: planned at the first streamed pass) */
+    double cpu_attn_bw, cpu_attn_h2d; /* the rates it was planned from (st_llama_cpu_attn) */
+    double h2d_given;       /* params.weights.bw.h2d */
     int64_t cpu_attn_tokens; /* passes of at most this many tokens split (0: none) */
     st_backend *acpu;       /* its executor: the CPU tier's backend, the model's own when the model runs on
                                the CPU, else one of its own (acpu_owned) */
@@ -105,6 +107,8 @@ struct st_llama {
 strata_status st_llama_attn_ops(st_llama *m, const st_weight *w, const st_kv_layer *cache, batch_dev *d,
                                 int64_t n, int64_t layer);
 strata_status st_llama_ffn_ops(st_llama *m, const st_weight *w, int64_t n);
+/* params.cpu_attn < 0: the share planned now for a stream of this dtype (llama.c). */
+strata_status st_llama_plan_cpu_attn(st_llama *m, st_kv_dtype dtype);
 /* Where an FFN runs: its backend, stream and buffers (x, tmp: the residual
  * stream and the previous group's output in, tmp the FFN's output out). */
 typedef struct {

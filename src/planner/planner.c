@@ -22,6 +22,10 @@ int64_t st_plan_attn_piece(int64_t want) {
     return p;
 }
 
+double st_plan_cpu_attn_share(double cpu_bw, double h2d_bw) {
+    return cpu_bw > 0 && h2d_bw > 0 ? cpu_bw / (cpu_bw + h2d_bw) : 0.0;
+}
+
 int64_t st_plan_ffn_rows(int64_t max_tokens) { return max_tokens < ST_PLAN_FFN_ROWS ? max_tokens : ST_PLAN_FFN_ROWS; }
 
 int64_t st_plan_gather_rows(int64_t max_tokens, int64_t max_seq_len, int64_t piece) {

@@ -82,6 +82,14 @@ int64_t st_plan_attn_piece(int64_t want);
  * so the activations do not grow with the chunk past it. */
 #define ST_PLAN_FFN_ROWS 4096
 int64_t st_plan_ffn_rows(int64_t max_tokens);
+
+/* The share of a streamed sequence's earlier keys its decode attends on the
+ * CPU from host memory (model/llama.h cpu_attn) so that the CPU, reading
+ * them at cpu_bw, and the copies up of the rest, at h2d_bw (both KV bytes
+ * per second), take the same time: cpu_bw / (cpu_bw + h2d_bw); 0 when either
+ * is unknown (0). The rest of a step (weights, the merge, the wait for q)
+ * is not in it. */
+double st_plan_cpu_attn_share(double cpu_bw, double h2d_bw);
 /* Rows of those buffers: a piece, or the keys of a streamed pass's last
  * range and its tokens (ST_ATTN_RANGE + max_tokens) when larger, never more
  * than max_seq_len. */
