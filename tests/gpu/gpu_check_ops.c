@@ -762,6 +762,30 @@ static void check_attention_part(void) {
     check_attention_part_ex(600, 700, 32, 8, 128, st1, 1, false, " (one piece)");
 }
 
+/* attn_merge (a streamed decode's CPU part merged with the device's): the CUDA kernel against the CPU's
+ * loop on random results whose log-sum-exps differ by up to +-20 (one side dominating, and about equal);
+ * the rule in fp32, so within 1e-6 relative. */
+static void check_attn_merge(int64_t rows, int64_t hd) {
+    const int64_t n = rows * hd;
+    float *o = rand_f(n, 1.0f), *o2 = rand_f(n, 1.0f), *l = rand_f(rows, 20.0f), *l2 = rand_f(rows, 20.0f);
+    float *ref = xmalloc((size_t)n * 4), *lref = xmalloc((size_t)rows * 4);
+    float *got = xmalloc((size_t)n * 4), *lgot = xmalloc((size_t)rows * 4);
+    memcpy(ref, o, (size_t)n * 4);
+    memcpy(lref, l, (size_t)rows * 4);
+    TRY(g_cpu->ops->attn_merge(g_cpu, NULL, ref, lref, o2, l2, rows, hd));
+    float *d_o = g_up(o, (size_t)n * 4), *d_l = g_up(l, (size_t)rows * 4), *d_o2 = g_up(o2, (size_t)n * 4),
+          *d_l2 = g_up(l2, (size_t)rows * 4);
+    const strata_status st = g_gpu->ops->attn_merge(g_gpu, g_s, d_o, d_l, d_o2, d_l2, rows, hd);
+    g_down(got, d_o, (size_t)n * 4);
+    g_down(lgot, d_l, (size_t)rows * 4);
+    const double e = st == STRATA_OK ? nerr(got, ref, n) : INFINITY, le = st == STRATA_OK ? nerr(lgot, lref, rows)
+                                                                                           : INFINITY;
+    check(e <= 1e-6 && le <= 1e-6, "attn_merge rows=%lld hd=%lld  err=%.2e lse err=%.2e (thr 1e-06)", (long long)rows,
+          (long long)hd, e, le);
+    g_free(d_o), g_free(d_l), g_free(d_o2), g_free(d_l2);
+    free(o), free(o2), free(l), free(l2), free(ref), free(lref), free(got), free(lgot);
+}
+
 /* The attention_part checks in fast mode alone, on the backend g_gpu (`ver`
  * names its attn_fa2 configuration). */
 static void check_attention_part_fast(const char *ver) {
@@ -2135,6 +2159,9 @@ int main(int argc, char **argv) {
 
     check_attention_kernels();
     check_attention_part_modes();
+    check_attn_merge(1 * 32, 128);
+    check_attn_merge(8 * 9, 64);
+    check_attn_merge(3, 200);
     /* fast-mode prefill attention: the FA2 kernel in its default configuration
      * (auto: per call), then in every configuration (st_backend_params.attn_fa2,
      * read at init; cuda_attn_prefill_fa2.cuh), on the same cases */

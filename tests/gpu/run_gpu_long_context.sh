@@ -8,7 +8,11 @@
 #   3. the benchmark: llama3-8b bf16, `strata bench --kv-stream` at each length
 #      of $LENS (default 32768 131072 524288), fast prefill, passes of 4096:
 #      prefill beside the GEMM floor, decode beside max(KV / H2D, weights / HBM),
-#      the device memory peak (flat across lengths: the KV ring does not grow).
+#      the device memory peak (flat across lengths: the KV ring does not grow);
+#   4. at each length of $SPLIT_LENS (default 131072): the decode with its oldest
+#      keys attended on the CPU (--kv-cpu-attn auto, then 0.5) beside the run of
+#      step 3 at that length, and with half the KV in the SSD tier
+#      (--kv-host-mem half, --kv-ssd-dir $OUTDIR/ssd) beside the file's read rate.
 # Output: $OUTDIR (default /tmp/longctx) holds the logs; the summary is printed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -39,6 +43,20 @@ for n in $LENS; do
   build-gpu/strata bench /tmp/m8b --kv-stream --prompt "$n" --gen "$GEN" --batch 4096 --fast-prefill \
     > "$OUTDIR/bench-$n.txt" 2> "$OUTDIR/bench-$n.err" || rc=1
   cat "$OUTDIR/bench-$n.txt"; tail -2 "$OUTDIR/bench-$n.err"
+done
+for n in ${SPLIT_LENS-131072}; do
+  for share in auto 0.5; do
+    stamp "bench --kv-stream --prompt $n --kv-cpu-attn $share"
+    build-gpu/strata bench /tmp/m8b --kv-stream --prompt "$n" --gen "$GEN" --batch 4096 --fast-prefill \
+      --kv-cpu-attn "$share" > "$OUTDIR/bench-$n-cpu-$share.txt" 2> "$OUTDIR/bench-$n-cpu-$share.err" || rc=1
+    grep -E "^(decode|cpu attn|roofline)" "$OUTDIR/bench-$n-cpu-$share.txt"; tail -2 "$OUTDIR/bench-$n-cpu-$share.err"
+  done
+  # half of the KV (bf16: 128 KiB a token over 32 layers) on the host, the rest in the SSD file
+  half=$(( n * 131072 / 2 ))
+  stamp "bench --kv-stream --prompt $n --kv-host-mem $half --kv-ssd-dir $OUTDIR/ssd"
+  build-gpu/strata bench /tmp/m8b --kv-stream --prompt "$n" --gen "$GEN" --batch 4096 --fast-prefill \
+    --kv-host-mem "$half" --kv-ssd-dir "$OUTDIR/ssd" > "$OUTDIR/bench-$n-ssd.txt" 2> "$OUTDIR/bench-$n-ssd.err" || rc=1
+  grep -E "^(prefill|decode|ssd|roofline)" "$OUTDIR/bench-$n-ssd.txt"; tail -2 "$OUTDIR/bench-$n-ssd.err"
 done
 stamp done
 exit $rc
