@@ -150,7 +150,7 @@ static void run_both(st_backend *be, st_model_files *f, const run_cfg *rc, const
         int64_t c = (int64_t)(rc->cpu_attn * (double)len);
         c = c < ts ? c : ts;
         c = c < host_keys ? c : host_keys;
-        c = c / rc->piece * rc->piece;
+        c = c / ST_ATTN_RANGE * ST_ATTN_RANGE;
         cpu_keys += c;
         want_up += (uint64_t)(len - c);
     }

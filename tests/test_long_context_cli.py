@@ -15,7 +15,7 @@
     beside the file's read rate; a file past `--kv-ssd-size` fails naming it;
     `--kv-segment` must be a power of two; `plan` splits a context between
     the host and the SSD;
-  - `--kv-cpu-attn 0.5`: the decode attends its oldest 4096 keys on the CPU
+  - `--kv-cpu-attn 0.5`: the decode attends its oldest 4352 keys on the CPU
     (the line says so) and copies up only the rest; 1.5 is refused.
 """
 import os
@@ -84,14 +84,14 @@ def main():
              "--kv-ssd-dir", ssd, "--kv-ssd-size", "1M", "--prompt", "9000", "--gen", "1", "--batch", "512"])
     check(p.returncode == 1 and "--kv-ssd-size" in p.stderr and "Traceback" not in p.stderr,
           "a segment past --kv-ssd-size fails naming it (rc %d: %s)" % (p.returncode, p.stderr.strip()[-300:]))
-    # the decode's oldest keys on the CPU: half of the 9000 earlier keys, in whole pieces of 4096
+    # the decode's oldest keys on the CPU: half of the 9000 earlier keys, rounded down to 256: 4352
     p = run(["bench", tiny, "--device", "cpu", "--kv-stream", "--kv-segment", "4096", "--kv-cpu-attn", "0.5",
              "--prompt", "9000", "--gen", "2", "--batch", "512", "--threads", "2"])
     m = re.search(r"decode +2 tokens in .*; ([0-9.]+) MB of KV up per token", p.stdout)
-    check(p.returncode == 0 and re.search(r"cpu attn +the last step attended its oldest 4096 keys \(2\.1 MB of KV\) "
+    check(p.returncode == 0 and re.search(r"cpu attn +the last step attended its oldest 4352 keys \(2\.2 MB of KV\) "
                                           r"on the CPU from host memory \(share 0\.50, --kv-cpu-attn\)", p.stdout)
-          and m is not None and abs(float(m.group(1)) - (9000.5 - 4096) * 512 / 1e6) < 0.01,
-          "bench --kv-cpu-attn 0.5: 4096 keys a step on the CPU, the rest up (%s)" % (p.stdout[-600:] + p.stderr[-300:]))
+          and m is not None and abs(float(m.group(1)) - (9000.5 - 4352) * 512 / 1e6) < 0.01,
+          "bench --kv-cpu-attn 0.5: 4352 keys a step on the CPU, the rest up (%s)" % (p.stdout[-600:] + p.stderr[-300:]))
     p = run(["bench", tiny, "--device", "cpu", "--kv-stream", "--kv-cpu-attn", "1.5", "--prompt", "100"])
     check(p.returncode == 2 and "--kv-cpu-attn" in p.stderr, "--kv-cpu-attn 1.5 is refused (rc %d: %s)"
           % (p.returncode, p.stderr.strip()[-300:]))

@@ -49,7 +49,8 @@ struct st_kv_stream {
     /* the pass */
     int64_t len, n;             /* keys on the host; tokens of the pass (0: none) */
     int64_t ts, np;             /* tail start; pieces per layer */
-    int64_t cpu;                /* keys [0, cpu) the caller attends from host memory (a multiple of piece) */
+    int64_t cpu;                /* keys [0, cpu) the caller attends from host memory (a multiple of
+                                   ST_ATTN_RANGE); the ring's first piece starts there */
     int64_t next;               /* the next item (layer * np + piece) to issue */
     int64_t cur;                /* the item the compute stream reads */
     uint64_t h2d, d2h;
@@ -501,14 +502,23 @@ static strata_status piece_from_ssd(st_kv_stream *ks, int r, int64_t l, int64_t 
     return STRATA_OK;
 }
 
+/* Keys [*a, *e) of the pass's piece k: the k-th of the pieces of `piece` keys counted from key 0 that meet
+ * [cpu, ts), cut to it (so that a piece never crosses a segment). */
+static void piece_keys(const st_kv_stream *ks, int64_t k, int64_t *a, int64_t *e) {
+    const int64_t p0 = (ks->cpu / ks->p.piece + k) * ks->p.piece;
+    *a = p0 > ks->cpu ? p0 : ks->cpu;
+    *e = p0 + ks->p.piece < ks->ts ? p0 + ks->p.piece : ks->ts;
+}
+
 /* Issues item g of the pass (layer g / np, piece g % np) into slot g % 2 once
  * the compute stream has read what the slot held. */
 static strata_status issue(st_kv_stream *ks, int64_t g) {
     st_backend *be = ks->be;
     const st_backend_ops *o = be->ops;
     const int slot = (int)(g % 2);
-    const int64_t l = g / ks->np, k = g % ks->np, a = ks->cpu + k * ks->p.piece;
-    const int64_t e = a + ks->p.piece < ks->ts ? a + ks->p.piece : ks->ts;
+    const int64_t l = g / ks->np, k = g % ks->np;
+    int64_t a, e;
+    piece_keys(ks, k, &a, &e);
     TRY(o->stream_wait_event(be, ks->copy, ks->freed[slot]));
     if (ks->loc[a / ks->segk] >= 0) TRY(piece_from_ssd(ks, slot, l, a, e, ks->ring[slot]));
     else TRY(move_rows(ks, l, a, e, ks->ring[slot], 0, true));
@@ -527,8 +537,8 @@ strata_status st_kv_stream_begin(st_kv_stream *ks, st_stream *compute, int64_t n
     int64_t c = cpu_keys < ks->ts ? cpu_keys : ks->ts;
     for (int64_t s = 0; s * ks->segk < c; s++) /* the host segments before the first one in the file */
         if (ks->loc[s] >= 0) c = s * ks->segk;
-    ks->cpu = c > 0 ? c / ks->p.piece * ks->p.piece : 0;
-    ks->np = (ks->ts - ks->cpu + ks->p.piece - 1) / ks->p.piece;
+    ks->cpu = c > 0 ? c / ST_ATTN_RANGE * ST_ATTN_RANGE : 0;
+    ks->np = ks->cpu >= ks->ts ? 0 : (ks->ts + ks->p.piece - 1) / ks->p.piece - ks->cpu / ks->p.piece;
     ks->next = ks->cur = 0;
     /* the ring's events from the previous pass are complete (its host sync) */
     const int64_t total = ks->np * ks->p.n_layers;
@@ -574,7 +584,8 @@ strata_status st_kv_stream_piece(st_kv_stream *ks, int64_t l, int64_t k, st_kv_l
     ST_ASSERT(g == ks->cur && g < ks->next && k < ks->np);
     const int s = (int)(g % 2);
     TRY(ks->be->ops->stream_wait_event(ks->be, ks->compute, ks->ready[s]));
-    const int64_t a = ks->cpu + k * ks->p.piece, e = a + ks->p.piece < ks->ts ? a + ks->p.piece : ks->ts;
+    int64_t a, e;
+    piece_keys(ks, k, &a, &e);
     *slot = view(ks, ks->ring[s], ks->p.piece);
     *key0 = a;
     *n = e - a;

@@ -122,10 +122,10 @@ strata_status st_kv_stream_reserve(st_kv_stream *ks, int64_t end);
  * n > max_tokens) and issues the first pieces.
  * `compute` is the stream the model's ops run on. cpu_keys > 0: the pass's
  * caller attends keys [0, c) itself from host memory (st_kv_stream_host_rows),
- * c = cpu_keys rounded down to a whole number of pieces, at most the tail
+ * c = cpu_keys rounded down to a multiple of ST_ATTN_RANGE, at most the tail
  * start and the keys of the host segments before the first one on the SSD
- * (st_kv_stream_cpu_keys says what it became): the ring carries pieces from
- * c on only. */
+ * (st_kv_stream_cpu_keys says what it became): the ring carries keys from c
+ * on only, its first piece cut to start there. */
 strata_status st_kv_stream_begin(st_kv_stream *ks, st_stream *compute, int64_t n, int64_t cpu_keys);
 int64_t st_kv_stream_tail_start(const st_kv_stream *ks); /* the area's first key */
 int64_t st_kv_stream_cpu_keys(const st_kv_stream *ks);   /* the pass's c (0: none) */
