@@ -206,8 +206,9 @@ int cmd_plan(int argc, char **argv) {
                        "bench, and run / serve with --kv-stream)",
                        (long long)ctx, B(0, need), B(1, (double)host), B(2, (double)st_kv_stream_device_bytes(&sp)));
                 if (ssd)
-                    printf("; %s in segments of %lld tokens past the host's %s go to the SSD tier in %s%s", B(3, (double)ssd),
-                           (long long)(sp.seg ? sp.seg : ST_KV_STREAM_SEG), B(0, (double)host_cap), sp.ssd_dir,
+                    printf("; %s in segments of %lld tokens past the host's %s go to the SSD tier in %s%s",
+                           B(3, (double)ssd), (long long)(sp.seg ? sp.seg : ST_KV_STREAM_SEG), B(0, (double)host_cap),
+                           sp.ssd_dir,
                            sp.ssd_mem && ssd > sp.ssd_mem ? ", MORE than --kv-ssd-size" : "");
                 else if (all > host)
                     printf("; MORE than the host holds (%s: --kv-host-mem or 3/4 of the memory available now; "

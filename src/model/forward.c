@@ -513,8 +513,8 @@ static strata_status stream_upload(st_llama *m, st_kv_stream *ks, const int32_t 
     return STRATA_OK;
 }
 
-/* Keys of a pass's CPU part (params.cpu_attn): that share of the keys before it (kv_stream rounds it to
- * pieces and keeps it to the host segments). */
+/* Keys of a pass's CPU part (params.cpu_attn): that share of the keys before it (kv_stream rounds it down to
+ * a multiple of 256 and keeps it to the host segments). */
 static int64_t cpu_keys(const st_llama *m, const st_kv_stream *ks) {
     return (int64_t)(m->cpu_attn * (double)st_kv_stream_len(ks));
 }
