@@ -64,6 +64,8 @@ typedef struct {
     int64_t seg;       /* the streamed run's segment (0: the default) */
     int64_t host_segs; /* > 0: host memory for this many segments, the rest on the SSD tier (a directory) */
     double cpu_attn;   /* the streamed run's share of earlier keys attended on the CPU (decode passes) */
+    bool cpu_tier;     /* the streamed model's last FFN on the CPU tier: its CPU backend attends the CPU's
+                          keys concurrently with the device's part, merged after it (the path of a GPU) */
 } run_cfg;
 
 /* logits: [rows, V] of the fitting run (fit) and the streamed one (str):
@@ -94,6 +96,14 @@ static void run_both(st_backend *be, st_model_files *f, const run_cfg *rc, const
     /* the streamed run: no pool */
     const size_t used0 = be->device_budget.used;
     lp.cpu_attn = rc->cpu_attn;
+    st_tier tiers[64] = {0}; /* device, but the last layer's FFN group */
+    if (rc->cpu_tier) {
+        tiers[2 * f->config.n_layers] = ST_TIER_CPU;
+        lp.weights.placement = tiers;
+        lp.weights.bw = (st_wbw){.h2d = 10e9, .ssd = 1e9, .dev_read = 10e9, .gemm = 1e10};
+        lp.weights.host_mem = (size_t)1 << 30;
+        lp.weights.cpu_threads = 2;
+    }
     CHECK(st_llama_init(f, be, &lp, &m) == STRATA_OK);
     if (!m) goto out;
     const size_t model_bytes = be->device_budget.used - used0;
@@ -138,28 +148,36 @@ static void run_both(st_backend *be, st_model_files *f, const run_cfg *rc, const
     uint64_t up = 0, down = 0, want_up = 0;
     const size_t row = (size_t)(sp.n_kv_heads * sp.head_dim) * st_kv_dtype_size(sp.dtype) +
                        (sp.dtype == ST_KV_FP8 ? (size_t)sp.n_kv_heads * 4 : 0); /* fp8: its scales too */
-    for (int64_t len = 0; len < rc->prompt; len += rc->max_tokens) want_up += (uint64_t)len;
-    /* decode passes with a CPU part: keys [0, c) stay in host memory, c = the share of len in whole pieces, at
-     * most the tail start and the host segments before the first in the file */
+    /* every pass reads keys [0, len) of every layer, but those the CPU attends from host memory in a pass of
+     * at most ST_PLAN_CPU_MAX_TOKENS: [0, c), c = the share of len rounded down to 256, at most the tail start
+     * and the host segments before the first in the file; the share 1 on the CPU backend unless given (the
+     * device is the CPU), else only when given */
+    const bool cpu_dev = be->kind == ST_BACKEND_CPU;
+    const double share = rc->cpu_attn > 0 ? rc->cpu_attn : cpu_dev ? 1.0 : 0.0;
     const int64_t segk = rc->seg ? rc->seg : ST_KV_STREAM_SEG;
-    const int64_t host_keys =
-        rc->host_segs && (total + segk - 1) / segk > rc->host_segs ? (rc->host_segs - 1) * segk : INT64_MAX;
     int64_t cpu_keys = 0;
-    for (int64_t i = 0; i < rc->dec; i++) {
-        const int64_t len = rc->prompt + i, ts = len / ST_ATTN_RANGE * ST_ATTN_RANGE;
-        int64_t c = (int64_t)(rc->cpu_attn * (double)len);
+    for (int64_t len = 0; len < total;) {
+        const int64_t n = len < rc->prompt ? (rc->prompt - len < rc->max_tokens ? rc->prompt - len : rc->max_tokens)
+                                           : 1;
+        const int64_t ts = len / ST_ATTN_RANGE * ST_ATTN_RANGE;
+        /* a segment is in the file once a pass needs more than host_segs: from then on the host keeps
+         * segments 0 .. host_segs - 2 below it */
+        const int64_t host_keys =
+            rc->host_segs && (len + n + segk - 1) / segk > rc->host_segs ? (rc->host_segs - 1) * segk : INT64_MAX;
+        int64_t c = n <= ST_PLAN_CPU_MAX_TOKENS ? (int64_t)(share * (double)len) : 0;
         c = c < ts ? c : ts;
         c = c < host_keys ? c : host_keys;
         c = c / ST_ATTN_RANGE * ST_ATTN_RANGE;
         cpu_keys += c;
         want_up += (uint64_t)(len - c);
+        len += n;
     }
     want_up *= 2 * (uint64_t)sp.n_layers * row;
     st_kv_stream_bytes(ks, &up, &down);
-    if (rc->cpu_attn > 0) {
+    if (share > 0) {
         CHECK_MSG(cpu_keys > 0, "%s: no key attended on the CPU", label);
-        printf("%s: the decode steps attended %lld keys of each layer on the CPU from host memory (share %g)\n",
-               label, (long long)cpu_keys, rc->cpu_attn);
+        printf("%s: the passes attended %lld keys of each layer on the CPU from host memory (share %g)\n", label,
+               (long long)cpu_keys, share);
     }
     CHECK_MSG(up == want_up && down == 2 * (uint64_t)sp.n_layers * row * (uint64_t)total,
               "%s: moved up %llu (want %llu), down %llu", label, (unsigned long long)up,
@@ -397,14 +415,16 @@ int main(int argc, char **argv) {
     run_both(be, f, &(run_cfg){.prompt = 9000, .dec = 4, .max_tokens = 256, .piece = 1024, .dtype = ST_KV_FP8,
                                .seg = 4096, .host_segs = 2},
              "fp8 KV (scales streamed too), passes of 256, pieces of 1024, 2 segments of 4096 on the host");
-    /* the decode's oldest keys attended on the CPU from host memory, merged with the device's part: the
-     * merge is regrouped (CPU part + (pieces + area) instead of one chain), so within rounding */
+    /* every run here attends its host keys on the CPU backend first, in key order (the device is the CPU:
+     * bit for bit). These two take the path of a GPU: the CPU tier's own backend attends the oldest keys
+     * while the model's attends the rest, merged after it: the merge is regrouped (CPU part + (pieces +
+     * area) instead of one chain), so within rounding */
     run_both(be, f, &(run_cfg){.prompt = 9000, .dec = 5, .max_tokens = 512, .piece = 1024, .dtype = ST_KV_BF16,
-                               .cpu_attn = 0.5, .tol = 4e-6},
-             "bf16 KV, decode with half the earlier keys attended on the CPU");
+                               .cpu_attn = 0.5, .tol = 4e-6, .cpu_tier = true},
+             "bf16 KV, half the earlier keys attended on the CPU tier's backend");
     run_both(be, f, &(run_cfg){.prompt = 9000, .dec = 3, .max_tokens = 256, .piece = 1024, .dtype = ST_KV_FP8,
-                               .seg = 4096, .host_segs = 2, .cpu_attn = 1.0, .tol = 4e-6},
-             "fp8 KV, decode with every host key before the SSD's attended on the CPU");
+                               .seg = 4096, .host_segs = 2, .cpu_attn = 1.0, .tol = 4e-6, .cpu_tier = true},
+             "fp8 KV, every host key before the SSD's attended on the CPU tier's backend");
     run_both(be, f, &(run_cfg){.prompt = N_LONG, .dec = N_DEC, .max_tokens = 512, .piece = 4096,
                                .dtype = ST_KV_BF16, .seg = 4096, .host_segs = 2},
              "long, bf16 KV, passes of 512, pieces of 4096, 2 segments of 4096 on the host, the rest on the SSD");

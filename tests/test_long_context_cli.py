@@ -57,9 +57,10 @@ def main():
     check(re.search(r"KV bf16 streamed from host memory", p.stdout) is not None, "bench says the KV is streamed")
     check(re.search(r"prefill +1500 tokens in [0-9.]+ s", p.stdout) is not None, "bench prints the prefill")
     m = re.search(r"decode +3 tokens in [0-9.]+ s: .*; ([0-9.]+) MB of KV up per token", p.stdout)
-    # the tiny model: 2 layers x 2 kv heads x 32 x 2 bytes (bf16) x K and V = 1024 bytes a token; the decode steps
-    # read keys 0..1500+i of every layer
-    check(m is not None and abs(float(m.group(1)) - 1501 * 512 / 1e6) < 0.01,
+    # the tiny model: 2 layers x 2 kv heads x 32 x 2 bytes (bf16) x K and V = 512 bytes a key over its layers; on
+    # the CPU backend the decode steps (at 1500 + i) read keys [0, 1280) where they are and copy up only the
+    # last range's, 1280 .. 1500 + i: 221 keys a step on average
+    check(m is not None and abs(float(m.group(1)) - 221 * 512 / 1e6) < 0.001,
           "bench prints the KV moved up per decode token (%s)" % (m.group(1) if m else p.stdout[-400:]))
     check(re.search(r"device mem +peak [0-9.]+ MB .* independent of the context", p.stdout) is not None,
           "bench prints the device peak")

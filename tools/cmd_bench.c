@@ -393,7 +393,8 @@ static bool stream_bench(tool_model *tm, const tool_model_opts *mo, int32_t *ids
     if (cpu_keys > 0)
         printf("cpu attn     the last step attended its oldest %lld keys (%.1f MB of KV) on the CPU from host memory "
                "(share %.2f%s)", (long long)cpu_keys, cpu_step / 1e6, share,
-               mo->kv_cpu_attn < 0 ? ", planned" : ", --kv-cpu-attn");
+               mo->kv_cpu_attn < 0 ? ", planned" : mo->kv_cpu_attn > 0 ? ", --kv-cpu-attn"
+               : ": the device is the CPU");
     if (cpu_keys > 0 && cpu_bw > 0)
         printf(": the CPU reads KV at %.1f GB/s, H2D %.1f GB/s (measured at the first pass)", cpu_bw / 1e9,
                cpu_h2d / 1e9);

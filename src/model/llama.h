@@ -51,7 +51,9 @@ typedef struct {
     double cpu_attn;          /* a streamed sequence's passes of up to ST_PLAN_CPU_MAX_TOKENS tokens (its
                                  decode): this share of its earlier keys, the oldest, attended on the CPU
                                  from host memory while the device attends the rest (0: none; at most 1;
-                                 < 0: planned at the first streamed pass, st_llama_cpu_attn) */
+                                 < 0: planned at the first streamed pass, st_llama_cpu_attn). On the CPU
+                                 backend 0 and < 0 mean 1: the decode's earlier host keys are read where
+                                 they are, the same bits as through the ring */
 } st_llama_params;
 
 /* Startup: measures what the plan of these params needs and is not given
