@@ -173,7 +173,8 @@ typedef struct {
                                   of two from 4096) */
     double kv_cpu_attn;        /* that request's decode attends this share of its earlier keys, the
                                   oldest, on the CPU from host memory (0: none; up to 1; -1: planned
-                                  from rates measured at its first pass) */
+                                  from rates measured at its first pass; on the CPU backend 0 and -1
+                                  mean 1) */
     /* speculative decoding: drafts verified in one pass with the step's token; greedy output is the
      * same token for token, sampling keeps the distribution (engine/spec.h) */
     strata_spec spec;          /* default off; STRATA_SPEC_DRAFT needs draft_model */

@@ -143,7 +143,8 @@ bool tool_test_fault_is(const tool_model_opts *o, const char *kind);
     "  --kv-cpu-attn auto|F     a streamed sequence's decode attends share F (0 to 1) of its\n"     \
     "                           earlier keys, the oldest, on the CPU from host memory while the\n" \
     "                           device attends the rest; auto: from the CPU's and the copies'\n"  \
-    "                           rates measured at the first pass (default 0: none)\n"
+    "                           rates measured at the first pass (default 0: none; on the CPU\n"  \
+    "                           backend 0 and auto mean 1: the keys are read where they are)\n"
 
 /* If argv[*i] is one of the model options, consumes it (and its value) and
  * returns 1; returns 0 when it is not; -1 (message printed) on a bad value. */
