@@ -109,7 +109,8 @@ static strata_status init_cpu_attn(st_llama *m, const st_llama_params *p) {
     m->cpu_attn = p->cpu_attn > 0 ? p->cpu_attn : cpu_dev ? 1.0 : -1.0;
     m->h2d_given = p->weights.bw.h2d;
     m->cpu_attn_tokens = ST_PLAN_CPU_MAX_TOKENS < m->max_tokens ? ST_PLAN_CPU_MAX_TOKENS : m->max_tokens;
-    if (m->cpu) {
+    if (m->cpu && !(cpu_dev && p->cpu_attn == 0)) { /* the CPU tier's backend (on the CPU backend: a share
+                                                       given, the GPU's path, which tests take there) */
         m->acpu = m->cpu, m->acpu_stream = m->cpu_stream;
     } else if (be->ops->attention_rows) {
         m->acpu = be, m->acpu_stream = m->stream;
@@ -120,12 +121,13 @@ static strata_status init_cpu_attn(st_llama *m, const st_llama_params *p) {
         if ((st = m->acpu->ops->stream_create(m->acpu, false, &m->acpu_stream))) return st;
     }
     const int64_t T = m->cpu_attn_tokens, qd = c->n_heads * c->head_dim;
+    m->h_pos = st_malloc((size_t)T * sizeof(int32_t));
+    if (!m->h_pos) return st_err(STRATA_ERR_NOMEM, "model: out of memory");
+    if (m->acpu == be) return STRATA_OK; /* its part goes straight into att / lse (attn_streamed): no buffers */
     if ((st = be->ops->host_alloc(be, (size_t)(T * qd) * sizeof(float), (void **)&m->h_q)) ||
         (st = be->ops->host_alloc(be, (size_t)(T * qd) * sizeof(float), (void **)&m->h_att)) ||
         (st = be->ops->host_alloc(be, (size_t)(T * c->n_heads) * sizeof(float), (void **)&m->h_lse)))
         return st_err_what(st, "the CPU's attention part: pinned host buffers of %lld tokens", (long long)T);
-    m->h_pos = st_malloc((size_t)T * sizeof(int32_t));
-    if (!m->h_pos) return st_err(STRATA_ERR_NOMEM, "model: out of memory");
     if ((st = alloc_f32(m, T * qd, &m->att2, "the CPU's attention part")) ||
         (st = alloc_f32(m, T * c->n_heads, &m->lse2, "the CPU's attention part's log-sum-exp")))
         return st;
