@@ -64,6 +64,11 @@ def main():
           "bench prints the KV moved up per decode token (%s)" % (m.group(1) if m else p.stdout[-400:]))
     check(re.search(r"device mem +peak [0-9.]+ MB .* independent of the context", p.stdout) is not None,
           "bench prints the device peak")
+    # the CPU's floor: the weights and the KV of the steps' mean context (1502 keys x 512 bytes) from memory
+    m = re.search(r"roofline +decode floor [0-9.]+ s/token = max\(\(weights [0-9.]+ MB \+ KV in memory ([0-9.]+) MB\) "
+                  r"/ memory read ([0-9.]+) GB/s\), measured now: reached ([0-9]+)%", p.stdout)
+    check(m is not None and m.group(1) == "0.8" and float(m.group(2)) > 0 and 0 < int(m.group(3)) <= 100,
+          "bench prints the decode floor on the CPU (%s)" % (m.group(0) if m else p.stdout[-400:]))
 
     # the SSD tier: segments of 4096 tokens (2 MiB each on the tiny model), 2 on the host, the third in a file
     # that nobody sees (unlinked); each decode step reads that segment's 4096 keys back
@@ -78,6 +83,11 @@ def main():
                   r"s/token, reached ([0-9]+)%", p.stdout)
     check(m is not None and abs(float(m.group(1)) - 4096 * 512 / 1e6) < 0.001 and float(m.group(2)) > 0,
           "bench prints the SSD's share of a decode step beside the file's read rate (%s)"
+          % (m.group(0) if m else p.stdout[-400:]))
+    # the floor: the 2 host segments' share of the steps' KV from memory, the file's 4096 keys at its rate
+    m = re.search(r"roofline +decode floor [0-9.]+ s/token = max\(\(weights [0-9.]+ MB \+ KV in memory ([0-9.]+) MB\) "
+                  r"/ memory read [0-9.]+ GB/s, KV from the SSD / its read rate\)", p.stdout)
+    check(m is not None and m.group(1) == "2.5", "the CPU's floor counts the SSD's share apart (%s)"
           % (m.group(0) if m else p.stdout[-400:]))
     check(os.path.isdir(ssd) and os.listdir(ssd) == [], "the SSD file is gone (%s)"
           % (os.listdir(ssd) if os.path.isdir(ssd) else "no directory"))

@@ -411,6 +411,26 @@ static bool stream_bench(tool_model *tm, const tool_model_opts *mo, int32_t *ids
                f_ssd > 0 ? ", KV from the SSD / its read rate" : "",
                f_cpu > 0 ? ", KV on the CPU / its rate" : "", step / bound);
     }
+    if (be->kind == ST_BACKEND_CPU) { /* the floor: a step reads the weights and its KV once from memory (the
+                                         ring's copies and gathers are overhead there), the file's share at
+                                         the file's rate; as the pool's CPU bench counts it */
+        st_pool *pool = NULL;
+        double mem_bw = 0;
+        if (st_pool_init(mo->threads > 0 ? mo->threads : 0, &pool) == STRATA_OK) {
+            mem_bw = tool_measure_read_bw(pool, 4 * (size_t)weight_bytes > ((size_t)1 << 30) ? 4 * (size_t)weight_bytes
+                                                                                              : (size_t)1 << 30);
+            st_pool_free(pool);
+        }
+        const double key_bytes = (double)st_kv_stream_host_bytes(&sp, 1) / (double)(sp.seg ? sp.seg : ST_KV_STREAM_SEG);
+        const double kv_mem = ((double)n_prompt + ((double)n_gen + 1.0) / 2.0) * key_bytes - ssd_step;
+        if (mem_bw > 0) {
+            const double f_mem = ((double)weight_bytes + kv_mem) / mem_bw, f_ssd = ssd_bw > 0 ? ssd_step / ssd_bw : 0;
+            const double bound = f_mem > f_ssd ? f_mem : f_ssd;
+            printf("roofline     decode floor %.4f s/token = max((weights %.1f MB + KV in memory %.1f MB) / memory "
+                   "read %.2f GB/s%s), measured now: reached %.0f%%\n", bound, weight_bytes / 1e6, kv_mem / 1e6,
+                   mem_bw / 1e9, f_ssd > 0 ? ", KV from the SSD / its read rate" : "", 100.0 * bound / step);
+        }
+    }
     printf("device mem   peak %.1f MB of backend allocations (weights, KV ring and areas %.1f MB, activations, "
            "scratch): independent of the context\n", peak / 1e6, st_kv_stream_device_bytes(&sp) / 1e6);
     ok = true;

@@ -26,8 +26,7 @@ struct st_kv_stream {
     int64_t max_segs, n_segs;   /* segments [0, n_segs) are placed: on the host or the SSD */
     int64_t *loc;               /* per segment: -1 on the host, else its slot in the SSD file */
     int64_t n_host;             /* segments on the host */
-    size_t set_bytes;           /* one segment of every layer and plane */
-    size_t host_used;
+    size_t set_bytes;           /* one segment of every layer and plane (host bytes: n_host x set_bytes) */
     /* the SSD tier (opened at the first segment that goes there) */
     char *dir;                  /* params.ssd_dir (NULL: no SSD tier) */
     int fd;
@@ -120,8 +119,8 @@ strata_status st_kv_stream_init(st_backend *be, const st_kv_stream_params *p, st
     ks->segk = seg_keys(p);
     ks->set_bytes = (size_t)(ks->segk * p->n_layers) * key_bytes(p);
     ks->fd = -1;
-    ks->p.ssd_dir = NULL; /* borrowed until init returns: copied here */
-    ks->dir = p->ssd_dir ? st_strdup(p->ssd_dir) : NULL;
+    ks->dir = p->ssd_dir ? st_strdup(p->ssd_dir) : NULL; /* borrowed until init returns: copied here */
+    ks->p.ssd_dir = ks->dir;
     ks->max_segs = (p->max_len + ks->segk - 1) / ks->segk;
     ks->seg = st_calloc((size_t)(ks->max_segs * 4 * p->n_layers), sizeof *ks->seg);
     ks->loc = st_calloc((size_t)ks->max_segs, sizeof *ks->loc);
@@ -214,7 +213,7 @@ void st_kv_stream_meta(st_kv_stream *ks, void **host, void **dev, size_t *bytes)
     *dev = ks->meta_d;
     *bytes = ks->meta_bytes;
 }
-size_t st_kv_stream_host_used(const st_kv_stream *ks) { return ks->host_used; }
+size_t st_kv_stream_host_used(const st_kv_stream *ks) { return (size_t)ks->n_host * ks->set_bytes; }
 /* len = 0: the SSD file's slots are free again, the host segments become segments 0, 1, ... */
 void st_kv_stream_reset(st_kv_stream *ks) {
     ks->len = 0;
@@ -234,9 +233,10 @@ void st_kv_stream_reset(st_kv_stream *ks) {
     ks->n_segs = h;
 }
 void st_kv_stream_ssd(const st_kv_stream *ks, st_kv_stream_ssd_stats *out) {
+    /* a segment goes to the file once and never comes back (until reset): one slot each */
     *out = (st_kv_stream_ssd_stats){.read = ks->ssd_read, .written = ks->ssd_written,
-                                    .file_bytes = (uint64_t)ks->n_ssd * ks->set_bytes, .host_segs = ks->n_host};
-    for (int64_t s = 0; s < ks->n_segs; s++) out->ssd_segs += ks->loc[s] >= 0;
+                                    .file_bytes = (uint64_t)ks->n_ssd * ks->set_bytes, .ssd_segs = ks->n_ssd,
+                                    .host_segs = ks->n_host};
 }
 void st_kv_stream_bytes(const st_kv_stream *ks, uint64_t *h2d, uint64_t *d2h) {
     if (h2d) *h2d = ks->h2d;
@@ -445,7 +445,6 @@ static strata_status host_seg(st_kv_stream *ks, int64_t s, int64_t end) {
     }
     ks->loc[s] = -1;
     ks->n_host++;
-    ks->host_used += ks->set_bytes;
     return STRATA_OK;
 }
 

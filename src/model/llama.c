@@ -4,6 +4,7 @@
  * the weight manager one group at a time, so the math does not know where
  * they live. */
 #include "model/model_internal.h"
+#include "weights/measure.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -411,56 +412,18 @@ void st_llama_cpu_attn(const st_llama *m, double *share, double *cpu_bw, double 
     *h2d_bw = m->cpu_attn_h2d;
 }
 
-/* Best of 3 of fn over bytes: bytes per second (0 on failure). */
-static double best_rate(strata_status (*fn)(void *), void *ctx, double bytes) {
-    double best = 0;
-    for (int i = 0; i < 3; i++) {
-        const double t0 = st_time_now();
-        if (fn(ctx) != STRATA_OK) return 0;
-        const double t = st_time_now() - t0;
-        if (t > 0 && bytes / t > best) best = bytes / t;
-    }
-    return best;
-}
-
-typedef struct {
-    st_llama *m;
-    st_kv_layer rows;
-    int64_t keys;
-    void *h, *d;
-    size_t bytes;
-} probe_ctx;
-
-static strata_status probe_attn(void *ctx) { /* one token over the probe's rows, as attn_cpu_part does */
-    probe_ctx *p = ctx;
-    const st_config *c = &p->m->cfg;
-    p->m->h_pos[0] = (int32_t)p->keys;
-    return p->m->acpu->ops->attention_rows(p->m->acpu, p->m->acpu_stream, p->m->h_q, &p->rows, p->m->h_pos, 1, 0,
-                                           p->keys, c->n_heads, c->n_kv_heads, c->head_dim,
-                                           1.0f / sqrtf((float)c->head_dim), false, p->m->h_att, p->m->h_lse);
-}
-
-static strata_status probe_h2d(void *ctx) {
-    probe_ctx *p = ctx;
-    st_backend *be = p->m->be;
-    TRY(be->ops->copy_h2d(be, p->m->stream, p->d, p->h, p->bytes));
-    return be->ops->stream_sync(be, p->m->stream);
-}
-
-/* params.cpu_attn < 0: the CPU's rate over 256 MiB of rows of the dtype (zeros written, so that they are
- * not the kernel's shared zero page; at most 128K keys), H2D
- * (params' bw.h2d, else 4 copies of 64 MiB), and the share from them (planner.h st_plan_cpu_attn_share). A
- * model on the CPU backend splits nothing (its device is the CPU). */
+/* params.cpu_attn < 0 (a device other than the CPU: init_cpu_attn made it 1 there): the CPU's rate over
+ * 256 MiB of rows of the dtype (zeros written, so that they are not the kernel's shared zero page; at most
+ * 128K keys), H2D (params' bw.h2d, else weights/measure's probe), and the share from them (planner.h
+ * st_plan_cpu_attn_share). */
 strata_status st_llama_plan_cpu_attn(st_llama *m, st_kv_dtype dtype) {
     if (m->cpu_attn >= 0) return STRATA_OK;
     st_backend *be = m->be;
     const st_config *c = &m->cfg;
     m->cpu_attn = 0; /* unless planned below */
-    if (be->kind == ST_BACKEND_CPU) return STRATA_OK;
     const size_t row = (size_t)(c->n_kv_heads * c->head_dim) * st_kv_dtype_size(dtype);
     int64_t keys = (int64_t)(((size_t)256 << 20) / (2 * row));
     keys = keys > 131072 ? 131072 : keys < ST_ATTN_RANGE ? ST_ATTN_RANGE : keys;
-    probe_ctx p = {.m = m, .keys = keys};
     const size_t sc = dtype == ST_KV_FP8 ? (size_t)(keys * c->n_kv_heads) * sizeof(float) : 0;
     void *k = malloc((size_t)keys * row), *v = malloc((size_t)keys * row);
     float *ks = sc ? malloc(sc) : NULL, *vs = sc ? malloc(sc) : NULL;
@@ -470,23 +433,22 @@ strata_status st_llama_plan_cpu_attn(st_llama *m, st_kv_dtype dtype) {
         memset(v, 0, (size_t)keys * row);
         if (sc) memset(ks, 0, sc), memset(vs, 0, sc);
         memset(m->h_q, 0, (size_t)(c->n_heads * c->head_dim) * sizeof(float));
-        p.rows = (st_kv_layer){.k = k, .v = v, .k_scale = ks, .v_scale = vs, .dtype = dtype, .n_slots = keys,
-                               .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim};
-        m->cpu_attn_bw = best_rate(probe_attn, &p, (double)(2 * (size_t)keys * row + 2 * sc));
+        const st_kv_layer rows = {.k = k, .v = v, .k_scale = ks, .v_scale = vs, .dtype = dtype, .n_slots = keys,
+                                  .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim};
+        m->h_pos[0] = (int32_t)keys;
+        for (int r = 0; r < 3 && st == STRATA_OK; r++) { /* one token over them, as attn_cpu_part; best of 3 */
+            const double t0 = st_time_now();
+            st = m->acpu->ops->attention_rows(m->acpu, m->acpu_stream, m->h_q, &rows, m->h_pos, 1, 0, keys,
+                                              c->n_heads, c->n_kv_heads, c->head_dim, 1.0f / sqrtf((float)c->head_dim),
+                                              false, m->h_att, m->h_lse);
+            const double bw = (double)(2 * (size_t)keys * row + 2 * sc) / (st_time_now() - t0);
+            if (st == STRATA_OK && bw > m->cpu_attn_bw) m->cpu_attn_bw = bw;
+        }
     }
     free(k), free(v), free(ks), free(vs);
     if (st) return st;
     m->cpu_attn_h2d = m->h2d_given;
-    if (m->cpu_attn_h2d <= 0) {
-        p.bytes = (size_t)64 << 20;
-        if (be->ops->host_alloc(be, p.bytes, &p.h) == STRATA_OK && be->ops->alloc(be, p.bytes, &p.d) == STRATA_OK) {
-            memset(p.h, 0, p.bytes);
-            (void)probe_h2d(&p); /* the first copy warms the path up */
-            m->cpu_attn_h2d = best_rate(probe_h2d, &p, (double)p.bytes);
-        }
-        if (p.d) be->ops->dealloc(be, p.d);
-        if (p.h) be->ops->host_dealloc(be, p.h);
-    }
+    if (m->cpu_attn_h2d <= 0) TRY(st_wbw_measure_h2d(be, m->stream, &m->cpu_attn_h2d));
     m->cpu_attn = st_plan_cpu_attn_share(m->cpu_attn_bw, m->cpu_attn_h2d);
     st_log(STRATA_LOG_INFO, "model: a streamed decode's oldest %.0f%% of keys attended on the CPU (it reads %s KV "
            "at %.1f GB/s, H2D %.1f GB/s)", 100.0 * m->cpu_attn, st_kv_dtype_name(dtype), m->cpu_attn_bw / 1e9,

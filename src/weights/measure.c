@@ -18,7 +18,7 @@ static size_t device_free(const st_backend *be) {
 }
 
 /* Best-of-4 pinned host -> device copy rate. */
-static strata_status measure_h2d(st_backend *be, st_stream *s, double *out) {
+strata_status st_wbw_measure_h2d(st_backend *be, st_stream *s, double *out) {
     const st_backend_ops *o = be->ops;
     size_t n = PROBE_BYTES;
     if (device_free(be) / 2 < n) n = device_free(be) / 2 / 4096 * 4096;
@@ -170,7 +170,7 @@ strata_status st_wbw_measure(st_backend *be, const st_model_files *files, const 
     st_stream *s = NULL;
     strata_status st = be->ops->stream_create(be, false, &s);
     if (st != STRATA_OK) return st;
-    if (bw->h2d <= 0 && (st = measure_h2d(be, s, &bw->h2d)) == STRATA_OK) bw->measured[0] = bw->h2d > 0;
+    if (bw->h2d <= 0 && (st = st_wbw_measure_h2d(be, s, &bw->h2d)) == STRATA_OK) bw->measured[0] = bw->h2d > 0;
     if (st == STRATA_OK && bw->ssd <= 0 && (st = measure_ssd(files, direct, &bw->ssd, &bw->ssd_direct)) == STRATA_OK)
         bw->measured[1] = bw->ssd > 0;
     if (st == STRATA_OK && (bw->dev_read <= 0 || bw->gemm <= 0)) {

@@ -22,6 +22,9 @@ extern "C" {
 
 strata_status st_wbw_measure(st_backend *be, const st_model_files *files, const st_wgroups *g, int64_t batch,
                              bool direct, st_wbw *bw);
+/* The h2d figure alone (best of 4 pinned host -> device copies of up to 256 MiB, at most half the
+ * budget's free part; *out unchanged when there is no room), on stream s. */
+strata_status st_wbw_measure_h2d(st_backend *be, st_stream *s, double *out);
 
 /* bw->cpu: weight bytes per second of a CPU backend's matmul (`threads`
  * threads, 0: all cores) at 1 token over FFN tensors of the largest one's
