@@ -67,7 +67,8 @@ def main():
     # the CPU's floor: the weights and the KV of the steps' mean context (1502 keys x 512 bytes) from memory
     m = re.search(r"roofline +decode floor [0-9.]+ s/token = max\(\(weights [0-9.]+ MB \+ KV in memory ([0-9.]+) MB\) "
                   r"/ memory read ([0-9.]+) GB/s\), measured now: reached ([0-9]+)%", p.stdout)
-    check(m is not None and m.group(1) == "0.8" and float(m.group(2)) > 0 and 0 < int(m.group(3)) <= 100,
+    # (reached may pass 100% in the sanitizer builds, whose memory probe runs ~40x slower than the decode)
+    check(m is not None and m.group(1) == "0.8" and float(m.group(2)) > 0 and int(m.group(3)) > 0,
           "bench prints the decode floor on the CPU (%s)" % (m.group(0) if m else p.stdout[-400:]))
 
     # the SSD tier: segments of 4096 tokens (2 MiB each on the tiny model), 2 on the host, the third in a file
