@@ -27,9 +27,10 @@
  * Threads: the items go over the pool. When there are fewer than
  * ATTN_ITEMS_PER_THREAD items per thread (a decode step: n_kv_heads items)
  * and more than one range, every range of every item is a pool item of its
- * own (split over the keys): each writes its tokens' (o, lse) to c->attn_part, and
- * the caller then merges them in increasing order, the very operations an
- * item performs when it merges its ranges itself. Either way each range is
+ * own (split over the keys, numbered range-major): each writes its tokens'
+ * (o, lse) to c->attn_part, and then each query head's ranges are merged in
+ * increasing order (a pool item per head), the very operations an item
+ * performs when it merges its ranges itself. Either way each range is
  * computed by one thread in a fixed order: results do not depend on the
  * thread count nor on the split.
  *
@@ -89,24 +90,22 @@ ST_AI st_v8f attn_exp(const st_v8f *xp) {
 typedef struct {
     const void *k, *v;
     const float *k_scale, *v_scale; /* ST_KV_FP8 */
-    const float *lut;               /* ST_KV_FP8: the 256 fp8 values as fp32 */
     int64_t n_kv_heads, hd;
 } kv_src;
 
 /* Values d .. d + m - 1 (m <= 8; zero in the lanes past m) of a row of type t,
  * as fp32: the exact conversions of backend.h. sc: the row's fp8 scale. */
-ST_AI st_v8f kv_load(st_kv_dtype t, const void *row, float sc, const float *lut, int64_t d, int64_t m) {
+ST_AI st_v8f kv_load(st_kv_dtype t, const void *row, st_v8f sc, int64_t d, int64_t m) {
     switch (t) {
     case ST_KV_BF16: { /* bf16 -> fp32 is the bits shifted up */
         st_v8u16 h = {0};
         memcpy(&h, (const uint16_t *)row + d, (size_t)m * sizeof(uint16_t));
-        return (st_v8f)(__builtin_convertvector(h, st_v8u) << 16);
+        return (st_v8f)(st_v8u_from_u16(h) << 16);
     }
-    case ST_KV_FP8: {
-        const uint8_t *p = (const uint8_t *)row + d;
-        st_v8f v = st_v8f_splat(0.0f);
-        for (int64_t l = 0; l < m; l++) v[l] = lut[p[l]] * sc;
-        return v;
+    case ST_KV_FP8: { /* vector bit moves: lane by lane through a table was ~5x slower than bf16 */
+        st_v16u8 b = {0};
+        memcpy(&b, (const uint8_t *)row + d, (size_t)m);
+        return st_v8f_from_e4m3(b) * sc;
     }
     case ST_KV_F32: break;
     }
@@ -130,19 +129,19 @@ ST_AI float attn_hsum(const st_v8f *v) {
 
 /* s[h * ld] = scale * dot(q + h * hd, row) for heads h < nh (nh <= ATTN_HEADS_BLOCK, a
  * constant where inlined), in cpu_simd.h's order; the row is read once. */
-ST_AI void attn_dots(int nh, st_kv_dtype t, const float *q, const void *row, float sc, const float *lut, int64_t hd,
+ST_AI void attn_dots(int nh, st_kv_dtype t, const float *q, const void *row, st_v8f sc, int64_t hd,
                      float scale, float *s, int64_t ld) {
     st_v8f acc[ATTN_HEADS_BLOCK];
     #pragma GCC unroll 4
     for (int h = 0; h < nh; h++) acc[h] = st_v8f_splat(0.0f);
     int64_t d = 0;
     for (; d + 8 <= hd; d += 8) {
-        const st_v8f kv = kv_load(t, row, sc, lut, d, 8);
+        const st_v8f kv = kv_load(t, row, sc, d, 8);
         #pragma GCC unroll 4
         for (int h = 0; h < nh; h++) acc[h] += st_v8f_load(q + h * hd + d) * kv;
     }
     if (d < hd) {
-        const st_v8f kv = kv_load(t, row, sc, lut, d, hd - d);
+        const st_v8f kv = kv_load(t, row, sc, d, hd - d);
         #pragma GCC unroll 4
         for (int h = 0; h < nh; h++) acc[h] += st_v8f_load_part(q + h * hd + d, hd - d) * kv;
     }
@@ -163,10 +162,10 @@ ST_AI void attn_pv_chunks(int nh, int nc, st_kv_dtype t, const kv_src *src, cons
     for (int64_t j = 0; j < nk; j++) {
         const int64_t r = rows[j];
         const void *row = (const char *)src->v + r * row_bytes;
-        const float sc = t == ST_KV_FP8 ? src->v_scale[r] : 1.0f;
+        const st_v8f sc = st_v8f_splat(t == ST_KV_FP8 ? src->v_scale[r] : 1.0f);
         st_v8f v[2];
-        v[0] = kv_load(t, row, sc, src->lut, d, nc == 1 ? m1 : 8);
-        if (nc == 2) v[1] = kv_load(t, row, sc, src->lut, d + 8, m1);
+        v[0] = kv_load(t, row, sc, d, nc == 1 ? m1 : 8);
+        if (nc == 2) v[1] = kv_load(t, row, sc, d + 8, m1);
         #pragma GCC unroll 4
         for (int h = 0; h < nh; h++) { /* vector x scalar: GCC broadcasts it (a splat of 8 lanes became
                                           8 vinsertps in one of the unrolled heads) */
@@ -245,7 +244,6 @@ ST_AI void attn_range(st_kv_dtype t, const kv_src *src, int64_t kvh, int64_t G, 
     const int64_t hd = src->hd, R = ST_ATTN_RANGE, nkv = src->n_kv_heads;
     int64_t nk = 0; /* the range's keys: the longest token's */
     for (int x = 0; x < T; x++) nk = nks[x] > nk ? nks[x] : nk;
-    const float *lut = src->lut;
     const int64_t row_bytes = hd * kv_esize(t);
     row_iter it = row_start(table, bs, base, r0);
     row_iter ahead = row_start(table, bs, base, r0); /* ATTN_PREFETCH keys ahead of `it` */
@@ -260,11 +258,11 @@ ST_AI void attn_range(st_kv_dtype t, const kv_src *src, int64_t kvh, int64_t G, 
             }
         }
         const void *row = (const char *)src->k + r * row_bytes;
-        const float sc = t == ST_KV_FP8 ? src->k_scale[r] : 1.0f;
+        const st_v8f sc = st_v8f_splat(t == ST_KV_FP8 ? src->k_scale[r] : 1.0f);
         for (int x = 0; x < T; x++) {
             if (j >= nks[x]) continue;
             float *sx = s + x * G * R;
-#define DOTS(nh, h0) attn_dots(nh, t, q[x] + (h0) * hd, row, sc, lut, hd, scale, sx + (h0) * R + j, R)
+#define DOTS(nh, h0) attn_dots(nh, t, q[x] + (h0) * hd, row, sc, hd, scale, sx + (h0) * R + j, R)
             ATTN_HEAD_BLOCKS(G, DOTS);
 #undef DOTS
         }
@@ -345,12 +343,12 @@ typedef struct {
     float *const *scratch;          /* per thread: attn_scratch floats */
     int64_t n;                      /* tokens */
     int64_t n_ranges;               /* split over the keys: ranges per item (0: not split) */
+    int64_t n_groups;               /* split: items before the split (blocks x kv heads) */
     float *part;                    /* split: [items, n_ranges] blocks of ATTN_PART floats */
     /* paged (attention_paged): NULL tables for the contiguous ops */
     const int32_t *seq;             /* [n] token -> sequence */
     const int32_t *tables;          /* [n_seqs, max_blocks] */
     int64_t max_blocks, bs;
-    float fp8_lut[256];             /* ST_KV_FP8: st_kv_fp8_to_f32 of every byte */
 } attn_ctx;
 
 /* One range's result in attn_ctx.part: G x hd outputs, then G log-sum-exps. */
@@ -391,7 +389,10 @@ ST_AI void attn_items_t(const attn_ctx *a, st_kv_dtype t, int64_t begin, int64_t
     float *s = a->scratch[ti], *tmp = s + TB * G * R, *inv_z = tmp + TB * G * hd, *l = inv_z + TB * G,
           *lr = l + TB * G;
     for (int64_t it = begin; it < end; it++) {
-        const int64_t r = a->n_ranges ? it % a->n_ranges : 0, ig = a->n_ranges ? it / a->n_ranges : it;
+        /* split: range-major, so that the threads at work read the same keys' rows, each a different
+         * kv head's part of them (kv head by kv head, a thread touched 1/n_kv_heads of every row it
+         * read and the rows went through DRAM once per kv head) */
+        const int64_t r = a->n_ranges ? it / a->n_groups : 0, ig = a->n_ranges ? it % a->n_groups : it;
         const int64_t blk = ig / nkv, g = ig % nkv;
         int64_t b0, b1;
         const bool shared = attn_block(a, a->n, blk, &b0, &b1);
@@ -473,27 +474,29 @@ ST_TARGET_AVX2 static void attn_fn_avx2(void *ctx, int64_t b, int64_t e, int ti)
 #endif
 
 /* After a split run: each item's ranges merged in increasing order into out
- * (and lse), the operations attn_items_t performs unsplit. */
-static void attn_merge_parts(const attn_ctx *a, int64_t n) {
+ * (and lse), the operations attn_items_t performs unsplit; items [begin, end)
+ * of the n x n_heads query heads, on the pool (one head's chain of merges on
+ * one thread, so the bits do not depend on the threads). */
+static void attn_merge_parts(void *ctx, int64_t begin, int64_t end, int ti) {
+    (void)ti;
+    const attn_ctx *a = ctx;
     const int64_t hd = a->hd, G = a->group, nkv = a->src.n_kv_heads, R = ST_ATTN_RANGE;
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t g = 0; g < nkv; g++) {
-            const int64_t h = i * a->n_heads + g * G, nr = (attn_k1(a, i) - a->key0 + R - 1) / R;
-            const float *P0 = a->part + (i * nkv + g) * a->n_ranges * ATTN_PART(a);
-            for (int64_t x = 0; x < G; x++) {
-                float *o = a->out + (h + x) * hd, l = a->merge ? a->lse[h + x] : 0.0f;
-                for (int64_t r = 0; r < nr; r++) {
-                    const float *P = P0 + r * ATTN_PART(a);
-                    if (r == 0 && !a->merge) {
-                        memcpy(o, P + x * hd, (size_t)hd * sizeof(float));
-                        l = P[G * hd + x];
-                    } else {
-                        attn_merge(o, &l, P + x * hd, P[G * hd + x], hd);
-                    }
-                }
-                if (a->lse) a->lse[h + x] = l;
+    for (int64_t ih = begin; ih < end; ih++) {
+        const int64_t i = ih / a->n_heads, g = ih % a->n_heads / G, x = ih % G, h = i * a->n_heads + g * G;
+        const int64_t nr = (attn_k1(a, i) - a->key0 + R - 1) / R;
+        const float *P0 = a->part + (i * nkv + g) * a->n_ranges * ATTN_PART(a);
+        float *o = a->out + (h + x) * hd, l = a->merge ? a->lse[h + x] : 0.0f;
+        for (int64_t r = 0; r < nr; r++) {
+            const float *P = P0 + r * ATTN_PART(a);
+            if (r == 0 && !a->merge) {
+                memcpy(o, P + x * hd, (size_t)hd * sizeof(float));
+                l = P[G * hd + x];
+            } else {
+                attn_merge(o, &l, P + x * hd, P[G * hd + x], hd);
             }
         }
+        if (a->lse) a->lse[h + x] = l;
+    }
 }
 
 /* Runs the n x n_kv_heads items of `a` (keys up to max_k1, from a->key0) on
@@ -520,6 +523,7 @@ static strata_status attn_run(st_cpu *c, attn_ctx *a, int64_t n, int64_t max_k1)
             c->attn_part_floats = need;
         }
         a->n_ranges = n_ranges;
+        a->n_groups = items;
         a->part = c->attn_part;
         n_items = items * n_ranges;
         keys = R;
@@ -532,7 +536,8 @@ static strata_status attn_run(st_cpu *c, attn_ctx *a, int64_t n, int64_t max_k1)
     else
 #endif
         st_pool_parallel_for(c->pool, n_items, grain, attn_fn_generic, a);
-    if (a->n_ranges) attn_merge_parts(a, n);
+    if (a->n_ranges) /* a few thousand multiply-adds a chunk at least */
+        st_pool_parallel_for(c->pool, n * a->n_heads, 1 + 2048 / (n_ranges * a->hd), attn_merge_parts, a);
     return STRATA_OK;
 }
 
@@ -555,9 +560,7 @@ strata_status st_cpu_attention_rows(st_cpu *c, const float *q, const st_kv_layer
                   .hd = head_dim, .scale = scale, .out = out, .lse = lse, .key0 = key0, .key_end = key0 + n_kv,
                   .merge = merge, .bs = 1};
     a.src = (kv_src){.k = rows->k, .v = rows->v, .k_scale = rows->k_scale, .v_scale = rows->v_scale,
-                     .lut = a.fp8_lut, .n_kv_heads = n_kv_heads, .hd = head_dim};
-    if (rows->dtype == ST_KV_FP8)
-        for (int b = 0; b < 256; b++) a.fp8_lut[b] = st_kv_fp8_to_f32((uint8_t)b);
+                     .n_kv_heads = n_kv_heads, .hd = head_dim};
     int64_t max_k1 = key0 + 1;
     for (int64_t i = 0; i < n; i++)
         if (attn_k1(&a, i) > max_k1) max_k1 = attn_k1(&a, i);
@@ -584,9 +587,7 @@ strata_status st_cpu_attention_paged(st_cpu *c, const float *q, const st_paged_k
     attn_ctx a = {.q = q, .t = L->dtype, .pos = pos, .n_heads = n_heads, .group = n_heads / n_kv_heads,
                   .hd = head_dim, .scale = scale, .out = out, .key_end = INT64_MAX, .seq = seq,
                   .tables = kv->block_tables, .max_blocks = kv->max_blocks, .bs = kv->block_size};
-    a.src = (kv_src){.k = L->k, .v = L->v, .k_scale = L->k_scale, .v_scale = L->v_scale, .lut = a.fp8_lut,
+    a.src = (kv_src){.k = L->k, .v = L->v, .k_scale = L->k_scale, .v_scale = L->v_scale,
                      .n_kv_heads = n_kv_heads, .hd = head_dim};
-    if (L->dtype == ST_KV_FP8)
-        for (int b = 0; b < 256; b++) a.fp8_lut[b] = st_kv_fp8_to_f32((uint8_t)b);
     return attn_run(c, &a, n, max_k1);
 }
