@@ -15,6 +15,7 @@
 
 #include "backend/backend.h"
 #include "backend/cpu/cpu_internal.h"
+#include "backend/cpu/cpu_simd.h"
 #include "core/pool.h"
 #include "core/quant.h"
 #include "testutil.h"
@@ -145,6 +146,16 @@ static double *dequant_all(st_dtype t, const uint8_t *w, int64_t rows, int64_t c
 /* ---- scalar conversions ---- */
 
 static void test_half_conversions(void) {
+    /* the CPU attention's vector fp8 conversion: every byte, NaN and subnormals included, gives the bits
+     * of the scalar one */
+    for (int b0 = 0; b0 < 256; b0 += 8) {
+        st_v16u8 v = {0};
+        for (int l = 0; l < 8; l++) v[l] = (uint8_t)(b0 + l);
+        const st_v8f f = st_v8f_from_e4m3(v);
+        for (int l = 0; l < 8; l++)
+            CHECK_MSG(f2u(f[l]) == f2u(st_kv_fp8_to_f32((uint8_t)(b0 + l))), "fp8 %02x -> %08x (scalar %08x)",
+                      b0 + l, f2u(f[l]), f2u(st_kv_fp8_to_f32((uint8_t)(b0 + l))));
+    }
     static const struct { uint16_t h; uint32_t f; } f16_exact[] = {
         {0x0000, 0x00000000}, {0x8000, 0x80000000}, {0x3c00, 0x3f800000}, {0xc000, 0xc0000000},
         {0x0001, 0x33800000}, /* smallest subnormal 2^-24 */
