@@ -168,7 +168,12 @@ typedef struct {
     bool kv_stream;            /* a request too long for the device KV pool runs with its KV in host
                                   memory, streamed through the device layer by layer (one such request
                                   at a time): max_seq_len may exceed the pool; with kv_ssd_dir, the part
-                                  past 3/4 of the host memory available goes to a private file there */
+                                  past kv_stream_mem goes to a private file there (unlinked) */
+    size_t kv_stream_mem;      /* host bytes that request's KV takes at most, in whole segments (0: 3/4
+                                  of the memory available at its first pass); past them its segments go
+                                  to the file in kv_ssd_dir, or without one the request fails naming
+                                  --kv-stream-mem. Needs kv_stream; more than the machine has
+                                  available: refused */
     int64_t kv_segment;        /* tokens per host / SSD segment of that request's KV (0: 65536; a power
                                   of two from 4096) */
     double kv_cpu_attn;        /* that request's decode attends this share of its earlier keys, the
@@ -202,12 +207,14 @@ strata_status strata_model_open(const char *path, const strata_model_params *par
 
 /* Checks the memory budgets of params against what this machine has now
  * (MemAvailable of /proc/meminfo): host_mem (pinned host memory, on any
+ * backend), kv_stream_mem (a streamed request's KV, in host memory on any
  * backend) and, on the CPU backend (device "cpu", or "auto" without a GPU),
  * kv_mem when kv_blocks is 0 (the KV cache lives in host memory there; the
  * weights' file mapping is not counted). STRATA_ERR_INVALID_ARG when one is
- * larger, with a message naming its option (--host-mem, --kv-mem), the size
- * asked and what the machine has; STRATA_OK otherwise, or when MemAvailable
- * is unknown. strata_model_open calls it first. NULL: defaults (OK). */
+ * larger, with a message naming its option (--host-mem, --kv-stream-mem,
+ * --kv-mem), the size asked and what the machine has; STRATA_OK otherwise,
+ * or when MemAvailable is unknown. strata_model_open calls it first. NULL:
+ * defaults (OK). */
 strata_status strata_check_memory(const strata_model_params *params);
 
 /* Builds the engine of an opened model with the params given to

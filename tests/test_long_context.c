@@ -24,7 +24,7 @@
  *     the K/V scales streamed with the rows: the same bits as the fitting fp8 pool (whose prefill chunks gather with kv_gather
  *     and whose decodes read the pool through attention_paged).
  * (3) Errors: a stream not made for the model, a context past max_len, host
- *     memory past its cap (NOMEM naming --kv-host-mem, nothing stored), a
+ *     memory past its cap (NOMEM naming --kv-stream-mem, nothing stored), a
  *     piece size that is not a multiple of ST_ATTN_RANGE. The SSD tier's:
  *     a pass writing into more segments than the host holds, the file's
  *     cap, a directory that cannot be made (nothing stored, the stream goes
@@ -271,7 +271,7 @@ static void test_errors(st_backend *be, st_model_files *f) {
     /* host memory past the cap: one segment is more than 1 KB */
     sp = st_llama_stream_params(m, 100, ST_KV_BF16, 1024);
     CHECK(st_kv_stream_init(be, &sp, &ks) == STRATA_OK);
-    CHECK_ERR(st_llama_forward_stream(m, ks, tok, 8, 0, false, lg), STRATA_ERR_NOMEM, "--kv-host-mem");
+    CHECK_ERR(st_llama_forward_stream(m, ks, tok, 8, 0, false, lg), STRATA_ERR_NOMEM, "--kv-stream-mem");
     CHECK(st_kv_stream_len(ks) == 0 && st_kv_stream_host_used(ks) == 0);
     st_kv_stream_free(ks);
     ks = NULL;
@@ -308,7 +308,7 @@ static void test_ssd_errors(st_backend *be, st_model_files *f) {
         CHECK(st_llama_forward_stream(m, ref, tok, 500, 0, false, b) == STRATA_OK);
     }
     /* 4000 + 200 would write into segments 0 and 1: two on the host, one allowed */
-    CHECK_ERR(st_llama_forward_stream(m, ks, tok, 200, 0, false, a), STRATA_ERR_NOMEM, "raise --kv-host-mem");
+    CHECK_ERR(st_llama_forward_stream(m, ks, tok, 200, 0, false, a), STRATA_ERR_NOMEM, "raise --kv-stream-mem");
     CHECK(st_kv_stream_len(ks) == 4000);
     /* to 4096, then past it: segment 0 is sealed and goes to the file */
     CHECK(st_llama_forward_stream(m, ks, tok, 96, 0, false, a) == STRATA_OK);

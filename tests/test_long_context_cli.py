@@ -6,10 +6,13 @@
     host bytes and the device ring); a short one stays in the device pool;
   - `strata bench --kv-stream` on the tiny model: prefill and decode of a
     1500-token sequence whose KV lives in host memory, the device peak and
-    the KV moved per token printed; `--kv-host-mem` too small fails naming
-    the option (exit 1, no traceback); `--kv-host-mem` without a streamed KV
-    is refused;
-  - the SSD tier under it: `--kv-segment 4096 --kv-host-mem 4M --kv-ssd-dir`
+    the KV moved per token printed; `--kv-stream-mem` too small fails naming
+    the option (exit 1, no traceback); `--kv-stream-mem` without a streamed KV
+    is refused, and so is bench's `--kv-host-mem` (the prefix cache's tier of
+    run / serve), with --kv-stream naming --kv-stream-mem (exit 2);
+    `--kv-stream-mem` above what the machine has is refused naming it (run,
+    plan), and run's without `--kv-stream`;
+  - the SSD tier under it: `--kv-segment 4096 --kv-stream-mem 4M --kv-ssd-dir`
     at 9000 tokens keeps 2 segments on the host and puts 1 in an unlinked
     file (nothing left in the directory), the decode's SSD share printed
     beside the file's read rate; a file past `--kv-ssd-size` fails naming it;
@@ -74,7 +77,7 @@ def main():
     # the SSD tier: segments of 4096 tokens (2 MiB each on the tiny model), 2 on the host, the third in a file
     # that nobody sees (unlinked); each decode step reads that segment's 4096 keys back
     ssd = os.path.join(TMP, "ssd")
-    p = run(["bench", tiny, "--device", "cpu", "--kv-stream", "--kv-segment", "4096", "--kv-host-mem", "4M",
+    p = run(["bench", tiny, "--device", "cpu", "--kv-stream", "--kv-segment", "4096", "--kv-stream-mem", "4M",
              "--kv-ssd-dir", ssd, "--prompt", "9000", "--gen", "3", "--batch", "512", "--threads", "2"])
     check(p.returncode == 0, "bench --kv-stream --kv-ssd-dir exits 0 (%s)" % p.stderr.strip()[-300:])
     check(re.search(r"ssd tier +1 of 3 segments of 4096 tokens in a file in %s \(2\.1 MB written, 4\.2 MB read in "
@@ -92,7 +95,7 @@ def main():
           % (m.group(0) if m else p.stdout[-400:]))
     check(os.path.isdir(ssd) and os.listdir(ssd) == [], "the SSD file is gone (%s)"
           % (os.listdir(ssd) if os.path.isdir(ssd) else "no directory"))
-    p = run(["bench", tiny, "--device", "cpu", "--kv-stream", "--kv-segment", "4096", "--kv-host-mem", "4M",
+    p = run(["bench", tiny, "--device", "cpu", "--kv-stream", "--kv-segment", "4096", "--kv-stream-mem", "4M",
              "--kv-ssd-dir", ssd, "--kv-ssd-size", "1M", "--prompt", "9000", "--gen", "1", "--batch", "512"])
     check(p.returncode == 1 and "--kv-ssd-size" in p.stderr and "Traceback" not in p.stderr,
           "a segment past --kv-ssd-size fails naming it (rc %d: %s)" % (p.returncode, p.stderr.strip()[-300:]))
@@ -111,16 +114,32 @@ def main():
     check(p.returncode == 2 and "--kv-segment 5000 is not a power of two" in p.stderr,
           "--kv-segment 5000 is refused (rc %d: %s)" % (p.returncode, p.stderr.strip()[-300:]))
     p = run(["plan", tiny, "--device", "cpu", "--ctx", "50000", "--device-mem", "16M", "--kv-segment", "4096",
-             "--kv-host-mem", "4M", "--kv-ssd-dir", ssd])
+             "--kv-stream-mem", "4M", "--kv-ssd-dir", ssd])
     check(p.returncode == 0 and re.search(r"context +50000 tokens: .*\(4\.2 MB pinned, .*; 23\.1 MB in segments of "
                                           r"4096 tokens past the host's 4\.2 MB go to the SSD tier in " + re.escape(ssd),
                                           p.stdout) is not None,
           "plan splits a streamed context between the host and the SSD (%s)" % p.stdout[-500:])
 
-    p = run(["bench", tiny, "--device", "cpu", "--kv-stream", "--kv-host-mem", "1K", "--prompt", "300", "--gen",
+    p = run(["bench", tiny, "--device", "cpu", "--kv-stream", "--kv-stream-mem", "1K", "--prompt", "300", "--gen",
              "2", "--batch", "256"])
-    check(p.returncode == 1 and "--kv-host-mem" in p.stderr and "Traceback" not in p.stderr,
-          "bench --kv-host-mem 1K fails naming the option (rc %d: %s)" % (p.returncode, p.stderr.strip()[-300:]))
+    check(p.returncode == 1 and "allowed (--kv-stream-mem" in p.stderr and "Traceback" not in p.stderr,
+          "bench --kv-stream-mem 1K fails naming the option (rc %d: %s)" % (p.returncode, p.stderr.strip()[-300:]))
+    # --kv-host-mem is the prefix cache's host tier (run, serve): bench has none, and its streamed KV's share
+    # is --kv-stream-mem
+    p = run(["bench", tiny, "--device", "cpu", "--kv-stream", "--kv-host-mem", "4M", "--prompt", "300"])
+    check(p.returncode == 2 and "--kv-stream-mem" in p.stderr and "Traceback" not in p.stderr,
+          "bench --kv-stream --kv-host-mem is refused naming --kv-stream-mem (rc %d: %s)"
+          % (p.returncode, p.stderr.strip()[-300:]))
+    # more than the machine has available: refused at startup naming the option, the size and what there is
+    for args in (["run", tiny, "--device", "cpu", "--kv-stream", "--kv-stream-mem", "100T", "-p", "hi", "-n", "1"],
+                 ["plan", tiny, "--device", "cpu", "--ctx", "50000", "--kv-stream", "--kv-stream-mem", "100T"]):
+        p = run(args)
+        check(p.returncode == 1 and "--kv-stream-mem 100.0 TiB" in p.stderr and "MemAvailable" in p.stderr
+              and "Traceback" not in p.stderr, "%s --kv-stream-mem 100T is refused naming it (rc %d: %s)"
+              % (args[0], p.returncode, p.stderr.strip()[-300:]))
+    p = run(["run", tiny, "--device", "cpu", "--kv-stream-mem", "1G", "-p", "hi", "-n", "1"])
+    check(p.returncode == 1 and "--kv-stream-mem" in p.stderr and "needs kv_stream (--kv-stream)" in p.stderr,
+          "run --kv-stream-mem without --kv-stream is refused (rc %d: %s)" % (p.returncode, p.stderr.strip()[-300:]))
     p = run(["bench", tiny, "--device", "cpu", "--prompt", "16", "--gen", "2", "--threads", "2"])
     m = re.search(r"^decode +2 tokens in .*$", p.stdout, re.M)
     check(p.returncode == 0 and m is not None and "greedy on the CPU" in m.group(0)
@@ -128,8 +147,11 @@ def main():
           "bench --device cpu: the decode line says the greedy choice is made on the CPU (%s)"
           % (m.group(0) if m else p.stdout[-300:] + p.stderr[-300:]))
     p = run(["bench", tiny, "--device", "cpu", "--kv-host-mem", "1G", "--prompt", "64", "--gen", "2"])
-    check(p.returncode != 0 and "--kv-stream" in p.stderr,
-          "bench --kv-host-mem without a streamed KV is refused (rc %d: %s)" % (p.returncode, p.stderr.strip()[-300:]))
+    check(p.returncode == 2 and "prefix cache" in p.stderr,
+          "bench --kv-host-mem is refused (rc %d: %s)" % (p.returncode, p.stderr.strip()[-300:]))
+    p = run(["bench", tiny, "--device", "cpu", "--kv-stream-mem", "1G", "--prompt", "64", "--gen", "2"])
+    check(p.returncode != 0 and "(--kv-stream)" in p.stderr,
+          "bench --kv-stream-mem without a streamed KV is refused (rc %d: %s)" % (p.returncode, p.stderr.strip()[-300:]))
     return testlib.summary("test_long_context_cli")
 
 

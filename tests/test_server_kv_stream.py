@@ -10,10 +10,19 @@
     together both finish with R's texts;
   - without --kv-stream the same pool refuses to start, naming --kv-stream;
     with --kv-dtype fp8 (scales streamed too) the long prompt answers;
-  - a prompt past --max-model-len is still a 400 context_length_exceeded.
-test_server.py's Server / raw are reused. About 20 s on 2 cores.
+  - a prompt past --max-model-len is still a 400 context_length_exceeded;
+  - the SSD tier: server D streams with --kv-segment 4096, --kv-stream-mem of
+    one segment (4096 tokens x 23040 bytes of bf16 KV) and --kv-ssd-dir, and
+    answers a ~4170-token prompt (its first segment goes to the unlinked file
+    there, read back by every later pass) with the text and usage of a
+    server whose pool holds it; the log names the file; none is left behind;
+  - a request past --kv-stream-mem (1M, less than a segment) fails with a 500
+    naming --kv-stream-mem, and the server goes on answering.
+test_server.py's Server / raw are reused. About 60 s on 2 cores (most of it
+the two ~4170-token prefills).
 """
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -29,16 +38,29 @@ TIMEOUT = 600 if SAN else 120
 LONG = ("A river starts as rain on a mountain, gathers in streams, and runs down through forests and fields, "
         "carving valleys over thousands of years until it reaches the sea. ") * 34 + "The river"
 SHORT = "The capital of France is"
+# ~4170 tokens: past one segment of 4096
+LONGER = ("In the old harbour town the fishermen mend their nets at dawn, the bakers light their ovens, and the "
+          "gulls circle over the boats that come back with the tide. ") * 119 + "In the harbour"
+# the default model's KV per token: 30 layers x K and V x 3 kv heads x 64 x 2 bytes (bf16)
+KV_TOKEN = 30 * 2 * 3 * 64 * 2
+SEG = 4096
 
 
-def complete(srv, prompt, max_tokens=8):
+def complete_usage(srv, prompt, max_tokens=8):
+    """-> (status, text, usage) of a greedy completion"""
     st, obj, _ = ts.raw(srv, "POST", "/v1/completions",
                         {"model": "smol", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
                         timeout=TIMEOUT)
     if st != 200 or not isinstance(obj, dict):
         print("   %d %r" % (st, obj))
-        return st, None, -1
-    return st, obj["choices"][0]["text"], (obj.get("usage") or {}).get("prompt_tokens", -1)
+        return st, None, None
+    return st, obj["choices"][0]["text"], obj.get("usage")
+
+
+def complete(srv, prompt, max_tokens=8):
+    """-> (status, text, prompt tokens) of a greedy completion"""
+    st, text, usage = complete_usage(srv, prompt, max_tokens)
+    return st, text, (usage or {}).get("prompt_tokens", -1)
 
 
 def main():
@@ -81,6 +103,42 @@ def main():
     st, text, n = complete(f8, LONG)
     check(st == 200 and n == want_long[2] and text, "fp8 KV streamed: the long prompt answers (%d, %r)" % (st, text))
     check(f8.stop() == 0, "fp8 server: SIGTERM, exit 0")
+
+    # the SSD tier: the host holds one segment of 4096 tokens (--kv-stream-mem), so the ~4170-token prompt's
+    # first segment goes to the file once its keys are all stored; passes of 256 tokens (--max-batch 1,
+    # --step-tokens 256) end on the segment's boundary: a pass that wrote into both segments would need both
+    # on the host
+    r2 = ts.Server(model, "--max-model-len", "8192", "--max-batch", "1", "--no-rooflines", tag="kv_stream_r2")
+    want = complete_usage(r2, LONGER)
+    r2.stop()
+    check(want[0] == 200 and want[2] and SEG < want[2]["prompt_tokens"] < 2 * SEG,
+          "reference: the longer prompt answers (%r)" % (want[2],))
+    ssd = os.path.join(ts.TMP, "kv_stream_ssd")
+    shutil.rmtree(ssd, ignore_errors=True)
+    d = ts.Server(model, "--max-model-len", "8192", "--max-batch", "1", "--step-tokens", "256", "--kv-blocks", "16",
+                  "--kv-stream", "--kv-segment", str(SEG), "--kv-stream-mem", str(SEG * KV_TOKEN), "--kv-ssd-dir",
+                  ssd, "--no-rooflines", tag="kv_stream_ssd")
+    got = complete_usage(d, LONGER)
+    check(got == want, "a segment in the SSD file: the answer and usage of a roomy pool (%r vs %r)" % (got, want))
+    check(d.stop() == 0, "SSD server: SIGTERM, exit 0")
+    with open(d.log_path, errors="replace") as fh:
+        log = fh.read()
+    check("kv_stream: segments past --kv-stream-mem go to %s/strata-kv-stream-" % ssd in log,
+          "the streamed sequence reached the SSD tier (log: %s)" % log[-600:])
+    left = [f for f in (os.listdir(ssd) if os.path.isdir(ssd) else []) if f.startswith("strata-kv-stream-")]
+    check(left == [], "no stream file is left in %s (%r)" % (ssd, left))
+
+    # past --kv-stream-mem (less than one segment, no SSD tier): the request fails naming the option, and the
+    # server answers the next one
+    f = ts.Server(model, "--max-model-len", "2048", "--max-batch", "2", "--kv-blocks", "16", "--kv-stream",
+                  "--kv-stream-mem", "1M", "--no-rooflines", tag="kv_stream_full")
+    st, obj, _ = ts.raw(f, "POST", "/v1/completions",
+                        {"model": "smol", "prompt": LONG, "max_tokens": 4, "temperature": 0}, timeout=TIMEOUT)
+    msg = obj.get("error", {}).get("message", "") if isinstance(obj, dict) else str(obj)
+    check(st == 500 and "does not fit" in msg and "allowed (--kv-stream-mem" in msg,
+          "a context past --kv-stream-mem: 500 naming it (%d %r)" % (st, msg))
+    check(complete(f, SHORT) == want_short, "then a short prompt answers")
+    check(f.stop() == 0, "that server: SIGTERM, exit 0")
     return testlib.summary("test_server_kv_stream")
 
 

@@ -38,14 +38,15 @@ static void bench_usage(FILE *f) {
             "                   layer (contexts longer than the device, up to 1M tokens): one prefill\n"
             "                   and --gen decode steps, beside their rooflines, and the device memory peak;\n"
             "                   also chosen when the KV of --ctx tokens takes over half of --device-mem\n"
-            "  --kv-host-mem SIZE   with a streamed KV: cap on the host memory it takes (default: none)\n"
-            "  --kv-ssd-dir DIR     with a streamed KV: past --kv-host-mem, whole segments go to a private\n"
+            "  --kv-stream-mem SIZE  with a streamed KV: the host memory it takes at most, in whole segments\n"
+            "                   (default 3/4 of the memory available; more than is available is refused)\n"
+            "  --kv-ssd-dir DIR     with a streamed KV: past --kv-stream-mem, whole segments go to a private\n"
             "                   file in DIR (unlinked; --kv-ssd-size caps it); the decode's floor then counts\n"
             "                   the SSD's share at the file's read rate, measured after the run\n"
             "  --kv-segment N   tokens per host / SSD segment (a power of two from 4096; default 65536)\n"
             "  --kv-cpu-attn auto|F  with a streamed KV: the decode attends share F of the earlier keys on the\n"
             "                   CPU from host memory (auto: planned from rates measured at the first pass)\n"
-            "  (--kv-offload is for run and serve)\n"
+            "  (--kv-offload and --kv-host-mem, the prefix cache's tiers, are for run and serve)\n"
             "  (here --batch defaults to the prompt length, up to 4096: the prompt in one chunk;\n"
             "  on CUDA the prefill is also timed in the other precision, --precise or --fast-prefill)\n"
             TOOL_MODEL_OPTS_HELP);
@@ -314,7 +315,7 @@ static bool stream_bench(tool_model *tm, const tool_model_opts *mo, int32_t *ids
     st_backend *be = tm->be;
     const st_config *c = &tm->files->config;
     const int64_t V = c->vocab_size;
-    const size_t host_cap = mo->kv_host_mem > 0 ? (size_t)mo->kv_host_mem : 0;
+    const size_t host_cap = tool_stream_params(mo, c).host_mem; /* --kv-stream-mem or its default */
     st_kv_stream_params sp = st_llama_stream_params(tm->model, n_prompt + n_gen, mo->kv_dtype, host_cap);
     sp.seg = mo->kv_segment;
     sp.ssd_dir = mo->kv_ssd_dir;
@@ -369,7 +370,7 @@ static bool stream_bench(tool_model *tm, const tool_model_opts *mo, int32_t *ids
            be->kind == ST_BACKEND_CPU ? "" : " and pinned", t_pin);
     if (sp.ssd_dir)
         printf("ssd tier     %lld of %lld segments of %lld tokens in a file in %s (%.1f MB written, %.1f MB read "
-               "in prefill); %lld on the host (--kv-host-mem)\n", (long long)ss1.ssd_segs,
+               "in prefill); %lld on the host (--kv-stream-mem)\n", (long long)ss1.ssd_segs,
                (long long)(ss1.ssd_segs + ss1.host_segs), (long long)(sp.seg ? sp.seg : ST_KV_STREAM_SEG), sp.ssd_dir,
                ss1.written / 1e6, ss0.read / 1e6, (long long)ss1.host_segs);
     if (rate > 0) {
@@ -442,7 +443,7 @@ out:
 }
 
 int cmd_bench(int argc, char **argv) {
-    tool_model_opts mo = TOOL_ENGINE_OPTS_INIT; /* --kv-host-mem (with --kv-stream) */
+    tool_model_opts mo = TOOL_ENGINE_OPTS_INIT; /* --kv-stream-mem, --kv-ssd-dir (with --kv-stream) */
     const char *path = NULL;
     int64_t n_prompt = 128, n_gen = 64, reps = 3;
     bool prefill_only = false, op_times = false;
@@ -494,6 +495,12 @@ int cmd_bench(int argc, char **argv) {
     }
     if ((mo.kv_ssd_dir && !mo.kv_stream) || mo.kv_offload_lazy) {
         fprintf(stderr, "strata bench: --kv-offload, and --kv-ssd-dir without --kv-stream, are for run and serve\n");
+        return 2;
+    }
+    if (mo.kv_host_mem) { /* the prefix cache's host tier: bench has no prefix cache */
+        fprintf(stderr, "strata bench: --kv-host-mem is the prefix cache's host tier of run and serve; %s\n",
+                mo.kv_stream ? "the host memory of a streamed KV is --kv-stream-mem"
+                             : "bench has no prefix cache (a streamed KV's host share is --kv-stream-mem)");
         return 2;
     }
     if (mo.kv_stream && (n_seqs > 0 || prefill_only)) {
@@ -569,8 +576,8 @@ int cmd_bench(int argc, char **argv) {
         rc = stream_bench(&tm, &mo, ids, n_prompt, n_gen, &roof, weight_bytes) ? 0 : 1;
         goto done;
     }
-    if (mo.kv_host_mem) {
-        fprintf(stderr, "strata bench: --kv-host-mem is for a sequence whose KV is streamed from host memory "
+    if (mo.kv_stream_mem) {
+        fprintf(stderr, "strata bench: --kv-stream-mem is for a sequence whose KV is streamed from host memory "
                         "(--kv-stream)\n");
         goto done;
     }

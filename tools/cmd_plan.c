@@ -54,6 +54,13 @@ int cmd_plan(int argc, char **argv) {
         plan_usage(stderr);
         return 2;
     }
+    /* a streamed sequence's host share above what the machine has: refused as run and serve refuse it
+     * (the weights' --host-mem is planned as given, for budgets of other machines) */
+    const strata_model_params mp = {.kv_stream_mem = mo.kv_stream_mem};
+    if (strata_check_memory(&mp) != STRATA_OK) {
+        tool_print_error("plan");
+        return 1;
+    }
     st_model_files *files = NULL;
     if (st_model_open(path, &files) != STRATA_OK) {
         tool_print_error("plan");
@@ -194,9 +201,7 @@ int cmd_plan(int argc, char **argv) {
             if (!tool_kv_streamed(&mo, c)) {
                 printf("context    %lld tokens: KV %s, in the device pool\n", (long long)ctx, B(0, need));
             } else {
-                st_kv_stream_params sp = tool_stream_params(&mo, c);
-                const size_t avail = st_mem_available();
-                if (!sp.host_mem && avail) sp.host_mem = avail / 4 * 3; /* what run / serve take at most */
+                const st_kv_stream_params sp = tool_stream_params(&mo, c); /* --kv-stream-mem as run / serve */
                 /* whole segments on the host up to its cap, the rest (with --kv-ssd-dir) in the SSD file */
                 const size_t set = st_kv_stream_host_bytes(&sp, 1), all = st_kv_stream_host_bytes(&sp, ctx);
                 const size_t host_cap = sp.host_mem ? sp.host_mem / set * set : all;
@@ -211,8 +216,8 @@ int cmd_plan(int argc, char **argv) {
                            sp.ssd_dir,
                            sp.ssd_mem && ssd > sp.ssd_mem ? ", MORE than --kv-ssd-size" : "");
                 else if (all > host)
-                    printf("; MORE than the host holds (%s: --kv-host-mem or 3/4 of the memory available now; "
-                           "--kv-ssd-dir would take the rest)", B(3, (double)host_cap));
+                    printf("; MORE than the host holds (%s: --kv-stream-mem%s; --kv-ssd-dir would take the rest)",
+                           B(3, (double)host_cap), mo.kv_stream_mem ? "" : ", 3/4 of the memory available now");
                 printf("\n");
             }
         }

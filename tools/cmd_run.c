@@ -488,6 +488,7 @@ static bool runner_open(run_opts *o, runner *r, int *rc) {
         .kv_ssd_size = mo->kv_ssd_size,
         .kv_stream = mo->kv_stream,
         .kv_segment = mo->kv_segment,
+        .kv_stream_mem = mo->kv_stream_mem,
         .kv_cpu_attn = mo->kv_cpu_attn,
         .spec = mo->spec,
         .spec_k = mo->spec_k,

@@ -410,6 +410,7 @@ int cmd_serve(int argc, char **argv) {
         .kv_ssd_size = mo->kv_ssd_size,
         .kv_stream = mo->kv_stream,
         .kv_segment = mo->kv_segment,
+        .kv_stream_mem = mo->kv_stream_mem,
         .kv_cpu_attn = mo->kv_cpu_attn,
         .spec = mo->spec,
         .spec_k = mo->spec_k,

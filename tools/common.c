@@ -130,7 +130,7 @@ st_kv_stream_params tool_stream_params(const tool_model_opts *o, const st_config
     return (st_kv_stream_params){.n_layers = c->n_layers, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim,
                                  .dtype = o->kv_dtype, .piece = st_plan_attn_piece(attn_piece(o)),
                                  .max_tokens = o->batch > 0 ? o->batch : 512, .max_len = tool_seq_len(o, c),
-                                 .host_mem = o->kv_host_mem > 0 ? (size_t)o->kv_host_mem : 0,
+                                 .host_mem = o->kv_stream_mem ? o->kv_stream_mem : st_kv_stream_default_host_mem(),
                                  .seg = o->kv_segment, .ssd_dir = o->kv_ssd_dir, .ssd_mem = o->kv_ssd_size};
 }
 
@@ -320,7 +320,7 @@ int tool_parse_model_opt(int argc, char **argv, int *i, tool_model_opts *o) {
     } else if (!o->kv_tier_opts && (!strcmp(a, "--kv-host-mem") || !strcmp(a, "--kv-offload") ||
                                     !strcmp(a, "--kv-ssd-dir") || !strcmp(a, "--kv-ssd-size") ||
                                     !strcmp(a, "--kv-stream") || !strcmp(a, "--kv-segment") ||
-                                    !strcmp(a, "--kv-cpu-attn"))) {
+                                    !strcmp(a, "--kv-stream-mem") || !strcmp(a, "--kv-cpu-attn"))) {
         fprintf(stderr, "strata: %s is an option of run, serve, plan, bench and bench-kv (the KV cache's tiers)\n",
                 a);
         return -1;
@@ -357,6 +357,12 @@ int tool_parse_model_opt(int argc, char **argv, int *i, tool_model_opts *o) {
             return -1;
         }
         o->kv_segment = v;
+    } else if (strcmp(a, "--kv-stream-mem") == 0) {
+        if (!tool_parse_size(val, a, &o->kv_stream_mem)) return -1;
+        if (o->kv_stream_mem == 0) {
+            fprintf(stderr, "strata: --kv-stream-mem must be > 0 (leave it out for 3/4 of the memory available)\n");
+            return -1;
+        }
     } else if (strcmp(a, "--kv-cpu-attn") == 0) {
         if (val && !strcmp(val, "auto")) o->kv_cpu_attn = -1;
         else if (!tool_parse_f64(val, 0, 1, a, &o->kv_cpu_attn)) return -1;
@@ -407,7 +413,7 @@ bool tool_model_open(const char *path, const tool_model_opts *o, tool_model *tm)
     memset(tm, 0, sizeof *tm);
     double t0 = st_time_now();
     /* budgets above what the machine has (the check strata_model_open makes for run and serve) */
-    const strata_model_params mp = {.device = o->device, .host_mem = o->host_mem};
+    const strata_model_params mp = {.device = o->device, .host_mem = o->host_mem, .kv_stream_mem = o->kv_stream_mem};
     if (strata_check_memory(&mp) != STRATA_OK) {
         tool_print_error("load");
         return false;

@@ -43,6 +43,8 @@ typedef struct {
     const char *kv_ssd_dir; /* --kv-ssd-dir DIR */
     size_t kv_ssd_size;    /* --kv-ssd-size SIZE (0: 64 GiB) */
     int64_t kv_segment;    /* --kv-segment N: tokens per host / SSD segment of a streamed sequence (0: 65536) */
+    size_t kv_stream_mem;  /* --kv-stream-mem SIZE: host bytes of a streamed sequence's KV at most (0:
+                              st_kv_stream_default_host_mem, 3/4 of the memory available) */
     double kv_cpu_attn;    /* --kv-cpu-attn auto|F: a streamed decode's share of keys attended on the CPU
                               (0: none, -1: auto) */
     /* speculative decoding: options of run and serve (they set spec_opts before parsing) */
@@ -136,8 +138,13 @@ bool tool_test_fault_is(const tool_model_opts *o, const char *kind);
     "                           sequence at a time): a sequence may then be\n"                         \
     "                           longer than the pool instead of the pool growing to hold one\n"     \
     "                           sequence of the full context; with --kv-ssd-dir, the part past\n"  \
-    "                           what the host holds goes whole segments at a time to a private\n"  \
+    "                           --kv-stream-mem goes whole segments at a time to a private\n"     \
     "                           file there (unlinked; --kv-ssd-size caps it)\n"                     \
+    "  --kv-stream-mem SIZE     host memory a streamed sequence's KV takes at most, in whole\n"    \
+    "                           segments (default 3/4 of the memory available; not the prefix\n"  \
+    "                           cache's --kv-host-mem); past it, its segments go to the file of\n" \
+    "                           --kv-ssd-dir, or without one the sequence fails; more than the\n" \
+    "                           machine has available is refused\n"                              \
     "  --kv-segment N           tokens per host / SSD segment of a streamed sequence, a power of\n" \
     "                           two from 4096 (default 65536; attention pieces shrink to it)\n"     \
     "  --kv-cpu-attn auto|F     a streamed sequence's decode attends share F (0 to 1) of its\n"     \
@@ -178,7 +185,8 @@ bool tool_parse_size(const char *s, const char *what, size_t *out);
  * counts the stream's ring instead. */
 bool tool_kv_streamed(const tool_model_opts *o, const st_config *c);
 /* The kv_stream params of such a sequence of --ctx tokens (--batch passes,
- * --kv-dtype, --kv-host-mem as its cap; the model's piece is the default). */
+ * --kv-dtype, --kv-stream-mem or its default as the host's cap, --kv-segment,
+ * --kv-ssd-dir / --kv-ssd-size; the model's piece is the default). */
 st_kv_stream_params tool_stream_params(const tool_model_opts *o, const st_config *c);
 st_llama_params tool_llama_params(const tool_model_opts *o, const st_model_files *files);
 /* The KV pool of those options for model m (kv_seqs sequences of its max_seq_len). */

@@ -122,6 +122,9 @@ static strata_status check_params(const strata_model_params *p, st_backend_param
     if (p->kv_host_mem < -1)
         return st_err(STRATA_ERR_INVALID_ARG, "model params: kv_host_mem %lld (-1: off, 0: default, or bytes)",
                       (long long)p->kv_host_mem);
+    if (p->kv_stream_mem && !p->kv_stream) /* no streamed request: it would be ignored without a word */
+        return st_err(STRATA_ERR_INVALID_ARG, "model params: kv_stream_mem (--kv-stream-mem) is the host share of a "
+                      "streamed request's KV: it needs kv_stream (--kv-stream)");
     return kv_dtype_of(p, kvd);
 }
 
@@ -187,6 +190,11 @@ strata_status strata_check_memory(const strata_model_params *params) {
                       "--host-mem %s (pinned host memory for streamed weights) is more than this machine has "
                       "available: MemAvailable %s (/proc/meminfo)",
                       mem_str(want, sizeof want, p.host_mem), mem_str(have, sizeof have, avail));
+    if (p.kv_stream_mem > avail)
+        return st_err(STRATA_ERR_INVALID_ARG,
+                      "--kv-stream-mem %s (host memory for a streamed request's KV) is more than this machine has "
+                      "available: MemAvailable %s (/proc/meminfo)",
+                      mem_str(want, sizeof want, p.kv_stream_mem), mem_str(have, sizeof have, avail));
     const char *dev = p.device ? p.device : "auto";
     const bool cpu = !strcmp(dev, "cpu") || (!strcmp(dev, "auto") && !st_backend_available(ST_BACKEND_CUDA));
     if (cpu && p.kv_blocks == 0 && p.kv_mem > avail)
@@ -245,6 +253,7 @@ strata_status strata_model_open(const char *path, const strata_model_params *par
                                .host_sample = p.host_sample,
                                .kv_stream = p.kv_stream,
                                .kv_segment = p.kv_segment,
+                               .kv_stream_mem = p.kv_stream_mem,
                                .kv_cpu_attn = p.kv_cpu_attn,
                                .kv_host_mem = p.kv_host_mem < 0 ? ST_KV_HOST_OFF : p.kv_host_mem,
                                .kv_landing_mem = p.kv_landing_mem,

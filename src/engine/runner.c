@@ -480,9 +480,8 @@ static strata_status stream_pass(st_runner *r, const st_sched_decision *d, int64
     r->next[d->n_items] = -1;
     strata_status st = STRATA_OK;
     if (!r->ks) {
-        const size_t avail = st_mem_available(); /* what pinning may take: 3/4 of what the machine has */
-        st_kv_stream_params sp =
-            st_llama_stream_params(r->model, r->p.max_model_len, r->p.kv_dtype, avail ? avail / 4 * 3 : 0);
+        const size_t host = r->p.kv_stream_mem ? r->p.kv_stream_mem : st_kv_stream_default_host_mem();
+        st_kv_stream_params sp = st_llama_stream_params(r->model, r->p.max_model_len, r->p.kv_dtype, host);
         sp.seg = r->p.kv_segment;
         sp.ssd_dir = r->p.kv_ssd_dir; /* past the host's share, the SSD tier's directory takes the rest */
         sp.ssd_mem = r->p.kv_ssd_size;

@@ -104,7 +104,9 @@ typedef struct {
     double kv_cpu_attn;      /* that sequence's decode: the share of its earlier keys attended on the CPU
                                 (model/llama.h cpu_attn) */
     int64_t kv_segment;      /* keys per host / SSD segment of that sequence (0: ST_KV_STREAM_SEG); its
-                                pages go to kv_ssd_dir past 3/4 of the host memory available */
+                                segments go to kv_ssd_dir past kv_stream_mem */
+    size_t kv_stream_mem;    /* host bytes of that sequence's KV at most (0: st_kv_stream_default_host_mem,
+                                3/4 of the memory available at its first pass) */
     st_kv_dtype kv_dtype;    /* KV cache element type (0 = ST_KV_F32; the tools default to bf16) */
     size_t device_mem;       /* the device budget the planner fills (0: unlimited: every weight resident) */
     st_weight_opts weights;  /* weight placement and streaming (planner/planner.h; zero: defaults) */

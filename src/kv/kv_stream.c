@@ -82,6 +82,8 @@ size_t st_kv_stream_device_bytes(const st_kv_stream_params *p) {
            r256((size_t)p->max_tokens * ST_KV_STREAM_META_PER_TOKEN);
 }
 
+size_t st_kv_stream_default_host_mem(void) { return st_mem_available() / 4 * 3; }
+
 size_t st_kv_stream_host_bytes(const st_kv_stream_params *p, int64_t len) {
     const int64_t segs = (len + seg_keys(p) - 1) / seg_keys(p);
     return (size_t)(segs * p->n_layers * seg_keys(p)) * key_bytes(p);
@@ -323,7 +325,7 @@ static strata_status ssd_open(st_kv_stream *ks) {
     ks->fd = fd;
     ks->direct = direct;
     ks->path = path;
-    st_log(STRATA_LOG_INFO, "kv_stream: segments past --kv-host-mem go to %s (unlinked; %s)", path,
+    st_log(STRATA_LOG_INFO, "kv_stream: segments past --kv-stream-mem go to %s (unlinked; %s)", path,
            direct ? "O_DIRECT" : "through the page cache");
     return STRATA_OK;
 }
@@ -434,7 +436,7 @@ static strata_status host_seg(st_kv_stream *ks, int64_t s, int64_t end) {
         if (ks->be->ops->host_alloc(ks->be, bytes, slot) != STRATA_OK) {
             const strata_status st =
                 st_err(STRATA_ERR_NOMEM, "kv_stream: pinning %.1f MB of host memory for %lld tokens of KV failed "
-                       "(--kv-host-mem caps it): %s", ks->set_bytes / 1e6, (long long)end, st_last_error());
+                       "(--kv-stream-mem caps it): %s", ks->set_bytes / 1e6, (long long)end, st_last_error());
             for (int64_t k = 0; k < i; k++) {
                 void **b = &ks->seg[k * ks->max_segs + s];
                 if (*b) ks->be->ops->host_dealloc(ks->be, *b);
@@ -461,7 +463,7 @@ static strata_status place(st_kv_stream *ks, int64_t end, bool spill) {
         } else if (!ks->dir) {
             return st_err(STRATA_ERR_NOMEM,
                           "kv_stream: %lld tokens of KV take %.1f MB of host memory (segments of %lld tokens), "
-                          "more than the %.1f MB allowed (--kv-host-mem; --kv-ssd-dir takes the rest)",
+                          "more than the %.1f MB allowed (--kv-stream-mem; --kv-ssd-dir takes the rest)",
                           (long long)end, st_kv_stream_host_bytes(&ks->p, end) / 1e6, (long long)ks->segk,
                           ks->p.host_mem / 1e6);
         } else if (!spill) {
@@ -472,9 +474,9 @@ static strata_status place(st_kv_stream *ks, int64_t end, bool spill) {
                 if (ks->loc[v] == -1 && (v + 1) * ks->segk <= ks->len) victim = v;
             if (victim < 0)
                 return st_err(STRATA_ERR_NOMEM,
-                              "kv_stream: --kv-host-mem %.1f MB holds %lld segment(s) of %lld tokens (%.1f MB "
+                              "kv_stream: --kv-stream-mem %.1f MB holds %lld segment(s) of %lld tokens (%.1f MB "
                               "each), too few for a pass at %lld tokens reaching %lld: the segments it writes "
-                              "stay on the host (raise --kv-host-mem)", ks->p.host_mem / 1e6, (long long)ks->n_host,
+                              "stay on the host (raise --kv-stream-mem)", ks->p.host_mem / 1e6, (long long)ks->n_host,
                               (long long)ks->segk, ks->set_bytes / 1e6, (long long)ks->len, (long long)end);
             TRY(evict(ks, victim, s));
         }

@@ -69,12 +69,17 @@ typedef struct {
     int64_t piece;       /* keys per ring slot: a multiple of ST_ATTN_RANGE dividing ST_KV_STREAM_SEG */
     int64_t max_tokens;  /* tokens of one pass, >= 1 */
     int64_t max_len;     /* keys the sequence may hold, >= 1 */
-    size_t host_mem;     /* cap on the host bytes (0: none) */
+    size_t host_mem;     /* cap on the host bytes, whole segments (0: none; --kv-stream-mem) */
     int64_t seg;         /* keys per segment (0: ST_KV_STREAM_SEG): a multiple of piece and of 4096 */
     const char *ssd_dir; /* where segments go once host_mem is full (NULL: nowhere; NOMEM then); created
                             (one level) if missing; borrowed until init returns */
     uint64_t ssd_mem;    /* cap on the SSD file's bytes (0: none) */
 } st_kv_stream_params;
+
+/* The host_mem of a sequence given none (--kv-stream-mem unset): 3/4 of the
+ * memory available now, leaving the rest to the process and the machine
+ * (0 when unknown: no cap). */
+size_t st_kv_stream_default_host_mem(void);
 
 /* Device bytes init takes (ring, areas, iota, each rounded to 256). */
 size_t st_kv_stream_device_bytes(const st_kv_stream_params *p);
@@ -111,13 +116,13 @@ strata_status st_kv_stream_ssd_probe(st_kv_stream *ks, double *bytes_per_s);
 
 /* Allocates (pins) the host rows of keys up to `end` now rather than as
  * passes reach them (pinning takes ~0.1-0.2 s per GB on CUDA): NOMEM naming
- * --kv-host-mem past the cap, INVALID_ARG past max_len. With an SSD tier it
+ * --kv-stream-mem past the cap, INVALID_ARG past max_len. With an SSD tier it
  * stops at the cap (the passes place the rest). */
 strata_status st_kv_stream_reserve(st_kv_stream *ks, int64_t end);
 
 /* ---- one pass of n tokens at positions len .. len + n - 1 (model/forward.c) ---- */
 /* Reserves the host rows, moving sealed segments to the SSD tier where the
- * host is full (NOMEM naming --kv-host-mem, or --kv-ssd-size / the file,
+ * host is full (NOMEM naming --kv-stream-mem, or --kv-ssd-size / the file,
  * when they do not fit; IO for a failed write; INVALID_ARG past max_len or
  * n > max_tokens) and issues the first pieces.
  * `compute` is the stream the model's ops run on. cpu_keys > 0: the pass's

@@ -205,7 +205,8 @@ void st_llama_rope_inv_freq(const st_config *c, const float *freq_divisors, floa
  * st_llama_forward_seq's over a pool that holds the sequence (same chunking
  * by max_tokens, same attention ranges). INVALID_ARG when ks was not made
  * for this model (st_llama_stream_params) or len + n exceeds its max_len
- * or max_seq_len; NOMEM naming --kv-host-mem when its host rows do not fit.
+ * or max_seq_len; NOMEM naming --kv-stream-mem when its host rows do not fit (or
+ * --kv-ssd-size / the file, with an SSD tier).
  * One host synchronization per pass. */
 /* The CPU's share of a streamed decode's keys (params.cpu_attn) and, when
  * it was planned (cpu_attn < 0), the two rates it came from: the CPU's

@@ -12,7 +12,7 @@
 #   4. at each length of $SPLIT_LENS (default 131072): the decode with its oldest
 #      keys attended on the CPU (--kv-cpu-attn auto, then 0.5) beside the run of
 #      step 3 at that length, and with half the KV in the SSD tier
-#      (--kv-host-mem half, --kv-ssd-dir $OUTDIR/ssd) beside the file's read rate.
+#      (--kv-stream-mem half, --kv-ssd-dir $OUTDIR/ssd) beside the file's read rate.
 # Output: $OUTDIR (default /tmp/longctx) holds the logs; the summary is printed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -53,9 +53,9 @@ for n in ${SPLIT_LENS-131072}; do
   done
   # half of the KV (bf16: 128 KiB a token over 32 layers) on the host, the rest in the SSD file
   half=$(( n * 131072 / 2 ))
-  stamp "bench --kv-stream --prompt $n --kv-host-mem $half --kv-ssd-dir $OUTDIR/ssd"
+  stamp "bench --kv-stream --prompt $n --kv-stream-mem $half --kv-ssd-dir $OUTDIR/ssd"
   build-gpu/strata bench /tmp/m8b --kv-stream --prompt "$n" --gen "$GEN" --batch 4096 --fast-prefill \
-    --kv-host-mem "$half" --kv-ssd-dir "$OUTDIR/ssd" > "$OUTDIR/bench-$n-ssd.txt" 2> "$OUTDIR/bench-$n-ssd.err" || rc=1
+    --kv-stream-mem "$half" --kv-ssd-dir "$OUTDIR/ssd" > "$OUTDIR/bench-$n-ssd.txt" 2> "$OUTDIR/bench-$n-ssd.err" || rc=1
   grep -E "^(prefill|decode|ssd|roofline)" "$OUTDIR/bench-$n-ssd.txt"; tail -2 "$OUTDIR/bench-$n-ssd.err"
 done
 stamp done
