@@ -1026,6 +1026,17 @@ static void test_attention_split(void) {
             CHECK_MSG(same_bits(o[0], o[t], m), "attention H=%lld/%lld n_kv=%lld: %d threads differ from 1",
                       (long long)H, (long long)Hkv, (long long)n_kv, t + 1);
         }
+        if (n == 1) { /* the same token last in a batch of enough items not to be split: the same bits */
+            const int64_t nb = 4 * (32 / Hkv + 1), mb = nb * H * hd;
+            float *qb = rand_f(mb, 1.0f), *ob = alloc_f(mb);
+            int32_t *pb = malloc((size_t)nb * sizeof(int32_t));
+            memcpy(qb + mb - m, q, (size_t)m * sizeof(float));
+            for (int64_t i = 0; i < nb; i++) pb[i] = (int32_t)(n_kv - nb + i);
+            CHECK(bt[0]->ops->attention(bt[0], NULL, qb, k, v, pb, nb, n_kv, H, Hkv, hd, scale, ob) == STRATA_OK);
+            CHECK_MSG(same_bits(o[0], ob + mb - m, m), "attention H=%lld/%lld n_kv=%lld: split differs from "
+                      "unsplit", (long long)H, (long long)Hkv, (long long)n_kv);
+            free(qb), free(ob), free(pb);
+        }
         st_backend_cpu_set_simd(bt[2], false); /* the others run the AVX2 build where the CPU has it */
         CHECK(bt[2]->ops->attention(bt[2], NULL, q, k, v, pos, n, n_kv, H, Hkv, hd, scale, op) == STRATA_OK);
         CHECK_MSG(same_bits(o[0], op, m), "attention n_kv=%lld: the portable build differs", (long long)n_kv);
