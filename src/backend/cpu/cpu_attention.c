@@ -26,10 +26,8 @@
  *
  * Threads: the items go over the pool. When there are fewer than
  * ATTN_ITEMS_PER_THREAD items per thread or at most ATTN_SPLIT_ITEMS (a decode
- * step: n_kv_heads items) and more than one range, every range of every item
- * is a pool item of its own (split over the keys, numbered range-major, and
- * when there are ranges enough for the threads one item takes a range of
- * every kv head, so that it reads each key's row whole): each writes its tokens'
+ * step: n_kv_heads items) and more than one range, every range of every item is a pool item of its
+ * own (split over the keys, numbered range-major): each writes its tokens'
  * (o, lse) to c->attn_part, and then each query head's ranges are merged in
  * increasing order (a pool item per head), the very operations an item
  * performs when it merges its ranges itself. Either way each range is
@@ -49,8 +47,9 @@
 /* Fewer items than this per thread: split the keys (see above). */
 #define ATTN_ITEMS_PER_THREAD 4
 /* At most this many items (a decode step, a verification pass) are split over the keys whatever
- * the threads: (kv head, all keys) items each read a strided part of every row, and the threads
- * each went through all the rows (2x slower on the EPYC at 64K keys than split items). */
+ * the threads: unsplit, a thread's (kv head, all keys) item reads a strided part of every row of
+ * the layer, and each thread goes through all the rows (split: 1.9x on the EPYC at 64K keys, one
+ * or two threads; the Xeon of the GPU machine was as fast either way). */
 #define ATTN_SPLIT_ITEMS 32
 /* Multiply-adds per pool chunk below which a chunk is not worth a thread. */
 #define ATTN_GRAIN_MACS 32768
@@ -62,9 +61,6 @@
 /* Consecutive tokens of one sequence whose heads share one pass over the keys (a verification
  * pass, a prefill): each K and V row is read once for them, not once per token. */
 #define ATTN_TOKEN_BLOCK 4
-/* A split item takes every kv head of its keys (each key's row read whole) when the model has
- * at most this many and there are enough ranges to go round the threads. */
-#define ATTN_ROW_KV_MAX 16
 /* Query heads whose dots or accumulations share one pass over a row. */
 #define ATTN_HEADS_BLOCK 4 /* (the loops over them say "unroll 4": their accumulators stay in registers) */
 
@@ -161,15 +157,15 @@ ST_AI void attn_dots(int nh, st_kv_dtype t, const float *q, const void *row, st_
 /* o[h * hd + d .. + 8 * nc] = sum over the keys j < nk of p[h * ld + j] * v_j (element-wise: multiply,
  * then add, from 0, in increasing j) for heads h < nh and the nc (1 or 2,
  * constants where inlined) chunks of 8 values from d, m1 values in the last; the accumulators stay in
- * registers over the keys, so o is written once. rows[j] + roff: key j's row index in src->v. */
-ST_AI void attn_pv_chunks(int nh, int nc, st_kv_dtype t, const kv_src *src, const int64_t *rows, int64_t roff,
-                          int64_t nk, const float *p, int64_t ld, float *o, int64_t hd, int64_t d, int64_t m1) {
+ * registers over the keys, so o is written once. rows[j]: key j's row index in src->v. */
+ST_AI void attn_pv_chunks(int nh, int nc, st_kv_dtype t, const kv_src *src, const int64_t *rows, int64_t nk,
+                          const float *p, int64_t ld, float *o, int64_t hd, int64_t d, int64_t m1) {
     const int64_t row_bytes = hd * kv_esize(t);
     st_v8f a[ATTN_HEADS_BLOCK][2];
     #pragma GCC unroll 4
     for (int h = 0; h < nh; h++) a[h][0] = a[h][1] = st_v8f_splat(0.0f);
     for (int64_t j = 0; j < nk; j++) {
-        const int64_t r = rows[j] + roff;
+        const int64_t r = rows[j];
         const void *row = (const char *)src->v + r * row_bytes;
         const st_v8f sc = st_v8f_splat(t == ST_KV_FP8 ? src->v_scale[r] : 1.0f);
         st_v8f v[2];
@@ -193,12 +189,12 @@ ST_AI void attn_pv_chunks(int nh, int nc, st_kv_dtype t, const kv_src *src, cons
 }
 
 /* attn_pv_chunks over all hd values: 16 at a time, then the rest. */
-ST_AI void attn_pv(int nh, st_kv_dtype t, const kv_src *src, const int64_t *rows, int64_t roff, int64_t nk,
-                   const float *p, int64_t ld, float *o, int64_t hd) {
+ST_AI void attn_pv(int nh, st_kv_dtype t, const kv_src *src, const int64_t *rows, int64_t nk, const float *p,
+                   int64_t ld, float *o, int64_t hd) {
     int64_t d = 0;
-    for (; d + 16 <= hd; d += 16) attn_pv_chunks(nh, 2, t, src, rows, roff, nk, p, ld, o, hd, d, 8);
-    if (hd - d > 8) attn_pv_chunks(nh, 2, t, src, rows, roff, nk, p, ld, o, hd, d, hd - d - 8);
-    else if (hd > d) attn_pv_chunks(nh, 1, t, src, rows, roff, nk, p, ld, o, hd, d, hd - d);
+    for (; d + 16 <= hd; d += 16) attn_pv_chunks(nh, 2, t, src, rows, nk, p, ld, o, hd, d, 8);
+    if (hd - d > 8) attn_pv_chunks(nh, 2, t, src, rows, nk, p, ld, o, hd, d, hd - d - 8);
+    else if (hd > d) attn_pv_chunks(nh, 1, t, src, rows, nk, p, ld, o, hd, d, hd - d);
 }
 
 /* The row of key j: j - base for a contiguous piece starting at key `base`
@@ -241,22 +237,19 @@ ST_AI int64_t row_next(row_iter *it) {
         }                                                                                                         \
     } while (0)
 
-/* Keys [r0, r0 + nk[x]) (one range) for the G query heads of each of the ng kv heads kvh ..
- * kvh + ng - 1 (q[x]: token x's G x ng heads from kv head kvh's first, [ng * G, hd]), for the T
- * tokens x < T of one sequence (T <= ATTN_TOKEN_BLOCK): o[x * ng + gi] ([G, hd]) their normalized
- * outputs, lse[x * ng + gi] ([G]) their log-sum-exps. Each key's K and V rows are read once for
- * all the tokens whose range holds it; each token's heads see exactly the operations of a range
- * of that token and kv head alone. The scores are taken key by key, each key's ng kv heads
- * together: with ng = n_kv_heads a key's row is read whole, front to back (one kv head's part of
- * it is a short strided read, which the prefetchers serve badly). s: [T * ng * G * ST_ATTN_RANGE]
- * scores; inv_z: [T * ng * G] scratch. Rows as row_start. */
-ST_AI void attn_range(st_kv_dtype t, const kv_src *src, int64_t kvh, int ng, int64_t G, int T,
-                      const float *const *q, int64_t r0, const int64_t *nks, int64_t base, const int32_t *table,
-                      int64_t bs, float scale, float *s, float *inv_z, float *const *o, float *const *lse) {
-    const int64_t hd = src->hd, R = ST_ATTN_RANGE, nkv = src->n_kv_heads, NG = ng * G;
+/* Keys [r0, r0 + nk[x]) (one range) for the G query heads q[x] ([G, hd]) of kv head kvh, for
+ * the T tokens x < T of one sequence (T <= ATTN_TOKEN_BLOCK): o[x] ([G, hd]) their normalized
+ * outputs, lse[x] ([G]) their log-sum-exps. Each key's K and V rows are read once for all the
+ * tokens whose range holds it; each token's heads see exactly the operations of a range of
+ * that token alone. s: [T * G * ST_ATTN_RANGE] scores; inv_z: [T * G] scratch. Rows as
+ * row_start. */
+ST_AI void attn_range(st_kv_dtype t, const kv_src *src, int64_t kvh, int64_t G, int T, const float *const *q,
+                      int64_t r0, const int64_t *nks, int64_t base, const int32_t *table, int64_t bs, float scale,
+                      float *s, float *inv_z, float *const *o, float *const *lse) {
+    const int64_t hd = src->hd, R = ST_ATTN_RANGE, nkv = src->n_kv_heads;
     int64_t nk = 0; /* the range's keys: the longest token's */
     for (int x = 0; x < T; x++) nk = nks[x] > nk ? nks[x] : nk;
-    const int64_t row_bytes = hd * kv_esize(t), span = ng * row_bytes; /* a key's bytes read, K or V */
+    const int64_t row_bytes = hd * kv_esize(t);
     row_iter it = row_start(table, bs, base, r0);
     row_iter ahead = row_start(table, bs, base, r0); /* ATTN_PREFETCH keys ahead of `it` */
     for (int64_t j = 0; j < ATTN_PREFETCH && j < nk; j++) row_next(&ahead);
@@ -264,25 +257,23 @@ ST_AI void attn_range(st_kv_dtype t, const kv_src *src, int64_t kvh, int ng, int
         const int64_t r = row_next(&it) * nkv + kvh;
         if (j + ATTN_PREFETCH < nk) { /* this K row and the V row are far in memory: fetch them early */
             const int64_t ra = row_next(&ahead) * nkv + kvh;
-            for (int64_t b = 0; b < span; b += 64) {
+            for (int64_t b = 0; b < row_bytes; b += 64) {
                 __builtin_prefetch((const char *)src->k + ra * row_bytes + b);
                 __builtin_prefetch((const char *)src->v + ra * row_bytes + b);
             }
         }
-        for (int gi = 0; gi < ng; gi++) {
-            const void *row = (const char *)src->k + (r + gi) * row_bytes;
-            const st_v8f sc = st_v8f_splat(t == ST_KV_FP8 ? src->k_scale[r + gi] : 1.0f);
-            for (int x = 0; x < T; x++) {
-                if (j >= nks[x]) continue;
-                float *sx = s + (x * ng + gi) * G * R;
-#define DOTS(nh, h0) attn_dots(nh, t, q[x] + (gi * G + (h0)) * hd, row, sc, hd, scale, sx + (h0) * R + j, R)
-                ATTN_HEAD_BLOCKS(G, DOTS);
+        const void *row = (const char *)src->k + r * row_bytes;
+        const st_v8f sc = st_v8f_splat(t == ST_KV_FP8 ? src->k_scale[r] : 1.0f);
+        for (int x = 0; x < T; x++) {
+            if (j >= nks[x]) continue;
+            float *sx = s + x * G * R;
+#define DOTS(nh, h0) attn_dots(nh, t, q[x] + (h0) * hd, row, sc, hd, scale, sx + (h0) * R + j, R)
+            ATTN_HEAD_BLOCKS(G, DOTS);
 #undef DOTS
-            }
         }
     }
-    for (int64_t xh = 0; xh < T * NG; xh++) {
-        const int64_t nkx = nks[xh / NG];
+    for (int64_t xh = 0; xh < T * G; xh++) {
+        const int64_t nkx = nks[xh / G];
         if (!nkx) continue; /* no key of this range for this token: nothing written */
         float *sh = s + xh * R, mx = -INFINITY;
         { /* the largest score, 8 lanes at a time (a max is exact: the lanes' order does not matter; a
@@ -315,20 +306,18 @@ ST_AI void attn_range(st_kv_dtype t, const kv_src *src, int64_t kvh, int ng, int
         inv_z[xh] = 1.0f / z;
         lse[xh / G][xh % G] = mx + logf(z);
     }
-    int64_t rows[ST_ATTN_RANGE]; /* the range's V rows of kv head kvh, found once */
+    int64_t rows[ST_ATTN_RANGE]; /* the range's V rows, found once */
     it = row_start(table, bs, base, r0);
     for (int64_t j = 0; j < nk; j++) rows[j] = row_next(&it) * nkv + kvh;
     for (int x = 0; x < T; x++) {
         if (!nks[x]) continue;
-        for (int gi = 0; gi < ng; gi++) {
-            const float *sx = s + (x * ng + gi) * G * R;
-#define PV(nh, h0) attn_pv(nh, t, src, rows, gi, nks[x], sx + (h0) * R, R, o[x * ng + gi] + (h0) * hd, hd)
-            ATTN_HEAD_BLOCKS(G, PV);
+        const float *sx = s + x * G * R;
+#define PV(nh, h0) attn_pv(nh, t, src, rows, nks[x], sx + (h0) * R, R, o[x] + (h0) * hd, hd)
+        ATTN_HEAD_BLOCKS(G, PV);
 #undef PV
-        }
     }
-    for (int64_t xh = 0; xh < T * NG; xh++) {
-        if (!nks[xh / NG]) continue;
+    for (int64_t xh = 0; xh < T * G; xh++) {
+        if (!nks[xh / G]) continue;
         const st_v8f iz = st_v8f_splat(inv_z[xh]);
         float *oh = o[xh / G] + (xh % G) * hd;
         int64_t d = 0;
@@ -359,8 +348,7 @@ typedef struct {
     float *const *scratch;          /* per thread: attn_scratch floats */
     int64_t n;                      /* tokens */
     int64_t n_ranges;               /* split over the keys: ranges per item (0: not split) */
-    int64_t n_groups;               /* split: items of one range (blocks x kv heads / ng) */
-    int ng;                         /* split: kv heads of an item (1, or all: n_kv_heads) */
+    int64_t n_groups;               /* split: items before the split (blocks x kv heads) */
     float *part;                    /* split: [items, n_ranges] blocks of ATTN_PART floats */
     /* paged (attention_paged): NULL tables for the contiguous ops */
     const int32_t *seq;             /* [n] token -> sequence */
@@ -371,11 +359,11 @@ typedef struct {
 /* One range's result in attn_ctx.part: G x hd outputs, then G log-sum-exps. */
 #define ATTN_PART(a) ((a)->group * ((a)->hd + 1))
 
-/* Scratch floats per thread, for a block of ATTN_TOKEN_BLOCK tokens and items of ng kv heads: scores
- * of one range for their ng x G heads each, then G x hd each (a range's outputs before a merge),
- * then ng x G (inv_z) and 2 x G (lse, lse of a range) each. */
-static size_t attn_scratch(int64_t G, int64_t hd, int64_t ng) {
-    return (size_t)(ATTN_TOKEN_BLOCK * G * (ng * ST_ATTN_RANGE + hd + ng + 2));
+/* Scratch floats per thread, for a block of ATTN_TOKEN_BLOCK tokens: scores of one range for
+ * their G heads each, then G x hd each (a range's outputs before a merge), then 3 x G each
+ * (inv_z, lse, lse of a range). */
+static size_t attn_scratch(int64_t G, int64_t hd) {
+    return (size_t)(ATTN_TOKEN_BLOCK * G * (ST_ATTN_RANGE + hd + 3));
 }
 
 /* Keys of token i in this call: [key0, k1). */
@@ -403,13 +391,14 @@ ST_AI bool attn_block(const attn_ctx *a, int64_t n, int64_t blk, int64_t *i0, in
  * not share their rows go one at a time. */
 ST_AI void attn_items_t(const attn_ctx *a, st_kv_dtype t, int64_t begin, int64_t end, int ti) {
     const int64_t hd = a->hd, G = a->group, R = ST_ATTN_RANGE, nkv = a->src.n_kv_heads, TB = ATTN_TOKEN_BLOCK;
-    const int ng = a->n_ranges ? a->ng : 1; /* kv heads of an item */
-    float *s = a->scratch[ti], *tmp = s + TB * ng * G * R, *inv_z = tmp + TB * G * hd, *l = inv_z + TB * ng * G,
+    float *s = a->scratch[ti], *tmp = s + TB * G * R, *inv_z = tmp + TB * G * hd, *l = inv_z + TB * G,
           *lr = l + TB * G;
     for (int64_t it = begin; it < end; it++) {
-        /* split: range-major, so that the threads at work read neighbouring keys' rows */
+        /* split: range-major, so that the threads at work read the same keys' rows, each a different
+         * kv head's part of them (kv head by kv head, a thread touched 1/n_kv_heads of every row it
+         * read and the rows went through DRAM once per kv head) */
         const int64_t r = a->n_ranges ? it / a->n_groups : 0, ig = a->n_ranges ? it % a->n_groups : it;
-        const int64_t blk = ng > 1 ? ig : ig / nkv, g = ng > 1 ? 0 : ig % nkv;
+        const int64_t blk = ig / nkv, g = ig % nkv;
         int64_t b0, b1;
         const bool shared = attn_block(a, a->n, blk, &b0, &b1);
         for (int64_t c0 = b0; c0 < b1;) { /* runs of tokens that share their rows: the block, or one */
@@ -417,7 +406,7 @@ ST_AI void attn_items_t(const attn_ctx *a, st_kv_dtype t, int64_t begin, int64_t
             const int T = (int)(c1 - c0);
             const int32_t *table = attn_table(a, c0);
             const float *q[ATTN_TOKEN_BLOCK];
-            float *o[ATTN_TOKEN_BLOCK * ATTN_ROW_KV_MAX], *lp[ATTN_TOKEN_BLOCK * ATTN_ROW_KV_MAX];
+            float *o[ATTN_TOKEN_BLOCK], *lp[ATTN_TOKEN_BLOCK];
             int64_t k1[ATTN_TOKEN_BLOCK], nks[ATTN_TOKEN_BLOCK], kmax = a->key0;
             for (int x = 0; x < T; x++) {
                 const int64_t i = c0 + x, h = i * a->n_heads + g * G;
@@ -430,14 +419,11 @@ ST_AI void attn_items_t(const attn_ctx *a, st_kv_dtype t, int64_t begin, int64_t
                 for (int x = 0; x < T; x++) {
                     const int64_t i = c0 + x, r1 = r0 + R < k1[x] ? r0 + R : k1[x];
                     nks[x] = r1 > r0 ? r1 - r0 : 0;
-                    for (int gi = 0; gi < ng; gi++) {
-                        float *P = a->part + ((i * nkv + g + gi) * a->n_ranges + r) * ATTN_PART(a);
-                        o[x * ng + gi] = P, lp[x * ng + gi] = P + G * hd;
-                    }
+                    float *P = a->part + ((i * nkv + g) * a->n_ranges + r) * ATTN_PART(a);
+                    o[x] = P, lp[x] = P + G * hd;
                 }
                 if (r0 < kmax)
-                    attn_range(t, &a->src, g, ng, G, T, q, r0, nks, a->key0, table, a->bs, a->scale, s, inv_z, o,
-                               lp);
+                    attn_range(t, &a->src, g, G, T, q, r0, nks, a->key0, table, a->bs, a->scale, s, inv_z, o, lp);
                 c0 = c1;
                 continue;
             }
@@ -456,7 +442,7 @@ ST_AI void attn_items_t(const attn_ctx *a, st_kv_dtype t, int64_t begin, int64_t
                     o[x] = have[x] ? tmp + x * G * hd : a->out + h * hd;
                     lp[x] = have[x] ? lr + x * G : l + x * G;
                 }
-                attn_range(t, &a->src, g, 1, G, T, q, r0, nks, a->key0, table, a->bs, a->scale, s, inv_z, o, lp);
+                attn_range(t, &a->src, g, G, T, q, r0, nks, a->key0, table, a->bs, a->scale, s, inv_z, o, lp);
                 for (int x = 0; x < T; x++) {
                     if (!nks[x]) continue;
                     if (have[x]) {
@@ -526,15 +512,11 @@ static strata_status attn_run(st_cpu *c, attn_ctx *a, int64_t n, int64_t max_k1)
     const int64_t n_blocks = (n + ATTN_TOKEN_BLOCK - 1) / ATTN_TOKEN_BLOCK, items = n_blocks * nkv;
     const int64_t n_ranges = (max_k1 - a->key0 + R - 1) / R;
     a->n = n;
-    const bool split = n_ranges > 1 && (items < ATTN_ITEMS_PER_THREAD * c->n_threads || items <= ATTN_SPLIT_ITEMS);
-    /* split items of whole rows (every kv head) when the ranges alone go round the threads */
-    a->ng = split && nkv <= ATTN_ROW_KV_MAX && n_blocks * n_ranges >= ATTN_ITEMS_PER_THREAD * c->n_threads
-                ? (int)nkv : 1;
-    strata_status st = st_cpu_scratch_reserve(c, attn_scratch(a->group, a->hd, a->ng));
+    strata_status st = st_cpu_scratch_reserve(c, attn_scratch(a->group, a->hd));
     if (st != STRATA_OK) return st;
     a->scratch = c->scratch;
     int64_t n_items = items, keys = max_k1 - a->key0; /* keys of the largest item */
-    if (split) {
+    if (n_ranges > 1 && (items < ATTN_ITEMS_PER_THREAD * c->n_threads || items <= ATTN_SPLIT_ITEMS)) {
         const size_t need = (size_t)(n * nkv * n_ranges * ATTN_PART(a)); /* per token */
         if (need > c->attn_part_floats) {
             float *p = NULL;
@@ -546,10 +528,10 @@ static strata_status attn_run(st_cpu *c, attn_ctx *a, int64_t n, int64_t max_k1)
             c->attn_part_floats = need;
         }
         a->n_ranges = n_ranges;
-        a->n_groups = items / a->ng;
+        a->n_groups = items;
         a->part = c->attn_part;
-        n_items = a->n_groups * n_ranges;
-        keys = R * a->ng;
+        n_items = items * n_ranges;
+        keys = R;
     }
     int64_t grain = ATTN_GRAIN_MACS / (keys * (n < ATTN_TOKEN_BLOCK ? n : ATTN_TOKEN_BLOCK) * a->group * a->hd * 2 + 1);
     if (grain < 1) grain = 1;
