@@ -151,7 +151,7 @@ static void test_half_conversions(void) {
     for (int b0 = 0; b0 < 256; b0 += 8) {
         st_v16u8 v = {0};
         for (int l = 0; l < 8; l++) v[l] = (uint8_t)(b0 + l);
-        const st_v8f f = st_v8f_from_e4m3(v);
+        const st_v8f f = st_v8f_from_e4m3(st_v8u_from_u8(v));
         for (int l = 0; l < 8; l++)
             CHECK_MSG(f2u(f[l]) == f2u(st_kv_fp8_to_f32((uint8_t)(b0 + l))), "fp8 %02x -> %08x (scalar %08x)",
                       b0 + l, f2u(f[l]), f2u(st_kv_fp8_to_f32((uint8_t)(b0 + l))));

@@ -44,6 +44,10 @@
 #include "backend/cpu/cpu_internal.h"
 #include "backend/cpu/cpu_simd.h"
 
+#if ST_CPU_HAVE_AVX2_PATH
+#include <immintrin.h>
+#endif
+
 /* Fewer items than this per thread: split the keys (see above). */
 #define ATTN_ITEMS_PER_THREAD 4
 /* At most this many items (a decode step, a verification pass) are split over the keys whatever
@@ -98,19 +102,53 @@ typedef struct {
     int64_t n_kv_heads, hd;
 } kv_src;
 
+/* The widening of a row's 8 bf16 / fp8 values to 32-bit lanes, per build: the kernels take it as
+ * an argument (a constant where inlined), so the AVX2 build uses one vpmovzx. GCC's code for the
+ * portable forms depends on its version: GCC 12 made one vpmovzxwd of 8 lanes written one by one,
+ * the GPU machine's compiler a movzwl / vpinsrd per lane (the Xeon's decode attention ran at
+ * ~2.5 GB/s a core). */
+typedef struct {
+    st_v8u (*w16)(const uint16_t *p); /* 8 u16 at p, zero-extended */
+    st_v8u (*w8)(const uint8_t *p);   /* 8 u8 at p, zero-extended */
+    st_v8f (*splat)(float f);         /* f in 8 lanes (GCC 12's AVX2 code for the portable form: 4
+                                         vinsertps and a vinsertf128, in the loops over the keys) */
+} attn_isa;
+
+ST_AI st_v8u w16_portable(const uint16_t *p) {
+    st_v8u16 h;
+    memcpy(&h, p, sizeof h);
+    return st_v8u_from_u16(h);
+}
+ST_AI st_v8u w8_portable(const uint8_t *p) {
+    st_v16u8 b = {0};
+    memcpy(&b, p, 8);
+    return st_v8u_from_u8(b);
+}
+#if ST_CPU_HAVE_AVX2_PATH
+ST_TARGET_AVX2 ST_AI st_v8f splat_avx2(float f) { return (st_v8f)_mm256_set1_ps(f); }
+ST_TARGET_AVX2 ST_AI st_v8u w16_avx2(const uint16_t *p) {
+    return (st_v8u)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+ST_TARGET_AVX2 ST_AI st_v8u w8_avx2(const uint8_t *p) {
+    return (st_v8u)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+#endif
+
 /* Values d .. d + m - 1 (m <= 8; zero in the lanes past m) of a row of type t,
  * as fp32: the exact conversions of backend.h. sc: the row's fp8 scale. */
-ST_AI st_v8f kv_load(st_kv_dtype t, const void *row, st_v8f sc, int64_t d, int64_t m) {
+ST_AI st_v8f kv_load(st_kv_dtype t, const void *row, st_v8f sc, int64_t d, int64_t m, attn_isa I) {
     switch (t) {
     case ST_KV_BF16: { /* bf16 -> fp32 is the bits shifted up */
-        st_v8u16 h = {0};
-        memcpy(&h, (const uint16_t *)row + d, (size_t)m * sizeof(uint16_t));
-        return (st_v8f)(st_v8u_from_u16(h) << 16);
+        const uint16_t *p = (const uint16_t *)row + d;
+        uint16_t tmp[8] = {0};
+        if (m < 8) p = memcpy(tmp, p, (size_t)m * sizeof(uint16_t));
+        return (st_v8f)(I.w16(p) << 16);
     }
     case ST_KV_FP8: { /* vector bit moves: lane by lane through a table was ~5x slower than bf16 */
-        st_v16u8 b = {0};
-        memcpy(&b, (const uint8_t *)row + d, (size_t)m);
-        return st_v8f_from_e4m3(b) * sc;
+        const uint8_t *p = (const uint8_t *)row + d;
+        uint8_t tmp[8] = {0};
+        if (m < 8) p = memcpy(tmp, p, (size_t)m);
+        return st_v8f_from_e4m3(I.w8(p)) * sc;
     }
     case ST_KV_F32: break;
     }
@@ -134,19 +172,19 @@ ST_AI float attn_hsum(const st_v8f *v) {
 
 /* s[h * ld] = scale * dot(q + h * hd, row) for heads h < nh (nh <= ATTN_HEADS_BLOCK, a
  * constant where inlined), in cpu_simd.h's order; the row is read once. */
-ST_AI void attn_dots(int nh, st_kv_dtype t, const float *q, const void *row, st_v8f sc, int64_t hd,
+ST_AI void attn_dots(int nh, st_kv_dtype t, attn_isa I, const float *q, const void *row, st_v8f sc, int64_t hd,
                      float scale, float *s, int64_t ld) {
     st_v8f acc[ATTN_HEADS_BLOCK];
     #pragma GCC unroll 4
     for (int h = 0; h < nh; h++) acc[h] = st_v8f_splat(0.0f);
     int64_t d = 0;
     for (; d + 8 <= hd; d += 8) {
-        const st_v8f kv = kv_load(t, row, sc, d, 8);
+        const st_v8f kv = kv_load(t, row, sc, d, 8, I);
         #pragma GCC unroll 4
         for (int h = 0; h < nh; h++) acc[h] += st_v8f_load(q + h * hd + d) * kv;
     }
     if (d < hd) {
-        const st_v8f kv = kv_load(t, row, sc, d, hd - d);
+        const st_v8f kv = kv_load(t, row, sc, d, hd - d, I);
         #pragma GCC unroll 4
         for (int h = 0; h < nh; h++) acc[h] += st_v8f_load_part(q + h * hd + d, hd - d) * kv;
     }
@@ -158,7 +196,7 @@ ST_AI void attn_dots(int nh, st_kv_dtype t, const float *q, const void *row, st_
  * then add, from 0, in increasing j) for heads h < nh and the nc (1 or 2,
  * constants where inlined) chunks of 8 values from d, m1 values in the last; the accumulators stay in
  * registers over the keys, so o is written once. rows[j]: key j's row index in src->v. */
-ST_AI void attn_pv_chunks(int nh, int nc, st_kv_dtype t, const kv_src *src, const int64_t *rows, int64_t nk,
+ST_AI void attn_pv_chunks(int nh, int nc, st_kv_dtype t, attn_isa I, const kv_src *src, const int64_t *rows, int64_t nk,
                           const float *p, int64_t ld, float *o, int64_t hd, int64_t d, int64_t m1) {
     const int64_t row_bytes = hd * kv_esize(t);
     st_v8f a[ATTN_HEADS_BLOCK][2];
@@ -167,10 +205,10 @@ ST_AI void attn_pv_chunks(int nh, int nc, st_kv_dtype t, const kv_src *src, cons
     for (int64_t j = 0; j < nk; j++) {
         const int64_t r = rows[j];
         const void *row = (const char *)src->v + r * row_bytes;
-        const st_v8f sc = st_v8f_splat(t == ST_KV_FP8 ? src->v_scale[r] : 1.0f);
+        const st_v8f sc = I.splat(t == ST_KV_FP8 ? src->v_scale[r] : 1.0f);
         st_v8f v[2];
-        v[0] = kv_load(t, row, sc, d, nc == 1 ? m1 : 8);
-        if (nc == 2) v[1] = kv_load(t, row, sc, d + 8, m1);
+        v[0] = kv_load(t, row, sc, d, nc == 1 ? m1 : 8, I);
+        if (nc == 2) v[1] = kv_load(t, row, sc, d + 8, m1, I);
         #pragma GCC unroll 4
         for (int h = 0; h < nh; h++) { /* vector x scalar: GCC broadcasts it (a splat of 8 lanes became
                                           8 vinsertps in one of the unrolled heads) */
@@ -189,12 +227,12 @@ ST_AI void attn_pv_chunks(int nh, int nc, st_kv_dtype t, const kv_src *src, cons
 }
 
 /* attn_pv_chunks over all hd values: 16 at a time, then the rest. */
-ST_AI void attn_pv(int nh, st_kv_dtype t, const kv_src *src, const int64_t *rows, int64_t nk, const float *p,
+ST_AI void attn_pv(int nh, st_kv_dtype t, attn_isa I, const kv_src *src, const int64_t *rows, int64_t nk, const float *p,
                    int64_t ld, float *o, int64_t hd) {
     int64_t d = 0;
-    for (; d + 16 <= hd; d += 16) attn_pv_chunks(nh, 2, t, src, rows, nk, p, ld, o, hd, d, 8);
-    if (hd - d > 8) attn_pv_chunks(nh, 2, t, src, rows, nk, p, ld, o, hd, d, hd - d - 8);
-    else if (hd > d) attn_pv_chunks(nh, 1, t, src, rows, nk, p, ld, o, hd, d, hd - d);
+    for (; d + 16 <= hd; d += 16) attn_pv_chunks(nh, 2, t, I, src, rows, nk, p, ld, o, hd, d, 8);
+    if (hd - d > 8) attn_pv_chunks(nh, 2, t, I, src, rows, nk, p, ld, o, hd, d, hd - d - 8);
+    else if (hd > d) attn_pv_chunks(nh, 1, t, I, src, rows, nk, p, ld, o, hd, d, hd - d);
 }
 
 /* The row of key j: j - base for a contiguous piece starting at key `base`
@@ -243,7 +281,7 @@ ST_AI int64_t row_next(row_iter *it) {
  * tokens whose range holds it; each token's heads see exactly the operations of a range of
  * that token alone. s: [T * G * ST_ATTN_RANGE] scores; inv_z: [T * G] scratch. Rows as
  * row_start. */
-ST_AI void attn_range(st_kv_dtype t, const kv_src *src, int64_t kvh, int64_t G, int T, const float *const *q,
+ST_AI void attn_range(st_kv_dtype t, attn_isa I, const kv_src *src, int64_t kvh, int64_t G, int T, const float *const *q,
                       int64_t r0, const int64_t *nks, int64_t base, const int32_t *table, int64_t bs, float scale,
                       float *s, float *inv_z, float *const *o, float *const *lse) {
     const int64_t hd = src->hd, R = ST_ATTN_RANGE, nkv = src->n_kv_heads;
@@ -263,11 +301,11 @@ ST_AI void attn_range(st_kv_dtype t, const kv_src *src, int64_t kvh, int64_t G, 
             }
         }
         const void *row = (const char *)src->k + r * row_bytes;
-        const st_v8f sc = st_v8f_splat(t == ST_KV_FP8 ? src->k_scale[r] : 1.0f);
+        const st_v8f sc = I.splat(t == ST_KV_FP8 ? src->k_scale[r] : 1.0f);
         for (int x = 0; x < T; x++) {
             if (j >= nks[x]) continue;
             float *sx = s + x * G * R;
-#define DOTS(nh, h0) attn_dots(nh, t, q[x] + (h0) * hd, row, sc, hd, scale, sx + (h0) * R + j, R)
+#define DOTS(nh, h0) attn_dots(nh, t, I, q[x] + (h0) * hd, row, sc, hd, scale, sx + (h0) * R + j, R)
             ATTN_HEAD_BLOCKS(G, DOTS);
 #undef DOTS
         }
@@ -312,7 +350,7 @@ ST_AI void attn_range(st_kv_dtype t, const kv_src *src, int64_t kvh, int64_t G, 
     for (int x = 0; x < T; x++) {
         if (!nks[x]) continue;
         const float *sx = s + x * G * R;
-#define PV(nh, h0) attn_pv(nh, t, src, rows, nks[x], sx + (h0) * R, R, o[x] + (h0) * hd, hd)
+#define PV(nh, h0) attn_pv(nh, t, I, src, rows, nks[x], sx + (h0) * R, R, o[x] + (h0) * hd, hd)
         ATTN_HEAD_BLOCKS(G, PV);
 #undef PV
     }
@@ -389,7 +427,7 @@ ST_AI bool attn_block(const attn_ctx *a, int64_t n, int64_t blk, int64_t *i0, in
 /* Items [begin, end): (block of tokens, kv head) over all their keys, each token merging its
  * ranges in order, or (split) (block, kv head, range) into a->part. Tokens of a block that do
  * not share their rows go one at a time. */
-ST_AI void attn_items_t(const attn_ctx *a, st_kv_dtype t, int64_t begin, int64_t end, int ti) {
+ST_AI void attn_items_t(const attn_ctx *a, st_kv_dtype t, attn_isa I, int64_t begin, int64_t end, int ti) {
     const int64_t hd = a->hd, G = a->group, R = ST_ATTN_RANGE, nkv = a->src.n_kv_heads, TB = ATTN_TOKEN_BLOCK;
     float *s = a->scratch[ti], *tmp = s + TB * G * R, *inv_z = tmp + TB * G * hd, *l = inv_z + TB * G,
           *lr = l + TB * G;
@@ -423,7 +461,7 @@ ST_AI void attn_items_t(const attn_ctx *a, st_kv_dtype t, int64_t begin, int64_t
                     o[x] = P, lp[x] = P + G * hd;
                 }
                 if (r0 < kmax)
-                    attn_range(t, &a->src, g, G, T, q, r0, nks, a->key0, table, a->bs, a->scale, s, inv_z, o, lp);
+                    attn_range(t, I, &a->src, g, G, T, q, r0, nks, a->key0, table, a->bs, a->scale, s, inv_z, o, lp);
                 c0 = c1;
                 continue;
             }
@@ -442,7 +480,7 @@ ST_AI void attn_items_t(const attn_ctx *a, st_kv_dtype t, int64_t begin, int64_t
                     o[x] = have[x] ? tmp + x * G * hd : a->out + h * hd;
                     lp[x] = have[x] ? lr + x * G : l + x * G;
                 }
-                attn_range(t, &a->src, g, G, T, q, r0, nks, a->key0, table, a->bs, a->scale, s, inv_z, o, lp);
+                attn_range(t, I, &a->src, g, G, T, q, r0, nks, a->key0, table, a->bs, a->scale, s, inv_z, o, lp);
                 for (int x = 0; x < T; x++) {
                     if (!nks[x]) continue;
                     if (have[x]) {
@@ -463,18 +501,20 @@ ST_AI void attn_items_t(const attn_ctx *a, st_kv_dtype t, int64_t begin, int64_t
     }
 }
 
-ST_AI void attn_items(const attn_ctx *a, int64_t begin, int64_t end, int ti) {
+ST_AI void attn_items(const attn_ctx *a, int64_t begin, int64_t end, int ti, attn_isa I) {
     switch (a->t) {
-    case ST_KV_F32: attn_items_t(a, ST_KV_F32, begin, end, ti); break;
-    case ST_KV_BF16: attn_items_t(a, ST_KV_BF16, begin, end, ti); break;
-    case ST_KV_FP8: attn_items_t(a, ST_KV_FP8, begin, end, ti); break;
+    case ST_KV_F32: attn_items_t(a, ST_KV_F32, I, begin, end, ti); break;
+    case ST_KV_BF16: attn_items_t(a, ST_KV_BF16, I, begin, end, ti); break;
+    case ST_KV_FP8: attn_items_t(a, ST_KV_FP8, I, begin, end, ti); break;
     }
 }
 
-static void attn_fn_generic(void *ctx, int64_t b, int64_t e, int ti) { attn_items(ctx, b, e, ti); }
+static void attn_fn_generic(void *ctx, int64_t b, int64_t e, int ti) {
+    attn_items(ctx, b, e, ti, (attn_isa){w16_portable, w8_portable, st_v8f_splat});
+}
 #if ST_CPU_HAVE_AVX2_PATH
 ST_TARGET_AVX2 static void attn_fn_avx2(void *ctx, int64_t b, int64_t e, int ti) {
-    attn_items(ctx, b, e, ti);
+    attn_items(ctx, b, e, ti, (attn_isa){w16_avx2, w8_avx2, splat_avx2});
 }
 #endif
 

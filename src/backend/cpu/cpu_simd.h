@@ -112,13 +112,12 @@ ST_AI st_v8u st_v8u_from_u16(st_v8u16 h) { return (st_v8u){h[0], h[1], h[2], h[3
 typedef uint8_t st_v16u8 __attribute__((vector_size(16)));
 ST_AI st_v8u st_v8u_from_u8(st_v16u8 b) { return (st_v8u){b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]}; }
 
-/* 8 fp8 e4m3 (the first 8 bytes of b16) -> f32 exactly, as st_kv_fp8_to_f32 (NaN for S.1111.111),
+/* 8 fp8 e4m3 (b: zero-extended to 32 bits) -> f32 exactly, as st_kv_fp8_to_f32 (NaN for S.1111.111),
  * in integer moves and one exact subtraction, no f32 subnormal on the way (Intel cores take a
  * microcode assist per subnormal operand: a multiply by 2^120 of the bits in place ran 2-3x slower
  * there than a table): a normal's exponent e + 120 and mantissa m are f32's bits; a subnormal
  * (e = 0, m x 2^-9) is 2^-6 (1 + m/8) - 2^-6. The sign is put back last. */
-ST_AI st_v8f st_v8f_from_e4m3(st_v16u8 b16) {
-    const st_v8u b = st_v8u_from_u8(b16);
+ST_AI st_v8f st_v8f_from_e4m3(st_v8u b) {
     const st_v8u em = b & 0x7fu;
     const st_v8u sub = (st_v8u)(em < 8u);    /* all ones where e = 0 */
     const st_v8u nan = (st_v8u)(em == 0x7fu); /* all ones where NaN */
