@@ -413,17 +413,19 @@ void st_llama_cpu_attn(const st_llama *m, double *share, double *cpu_bw, double 
 }
 
 /* params.cpu_attn < 0 (a device other than the CPU: init_cpu_attn made it 1 there): the CPU's rate over
- * 256 MiB of rows of the dtype (zeros written, so that they are not the kernel's shared zero page; at most
- * 128K keys), H2D (params' bw.h2d, else weights/measure's probe), and the share from them (planner.h
- * st_plan_cpu_attn_share). */
+ * rows of the dtype (zeros written, so that they are not the kernel's shared zero page), 4x the last-level
+ * cache and 256 MiB at least (the GPU machine's Xeon holds 256 MiB in its 300 MiB L3: the rate read there
+ * was 55 GB/s, from DRAM 40), H2D (params' bw.h2d, else weights/measure's probe), and the share from them
+ * (planner.h st_plan_cpu_attn_share). */
 strata_status st_llama_plan_cpu_attn(st_llama *m, st_kv_dtype dtype) {
     if (m->cpu_attn >= 0) return STRATA_OK;
     st_backend *be = m->be;
     const st_config *c = &m->cfg;
     m->cpu_attn = 0; /* unless planned below */
     const size_t row = (size_t)(c->n_kv_heads * c->head_dim) * st_kv_dtype_size(dtype);
-    int64_t keys = (int64_t)(((size_t)256 << 20) / (2 * row));
-    keys = keys > 131072 ? 131072 : keys < ST_ATTN_RANGE ? ST_ATTN_RANGE : keys;
+    const size_t llc4 = 4 * st_wbw_llc_bytes(), set = llc4 > ((size_t)256 << 20) ? llc4 : (size_t)256 << 20;
+    int64_t keys = (int64_t)(set / (2 * row));
+    keys = keys > ((int64_t)1 << 22) ? (int64_t)1 << 22 : keys < ST_ATTN_RANGE ? ST_ATTN_RANGE : keys;
     const size_t sc = dtype == ST_KV_FP8 ? (size_t)(keys * c->n_kv_heads) * sizeof(float) : 0;
     void *k = malloc((size_t)keys * row), *v = malloc((size_t)keys * row);
     float *ks = sc ? malloc(sc) : NULL, *vs = sc ? malloc(sc) : NULL;

@@ -311,8 +311,7 @@ static strata_status measure_shared(st_backend *dev, st_backend *cpu, st_stream 
     return st;
 }
 
-/* The last-level cache's size (sysfs; 0 when unknown). */
-static size_t llc_bytes(void) {
+size_t st_wbw_llc_bytes(void) {
     size_t best = 0;
     for (int i = 0; i < 8; i++) {
         char path[96], buf[32];
@@ -346,7 +345,7 @@ strata_status st_wbw_measure_cpu(const st_model_files *files, const st_wgroups *
     if (rb == 0 || big->shape[0] < 4) return STRATA_OK;
     /* the working set: tensors like it, at least 8x the last-level cache and 2 GiB (up to 64 of them):
      * what a decode step reads comes from DRAM, so the caches should serve as little of the set */
-    size_t want = 8 * llc_bytes();
+    size_t want = 8 * st_wbw_llc_bytes();
     if (want < ((size_t)2 << 30)) want = (size_t)2 << 30;
     probe_set ps = {.bytes_each = (size_t)big->shape[0] * rb};
     for (int i = 1; i < g->n - 1 && ps.n < 64 && ps.bytes < want; i++)

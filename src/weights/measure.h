@@ -20,6 +20,9 @@
 extern "C" {
 #endif
 
+/* The last-level cache's size in bytes (sysfs; 0 when unknown): probes read sets larger than it. */
+size_t st_wbw_llc_bytes(void);
+
 strata_status st_wbw_measure(st_backend *be, const st_model_files *files, const st_wgroups *g, int64_t batch,
                              bool direct, st_wbw *bw);
 /* The h2d figure alone (best of 4 pinned host -> device copies of up to 256 MiB, at most half the
