@@ -88,6 +88,11 @@ def main():
     check(m is not None and abs(float(m.group(1)) - 4096 * 512 / 1e6) < 0.001 and float(m.group(2)) > 0,
           "bench prints the SSD's share of a decode step beside the file's read rate (%s)"
           % (m.group(0) if m else p.stdout[-400:]))
+    m = re.search(r"ssd prefill +([0-9.]+) MB read from the SSD tier in prefill at ([0-9.]+) GB/s .*floor ([0-9.]+) "
+                  r"s, reached ([0-9]+)%", p.stdout)
+    check(m is not None and m.group(1) == "4.2" and float(m.group(2)) > 0 and float(m.group(3)) > 0,
+          "bench prints the prefill's reads from the file beside the file's read rate (%s)"
+          % (m.group(0) if m else p.stdout[-400:]))
     # the floor: the 2 host segments' share of the steps' KV from memory, the file's 4096 keys at its rate
     m = re.search(r"roofline +decode floor [0-9.]+ s/token = max\(\(weights [0-9.]+ MB \+ KV in memory ([0-9.]+) MB\) "
                   r"/ memory read [0-9.]+ GB/s, KV from the SSD / its read rate\)", p.stdout)

@@ -383,6 +383,10 @@ static bool stream_bench(tool_model *tm, const tool_model_opts *mo, int32_t *ids
         printf("prefill      %lld tokens in %.2f s: %.1f tok/s\n", (long long)n_prompt, t_prefill,
                n_prompt / t_prefill);
     }
+    if (ss0.read > 0 && ssd_bw > 0) /* every prefill pass reads the earlier segments in the file */
+        printf("ssd prefill  %.1f MB read from the SSD tier in prefill at %.2f GB/s (the file's read rate, measured "
+               "now): floor %.4f s, reached %.0f%%\n", ss0.read / 1e6, ssd_bw / 1e9, ss0.read / ssd_bw,
+               100.0 * ss0.read / ssd_bw / t_prefill);
     const double step = t_decode / (double)n_gen, kv_step = (double)(up1 - up0) / (double)n_gen;
     const double ssd_step = (double)(ss1.read - ss0.read) / (double)n_gen;
     printf("decode       %lld tokens in %.3f s: %.3f s/token, %.2f tok/s; %.3f MB of KV up per token\n",
