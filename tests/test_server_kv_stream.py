@@ -14,8 +14,9 @@
   - the SSD tier: server D streams with --kv-segment 4096, --kv-stream-mem of
     one segment (4096 tokens x 23040 bytes of bf16 KV) and --kv-ssd-dir, and
     answers a ~4170-token prompt (its first segment goes to the unlinked file
-    there, read back by every later pass) with the text and usage of a
-    server whose pool holds it; the log names the file; none is left behind;
+    there, read back by every later pass; the default passes of 258 tokens
+    cut at the segment's boundary) with the text and usage of a server
+    whose pool holds it; the log names the file; none is left behind;
   - a request past --kv-stream-mem (1M, less than a segment) fails with a 500
     naming --kv-stream-mem, and the server goes on answering.
 test_server.py's Server / raw are reused. About 60 s on 2 cores (most of it
@@ -105,9 +106,9 @@ def main():
     check(f8.stop() == 0, "fp8 server: SIGTERM, exit 0")
 
     # the SSD tier: the host holds one segment of 4096 tokens (--kv-stream-mem), so the ~4170-token prompt's
-    # first segment goes to the file once its keys are all stored; passes of 256 tokens (--max-batch 1,
-    # --step-tokens 256) end on the segment's boundary: a pass that wrote into both segments would need both
-    # on the host
+    # first segment goes to the file once its keys are all stored; the default passes (258 tokens: 256 +
+    # --max-batch 2) are cut at the segment's boundary by the scheduler: a pass that wrote into both segments
+    # would need both on the host
     r2 = ts.Server(model, "--max-model-len", "8192", "--max-batch", "1", "--no-rooflines", tag="kv_stream_r2")
     want = complete_usage(r2, LONGER)
     r2.stop()
@@ -115,7 +116,7 @@ def main():
           "reference: the longer prompt answers (%r)" % (want[2],))
     ssd = os.path.join(ts.TMP, "kv_stream_ssd")
     shutil.rmtree(ssd, ignore_errors=True)
-    d = ts.Server(model, "--max-model-len", "8192", "--max-batch", "1", "--step-tokens", "256", "--kv-blocks", "16",
+    d = ts.Server(model, "--max-model-len", "8192", "--max-batch", "2", "--kv-blocks", "16",
                   "--kv-stream", "--kv-segment", str(SEG), "--kv-stream-mem", str(SEG * KV_TOKEN), "--kv-ssd-dir",
                   ssd, "--no-rooflines", tag="kv_stream_ssd")
     got = complete_usage(d, LONGER)

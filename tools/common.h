@@ -143,9 +143,8 @@ bool tool_test_fault_is(const tool_model_opts *o, const char *kind);
     "  --kv-stream-mem SIZE     host memory a streamed sequence's KV takes at most, in whole\n"    \
     "                           segments (default 3/4 of the memory available; not the prefix\n"  \
     "                           cache's --kv-host-mem); past it, its segments go to the file of\n" \
-    "                           --kv-ssd-dir, or without one the sequence fails; a pass across a\n" \
-    "                           segment boundary needs both on the host (give two at least);\n"  \
-    "                           more than the machine has available is refused\n"                \
+    "                           --kv-ssd-dir, or without one the sequence fails; more than the\n" \
+    "                           machine has available is refused\n"                              \
     "  --kv-segment N           tokens per host / SSD segment of a streamed sequence, a power of\n" \
     "                           two from 4096 (default 65536; attention pieces shrink to it)\n"     \
     "  --kv-cpu-attn auto|F     a streamed sequence's decode attends share F (0 to 1) of its\n"     \

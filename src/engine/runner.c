@@ -300,6 +300,7 @@ strata_status st_runner_init(const st_model_files *files, st_backend *be, const 
                                         .max_model_len = p.max_model_len,
                                         .prefill_chunk = p.prefill_chunk > 0 ? p.prefill_chunk : 0,
                                         .stream_tokens = p.kv_stream ? batch_tokens : 0,
+                                        .stream_align = p.kv_segment > 0 ? p.kv_segment : ST_KV_STREAM_SEG,
                                         .lower = {.lookup = r->tiers ? tiers_lookup : NULL,
                                                   .prefetch = r->tiers ? tiers_prefetch : NULL,
                                                   .load = r->tiers ? tiers_load : NULL, .user = r->tiers},

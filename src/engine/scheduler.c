@@ -82,8 +82,9 @@ strata_status st_scheduler_init(const st_scheduler_params *p, st_block_manager *
                       (long long)p->max_num_batched_tokens, (long long)p->prefill_chunk, (long long)p->max_batch);
     const int64_t bs = st_bm_block_size(bm);
     const int64_t seq_blocks = (p->max_model_len - 1 + bs - 1) / bs;
-    if (p->stream_tokens < 0)
-        return st_err(STRATA_ERR_INVALID_ARG, "scheduler: stream_tokens %lld < 0", (long long)p->stream_tokens);
+    if (p->stream_tokens < 0 || p->stream_align < 0)
+        return st_err(STRATA_ERR_INVALID_ARG, "scheduler: stream_tokens %lld, stream_align %lld (< 0)",
+                      (long long)p->stream_tokens, (long long)p->stream_align);
     if (seq_blocks > st_bm_num_blocks(bm) && p->stream_tokens == 0)
         return st_err(STRATA_ERR_INVALID_ARG,
                       "scheduler: one sequence of max_model_len %lld tokens needs %lld KV blocks of %lld, the pool has %lld "
@@ -456,7 +457,9 @@ strata_status st_scheduler_schedule(st_scheduler *s, const st_sched_decision **o
         const int64_t pending = q->n_tokens - s->stream_done;
         ST_ASSERT(pending >= 1);
         if (pending == 1 && (st = st_seq_reserve(q, q->n_tokens + 1))) goto fail;
-        const int64_t n = pending < s->p.stream_tokens ? pending : s->p.stream_tokens;
+        int64_t n = pending < s->p.stream_tokens ? pending : s->p.stream_tokens;
+        const int64_t seg_left = s->p.stream_align > 0 ? s->p.stream_align - s->stream_done % s->p.stream_align : n;
+        n = n < seg_left ? n : seg_left;
         s->stream_item = (st_sched_item){.seq_id = q->id, .seq = q, .pos0 = s->stream_done, .n = n,
                                          .tokens = q->tokens + s->stream_done, .is_decode = pending == 1,
                                          .need_logits = s->stream_done + n == q->n_tokens};

@@ -126,6 +126,10 @@ typedef struct {
      * head that must stream waits while another streamed sequence runs, and
      * nobody overtakes it. A streamed sequence is never preempted. */
     int64_t stream_tokens;
+    /* A pass of the streamed sequence ends at the next multiple of this many
+     * tokens (its KV's host / SSD segment: a pass within one segment needs
+     * only that segment on the host); 0: passes are not cut. */
+    int64_t stream_align;
     /* Called when a sequence leaves the scheduler (finished, aborted; not
      * when preempted), with the record still live (NULL: none): the runner's
      * drafter forgets it. */
