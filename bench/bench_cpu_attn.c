@@ -35,18 +35,8 @@ static void fill(uint8_t *p, size_t n, uint32_t seed) {
 }
 
 int main(int argc, char **argv) {
-    int threads[16], n_thr = 0;
-    if (argc > 1) {
-        for (char *s = strtok(argv[1], ","); s && n_thr < 16; s = strtok(NULL, ",")) threads[n_thr++] = atoi(s);
-    } else {
-        threads[n_thr++] = 1;
-        st_pool *p = NULL;
-        if (st_pool_init(0, &p) == STRATA_OK) {
-            const int all = st_pool_threads(p);
-            if (all > 1) threads[n_thr++] = all;
-            st_pool_free(p);
-        }
-    }
+    int threads[16];
+    const int n_thr = tool_bench_threads(argc > 1 ? argv[1] : NULL, threads, 16);
     const int reps = argc > 2 ? atoi(argv[2]) : 5;
     int64_t keys[8] = {65536, 262144};
     int n_keys = 2;

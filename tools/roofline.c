@@ -161,3 +161,19 @@ double tool_measure_read_bw(st_pool *pool, size_t bytes) {
     free(buf);
     return best;
 }
+
+int tool_bench_threads(char *arg, int *threads, int max) {
+    int n = 0;
+    if (arg) {
+        for (char *s = strtok(arg, ","); s && n < max; s = strtok(NULL, ",")) threads[n++] = atoi(s);
+        return n;
+    }
+    threads[n++] = 1;
+    st_pool *p = NULL;
+    if (st_pool_init(0, &p) == STRATA_OK) {
+        const int all = st_pool_threads(p);
+        if (all > 1 && n < max) threads[n++] = all;
+        st_pool_free(p);
+    }
+    return n;
+}

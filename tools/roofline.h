@@ -36,3 +36,8 @@ double tool_measure_h2d_bw(st_backend *be, size_t width, size_t pitch);
  * summing `bytes` of floats in 256 KiB chunks (strata bench --device cpu's
  * "memory read", bench/bench_cpu_matmul); 0 when the buffer cannot be had. */
 double tool_measure_read_bw(st_pool *pool, size_t bytes);
+
+/* The thread counts a CPU benchmark runs at (bench/bench_cpu_*): the
+ * comma-separated list in arg (at most max), else 1 and all cores; returns how
+ * many. arg is cut up (strtok). */
+int tool_bench_threads(char *arg, int *threads, int max);
