@@ -105,9 +105,9 @@ ST_AI st_v8f st_v8f_from_f16(st_v8u16 h16) {
     return (st_v8f)(bits | sign);
 }
 
-/* 8 u16 / the first 8 of 16 u8 widened to u32, written lane by lane: GCC 12 makes one vpmovzxwd /
- * vpmovzxbd of these on AVX2, but of __builtin_convertvector two halves (u16) or a byte-by-byte
- * scalar sequence (u8). */
+/* 8 u16 / the first 8 of 16 u8 widened to u32, the portable forms (the CPU attention's AVX2 build
+ * takes intrinsics instead: what GCC makes of these depends on its version, one vpmovzx with GCC 12,
+ * a movzwl / vpinsrd per lane with GCC 13). */
 ST_AI st_v8u st_v8u_from_u16(st_v8u16 h) { return (st_v8u){h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]}; }
 typedef uint8_t st_v16u8 __attribute__((vector_size(16)));
 ST_AI st_v8u st_v8u_from_u8(st_v16u8 b) { return (st_v8u){b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]}; }
