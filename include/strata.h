@@ -141,6 +141,8 @@ typedef struct {
                                   computes whole groups; (0, 1): that share, rounded to 256 rows on large layers) */
     int64_t cpu_max_tokens;    /* forward passes of at most this many tokens compute those groups on the CPU;
                                   larger ones (prefill) stream them to the device (0: 8) */
+    int64_t cpu_pass_tokens;   /* hybrid: the decode pass the split balances, in tokens (0: 1, a decode step;
+                                  with speculative decoding of k drafts, k + 1); at most cpu_max_tokens */
     /* serving knobs (zero: defaults) */
     int64_t max_seq_len_cap;   /* when max_seq_len is 0: the model's context length capped at this many
                                   tokens (0: 4096; e.g. 2048 for `strata serve`) */

@@ -23,7 +23,7 @@ backend: the same kernels, so every result must be bit-identical.
   that no bf16 rounding of K or V flips and amplifies that), `strata
   bench` reports the CPU's bytes and the bytes to the device per step as
   planned (the parts, not whole groups);
-- bad values of --cpu-layers / --cpu-split / --cpu-max-tokens are usage
+- bad values of --cpu-layers / --cpu-split / --cpu-max-tokens / --cpu-pass-tokens are usage
   errors naming the option.
 """
 import array
@@ -198,10 +198,20 @@ def main():
     m0 = os.path.join(SRC, "tests", "data", "models", "llama3_f32")
     for bad, what in ((["--cpu-layers", "x"], "--cpu-layers"), (["--cpu-layers", "-2"], "--cpu-layers"),
                       (["--cpu-max-tokens", "0"], "--cpu-max-tokens"), (["--cpu-split", "1"], "--cpu-split"),
-                      (["--cpu-split", "half"], "--cpu-split")):
+                      (["--cpu-split", "half"], "--cpu-split"), (["--cpu-pass-tokens", "0"], "--cpu-pass-tokens")):
         p = run(["plan", m0, *bad])
         check(p.returncode == 2 and what in p.stderr, "plan %s: usage error naming %s (rc %d: %s)"
               % (" ".join(bad), what, p.returncode, p.stderr))
+    # a pass to balance that never computes on the CPU (above --cpu-max-tokens) is refused, naming both
+    for extra, cap in (([], 8), (["--cpu-max-tokens", "3"], 3)):
+        p = run(["plan", m0, "--cpu-pass-tokens", str(cap + 1), *extra])
+        check(p.returncode != 0 and "--cpu-pass-tokens" in p.stderr and "--cpu-max-tokens" in p.stderr
+              and "%d tokens to balance" % (cap + 1) in p.stderr and "the %d tokens" % cap in p.stderr,
+              "plan --cpu-pass-tokens %d %s: refused naming both options (rc %d: %s)"
+              % (cap + 1, " ".join(extra), p.returncode, p.stderr))
+    p = run(["plan", m0, "--cpu-pass-tokens", "3", "--cpu-max-tokens", "3"])
+    check(p.returncode == 0, "plan --cpu-pass-tokens 3 --cpu-max-tokens 3: accepted (rc %d: %s)"
+          % (p.returncode, p.stderr))
     # a share no split of this model's 128 rows realizes is refused, not ignored
     p = run(["plan", m0, "--cpu-split", "0.001"])
     check(p.returncode != 0 and "cpu split of 0.001" in p.stderr and "128 intermediate rows" in p.stderr,

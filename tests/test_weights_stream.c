@@ -781,12 +781,17 @@ int main(void) {
         st_wgroups *g = NULL;
         if (files && st_wgroups_build(files, &g) == STRATA_OK) { /* the CPU tier's rate probe */
             st_wbw bw = {0};
-            CHECK(st_wbw_measure_cpu(files, g, 2, ST_CPU_ACT_PRECISE, NULL, &bw) == STRATA_OK);
+            CHECK(st_wbw_measure_cpu(files, g, 2, ST_CPU_ACT_PRECISE, 1, NULL, &bw) == STRATA_OK);
             CHECK_MSG(bw.cpu > 0 && bw.measured[4] && bw.h2d_shared == 0 && bw.cpu_shared == 0 && !bw.measured[5],
                       "cpu %g B/s, shared %g + %g", bw.cpu, bw.h2d_shared, bw.cpu_shared);
+            /* a verification pass's rate (--cpu-pass-tokens): 5 tokens' activations and outputs (ASan
+             * watches their buffers), int8 (the few-token kernels) */
+            bw = (st_wbw){0};
+            CHECK(st_wbw_measure_cpu(files, g, 2, ST_CPU_ACT_INT8, 5, NULL, &bw) == STRATA_OK);
+            CHECK_MSG(bw.cpu > 0 && bw.measured[4], "cpu %g B/s at 5 tokens", bw.cpu);
             st_backend *be = cpu(0); /* a CPU "device": no shared probe either */
             bw = (st_wbw){.cpu = 7};
-            CHECK(st_wbw_measure_cpu(files, g, 2, ST_CPU_ACT_PRECISE, be, &bw) == STRATA_OK);
+            CHECK(st_wbw_measure_cpu(files, g, 2, ST_CPU_ACT_PRECISE, 1, be, &bw) == STRATA_OK);
             CHECK(bw.cpu > 0 && bw.cpu != 7 && bw.h2d_shared == 0);
             st_backend_free(be);
             st_wgroups_free(g);

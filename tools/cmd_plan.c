@@ -110,8 +110,9 @@ int cmd_plan(int argc, char **argv) {
            p.bw.measured[1] ? (p.bw.ssd_direct ? ", O_DIRECT" : ", page cache") : "", p.bw.dev_read / 1e9,
            bw_src(&p.bw, 2), p.bw.gemm / 1e9, bw_src(&p.bw, 3));
     if (p.bw.cpu > 0) {
-        printf("cpu        matmul weight read from host memory %.2f GB/s (%s, %d threads)\n", p.bw.cpu / 1e9,
-               bw_src(&p.bw, 4), mo.threads);
+        printf("cpu        matmul weight read from host memory %.2f GB/s (%s, %d threads, passes of %lld token%s%s)\n",
+               p.bw.cpu / 1e9, bw_src(&p.bw, 4), mo.threads, (long long)p.pass_tokens, p.pass_tokens > 1 ? "s" : "",
+               p.pass_tokens > 1 ? ": --cpu-pass-tokens, the split and the figures below are for such passes" : "");
         if (p.bw.h2d_shared > 0 && p.bw.cpu_shared > 0)
             printf("shared     both reading host memory at once: H2D %.2f GB/s + CPU %.2f GB/s = %.2f GB/s (%s)\n",
                    p.bw.h2d_shared / 1e9, p.bw.cpu_shared / 1e9, (p.bw.h2d_shared + p.bw.cpu_shared) / 1e9,

@@ -480,6 +480,7 @@ static bool runner_open(run_opts *o, runner *r, int *rc) {
         .cpu_layers = mo->cpu_layers,
         .cpu_split = mo->cpu_split,
         .cpu_max_tokens = mo->cpu_max_tokens,
+        .cpu_pass_tokens = mo->cpu_pass_tokens,
         .h2d_gbps = mo->h2d_bw,
         .ssd_gbps = mo->ssd_bw,
         .kv_host_mem = mo->kv_host_mem,

@@ -125,7 +125,8 @@ static void serve_usage(FILE *f) {
             "  --cpu-layers auto|N, --cpu-max-tokens N   hybrid execution (CUDA, weights streamed): FFN\n"
             "                           groups of N layers computed by the CPU from host memory in decode\n"
             "                           steps (default auto; 0: off; as strata bench); --cpu-split auto|F\n"
-            "                           the GPU's share of each (as strata bench)\n"
+            "                           the GPU's share of each, --cpu-pass-tokens N the pass it balances\n"
+            "                           (as strata bench)\n"
             "\nRequests: POST bodies must be 'Content-Type: application/json' (415 otherwise); \"model\",\n"
             "when given, must be the served model's name (404 otherwise); on a loopback --host the Host\n"
             "header must be localhost, 127.0.0.1, [::1] or the host itself (421 otherwise: DNS rebinding).\n"
@@ -421,6 +422,7 @@ int cmd_serve(int argc, char **argv) {
         .cpu_layers = mo->cpu_layers,
         .cpu_split = mo->cpu_split,
         .cpu_max_tokens = mo->cpu_max_tokens,
+        .cpu_pass_tokens = mo->cpu_pass_tokens,
         .h2d_gbps = mo->h2d_bw,
         .ssd_gbps = mo->ssd_bw,
     };

@@ -160,6 +160,7 @@ st_llama_params tool_llama_params(const tool_model_opts *o, const st_model_files
     const bool cpu_dev = tool_backend_params(o).kind == ST_BACKEND_CPU;
     lp.weights.cpu_act = o->cpu_act8 || (!cpu_dev && tool_fast_prefill(o, files)) ? ST_CPU_ACT_INT8 : ST_CPU_ACT_PRECISE;
     lp.weights.cpu_max_tokens = o->cpu_max_tokens;
+    lp.weights.cpu_pass_tokens = o->cpu_pass_tokens;
     lp.weights.bw.h2d = o->h2d_bw * 1e9;
     lp.weights.bw.ssd = o->ssd_bw * 1e9;
     strata_model_params mp = {0}; /* --test-fault (test builds only) */
@@ -304,6 +305,9 @@ int tool_parse_model_opt(int argc, char **argv, int *i, tool_model_opts *o) {
     } else if (strcmp(a, "--cpu-max-tokens") == 0) {
         if (!tool_parse_i64(val, 1, 1 << 20, a, &v)) return -1;
         o->cpu_max_tokens = v;
+    } else if (strcmp(a, "--cpu-pass-tokens") == 0) {
+        if (!tool_parse_i64(val, 1, 1 << 20, a, &v)) return -1;
+        o->cpu_pass_tokens = v;
     } else if (strcmp(a, "--kv-dtype") == 0) {
         if (!val || !st_kv_dtype_parse(val, &o->kv_dtype)) {
             fprintf(stderr, "strata: --kv-dtype takes bf16, fp8 or f32\n");

@@ -24,6 +24,7 @@ typedef struct {
     int cpu_layers;      /* --cpu-layers auto|N: 0 auto, -1 (--cpu-layers 0) none, N */
     double cpu_split;    /* --cpu-split auto|F: 0 auto, -1 (--cpu-split 0) none, F in (0, 1) */
     int64_t cpu_max_tokens; /* --cpu-max-tokens N (0: 8) */
+    int64_t cpu_pass_tokens; /* --cpu-pass-tokens N (0: 1) */
     st_kv_dtype kv_dtype;  /* --kv-dtype bf16|fp8|f32 (default bf16) */
     int64_t kv_seqs;       /* not an option: sequences of --ctx tokens the KV pool holds (0: 1; bench --seqs) */
     bool kv_stream;        /* --kv-stream: a sequence too long for the device pool keeps its KV in host
@@ -111,6 +112,10 @@ bool tool_test_fault_is(const tool_model_opts *o, const char *kind);
     "                           the CPU computes whole groups)\n"                                   \
     "  --cpu-max-tokens N       passes of at most N tokens compute those groups on the CPU; larger\n" \
     "                           ones (prefill) stream them to the device (default 8)\n"          \
+    "  --cpu-pass-tokens N      the decode pass the split balances: the CPU's rate is measured at N\n" \
+    "                           tokens (default 1, a decode step; with speculative decoding of k\n" \
+    "                           drafts, k + 1 balances its verification passes; at most\n"        \
+    "                           --cpu-max-tokens)\n"                                              \
     "  --kv-dtype bf16|fp8|f32  KV cache element type (default bf16; fp8: e4m3 with a scale per\n" \
     "                           token and kv head; f32 for reference checks)\n"                \
     "  --precise                prefill matmuls and attention on the GPU with hi+lo split bf16\n"  \

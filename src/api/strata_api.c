@@ -103,9 +103,11 @@ static strata_status check_params(const strata_model_params *p, st_backend_param
     if (!(p->cpu_split < 1) || p->cpu_split != p->cpu_split)
         return st_err(STRATA_ERR_INVALID_ARG, "model params: cpu_split %g (0 auto, < 0 none, or a share below 1)",
                       p->cpu_split);
-    if (p->cpu_layers < -1 || p->cpu_max_tokens < 0)
-        return st_err(STRATA_ERR_INVALID_ARG, "model params: cpu_layers %d (-1, 0 or a count) or cpu_max_tokens %lld (>= 0)",
-                      p->cpu_layers, (long long)p->cpu_max_tokens);
+    if (p->cpu_layers < -1 || p->cpu_max_tokens < 0 || p->cpu_pass_tokens < 0)
+        return st_err(STRATA_ERR_INVALID_ARG,
+                      "model params: cpu_layers %d (-1, 0 or a count), cpu_max_tokens %lld or cpu_pass_tokens %lld "
+                      "(>= 0)",
+                      p->cpu_layers, (long long)p->cpu_max_tokens, (long long)p->cpu_pass_tokens);
     if (p->max_seq_len_cap < 0 || p->step_tokens < 0 || p->kv_blocks < 0)
         return st_err(STRATA_ERR_INVALID_ARG, "model params: negative max_seq_len_cap %lld, step_tokens %lld or kv_blocks %lld",
                       (long long)p->max_seq_len_cap, (long long)p->step_tokens, (long long)p->kv_blocks);
@@ -314,6 +316,7 @@ strata_status strata_model_open(const char *path, const strata_model_params *par
                                 ? ST_CPU_ACT_INT8
                                 : ST_CPU_ACT_PRECISE;
     m->ep.weights.cpu_max_tokens = p.cpu_max_tokens;
+    m->ep.weights.cpu_pass_tokens = p.cpu_pass_tokens;
     m->ep.weights.bw.h2d = p.h2d_gbps * 1e9;
     m->ep.weights.bw.ssd = p.ssd_gbps * 1e9;
     m->ep.weights.stream.faults = (st_ssd_faults){.fail_nth = p.weight_read_fail_nth,

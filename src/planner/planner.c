@@ -334,6 +334,7 @@ strata_status st_plan_make(const st_model_files *files, st_backend *be, const st
      * places it there too (the model's second CPU backend computes it: the tests' way to run it) */
     pp.cpu_ffn = be->kind == ST_BACKEND_CPU && wo->cpu_ffn == 0 ? -1 : wo->cpu_ffn;
     pp.cpu_split = wo->cpu_split;
+    pp.pass_tokens = wo->cpu_pass_tokens;
     if ((p->device_mem > 0 || wo->placement) && !bw_complete(&pp.bw))
         return pp.bw.skipped[0] /* the probe had no memory: say so, not that nobody measured */
                    ? st_err(STRATA_ERR_NOMEM, "plan: the matmul probe that a plan under a device budget needs "
@@ -346,6 +347,12 @@ strata_status st_plan_make(const st_model_files *files, st_backend *be, const st
 
 strata_status st_plan_measure(const st_model_files *files, st_backend *be, st_plan_params *p) {
     st_weight_opts *wo = &p->weights;
+    const int64_t cpu_max = wo->cpu_max_tokens > 0 ? wo->cpu_max_tokens : ST_PLAN_CPU_MAX_TOKENS;
+    if (wo->cpu_pass_tokens < 0 || wo->cpu_pass_tokens > cpu_max)
+        return st_err(STRATA_ERR_INVALID_ARG,
+                      "plan: a decode pass of %lld tokens to balance (--cpu-pass-tokens) must be between 1 and "
+                      "the %lld tokens up to which a pass computes on the CPU (--cpu-max-tokens)",
+                      (long long)wo->cpu_pass_tokens, (long long)cpu_max);
     const bool need_bw = (p->device_mem > 0 || wo->placement || p->measure_bw) && !bw_complete(&wo->bw);
     const bool need_scratch = p->device_mem > 0 && wo->device_reserve == 0;
     const bool need_cpu = (p->device_mem > 0 || p->measure_bw) && be->kind != ST_BACKEND_CPU && wo->cpu_ffn >= 0 &&
@@ -355,7 +362,8 @@ strata_status st_plan_measure(const st_model_files *files, st_backend *be, st_pl
     st_wgroups *g = NULL;
     strata_status st = st_wgroups_build(files, &g);
     if (st == STRATA_OK && need_bw) st = st_wbw_measure(be, files, g, T, !wo->stream.no_direct, &wo->bw);
-    if (st == STRATA_OK && need_cpu) st = st_wbw_measure_cpu(files, g, wo->cpu_threads, wo->cpu_act, be, &wo->bw);
+    if (st == STRATA_OK && need_cpu)
+        st = st_wbw_measure_cpu(files, g, wo->cpu_threads, wo->cpu_act, wo->cpu_pass_tokens, be, &wo->bw);
     if (st == STRATA_OK && need_scratch)
         wo->device_reserve = st_plan_scratch(be, &files->config, g, T, p->max_seq_len, wo->probe_scratch);
     st_wgroups_free(g);

@@ -52,6 +52,11 @@ typedef struct {
                                  --cpu-act int8; else precise */
     int64_t cpu_max_tokens;   /* passes of at most this many tokens compute CPU-tier groups on the CPU; larger
                                  ones (prefill) stream them to the device (0: ST_PLAN_CPU_MAX_TOKENS) */
+    int64_t cpu_pass_tokens;  /* the decode pass the plan balances (0: 1 token, a decode step): the CPU's rate
+                                 is probed at this many tokens, so that speculative decoding's verification
+                                 passes of k drafts (k + 1 tokens: the CPU's integer kernels read fewer bytes
+                                 per second than at one) get a split that gives the device more rows; at most
+                                 cpu_max_tokens */
 } st_weight_opts;
 #define ST_PLAN_CPU_MAX_TOKENS 8
 

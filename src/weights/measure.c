@@ -228,13 +228,14 @@ static void *copier_run(void *arg) {
 typedef struct {
     st_weight w[64];
     int n;
+    int64_t tokens; /* of each matmul */
     size_t bytes_each, bytes;
 } probe_set;
 
 static void probe_run_set(const probe_set *ps, st_backend *cpu, st_stream *s, const float *x, float *y,
                           strata_status *st) {
     for (int i = 0; i < ps->n && *st == STRATA_OK; i++) {
-        *st = cpu->ops->matmul(cpu, s, x, &ps->w[i], 1, y);
+        *st = cpu->ops->matmul(cpu, s, x, &ps->w[i], ps->tokens, y);
         if (*st == STRATA_OK) *st = cpu->ops->stream_sync(cpu, s);
     }
 }
@@ -331,7 +332,8 @@ size_t st_wbw_llc_bytes(void) {
 }
 
 strata_status st_wbw_measure_cpu(const st_model_files *files, const st_wgroups *g, int threads, st_cpu_act act,
-                                 st_backend *dev, st_wbw *bw) {
+                                 int64_t tokens, st_backend *dev, st_wbw *bw) {
+    if (tokens < 1) tokens = 1;
     const st_tensor_desc *big = NULL; /* the largest FFN tensor: what the CPU tier reads */
     for (int i = 1; i < g->n - 1; i++)
         if (g->g[i].kind == ST_WG_FFN)
@@ -347,7 +349,7 @@ strata_status st_wbw_measure_cpu(const st_model_files *files, const st_wgroups *
      * what a decode step reads comes from DRAM, so the caches should serve as little of the set */
     size_t want = 8 * st_wbw_llc_bytes();
     if (want < ((size_t)2 << 30)) want = (size_t)2 << 30;
-    probe_set ps = {.bytes_each = (size_t)big->shape[0] * rb};
+    probe_set ps = {.bytes_each = (size_t)big->shape[0] * rb, .tokens = tokens};
     for (int i = 1; i < g->n - 1 && ps.n < 64 && ps.bytes < want; i++)
         if (g->g[i].kind == ST_WG_FFN)
             for (int t = 0; t < g->g[i].n_tensors && ps.n < 64 && ps.bytes < want; t++) {
@@ -364,10 +366,10 @@ strata_status st_wbw_measure_cpu(const st_model_files *files, const st_wgroups *
     const st_backend_params bp = {.kind = ST_BACKEND_CPU, .n_threads = threads, .cpu_act = act};
     strata_status st = st_backend_init(&bp, &cpu);
     if (st == STRATA_OK) st = cpu->ops->stream_create(cpu, false, &s);
-    if (st == STRATA_OK) st = cpu->ops->alloc(cpu, (size_t)K * sizeof(float), (void **)&x);
-    if (st == STRATA_OK) st = cpu->ops->alloc(cpu, (size_t)big->shape[0] * sizeof(float), (void **)&y);
+    if (st == STRATA_OK) st = cpu->ops->alloc(cpu, (size_t)(tokens * K) * sizeof(float), (void **)&x);
+    if (st == STRATA_OK) st = cpu->ops->alloc(cpu, (size_t)(tokens * big->shape[0]) * sizeof(float), (void **)&y);
     if (st == STRATA_OK) {
-        for (int64_t i = 0; i < K; i++) x[i] = (float)((i % 7) - 3) * 0.125f;
+        for (int64_t i = 0; i < tokens * K; i++) x[i] = (float)((i % 7) - 3) * 0.125f;
         double best = 0;
         for (int r = 0; r < 4 && st == STRATA_OK; r++) { /* the first pass pages the set in, untimed */
             const double a = st_time_now();
@@ -383,9 +385,9 @@ strata_status st_wbw_measure_cpu(const st_model_files *files, const st_wgroups *
             st = measure_shared(dev, cpu, s, x, &ps, y, bw);
         if (st == STRATA_OK)
             st_log(STRATA_LOG_INFO,
-                   "CPU matmul weight read (%d threads, %s, %d tensors of %.1f MB in turn): %.2f GB/s; while H2D "
-                   "copies run: CPU %.2f GB/s + H2D %.2f GB/s = %.2f GB/s of host memory (%.2f s to measure)",
-                   threads, st_dtype_name(big->dtype), ps.n, (double)ps.bytes_each / 1e6, best / 1e9,
+                   "CPU matmul weight read (%d threads, %s, %lld token%s, %d tensors of %.1f MB in turn): %.2f GB/s; "
+                   "while H2D copies run: CPU %.2f GB/s + H2D %.2f GB/s = %.2f GB/s of host memory (%.2f s to measure)",
+                   threads, st_dtype_name(big->dtype), (long long)tokens, tokens == 1 ? "" : "s", ps.n, (double)ps.bytes_each / 1e6, best / 1e9,
                    bw->cpu_shared / 1e9, bw->h2d_shared / 1e9, (bw->cpu_shared + bw->h2d_shared) / 1e9,
                    st_time_now() - t0);
     }

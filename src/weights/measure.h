@@ -30,7 +30,8 @@ strata_status st_wbw_measure(st_backend *be, const st_model_files *files, const 
 strata_status st_wbw_measure_h2d(st_backend *be, st_stream *s, double *out);
 
 /* bw->cpu: weight bytes per second of a CPU backend's matmul (`threads`
- * threads, 0: all cores) at 1 token over FFN tensors of the largest one's
+ * threads, 0: all cores) at `tokens` tokens (the decode pass the hybrid plan
+ * balances: 1, or a speculative verification pass) over FFN tensors of the largest one's
  * dtype and shape, read in place from the model's file mapping (host
  * memory, as the CPU tier holds them), in turn, as many as make 8x the
  * last-level cache and 2 GiB (a server's L3 holds a whole 70B FFN tensor: one
@@ -42,7 +43,7 @@ strata_status st_wbw_measure_h2d(st_backend *be, st_stream *s, double *out);
  * whose sum is the median: what each gets of host memory when the hybrid's
  * two readers run at once. */
 strata_status st_wbw_measure_cpu(const st_model_files *files, const st_wgroups *g, int threads, st_cpu_act act,
-                                 st_backend *dev, st_wbw *bw);
+                                 int64_t tokens, st_backend *dev, st_wbw *bw);
 
 #ifdef __cplusplus
 }

@@ -179,6 +179,7 @@ static void evaluate(const st_wgroups *g, const st_wplan_params *p, const knobs 
     out->prefill_tokens = p->prefill_tokens > 0 ? p->prefill_tokens : DEFAULT_PREFILL;
     out->prefill_chunk = k->max_batch;
     out->flops_per_token = p->flops_per_token;
+    out->pass_tokens = p->pass_tokens > 1 ? p->pass_tokens : 1;
     out->attn_flops = p->attn_flops;
     out->t_prefill = st_wplan_prefill(out, out->prefill_tokens, &out->t_prefill_stream, &out->t_prefill_compute,
                                       &out->prefill_bound);
@@ -691,10 +692,11 @@ void st_wplan_free(st_wplan *p) {
 }
 
 void st_wplan_summary(const st_wplan *p, char *buf, size_t n) {
-    char b[7][32], cpu[96] = "";
+    char b[7][32], cpu[160] = "", pass[64] = "";
+    if (p->pass_tokens > 1) snprintf(pass, sizeof pass, ", balanced for passes of %lld tokens", (long long)p->pass_tokens);
     if (p->groups[ST_TIER_CPU])
-        snprintf(cpu, sizeof cpu, ", cpu %d groups %s (%lld rows of each on the device)", p->groups[ST_TIER_CPU],
-                 st_fmt_bytes((double)p->bytes[ST_TIER_CPU], b[6], 32), (long long)p->split_rows);
+        snprintf(cpu, sizeof cpu, ", cpu %d groups %s (%lld rows of each on the device%s)", p->groups[ST_TIER_CPU],
+                 st_fmt_bytes((double)p->bytes[ST_TIER_CPU], b[6], 32), (long long)p->split_rows, pass);
     snprintf(buf, n,
              "device %d groups %s, host %d groups %s, ssd %d groups %s%s; ring %d x %s; decode %.2f ms/token "
              "predicted (%s bound), %s from SSD per token",

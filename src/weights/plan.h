@@ -134,6 +134,8 @@ typedef struct {
                                share that rounds to no part for the device or the CPU is an error); a
                                forced placement (force) takes the share given, else none */
     const st_tier *force;   /* [groups->n] fixed placement (tests), or NULL */
+    int64_t pass_tokens;    /* the tokens of the decode pass bw.cpu and bw.cpu_shared were measured at (0: 1;
+                               planner.h cpu_pass_tokens): what the split balances; reported only */
 } st_wplan_params;
 
 typedef enum { ST_BOUND_NONE = 0, ST_BOUND_SSD, ST_BOUND_PCIE, ST_BOUND_COMPUTE, ST_BOUND_CPU } st_wbound;
@@ -172,6 +174,7 @@ typedef struct {
     uint64_t step_split_bytes;    /* of step_host_bytes, the device parts of split CPU-tier groups */
     int64_t split_rows;           /* intermediate rows of each CPU-tier FFN group that the device computes in
                                      decode (groups.h st_wg_split; 0: the CPU computes whole groups) */
+    int64_t pass_tokens;          /* the decode pass that split balances (st_wplan_params.pass_tokens; >= 1) */
     double t_ssd, t_pcie, t_compute;  /* seconds per decode step, each resource alone (t_compute: the
                                          device's reads, step_read_bytes - step_cpu_bytes) */
     double t_cpu;                 /* step_cpu_bytes / bw.cpu (shared: see the top comment) */
