@@ -11,7 +11,8 @@
     is refused, and so is bench's `--kv-host-mem` (the prefix cache's tier of
     run / serve), with --kv-stream naming --kv-stream-mem (exit 2);
     `--kv-stream-mem` above what the machine has is refused naming it (run,
-    plan), and run's without `--kv-stream`;
+    plan), and run's without `--kv-stream`; bench-kv refuses the streamed
+    sequence's options (it runs prompts in the device pool);
   - the SSD tier under it: `--kv-segment 4096 --kv-stream-mem 4M --kv-ssd-dir`
     at 9000 tokens keeps 2 segments on the host and puts 1 in an unlinked
     file (nothing left in the directory), the decode's SSD share printed
@@ -127,8 +128,16 @@ def main():
 
     p = run(["bench", tiny, "--device", "cpu", "--kv-stream", "--kv-stream-mem", "1K", "--prompt", "300", "--gen",
              "2", "--batch", "256"])
-    check(p.returncode == 1 and "allowed (--kv-stream-mem" in p.stderr and "Traceback" not in p.stderr,
-          "bench --kv-stream-mem 1K fails naming the option (rc %d: %s)" % (p.returncode, p.stderr.strip()[-300:]))
+    check(p.returncode == 1 and "0.001 MB allowed (--kv-stream-mem" in p.stderr and "Traceback" not in p.stderr,
+          "bench --kv-stream-mem 1K fails naming the option and the cap (rc %d: %s)"
+          % (p.returncode, p.stderr.strip()[-300:]))
+    # bench-kv runs prompts in the device pool: the streamed sequence's options are refused, not ignored
+    for opt, val in (("--kv-stream", None), ("--kv-stream-mem", "4M"), ("--kv-segment", "4096"),
+                     ("--kv-cpu-attn", "auto")):
+        p = run(["bench-kv", tiny, "--device", "cpu", opt] + ([val] if val else []))
+        check(p.returncode == 2 and ("%s is an option of run, serve, plan and bench" % opt) in p.stderr
+              and "Traceback" not in p.stderr, "bench-kv %s is refused naming it (rc %d: %s)"
+              % (opt, p.returncode, p.stderr.strip()[-300:]))
     # --kv-host-mem is the prefix cache's host tier (run, serve): bench has none, and its streamed KV's share
     # is --kv-stream-mem
     p = run(["bench", tiny, "--device", "cpu", "--kv-stream", "--kv-host-mem", "4M", "--prompt", "300"])

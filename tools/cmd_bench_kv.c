@@ -155,7 +155,8 @@ int cmd_bench_kv(int argc, char **argv) {
         const char *val = i + 1 < argc ? argv[i + 1] : NULL;
         const int r = tool_parse_model_opt(argc, argv, &i, &mo);
         if (r < 0) return 2;
-        if (r > 0 && (mo.kv_stream || mo.kv_stream_mem)) {
+        if (r > 0 && (!strcmp(a, "--kv-stream") || !strcmp(a, "--kv-stream-mem") || !strcmp(a, "--kv-segment") ||
+                      !strcmp(a, "--kv-cpu-attn"))) {
             fprintf(stderr, "strata bench-kv: %s is an option of run, serve, plan and bench (the tiers' "
                             "benchmark runs prompts that fit the device pool)\n", a);
             return 2;

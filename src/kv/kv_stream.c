@@ -463,7 +463,7 @@ static strata_status place(st_kv_stream *ks, int64_t end, bool spill) {
         } else if (!ks->dir) {
             return st_err(STRATA_ERR_NOMEM,
                           "kv_stream: %lld tokens of KV take %.1f MB of host memory (segments of %lld tokens), "
-                          "more than the %.1f MB allowed (--kv-stream-mem; --kv-ssd-dir takes the rest)",
+                          "more than the %.3f MB allowed (--kv-stream-mem; --kv-ssd-dir takes the rest)",
                           (long long)end, st_kv_stream_host_bytes(&ks->p, end) / 1e6, (long long)ks->segk,
                           ks->p.host_mem / 1e6);
         } else if (!spill) {
