@@ -107,8 +107,8 @@ int main(int argc, char **argv) {
                 uint8_t *wd = make_weight(dts[di], N, K);
                 if (!wd) return 1;
                 const double bytes = (double)st_dtype_row_bytes(dts[di], K) * (double)N;
-                const double span = 4.0 * (double)st_wbw_llc_bytes() > (double)(1u << 30) ? 4.0 * (double)st_wbw_llc_bytes()
-                                                                                           : (double)(1u << 30);
+                const double llc4 = 4.0 * (double)st_wbw_llc_bytes();
+                const double span = llc4 > (double)(1u << 30) ? llc4 : (double)(1u << 30);
                 int nw = (int)(span / bytes) + 1;
                 if (nw > 16) nw = 16;
                 st_weight w[16];
@@ -132,7 +132,8 @@ int main(int argc, char **argv) {
                     const int64_t ns[5] = {1, 2, 4, 5, 8};
                     double gbs[5], t1 = 0;
                     for (int i = 0; i < 5; i++) {
-                        const double t = only_n1 && i ? 1e30 : time_call(be, x, w, nw, ns[i], y, i ? (reps > 3 ? 3 : reps) : reps);
+                        const int r = i ? (reps > 3 ? 3 : reps) : reps;
+                        const double t = only_n1 && i ? 1e30 : time_call(be, x, w, nw, ns[i], y, r);
                         if (!i) t1 = t;
                         gbs[i] = bytes / t / 1e9;
                     }

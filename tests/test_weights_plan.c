@@ -487,7 +487,8 @@ int main(void) {
                     /* every non-resident FFN group on the CPU tier, split: none streamed whole (plan.c
                      * place_cpu; such plans measured 4-22% slower than simulated) */
                     if (pl.groups[ST_TIER_CPU] > 0)
-                        streamed_whole += pl.kind_groups[ST_TIER_HOST][ST_WG_FFN] + pl.kind_groups[ST_TIER_SSD][ST_WG_FFN];
+                        streamed_whole +=
+                            pl.kind_groups[ST_TIER_HOST][ST_WG_FFN] + pl.kind_groups[ST_TIER_SSD][ST_WG_FFN];
                     if (pl.groups[ST_TIER_CPU] > 0 && pl.split_rows == 0)
                         printf("  whole groups chosen: CPU %.0f GB/s alone, %.0f + H2D %.0f together\n", c1 / 1e9,
                                cs / 1e9, hs / 1e9);

@@ -387,7 +387,8 @@ strata_status st_wbw_measure_cpu(const st_model_files *files, const st_wgroups *
             st_log(STRATA_LOG_INFO,
                    "CPU matmul weight read (%d threads, %s, %lld token%s, %d tensors of %.1f MB in turn): %.2f GB/s; "
                    "while H2D copies run: CPU %.2f GB/s + H2D %.2f GB/s = %.2f GB/s of host memory (%.2f s to measure)",
-                   threads, st_dtype_name(big->dtype), (long long)tokens, tokens == 1 ? "" : "s", ps.n, (double)ps.bytes_each / 1e6, best / 1e9,
+                   threads, st_dtype_name(big->dtype), (long long)tokens, tokens == 1 ? "" : "s", ps.n,
+                   (double)ps.bytes_each / 1e6, best / 1e9,
                    bw->cpu_shared / 1e9, bw->h2d_shared / 1e9, (bw->cpu_shared + bw->h2d_shared) / 1e9,
                    st_time_now() - t0);
     }

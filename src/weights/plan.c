@@ -407,11 +407,12 @@ static int split_candidates(const st_wgroups *g, const st_wplan_params *p, const
  * -1 none, N: min(N, count)); SSD groups need host room for their images.
  * Auto where groups split: every one of them, split, first (the split share
  * balances PCIe against the CPU within each group); the other counts only when
- * that finds no split plan better than none (no share valid, no host room). Fewer CPU-tier
- * groups leave the rest streamed whole, one side idle at each; the simulation
- * does not see those handovers, and such plans measured 4-22% slower than
- * predicted on an H100 (70B q4_0, 16 GB, thirteenth session: 252-305 ms per
- * token with 4-7 whole groups streamed, 231 ms with all 58 on the CPU tier).
+ * that finds no split plan better than none (no share valid, no host room).
+ * Fewer CPU-tier groups leave the rest streamed whole, one side idle at each;
+ * the simulation does not see those handovers, and such plans measured 4-22%
+ * slower than predicted on an H100 (70B q4_0, 16 GB, thirteenth session:
+ * 252-305 ms per token with 4-7 whole groups streamed, 231-241 ms with all 58
+ * on the CPU tier).
  * `tier` and *trial (evaluated) are updated to the choice; `work` is scratch
  * [g->n]. */
 typedef struct { /* place_cpu's best so far */
@@ -714,7 +715,8 @@ void st_wplan_free(st_wplan *p) {
 
 void st_wplan_summary(const st_wplan *p, char *buf, size_t n) {
     char b[7][32], cpu[160] = "", pass[64] = "";
-    if (p->pass_tokens > 1) snprintf(pass, sizeof pass, ", balanced for passes of %lld tokens", (long long)p->pass_tokens);
+    if (p->pass_tokens > 1)
+        snprintf(pass, sizeof pass, ", balanced for passes of %lld tokens", (long long)p->pass_tokens);
     if (p->groups[ST_TIER_CPU])
         snprintf(cpu, sizeof cpu, ", cpu %d groups %s (%lld rows of each on the device%s)", p->groups[ST_TIER_CPU],
                  st_fmt_bytes((double)p->bytes[ST_TIER_CPU], b[6], 32), (long long)p->split_rows, pass);
