@@ -22,7 +22,8 @@ backend: the same kernels, so every result must be bit-identical.
   1e-5 of the largest (the two halves' sums round differently; f32 KV, so
   that no bf16 rounding of K or V flips and amplifies that), `strata
   bench` reports the CPU's bytes and the bytes to the device per step as
-  planned (the parts, not whole groups);
+  planned (the parts, not whole groups), and the pass the split balances
+  (--cpu-pass-tokens);
 - bad values of --cpu-layers / --cpu-split / --cpu-max-tokens / --cpu-pass-tokens are usage
   errors naming the option.
 """
@@ -171,8 +172,11 @@ def check_engine(model):
           "bench: bytes per decode step to the device (the cpu tier's not among them) = the plan's: %s"
           % (m.group(0) if m else p.stdout[-2000:]))
     p = run(["bench", model, "--prompt", "8", "--gen", "4", "--reps", "1", "--device-mem", dev, *BW,
-             "--cpu-layers", "3", "--cpu-split", "0.5"])
+             "--cpu-layers", "3", "--cpu-split", "0.5", "--cpu-pass-tokens", "3"])
     check(p.returncode == 0, "bench --cpu-split 0.5: %s" % p.stderr[-1500:])
+    check(re.search(r"^weights .*cpu 3 groups .*rows of each on the device, balanced for passes of 3 tokens\)",
+                    p.stdout, re.M) is not None,
+          "bench --cpu-pass-tokens 3: the plan says which pass it balances: %s" % p.stdout[-2000:])
     m = re.search(r"hybrid\s+per decode step: ([\d.]+ [KMG]?B) computed on the CPU from host memory "
                   r"\(plan ([\d.]+ [KMG]?B), (\d+) groups, (\d+) rows of each on the device\)", p.stdout)
     check(m is not None and m.group(1) == m.group(2) and m.group(3) == "3" and int(m.group(4)) > 0,
