@@ -51,14 +51,17 @@ static uint8_t *make_weight(st_dtype t, int64_t N, int64_t K) {
 }
 
 /* The best of reps timed calls (after one warm-up), each on the next of the nw copies of the
- * weight: copies enough to exceed the last-level cache 4x, so each call reads from DRAM even
- * where the cache holds one copy (the GPU machine's Xeon: 300 MiB of L3). */
-static double time_call(st_backend *be, const float *x, const st_weight *w, int nw, int64_t n, float *y, int reps) {
+ * weight (*next: the caller's rotation, carried across calls): copies enough to exceed the
+ * last-level cache 4x, so each call reads from DRAM even where the cache holds one copy (the
+ * GPU machine's Xeon: 300 MiB of L3). */
+static double time_call(st_backend *be, const float *x, const st_weight *w, int nw, int *next, int64_t n, float *y,
+                        int reps) {
     double best = 1e30;
-    static int next;
     for (int r = 0; r < reps + 1; r++) {
         const double t0 = st_time_now();
-        if (be->ops->matmul(be, NULL, x, &w[next++ % nw], n, y) != STRATA_OK) return 0;
+        const st_weight *wc = &w[*next];
+        *next = (*next + 1) % nw;
+        if (be->ops->matmul(be, NULL, x, wc, n, y) != STRATA_OK) return 0;
         const double dt = st_time_now() - t0;
         if (r > 0 && dt < best) best = dt; /* the first is a warm-up */
     }
@@ -112,6 +115,7 @@ int main(int argc, char **argv) {
                 int nw = (int)(span / bytes) + 1;
                 if (nw > 16) nw = 16;
                 st_weight w[16];
+                int next = 0;
                 for (int c = 0; c < nw; c++) {
                     uint8_t *cp = c ? malloc((size_t)bytes) : wd;
                     if (!cp) return 1;
@@ -133,11 +137,11 @@ int main(int argc, char **argv) {
                     double gbs[5], t1 = 0;
                     for (int i = 0; i < 5; i++) {
                         const int r = i ? (reps > 3 ? 3 : reps) : reps;
-                        const double t = only_n1 && i ? 1e30 : time_call(be, x, w, nw, ns[i], y, r);
+                        const double t = only_n1 && i ? 1e30 : time_call(be, x, w, nw, &next, ns[i], y, r);
                         if (!i) t1 = t;
                         gbs[i] = bytes / t / 1e9;
                     }
-                    const double t64 = only_n1 ? 1e30 : time_call(be, x, w, nw, 64, y, 1);
+                    const double t64 = only_n1 ? 1e30 : time_call(be, x, w, nw, &next, 64, y, 1);
                     printf("  %-5s N=%-5lld K=%-5lld %-11s n=1: %7.3f ms, GB/s of weights (%% of the read rate):",
                            st_dtype_name(dts[di]), (long long)N, (long long)K, mname[mode], t1 * 1e3);
                     for (int i = 0; i < 5; i++)
