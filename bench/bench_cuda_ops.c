@@ -10,12 +10,14 @@
  * the fewest the op must move: the weight once (decode matmul), K and V once
  * (decode attention).
  *
- * Usage: bench_cuda_ops [--device N] [--only prefill-attn|attn-part|sample|gemv|batch|mmq]
+ * Usage: bench_cuda_ops [--device N] [--only prefill-attn|attn-part|sample|gemv|gemv1|batch|mmq]
  *                       [--gemm-min-n N] [--gemm-min-n-quant N] [--no-pdl]
  *   --only SECTION      one section alone: the prefill attention kernels,
  *                       attention_part (a context attended piece by piece,
  *                       beside one attention call over it), the sample op,
- *                       the decode GEMV over every dtype and shape, or the
+ *                       the decode GEMV over every dtype and shape, the
+ *                       one-token int8 GEMV's variants (staged kernel, rows
+ *                       per warp; not in the full run), or the
  *                       batched decode matmuls (GEMV / GEMM switch), or the
  *                       quantized matmuls' GEMV / MMQ / GEMM switch points
  *                       (fast mode, n = 1 .. 256: the table MMQ_MIN_N and
@@ -594,6 +596,111 @@ static void bench_gemv(double copy_bw) {
     }
 }
 
+/* ---- one-token int8 GEMV variants ----
+ * Fast mode, one token, the 8B decode step's matmuls as the model issues
+ * them (q|k|v in one matmul_multi, gate and up in one matmul_swiglu, o,
+ * down, the LM head) for q8_0, q4_0, q4_1, q4_k, q6_k, on backends that
+ * differ only in st_backend_params.gemv1_rows: the staged kernel (-1; the
+ * fp32 kernels for q8_0 and q6_k), the direct
+ * kernel with 1, 2, 4 rows per warp, and the default rule (0). Each time
+ * includes the activation's quantization; weights rotate over >= 512 MiB
+ * of copies (HBM, not L2); % of the copy roofline. cuda_matmul.cu's
+ * gemv1_rows rule comes from this table. */
+typedef struct {
+    st_backend *b;
+    st_stream *s;
+    st_weight w[64][3];
+    int copies, kind; /* 0 plain, 1 q|k|v, 2 gate + up */
+    const float *x;
+    float *y[3];
+} g1_ctx;
+static void g1_fn(int i, void *p) {
+    g1_ctx *m = p;
+    const st_weight *w = m->w[i % m->copies];
+    if (m->kind == 1) TRY(m->b->ops->matmul_multi(m->b, m->s, m->x, w, 3, 1, m->y));
+    else if (m->kind == 2) TRY(m->b->ops->matmul_swiglu(m->b, m->s, m->x, &w[0], &w[1], 1, m->y[0]));
+    else TRY(m->b->ops->matmul(m->b, m->s, m->x, &w[0], 1, m->y[0]));
+}
+static void bench_gemv1(double copy_bw) {
+    static const st_dtype types[] = {ST_DTYPE_Q4_0, ST_DTYPE_Q8_0, ST_DTYPE_Q4_1, ST_DTYPE_Q4_K, ST_DTYPE_Q6_K};
+    static const struct {
+        const char *name;
+        int kind;
+        int64_t N[3], K;
+    } ops[] = {{"q|k|v", 1, {4096, 1024, 1024}, 4096}, {"o", 0, {4096}, 4096},
+               {"gate+up", 2, {14336, 14336}, 4096},  {"down", 0, {4096}, 14336},
+               {"lm_head", 0, {128256}, 4096}};
+    static const int rows[] = {-1, 1, 2, 4, 0};
+    static const char *rn[] = {"staged", "rows 1", "rows 2", "rows 4", "default"};
+    enum { NV = 5 };
+    st_backend *bs[NV];
+    st_stream *ss[NV];
+    for (int v = 0; v < NV; v++) {
+        st_backend_params bp = g_params;
+        bp.gemv1_rows = rows[v];
+        TRY(st_backend_init(&bp, &bs[v]));
+        TRY(bs[v]->ops->stream_create(bs[v], false, &ss[v]));
+        bs[v]->ops->set_fast_prefill(bs[v], true);
+    }
+    printf("-- one-token int8 GEMV (fast mode), us and %% of copy bw %.0f GB/s: staged kernel / direct kernel "
+           "with 1, 2, 4 rows per warp / default\n", copy_bw / 1e9);
+    for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++)
+        for (size_t oi = 0; oi < sizeof ops / sizeof ops[0]; oi++) {
+            const st_dtype t = types[ti];
+            const int nw = ops[oi].kind == 1 ? 3 : ops[oi].kind == 2 ? 2 : 1;
+            const int64_t K = ops[oi].K;
+            size_t wbytes = 0;
+            for (int i = 0; i < nw; i++) wbytes += st_dtype_row_bytes(t, K) * (size_t)ops[oi].N[i];
+            int copies = (int)((((size_t)512 << 20) + wbytes - 1) / wbytes);
+            copies = copies < 2 ? 2 : copies > 64 ? 64 : copies;
+            printf("gemv1 %-5s %-7s", st_dtype_name(t), ops[oi].name);
+            for (int v = 0; v < NV; v++) {
+                st_backend *b = bs[v];
+                g1_ctx m = {.b = b, .s = ss[v], .copies = copies, .kind = ops[oi].kind};
+                void *dws[64][3];
+                for (int i = 0; i < nw; i++) {
+                    uint8_t *hw = host_weight(t, ops[oi].N[i], K);
+                    const size_t ib = st_dtype_row_bytes(t, K) * (size_t)ops[oi].N[i];
+                    for (int c = 0; c < copies; c++) {
+                        TRY(b->ops->alloc(b, ib, &dws[c][i]));
+                        TRY(b->ops->copy_h2d(b, ss[v], dws[c][i], hw, ib));
+                        m.w[c][i] = (st_weight){dws[c][i], t, ops[oi].N[i], K, 0};
+                    }
+                    TRY(b->ops->stream_sync(b, ss[v]));
+                    free(hw);
+                }
+                float *hx = malloc((size_t)K * 4);
+                for (int64_t i = 0; i < K; i++) hx[i] = frand();
+                float *dx = NULL;
+                TRY(b->ops->alloc(b, (size_t)K * 4, (void **)&dx));
+                TRY(b->ops->copy_h2d(b, ss[v], dx, hx, (size_t)K * 4));
+                free(hx);
+                for (int i = 0; i < nw; i++) TRY(b->ops->alloc(b, (size_t)ops[oi].N[i] * 4, (void **)&m.y[i]));
+                m.x = dx;
+                for (int i = 0; i < 3; i++) g1_fn(i, &m);
+                TRY(b->ops->stream_sync(b, ss[v]));
+                double tb[7];
+                for (int r = 0; r < 7; r++) {
+                    const double t0 = st_time_now();
+                    for (int i = 0; i < 100; i++) g1_fn(i, &m);
+                    TRY(b->ops->stream_sync(b, ss[v]));
+                    tb[r] = (st_time_now() - t0) / 100;
+                }
+                qsort(tb, 7, sizeof tb[0], cmp_d);
+                printf("  %s %6.1f us %3.0f%%", rn[v], tb[3] * 1e6, 100.0 * (double)wbytes / tb[3] / copy_bw);
+                for (int c = 0; c < copies; c++)
+                    for (int i = 0; i < nw; i++) b->ops->dealloc(b, dws[c][i]);
+                b->ops->dealloc(b, dx);
+                for (int i = 0; i < nw; i++) b->ops->dealloc(b, m.y[i]);
+            }
+            printf("\n");
+        }
+    for (int v = 0; v < NV; v++) {
+        bs[v]->ops->stream_destroy(bs[v], ss[v]);
+        st_backend_free(bs[v]);
+    }
+}
+
 /* ---- MMQ switch points ----
  * Fast mode, quantized weights, the 8B shapes, n = 1 .. 256: the same
  * matmul on three backends that differ only in where their tuning
@@ -749,7 +856,7 @@ static void bench_sample(double copy_bw) {
 }
 
 static void usage(FILE *f) {
-    fprintf(f, "usage: bench_cuda_ops [--device N] [--only prefill-attn|attn-part|sample|gemv|batch|mmq] [--gemm-min-n N]\n"
+    fprintf(f, "usage: bench_cuda_ops [--device N] [--only prefill-attn|attn-part|sample|gemv|gemv1|batch|mmq] [--gemm-min-n N]\n"
                "                      [--gemm-min-n-quant N] [--no-pdl]\n");
 }
 
@@ -776,8 +883,8 @@ int main(int argc, char **argv) {
             g_params.device_index = int_arg(a, v, 0, 1024), i++;
         } else if (!strcmp(a, "--only")) {
             if (!v || (strcmp(v, "prefill-attn") && strcmp(v, "attn-part") && strcmp(v, "sample") && strcmp(v, "gemv") &&
-                       strcmp(v, "batch") && strcmp(v, "mmq"))) {
-                fprintf(stderr, "bench_cuda_ops: --only takes prefill-attn, attn-part, sample, gemv, batch or mmq\n");
+                       strcmp(v, "gemv1") && strcmp(v, "batch") && strcmp(v, "mmq"))) {
+                fprintf(stderr, "bench_cuda_ops: --only takes prefill-attn, attn-part, sample, gemv, gemv1, batch or mmq\n");
                 return 2;
             }
             only = v, i++;
@@ -823,6 +930,11 @@ int main(int argc, char **argv) {
     }
     if (only && !strcmp(only, "gemv")) {
         bench_gemv(copy_bw);
+        st_backend_free(be);
+        return 0;
+    }
+    if (only && !strcmp(only, "gemv1")) {
+        bench_gemv1(copy_bw);
         st_backend_free(be);
         return 0;
     }

@@ -155,6 +155,21 @@ static void check_backend(st_backend *be) {
     BAD(be, be->ops->matmul_swiglu(be, NULL, x, &w, &w16, 1, o), "matmul_swiglu", "gate is");
     BAD(be, be->ops->matmul_swiglu(be, NULL, x, &w, &wn, 1, o), "matmul_swiglu", "gate is");
     BAD(be, be->ops->matmul_swiglu(be, NULL, x, &w, &w, 1, x), "matmul_swiglu", "out overlaps");
+    /* rmsnorm_matmul: the norm's checks, then the matmul's (reading out), its cols against d */
+    BAD(be, be->ops->rmsnorm_matmul(be, NULL, x, NULL, &w, 1e-5f, 1, 8, o, wm, 2, NULL, ys), "rmsnorm_matmul",
+        "expected [1, 8]");
+    BAD(be, be->ops->rmsnorm_matmul(be, NULL, x, NULL, &wn, 1e-5f, 1, 8, o, wm, 2, &w, ys), "rmsnorm_matmul",
+        "count = 2 with up");
+    BAD(be, be->ops->rmsnorm_matmul(be, NULL, x, NULL, &wn, 1e-5f, 1, 8, o, wm, 2, NULL, ys), "rmsnorm_matmul",
+        "y[1] is NULL");
+    float *ys_out[2] = {y, o + 2};
+    BAD(be, be->ops->rmsnorm_matmul(be, NULL, x, NULL, &wn, 1e-5f, 1, 8, o, wm, 2, NULL, ys_out), "rmsnorm_matmul",
+        "y[1] overlaps");
+    const st_weight w4 = {wd, ST_DTYPE_F32, 8, 4, 0};
+    BAD(be, be->ops->rmsnorm_matmul(be, NULL, x, NULL, &wn, 1e-5f, 1, 8, o, &w4, 1, NULL, ys), "rmsnorm_matmul",
+        "has 4 cols");
+    BAD(be, be->ops->rmsnorm_matmul(be, NULL, x, NULL, &wn, 1e-5f, 1, 8, o, &w, 1, &w16, ys), "rmsnorm_matmul",
+        "gate is");
     /* paged KV: one layer of 8 slots x 1 kv head x 2 dims (f32: o, 16 floats; the
      * fp8 scales in y) */
     const st_kv_layer L = {.k = o, .v = o + 16, .dtype = ST_KV_F32, .n_slots = 8, .n_kv_heads = 1, .head_dim = 2};

@@ -1,5 +1,5 @@
 /* The CPU backend's decode-step ops (set_rows, argmax, matmul_multi,
- * matmul_swiglu, graphs: backend.h) against references written here, and the
+ * matmul_swiglu, rmsnorm_matmul, graphs: backend.h) against references written here, and the
  * model's decode steps through the one forward path (greedy on the device
  * against the host argmax).
  * The CUDA backend runs the same ops against this CPU backend in
@@ -111,6 +111,34 @@ static void test_fused_matmuls(st_backend *be) {
             CHECK(fabs(sw[i] - want) <= 1e-5 * (fabs(want) + 1e-3));
         }
         CHECK_ERR(be->ops->matmul_swiglu(be, NULL, x, &w[0], &w[1], n, sw), STRATA_ERR_INVALID_ARG, "gate is");
+        /* rmsnorm_matmul: the same bytes as rmsnorm (residual added in place), then matmul_multi / matmul_swiglu */
+        {
+            float *nw = test_rand_floats(&g_rng, K, 1.0f), *res = test_rand_floats(&g_rng, n * K, 1.0f);
+            const st_weight wn = {nw, ST_DTYPE_F32, 1, K, 0};
+            float *xa = malloc((size_t)(n * K) * sizeof(float)), *xb = malloc((size_t)(n * K) * sizeof(float));
+            float *na = malloc((size_t)(n * K) * sizeof(float)), *nb = malloc((size_t)(n * K) * sizeof(float));
+            for (int sw_mode = 0; sw_mode < 2; sw_mode++) {
+                memcpy(xa, x, (size_t)(n * K) * sizeof(float));
+                memcpy(xb, x, (size_t)(n * K) * sizeof(float));
+                CHECK(be->ops->rmsnorm(be, NULL, xa, res, &wn, 1e-5f, n, K, na) == STRATA_OK);
+                if (sw_mode) CHECK(be->ops->matmul_swiglu(be, NULL, na, &w[1], &w[2], n, yr[0]) == STRATA_OK);
+                else CHECK(be->ops->matmul_multi(be, NULL, na, w, 3, n, yr) == STRATA_OK);
+                CHECK(be->ops->rmsnorm_matmul(be, NULL, xb, res, &wn, 1e-5f, n, K, nb, sw_mode ? &w[1] : w,
+                                              sw_mode ? 1 : 3, sw_mode ? &w[2] : NULL, y) == STRATA_OK);
+                CHECK_MSG(memcmp(xa, xb, (size_t)(n * K) * sizeof(float)) == 0 &&
+                              memcmp(na, nb, (size_t)(n * K) * sizeof(float)) == 0,
+                          "%s rmsnorm_matmul: x and the norm", st_dtype_name(t));
+                for (int i = 0; i < (sw_mode ? 1 : 3); i++)
+                    CHECK_MSG(memcmp(y[i], yr[i], (size_t)(n * (sw_mode ? 8 : rows[i])) * sizeof(float)) == 0,
+                              "%s rmsnorm_matmul %s, output %d", st_dtype_name(t), sw_mode ? "swiglu" : "multi", i);
+            }
+            free(nw);
+            free(res);
+            free(xa);
+            free(xb);
+            free(na);
+            free(nb);
+        }
         free(sw);
         free(ref);
         st_weight bad[2] = {w[0], w[1]};

@@ -136,7 +136,7 @@ strata_status st_backend_check_heads(const char *op, int64_t n, int64_t n_kv, in
     X(stream_create) X(event_create) X(event_record) X(stream_wait_event) X(event_sync)      \
     X(event_query) X(get_rows)                                                               \
     X(rmsnorm) X(matmul) X(rope) X(attention) X(attention_part) X(swiglu) X(add) X(set_rows) X(argmax)         \
-    X(matmul_multi) X(matmul_swiglu) X(kv_store_paged) X(kv_gather) X(attention_paged) X(sample)
+    X(matmul_multi) X(matmul_swiglu) X(rmsnorm_matmul) X(kv_store_paged) X(kv_gather) X(attention_paged) X(sample)
 
 enum {
 #define X(o) OPN_##o,
@@ -271,9 +271,8 @@ static strata_status chk_get_rows(st_backend *be, st_stream *s, const st_weight 
     return be->dev_ops->get_rows(be, s, w, ids, n, out);
 }
 
-static strata_status chk_rmsnorm(st_backend *be, st_stream *s, float *x, const float *residual,
-                                 const st_weight *w, float eps, int64_t n, int64_t d, float *out) {
-    const char *op = OPNAME(be, rmsnorm);
+/* rmsnorm's checks under the name op (also rmsnorm_matmul's) */
+static strata_status val_rmsnorm(const char *op, float *x, const st_weight *w, int64_t n, int64_t d, float *out) {
     TRY(st_backend_check_weight(w, op));
     if (n < 0 || d <= 0)
         return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld, d = %lld", op, (long long)n, (long long)d);
@@ -283,6 +282,12 @@ static strata_status chk_rmsnorm(st_backend *be, st_stream *s, float *x, const f
     if (n == 0) return STRATA_OK;
     CHECK_PTR(x, op);
     CHECK_PTR(out, op);
+    return STRATA_OK;
+}
+static strata_status chk_rmsnorm(st_backend *be, st_stream *s, float *x, const float *residual,
+                                 const st_weight *w, float eps, int64_t n, int64_t d, float *out) {
+    TRY(val_rmsnorm(OPNAME(be, rmsnorm), x, w, n, d, out));
+    if (n == 0) return STRATA_OK;
     return be->dev_ops->rmsnorm(be, s, x, residual, w, eps, n, d, out);
 }
 
@@ -392,9 +397,8 @@ static strata_status chk_argmax(st_backend *be, st_stream *s, const float *x, in
     return be->dev_ops->argmax(be, s, x, n, cols, out);
 }
 
-static strata_status chk_matmul_multi(st_backend *be, st_stream *s, const float *x, const st_weight *w,
-                                      int count, int64_t n, float *const *y) {
-    const char *op = OPNAME(be, matmul_multi);
+static strata_status val_matmul_multi(const char *op, const float *x, const st_weight *w, int count, int64_t n,
+                                      float *const *y) {
     if (count < 1 || count > 4) return st_err(STRATA_ERR_INVALID_ARG, "%s: count = %d (1 to 4)", op, count);
     CHECK_PTR(w, op);
     for (int i = 0; i < count; i++) {
@@ -412,12 +416,17 @@ static strata_status chk_matmul_multi(st_backend *be, st_stream *s, const float 
         if (overlaps_x(x, y[i], n, &w[i]))
             return st_err(STRATA_ERR_INVALID_ARG, "%s: y[%d] overlaps x (matmul is not in place)", op, i);
     }
+    return STRATA_OK;
+}
+static strata_status chk_matmul_multi(st_backend *be, st_stream *s, const float *x, const st_weight *w,
+                                      int count, int64_t n, float *const *y) {
+    TRY(val_matmul_multi(OPNAME(be, matmul_multi), x, w, count, n, y));
+    if (n == 0) return STRATA_OK;
     return be->dev_ops->matmul_multi(be, s, x, w, count, n, y);
 }
 
-static strata_status chk_matmul_swiglu(st_backend *be, st_stream *s, const float *x, const st_weight *wg,
-                                       const st_weight *wu, int64_t n, float *out) {
-    const char *op = OPNAME(be, matmul_swiglu);
+static strata_status val_matmul_swiglu(const char *op, const float *x, const st_weight *wg, const st_weight *wu,
+                                       int64_t n, float *out) {
     TRY(st_backend_check_weight(wg, op));
     TRY(st_backend_check_weight(wu, op));
     if (wg->rows != wu->rows || wg->cols != wu->cols || wg->dtype != wu->dtype)
@@ -430,7 +439,37 @@ static strata_status chk_matmul_swiglu(st_backend *be, st_stream *s, const float
     CHECK_PTR(out, op);
     if (overlaps_x(x, out, n, wg))
         return st_err(STRATA_ERR_INVALID_ARG, "%s: out overlaps x (the op is not in place)", op);
+    return STRATA_OK;
+}
+static strata_status chk_matmul_swiglu(st_backend *be, st_stream *s, const float *x, const st_weight *wg,
+                                       const st_weight *wu, int64_t n, float *out) {
+    TRY(val_matmul_swiglu(OPNAME(be, matmul_swiglu), x, wg, wu, n, out));
+    if (n == 0) return STRATA_OK;
     return be->dev_ops->matmul_swiglu(be, s, x, wg, wu, n, out);
+}
+
+/* rmsnorm's and the matmul's checks (the matmul reading out, of d columns),
+ * then the device's fused entry, or rmsnorm and the matmul in turn where it
+ * has none. */
+static strata_status chk_rmsnorm_matmul(st_backend *be, st_stream *s, float *x, const float *residual,
+                                        const st_weight *w_norm, float eps, int64_t n, int64_t d, float *out,
+                                        const st_weight *w, int count, const st_weight *up, float *const *y) {
+    const char *op = OPNAME(be, rmsnorm_matmul);
+    TRY(val_rmsnorm(op, x, w_norm, n, d, out));
+    CHECK_PTR(w, op);
+    if (up && count != 1) return st_err(STRATA_ERR_INVALID_ARG, "%s: count = %d with up (SwiGLU: 1)", op, count);
+    if (up) TRY(val_matmul_swiglu(op, out, w, up, n, y ? y[0] : NULL));
+    else TRY(val_matmul_multi(op, out, w, count, n, y));
+    if (w[0].cols != d)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: the matmul's weight has %lld cols, the norm's rows %lld", op,
+                      (long long)w[0].cols, (long long)d);
+    if (n == 0) return STRATA_OK;
+    if (up) CHECK_PTR(y, op);
+    if (be->dev_ops->rmsnorm_matmul)
+        return be->dev_ops->rmsnorm_matmul(be, s, x, residual, w_norm, eps, n, d, out, w, count, up, y);
+    TRY(be->dev_ops->rmsnorm(be, s, x, residual, w_norm, eps, n, d, out));
+    if (up) return be->dev_ops->matmul_swiglu(be, s, out, w, up, n, y[0]);
+    return be->dev_ops->matmul_multi(be, s, out, w, count, n, y);
 }
 
 static strata_status chk_kv_store_paged(st_backend *be, st_stream *s, const st_kv_layer *cache, const float *k,

@@ -159,6 +159,9 @@ typedef struct {
                              name fails init */
     int pdl;              /* CUDA: programmatic dependent launch of the decode-path kernels:
                              0 default (on), 1 on, -1 off */
+    int gemv1_rows;       /* CUDA, fast mode: rows per warp of the one-token int8 GEMV of q8_0 / q4_0 /
+                             q4_1 / q4_k / q6_k (cuda_gemv1.cu): 0 by the measured rule, 1, 2 or 4; -1: the
+                             staged kernel instead (comparisons); other values fail init */
 } st_backend_params;
 
 typedef struct {
@@ -305,6 +308,17 @@ typedef struct {
     strata_status (*matmul_swiglu)(st_backend *be, st_stream *s, const float *x,
                                    const st_weight *w_gate, const st_weight *w_up, int64_t n,
                                    float *out);
+    /* rmsnorm and the matmuls that read its output, as one op: out as
+     * rmsnorm(x, residual, w_norm, eps, n, d) writes it; then with up NULL
+     * y[i] = out @ w[i]^T for i < count (as matmul_multi), else (count 1)
+     * y[0] = silu(out @ w[0]^T) * (out @ up^T) (as matmul_swiglu); w's cols
+     * = d. The same results as those ops in turn, which is what runs where a
+     * device's entry is NULL (CPU); CUDA, in fast mode for one token,
+     * quantizes out for its int8 GEMV in the norm's kernel instead of in a
+     * launch of its own. */
+    strata_status (*rmsnorm_matmul)(st_backend *be, st_stream *s, float *x, const float *residual,
+                                    const st_weight *w_norm, float eps, int64_t n, int64_t d, float *out,
+                                    const st_weight *w, int count, const st_weight *up, float *const *y);
     /* Graphs: ops enqueued on stream s (a created stream, not NULL) between
      * graph_begin and graph_end are recorded instead of run (CUDA: stream
      * capture), and graph_end returns them as *out, to be run any number of

@@ -533,11 +533,10 @@ strata_status st_llama_attn_ops(st_llama *m, const st_weight *w, const st_kv_lay
     const st_backend_ops *o = be->ops;
     const st_config *c = &m->cfg;
     const int64_t H = c->hidden_size, hd = c->head_dim;
-    TRY(o->rmsnorm(be, m->stream, m->x, layer > 0 ? m->tmp : NULL, &w[ST_WG_ATTN_NORM], c->rms_norm_eps, n, H,
-                   m->xn));
     const st_weight wqkv[3] = {w[ST_WG_WQ], w[ST_WG_WK], w[ST_WG_WV]};
     float *const yqkv[3] = {m->q, m->k, m->v};
-    TRY(o->matmul_multi(be, m->stream, m->xn, wqkv, 3, n, yqkv));
+    TRY(o->rmsnorm_matmul(be, m->stream, m->x, layer > 0 ? m->tmp : NULL, &w[ST_WG_ATTN_NORM], c->rms_norm_eps, n,
+                          H, m->xn, wqkv, 3, NULL, yqkv));
     TRY(o->rope(be, m->stream, m->q, d->rope_pos, n, c->n_heads, hd, m->inv_freq, c->rope_interleaved));
     TRY(o->rope(be, m->stream, m->k, d->rope_pos, n, c->n_kv_heads, hd, m->inv_freq, c->rope_interleaved));
     if (d->ks) {
@@ -566,12 +565,19 @@ strata_status st_llama_attn_ops(st_llama *m, const st_weight *w, const st_kv_lay
  * row's arithmetic is its own, so on the CPU the bits do not depend on it).
  * Gate, up and SwiGLU as one matmul_swiglu for fewer than 4 tokens (one GEMV
  * launch on CUDA; the same results; above, CUDA's matmul_swiglu would need a
- * scratch copy of up). */
+ * scratch copy of up), with the norm as one rmsnorm_matmul where the pass is
+ * one sub-chunk (CUDA: the norm's kernel quantizes for the int8 GEMV). */
 static strata_status ffn_math(st_llama *m, const st_ffn_exec *e, const st_weight *w, int64_t n) {
     st_backend *be = e->be;
     const st_backend_ops *o = be->ops;
     const st_config *c = &m->cfg;
     const int64_t H = c->hidden_size, I = w[ST_WG_GATE].rows; /* a split group's part: fewer rows */
+    if (n < 4 && n <= e->rows) { /* one sub-chunk: the norm, gate, up and SwiGLU as one op */
+        float *const g[1] = {e->gate};
+        TRY(o->rmsnorm_matmul(be, e->stream, e->x, e->tmp, &w[ST_WG_FFN_NORM], c->rms_norm_eps, n, H, e->xn,
+                              &w[ST_WG_GATE], 1, &w[ST_WG_UP], g));
+        return o->matmul(be, e->stream, e->gate, &w[ST_WG_DOWN], n, e->tmp);
+    }
     TRY(o->rmsnorm(be, e->stream, e->x, e->tmp, &w[ST_WG_FFN_NORM], c->rms_norm_eps, n, H, e->xn));
     for (int64_t r0 = 0; r0 < n; r0 += e->rows) {
         const int64_t k = n - r0 < e->rows ? n - r0 : e->rows;
@@ -603,12 +609,18 @@ strata_status st_llama_ffn_ops_cpu(st_llama *m, const st_weight *w, int64_t n) {
 }
 
 /* Output group: x += tmp; xn = norm(x); logits[n_out, V] = the rows
- * logit_rows of xn (gathered into tmp unless they are all rows) @ lm_head^T. */
+ * logit_rows of xn (gathered into tmp unless they are all rows, then one
+ * rmsnorm_matmul) @ lm_head^T. */
 strata_status st_llama_output_ops(st_llama *m, const st_weight *w, const batch_dev *d, int64_t n, int64_t n_out) {
     st_backend *be = m->be;
     const st_backend_ops *o = be->ops;
     const st_config *c = &m->cfg;
     const int64_t H = c->hidden_size;
+    if (n_out == n) { /* every row: the norm and the LM head as one op */
+        float *const y[1] = {m->logits};
+        return o->rmsnorm_matmul(be, m->stream, m->x, m->tmp, &w[ST_WG_OUT_NORM], c->rms_norm_eps, n, H, m->xn,
+                                 &w[ST_WG_LM_HEAD], 1, NULL, y);
+    }
     TRY(o->rmsnorm(be, m->stream, m->x, m->tmp, &w[ST_WG_OUT_NORM], c->rms_norm_eps, n, H, m->xn));
     const float *src = m->xn;
     if (n_out < n) { /* a gather through get_rows, xn seen as an fp32 table */

@@ -101,6 +101,8 @@ static int g_min_n = 4, g_min_n_quant = 12;
  * 0 there: these defaults of cuda_matmul.cu; max 0 here: none) */
 static int g_mmq_min = 5, g_mmq_max = 64;
 static bool g_mmq_rule = true; /* the defaults: above 32 tokens only for launches of >= 8192 output rows */
+static bool g_gemv1 = true;    /* one token in fast mode on the direct int8 kernel (st_backend_params.gemv1_rows
+                                  not -1) */
 static st_stream *g_s; /* a created GPU stream; some checks use NULL (the default) */
 static int g_pass, g_fail;
 static double g_t0;
@@ -377,11 +379,15 @@ static bool matmul_gemv(st_dtype t, int64_t n, int64_t K) {
     if (t != ST_DTYPE_F32 && K % 8) return true;
     return n < (st_dtype_get(t)->quantized ? g_min_n_quant : g_min_n);
 }
-/* The GEMV of fast mode for q8_0 (from 2 tokens), q4_0, q4_1, q4_k (rows of
- * 16-byte multiples): x quantized to int8 per 32-block (cuda_gemv.cu). */
+/* The GEMV of fast mode, x quantized to int8 per 32-block: for one token
+ * the direct kernel (cuda_gemv1.cu: q8_0, q4_0, q4_1, q4_k, q6_k, K % 128 ==
+ * 0), else the staged kernel (cuda_gemv.cu: q8_0 from 2 tokens, q4_0, q4_1,
+ * q4_k, rows of 16-byte multiples). */
 static bool matmul_int8(st_dtype t, int64_t n, int64_t K) {
-    const bool ty = (t == ST_DTYPE_Q8_0 && n > 1) || t == ST_DTYPE_Q4_0 || t == ST_DTYPE_Q4_1 || t == ST_DTYPE_Q4_K;
-    return g_fast && ty && K % 32 == 0 && st_dtype_row_bytes(t, K) % 16 == 0 && matmul_gemv(t, n, K);
+    if (!g_fast || !matmul_gemv(t, n, K)) return false;
+    const bool q4 = t == ST_DTYPE_Q4_0 || t == ST_DTYPE_Q4_1 || t == ST_DTYPE_Q4_K;
+    if (n == 1 && g_gemv1 && K % 128 == 0 && (q4 || t == ST_DTYPE_Q8_0 || t == ST_DTYPE_Q6_K)) return true;
+    return (q4 || (t == ST_DTYPE_Q8_0 && n > 1)) && K % 32 == 0 && st_dtype_row_bytes(t, K) % 16 == 0;
 }
 /* The int8 tensor-core kernel of fast mode (cuda_mmq.cu) for q8_0, q4_0,
  * q4_1, q4_k (rows of 16-byte multiples, K % 128 == 0) within the backend's
@@ -392,9 +398,11 @@ static bool matmul_mmq(st_dtype t, int64_t n, int64_t K, int64_t rows) {
            (!g_mmq_rule || n <= 32 || rows >= 8192);
 }
 /* ... which decides the threshold: the int8 GEMV and MMQ 1e-2 (measured:
- * ~2e-3 to 6e-3 on these random inputs; a wrong scale or offset gives O(1)). */
+ * ~2e-3 to 6e-3 on these random inputs; a wrong scale or offset gives O(1)),
+ * 1.5e-2 for one super-block rows (K <= 256: few blocks to average the
+ * quantization's rounding over; 1.1e-2 seen once, q4_k 13 x 256, 3 tokens). */
 static double matmul_thr(st_dtype t, int64_t n, int64_t K, int64_t rows) {
-    if (matmul_mmq(t, n, K, rows) || matmul_int8(t, n, K)) return 1e-2;
+    if (matmul_mmq(t, n, K, rows) || matmul_int8(t, n, K)) return K <= 256 ? 1.5e-2 : 1e-2;
     if (t == ST_DTYPE_F32 || matmul_gemv(t, n, K)) return 1e-5;
     return g_fast ? 1e-2 : 1e-4;
 }
@@ -931,6 +939,90 @@ static void check_fused(st_dtype t, int64_t K, int64_t n) {
     }
     g_free(dx);
     free(x);
+}
+
+/* rmsnorm_matmul (q|k|v-like weights of rows 333, 64, 64, or SwiGLU's gate
+ * and up of 1000 rows; residual added in place) on the GPU: the same bytes
+ * as its rmsnorm then matmul_multi / matmul_swiglu on the GPU (x, the norm's
+ * output, y), and within matmul_thr of the CPU's rmsnorm_matmul. In fast
+ * mode for one token this is the fused path (the norm's kernel quantizes
+ * for the direct int8 GEMV: cuda_matmul.cu) where the dtype takes it. */
+static void check_rmsnorm_matmul(st_dtype t, int64_t K, int64_t n, bool sw) {
+    const int nw = sw ? 2 : 3;
+    const int64_t rows[3] = {sw ? 1000 : 333, sw ? 1000 : 64, 64};
+    const int ny = sw ? 1 : 3;
+    uint8_t *wh[3];
+    void *wd[3];
+    st_weight cw[3], gw[3];
+    for (int i = 0; i < nw; i++) {
+        wh[i] = make_weight(t, rows[i], K, 1.0f);
+        wd[i] = g_up(wh[i], st_dtype_row_bytes(t, K) * (size_t)rows[i]);
+        cw[i] = (st_weight){wh[i], t, rows[i], K, 0};
+        gw[i] = (st_weight){wd[i], t, rows[i], K, 0};
+    }
+    float *nh = rand_f(K, 1.0f), *x = rand_f(n * K, 1.0f), *res = rand_f(n * K, 1.0f);
+    void *nd = g_up(nh, (size_t)K * 4);
+    const st_weight cn = {nh, ST_DTYPE_F32, 1, K, 0}, gn = {nd, ST_DTYPE_F32, 1, K, 0};
+    const size_t xb = (size_t)(n * K) * 4;
+    float *dres = g_up(res, xb), *dxa = g_up(x, xb), *dxb = g_up(x, xb), *dna = g_poisoned(xb), *dnb = g_poisoned(xb);
+    float *dya[3], *dyb[3], *ref[3], *cx = xmalloc(xb), *cn_out = xmalloc(xb);
+    memcpy(cx, x, xb);
+    for (int i = 0; i < ny; i++) {
+        dya[i] = g_poisoned((size_t)(n * rows[i]) * 4);
+        dyb[i] = g_poisoned((size_t)(n * rows[i]) * 4);
+        ref[i] = xmalloc((size_t)(n * rows[i]) * 4);
+    }
+    TRY(g_cpu->ops->rmsnorm_matmul(g_cpu, NULL, cx, res, &cn, 1e-5f, n, K, cn_out, cw, sw ? 1 : 3, sw ? &cw[1] : NULL,
+                                   ref));
+    strata_status st = g_gpu->ops->rmsnorm(g_gpu, g_s, dxa, dres, &gn, 1e-5f, n, K, dna);
+    if (st == STRATA_OK)
+        st = sw ? g_gpu->ops->matmul_swiglu(g_gpu, g_s, dna, &gw[0], &gw[1], n, dya[0])
+                : g_gpu->ops->matmul_multi(g_gpu, g_s, dna, gw, 3, n, dya);
+    if (st == STRATA_OK)
+        st = g_gpu->ops->rmsnorm_matmul(g_gpu, g_s, dxb, dres, &gn, 1e-5f, n, K, dnb, gw, sw ? 1 : 3,
+                                        sw ? &gw[1] : NULL, dyb);
+    bool same = st == STRATA_OK;
+    double e = st == STRATA_OK ? 0 : INFINITY;
+    const size_t hbytes = xb > (size_t)(n * 1000) * 4 ? xb : (size_t)(n * 1000) * 4;
+    float *ha = xmalloc(hbytes), *hb = xmalloc(hbytes);
+    if (st == STRATA_OK) {
+        g_down(ha, dxa, xb), g_down(hb, dxb, xb);
+        same = same && memcmp(ha, hb, xb) == 0 && memcmp(hb, cx, xb) == 0; /* x += residual: exact on both */
+        g_down(ha, dna, xb), g_down(hb, dnb, xb);
+        same = same && memcmp(ha, hb, xb) == 0;
+        for (int i = 0; i < ny; i++) {
+            const size_t yb = (size_t)(n * rows[i]) * 4;
+            g_down(ha, dya[i], yb), g_down(hb, dyb[i], yb);
+            same = same && memcmp(ha, hb, yb) == 0;
+            const double ei = nerr(hb, ref[i], n * rows[i]);
+            e = ei > e || isnan(ei) ? ei : e;
+        }
+    }
+    const double thr = matmul_thr(t, n, K, sw ? 2000 : 461);
+    check(same && e <= thr, "rmsnorm_matmul %-5s %s K=%lld n=%lld%s  same bytes as rmsnorm + %s: %s, err=%.2e (thr %.0e)",
+          st_dtype_name(t), sw ? "swiglu" : "multi ", (long long)K, (long long)n, g_fast ? " fast" : "",
+          sw ? "matmul_swiglu" : "matmul_multi", same ? "yes" : "no", e, thr);
+    for (int i = 0; i < nw; i++) g_free(wd[i]), free(wh[i]);
+    for (int i = 0; i < ny; i++) g_free(dya[i]), g_free(dyb[i]), free(ref[i]);
+    g_free(nd), g_free(dres), g_free(dxa), g_free(dxb), g_free(dna), g_free(dnb);
+    free(nh), free(x), free(res), free(cx), free(cn_out), free(ha), free(hb);
+}
+static void check_rmsnorm_matmuls(void) {
+    printf("-- rmsnorm_matmul (the norm and the matmuls after it; fused in fast mode for one token)\n");
+    const st_dtype ts[] = {ST_DTYPE_Q4_0, ST_DTYPE_Q8_0, ST_DTYPE_Q4_1, ST_DTYPE_Q4_K, ST_DTYPE_Q6_K, ST_DTYPE_BF16};
+    for (int fast = 0; fast < 2; fast++) {
+        g_fast = fast;
+        g_gpu->ops->set_fast_prefill(g_gpu, fast);
+        for (size_t ti = 0; ti < sizeof ts / sizeof ts[0]; ti++)
+            for (int64_t n = 1; n <= 2; n++)
+                for (int sw = 0; sw < 2; sw++) check_rmsnorm_matmul(ts[ti], ts[ti] == ST_DTYPE_Q6_K ? 1280 : 1024, n, sw);
+    }
+    g_fast = true;
+    g_gpu->ops->set_fast_prefill(g_gpu, true);
+    check_rmsnorm_matmul(ST_DTYPE_Q4_0, 4096, 1, false); /* the 8B shape's norm: 256 threads of 4 float4 */
+    check_rmsnorm_matmul(ST_DTYPE_Q4_0, 4096 + 128, 1, true); /* 4 float4 per thread but a partial warp */
+    g_gpu->ops->set_fast_prefill(g_gpu, false);
+    g_fast = false;
 }
 
 /* The ops of check_graph: H2D of a token id from pinned memory, get_rows,
@@ -1613,7 +1705,8 @@ static void check_gemv_version(const char *ver) {
 }
 
 /* The int8 decode GEMV (fast mode: x quantized to int8 per 32-block, dp4a
- * against the packed weights; cuda_gemv.cu) for q8_0, q4_0, q4_1, q4_k:
+ * against the packed weights; cuda_gemv.cu, cuda_gemv1.cu) for q8_0, q4_0,
+ * q4_1, q4_k and (one token) q6_k:
  * n = 1..8, partial stages and row groups, rows not 16-byte multiples (the
  * fp32 kernels then), model shapes, matmul_multi and matmul_swiglu; within
  * 1e-2 of the CPU's fp32 result (max|y - ref| / max|ref|). */
@@ -1621,10 +1714,10 @@ static void check_gemv_int8(void) {
     printf("-- decode GEMV kernels, fast mode (int8 activations)\n");
     g_fast = true;
     g_gpu->ops->set_fast_prefill(g_gpu, true);
-    const st_dtype ts[] = {ST_DTYPE_Q8_0, ST_DTYPE_Q4_0, ST_DTYPE_Q4_1, ST_DTYPE_Q4_K};
+    const st_dtype ts[] = {ST_DTYPE_Q8_0, ST_DTYPE_Q4_0, ST_DTYPE_Q4_1, ST_DTYPE_Q4_K, ST_DTYPE_Q6_K};
     for (size_t ti = 0; ti < sizeof ts / sizeof ts[0]; ti++) {
         const st_dtype t = ts[ti];
-        const bool kq = t == ST_DTYPE_Q4_K;
+        const bool kq = t == ST_DTYPE_Q4_K || t == ST_DTYPE_Q6_K;
         const int64_t ks[3] = {kq ? 256 : 32, kq ? 1280 : 512, 4096 + (kq ? 256 : 32)};
         const int64_t rows[2] = {13, 333};
         for (int k = 0; k < 3; k++)
@@ -1633,6 +1726,9 @@ static void check_gemv_int8(void) {
         check_matmul(t, 4096, 4096, 1);
         check_matmul(t, 1024, 14336, 5);
         check_matmul(t, 20011, 512, 2);
+        check_matmul(t, 20011, 512, 1); /* one token: the direct kernel (cuda_gemv1.cu), many warps' groups */
+        check_matmul(t, 333, kq ? 768 : 384, 1); /* an odd number of 128-element units: rows 8-byte aligned (q4_0,
+                                                    q8_0), 2-byte (q6_k) */
         check_matmul(t, 333, 4096, 11); /* two token groups */
         const int64_t fn[] = {1, 2, 5, 8};
         for (int i = 0; i < 4; i++) check_fused(t, kq ? 1280 : 1024, fn[i]);
@@ -1686,6 +1782,14 @@ static void check_mmq_default(void) { check_mmq("default"); }
 static void check_gemv_int8_on(const char *what) {
     printf("-- (%s)\n", what);
     check_gemv_int8();
+}
+static void on_backend(const st_backend_params *p, void (*fn)(const char *), const char *what);
+/* The one-token int8 GEMV with every rows-per-warp count, and the staged
+ * kernel it replaced for one token (st_backend_params.gemv1_rows). */
+static void check_gemv1_variants(void) {
+    on_backend(&(st_backend_params){.gemv1_rows = 1}, check_gemv_int8_on, "gemv1_rows 1");
+    on_backend(&(st_backend_params){.gemv1_rows = 4}, check_gemv_int8_on, "gemv1_rows 4");
+    on_backend(&(st_backend_params){.gemv1_rows = -1}, check_gemv_int8_on, "gemv1_rows -1 (staged kernel)");
 }
 
 /* The GEMV / GEMM switch points of the backend g_gpu (g_min_n,
@@ -1742,6 +1846,8 @@ static void check_backend_params(void) {
         {{.kind = ST_BACKEND_CUDA, .mmq_min_n = -1}, "mmq_min_n -1"},
         {{.kind = ST_BACKEND_CUDA, .mmq_max_n = -2}, "mmq_max_n -2"},
         {{.kind = ST_BACKEND_CUDA, .mmq_min_n = 9, .mmq_max_n = 8}, "mmq_min_n 9, mmq_max_n 8"},
+        {{.kind = ST_BACKEND_CUDA, .gemv1_rows = 3}, "gemv1_rows 3"},
+        {{.kind = ST_BACKEND_CUDA, .gemv1_rows = -2}, "gemv1_rows -2"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         st_backend *b = NULL;
@@ -1973,7 +2079,10 @@ static void on_backend(const st_backend_params *p, void (*fn)(const char *), con
     g_mmq_min = bp.mmq_min_n ? bp.mmq_min_n : 5;
     g_mmq_max = bp.mmq_max_n < 0 ? 0 : bp.mmq_max_n ? bp.mmq_max_n : 64;
     g_mmq_rule = !bp.mmq_min_n && !bp.mmq_max_n;
+    const bool g10 = g_gemv1;
+    g_gemv1 = bp.gemv1_rows != -1;
     fn(what);
+    g_gemv1 = g10;
     g_gpu->ops->stream_destroy(g_gpu, g_s);
     st_backend_free(g_gpu);
     g_gpu = gpu0, g_s = s0;
@@ -2003,6 +2112,8 @@ int main(int argc, char **argv) {
         if (only_gemv) check_gemv_version("default");
         if (only_gemv) check_gemv_int8();
         if (only_gemv) on_backend(&(st_backend_params){.mmq_max_n = -1}, check_gemv_int8_on, "mmq_max_n -1");
+        if (only_gemv) check_gemv1_variants();
+        if (only_gemv) check_rmsnorm_matmuls();
         check_mmq_default();
         on_backend(&(st_backend_params){.mmq_min_n = 1, .mmq_max_n = 1000}, check_mmq, "mmq_min_n 1, mmq_max_n 1000");
         if (only_mmq) check_backend_params();
@@ -2145,6 +2256,8 @@ int main(int argc, char **argv) {
         on_backend(&(st_backend_params){.mmq_min_n = 1, .mmq_max_n = 1000}, check_mmq, "mmq_min_n 1, mmq_max_n 1000");
         /* the int8 GEMV at every n it may take (the MMQ off) */
         on_backend(&(st_backend_params){.mmq_max_n = -1}, check_gemv_int8_on, "mmq_max_n -1");
+        check_gemv1_variants();
+        check_rmsnorm_matmuls();
         on_backend(&(st_backend_params){.gemm_min_n = 9}, check_gemv_version, "gemm_min_n = 9");
         /* the GEMV / GEMM switch points (st_backend_params.gemm_min_n, gemm_min_n_quant, read at init) */
         check_switch_points("default");

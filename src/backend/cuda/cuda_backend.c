@@ -470,6 +470,22 @@ static strata_status cuda_matmul_swiglu(st_backend *be, st_stream *s, const floa
     RUN(be, s, st_cuda_op_matmul_swiglu(be, cs_, x, wg, wu, n, out));
 }
 
+static strata_status cuda_rmsnorm_matmul(st_backend *be, st_stream *s, float *x, const float *residual,
+                                         const st_weight *w_norm, float eps, int64_t n, int64_t d, float *out,
+                                         const st_weight *w, int count, const st_weight *up, float *const *y) {
+    const char *op = "cuda rmsnorm_matmul";
+    CHECK_W16(w_norm, op);
+    CHECK_F32(x, op);
+    CHECK_F32(out, op);
+    if (residual) CHECK_F32(residual, op);
+    for (int i = 0; i < count; i++) {
+        CHECK_W16(&w[i], op);
+        CHECK_F32(y[i], op);
+    }
+    if (up) CHECK_W16(up, op);
+    RUN(be, s, st_cuda_op_rmsnorm_matmul(be, cs_, x, residual, w_norm, eps, n, d, out, w, count, up, y));
+}
+
 static void cuda_set_fast_prefill(st_backend *be, bool on) { st_cuda_of(be)->fast_prefill = on; }
 
 /* ---- paged KV cache: slots, positions, block tables live on the device and
@@ -563,6 +579,7 @@ static const st_backend_ops g_cuda_ops = {
     .argmax = cuda_argmax,
     .matmul_multi = cuda_matmul_multi,
     .matmul_swiglu = cuda_matmul_swiglu,
+    .rmsnorm_matmul = cuda_rmsnorm_matmul,
     .graph_begin = st_cuda_graph_begin,
     .graph_end = st_cuda_graph_end,
     .graph_launch = st_cuda_graph_launch,
@@ -590,6 +607,9 @@ strata_status st_backend_cuda_init(const st_backend_params *params, st_backend *
                       "mmq_max_n -1: no MMQ, else at least mmq_min_n)", params->mmq_min_n, params->mmq_max_n);
     if (params->pdl < -1 || params->pdl > 1)
         return st_err(STRATA_ERR_INVALID_ARG, "cuda backend init: pdl %d is not -1, 0 or 1", params->pdl);
+    if (params->gemv1_rows < -1 || params->gemv1_rows == 3 || params->gemv1_rows > 4)
+        return st_err(STRATA_ERR_INVALID_ARG, "cuda backend init: gemv1_rows %d is not -1, 0, 1, 2 or 4",
+                      params->gemv1_rows);
     int n_dev = 0;
     cudaError_t e = cudaGetDeviceCount(&n_dev);
     if (e != cudaSuccess) {

@@ -66,6 +66,10 @@ ST_DEV float st_warp_sum(float v) {
     return v;
 }
 
+/* SwiGLU's element from the gate's and the up projection's values, rounded
+ * as the CPU backend's: silu(g) * u. */
+ST_DEV float st_silu_mul(float g, float u) { return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u); }
+
 ST_DEV float st_warp_max(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));

@@ -93,7 +93,6 @@ ST_DEV void g2_cp16(void *smem, const void *gmem) {
 ST_DEV void g2_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N> ST_DEV void g2_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
-ST_DEV float g2_silu_mul(float g, float u) { return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u); }
 
 /* NW little-endian words of the bytes at byte offset off (even) of a 16-byte
  * aligned shared buffer s. Reads one word past them when off % 4 == 2. */
@@ -497,27 +496,6 @@ __host__ __device__ constexpr int g2_nst(int row_stage_bytes) {
     return n < 2 ? 2 : n > cap ? cap : n;
 }
 
-/* Row group g of the launch (global index over all weights): its weight, the
- * weight's output and rows, its first row (compile-time indices only: the
- * args stay in the parameter bank). */
-struct g2_group {
-    const uint8_t *w;
-    float *y;
-    int64_t N, row0;
-};
-template <int R, bool SW>
-ST_DEV g2_group g2_group_of(const st_gemv_args &a, unsigned g) {
-    g2_group r = {a.w[0], a.y[0], a.N[0], 0};
-    unsigned b0 = 0;
-    if (!SW) {
-#pragma unroll
-        for (int i = 1; i < ST_GEMV_MAX_W; i++)
-            if (i < a.count && g >= a.b0[i]) r.w = a.w[i], r.y = a.y[i], r.N = a.N[i], b0 = a.b0[i];
-    }
-    r.row0 = (int64_t)(g - b0) * R;
-    return r;
-}
-
 /* The warp's copy side: the stages of every row group the block walks, in
  * order (group by group, stage warp, warp + 4, ... of each), each into ring
  * slot j % NST. issue() always commits a group (empty past the end) so that
@@ -530,7 +508,7 @@ struct g2_copier {
     int st;                /* next stage of it, in the warp's list */
 
     ST_DEV void rows(const st_gemv_args &a) {
-        const g2_group q = g2_group_of<R, SW>(a, g);
+        const st_gemv_group q = st_gemv_group_of<R, SW>(a, g);
 #pragma unroll
         for (int r = 0; r < R; r++) {
             wr[r] = q.w + (size_t)min(q.row0 + r, q.N - 1) * a.rb; /* rows past N: a copy of the last, not written */
@@ -705,7 +683,7 @@ static __global__ void __launch_bounds__(G2_THREADS) gemv2_kernel(const st_gemv_
             }
         __syncthreads();
         if (threadIdx.x < R * NT) {
-            const g2_group q = g2_group_of<R, SW>(a, blockIdx.x + (unsigned)gi * stride);
+            const st_gemv_group q = st_gemv_group_of<R, SW>(a, blockIdx.x + (unsigned)gi * stride);
             const int r = threadIdx.x / NT, t = threadIdx.x % NT;
             float v = rd[0][threadIdx.x];
 #pragma unroll
@@ -714,7 +692,7 @@ static __global__ void __launch_bounds__(G2_THREADS) gemv2_kernel(const st_gemv_
                 float u = rd[0][(R + r) * NT + t];
 #pragma unroll
                 for (int i = 1; i < G2_WARPS; i++) u += rd[i][(R + r) * NT + t];
-                v = g2_silu_mul(v, u);
+                v = st_silu_mul(v, u);
             }
             if (t < nt && q.row0 + r < q.N) q.y[(t0 + t) * q.N + q.row0 + r] = v;
         }

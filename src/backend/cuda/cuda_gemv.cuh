@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "backend/backend.h"
+#include "backend/cuda/cuda_common.cuh"
 
 #define ST_GEMV_MAX_W 4 /* weights one GEMV launch covers */
 
@@ -31,8 +32,31 @@ struct st_gemv_args {
      * st_cuda_gemv2_quant_x, NULL for the fp32 path */
     const int8_t *xq; /* [n, K] */
     const float *xd;  /* [n, K / 32] per-block scales */
-    const float *xs;  /* [n, K / 32] d * sum x_q per block (MMQ of q4_1 / q4_k; NULL otherwise) */
+    const float *xs;  /* [n, K / 32] d * sum x_q per block (MMQ of q4_1 / q4_k, gemv1; NULL otherwise) */
 };
+
+/* Row group g of a launch of groups of R rows (index over all its weights;
+ * SwiGLU launches have one weight, the gate, whose rows the up rows mirror):
+ * the group's weight, output, row count and first row. Compile-time indices
+ * only, so that the args stay in the parameter bank. Shared by the GEMV
+ * kernels and the MMQ (cuda_mmq.cu, whose tiles are its groups). */
+struct st_gemv_group {
+    const uint8_t *w;
+    float *y;
+    int64_t N, row0;
+};
+template <int R, bool SW>
+ST_DEV st_gemv_group st_gemv_group_of(const st_gemv_args &a, unsigned g) {
+    st_gemv_group r = {a.w[0], a.y[0], a.N[0], 0};
+    unsigned b0 = 0;
+    if (!SW) {
+#pragma unroll
+        for (int i = 1; i < ST_GEMV_MAX_W; i++)
+            if (i < a.count && g >= a.b0[i]) r.w = a.w[i], r.y = a.y[i], r.N = a.N[i], b0 = a.b0[i];
+    }
+    r.row0 = (int64_t)(g - b0) * R;
+    return r;
+}
 
 /* True when the staged kernels handle this dtype and row size: bf16, f16,
  * q8_0, q4_0, q4_1, q4_k with rows a multiple of 16 bytes (every real model
@@ -66,6 +90,15 @@ strata_status st_cuda_gemv2_quant_x(cudaStream_t s, bool pdl, const float *x, in
  * a.xq set, the int8 kernels (st_cuda_gemv2_i8_supports(dtype, a.rb)). */
 strata_status st_cuda_gemv2(cudaStream_t s, bool pdl, int dtype, bool swiglu, const st_gemv_args &a,
                             const st_gemv2_tune *t);
+
+/* The one-token int8 GEMV (cuda_gemv1.cu, fast mode): q8_0, q4_0, q4_1, q6_k,
+ * q4_k rows of K % 128 == 0 (16-byte aligned weights, x, xq, xd, xs). */
+bool st_cuda_gemv1_supports(int dtype, int64_t K);
+/* Whether it reads xs (d * sum x_q per block): every type but q8_0, q6_k. */
+bool st_cuda_gemv1_needs_sums(int dtype);
+/* Launches it for a.n == 1 with a.xq, a.xd (and a.xs where it needs sums)
+ * from st_cuda_gemv2_quant_x; rows: rows per warp, 1, 2 or 4. */
+strata_status st_cuda_gemv1(cudaStream_t s, bool pdl, int dtype, bool swiglu, const st_gemv_args &a, int rows);
 
 /* One-time kernel attributes (shared-memory carveout) and t's blocks per SM,
  * at backend init. */

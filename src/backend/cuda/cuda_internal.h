@@ -160,6 +160,12 @@ strata_status st_cuda_op_get_rows(st_backend *be, st_cuda_stream *s, const st_we
                                   const int32_t *ids, int64_t n, float *out);
 strata_status st_cuda_op_rmsnorm(st_backend *be, st_cuda_stream *s, float *x, const float *residual,
                                  const st_weight *w, float eps, int64_t n, int64_t d, float *out);
+/* rmsnorm that also writes out's int8 quantization (xq [n, d], xd, xs [n, d / 32]; xs may be NULL), the
+ * same bytes as st_cuda_gemv2_quant_x of out; *done false (nothing launched) where its kernel does not
+ * apply (d % 32, alignment). cuda_rmsnorm.cu */
+strata_status st_cuda_rmsnorm_q(st_backend *be, st_cuda_stream *s, float *x, const float *residual,
+                                const st_weight *w, float eps, int64_t n, int64_t d, float *out, int8_t *xq,
+                                float *xd, float *xs, bool *done);
 strata_status st_cuda_op_matmul(st_backend *be, st_cuda_stream *s, const float *x, const st_weight *w,
                                 int64_t n, float *y);
 strata_status st_cuda_op_rope(st_backend *be, st_cuda_stream *s, float *x, const int32_t *pos,
@@ -187,6 +193,10 @@ strata_status st_cuda_op_matmul_multi(st_backend *be, st_cuda_stream *s, const f
                                       int count, int64_t n, float *const *y);
 strata_status st_cuda_op_matmul_swiglu(st_backend *be, st_cuda_stream *s, const float *x,
                                        const st_weight *w_gate, const st_weight *w_up, int64_t n, float *out);
+/* rmsnorm_matmul (backend.h): cuda_matmul.cu */
+strata_status st_cuda_op_rmsnorm_matmul(st_backend *be, st_cuda_stream *s, float *x, const float *residual,
+                                        const st_weight *w_norm, float eps, int64_t n, int64_t d, float *out,
+                                        const st_weight *w, int count, const st_weight *up, float *const *y);
 
 strata_status st_cuda_op_kv_store_paged(st_backend *be, st_cuda_stream *s, const st_kv_layer *cache,
                                         const float *k, const float *v, const int64_t *slots, int64_t n);

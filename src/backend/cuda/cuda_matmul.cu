@@ -117,7 +117,6 @@
 
 /* ---- GEMV ---------------------------------------------------------------------- */
 
-ST_DEV float silu_mul(float g, float u) { return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u); }
 
 /* One launch's weights (cuda_gemv.cuh): weight i owns blocks [b0[i], b0[i+1])
  * and writes y[i] (row stride N[i]). In SwiGLU mode w[0] is the gate, w[1]
@@ -211,7 +210,7 @@ static __global__ void __launch_bounds__(128) mmv_kernel(const mmv_args a) {
         if (SW) {
             float u = red[0][(R + r) * NT + t];
             for (int i = 1; i < nw; i++) u += red[i][(R + r) * NT + t];
-            v = silu_mul(v, u);
+            v = st_silu_mul(v, u);
         }
         if (t < nt && row0 + r < N) y[(t0 + t) * N + row0 + r] = v;
     }
@@ -401,6 +400,7 @@ struct st_cuda_lt_cache {
     int mmq_min_n, mmq_max_n;         /* fast mode: token counts of the MMQ kernels (st_backend_params;
                                          0 there: MMQ_MIN_N, MMQ_MAX_N; max -1: none) */
     bool mmq_rows_rule;               /* defaults: above MMQ_NARROW_MAX_N tokens only wide launches */
+    int gemv1_rows;                   /* st_backend_params.gemv1_rows */
 };
 
 static void plan_clear(lt_plan *p) {
@@ -422,6 +422,7 @@ strata_status st_cuda_matmul_setup(st_cuda *c, const st_backend_params *params) 
     c->lt_cache->mmq_min_n = params->mmq_min_n >= 1 ? params->mmq_min_n : MMQ_MIN_N;
     c->lt_cache->mmq_max_n = params->mmq_max_n < 0 ? 0 : params->mmq_max_n >= 1 ? params->mmq_max_n : MMQ_MAX_N;
     c->lt_cache->mmq_rows_rule = params->mmq_max_n == 0 && params->mmq_min_n == 0;
+    c->lt_cache->gemv1_rows = params->gemv1_rows;
     strata_status st = st_cuda_mmq_setup();
     if (st != STRATA_OK) return st;
     return st_cuda_gemv2_setup(&c->lt_cache->gemv2, c->sm_count);
@@ -547,32 +548,58 @@ static int64_t mmv_rows(const mmv_args &a, bool swiglu) {
     return r;
 }
 
+/* Rows per warp of the one-token int8 GEMV (cuda_gemv1.cu), 0 for the staged
+ * kernel (st_backend_params.gemv1_rows -1). The rule, from bench_cuda_ops
+ * --only gemv1 on an H100 (us for q|k|v / o / gate+up / down / LM head of
+ * the 8B shape, rows 1 / 2 / 4 per warp): q4_0 13.8 / 9.7 / 29.8 / 22.8 /
+ * 174.8, 10.2 / 7.9 / 28.1 / 18.4 / 105.4, 8.9 / 6.9 / 28.1 / 17.5 / 103.0
+ * (the staged kernel 12.4 / 8.7 / 33.1 / 19.5 / 124.8); q4_1 and q4_k the
+ * same order; q8_0 (34-byte blocks, twice the registers per row) 2 rows:
+ * 14.4 / 10.6 / 47.3 / 29.4 / 194.6, 4 rows 14.6 / 11.0 / 47.5 / 29.3 /
+ * 200.5. SwiGLU launches hold the gate and up rows: 4 means 2 of each. */
+static int gemv1_rows(const st_cuda *c, int dtype) {
+    const int p = c->lt_cache->gemv1_rows;
+    if (p) return p < 0 ? 0 : p;
+    return dtype == ST_DTYPE_Q8_0 || dtype == ST_DTYPE_Q6_K ? 2 : 4;
+}
+
+/* a.xq, a.xd (and a.xs when sums) in the stream's XQ scratch, for x [a.n, a.K]. */
+static strata_status xq_scratch(st_backend *be, st_cuda_stream *cs, bool sums, mmv_args *a) {
+    const size_t qb = ((size_t)(a->n * a->K) + 15) / 16 * 16, db = (size_t)(a->n * (a->K / 32)) * 4;
+    void *p = NULL;
+    strata_status st = st_cuda_scratch(be, cs, ST_CUDA_SCRATCH_XQ, qb + (sums ? 2 : 1) * db, &p);
+    if (st != STRATA_OK) return st;
+    a->xq = (const int8_t *)p;
+    a->xd = (const float *)((uint8_t *)p + qb);
+    a->xs = sums ? a->xd + db / 4 : NULL;
+    return STRATA_OK;
+}
+
 /* The GEMV: the staged kernels (cuda_gemv.cu) where they apply (bf16, f16,
  * q4_0, q4_1, q4_k with 16-byte multiple rows: st_cuda_gemv2_supports), else
- * mmv_kernel above (f32, q8_0, the other quantized types, odd rows); or, in
- * fast mode within the MMQ token counts, the MMQ kernels (cuda_mmq.cu). */
+ * mmv_kernel above (f32, q8_0, the other quantized types, odd rows); in fast
+ * mode the one-token int8 kernel (cuda_gemv1.cu) and, within the MMQ token
+ * counts, the MMQ kernels (cuda_mmq.cu). */
 template <int T, bool SW>
 static strata_status gemv(st_backend *be, st_cuda_stream *cs, mmv_args a) {
     st_cuda *c = st_cuda_of(be);
     cudaStream_t s = cs->s;
-    /* fast mode: x quantized to int8 once for every row (cuda_gemv.cu); not
-     * q8_0 for one token, where the fp32 mmv kernel below is faster (H100,
-     * 14336 x 4096: 25.6 vs 30.9 us; the quantization adds a launch) */
+    /* fast mode: x quantized to int8 once for every row (cuda_gemv.cu), one
+     * token on the direct kernel (cuda_gemv1.cu) where K % 128 == 0; else not
+     * q8_0 for one token, where the fp32 mmv kernel below is faster than the
+     * staged int8 kernel (H100, 14336 x 4096: 25.6 vs 30.9 us) */
     const bool mmq = use_mmq(c, T, a.rb, a.K, a.n, mmv_rows(a, SW));
-    if (mmq ||
+    const int g1 = c->fast_prefill && a.n == 1 && st_cuda_gemv1_supports(T, a.K) ? gemv1_rows(c, T) : 0;
+    if (mmq || g1 ||
         (c->fast_prefill && st_cuda_gemv2_i8_supports(T, a.rb) && a.K % 32 == 0 && !(T == ST_DTYPE_Q8_0 && a.n == 1))) {
-        const bool sums = mmq && st_cuda_mmq_needs_sums(T);
-        const size_t qb = ((size_t)(a.n * a.K) + 15) / 16 * 16, db = (size_t)(a.n * (a.K / 32)) * 4;
-        void *p = NULL;
-        strata_status st = st_cuda_scratch(be, cs, ST_CUDA_SCRATCH_XQ, qb + (sums ? 2 : 1) * db, &p);
+        const bool sums = (mmq && st_cuda_mmq_needs_sums(T)) || (g1 && st_cuda_gemv1_needs_sums(T));
+        strata_status st = xq_scratch(be, cs, sums, &a);
         if (st != STRATA_OK) return st;
-        a.xq = (const int8_t *)p;
-        a.xd = (const float *)((uint8_t *)p + qb);
-        a.xs = sums ? a.xd + db / 4 : NULL;
-        if ((st = st_cuda_gemv2_quant_x(s, c->pdl, a.x, a.n, a.K, (int8_t *)p, (float *)a.xd, (float *)a.xs)) !=
+        if ((st = st_cuda_gemv2_quant_x(s, c->pdl, a.x, a.n, a.K, (int8_t *)a.xq, (float *)a.xd, (float *)a.xs)) !=
             STRATA_OK)
             return st;
         if (mmq) return st_cuda_mmq(s, c->pdl, T, SW, a, c->sm_count);
+        if (g1) return st_cuda_gemv1(s, c->pdl, T, SW, a, g1);
         return st_cuda_gemv2(s, c->pdl, T, SW, a, &c->lt_cache->gemv2);
     }
     if (st_cuda_gemv2_supports(T, a.rb)) return st_cuda_gemv2(s, c->pdl, T, SW, a, &c->lt_cache->gemv2);
@@ -748,6 +775,46 @@ strata_status st_cuda_op_matmul_multi(st_backend *be, st_cuda_stream *s, const f
     }
     ST_DTYPE_SWITCH(w[0].dtype, T, return gemv<T, false>(be, s, a));
     return st_err(STRATA_ERR_UNSUPPORTED, "cuda matmul_multi: dtype %s", st_dtype_name(w[0].dtype));
+}
+
+/* Fast mode, one token, weights of one dtype the direct int8 GEMV takes
+ * (and not the MMQ, which a tuning may send single tokens to): the norm's
+ * kernel quantizes out (st_cuda_rmsnorm_q), the GEMV reads it; one launch
+ * fewer than rmsnorm, quantization, GEMV, and the same bytes. Else rmsnorm,
+ * then matmul_multi / matmul_swiglu. */
+strata_status st_cuda_op_rmsnorm_matmul(st_backend *be, st_cuda_stream *s, float *x, const float *residual,
+                                        const st_weight *w_norm, float eps, int64_t n, int64_t d, float *out,
+                                        const st_weight *w, int count, const st_weight *up, float *const *y) {
+    st_cuda *c = st_cuda_of(be);
+    const int T = w[0].dtype;
+    int64_t rows = up ? up->rows : 0;
+    bool fuse = c->fast_prefill && n == 1 && st_cuda_gemv1_supports(T, d) && st_cuda_aligned(out, 16) &&
+                (!up || up->dtype == T);
+    for (int i = 0; i < count; i++) {
+        fuse = fuse && w[i].dtype == T && check_sizes(&w[i], n) == STRATA_OK;
+        rows += w[i].rows;
+    }
+    const int g1 = fuse ? gemv1_rows(c, T) : 0;
+    strata_status st = STRATA_OK;
+    if (g1 && !use_mmq(c, T, st_dtype_row_bytes((st_dtype)T, d), d, n, rows)) {
+        mmv_args a = mmv_one(&w[0], out, n, y[0]);
+        a.count = count;
+        for (int i = 1; i < count; i++) {
+            a.w[i] = (const uint8_t *)w[i].data;
+            a.y[i] = y[i];
+            a.N[i] = w[i].rows;
+        }
+        if (up) a.w[1] = (const uint8_t *)up->data;
+        if ((st = xq_scratch(be, s, st_cuda_gemv1_needs_sums(T), &a)) != STRATA_OK) return st;
+        bool done = false;
+        if ((st = st_cuda_rmsnorm_q(be, s, x, residual, w_norm, eps, n, d, out, (int8_t *)a.xq, (float *)a.xd,
+                                    (float *)a.xs, &done)) != STRATA_OK)
+            return st;
+        if (done) return st_cuda_gemv1(s->s, c->pdl, T, up != NULL, a, g1);
+    }
+    if ((st = st_cuda_op_rmsnorm(be, s, x, residual, w_norm, eps, n, d, out)) != STRATA_OK) return st;
+    if (up) return st_cuda_op_matmul_swiglu(be, s, out, &w[0], up, n, y[0]);
+    return st_cuda_op_matmul_multi(be, s, out, w, count, n, y);
 }
 
 /* GEMV sizes: one launch over the gate and up rows with SwiGLU in its

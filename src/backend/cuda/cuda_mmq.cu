@@ -175,27 +175,6 @@ struct mq_cfg {
     static constexpr int SMEM = mq_max(NST * STAGE + 16, WK * BN * BMP * 4);
 };
 
-/* Tile g of the launch (over all weights): its weight, output and first row. */
-struct mq_tile {
-    const uint8_t *w;
-    float *y;
-    int64_t N, row0;
-};
-template <int RT, bool SW>
-ST_DEV mq_tile mq_tile_of(const st_gemv_args &a, unsigned g) {
-    mq_tile r = {a.w[0], a.y[0], a.N[0], 0};
-    unsigned b0 = 0;
-    if (!SW) {
-#pragma unroll
-        for (int i = 1; i < ST_GEMV_MAX_W; i++)
-            if (i < a.count && g >= a.b0[i]) r.w = a.w[i], r.y = a.y[i], r.N = a.N[i], b0 = a.b0[i];
-    }
-    r.row0 = (int64_t)(g - b0) * RT;
-    return r;
-}
-
-ST_DEV float mq_silu_mul(float g, float u) { return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u); }
-
 /* ---- the kernel ---------------------------------------------------------------------- */
 
 template <int T, int MT, int NT, int WM, int WN, int WK, bool SW>
@@ -212,7 +191,7 @@ static __global__ void __launch_bounds__(32 * WM * WN * WK) mmq_kernel(const st_
     const int64_t K = a.K, n = a.n;
     const int nblk = (int)(K >> 5), ns = (nblk + 7) >> 3;
     const int64_t kq = K >> 5; /* scales per token row */
-    const mq_tile tl = mq_tile_of<RT, SW>(a, blockIdx.y);
+    const st_gemv_group tl = st_gemv_group_of<RT, SW>(a, blockIdx.y);
     const int64_t t0 = (int64_t)blockIdx.x * BN;
 
     auto issue_w = [&](int s) {
@@ -348,7 +327,7 @@ static __global__ void __launch_bounds__(32 * WM * WN * WK) mmq_kernel(const st_
             float u = red[c * C::BMP + RT + r];
 #pragma unroll
             for (int k = 1; k < WK; k++) u += red[(k * BN + c) * C::BMP + RT + r];
-            v = mq_silu_mul(v, u);
+            v = st_silu_mul(v, u);
         }
         tl.y[tok * tl.N + row] = v;
     }
@@ -380,7 +359,7 @@ static __global__ void __launch_bounds__(128) mmqw_kernel(const st_gemv_args a) 
     const int64_t K = a.K, n = a.n, kq = K >> 5;
     const int nblk = (int)kq, ns = (nblk + 7) >> 3;
     const int cnt = warp < ns ? (ns - 1 - warp) / 4 + 1 : 0; /* this warp's stages */
-    const mq_tile tl = mq_tile_of<RT, SW>(a, blockIdx.y);
+    const st_gemv_group tl = st_gemv_group_of<RT, SW>(a, blockIdx.y);
     const int64_t t0 = (int64_t)blockIdx.x * BN;
     uint8_t *ring = sm + warp * (NST * WST);
 
@@ -513,7 +492,7 @@ static __global__ void __launch_bounds__(128) mmqw_kernel(const st_gemv_args a) 
             float u = red[c * BMP + RT + r];
 #pragma unroll
             for (int w = 1; w < 4; w++) u += red[(w * BN + c) * BMP + RT + r];
-            v = mq_silu_mul(v, u);
+            v = st_silu_mul(v, u);
         }
         tl.y[tok * tl.N + row] = v;
     }

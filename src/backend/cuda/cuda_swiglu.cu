@@ -4,7 +4,6 @@
 #include "backend/cuda/cuda_common.cuh"
 #include "backend/cuda/cuda_internal.h"
 
-ST_DEV float silu_mul(float g, float u) { return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u); }
 
 template <bool VEC>
 static __global__ void __launch_bounds__(256) swiglu_kernel(const float *gate, const float *up, int64_t n,
@@ -15,12 +14,12 @@ static __global__ void __launch_bounds__(256) swiglu_kernel(const float *gate, c
         const int64_t n4 = n / 4;
         for (int64_t i = t; i < n4; i += stride) {
             const float4 g = ((const float4 *)gate)[i], u = ((const float4 *)up)[i];
-            ((float4 *)out)[i] = make_float4(silu_mul(g.x, u.x), silu_mul(g.y, u.y), silu_mul(g.z, u.z),
-                                             silu_mul(g.w, u.w));
+            ((float4 *)out)[i] = make_float4(st_silu_mul(g.x, u.x), st_silu_mul(g.y, u.y), st_silu_mul(g.z, u.z),
+                                             st_silu_mul(g.w, u.w));
         }
-        for (int64_t i = 4 * n4 + t; i < n; i += stride) out[i] = silu_mul(gate[i], up[i]);
+        for (int64_t i = 4 * n4 + t; i < n; i += stride) out[i] = st_silu_mul(gate[i], up[i]);
     } else {
-        for (int64_t i = t; i < n; i += stride) out[i] = silu_mul(gate[i], up[i]);
+        for (int64_t i = t; i < n; i += stride) out[i] = st_silu_mul(gate[i], up[i]);
     }
 }
 
