@@ -554,13 +554,15 @@ static int64_t mmv_rows(const mmv_args &a, bool swiglu) {
  * the 8B shape, rows 1 / 2 / 4 per warp): q4_0 13.8 / 9.7 / 29.8 / 22.8 /
  * 174.8, 10.2 / 7.9 / 28.1 / 18.4 / 105.4, 8.9 / 6.9 / 28.1 / 17.5 / 103.0
  * (the staged kernel 12.4 / 8.7 / 33.1 / 19.5 / 124.8); q4_1 and q4_k the
- * same order; q8_0 (34-byte blocks, twice the registers per row) 2 rows:
+ * same order; q6_k 2 rows 14.9 / 10.4 / 44.4 / 27.7 / 171.1, 4 rows 13.0 /
+ * 10.2 / 44.4 / 25.9 / 162.0 (the fp32 kernel 15.0 / 11.4 / 59.0 / 31.7 /
+ * 216.9); q8_0 (34-byte blocks, twice the registers per row) 2 rows:
  * 14.4 / 10.6 / 47.3 / 29.4 / 194.6, 4 rows 14.6 / 11.0 / 47.5 / 29.3 /
  * 200.5. SwiGLU launches hold the gate and up rows: 4 means 2 of each. */
 static int gemv1_rows(const st_cuda *c, int dtype) {
     const int p = c->lt_cache->gemv1_rows;
     if (p) return p < 0 ? 0 : p;
-    return dtype == ST_DTYPE_Q8_0 || dtype == ST_DTYPE_Q6_K ? 2 : 4;
+    return dtype == ST_DTYPE_Q8_0 ? 2 : 4;
 }
 
 /* a.xq, a.xd (and a.xs when sums) in the stream's XQ scratch, for x [a.n, a.K]. */
@@ -777,40 +779,52 @@ strata_status st_cuda_op_matmul_multi(st_backend *be, st_cuda_stream *s, const f
     return st_err(STRATA_ERR_UNSUPPORTED, "cuda matmul_multi: dtype %s", st_dtype_name(w[0].dtype));
 }
 
-/* Fast mode, one token, weights of one dtype the direct int8 GEMV takes
- * (and not the MMQ, which a tuning may send single tokens to): the norm's
- * kernel quantizes out (st_cuda_rmsnorm_q), the GEMV reads it; one launch
- * fewer than rmsnorm, quantization, GEMV, and the same bytes. Else rmsnorm,
- * then matmul_multi / matmul_swiglu. */
+/* Fast mode, one token, weights the direct int8 GEMV takes (and not the
+ * MMQ, which a tuning may send single tokens to): the norm's kernel
+ * quantizes out (st_cuda_rmsnorm_q, with the sums when any weight's type
+ * needs them), then one GEMV launch per run of weights of one dtype (q4_K_M
+ * files mix q4_k and q6_k in q|k|v); a launch fewer than rmsnorm,
+ * quantization, GEMV per run, and the same bytes (a row's sums do not
+ * depend on the launch it is in). Else rmsnorm, then matmul_multi /
+ * matmul_swiglu. */
 strata_status st_cuda_op_rmsnorm_matmul(st_backend *be, st_cuda_stream *s, float *x, const float *residual,
                                         const st_weight *w_norm, float eps, int64_t n, int64_t d, float *out,
                                         const st_weight *w, int count, const st_weight *up, float *const *y) {
     st_cuda *c = st_cuda_of(be);
-    const int T = w[0].dtype;
     int64_t rows = up ? up->rows : 0;
-    bool fuse = c->fast_prefill && n == 1 && st_cuda_gemv1_supports(T, d) && st_cuda_aligned(out, 16) &&
-                (!up || up->dtype == T);
-    for (int i = 0; i < count; i++) {
-        fuse = fuse && w[i].dtype == T && check_sizes(&w[i], n) == STRATA_OK;
+    bool fuse = c->fast_prefill && n == 1 && st_cuda_aligned(out, 16) && (!up || up->dtype == w[0].dtype);
+    bool sums = false;
+    for (int i = 0; i < count && fuse; i++) {
+        const int T = w[i].dtype;
+        fuse = st_cuda_gemv1_supports(T, d) && gemv1_rows(c, T) > 0 && check_sizes(&w[i], n) == STRATA_OK &&
+               !use_mmq(c, T, st_dtype_row_bytes((st_dtype)T, d), d, n, up ? 2 * w[i].rows : w[i].rows);
+        sums = sums || st_cuda_gemv1_needs_sums(T);
         rows += w[i].rows;
     }
-    const int g1 = fuse ? gemv1_rows(c, T) : 0;
+    fuse = fuse && !use_mmq(c, w[0].dtype, st_dtype_row_bytes(w[0].dtype, d), d, n, rows); /* a one-dtype launch */
     strata_status st = STRATA_OK;
-    if (g1 && !use_mmq(c, T, st_dtype_row_bytes((st_dtype)T, d), d, n, rows)) {
-        mmv_args a = mmv_one(&w[0], out, n, y[0]);
-        a.count = count;
-        for (int i = 1; i < count; i++) {
-            a.w[i] = (const uint8_t *)w[i].data;
-            a.y[i] = y[i];
-            a.N[i] = w[i].rows;
-        }
-        if (up) a.w[1] = (const uint8_t *)up->data;
-        if ((st = xq_scratch(be, s, st_cuda_gemv1_needs_sums(T), &a)) != STRATA_OK) return st;
+    if (fuse) {
+        mmv_args q = mmv_one(&w[0], out, n, y[0]);
+        if ((st = xq_scratch(be, s, sums, &q)) != STRATA_OK) return st;
         bool done = false;
-        if ((st = st_cuda_rmsnorm_q(be, s, x, residual, w_norm, eps, n, d, out, (int8_t *)a.xq, (float *)a.xd,
-                                    (float *)a.xs, &done)) != STRATA_OK)
+        if ((st = st_cuda_rmsnorm_q(be, s, x, residual, w_norm, eps, n, d, out, (int8_t *)q.xq, (float *)q.xd,
+                                    (float *)q.xs, &done)) != STRATA_OK)
             return st;
-        if (done) return st_cuda_gemv1(s->s, c->pdl, T, up != NULL, a, g1);
+        for (int i = 0, j; done && i < count; i = j) {
+            for (j = i + 1; j < count && w[j].dtype == w[i].dtype;) j++;
+            mmv_args a = mmv_one(&w[i], out, n, y[i]);
+            a.count = j - i;
+            for (int k = i + 1; k < j; k++) {
+                a.w[k - i] = (const uint8_t *)w[k].data;
+                a.y[k - i] = y[k];
+                a.N[k - i] = w[k].rows;
+            }
+            if (up) a.w[1] = (const uint8_t *)up->data;
+            a.xq = q.xq, a.xd = q.xd, a.xs = q.xs;
+            if ((st = st_cuda_gemv1(s->s, c->pdl, w[i].dtype, up != NULL, a, gemv1_rows(c, w[i].dtype))) != STRATA_OK)
+                return st;
+        }
+        if (done) return STRATA_OK;
     }
     if ((st = st_cuda_op_rmsnorm(be, s, x, residual, w_norm, eps, n, d, out)) != STRATA_OK) return st;
     if (up) return st_cuda_op_matmul_swiglu(be, s, out, &w[0], up, n, y[0]);
