@@ -408,6 +408,13 @@ static double matmul_thr(st_dtype t, int64_t n, int64_t K, int64_t rows) {
     if (t == ST_DTYPE_F32 || matmul_gemv(t, n, K)) return 1e-5;
     return g_fast ? 1e-2 : 1e-4;
 }
+/* SwiGLU's outputs carry the errors of both projections (silu(g) u: about
+ * the sum of their relative errors), so twice the matmul's threshold where
+ * its activations are int8 (1.59e-2 seen once, q4_k 1000 x 1024 after a
+ * norm); the matmul's elsewhere. */
+static double swiglu_thr(double thr, st_dtype t, int64_t n, int64_t K) {
+    return matmul_int8(t, n, K) || matmul_mmq(t, n, K, 1 << 20) ? 2 * thr : thr;
+}
 static const char *matmul_path(st_dtype t, int64_t n, int64_t K, int64_t rows) {
     return matmul_mmq(t, n, K, rows) ? "mmq int8"
          : matmul_int8(t, n, K) ? "gemv int8"
@@ -931,8 +938,9 @@ static void check_fused(st_dtype t, int64_t K, int64_t n) {
     st = g_gpu->ops->matmul_swiglu(g_gpu, g_s, dx, &gg, &gu, n, dout);
     g_down(got, dout, (size_t)(n * I) * 4);
     e = st == STRATA_OK ? nerr(got, r, n * I) : INFINITY;
-    check(e <= thr, "matmul_swiglu %-5s I=%lld K=%lld n=%lld  err=%.2e (thr %.0e)", st_dtype_name(t), (long long)I,
-          (long long)K, (long long)n, e, thr);
+    const double sthr = swiglu_thr(thr, t, n, K);
+    check(e <= sthr, "matmul_swiglu %-5s I=%lld K=%lld n=%lld  err=%.2e (thr %.1e)", st_dtype_name(t), (long long)I,
+          (long long)K, (long long)n, e, sthr);
     g_free(dg), g_free(du), g_free(dout);
     free(hg), free(hu), free(r), free(got);
     for (int i = 0; i < 3; i++) {
@@ -1001,7 +1009,8 @@ static void check_rmsnorm_matmul(st_dtype t, st_dtype t3, int64_t K, int64_t n, 
             e = ei > e || isnan(ei) ? ei : e;
         }
     }
-    const double thr = fmax(matmul_thr(t, n, K, sw ? 2000 : 461), matmul_thr(t3, n, K, 64));
+    double thr = fmax(matmul_thr(t, n, K, sw ? 2000 : 461), matmul_thr(t3, n, K, 64));
+    if (sw) thr = swiglu_thr(thr, t, n, K);
     check(same && e <= thr, "rmsnorm_matmul %-5s%s%s %s K=%lld n=%lld%s  same bytes as rmsnorm + %s: %s, err=%.2e "
           "(thr %.1e)", st_dtype_name(t), t3 != t ? "+" : "", t3 != t ? st_dtype_name(t3) : "",
           sw ? "swiglu" : "multi ", (long long)K, (long long)n, g_fast ? " fast" : "",
