@@ -203,25 +203,25 @@ template <> struct g1<ST_DTYPE_Q6_K> {
     }
 };
 
-/* acc[r] += the unit's dot products of rows r against x's unit (xw: its 32
- * words of int8, xd / xs: its four blocks' scales and sums). */
+/* acc[r] += 32-block B's dot products of rows r against x's unit (xw: its
+ * 32 words of int8, xd / xs: the block's scale and sum, z16: q6_k's sums of
+ * x_q per 16 elements). */
 template <int T, int B, int RR>
 ST_DEV void g1_block(const uint32_t (&w)[RR][g1<T>::NW], int h, const uint32_t *xw, const int *z16, float xd,
                      float xs, float (&acc)[RR]) {
 #pragma unroll
     for (int r = 0; r < RR; r++) {
-        if constexpr (T == ST_DTYPE_Q6_K) {
+        if constexpr (T == ST_DTYPE_Q6_K) { /* two scales per 32-block: the type's own dot */
             acc[r] = g1<T>::template dot<B>(w[r], xw, z16, xd, acc[r]);
-            continue;
         } else {
-        uint32_t q[8];
-        float dw, mw;
-        g1<T>::template block<B>(w[r], h, q, dw, mw);
-        int p = 0;
+            uint32_t q[8];
+            float dw, mw;
+            g1<T>::template block<B>(w[r], h, q, dw, mw);
+            int p = 0;
 #pragma unroll
-        for (int i = 0; i < 8; i++) p = __dp4a((int)q[i], (int)xw[8 * B + i], p);
-        acc[r] = fmaf(__fmul_rn(dw, xd), (float)p, acc[r]);
-        if (g1<T>::SUMS) acc[r] = fmaf(mw, xs, acc[r]);
+            for (int i = 0; i < 8; i++) p = __dp4a((int)q[i], (int)xw[8 * B + i], p);
+            acc[r] = fmaf(__fmul_rn(dw, xd), (float)p, acc[r]);
+            if (g1<T>::SUMS) acc[r] = fmaf(mw, xs, acc[r]);
         }
     }
 }
