@@ -51,6 +51,20 @@ ST_DEV float g1_h(const uint32_t *w) {
     return __half2float(__ushort_as_half((unsigned short)((w[B / 4] >> (8 * (B % 4))) & 0xffffu)));
 }
 
+/* The NV vectors of V (uint2, uint4) at p, read through the non-coherent
+ * path, as consecutive words of w. */
+template <typename V, int NV>
+ST_DEV void g1_ldv(const void *p, uint32_t *w) {
+    constexpr int WPV = (int)(sizeof(V) / 4);
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+        const V v = __ldg((const V *)p + i);
+        const uint32_t *vw = (const uint32_t *)&v;
+#pragma unroll
+        for (int j = 0; j < WPV; j++) w[WPV * i + j] = vw[j];
+    }
+}
+
 /* g1<T>: NW words per unit; load(row, u, w) its bytes, then block<B>(w, h,
  * q, dw, mw) for B = 0..3: the 32-block's 8 packed words in x's element
  * order (q[0..3] elements 0..15, q[4..7] 16..31), its scale d_w and the
@@ -62,12 +76,7 @@ template <> struct g1<ST_DTYPE_Q4_0> {
     static constexpr int NW = 18;
     static constexpr bool SUMS = true;
     ST_DEV static void load(const uint8_t *row, int64_t u, uint32_t w[NW]) {
-        const uint2 *p = (const uint2 *)(row + 72 * u);
-#pragma unroll
-        for (int i = 0; i < 9; i++) {
-            const uint2 v = __ldg(p + i);
-            w[2 * i] = v.x, w[2 * i + 1] = v.y;
-        }
+        g1_ldv<uint2, 9>(row + 72 * u, w);
     }
     template <int B>
     ST_DEV static void block(const uint32_t w[NW], int, uint32_t q[8], float &dw, float &mw) {
@@ -84,12 +93,7 @@ template <> struct g1<ST_DTYPE_Q8_0> {
     static constexpr int NW = 34;
     static constexpr bool SUMS = false;
     ST_DEV static void load(const uint8_t *row, int64_t u, uint32_t w[NW]) {
-        const uint2 *p = (const uint2 *)(row + 136 * u);
-#pragma unroll
-        for (int i = 0; i < 17; i++) {
-            const uint2 v = __ldg(p + i);
-            w[2 * i] = v.x, w[2 * i + 1] = v.y;
-        }
+        g1_ldv<uint2, 17>(row + 136 * u, w);
     }
     template <int B>
     ST_DEV static void block(const uint32_t w[NW], int, uint32_t q[8], float &dw, float &mw) {
@@ -104,12 +108,7 @@ template <> struct g1<ST_DTYPE_Q4_1> {
     static constexpr int NW = 20;
     static constexpr bool SUMS = true;
     ST_DEV static void load(const uint8_t *row, int64_t u, uint32_t w[NW]) {
-        const uint4 *p = (const uint4 *)(row + 80 * u);
-#pragma unroll
-        for (int i = 0; i < 5; i++) {
-            const uint4 v = __ldg(p + i);
-            w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
-        }
+        g1_ldv<uint4, 5>(row + 80 * u, w);
     }
     template <int B>
     ST_DEV static void block(const uint32_t w[NW], int, uint32_t q[8], float &dw, float &mw) {
@@ -132,14 +131,8 @@ template <> struct g1<ST_DTYPE_Q4_K> {
     static constexpr bool SUMS = true;
     ST_DEV static void load(const uint8_t *row, int64_t u, uint32_t w[NW]) {
         const uint8_t *sb = row + 144 * (u >> 1);
-        const uint4 hd = __ldg((const uint4 *)sb);
-        w[0] = hd.x, w[1] = hd.y, w[2] = hd.z, w[3] = hd.w;
-        const uint4 *p = (const uint4 *)(sb + 16 + 64 * (u & 1));
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const uint4 v = __ldg(p + i);
-            w[4 + 4 * i] = v.x, w[5 + 4 * i] = v.y, w[6 + 4 * i] = v.z, w[7 + 4 * i] = v.w;
-        }
+        g1_ldv<uint4, 1>(sb, w);
+        g1_ldv<uint4, 4>(sb + 16 + 64 * (u & 1), w + 4);
     }
     template <int B>
     ST_DEV static void block(const uint32_t w[NW], int h, uint32_t q[8], float &dw, float &mw) {
@@ -256,12 +249,7 @@ static __global__ void __launch_bounds__(32 * G1_WARPS) gemv1_kernel(const st_ge
     for (int r = 0; r < RR; r++) acc[r] = 0.0f;
     while (u < nu) {
         uint32_t xw[32];
-        const uint4 *xp = (const uint4 *)(a.xq + G1_UNIT * u);
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            const uint4 v = __ldg(xp + i);
-            xw[4 * i] = v.x, xw[4 * i + 1] = v.y, xw[4 * i + 2] = v.z, xw[4 * i + 3] = v.w;
-        }
+        g1_ldv<uint4, 8>(a.xq + G1_UNIT * u, xw);
         const float4 xd = __ldg((const float4 *)a.xd + u);
         float4 xs = make_float4(0, 0, 0, 0);
         if (Q::SUMS) xs = __ldg((const float4 *)a.xs + u);
