@@ -57,33 +57,37 @@ static void *dev_random(size_t bytes) {
     return d;
 }
 
-static void *upload(const void *h, size_t n) {
+/* n bytes of host memory copied to backend b's memory. */
+static void *upload_to(st_backend *b, const void *h, size_t n) {
     void *d = NULL;
     bool owned;
-    TRY(be->ops->upload(be, h, n, &d, &owned));
+    TRY(b->ops->upload(b, h, n, &d, &owned));
     return d;
 }
+static void *upload(const void *h, size_t n) { return upload_to(be, h, n); }
 
 static int cmp_d(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return x < y ? -1 : x > y;
 }
 
-/* Seconds per call of fn(i), the median of 7 batches of `iters`. */
+/* Seconds per call of fn(i) on backend b's stream st, the median of 7
+ * batches of `iters` (3 calls first, outside the timing). */
 typedef void (*op_fn)(int i, void *ctx);
-static double time_op(op_fn fn, void *ctx, int iters) {
+static double time_on(st_backend *b, st_stream *st, op_fn fn, void *ctx, int iters) {
     for (int i = 0; i < 3; i++) fn(i, ctx);
-    TRY(be->ops->stream_sync(be, s));
+    TRY(b->ops->stream_sync(b, st));
     double t[7];
-    for (int b = 0; b < 7; b++) {
+    for (int k = 0; k < 7; k++) {
         double t0 = st_time_now();
         for (int i = 0; i < iters; i++) fn(i, ctx);
-        TRY(be->ops->stream_sync(be, s));
-        t[b] = (st_time_now() - t0) / iters;
+        TRY(b->ops->stream_sync(b, st));
+        t[k] = (st_time_now() - t0) / iters;
     }
     qsort(t, 7, sizeof t[0], cmp_d);
     return t[3];
 }
+static double time_op(op_fn fn, void *ctx, int iters) { return time_on(be, s, fn, ctx, iters); }
 
 /* ---- copy roofline ---- */
 typedef struct { void *a, *b; size_t n; } copy_ctx;
@@ -530,19 +534,7 @@ static void gv_fn(int i, void *p) {
     gv_ctx *m = p;
     TRY(m->b->ops->matmul(m->b, m->s, m->x, &m->w[i % m->copies], m->n, m->y));
 }
-static double gv_time(gv_ctx *m, int iters) {
-    for (int i = 0; i < 3; i++) gv_fn(i, m);
-    TRY(m->b->ops->stream_sync(m->b, m->s));
-    double t[7];
-    for (int b = 0; b < 7; b++) {
-        double t0 = st_time_now();
-        for (int i = 0; i < iters; i++) gv_fn(i, m);
-        TRY(m->b->ops->stream_sync(m->b, m->s));
-        t[b] = (st_time_now() - t0) / iters;
-    }
-    qsort(t, 7, sizeof t[0], cmp_d);
-    return t[3];
-}
+static double gv_time(gv_ctx *m, int iters) { return time_on(m->b, m->s, gv_fn, m, iters); }
 
 static void bench_gemv(double copy_bw) {
     printf("-- decode GEMV: weight bytes / time, %% of copy bw %.0f GB/s\n", copy_bw / 1e9);
@@ -662,32 +654,19 @@ static void bench_gemv1(double copy_bw) {
                     uint8_t *hw = host_weight(t, ops[oi].N[i], K);
                     const size_t ib = st_dtype_row_bytes(t, K) * (size_t)ops[oi].N[i];
                     for (int c = 0; c < copies; c++) {
-                        TRY(b->ops->alloc(b, ib, &dws[c][i]));
-                        TRY(b->ops->copy_h2d(b, ss[v], dws[c][i], hw, ib));
+                        dws[c][i] = upload_to(b, hw, ib);
                         m.w[c][i] = (st_weight){dws[c][i], t, ops[oi].N[i], K, 0};
                     }
-                    TRY(b->ops->stream_sync(b, ss[v]));
                     free(hw);
                 }
                 float *hx = malloc((size_t)K * 4);
                 for (int64_t i = 0; i < K; i++) hx[i] = frand();
-                float *dx = NULL;
-                TRY(b->ops->alloc(b, (size_t)K * 4, (void **)&dx));
-                TRY(b->ops->copy_h2d(b, ss[v], dx, hx, (size_t)K * 4));
+                float *dx = upload_to(b, hx, (size_t)K * 4);
                 free(hx);
                 for (int i = 0; i < nw; i++) TRY(b->ops->alloc(b, (size_t)ops[oi].N[i] * 4, (void **)&m.y[i]));
                 m.x = dx;
-                for (int i = 0; i < 3; i++) g1_fn(i, &m);
-                TRY(b->ops->stream_sync(b, ss[v]));
-                double tb[7];
-                for (int r = 0; r < 7; r++) {
-                    const double t0 = st_time_now();
-                    for (int i = 0; i < 100; i++) g1_fn(i, &m);
-                    TRY(b->ops->stream_sync(b, ss[v]));
-                    tb[r] = (st_time_now() - t0) / 100;
-                }
-                qsort(tb, 7, sizeof tb[0], cmp_d);
-                printf("  %s %6.1f us %3.0f%%", rn[v], tb[3] * 1e6, 100.0 * (double)wbytes / tb[3] / copy_bw);
+                const double sec = time_on(b, ss[v], g1_fn, &m, 100);
+                printf("  %s %6.1f us %3.0f%%", rn[v], sec * 1e6, 100.0 * (double)wbytes / sec / copy_bw);
                 for (int c = 0; c < copies; c++)
                     for (int i = 0; i < nw; i++) b->ops->dealloc(b, dws[c][i]);
                 b->ops->dealloc(b, dx);
