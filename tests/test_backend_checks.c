@@ -170,6 +170,8 @@ static void check_backend(st_backend *be) {
         "has 4 cols");
     BAD(be, be->ops->rmsnorm_matmul(be, NULL, x, NULL, &wn, 1e-5f, 1, 8, o, &w, 1, &w16, ys), "rmsnorm_matmul",
         "gate is");
+    BAD(be, be->ops->rmsnorm_matmul(be, NULL, x, NULL, &wn, 1e-5f, 1, 8, o, &w, 1, &w, NULL), "rmsnorm_matmul",
+        "y is NULL");
     /* paged KV: one layer of 8 slots x 1 kv head x 2 dims (f32: o, 16 floats; the
      * fp8 scales in y) */
     const st_kv_layer L = {.k = o, .v = o + 16, .dtype = ST_KV_F32, .n_slots = 8, .n_kv_heads = 1, .head_dim = 2};

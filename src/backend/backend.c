@@ -458,13 +458,13 @@ static strata_status chk_rmsnorm_matmul(st_backend *be, st_stream *s, float *x, 
     TRY(val_rmsnorm(op, x, w_norm, n, d, out));
     CHECK_PTR(w, op);
     if (up && count != 1) return st_err(STRATA_ERR_INVALID_ARG, "%s: count = %d with up (SwiGLU: 1)", op, count);
+    if (up && n > 0) CHECK_PTR(y, op);
     if (up) TRY(val_matmul_swiglu(op, out, w, up, n, y ? y[0] : NULL));
     else TRY(val_matmul_multi(op, out, w, count, n, y));
     if (w[0].cols != d)
         return st_err(STRATA_ERR_INVALID_ARG, "%s: the matmul's weight has %lld cols, the norm's rows %lld", op,
                       (long long)w[0].cols, (long long)d);
     if (n == 0) return STRATA_OK;
-    if (up) CHECK_PTR(y, op);
     if (be->dev_ops->rmsnorm_matmul)
         return be->dev_ops->rmsnorm_matmul(be, s, x, residual, w_norm, eps, n, d, out, w, count, up, y);
     TRY(be->dev_ops->rmsnorm(be, s, x, residual, w_norm, eps, n, d, out));

@@ -955,8 +955,10 @@ static void check_fused(st_dtype t, int64_t K, int64_t n) {
  * and up of 1000 rows; residual added in place) on the GPU: the same bytes
  * as its rmsnorm then matmul_multi / matmul_swiglu on the GPU (x, the norm's
  * output, y), and within matmul_thr of the CPU's rmsnorm_matmul. In fast
- * mode for one token this is the fused path (the norm's kernel quantizes
- * for the direct int8 GEMV: cuda_matmul.cu) where the dtype takes it. */
+ * mode for one token the op takes its fused path (the norm's kernel
+ * quantizes for the direct int8 GEMV: cuda_matmul.cu) where the dtypes take
+ * it; equal bytes are the point of that path, so this check cannot tell
+ * which path ran (the profile's launch counts can: profile_decode.sh). */
 static void check_rmsnorm_matmul(st_dtype t, st_dtype t3, int64_t K, int64_t n, bool sw) {
     const int nw = sw ? 2 : 3;
     const int64_t rows[3] = {sw ? 1000 : 333, sw ? 1000 : 64, 64};
