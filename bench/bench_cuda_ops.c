@@ -10,7 +10,7 @@
  * the fewest the op must move: the weight once (decode matmul), K and V once
  * (decode attention).
  *
- * Usage: bench_cuda_ops [--device N] [--only prefill-attn|attn-part|sample|gemv|gemv1|batch|mmq]
+ * Usage: bench_cuda_ops [--device N] [--only prefill-attn|attn-part|sample|gemv|gemv1|batch|mmq|paged-decode]
  *                       [--gemm-min-n N] [--gemm-min-n-quant N] [--no-pdl]
  *   --only SECTION      one section alone: the prefill attention kernels,
  *                       attention_part (a context attended piece by piece,
@@ -360,6 +360,70 @@ static void bench_paged_dtypes(double copy_bw) {
                st_kv_dtype_name((st_kv_dtype)kt), dec * 1e6, bytes / dec / 1e9, 100.0 * bytes / dec / copy_bw,
                pre * 1e3, flops / pre / 1e12);
     }
+}
+
+/* A decode step's attention: S sequences of ctx keys each (their blocks
+ * shuffled through one pool), one token each at the last position, cache
+ * type kt, 32/8 heads, hd 128, bs 16 (arbitrary bytes: timing only). */
+static double bench_paged_step(st_kv_dtype kt, int64_t S, int64_t ctx, bool tile) {
+    const int64_t H = 32, Hkv = 8, hd = 128, bs = 16;
+    pa_ctx a = {.n = S, .H = H, .Hkv = Hkv, .hd = hd};
+    const int64_t nbs = (ctx + bs - 1) / bs, nb = nbs * S, n_slots = nb * bs;
+    int32_t *perm = malloc((size_t)nb * 4), *hs = malloc((size_t)S * 4), *hp = malloc((size_t)S * 4),
+            *cl = malloc((size_t)S * 4);
+    for (int64_t i = 0; i < nb; i++) perm[i] = (int32_t)i;
+    for (int64_t i = nb - 1; i > 0; i--) {
+        rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+        const int64_t j = (int64_t)(rng % (uint64_t)(i + 1));
+        const int32_t t = perm[i];
+        perm[i] = perm[j], perm[j] = t;
+    }
+    for (int64_t i = 0; i < S; i++) hs[i] = (int32_t)i, hp[i] = (int32_t)(ctx - 1), cl[i] = (int32_t)ctx;
+    const int64_t nel = (n_slots * Hkv * hd * (int64_t)st_kv_dtype_size(kt) + 3) / 4; /* floats of bytes */
+    a.kv = (st_paged_kv){{dev_floats(nel, 1.0f), dev_floats(nel, 1.0f), NULL, NULL, kt, n_slots, Hkv, hd}, bs,
+                         upload(perm, (size_t)nb * 4), nbs, upload(cl, (size_t)S * 4), S, ctx, tile ? 1 : 0};
+    if (kt == ST_KV_FP8) a.kv.cache.k_scale = dev_floats(n_slots * Hkv, 1.0f), a.kv.cache.v_scale = dev_floats(n_slots * Hkv, 1.0f);
+    a.q = dev_floats(S * H * hd, 1.0f);
+    a.seq = upload(hs, (size_t)S * 4);
+    a.pos = upload(hp, (size_t)S * 4);
+    TRY(be->ops->alloc(be, (size_t)(S * H * hd) * 4, (void **)&a.out));
+    const double sec = time_op(pa_fn, &a, 50);
+    be->ops->dealloc(be, a.kv.cache.k);
+    be->ops->dealloc(be, a.kv.cache.v);
+    if (a.kv.cache.k_scale) be->ops->dealloc(be, a.kv.cache.k_scale), be->ops->dealloc(be, a.kv.cache.v_scale);
+    be->ops->dealloc(be, (void *)a.kv.block_tables);
+    be->ops->dealloc(be, (void *)a.kv.ctx_lens);
+    be->ops->dealloc(be, (void *)a.q);
+    be->ops->dealloc(be, (void *)a.seq);
+    be->ops->dealloc(be, (void *)a.pos);
+    be->ops->dealloc(be, a.out);
+    free(perm), free(hs), free(hp), free(cl);
+    return sec;
+}
+
+/* --only paged-decode: decode steps' attention (the decode kernel and its
+ * merge), K+V bytes read / time against the copy roofline; beside it, from
+ * 8 sequences, the same batch through the 64-row tile kernel (batch_seqs = 1
+ * makes the batch look like a prefill: the bits are the same). */
+static void bench_paged_decode(double copy_bw) {
+    printf("-- attention_paged, decode steps: S sequences x 1 token at context ctx, 32/8 heads, hd 128, bs 16; "
+           "K+V bytes / time, %% of copy bw %.0f GB/s\n", copy_bw / 1e9);
+    const int64_t seqs[3] = {1, 8, 64}, ctxs[3] = {576, 4096, 32768};
+    for (int kt = ST_KV_F32; kt <= ST_KV_FP8; kt++)
+        for (int i = 0; i < 3; i++)
+            for (int j = 0; j < 3; j++) {
+                if (seqs[i] * ctxs[j] > 64 * 4096) continue; /* pool size */
+                const double t = bench_paged_step((st_kv_dtype)kt, seqs[i], ctxs[j], false);
+                const double bytes = 2.0 * (double)(seqs[i] * ctxs[j]) * 8 * 128 * (double)st_kv_dtype_size((st_kv_dtype)kt);
+                printf("paged-decode %-4s S=%-3lld ctx=%-6lld %8.1f us  %6.0f GB/s  %3.0f%% of copy bw",
+                       st_kv_dtype_name((st_kv_dtype)kt), (long long)seqs[i], (long long)ctxs[j], t * 1e6,
+                       bytes / t / 1e9, 100.0 * bytes / t / copy_bw);
+                if (seqs[i] > 2) {
+                    const double tt = bench_paged_step((st_kv_dtype)kt, seqs[i], ctxs[j], true);
+                    printf(" | tile kernel %8.1f us  %3.0f%%  (%.2fx)", tt * 1e6, 100.0 * bytes / tt / copy_bw, tt / t);
+                }
+                printf("\n");
+            }
 }
 
 static double time_attention(int64_t n, int64_t n_kv, int64_t H, int64_t Hkv, int64_t hd) {
@@ -835,7 +899,7 @@ static void bench_sample(double copy_bw) {
 }
 
 static void usage(FILE *f) {
-    fprintf(f, "usage: bench_cuda_ops [--device N] [--only prefill-attn|attn-part|sample|gemv|gemv1|batch|mmq] [--gemm-min-n N]\n"
+    fprintf(f, "usage: bench_cuda_ops [--device N] [--only prefill-attn|attn-part|sample|gemv|gemv1|batch|mmq|paged-decode] [--gemm-min-n N]\n"
                "                      [--gemm-min-n-quant N] [--no-pdl]\n");
 }
 
@@ -862,8 +926,8 @@ int main(int argc, char **argv) {
             g_params.device_index = int_arg(a, v, 0, 1024), i++;
         } else if (!strcmp(a, "--only")) {
             if (!v || (strcmp(v, "prefill-attn") && strcmp(v, "attn-part") && strcmp(v, "sample") && strcmp(v, "gemv") &&
-                       strcmp(v, "gemv1") && strcmp(v, "batch") && strcmp(v, "mmq"))) {
-                fprintf(stderr, "bench_cuda_ops: --only takes prefill-attn, attn-part, sample, gemv, gemv1, batch or mmq\n");
+                       strcmp(v, "gemv1") && strcmp(v, "batch") && strcmp(v, "mmq") && strcmp(v, "paged-decode"))) {
+                fprintf(stderr, "bench_cuda_ops: --only takes prefill-attn, attn-part, sample, gemv, gemv1, batch, mmq or paged-decode\n");
                 return 2;
             }
             only = v, i++;
@@ -914,6 +978,11 @@ int main(int argc, char **argv) {
     }
     if (only && !strcmp(only, "gemv1")) {
         bench_gemv1(copy_bw);
+        st_backend_free(be);
+        return 0;
+    }
+    if (only && !strcmp(only, "paged-decode")) {
+        bench_paged_decode(copy_bw);
         st_backend_free(be);
         return 0;
     }

@@ -1386,9 +1386,12 @@ static void check_attention_paged(int64_t H, int64_t Hkv, int64_t hd, int64_t bs
 /* The attention kernels: contiguous decode over long KV (split sizing and
  * merge), and attention_paged over batches whose sequences give the tile
  * kernel full, partial and single-token tiles (1, 7, 64, 300 tokens mixed
- * with decodes), block sizes 16 and 32, GQA 4, 1, 12 and 96 (head chunks):
- * each within 1e-5 of the CPU and bit-identical for a token alone, in the
- * reversed batch and with a wider max_ctx (check_attention_paged). */
+ * with decodes), block sizes 16 and 32, GQA 4, 1, 12 and 96 (head chunks),
+ * 8 and 3 (the decode kernel's two row counts, full and partial):
+ * each within 1e-5 of the CPU and bit-identical for a token alone (the
+ * decode kernel, against the tile kernel that ran the batch), in the
+ * reversed batch and with a wider max_ctx (check_attention_paged); and a
+ * batch of decodes alone (the decode kernel for all of it). */
 static void check_attention_kernels(void) {
     printf("-- attention kernels\n");
     check_attention(1, 32768, 32, 8, 128);
@@ -1397,9 +1400,9 @@ static void check_attention_kernels(void) {
     check_attention(4, 32768, 32, 8, 128);
     check_attention(1, 5000, 16, 8, 64);
     const int32_t ct[6] = {1, 40, 64, 700, 2000, 5}, qt[6] = {1, 7, 64, 300, 1, 5};
-    const int64_t cfg[][3] = {{32, 8, 128}, {8, 8, 64}, {24, 2, 128}, {96, 1, 64}};
+    const int64_t cfg[][3] = {{32, 8, 128}, {8, 8, 64}, {24, 2, 128}, {96, 1, 64}, {64, 8, 128}, {9, 3, 64}};
     const int64_t bss[2] = {16, 32};
-    for (int c = 0; c < 4; c++)
+    for (int c = 0; c < 6; c++)
         for (int b = 0; b < 2; b++)
             check_attention_paged(cfg[c][0], cfg[c][1], cfg[c][2], bss[b], 6, ct, qt, "tiles 1/7/64/300 + decodes");
     /* a big batch: 40 decodes around two prefill chunks */
@@ -1408,6 +1411,10 @@ static void check_attention_kernels(void) {
     cb[7] = 513, qb[7] = 200;
     cb[30] = 300, qb[30] = 300;
     check_attention_paged(32, 8, 128, 16, 42, cb, qb, "big batch (40 decodes, 2 chunks)");
+    for (int i = 0; i < 42; i++) qb[i] = 1;
+    cb[7] = 4097, cb[30] = 64;
+    check_attention_paged(32, 8, 128, 16, 42, cb, qb, "42 decodes");
+    check_attention_paged(64, 8, 128, 32, 42, cb, qb, "42 decodes");
 }
 
 /* ---- the model: st_llama_forward, st_llama_forward_sample, st_llama_forward_seq ---- */

@@ -4,7 +4,8 @@
 # with Nsight Compute, with --gen 2 and --gen $GEN, and prints per kernel the
 # difference divided by the extra steps: the kernels of one decode step of
 # $PB sequences (prefill and set-up cancel out). Compare the sum with the
-# wall time per step that `strata bench --seqs` prints.
+# wall time per step that `strata bench --seqs` prints. DTYPE=bf16|q8_0|q4_0
+# (default bf16) picks the weights' type.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source scripts/device-env.sh > /dev/null 2>&1
@@ -13,15 +14,18 @@ WORK=${WORK:-/tmp/strata-gpu}
 mkdir -p "$OUTDIR" "$WORK"
 cmake --build build-gpu -j "$(nproc)" --target strata > /tmp/build.log 2>&1 || { tail -40 /tmp/build.log; exit 2; }
 L=${PLAYERS:-2} PB=${PB:-64} GEN=${GEN:-6} SP=${SEQ_PROMPT:-512}
-mp=$WORK/llama3_8b_${L}l_bf16
-[ -f "$mp/config.json" ] || build-gpu/strata mkmodel --config llama3-8b --layers "$L" "$mp" > /dev/null || exit 1
+D=${DTYPE:-bf16}
+mp=$WORK/llama3_8b_${L}l_$D
+[ "$D" = bf16 ] || mp=$mp.gguf
+[ -e "$mp" ] || build-gpu/strata mkmodel --config llama3-8b --layers "$L" --dtype "$D" "$mp" > /dev/null || exit 1
+pre=$OUTDIR/ncu_steps_${D}_${PB}_
 for g in 2 "$GEN"; do
   timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
     build-gpu/strata bench "$mp" --device cuda --prompt 16 --gen "$g" --reps 1 --seqs "$PB" --seq-prompt "$SP" \
-    > "$OUTDIR/ncu_steps_$g.csv" 2> "$OUTDIR/ncu_steps_$g.err" || echo "ncu failed (gen $g)"
-  grep "decode batch" "$OUTDIR/ncu_steps_$g.csv" | head -2
+    > "$pre$g.csv" 2> "$pre$g.err" || echo "ncu failed (gen $g)"
+  grep "decode batch" "$pre$g.csv" | head -2
 done
-python3 - "$OUTDIR/ncu_steps_2.csv" "$OUTDIR/ncu_steps_$GEN.csv" "$(( GEN - 2 ))" "$L" <<'PY'
+python3 - "${pre}2.csv" "$pre$GEN.csv" "$(( GEN - 2 ))" "$L" <<'PY'
 import csv, re, sys, collections
 def load(p):
     d = collections.defaultdict(float); c = collections.Counter()

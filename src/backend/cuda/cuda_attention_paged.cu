@@ -122,27 +122,36 @@ ST_DEV float pa_scale(const st_kv_layer &c, bool v, int64_t row) {
     return 1.0f;
 }
 
-/* 8 raw elements (16 bytes of bf16 / 8 bytes of fp8 in shared memory) to fp32. */
+/* Raw cache words to fp32, exactly: bf16 (2 per word: the low half first),
+ * fp8 (2 per 16 bits, the low byte first, times the row's scale sc). */
+ST_DEV float2 pa_bf16x2(uint32_t w) { return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u)); }
+ST_DEV float2 pa_fp8x2(uint32_t w16, float sc) {
+    const __nv_fp8x2_storage_t pair = (__nv_fp8x2_storage_t)(w16 & 0xffffu);
+    const float2 x = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
+    return make_float2(__fmul_rn(x.x, sc), __fmul_rn(x.y, sc));
+}
+
+/* 8 raw elements (16 bytes of bf16 / 8 bytes of fp8: words w) to fp32. */
+template <int KT>
+ST_DEV void pa_cvt8w(uint4 w, float sc, float4 &lo, float4 &hi) {
+    float2 f[4];
+    if constexpr (KT == ST_KV_BF16) {
+        f[0] = pa_bf16x2(w.x), f[1] = pa_bf16x2(w.y), f[2] = pa_bf16x2(w.z), f[3] = pa_bf16x2(w.w);
+    } else {
+        f[0] = pa_fp8x2(w.x, sc), f[1] = pa_fp8x2(w.x >> 16, sc), f[2] = pa_fp8x2(w.y, sc), f[3] = pa_fp8x2(w.y >> 16, sc);
+    }
+    lo = make_float4(f[0].x, f[0].y, f[1].x, f[1].y);
+    hi = make_float4(f[2].x, f[2].y, f[3].x, f[3].y);
+}
+
+/* The same from shared memory. */
 template <int KT>
 ST_DEV void pa_cvt8(const unsigned char *raw, float sc, float4 &lo, float4 &hi) {
     if constexpr (KT == ST_KV_BF16) {
-        const uint4 u = *(const uint4 *)raw;
-        lo = make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u),
-                         __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xffff0000u));
-        hi = make_float4(__uint_as_float(u.z << 16), __uint_as_float(u.z & 0xffff0000u),
-                         __uint_as_float(u.w << 16), __uint_as_float(u.w & 0xffff0000u));
+        pa_cvt8w<KT>(*(const uint4 *)raw, sc, lo, hi);
     } else {
         const uint2 u = *(const uint2 *)raw;
-        float f[8];
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const uint32_t w = i < 2 ? u.x : u.y;
-            const __nv_fp8x2_storage_t pair = (__nv_fp8x2_storage_t)((w >> (16 * (i & 1))) & 0xffffu);
-            const float2 x = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
-            f[2 * i] = __fmul_rn(x.x, sc), f[2 * i + 1] = __fmul_rn(x.y, sc);
-        }
-        lo = make_float4(f[0], f[1], f[2], f[3]);
-        hi = make_float4(f[4], f[5], f[6], f[7]);
+        pa_cvt8w<KT>(make_uint4(u.x, u.y, 0u, 0u), sc, lo, hi);
     }
 }
 
@@ -222,14 +231,7 @@ static __global__ void __launch_bounds__(128)
  * The thread that computes a value changes with the tile's shape; the
  * operations and their order do not. So a token gives the same bits alone,
  * in a tile of 64, at any offset in the batch, with any sub-batching. */
-#define PT_ROWS 64 /* rows (token x head) per block: the prefill variant */
-/* The decode variant (batches of about one token per sequence, GQA group <=
- * 16) holds 16 rows with one K/V buffer (~45 KB of shared memory instead of
- * ~111 KB, so 4-5 blocks share an SM instead of 2). Rows r < 16 map to the
- * same threads and run the same operations in both variants (scores: thread
- * (r, kg); PV: thread (r % 8, pdg) for rows r and r + 8), so a row's bits do
- * not depend on the variant. */
-#define PT_ROWS_DEC 16
+#define PT_ROWS 64 /* rows (token x head) per block */
 #define PT_TK 32   /* keys per staged tile */
 
 /* KT: the cache's st_kv_dtype. bf16 / fp8 run with NBUF = 1 fp32 tile plus a
@@ -569,6 +571,299 @@ static __global__ void __launch_bounds__(128)
     st_attn_merge_row<HD>(o.part_acc, o.part_m, o.part_l, o.rows, row, ns, o.out + (o.tok0 * H + row) * HD);
 }
 
+/* ---- the decode kernel: one warp per (token, kv head, range) ---------------------------
+ * Decode steps (about one token per sequence, GQA group G <= PD_MAX_G): the
+ * tile kernel would stage each 32-key tile for G of its 64 rows and leave
+ * most of its threads idle. Here a warp takes one token's G query heads of
+ * one kv head and one PA_SPLIT-key range, with no block barrier (the
+ * PD_WARPS warps of a block are independent), and per 32-key tile of the
+ * range:
+ *   - lane j scores key j against the G rows: its K row read straight from
+ *     the cache into registers, 16 bytes at a time, q from shared memory
+ *     (a broadcast);
+ *   - the online softmax runs across the warp (max by xor shuffles; the p
+ *     sum by the tile kernel's tree, below);
+ *   - lane l accumulates dims DPL l .. DPL l + DPL - 1 of every row over the
+ *     tile's keys in order, its V rows read coalesced, all of the tile's
+ *     loads issued before the first FMA.
+ * Every row's arithmetic is the tile kernel's, operation for operation: the
+ * score chain (fmaf over the dims in increasing order from 0, on q pre-scaled
+ * by __fmul_rn), keys past the token's end at -inf, the exact tile max, p =
+ * exp2f(s - base), the sum ((p_kg + p_kg+8) + p_kg+16) + p_kg+24 for kg < 8
+ * then xor 1, 2, 4 over kg, l = l alpha + sum and acc = acc alpha with
+ * __fmul_rn / __fadd_rn, acc = fmaf(p_j, v_j, acc) over the tile's keys in
+ * order, the same ranges, output (acc / l, or the partials) and merge. So a
+ * token's bits are the same here and in the tile kernel, and the batch
+ * invariance holds across the two (gpu_check_ops: each token alone runs this
+ * kernel, a batch with prefill tiles the tile kernel, compared bit for bit).
+ * Invalid keys (block ids outside the pool) read as zeros, as the tile
+ * kernel's zero-filled staging. */
+#define PD_WARPS 4
+#define PD_MAX_G 8
+
+/* 8 elements of a cache row as loaded: f32 two float4, bf16 one uint4, fp8 one uint2 (in .x, .y) */
+template <int KT>
+struct pd_raw8 {
+    uint4 a, b;
+};
+template <int KT>
+ST_DEV pd_raw8<KT> pd_ld8(const unsigned char *row, int e, bool ok) {
+    pd_raw8<KT> r;
+    r.a = r.b = make_uint4(0u, 0u, 0u, 0u);
+    if (!ok) return r;
+    if constexpr (KT == ST_KV_F32) {
+        r.a = __ldg((const uint4 *)(row + 4 * e));
+        r.b = __ldg((const uint4 *)(row + 4 * e + 16));
+    } else if constexpr (KT == ST_KV_BF16) {
+        r.a = __ldg((const uint4 *)(row + 2 * e));
+    } else {
+        const uint2 u = __ldg((const uint2 *)(row + e));
+        r.a = make_uint4(u.x, u.y, 0u, 0u);
+    }
+    return r;
+}
+template <int KT>
+ST_DEV void pd_cvt8(const pd_raw8<KT> &r, float sc, float4 &lo, float4 &hi) {
+    if constexpr (KT == ST_KV_F32) {
+        lo = make_float4(__uint_as_float(r.a.x), __uint_as_float(r.a.y), __uint_as_float(r.a.z), __uint_as_float(r.a.w));
+        hi = make_float4(__uint_as_float(r.b.x), __uint_as_float(r.b.y), __uint_as_float(r.b.z), __uint_as_float(r.b.w));
+    } else {
+        pa_cvt8w<KT>(r.a, sc, lo, hi);
+    }
+}
+
+/* DPL elements of a V row (DPL = 2 or 4) as loaded: up to 16 bytes */
+template <int KT, int DPL>
+ST_DEV uint4 pd_ldv(const unsigned char *p, bool ok) {
+    constexpr int B = DPL * (KT == ST_KV_F32 ? 4 : KT == ST_KV_BF16 ? 2 : 1);
+    uint4 r = make_uint4(0u, 0u, 0u, 0u);
+    if (!ok) return r;
+    if constexpr (B == 16) r = __ldg((const uint4 *)p);
+    else if constexpr (B == 8) {
+        const uint2 u = __ldg((const uint2 *)p);
+        r.x = u.x, r.y = u.y;
+    } else if constexpr (B == 4) r.x = __ldg((const unsigned int *)p);
+    else r.x = __ldg((const unsigned short *)p);
+    return r;
+}
+template <int KT, int DPL>
+ST_DEV void pd_cvtv(uint4 r, float sc, float v[DPL]) {
+    const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+    if constexpr (KT == ST_KV_F32) {
+#pragma unroll
+        for (int i = 0; i < DPL; i++) v[i] = __uint_as_float(w[i]);
+    } else if constexpr (KT == ST_KV_BF16) {
+#pragma unroll
+        for (int i = 0; i < DPL / 2; i++) {
+            const float2 f = pa_bf16x2(w[i]);
+            v[2 * i] = f.x, v[2 * i + 1] = f.y;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < DPL / 2; i++) {
+            const float2 f = pa_fp8x2(w[i / 2] >> (16 * (i & 1)), sc);
+            v[2 * i] = f.x, v[2 * i + 1] = f.y;
+        }
+    }
+}
+
+template <int HD, int GM>
+struct pd_cfg {
+    static constexpr int WARP_FLOATS = GM * HD + GM * PT_TK + PT_TK; /* q [GM][HD], p [GM][TK], V scales [TK] */
+    static constexpr size_t smem = PD_WARPS * (WARP_FLOATS * sizeof(float) + PT_TK * sizeof(int64_t));
+    static_assert(smem <= 48 * 1024, "no opt-in shared memory");
+};
+
+/* grid (ceil(sub-batch tokens x Hkv x ranges / PD_WARPS)); PD_WARPS warps; G <= GM. */
+template <int HD, int GM, int KT>
+static __global__ void __launch_bounds__(32 * PD_WARPS)
+    pa_dec_kernel(const float *__restrict__ q, st_paged_kv kv, const int32_t *__restrict__ seq,
+                  const int32_t *__restrict__ pos, int H, int Hkv, int nsplit, int64_t max_nk, float qscale,
+                  pa_out o) {
+    using C = pd_cfg<HD, GM>;
+    constexpr int DPL = HD / 32;                                       /* PV: dims per lane */
+    constexpr int ES = KT == ST_KV_F32 ? 4 : KT == ST_KV_BF16 ? 2 : 1; /* bytes per element */
+    constexpr int CW = KT == ST_KV_F32 ? 8 : KT == ST_KV_BF16 ? 4 : 2; /* registers per 8 raw K elements */
+    constexpr int CG = HD / 8 < 64 / CW ? HD / 8 : 64 / CW;            /* 8-element K chunks loaded at once */
+    constexpr int VPF = KT == ST_KV_F32 ? 16 : PT_TK;                   /* V rows loaded at once */
+    extern __shared__ float4 pd_smem4[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float *q_s = (float *)pd_smem4 + warp * C::WARP_FLOATS; /* [GM][HD] */
+    float *p_s = q_s + GM * HD;                            /* [GM][TK] */
+    float *vsc_s = p_s + GM * PT_TK;                        /* [TK] fp8: V scales of the tile's keys */
+    int64_t *off_s = (int64_t *)((float *)pd_smem4 + PD_WARPS * C::WARP_FLOATS) + warp * PT_TK; /* [TK] */
+    st_pdl_wait();
+    st_pdl_trigger();
+
+    const int64_t item = (int64_t)blockIdx.x * PD_WARPS + warp, nt = o.rows / H;
+    const int sp = (int)(item % nsplit);
+    const int64_t th = item / nsplit;
+    if (th >= nt * Hkv) return;
+    const int kvh = (int)(th % Hkv), G = H / Hkv, h0 = kvh * G;
+    const int64_t t = o.tok0 + th / Hkv;
+    const pa_tok tk = pa_token(kv, seq, pos, t, max_nk);
+    if (tk.nk == 0) { /* a NaN row each, written by the first range's warp */
+        if (sp == 0)
+            for (int i = lane; i < G * HD; i += 32) o.out[(t * H + h0 + i / HD) * HD + i % HD] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const int64_t kv_begin = (int64_t)sp * PA_SPLIT;
+    if (tk.nk <= kv_begin) return; /* no keys in this range */
+    const int64_t kv_end = min(tk.nk, kv_begin + PA_SPLIT);
+    const int64_t bs = kv.block_size, n_blocks = kv.cache.n_slots / bs, kv_stride = (int64_t)Hkv * HD;
+    const unsigned char *kc = (const unsigned char *)kv.cache.k, *vc = (const unsigned char *)kv.cache.v;
+
+    for (int i = lane; i < GM * HD / 4; i += 32) {
+        const int r = i / (HD / 4), d4 = i % (HD / 4);
+        float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (r < G) {
+            x = __ldg((const float4 *)(q + ((t * H + h0 + r) * HD)) + d4);
+            x = make_float4(__fmul_rn(x.x, qscale), __fmul_rn(x.y, qscale), __fmul_rn(x.z, qscale),
+                            __fmul_rn(x.w, qscale));
+        }
+        *(float4 *)(q_s + r * HD + 4 * d4) = x;
+    }
+    __syncwarp();
+
+    float m_r[GM], l_r[GM], acc[GM][DPL];
+#pragma unroll
+    for (int r = 0; r < GM; r++) {
+        m_r[r] = -INFINITY, l_r[r] = 0.0f;
+#pragma unroll
+        for (int d = 0; d < DPL; d++) acc[r][d] = 0.0f;
+    }
+    const int ntiles = (int)((kv_end - kv_begin + PT_TK - 1) / PT_TK);
+    for (int tt = 0; tt < ntiles; tt++) {
+        const int64_t kb = kv_begin + (int64_t)tt * PT_TK;
+        const int c = (int)min((int64_t)PT_TK, tk.nk - kb); /* keys of the tile the token takes, >= 1 */
+        /* lane j: key kb + j */
+        const int64_t slot = lane < c ? pa_slot(tk, kb + lane, bs, n_blocks) : -1;
+        const bool ok = slot >= 0;
+        const int64_t roff = ok ? (slot * kv_stride + (int64_t)kvh * HD) * ES : -1;
+        float ksc = 1.0f;
+        if constexpr (KT == ST_KV_FP8) {
+            ksc = ok ? __ldg(kv.cache.k_scale + slot * Hkv + kvh) : 0.0f;
+            vsc_s[lane] = ok ? __ldg(kv.cache.v_scale + slot * Hkv + kvh) : 0.0f;
+        }
+        off_s[lane] = roff;
+        __syncwarp();
+        /* the tile's V: this lane's dims of the keys the token takes, VPF keys at
+         * a time, the first VPF loaded before the scores */
+        uint4 vr[VPF];
+        auto load_v = [&](int j0) {
+#pragma unroll
+            for (int i = 0; i < VPF; i++) {
+                const int64_t oj = off_s[j0 + i];
+                vr[i] = pd_ldv<KT, DPL>(vc + oj + (int64_t)(DPL * lane) * ES, j0 + i < c && oj >= 0);
+            }
+        };
+        load_v(0);
+        /* scores */
+        float s[GM];
+#pragma unroll
+        for (int r = 0; r < GM; r++) s[r] = 0.0f;
+        const unsigned char *krow = kc + (ok ? roff : 0);
+#pragma unroll
+        for (int g0 = 0; g0 < HD / 8; g0 += CG) {
+            pd_raw8<KT> kr[CG];
+#pragma unroll
+            for (int i = 0; i < CG; i++) kr[i] = pd_ld8<KT>(krow, 8 * (g0 + i), ok);
+#pragma unroll
+            for (int i = 0; i < CG; i++) {
+                float4 lo, hi;
+                pd_cvt8<KT>(kr[i], ksc, lo, hi);
+                const int d = 8 * (g0 + i);
+#pragma unroll
+                for (int r = 0; r < GM; r++) {
+                    if (r < G) {
+                        const float4 qa = *(const float4 *)(q_s + r * HD + d), qb = *(const float4 *)(q_s + r * HD + d + 4);
+                        float a = s[r];
+                        a = fmaf(qa.x, lo.x, a);
+                        a = fmaf(qa.y, lo.y, a);
+                        a = fmaf(qa.z, lo.z, a);
+                        a = fmaf(qa.w, lo.w, a);
+                        a = fmaf(qb.x, hi.x, a);
+                        a = fmaf(qb.y, hi.y, a);
+                        a = fmaf(qb.z, hi.z, a);
+                        a = fmaf(qb.w, hi.w, a);
+                        s[r] = a;
+                    }
+                }
+            }
+        }
+        /* online softmax per row (c >= 1: every row commits) */
+#pragma unroll
+        for (int r = 0; r < GM; r++) {
+            if (r >= G) continue;
+            const float sv = lane < c ? s[r] : -INFINITY;
+            const float mx = st_warp_max(sv);
+            const float mnew = fmaxf(m_r[r], mx);
+            const float base = mnew == -INFINITY ? 0.0f : mnew;
+            const float p = exp2f(__fsub_rn(sv, base));
+            const float p8 = __shfl_down_sync(0xffffffffu, p, 8), p16 = __shfl_down_sync(0xffffffffu, p, 16),
+                        p24 = __shfl_down_sync(0xffffffffu, p, 24);
+            float sum = __fadd_rn(__fadd_rn(__fadd_rn(p, p8), p16), p24); /* lanes kg < 8 */
+            sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
+            sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
+            sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 4));
+            sum = __shfl_sync(0xffffffffu, sum, 0);
+            const float alpha = exp2f(__fsub_rn(m_r[r], base));
+            l_r[r] = __fadd_rn(__fmul_rn(l_r[r], alpha), sum);
+            m_r[r] = mnew;
+            p_s[r * PT_TK + lane] = p;
+#pragma unroll
+            for (int d = 0; d < DPL; d++) acc[r][d] = __fmul_rn(acc[r][d], alpha);
+        }
+        __syncwarp();
+        /* PV over the tile's keys in order */
+#pragma unroll
+        for (int j4 = 0; j4 < PT_TK / 4; j4++) {
+            if (4 * j4 >= c) break; /* warp-uniform */
+            if (j4 > 0 && (4 * j4) % VPF == 0) load_v(4 * j4);
+            float4 pv[GM];
+#pragma unroll
+            for (int r = 0; r < GM; r++)
+                if (r < G) pv[r] = *(const float4 *)(p_s + r * PT_TK + 4 * j4);
+#pragma unroll
+            for (int jj = 0; jj < 4; jj++) {
+                const int j = 4 * j4 + jj;
+                if (j < c) {
+                    float v[DPL];
+                    pd_cvtv<KT, DPL>(vr[j % VPF], KT == ST_KV_FP8 ? vsc_s[j] : 1.0f, v);
+#pragma unroll
+                    for (int r = 0; r < GM; r++) {
+                        if (r < G) {
+                            const float pj = jj == 0 ? pv[r].x : jj == 1 ? pv[r].y : jj == 2 ? pv[r].z : pv[r].w;
+#pragma unroll
+                            for (int d = 0; d < DPL; d++) acc[r][d] = fmaf(pj, v[d], acc[r][d]);
+                        }
+                    }
+                }
+            }
+        }
+        __syncwarp(); /* p_s, off_s and vsc_s are rewritten by the next tile */
+    }
+    const int ns = (int)((tk.nk + PA_SPLIT - 1) / PA_SPLIT);
+#pragma unroll
+    for (int r = 0; r < GM; r++) {
+        if (r >= G) continue;
+        const int64_t grow = t * H + h0 + r, lrow = (t - o.tok0) * H + h0 + r;
+        if (ns == 1) {
+            float *dst = o.out + grow * HD + DPL * lane;
+#pragma unroll
+            for (int d = 0; d < DPL; d++) dst[d] = __fdiv_rn(acc[r][d], l_r[r]);
+        } else {
+            float *dst = o.part_acc + ((size_t)sp * o.rows + lrow) * HD + DPL * lane;
+#pragma unroll
+            for (int d = 0; d < DPL; d++) dst[d] = acc[r][d];
+            if (lane == 0) {
+                o.part_m[sp * o.rows + lrow] = m_r[r];
+                o.part_l[sp * o.rows + lrow] = l_r[r];
+            }
+        }
+    }
+}
+
 /* ---- generic: any head_dim or alignment, one block per (token, head) ----------------- */
 
 #define PG_THREADS 128
@@ -663,17 +958,14 @@ static strata_status pt_set_attr() {
     return STRATA_OK;
 }
 
-/* The tile kernel's variants for one cache type: prefill (PT_ROWS rows; f32
- * double-buffers its fp32 tiles, bf16 / fp8 have one plus the raw tile) and
- * decode (PT_ROWS_DEC rows, one buffer). */
+/* The tile kernel's variants for one cache type (f32 double-buffers its fp32
+ * tiles, bf16 / fp8 have one plus the raw tile). */
 template <int KT>
 static strata_status pt_set_attrs() {
     constexpr int NB = KT == ST_KV_F32 ? 2 : 1;
     strata_status st;
     if ((st = pt_set_attr<64, PT_ROWS, NB, KT>()) != STRATA_OK) return st;
-    if ((st = pt_set_attr<128, PT_ROWS, NB, KT>()) != STRATA_OK) return st;
-    if ((st = pt_set_attr<64, PT_ROWS_DEC, 1, KT>()) != STRATA_OK) return st;
-    return pt_set_attr<128, PT_ROWS_DEC, 1, KT>();
+    return pt_set_attr<128, PT_ROWS, NB, KT>();
 }
 
 strata_status st_cuda_attention_paged_setup(st_cuda *c) {
@@ -698,17 +990,37 @@ static strata_status pa_launch_tile(st_cuda *c, cudaStream_t s, const float *q, 
     return STRATA_OK;
 }
 
-/* The tile kernel for cache type KT: hd 64 or 128, the decode or the prefill variant. */
+/* The decode kernel: G query heads per warp in GM rows. */
+template <int HD, int GM, int KT>
+static strata_status pa_launch_dec(st_cuda *c, cudaStream_t s, const float *q, const st_paged_kv &kv,
+                                   const int32_t *seq, const int32_t *pos, int64_t nt, int H, int Hkv, int nsplit,
+                                   int64_t max_nk, float qscale, const pa_out &o) {
+    const int64_t blocks = (nt * Hkv * nsplit + PD_WARPS - 1) / PD_WARPS;
+    if (blocks > INT32_MAX)
+        return st_err(STRATA_ERR_INVALID_ARG, "cuda attention_paged: %lld tokens x %d kv heads x %d ranges is too many",
+                      (long long)nt, Hkv, nsplit);
+    ST_CUDA_TRY(st_launch(c->pdl, pa_dec_kernel<HD, GM, KT>, dim3((unsigned)blocks), dim3(32 * PD_WARPS),
+                          pd_cfg<HD, GM>::smem, s, q, kv, seq, pos, H, Hkv, nsplit, max_nk, qscale, o));
+    if (nsplit > 1)
+        ST_CUDA_TRY(st_launch(c->pdl, pa_merge_fast_kernel<HD>, dim3((unsigned)(nt * H)), dim3(128), 0, s, kv, seq,
+                              pos, H, max_nk, o));
+    return STRATA_OK;
+}
+
+/* Cache type KT, hd 64 or 128: the decode kernel (dec: G <= PD_MAX_G) or the tile kernel. */
 template <int KT>
 static strata_status pa_tile_kt(st_cuda *c, cudaStream_t s, const float *q, const st_paged_kv &kv,
                                 const int32_t *seq, const int32_t *pos, int64_t nt, int H, int Hkv, int hd,
                                 bool dec, int nsplit, int64_t max_nk, float qscale, const pa_out &o) {
     constexpr int NB = KT == ST_KV_F32 ? 2 : 1;
-    if (dec)
-        return hd == 64 ? pa_launch_tile<64, PT_ROWS_DEC, 1, KT>(c, s, q, kv, seq, pos, nt, H, Hkv, nsplit, max_nk,
-                                                                 qscale, o)
-                        : pa_launch_tile<128, PT_ROWS_DEC, 1, KT>(c, s, q, kv, seq, pos, nt, H, Hkv, nsplit, max_nk,
-                                                                  qscale, o);
+    if (dec) {
+        const bool g4 = H / Hkv <= 4;
+        if (hd == 64)
+            return g4 ? pa_launch_dec<64, 4, KT>(c, s, q, kv, seq, pos, nt, H, Hkv, nsplit, max_nk, qscale, o)
+                      : pa_launch_dec<64, 8, KT>(c, s, q, kv, seq, pos, nt, H, Hkv, nsplit, max_nk, qscale, o);
+        return g4 ? pa_launch_dec<128, 4, KT>(c, s, q, kv, seq, pos, nt, H, Hkv, nsplit, max_nk, qscale, o)
+                  : pa_launch_dec<128, 8, KT>(c, s, q, kv, seq, pos, nt, H, Hkv, nsplit, max_nk, qscale, o);
+    }
     return hd == 64 ? pa_launch_tile<64, PT_ROWS, NB, KT>(c, s, q, kv, seq, pos, nt, H, Hkv, nsplit, max_nk, qscale, o)
                     : pa_launch_tile<128, PT_ROWS, NB, KT>(c, s, q, kv, seq, pos, nt, H, Hkv, nsplit, max_nk, qscale,
                                                            o);
@@ -740,10 +1052,10 @@ strata_status st_cuda_op_attention_paged(st_backend *be, st_cuda_stream *s, cons
     /* the tile kernel: hd 64 / 128 with 16-byte aligned q and cache */
     const bool tile = (hd == 64 || hd == 128) && st_cuda_aligned(q, 16) && st_cuda_aligned(L.k, 16) &&
                       st_cuda_aligned(L.v, 16);
-    /* its decode variant when the batch holds about one token per sequence
-     * (decode steps); same bits either way (see PT_ROWS_DEC) */
+    /* the decode kernel when the batch holds about one token per sequence
+     * (decode steps); same bits either way (see pa_dec_kernel) */
     const int64_t in_call = kv->batch_seqs > 0 ? kv->batch_seqs : kv->n_seqs;
-    const bool dec = tile && G <= PT_ROWS_DEC && n <= 2 * in_call;
+    const bool dec = tile && G <= PD_MAX_G && n <= 2 * in_call;
     if (tile && (int64_t)Hkv * ((G + PT_ROWS - 1) / PT_ROWS) > 65535)
         return st_err(STRATA_ERR_INVALID_ARG, "cuda attention_paged: %d kv heads is too many", Hkv);
     const size_t gsmem = (size_t)(2 * hd + PG_THREADS) * sizeof(float);
