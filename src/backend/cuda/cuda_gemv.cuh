@@ -33,6 +33,7 @@ struct st_gemv_args {
     const int8_t *xq; /* [n, K] */
     const float *xd;  /* [n, K / 32] per-block scales */
     const float *xs;  /* [n, K / 32] d * sum x_q per block (MMQ of q4_1 / q4_k, gemv1; NULL otherwise) */
+    float *part;      /* MMQ split along K: the slices' partial sums (st_cuda_mmq_part_bytes; NULL otherwise) */
 };
 
 /* Row group g of a launch of groups of R rows (index over all its weights;

@@ -92,6 +92,7 @@ typedef enum {
     ST_CUDA_SCRATCH_STACK, /* stacked hi/lo GEMM results (precise bf16 matmul, <= 256 tokens) */
     ST_CUDA_SCRATCH_ATTN_BF16, /* K and V rounded to bf16 (fast prefill attention, FA2 kernel) */
     ST_CUDA_SCRATCH_XQ,    /* activations quantized to int8 + block scales (fast-mode decode GEMV) */
+    ST_CUDA_SCRATCH_MMQ,   /* the MMQ's partial sums per K slice (small launches) */
     ST_CUDA_SCRATCH_COUNT
 } st_cuda_scratch_slot;
 

@@ -98,13 +98,13 @@
  * fuses it with q), and from 5 tokens the GEMV already runs its 8-token
  * kernel while the MMQ's 8-token tile costs the same for 5 as for 8. Up to
  * 32 tokens the MMQ beats dequantize + GEMM on every shape (4096 x 4096 21.7
- * vs 30.9 us); at 64 only on launches of MMQ_WIDE_ROWS rows or more (14336 x
- * 4096 56.9 vs 95.1; 4096 rows: 34.4 vs 29.5), at 128 on none (109.8 vs
- * 98.3). Explicit mmq_max_n / mmq_min_n replace the rule by a plain range. */
+ * vs 30.9 us); at 64 it did only on launches of 8192 rows or more (14336 x
+ * 4096 56.9 vs 95.1; 4096 rows: 34.4 vs 29.5, 64 blocks for 132 SMs) until
+ * launches of fewer than two blocks per SM split K (cuda_mmq.cu,
+ * mq_slices; fifteenth session: bench/RESULTS.md); at 128 on none (109.8 vs
+ * 98.3). */
 #define MMQ_MIN_N 5
 #define MMQ_MAX_N 64
-#define MMQ_NARROW_MAX_N 32 /* above: only launches of >= MMQ_WIDE_ROWS output rows (SwiGLU: gate + up) */
-#define MMQ_WIDE_ROWS 8192
 #define DQ_SLAB_BYTES ((size_t)64 << 20)
 /* precise bf16 GEMMs with at most this many tokens run as ONE GEMM over the
  * stacked [x_hi; x_lo] (2n columns), so the weights are read once per step
@@ -399,7 +399,6 @@ struct st_cuda_lt_cache {
                                          (st_backend_params; 0 there: GEMM_MIN_N, GEMM_MIN_N_QUANT) */
     int mmq_min_n, mmq_max_n;         /* fast mode: token counts of the MMQ kernels (st_backend_params;
                                          0 there: MMQ_MIN_N, MMQ_MAX_N; max -1: none) */
-    bool mmq_rows_rule;               /* defaults: above MMQ_NARROW_MAX_N tokens only wide launches */
     int gemv1_rows;                   /* st_backend_params.gemv1_rows */
 };
 
@@ -421,7 +420,6 @@ strata_status st_cuda_matmul_setup(st_cuda *c, const st_backend_params *params) 
     c->lt_cache->gemm_min_n_quant = params->gemm_min_n_quant >= 2 ? params->gemm_min_n_quant : GEMM_MIN_N_QUANT;
     c->lt_cache->mmq_min_n = params->mmq_min_n >= 1 ? params->mmq_min_n : MMQ_MIN_N;
     c->lt_cache->mmq_max_n = params->mmq_max_n < 0 ? 0 : params->mmq_max_n >= 1 ? params->mmq_max_n : MMQ_MAX_N;
-    c->lt_cache->mmq_rows_rule = params->mmq_max_n == 0 && params->mmq_min_n == 0;
     c->lt_cache->gemv1_rows = params->gemv1_rows;
     strata_status st = st_cuda_mmq_setup();
     if (st != STRATA_OK) return st;
@@ -532,20 +530,11 @@ static strata_status lt_gemm(st_backend *be, st_cuda_stream *s, cudaDataType_t a
 
 /* ---- dispatch ------------------------------------------------------------------------ */
 
-/* Fast mode, n within [mmq_min_n, mmq_max_n] (by default above
- * MMQ_NARROW_MAX_N only for launches of MMQ_WIDE_ROWS output rows or more:
- * rows counts every weight of the launch, gate and up for SwiGLU), a type
- * and shape the MMQ kernels take: the int8 tensor-core matmul. */
-static bool use_mmq(const st_cuda *c, int dtype, size_t rb, int64_t K, int64_t n, int64_t rows) {
+/* Fast mode, n within [mmq_min_n, mmq_max_n], a type and shape the MMQ
+ * kernels take: the int8 tensor-core matmul. */
+static bool use_mmq(const st_cuda *c, int dtype, size_t rb, int64_t K, int64_t n) {
     const st_cuda_lt_cache *l = c->lt_cache;
-    return c->fast_prefill && n >= l->mmq_min_n && n <= l->mmq_max_n &&
-           (!l->mmq_rows_rule || n <= MMQ_NARROW_MAX_N || rows >= MMQ_WIDE_ROWS) && st_cuda_mmq_supports(dtype, rb, K);
-}
-static int64_t mmv_rows(const mmv_args &a, bool swiglu) {
-    if (swiglu) return 2 * a.N[0];
-    int64_t r = 0;
-    for (int i = 0; i < a.count; i++) r += a.N[i];
-    return r;
+    return c->fast_prefill && n >= l->mmq_min_n && n <= l->mmq_max_n && st_cuda_mmq_supports(dtype, rb, K);
 }
 
 /* Rows per warp of the one-token int8 GEMV (cuda_gemv1.cu), 0 for the staged
@@ -590,7 +579,7 @@ static strata_status gemv(st_backend *be, st_cuda_stream *cs, mmv_args a) {
      * token on the direct kernel (cuda_gemv1.cu) where K % 128 == 0; else not
      * q8_0 for one token, where the fp32 mmv kernel below is faster than the
      * staged int8 kernel (H100, 14336 x 4096: 25.6 vs 30.9 us) */
-    const bool mmq = use_mmq(c, T, a.rb, a.K, a.n, mmv_rows(a, SW));
+    const bool mmq = use_mmq(c, T, a.rb, a.K, a.n);
     const int g1 = c->fast_prefill && a.n == 1 && st_cuda_gemv1_supports(T, a.K) ? gemv1_rows(c, T) : 0;
     if (mmq || g1 ||
         (c->fast_prefill && st_cuda_gemv2_i8_supports(T, a.rb) && a.K % 32 == 0 && !(T == ST_DTYPE_Q8_0 && a.n == 1))) {
@@ -600,7 +589,15 @@ static strata_status gemv(st_backend *be, st_cuda_stream *cs, mmv_args a) {
         if ((st = st_cuda_gemv2_quant_x(s, c->pdl, a.x, a.n, a.K, (int8_t *)a.xq, (float *)a.xd, (float *)a.xs)) !=
             STRATA_OK)
             return st;
-        if (mmq) return st_cuda_mmq(s, c->pdl, T, SW, a, c->sm_count);
+        if (mmq) {
+            const size_t pb = st_cuda_mmq_part_bytes(T, SW, a, c->sm_count);
+            if (pb) {
+                void *p = NULL;
+                if ((st = st_cuda_scratch(be, cs, ST_CUDA_SCRATCH_MMQ, pb, &p)) != STRATA_OK) return st;
+                a.part = (float *)p;
+            }
+            return st_cuda_mmq(s, c->pdl, T, SW, a, c->sm_count);
+        }
         if (g1) return st_cuda_gemv1(s, c->pdl, T, SW, a, g1);
         return st_cuda_gemv2(s, c->pdl, T, SW, a, &c->lt_cache->gemv2);
     }
@@ -651,11 +648,10 @@ static strata_status gemv_x(st_backend *be, st_cuda_stream *s, const float *x, i
     return STRATA_OK;
 }
 
-/* The GEMV or the MMQ (both go by gemv()) rather than a GEMM; rows: the
- * launch's output rows (use_mmq). */
-static bool use_gemv(const st_cuda *c, const st_weight *w, int64_t n, int64_t rows) {
+/* The GEMV or the MMQ (both go by gemv()) rather than a GEMM. */
+static bool use_gemv(const st_cuda *c, const st_weight *w, int64_t n) {
     return n < (st_dtype_get(w->dtype)->quantized ? c->lt_cache->gemm_min_n_quant : c->lt_cache->gemm_min_n) ||
-           use_mmq(c, w->dtype, st_dtype_row_bytes(w->dtype, w->cols), w->cols, n, rows);
+           use_mmq(c, w->dtype, st_dtype_row_bytes(w->dtype, w->cols), w->cols, n);
 }
 
 template <int T>
@@ -663,10 +659,10 @@ static strata_status matmul_t(st_backend *be, st_cuda_stream *s, const float *x,
                               float *y) {
     const int64_t N = w->rows, K = w->cols;
     if (K % 8) {
-        if (T == ST_DTYPE_F32 && !use_gemv(st_cuda_of(be), w, n, N)) return lt_gemm(be, s, CUDA_R_32F, w->data, x, y, N, n, K, N, 0.0f);
+        if (T == ST_DTYPE_F32 && !use_gemv(st_cuda_of(be), w, n)) return lt_gemm(be, s, CUDA_R_32F, w->data, x, y, N, n, K, N, 0.0f);
         return gemv_scalar<T>(s->s, w, x, n, y);
     }
-    if (use_gemv(st_cuda_of(be), w, n, N)) {
+    if (use_gemv(st_cuda_of(be), w, n)) {
         strata_status st = gemv_x(be, s, x, n, K, &x);
         if (st != STRATA_OK) return st;
         return gemv<T, false>(be, s, mmv_one(w, x, n, y));
@@ -755,9 +751,7 @@ strata_status st_cuda_op_matmul(st_backend *be, st_cuda_stream *s, const float *
 strata_status st_cuda_op_matmul_multi(st_backend *be, st_cuda_stream *s, const float *x, const st_weight *w,
                                       int count, int64_t n, float *const *y) {
     strata_status st;
-    int64_t rows = 0;
-    for (int i = 0; i < count; i++) rows += w[i].rows;
-    bool one = w[0].cols % 8 == 0 && use_gemv(st_cuda_of(be), &w[0], n, rows);
+    bool one = w[0].cols % 8 == 0 && use_gemv(st_cuda_of(be), &w[0], n);
     for (int i = 0; i < count; i++) {
         if ((st = check_sizes(&w[i], n)) != STRATA_OK) return st;
         one = one && w[i].dtype == w[0].dtype;
@@ -791,17 +785,14 @@ strata_status st_cuda_op_rmsnorm_matmul(st_backend *be, st_cuda_stream *s, float
                                         const st_weight *w_norm, float eps, int64_t n, int64_t d, float *out,
                                         const st_weight *w, int count, const st_weight *up, float *const *y) {
     st_cuda *c = st_cuda_of(be);
-    int64_t rows = up ? up->rows : 0;
     bool fuse = c->fast_prefill && n == 1 && st_cuda_aligned(out, 16) && (!up || up->dtype == w[0].dtype);
     bool sums = false;
     for (int i = 0; i < count && fuse; i++) {
         const int T = w[i].dtype;
         fuse = st_cuda_gemv1_supports(T, d) && gemv1_rows(c, T) > 0 && check_sizes(&w[i], n) == STRATA_OK &&
-               !use_mmq(c, T, st_dtype_row_bytes((st_dtype)T, d), d, n, up ? 2 * w[i].rows : w[i].rows);
+               !use_mmq(c, T, st_dtype_row_bytes((st_dtype)T, d), d, n);
         sums = sums || st_cuda_gemv1_needs_sums(T);
-        rows += w[i].rows;
     }
-    fuse = fuse && !use_mmq(c, w[0].dtype, st_dtype_row_bytes(w[0].dtype, d), d, n, rows); /* a one-dtype launch */
     strata_status st = STRATA_OK;
     if (fuse) {
         mmv_args q = mmv_one(&w[0], out, n, y[0]);
@@ -837,7 +828,7 @@ strata_status st_cuda_op_matmul_swiglu(st_backend *be, st_cuda_stream *s, const 
                                        const st_weight *wu, int64_t n, float *out) {
     strata_status st = check_sizes(wg, n);
     if (st != STRATA_OK) return st;
-    if (wg->cols % 8 == 0 && use_gemv(st_cuda_of(be), wg, n, 2 * wg->rows)) {
+    if (wg->cols % 8 == 0 && use_gemv(st_cuda_of(be), wg, n)) {
         if ((st = gemv_x(be, s, x, n, wg->cols, &x)) != STRATA_OK) return st;
         mmv_args a = mmv_one(wg, x, n, out);
         a.w[1] = (const uint8_t *)wu->data;

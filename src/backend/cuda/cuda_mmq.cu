@@ -31,12 +31,16 @@
  *     token tiles are blockIdx.x (fastest), so the blocks sharing a weight
  *     tile run together and read it from HBM once.
  * Shared-memory rows are padded so that fragment loads are free of bank
- * conflicts.
+ * conflicts. Launches of fewer than two blocks per SM (4096-row weights:
+ * 128 tiles of 32 rows) split K into up to 8 slices (grid.z, mq_slices):
+ * each slice's block writes its tile's partial sums to a.part and
+ * mmq_slices_kernel adds the slices in order (then SwiGLU) into y.
  *
  * Rounding: the integer sums are exact; per block one fp32 product and FMA
  * (the same terms as the dp4a GEMV of cuda_gemv.cu, in another order). The
- * result of a token depends on the tile configuration (n), not on the other
- * tokens' values. Error against the fp32 reference: 8.2e-3 of max|y| at most
+ * result of a token depends on the tile configuration and K slices (n, the
+ * launch's rows and K, the device's SM count), not on the other tokens'
+ * values. Error against the fp32 reference: 8.2e-3 of max|y| at most
  * over gpu_check_ops --only-mmq (threshold 1e-2). Timings: bench/RESULTS.md,
  * seventh session (H200: q4_0 14336 x 4096, 8 tokens 32.6 us against 43.0
  * for the int8 GEMV and 90.6 for dequantize + GEMM; 64 tokens 56.9 / 297 /
@@ -189,14 +193,18 @@ static __global__ void __launch_bounds__(32 * WM * WN * WK) mmq_kernel(const st_
     const int g = lane >> 2, tig = lane & 3;
     const int wk = warp % WK, wn = (warp / WK) % WN, wm = warp / (WK * WN);
     const int64_t K = a.K, n = a.n;
-    const int nblk = (int)(K >> 5), ns = (nblk + 7) >> 3;
+    const int nblk = (int)(K >> 5), nst = (nblk + 7) >> 3;
     const int64_t kq = K >> 5; /* scales per token row */
     const st_gemv_group tl = st_gemv_group_of<RT, SW>(a, blockIdx.y);
     const int64_t t0 = (int64_t)blockIdx.x * BN;
+    /* this block's slice of K (gridDim.z slices): stages s0 .. s0 + ns - 1 */
+    const int s0 = (int)((int64_t)nst * blockIdx.z / gridDim.z);
+    const int ns = (int)((int64_t)nst * (blockIdx.z + 1) / gridDim.z) - s0;
 
+    /* local stage s (ring slot s % NST) is stage s0 + s of K */
     auto issue_w = [&](int s) {
         uint8_t *ws = sm + (s % NST) * STAGE;
-        const size_t so = (size_t)s * SB;
+        const size_t so = (size_t)(s0 + s) * SB;
         for (int i = tid; i < BM * C16; i += C::THREADS) {
             const int r = i / C16, c = i - r * C16;
             const size_t o = so + 16 * (size_t)c;
@@ -211,13 +219,13 @@ static __global__ void __launch_bounds__(32 * WM * WN * WK) mmq_kernel(const st_
         uint8_t *ws = sm + (s % NST) * STAGE;
         for (int i = tid; i < BN * 16; i += C::THREADS) {
             const int j = i >> 4, c = i & 15;
-            const int64_t tok = min(t0 + j, n - 1), o = (int64_t)s * 256 + 16 * c;
+            const int64_t tok = min(t0 + j, n - 1), o = (int64_t)(s0 + s) * 256 + 16 * c;
             if (o < K) mq_cp16(ws + C::XOFF + j * MQ_XS + 16 * c, a.xq + tok * K + o);
         }
         constexpr int ND = C::SUM ? 4 : 2; /* 16-byte pieces per token: scales, then sums */
         for (int i = tid; i < BN * ND; i += C::THREADS) {
             const int j = i / ND, c = i % ND;
-            const int64_t tok = min(t0 + j, n - 1), o = (int64_t)s * 8 + 4 * (c & 1);
+            const int64_t tok = min(t0 + j, n - 1), o = (int64_t)(s0 + s) * 8 + 4 * (c & 1);
             if (o < kq) {
                 const float *src = (c < 2 ? a.xd : a.xs) + tok * kq + o;
                 mq_cp16(ws + C::DOFF + (c >> 1) * (BN * MQ_XD * 4) + j * (MQ_XD * 4) + 16 * (c & 1), src);
@@ -256,7 +264,7 @@ static __global__ void __launch_bounds__(32 * WM * WN * WK) mmq_kernel(const st_
         const uint8_t *ws = sm + (s % NST) * STAGE;
         const uint8_t *xs = ws + C::XOFF;
         const float *xd = (const float *)(ws + C::DOFF), *xsum = xd + BN * MQ_XD;
-        const int nb = min(8, nblk - 8 * s);
+        const int nb = min(8, nblk - 8 * (s0 + s));
 #pragma unroll
         for (int i = 0; i < 8 / WK; i++) {
             const int b = wk + WK * i;
@@ -316,6 +324,17 @@ static __global__ void __launch_bounds__(32 * WM * WN * WK) mmq_kernel(const st_
             p[C::BMP + 8] = acc[m][j][3];
         }
     __syncthreads();
+    if (gridDim.z > 1) { /* one slice of K: the tile's partial sums (gate and up rows alike) */
+        float *pp = a.part + ((size_t)(blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * (BN * BM);
+        for (int i = tid; i < BN * BM; i += C::THREADS) {
+            const int c = i / BM, r = i - c * BM;
+            float v = red[c * C::BMP + r];
+#pragma unroll
+            for (int k = 1; k < WK; k++) v += red[(k * BN + c) * C::BMP + r];
+            pp[i] = v;
+        }
+        return;
+    }
     for (int i = tid; i < BN * RT; i += C::THREADS) {
         const int c = i / RT, r = i - c * RT;
         const int64_t tok = t0 + c, row = tl.row0 + r;
@@ -327,6 +346,32 @@ static __global__ void __launch_bounds__(32 * WM * WN * WK) mmq_kernel(const st_
             float u = red[c * C::BMP + RT + r];
 #pragma unroll
             for (int k = 1; k < WK; k++) u += red[(k * BN + c) * C::BMP + RT + r];
+            v = st_silu_mul(v, u);
+        }
+        tl.y[tok * tl.N + row] = v;
+    }
+}
+
+/* The K slices' partial sums of each tile added in slice order (then
+ * SwiGLU), into y: grid (token tiles, row tiles) as the MMQ's, gridDim.z = 1. */
+template <int BM, int BN, bool SW>
+static __global__ void __launch_bounds__(256) mmq_slices_kernel(const st_gemv_args a, int ks) {
+    constexpr int RT = SW ? BM / 2 : BM;
+    st_pdl_wait(); /* the partials are the previous kernel's */
+    st_pdl_trigger();
+    const st_gemv_group tl = st_gemv_group_of<RT, SW>(a, blockIdx.y);
+    const int64_t t0 = (int64_t)blockIdx.x * BN;
+    const size_t zs = (size_t)gridDim.y * gridDim.x * (BN * BM); /* one slice's partials */
+    const float *pp = a.part + ((size_t)blockIdx.y * gridDim.x + blockIdx.x) * (BN * BM);
+    for (int i = threadIdx.x; i < BN * RT; i += blockDim.x) {
+        const int c = i / RT, r = i - c * RT;
+        const int64_t tok = t0 + c, row = tl.row0 + r;
+        if (tok >= a.n || row >= tl.N) continue;
+        float v = pp[c * BM + r];
+        for (int z = 1; z < ks; z++) v += pp[z * zs + c * BM + r];
+        if (SW) {
+            float u = pp[c * BM + RT + r];
+            for (int z = 1; z < ks; z++) u += pp[z * zs + c * BM + RT + r];
             v = st_silu_mul(v, u);
         }
         tl.y[tok * tl.N + row] = v;
@@ -357,7 +402,10 @@ static __global__ void __launch_bounds__(128) mmqw_kernel(const st_gemv_args a) 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tig = lane & 3;
     const int64_t K = a.K, n = a.n, kq = K >> 5;
-    const int nblk = (int)kq, ns = (nblk + 7) >> 3;
+    const int nblk = (int)kq, nst = (nblk + 7) >> 3;
+    /* this block's slice of K (gridDim.z slices): stages s0 .. s0 + ns - 1; warp w takes s0 + w + 4 k */
+    const int s0 = (int)((int64_t)nst * blockIdx.z / gridDim.z);
+    const int ns = (int)((int64_t)nst * (blockIdx.z + 1) / gridDim.z) - s0;
     const int cnt = warp < ns ? (ns - 1 - warp) / 4 + 1 : 0; /* this warp's stages */
     const st_gemv_group tl = st_gemv_group_of<RT, SW>(a, blockIdx.y);
     const int64_t t0 = (int64_t)blockIdx.x * BN;
@@ -374,7 +422,7 @@ static __global__ void __launch_bounds__(128) mmqw_kernel(const st_gemv_args a) 
     }
     auto issue = [&](int k) {
         if (k < cnt) {
-            const size_t so = (size_t)(warp + 4 * k) * SB;
+            const size_t so = (size_t)(s0 + warp + 4 * k) * SB;
             uint8_t *buf = ring + (k % NST) * WST;
 #pragma unroll
             for (int j = 0; j < CPL; j++) {
@@ -416,7 +464,7 @@ static __global__ void __launch_bounds__(128) mmqw_kernel(const st_gemv_args a) 
         issue(k + NST - 1);
         /* the stage's x, all 8 blocks at once (one L2 round trip per stage,
          * not one per block; past the last block: the last block again) */
-        const int s = warp + 4 * k, nb = min(8, nblk - 8 * s);
+        const int s = s0 + warp + 4 * k, nb = min(8, nblk - 8 * s);
         uint32_t bf[8][NT][2];
         float dx[8][NT][2], sx[8][NT][2];
 #pragma unroll
@@ -481,6 +529,17 @@ static __global__ void __launch_bounds__(128) mmqw_kernel(const st_gemv_args a) 
             p[BMP + 8] = acc[m][j][3];
         }
     __syncthreads();
+    if (gridDim.z > 1) { /* one slice of K: the tile's partial sums (gate and up rows alike) */
+        float *pp = a.part + ((size_t)(blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * (BN * BM);
+        for (int i = threadIdx.x; i < BN * BM; i += 128) {
+            const int c = i / BM, r = i - c * BM;
+            float v = red[c * BMP + r];
+#pragma unroll
+            for (int w = 1; w < 4; w++) v += red[(w * BN + c) * BMP + r];
+            pp[i] = v;
+        }
+        return;
+    }
     for (int i = threadIdx.x; i < BN * RT; i += 128) {
         const int c = i / RT, r = i - c * RT;
         const int64_t tok = t0 + c, row = tl.row0 + r;
@@ -500,8 +559,23 @@ static __global__ void __launch_bounds__(128) mmqw_kernel(const st_gemv_args a) 
 
 /* ---- launch -------------------------------------------------------------------------- */
 
+/* K slices of a launch of `blocks` blocks: enough blocks for two per SM
+ * (the small weights: 4096 rows at 64 tokens are 128 blocks), at least 4
+ * of its nst stages a slice, at most MQ_MAX_SLICES. The slices' partial
+ * sums go to a.part, and mmq_slices_kernel adds them in slice order. */
+#define MQ_MAX_SLICES 8
+static int mq_slices(int64_t blocks, int64_t nst, int sm_count) {
+    if (blocks >= 2 * (int64_t)sm_count) return 1;
+    int64_t ks = (2 * (int64_t)sm_count + blocks - 1) / blocks;
+    if (ks > nst / 4) ks = nst / 4;
+    if (ks > MQ_MAX_SLICES) ks = MQ_MAX_SLICES;
+    return ks < 2 ? 1 : (int)ks;
+}
+
+
 template <int T, int MT, int NT, bool SW>
-static strata_status mqw_launch(cudaStream_t s, bool pdl, st_gemv_args a, bool setup) {
+static strata_status mqw_launch(cudaStream_t s, bool pdl, st_gemv_args a, bool setup, int sm_count,
+                                size_t *part_bytes) {
     constexpr int BM = 16 * MT, BN = 8 * NT, WST = BM * mqw_sbp(mq<T>::SB);
     constexpr int SMEM = mq_max(4 * mqw_nst(WST) * WST, 4 * BN * (BM + 4) * 4);
     if (setup) {
@@ -518,15 +592,29 @@ static strata_status mqw_launch(cudaStream_t s, bool pdl, st_gemv_args a, bool s
     if (tiles > 65535 || gx > INT32_MAX)
         return st_err(STRATA_ERR_INVALID_ARG, "cuda mmq: %lld row tiles x %lld token tiles is too large", (long long)tiles,
                       (long long)gx);
+    /* K slices as the block pipeline's, at least 2 stages per warp */
+    const int ks = mq_slices(gx * tiles, (a.K / 32 + 7) / 8 / 2, sm_count);
+    const size_t pb = ks > 1 ? (size_t)ks * (size_t)(gx * tiles) * (BN * BM) * sizeof(float) : 0;
+    if (part_bytes) {
+        *part_bytes = pb;
+        return STRATA_OK;
+    }
+    if (pb && !a.part) return st_err(STRATA_ERR_INVALID_ARG, "cuda mmq: %d K slices and no partials buffer", ks);
     a.groups = (unsigned)tiles;
-    ST_CUDA_TRY(st_launch(pdl, mmqw_kernel<T, MT, NT, SW>, dim3((unsigned)gx, (unsigned)tiles), dim3(128),
+    ST_CUDA_TRY(st_launch(pdl, mmqw_kernel<T, MT, NT, SW>, dim3((unsigned)gx, (unsigned)tiles, (unsigned)ks), dim3(128),
                           (size_t)SMEM, s, a));
+    if (ks > 1)
+        ST_CUDA_TRY(st_launch(pdl, mmq_slices_kernel<BM, BN, SW>, dim3((unsigned)gx, (unsigned)tiles), dim3(256), 0, s,
+                              a, ks));
     return STRATA_OK;
 }
 
 
+/* part_bytes not NULL: the bytes of a.part the launch needs (0: no K
+ * slices), nothing launched. */
 template <int T, int MT, int NT, int WM, int WN, int WK, bool SW>
-static strata_status mq_launch(cudaStream_t s, bool pdl, st_gemv_args a, bool setup) {
+static strata_status mq_launch(cudaStream_t s, bool pdl, st_gemv_args a, bool setup, int sm_count,
+                               size_t *part_bytes) {
     using C = mq_cfg<T, MT, NT, WM, WN, WK>;
     if (setup) {
         ST_CUDA_TRY(cudaFuncSetAttribute(mmq_kernel<T, MT, NT, WM, WN, WK, SW>,
@@ -543,9 +631,19 @@ static strata_status mq_launch(cudaStream_t s, bool pdl, st_gemv_args a, bool se
     if (tiles > 65535 || gx > INT32_MAX)
         return st_err(STRATA_ERR_INVALID_ARG, "cuda mmq: %lld row tiles x %lld token tiles is too large", (long long)tiles,
                       (long long)gx);
+    const int ks = mq_slices(gx * tiles, (a.K / 32 + 7) / 8, sm_count);
+    const size_t pb = ks > 1 ? (size_t)ks * (size_t)(gx * tiles) * (C::BN * C::BM) * sizeof(float) : 0;
+    if (part_bytes) {
+        *part_bytes = pb;
+        return STRATA_OK;
+    }
+    if (pb && !a.part) return st_err(STRATA_ERR_INVALID_ARG, "cuda mmq: %d K slices and no partials buffer", ks);
     a.groups = (unsigned)tiles;
-    ST_CUDA_TRY(st_launch(pdl, mmq_kernel<T, MT, NT, WM, WN, WK, SW>, dim3((unsigned)gx, (unsigned)tiles),
+    ST_CUDA_TRY(st_launch(pdl, mmq_kernel<T, MT, NT, WM, WN, WK, SW>, dim3((unsigned)gx, (unsigned)tiles, (unsigned)ks),
                           dim3(C::THREADS), (size_t)C::SMEM, s, a));
+    if (ks > 1)
+        ST_CUDA_TRY(st_launch(pdl, mmq_slices_kernel<C::BM, C::BN, SW>, dim3((unsigned)gx, (unsigned)tiles), dim3(256),
+                              0, s, a, ks));
     return STRATA_OK;
 }
 
@@ -555,45 +653,53 @@ static strata_status mq_launch(cudaStream_t s, bool pdl, st_gemv_args a, bool se
  * (tiles of the token dimension run side by side on the same rows), unless
  * that leaves fewer blocks than SMs: then 4 warps over 32 rows. */
 template <int T, bool SW>
-static strata_status mq_dispatch(cudaStream_t s, bool pdl, const st_gemv_args &a, bool setup, int sm_count) {
+static strata_status mq_dispatch(cudaStream_t s, bool pdl, const st_gemv_args &a, bool setup, int sm_count,
+                                 size_t *pb) {
     strata_status st;
+    if (pb) *pb = 0;
     if (setup || a.n <= 8)
-        if ((st = mqw_launch<T, 2, 1, SW>(s, pdl, a, setup)) != STRATA_OK || !setup) return st;
+        if ((st = mqw_launch<T, 2, 1, SW>(s, pdl, a, setup, sm_count, pb)) != STRATA_OK || !setup) return st;
     if (setup || a.n <= 16)
-        if ((st = mqw_launch<T, 2, 2, SW>(s, pdl, a, setup)) != STRATA_OK || !setup) return st;
+        if ((st = mqw_launch<T, 2, 2, SW>(s, pdl, a, setup, sm_count, pb)) != STRATA_OK || !setup) return st;
     int64_t rows = 0;
     for (int i = 0; i < (SW ? 1 : a.count); i++) rows += a.N[i];
     const int64_t rt = SW ? 32 : 64; /* output rows of a 64-row tile */
     const bool wide = (rows + rt - 1) / rt * ((a.n + (a.n <= 32 ? 31 : 63)) / (a.n <= 32 ? 32 : 64)) >= sm_count;
     if (setup || a.n <= 32) {
         if (setup || wide)
-            if ((st = mq_launch<T, 2, 4, 2, 1, 4, SW>(s, pdl, a, setup)) != STRATA_OK || !setup) return st;
-        if ((st = mq_launch<T, 2, 4, 1, 1, 4, SW>(s, pdl, a, setup)) != STRATA_OK || !setup) return st;
+            if ((st = mq_launch<T, 2, 4, 2, 1, 4, SW>(s, pdl, a, setup, sm_count, pb)) != STRATA_OK || !setup) return st;
+        if ((st = mq_launch<T, 2, 4, 1, 1, 4, SW>(s, pdl, a, setup, sm_count, pb)) != STRATA_OK || !setup) return st;
     }
     if (setup || wide)
-        if ((st = mq_launch<T, 2, 4, 2, 2, 2, SW>(s, pdl, a, setup)) != STRATA_OK || !setup) return st;
-    return mq_launch<T, 1, 8, 2, 1, 2, SW>(s, pdl, a, setup);
+        if ((st = mq_launch<T, 2, 4, 2, 2, 2, SW>(s, pdl, a, setup, sm_count, pb)) != STRATA_OK || !setup) return st;
+    return mq_launch<T, 1, 8, 2, 1, 2, SW>(s, pdl, a, setup, sm_count, pb);
 }
 
 template <int T>
-static strata_status mq_dtype(cudaStream_t s, bool pdl, bool swiglu, const st_gemv_args &a, bool setup, int smc) {
+static strata_status mq_dtype(cudaStream_t s, bool pdl, bool swiglu, const st_gemv_args &a, bool setup, int smc,
+                              size_t *pb) {
     if (setup) {
-        strata_status st = mq_dispatch<T, false>(s, pdl, a, true, smc);
-        return st != STRATA_OK ? st : mq_dispatch<T, true>(s, pdl, a, true, smc);
+        strata_status st = mq_dispatch<T, false>(s, pdl, a, true, smc, NULL);
+        return st != STRATA_OK ? st : mq_dispatch<T, true>(s, pdl, a, true, smc, NULL);
     }
-    return swiglu ? mq_dispatch<T, true>(s, pdl, a, false, smc) : mq_dispatch<T, false>(s, pdl, a, false, smc);
+    return swiglu ? mq_dispatch<T, true>(s, pdl, a, false, smc, pb) : mq_dispatch<T, false>(s, pdl, a, false, smc, pb);
 }
 
 static strata_status mq_any(int dtype, cudaStream_t s, bool pdl, bool swiglu, const st_gemv_args &a, bool setup,
-                            int smc) {
+                            int smc, size_t *pb) {
     switch (dtype) {
-    case ST_DTYPE_Q8_0: return mq_dtype<ST_DTYPE_Q8_0>(s, pdl, swiglu, a, setup, smc);
-    case ST_DTYPE_Q4_0: return mq_dtype<ST_DTYPE_Q4_0>(s, pdl, swiglu, a, setup, smc);
-    case ST_DTYPE_Q4_1: return mq_dtype<ST_DTYPE_Q4_1>(s, pdl, swiglu, a, setup, smc);
-    case ST_DTYPE_Q4_K: return mq_dtype<ST_DTYPE_Q4_K>(s, pdl, swiglu, a, setup, smc);
+    case ST_DTYPE_Q8_0: return mq_dtype<ST_DTYPE_Q8_0>(s, pdl, swiglu, a, setup, smc, pb);
+    case ST_DTYPE_Q4_0: return mq_dtype<ST_DTYPE_Q4_0>(s, pdl, swiglu, a, setup, smc, pb);
+    case ST_DTYPE_Q4_1: return mq_dtype<ST_DTYPE_Q4_1>(s, pdl, swiglu, a, setup, smc, pb);
+    case ST_DTYPE_Q4_K: return mq_dtype<ST_DTYPE_Q4_K>(s, pdl, swiglu, a, setup, smc, pb);
     default: break;
     }
     return st_err(STRATA_ERR_UNSUPPORTED, "cuda mmq: dtype %s", st_dtype_name((st_dtype)dtype));
+}
+
+size_t st_cuda_mmq_part_bytes(int dtype, bool swiglu, const st_gemv_args &a, int sm_count) {
+    size_t pb = 0;
+    return mq_any(dtype, 0, false, swiglu, a, false, sm_count, &pb) == STRATA_OK ? pb : 0;
 }
 
 bool st_cuda_mmq_supports(int dtype, size_t row_bytes, int64_t K) {
@@ -612,7 +718,7 @@ strata_status st_cuda_mmq(cudaStream_t s, bool pdl, int dtype, bool swiglu, cons
     if (!a.xq || !a.xd || (st_cuda_mmq_needs_sums(dtype) && !a.xs))
         return st_err(STRATA_ERR_INVALID_ARG, "cuda mmq: x not quantized (xq, xd%s missing)",
                       st_cuda_mmq_needs_sums(dtype) ? ", xs" : "");
-    return mq_any(dtype, s, pdl, swiglu, a, false, sm_count);
+    return mq_any(dtype, s, pdl, swiglu, a, false, sm_count, NULL);
 }
 
 strata_status st_cuda_mmq_setup(void) {
@@ -620,7 +726,7 @@ strata_status st_cuda_mmq_setup(void) {
     memset(&a, 0, sizeof a);
     const int types[] = {ST_DTYPE_Q8_0, ST_DTYPE_Q4_0, ST_DTYPE_Q4_1, ST_DTYPE_Q4_K};
     for (int i = 0; i < 4; i++) {
-        strata_status st = mq_any(types[i], 0, false, false, a, true, 1);
+        strata_status st = mq_any(types[i], 0, false, false, a, true, 1, NULL);
         if (st != STRATA_OK) return st;
     }
     return STRATA_OK;

@@ -14,9 +14,15 @@ bool st_cuda_mmq_supports(int dtype, size_t row_bytes, int64_t K);
  * through the activations' block sums). */
 bool st_cuda_mmq_needs_sums(int dtype);
 
+/* The bytes of a.part the launch below needs for these arguments: small
+ * launches (fewer than two blocks per SM) split K into slices whose partial
+ * sums a second kernel adds in slice order; 0 when it does not. */
+size_t st_cuda_mmq_part_bytes(int dtype, bool swiglu, const st_gemv_args &a, int sm_count);
+
 /* Launches it on s (PDL when pdl). Needs st_cuda_mmq_supports, a.xq, a.xd
- * (and a.xs where st_cuda_mmq_needs_sums), 16-byte aligned w; sm_count
- * (the device's SMs) picks the tile height. */
+ * (and a.xs where st_cuda_mmq_needs_sums), a.part of st_cuda_mmq_part_bytes
+ * bytes where that is not 0, 16-byte aligned w; sm_count (the device's SMs)
+ * picks the tile height and the K slices. */
 strata_status st_cuda_mmq(cudaStream_t s, bool pdl, int dtype, bool swiglu, const st_gemv_args &a, int sm_count);
 
 /* One-time kernel attributes (dynamic shared memory above 48 KiB), at backend init. */
