@@ -181,6 +181,21 @@ static void check_backend(st_backend *be) {
     BAD(be, be->ops->kv_store_paged(be, NULL, &L, x, NULL, slots, 1), "kv_store_paged", "v is NULL");
     BAD(be, be->ops->kv_store_paged(be, NULL, &L, x, y, slots, -1), "kv_store_paged", "n = -1");
     BAD(be, be->ops->kv_store_paged(be, NULL, NULL, x, y, slots, 1), "kv_store_paged", "cache) is NULL");
+    /* rope_kv_store: kv_store_paged's checks, head_dim against the cache's, rope's for q and for k */
+    BAD(be, be->ops->rope_kv_store(be, NULL, x, y, o, ids, 1, 2, 2, wd, false, &L, NULL), "rope_kv_store",
+        "slots is NULL");
+    BAD(be, be->ops->rope_kv_store(be, NULL, x, NULL, o, ids, 1, 2, 2, wd, false, &L, slots), "rope_kv_store",
+        "k is NULL");
+    BAD(be, be->ops->rope_kv_store(be, NULL, x, y, o, ids, 1, 2, 4, wd, false, &L, slots), "rope_kv_store",
+        "head_dim = 4, the cache's 2");
+    BAD(be, be->ops->rope_kv_store(be, NULL, NULL, y, o, ids, 1, 2, 2, wd, false, &L, slots), "rope_kv_store",
+        "q is NULL");
+    BAD(be, be->ops->rope_kv_store(be, NULL, x, y, o, NULL, 1, 2, 2, wd, false, &L, slots), "rope_kv_store",
+        "pos is NULL");
+    BAD(be, be->ops->rope_kv_store(be, NULL, x, y, o, ids, 1, 0, 2, wd, false, &L, slots), "rope_kv_store",
+        "n_heads = 0");
+    BAD(be, be->ops->rope_kv_store(be, NULL, x, y, o, ids, 1, 2, 2, NULL, false, &L, slots), "rope_kv_store",
+        "inv_freq is NULL");
     Lb.dtype = (st_kv_dtype)7;
     BAD(be, be->ops->kv_store_paged(be, NULL, &Lb, x, y, slots, 1), "kv_store_paged", "cache.dtype = 7");
     Lb = L, Lb.k = NULL;

@@ -1,5 +1,5 @@
 /* The CPU backend's decode-step ops (set_rows, argmax, matmul_multi,
- * matmul_swiglu, rmsnorm_matmul, graphs: backend.h) against references written here, and the
+ * matmul_swiglu, rmsnorm_matmul, rope_kv_store, graphs: backend.h) against references written here, and the
  * model's decode steps through the one forward path (greedy on the device
  * against the host argmax).
  * The CUDA backend runs the same ops against this CPU backend in
@@ -154,6 +154,44 @@ static void test_fused_matmuls(st_backend *be) {
     }
 }
 
+/* rope_kv_store: the bytes of rope (q), rope (k), kv_store_paged, for each
+ * cache type (a skipped slot of -1 among them) */
+static void test_rope_kv_store(st_backend *be) {
+    const int64_t H = 4, Hkv = 2, hd = 8, n = 3, n_slots = 6, kvd = Hkv * hd;
+    const int32_t pos[3] = {0, 17, 100000};
+    const int64_t slots[3] = {4, -1, 0};
+    float inv[4];
+    for (int j = 0; j < 4; j++) inv[j] = powf(10000.0f, -(float)(2 * j) / (float)hd);
+    for (int kt = ST_KV_F32; kt <= ST_KV_FP8; kt++)
+        for (int il = 0; il < 2; il++) {
+            float *q = test_rand_floats(&g_rng, n * H * hd, 2.0f), *k = test_rand_floats(&g_rng, n * kvd, 2.0f);
+            float *v = test_rand_floats(&g_rng, n * kvd, 2.0f);
+            float *q2 = malloc((size_t)(n * H * hd) * sizeof(float)), *k2 = malloc((size_t)(n * kvd) * sizeof(float));
+            memcpy(q2, q, (size_t)(n * H * hd) * sizeof(float));
+            memcpy(k2, k, (size_t)(n * kvd) * sizeof(float));
+            const size_t cb = (size_t)(n_slots * kvd) * st_kv_dtype_size((st_kv_dtype)kt);
+            uint8_t *c1 = calloc(4, cb), *c2 = calloc(4, cb); /* K | V of each */
+            float *sc1 = calloc(4 * (size_t)(n_slots * Hkv), sizeof(float)), *sc2 = calloc(4 * (size_t)(n_slots * Hkv), sizeof(float));
+            const bool f8 = kt == ST_KV_FP8;
+            const st_kv_layer L1 = {c1, c1 + cb, f8 ? sc1 : NULL, f8 ? sc1 + n_slots * Hkv : NULL, (st_kv_dtype)kt,
+                                    n_slots, Hkv, hd};
+            const st_kv_layer L2 = {c2, c2 + cb, f8 ? sc2 : NULL, f8 ? sc2 + n_slots * Hkv : NULL, (st_kv_dtype)kt,
+                                    n_slots, Hkv, hd};
+            CHECK(be->ops->rope(be, NULL, q, pos, n, H, hd, inv, il) == STRATA_OK);
+            CHECK(be->ops->rope(be, NULL, k, pos, n, Hkv, hd, inv, il) == STRATA_OK);
+            CHECK(be->ops->kv_store_paged(be, NULL, &L1, k, v, slots, n) == STRATA_OK);
+            CHECK(be->ops->rope_kv_store(be, NULL, q2, k2, v, pos, n, H, hd, inv, il, &L2, slots) == STRATA_OK);
+            CHECK_MSG(memcmp(q, q2, (size_t)(n * H * hd) * sizeof(float)) == 0 &&
+                          memcmp(k, k2, (size_t)(n * kvd) * sizeof(float)) == 0 && memcmp(c1, c2, 2 * cb) == 0 &&
+                          memcmp(sc1, sc2, 2 * (size_t)(n_slots * Hkv) * sizeof(float)) == 0,
+                      "rope_kv_store, cache %s, %s: q, k, the cache's bytes", st_kv_dtype_name((st_kv_dtype)kt),
+                      il ? "interleaved" : "rotate-half");
+            /* slot 0 holds token 2's rotated k (not its input) */
+            CHECK(kt != ST_KV_F32 || memcmp(c2, k2 + 2 * kvd, (size_t)kvd * sizeof(float)) == 0);
+            free(q), free(k), free(v), free(q2), free(k2), free(c1), free(c2), free(sc1), free(sc2);
+        }
+}
+
 static void test_graphs(st_backend *be) {
     st_stream *s = NULL;
     CHECK(be->ops->stream_create(be, false, &s) == STRATA_OK);
@@ -242,6 +280,7 @@ int main(void) {
     test_set_rows(be);
     test_argmax(be);
     test_fused_matmuls(be);
+    test_rope_kv_store(be);
     { /* the same with int8 activations (the few-token kernels: weights in 8- or 16-row blocks) */
         st_backend_params bp8 = {.kind = ST_BACKEND_CPU, .n_threads = 2, .cpu_act = ST_CPU_ACT_INT8};
         st_backend *be8 = NULL;

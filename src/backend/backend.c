@@ -136,7 +136,8 @@ strata_status st_backend_check_heads(const char *op, int64_t n, int64_t n_kv, in
     X(stream_create) X(event_create) X(event_record) X(stream_wait_event) X(event_sync)      \
     X(event_query) X(get_rows)                                                               \
     X(rmsnorm) X(matmul) X(rope) X(attention) X(attention_part) X(swiglu) X(add) X(set_rows) X(argmax)         \
-    X(matmul_multi) X(matmul_swiglu) X(rmsnorm_matmul) X(kv_store_paged) X(kv_gather) X(attention_paged) X(sample)
+    X(matmul_multi) X(matmul_swiglu) X(rmsnorm_matmul) X(kv_store_paged) X(rope_kv_store) X(kv_gather)            \
+    X(attention_paged) X(sample)
 
 enum {
 #define X(o) OPN_##o,
@@ -304,16 +305,23 @@ static strata_status chk_matmul(st_backend *be, st_stream *s, const float *x, co
     return be->dev_ops->matmul(be, s, x, w, n, y);
 }
 
-static strata_status chk_rope(st_backend *be, st_stream *s, float *x, const int32_t *pos, int64_t n,
-                              int64_t n_heads, int64_t head_dim, const float *inv_freq, bool interleaved) {
-    const char *op = OPNAME(be, rope);
+/* rope's checks under the name op of the rotated tensor xname (also
+ * rope_kv_store's, for q and for k) */
+static strata_status val_rope(const char *op, const char *xname, const float *x, const int32_t *pos, int64_t n,
+                              int64_t n_heads, int64_t head_dim, const float *inv_freq) {
     if (n < 0 || n_heads <= 0 || head_dim <= 0 || head_dim % 2)
         return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld, n_heads = %lld, head_dim = %lld (must be even)",
                       op, (long long)n, (long long)n_heads, (long long)head_dim);
     if (n == 0) return STRATA_OK;
-    CHECK_PTR(x, op);
+    if (!x) return st_err(STRATA_ERR_INVALID_ARG, "%s: %s is NULL", op, xname);
     CHECK_PTR(pos, op);
     CHECK_PTR(inv_freq, op);
+    return STRATA_OK;
+}
+static strata_status chk_rope(st_backend *be, st_stream *s, float *x, const int32_t *pos, int64_t n,
+                              int64_t n_heads, int64_t head_dim, const float *inv_freq, bool interleaved) {
+    TRY(val_rope(OPNAME(be, rope), "x", x, pos, n, n_heads, head_dim, inv_freq));
+    if (n == 0) return STRATA_OK;
     return be->dev_ops->rope(be, s, x, pos, n, n_heads, head_dim, inv_freq, interleaved);
 }
 
@@ -472,15 +480,44 @@ static strata_status chk_rmsnorm_matmul(st_backend *be, st_stream *s, float *x, 
     return be->dev_ops->matmul_multi(be, s, out, w, count, n, y);
 }
 
-static strata_status chk_kv_store_paged(st_backend *be, st_stream *s, const st_kv_layer *cache, const float *k,
-                                        const float *v, const int64_t *slots, int64_t n) {
-    const char *op = OPNAME(be, kv_store_paged);
+/* kv_store_paged's checks under the name op (also rope_kv_store's) */
+static strata_status val_kv_store_paged(const char *op, const st_kv_layer *cache, const float *k, const float *v,
+                                        const int64_t *slots, int64_t n) {
     if (n < 0) return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld", op, (long long)n);
     TRY(st_kv_layer_check(cache, 0, 0, op));
     if (n == 0) return STRATA_OK;
     CHECK_PTR(k, op);
     CHECK_PTR(v, op);
     CHECK_PTR(slots, op);
+    return STRATA_OK;
+}
+static strata_status chk_kv_store_paged(st_backend *be, st_stream *s, const st_kv_layer *cache, const float *k,
+                                        const float *v, const int64_t *slots, int64_t n) {
+    TRY(val_kv_store_paged(OPNAME(be, kv_store_paged), cache, k, v, slots, n));
+    if (n == 0) return STRATA_OK;
+    return be->dev_ops->kv_store_paged(be, s, cache, k, v, slots, n);
+}
+
+/* rope's checks for q and for k (the cache's kv heads), kv_store_paged's,
+ * head_dim against the cache's; then the device's fused entry, or the three
+ * ops in turn where it has none. */
+static strata_status chk_rope_kv_store(st_backend *be, st_stream *s, float *q, float *k, const float *v,
+                                       const int32_t *pos, int64_t n, int64_t n_heads, int64_t head_dim,
+                                       const float *inv_freq, bool interleaved, const st_kv_layer *cache,
+                                       const int64_t *slots) {
+    const char *op = OPNAME(be, rope_kv_store);
+    TRY(val_kv_store_paged(op, cache, k, v, slots, n));
+    if (cache->head_dim != head_dim)
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: head_dim = %lld, the cache's %lld", op, (long long)head_dim,
+                      (long long)cache->head_dim);
+    TRY(val_rope(op, "q", q, pos, n, n_heads, head_dim, inv_freq));
+    TRY(val_rope(op, "k", k, pos, n, cache->n_kv_heads, head_dim, inv_freq));
+    if (n == 0) return STRATA_OK;
+    if (be->dev_ops->rope_kv_store)
+        return be->dev_ops->rope_kv_store(be, s, q, k, v, pos, n, n_heads, head_dim, inv_freq, interleaved, cache,
+                                          slots);
+    TRY(be->dev_ops->rope(be, s, q, pos, n, n_heads, head_dim, inv_freq, interleaved));
+    TRY(be->dev_ops->rope(be, s, k, pos, n, cache->n_kv_heads, head_dim, inv_freq, interleaved));
     return be->dev_ops->kv_store_paged(be, s, cache, k, v, slots, n);
 }
 

@@ -358,6 +358,16 @@ typedef struct {
      * stored bytes are the same on every backend. */
     strata_status (*kv_store_paged)(st_backend *be, st_stream *s, const st_kv_layer *cache,
                                     const float *k, const float *v, const int64_t *slots, int64_t n);
+    /* A layer's new K/V in one op: rope of q [n, n_heads, head_dim] and of k
+     * [n, cache.n_kv_heads, head_dim] in place (as rope), then
+     * kv_store_paged(cache, k, v, slots, n); head_dim = cache.head_dim. The
+     * same results as those three ops in turn, which is what runs where a
+     * device's entry is NULL (CPU); CUDA runs them as one launch for f32 and
+     * bf16 caches. */
+    strata_status (*rope_kv_store)(st_backend *be, st_stream *s, float *q, float *k, const float *v,
+                                   const int32_t *pos, int64_t n, int64_t n_heads, int64_t head_dim,
+                                   const float *inv_freq, bool interleaved, const st_kv_layer *cache,
+                                   const int64_t *slots);
     /* k[i, :] and v[i, :] = the K and V rows of slot ids[i] of `cache`,
      * dequantized to fp32 exactly (st_kv_layer's rules: the values
      * attention_paged reads), for i < n; rows of n_kv_heads x head_dim

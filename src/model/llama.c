@@ -537,13 +537,14 @@ strata_status st_llama_attn_ops(st_llama *m, const st_weight *w, const st_kv_lay
     float *const yqkv[3] = {m->q, m->k, m->v};
     TRY(o->rmsnorm_matmul(be, m->stream, m->x, layer > 0 ? m->tmp : NULL, &w[ST_WG_ATTN_NORM], c->rms_norm_eps, n,
                           H, m->xn, wqkv, 3, NULL, yqkv));
-    TRY(o->rope(be, m->stream, m->q, d->rope_pos, n, c->n_heads, hd, m->inv_freq, c->rope_interleaved));
-    TRY(o->rope(be, m->stream, m->k, d->rope_pos, n, c->n_kv_heads, hd, m->inv_freq, c->rope_interleaved));
     if (d->ks) {
+        TRY(o->rope(be, m->stream, m->q, d->rope_pos, n, c->n_heads, hd, m->inv_freq, c->rope_interleaved));
+        TRY(o->rope(be, m->stream, m->k, d->rope_pos, n, c->n_kv_heads, hd, m->inv_freq, c->rope_interleaved));
         TRY(attn_streamed(m, d, n, layer));
         return o->matmul(be, m->stream, m->att, &w[ST_WG_WO], n, m->tmp);
     }
-    TRY(o->kv_store_paged(be, m->stream, cache, m->k, m->v, d->slots, n));
+    TRY(o->rope_kv_store(be, m->stream, m->q, m->k, m->v, d->rope_pos, n, c->n_heads, hd, m->inv_freq,
+                         c->rope_interleaved, cache, d->slots));
     if (d->gather_ctx > 0) { /* any pool dtype: kv_gather dequantizes exactly */
         for (int64_t a = 0; a < d->gather_ctx; a += m->piece) {
             const int64_t len = d->gather_ctx - a < m->piece ? d->gather_ctx - a : m->piece;

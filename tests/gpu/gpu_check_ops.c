@@ -1242,6 +1242,74 @@ static void check_kv_store_paged(st_kv_dtype t, int64_t n_slots, int64_t H, int6
     free(k), free(v), free(slots);
 }
 
+/* The GPU layer's K, V and scales, downloaded into h (kv_bytes x 2 + scale bytes x 2). */
+static void kv_layer_down(uint8_t *h, const st_kv_layer *g) {
+    const size_t nb = kv_bytes(g->dtype, g->n_slots, g->n_kv_heads, g->head_dim);
+    const size_t sb = kv_scale_bytes(g->dtype, g->n_slots, g->n_kv_heads);
+    g_down(h, g->k, nb), g_down(h + nb, g->v, nb);
+    if (sb) g_down(h + 2 * nb, g->k_scale, sb), g_down(h + 2 * nb + sb, g->v_scale, sb);
+}
+
+/* rope_kv_store on the GPU (one launch for f32 / bf16 caches) against rope,
+ * rope and kv_store_paged on the GPU from the same bytes: q, k and the
+ * cache (-1 slots, one out of range) byte for byte. */
+static void check_rope_kv_store(st_kv_dtype t, int64_t n_slots, int64_t H, int64_t Hkv, int64_t hd, int64_t n,
+                                bool inter) {
+    const int64_t m = n + 1, qn = m * H * hd, kn = m * Hkv * hd; /* m: one more token, its slot out of range */
+    kv_pair p;
+    kv_pair_make(&p, t, n_slots, Hkv, hd, 0);
+    const size_t nb = kv_bytes(t, n_slots, Hkv, hd), sb = kv_scale_bytes(t, n_slots, Hkv), lb = 2 * nb + 2 * sb;
+    float *q = rand_f(qn, 2.0f), *k = rand_f(kn, 2.0f), *v = rand_f(kn, 2.0f), *f = xmalloc((size_t)hd * 2);
+    int32_t *pos = xmalloc((size_t)m * 4);
+    int64_t *slots = xmalloc((size_t)m * 8);
+    for (int64_t i = 0; i < m; i++) {
+        pos[i] = (int32_t)(rnd_u32() % 100000);
+        slots[i] = i == n ? n_slots : i % 5 == 3 ? -1 : (i * 7 + 3) % n_slots; /* distinct when n_slots >= 7n */
+    }
+    make_inv_freq(f, hd, 500000.0);
+    float *dv = g_up(v, (size_t)kn * 4), *df = g_up(f, (size_t)hd * 2);
+    int32_t *dp = g_up(pos, (size_t)m * 4);
+    int64_t *ds = g_up(slots, (size_t)m * 8);
+    float *q1 = xmalloc((size_t)qn * 4), *k1 = xmalloc((size_t)kn * 4), *q2 = xmalloc((size_t)qn * 4),
+          *k2 = xmalloc((size_t)kn * 4);
+    uint8_t *c1 = xmalloc(lb), *c2 = xmalloc(lb);
+    bool ok = true;
+    for (int fused = 0; fused < 2; fused++) {
+        if (fused) { /* the cache's first bytes again (the CPU side still holds them) */
+            TRY(g_gpu->ops->copy_h2d(g_gpu, g_s, p.g.k, p.c.k, nb));
+            TRY(g_gpu->ops->copy_h2d(g_gpu, g_s, p.g.v, p.c.v, nb));
+            if (sb) {
+                TRY(g_gpu->ops->copy_h2d(g_gpu, g_s, p.g.k_scale, p.c.k_scale, sb));
+                TRY(g_gpu->ops->copy_h2d(g_gpu, g_s, p.g.v_scale, p.c.v_scale, sb));
+            }
+        }
+        float *dq = g_up(q, (size_t)qn * 4), *dk = g_up(k, (size_t)kn * 4);
+        strata_status st;
+        if (fused) {
+            st = g_gpu->ops->rope_kv_store(g_gpu, g_s, dq, dk, dv, dp, m, H, hd, df, inter, &p.g, ds);
+        } else {
+            st = g_gpu->ops->rope(g_gpu, g_s, dq, dp, m, H, hd, df, inter);
+            if (st == STRATA_OK) st = g_gpu->ops->rope(g_gpu, g_s, dk, dp, m, Hkv, hd, df, inter);
+            if (st == STRATA_OK) st = g_gpu->ops->kv_store_paged(g_gpu, g_s, &p.g, dk, dv, ds, m);
+        }
+        if (st != STRATA_OK) fprintf(stderr, "  %s: %s\n", fused ? "rope_kv_store" : "rope + kv_store_paged", st_last_error());
+        ok = ok && st == STRATA_OK;
+        g_down(fused ? q2 : q1, dq, (size_t)qn * 4), g_down(fused ? k2 : k1, dk, (size_t)kn * 4);
+        kv_layer_down(fused ? c2 : c1, &p.g);
+        g_free(dq), g_free(dk);
+    }
+    const bool same = ok && memcmp(q1, q2, (size_t)qn * 4) == 0 && memcmp(k1, k2, (size_t)kn * 4) == 0 &&
+                      memcmp(c1, c2, lb) == 0;
+    check(same, "rope_kv_store %s slots=%lld heads %lld/%lld hd=%lld n=%lld %s (-1 slots, +1 out of range): q, k and "
+                "the cache as rope, rope, kv_store_paged  %s",
+          st_kv_dtype_name(t), (long long)n_slots, (long long)H, (long long)Hkv, (long long)hd, (long long)n,
+          inter ? "interleaved" : "rotate-half", same ? "same bytes" : "DIFFER");
+    g_free(dv), g_free(df), g_free(dp), g_free(ds);
+    kv_pair_free(&p);
+    free(q), free(k), free(v), free(f), free(pos), free(slots), free(q1), free(k1), free(q2), free(k2), free(c1),
+        free(c2);
+}
+
 /* A batch of n_seqs sequences (ctx[s] keys, the last nq[s] positions as
  * queries) over a pool of shuffled blocks in the cache type t, run on both
  * backends. The pool's fp32 rows are stored on each backend by its own
@@ -2261,6 +2329,9 @@ int main(int argc, char **argv) {
         check_kv_store_paged((st_kv_dtype)kt, 100, 8, 128, 13, 0);
         check_kv_store_paged((st_kv_dtype)kt, 37, 1, 19, 5, 1);
         check_kv_store_paged((st_kv_dtype)kt, 37, 3, 40, 5, 3);
+        check_rope_kv_store((st_kv_dtype)kt, 100, 32, 8, 128, 13, false);
+        check_rope_kv_store((st_kv_dtype)kt, 100, 9, 3, 64, 13, true);
+        check_rope_kv_store((st_kv_dtype)kt, 300, 64, 8, 128, 40, false);
     }
     {
         const int32_t c4[4] = {1, 37, 300, 64}, q4[4] = {1, 5, 1, 64};

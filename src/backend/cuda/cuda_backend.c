@@ -502,6 +502,20 @@ static strata_status cuda_kv_store_paged(st_backend *be, st_stream *s, const st_
     RUN(be, s, st_cuda_op_kv_store_paged(be, cs_, cache, k, v, slots, n));
 }
 
+static strata_status cuda_rope_kv_store(st_backend *be, st_stream *s, float *q, float *k, const float *v,
+                                        const int32_t *pos, int64_t n, int64_t n_heads, int64_t head_dim,
+                                        const float *inv_freq, bool interleaved, const st_kv_layer *cache,
+                                        const int64_t *slots) {
+    const char *op = "cuda rope_kv_store";
+    CHECK_F32(q, op);
+    CHECK_F32(k, op);
+    CHECK_F32(v, op);
+    CHECK_F32(inv_freq, op);
+    if (!st_cuda_aligned(slots, 8))
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: slots = %p is not 8-byte aligned", op, (const void *)slots);
+    RUN(be, s, st_cuda_op_rope_kv_store(be, cs_, q, k, v, pos, n, n_heads, head_dim, inv_freq, interleaved, cache, slots));
+}
+
 static strata_status cuda_kv_gather(st_backend *be, st_stream *s, const st_kv_layer *cache, const int32_t *ids,
                                     int64_t n, float *k, float *v) {
     const char *op = "cuda kv_gather";
@@ -586,6 +600,7 @@ static const st_backend_ops g_cuda_ops = {
     .graph_destroy = st_cuda_graph_destroy,
     .set_fast_prefill = cuda_set_fast_prefill,
     .kv_store_paged = cuda_kv_store_paged,
+    .rope_kv_store = cuda_rope_kv_store,
     .kv_gather = cuda_kv_gather,
     .attention_paged = cuda_attention_paged,
     .sample = cuda_sample,

@@ -201,6 +201,11 @@ strata_status st_cuda_op_rmsnorm_matmul(st_backend *be, st_cuda_stream *s, float
 
 strata_status st_cuda_op_kv_store_paged(st_backend *be, st_cuda_stream *s, const st_kv_layer *cache,
                                         const float *k, const float *v, const int64_t *slots, int64_t n);
+/* rope_kv_store (backend.h): cuda_rope.cu */
+strata_status st_cuda_op_rope_kv_store(st_backend *be, st_cuda_stream *s, float *q, float *k, const float *v,
+                                       const int32_t *pos, int64_t n, int64_t n_heads, int64_t head_dim,
+                                       const float *inv_freq, bool interleaved, const st_kv_layer *cache,
+                                       const int64_t *slots);
 strata_status st_cuda_op_kv_gather(st_backend *be, st_cuda_stream *s, const st_kv_layer *cache, const int32_t *ids,
                                    int64_t n, float *k, float *v);
 strata_status st_cuda_op_attention_paged(st_backend *be, st_cuda_stream *s, const float *q, const st_paged_kv *kv,
