@@ -11,7 +11,7 @@
  * (decode attention).
  *
  * Usage: bench_cuda_ops [--device N] [--only prefill-attn|attn-part|sample|gemv|gemv1|batch|mmq|paged-decode]
- *                       [--gemm-min-n N] [--gemm-min-n-quant N] [--no-pdl]
+ *                       [--gemm-min-n N] [--gemm-min-n-quant N] [--no-pdl] [--mmq-type T]
  *   --only SECTION      one section alone: the prefill attention kernels,
  *                       attention_part (a context attended piece by piece,
  *                       beside one attention call over it), the sample op,
@@ -21,7 +21,10 @@
  *                       batched decode matmuls (GEMV / GEMM switch), or the
  *                       quantized matmuls' GEMV / MMQ / GEMM switch points
  *                       (fast mode, n = 1 .. 256: the table MMQ_MIN_N and
- *                       MMQ_MAX_N come from; not in the full run)
+ *                       MMQ_MAX_N come from; not in the full run), or the
+ *                       attention of decode steps (1 / 8 / 64 sequences, the
+ *                       decode kernel beside the tile kernel; not in the full run)
+ *   --mmq-type T        the mmq section for one weight type (q4_0, q8_0, q4_1, q4_k)
  *   --gemm-min-n N, --gemm-min-n-quant N   st_backend_params' GEMV / GEMM switch
  *                       points (2: time the GEMM at every n of the batch section)
  *   --no-pdl            kernels launched without programmatic dependent launch
@@ -753,6 +756,7 @@ static void bench_gemv1(double copy_bw) {
  * GEMV there, not shown). Each line gives the three times, the fastest, and
  * the weights' bytes once at the copy bandwidth (the floor while memory
  * bound). cuda_matmul.cu's MMQ_MIN_N / MMQ_MAX_N come from this table. */
+static int g_mmq_type = -1; /* --mmq-type: that dtype's rows alone */
 static void bench_mmq(double copy_bw) {
     static const st_dtype types[] = {ST_DTYPE_Q4_0, ST_DTYPE_Q8_0, ST_DTYPE_Q4_1, ST_DTYPE_Q4_K};
     static const int64_t shapes[][2] = {{4096, 4096}, {14336, 4096}, {4096, 14336}, {1024, 4096}};
@@ -772,6 +776,7 @@ static void bench_mmq(double copy_bw) {
         for (int ti = 0; ti < NTY; ti++)
             for (int sh = 0; sh < NSH; sh++) {
                 const st_dtype t = types[ti];
+                if (g_mmq_type >= 0 && (int)t != g_mmq_type) continue;
                 const int64_t N = shapes[sh][0], K = shapes[sh][1];
                 const size_t wbytes = st_dtype_row_bytes(t, K) * (size_t)N;
                 int copies = (int)((((size_t)256 << 20) + wbytes - 1) / wbytes);
@@ -817,6 +822,7 @@ static void bench_mmq(double copy_bw) {
     printf("-- quantized matmuls, fast mode: int8 GEMV / int8 tensor-core MMQ / dequantize + GEMM (us)\n");
     for (int ti = 0; ti < NTY; ti++)
         for (int sh = 0; sh < NSH; sh++) {
+            if (g_mmq_type >= 0 && (int)types[ti] != g_mmq_type) continue;
             const int64_t N = shapes[sh][0], K = shapes[sh][1];
             const double floor_us = (double)(st_dtype_row_bytes(types[ti], K) * (size_t)N) / copy_bw * 1e6;
             for (int k = 0; k < NN; k++) {
@@ -900,7 +906,7 @@ static void bench_sample(double copy_bw) {
 
 static void usage(FILE *f) {
     fprintf(f, "usage: bench_cuda_ops [--device N] [--only prefill-attn|attn-part|sample|gemv|gemv1|batch|mmq|paged-decode] [--gemm-min-n N]\n"
-               "                      [--gemm-min-n-quant N] [--no-pdl]\n");
+               "                      [--gemm-min-n-quant N] [--no-pdl] [--mmq-type q4_0|q8_0|q4_1|q4_k]\n");
 }
 
 /* A whole decimal number in [lo, hi] or exit(2). */
@@ -937,6 +943,15 @@ int main(int argc, char **argv) {
             g_params.gemm_min_n_quant = int_arg(a, v, 2, 1 << 20), i++;
         } else if (!strcmp(a, "--no-pdl")) {
             g_params.pdl = -1;
+        } else if (!strcmp(a, "--mmq-type")) {
+            static const st_dtype mt[] = {ST_DTYPE_Q4_0, ST_DTYPE_Q8_0, ST_DTYPE_Q4_1, ST_DTYPE_Q4_K};
+            for (int k = 0; v && k < 4; k++)
+                if (!strcmp(v, st_dtype_name(mt[k]))) g_mmq_type = (int)mt[k];
+            if (g_mmq_type < 0) {
+                fprintf(stderr, "bench_cuda_ops: --mmq-type takes q4_0, q8_0, q4_1 or q4_k\n");
+                return 2;
+            }
+            i++;
         } else if (a[0] >= '0' && a[0] <= '9') { /* the device index, as the first version took it */
             g_params.device_index = int_arg("device", a, 0, 1024);
         } else {
