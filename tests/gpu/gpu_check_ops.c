@@ -76,8 +76,9 @@
  * difference stays at the f32 level and the f32 bounds apply.
  * Prints one line per check, then "N passed, M failed"; exits 1 on any
  * failure, 2 when a backend cannot be created. --only-attention: the
- * attention ops alone (attention, attention_part, kv_store_paged and
- * attention_paged, the fast-mode FA2 configurations). --only-gemv: the
+ * attention ops alone (attention, attention_part, kv_store_paged,
+ * rope_kv_store and attention_paged, the fast-mode FA2 configurations);
+ * --only-model: the models on both backends alone. --only-gemv: the
  * decode GEMV checks (fp32 and int8 kernels, rows-per-warp variants,
  * rmsnorm_matmul) and the MMQ's; --only-mmq: the int8 tensor-core matmul
  * of fast mode alone (check_mmq: 1.5e-2, as the int8 GEMV) and the
@@ -2186,6 +2187,32 @@ static void on_backend(const st_backend_params *p, void (*fn)(const char *), con
 
 /* ---- main ---- */
 
+/* The model on both backends (batched forward, the models' logits and
+ * tokens with f32 and bf16 KV pools, fast mode): the full run and --only-model. */
+static void check_models(void) {
+    const char *pmodels[] = {"gqa_f32", "llama3_bf16", "headdim_f32", "mha_tied_f32"};
+    for (size_t i = 0; i < sizeof pmodels / sizeof pmodels[0]; i++) check_forward_batch(pmodels[i]);
+
+    const char *models[] = {"llama3_f32", "llama3_bf16", "gqa_f32", "gqa_tied_bf16", "gqa_sharded_f32",
+                            "headdim_f32", "mha_tied_f32"};
+    for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) check_model(models[i], ST_KV_F32);
+    /* the KV pool in bf16: the same bytes on both backends, the same bounds */
+    for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) check_model(models[i], ST_KV_BF16);
+
+    /* fast prefill mode: bf16 operands on the tensor cores */
+    g_fast = true;
+    g_gpu->ops->set_fast_prefill(g_gpu, true);
+    const st_dtype fast_t[] = {ST_DTYPE_BF16, ST_DTYPE_F16, ST_DTYPE_Q8_0, ST_DTYPE_Q4_K};
+    for (size_t ti = 0; ti < sizeof fast_t / sizeof fast_t[0]; ti++) {
+        check_matmul(fast_t[ti], 1000, 512, 64);
+        check_matmul(fast_t[ti], 300, 1024, 300);
+    }
+    check_model("llama3_bf16", ST_KV_F32);
+    check_model("gqa_f32", ST_KV_F32);
+    g_gpu->ops->set_fast_prefill(g_gpu, false);
+    g_fast = false;
+}
+
 int main(int argc, char **argv) {
     /* --only-attention: the attention ops alone (attention, attention_part, attention_paged) */
     /* --only-gemv: the decode GEMV checks alone (default backend, then fast mode's int8 kernels and MMQ) */
@@ -2193,8 +2220,9 @@ int main(int argc, char **argv) {
     const bool only_attn = argc > 1 && !strcmp(argv[1], "--only-attention");
     const bool only_gemv = argc > 1 && !strcmp(argv[1], "--only-gemv");
     const bool only_mmq = argc > 1 && !strcmp(argv[1], "--only-mmq");
-    if (argc > 1 && !only_attn && !only_gemv && !only_mmq) {
-        fprintf(stderr, "usage: gpu_check_ops [--only-attention | --only-gemv | --only-mmq]\n");
+    const bool only_model = argc > 1 && !strcmp(argv[1], "--only-model");
+    if (argc > 1 && !only_attn && !only_gemv && !only_mmq && !only_model) {
+        fprintf(stderr, "usage: gpu_check_ops [--only-attention | --only-gemv | --only-mmq | --only-model]\n");
         return 2;
     }
     g_t0 = st_time_now();
@@ -2212,6 +2240,11 @@ int main(int argc, char **argv) {
         check_mmq_default();
         on_backend(&(st_backend_params){.mmq_min_n = 1, .mmq_max_n = 1000}, check_mmq, "mmq_min_n 1, mmq_max_n 1000");
         if (only_mmq) check_backend_params();
+        printf("%d passed, %d failed\n", g_pass, g_fail);
+        return g_fail ? 1 : 0;
+    }
+    if (only_model) {
+        check_models();
         printf("%d passed, %d failed\n", g_pass, g_fail);
         return g_fail ? 1 : 0;
     }
@@ -2389,29 +2422,7 @@ int main(int argc, char **argv) {
      * turns and on FA2 (the default backend above ran the auto choice) */
     on_backend(&(st_backend_params){.attn_fa2 = "wgmma-pp"}, check_attention_part_fast, "attn_fa2 = wgmma-pp");
     on_backend(&(st_backend_params){.attn_fa2 = "b128w8r"}, check_attention_part_fast, "attn_fa2 = b128w8r (FA2)");
-    if (!only_attn) {
-        const char *pmodels[] = {"gqa_f32", "llama3_bf16", "headdim_f32", "mha_tied_f32"};
-        for (size_t i = 0; i < sizeof pmodels / sizeof pmodels[0]; i++) check_forward_batch(pmodels[i]);
-
-        const char *models[] = {"llama3_f32", "llama3_bf16", "gqa_f32", "gqa_tied_bf16", "gqa_sharded_f32",
-                                "headdim_f32", "mha_tied_f32"};
-        for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) check_model(models[i], ST_KV_F32);
-        /* the KV pool in bf16: the same bytes on both backends, the same bounds */
-        for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) check_model(models[i], ST_KV_BF16);
-
-        /* fast prefill mode: bf16 operands on the tensor cores */
-        g_fast = true;
-        g_gpu->ops->set_fast_prefill(g_gpu, true);
-        const st_dtype fast_t[] = {ST_DTYPE_BF16, ST_DTYPE_F16, ST_DTYPE_Q8_0, ST_DTYPE_Q4_K};
-        for (size_t ti = 0; ti < sizeof fast_t / sizeof fast_t[0]; ti++) {
-            check_matmul(fast_t[ti], 1000, 512, 64);
-            check_matmul(fast_t[ti], 300, 1024, 300);
-        }
-        check_model("llama3_bf16", ST_KV_F32);
-        check_model("gqa_f32", ST_KV_F32);
-        g_gpu->ops->set_fast_prefill(g_gpu, false);
-        g_fast = false;
-    }
+    if (!only_attn) check_models();
 
     g_gpu->ops->stream_destroy(g_gpu, g_s);
     /* what remains is the default stream's scratch (one matmul ran on it) */
