@@ -405,28 +405,50 @@ static double bench_paged_step(st_kv_dtype kt, int64_t S, int64_t ctx, bool tile
 }
 
 /* --only paged-decode: decode steps' attention (the decode kernel and its
- * merge), K+V bytes read / time against the copy roofline; beside it, from
- * 8 sequences, the same batch through the 64-row tile kernel (batch_seqs = 1
- * makes the batch look like a prefill: the bits are the same). */
+ * merge), K+V bytes read / time against the copy roofline: by the default
+ * rule, then on backends that take the block-per-item and the warp-per-item
+ * kernel for every batch (st_backend_params.paged_dec 1, 2), and, from 8
+ * sequences, the same batch through the 64-row tile kernel (batch_seqs = 1
+ * makes it look like a prefill: the bits are the same). */
 static void bench_paged_decode(double copy_bw) {
     printf("-- attention_paged, decode steps: S sequences x 1 token at context ctx, 32/8 heads, hd 128, bs 16; "
-           "K+V bytes / time, %% of copy bw %.0f GB/s\n", copy_bw / 1e9);
+           "us and %% of copy bw %.0f GB/s (K+V bytes / time): default | block per item | warp per item | tile kernel\n",
+           copy_bw / 1e9);
+    st_backend *alt[2] = {NULL, NULL};
+    st_stream *alt_s[2] = {NULL, NULL};
+    for (int v = 0; v < 2; v++) {
+        st_backend_params bp = g_params;
+        bp.paged_dec = v + 1;
+        TRY(st_backend_init(&bp, &alt[v]));
+        TRY(alt[v]->ops->stream_create(alt[v], false, &alt_s[v]));
+    }
     const int64_t seqs[3] = {1, 8, 64}, ctxs[3] = {576, 4096, 32768};
     for (int kt = ST_KV_F32; kt <= ST_KV_FP8; kt++)
         for (int i = 0; i < 3; i++)
             for (int j = 0; j < 3; j++) {
                 if (seqs[i] * ctxs[j] > 64 * 4096) continue; /* pool size */
-                const double t = bench_paged_step((st_kv_dtype)kt, seqs[i], ctxs[j], false);
                 const double bytes = 2.0 * (double)(seqs[i] * ctxs[j]) * 8 * 128 * (double)st_kv_dtype_size((st_kv_dtype)kt);
-                printf("paged-decode %-4s S=%-3lld ctx=%-6lld %8.1f us  %6.0f GB/s  %3.0f%% of copy bw",
-                       st_kv_dtype_name((st_kv_dtype)kt), (long long)seqs[i], (long long)ctxs[j], t * 1e6,
-                       bytes / t / 1e9, 100.0 * bytes / t / copy_bw);
+                const double t = bench_paged_step((st_kv_dtype)kt, seqs[i], ctxs[j], false);
+                printf("paged-decode %-4s S=%-3lld ctx=%-6lld %8.1f us %3.0f%%", st_kv_dtype_name((st_kv_dtype)kt),
+                       (long long)seqs[i], (long long)ctxs[j], t * 1e6, 100.0 * bytes / t / copy_bw);
+                st_backend *be0 = be;
+                st_stream *s0 = s;
+                for (int v = 0; v < 2; v++) {
+                    be = alt[v], s = alt_s[v];
+                    const double tv = bench_paged_step((st_kv_dtype)kt, seqs[i], ctxs[j], false);
+                    printf(" | %8.1f us %3.0f%%", tv * 1e6, 100.0 * bytes / tv / copy_bw);
+                }
+                be = be0, s = s0;
                 if (seqs[i] > 2) {
                     const double tt = bench_paged_step((st_kv_dtype)kt, seqs[i], ctxs[j], true);
-                    printf(" | tile kernel %8.1f us  %3.0f%%  (%.2fx)", tt * 1e6, 100.0 * bytes / tt / copy_bw, tt / t);
+                    printf(" | %8.1f us %3.0f%% (%.2fx the default)", tt * 1e6, 100.0 * bytes / tt / copy_bw, tt / t);
                 }
                 printf("\n");
             }
+    for (int v = 0; v < 2; v++) {
+        alt[v]->ops->stream_destroy(alt[v], alt_s[v]);
+        st_backend_free(alt[v]);
+    }
 }
 
 static double time_attention(int64_t n, int64_t n_kv, int64_t H, int64_t Hkv, int64_t hd) {

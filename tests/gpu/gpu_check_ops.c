@@ -1486,6 +1486,21 @@ static void check_attention_kernels(void) {
     check_attention_paged(64, 8, 128, 32, 42, cb, qb, "42 decodes");
 }
 
+/* The decode kernels forced (st_backend_params.paged_dec 1: a block per
+ * item, 2: a warp per item) on batches of decodes and, alone, against the
+ * tile kernel's bits (check_attention_paged): GQA 4, 8, 3 and 1. */
+static void check_paged_decode(const char *what) {
+    printf("-- attention_paged's decode kernel: %s\n", what);
+    const int32_t ct[6] = {1, 40, 64, 700, 2000, 5}, qt[6] = {1, 7, 64, 300, 1, 5};
+    const int64_t cfg[][3] = {{32, 8, 128}, {64, 8, 128}, {9, 3, 64}, {8, 8, 64}};
+    int32_t cb[42], qb[42];
+    for (int i = 0; i < 42; i++) cb[i] = (int32_t)(1 + rnd_u32() % 3000), qb[i] = 1;
+    for (int c = 0; c < 4; c++) {
+        check_attention_paged(cfg[c][0], cfg[c][1], cfg[c][2], 16, 6, ct, qt, "tiles 1/7/64/300 + decodes");
+        check_attention_paged(cfg[c][0], cfg[c][1], cfg[c][2], 16, 42, cb, qb, "42 decodes");
+    }
+}
+
 /* ---- the model: st_llama_forward, st_llama_forward_sample, st_llama_forward_seq ---- */
 
 /* The model over mf on `be` with params lp (its kv_bytes set here) and a KV
@@ -1944,6 +1959,8 @@ static void check_backend_params(void) {
         {{.kind = ST_BACKEND_CUDA, .mmq_min_n = 9, .mmq_max_n = 8}, "mmq_min_n 9, mmq_max_n 8"},
         {{.kind = ST_BACKEND_CUDA, .gemv1_rows = 3}, "gemv1_rows 3"},
         {{.kind = ST_BACKEND_CUDA, .gemv1_rows = -2}, "gemv1_rows -2"},
+        {{.kind = ST_BACKEND_CUDA, .paged_dec = 3}, "paged_dec 3"},
+        {{.kind = ST_BACKEND_CUDA, .paged_dec = -1}, "paged_dec -1"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         st_backend *b = NULL;
@@ -2402,6 +2419,8 @@ int main(int argc, char **argv) {
     }
 
     check_attention_kernels();
+    on_backend(&(st_backend_params){.paged_dec = 1}, check_paged_decode, "paged_dec 1 (a block per item)");
+    on_backend(&(st_backend_params){.paged_dec = 2}, check_paged_decode, "paged_dec 2 (a warp per item)");
     check_attention_part_modes();
     check_attn_merge(1 * 32, 128);
     check_attn_merge(8 * 9, 64);

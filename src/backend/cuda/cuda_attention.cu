@@ -560,8 +560,6 @@ static strata_status decode_bpsm(int *out) {
  * blocks per SM (attention's and attention_part's instantiations). */
 strata_status st_cuda_attention_setup(st_cuda *c, const st_backend_params *params) {
     strata_status st;
-    c->attn_old = false;    /* removed with the paged kernel's old variants */
-    c->attn_tile64 = false; /* removed with the paged kernel's old variants */
     if ((st = st_attn_fa2_variant(params->attn_fa2, &c->attn_fa2)) != STRATA_OK) return st;
     if ((st = st_attn_fa2_setup()) != STRATA_OK) return st;
     if ((st = st_attn_wgmma_setup(c, &c->attn_wgmma)) != STRATA_OK) return st;

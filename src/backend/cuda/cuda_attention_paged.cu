@@ -600,6 +600,10 @@ static __global__ void __launch_bounds__(128)
  * kernel's zero-filled staging. */
 #define PD_WARPS 4
 #define PD_MAX_G 8
+/* Fewer (token, kv head, range) items than this per SM: a block of 4 warps
+ * each (pa_decb_kernel) rather than a warp each (H100, bf16 KV, 8B shape:
+ * one sequence at context 576 is 72 items, 64 sequences 4608). */
+#define PD_BLOCK_ITEMS_PER_SM 16
 
 /* 8 elements of a cache row as loaded: f32 two float4, bf16 one uint4, fp8 one uint2 (in .x, .y) */
 template <int KT>
@@ -667,6 +671,83 @@ ST_DEV void pd_cvtv(uint4 r, float sc, float v[DPL]) {
     }
 }
 
+/* The scores of NR rows of q_s (row(i): the q_s row of score i, -1: none)
+ * against this lane's key (its K row at krow, zeros when !ok): per row the
+ * tile kernel's chain, fmaf over the dims in increasing order from 0. */
+template <int HD, int KT, int NR, class RowOf>
+ST_DEV void pd_scores(const unsigned char *krow, bool ok, float ksc, const float *q_s, RowOf row, float s[NR]) {
+    constexpr int CW = KT == ST_KV_F32 ? 8 : KT == ST_KV_BF16 ? 4 : 2; /* registers per 8 raw K elements */
+    constexpr int CG = HD / 8 < 64 / CW ? HD / 8 : 64 / CW;            /* 8-element K chunks loaded at once */
+#pragma unroll
+    for (int i = 0; i < NR; i++) s[i] = 0.0f;
+#pragma unroll
+    for (int g0 = 0; g0 < HD / 8; g0 += CG) {
+        pd_raw8<KT> kr[CG];
+#pragma unroll
+        for (int c = 0; c < CG; c++) kr[c] = pd_ld8<KT>(krow, 8 * (g0 + c), ok);
+#pragma unroll
+        for (int c = 0; c < CG; c++) {
+            float4 lo, hi;
+            pd_cvt8<KT>(kr[c], ksc, lo, hi);
+            const int d = 8 * (g0 + c);
+#pragma unroll
+            for (int i = 0; i < NR; i++) {
+                const int r = row(i);
+                if (r >= 0) {
+                    const float4 qa = *(const float4 *)(q_s + r * HD + d), qb = *(const float4 *)(q_s + r * HD + d + 4);
+                    float a = s[i];
+                    a = fmaf(qa.x, lo.x, a);
+                    a = fmaf(qa.y, lo.y, a);
+                    a = fmaf(qa.z, lo.z, a);
+                    a = fmaf(qa.w, lo.w, a);
+                    a = fmaf(qb.x, hi.x, a);
+                    a = fmaf(qb.y, hi.y, a);
+                    a = fmaf(qb.z, hi.z, a);
+                    a = fmaf(qb.w, hi.w, a);
+                    s[i] = a;
+                }
+            }
+        }
+    }
+}
+
+/* One row's online-softmax step over a 32-key tile, across the warp (lane j:
+ * key j; c >= 1 keys taken, the rest at -inf): the tile kernel's operations,
+ * its p-sum tree ((p_kg + p_kg+8) + p_kg+16) + p_kg+24 for kg < 8, then
+ * xor 1, 2, 4. Updates (m, l), returns this lane's p; alpha: acc's factor. */
+ST_DEV float pd_softmax(float s, int c, int lane, float &m, float &l, float &alpha) {
+    const float sv = lane < c ? s : -INFINITY;
+    const float mx = st_warp_max(sv);
+    const float mnew = fmaxf(m, mx);
+    const float base = mnew == -INFINITY ? 0.0f : mnew;
+    const float p = exp2f(__fsub_rn(sv, base));
+    const float p8 = __shfl_down_sync(0xffffffffu, p, 8), p16 = __shfl_down_sync(0xffffffffu, p, 16),
+                p24 = __shfl_down_sync(0xffffffffu, p, 24);
+    float sum = __fadd_rn(__fadd_rn(__fadd_rn(p, p8), p16), p24); /* lanes kg < 8 */
+    sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
+    sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
+    sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 4));
+    sum = __shfl_sync(0xffffffffu, sum, 0);
+    alpha = exp2f(__fsub_rn(m, base));
+    l = __fadd_rn(__fmul_rn(l, alpha), sum);
+    m = mnew;
+    return p;
+}
+
+/* Key j's slot in the tile at kb (the lane's key), its K / V row's byte offset (-1: none) and fp8 scales. */
+template <int HD, int KT>
+ST_DEV int64_t pd_key(const st_paged_kv &kv, const pa_tok &tk, int64_t kb, int lane, int c, int kvh, int Hkv,
+                      float &ksc, float &vsc) {
+    constexpr int ES = KT == ST_KV_F32 ? 4 : KT == ST_KV_BF16 ? 2 : 1;
+    const int64_t bs = kv.block_size, slot = lane < c ? pa_slot(tk, kb + lane, bs, kv.cache.n_slots / bs) : -1;
+    ksc = vsc = 1.0f;
+    if constexpr (KT == ST_KV_FP8) {
+        ksc = slot >= 0 ? __ldg(kv.cache.k_scale + slot * Hkv + kvh) : 0.0f;
+        vsc = slot >= 0 ? __ldg(kv.cache.v_scale + slot * Hkv + kvh) : 0.0f;
+    }
+    return slot >= 0 ? (slot * (int64_t)Hkv * HD + (int64_t)kvh * HD) * ES : -1;
+}
+
 template <int HD, int GM>
 struct pd_cfg {
     static constexpr int WARP_FLOATS = GM * HD + GM * PT_TK + PT_TK; /* q [GM][HD], p [GM][TK], V scales [TK] */
@@ -683,8 +764,6 @@ static __global__ void __launch_bounds__(32 * PD_WARPS)
     using C = pd_cfg<HD, GM>;
     constexpr int DPL = HD / 32;                                       /* PV: dims per lane */
     constexpr int ES = KT == ST_KV_F32 ? 4 : KT == ST_KV_BF16 ? 2 : 1; /* bytes per element */
-    constexpr int CW = KT == ST_KV_F32 ? 8 : KT == ST_KV_BF16 ? 4 : 2; /* registers per 8 raw K elements */
-    constexpr int CG = HD / 8 < 64 / CW ? HD / 8 : 64 / CW;            /* 8-element K chunks loaded at once */
     constexpr int VPF = KT == ST_KV_F32 ? 16 : PT_TK;                   /* V rows loaded at once */
     extern __shared__ float4 pd_smem4[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -710,7 +789,6 @@ static __global__ void __launch_bounds__(32 * PD_WARPS)
     const int64_t kv_begin = (int64_t)sp * PA_SPLIT;
     if (tk.nk <= kv_begin) return; /* no keys in this range */
     const int64_t kv_end = min(tk.nk, kv_begin + PA_SPLIT);
-    const int64_t bs = kv.block_size, n_blocks = kv.cache.n_slots / bs, kv_stride = (int64_t)Hkv * HD;
     const unsigned char *kc = (const unsigned char *)kv.cache.k, *vc = (const unsigned char *)kv.cache.v;
 
     for (int i = lane; i < GM * HD / 4; i += 32) {
@@ -737,14 +815,10 @@ static __global__ void __launch_bounds__(32 * PD_WARPS)
         const int64_t kb = kv_begin + (int64_t)tt * PT_TK;
         const int c = (int)min((int64_t)PT_TK, tk.nk - kb); /* keys of the tile the token takes, >= 1 */
         /* lane j: key kb + j */
-        const int64_t slot = lane < c ? pa_slot(tk, kb + lane, bs, n_blocks) : -1;
-        const bool ok = slot >= 0;
-        const int64_t roff = ok ? (slot * kv_stride + (int64_t)kvh * HD) * ES : -1;
-        float ksc = 1.0f;
-        if constexpr (KT == ST_KV_FP8) {
-            ksc = ok ? __ldg(kv.cache.k_scale + slot * Hkv + kvh) : 0.0f;
-            vsc_s[lane] = ok ? __ldg(kv.cache.v_scale + slot * Hkv + kvh) : 0.0f;
-        }
+        float ksc, vsc;
+        const int64_t roff = pd_key<HD, KT>(kv, tk, kb, lane, c, kvh, Hkv, ksc, vsc);
+        const bool ok = roff >= 0;
+        if constexpr (KT == ST_KV_FP8) vsc_s[lane] = vsc;
         off_s[lane] = roff;
         __syncwarp();
         /* the tile's V: this lane's dims of the keys the token takes, VPF keys at
@@ -758,59 +832,14 @@ static __global__ void __launch_bounds__(32 * PD_WARPS)
             }
         };
         load_v(0);
-        /* scores */
         float s[GM];
-#pragma unroll
-        for (int r = 0; r < GM; r++) s[r] = 0.0f;
-        const unsigned char *krow = kc + (ok ? roff : 0);
-#pragma unroll
-        for (int g0 = 0; g0 < HD / 8; g0 += CG) {
-            pd_raw8<KT> kr[CG];
-#pragma unroll
-            for (int i = 0; i < CG; i++) kr[i] = pd_ld8<KT>(krow, 8 * (g0 + i), ok);
-#pragma unroll
-            for (int i = 0; i < CG; i++) {
-                float4 lo, hi;
-                pd_cvt8<KT>(kr[i], ksc, lo, hi);
-                const int d = 8 * (g0 + i);
-#pragma unroll
-                for (int r = 0; r < GM; r++) {
-                    if (r < G) {
-                        const float4 qa = *(const float4 *)(q_s + r * HD + d), qb = *(const float4 *)(q_s + r * HD + d + 4);
-                        float a = s[r];
-                        a = fmaf(qa.x, lo.x, a);
-                        a = fmaf(qa.y, lo.y, a);
-                        a = fmaf(qa.z, lo.z, a);
-                        a = fmaf(qa.w, lo.w, a);
-                        a = fmaf(qb.x, hi.x, a);
-                        a = fmaf(qb.y, hi.y, a);
-                        a = fmaf(qb.z, hi.z, a);
-                        a = fmaf(qb.w, hi.w, a);
-                        s[r] = a;
-                    }
-                }
-            }
-        }
+        pd_scores<HD, KT, GM>(kc + (ok ? roff : 0), ok, ksc, q_s, [&](int i) { return i < G ? i : -1; }, s);
         /* online softmax per row (c >= 1: every row commits) */
 #pragma unroll
         for (int r = 0; r < GM; r++) {
             if (r >= G) continue;
-            const float sv = lane < c ? s[r] : -INFINITY;
-            const float mx = st_warp_max(sv);
-            const float mnew = fmaxf(m_r[r], mx);
-            const float base = mnew == -INFINITY ? 0.0f : mnew;
-            const float p = exp2f(__fsub_rn(sv, base));
-            const float p8 = __shfl_down_sync(0xffffffffu, p, 8), p16 = __shfl_down_sync(0xffffffffu, p, 16),
-                        p24 = __shfl_down_sync(0xffffffffu, p, 24);
-            float sum = __fadd_rn(__fadd_rn(__fadd_rn(p, p8), p16), p24); /* lanes kg < 8 */
-            sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
-            sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
-            sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 4));
-            sum = __shfl_sync(0xffffffffu, sum, 0);
-            const float alpha = exp2f(__fsub_rn(m_r[r], base));
-            l_r[r] = __fadd_rn(__fmul_rn(l_r[r], alpha), sum);
-            m_r[r] = mnew;
-            p_s[r * PT_TK + lane] = p;
+            float alpha;
+            p_s[r * PT_TK + lane] = pd_softmax(s[r], c, lane, m_r[r], l_r[r], alpha);
 #pragma unroll
             for (int d = 0; d < DPL; d++) acc[r][d] = __fmul_rn(acc[r][d], alpha);
         }
@@ -859,6 +888,142 @@ static __global__ void __launch_bounds__(32 * PD_WARPS)
             if (lane == 0) {
                 o.part_m[sp * o.rows + lrow] = m_r[r];
                 o.part_l[sp * o.rows + lrow] = l_r[r];
+            }
+        }
+    }
+}
+
+/* The decode kernel for few items (a batch of a few sequences: one warp per
+ * item would leave most SMs with one warp): one block of 4 warps per
+ * (token, kv head, range). Per 32-key tile, warp w scores rows w, w + 4 of
+ * the GQA group (lane j: key j, its K row from the cache) and runs their
+ * online softmax; then thread (d, i) accumulates dim d of rows
+ * i, i + 128 / HD, ... over the tile's keys in order, its V elements loaded
+ * before the scores. The same per-row arithmetic as pa_dec_kernel (the
+ * same helpers), so the same bits. */
+template <int HD, int GM, int KT>
+static __global__ void __launch_bounds__(128)
+    pa_decb_kernel(const float *__restrict__ q, st_paged_kv kv, const int32_t *__restrict__ seq,
+                   const int32_t *__restrict__ pos, int H, int Hkv, int nsplit, int64_t max_nk, float qscale,
+                   pa_out o) {
+    constexpr int RW = GM / 4;                                         /* score rows per warp */
+    constexpr int TPD = 128 / HD;                                      /* PV: threads per dim */
+    constexpr int PR = GM / TPD;                                       /* PV: rows per thread */
+    constexpr int ES = KT == ST_KV_F32 ? 4 : KT == ST_KV_BF16 ? 2 : 1; /* bytes per element */
+    __shared__ __align__(16) float q_s[GM * HD];
+    __shared__ __align__(16) float p_s[GM * PT_TK];
+    __shared__ float alpha_s[GM], m_s[GM], l_s[GM], vsc_s[2][PT_TK]; /* fp8 V scales by tile parity */
+    __shared__ int64_t off_s[PT_TK];
+    st_pdl_wait();
+    st_pdl_trigger();
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int64_t item = blockIdx.x, nt = o.rows / H;
+    const int sp = (int)(item % nsplit);
+    const int64_t th = item / nsplit;
+    if (th >= nt * Hkv) return;
+    const int kvh = (int)(th % Hkv), G = H / Hkv, h0 = kvh * G;
+    const int64_t t = o.tok0 + th / Hkv;
+    const pa_tok tk = pa_token(kv, seq, pos, t, max_nk);
+    if (tk.nk == 0) { /* a NaN row each, written by the first range's block */
+        if (sp == 0)
+            for (int i = tid; i < G * HD; i += 128) o.out[(t * H + h0 + i / HD) * HD + i % HD] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const int64_t kv_begin = (int64_t)sp * PA_SPLIT;
+    if (tk.nk <= kv_begin) return; /* no keys in this range */
+    const int64_t kv_end = min(tk.nk, kv_begin + PA_SPLIT);
+    const unsigned char *kc = (const unsigned char *)kv.cache.k, *vc = (const unsigned char *)kv.cache.v;
+    for (int i = tid; i < GM * HD / 4; i += 128) {
+        const int r = i / (HD / 4), d4 = i % (HD / 4);
+        float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (r < G) {
+            x = __ldg((const float4 *)(q + ((t * H + h0 + r) * HD)) + d4);
+            x = make_float4(__fmul_rn(x.x, qscale), __fmul_rn(x.y, qscale), __fmul_rn(x.z, qscale),
+                            __fmul_rn(x.w, qscale));
+        }
+        *(float4 *)(q_s + r * HD + 4 * d4) = x;
+    }
+    float m_r[RW], l_r[RW];
+#pragma unroll
+    for (int i = 0; i < RW; i++) m_r[i] = -INFINITY, l_r[i] = 0.0f;
+    const int pd = tid % HD, pr0 = tid / HD; /* PV: dim pd of rows pr0 + TPD i */
+    float acc[PR];
+#pragma unroll
+    for (int i = 0; i < PR; i++) acc[i] = 0.0f;
+    const int ntiles = (int)((kv_end - kv_begin + PT_TK - 1) / PT_TK);
+    for (int tt = 0; tt < ntiles; tt++) {
+        const int64_t kb = kv_begin + (int64_t)tt * PT_TK;
+        const int c = (int)min((int64_t)PT_TK, tk.nk - kb); /* keys of the tile the token takes, >= 1 */
+        float ksc, vsc;
+        const int64_t roff = pd_key<HD, KT>(kv, tk, kb, lane, c, kvh, Hkv, ksc, vsc); /* lane j: key kb + j */
+        const bool ok = roff >= 0;
+        /* off_s is read before the barrier after the scores, so warp 0 may
+         * rewrite it while others still accumulate the previous tile; vsc_s,
+         * read while accumulating, alternates */
+        if (warp == 0) off_s[lane] = roff, vsc_s[tt & 1][lane] = vsc;
+        __syncthreads(); /* off_s; q_s (first tile); the previous tile's p_s and alpha_s read */
+        uint32_t vr[PT_TK]; /* dim pd of each key's V row, raw */
+#pragma unroll
+        for (int j = 0; j < PT_TK; j++) {
+            const int64_t oj = off_s[j];
+            const unsigned char *pv = vc + oj + (int64_t)pd * ES;
+            uint32_t w = 0;
+            if (j < c && oj >= 0) {
+                if constexpr (ES == 4) w = __ldg((const unsigned int *)pv);
+                else if constexpr (ES == 2) w = __ldg((const unsigned short *)pv);
+                else w = __ldg(pv);
+            }
+            vr[j] = w;
+        }
+        float s[RW];
+        pd_scores<HD, KT, RW>(kc + (ok ? roff : 0), ok, ksc, q_s,
+                              [&](int i) { return warp + 4 * i < G ? warp + 4 * i : -1; }, s);
+#pragma unroll
+        for (int i = 0; i < RW; i++) {
+            const int r = warp + 4 * i;
+            if (r >= G) continue;
+            float alpha;
+            p_s[r * PT_TK + lane] = pd_softmax(s[i], c, lane, m_r[i], l_r[i], alpha);
+            if (lane == 0) alpha_s[r] = alpha;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < PR; i++) {
+            const int r = pr0 + TPD * i;
+            if (r < G) acc[i] = __fmul_rn(acc[i], alpha_s[r]);
+        }
+#pragma unroll
+        for (int j = 0; j < PT_TK; j++) {
+            if (j >= c) break; /* block-uniform */
+            float v;
+            if constexpr (KT == ST_KV_F32) v = __uint_as_float(vr[j]);
+            else if constexpr (KT == ST_KV_BF16) v = __uint_as_float(vr[j] << 16);
+            else v = pa_fp8x2(vr[j], vsc_s[tt & 1][j]).x;
+#pragma unroll
+            for (int i = 0; i < PR; i++) {
+                const int r = pr0 + TPD * i;
+                if (r < G) acc[i] = fmaf(p_s[r * PT_TK + j], v, acc[i]);
+            }
+        }
+    }
+    if (lane == 0)
+#pragma unroll
+        for (int i = 0; i < RW; i++)
+            if (warp + 4 * i < G) m_s[warp + 4 * i] = m_r[i], l_s[warp + 4 * i] = l_r[i];
+    __syncthreads();
+    const int ns = (int)((tk.nk + PA_SPLIT - 1) / PA_SPLIT);
+#pragma unroll
+    for (int i = 0; i < PR; i++) {
+        const int r = pr0 + TPD * i;
+        if (r >= G) continue;
+        const int64_t grow = t * H + h0 + r, lrow = (t - o.tok0) * H + h0 + r;
+        if (ns == 1) {
+            o.out[grow * HD + pd] = __fdiv_rn(acc[i], l_s[r]);
+        } else {
+            o.part_acc[((size_t)sp * o.rows + lrow) * HD + pd] = acc[i];
+            if (pd == 0) {
+                o.part_m[sp * o.rows + lrow] = m_s[r];
+                o.part_l[sp * o.rows + lrow] = l_s[r];
             }
         }
     }
@@ -995,12 +1160,17 @@ template <int HD, int GM, int KT>
 static strata_status pa_launch_dec(st_cuda *c, cudaStream_t s, const float *q, const st_paged_kv &kv,
                                    const int32_t *seq, const int32_t *pos, int64_t nt, int H, int Hkv, int nsplit,
                                    int64_t max_nk, float qscale, const pa_out &o) {
-    const int64_t blocks = (nt * Hkv * nsplit + PD_WARPS - 1) / PD_WARPS;
-    if (blocks > INT32_MAX)
+    const int64_t items = nt * Hkv * nsplit;
+    if (items > INT32_MAX)
         return st_err(STRATA_ERR_INVALID_ARG, "cuda attention_paged: %lld tokens x %d kv heads x %d ranges is too many",
                       (long long)nt, Hkv, nsplit);
-    ST_CUDA_TRY(st_launch(c->pdl, pa_dec_kernel<HD, GM, KT>, dim3((unsigned)blocks), dim3(32 * PD_WARPS),
-                          pd_cfg<HD, GM>::smem, s, q, kv, seq, pos, H, Hkv, nsplit, max_nk, qscale, o));
+    if (c->paged_dec == 1 || (c->paged_dec == 0 && items < PD_BLOCK_ITEMS_PER_SM * (int64_t)c->sm_count))
+        ST_CUDA_TRY(st_launch(c->pdl, pa_decb_kernel<HD, GM, KT>, dim3((unsigned)items), dim3(128), 0, s, q, kv, seq,
+                              pos, H, Hkv, nsplit, max_nk, qscale, o));
+    else
+        ST_CUDA_TRY(st_launch(c->pdl, pa_dec_kernel<HD, GM, KT>, dim3((unsigned)((items + PD_WARPS - 1) / PD_WARPS)),
+                              dim3(32 * PD_WARPS), pd_cfg<HD, GM>::smem, s, q, kv, seq, pos, H, Hkv, nsplit, max_nk,
+                              qscale, o));
     if (nsplit > 1)
         ST_CUDA_TRY(st_launch(c->pdl, pa_merge_fast_kernel<HD>, dim3((unsigned)(nt * H)), dim3(128), 0, s, kv, seq,
                               pos, H, max_nk, o));

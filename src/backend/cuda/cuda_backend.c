@@ -625,6 +625,8 @@ strata_status st_backend_cuda_init(const st_backend_params *params, st_backend *
     if (params->gemv1_rows < -1 || params->gemv1_rows == 3 || params->gemv1_rows > 4)
         return st_err(STRATA_ERR_INVALID_ARG, "cuda backend init: gemv1_rows %d is not -1, 0, 1, 2 or 4",
                       params->gemv1_rows);
+    if (params->paged_dec < 0 || params->paged_dec > 2)
+        return st_err(STRATA_ERR_INVALID_ARG, "cuda backend init: paged_dec %d is not 0, 1 or 2", params->paged_dec);
     int n_dev = 0;
     cudaError_t e = cudaGetDeviceCount(&n_dev);
     if (e != cudaSuccess) {
@@ -695,6 +697,7 @@ strata_status st_backend_cuda_init(const st_backend_params *params, st_backend *
         st = st_cuda_pool_init(0, LAZY_CHUNK, LAZY_MARGIN, false, &c->pool);
     if (st != STRATA_OK) goto fail;
     c->pdl = params->pdl >= 0; /* 0 (default) and 1: on; -1: off (a tuning switch for measurements) */
+    c->paged_dec = params->paged_dec;
     if ((st = st_cuda_matmul_setup(c, params)) != STRATA_OK) goto fail;
     if ((st = st_cuda_attention_setup(c, params)) != STRATA_OK) goto fail;
     if ((st = st_cuda_sample_setup(c)) != STRATA_OK) goto fail;

@@ -123,10 +123,8 @@ typedef struct {
     bool fast_prefill;        /* set_fast_prefill: bf16-rounded operands in GEMMs and prefill attention */
     bool pdl;                 /* launch the decode-path kernels with programmatic dependent launch
                                  (st_backend_params.pdl = -1 turns it off) */
-    bool attn_old;            /* always false: removed with the paged kernel's old variants
-                                 (cuda_attention_paged.cu still reads it) */
-    bool attn_tile64;         /* always false: removed with the paged kernel's old variants
-                                 (cuda_attention_paged.cu still reads it) */
+    int paged_dec;            /* st_backend_params.paged_dec: attention_paged's decode kernel (0: by the
+                                 items per SM, 1: a block per item, 2: a warp per item) */
     int attn_fa2;             /* st_backend_params.attn_fa2 (read at init): the FA2 kernel's configuration
                                  (cuda_attn_prefill_fa2.cuh; -1: auto, the default; ST_ATTN_FA2_WGMMA /
                                  ST_ATTN_FA2_WGMMA_PP: the Hopper kernel, without or with its turns) */

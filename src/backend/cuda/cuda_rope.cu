@@ -67,16 +67,17 @@ ST_DEV T kv_val(float x) {
     else return __float2bfloat16_rn(x);
 }
 
-/* rope_kv_store, f32 / bf16 caches: grid (n), one block per token. Its
- * cos / sin as rope_kernel computes them, every pair of q's and k's heads
- * turned as rope_kernel turns it (k's new values also stored at the token's
- * slot), then v's row stored, each value converted as kv_store_paged
- * converts it: the bytes of rope, rope, kv_store_paged. */
+/* rope_kv_store, f32 / bf16 caches: grid (n, ceil((H + Hkv) / hpb)): block
+ * (i, b) turns heads [b hpb, (b + 1) hpb) of token i's q heads followed by
+ * its k heads, one pair a thread, after computing the token's cos / sin as
+ * rope_kernel does; k's new values also go to the token's slot, and the
+ * block stores its share of v's row; each value converted as
+ * kv_store_paged converts it: the bytes of rope, rope, kv_store_paged. */
 template <typename T>
 static __global__ void __launch_bounds__(256)
     rope_kv_store_kernel(float *q, float *k, const float *__restrict__ v, const int32_t *__restrict__ pos, int H,
-                         int Hkv, int half, const float *__restrict__ inv_freq, bool interleaved, T *__restrict__ kc,
-                         T *__restrict__ vc, int64_t n_slots, const int64_t *__restrict__ slots) {
+                         int Hkv, int half, int hpb, const float *__restrict__ inv_freq, bool interleaved,
+                         T *__restrict__ kc, T *__restrict__ vc, int64_t n_slots, const int64_t *__restrict__ slots) {
     extern __shared__ float cs[]; /* [half] cos, [half] sin */
     st_pdl_wait();
     st_pdl_trigger();
@@ -87,8 +88,9 @@ static __global__ void __launch_bounds__(256)
     const int hd = 2 * half;
     const int64_t r = __ldg((const long long *)slots + i), cols = (int64_t)Hkv * hd;
     const bool store = r >= 0 && r < n_slots; /* else kv_store_paged skips the token */
-    for (int e = threadIdx.x; e < (H + Hkv) * half; e += blockDim.x) {
-        const int h = e / half, j = e % half;
+    const int h0 = (int)blockIdx.y * hpb, h1 = min(H + Hkv, h0 + hpb);
+    for (int e = threadIdx.x; e < (h1 - h0) * half; e += blockDim.x) {
+        const int h = h0 + e / half, j = e % half;
         float a0, a1;
         int o0, o1;
         if (h < H) {
@@ -102,8 +104,11 @@ static __global__ void __launch_bounds__(256)
             }
         }
     }
-    if (store)
-        for (int64_t e = threadIdx.x; e < cols; e += blockDim.x) vc[r * cols + e] = kv_val<T>(__ldg(v + i * cols + e));
+    if (store) {
+        const int64_t per = (cols + gridDim.y - 1) / gridDim.y, e0 = (int64_t)blockIdx.y * per;
+        const int64_t e1 = min(cols, e0 + per);
+        for (int64_t e = e0 + threadIdx.x; e < e1; e += blockDim.x) vc[r * cols + e] = kv_val<T>(__ldg(v + i * cols + e));
+    }
 }
 
 strata_status st_cuda_op_rope(st_backend *be, st_cuda_stream *s, float *x, const int32_t *pos,
@@ -140,15 +145,20 @@ strata_status st_cuda_op_rope_kv_store(st_backend *be, st_cuda_stream *s, float 
         return st_err(STRATA_ERR_INVALID_ARG, "cuda rope_kv_store: cache.k = %p / cache.v = %p are not %zu-byte aligned "
                       "(%s)", c->k, c->v, es, st_kv_dtype_name(c->dtype));
     const int half = (int)(head_dim / 2);
+    const int hpb = half >= 256 ? 1 : 256 / half; /* heads per block: a pair per thread */
+    const int64_t gy = (n_heads + Hkv + hpb - 1) / hpb;
+    if (gy > 65535) return st_err(STRATA_ERR_INVALID_ARG, "cuda rope_kv_store: %lld heads is too many", (long long)(n_heads + Hkv));
+    const dim3 grid((unsigned)n, (unsigned)gy);
+    const int threads = hpb * half >= 256 ? 256 : (hpb * half + 31) / 32 * 32;
     const bool pdl = st_cuda_of(be)->pdl;
     const size_t smem = (size_t)2 * half * sizeof(float);
     if (c->dtype == ST_KV_F32)
-        ST_CUDA_TRY(st_launch(pdl, rope_kv_store_kernel<float>, dim3((unsigned)n), dim3(256), smem, s->s, q, k, v, pos,
-                              (int)n_heads, (int)Hkv, half, inv_freq, interleaved, (float *)c->k, (float *)c->v,
+        ST_CUDA_TRY(st_launch(pdl, rope_kv_store_kernel<float>, grid, dim3(threads), smem, s->s, q, k, v, pos,
+                              (int)n_heads, (int)Hkv, half, hpb, inv_freq, interleaved, (float *)c->k, (float *)c->v,
                               c->n_slots, slots));
     else
-        ST_CUDA_TRY(st_launch(pdl, rope_kv_store_kernel<__nv_bfloat16>, dim3((unsigned)n), dim3(256), smem, s->s, q, k,
-                              v, pos, (int)n_heads, (int)Hkv, half, inv_freq, interleaved, (__nv_bfloat16 *)c->k,
+        ST_CUDA_TRY(st_launch(pdl, rope_kv_store_kernel<__nv_bfloat16>, grid, dim3(threads), smem, s->s, q, k, v, pos,
+                              (int)n_heads, (int)Hkv, half, hpb, inv_freq, interleaved, (__nv_bfloat16 *)c->k,
                               (__nv_bfloat16 *)c->v, c->n_slots, slots));
     return STRATA_OK;
 }
