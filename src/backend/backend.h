@@ -163,7 +163,7 @@ typedef struct {
                              q4_1 / q4_k / q6_k (cuda_gemv1.cu): 0 by the measured rule, 1, 2 or 4; -1: the
                              staged kernel instead (comparisons); other values fail init */
     int paged_dec;        /* CUDA: attention_paged's decode kernel (batches of about one token per
-                             sequence): 0 by the rule (a block per (token, kv head, range) below 16
+                             sequence): 0 by the rule (a block per (token, kv head, range) below 2
                              of them per SM, else a warp each), 1 a block each, 2 a warp each (the
                              same bits; comparisons); other values fail init */
 } st_backend_params;

@@ -601,9 +601,11 @@ static __global__ void __launch_bounds__(128)
 #define PD_WARPS 4
 #define PD_MAX_G 8
 /* Fewer (token, kv head, range) items than this per SM: a block of 4 warps
- * each (pa_decb_kernel) rather than a warp each (H100, bf16 KV, 8B shape:
- * one sequence at context 576 is 72 items, 64 sequences 4608). */
-#define PD_BLOCK_ITEMS_PER_SM 16
+ * each (pa_decb_kernel) rather than a warp each. bench_cuda_ops --only
+ * paged-decode, H100, bf16 KV, 32/8 heads: one sequence at context 576 (72
+ * items) 14.5 us with blocks, 20.4 with warps; at 4096 (512 items) 31.4 vs
+ * 24.8; 8 sequences at 576 (576 items) 31.0 vs 24.0. */
+#define PD_BLOCK_ITEMS_PER_SM 2
 
 /* 8 elements of a cache row as loaded: f32 two float4, bf16 one uint4, fp8 one uint2 (in .x, .y) */
 template <int KT>
