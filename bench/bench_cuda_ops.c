@@ -22,8 +22,9 @@
  *                       quantized matmuls' GEMV / MMQ / GEMM switch points
  *                       (fast mode, n = 1 .. 256: the table MMQ_MIN_N and
  *                       MMQ_MAX_N come from; not in the full run), or the
- *                       attention of decode steps (1 / 8 / 64 sequences, the
- *                       decode kernel beside the tile kernel; not in the full run)
+ *                       attention of decode steps (1 / 8 / 64 sequences: the
+ *                       default, the block- and the warp-per-item decode kernels
+ *                       and the tile kernel; not in the full run)
  *   --mmq-type T        the mmq section for one weight type (q4_0, q8_0, q4_1, q4_k)
  *   --gemm-min-n N, --gemm-min-n-quant N   st_backend_params' GEMV / GEMM switch
  *                       points (2: time the GEMM at every n of the batch section)
