@@ -750,6 +750,43 @@ ST_DEV int64_t pd_key(const st_paged_kv &kv, const pa_tok &tk, int64_t kb, int l
     return slot >= 0 ? (slot * (int64_t)Hkv * HD + (int64_t)kvh * HD) * ES : -1;
 }
 
+/* A decode kernel's item (token t, kv head kvh, range sp) from its index;
+ * false past the sub-batch's tokens. */
+struct pd_item {
+    int sp, kvh, h0;
+    int64_t t;
+};
+ST_DEV bool pd_item_of(int64_t item, int nsplit, const pa_out &o, int H, int Hkv, pd_item &it) {
+    const int64_t th = item / nsplit;
+    if (th >= o.rows / H * Hkv) return false;
+    it.sp = (int)(item % nsplit);
+    it.kvh = (int)(th % Hkv);
+    it.h0 = it.kvh * (H / Hkv);
+    it.t = o.tok0 + th / Hkv;
+    return true;
+}
+
+/* Threads i0, i0 + step, ... of an item: its G output rows as NaN (an
+ * invalid token), or its q rows times qscale into q_s [GM][HD] (zeros past G). */
+template <int HD>
+ST_DEV void pd_nan_rows(const pa_out &o, const pd_item &it, int H, int G, int i0, int step) {
+    for (int i = i0; i < G * HD; i += step) o.out[(it.t * H + it.h0 + i / HD) * HD + i % HD] = __int_as_float(0x7fc00000);
+}
+template <int HD, int GM>
+ST_DEV void pd_load_q(const float *__restrict__ q, const pd_item &it, int H, int G, float qscale, float *q_s, int i0,
+                      int step) {
+    for (int i = i0; i < GM * HD / 4; i += step) {
+        const int r = i / (HD / 4), d4 = i % (HD / 4);
+        float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (r < G) {
+            x = __ldg((const float4 *)(q + ((it.t * H + it.h0 + r) * HD)) + d4);
+            x = make_float4(__fmul_rn(x.x, qscale), __fmul_rn(x.y, qscale), __fmul_rn(x.z, qscale),
+                            __fmul_rn(x.w, qscale));
+        }
+        *(float4 *)(q_s + r * HD + 4 * d4) = x;
+    }
+}
+
 template <int HD, int GM>
 struct pd_cfg {
     static constexpr int WARP_FLOATS = GM * HD + GM * PT_TK + PT_TK; /* q [GM][HD], p [GM][TK], V scales [TK] */
@@ -776,33 +813,20 @@ static __global__ void __launch_bounds__(32 * PD_WARPS)
     st_pdl_wait();
     st_pdl_trigger();
 
-    const int64_t item = (int64_t)blockIdx.x * PD_WARPS + warp, nt = o.rows / H;
-    const int sp = (int)(item % nsplit);
-    const int64_t th = item / nsplit;
-    if (th >= nt * Hkv) return;
-    const int kvh = (int)(th % Hkv), G = H / Hkv, h0 = kvh * G;
-    const int64_t t = o.tok0 + th / Hkv;
+    pd_item it;
+    if (!pd_item_of((int64_t)blockIdx.x * PD_WARPS + warp, nsplit, o, H, Hkv, it)) return;
+    const int sp = it.sp, kvh = it.kvh, G = H / Hkv, h0 = it.h0;
+    const int64_t t = it.t;
     const pa_tok tk = pa_token(kv, seq, pos, t, max_nk);
     if (tk.nk == 0) { /* a NaN row each, written by the first range's warp */
-        if (sp == 0)
-            for (int i = lane; i < G * HD; i += 32) o.out[(t * H + h0 + i / HD) * HD + i % HD] = __int_as_float(0x7fc00000);
+        if (sp == 0) pd_nan_rows<HD>(o, it, H, G, lane, 32);
         return;
     }
     const int64_t kv_begin = (int64_t)sp * PA_SPLIT;
     if (tk.nk <= kv_begin) return; /* no keys in this range */
     const int64_t kv_end = min(tk.nk, kv_begin + PA_SPLIT);
     const unsigned char *kc = (const unsigned char *)kv.cache.k, *vc = (const unsigned char *)kv.cache.v;
-
-    for (int i = lane; i < GM * HD / 4; i += 32) {
-        const int r = i / (HD / 4), d4 = i % (HD / 4);
-        float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (r < G) {
-            x = __ldg((const float4 *)(q + ((t * H + h0 + r) * HD)) + d4);
-            x = make_float4(__fmul_rn(x.x, qscale), __fmul_rn(x.y, qscale), __fmul_rn(x.z, qscale),
-                            __fmul_rn(x.w, qscale));
-        }
-        *(float4 *)(q_s + r * HD + 4 * d4) = x;
-    }
+    pd_load_q<HD, GM>(q, it, H, G, qscale, q_s, lane, 32);
     __syncwarp();
 
     float m_r[GM], l_r[GM], acc[GM][DPL];
@@ -919,32 +943,20 @@ static __global__ void __launch_bounds__(128)
     st_pdl_wait();
     st_pdl_trigger();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int64_t item = blockIdx.x, nt = o.rows / H;
-    const int sp = (int)(item % nsplit);
-    const int64_t th = item / nsplit;
-    if (th >= nt * Hkv) return;
-    const int kvh = (int)(th % Hkv), G = H / Hkv, h0 = kvh * G;
-    const int64_t t = o.tok0 + th / Hkv;
+    pd_item it;
+    if (!pd_item_of(blockIdx.x, nsplit, o, H, Hkv, it)) return;
+    const int sp = it.sp, kvh = it.kvh, G = H / Hkv, h0 = it.h0;
+    const int64_t t = it.t;
     const pa_tok tk = pa_token(kv, seq, pos, t, max_nk);
     if (tk.nk == 0) { /* a NaN row each, written by the first range's block */
-        if (sp == 0)
-            for (int i = tid; i < G * HD; i += 128) o.out[(t * H + h0 + i / HD) * HD + i % HD] = __int_as_float(0x7fc00000);
+        if (sp == 0) pd_nan_rows<HD>(o, it, H, G, tid, 128);
         return;
     }
     const int64_t kv_begin = (int64_t)sp * PA_SPLIT;
     if (tk.nk <= kv_begin) return; /* no keys in this range */
     const int64_t kv_end = min(tk.nk, kv_begin + PA_SPLIT);
     const unsigned char *kc = (const unsigned char *)kv.cache.k, *vc = (const unsigned char *)kv.cache.v;
-    for (int i = tid; i < GM * HD / 4; i += 128) {
-        const int r = i / (HD / 4), d4 = i % (HD / 4);
-        float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (r < G) {
-            x = __ldg((const float4 *)(q + ((t * H + h0 + r) * HD)) + d4);
-            x = make_float4(__fmul_rn(x.x, qscale), __fmul_rn(x.y, qscale), __fmul_rn(x.z, qscale),
-                            __fmul_rn(x.w, qscale));
-        }
-        *(float4 *)(q_s + r * HD + 4 * d4) = x;
-    }
+    pd_load_q<HD, GM>(q, it, H, G, qscale, q_s, tid, 128);
     float m_r[RW], l_r[RW];
 #pragma unroll
     for (int i = 0; i < RW; i++) m_r[i] = -INFINITY, l_r[i] = 0.0f;
