@@ -309,12 +309,17 @@ static void pa_fn(int i, void *p) {
                                  1.0f / sqrtf((float)a->hd), a->out));
 }
 
-/* One sequence of ctx keys in a shuffled pool of bs-slot blocks, cache type kt
- * (arbitrary bytes: timing only); the last n positions are queried. */
-static double bench_paged_t(st_kv_dtype kt, int64_t n, int64_t ctx, int64_t H, int64_t Hkv, int64_t hd, int64_t bs) {
-    pa_ctx a = {.n = n, .H = H, .Hkv = Hkv, .hd = hd};
-    const int64_t nb = (ctx + bs - 1) / bs, n_slots = nb * bs;
-    int32_t *tab = malloc((size_t)nb * 4), *hs = malloc((size_t)n * 4), *hp = malloc((size_t)n * 4);
+/* S sequences of ctx keys each in a shuffled pool of bs-slot blocks, cache
+ * type kt (arbitrary bytes: timing only); the last n positions of each are
+ * queried. batch_seqs: the kv's host hint (1 makes a batch of decodes look
+ * like a prefill to the CUDA backend: the tile kernel, the same bits). */
+static double bench_paged_sq(st_kv_dtype kt, int64_t S, int64_t n, int64_t ctx, int64_t H, int64_t Hkv, int64_t hd,
+                             int64_t bs, int64_t batch_seqs) {
+    const int64_t nt = S * n;
+    pa_ctx a = {.n = nt, .H = H, .Hkv = Hkv, .hd = hd};
+    const int64_t nbs = (ctx + bs - 1) / bs, nb = nbs * S, n_slots = nb * bs;
+    int32_t *tab = malloc((size_t)nb * 4), *hs = malloc((size_t)nt * 4), *hp = malloc((size_t)nt * 4),
+            *cl = malloc((size_t)S * 4);
     for (int64_t i = 0; i < nb; i++) tab[i] = (int32_t)i;
     for (int64_t i = nb - 1; i > 0; i--) {
         rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
@@ -322,17 +327,19 @@ static double bench_paged_t(st_kv_dtype kt, int64_t n, int64_t ctx, int64_t H, i
         const int32_t t = tab[i];
         tab[i] = tab[j], tab[j] = t;
     }
-    for (int64_t i = 0; i < n; i++) hs[i] = 0, hp[i] = (int32_t)(ctx - n + i);
-    const int32_t cl = (int32_t)ctx;
+    for (int64_t q = 0; q < S; q++) {
+        cl[q] = (int32_t)ctx;
+        for (int64_t i = 0; i < n; i++) hs[q * n + i] = (int32_t)q, hp[q * n + i] = (int32_t)(ctx - n + i);
+    }
     const int64_t nel = (n_slots * Hkv * hd * (int64_t)st_kv_dtype_size(kt) + 3) / 4; /* floats of bytes */
     a.kv = (st_paged_kv){{dev_floats(nel, 1.0f), dev_floats(nel, 1.0f), NULL, NULL, kt, n_slots, Hkv, hd}, bs,
-                         upload(tab, (size_t)nb * 4), nb, upload(&cl, 4), 1, ctx, 0};
+                         upload(tab, (size_t)nb * 4), nbs, upload(cl, (size_t)S * 4), S, ctx, batch_seqs};
     if (kt == ST_KV_FP8) a.kv.cache.k_scale = dev_floats(n_slots * Hkv, 1.0f), a.kv.cache.v_scale = dev_floats(n_slots * Hkv, 1.0f);
-    a.q = dev_floats(n * H * hd, 1.0f);
-    a.seq = upload(hs, (size_t)n * 4);
-    a.pos = upload(hp, (size_t)n * 4);
-    TRY(be->ops->alloc(be, (size_t)(n * H * hd) * 4, (void **)&a.out));
-    const double sec = time_op(pa_fn, &a, n == 1 ? 100 : 5);
+    a.q = dev_floats(nt * H * hd, 1.0f);
+    a.seq = upload(hs, (size_t)nt * 4);
+    a.pos = upload(hp, (size_t)nt * 4);
+    TRY(be->ops->alloc(be, (size_t)(nt * H * hd) * 4, (void **)&a.out));
+    const double sec = time_op(pa_fn, &a, nt <= 64 ? 50 : 5);
     be->ops->dealloc(be, a.kv.cache.k);
     be->ops->dealloc(be, a.kv.cache.v);
     if (a.kv.cache.k_scale) be->ops->dealloc(be, a.kv.cache.k_scale), be->ops->dealloc(be, a.kv.cache.v_scale);
@@ -342,8 +349,13 @@ static double bench_paged_t(st_kv_dtype kt, int64_t n, int64_t ctx, int64_t H, i
     be->ops->dealloc(be, (void *)a.seq);
     be->ops->dealloc(be, (void *)a.pos);
     be->ops->dealloc(be, a.out);
-    free(tab), free(hs), free(hp);
+    free(tab), free(hs), free(hp), free(cl);
     return sec;
+}
+
+/* One sequence: the last n of its ctx positions queried. */
+static double bench_paged_t(st_kv_dtype kt, int64_t n, int64_t ctx, int64_t H, int64_t Hkv, int64_t hd, int64_t bs) {
+    return bench_paged_sq(kt, 1, n, ctx, H, Hkv, hd, bs, 0);
 }
 
 static double bench_paged(int64_t n, int64_t ctx, int64_t H, int64_t Hkv, int64_t hd, int64_t bs) {
@@ -366,43 +378,10 @@ static void bench_paged_dtypes(double copy_bw) {
     }
 }
 
-/* A decode step's attention: S sequences of ctx keys each (their blocks
- * shuffled through one pool), one token each at the last position, cache
- * type kt, 32/8 heads, hd 128, bs 16 (arbitrary bytes: timing only). */
+/* A decode step's attention: S sequences of ctx keys each, one token each
+ * at the last position, 32/8 heads, hd 128, bs 16. */
 static double bench_paged_step(st_kv_dtype kt, int64_t S, int64_t ctx, bool tile) {
-    const int64_t H = 32, Hkv = 8, hd = 128, bs = 16;
-    pa_ctx a = {.n = S, .H = H, .Hkv = Hkv, .hd = hd};
-    const int64_t nbs = (ctx + bs - 1) / bs, nb = nbs * S, n_slots = nb * bs;
-    int32_t *perm = malloc((size_t)nb * 4), *hs = malloc((size_t)S * 4), *hp = malloc((size_t)S * 4),
-            *cl = malloc((size_t)S * 4);
-    for (int64_t i = 0; i < nb; i++) perm[i] = (int32_t)i;
-    for (int64_t i = nb - 1; i > 0; i--) {
-        rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
-        const int64_t j = (int64_t)(rng % (uint64_t)(i + 1));
-        const int32_t t = perm[i];
-        perm[i] = perm[j], perm[j] = t;
-    }
-    for (int64_t i = 0; i < S; i++) hs[i] = (int32_t)i, hp[i] = (int32_t)(ctx - 1), cl[i] = (int32_t)ctx;
-    const int64_t nel = (n_slots * Hkv * hd * (int64_t)st_kv_dtype_size(kt) + 3) / 4; /* floats of bytes */
-    a.kv = (st_paged_kv){{dev_floats(nel, 1.0f), dev_floats(nel, 1.0f), NULL, NULL, kt, n_slots, Hkv, hd}, bs,
-                         upload(perm, (size_t)nb * 4), nbs, upload(cl, (size_t)S * 4), S, ctx, tile ? 1 : 0};
-    if (kt == ST_KV_FP8) a.kv.cache.k_scale = dev_floats(n_slots * Hkv, 1.0f), a.kv.cache.v_scale = dev_floats(n_slots * Hkv, 1.0f);
-    a.q = dev_floats(S * H * hd, 1.0f);
-    a.seq = upload(hs, (size_t)S * 4);
-    a.pos = upload(hp, (size_t)S * 4);
-    TRY(be->ops->alloc(be, (size_t)(S * H * hd) * 4, (void **)&a.out));
-    const double sec = time_op(pa_fn, &a, 50);
-    be->ops->dealloc(be, a.kv.cache.k);
-    be->ops->dealloc(be, a.kv.cache.v);
-    if (a.kv.cache.k_scale) be->ops->dealloc(be, a.kv.cache.k_scale), be->ops->dealloc(be, a.kv.cache.v_scale);
-    be->ops->dealloc(be, (void *)a.kv.block_tables);
-    be->ops->dealloc(be, (void *)a.kv.ctx_lens);
-    be->ops->dealloc(be, (void *)a.q);
-    be->ops->dealloc(be, (void *)a.seq);
-    be->ops->dealloc(be, (void *)a.pos);
-    be->ops->dealloc(be, a.out);
-    free(perm), free(hs), free(hp), free(cl);
-    return sec;
+    return bench_paged_sq(kt, S, 1, ctx, 32, 8, 128, 16, tile ? 1 : 0);
 }
 
 /* --only paged-decode: decode steps' attention (the decode kernel and its
