@@ -572,7 +572,6 @@ static int mq_slices(int64_t blocks, int64_t nst, int sm_count) {
     return ks < 2 ? 1 : (int)ks;
 }
 
-
 template <int T, int MT, int NT, bool SW>
 static strata_status mqw_launch(cudaStream_t s, bool pdl, st_gemv_args a, bool setup, int sm_count,
                                 size_t *part_bytes) {
