@@ -140,8 +140,6 @@ static void check_backend(st_backend *be) {
     BAD(be, be->ops->swiglu(be, NULL, x, y, -1, o), "swiglu", "n = -1");
     BAD(be, be->ops->add(be, NULL, x, NULL, 4), "add", "y is NULL");
     BAD(be, be->ops->add(be, NULL, x, y, -3), "add", "n = -3");
-    BAD(be, be->ops->set_rows(be, NULL, o, 4, x, ids, 1, 0), "set_rows", "cols = 0");
-    BAD(be, be->ops->set_rows(be, NULL, o, 4, x, NULL, 1, 8), "set_rows", "idx is NULL");
     BAD(be, be->ops->argmax(be, NULL, x, 1, (int64_t)INT32_MAX + 1, ids), "argmax", "cols = 2147483648");
     BAD(be, be->ops->argmax(be, NULL, x, 1, 8, NULL), "argmax", "out is NULL");
     float *ys[4] = {y, NULL, o, o};
@@ -302,8 +300,6 @@ static void check_backend(st_backend *be) {
     } else {
         const int32_t bad_idx = 9;
         CHECK(be->ops->copy_h2d(be, NULL, ids, &bad_idx, sizeof bad_idx) == STRATA_OK);
-        CHECK_ERR(be->ops->set_rows(be, NULL, o, 4, x, ids, 1, 8), STRATA_ERR_INVALID_ARG, "cpu set_rows:",
-                  "idx[0] = 9");
         CHECK_ERR(be->ops->get_rows(be, NULL, &w, ids, 1, o), STRATA_ERR_INVALID_ARG, "cpu get_rows:", "ids[0] = 9");
     }
 

@@ -1,4 +1,4 @@
-/* The CPU backend's decode-step ops (set_rows, argmax, matmul_multi,
+/* The CPU backend's decode-step ops (argmax, matmul_multi,
  * matmul_swiglu, rmsnorm_matmul, rope_kv_store, graphs: backend.h) against references written here, and the
  * model's decode steps through the one forward path (greedy on the device
  * against the host argmax).
@@ -16,32 +16,6 @@
 #include "testutil.h"
 
 static uint64_t g_rng = 0x2545f4914f6cdd1dull;
-
-static void test_set_rows(st_backend *be) {
-    const int64_t rows = 37, cols = 19, n = 5;
-    float *dst = test_rand_floats(&g_rng, rows * cols, 1.0f), *orig = malloc((size_t)(rows * cols) * sizeof(float));
-    float *src = test_rand_floats(&g_rng, n * cols, 3.0f);
-    memcpy(orig, dst, (size_t)(rows * cols) * sizeof(float));
-    const int32_t idx[5] = {36, 0, 7, 8, 20};
-    CHECK(be->ops->set_rows(be, NULL, dst, rows, src, idx, n, cols) == STRATA_OK);
-    for (int64_t r = 0; r < rows; r++) {
-        const float *want = orig + r * cols;
-        for (int64_t i = 0; i < n; i++)
-            if (idx[i] == r) want = src + i * cols;
-        CHECK_MSG(memcmp(dst + r * cols, want, (size_t)cols * sizeof(float)) == 0, "row %lld", (long long)r);
-    }
-    /* an index out of range: an error, nothing written */
-    memcpy(dst, orig, (size_t)(rows * cols) * sizeof(float));
-    const int32_t bad[2] = {3, 37};
-    CHECK_ERR(be->ops->set_rows(be, NULL, dst, rows, src, bad, 2, cols), STRATA_ERR_INVALID_ARG, "idx[1] = 37");
-    CHECK(memcmp(dst, orig, (size_t)(rows * cols) * sizeof(float)) == 0);
-    const int32_t neg[1] = {-1};
-    CHECK_ERR(be->ops->set_rows(be, NULL, dst, rows, src, neg, 1, cols), STRATA_ERR_INVALID_ARG, "outside");
-    CHECK(be->ops->set_rows(be, NULL, dst, rows, src, idx, 0, cols) == STRATA_OK);
-    free(dst);
-    free(orig);
-    free(src);
-}
 
 static void test_argmax(st_backend *be) {
     const int64_t n = 6, cols = 1001;
@@ -277,7 +251,6 @@ int main(void) {
     st_backend_params bp = {.kind = ST_BACKEND_CPU, .n_threads = 2};
     CHECK(st_backend_init(&bp, &be) == STRATA_OK);
     if (!be) return test_finish("test_backend_decode");
-    test_set_rows(be);
     test_argmax(be);
     test_fused_matmuls(be);
     test_rope_kv_store(be);

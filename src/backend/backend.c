@@ -135,7 +135,7 @@ strata_status st_backend_check_heads(const char *op, int64_t n, int64_t n_kv, in
     X(alloc) X(host_alloc) X(upload) X(copy_h2d) X(copy_d2h) X(copy_d2d) X(copy_2d)          \
     X(stream_create) X(event_create) X(event_record) X(stream_wait_event) X(event_sync)      \
     X(event_query) X(get_rows)                                                               \
-    X(rmsnorm) X(matmul) X(rope) X(attention) X(attention_part) X(swiglu) X(add) X(set_rows) X(argmax)         \
+    X(rmsnorm) X(matmul) X(rope) X(attention) X(attention_part) X(swiglu) X(add) X(argmax)         \
     X(matmul_multi) X(matmul_swiglu) X(rmsnorm_matmul) X(kv_store_paged) X(rope_kv_store) X(kv_gather)            \
     X(attention_paged) X(sample)
 
@@ -379,19 +379,6 @@ static strata_status chk_add(st_backend *be, st_stream *s, float *x, const float
     CHECK_PTR(x, op);
     CHECK_PTR(y, op);
     return be->dev_ops->add(be, s, x, y, n);
-}
-
-static strata_status chk_set_rows(st_backend *be, st_stream *s, float *dst, int64_t dst_rows, const float *src,
-                                  const int32_t *idx, int64_t n, int64_t cols) {
-    const char *op = OPNAME(be, set_rows);
-    if (n < 0 || cols <= 0 || dst_rows < 0)
-        return st_err(STRATA_ERR_INVALID_ARG, "%s: n = %lld, cols = %lld, dst_rows = %lld", op, (long long)n,
-                      (long long)cols, (long long)dst_rows);
-    if (n == 0) return STRATA_OK;
-    CHECK_PTR(dst, op);
-    CHECK_PTR(src, op);
-    CHECK_PTR(idx, op);
-    return be->dev_ops->set_rows(be, s, dst, dst_rows, src, idx, n, cols);
 }
 
 static strata_status chk_argmax(st_backend *be, st_stream *s, const float *x, int64_t n, int64_t cols,

@@ -289,13 +289,6 @@ typedef struct {
     strata_status (*add)(st_backend *be, st_stream *s, float *x, const float *y, int64_t n);
 
     /* ---- decode-step ops and graphs ---- */
-    /* dst[idx[i], :] = src[i, :] for i < n; rows of `cols` floats, dst has
-     * dst_rows rows (a KV cache written at the positions held on the device).
-     * idx: [n] int32. An index outside [0, dst_rows): the CPU backend returns
-     * STRATA_ERR_INVALID_ARG before writing anything; CUDA (whose indices live
-     * on the device) skips that row. */
-    strata_status (*set_rows)(st_backend *be, st_stream *s, float *dst, int64_t dst_rows,
-                              const float *src, const int32_t *idx, int64_t n, int64_t cols);
     /* out[i] = the index of the largest of x[i, 0..cols) for i < n: the first
      * one on ties; NaN never wins (0 when no element is a number). out: [n]
      * int32 on the device. */
@@ -456,7 +449,7 @@ typedef struct {
  * Left to each backend (the checks that depend on where data lives or on the
  * device's limits):
  *   CPU: the values of host-side indices it promises to check (get_rows ids,
- *     set_rows idx, kv_store_paged slots, attention pos, attention_paged's
+ *     kv_store_paged slots, attention pos, attention_paged's
  *     ctx_lens / block ids / seq / pos, sample args);
  *   CUDA: alignment (weight data 16 bytes, float pointers 4, sample args and
  *     slots 8, KV caches their element's size, fp8 scales 4), sizes that overflow its int32 / 65535 launch grids, shared

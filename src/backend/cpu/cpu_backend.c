@@ -330,18 +330,6 @@ static strata_status cpu_add(st_backend *be, st_stream *s, float *x, const float
 
 /* ---- decode-step ops (backend.h) ---- */
 
-static strata_status cpu_set_rows(st_backend *be, st_stream *s, float *dst, int64_t dst_rows,
-                                  const float *src, const int32_t *idx, int64_t n, int64_t cols) {
-    for (int64_t i = 0; i < n; i++)
-        if (idx[i] < 0 || idx[i] >= dst_rows)
-            return st_err(STRATA_ERR_INVALID_ARG, "cpu set_rows: idx[%lld] = %d is outside [0, %lld)",
-                          (long long)i, idx[i], (long long)dst_rows);
-    /* memmove: a row may be written onto itself */
-    for (int64_t i = 0; i < n; i++)
-        memmove(dst + (int64_t)idx[i] * cols, src + i * cols, (size_t)cols * sizeof(float));
-    return STRATA_OK;
-}
-
 static strata_status cpu_argmax(st_backend *be, st_stream *s, const float *x, int64_t n, int64_t cols,
                                 int32_t *out) {
     for (int64_t i = 0; i < n; i++) {
@@ -605,7 +593,6 @@ static const st_backend_ops g_cpu_ops = {
     .attention = cpu_attention,
     .swiglu = cpu_swiglu,
     .add = cpu_add,
-    .set_rows = cpu_set_rows,
     .argmax = cpu_argmax,
     .matmul_multi = cpu_matmul_multi,
     .matmul_swiglu = cpu_matmul_swiglu,

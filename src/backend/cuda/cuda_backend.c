@@ -426,14 +426,6 @@ static strata_status cuda_add(st_backend *be, st_stream *s, float *x, const floa
     RUN(be, s, st_cuda_op_add(be, cs_, x, y, n));
 }
 
-static strata_status cuda_set_rows(st_backend *be, st_stream *s, float *dst, int64_t dst_rows,
-                                   const float *src, const int32_t *idx, int64_t n, int64_t cols) {
-    const char *op = "cuda set_rows";
-    CHECK_F32(dst, op);
-    CHECK_F32(src, op);
-    RUN(be, s, st_cuda_op_set_rows(be, cs_, dst, dst_rows, src, idx, n, cols));
-}
-
 static strata_status cuda_argmax(st_backend *be, st_stream *s, const float *x, int64_t n, int64_t cols,
                                  int32_t *out) {
     CHECK_F32(x, "cuda argmax");
@@ -589,7 +581,6 @@ static const st_backend_ops g_cuda_ops = {
     .attn_merge = cuda_attn_merge,
     .swiglu = cuda_swiglu,
     .add = cuda_add,
-    .set_rows = cuda_set_rows,
     .argmax = cuda_argmax,
     .matmul_multi = cuda_matmul_multi,
     .matmul_swiglu = cuda_matmul_swiglu,

@@ -184,8 +184,6 @@ strata_status st_cuda_op_attention(st_backend *be, st_cuda_stream *s, const floa
 strata_status st_cuda_op_swiglu(st_backend *be, st_cuda_stream *s, const float *gate, const float *up,
                                 int64_t n, float *out);
 strata_status st_cuda_op_add(st_backend *be, st_cuda_stream *s, float *x, const float *y, int64_t n);
-strata_status st_cuda_op_set_rows(st_backend *be, st_cuda_stream *s, float *dst, int64_t dst_rows,
-                                  const float *src, const int32_t *idx, int64_t n, int64_t cols);
 strata_status st_cuda_op_argmax(st_backend *be, st_cuda_stream *s, const float *x, int64_t n, int64_t cols,
                                 int32_t *out);
 strata_status st_cuda_op_matmul_multi(st_backend *be, st_cuda_stream *s, const float *x, const st_weight *w,
