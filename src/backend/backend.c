@@ -135,9 +135,9 @@ strata_status st_backend_check_heads(const char *op, int64_t n, int64_t n_kv, in
     X(alloc) X(host_alloc) X(upload) X(copy_h2d) X(copy_d2h) X(copy_d2d) X(copy_2d)          \
     X(stream_create) X(event_create) X(event_record) X(stream_wait_event) X(event_sync)      \
     X(event_query) X(get_rows)                                                               \
-    X(rmsnorm) X(matmul) X(rope) X(attention) X(attention_part) X(swiglu) X(add) X(argmax)         \
-    X(matmul_multi) X(matmul_swiglu) X(rmsnorm_matmul) X(kv_store_paged) X(rope_kv_store) X(kv_gather)            \
-    X(attention_paged) X(sample)
+    X(rmsnorm) X(matmul) X(rope) X(attention) X(attention_part) X(swiglu) X(add) X(argmax)   \
+    X(matmul_multi) X(matmul_swiglu) X(rmsnorm_matmul) X(kv_store_paged) X(rope_kv_store)    \
+    X(kv_gather) X(attention_paged) X(sample)
 
 enum {
 #define X(o) OPN_##o,
