@@ -4,10 +4,12 @@
  * table[j / bs] * bs + j % bs of the layer's pool.
  *
  * Batch invariance is the design goal: every token, whether it is a decode or
- * part of a prefill chunk, goes through the same kernel, and the order of its
- * reduction depends only on its own position:
+ * part of a prefill chunk, goes through the same arithmetic (the tile kernel,
+ * or for decode batches the decode kernels below, which repeat it operation
+ * for operation), and the order of its reduction depends only on its own
+ * position:
  *   - its keys [0, pos] are cut into fixed ranges of PA_SPLIT keys (split s =
- *     keys [s PA_SPLIT, (s+1) PA_SPLIT)), one block each (grid.z); a range is
+ *     keys [s PA_SPLIT, (s+1) PA_SPLIT)), one block (or warp) each; a range is
  *     walked in tiles of 32 keys from its start, with an online softmax per
  *     row (fp32 SIMT, exact to fp32 rounding: scores pre-scaled by scale *
  *     log2(e), exp2);
@@ -38,11 +40,9 @@
  * quarter, plus 32 scales each) is staged with 16-byte cp.async into its own
  * shared buffer, converted once into the fp32 tile (16-byte shared reads of
  * 8 bf16 / 8 fp8), and the next raw tile is loaded while this one is
- * computed (one raw and one fp32 buffer, in both variants). Not measured (no
- * GPU when this was written): whether the extra conversion pass and barrier
- * cost more than the halved (quartered) loads save, and the occupancy
- * change (prefill ~95 KB of shared memory instead of ~111 KB, decode ~61 KB
- * instead of ~45 KB at hd 128).
+ * computed (one raw and one fp32 buffer; ~95 KB of shared memory instead of
+ * ~111 KB at hd 128). The decode kernels read K and V rows of any type
+ * straight into registers and convert them there (pd_ld8, pd_ldv).
  *
  * Invalid indices (the host cannot read them): a seq outside [0, n_seqs) or a
  * sequence with no keys gives a row of NaN; ctx_lens is clamped to
@@ -236,8 +236,9 @@ static __global__ void __launch_bounds__(128)
 
 /* KT: the cache's st_kv_dtype. bf16 / fp8 run with NBUF = 1 fp32 tile plus a
  * raw tile (RAWB bytes: K then V rows of the type, then fp8's 2 x 32 scales). */
-template <int HD, int ROWS, int NBUF, int KT>
+template <int HD, int NBUF, int KT>
 struct pt_cfg {
+    static constexpr int ROWS = PT_ROWS;
     static constexpr int QP = HD + 4;       /* padded rows: conflict-free float4 reads */
     static constexpr int KP = HD + 4;
     static constexpr int PP = 40;           /* p_s row stride: conflict-free writes and float4 reads */
@@ -257,12 +258,13 @@ struct pt_cfg {
 };
 
 /* grid (sub-batch tokens, Hkv * hchunks, ranges); 128 threads. */
-template <int HD, int ROWS, int NBUF, int KT>
+template <int HD, int NBUF, int KT>
 static __global__ void __launch_bounds__(PA_THREADS)
     pa_tile_kernel(const float *__restrict__ q, st_paged_kv kv, const int32_t *__restrict__ seq,
                    const int32_t *__restrict__ pos, int H, int Hkv, int hchunks, int GC, int TQ, int64_t max_nk,
                    float qscale, pa_out o) {
-    using C = pt_cfg<HD, ROWS, NBUF, KT>;
+    using C = pt_cfg<HD, NBUF, KT>;
+    constexpr int ROWS = PT_ROWS;
     extern __shared__ float4 pt_smem4[];
     float *q_s = (float *)pt_smem4;         /* [ROWS][QP] */
     float *kv_s = q_s + ROWS * C::QP;       /* NBUF x ([TK][KP] K, [TK][HD] V) */
@@ -1130,10 +1132,10 @@ static __global__ void __launch_bounds__(PG_THREADS)
 
 /* ---- dispatch ------------------------------------------------------------------------ */
 
-template <int HD, int ROWS, int NBUF, int KT>
+template <int HD, int NBUF, int KT>
 static strata_status pt_set_attr() {
-    ST_CUDA_TRY(cudaFuncSetAttribute(pa_tile_kernel<HD, ROWS, NBUF, KT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     (int)pt_cfg<HD, ROWS, NBUF, KT>::smem));
+    ST_CUDA_TRY(cudaFuncSetAttribute(pa_tile_kernel<HD, NBUF, KT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     (int)pt_cfg<HD, NBUF, KT>::smem));
     return STRATA_OK;
 }
 
@@ -1143,8 +1145,8 @@ template <int KT>
 static strata_status pt_set_attrs() {
     constexpr int NB = KT == ST_KV_F32 ? 2 : 1;
     strata_status st;
-    if ((st = pt_set_attr<64, PT_ROWS, NB, KT>()) != STRATA_OK) return st;
-    return pt_set_attr<128, PT_ROWS, NB, KT>();
+    if ((st = pt_set_attr<64, NB, KT>()) != STRATA_OK) return st;
+    return pt_set_attr<128, NB, KT>();
 }
 
 strata_status st_cuda_attention_paged_setup(st_cuda *c) {
@@ -1154,14 +1156,14 @@ strata_status st_cuda_attention_paged_setup(st_cuda *c) {
     return pt_set_attrs<ST_KV_FP8>();
 }
 
-template <int HD, int ROWS, int NBUF, int KT>
+template <int HD, int NBUF, int KT>
 static strata_status pa_launch_tile(st_cuda *c, cudaStream_t s, const float *q, const st_paged_kv &kv,
                                     const int32_t *seq, const int32_t *pos, int64_t nt, int H, int Hkv, int nsplit,
                                     int64_t max_nk, float qscale, const pa_out &o) {
-    const int G = H / Hkv, GC = G < ROWS ? G : ROWS, hchunks = (G + GC - 1) / GC, TQ = ROWS / GC;
-    ST_CUDA_TRY(st_launch(c->pdl, pa_tile_kernel<HD, ROWS, NBUF, KT>,
+    const int G = H / Hkv, GC = G < PT_ROWS ? G : PT_ROWS, hchunks = (G + GC - 1) / GC, TQ = PT_ROWS / GC;
+    ST_CUDA_TRY(st_launch(c->pdl, pa_tile_kernel<HD, NBUF, KT>,
                           dim3((unsigned)nt, (unsigned)(Hkv * hchunks), (unsigned)nsplit), dim3(PA_THREADS),
-                          pt_cfg<HD, ROWS, NBUF, KT>::smem, s, q, kv, seq, pos, H, Hkv, hchunks, GC, TQ, max_nk,
+                          pt_cfg<HD, NBUF, KT>::smem, s, q, kv, seq, pos, H, Hkv, hchunks, GC, TQ, max_nk,
                           qscale, o));
     if (nsplit > 1)
         ST_CUDA_TRY(st_launch(c->pdl, pa_merge_fast_kernel<HD>, dim3((unsigned)(nt * H)), dim3(128), 0, s, kv, seq,
@@ -1205,8 +1207,8 @@ static strata_status pa_tile_kt(st_cuda *c, cudaStream_t s, const float *q, cons
         return g4 ? pa_launch_dec<128, 4, KT>(c, s, q, kv, seq, pos, nt, H, Hkv, nsplit, max_nk, qscale, o)
                   : pa_launch_dec<128, 8, KT>(c, s, q, kv, seq, pos, nt, H, Hkv, nsplit, max_nk, qscale, o);
     }
-    return hd == 64 ? pa_launch_tile<64, PT_ROWS, NB, KT>(c, s, q, kv, seq, pos, nt, H, Hkv, nsplit, max_nk, qscale, o)
-                    : pa_launch_tile<128, PT_ROWS, NB, KT>(c, s, q, kv, seq, pos, nt, H, Hkv, nsplit, max_nk, qscale,
+    return hd == 64 ? pa_launch_tile<64, NB, KT>(c, s, q, kv, seq, pos, nt, H, Hkv, nsplit, max_nk, qscale, o)
+                    : pa_launch_tile<128, NB, KT>(c, s, q, kv, seq, pos, nt, H, Hkv, nsplit, max_nk, qscale,
                                                            o);
 }
 
