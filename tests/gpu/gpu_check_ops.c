@@ -103,7 +103,6 @@ static int g_min_n = 4, g_min_n_quant = 12;
 /* its MMQ token counts in fast mode (st_backend_params.mmq_min_n, mmq_max_n;
  * 0 there: these defaults of cuda_matmul.cu; max 0 here: none) */
 static int g_mmq_min = 5, g_mmq_max = 64;
-static bool g_mmq_rule = true; /* the defaults: above 32 tokens only for launches of >= 8192 output rows */
 static bool g_gemv1 = true;    /* one token in fast mode on the direct int8 kernel (st_backend_params.gemv1_rows
                                   not -1) */
 static st_stream *g_s; /* a created GPU stream; some checks use NULL (the default) */
@@ -395,17 +394,16 @@ static bool matmul_int8(st_dtype t, int64_t n, int64_t K) {
 /* The int8 tensor-core kernel of fast mode (cuda_mmq.cu) for q8_0, q4_0,
  * q4_1, q4_k (rows of 16-byte multiples, K % 128 == 0) within the backend's
  * MMQ token counts: x quantized the same way. */
-static bool matmul_mmq(st_dtype t, int64_t n, int64_t K, int64_t rows) {
+static bool matmul_mmq(st_dtype t, int64_t n, int64_t K) {
     const bool ty = t == ST_DTYPE_Q8_0 || t == ST_DTYPE_Q4_0 || t == ST_DTYPE_Q4_1 || t == ST_DTYPE_Q4_K;
-    return g_fast && ty && K % 128 == 0 && st_dtype_row_bytes(t, K) % 16 == 0 && n >= g_mmq_min && n <= g_mmq_max &&
-           (!g_mmq_rule || n <= 32 || rows >= 8192);
+    return g_fast && ty && K % 128 == 0 && st_dtype_row_bytes(t, K) % 16 == 0 && n >= g_mmq_min && n <= g_mmq_max;
 }
 /* ... which decides the threshold: the int8 GEMV and MMQ 1.5e-2 (measured:
  * ~2e-3 to 6e-3 typically on these random inputs, up to 1.1e-2 in a few of
  * ~3000 checks: q4_k 13 x 256 with 3 tokens, q4_0 333 x 1024 after a norm;
  * a wrong scale or offset gives O(1)). */
-static double matmul_thr(st_dtype t, int64_t n, int64_t K, int64_t rows) {
-    if (matmul_mmq(t, n, K, rows) || matmul_int8(t, n, K)) return 1.5e-2;
+static double matmul_thr(st_dtype t, int64_t n, int64_t K) {
+    if (matmul_mmq(t, n, K) || matmul_int8(t, n, K)) return 1.5e-2;
     if (t == ST_DTYPE_F32 || matmul_gemv(t, n, K)) return 1e-5;
     return g_fast ? 1e-2 : 1e-4;
 }
@@ -414,10 +412,10 @@ static double matmul_thr(st_dtype t, int64_t n, int64_t K, int64_t rows) {
  * its activations are int8 (1.59e-2 seen once, q4_k 1000 x 1024 after a
  * norm); the matmul's elsewhere. */
 static double swiglu_thr(double thr, st_dtype t, int64_t n, int64_t K) {
-    return matmul_int8(t, n, K) || matmul_mmq(t, n, K, 1 << 20) ? 2 * thr : thr;
+    return matmul_int8(t, n, K) || matmul_mmq(t, n, K) ? 2 * thr : thr;
 }
-static const char *matmul_path(st_dtype t, int64_t n, int64_t K, int64_t rows) {
-    return matmul_mmq(t, n, K, rows) ? "mmq int8"
+static const char *matmul_path(st_dtype t, int64_t n, int64_t K) {
+    return matmul_mmq(t, n, K) ? "mmq int8"
          : matmul_int8(t, n, K) ? "gemv int8"
          : matmul_gemv(t, n, K) ? "gemv"
          : t == ST_DTYPE_F32    ? "gemm f32"
@@ -441,9 +439,9 @@ static void check_matmul_ex(st_dtype t, int64_t N, int64_t K, int64_t n, int x_o
     TRY(g_gpu->ops->stream_sync(g_gpu, s));
     g_down(got, dy, (size_t)(n * N) * 4);
     const double e = st == STRATA_OK ? nerr(got, ref, n * N) : INFINITY;
-    const double thr = matmul_thr(t, n, K, N);
+    const double thr = matmul_thr(t, n, K);
     check(e <= thr, "matmul %-5s N=%lld K=%lld n=%lld%s (%s)  err=%.2e (thr %.0e)", st_dtype_name(t), (long long)N,
-          (long long)K, (long long)n, x_off ? " x unaligned" : "", matmul_path(t, n, K, N), e, thr);
+          (long long)K, (long long)n, x_off ? " x unaligned" : "", matmul_path(t, n, K), e, thr);
     g_free(dw), g_free(dx), g_free(dy);
     free(w), free(x), free(ref), free(got);
 }
@@ -906,7 +904,7 @@ static void check_fused(st_dtype t, int64_t K, int64_t n) {
         free(got);
     }
     if (st != STRATA_OK) e = INFINITY;
-    const double thr = matmul_thr(t, n, K, rows[0] + rows[1] + rows[2]); /* the same in fast mode for swiglu's */
+    const double thr = matmul_thr(t, n, K); /* the same in fast mode for swiglu's */
     check(e <= thr, "matmul_multi %-5s 3 weights K=%lld n=%lld  err=%.2e (thr %.0e)", st_dtype_name(t), (long long)K,
           (long long)n, e, thr);
     /* swiglu over [I, K] gate and up */
@@ -993,7 +991,7 @@ static void check_rmsnorm_matmul(st_dtype t, st_dtype t3, int64_t K, int64_t n, 
             e = ei > e || isnan(ei) ? ei : e;
         }
     }
-    double thr = fmax(matmul_thr(t, n, K, sw ? 2000 : 461), matmul_thr(t3, n, K, 64));
+    double thr = fmax(matmul_thr(t, n, K), matmul_thr(t3, n, K));
     if (sw) thr = swiglu_thr(thr, t, n, K);
     check(same && e <= thr, "rmsnorm_matmul %-5s%s%s %s K=%lld n=%lld%s  same bytes as rmsnorm + %s: %s, err=%.2e "
           "(thr %.1e)", st_dtype_name(t), t3 != t ? "+" : "", t3 != t ? st_dtype_name(t3) : "",
@@ -1836,8 +1834,8 @@ static void check_gemv_int8(void) {
  * K from one stage to 4096 + a stage (q4_1: + half a stage, a partial last
  * stage), model shapes, matmul_multi and matmul_swiglu; within 1e-2 of the
  * CPU's fp32 result. `what` names the backend (main runs it on the default
- * one, 5..64 tokens, above 32 only launches of 8192 rows or more, and on one
- * whose MMQ takes every n from 1 to 1000: 1 and 300 tokens, every tile). */
+ * one, 5..64 tokens, and on one whose MMQ takes every n from 1 to 1000: 1
+ * and 300 tokens, every tile). */
 static void check_mmq(const char *what) {
     printf("-- int8 tensor-core matmul (MMQ), fast mode: %s (MMQ for %d..%d tokens)\n", what, g_mmq_min, g_mmq_max);
     g_fast = true;
@@ -2169,10 +2167,8 @@ static void on_backend(const st_backend_params *p, void (*fn)(const char *), con
     TRY(g_gpu->ops->stream_create(g_gpu, false, &g_s));
     g_min_n = bp.gemm_min_n ? bp.gemm_min_n : 4;
     g_min_n_quant = bp.gemm_min_n_quant ? bp.gemm_min_n_quant : 12;
-    const bool mr0 = g_mmq_rule;
     g_mmq_min = bp.mmq_min_n ? bp.mmq_min_n : 5;
     g_mmq_max = bp.mmq_max_n < 0 ? 0 : bp.mmq_max_n ? bp.mmq_max_n : 64;
-    g_mmq_rule = !bp.mmq_min_n && !bp.mmq_max_n;
     const bool g10 = g_gemv1;
     g_gemv1 = bp.gemv1_rows != -1;
     fn(what);
@@ -2180,7 +2176,7 @@ static void on_backend(const st_backend_params *p, void (*fn)(const char *), con
     g_gpu->ops->stream_destroy(g_gpu, g_s);
     st_backend_free(g_gpu);
     g_gpu = gpu0, g_s = s0;
-    g_min_n = mn0, g_min_n_quant = mq0, g_mmq_min = mm0, g_mmq_max = mx0, g_mmq_rule = mr0;
+    g_min_n = mn0, g_min_n_quant = mq0, g_mmq_min = mm0, g_mmq_max = mx0;
 }
 
 /* ---- main ---- */
