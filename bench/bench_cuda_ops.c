@@ -25,7 +25,7 @@
  *                       attention of decode steps (1 / 8 / 64 sequences: the
  *                       default, the block- and the warp-per-item decode kernels
  *                       and the tile kernel; not in the full run)
- *   --mmq-type T        the mmq section for one weight type (q4_0, q8_0, q4_1, q4_k)
+ *   --mmq-type T        the mmq section for one weight type (q4_0, q8_0, q4_1, q4_k, q6_k)
  *   --gemm-min-n N, --gemm-min-n-quant N   st_backend_params' GEMV / GEMM switch
  *                       points (2: time the GEMM at every n of the batch section)
  *   --no-pdl            kernels launched without programmatic dependent launch
@@ -760,10 +760,10 @@ static void bench_gemv1(double copy_bw) {
  * bound). cuda_matmul.cu's MMQ_MIN_N / MMQ_MAX_N come from this table. */
 static int g_mmq_type = -1; /* --mmq-type: that dtype's rows alone */
 static void bench_mmq(double copy_bw) {
-    static const st_dtype types[] = {ST_DTYPE_Q4_0, ST_DTYPE_Q8_0, ST_DTYPE_Q4_1, ST_DTYPE_Q4_K};
+    static const st_dtype types[] = {ST_DTYPE_Q4_0, ST_DTYPE_Q8_0, ST_DTYPE_Q4_1, ST_DTYPE_Q4_K, ST_DTYPE_Q6_K};
     static const int64_t shapes[][2] = {{4096, 4096}, {14336, 4096}, {4096, 14336}, {1024, 4096}};
     static const int64_t ns[] = {1, 2, 4, 5, 8, 12, 16, 32, 48, 64, 128, 256};
-    enum { NTY = 4, NSH = 4, NN = 12 };
+    enum { NTY = 5, NSH = 4, NN = 12 };
     static double tm[3][NTY][NSH][NN];
     st_backend *be0 = be;
     st_stream *s0 = s;
@@ -908,7 +908,7 @@ static void bench_sample(double copy_bw) {
 
 static void usage(FILE *f) {
     fprintf(f, "usage: bench_cuda_ops [--device N] [--only prefill-attn|attn-part|sample|gemv|gemv1|batch|mmq|paged-decode] [--gemm-min-n N]\n"
-               "                      [--gemm-min-n-quant N] [--no-pdl] [--mmq-type q4_0|q8_0|q4_1|q4_k]\n");
+               "                      [--gemm-min-n-quant N] [--no-pdl] [--mmq-type q4_0|q8_0|q4_1|q4_k|q6_k]\n");
 }
 
 /* A whole decimal number in [lo, hi] or exit(2). */
@@ -946,11 +946,11 @@ int main(int argc, char **argv) {
         } else if (!strcmp(a, "--no-pdl")) {
             g_params.pdl = -1;
         } else if (!strcmp(a, "--mmq-type")) {
-            static const st_dtype mt[] = {ST_DTYPE_Q4_0, ST_DTYPE_Q8_0, ST_DTYPE_Q4_1, ST_DTYPE_Q4_K};
-            for (int k = 0; v && k < 4; k++)
+            static const st_dtype mt[] = {ST_DTYPE_Q4_0, ST_DTYPE_Q8_0, ST_DTYPE_Q4_1, ST_DTYPE_Q4_K, ST_DTYPE_Q6_K};
+            for (int k = 0; v && k < 5; k++)
                 if (!strcmp(v, st_dtype_name(mt[k]))) g_mmq_type = (int)mt[k];
             if (g_mmq_type < 0) {
-                fprintf(stderr, "bench_cuda_ops: --mmq-type takes q4_0, q8_0, q4_1 or q4_k\n");
+                fprintf(stderr, "bench_cuda_ops: --mmq-type takes q4_0, q8_0, q4_1, q4_k or q6_k\n");
                 return 2;
             }
             i++;

@@ -392,10 +392,11 @@ static bool matmul_int8(st_dtype t, int64_t n, int64_t K) {
     return (q4 || (t == ST_DTYPE_Q8_0 && n > 1)) && K % 32 == 0 && st_dtype_row_bytes(t, K) % 16 == 0;
 }
 /* The int8 tensor-core kernel of fast mode (cuda_mmq.cu) for q8_0, q4_0,
- * q4_1, q4_k (rows of 16-byte multiples, K % 128 == 0) within the backend's
+ * q4_1, q4_k, q6_k (rows of 16-byte multiples, K % 128 == 0) within the backend's
  * MMQ token counts: x quantized the same way. */
 static bool matmul_mmq(st_dtype t, int64_t n, int64_t K) {
-    const bool ty = t == ST_DTYPE_Q8_0 || t == ST_DTYPE_Q4_0 || t == ST_DTYPE_Q4_1 || t == ST_DTYPE_Q4_K;
+    const bool ty = t == ST_DTYPE_Q8_0 || t == ST_DTYPE_Q4_0 || t == ST_DTYPE_Q4_1 || t == ST_DTYPE_Q4_K ||
+                    t == ST_DTYPE_Q6_K;
     return g_fast && ty && K % 128 == 0 && st_dtype_row_bytes(t, K) % 16 == 0 && n >= g_mmq_min && n <= g_mmq_max;
 }
 /* ... which decides the threshold: the int8 GEMV and MMQ 1.5e-2 (measured:
@@ -1828,11 +1829,12 @@ static void check_gemv_int8(void) {
 }
 
 /* The int8 tensor-core matmul (MMQ, fast mode; cuda_mmq.cu) on the backend
- * g_gpu for q8_0, q4_0, q4_1, q4_k: every tile configuration (token counts
+ * g_gpu for q8_0, q4_0, q4_1, q4_k, q6_k: every tile configuration (token counts
  * 2..256: 8-, 16-, 32- and 64-token tiles, 32- and 64-row tiles), ragged
  * token counts and row counts (13, 333, 20011: partial tiles, many tiles),
  * K from one stage to 4096 + a stage (q4_1: + half a stage, a partial last
- * stage), model shapes, matmul_multi and matmul_swiglu; within 1e-2 of the
+ * stage; q6_k: 2048 and 6144, stages at every offset in a 16-byte chunk,
+ * and 1280, whose rows are not 16-byte multiples: not the MMQ), model shapes, matmul_multi and matmul_swiglu; within 1e-2 of the
  * CPU's fp32 result. `what` names the backend (main runs it on the default
  * one, 5..64 tokens, and on one whose MMQ takes every n from 1 to 1000: 1
  * and 300 tokens, every tile). */
@@ -1840,13 +1842,14 @@ static void check_mmq(const char *what) {
     printf("-- int8 tensor-core matmul (MMQ), fast mode: %s (MMQ for %d..%d tokens)\n", what, g_mmq_min, g_mmq_max);
     g_fast = true;
     g_gpu->ops->set_fast_prefill(g_gpu, true);
-    const st_dtype ts[] = {ST_DTYPE_Q8_0, ST_DTYPE_Q4_0, ST_DTYPE_Q4_1, ST_DTYPE_Q4_K};
+    const st_dtype ts[] = {ST_DTYPE_Q8_0, ST_DTYPE_Q4_0, ST_DTYPE_Q4_1, ST_DTYPE_Q4_K, ST_DTYPE_Q6_K};
     const int64_t ns[] = {1, 2, 3, 5, 8, 9, 16, 17, 31, 33, 64, 65, 100, 256, 300};
     for (size_t ti = 0; ti < sizeof ts / sizeof ts[0]; ti++) {
         const st_dtype t = ts[ti];
-        const bool kq = t == ST_DTYPE_Q4_K;
+        const bool kq = t == ST_DTYPE_Q4_K, k6 = t == ST_DTYPE_Q6_K;
         const int64_t h = t == ST_DTYPE_Q4_1 ? 128 : 0; /* q4_1: a half stage at the end */
-        const int64_t ks[3] = {256, kq ? 1280 : 768 - h, 4096 + 256 - h};
+        /* q6_k: 210-byte super-blocks, rows of 16-byte multiples from 8 of them (2048 elements; 1280: not the MMQ) */
+        const int64_t ks[3] = {k6 ? 2048 : 256, kq || k6 ? 1280 : 768 - h, k6 ? 6144 : 4096 + 256 - h};
         const int64_t rows[2] = {13, 333};
         for (int k = 0; k < 3; k++)
             for (int r = 0; r < 2; r++)
@@ -1863,7 +1866,8 @@ static void check_mmq(const char *what) {
         check_matmul(t, 7, 1024, 256);
         check_matmul_ex(t, 333, 1024, 12, 1, g_s); /* x not 16-byte aligned: an aligned copy first */
         const int64_t fn[] = {4, 16, 40, 64};
-        for (int i = 0; i < 4; i++) check_fused(t, kq ? 1280 : 1024 + (t == ST_DTYPE_Q4_1 ? 128 : 0), fn[i]);
+        for (int i = 0; i < 4; i++)
+            check_fused(t, k6 ? 2048 : kq ? 1280 : 1024 + (t == ST_DTYPE_Q4_1 ? 128 : 0), fn[i]);
     }
     g_gpu->ops->set_fast_prefill(g_gpu, false);
     g_fast = false;

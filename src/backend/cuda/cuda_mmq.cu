@@ -79,19 +79,31 @@ ST_DEV void mq_mma(int c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
 }
 
+/* c = a (16 x 16 s8, row) . b (16 x 8 s8, col), int32: the halves of mq_mma's k */
+ST_DEV void mq_mma16(int c[4], uint32_t a0, uint32_t a1, uint32_t b) {
+    asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %7, %7, %7};"
+        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+        : "r"(a0), "r"(a1), "r"(b), "r"(0));
+}
+
 /* ---- weight types ---------------------------------------------------------------
- * mq<T>: SB bytes per row and stage of 256 elements; SUM: the offset term
- * m_w * xs is needed; row(r, b, tig, lo, hi, d, m): block b (0..7) of the
- * stage's row r in shared memory, for the lane of thread-in-group tig: lo =
- * the 4 weight integers of elements 4 tig .. 4 tig + 3 (int8 each), hi =
- * those of 16 + 4 tig .., d the block's scale, m its offset (element = d q +
- * m; 0 without SUM). */
+ * mq<T>: GB bytes per row and stage of 256 elements in the weight, SB
+ * staged (16-byte chunks from the one holding the stage's first byte,
+ * which sits o = GB s % 16 bytes into it: mq_off); SUM: the offset term
+ * m_w * xs is needed; row(r, o, b, tig, lo, hi, d, m): block b (0..7) of
+ * the stage's row r in shared memory, for the lane of thread-in-group tig:
+ * lo = the 4 weight integers of elements 4 tig .. 4 tig + 3 (int8 each), hi
+ * = those of 16 + 4 tig .., d the block's scale, m its offset (element = d
+ * q + m; 0 without SUM); K16 (q6_k): d and m are the scales of the two
+ * 16-element halves instead. */
 template <int T> struct mq;
 
 template <> struct mq<ST_DTYPE_Q8_0> {
     static constexpr int SB = 8 * 34;
+    static constexpr int GB = SB;
+    static constexpr bool K16 = false;
     static constexpr bool SUM = false;
-    ST_DEV static void row(const uint8_t *r, int b, int tig, uint32_t &lo, uint32_t &hi, float &d, float &m) {
+    ST_DEV static void row(const uint8_t *r, int, int b, int tig, uint32_t &lo, uint32_t &hi, float &d, float &m) {
         const int o = 34 * b;
         d = mq_h2f(*(const uint16_t *)(r + o));
         m = 0.0f;
@@ -105,8 +117,10 @@ ST_DEV uint32_t mq_nib_s8(uint32_t q) { return ((q & 0x0f0f0f0fu) + 0x78787878u)
 
 template <> struct mq<ST_DTYPE_Q4_0> {
     static constexpr int SB = 8 * 18;
+    static constexpr int GB = SB;
+    static constexpr bool K16 = false;
     static constexpr bool SUM = false;
-    ST_DEV static void row(const uint8_t *r, int b, int tig, uint32_t &lo, uint32_t &hi, float &d, float &m) {
+    ST_DEV static void row(const uint8_t *r, int, int b, int tig, uint32_t &lo, uint32_t &hi, float &d, float &m) {
         const int o = 18 * b;
         d = mq_h2f(*(const uint16_t *)(r + o));
         m = 0.0f;
@@ -118,8 +132,10 @@ template <> struct mq<ST_DTYPE_Q4_0> {
 
 template <> struct mq<ST_DTYPE_Q4_1> {
     static constexpr int SB = 8 * 20;
+    static constexpr int GB = SB;
+    static constexpr bool K16 = false;
     static constexpr bool SUM = true;
-    ST_DEV static void row(const uint8_t *r, int b, int tig, uint32_t &lo, uint32_t &hi, float &d, float &m) {
+    ST_DEV static void row(const uint8_t *r, int, int b, int tig, uint32_t &lo, uint32_t &hi, float &d, float &m) {
         const uint32_t *p = (const uint32_t *)(r + 20 * b); /* 4-byte aligned blocks */
         const uint32_t dm = p[0];
         d = mq_h2f(dm);
@@ -135,8 +151,10 @@ template <> struct mq<ST_DTYPE_Q4_1> {
  * bytes, low nibbles for even b, high for odd; element = d sc_b q - dmin m_b. */
 template <> struct mq<ST_DTYPE_Q4_K> {
     static constexpr int SB = 144;
+    static constexpr int GB = SB;
+    static constexpr bool K16 = false;
     static constexpr bool SUM = true;
-    ST_DEV static void row(const uint8_t *r, int b, int tig, uint32_t &lo, uint32_t &hi, float &d, float &m) {
+    ST_DEV static void row(const uint8_t *r, int, int b, int tig, uint32_t &lo, uint32_t &hi, float &d, float &m) {
         const uint32_t dd = *(const uint32_t *)r;
         const uint8_t *s = r + 4;
         int sc, mn;
@@ -155,6 +173,73 @@ template <> struct mq<ST_DTYPE_Q4_K> {
         hi = (q[4] >> sh) & 0x0f0f0f0fu;
     }
 };
+
+/* q6_k: the stage is one super-block (ql[128], qh[64], int8 scales[16], f16
+ * d: 210 bytes, so stage s starts 2 (s % 8) bytes into a 16-byte chunk: GB
+ * bytes per stage in the row, SB = 14 chunks staged, the stage at byte o of
+ * them; rows of 16-byte multiples end on a chunk, nothing is read past
+ * them). Block b = elements 32 b .. of the super-block, half h = b / 4 and
+ * B = b % 4 within it: 6-bit q = nibble (B < 2: low) of ql[64 h + 32 (B &
+ * 1) + i] with bits 2B of qh[32 h + i] as bits 4, 5; element = d sc q - 32 d
+ * sc, sc the int8 scale of its 16 elements. Each 16-element half has its
+ * own scale, so the block is two k16 products (K16): lo / hi are the signed
+ * q - 32 of elements 4 tig .. and 16 + 4 tig .., d and m the scales d sc of
+ * the low and the high half. */
+template <> struct mq<ST_DTYPE_Q6_K> {
+    static constexpr int SB = 224;
+    static constexpr int GB = 210;
+    static constexpr bool SUM = false;
+    static constexpr bool K16 = true;
+    ST_DEV static uint32_t q6(uint32_t ql, uint32_t qh, int B) {
+        const uint32_t q = ((ql >> (B < 2 ? 0 : 4)) & 0x0f0f0f0fu) | (((qh >> (2 * B)) & 0x03030303u) << 4);
+        return (q + 0x60606060u) ^ 0x80808080u; /* q - 32 in each byte: q + 96 < 256, then bit 7 flipped */
+    }
+    ST_DEV static void row(const uint8_t *r, int o, int b, int tig, uint32_t &lo, uint32_t &hi, float &d, float &m) {
+        const int h = b >> 2, B = b & 3;
+        const int ql = o + 64 * h + 32 * (B & 1) + 4 * tig, qh = o + 128 + 32 * h + 4 * tig;
+        lo = q6(mq_word2(r, ql), mq_word2(r, qh), B);
+        hi = q6(mq_word2(r, ql + 16), mq_word2(r, qh + 16), B);
+        const float dd = mq_h2f(mq_word2(r, o + 208));
+        d = __fmul_rn(dd, (float)(int8_t)r[o + 192 + 2 * b]);
+        m = __fmul_rn(dd, (float)(int8_t)r[o + 193 + 2 * b]);
+    }
+};
+
+/* the byte offset of stage s's first byte in its first staged chunk, and that chunk's offset in the row */
+template <int T> ST_DEV int mq_off(int64_t s) { return mq<T>::GB % 16 ? (int)((s * mq<T>::GB) & 15) : 0; }
+template <int T> ST_DEV size_t mq_chunk0(int64_t s) { return (size_t)(s * mq<T>::GB) & ~(size_t)15; }
+
+/* One block of 16 rows x 8 tokens into acc (rows g, g + 8 x tokens 2 tig,
+ * 2 tig + 1): the rows' integers af (mq<T>::row of rows g, g + 8), x's b0,
+ * b1, scales d0, d1 and offsets m0, m1 of the rows, dx / sx of the tokens.
+ * One k32 product scaled by d_w d_x (+ m_w s_x); K16: two k16 products,
+ * each scaled by its half's d_w d_x. */
+template <typename Q>
+ST_DEV void mq_acc(float (&acc)[4], const uint32_t (&af)[4], uint32_t b0, uint32_t b1, float d0, float d1, float m0,
+                   float m1, float dx0, float dx1, float sx0, float sx1) {
+    int c[4];
+    if constexpr (Q::K16) {
+        int e[4];
+        mq_mma16(c, af[0], af[1], b0);
+        mq_mma16(e, af[2], af[3], b1);
+        acc[0] = fmaf(__fmul_rn(m0, dx0), (float)e[0], fmaf(__fmul_rn(d0, dx0), (float)c[0], acc[0]));
+        acc[1] = fmaf(__fmul_rn(m0, dx1), (float)e[1], fmaf(__fmul_rn(d0, dx1), (float)c[1], acc[1]));
+        acc[2] = fmaf(__fmul_rn(m1, dx0), (float)e[2], fmaf(__fmul_rn(d1, dx0), (float)c[2], acc[2]));
+        acc[3] = fmaf(__fmul_rn(m1, dx1), (float)e[3], fmaf(__fmul_rn(d1, dx1), (float)c[3], acc[3]));
+        return;
+    }
+    mq_mma(c, af, b0, b1);
+    acc[0] = fmaf(__fmul_rn(d0, dx0), (float)c[0], acc[0]);
+    acc[1] = fmaf(__fmul_rn(d0, dx1), (float)c[1], acc[1]);
+    acc[2] = fmaf(__fmul_rn(d1, dx0), (float)c[2], acc[2]);
+    acc[3] = fmaf(__fmul_rn(d1, dx1), (float)c[3], acc[3]);
+    if (Q::SUM) {
+        acc[0] = fmaf(m0, sx0, acc[0]);
+        acc[1] = fmaf(m0, sx1, acc[1]);
+        acc[2] = fmaf(m1, sx0, acc[2]);
+        acc[3] = fmaf(m1, sx1, acc[3]);
+    }
+}
 
 /* ---- configuration ------------------------------------------------------------------ */
 
@@ -204,7 +289,7 @@ static __global__ void __launch_bounds__(32 * WM * WN * WK) mmq_kernel(const st_
     /* local stage s (ring slot s % NST) is stage s0 + s of K */
     auto issue_w = [&](int s) {
         uint8_t *ws = sm + (s % NST) * STAGE;
-        const size_t so = (size_t)(s0 + s) * SB;
+        const size_t so = mq_chunk0<T>(s0 + s);
         for (int i = tid; i < BM * C16; i += C::THREADS) {
             const int r = i / C16, c = i - r * C16;
             const size_t o = so + 16 * (size_t)c;
@@ -264,7 +349,7 @@ static __global__ void __launch_bounds__(32 * WM * WN * WK) mmq_kernel(const st_
         const uint8_t *ws = sm + (s % NST) * STAGE;
         const uint8_t *xs = ws + C::XOFF;
         const float *xd = (const float *)(ws + C::DOFF), *xsum = xd + BN * MQ_XD;
-        const int nb = min(8, nblk - 8 * (s0 + s));
+        const int nb = min(8, nblk - 8 * (s0 + s)), so = mq_off<T>(s0 + s);
 #pragma unroll
         for (int i = 0; i < 8 / WK; i++) {
             const int b = wk + WK * i;
@@ -285,23 +370,12 @@ static __global__ void __launch_bounds__(32 * WM * WN * WK) mmq_kernel(const st_
                 const int r0 = (wm * MT + m) * 16 + g;
                 uint32_t af[4];
                 float d0, d1, m0, m1;
-                Q::row(ws + r0 * SBP, b, tig, af[0], af[2], d0, m0);
-                Q::row(ws + (r0 + 8) * SBP, b, tig, af[1], af[3], d1, m1);
+                Q::row(ws + r0 * SBP, so, b, tig, af[0], af[2], d0, m0);
+                Q::row(ws + (r0 + 8) * SBP, so, b, tig, af[1], af[3], d1, m1);
 #pragma unroll
-                for (int j = 0; j < NT; j++) {
-                    int c[4];
-                    mq_mma(c, af, bf[j][0], bf[j][1]);
-                    acc[m][j][0] = fmaf(__fmul_rn(d0, dx[j][0]), (float)c[0], acc[m][j][0]);
-                    acc[m][j][1] = fmaf(__fmul_rn(d0, dx[j][1]), (float)c[1], acc[m][j][1]);
-                    acc[m][j][2] = fmaf(__fmul_rn(d1, dx[j][0]), (float)c[2], acc[m][j][2]);
-                    acc[m][j][3] = fmaf(__fmul_rn(d1, dx[j][1]), (float)c[3], acc[m][j][3]);
-                    if (C::SUM) {
-                        acc[m][j][0] = fmaf(m0, sx[j][0], acc[m][j][0]);
-                        acc[m][j][1] = fmaf(m0, sx[j][1], acc[m][j][1]);
-                        acc[m][j][2] = fmaf(m1, sx[j][0], acc[m][j][2]);
-                        acc[m][j][3] = fmaf(m1, sx[j][1], acc[m][j][3]);
-                    }
-                }
+                for (int j = 0; j < NT; j++)
+                    mq_acc<Q>(acc[m][j], af, bf[j][0], bf[j][1], d0, d1, m0, m1, dx[j][0], dx[j][1], sx[j][0],
+                              sx[j][1]);
             }
         }
     }
@@ -422,7 +496,7 @@ static __global__ void __launch_bounds__(128) mmqw_kernel(const st_gemv_args a) 
     }
     auto issue = [&](int k) {
         if (k < cnt) {
-            const size_t so = (size_t)(s0 + warp + 4 * k) * SB;
+            const size_t so = mq_chunk0<T>(s0 + warp + 4 * k);
             uint8_t *buf = ring + (k % NST) * WST;
 #pragma unroll
             for (int j = 0; j < CPL; j++) {
@@ -485,6 +559,7 @@ static __global__ void __launch_bounds__(128) mmqw_kernel(const st_gemv_args a) 
         mq_wait<NST - 1>(); /* this lane's copies of stage k have landed */
         __syncwarp();       /* and every other lane's */
         const uint8_t *ws = ring + (k % NST) * WST;
+        const int so = mq_off<T>(s);
 #pragma unroll
         for (int b = 0; b < 8; b++) {
             if (b < nb) {
@@ -493,23 +568,12 @@ static __global__ void __launch_bounds__(128) mmqw_kernel(const st_gemv_args a) 
                     const int r0 = m * 16 + g;
                     uint32_t af[4];
                     float d0, d1, m0, m1;
-                    Q::row(ws + r0 * SBP, b, tig, af[0], af[2], d0, m0);
-                    Q::row(ws + (r0 + 8) * SBP, b, tig, af[1], af[3], d1, m1);
+                    Q::row(ws + r0 * SBP, so, b, tig, af[0], af[2], d0, m0);
+                    Q::row(ws + (r0 + 8) * SBP, so, b, tig, af[1], af[3], d1, m1);
 #pragma unroll
-                    for (int j = 0; j < NT; j++) {
-                        int c[4];
-                        mq_mma(c, af, bf[b][j][0], bf[b][j][1]);
-                        acc[m][j][0] = fmaf(__fmul_rn(d0, dx[b][j][0]), (float)c[0], acc[m][j][0]);
-                        acc[m][j][1] = fmaf(__fmul_rn(d0, dx[b][j][1]), (float)c[1], acc[m][j][1]);
-                        acc[m][j][2] = fmaf(__fmul_rn(d1, dx[b][j][0]), (float)c[2], acc[m][j][2]);
-                        acc[m][j][3] = fmaf(__fmul_rn(d1, dx[b][j][1]), (float)c[3], acc[m][j][3]);
-                        if (Q::SUM) {
-                            acc[m][j][0] = fmaf(m0, sx[b][j][0], acc[m][j][0]);
-                            acc[m][j][1] = fmaf(m0, sx[b][j][1], acc[m][j][1]);
-                            acc[m][j][2] = fmaf(m1, sx[b][j][0], acc[m][j][2]);
-                            acc[m][j][3] = fmaf(m1, sx[b][j][1], acc[m][j][3]);
-                        }
-                    }
+                    for (int j = 0; j < NT; j++)
+                        mq_acc<Q>(acc[m][j], af, bf[b][j][0], bf[b][j][1], d0, d1, m0, m1, dx[b][j][0], dx[b][j][1],
+                                  sx[b][j][0], sx[b][j][1]);
                 }
             }
         }
@@ -691,6 +755,7 @@ static strata_status mq_any(int dtype, cudaStream_t s, bool pdl, bool swiglu, co
     case ST_DTYPE_Q4_0: return mq_dtype<ST_DTYPE_Q4_0>(s, pdl, swiglu, a, setup, smc, pb);
     case ST_DTYPE_Q4_1: return mq_dtype<ST_DTYPE_Q4_1>(s, pdl, swiglu, a, setup, smc, pb);
     case ST_DTYPE_Q4_K: return mq_dtype<ST_DTYPE_Q4_K>(s, pdl, swiglu, a, setup, smc, pb);
+    case ST_DTYPE_Q6_K: return mq_dtype<ST_DTYPE_Q6_K>(s, pdl, swiglu, a, setup, smc, pb);
     default: break;
     }
     return st_err(STRATA_ERR_UNSUPPORTED, "cuda mmq: dtype %s", st_dtype_name((st_dtype)dtype));
@@ -706,7 +771,8 @@ bool st_cuda_mmq_supports(int dtype, size_t row_bytes, int64_t K) {
     case ST_DTYPE_Q8_0:
     case ST_DTYPE_Q4_0:
     case ST_DTYPE_Q4_1:
-    case ST_DTYPE_Q4_K: return row_bytes > 0 && row_bytes % 16 == 0 && K > 0 && K % 128 == 0;
+    case ST_DTYPE_Q4_K:
+    case ST_DTYPE_Q6_K: return row_bytes > 0 && row_bytes % 16 == 0 && K > 0 && K % 128 == 0;
     default: return false;
     }
 }
@@ -723,8 +789,8 @@ strata_status st_cuda_mmq(cudaStream_t s, bool pdl, int dtype, bool swiglu, cons
 strata_status st_cuda_mmq_setup(void) {
     st_gemv_args a;
     memset(&a, 0, sizeof a);
-    const int types[] = {ST_DTYPE_Q8_0, ST_DTYPE_Q4_0, ST_DTYPE_Q4_1, ST_DTYPE_Q4_K};
-    for (int i = 0; i < 4; i++) {
+    const int types[] = {ST_DTYPE_Q8_0, ST_DTYPE_Q4_0, ST_DTYPE_Q4_1, ST_DTYPE_Q4_K, ST_DTYPE_Q6_K};
+    for (int i = 0; i < 5; i++) {
         strata_status st = mq_any(types[i], 0, false, false, a, true, 1, NULL);
         if (st != STRATA_OK) return st;
     }
