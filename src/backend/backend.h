@@ -147,8 +147,8 @@ typedef struct {
     int gemm_min_n;       /* CUDA: tokens from which matmuls over plain (f32, f16, bf16) weights run as
                              a GEMM instead of the GEMV (0: 4; values below 2 other than 0: invalid) */
     int gemm_min_n_quant; /* CUDA: the same for quantized weights (0: 12) */
-    int mmq_min_n;        /* CUDA, fast mode: fewest tokens whose q8_0 / q4_0 / q4_1 / q4_k matmuls run on
-                             the int8 tensor-core kernel (MMQ) rather than the GEMV (0: the default, 5) */
+    int mmq_min_n;        /* CUDA, fast mode: fewest tokens whose q8_0 / q4_0 / q4_1 / q4_k / q6_k matmuls run
+                             on the int8 tensor-core kernel (MMQ) rather than the GEMV (0: the default, 5) */
     int mmq_max_n;        /* CUDA, fast mode: most tokens for the MMQ, above it dequantize + GEMM
                              (0: the default, 64; -1: never the MMQ; else at least mmq_min_n) */
     const char *attn_fa2; /* CUDA: the fast-mode prefill attention kernel: NULL / "auto" (the Hopper

@@ -15,8 +15,8 @@
  *     call to int8 per 32-block (scratch slot XQ), dp4a against the packed
  *     weights; ~4e-3 of max|y| from the fp32 result, several tokens per pass
  *     at a fraction of the fp32 kernel's cost (bench/RESULTS.md).
- *   MMQ, int8 tensor cores (fast mode; cuda_mmq.cu): q8_0, q4_0, q4_1, q4_k
- *     rows of 16-byte multiples, K % 128 == 0, n within [mmq_min_n,
+ *   MMQ, int8 tensor cores (fast mode; cuda_mmq.cu): q8_0, q4_0, q4_1, q4_k,
+ *     q6_k rows of 16-byte multiples, K % 128 == 0, n within [mmq_min_n,
  *     mmq_max_n] (MMQ_MIN_N, MMQ_MAX_N below, from bench_cuda_ops --only mmq):
  *     x quantized as for the int8 GEMV (plus block sums for q4_1 / q4_k),
  *     mma.sync m16n8k32 s8 on the weights' integers in their GGUF layout,
