@@ -103,8 +103,8 @@ static int g_min_n = 4, g_min_n_quant = 12;
 /* its MMQ token counts in fast mode (st_backend_params.mmq_min_n, mmq_max_n;
  * 0 there: these defaults of cuda_matmul.cu; max 0 here: none) */
 static int g_mmq_min = 5, g_mmq_max = 64;
-static bool g_gemv1 = true;    /* one token in fast mode on the direct int8 kernel (st_backend_params.gemv1_rows
-                                  not -1) */
+static bool g_gemv1 = true; /* one token in fast mode on the direct int8 kernel (st_backend_params.gemv1_rows
+                               not -1) */
 static st_stream *g_s; /* a created GPU stream; some checks use NULL (the default) */
 static int g_pass, g_fail;
 static double g_t0;
