@@ -351,6 +351,12 @@ def metrics(port, headers=None):
     return out
 
 
+def both_prefill_up(r):
+    """Wait until the router has seen its two prefill nodes up (its start polls them with a 1 s timeout,
+    which a loaded machine's fake nodes can miss; the next poll then comes a health interval later)."""
+    return wait_until(lambda: json.loads(request(r.port, "GET", "/health")[2]).get("prefill_up") == 2, 35)
+
+
 def wait_until(pred, timeout=5.0):
     end = time.time() + timeout
     while time.time() < end:
@@ -646,6 +652,7 @@ def test_prefill_failover(D1):
     P2.health["queued_prompt_tokens"] = 1000  # P1 first
     r = Router([P1.url, P2.url], [D1.url], "--health-interval", "30", tag="failover")
     try:
+        check(both_prefill_up(r), "failover: both prefill nodes seen up first")
         P1.close()  # a closed port from now on
         D1.clear()
         st, _, out = request(r.port, "POST", "/v1/completions", {"prompt": "f" * 40})
@@ -689,6 +696,7 @@ def test_prefill_killed(D1):
     P2.health["queued_prompt_tokens"] = 1000  # the subprocess first
     r = Router([psub, P2.url], [D1.url], tag="killed")
     try:
+        check(both_prefill_up(r), "killed: both prefill nodes seen up first")
         D1.clear()
         res = {}
         t = threading.Thread(target=lambda: res.update(r=request(r.port, "POST", "/v1/completions",
