@@ -752,8 +752,9 @@ static void bench_gemv1(double copy_bw) {
 /* ---- MMQ switch points ----
  * Fast mode, quantized weights, the 8B shapes, n = 1 .. 256: the same
  * matmul on three backends that differ only in where their tuning
- * (st_backend_params) sends it: the int8 GEMV at every n (gemm_min_n_quant
- * 2^20, MMQ off), the int8 tensor-core MMQ at every n (mmq_min_n 1), and
+ * (st_backend_params) sends it: the GEMV at every n (gemm_min_n_quant 2^20,
+ * MMQ off; int8, but fp32 for q6_k, which has no int8 GEMV above one
+ * token), the int8 tensor-core MMQ at every n (mmq_min_n 1), and
  * dequantize + cuBLAS GEMM (gemm_min_n_quant 2, MMQ off; n = 1 stays the
  * GEMV there, not shown). Each line gives the three times, the fastest, and
  * the weights' bytes once at the copy bandwidth (the floor while memory
@@ -821,7 +822,8 @@ static void bench_mmq(double copy_bw) {
     }
     be = be0, s = s0;
     static const char *pn[3] = {"gemv", "mmq", "gemm"};
-    printf("-- quantized matmuls, fast mode: int8 GEMV / int8 tensor-core MMQ / dequantize + GEMM (us)\n");
+    printf("-- quantized matmuls, fast mode: GEMV (int8; q6_k fp32) / int8 tensor-core MMQ / dequantize + GEMM "
+           "(us)\n");
     for (int ti = 0; ti < NTY; ti++)
         for (int sh = 0; sh < NSH; sh++) {
             if (g_mmq_type >= 0 && (int)types[ti] != g_mmq_type) continue;
@@ -947,7 +949,7 @@ int main(int argc, char **argv) {
             g_params.pdl = -1;
         } else if (!strcmp(a, "--mmq-type")) {
             static const st_dtype mt[] = {ST_DTYPE_Q4_0, ST_DTYPE_Q8_0, ST_DTYPE_Q4_1, ST_DTYPE_Q4_K, ST_DTYPE_Q6_K};
-            for (int k = 0; v && k < 5; k++)
+            for (size_t k = 0; v && k < sizeof mt / sizeof mt[0]; k++)
                 if (!strcmp(v, st_dtype_name(mt[k]))) g_mmq_type = (int)mt[k];
             if (g_mmq_type < 0) {
                 fprintf(stderr, "bench_cuda_ops: --mmq-type takes q4_0, q8_0, q4_1, q4_k or q6_k\n");

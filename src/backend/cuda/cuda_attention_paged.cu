@@ -264,7 +264,7 @@ static __global__ void __launch_bounds__(PA_THREADS)
                    const int32_t *__restrict__ pos, int H, int Hkv, int hchunks, int GC, int TQ, int64_t max_nk,
                    float qscale, pa_out o) {
     using C = pt_cfg<HD, NBUF, KT>;
-    constexpr int ROWS = PT_ROWS;
+    constexpr int ROWS = C::ROWS;
     extern __shared__ float4 pt_smem4[];
     float *q_s = (float *)pt_smem4;         /* [ROWS][QP] */
     float *kv_s = q_s + ROWS * C::QP;       /* NBUF x ([TK][KP] K, [TK][HD] V) */
@@ -1208,8 +1208,7 @@ static strata_status pa_tile_kt(st_cuda *c, cudaStream_t s, const float *q, cons
                   : pa_launch_dec<128, 8, KT>(c, s, q, kv, seq, pos, nt, H, Hkv, nsplit, max_nk, qscale, o);
     }
     return hd == 64 ? pa_launch_tile<64, NB, KT>(c, s, q, kv, seq, pos, nt, H, Hkv, nsplit, max_nk, qscale, o)
-                    : pa_launch_tile<128, NB, KT>(c, s, q, kv, seq, pos, nt, H, Hkv, nsplit, max_nk, qscale,
-                                                           o);
+                    : pa_launch_tile<128, NB, KT>(c, s, q, kv, seq, pos, nt, H, Hkv, nsplit, max_nk, qscale, o);
 }
 
 strata_status st_cuda_op_attention_paged(st_backend *be, st_cuda_stream *s, const float *q, const st_paged_kv *kv,
