@@ -679,7 +679,7 @@ static void g1_fn(int i, void *p) {
     g1_ctx *m = p;
     const st_weight *w = m->w[i % m->copies];
     if (m->kind == 1) TRY(m->b->ops->matmul_multi(m->b, m->s, m->x, w, 3, 1, m->y));
-    else if (m->kind == 2) TRY(m->b->ops->matmul_swiglu(m->b, m->s, m->x, &w[0], &w[1], 1, m->y[0]));
+    else if (m->kind == 2) TRY(m->b->ops->matmul_swiglu(m->b, m->s, m->x, &w[0], &w[1], 1, m->y[0], NULL));
     else TRY(m->b->ops->matmul(m->b, m->s, m->x, &w[0], 1, m->y[0]));
 }
 static void bench_gemv1(double copy_bw) {

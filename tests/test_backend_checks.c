@@ -150,9 +150,10 @@ static void check_backend(st_backend *be) {
     BAD(be, be->ops->matmul_multi(be, NULL, x, wm2, 2, 1, ys), "matmul_multi", "weight 1 has");
     float *ys_ov[2] = {y, x + 2};
     BAD(be, be->ops->matmul_multi(be, NULL, x, wm, 2, 1, ys_ov), "matmul_multi", "y[1] overlaps");
-    BAD(be, be->ops->matmul_swiglu(be, NULL, x, &w, &w16, 1, o), "matmul_swiglu", "gate is");
-    BAD(be, be->ops->matmul_swiglu(be, NULL, x, &w, &wn, 1, o), "matmul_swiglu", "gate is");
-    BAD(be, be->ops->matmul_swiglu(be, NULL, x, &w, &w, 1, x), "matmul_swiglu", "out overlaps");
+    BAD(be, be->ops->matmul_swiglu(be, NULL, x, &w, &w16, 1, o, NULL), "matmul_swiglu", "gate is");
+    BAD(be, be->ops->matmul_swiglu(be, NULL, x, &w, &wn, 1, o, NULL), "matmul_swiglu", "gate is");
+    BAD(be, be->ops->matmul_swiglu(be, NULL, x, &w, &w, 1, x, NULL), "matmul_swiglu", "out overlaps");
+    BAD(be, be->ops->matmul_swiglu(be, NULL, x, &w, &w, 1, o, x + 1), "matmul_swiglu", "work overlaps x or out");
     /* rmsnorm_matmul: the norm's checks, then the matmul's (reading out), its cols against d */
     BAD(be, be->ops->rmsnorm_matmul(be, NULL, x, NULL, &w, 1e-5f, 1, 8, o, wm, 2, NULL, ys), "rmsnorm_matmul",
         "expected [1, 8]");

@@ -75,16 +75,26 @@ static void test_fused_matmuls(st_backend *be) {
                       st_dtype_name(t), i);
         /* swiglu: gate = w[1], up = w[2] (same shape) */
         float *sw = malloc((size_t)(n * 8) * sizeof(float)), *ref = malloc((size_t)(n * 8) * sizeof(float));
-        CHECK(be->ops->matmul_swiglu(be, NULL, x, &w[1], &w[2], n, sw) == STRATA_OK);
+        CHECK(be->ops->matmul_swiglu(be, NULL, x, &w[1], &w[2], n, sw, NULL) == STRATA_OK);
         CHECK(be->ops->swiglu(be, NULL, yr[1], yr[2], n * 8, ref) == STRATA_OK);
         CHECK_MSG(memcmp(sw, ref, (size_t)(n * 8) * sizeof(float)) == 0, "%s swiglu", st_dtype_name(t));
+        /* with a work buffer: the up projection lands there, the same output */
+        {
+            float *wk = malloc((size_t)(n * 8) * sizeof(float)), *sw2 = malloc((size_t)(n * 8) * sizeof(float));
+            CHECK(be->ops->matmul_swiglu(be, NULL, x, &w[1], &w[2], n, sw2, wk) == STRATA_OK);
+            CHECK_MSG(memcmp(sw2, ref, (size_t)(n * 8) * sizeof(float)) == 0, "%s swiglu with work", st_dtype_name(t));
+            CHECK_ERR(be->ops->matmul_swiglu(be, NULL, x, &w[1], &w[2], n, sw2, sw2 + 1), STRATA_ERR_INVALID_ARG,
+                      "work overlaps x or out");
+            free(wk);
+            free(sw2);
+        }
         /* and against a double reference of silu(g) * u */
         for (int64_t i = 0; i < n * 8; i++) {
             const double g = yr[1][i], u = yr[2][i];
             const double want = g / (1.0 + exp(-g)) * u;
             CHECK(fabs(sw[i] - want) <= 1e-5 * (fabs(want) + 1e-3));
         }
-        CHECK_ERR(be->ops->matmul_swiglu(be, NULL, x, &w[0], &w[1], n, sw), STRATA_ERR_INVALID_ARG, "gate is");
+        CHECK_ERR(be->ops->matmul_swiglu(be, NULL, x, &w[0], &w[1], n, sw, NULL), STRATA_ERR_INVALID_ARG, "gate is");
         /* rmsnorm_matmul: the same bytes as rmsnorm (residual added in place), then matmul_multi / matmul_swiglu */
         {
             float *nw = test_rand_floats(&g_rng, K, 1.0f), *res = test_rand_floats(&g_rng, n * K, 1.0f);
@@ -95,7 +105,7 @@ static void test_fused_matmuls(st_backend *be) {
                 memcpy(xa, x, (size_t)(n * K) * sizeof(float));
                 memcpy(xb, x, (size_t)(n * K) * sizeof(float));
                 CHECK(be->ops->rmsnorm(be, NULL, xa, res, &wn, 1e-5f, n, K, na) == STRATA_OK);
-                if (sw_mode) CHECK(be->ops->matmul_swiglu(be, NULL, na, &w[1], &w[2], n, yr[0]) == STRATA_OK);
+                if (sw_mode) CHECK(be->ops->matmul_swiglu(be, NULL, na, &w[1], &w[2], n, yr[0], NULL) == STRATA_OK);
                 else CHECK(be->ops->matmul_multi(be, NULL, na, w, 3, n, yr) == STRATA_OK);
                 CHECK(be->ops->rmsnorm_matmul(be, NULL, xb, res, &wn, 1e-5f, n, K, nb, sw_mode ? &w[1] : w,
                                               sw_mode ? 1 : 3, sw_mode ? &w[2] : NULL, y) == STRATA_OK);

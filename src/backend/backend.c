@@ -437,10 +437,15 @@ static strata_status val_matmul_swiglu(const char *op, const float *x, const st_
     return STRATA_OK;
 }
 static strata_status chk_matmul_swiglu(st_backend *be, st_stream *s, const float *x, const st_weight *wg,
-                                       const st_weight *wu, int64_t n, float *out) {
-    TRY(val_matmul_swiglu(OPNAME(be, matmul_swiglu), x, wg, wu, n, out));
+                                       const st_weight *wu, int64_t n, float *out, float *work) {
+    const char *op = OPNAME(be, matmul_swiglu);
+    TRY(val_matmul_swiglu(op, x, wg, wu, n, out));
     if (n == 0) return STRATA_OK;
-    return be->dev_ops->matmul_swiglu(be, s, x, wg, wu, n, out);
+    st_weight sq = *wu; /* out and work are both [n, rows] */
+    sq.cols = wu->rows;
+    if (work && (overlaps_x(x, work, n, wu) || overlaps_x(out, work, n, &sq)))
+        return st_err(STRATA_ERR_INVALID_ARG, "%s: work overlaps x or out", op);
+    return be->dev_ops->matmul_swiglu(be, s, x, wg, wu, n, out, work);
 }
 
 /* rmsnorm's and the matmul's checks (the matmul reading out, of d columns),
@@ -463,7 +468,7 @@ static strata_status chk_rmsnorm_matmul(st_backend *be, st_stream *s, float *x, 
     if (be->dev_ops->rmsnorm_matmul)
         return be->dev_ops->rmsnorm_matmul(be, s, x, residual, w_norm, eps, n, d, out, w, count, up, y);
     TRY(be->dev_ops->rmsnorm(be, s, x, residual, w_norm, eps, n, d, out));
-    if (up) return be->dev_ops->matmul_swiglu(be, s, out, w, up, n, y[0]);
+    if (up) return be->dev_ops->matmul_swiglu(be, s, out, w, up, n, y[0], NULL);
     return be->dev_ops->matmul_multi(be, s, out, w, count, n, y);
 }
 

@@ -301,10 +301,13 @@ typedef struct {
                                   int count, int64_t n, float *const *y);
     /* out[n, w_gate.rows] = silu(x @ w_gate^T) * (x @ w_up^T): the FFN's gate,
      * up and SwiGLU in one op (w_gate and w_up of one shape and dtype). Same
-     * results as matmul, matmul, swiglu. out must not overlap x. */
+     * results as matmul, matmul, swiglu. out must not overlap x. work: NULL,
+     * or [n, w_up.rows] floats the op may write where it does not fuse the
+     * two products (then x @ w_up^T goes there rather than to a buffer of the
+     * backend's own); must not overlap x or out. */
     strata_status (*matmul_swiglu)(st_backend *be, st_stream *s, const float *x,
                                    const st_weight *w_gate, const st_weight *w_up, int64_t n,
-                                   float *out);
+                                   float *out, float *work);
     /* rmsnorm and the matmuls that read its output, as one op: out as
      * rmsnorm(x, residual, w_norm, eps, n, d) writes it; then with up NULL
      * y[i] = out @ w[i]^T for i < count (as matmul_multi), else (count 1)

@@ -564,15 +564,16 @@ strata_status st_llama_attn_ops(st_llama *m, const st_weight *w, const st_kv_lay
  * * up), in sub-chunks of at most m->ffn_rows rows (planner.h
  * ST_PLAN_FFN_ROWS: the intermediate does not grow with a larger pass; each
  * row's arithmetic is its own, so on the CPU the bits do not depend on it).
- * Gate, up and SwiGLU as one matmul_swiglu for fewer than 4 tokens (one GEMV
- * launch on CUDA; the same results; above, CUDA's matmul_swiglu would need a
- * scratch copy of up), with the norm as one rmsnorm_matmul where the pass is
- * one sub-chunk (CUDA: the norm's kernel quantizes for the int8 GEMV). */
+ * Gate, up and SwiGLU as one matmul_swiglu (on CUDA one GEMV or MMQ launch
+ * up to the MMQ's token counts; beyond, gate and up into e->up, then the
+ * SwiGLU; the same results), with the norm as one rmsnorm_matmul for fewer
+ * than 4 tokens where the pass is one sub-chunk (CUDA: the norm's kernel
+ * quantizes for the int8 GEMV). */
 static strata_status ffn_math(st_llama *m, const st_ffn_exec *e, const st_weight *w, int64_t n) {
     st_backend *be = e->be;
     const st_backend_ops *o = be->ops;
     const st_config *c = &m->cfg;
-    const int64_t H = c->hidden_size, I = w[ST_WG_GATE].rows; /* a split group's part: fewer rows */
+    const int64_t H = c->hidden_size;
     if (n < 4 && n <= e->rows) { /* one sub-chunk: the norm, gate, up and SwiGLU as one op */
         float *const g[1] = {e->gate};
         TRY(o->rmsnorm_matmul(be, e->stream, e->x, e->tmp, &w[ST_WG_FFN_NORM], c->rms_norm_eps, n, H, e->xn,
@@ -583,13 +584,7 @@ static strata_status ffn_math(st_llama *m, const st_ffn_exec *e, const st_weight
     for (int64_t r0 = 0; r0 < n; r0 += e->rows) {
         const int64_t k = n - r0 < e->rows ? n - r0 : e->rows;
         const float *xn = e->xn + r0 * H;
-        if (k < 4) {
-            TRY(o->matmul_swiglu(be, e->stream, xn, &w[ST_WG_GATE], &w[ST_WG_UP], k, e->gate));
-        } else {
-            TRY(o->matmul(be, e->stream, xn, &w[ST_WG_GATE], k, e->gate));
-            TRY(o->matmul(be, e->stream, xn, &w[ST_WG_UP], k, e->up));
-            TRY(o->swiglu(be, e->stream, e->gate, e->up, k * I, e->gate));
-        }
+        TRY(o->matmul_swiglu(be, e->stream, xn, &w[ST_WG_GATE], &w[ST_WG_UP], k, e->gate, e->up));
         TRY(o->matmul(be, e->stream, e->gate, &w[ST_WG_DOWN], k, e->tmp + r0 * H));
     }
     return STRATA_OK;

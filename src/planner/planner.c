@@ -228,7 +228,7 @@ static strata_status scratch_probe_run(probe_ctx *p, const st_config *c, const s
         if (st == STRATA_OK && wg.data && wu.data && wg.dtype == wu.dtype && wg.cols == wu.cols) {
             st_weight wg2 = wg, wu2 = wu; /* one shape for both */
             wg2.rows = wu2.rows = wg.rows < wu.rows ? wg.rows : wu.rows;
-            st = o->matmul_swiglu(be, p->s, x, &wg2, &wu2, 1, y);
+            st = o->matmul_swiglu(be, p->s, x, &wg2, &wu2, 1, y, NULL);
         }
     }
     if (st == STRATA_OK) st = o->stream_sync(be, p->s);

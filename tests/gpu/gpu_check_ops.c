@@ -914,14 +914,24 @@ static void check_fused(st_dtype t, int64_t K, int64_t n) {
     void *dg = g_up(hg, b), *du = g_up(hu, b);
     st_weight cg = {hg, t, I, K, 0}, cu = {hu, t, I, K, 0}, gg = {dg, t, I, K, 0}, gu = {du, t, I, K, 0};
     float *r = xmalloc((size_t)(n * I) * 4), *got = xmalloc((size_t)(n * I) * 4);
-    TRY(g_cpu->ops->matmul_swiglu(g_cpu, NULL, x, &cg, &cu, n, r));
+    TRY(g_cpu->ops->matmul_swiglu(g_cpu, NULL, x, &cg, &cu, n, r, NULL));
     float *dout = g_poisoned((size_t)(n * I) * 4);
-    st = g_gpu->ops->matmul_swiglu(g_gpu, g_s, dx, &gg, &gu, n, dout);
+    st = g_gpu->ops->matmul_swiglu(g_gpu, g_s, dx, &gg, &gu, n, dout, NULL);
     g_down(got, dout, (size_t)(n * I) * 4);
     e = st == STRATA_OK ? nerr(got, r, n * I) : INFINITY;
     const double sthr = swiglu_thr(thr, t, n, K);
     check(e <= sthr, "matmul_swiglu %-5s I=%lld K=%lld n=%lld  err=%.2e (thr %.1e)", st_dtype_name(t), (long long)I,
           (long long)K, (long long)n, e, sthr);
+    /* with a work buffer (the model's e->up): the same bytes */
+    float *dwork = g_poisoned((size_t)(n * I) * 4), *dout2 = g_poisoned((size_t)(n * I) * 4);
+    float *got2 = xmalloc((size_t)(n * I) * 4);
+    st = g_gpu->ops->matmul_swiglu(g_gpu, g_s, dx, &gg, &gu, n, dout2, dwork);
+    g_down(got2, dout2, (size_t)(n * I) * 4);
+    check(st == STRATA_OK && memcmp(got, got2, (size_t)(n * I) * 4) == 0,
+          "matmul_swiglu %-5s I=%lld K=%lld n=%lld with a work buffer: the same bytes", st_dtype_name(t),
+          (long long)I, (long long)K, (long long)n);
+    g_free(dwork), g_free(dout2);
+    free(got2);
     g_free(dg), g_free(du), g_free(dout);
     free(hg), free(hu), free(r), free(got);
     for (int i = 0; i < 3; i++) {
@@ -970,7 +980,7 @@ static void check_rmsnorm_matmul(st_dtype t, st_dtype t3, int64_t K, int64_t n, 
                                    ref));
     strata_status st = g_gpu->ops->rmsnorm(g_gpu, g_s, dxa, dres, &gn, 1e-5f, n, K, dna);
     if (st == STRATA_OK)
-        st = sw ? g_gpu->ops->matmul_swiglu(g_gpu, g_s, dna, &gw[0], &gw[1], n, dya[0])
+        st = sw ? g_gpu->ops->matmul_swiglu(g_gpu, g_s, dna, &gw[0], &gw[1], n, dya[0], NULL)
                 : g_gpu->ops->matmul_multi(g_gpu, g_s, dna, gw, 3, n, dya);
     if (st == STRATA_OK)
         st = g_gpu->ops->rmsnorm_matmul(g_gpu, g_s, dxb, dres, &gn, 1e-5f, n, K, dnb, gw, sw ? 1 : 3,

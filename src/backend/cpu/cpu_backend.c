@@ -369,8 +369,8 @@ static strata_status cpu_matmul_multi(st_backend *be, st_stream *s, const float 
 }
 
 static strata_status cpu_matmul_swiglu(st_backend *be, st_stream *s, const float *x, const st_weight *wg,
-                                       const st_weight *wu, int64_t n, float *out) {
-    float *tmp = st_malloc((size_t)(n * wu->rows) * sizeof(float));
+                                       const st_weight *wu, int64_t n, float *out, float *work) {
+    float *tmp = work ? work : st_malloc((size_t)(n * wu->rows) * sizeof(float));
     if (!tmp)
         return st_err(STRATA_ERR_NOMEM, "cpu matmul_swiglu: out of memory for the gate of %lld x %lld floats",
                       (long long)n, (long long)wu->rows);
@@ -378,7 +378,7 @@ static strata_status cpu_matmul_swiglu(st_backend *be, st_stream *s, const float
     float *const y2[2] = {out, tmp};
     strata_status st = cpu_matmul_multi(be, s, x, w2, 2, n, y2);
     if (st == STRATA_OK) st = cpu_swiglu(be, s, out, tmp, n * wu->rows, out);
-    st_free(tmp);
+    if (!work) st_free(tmp);
     return st;
 }
 

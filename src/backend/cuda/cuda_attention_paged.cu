@@ -677,11 +677,12 @@ ST_DEV void pd_cvtv(uint4 r, float sc, float v[DPL]) {
 
 /* The scores of NR rows of q_s (row(i): the q_s row of score i, -1: none)
  * against this lane's key (its K row at krow, zeros when !ok): per row the
- * tile kernel's chain, fmaf over the dims in increasing order from 0. */
-template <int HD, int KT, int NR, class RowOf>
+ * tile kernel's chain, fmaf over the dims in increasing order from 0. The
+ * raw K elements are loaded KREG registers at a time. */
+template <int HD, int KT, int NR, int KREG = 64, class RowOf>
 ST_DEV void pd_scores(const unsigned char *krow, bool ok, float ksc, const float *q_s, RowOf row, float s[NR]) {
     constexpr int CW = KT == ST_KV_F32 ? 8 : KT == ST_KV_BF16 ? 4 : 2; /* registers per 8 raw K elements */
-    constexpr int CG = HD / 8 < 64 / CW ? HD / 8 : 64 / CW;            /* 8-element K chunks loaded at once */
+    constexpr int CG = HD / 8 < KREG / CW ? HD / 8 : KREG / CW;        /* 8-element K chunks loaded at once */
 #pragma unroll
     for (int i = 0; i < NR; i++) s[i] = 0.0f;
 #pragma unroll
@@ -796,16 +797,24 @@ struct pd_cfg {
     static_assert(smem <= 48 * 1024, "no opt-in shared memory");
 };
 
+/* Blocks per SM the registers are bound to: at 212 registers (2 blocks),
+ * bf16 hd 128 GQA 4, a batch of 64 sequences at context 576 kept 1.8 warps
+ * per scheduler and the DRAM 38% busy (Nsight Compute, H100): latency-bound.
+ * So a lane's raw K is loaded 16 registers at a time, its raw V 32 (VPF);
+ * 4 blocks for hd 128 up to 4 rows, 3 for hd 64 (no spills at sm_90a), 2
+ * for 8 rows. */
+__host__ __device__ constexpr int pd_min_blocks(int hd, int gm) { return gm > 4 ? 2 : hd == 128 ? 4 : 3; }
+
 /* grid (ceil(sub-batch tokens x Hkv x ranges / PD_WARPS)); PD_WARPS warps; G <= GM. */
 template <int HD, int GM, int KT>
-static __global__ void __launch_bounds__(32 * PD_WARPS)
+static __global__ void __launch_bounds__(32 * PD_WARPS, pd_min_blocks(HD, GM))
     pa_dec_kernel(const float *__restrict__ q, st_paged_kv kv, const int32_t *__restrict__ seq,
                   const int32_t *__restrict__ pos, int H, int Hkv, int nsplit, int64_t max_nk, float qscale,
                   pa_out o) {
     using C = pd_cfg<HD, GM>;
     constexpr int DPL = HD / 32;                                       /* PV: dims per lane */
     constexpr int ES = KT == ST_KV_F32 ? 4 : KT == ST_KV_BF16 ? 2 : 1; /* bytes per element */
-    constexpr int VPF = KT == ST_KV_F32 ? 16 : PT_TK;                   /* V rows loaded at once */
+    constexpr int VPF = KT == ST_KV_F32 ? 8 : KT == ST_KV_BF16 ? 16 : PT_TK; /* V rows loaded at once: 32 registers */
     extern __shared__ float4 pd_smem4[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float *q_s = (float *)pd_smem4 + warp * C::WARP_FLOATS; /* [GM][HD] */
@@ -861,7 +870,7 @@ static __global__ void __launch_bounds__(32 * PD_WARPS)
         };
         load_v(0);
         float s[GM];
-        pd_scores<HD, KT, GM>(kc + (ok ? roff : 0), ok, ksc, q_s, [&](int i) { return i < G ? i : -1; }, s);
+        pd_scores<HD, KT, GM, 16>(kc + (ok ? roff : 0), ok, ksc, q_s, [&](int i) { return i < G ? i : -1; }, s);
         /* online softmax per row (c >= 1: every row commits) */
 #pragma unroll
         for (int r = 0; r < GM; r++) {

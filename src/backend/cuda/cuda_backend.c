@@ -453,13 +453,14 @@ static strata_status cuda_matmul_multi(st_backend *be, st_stream *s, const float
 }
 
 static strata_status cuda_matmul_swiglu(st_backend *be, st_stream *s, const float *x, const st_weight *wg,
-                                        const st_weight *wu, int64_t n, float *out) {
+                                        const st_weight *wu, int64_t n, float *out, float *work) {
     const char *op = "cuda matmul_swiglu";
     CHECK_W16(wg, op);
     CHECK_W16(wu, op);
     CHECK_F32(x, op);
     CHECK_F32(out, op);
-    RUN(be, s, st_cuda_op_matmul_swiglu(be, cs_, x, wg, wu, n, out));
+    if (work) CHECK_F32(work, op);
+    RUN(be, s, st_cuda_op_matmul_swiglu(be, cs_, x, wg, wu, n, out, work));
 }
 
 static strata_status cuda_rmsnorm_matmul(st_backend *be, st_stream *s, float *x, const float *residual,

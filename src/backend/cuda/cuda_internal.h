@@ -189,7 +189,8 @@ strata_status st_cuda_op_argmax(st_backend *be, st_cuda_stream *s, const float *
 strata_status st_cuda_op_matmul_multi(st_backend *be, st_cuda_stream *s, const float *x, const st_weight *w,
                                       int count, int64_t n, float *const *y);
 strata_status st_cuda_op_matmul_swiglu(st_backend *be, st_cuda_stream *s, const float *x,
-                                       const st_weight *w_gate, const st_weight *w_up, int64_t n, float *out);
+                                       const st_weight *w_gate, const st_weight *w_up, int64_t n, float *out,
+                                       float *work);
 /* rmsnorm_matmul (backend.h): cuda_matmul.cu */
 strata_status st_cuda_op_rmsnorm_matmul(st_backend *be, st_cuda_stream *s, float *x, const float *residual,
                                         const st_weight *w_norm, float eps, int64_t n, int64_t d, float *out,

@@ -818,14 +818,15 @@ strata_status st_cuda_op_rmsnorm_matmul(st_backend *be, st_cuda_stream *s, float
         if (done) return STRATA_OK;
     }
     if ((st = st_cuda_op_rmsnorm(be, s, x, residual, w_norm, eps, n, d, out)) != STRATA_OK) return st;
-    if (up) return st_cuda_op_matmul_swiglu(be, s, out, &w[0], up, n, y[0]);
+    if (up) return st_cuda_op_matmul_swiglu(be, s, out, &w[0], up, n, y[0], NULL);
     return st_cuda_op_matmul_multi(be, s, out, w, count, n, y);
 }
 
-/* GEMV sizes: one launch over the gate and up rows with SwiGLU in its
- * epilogue. GEMM sizes: gate into out, up into scratch, then swiglu. */
+/* GEMV and MMQ sizes: one launch over the gate and up rows with SwiGLU in
+ * its epilogue. GEMM sizes: gate into out, up into work (NULL: scratch),
+ * then swiglu. */
 strata_status st_cuda_op_matmul_swiglu(st_backend *be, st_cuda_stream *s, const float *x, const st_weight *wg,
-                                       const st_weight *wu, int64_t n, float *out) {
+                                       const st_weight *wu, int64_t n, float *out, float *work) {
     strata_status st = check_sizes(wg, n);
     if (st != STRATA_OK) return st;
     if (wg->cols % 8 == 0 && use_gemv(st_cuda_of(be), wg, n)) {
@@ -835,8 +836,9 @@ strata_status st_cuda_op_matmul_swiglu(st_backend *be, st_cuda_stream *s, const 
         ST_DTYPE_SWITCH(wg->dtype, T, return gemv<T, true>(be, s, a));
         return st_err(STRATA_ERR_UNSUPPORTED, "cuda matmul_swiglu: dtype %s", st_dtype_name(wg->dtype));
     }
-    void *tmp = NULL;
-    if ((st = st_cuda_scratch(be, s, ST_CUDA_SCRATCH_TMP, (size_t)(n * wu->rows) * 4, &tmp)) != STRATA_OK) return st;
+    void *tmp = work;
+    if (!tmp && (st = st_cuda_scratch(be, s, ST_CUDA_SCRATCH_TMP, (size_t)(n * wu->rows) * 4, &tmp)) != STRATA_OK)
+        return st;
     if ((st = st_cuda_op_matmul(be, s, x, wg, n, out)) != STRATA_OK) return st;
     if ((st = st_cuda_op_matmul(be, s, x, wu, n, (float *)tmp)) != STRATA_OK) return st;
     return st_cuda_op_swiglu(be, s, out, (const float *)tmp, n * wu->rows, out);
