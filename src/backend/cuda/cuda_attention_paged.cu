@@ -801,8 +801,8 @@ struct pd_cfg {
  * bf16 hd 128 GQA 4, a batch of 64 sequences at context 576 kept 1.8 warps
  * per scheduler and the DRAM 38% busy (Nsight Compute, H100): latency-bound.
  * So a lane's raw K is loaded 16 registers at a time, its raw V 32 (VPF);
- * 4 blocks for hd 128 up to 4 rows, 3 for hd 64 (no spills at sm_90a), 2
- * for 8 rows. */
+ * 4 blocks for hd 128 up to 4 rows, 3 for hd 64, 2 for 8 rows (sm_90a,
+ * CUDA 13.0: 16 bytes of spill for bf16 hd 128, none elsewhere). */
 __host__ __device__ constexpr int pd_min_blocks(int hd, int gm) { return gm > 4 ? 2 : hd == 128 ? 4 : 3; }
 
 /* grid (ceil(sub-batch tokens x Hkv x ranges / PD_WARPS)); PD_WARPS warps; G <= GM. */
