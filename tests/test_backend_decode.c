@@ -78,11 +78,13 @@ static void test_fused_matmuls(st_backend *be) {
         CHECK(be->ops->matmul_swiglu(be, NULL, x, &w[1], &w[2], n, sw, NULL) == STRATA_OK);
         CHECK(be->ops->swiglu(be, NULL, yr[1], yr[2], n * 8, ref) == STRATA_OK);
         CHECK_MSG(memcmp(sw, ref, (size_t)(n * 8) * sizeof(float)) == 0, "%s swiglu", st_dtype_name(t));
-        /* with a work buffer: the up projection lands there, the same output */
+        /* with a work buffer: the same output, and (the CPU never fuses) the up projection there */
         {
             float *wk = malloc((size_t)(n * 8) * sizeof(float)), *sw2 = malloc((size_t)(n * 8) * sizeof(float));
             CHECK(be->ops->matmul_swiglu(be, NULL, x, &w[1], &w[2], n, sw2, wk) == STRATA_OK);
             CHECK_MSG(memcmp(sw2, ref, (size_t)(n * 8) * sizeof(float)) == 0, "%s swiglu with work", st_dtype_name(t));
+            CHECK_MSG(memcmp(wk, yr[2], (size_t)(n * 8) * sizeof(float)) == 0, "%s swiglu: work holds x @ up^T",
+                      st_dtype_name(t));
             CHECK_ERR(be->ops->matmul_swiglu(be, NULL, x, &w[1], &w[2], n, sw2, sw2 + 1), STRATA_ERR_INVALID_ARG,
                       "work overlaps x or out");
             free(wk);

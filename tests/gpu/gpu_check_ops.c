@@ -1875,9 +1875,10 @@ static void check_mmq(const char *what) {
         check_matmul(t, 20011, 512, 40);
         check_matmul(t, 7, 1024, 256);
         check_matmul_ex(t, 333, 1024, 12, 1, g_s); /* x not 16-byte aligned: an aligned copy first */
-        const int64_t fn[] = {4, 16, 40, 64};
-        for (int i = 0; i < 4; i++)
-            check_fused(t, k6 ? 2048 : kq ? 1280 : 1024 + (t == ST_DTYPE_Q4_1 ? 128 : 0), fn[i]);
+        /* past the MMQ's last count: the GEMM path, whose up projection goes to matmul_swiglu's work */
+        const int64_t fn[] = {4, 16, 40, 64, g_mmq_max + 1};
+        for (int i = 0; i < 5; i++)
+            if (fn[i] <= 300) check_fused(t, k6 ? 2048 : kq ? 1280 : 1024 + (t == ST_DTYPE_Q4_1 ? 128 : 0), fn[i]);
     }
     g_gpu->ops->set_fast_prefill(g_gpu, false);
     g_fast = false;

@@ -372,7 +372,7 @@ static strata_status cpu_matmul_swiglu(st_backend *be, st_stream *s, const float
                                        const st_weight *wu, int64_t n, float *out, float *work) {
     float *tmp = work ? work : st_malloc((size_t)(n * wu->rows) * sizeof(float));
     if (!tmp)
-        return st_err(STRATA_ERR_NOMEM, "cpu matmul_swiglu: out of memory for the gate of %lld x %lld floats",
+        return st_err(STRATA_ERR_NOMEM, "cpu matmul_swiglu: out of memory for the up projection of %lld x %lld floats",
                       (long long)n, (long long)wu->rows);
     const st_weight w2[2] = {*wg, *wu};
     float *const y2[2] = {out, tmp};
