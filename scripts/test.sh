@@ -4,7 +4,9 @@
 # then the threaded parts (pool, weight streaming, KV tiers, engine, server)
 # under ThreadSanitizer. All are test builds (-DSTRATA_TESTING=ON: the tools'
 # hidden fault-injection option). Then the fuzz harnesses (tests/fuzz: clang +
-# libFuzzer, CPU only), 30 s each.
+# libFuzzer, CPU only), 30 s each. The sanitizer builds compile the CPU kernels
+# uninstrumented and optimized for every test but the backend's own, which link a
+# checked copy (CMakeLists.txt says why: CI's 90 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
@@ -37,7 +39,6 @@ stage "ASan + UBSan build: tests"
 # P-D export thread (test_pd_engine) and the UCX transport's (test_pd_xfer).
 # A report fails its test: exit 66 (halt_on_error), or a server that does not
 # exit 0. No suppressions: none has been needed (third-party code only, ever).
-# About 4 minutes on 2 cores, the build included.
 stage "TSan build"
 cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DSTRATA_TSAN=ON -DSTRATA_TESTING=ON >/dev/null
 cmake --build build-tsan -j "$JOBS"
