@@ -82,7 +82,9 @@
  * decode GEMV checks (fp32 and int8 kernels, rows-per-warp variants,
  * rmsnorm_matmul) and the MMQ's; --only-mmq: the int8 tensor-core matmul
  * of fast mode alone (check_mmq: 1.5e-2, as the int8 GEMV) and the
- * backend-parameter checks. */
+ * backend-parameter checks; --only-paged: the paged KV ops alone
+ * (kv_store_paged, rope_kv_store, attention_paged, the decode kernels
+ * forced), a subset of --only-attention. */
 #include <math.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -2222,6 +2224,32 @@ static void check_models(void) {
     g_fast = false;
 }
 
+/* The paged KV ops: store, RoPE with the store, attention_paged (mixed batches, decodes, long). */
+static void check_paged(void) {
+    for (int kt = ST_KV_F32; kt <= ST_KV_FP8; kt++) {
+        check_kv_store_paged((st_kv_dtype)kt, 100, 9, 64, 13, 0);
+        check_kv_store_paged((st_kv_dtype)kt, 100, 8, 128, 13, 0);
+        check_kv_store_paged((st_kv_dtype)kt, 37, 1, 19, 5, 1);
+        check_kv_store_paged((st_kv_dtype)kt, 37, 3, 40, 5, 3);
+        check_rope_kv_store((st_kv_dtype)kt, 100, 32, 8, 128, 13, false);
+        check_rope_kv_store((st_kv_dtype)kt, 100, 9, 3, 64, 13, true);
+        check_rope_kv_store((st_kv_dtype)kt, 300, 64, 8, 128, 40, false);
+    }
+    {
+        const int32_t c4[4] = {1, 37, 300, 64}, q4[4] = {1, 5, 1, 64};
+        const int64_t pcfg[][3] = {{4, 4, 64}, {9, 3, 64}, {8, 2, 128}, {32, 8, 128}, {24, 2, 128}, {8, 2, 80}, {6, 3, 32}};
+        for (int c = 0; c < 7; c++) check_attention_paged(pcfg[c][0], pcfg[c][1], pcfg[c][2], 16, 4, c4, q4, "mixed");
+        check_attention_paged(9, 3, 64, 1, 4, c4, q4, "one-slot blocks");
+        check_attention_paged(8, 2, 128, 7, 4, c4, q4, "odd block size");
+        int32_t cd[32], qd[32];
+        for (int i = 0; i < 32; i++) cd[i] = (int32_t)(1 + rnd_u32() % 3000), qd[i] = 1;
+        check_attention_paged(32, 8, 128, 16, 32, cd, qd, "32 decodes");
+        check_attention_paged(9, 3, 64, 16, 32, cd, qd, "32 decodes");
+        const int32_t cl[2] = {5000, 40000}, ql[2] = {300, 1};
+        check_attention_paged(32, 8, 128, 16, 2, cl, ql, "long (sub-batched partials)");
+    }
+}
+
 int main(int argc, char **argv) {
     /* --only-attention: the attention ops alone (attention, attention_part, attention_paged) */
     /* --only-gemv: the decode GEMV checks alone (default backend, then fast mode's int8 kernels and MMQ) */
@@ -2230,8 +2258,9 @@ int main(int argc, char **argv) {
     const bool only_gemv = argc > 1 && !strcmp(argv[1], "--only-gemv");
     const bool only_mmq = argc > 1 && !strcmp(argv[1], "--only-mmq");
     const bool only_model = argc > 1 && !strcmp(argv[1], "--only-model");
-    if (argc > 1 && !only_attn && !only_gemv && !only_mmq && !only_model) {
-        fprintf(stderr, "usage: gpu_check_ops [--only-attention | --only-gemv | --only-mmq | --only-model]\n");
+    const bool only_paged = argc > 1 && !strcmp(argv[1], "--only-paged");
+    if (argc > 1 && !only_attn && !only_gemv && !only_mmq && !only_model && !only_paged) {
+        fprintf(stderr, "usage: gpu_check_ops [--only-attention | --only-gemv | --only-mmq | --only-model | --only-paged]\n");
         return 2;
     }
     g_t0 = st_time_now();
@@ -2254,6 +2283,13 @@ int main(int argc, char **argv) {
     }
     if (only_model) {
         check_models();
+        printf("%d passed, %d failed\n", g_pass, g_fail);
+        return g_fail ? 1 : 0;
+    }
+    if (only_paged) {
+        check_paged();
+        on_backend(&(st_backend_params){.paged_dec = 1}, check_paged_decode, "paged_dec 1 (a block per item)");
+        on_backend(&(st_backend_params){.paged_dec = 2}, check_paged_decode, "paged_dec 2 (a warp per item)");
         printf("%d passed, %d failed\n", g_pass, g_fail);
         return g_fail ? 1 : 0;
     }
@@ -2363,29 +2399,7 @@ int main(int argc, char **argv) {
         check_graph();
     }
 
-    /* paged KV cache */
-    for (int kt = ST_KV_F32; kt <= ST_KV_FP8; kt++) {
-        check_kv_store_paged((st_kv_dtype)kt, 100, 9, 64, 13, 0);
-        check_kv_store_paged((st_kv_dtype)kt, 100, 8, 128, 13, 0);
-        check_kv_store_paged((st_kv_dtype)kt, 37, 1, 19, 5, 1);
-        check_kv_store_paged((st_kv_dtype)kt, 37, 3, 40, 5, 3);
-        check_rope_kv_store((st_kv_dtype)kt, 100, 32, 8, 128, 13, false);
-        check_rope_kv_store((st_kv_dtype)kt, 100, 9, 3, 64, 13, true);
-        check_rope_kv_store((st_kv_dtype)kt, 300, 64, 8, 128, 40, false);
-    }
-    {
-        const int32_t c4[4] = {1, 37, 300, 64}, q4[4] = {1, 5, 1, 64};
-        const int64_t pcfg[][3] = {{4, 4, 64}, {9, 3, 64}, {8, 2, 128}, {32, 8, 128}, {24, 2, 128}, {8, 2, 80}, {6, 3, 32}};
-        for (int c = 0; c < 7; c++) check_attention_paged(pcfg[c][0], pcfg[c][1], pcfg[c][2], 16, 4, c4, q4, "mixed");
-        check_attention_paged(9, 3, 64, 1, 4, c4, q4, "one-slot blocks");
-        check_attention_paged(8, 2, 128, 7, 4, c4, q4, "odd block size");
-        int32_t cd[32], qd[32];
-        for (int i = 0; i < 32; i++) cd[i] = (int32_t)(1 + rnd_u32() % 3000), qd[i] = 1;
-        check_attention_paged(32, 8, 128, 16, 32, cd, qd, "32 decodes");
-        check_attention_paged(9, 3, 64, 16, 32, cd, qd, "32 decodes");
-        const int32_t cl[2] = {5000, 40000}, ql[2] = {300, 1};
-        check_attention_paged(32, 8, 128, 16, 2, cl, ql, "long (sub-batched partials)");
-    }
+    check_paged();
     if (!only_attn) {
         /* the decode GEMV kernels on the default backend, then on one where every n <= 8 takes the GEMV */
         check_gemv_version("default");

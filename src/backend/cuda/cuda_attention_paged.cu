@@ -580,9 +580,14 @@ static __global__ void __launch_bounds__(128)
  * one kv head and one PA_SPLIT-key range, with no block barrier (the
  * PD_WARPS warps of a block are independent), and per 32-key tile of the
  * range:
- *   - lane j scores key j against the G rows: its K row read straight from
- *     the cache into registers, 16 bytes at a time, q from shared memory
- *     (a broadcast);
+ *   - lane j scores key j against the G rows, q from shared memory (a
+ *     broadcast). bf16 / fp8 caches: the tile's K rows are first copied
+ *     into the warp's shared memory by cp.async, 16-byte chunks of 2..8
+ *     whole rows per instruction (coalesced; a lane reading its own row
+ *     from the cache touched a sector per key and instruction), the copy of
+ *     the next tile issued as soon as this tile's scores are read, so it
+ *     overlaps the softmax and PV; f32 rows (512 bytes at hd 128) would not
+ *     fit 4 blocks per SM and are read straight into registers;
  *   - the online softmax runs across the warp (max by xor shuffles; the p
  *     sum by the tile kernel's tree, below);
  *   - lane l accumulates dims DPL l .. DPL l + DPL - 1 of every row over the
@@ -675,12 +680,59 @@ ST_DEV void pd_cvtv(uint4 r, float sc, float v[DPL]) {
     }
 }
 
+/* A staged K tile (pa_dec_kernel, bf16 / fp8): key j's row of RB = HD x ES
+ * bytes at j RB, its 16-byte chunk c (CPR = RB / 16 of them) at chunk
+ * pd_swz(c, j) of the row, so the lanes of one 128-bit shared load (8 keys,
+ * one chunk each) read 8 different bank groups. */
+template <int CPR>
+ST_DEV int pd_swz(int c, int j) {
+    static_assert(CPR == 4 || CPR % 8 == 0, "rows of 64 bytes or a multiple of 128");
+    return CPR >= 8 ? c ^ (j & 7) : c ^ ((j >> 1) & 3);
+}
+/* The 8 elements at e of key j's row in a staged tile, as pd_ld8 loads them. */
+template <int HD, int KT>
+ST_DEV pd_raw8<KT> pd_lds8(const unsigned char *k_s, int j, int e, bool ok) {
+    constexpr int ES = KT == ST_KV_F32 ? 4 : KT == ST_KV_BF16 ? 2 : 1, RB = HD * ES;
+    pd_raw8<KT> r;
+    r.a = r.b = make_uint4(0u, 0u, 0u, 0u);
+    if (!ok) return r;
+    const int b = e * ES; /* byte in the row */
+    const unsigned char *row = k_s + j * RB, *p = row + 16 * pd_swz<RB / 16>(b / 16, j) + b % 16;
+    if constexpr (KT == ST_KV_F32) {
+        r.a = *(const uint4 *)p;
+        r.b = *(const uint4 *)(row + 16 * pd_swz<RB / 16>(b / 16 + 1, j));
+    } else if constexpr (KT == ST_KV_BF16) {
+        r.a = *(const uint4 *)p;
+    } else {
+        const uint2 u = *(const uint2 *)p;
+        r.a = make_uint4(u.x, u.y, 0u, 0u);
+    }
+    return r;
+}
+
+/* The K rows at offs[0..TK) (-1: none, not copied) of the cache kc into the
+ * staged tile k_s by the threads i0, i0 + step, ... (a warp or a block):
+ * 16-byte cp.async chunks, 32 / CPR whole rows per warp instruction; one
+ * commit group per thread. */
+template <int HD, int KT>
+ST_DEV void pd_stage_k(unsigned char *k_s, const unsigned char *kc, const int64_t *offs, int i0, int step) {
+    constexpr int ES = KT == ST_KV_F32 ? 4 : KT == ST_KV_BF16 ? 2 : 1, RB = HD * ES, CPR = RB / 16;
+#pragma unroll 4
+    for (int i = i0; i < PT_TK * CPR; i += step) {
+        const int j = i / CPR, ch = i % CPR;
+        const int64_t oj = offs[j];
+        if (oj >= 0) st_cp_async16(k_s + j * RB + 16 * pd_swz<CPR>(ch, j), kc + oj + 16 * ch, true);
+    }
+    st_cp_async_commit();
+}
+
 /* The scores of NR rows of q_s (row(i): the q_s row of score i, -1: none)
  * against this lane's key (its K row at krow, zeros when !ok): per row the
  * tile kernel's chain, fmaf over the dims in increasing order from 0. The
- * raw K elements are loaded KREG registers at a time. */
-template <int HD, int KT, int NR, int KREG = 64, class RowOf>
-ST_DEV void pd_scores(const unsigned char *krow, bool ok, float ksc, const float *q_s, RowOf row, float s[NR]) {
+ * raw K elements are loaded KREG registers at a time, ld(e) giving the 8
+ * at element e (pd_ld8: from the cache; pd_lds8: from a staged tile). */
+template <int HD, int KT, int NR, int KREG = 64, class Ld, class RowOf>
+ST_DEV void pd_scores(Ld ld, float ksc, const float *q_s, RowOf row, float s[NR]) {
     constexpr int CW = KT == ST_KV_F32 ? 8 : KT == ST_KV_BF16 ? 4 : 2; /* registers per 8 raw K elements */
     constexpr int CG = HD / 8 < KREG / CW ? HD / 8 : KREG / CW;        /* 8-element K chunks loaded at once */
 #pragma unroll
@@ -689,7 +741,7 @@ ST_DEV void pd_scores(const unsigned char *krow, bool ok, float ksc, const float
     for (int g0 = 0; g0 < HD / 8; g0 += CG) {
         pd_raw8<KT> kr[CG];
 #pragma unroll
-        for (int c = 0; c < CG; c++) kr[c] = pd_ld8<KT>(krow, 8 * (g0 + c), ok);
+        for (int c = 0; c < CG; c++) kr[c] = ld(8 * (g0 + c));
 #pragma unroll
         for (int c = 0; c < CG; c++) {
             float4 lo, hi;
@@ -790,13 +842,6 @@ ST_DEV void pd_load_q(const float *__restrict__ q, const pd_item &it, int H, int
     }
 }
 
-template <int HD, int GM>
-struct pd_cfg {
-    static constexpr int WARP_FLOATS = GM * HD + GM * PT_TK + PT_TK; /* q [GM][HD], p [GM][TK], V scales [TK] */
-    static constexpr size_t smem = PD_WARPS * (WARP_FLOATS * sizeof(float) + PT_TK * sizeof(int64_t));
-    static_assert(smem <= 48 * 1024, "no opt-in shared memory");
-};
-
 /* Blocks per SM the registers are bound to: at 212 registers (2 blocks),
  * bf16 hd 128 GQA 4, a batch of 64 sequences at context 576 kept 1.8 warps
  * per scheduler and the DRAM 38% busy (Nsight Compute, H100): latency-bound.
@@ -805,22 +850,36 @@ struct pd_cfg {
  * CUDA 13.0: 16 bytes of spill for bf16 hd 128, none elsewhere). */
 __host__ __device__ constexpr int pd_min_blocks(int hd, int gm) { return gm > 4 ? 2 : hd == 128 ? 4 : 3; }
 
+template <int HD, int GM, int KT>
+struct pd_cfg {
+    static constexpr int ES = KT == ST_KV_F32 ? 4 : KT == ST_KV_BF16 ? 2 : 1; /* bytes per element */
+    static constexpr bool STAGE = KT != ST_KV_F32;                          /* K tiles through shared memory */
+    static constexpr int KTILE = STAGE ? PT_TK * HD * ES : 0;               /* bytes of a warp's K tile */
+    /* q [GM][HD], p [GM][TK], fp8 V scales [2][TK] by tile parity */
+    static constexpr int WARP_FLOATS = GM * HD + GM * PT_TK + 2 * PT_TK;
+    /* K tiles [PD_WARPS], the warps' floats, the key offsets [PD_WARPS][2][TK] by tile parity */
+    static constexpr size_t smem = PD_WARPS * ((size_t)KTILE + WARP_FLOATS * sizeof(float) + 2 * PT_TK * sizeof(int64_t));
+    static_assert(smem <= 228 * 1024 / pd_min_blocks(HD, GM) - 1024, "as many blocks per SM as the registers allow");
+};
+
 /* grid (ceil(sub-batch tokens x Hkv x ranges / PD_WARPS)); PD_WARPS warps; G <= GM. */
 template <int HD, int GM, int KT>
 static __global__ void __launch_bounds__(32 * PD_WARPS, pd_min_blocks(HD, GM))
     pa_dec_kernel(const float *__restrict__ q, st_paged_kv kv, const int32_t *__restrict__ seq,
                   const int32_t *__restrict__ pos, int H, int Hkv, int nsplit, int64_t max_nk, float qscale,
                   pa_out o) {
-    using C = pd_cfg<HD, GM>;
+    using C = pd_cfg<HD, GM, KT>;
     constexpr int DPL = HD / 32;                                       /* PV: dims per lane */
-    constexpr int ES = KT == ST_KV_F32 ? 4 : KT == ST_KV_BF16 ? 2 : 1; /* bytes per element */
+    constexpr int ES = C::ES;                                          /* bytes per element */
     constexpr int VPF = KT == ST_KV_F32 ? 8 : KT == ST_KV_BF16 ? 16 : PT_TK; /* V rows loaded at once: 32 registers */
     extern __shared__ float4 pd_smem4[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float *q_s = (float *)pd_smem4 + warp * C::WARP_FLOATS; /* [GM][HD] */
-    float *p_s = q_s + GM * HD;                            /* [GM][TK] */
-    float *vsc_s = p_s + GM * PT_TK;                        /* [TK] fp8: V scales of the tile's keys */
-    int64_t *off_s = (int64_t *)((float *)pd_smem4 + PD_WARPS * C::WARP_FLOATS) + warp * PT_TK; /* [TK] */
+    unsigned char *k_s = (unsigned char *)pd_smem4 + warp * C::KTILE; /* [TK][HD * ES], chunks by pd_swz */
+    float *const f_s = (float *)((unsigned char *)pd_smem4 + PD_WARPS * C::KTILE);
+    float *q_s = f_s + warp * C::WARP_FLOATS; /* [GM][HD] */
+    float *p_s = q_s + GM * HD;              /* [GM][TK] */
+    float *vsc_s = p_s + GM * PT_TK;          /* [2][TK] fp8: V scales of the tile's keys */
+    int64_t *off_s = (int64_t *)(f_s + PD_WARPS * C::WARP_FLOATS) + warp * 2 * PT_TK; /* [2][TK] */
     st_pdl_wait();
     st_pdl_trigger();
 
@@ -837,6 +896,21 @@ static __global__ void __launch_bounds__(32 * PD_WARPS, pd_min_blocks(HD, GM))
     if (tk.nk <= kv_begin) return; /* no keys in this range */
     const int64_t kv_end = min(tk.nk, kv_begin + PA_SPLIT);
     const unsigned char *kc = (const unsigned char *)kv.cache.k, *vc = (const unsigned char *)kv.cache.v;
+    const int ntiles = (int)((kv_end - kv_begin + PT_TK - 1) / PT_TK);
+    /* tile tt's keys the token takes (>= 1), and lane j's key kb + j: its row offset (-1: none) and fp8 scales */
+    auto keys_of = [&](int tt) { return (int)min((int64_t)PT_TK, tk.nk - (kv_begin + (int64_t)tt * PT_TK)); };
+    auto key_of = [&](int tt, float &ksc, float &vsc) {
+        return pd_key<HD, KT>(kv, tk, kv_begin + (int64_t)tt * PT_TK, lane, keys_of(tt), kvh, Hkv, ksc, vsc);
+    };
+    auto stage_k = [&](const int64_t *offs) {
+        if constexpr (C::STAGE) pd_stage_k<HD, KT>(k_s, kc, offs, lane, 32);
+    };
+    float ksc, vsc;
+    int64_t roff = key_of(0, ksc, vsc);
+    off_s[lane] = roff;
+    if constexpr (KT == ST_KV_FP8) vsc_s[lane] = vsc;
+    __syncwarp();
+    stage_k(off_s);
     pd_load_q<HD, GM>(q, it, H, G, qscale, q_s, lane, 32);
     __syncwarp();
 
@@ -847,30 +921,41 @@ static __global__ void __launch_bounds__(32 * PD_WARPS, pd_min_blocks(HD, GM))
 #pragma unroll
         for (int d = 0; d < DPL; d++) acc[r][d] = 0.0f;
     }
-    const int ntiles = (int)((kv_end - kv_begin + PT_TK - 1) / PT_TK);
     for (int tt = 0; tt < ntiles; tt++) {
-        const int64_t kb = kv_begin + (int64_t)tt * PT_TK;
-        const int c = (int)min((int64_t)PT_TK, tk.nk - kb); /* keys of the tile the token takes, >= 1 */
-        /* lane j: key kb + j */
-        float ksc, vsc;
-        const int64_t roff = pd_key<HD, KT>(kv, tk, kb, lane, c, kvh, Hkv, ksc, vsc);
-        const bool ok = roff >= 0;
-        if constexpr (KT == ST_KV_FP8) vsc_s[lane] = vsc;
-        off_s[lane] = roff;
-        __syncwarp();
+        const int c = keys_of(tt), nb = (tt + 1) & 1;
+        const int64_t *offs = off_s + (tt & 1) * PT_TK;
+        const float *vscs = vsc_s + (tt & 1) * PT_TK;
+        float ksc_n = 0.0f, vsc_n = 0.0f;
+        const int64_t roff_n = tt + 1 < ntiles ? key_of(tt + 1, ksc_n, vsc_n) : -1; /* its loads issued early */
         /* the tile's V: this lane's dims of the keys the token takes, VPF keys at
          * a time, the first VPF loaded before the scores */
         uint4 vr[VPF];
         auto load_v = [&](int j0) {
 #pragma unroll
             for (int i = 0; i < VPF; i++) {
-                const int64_t oj = off_s[j0 + i];
+                const int64_t oj = offs[j0 + i];
                 vr[i] = pd_ldv<KT, DPL>(vc + oj + (int64_t)(DPL * lane) * ES, j0 + i < c && oj >= 0);
             }
         };
         load_v(0);
+        const bool ok = roff >= 0;
+        auto rows = [&](int i) { return i < G ? i : -1; };
         float s[GM];
-        pd_scores<HD, KT, GM, 16>(kc + (ok ? roff : 0), ok, ksc, q_s, [&](int i) { return i < G ? i : -1; }, s);
+        if constexpr (C::STAGE) {
+            st_cp_async_wait<0>();
+            __syncwarp(); /* every lane's chunks in k_s */
+            pd_scores<HD, KT, GM, 16>([&](int e) { return pd_lds8<HD, KT>(k_s, lane, e, ok); }, ksc, q_s, rows, s);
+            __syncwarp(); /* k_s read: the next tile's copy may land */
+        } else {
+            const unsigned char *krow = kc + (ok ? roff : 0);
+            pd_scores<HD, KT, GM, 16>([&](int e) { return pd_ld8<KT>(krow, e, ok); }, ksc, q_s, rows, s);
+        }
+        if (tt + 1 < ntiles) { /* the next tile's keys, and its K copy in flight during this tile's softmax and PV */
+            off_s[nb * PT_TK + lane] = roff_n;
+            if constexpr (KT == ST_KV_FP8) vsc_s[nb * PT_TK + lane] = vsc_n;
+            __syncwarp();
+            stage_k(off_s + nb * PT_TK);
+        }
         /* online softmax per row (c >= 1: every row commits) */
 #pragma unroll
         for (int r = 0; r < GM; r++) {
@@ -895,7 +980,7 @@ static __global__ void __launch_bounds__(32 * PD_WARPS, pd_min_blocks(HD, GM))
                 const int j = 4 * j4 + jj;
                 if (j < c) {
                     float v[DPL];
-                    pd_cvtv<KT, DPL>(vr[j % VPF], KT == ST_KV_FP8 ? vsc_s[j] : 1.0f, v);
+                    pd_cvtv<KT, DPL>(vr[j % VPF], KT == ST_KV_FP8 ? vscs[j] : 1.0f, v);
 #pragma unroll
                     for (int r = 0; r < GM; r++) {
                         if (r < G) {
@@ -907,7 +992,8 @@ static __global__ void __launch_bounds__(32 * PD_WARPS, pd_min_blocks(HD, GM))
                 }
             }
         }
-        __syncwarp(); /* p_s, off_s and vsc_s are rewritten by the next tile */
+        __syncwarp(); /* p_s, and this parity's offsets and V scales, are rewritten by later tiles */
+        roff = roff_n, ksc = ksc_n;
     }
     const int ns = (int)((tk.nk + PA_SPLIT - 1) / PA_SPLIT);
 #pragma unroll
@@ -947,10 +1033,11 @@ static __global__ void __launch_bounds__(128)
     constexpr int TPD = 128 / HD;                                      /* PV: threads per dim */
     constexpr int PR = GM / TPD;                                       /* PV: rows per thread */
     constexpr int ES = KT == ST_KV_F32 ? 4 : KT == ST_KV_BF16 ? 2 : 1; /* bytes per element */
+    __shared__ __align__(16) unsigned char k_s[PT_TK * HD * ES]; /* the tile's K rows, chunks by pd_swz */
     __shared__ __align__(16) float q_s[GM * HD];
     __shared__ __align__(16) float p_s[GM * PT_TK];
     __shared__ float alpha_s[GM], m_s[GM], l_s[GM], vsc_s[2][PT_TK]; /* fp8 V scales by tile parity */
-    __shared__ int64_t off_s[PT_TK];
+    __shared__ int64_t off_s[2][PT_TK];                                /* key offsets by tile parity */
     st_pdl_wait();
     st_pdl_trigger();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -967,6 +1054,17 @@ static __global__ void __launch_bounds__(128)
     if (tk.nk <= kv_begin) return; /* no keys in this range */
     const int64_t kv_end = min(tk.nk, kv_begin + PA_SPLIT);
     const unsigned char *kc = (const unsigned char *)kv.cache.k, *vc = (const unsigned char *)kv.cache.v;
+    const int ntiles = (int)((kv_end - kv_begin + PT_TK - 1) / PT_TK);
+    /* tile tt's keys the token takes (>= 1), and lane j's key kb + j: its row offset (-1: none) and fp8 scales */
+    auto keys_of = [&](int tt) { return (int)min((int64_t)PT_TK, tk.nk - (kv_begin + (int64_t)tt * PT_TK)); };
+    auto key_of = [&](int tt, float &ksc, float &vsc) {
+        return pd_key<HD, KT>(kv, tk, kv_begin + (int64_t)tt * PT_TK, lane, keys_of(tt), kvh, Hkv, ksc, vsc);
+    };
+    float ksc, vsc;
+    int64_t roff = key_of(0, ksc, vsc); /* every warp: its lanes' keys (warp 0 publishes them) */
+    if (warp == 0) off_s[0][lane] = roff, vsc_s[0][lane] = vsc;
+    __syncthreads();
+    pd_stage_k<HD, KT>(k_s, kc, off_s[0], tid, 128);
     pd_load_q<HD, GM>(q, it, H, G, qscale, q_s, tid, 128);
     float m_r[RW], l_r[RW];
 #pragma unroll
@@ -975,22 +1073,14 @@ static __global__ void __launch_bounds__(128)
     float acc[PR];
 #pragma unroll
     for (int i = 0; i < PR; i++) acc[i] = 0.0f;
-    const int ntiles = (int)((kv_end - kv_begin + PT_TK - 1) / PT_TK);
     for (int tt = 0; tt < ntiles; tt++) {
-        const int64_t kb = kv_begin + (int64_t)tt * PT_TK;
-        const int c = (int)min((int64_t)PT_TK, tk.nk - kb); /* keys of the tile the token takes, >= 1 */
-        float ksc, vsc;
-        const int64_t roff = pd_key<HD, KT>(kv, tk, kb, lane, c, kvh, Hkv, ksc, vsc); /* lane j: key kb + j */
-        const bool ok = roff >= 0;
-        /* off_s is read before the barrier after the scores, so warp 0 may
-         * rewrite it while others still accumulate the previous tile; vsc_s,
-         * read while accumulating, alternates */
-        if (warp == 0) off_s[lane] = roff, vsc_s[tt & 1][lane] = vsc;
-        __syncthreads(); /* off_s; q_s (first tile); the previous tile's p_s and alpha_s read */
+        const int c = keys_of(tt), b = tt & 1;
+        float ksc_n = 0.0f, vsc_n = 0.0f;
+        const int64_t roff_n = tt + 1 < ntiles ? key_of(tt + 1, ksc_n, vsc_n) : -1; /* its loads issued early */
         uint32_t vr[PT_TK]; /* dim pd of each key's V row, raw */
 #pragma unroll
         for (int j = 0; j < PT_TK; j++) {
-            const int64_t oj = off_s[j];
+            const int64_t oj = off_s[b][j];
             const unsigned char *pv = vc + oj + (int64_t)pd * ES;
             uint32_t w = 0;
             if (j < c && oj >= 0) {
@@ -1000,8 +1090,13 @@ static __global__ void __launch_bounds__(128)
             }
             vr[j] = w;
         }
+        /* this thread's K chunks landed; the barrier: everyone's (and q_s on the
+         * first tile), and the previous tile's p_s and alpha_s read */
+        st_cp_async_wait<0>();
+        __syncthreads();
+        const bool ok = roff >= 0;
         float s[RW];
-        pd_scores<HD, KT, RW>(kc + (ok ? roff : 0), ok, ksc, q_s,
+        pd_scores<HD, KT, RW>([&](int e) { return pd_lds8<HD, KT>(k_s, lane, e, ok); }, ksc, q_s,
                               [&](int i) { return warp + 4 * i < G ? warp + 4 * i : -1; }, s);
 #pragma unroll
         for (int i = 0; i < RW; i++) {
@@ -1011,7 +1106,9 @@ static __global__ void __launch_bounds__(128)
             p_s[r * PT_TK + lane] = pd_softmax(s[i], c, lane, m_r[i], l_r[i], alpha);
             if (lane == 0) alpha_s[r] = alpha;
         }
-        __syncthreads();
+        if (warp == 0 && tt + 1 < ntiles) off_s[b ^ 1][lane] = roff_n, vsc_s[b ^ 1][lane] = vsc_n;
+        __syncthreads(); /* p_s, alpha_s and the next tile's offsets written; k_s read */
+        if (tt + 1 < ntiles) pd_stage_k<HD, KT>(k_s, kc, off_s[b ^ 1], tid, 128); /* in flight during PV */
 #pragma unroll
         for (int i = 0; i < PR; i++) {
             const int r = pr0 + TPD * i;
@@ -1023,13 +1120,14 @@ static __global__ void __launch_bounds__(128)
             float v;
             if constexpr (KT == ST_KV_F32) v = __uint_as_float(vr[j]);
             else if constexpr (KT == ST_KV_BF16) v = __uint_as_float(vr[j] << 16);
-            else v = pa_fp8x2(vr[j], vsc_s[tt & 1][j]).x;
+            else v = pa_fp8x2(vr[j], vsc_s[b][j]).x;
 #pragma unroll
             for (int i = 0; i < PR; i++) {
                 const int r = pr0 + TPD * i;
                 if (r < G) acc[i] = fmaf(p_s[r * PT_TK + j], v, acc[i]);
             }
         }
+        roff = roff_n, ksc = ksc_n;
     }
     if (lane == 0)
 #pragma unroll
@@ -1158,11 +1256,28 @@ static strata_status pt_set_attrs() {
     return pt_set_attr<128, NB, KT>();
 }
 
+/* The decode kernel's variants for one cache type (bf16 hd 128 with 8 rows: 55 KB). */
+template <int KT>
+static strata_status pd_set_attrs() {
+#define PD_ATTR(HD, GM)                                                                                              \
+    ST_CUDA_TRY(cudaFuncSetAttribute(pa_dec_kernel<HD, GM, KT>, cudaFuncAttributeMaxDynamicSharedMemorySize,          \
+                                     (int)pd_cfg<HD, GM, KT>::smem))
+    PD_ATTR(64, 4);
+    PD_ATTR(64, 8);
+    PD_ATTR(128, 4);
+    PD_ATTR(128, 8);
+#undef PD_ATTR
+    return STRATA_OK;
+}
+
 strata_status st_cuda_attention_paged_setup(st_cuda *c) {
     strata_status st;
     if ((st = pt_set_attrs<ST_KV_F32>()) != STRATA_OK) return st;
     if ((st = pt_set_attrs<ST_KV_BF16>()) != STRATA_OK) return st;
-    return pt_set_attrs<ST_KV_FP8>();
+    if ((st = pt_set_attrs<ST_KV_FP8>()) != STRATA_OK) return st;
+    if ((st = pd_set_attrs<ST_KV_F32>()) != STRATA_OK) return st;
+    if ((st = pd_set_attrs<ST_KV_BF16>()) != STRATA_OK) return st;
+    return pd_set_attrs<ST_KV_FP8>();
 }
 
 template <int HD, int NBUF, int KT>
@@ -1194,7 +1309,7 @@ static strata_status pa_launch_dec(st_cuda *c, cudaStream_t s, const float *q, c
                               pos, H, Hkv, nsplit, max_nk, qscale, o));
     else
         ST_CUDA_TRY(st_launch(c->pdl, pa_dec_kernel<HD, GM, KT>, dim3((unsigned)((items + PD_WARPS - 1) / PD_WARPS)),
-                              dim3(32 * PD_WARPS), pd_cfg<HD, GM>::smem, s, q, kv, seq, pos, H, Hkv, nsplit, max_nk,
+                              dim3(32 * PD_WARPS), pd_cfg<HD, GM, KT>::smem, s, q, kv, seq, pos, H, Hkv, nsplit, max_nk,
                               qscale, o));
     if (nsplit > 1)
         ST_CUDA_TRY(st_launch(c->pdl, pa_merge_fast_kernel<HD>, dim3((unsigned)(nt * H)), dim3(128), 0, s, kv, seq,
