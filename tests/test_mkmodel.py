@@ -165,6 +165,16 @@ def main():
             # (not equal: GGUF's interleaved RoPE pairs make it another function of the weights)
             check(float(np.abs(a - b).max() / np.abs(a).max()) < 0.5, "q8_0 logits near the bf16 model's")
 
+    # bf16 with an OUT ending in .gguf: one GGUF file (not an HF directory of that name); --format hf keeps a directory
+    g = os.path.join(TMP, "tiny_bf16.gguf")
+    p = run(["mkmodel", "--config", "tiny", g])
+    check(os.path.isfile(g) and "bf16 gguf" in p.stdout, ".gguf name: a GGUF file: %r" % p.stdout)
+    ins = run(["inspect", g])
+    check("bf16 " in ins.stdout and "2 layers" in ins.stdout, "bf16 gguf: inspect: %r" % ins.stdout[:300])
+    g2 = os.path.join(TMP, "hf_named.gguf")
+    p = run(["mkmodel", "--config", "tiny", "--format", "hf", g2])
+    check(os.path.isdir(g2) and os.path.isfile(os.path.join(g2, "config.json")), "--format hf wins over the name")
+
     # tied embeddings (smollm2-135m, 2 of its 30 layers): no lm_head
     d6 = os.path.join(TMP, "smol2")
     run(["mkmodel", "--config", "smollm2-135m", "--layers", "2", d6])

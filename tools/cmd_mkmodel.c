@@ -32,6 +32,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -529,7 +530,8 @@ static void mk_usage(FILE *f) {
             "  --layers N         number of layers (default: the config's)\n"
             "  --dtype T          matrices as bf16 (default), f16, f32, q8_0, q4_0 or q4_1\n"
             "  --format hf|gguf   HF directory (config.json + safetensors, sharded above 5 GB) or one\n"
-            "                     GGUF file (default: hf for bf16/f16/f32, gguf for quantized types)\n"
+            "                     GGUF file (default: gguf for quantized types or an OUT ending in\n"
+            "                     .gguf, hf otherwise)\n"
             "  --shard-mb N       HF: tensor MB per safetensors file at most (default 5000)\n"
             "  --seed N           random seed (default 1)\n"
             "  --threads N        generator threads (default: all cores)\n");
@@ -598,7 +600,9 @@ int cmd_mkmodel(int argc, char **argv) {
     }
     if (layers > 0) c.layers = layers;
     const bool quant = st_dtype_get(wt)->quantized;
-    const bool gguf = fmt ? !strcmp(fmt, "gguf") : quant;
+    const size_t out_len = strlen(out);
+    const bool gguf_name = out_len >= 5 && !strcasecmp(out + out_len - 5, ".gguf");
+    const bool gguf = fmt ? !strcmp(fmt, "gguf") : quant || gguf_name;
     if (!gguf && quant) {
         fprintf(stderr, "strata mkmodel: %s weights need --format gguf (safetensors holds f32/f16/bf16)\n",
                 st_dtype_name(wt));
