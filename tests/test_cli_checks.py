@@ -370,6 +370,11 @@ def test_memory_budgets():
         check(rc in (1, 2) and "--kv-host-mem" in err and "available" in err and
               re.search(r"\d+(\.\d+)? [KMGTP]iB", err), "%s --kv-host-mem 100T: exit %s naming the option, the size "
               "and what is available: %r" % (args[0], rc, last))
+    # below one sequence: raised to one, and the warning says so (the size asked, the blocks given)
+    err = serve_start_stderr(model, ["--device", "cpu", "--no-rooflines", "--kv-mem", "1K"])
+    check(err is not None and re.search(r"kv_mem \(--kv-mem\) 1024 bytes holds 0 blocks of 16 tokens, less than one "
+                                        r"sequence of max_model_len 256: raised to 16 blocks \(\d+\.\d\d MiB\)", err),
+          "serve --kv-mem 1K: starts, warning that it was raised: %r" % (err or "")[-400:])
     # within the machine: accepted (the model loads and runs a token)
     p = run(["run", model, "--host-mem", "64M", "-p", "hi", "-n", "1", "--temp", "0"], timeout=120)
     check(p.returncode == 0, "run --host-mem 64M: runs (exit %s)" % p.returncode)

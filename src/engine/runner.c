@@ -204,7 +204,15 @@ strata_status st_engine_params_resolve(st_engine_params *p, const st_config *cfg
             mem = want < (double)DEF_KV_CAP ? (size_t)want : DEF_KV_CAP;
         }
         p->kv_blocks = (int64_t)(mem / (tok_bytes * (size_t)p->kv_block_size));
-        if (p->kv_blocks < seq_blocks && !p->kv_stream) p->kv_blocks = seq_blocks;
+        if (p->kv_blocks < seq_blocks && !p->kv_stream) {
+            if (p->kv_mem > 0) /* asked for: say that it was raised */
+                st_log(STRATA_LOG_WARN, "engine: kv_mem (--kv-mem) %zu bytes holds %lld blocks of %lld tokens, less "
+                       "than one sequence of max_model_len %lld: raised to %lld blocks (%.2f MiB)",
+                       p->kv_mem, (long long)p->kv_blocks, (long long)p->kv_block_size,
+                       (long long)p->max_model_len, (long long)seq_blocks,
+                       (double)seq_blocks * (double)p->kv_block_size * (double)tok_bytes / 1048576.0);
+            p->kv_blocks = seq_blocks;
+        }
         if (p->kv_blocks < 1) p->kv_blocks = 1;
     }
     return STRATA_OK;
