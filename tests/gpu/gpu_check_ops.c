@@ -2254,6 +2254,7 @@ int main(int argc, char **argv) {
     /* --only-attention: the attention ops alone (attention, attention_part, attention_paged) */
     /* --only-gemv: the decode GEMV checks alone (default backend, then fast mode's int8 kernels and MMQ) */
     /* --only-mmq: the MMQ checks alone */
+    /* --only-paged: the paged KV ops and the decode kernels forced (a subset of --only-attention) */
     const bool only_attn = argc > 1 && !strcmp(argv[1], "--only-attention");
     const bool only_gemv = argc > 1 && !strcmp(argv[1], "--only-gemv");
     const bool only_mmq = argc > 1 && !strcmp(argv[1], "--only-mmq");
